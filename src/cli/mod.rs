@@ -1,0 +1,78 @@
+//! The `grpo` command line: one subcommand per job, each in its own file.
+
+use clap::{Parser, Subcommand};
+
+mod data;
+mod init_tiny;
+mod logprobs;
+mod score;
+
+/// Off-policy GRPO post-training of open LLMs for mathematical reasoning.
+#[derive(Debug, Parser)]
+#[command(name = "grpo", version, about, long_about = None, propagate_version = true)]
+pub struct Cli {
+    /// More log output (-v: debug, -vv: trace). RUST_LOG overrides.
+    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    pub verbose: u8,
+    /// Only warnings and errors.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create a small randomly initialised model with a real tokenizer (for smoke tests and CI).
+    InitTiny(init_tiny::Args),
+    /// Per-token log-probs of texts or of (prompt, response) pairs under a model.
+    Logprobs(logprobs::Args),
+    /// Extract answers from generations, check them against gold (or the group majority) and report
+    /// avg@n, pass@k and maj@n.
+    Score(score::Args),
+    /// Inspect and prepare teacher trajectories (OpenThoughts3 JSONL / Parquet).
+    #[command(subcommand)]
+    Data(data::DataCommand),
+}
+
+/// Set up `tracing` output on stderr.
+pub fn init_logging(verbose: u8, quiet: bool) {
+    use tracing_subscriber::EnvFilter;
+    let default = match (quiet, verbose) {
+        (true, _) => "warn",
+        (false, 0) => "info",
+        (false, 1) => "debug",
+        (false, _) => "trace",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
+    let _ =
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// Run the parsed command.
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::InitTiny(args) => init_tiny::run(args),
+        Command::Logprobs(args) => logprobs::run(args),
+        Command::Score(args) => score::run(args),
+        Command::Data(cmd) => data::run(cmd),
+    }
+}
+
+/// A progress bar in the project's style, hidden when stderr is not a terminal.
+pub(crate) fn progress_bar(len: Option<u64>, what: &str) -> indicatif::ProgressBar {
+    use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
+    let bar = match len {
+        Some(n) => ProgressBar::new(n),
+        None => ProgressBar::new_spinner(),
+    };
+    let template = if len.is_some() {
+        "{spinner} {prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} ({eta}) {msg}"
+    } else {
+        "{spinner} {prefix} [{elapsed_precise}] {pos} {msg}"
+    };
+    bar.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
+    bar.set_prefix(what.to_string());
+    bar.set_draw_target(ProgressDrawTarget::stderr_with_hz(4));
+    bar
+}

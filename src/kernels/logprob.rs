@@ -1,0 +1,241 @@
+//! Per-token log-probs and entropy from final hidden states and the lm_head weight, computed chunk by
+//! chunk so that the `[tokens x vocab]` logits are never held whole, with a backward that recomputes
+//! each chunk's logits instead of keeping them.
+//!
+//! For rows `h_n` (hidden states), weight `W` (`[vocab, hidden]`) and targets `t_n`:
+//!   z_n = W h_n,  lse_n = log sum_v exp z_nv,  logp_n = z_{n,t_n} - lse_n,  H_n = lse_n - sum_v p_nv z_nv
+//! and for an upstream gradient g_n on logp_n:
+//!   dz_n = g_n (onehot(t_n) - p_n),  dh_n = W^T dz_n,  dW = sum_n dz_n h_n^T.
+//! The entropy column is a metric and carries no gradient (a non-zero gradient on it is an error).
+
+use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+
+/// Default memory budget for one chunk of f32 logits.
+pub const LOGPROB_CHUNK_BYTES: usize = 64 << 20;
+
+fn chunk_rows(vocab: usize, budget_bytes: usize) -> usize {
+    (budget_bytes / (vocab.max(1) * 4)).clamp(1, 1 << 16)
+}
+
+/// Log-probs and entropy of one chunk, in f32: returns (`[n, 2]`, probs `[n, V]`).
+fn chunk_forward(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    let logits = h.matmul(&w.t()?)?.to_dtype(DType::F32)?;
+    let lse = logits.log_sum_exp(D::Minus1)?; // [n]
+    let target = logits.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let logp = (target - &lse)?;
+    let probs = logits.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
+    let entropy = (&lse - (&probs * &logits)?.sum(D::Minus1)?)?;
+    Ok((Tensor::stack(&[logp, entropy], 1)?, probs, logits))
+}
+
+/// The values of the op, computed without a graph.
+fn forward_values(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget: usize) -> Result<Tensor> {
+    let (n, _) = hidden.dims2()?;
+    let (vocab, _) = weight.dims2()?;
+    let rows = chunk_rows(vocab, budget);
+    let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
+    let mut out = Vec::with_capacity(n.div_ceil(rows));
+    let mut start = 0;
+    while start < n {
+        let len = rows.min(n - start);
+        let (vals, _, _) = chunk_forward(&hidden.narrow(0, start, len)?, &weight, &targets.narrow(0, start, len)?)?;
+        out.push(vals);
+        start += len;
+    }
+    if out.is_empty() {
+        return Tensor::zeros((0, 2), DType::F32, hidden.device());
+    }
+    Tensor::cat(&out, 0)?.contiguous()
+}
+
+struct LogprobEntropy {
+    values: Tensor,
+    budget: usize,
+}
+
+impl CustomOp3 for LogprobEntropy {
+    fn name(&self) -> &'static str {
+        "logprob-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (storage, layout) = self.values.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
+            _ => candle_core::bail!("logprob-entropy: values are not on the CPU"),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (storage, layout) = self.values.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
+            _ => candle_core::bail!("logprob-entropy: values are not on the GPU"),
+        }
+    }
+
+    fn bwd(
+        &self,
+        hidden: &Tensor,
+        weight: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad_res: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
+        let grad = grad_res.detach().to_dtype(DType::F32)?;
+        let entropy_grad = grad.narrow(1, 1, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        if entropy_grad != 0.0 {
+            candle_core::bail!("logprob-entropy: the entropy column has no gradient; do not put it in the loss");
+        }
+        let g = grad.narrow(1, 0, 1)?; // [n, 1]
+        let (n, _) = hidden.dims2()?;
+        let (vocab, _) = weight.dims2()?;
+        let rows = chunk_rows(vocab, self.budget);
+        let mut grad_h = Vec::with_capacity(n.div_ceil(rows));
+        let mut grad_w: Option<Tensor> = None;
+        let mut start = 0;
+        while start < n {
+            let len = rows.min(n - start);
+            let h = hidden.narrow(0, start, len)?;
+            let t = targets.narrow(0, start, len)?.unsqueeze(1)?;
+            let gc = g.narrow(0, start, len)?;
+            let (_, probs, _) = chunk_forward(&h, &weight, &t.squeeze(1)?)?;
+            // dz = g * (onehot(t) - p)
+            let dz = probs.broadcast_mul(&gc.neg()?)?.scatter_add(&t, &gc, 1)?;
+            let dz = dz.to_dtype(weight.dtype())?;
+            grad_h.push(dz.matmul(&weight)?);
+            let gw = dz.t()?.matmul(&h)?.to_dtype(DType::F32)?;
+            grad_w = Some(match grad_w {
+                None => gw,
+                Some(acc) => (acc + gw)?,
+            });
+            start += len;
+        }
+        let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
+        let grad_w = match grad_w {
+            Some(g) => g.to_dtype(weight.dtype())?,
+            None => weight.zeros_like()?,
+        };
+        Ok((Some(grad_h), Some(grad_w), None))
+    }
+}
+
+/// Per-token `[log p(target), entropy]` (`[n, 2]`, f32) of `hidden` (`[n, hidden]`) under
+/// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward.
+pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
+    let values = forward_values(hidden, weight, targets, budget_bytes)?;
+    if !(hidden.track_op() || weight.track_op()) {
+        return Ok(values);
+    }
+    hidden.apply_op3(weight, targets, LogprobEntropy { values, budget: budget_bytes })
+}
+
+/// The same quantities from the whole `[n, vocab]` log-softmax with candle's own autograd: the reference
+/// the fused op is tested against (and the naive baseline of the benchmarks).
+pub fn logprobs_entropy_reference(hidden: &Tensor, weight: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let logits = hidden.matmul(&weight.t()?)?.to_dtype(DType::F32)?;
+    let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
+    let logp = logp_all.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?.detach();
+    Tensor::stack(&[logp, entropy], 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn setup(n: usize, h: usize, v: usize) -> (Var, Var, Tensor, Tensor) {
+        let dev = Device::Cpu;
+        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
+        let weight = Var::randn(0f32, 0.5, (v, h), &dev).unwrap();
+        let targets =
+            Tensor::from_vec((0..n as u32).map(|i| (i * 7 + 3) % v as u32).collect::<Vec<_>>(), n, &dev).unwrap();
+        let upstream = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
+        (hidden, weight, targets, upstream)
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    #[test]
+    fn matches_reference_forward_and_backward_across_chunkings() {
+        let (hidden, weight, targets, up) = setup(37, 16, 50);
+        let reference = logprobs_entropy_reference(&hidden, &weight, &targets).unwrap();
+        let loss_ref = reference.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&up).unwrap().sum_all().unwrap();
+        let g_ref = loss_ref.backward().unwrap();
+        // Budgets of 1 row, 8 rows and everything at once.
+        for budget in [1usize, 8 * 50 * 4, 1 << 30] {
+            let fused = logprobs_entropy(&hidden, &weight, &targets, budget).unwrap();
+            assert!(max_diff(&fused, &reference) < 1e-5, "forward differs at budget {budget}");
+            let loss = fused.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&up).unwrap().sum_all().unwrap();
+            let g = loss.backward().unwrap();
+            for var in [&hidden, &weight] {
+                let a = g.get(var.as_tensor()).unwrap();
+                let b = g_ref.get(var.as_tensor()).unwrap();
+                assert!(max_diff(a, b) < 1e-5, "gradient differs at budget {budget}");
+            }
+        }
+    }
+
+    #[test]
+    fn finite_differences_agree_with_backward() {
+        let (hidden, weight, targets, up) = setup(5, 4, 11);
+        let f = |h: &Tensor, w: &Tensor| -> f64 {
+            let lp = logprobs_entropy(h, w, &targets, 16).unwrap();
+            lp.narrow(1, 0, 1)
+                .unwrap()
+                .squeeze(1)
+                .unwrap()
+                .mul(&up)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap() as f64
+        };
+        let lp = logprobs_entropy(&hidden, &weight, &targets, 16).unwrap();
+        let loss = lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&up).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let gw = grads.get(weight.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let w0 = weight.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let eps = 1e-2f32;
+        for idx in [0usize, 7, 19, 43] {
+            let mut plus = w0.clone();
+            plus[idx] += eps;
+            let mut minus = w0.clone();
+            minus[idx] -= eps;
+            let wp = Tensor::from_vec(plus, (11, 4), &Device::Cpu).unwrap();
+            let wm = Tensor::from_vec(minus, (11, 4), &Device::Cpu).unwrap();
+            let fd = (f(hidden.as_tensor(), &wp) - f(hidden.as_tensor(), &wm)) / (2.0 * eps as f64);
+            assert!((fd - gw[idx] as f64).abs() < 2e-3, "d/dw[{idx}]: fd {fd} vs autograd {}", gw[idx]);
+        }
+    }
+
+    #[test]
+    fn entropy_is_not_differentiable() {
+        let (hidden, weight, targets, _) = setup(3, 4, 5);
+        let lp = logprobs_entropy(&hidden, &weight, &targets, 1 << 20).unwrap();
+        assert!(lp.sum_all().unwrap().backward().is_err());
+    }
+}

@@ -1,0 +1,16 @@
+//! `grpo`: off-policy GRPO post-training of open LLMs for mathematical reasoning.
+//!
+//! The crate is organised by concept:
+//! - [`model`]: the trainable decoder (Qwen2 / Qwen3 / Llama), loading, tokenizer and chat template,
+//!   checkpoints in Hugging Face format.
+//! - [`reward`]: answer extraction, math equivalence, majority vote, scoring metrics.
+//! - [`data`]: teacher trajectories (OpenThoughts3), grouping, labelling, tokenised shards.
+//! - [`jsonl`]: line-oriented input that reports bad lines with their number and keeps going.
+//! - [`cli`]: the `grpo` command line.
+
+pub mod cli;
+pub mod data;
+pub mod jsonl;
+pub mod kernels;
+pub mod model;
+pub mod reward;

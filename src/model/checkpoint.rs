@@ -1,0 +1,150 @@
+//! Checkpoints in Hugging Face format: config.json, model.safetensors (or shards with an index) and the
+//! tokenizer files, written into a temporary folder and renamed into place, so a crash never leaves a
+//! half-written checkpoint under the final name.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+
+use super::{Decoder, ModelError};
+
+/// Files copied from the tokenizer folder when present.
+const TOKENIZER_FILES: &[&str] = &[
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "vocab.json",
+    "merges.txt",
+];
+
+/// How to write a checkpoint.
+#[derive(Debug, Clone)]
+pub struct SaveOptions {
+    /// Weight dtype on disk (default: the model's).
+    pub dtype: Option<DType>,
+    /// Shard above this many bytes (default 5 GB, as transformers).
+    pub max_shard_bytes: usize,
+    /// Copy tokenizer files from this folder.
+    pub tokenizer_dir: Option<PathBuf>,
+}
+
+impl Default for SaveOptions {
+    fn default() -> Self {
+        Self { dtype: None, max_shard_bytes: 5_000_000_000, tokenizer_dir: None }
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        _ => "float32",
+    }
+}
+
+fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io { path: path.to_path_buf(), source }
+}
+
+/// Write `model` to `out` atomically. `extra` may add files (optimiser state, trainer state) to the
+/// temporary folder before it is renamed; an error anywhere leaves a previous `out` untouched.
+pub fn save_checkpoint(
+    model: &Decoder,
+    out: &Path,
+    opts: &SaveOptions,
+    extra: impl FnOnce(&Path) -> Result<(), ModelError>,
+) -> Result<(), ModelError> {
+    let name = out.file_name().ok_or_else(|| ModelError::Invalid(format!("bad checkpoint path {}", out.display())))?;
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io(parent))?;
+    let tmp = parent.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    }
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
+    let result = write_into(model, &tmp, opts).and_then(|()| extra(&tmp)).and_then(|()| {
+        // Make the contents durable before the rename publishes them.
+        for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))? {
+            let p = entry.map_err(io(&tmp))?.path();
+            if p.is_file() {
+                std::fs::File::open(&p).and_then(|f| f.sync_all()).map_err(io(&p))?;
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        let _ = std::fs::remove_dir_all(&tmp);
+        return Err(e);
+    }
+    // Swap: the old checkpoint is moved aside, the new one renamed in, the old one removed.
+    let old = parent.join(format!(".{}.old-{}", name.to_string_lossy(), std::process::id()));
+    if out.exists() {
+        std::fs::rename(out, &old).map_err(io(out))?;
+    }
+    std::fs::rename(&tmp, out).map_err(io(out))?;
+    if old.exists() {
+        std::fs::remove_dir_all(&old).map_err(io(&old))?;
+    }
+    Ok(())
+}
+
+fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), ModelError> {
+    let dtype = opts.dtype.unwrap_or(model.dtype());
+    let mut config = model.config().raw.clone();
+    config["torch_dtype"] = dtype_name(dtype).into();
+    let cfg_path = dir.join("config.json");
+    std::fs::write(&cfg_path, serde_json::to_string_pretty(&config).unwrap_or_default()).map_err(io(&cfg_path))?;
+
+    let tensors: Vec<(String, Tensor)> = model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, t)| Ok((n, t.to_dtype(dtype)?.to_device(&Device::Cpu)?)))
+        .collect::<Result<_, candle_core::Error>>()?;
+    // Greedy split into shards under the size limit, in parameter order.
+    let mut shards: Vec<Vec<(String, Tensor)>> = vec![vec![]];
+    let mut size = 0usize;
+    let mut total = 0usize;
+    for (n, t) in tensors {
+        let bytes = t.elem_count() * t.dtype().size_in_bytes();
+        if size > 0 && size + bytes > opts.max_shard_bytes {
+            shards.push(vec![]);
+            size = 0;
+        }
+        size += bytes;
+        total += bytes;
+        shards.last_mut().expect("at least one shard").push((n, t));
+    }
+    let metadata = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
+    let count = shards.len();
+    let mut weight_map = serde_json::Map::new();
+    for (i, shard) in shards.iter().enumerate() {
+        let file = if count == 1 {
+            "model.safetensors".to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", i + 1, count)
+        };
+        let path = dir.join(&file);
+        let views: Vec<(&str, &Tensor)> = shard.iter().map(|(n, t)| (n.as_str(), t)).collect();
+        safetensors::serialize_to_file(views, metadata.clone(), &path)
+            .map_err(|e| ModelError::Files { path: path.clone(), message: e.to_string() })?;
+        for (n, _) in shard {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+    }
+    if count > 1 {
+        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let p = dir.join("model.safetensors.index.json");
+        std::fs::write(&p, serde_json::to_string_pretty(&index).unwrap_or_default()).map_err(io(&p))?;
+    }
+    if let Some(src) = &opts.tokenizer_dir {
+        for f in TOKENIZER_FILES {
+            let from = src.join(f);
+            if from.exists() {
+                std::fs::copy(&from, dir.join(f)).map_err(io(&from))?;
+            }
+        }
+    }
+    Ok(())
+}

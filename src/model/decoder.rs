@@ -1,0 +1,798 @@
+//! The decoder: Qwen2 / Qwen3 / Llama written from differentiable candle operations (candle's fused
+//! softmax, rms_norm and rope drop gradients), with three ways to run it:
+//! - training: per-token log-probs of given targets over a padded or packed batch, with gradients for
+//!   every parameter, optionally recomputing each layer in the backward pass (activation checkpointing);
+//! - detached: the same forward with no graph (the frozen reference, old-policy log-probs);
+//! - generation: incremental forward with a KV cache over a batch of left-padded prompts.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+
+use super::config::{ModelConfig, RopeScaling};
+use crate::kernels::{logprobs_entropy, LOGPROB_CHUNK_BYTES};
+
+/// Large negative score for masked attention entries (finite, so fully masked rows stay NaN-free).
+const MASKED: f32 = -1e9;
+
+/// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
+#[derive(Clone)]
+pub enum Param {
+    Trainable(Var),
+    Frozen(Tensor),
+}
+
+impl Param {
+    /// The tensor with (`graph = true`) or without gradient tracking.
+    fn get(&self, graph: bool) -> Tensor {
+        match self {
+            Param::Trainable(v) if graph => v.as_tensor().clone(),
+            Param::Trainable(v) => v.as_detached_tensor(),
+            Param::Frozen(t) => t.clone(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LayerIdx {
+    q: usize,
+    k: usize,
+    v: usize,
+    o: usize,
+    q_bias: Option<usize>,
+    k_bias: Option<usize>,
+    v_bias: Option<usize>,
+    o_bias: Option<usize>,
+    q_norm: Option<usize>,
+    k_norm: Option<usize>,
+    gate: usize,
+    up: usize,
+    down: usize,
+    gate_bias: Option<usize>,
+    up_bias: Option<usize>,
+    down_bias: Option<usize>,
+    ln_in: usize,
+    ln_post: usize,
+}
+
+/// Options that change how (not what) the decoder computes.
+#[derive(Debug, Clone)]
+pub struct DecoderOptions {
+    /// Recompute each layer during the backward pass instead of keeping its activations.
+    pub checkpoint_layers: bool,
+    /// Memory budget of one chunk of f32 logits in the log-prob op.
+    pub logprob_chunk_bytes: usize,
+}
+
+impl Default for DecoderOptions {
+    fn default() -> Self {
+        Self { checkpoint_layers: false, logprob_chunk_bytes: LOGPROB_CHUNK_BYTES }
+    }
+}
+
+/// A batch of token rows for the training / scoring forward.
+///
+/// Rows are right-padded; a row may hold several packed sequences. `segments[b][t]` numbers the
+/// sequence a token belongs to (1, 2, ...; 0 is padding): attention is causal within a segment only,
+/// and position ids restart at 0 for each segment.
+#[derive(Debug, Clone)]
+pub struct TokenBatch {
+    pub tokens: Vec<Vec<u32>>,
+    pub positions: Vec<Vec<u32>>,
+    pub segments: Vec<Vec<u32>>,
+}
+
+impl TokenBatch {
+    /// One sequence per row, right-padded with `pad`.
+    pub fn padded(seqs: &[Vec<u32>], pad: u32) -> Self {
+        Self::packed(&seqs.iter().map(|s| vec![s.clone()]).collect::<Vec<_>>(), pad)
+    }
+
+    /// Several sequences per row (packed), rows right-padded with `pad`.
+    pub fn packed(rows: &[Vec<Vec<u32>>], pad: u32) -> Self {
+        let width = rows.iter().map(|r| r.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(0);
+        let mut b = TokenBatch { tokens: vec![], positions: vec![], segments: vec![] };
+        for row in rows {
+            let (mut t, mut p, mut s) =
+                (Vec::with_capacity(width), Vec::with_capacity(width), Vec::with_capacity(width));
+            for (i, seq) in row.iter().enumerate() {
+                t.extend_from_slice(seq);
+                p.extend(0..seq.len() as u32);
+                s.extend(std::iter::repeat_n(i as u32 + 1, seq.len()));
+            }
+            t.resize(width, pad);
+            p.resize(width, 0);
+            s.resize(width, 0);
+            b.tokens.push(t);
+            b.positions.push(p);
+            b.segments.push(s);
+        }
+        b
+    }
+
+    pub fn rows(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn width(&self) -> usize {
+        self.tokens.first().map_or(0, Vec::len)
+    }
+
+    /// Number of non-padding tokens.
+    pub fn num_tokens(&self) -> usize {
+        self.segments.iter().flatten().filter(|&&s| s != 0).count()
+    }
+
+    /// Additive attention mask `[B, 1, T, T]` (f32): causal within a segment; padding queries see
+    /// themselves only (their outputs are never used, but must stay finite).
+    fn mask(&self, device: &Device) -> candle_core::Result<Tensor> {
+        let (b, t) = (self.rows(), self.width());
+        let mut m = vec![MASKED; b * t * t];
+        for (r, seg) in self.segments.iter().enumerate() {
+            for i in 0..t {
+                let row = &mut m[(r * t + i) * t..(r * t + i + 1) * t];
+                if seg[i] == 0 {
+                    row[i] = 0.0;
+                    continue;
+                }
+                for j in (0..=i).rev() {
+                    if seg[j] != seg[i] {
+                        break;
+                    }
+                    row[j] = 0.0;
+                }
+            }
+        }
+        Tensor::from_vec(m, (b, 1, t, t), device)
+    }
+}
+
+/// Which next-token log-probs to compute: entry n is the token at `(row, pos)` predicted from the
+/// hidden state at `(row, pos - 1)`.
+#[derive(Debug, Clone, Default)]
+pub struct Targets {
+    pub row: Vec<u32>,
+    pub pos: Vec<u32>,
+}
+
+impl Targets {
+    pub fn len(&self) -> usize {
+        self.row.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.row.is_empty()
+    }
+
+    pub fn push(&mut self, row: usize, pos: usize) {
+        debug_assert!(pos >= 1, "the first token of a sequence has no log-prob");
+        self.row.push(row as u32);
+        self.pos.push(pos as u32);
+    }
+}
+
+/// Gradients of the trainable parameters (f32), in parameter order.
+pub struct Grads {
+    pub grads: Vec<Option<Tensor>>,
+}
+
+impl Grads {
+    fn new(n: usize) -> Self {
+        Self { grads: vec![None; n] }
+    }
+
+    fn add(&mut self, i: usize, g: &Tensor) -> candle_core::Result<()> {
+        let g = g.to_dtype(DType::F32)?;
+        self.grads[i] = Some(match self.grads[i].take() {
+            None => g,
+            Some(acc) => (acc + g)?,
+        });
+        Ok(())
+    }
+
+    /// Add every gradient of `other` into `self` (gradient accumulation).
+    pub fn accumulate(&mut self, other: Grads) -> candle_core::Result<()> {
+        for (i, g) in other.grads.into_iter().enumerate() {
+            if let Some(g) = g {
+                self.add(i, &g)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The per-layer cache of keys and values for generation, for a batch of rows.
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    /// Per row, whether each cached key position is a real token (false for left padding).
+    valid: Vec<Vec<bool>>,
+    /// Per row, the position id of the next token.
+    next_pos: Vec<u32>,
+}
+
+impl KvCache {
+    /// Number of rows in the batch.
+    pub fn rows(&self) -> usize {
+        self.valid.len()
+    }
+
+    /// Number of cached positions (including padding).
+    pub fn len(&self) -> usize {
+        self.valid.first().map_or(0, Vec::len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keep only the given rows (finished sequences leave the batch).
+    pub fn retain(&mut self, rows: &[usize]) -> candle_core::Result<()> {
+        if rows.len() == self.rows() {
+            return Ok(());
+        }
+        let device = match self.layers.iter().flatten().next() {
+            Some((k, _)) => k.device().clone(),
+            None => Device::Cpu,
+        };
+        let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &device)?;
+        for layer in self.layers.iter_mut().flatten() {
+            *layer = (layer.0.index_select(&idx, 0)?, layer.1.index_select(&idx, 0)?);
+        }
+        self.valid = rows.iter().map(|&r| self.valid[r].clone()).collect();
+        self.next_pos = rows.iter().map(|&r| self.next_pos[r]).collect();
+        Ok(())
+    }
+}
+
+/// The decoder with its parameters.
+pub struct Decoder {
+    cfg: ModelConfig,
+    device: Device,
+    dtype: DType,
+    names: Vec<String>,
+    params: Vec<Param>,
+    embed: usize,
+    layers: Vec<LayerIdx>,
+    norm: usize,
+    lm_head: usize,
+    inv_freq: Vec<f32>,
+    pub options: DecoderOptions,
+}
+
+/// Names of the parameters of `cfg`, in a fixed order, with their shapes.
+pub fn parameter_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
+    let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let mut out = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h])];
+    for l in 0..cfg.num_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        out.push((p("self_attn.q_proj.weight"), vec![q, h]));
+        out.push((p("self_attn.k_proj.weight"), vec![kv, h]));
+        out.push((p("self_attn.v_proj.weight"), vec![kv, h]));
+        out.push((p("self_attn.o_proj.weight"), vec![h, q]));
+        if cfg.qkv_bias {
+            out.push((p("self_attn.q_proj.bias"), vec![q]));
+            out.push((p("self_attn.k_proj.bias"), vec![kv]));
+            out.push((p("self_attn.v_proj.bias"), vec![kv]));
+        }
+        if cfg.o_bias {
+            out.push((p("self_attn.o_proj.bias"), vec![h]));
+        }
+        if cfg.qk_norm {
+            out.push((p("self_attn.q_norm.weight"), vec![hd]));
+            out.push((p("self_attn.k_norm.weight"), vec![hd]));
+        }
+        out.push((p("mlp.gate_proj.weight"), vec![i, h]));
+        out.push((p("mlp.up_proj.weight"), vec![i, h]));
+        out.push((p("mlp.down_proj.weight"), vec![h, i]));
+        if cfg.mlp_bias {
+            out.push((p("mlp.gate_proj.bias"), vec![i]));
+            out.push((p("mlp.up_proj.bias"), vec![i]));
+            out.push((p("mlp.down_proj.bias"), vec![h]));
+        }
+        out.push((p("input_layernorm.weight"), vec![h]));
+        out.push((p("post_attention_layernorm.weight"), vec![h]));
+    }
+    out.push(("model.norm.weight".to_string(), vec![h]));
+    if !cfg.tie_word_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, h]));
+    }
+    out
+}
+
+fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
+    let d = cfg.head_dim;
+    let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
+    match &cfg.rope_scaling {
+        RopeScaling::None => base.iter().map(|&f| f as f32).collect(),
+        RopeScaling::Linear { factor } => base.iter().map(|&f| (f / factor) as f32).collect(),
+        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            let low_wavelen = original_max_position_embeddings / low_freq_factor;
+            let high_wavelen = original_max_position_embeddings / high_freq_factor;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    let scaled = if wavelen > low_wavelen {
+                        f / factor
+                    } else if wavelen < high_wavelen {
+                        f
+                    } else {
+                        let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
+                            / (high_freq_factor - low_freq_factor);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    };
+                    scaled as f32
+                })
+                .collect()
+        }
+    }
+}
+
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
+    let dtype = x.dtype();
+    let xf = x.to_dtype(DType::F32)?;
+    let rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
+    xf.broadcast_div(&rms)?.to_dtype(dtype)?.broadcast_mul(w)
+}
+
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+    let dims = x.dims().to_vec();
+    let inner = *dims.last().unwrap_or(&0);
+    let rows = x.elem_count() / inner.max(1);
+    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    let mut out = dims;
+    *out.last_mut().unwrap() = w.dim(0)?;
+    y.reshape(out)
+}
+
+fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
+    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
+    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
+}
+
+impl Decoder {
+    /// Build a decoder from named tensors; `trainable` makes every parameter a `Var`.
+    /// Missing tensors are reported by name. Tensors are converted to `dtype` on `device`.
+    pub fn from_tensors(
+        cfg: ModelConfig,
+        mut get: impl FnMut(&str, &[usize]) -> Result<Tensor, super::ModelError>,
+        dtype: DType,
+        device: &Device,
+        trainable: bool,
+    ) -> Result<Self, super::ModelError> {
+        let shapes = parameter_shapes(&cfg);
+        let mut names = Vec::with_capacity(shapes.len());
+        let mut params = Vec::with_capacity(shapes.len());
+        for (name, shape) in &shapes {
+            let t = get(name, shape)?;
+            if t.dims() != shape.as_slice() {
+                return Err(super::ModelError::Shape {
+                    name: name.clone(),
+                    expected: shape.clone(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            let t = t.to_dtype(dtype)?.to_device(device)?;
+            params.push(if trainable { Param::Trainable(Var::from_tensor(&t)?) } else { Param::Frozen(t) });
+            names.push(name.clone());
+        }
+        let find = |n: &str| names.iter().position(|x| x == n);
+        let req = |n: String| find(&n).ok_or_else(|| super::ModelError::Missing(n));
+        let mut layers = Vec::with_capacity(cfg.num_layers);
+        for l in 0..cfg.num_layers {
+            let p = |s: &str| format!("model.layers.{l}.{s}");
+            layers.push(LayerIdx {
+                q: req(p("self_attn.q_proj.weight"))?,
+                k: req(p("self_attn.k_proj.weight"))?,
+                v: req(p("self_attn.v_proj.weight"))?,
+                o: req(p("self_attn.o_proj.weight"))?,
+                q_bias: find(&p("self_attn.q_proj.bias")),
+                k_bias: find(&p("self_attn.k_proj.bias")),
+                v_bias: find(&p("self_attn.v_proj.bias")),
+                o_bias: find(&p("self_attn.o_proj.bias")),
+                q_norm: find(&p("self_attn.q_norm.weight")),
+                k_norm: find(&p("self_attn.k_norm.weight")),
+                gate: req(p("mlp.gate_proj.weight"))?,
+                up: req(p("mlp.up_proj.weight"))?,
+                down: req(p("mlp.down_proj.weight"))?,
+                gate_bias: find(&p("mlp.gate_proj.bias")),
+                up_bias: find(&p("mlp.up_proj.bias")),
+                down_bias: find(&p("mlp.down_proj.bias")),
+                ln_in: req(p("input_layernorm.weight"))?,
+                ln_post: req(p("post_attention_layernorm.weight"))?,
+            });
+        }
+        let embed = req("model.embed_tokens.weight".into())?;
+        let norm = req("model.norm.weight".into())?;
+        let lm_head = if cfg.tie_word_embeddings { embed } else { req("lm_head.weight".into())? };
+        let inv_freq = inv_freq(&cfg);
+        Ok(Self {
+            cfg,
+            device: device.clone(),
+            dtype,
+            names,
+            params,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            inv_freq,
+            options: DecoderOptions::default(),
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Parameter names (Hugging Face names), in parameter order.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// The parameters, in the order of [`Decoder::names`].
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+
+    /// The trainable variables, in parameter order (empty for a frozen model).
+    pub fn vars(&self) -> Vec<&Var> {
+        self.params.iter().filter_map(|p| if let Param::Trainable(v) = p { Some(v) } else { None }).collect()
+    }
+
+    /// Detached copies of all parameters by name (for checkpoints and for a frozen reference).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.names.iter().cloned().zip(self.params.iter().map(|p| p.get(false))).collect()
+    }
+
+    /// A frozen (no-`Var`) copy of this model sharing nothing with it: the reference model.
+    pub fn frozen_copy(&self) -> candle_core::Result<Self> {
+        let params = self
+            .params
+            .iter()
+            .map(|p| Ok(Param::Frozen(p.get(false).copy()?)))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: self.cfg.clone(),
+            device: self.device.clone(),
+            dtype: self.dtype,
+            names: self.names.clone(),
+            params,
+            embed: self.embed,
+            layers: self.layers.clone(),
+            norm: self.norm,
+            lm_head: self.lm_head,
+            inv_freq: self.inv_freq.clone(),
+            options: self.options.clone(),
+        })
+    }
+
+    fn w(&self, i: usize, graph: bool) -> Tensor {
+        self.params[i].get(graph)
+    }
+
+    fn wo(&self, i: Option<usize>, graph: bool) -> Option<Tensor> {
+        i.map(|i| self.params[i].get(graph))
+    }
+
+    /// cos and sin tables `[B, 1, T, D]` for the given position ids.
+    fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<(Tensor, Tensor)> {
+        let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(b * t * half * 2);
+        let mut sin = Vec::with_capacity(b * t * half * 2);
+        for row in positions {
+            for &p in row {
+                let start = cos.len();
+                for &f in &self.inv_freq {
+                    // f32 like transformers: angle = float(pos) * inv_freq in f32.
+                    let a = p as f32 * f;
+                    cos.push(a.cos());
+                    sin.push(a.sin());
+                }
+                cos.extend_from_within(start..start + half);
+                sin.extend_from_within(start..start + half);
+            }
+        }
+        let shape = (b, 1, t, 2 * half);
+        let cos = Tensor::from_vec(cos, shape, &self.device)?.to_dtype(self.dtype)?;
+        let sin = Tensor::from_vec(sin, shape, &self.device)?.to_dtype(self.dtype)?;
+        Ok((cos, sin))
+    }
+
+    /// One decoder layer. `cache`, when given, holds this layer's past keys/values and is extended.
+    fn layer(
+        &self,
+        l: usize,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        mask: &Tensor,
+        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        graph: bool,
+    ) -> candle_core::Result<Tensor> {
+        let li = self.layers[l];
+        let cfg = &self.cfg;
+        let (b, t, _) = x.dims3()?;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let rep = nh / nkv;
+        let eps = cfg.rms_norm_eps;
+
+        let h = rms_norm(x, &self.w(li.ln_in, graph), eps)?;
+        let q = linear(&h, &self.w(li.q, graph), self.wo(li.q_bias, graph).as_ref())?.reshape((b, t, nh, hd))?;
+        let k = linear(&h, &self.w(li.k, graph), self.wo(li.k_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
+        let v = linear(&h, &self.w(li.v, graph), self.wo(li.v_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
+        let (q, k) = match (li.q_norm, li.k_norm) {
+            (Some(qn), Some(kn)) => (rms_norm(&q, &self.w(qn, graph), eps)?, rms_norm(&k, &self.w(kn, graph), eps)?),
+            _ => (q, k),
+        };
+        let (cos, sin) = rope;
+        let apply_rope = |x: Tensor| -> candle_core::Result<Tensor> {
+            let x = x.transpose(1, 2)?.contiguous()?; // [B, heads, T, D]
+            x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?
+        };
+        let q = apply_rope(q)?;
+        let mut k = apply_rope(k)?;
+        let mut v = v.transpose(1, 2)?.contiguous()?;
+        if let Some(cache) = cache {
+            if let Some((pk, pv)) = cache.take() {
+                k = Tensor::cat(&[&pk, &k], 2)?;
+                v = Tensor::cat(&[&pv, &v], 2)?;
+            }
+            *cache = Some((k.clone(), v.clone()));
+        }
+        let s = k.dim(2)?;
+        // Grouped-query attention without repeating K/V: queries of the heads that share a KV head are
+        // stacked along the time axis.
+        let qg = q.reshape((b, nkv, rep * t, hd))?;
+        let scores = (qg.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
+        let scores = scores.reshape((b, nh, t, s))?.to_dtype(DType::F32)?.broadcast_add(mask)?;
+        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(self.dtype)?;
+        let attn = probs.reshape((b, nkv, rep * t, s))?.matmul(&v)?; // [B, KV, rep*T, D]
+        let attn = attn.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
+
+        let h = rms_norm(&x, &self.w(li.ln_post, graph), eps)?;
+        let gate = linear(&h, &self.w(li.gate, graph), self.wo(li.gate_bias, graph).as_ref())?;
+        let up = linear(&h, &self.w(li.up, graph), self.wo(li.up_bias, graph).as_ref())?;
+        let mlp = linear(&(gate.silu()? * up)?, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
+        x + mlp
+    }
+
+    fn embed(&self, tokens: &[Vec<u32>], graph: bool) -> candle_core::Result<Tensor> {
+        let (b, t) = (tokens.len(), tokens.first().map_or(0, Vec::len));
+        let flat: Vec<u32> = tokens.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(flat, b * t, &self.device)?;
+        self.w(self.embed, graph).index_select(&ids, 0)?.reshape((b, t, self.cfg.hidden_size))
+    }
+
+    /// Hidden states of the target rows' predecessors, gathered as `[N, hidden]`, after the final norm.
+    fn select_hidden(&self, x: &Tensor, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        let (_, t, h) = x.dims3()?;
+        let idx: Vec<u32> = targets.row.iter().zip(&targets.pos).map(|(&r, &p)| r * t as u32 + p - 1).collect();
+        let idx = Tensor::from_vec(idx, targets.len(), &self.device)?;
+        let sel = x.reshape(((), h))?.index_select(&idx, 0)?;
+        rms_norm(&sel, &self.w(self.norm, graph), self.cfg.rms_norm_eps)
+    }
+
+    fn target_ids(&self, batch: &TokenBatch, targets: &Targets) -> candle_core::Result<Tensor> {
+        let ids: Vec<u32> =
+            targets.row.iter().zip(&targets.pos).map(|(&r, &p)| batch.tokens[r as usize][p as usize]).collect();
+        Tensor::from_vec(ids, targets.len(), &self.device)
+    }
+
+    fn check(&self, batch: &TokenBatch, targets: &Targets) -> candle_core::Result<()> {
+        for (&r, &p) in targets.row.iter().zip(&targets.pos) {
+            if r as usize >= batch.rows() || p == 0 || p as usize >= batch.width() {
+                candle_core::bail!("target (row {r}, pos {p}) outside a batch of {}x{}", batch.rows(), batch.width());
+            }
+        }
+        if let Some(&bad) = batch.tokens.iter().flatten().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            candle_core::bail!("token id {bad} is outside the vocabulary of {}", self.cfg.vocab_size);
+        }
+        Ok(())
+    }
+
+    /// `[N, 2]` f32: log-prob of each target token and the entropy of its predictive distribution.
+    /// With `graph = false` nothing is recorded (reference model, old-policy log-probs, scoring).
+    pub fn token_logprobs(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        self.check(batch, targets)?;
+        let rope = self.rope(&batch.positions)?;
+        let mask = batch.mask(&self.device)?;
+        let mut x = self.embed(&batch.tokens, graph)?;
+        for l in 0..self.cfg.num_layers {
+            x = self.layer(l, &x, &rope, &mask, None, graph)?;
+        }
+        let h = self.select_hidden(&x, targets, graph)?;
+        logprobs_entropy(
+            &h,
+            &self.w(self.lm_head, graph),
+            &self.target_ids(batch, targets)?,
+            self.options.logprob_chunk_bytes,
+        )
+    }
+
+    fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
+        for (i, p) in self.params.iter().enumerate() {
+            if let Param::Trainable(v) = p {
+                if let Some(g) = store.get(v.as_tensor()) {
+                    grads.add(i, g)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Forward and backward: `loss_fn` turns the `[N, 2]` log-prob/entropy tensor into a scalar loss;
+    /// returns the loss value and the gradients of every trainable parameter. With
+    /// `options.checkpoint_layers`, layer activations are recomputed one layer at a time in the backward.
+    pub fn forward_backward(
+        &self,
+        batch: &TokenBatch,
+        targets: &Targets,
+        loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<(f32, Grads)> {
+        self.check(batch, targets)?;
+        let mut grads = Grads::new(self.params.len());
+        if !self.options.checkpoint_layers {
+            let lp = self.token_logprobs(batch, targets, true)?;
+            let loss = loss_fn(&lp)?;
+            let store = loss.backward()?;
+            self.collect(&store, &mut grads)?;
+            return Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, grads));
+        }
+        let rope = self.rope(&batch.positions)?;
+        let mask = batch.mask(&self.device)?;
+        // Forward without a graph, keeping only each layer's input.
+        let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
+        let mut x = self.embed(&batch.tokens, false)?;
+        for l in 0..self.cfg.num_layers {
+            let next = self.layer(l, &x, &rope, &mask, None, false)?;
+            inputs.push(x);
+            x = next;
+        }
+        // Head: gradient of the loss with respect to the last hidden state.
+        let xv = Var::from_tensor(&x)?;
+        let h = self.select_hidden(xv.as_tensor(), targets, true)?;
+        let lp = logprobs_entropy(
+            &h,
+            &self.w(self.lm_head, true),
+            &self.target_ids(batch, targets)?,
+            self.options.logprob_chunk_bytes,
+        )?;
+        let loss = loss_fn(&lp)?;
+        let store = loss.backward()?;
+        self.collect(&store, &mut grads)?;
+        let mut g = match store.get(xv.as_tensor()) {
+            Some(g) => g.clone(),
+            None => x.zeros_like()?,
+        };
+        // Layers in reverse: recompute with a graph, backprop the incoming gradient.
+        for l in (0..self.cfg.num_layers).rev() {
+            let xin = Var::from_tensor(&inputs[l])?;
+            let y = self.layer(l, xin.as_tensor(), &rope, &mask, None, true)?;
+            let store = (y * &g)?.sum_all()?.backward()?;
+            self.collect(&store, &mut grads)?;
+            g = match store.get(xin.as_tensor()) {
+                Some(g) => g.clone(),
+                None => g.zeros_like()?,
+            };
+        }
+        // Embedding: its gradient is the gradient of its output rows.
+        if let Param::Trainable(_) = &self.params[self.embed] {
+            let e = self.embed(&batch.tokens, true)?;
+            let store = (e * &g)?.sum_all()?.backward()?;
+            self.collect(&store, &mut grads)?;
+        }
+        Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, grads))
+    }
+
+    /// Start generation: run left-padded prompts and return the last position's logits `[B, V]` (f32)
+    /// and the cache.
+    pub fn prefill(&self, prompts: &[Vec<u32>], pad: u32) -> candle_core::Result<(Tensor, KvCache)> {
+        let width = prompts.iter().map(Vec::len).max().unwrap_or(0);
+        if width == 0 {
+            candle_core::bail!("prefill needs at least one prompt token");
+        }
+        let mut cache = KvCache {
+            layers: vec![None; self.cfg.num_layers],
+            valid: prompts
+                .iter()
+                .map(|p| {
+                    let mut v = vec![false; width - p.len()];
+                    v.extend(std::iter::repeat_n(true, p.len()));
+                    v
+                })
+                .collect(),
+            next_pos: vec![0; prompts.len()],
+        };
+        let tokens: Vec<Vec<u32>> = prompts
+            .iter()
+            .map(|p| {
+                let mut v = vec![pad; width - p.len()];
+                v.extend_from_slice(p);
+                v
+            })
+            .collect();
+        let logits = self.extend(&tokens, &mut cache)?;
+        Ok((logits, cache))
+    }
+
+    /// Append one token per row and return the next logits `[B, V]` (f32).
+    pub fn step(&self, next: &[u32], cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        if next.len() != cache.rows() {
+            candle_core::bail!("step got {} tokens for {} rows", next.len(), cache.rows());
+        }
+        for v in cache.valid.iter_mut() {
+            v.push(true);
+        }
+        let tokens: Vec<Vec<u32>> = next.iter().map(|&t| vec![t]).collect();
+        self.extend(&tokens, cache)
+    }
+
+    /// Run `tokens` (`[B, t]`, already accounted for in `cache.valid`) through the layers with the cache.
+    fn extend(&self, tokens: &[Vec<u32>], cache: &mut KvCache) -> candle_core::Result<Tensor> {
+        let (b, t) = (tokens.len(), tokens[0].len());
+        let s = cache.len();
+        let past = s - t;
+        // Position ids count only real tokens of each row.
+        let mut positions = Vec::with_capacity(b);
+        for r in 0..b {
+            let mut pos = Vec::with_capacity(t);
+            let mut next = cache.next_pos[r];
+            for j in 0..t {
+                pos.push(next);
+                if cache.valid[r][past + j] {
+                    next += 1;
+                }
+            }
+            cache.next_pos[r] = next;
+            positions.push(pos);
+        }
+        let mut m = vec![MASKED; b * t * s];
+        for r in 0..b {
+            for i in 0..t {
+                let row = &mut m[(r * t + i) * s..(r * t + i + 1) * s];
+                for (j, cell) in row.iter_mut().enumerate().take(past + i + 1) {
+                    if cache.valid[r][j] || j == past + i {
+                        *cell = 0.0;
+                    }
+                }
+            }
+        }
+        let mask = Tensor::from_vec(m, (b, 1, t, s), &self.device)?;
+        let rope = self.rope(&positions)?;
+        let mut x = self.embed(tokens, false)?;
+        for l in 0..self.cfg.num_layers {
+            x = self.layer(l, &x, &rope, &mask, Some(&mut cache.layers[l]), false)?;
+        }
+        let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
+        let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
+        h.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)
+    }
+
+    /// Logits of every position `[B, T, V]` (f32) without a cache: the reference that cached generation
+    /// is tested against. Memory grows with T x V: meant for short inputs.
+    pub fn full_logits(&self, batch: &TokenBatch) -> candle_core::Result<Tensor> {
+        let rope = self.rope(&batch.positions)?;
+        let mask = batch.mask(&self.device)?;
+        let mut x = self.embed(&batch.tokens, false)?;
+        for l in 0..self.cfg.num_layers {
+            x = self.layer(l, &x, &rope, &mask, None, false)?;
+        }
+        let h = rms_norm(&x, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
+        let (b, t, hs) = h.dims3()?;
+        h.reshape((b * t, hs))?.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)?.reshape((b, t, ()))
+    }
+}

@@ -1,0 +1,209 @@
+//! Finding a model (a local folder, or a hub id in the local Hugging Face cache) and loading its
+//! safetensors weights, single-file or sharded.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+
+use super::{config::ModelConfig, Decoder, ModelError};
+
+/// The Hugging Face hub cache folder: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
+pub fn hf_cache_dir() -> PathBuf {
+    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
+        return PathBuf::from(p);
+    }
+    if let Some(p) = std::env::var_os("HF_HOME") {
+        return PathBuf::from(p).join("hub");
+    }
+    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+    home.join(".cache").join("huggingface").join("hub")
+}
+
+/// Resolve `model` to a folder holding config.json: a local path first, then `org/name` (optionally
+/// `org/name@revision`) in the local hub cache. Nothing is downloaded (this build has no network client;
+/// HF_HUB_OFFLINE is therefore always honoured).
+pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
+    let p = Path::new(model);
+    if p.is_dir() {
+        if !p.join("config.json").exists() {
+            return Err(ModelError::Files { path: p.into(), message: "folder has no config.json".into() });
+        }
+        return Ok(p.to_path_buf());
+    }
+    let cache = hf_cache_dir();
+    let (id, revision) = model.split_once('@').unwrap_or((model, "main"));
+    if id.split('/').count() == 2 && !id.starts_with('.') && !id.starts_with('/') {
+        let repo = cache.join(format!("models--{}", id.replace('/', "--")));
+        let reference = repo.join("refs").join(revision);
+        let snapshot = match std::fs::read_to_string(&reference) {
+            Ok(hash) => repo.join("snapshots").join(hash.trim()),
+            Err(_) => repo.join("snapshots").join(revision),
+        };
+        if snapshot.join("config.json").exists() {
+            return Ok(snapshot);
+        }
+    }
+    Err(ModelError::NotFound(model.to_string(), cache))
+}
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn parse_device(s: &str) -> Result<Device, ModelError> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        s if s == "cuda" || s.starts_with("cuda:") => {
+            let ordinal = match s.strip_prefix("cuda:") {
+                Some(n) => {
+                    n.parse::<usize>().map_err(|_| ModelError::Invalid(format!("bad device `{s}`: expected cuda:N")))?
+                }
+                None => 0,
+            };
+            if !candle_core::utils::cuda_is_available() {
+                return Err(ModelError::Invalid(format!(
+                    "device `{s}` asked for, but this binary was built without CUDA (rebuild with `--features cuda`)"
+                )));
+            }
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => Err(ModelError::Invalid(format!("unknown device `{other}` (expected cpu, cuda or cuda:N)"))),
+    }
+}
+
+/// `f32`, `bf16` or `f16`.
+pub fn parse_dtype(s: &str) -> Result<DType, ModelError> {
+    match s {
+        "f32" | "float32" => Ok(DType::F32),
+        "bf16" | "bfloat16" => Ok(DType::BF16),
+        "f16" | "float16" => Ok(DType::F16),
+        other => Err(ModelError::Invalid(format!("unknown dtype `{other}` (expected f32, bf16 or f16)"))),
+    }
+}
+
+/// The safetensors files of a model folder: the shards named by model.safetensors.index.json, or
+/// model.safetensors.
+pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|source| ModelError::Io { path: index.clone(), source })?;
+        let v: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::Files { path: index.clone(), message: e.to_string() })?;
+        let map = v
+            .get("weight_map")
+            .and_then(|m| m.as_object())
+            .ok_or_else(|| ModelError::Files { path: index.clone(), message: "no `weight_map` object".into() })?;
+        let mut files: Vec<PathBuf> = Vec::new();
+        for f in map.values().filter_map(|f| f.as_str()) {
+            let p = dir.join(f);
+            if !files.contains(&p) {
+                files.push(p);
+            }
+        }
+        for f in &files {
+            if !f.exists() {
+                return Err(ModelError::Files {
+                    path: f.clone(),
+                    message: "shard named in the index is missing".into(),
+                });
+            }
+        }
+        return Ok(files);
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    Err(ModelError::Files {
+        path: dir.to_path_buf(),
+        message: "no model.safetensors or model.safetensors.index.json (only safetensors weights are supported)".into(),
+    })
+}
+
+/// Load the decoder of a model folder in `dtype` on `device`; `trainable` gives it `Var` parameters.
+pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) -> Result<Decoder, ModelError> {
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let files = weight_files(dir)?;
+    // SAFETY: the files are memory-mapped read-only; modifying them while loading is undefined, as for
+    // every safetensors loader.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+        .map_err(|e| ModelError::Files { path: dir.to_path_buf(), message: e.to_string() })?;
+    Decoder::from_tensors(
+        cfg,
+        |name, _| match st.load(name, &Device::Cpu) {
+            Ok(t) => Ok(t),
+            Err(_) => Err(ModelError::Missing(name.to_string())),
+        },
+        dtype,
+        device,
+        trainable,
+    )
+}
+
+/// A randomly initialised decoder (normal(0, 0.02) matrices, unit norms, zero biases), reproducible
+/// from `seed`.
+pub fn random_decoder(
+    cfg: ModelConfig,
+    seed: u64,
+    dtype: DType,
+    device: &Device,
+    trainable: bool,
+) -> Result<Decoder, ModelError> {
+    use rand_distr_normal::sample_normal;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    Decoder::from_tensors(
+        cfg,
+        |name, shape| {
+            let n: usize = shape.iter().product();
+            let data: Vec<f32> = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
+                vec![1.0; n]
+            } else if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else {
+                (0..n).map(|_| 0.02 * sample_normal(&mut rng)).collect()
+            };
+            Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+        },
+        dtype,
+        device,
+        trainable,
+    )
+}
+
+/// A standard normal sample by Box-Muller (keeps the dependency list short).
+mod rand_distr_normal {
+    use rand::Rng;
+    pub fn sample_normal(rng: &mut impl Rng) -> f32 {
+        let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+        let u2: f64 = rng.gen();
+        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hub_ids_resolve_through_the_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("hub/models--org--tiny");
+        std::fs::create_dir_all(repo.join("refs")).unwrap();
+        std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
+        let snap = repo.join("snapshots/abc123");
+        std::fs::create_dir_all(&snap).unwrap();
+        std::fs::write(snap.join("config.json"), "{}").unwrap();
+        // HF_HOME is process-global: this is the only test that sets it.
+        std::env::set_var("HF_HOME", dir.path());
+        std::env::remove_var("HF_HUB_CACHE");
+        assert_eq!(resolve_model_dir("org/tiny").unwrap(), snap);
+        let err = resolve_model_dir("org/absent").unwrap_err().to_string();
+        assert!(err.contains("org/absent") && err.contains("huggingface-cli download"), "{err}");
+    }
+
+    #[test]
+    fn devices_and_dtypes_parse() {
+        assert!(matches!(parse_device("cpu"), Ok(Device::Cpu)));
+        assert!(parse_device("tpu").is_err());
+        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
+        assert!(parse_dtype("f8").is_err());
+    }
+}
