@@ -116,8 +116,8 @@ impl CustomOp3 for LogprobEntropy {
         while start < n {
             let len = rows.min(n - start);
             let h = hidden.narrow(0, start, len)?;
-            let t = targets.narrow(0, start, len)?.unsqueeze(1)?;
-            let gc = g.narrow(0, start, len)?;
+            let t = targets.narrow(0, start, len)?.unsqueeze(1)?.contiguous()?;
+            let gc = g.narrow(0, start, len)?.contiguous()?;
             let (_, probs, _) = chunk_forward(&h, &weight, &t.squeeze(1)?)?;
             // dz = g * (onehot(t) - p)
             let dz = probs.broadcast_mul(&gc.neg()?)?.scatter_add(&t, &gc, 1)?;

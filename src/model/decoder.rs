@@ -796,3 +796,184 @@ impl Decoder {
         h.reshape((b * t, hs))?.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)?.reshape((b, t, ()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{random_decoder, Arch, ModelConfig};
+
+    fn tiny(arch: Arch, tied: bool, trainable: bool) -> Decoder {
+        let mut cfg = ModelConfig::tiny(arch, 97, 2, 16, 4, 2, 24, None, None).unwrap();
+        cfg.tie_word_embeddings = tied;
+        cfg.raw["tie_word_embeddings"] = tied.into();
+        let mut m = random_decoder(cfg, 3, DType::F32, &Device::Cpu, trainable).unwrap();
+        // Larger than the usual 0.02 init so that every path carries a visible gradient.
+        for p in &m.params {
+            if let Param::Trainable(v) = p {
+                let t = v.as_tensor();
+                let noise = (t.randn_like(0.0, 0.3).unwrap() + t).unwrap();
+                v.set(&noise).unwrap();
+            }
+        }
+        m.options.logprob_chunk_bytes = 97 * 4 * 5; // 5 rows per chunk: exercise chunking
+        m
+    }
+
+    fn batch() -> (TokenBatch, Targets) {
+        let seqs = vec![vec![5u32, 17, 3, 88, 41, 9, 60], vec![11, 2, 90, 33]];
+        let b = TokenBatch::padded(&seqs, 0);
+        let mut t = Targets::default();
+        for (r, s) in seqs.iter().enumerate() {
+            for p in 1..s.len() {
+                t.push(r, p);
+            }
+        }
+        (b, t)
+    }
+
+    fn weighted_loss(lp: &Tensor) -> candle_core::Result<Tensor> {
+        let n = lp.dim(0)?;
+        let w = Tensor::arange(0f32, n as f32, lp.device())?.affine(0.1, 0.5)?.sin()?;
+        lp.narrow(1, 0, 1)?.squeeze(1)?.mul(&w)?.sum_all()
+    }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn every_parameter_gets_a_finite_nonzero_gradient() {
+        for (arch, tied) in [(Arch::Qwen2, false), (Arch::Qwen3, false), (Arch::Llama, true), (Arch::Llama, false)] {
+            let m = tiny(arch, tied, true);
+            let (b, t) = batch();
+            let (_, grads) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            for (name, g) in m.names().iter().zip(&grads.grads) {
+                let g = g.as_ref().unwrap_or_else(|| panic!("{arch:?}: no gradient for {name}"));
+                let v = values(g);
+                assert!(v.iter().all(|x| x.is_finite()), "{arch:?}: non-finite gradient for {name}");
+                assert!(v.iter().any(|&x| x != 0.0), "{arch:?}: zero gradient for {name}");
+            }
+        }
+    }
+
+    #[test]
+    fn finite_differences_agree_with_autograd() {
+        for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
+            let m = tiny(arch, arch == Arch::Llama, true);
+            let (b, t) = batch();
+            let (_, grads) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            let eval = |m: &Decoder| -> f64 {
+                let lp = m.token_logprobs(&b, &t, false).unwrap();
+                weighted_loss(&lp).unwrap().to_scalar::<f32>().unwrap() as f64
+            };
+            // A few parameters of different kinds: embedding, attention, norm, MLP, q/k norm or bias.
+            let picks: Vec<usize> = m
+                .names()
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| {
+                    n.contains("embed")
+                        || n.contains("layers.1.self_attn.k_proj")
+                        || n.contains("layers.0.input_layernorm")
+                        || n.contains("layers.1.mlp.down_proj")
+                        || n.contains("q_norm")
+                        || n.ends_with("q_proj.bias")
+                })
+                .map(|(i, _)| i)
+                .collect();
+            assert!(picks.len() >= 4, "{arch:?}: {picks:?}");
+            for i in picks {
+                let Param::Trainable(var) = &m.params[i] else { unreachable!() };
+                let orig = var.as_tensor().copy().unwrap();
+                let flat = values(&orig);
+                let g = values(grads.grads[i].as_ref().unwrap());
+                // The coordinate with the largest gradient (a well-conditioned check).
+                let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+                let eps = 1e-2f32;
+                let mut shifted = |delta: f32| {
+                    let mut v = flat.clone();
+                    v[j] += delta;
+                    var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
+                    eval(&m)
+                };
+                let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
+                var.set(&orig).unwrap();
+                let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
+                assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", m.names()[i], g[j]);
+            }
+        }
+    }
+
+    #[test]
+    fn layer_recomputation_gives_the_same_gradients() {
+        let mut m = tiny(Arch::Qwen3, false, true);
+        let (b, t) = batch();
+        let (l1, g1) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+        m.options.checkpoint_layers = true;
+        let (l2, g2) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+        assert!((l1 - l2).abs() < 1e-5);
+        for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
+            let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
+            let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "{name}: recomputed gradient differs by {d}");
+        }
+    }
+
+    #[test]
+    fn padding_and_packing_do_not_change_logprobs() {
+        let m = tiny(Arch::Qwen2, false, false);
+        let a = vec![5u32, 17, 3, 88, 41, 9, 60];
+        let b = vec![11u32, 2, 90, 33];
+        let single = |s: &Vec<u32>| {
+            let batch = TokenBatch::padded(std::slice::from_ref(s), 0);
+            let mut t = Targets::default();
+            (1..s.len()).for_each(|p| t.push(0, p));
+            values(&m.token_logprobs(&batch, &t, false).unwrap().narrow(1, 0, 1).unwrap())
+        };
+        let (la, lb) = (single(&a), single(&b));
+        let (pb, pt) = batch();
+        let padded = values(&m.token_logprobs(&pb, &pt, false).unwrap().narrow(1, 0, 1).unwrap());
+        let packed_batch = TokenBatch::packed(&[vec![a.clone(), b.clone()]], 0);
+        let mut t = Targets::default();
+        (1..a.len()).for_each(|p| t.push(0, p));
+        (a.len() + 1..a.len() + b.len()).for_each(|p| t.push(0, p));
+        let packed = values(&m.token_logprobs(&packed_batch, &t, false).unwrap().narrow(1, 0, 1).unwrap());
+        let want: Vec<f32> = la.iter().chain(&lb).copied().collect();
+        for got in [padded, packed] {
+            let d = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "differs by {d}");
+        }
+    }
+
+    #[test]
+    fn kv_cache_generation_matches_full_forward() {
+        for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
+            let m = tiny(arch, false, false);
+            let prompts = vec![vec![5u32, 17, 3, 88, 41], vec![11u32, 2], vec![7u32, 7, 7]];
+            let (mut logits, mut cache) = m.prefill(&prompts, 0).unwrap();
+            let mut seqs = prompts.clone();
+            for _ in 0..6 {
+                let next: Vec<u32> = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
+                // The full forward over each sequence alone predicts the same next token, with the same logits.
+                for (r, s) in seqs.iter().enumerate() {
+                    let full = m.full_logits(&TokenBatch::padded(std::slice::from_ref(s), 0)).unwrap();
+                    let last = full.get(0).unwrap().get(s.len() - 1).unwrap();
+                    let d = values(&(last.clone() - logits.get(r).unwrap()).unwrap().abs().unwrap())
+                        .into_iter()
+                        .fold(0f32, f32::max);
+                    assert!(d < 1e-4, "{arch:?} row {r}: cached logits differ by {d}");
+                    assert_eq!(last.argmax(0).unwrap().to_scalar::<u32>().unwrap(), next[r]);
+                }
+                for (s, &t) in seqs.iter_mut().zip(&next) {
+                    s.push(t);
+                }
+                logits = m.step(&next, &mut cache).unwrap();
+            }
+            // Dropping a finished row keeps the others' logits.
+            let keep = logits.get(2).unwrap();
+            cache.retain(&[0, 2]).unwrap();
+            let _ = keep;
+            assert_eq!(cache.rows(), 2);
+        }
+    }
+}

@@ -215,7 +215,7 @@ mod tests {
     use super::*;
 
     fn shared(p: &str) -> Option<PathBuf> {
-        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/data").join(p);
+        let d = Path::new(env!("CARGO_MANIFEST_DIR")).join("data").join(p);
         d.exists().then_some(d)
     }
 
