@@ -10,6 +10,7 @@
 
 pub mod cli;
 pub mod data;
+pub mod eval;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;

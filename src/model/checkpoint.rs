@@ -148,3 +148,81 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{load_decoder, random_decoder, Arch, ModelConfig, Targets, TokenBatch};
+
+    fn model(arch: Arch) -> Decoder {
+        let cfg = ModelConfig::tiny(arch, 64, 2, 16, 4, 2, 24, None, None).unwrap();
+        random_decoder(cfg, 1, DType::F32, &Device::Cpu, true).unwrap()
+    }
+
+    fn logprobs(m: &Decoder) -> Vec<f32> {
+        let b = TokenBatch::padded(&[vec![1, 5, 9, 33, 2, 60]], 0);
+        let mut t = Targets::default();
+        (1..6).for_each(|p| t.push(0, p));
+        m.token_logprobs(&b, &t, false).unwrap().narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn saved_checkpoints_load_back_identically_single_and_sharded() {
+        for (arch, shard) in [(Arch::Qwen3, usize::MAX), (Arch::Qwen2, 20_000), (Arch::Llama, 5_000)] {
+            let dir = tempfile::tempdir().unwrap();
+            let out = dir.path().join("ckpt");
+            let m = model(arch);
+            let opts = SaveOptions { max_shard_bytes: shard, ..Default::default() };
+            save_checkpoint(&m, &out, &opts, |_| Ok(())).unwrap();
+            let sharded = out.join("model.safetensors.index.json").exists();
+            assert_eq!(sharded, shard != usize::MAX, "{arch:?}");
+            let back = load_decoder(&out, DType::F32, &Device::Cpu, false).unwrap();
+            assert_eq!(logprobs(&m), logprobs(&back), "{arch:?}");
+            let cfg: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+            assert_eq!(cfg["torch_dtype"], "float32");
+        }
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_previous_checkpoint_intact() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        let m = model(Arch::Qwen3);
+        save_checkpoint(&m, &out, &SaveOptions::default(), |d| {
+            std::fs::write(d.join("marker"), "first").map_err(|source| ModelError::Io { path: d.into(), source })
+        })
+        .unwrap();
+        let before = std::fs::read(out.join("model.safetensors")).unwrap();
+        // Change the weights, then crash after the weights are written but before the folder is complete.
+        for v in m.vars() {
+            v.set(&(v.as_tensor() * 2.0).unwrap()).unwrap();
+        }
+        let err = save_checkpoint(&m, &out, &SaveOptions { max_shard_bytes: 10_000, ..Default::default() }, |_| {
+            Err(ModelError::Invalid("simulated crash".into()))
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("simulated crash"));
+        assert_eq!(std::fs::read(out.join("model.safetensors")).unwrap(), before);
+        assert_eq!(std::fs::read_to_string(out.join("marker")).unwrap(), "first");
+        assert!(!out.join("model.safetensors.index.json").exists());
+        // No temporary folder is left behind.
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["ckpt".to_string()]);
+    }
+
+    #[test]
+    fn bf16_checkpoints_round_trip() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        let m = model(Arch::Qwen2);
+        save_checkpoint(&m, &out, &SaveOptions { dtype: Some(DType::BF16), ..Default::default() }, |_| Ok(())).unwrap();
+        let back = load_decoder(&out, DType::BF16, &Device::Cpu, false).unwrap();
+        let (a, b) = (logprobs(&m), logprobs(&back));
+        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 0.05, "bf16 round trip differs by {d}");
+    }
+}

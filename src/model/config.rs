@@ -251,7 +251,7 @@ impl ModelConfig {
             "num_hidden_layers": layers,
             "num_attention_heads": heads,
             "num_key_value_heads": kv_heads,
-            "head_dim": if heads > 0 { hidden / heads } else { 0 },
+            "head_dim": hidden.checked_div(heads).unwrap_or(0),
             "hidden_act": "silu",
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,

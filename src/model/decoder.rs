@@ -890,7 +890,7 @@ mod tests {
                 // The coordinate with the largest gradient (a well-conditioned check).
                 let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
                 let eps = 1e-2f32;
-                let mut shifted = |delta: f32| {
+                let shifted = |delta: f32| {
                     let mut v = flat.clone();
                     v[j] += delta;
                     var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();

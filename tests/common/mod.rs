@@ -1,0 +1,60 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+
+pub fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+pub fn grpo() -> assert_cmd::Command {
+    assert_cmd::Command::cargo_bin("grpo").expect("the grpo binary")
+}
+
+/// The SmolLM2-135M weights made by scripts/make-smollm2.sh, or None with a clear message.
+pub fn smollm2() -> Option<PathBuf> {
+    let dir = root().join("tests/fixtures/models/smollm2-135m");
+    if dir.join("model.safetensors").exists() {
+        Some(dir)
+    } else {
+        eprintln!(
+            "SKIPPED: {} is absent; run scripts/make-smollm2.sh (needs ../shared and `pip install gguf numpy`)",
+            dir.display()
+        );
+        None
+    }
+}
+
+/// Make a tiny model with `grpo init-tiny` (same shape as the parity fixtures).
+pub fn init_tiny(arch: &str, tokenizer: &str, out: &Path) {
+    grpo()
+        .args(["init-tiny", "--arch", arch, "--tokenizer"])
+        .arg(root().join("data/tokenizers").join(tokenizer))
+        .arg("--out")
+        .arg(out)
+        .args([
+            "--layers",
+            "2",
+            "--hidden",
+            "64",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--intermediate",
+            "128",
+            "--seed",
+            "7",
+        ])
+        .assert()
+        .success();
+}
+
+pub fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
