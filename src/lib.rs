@@ -14,4 +14,5 @@ pub mod eval;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;
+pub mod objective;
 pub mod reward;
