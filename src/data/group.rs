@@ -191,7 +191,28 @@ pub(crate) enum Measure<'a> {
     Chars,
     /// Prompt = chat-template rendering of [system?, user] with the generation prompt (or the bare
     /// question when the tokenizer has no template); response = its tokens, plus one EOS when `eos`.
-    Tokens { tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool },
+    Tokens { tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool, prompts: PromptCache },
+}
+
+/// Prompt lengths by question hash: the answers of a question share their prompt, and rendering the
+/// chat template is the slow part. Cleared when full, so it stays small.
+#[derive(Default)]
+pub(crate) struct PromptCache(std::sync::Mutex<std::collections::HashMap<u64, u32>>);
+
+impl PromptCache {
+    const MAX: usize = 1 << 16;
+    fn get_or(&self, q: u64, f: impl FnOnce() -> Result<u32, DataError>) -> Result<u32, DataError> {
+        if let Some(&n) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&q) {
+            return Ok(n);
+        }
+        let n = f()?;
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= Self::MAX {
+            map.clear();
+        }
+        map.insert(q, n);
+        Ok(n)
+    }
 }
 
 impl Measure<'_> {
@@ -202,13 +223,17 @@ impl Measure<'_> {
         }
     }
 
-    fn lengths(&self, row: &Row) -> Result<(u32, u32), DataError> {
+    pub(crate) fn tokens<'a>(tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool) -> Measure<'a> {
+        Measure::Tokens { tok, system, eos, prompts: PromptCache::default() }
+    }
+
+    fn lengths(&self, qhash: u64, row: &Row) -> Result<(u32, u32), DataError> {
         match self {
             Measure::Chars => Ok((row.question.chars().count() as u32, row.response.chars().count() as u32)),
-            Measure::Tokens { tok, system, eos } => {
-                let p = prompt_tokens(tok, *system, &row.question)?.len();
+            Measure::Tokens { tok, system, eos, prompts } => {
+                let p = prompts.get_or(qhash, || Ok(prompt_tokens(tok, *system, &row.question)?.len() as u32))?;
                 let r = tok.encode(&row.response, false)?.len() + *eos as usize;
-                Ok((p as u32, r as u32))
+                Ok((p, r as u32))
             }
         }
     }
@@ -306,11 +331,11 @@ fn form_groups(
     Ok(())
 }
 
-fn record_of(rref: RowRef, row: &Row, opts: &GroupOptions, lengths: (u32, u32)) -> Record {
+fn record_of(rref: RowRef, qhash: u64, row: &Row, opts: &GroupOptions, lengths: (u32, u32)) -> Record {
     let mut rh = Fnv::new();
     rh.write(row.response.as_bytes());
     Record {
-        qhash: question_hash(&row.question),
+        qhash,
         rhash: rh.finish(),
         rref,
         prompt_len: lengths.0,
@@ -333,8 +358,9 @@ pub fn group_rows(rows: Vec<Row>, opts: &GroupOptions) -> (Vec<LabeledGroup>, St
             stats.rows_filtered += 1;
             continue;
         }
-        let lengths = Measure::Chars.lengths(row).unwrap_or_default();
-        records.push(record_of(RowRef { file: 0, ordinal: i as u64 }, row, opts, lengths));
+        let q = question_hash(&row.question);
+        let lengths = Measure::Chars.lengths(q, row).unwrap_or_default();
+        records.push(record_of(RowRef { file: 0, ordinal: i as u64 }, q, row, opts, lengths));
     }
     let mut rows: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
     let mut groups = Vec::new();
@@ -407,7 +433,7 @@ pub fn scan(
     on_bad: &mut dyn FnMut(&BadRow),
 ) -> Result<Stats, DataError> {
     let measure = match tokenizer {
-        Some(tok) => Measure::Tokens { tok, system: None, eos: false },
+        Some(tok) => Measure::tokens(tok, None, false),
         None => Measure::Chars,
     };
     scan_with(files, opts, &measure, &Limits::default(), on_bad, &mut |_| Ok(()))
@@ -446,10 +472,13 @@ pub(crate) fn scan_with(
             |rref, parsed| match parsed {
                 Err(bad) => Item::Bad(Box::new(bad)),
                 Ok(row) if !opts.group.keeps(&row) => Item::Filtered,
-                Ok(row) => match measure.lengths(&row) {
-                    Ok(lengths) => Item::Rec(record_of(rref, &row, &opts.group, lengths)),
-                    Err(e) => Item::Fail(e),
-                },
+                Ok(row) => {
+                    let q = question_hash(&row.question);
+                    match measure.lengths(q, &row) {
+                        Ok(lengths) => Item::Rec(record_of(rref, q, &row, &opts.group, lengths)),
+                        Err(e) => Item::Fail(e),
+                    }
+                }
             },
             |item| {
                 stats.rows_read += 1;
@@ -510,7 +539,7 @@ mod tests {
 
     #[test]
     fn record_round_trip() {
-        let rec = record_of(RowRef { file: 3, ordinal: 99 }, &row("Q", "\\boxed{7}"), &GroupOptions::default(), (4, 5));
+        let rec = record_of(RowRef { file: 3, ordinal: 99 }, 5, &row("Q", "\\boxed{7}"), &GroupOptions::default(), (4, 5));
         let mut buf = Vec::new();
         rec.write(&mut buf).unwrap();
         rec.write(&mut buf).unwrap();

@@ -114,16 +114,6 @@ struct Manifest {
     created_by: String,
 }
 
-/// `stats.json` of a prepared folder: the data stats plus the tokenisation counters.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct PreparedStats {
-    #[serde(flatten)]
-    stats: Stats,
-    tokens: u64,
-    teacher_logprobs_kept: u64,
-    teacher_logprobs_mismatched: u64,
-}
-
 fn input_info(p: &Path) -> Result<InputInfo, DataError> {
     let m = std::fs::metadata(p).map_err(io_err(p))?;
     let modified_ns = m
@@ -257,7 +247,7 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
                 reasons = differences(&old, &manifest);
                 if reasons.is_empty() && !opts.force {
                     let spath = out.join("stats.json");
-                    let stats: PreparedStats = std::fs::read_to_string(&spath)
+                    let stats: Stats = std::fs::read_to_string(&spath)
                         .ok()
                         .and_then(|t| serde_json::from_str(&t).ok())
                         .ok_or_else(|| DataError::Format { path: spath, message: "missing or unreadable".into() })?;
@@ -266,7 +256,7 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
                         out: out.clone(),
                         skipped: true,
                         reasons,
-                        stats: stats.stats,
+                        stats,
                         groups: old.groups,
                         responses: old.responses,
                         tokens: old.tokens,
@@ -303,7 +293,7 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         partitions: opts.partitions,
         spill_dir: Some(out.clone()),
     };
-    let measure = Measure::Tokens { tok: &tok, system: opts.system_prompt.as_deref(), eos: true };
+    let measure = Measure::tokens(&tok, opts.system_prompt.as_deref(), true);
     let limit = |n: usize| if n == 0 { None } else { Some(n.min(u32::MAX as usize) as u32) };
     let limits = Limits {
         max_prompt: limit(opts.max_prompt_tokens),
@@ -453,15 +443,12 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         tracing::warn!("{lp_mismatched} responses had teacher log-probs of the wrong length: left out");
     }
     stats.length_unit = "tokens".into();
-    let pstats = PreparedStats {
-        stats: stats.clone(),
-        tokens,
-        teacher_logprobs_kept: lp_kept,
-        teacher_logprobs_mismatched: lp_mismatched,
-    };
+    stats.tokens = tokens;
+    stats.teacher_logprobs_kept = lp_kept;
+    stats.teacher_logprobs_mismatched = lp_mismatched;
     let spath = out.join("stats.json");
     let mut sf = AtomicFile::create(Some(&spath)).map_err(io_err(&spath))?;
-    serde_json::to_writer_pretty(&mut sf, &pstats).map_err(|e| io_err(&spath)(e.into()))?;
+    serde_json::to_writer_pretty(&mut sf, &stats).map_err(|e| io_err(&spath)(e.into()))?;
     sf.commit().map_err(io_err(&spath))?;
     manifest.groups = n_groups;
     manifest.responses = n_responses;

@@ -57,6 +57,15 @@ pub struct Stats {
     pub prompt_length: LengthSummary,
     /// Length of each kept response.
     pub response_length: LengthSummary,
+    /// Tokens written (prepare only).
+    #[serde(default)]
+    pub tokens: u64,
+    /// Responses whose teacher log-probs were kept / left out for a length that does not match the
+    /// tokenisation (prepare only).
+    #[serde(default)]
+    pub teacher_logprobs_kept: u64,
+    #[serde(default)]
+    pub teacher_logprobs_mismatched: u64,
 }
 
 impl Stats {
@@ -291,9 +300,9 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
     let panels = root.split_evenly((1, 3));
 
     // 1. Pie of group kinds.
-    let pie_area = &panels[0];
-    pie_area
-        .titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 22))
+    let pie_area = panels[0].margin(12, 0, 0, 0);
+    let pie_area = pie_area
+        .titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 20))
         .map_err(|x| e(&x))?;
     let kinds = [
         ("all positive", stats.all_positive_groups, RGBColor(0x4c, 0x9b, 0xe8)),
@@ -309,7 +318,7 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
         let sizes: Vec<f64> = present.iter().map(|k| k.1 as f64).collect();
         let colors: Vec<RGBColor> = present.iter().map(|k| k.2).collect();
         let labels: Vec<String> = present.iter().map(|k| format!("{} ({})", k.0, k.1)).collect();
-        let center = (250, 260);
+        let center = (250, 230);
         let radius = 140.0;
         let mut pie = Pie::new(&center, &radius, &sizes, &colors, &labels);
         pie.start_angle(-90.0);
