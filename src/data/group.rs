@@ -1,0 +1,579 @@
+//! Grouping the answers of one question (the same human turn, whitespace-normalised) into a group,
+//! wherever its rows are in the inputs.
+//!
+//! [`scan`] streams in bounded memory: a first pass writes one compact record per row (question hash,
+//! row position, extracted answer, lengths; never the text) into one of K hash-partitioned spill files,
+//! then each partition is grouped on its own. [`group_rows`] does the same in memory on rows already read
+//! and keeps the text. Both pick at most G answers per group reproducibly from the seed (the choice does
+//! not depend on row order), drop groups smaller than the minimum, and label groups with [`label_answers`].
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use super::label::{label_answers, Labels};
+use super::reader::{scan_file, BadRow, ReadOptions, Row, RowRef};
+use super::stats::{LengthHistogram, Stats};
+use super::{io_err, question_hash, question_id, DataError, Fnv};
+use crate::model::tokenizer::ChatTokenizer;
+use crate::reward::{extract_answer, ExtractOptions};
+
+/// How rows become groups.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct GroupOptions {
+    /// At most this many answers per group (G); 0 keeps all.
+    pub group_size: usize,
+    /// Groups with fewer answers are dropped (and counted).
+    pub min_group_size: usize,
+    /// Seed of the choice of G answers among more.
+    pub seed: u64,
+    /// Keep only rows of these domains (empty: all).
+    pub domains: Vec<String>,
+    /// Keep only rows of these sources (empty: all).
+    pub sources: Vec<String>,
+    /// Answer extraction for the labels.
+    pub extract: ExtractOptions,
+}
+
+impl Default for GroupOptions {
+    fn default() -> Self {
+        Self {
+            group_size: 8,
+            min_group_size: 2,
+            seed: 0,
+            domains: vec![],
+            sources: vec![],
+            extract: ExtractOptions::default(),
+        }
+    }
+}
+
+impl GroupOptions {
+    fn keeps(&self, row: &Row) -> bool {
+        let ok = |list: &[String], v: &Option<String>| {
+            list.is_empty() || v.as_ref().is_some_and(|v| list.iter().any(|x| x.eq_ignore_ascii_case(v)))
+        };
+        ok(&self.domains, &row.domain) && ok(&self.sources, &row.source)
+    }
+}
+
+/// Options of the streaming [`scan`].
+#[derive(Debug, Clone, Default)]
+pub struct ScanOptions {
+    pub read: ReadOptions,
+    pub group: GroupOptions,
+    /// Fail at the first bad row instead of skipping it.
+    pub strict: bool,
+    /// Number of spill partitions (0: from the input size).
+    pub partitions: usize,
+    /// Where the spill files go (default: the system temporary folder).
+    pub spill_dir: Option<PathBuf>,
+}
+
+/// One response of a [`LabeledGroup`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LabeledResponse {
+    pub text: String,
+    pub answer: Option<String>,
+    pub reward: f32,
+    pub teacher_logprobs: Option<Vec<f32>>,
+}
+
+/// A question with its chosen answers and their labels (in memory, full text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LabeledGroup {
+    pub question_hash: u64,
+    pub question_id: String,
+    pub question: String,
+    pub domain: Option<String>,
+    pub source: Option<String>,
+    pub responses: Vec<LabeledResponse>,
+    pub majority: Option<String>,
+    pub majority_count: usize,
+    pub vote_margin: usize,
+}
+
+/// The compact per-row record of the first pass.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Record {
+    pub qhash: u64,
+    /// Hash of the response text (the reproducible choice of G answers depends on it, not on row order).
+    pub rhash: u64,
+    pub rref: RowRef,
+    pub prompt_len: u32,
+    pub response_len: u32,
+    pub has_logprobs: bool,
+    pub answer: Option<String>,
+    pub domain: Option<String>,
+    pub source: Option<String>,
+}
+
+fn put_str(w: &mut impl Write, s: &Option<String>) -> std::io::Result<()> {
+    match s {
+        None => w.write_all(&u32::MAX.to_le_bytes()),
+        Some(s) => {
+            w.write_all(&(s.len() as u32).to_le_bytes())?;
+            w.write_all(s.as_bytes())
+        }
+    }
+}
+
+fn get_u32(r: &mut impl Read) -> std::io::Result<u32> {
+    let mut b = [0u8; 4];
+    r.read_exact(&mut b)?;
+    Ok(u32::from_le_bytes(b))
+}
+
+fn get_u64(r: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    r.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
+}
+
+fn get_str(r: &mut impl Read) -> std::io::Result<Option<String>> {
+    let n = get_u32(r)?;
+    if n == u32::MAX {
+        return Ok(None);
+    }
+    let mut b = vec![0u8; n as usize];
+    r.read_exact(&mut b)?;
+    String::from_utf8(b).map(Some).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+impl Record {
+    fn write(&self, w: &mut impl Write) -> std::io::Result<()> {
+        w.write_all(&self.qhash.to_le_bytes())?;
+        w.write_all(&self.rhash.to_le_bytes())?;
+        w.write_all(&self.rref.file.to_le_bytes())?;
+        w.write_all(&self.rref.ordinal.to_le_bytes())?;
+        w.write_all(&self.prompt_len.to_le_bytes())?;
+        w.write_all(&self.response_len.to_le_bytes())?;
+        w.write_all(&[self.has_logprobs as u8])?;
+        put_str(w, &self.answer)?;
+        put_str(w, &self.domain)?;
+        put_str(w, &self.source)
+    }
+
+    /// Read one record; Ok(None) at a clean end of file.
+    fn read(r: &mut impl Read) -> std::io::Result<Option<Self>> {
+        let mut b = [0u8; 8];
+        match r.read_exact(&mut b) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) => return Err(e),
+        }
+        let qhash = u64::from_le_bytes(b);
+        let rhash = get_u64(r)?;
+        let file = get_u32(r)?;
+        let ordinal = get_u64(r)?;
+        let prompt_len = get_u32(r)?;
+        let response_len = get_u32(r)?;
+        let mut f = [0u8; 1];
+        r.read_exact(&mut f)?;
+        Ok(Some(Record {
+            qhash,
+            rhash,
+            rref: RowRef { file, ordinal },
+            prompt_len,
+            response_len,
+            has_logprobs: f[0] != 0,
+            answer: get_str(r)?,
+            domain: get_str(r)?,
+            source: get_str(r)?,
+        }))
+    }
+}
+
+/// How lengths are measured in the first pass.
+pub(crate) enum Measure<'a> {
+    Chars,
+    /// Prompt = chat-template rendering of [system?, user] with the generation prompt (or the bare
+    /// question when the tokenizer has no template); response = its tokens, plus one EOS when `eos`.
+    Tokens { tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool, prompts: PromptCache },
+}
+
+/// Prompt lengths by question hash: the answers of a question share their prompt, and rendering the
+/// chat template is the slow part. Cleared when full, so it stays small.
+#[derive(Default)]
+pub(crate) struct PromptCache(std::sync::Mutex<std::collections::HashMap<u64, u32>>);
+
+impl PromptCache {
+    const MAX: usize = 1 << 16;
+    fn get_or(&self, q: u64, f: impl FnOnce() -> Result<u32, DataError>) -> Result<u32, DataError> {
+        if let Some(&n) = self.0.lock().unwrap_or_else(|e| e.into_inner()).get(&q) {
+            return Ok(n);
+        }
+        let n = f()?;
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= Self::MAX {
+            map.clear();
+        }
+        map.insert(q, n);
+        Ok(n)
+    }
+}
+
+impl Measure<'_> {
+    pub(crate) fn unit(&self) -> &'static str {
+        match self {
+            Measure::Chars => "characters",
+            Measure::Tokens { .. } => "tokens",
+        }
+    }
+
+    pub(crate) fn tokens<'a>(tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool) -> Measure<'a> {
+        Measure::Tokens { tok, system, eos, prompts: PromptCache::default() }
+    }
+
+    fn lengths(&self, qhash: u64, row: &Row) -> Result<(u32, u32), DataError> {
+        match self {
+            Measure::Chars => Ok((row.question.chars().count() as u32, row.response.chars().count() as u32)),
+            Measure::Tokens { tok, system, eos, prompts } => {
+                let p = prompts.get_or(qhash, || Ok(prompt_tokens(tok, *system, &row.question)?.len() as u32))?;
+                let r = tok.encode(&row.response, false)?.len() + *eos as usize;
+                Ok((p, r as u32))
+            }
+        }
+    }
+}
+
+/// The prompt tokens of a question: the chat template's rendering of [system?, user] with the generation
+/// prompt, encoded without special tokens (or the bare question with them, for tokenizers without a
+/// template).
+pub(crate) fn prompt_tokens(tok: &ChatTokenizer, system: Option<&str>, question: &str) -> Result<Vec<u32>, DataError> {
+    if tok.has_template() {
+        let text = tok.render_prompt(system, question)?;
+        Ok(tok.encode(&text, false)?)
+    } else {
+        Ok(tok.encode(question, true)?)
+    }
+}
+
+/// Length limits applied while grouping (prepare).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Limits {
+    pub max_prompt: Option<u32>,
+    pub max_response: Option<u32>,
+    /// Drop over-long responses (true) or keep them truncated (false).
+    pub drop_long: bool,
+}
+
+/// A group as the streaming scan delivers it: records of the chosen answers, in group order.
+pub(crate) struct ScannedGroup {
+    pub qhash: u64,
+    pub records: Vec<Record>,
+    pub labels: Labels,
+}
+
+fn choice_key(seed: u64, r: &Record) -> u64 {
+    let mut h = Fnv::new();
+    h.write_u64(seed);
+    h.write_u64(r.qhash);
+    h.write_u64(r.rhash);
+    h.finish()
+}
+
+/// Group records (any order) into labelled groups, in order of question hash.
+fn form_groups(
+    mut records: Vec<Record>,
+    opts: &GroupOptions,
+    limits: &Limits,
+    stats: &mut Stats,
+    hists: &mut (LengthHistogram, LengthHistogram),
+    on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
+) -> Result<(), DataError> {
+    records.sort_by_cached_key(|r| (r.qhash, choice_key(opts.seed, r), r.rref));
+    let mut start = 0;
+    while start < records.len() {
+        let q = records[start].qhash;
+        let end = start + records[start..].iter().take_while(|r| r.qhash == q).count();
+        let mut members: Vec<Record> = records[start..end].to_vec();
+        start = end;
+        stats.questions += 1;
+        if let Some(max) = limits.max_prompt {
+            if members[0].prompt_len > max {
+                stats.groups_dropped_long_prompt += 1;
+                continue;
+            }
+        }
+        if let (Some(max), true) = (limits.max_response, limits.drop_long) {
+            let before = members.len();
+            members.retain(|r| r.response_len <= max);
+            stats.responses_dropped_long += (before - members.len()) as u64;
+        }
+        if members.len() < opts.min_group_size.max(1) {
+            stats.groups_dropped_small += 1;
+            continue;
+        }
+        if opts.group_size > 0 && members.len() > opts.group_size {
+            stats.responses_over_cap += (members.len() - opts.group_size) as u64;
+            members.truncate(opts.group_size);
+        }
+        let answers: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
+        let labels = label_answers(&answers);
+        let no_answer = answers.iter().filter(|a| a.is_none()).count();
+        stats.add_group(labels.kind(), labels.vote_margin, members.len(), no_answer);
+        hists.0.add(members[0].prompt_len as u64);
+        for r in &members {
+            let mut len = r.response_len;
+            if let (Some(max), false) = (limits.max_response, limits.drop_long) {
+                if len > max {
+                    stats.responses_truncated += 1;
+                    len = max;
+                }
+            }
+            hists.1.add(len as u64);
+        }
+        on_group(ScannedGroup { qhash: q, records: members, labels })?;
+    }
+    Ok(())
+}
+
+fn record_of(rref: RowRef, qhash: u64, row: &Row, opts: &GroupOptions, lengths: (u32, u32)) -> Record {
+    let mut rh = Fnv::new();
+    rh.write(row.response.as_bytes());
+    Record {
+        qhash,
+        rhash: rh.finish(),
+        rref,
+        prompt_len: lengths.0,
+        response_len: lengths.1,
+        has_logprobs: row.teacher_logprobs.is_some(),
+        answer: extract_answer(&row.response, &opts.extract),
+        domain: row.domain.clone(),
+        source: row.source.clone(),
+    }
+}
+
+/// Group rows already in memory (lengths in characters). Returns the labelled groups in a fixed order
+/// (by question hash) and their stats; `rows_read` counts the given rows.
+pub fn group_rows(rows: Vec<Row>, opts: &GroupOptions) -> (Vec<LabeledGroup>, Stats) {
+    let mut stats = Stats { length_unit: "characters".into(), ..Stats::default() };
+    stats.rows_read = rows.len() as u64;
+    let mut records = Vec::with_capacity(rows.len());
+    for (i, row) in rows.iter().enumerate() {
+        if !opts.keeps(row) {
+            stats.rows_filtered += 1;
+            continue;
+        }
+        let q = question_hash(&row.question);
+        let lengths = Measure::Chars.lengths(q, row).unwrap_or_default();
+        records.push(record_of(RowRef { file: 0, ordinal: i as u64 }, q, row, opts, lengths));
+    }
+    let mut rows: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
+    let mut groups = Vec::new();
+    let mut hists = Default::default();
+    let _ = form_groups(records, opts, &Limits::default(), &mut stats, &mut hists, &mut |g| {
+        let mut responses = Vec::with_capacity(g.records.len());
+        let mut first: Option<Row> = None;
+        for (rec, &reward) in g.records.iter().zip(&g.labels.rewards) {
+            let row = rows[rec.rref.ordinal as usize].take().unwrap_or_else(|| unreachable!("row used twice"));
+            responses.push(LabeledResponse {
+                text: row.response.clone(),
+                answer: rec.answer.clone(),
+                reward,
+                teacher_logprobs: row.teacher_logprobs.clone(),
+            });
+            first.get_or_insert(row);
+        }
+        let first = first.unwrap_or_else(|| unreachable!("groups are never empty"));
+        groups.push(LabeledGroup {
+            question_hash: g.qhash,
+            question_id: question_id(g.qhash),
+            question: first.question,
+            domain: first.domain,
+            source: first.source,
+            responses,
+            majority: g.labels.majority,
+            majority_count: g.labels.majority_count,
+            vote_margin: g.labels.vote_margin,
+        });
+        Ok(())
+    });
+    stats.prompt_length = hists.0.summary();
+    stats.response_length = hists.1.summary();
+    (groups, stats)
+}
+
+/// A folder removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new(parent: Option<&Path>) -> Result<Self, DataError> {
+        let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        let dir = parent.join(format!("grpo-spill-{}-{nanos}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
+        Ok(TempDir(dir))
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+enum Item {
+    Bad(Box<BadRow>),
+    Filtered,
+    Rec(Record),
+    Fail(DataError),
+}
+
+/// Stream the inputs, group and label in bounded memory, and return the stats. Bad rows go to `on_bad`
+/// (and end the run in strict mode). With a tokenizer, lengths are in tokens (prompt rendered with the
+/// chat template), otherwise in characters.
+pub fn scan(
+    files: &[PathBuf],
+    opts: &ScanOptions,
+    tokenizer: Option<&ChatTokenizer>,
+    on_bad: &mut dyn FnMut(&BadRow),
+) -> Result<Stats, DataError> {
+    let measure = match tokenizer {
+        Some(tok) => Measure::tokens(tok, None, false),
+        None => Measure::Chars,
+    };
+    scan_with(files, opts, &measure, &Limits::default(), on_bad, &mut |_| Ok(()))
+}
+
+/// The streaming scan with explicit length measure, limits and a consumer of the groups.
+pub(crate) fn scan_with(
+    files: &[PathBuf],
+    opts: &ScanOptions,
+    measure: &Measure<'_>,
+    limits: &Limits,
+    on_bad: &mut dyn FnMut(&BadRow),
+    on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
+) -> Result<Stats, DataError> {
+    let total_bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
+    let k = if opts.partitions > 0 {
+        opts.partitions
+    } else {
+        (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512)
+    };
+    let spill = TempDir::new(opts.spill_dir.as_deref())?;
+    let part_path = |i: usize| spill.0.join(format!("part-{i:04}.bin"));
+    let mut writers = Vec::with_capacity(k);
+    for i in 0..k {
+        let p = part_path(i);
+        writers.push(BufWriter::with_capacity(64 << 10, File::create(&p).map_err(io_err(&p))?));
+    }
+    let mut stats = Stats { length_unit: measure.unit().to_string(), ..Stats::default() };
+    let bar = crate::cli::progress_bar(None, "rows");
+    for (fi, path) in files.iter().enumerate() {
+        tracing::debug!("reading {}", path.display());
+        scan_file(
+            fi as u32,
+            path,
+            &opts.read,
+            |rref, parsed| match parsed {
+                Err(bad) => Item::Bad(Box::new(bad)),
+                Ok(row) if !opts.group.keeps(&row) => Item::Filtered,
+                Ok(row) => {
+                    let q = question_hash(&row.question);
+                    match measure.lengths(q, &row) {
+                        Ok(lengths) => Item::Rec(record_of(rref, q, &row, &opts.group, lengths)),
+                        Err(e) => Item::Fail(e),
+                    }
+                }
+            },
+            |item| {
+                stats.rows_read += 1;
+                bar.inc(1);
+                match item {
+                    Item::Bad(bad) => {
+                        stats.skip(&bad);
+                        on_bad(&bad);
+                        if opts.strict {
+                            return Err(DataError::BadRow(bad));
+                        }
+                    }
+                    Item::Filtered => stats.rows_filtered += 1,
+                    Item::Rec(rec) => {
+                        let i = ((rec.qhash >> 40) % k as u64) as usize;
+                        rec.write(&mut writers[i]).map_err(io_err(part_path(i)))?;
+                    }
+                    Item::Fail(e) => return Err(e),
+                }
+                Ok(())
+            },
+        )?;
+    }
+    bar.finish_and_clear();
+    for (i, w) in writers.into_iter().enumerate() {
+        w.into_inner().map_err(|e| DataError::Io { path: part_path(i), source: e.into_error() })?;
+    }
+    let mut hists = Default::default();
+    for i in 0..k {
+        let p = part_path(i);
+        let mut r = BufReader::with_capacity(1 << 20, File::open(&p).map_err(io_err(&p))?);
+        let mut records = Vec::new();
+        while let Some(rec) = Record::read(&mut r).map_err(io_err(&p))? {
+            records.push(rec);
+        }
+        let _ = std::fs::remove_file(&p);
+        form_groups(records, &opts.group, limits, &mut stats, &mut hists, on_group)?;
+    }
+    stats.prompt_length = hists.0.summary();
+    stats.response_length = hists.1.summary();
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(q: &str, r: &str) -> Row {
+        Row {
+            question: q.into(),
+            response: r.into(),
+            domain: Some("math".into()),
+            source: None,
+            difficulty: None,
+            teacher_logprobs: None,
+        }
+    }
+
+    #[test]
+    fn record_round_trip() {
+        let rec = record_of(RowRef { file: 3, ordinal: 99 }, 5, &row("Q", "\\boxed{7}"), &GroupOptions::default(), (4, 5));
+        let mut buf = Vec::new();
+        rec.write(&mut buf).unwrap();
+        rec.write(&mut buf).unwrap();
+        let mut r = &buf[..];
+        assert_eq!(Record::read(&mut r).unwrap(), Some(rec.clone()));
+        assert_eq!(Record::read(&mut r).unwrap(), Some(rec));
+        assert_eq!(Record::read(&mut r).unwrap(), None);
+    }
+
+    #[test]
+    fn cap_min_size_and_filters() {
+        let mut rows = Vec::new();
+        for i in 0..5 {
+            rows.push(row("Q1", &format!("answer {i} \\boxed{{{}}}", if i < 4 { 1 } else { 2 })));
+        }
+        rows.push(row("Q2", "\\boxed{3}"));
+        let mut other = row("Q3", "\\boxed{3}");
+        other.domain = Some("code".into());
+        rows.push(other);
+        let opts = GroupOptions { group_size: 3, min_group_size: 2, domains: vec!["math".into()], ..Default::default() };
+        let (groups, stats) = group_rows(rows.clone(), &opts);
+        assert_eq!(groups.len(), 1);
+        assert_eq!(groups[0].responses.len(), 3);
+        assert_eq!((stats.questions, stats.groups_dropped_small, stats.rows_filtered), (2, 1, 1));
+        assert_eq!(stats.responses_over_cap, 2);
+        // The choice does not depend on row order, and another seed may choose differently.
+        let mut reversed = rows.clone();
+        reversed.reverse();
+        let (again, _) = group_rows(reversed, &opts);
+        assert_eq!(again, groups);
+        let chosen = |seed| {
+            let (g, _) = group_rows(rows.clone(), &GroupOptions { seed, ..opts.clone() });
+            g[0].responses.iter().map(|r| r.text.clone()).collect::<Vec<_>>()
+        };
+        assert!((1..20).any(|s| chosen(s) != chosen(0)));
+    }
+}

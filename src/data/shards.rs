@@ -1,0 +1,452 @@
+//! The prepared-data format and its memory-mapped reader [`PreparedDataset`].
+//!
+//! A prepared folder holds:
+//! - `manifest.json`: format, inputs (size, modification time), tokenizer fingerprint, options, counts,
+//!   token shard names (written last: a folder without it is incomplete);
+//! - `stats.json`: the [`super::Stats`] of the data as prepared;
+//! - `groups.jsonl`: one line per group, in group index order ([`GroupMeta`]);
+//! - `prompts.bin`: per group 16 bytes (shard u32, length u32, offset u64 in tokens), little-endian;
+//! - `responses.bin`: per response 32 bytes (shard u32, length u32, offset u64, log-prob offset u64,
+//!   log-prob length u32, flags u32: bit 0 written, bit 1 truncated), responses of group g at
+//!   `first_response .. first_response + n_responses`;
+//! - `tokens-NNNNN.u32`: token ids (u32 little-endian), prompts and responses, rotated at a size limit;
+//! - `logprobs.f32`: teacher log-probs (f32 little-endian) aligned with the response tokens.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use memmap2::Mmap;
+use serde::{Deserialize, Serialize};
+
+use super::{io_err, DataError};
+
+pub(crate) const FORMAT: &str = "grpo-prepared-v1";
+const PROMPT_REC: usize = 16;
+const RESP_REC: usize = 32;
+const FLAG_WRITTEN: u32 = 1;
+const FLAG_TRUNCATED: u32 = 2;
+
+/// Metadata of one group (one line of `groups.jsonl`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct GroupMeta {
+    pub question_id: String,
+    pub domain: Option<String>,
+    pub source: Option<String>,
+    pub first_response: u64,
+    pub n_responses: u32,
+    pub majority: Option<String>,
+    pub majority_count: usize,
+    pub vote_margin: usize,
+    pub answers: Vec<Option<String>>,
+    pub rewards: Vec<f32>,
+}
+
+/// One response of a prepared [`Group`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response {
+    /// Response tokens only (the answer text, then EOS unless truncated).
+    pub tokens: Vec<u32>,
+    pub reward: f32,
+    pub answer: Option<String>,
+    /// Cut at the response-token limit (no EOS at the end).
+    pub truncated: bool,
+    /// Teacher log-prob of each token of `tokens`, when the data had them.
+    pub teacher_logprobs: Option<Vec<f32>>,
+}
+
+/// One prepared group: the rendered prompt and the chosen answers with their labels.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Group {
+    pub index: usize,
+    /// Hash of the question text (16 hex digits).
+    pub question_id: String,
+    pub domain: Option<String>,
+    pub source: Option<String>,
+    /// Chat-template rendering of [system?, user] with the generation prompt, as tokens. The full
+    /// sequence of response i is `prompt_tokens ++ responses[i].tokens`.
+    pub prompt_tokens: Vec<u32>,
+    pub responses: Vec<Response>,
+    pub majority: Option<String>,
+    pub majority_count: usize,
+    pub vote_margin: usize,
+}
+
+impl Group {
+    /// Every reward is 1 (the case the all-positive bias b exists for).
+    pub fn is_all_positive(&self) -> bool {
+        self.responses.iter().all(|r| r.reward > 0.0)
+    }
+}
+
+fn shard_name(i: usize) -> String {
+    format!("tokens-{i:05}.u32")
+}
+
+/// Writes token shards and the fixed-size prompt / response tables (positioned writes, any order).
+pub(crate) struct ShardWriter {
+    dir: PathBuf,
+    prompts: File,
+    responses: File,
+    shard: BufWriter<File>,
+    shard_index: usize,
+    shard_len: u64,
+    shard_limit: u64,
+    logprobs: BufWriter<File>,
+    logprobs_len: u64,
+    prompts_written: u64,
+    responses_written: u64,
+    pub tokens_total: u64,
+}
+
+fn write_at(file: &File, path: &Path, pos: u64, bytes: &[u8]) -> Result<(), DataError> {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::FileExt;
+        file.write_all_at(bytes, pos).map_err(io_err(path))
+    }
+    #[cfg(not(unix))]
+    {
+        use std::io::{Seek, SeekFrom};
+        let mut f = file;
+        f.seek(SeekFrom::Start(pos)).map_err(io_err(path))?;
+        f.write_all(bytes).map_err(io_err(path))
+    }
+}
+
+impl ShardWriter {
+    pub(crate) fn create(dir: &Path, groups: u64, responses: u64, shard_limit: u64) -> Result<Self, DataError> {
+        let table = |name: &str, len: u64| -> Result<File, DataError> {
+            let p = dir.join(name);
+            let f = File::options()
+                .create(true)
+                .truncate(true)
+                .read(true)
+                .write(true)
+                .open(&p)
+                .map_err(io_err(&p))?;
+            f.set_len(len).map_err(io_err(&p))?;
+            Ok(f)
+        };
+        let prompts = table("prompts.bin", groups * PROMPT_REC as u64)?;
+        let responses = table("responses.bin", responses * RESP_REC as u64)?;
+        let first = dir.join(shard_name(0));
+        let lp = dir.join("logprobs.f32");
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            prompts,
+            responses,
+            shard: BufWriter::with_capacity(1 << 20, File::create(&first).map_err(io_err(&first))?),
+            shard_index: 0,
+            shard_len: 0,
+            shard_limit: shard_limit.max(1),
+            logprobs: BufWriter::with_capacity(1 << 20, File::create(&lp).map_err(io_err(&lp))?),
+            logprobs_len: 0,
+            prompts_written: 0,
+            responses_written: 0,
+            tokens_total: 0,
+        })
+    }
+
+    fn append(&mut self, tokens: &[u32]) -> Result<(u32, u64), DataError> {
+        if self.shard_len > 0 && self.shard_len + tokens.len() as u64 > self.shard_limit {
+            self.shard.flush().map_err(io_err(self.dir.join(shard_name(self.shard_index))))?;
+            self.shard_index += 1;
+            let p = self.dir.join(shard_name(self.shard_index));
+            self.shard = BufWriter::with_capacity(1 << 20, File::create(&p).map_err(io_err(&p))?);
+            self.shard_len = 0;
+        }
+        let at = (self.shard_index as u32, self.shard_len);
+        let mut buf = Vec::with_capacity(tokens.len() * 4);
+        for t in tokens {
+            buf.extend_from_slice(&t.to_le_bytes());
+        }
+        self.shard.write_all(&buf).map_err(io_err(self.dir.join(shard_name(self.shard_index))))?;
+        self.shard_len += tokens.len() as u64;
+        self.tokens_total += tokens.len() as u64;
+        Ok(at)
+    }
+
+    pub(crate) fn write_prompt(&mut self, group: u64, tokens: &[u32]) -> Result<(), DataError> {
+        let (shard, offset) = self.append(tokens)?;
+        let mut rec = [0u8; PROMPT_REC];
+        rec[0..4].copy_from_slice(&shard.to_le_bytes());
+        rec[4..8].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
+        rec[8..16].copy_from_slice(&offset.to_le_bytes());
+        write_at(&self.prompts, &self.dir.join("prompts.bin"), group * PROMPT_REC as u64, &rec)?;
+        self.prompts_written += 1;
+        Ok(())
+    }
+
+    pub(crate) fn write_response(
+        &mut self,
+        index: u64,
+        tokens: &[u32],
+        truncated: bool,
+        logprobs: Option<&[f32]>,
+    ) -> Result<(), DataError> {
+        let (shard, offset) = self.append(tokens)?;
+        let (lp_off, lp_len) = match logprobs {
+            Some(lp) => {
+                let at = self.logprobs_len;
+                let mut buf = Vec::with_capacity(lp.len() * 4);
+                for x in lp {
+                    buf.extend_from_slice(&x.to_le_bytes());
+                }
+                self.logprobs.write_all(&buf).map_err(io_err(self.dir.join("logprobs.f32")))?;
+                self.logprobs_len += lp.len() as u64;
+                (at, lp.len() as u32)
+            }
+            None => (0, u32::MAX),
+        };
+        let mut rec = [0u8; RESP_REC];
+        rec[0..4].copy_from_slice(&shard.to_le_bytes());
+        rec[4..8].copy_from_slice(&(tokens.len() as u32).to_le_bytes());
+        rec[8..16].copy_from_slice(&offset.to_le_bytes());
+        rec[16..24].copy_from_slice(&lp_off.to_le_bytes());
+        rec[24..28].copy_from_slice(&lp_len.to_le_bytes());
+        let flags = FLAG_WRITTEN | if truncated { FLAG_TRUNCATED } else { 0 };
+        rec[28..32].copy_from_slice(&flags.to_le_bytes());
+        write_at(&self.responses, &self.dir.join("responses.bin"), index * RESP_REC as u64, &rec)?;
+        self.responses_written += 1;
+        Ok(())
+    }
+
+    /// Flush and sync everything; returns the shard file names and (prompts, responses) written.
+    pub(crate) fn finish(mut self) -> Result<(Vec<String>, u64, u64), DataError> {
+        let p = self.dir.join(shard_name(self.shard_index));
+        self.shard.flush().map_err(io_err(&p))?;
+        self.shard.get_ref().sync_all().map_err(io_err(&p))?;
+        let lp = self.dir.join("logprobs.f32");
+        self.logprobs.flush().map_err(io_err(&lp))?;
+        self.prompts.sync_all().map_err(io_err(self.dir.join("prompts.bin")))?;
+        self.responses.sync_all().map_err(io_err(self.dir.join("responses.bin")))?;
+        Ok(((0..=self.shard_index).map(shard_name).collect(), self.prompts_written, self.responses_written))
+    }
+}
+
+/// A read-only memory map, empty for an empty file.
+struct Map(Option<Mmap>);
+
+impl Map {
+    fn open(path: &Path) -> Result<Self, DataError> {
+        let f = File::open(path).map_err(io_err(path))?;
+        let len = f.metadata().map_err(io_err(path))?.len();
+        if len == 0 {
+            return Ok(Map(None));
+        }
+        // SAFETY: the prepared files are written once and not modified while a dataset is open.
+        let m = unsafe { Mmap::map(&f) }.map_err(io_err(path))?;
+        Ok(Map(Some(m)))
+    }
+    fn bytes(&self) -> &[u8] {
+        self.0.as_deref().unwrap_or(&[])
+    }
+}
+
+/// The manifest of a prepared folder (the parts the reader needs; the rest is kept as JSON).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct ManifestHead {
+    pub format: String,
+    pub groups: u64,
+    pub responses: u64,
+    pub token_shards: Vec<String>,
+}
+
+/// A prepared folder, memory-mapped: random access to groups by index.
+pub struct PreparedDataset {
+    dir: PathBuf,
+    groups: Vec<GroupMeta>,
+    prompts: Map,
+    responses: Map,
+    shards: Vec<Map>,
+    logprobs: Map,
+}
+
+impl std::fmt::Debug for PreparedDataset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedDataset").field("dir", &self.dir).field("groups", &self.groups.len()).finish()
+    }
+}
+
+fn le_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn le_u64(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+impl PreparedDataset {
+    /// Open a folder written by [`super::prepare()`]. Fails when the manifest is missing (an incomplete
+    /// preparation) or the tables do not match it.
+    pub fn open(dir: &Path) -> Result<Self, DataError> {
+        let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
+        let mpath = dir.join("manifest.json");
+        let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
+        let head: ManifestHead = serde_json::from_str(&text).map_err(|e| bad(format!("manifest.json: {e}")))?;
+        if head.format != FORMAT {
+            return Err(bad(format!("format {:?}, expected {FORMAT:?}", head.format)));
+        }
+        let gpath = dir.join("groups.jsonl");
+        let mut groups = Vec::with_capacity(head.groups as usize);
+        for line in crate::jsonl::Lines::open(&gpath)? {
+            let line = line?;
+            let g: GroupMeta =
+                line.json().map_err(|e| bad(format!("groups.jsonl line {}: {e}", line.number)))?;
+            groups.push(g);
+        }
+        let prompts = Map::open(&dir.join("prompts.bin"))?;
+        let responses = Map::open(&dir.join("responses.bin"))?;
+        if groups.len() as u64 != head.groups
+            || prompts.bytes().len() as u64 != head.groups * PROMPT_REC as u64
+            || responses.bytes().len() as u64 != head.responses * RESP_REC as u64
+        {
+            return Err(bad(format!(
+                "tables do not match the manifest ({} groups, {} responses)",
+                head.groups, head.responses
+            )));
+        }
+        let total: u64 = groups.iter().map(|g| g.n_responses as u64).sum();
+        if total != head.responses {
+            return Err(bad("groups.jsonl response counts do not add up".into()));
+        }
+        let shards = head.token_shards.iter().map(|s| Map::open(&dir.join(s))).collect::<Result<Vec<_>, _>>()?;
+        let logprobs = Map::open(&dir.join("logprobs.f32"))?;
+        Ok(Self { dir: dir.to_path_buf(), groups, prompts, responses, shards, logprobs })
+    }
+
+    /// Number of groups.
+    pub fn len(&self) -> usize {
+        self.groups.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.groups.is_empty()
+    }
+
+    /// The metadata of every group (labels without tokens), in index order.
+    pub fn metas(&self) -> &[GroupMeta] {
+        &self.groups
+    }
+
+    /// The folder.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The stats written by prepare (`stats.json`).
+    pub fn stats(&self) -> Result<super::Stats, DataError> {
+        let p = self.dir.join("stats.json");
+        let text = std::fs::read_to_string(&p).map_err(io_err(&p))?;
+        serde_json::from_str(&text).map_err(|e| DataError::Format { path: p, message: e.to_string() })
+    }
+
+    fn tokens(&self, shard: u32, offset: u64, len: u32) -> Result<Vec<u32>, DataError> {
+        let bytes = self.shards.get(shard as usize).map(Map::bytes).ok_or_else(|| self.corrupt("shard index"))?;
+        let (start, end) = (offset as usize * 4, (offset as usize + len as usize) * 4);
+        let slice = bytes.get(start..end).ok_or_else(|| self.corrupt("token range"))?;
+        Ok(slice.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    fn corrupt(&self, what: &str) -> DataError {
+        DataError::Format { path: self.dir.clone(), message: format!("corrupt prepared data: {what} out of range") }
+    }
+
+    /// Group `i` with its prompt and response tokens (read from the memory maps).
+    pub fn group(&self, i: usize) -> Result<Group, DataError> {
+        let meta = self.groups.get(i).ok_or_else(|| self.corrupt("group index"))?;
+        let p = &self.prompts.bytes()[i * PROMPT_REC..(i + 1) * PROMPT_REC];
+        let prompt_tokens = self.tokens(le_u32(p, 0), le_u64(p, 8), le_u32(p, 4))?;
+        let mut responses = Vec::with_capacity(meta.n_responses as usize);
+        for j in 0..meta.n_responses as usize {
+            let k = meta.first_response as usize + j;
+            let r = self.responses.bytes().get(k * RESP_REC..(k + 1) * RESP_REC).ok_or_else(|| self.corrupt("response"))?;
+            let flags = le_u32(r, 28);
+            if flags & FLAG_WRITTEN == 0 {
+                return Err(self.corrupt("unwritten response"));
+            }
+            let tokens = self.tokens(le_u32(r, 0), le_u64(r, 8), le_u32(r, 4))?;
+            let lp_len = le_u32(r, 24);
+            let teacher_logprobs = if lp_len == u32::MAX {
+                None
+            } else {
+                let start = le_u64(r, 16) as usize * 4;
+                let b = self
+                    .logprobs
+                    .bytes()
+                    .get(start..start + lp_len as usize * 4)
+                    .ok_or_else(|| self.corrupt("log-prob range"))?;
+                Some(b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+            };
+            responses.push(Response {
+                tokens,
+                reward: meta.rewards.get(j).copied().unwrap_or(0.0),
+                answer: meta.answers.get(j).cloned().flatten(),
+                truncated: flags & FLAG_TRUNCATED != 0,
+                teacher_logprobs,
+            });
+        }
+        Ok(Group {
+            index: i,
+            question_id: meta.question_id.clone(),
+            domain: meta.domain.clone(),
+            source: meta.source.clone(),
+            prompt_tokens,
+            responses,
+            majority: meta.majority.clone(),
+            majority_count: meta.majority_count,
+            vote_margin: meta.vote_margin,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_then_read_with_shard_rotation() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut w = ShardWriter::create(dir.path(), 2, 3, 5).unwrap();
+        // Out of order, as prepare writes them.
+        w.write_response(2, &[7, 8, 9], false, Some(&[-0.1, -0.2, 0.0])).unwrap();
+        w.write_prompt(1, &[5, 6]).unwrap();
+        w.write_prompt(0, &[1, 2, 3]).unwrap();
+        w.write_response(0, &[10, 11], true, None).unwrap();
+        w.write_response(1, &[12], false, None).unwrap();
+        let (shards, np, nr) = w.finish().unwrap();
+        assert!(shards.len() >= 2, "{shards:?}");
+        assert_eq!((np, nr), (2, 3));
+        let meta = |first, n: u32| GroupMeta {
+            question_id: format!("{first:016x}"),
+            domain: None,
+            source: None,
+            first_response: first,
+            n_responses: n,
+            majority: Some("1".into()),
+            majority_count: n as usize,
+            vote_margin: n as usize,
+            answers: vec![Some("1".into()); n as usize],
+            rewards: vec![1.0; n as usize],
+        };
+        let mut f = std::fs::File::create(dir.path().join("groups.jsonl")).unwrap();
+        for m in [meta(0, 2), meta(2, 1)] {
+            writeln!(f, "{}", serde_json::to_string(&m).unwrap()).unwrap();
+        }
+        let head = ManifestHead { format: FORMAT.into(), groups: 2, responses: 3, token_shards: shards };
+        std::fs::write(dir.path().join("manifest.json"), serde_json::to_string(&head).unwrap()).unwrap();
+        let ds = PreparedDataset::open(dir.path()).unwrap();
+        assert_eq!(ds.len(), 2);
+        let g0 = ds.group(0).unwrap();
+        assert_eq!(g0.prompt_tokens, vec![1, 2, 3]);
+        assert_eq!(g0.responses.iter().map(|r| r.tokens.clone()).collect::<Vec<_>>(), vec![vec![10, 11], vec![12]]);
+        assert!(g0.responses[0].truncated && !g0.responses[1].truncated);
+        let g1 = ds.group(1).unwrap();
+        assert_eq!((g1.prompt_tokens.clone(), g1.responses[0].tokens.clone()), (vec![5, 6], vec![7, 8, 9]));
+        assert_eq!(g1.responses[0].teacher_logprobs, Some(vec![-0.1, -0.2, 0.0]));
+        assert!(ds.group(2).is_err());
+    }
+}
