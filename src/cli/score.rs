@@ -1,9 +1,21 @@
 //! `grpo score`: extract, verify and summarise generations.
+//!
+//! Streaming: lines are read in batches, each batch is scored in parallel (rayon) and written in
+//! input order. A malformed line (bad JSON, invalid UTF-8, no answer or response field) is reported
+//! as `FILE:LINE: reason` on stderr and skipped, or stops the run with `--strict`.
+use anyhow::Context;
+use crate::jsonl::{AtomicFile, Lines, RawLine};
+use crate::reward::{
+    equivalent_parsed, extract_answer, majority_vote_parsed, summarize, ExtractOptions, ItemOutcome, ParsedAnswer,
+};
+use rayon::prelude::*;
+use serde_json::{Map, Value};
+use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// JSONL with {"answer", "response"} or {"answer", "responses": [...]} per line.
+    /// JSONL with {"answer", "response"} or {"answer", "responses": [...]} per line (.gz/.zst, or -).
     #[arg(long)]
     pub input: PathBuf,
     /// Where to write the scored lines (default: stdout).
@@ -18,8 +30,153 @@ pub struct Args {
     /// Ignore gold answers: the reference is each group's majority answer.
     #[arg(long)]
     pub no_gold: bool,
+    /// Name of the gold-answer field (e.g. `gt` for Qwen2.5-Math evaluation files).
+    #[arg(long, default_value = "answer")]
+    pub answer_field: String,
+    /// When a response has no \boxed{}, fall back to "the answer is X" and then the last number.
+    #[arg(long)]
+    pub fallbacks: bool,
+    /// Stop at the first malformed line instead of skipping it.
+    #[arg(long)]
+    pub strict: bool,
+}
+
+/// Lines scored in parallel at a time.
+const BATCH: usize = 1024;
+
+struct Scored {
+    line: Value,
+    outcome: ItemOutcome,
+}
+
+fn gold_string(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Scored, String> {
+    let value: Value = raw.json().map_err(|e| e.to_string())?;
+    let Value::Object(mut obj) = value else {
+        return Err("line is not a JSON object".into());
+    };
+    let gold = if args.no_gold {
+        None
+    } else {
+        match obj.get(&args.answer_field) {
+            Some(v) => Some(gold_string(v).ok_or_else(|| format!("\"{}\" is not a string or number", args.answer_field))?),
+            None => return Err(format!("no \"{}\" field", args.answer_field)),
+        }
+    };
+    let responses: Vec<&str> = match (obj.get("responses"), obj.get("response")) {
+        (Some(Value::Array(a)), _) => {
+            a.iter().map(|r| r.as_str().ok_or("\"responses\" holds a non-string")).collect::<Result<_, _>>()?
+        }
+        (Some(_), _) => return Err("\"responses\" is not an array".into()),
+        (None, Some(Value::String(s))) => vec![s.as_str()],
+        (None, Some(_)) => return Err("\"response\" is not a string".into()),
+        (None, None) => return Err("no \"response\" or \"responses\" field".into()),
+    };
+    let preds: Vec<Option<String>> = responses.iter().map(|r| extract_answer(r, opts)).collect();
+    let parsed: Vec<Option<ParsedAnswer>> = preds.iter().map(|p| p.as_deref().map(ParsedAnswer::new)).collect();
+    let vote = majority_vote_parsed(&preds, &parsed);
+    let gold_parsed = gold.as_deref().map(ParsedAnswer::new);
+    // The winner's representative: the first response whose answer is the vote's answer.
+    let rep = vote.answer.as_ref().and_then(|a| preds.iter().position(|p| p.as_ref() == Some(a)));
+    let winner = rep.and_then(|i| vote.cluster[i]);
+    let correct: Vec<bool> = parsed
+        .iter()
+        .zip(&vote.cluster)
+        .map(|(p, c)| match (&gold_parsed, p) {
+            (Some(g), Some(p)) => equivalent_parsed(g, p),
+            // Without gold the reference is the majority: correct = member of the winning cluster.
+            (None, Some(_)) => winner.is_some() && *c == winner,
+            _ => false,
+        })
+        .collect();
+    let majority_correct = gold_parsed.as_ref().map(|g| {
+        rep.and_then(|i| parsed[i].as_ref()).is_some_and(|p| equivalent_parsed(g, p))
+    });
+    let extracted = preds.iter().filter(|p| p.is_some()).count();
+    insert(&mut obj, "preds", serde_json::to_value(&preds).unwrap_or(Value::Null));
+    insert(&mut obj, "correct", serde_json::to_value(&correct).unwrap_or(Value::Null));
+    insert(&mut obj, "majority", vote.answer.clone().map(Value::String).unwrap_or(Value::Null));
+    Ok(Scored { line: Value::Object(obj), outcome: ItemOutcome { correct, extracted, majority_correct } })
+}
+
+fn insert(obj: &mut Map<String, Value>, key: &str, v: Value) {
+    obj.insert(key.to_string(), v);
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    anyhow::bail!("grpo score is not implemented yet (input {})", args.input.display())
+    if args.k.contains(&0) {
+        anyhow::bail!("--k values must be at least 1");
+    }
+    let opts = ExtractOptions { fallbacks: args.fallbacks };
+    let mut lines = Lines::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
+    let mut out = AtomicFile::create(args.output.as_deref())
+        .with_context(|| format!("creating {}", args.output.as_deref().unwrap_or("-".as_ref()).display()))?;
+    let bar = crate::cli::progress_bar(None, "score");
+    let mut outcomes = Vec::new();
+    let mut skipped = 0usize;
+    let path = args.input.display().to_string();
+    let started = std::time::Instant::now();
+    loop {
+        let mut batch = Vec::with_capacity(BATCH);
+        for l in lines.by_ref().take(BATCH) {
+            batch.push(l.context("reading input")?);
+        }
+        if batch.is_empty() {
+            break;
+        }
+        let scored: Vec<Result<Scored, String>> = batch.par_iter().map(|raw| score_line(raw, &args, &opts)).collect();
+        for (raw, r) in batch.iter().zip(scored) {
+            match r {
+                Ok(s) => {
+                    out.write_json(&s.line).context("writing output")?;
+                    outcomes.push(s.outcome);
+                }
+                Err(e) => {
+                    if args.strict {
+                        anyhow::bail!("{path}:{}: {e}", raw.number);
+                    }
+                    tracing::warn!("{path}:{}: {e} (skipped)", raw.number);
+                    skipped += 1;
+                }
+            }
+        }
+        bar.inc(batch.len() as u64);
+    }
+    bar.finish_and_clear();
+    out.commit().context("writing output")?;
+    let summary = summarize(&outcomes, &args.k);
+    let elapsed = started.elapsed().as_secs_f64();
+    tracing::info!(
+        "scored {} responses of {} lines in {:.2}s ({:.0} responses/s), {} lines skipped",
+        summary.n_responses,
+        summary.n_items,
+        elapsed,
+        summary.n_responses as f64 / elapsed.max(1e-9),
+        skipped
+    );
+    if let Some(p) = &args.summary {
+        let mut v = serde_json::to_value(&summary)?;
+        if let Value::Object(o) = &mut v {
+            o.insert("n_skipped".into(), skipped.into());
+            o.insert("reference".into(), if args.no_gold { "majority" } else { "gold" }.into());
+        }
+        let mut f = AtomicFile::create(Some(p)).with_context(|| format!("creating {}", p.display()))?;
+        serde_json::to_writer_pretty(&mut f, &v)?;
+        f.write_all(b"\n")?;
+        f.commit().with_context(|| format!("writing {}", p.display()))?;
+    }
+    let table = summary.table();
+    if args.output.is_some() {
+        print!("{table}");
+    } else {
+        eprint!("{table}");
+    }
+    Ok(())
 }

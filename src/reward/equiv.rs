@@ -1,0 +1,440 @@
+//! Equivalence of a gold answer and a predicted one, following Math-Verify's semantics (gold first).
+//!
+//! The order of checks mirrors Math-Verify's `sympy_expr_eq`:
+//! 1. equal normalised strings;
+//! 2. assignments (`x = 5`) are unwrapped following the gold's form: an equation in the prediction
+//!    against a plain gold value compares the right-hand side, and so on;
+//! 3. relations compare `lhs - rhs` (same operator, or the flipped one with the sides swapped, or a
+//!    constant multiple);
+//! 4. sets (order-free), tuples (ordered), intervals (open/closed ends must match) and unions;
+//!    a plain value against a set is a one-element set; an open interval `(a, b)` equals the
+//!    pair `a, b`;
+//! 5. words (`\text{yes}`) and single letters compare by name, case-insensitively;
+//! 6. numbers: when either side is a decimal, both are rounded to 6 decimal places (an exact
+//!    integer only equals a decimal whose value is exactly that integer: 1 != 0.9999999, 27 = 27.0);
+//!    percentages compare as the number (25\% = 25) or as the fraction (25\% = 0.25 = 1/4);
+//!    otherwise exact rational equality, or for irrational values agreement to 12 significant digits;
+//! 7. expressions with variables are compared at sample points (both signs), 12 points, agreeing to
+//!    1e-9 relative where both are defined, with at least 3 defined points.
+
+use super::eval::{approx, exact, free_symbols, has_float, round6_exact, round6_f64};
+use super::parse::{canonical, parse, Node, RelOp};
+use num_rational::BigRational;
+
+/// An answer parsed once, for repeated comparisons (majority voting, rewards of a group).
+#[derive(Debug, Clone)]
+pub struct ParsedAnswer {
+    key: String,
+    node: Option<Node>,
+}
+
+impl ParsedAnswer {
+    /// Normalise and parse `s` (never fails: an unparsable answer is compared by its string).
+    pub fn new(s: &str) -> Self {
+        ParsedAnswer { key: canonical(s), node: parse(s).ok() }
+    }
+
+    /// Whether the answer was understood as mathematics (not only as a string).
+    pub fn is_parsed(&self) -> bool {
+        self.node.is_some()
+    }
+}
+
+/// Whether `pred` is equivalent to `gold` (gold first: assignments and equations are unwrapped
+/// following the gold's form, as in Math-Verify).
+pub fn equivalent_parsed(gold: &ParsedAnswer, pred: &ParsedAnswer) -> bool {
+    if gold.key.is_empty() || pred.key.is_empty() {
+        return false;
+    }
+    if gold.key == pred.key {
+        return true;
+    }
+    match (&gold.node, &pred.node) {
+        (Some(g), Some(p)) => top_eq(g, p),
+        _ => false,
+    }
+}
+
+fn only_symbols(n: &Node) -> bool {
+    match n {
+        Node::Sym(_) => true,
+        Node::Mul(fs) => fs.iter().all(|f| matches!(f, Node::Sym(_) | Node::E)),
+        _ => false,
+    }
+}
+
+fn is_equation(n: &Node) -> bool {
+    matches!(n, Node::Rel(_, ops) if ops.iter().all(|o| *o == RelOp::Eq))
+}
+
+fn is_assignment(n: &Node) -> bool {
+    matches!(n, Node::Rel(sides, _) if is_equation(n) && only_symbols(&sides[0]))
+}
+
+/// `a = b = c` as an assignment keeps `a = c`.
+fn truncate_assignment(n: &Node) -> Node {
+    match n {
+        Node::Rel(sides, _) if sides.len() > 2 => Node::Rel(
+            vec![sides[0].clone(), sides[sides.len() - 1].clone()],
+            vec![RelOp::Eq],
+        ),
+        other => other.clone(),
+    }
+}
+
+fn last_rhs(n: &Node) -> Node {
+    match n {
+        Node::Rel(sides, _) => sides[sides.len() - 1].clone(),
+        other => other.clone(),
+    }
+}
+
+fn top_eq(gold: &Node, pred: &Node) -> bool {
+    let (g_assign, p_assign) = (is_assignment(gold), is_assignment(pred));
+    let (g_eq, p_eq) = (is_equation(gold), is_equation(pred));
+    let mut g = if g_assign { truncate_assignment(gold) } else { gold.clone() };
+    let mut p = if p_assign { truncate_assignment(pred) } else { pred.clone() };
+    if p_eq && !g_eq {
+        p = last_rhs(&p);
+    } else if g_assign && !p_eq {
+        g = last_rhs(&g);
+    }
+    node_eq(&g, &p)
+}
+
+fn is_setlike(n: &Node) -> bool {
+    matches!(n, Node::Set(_) | Node::Tuple(_) | Node::Interval { .. } | Node::Union(_))
+}
+
+fn node_eq(g: &Node, p: &Node) -> bool {
+    if g == p {
+        return true;
+    }
+    match (g, p) {
+        (Node::Rel(gs, gops), Node::Rel(ps, pops)) => rel_eq(gs, gops, ps, pops),
+        (Node::Rel(..), _) | (_, Node::Rel(..)) => false,
+        _ if is_setlike(g) || is_setlike(p) => set_eq(g, p),
+        (Node::Matrix(a), Node::Matrix(b)) => {
+            a.len() == b.len()
+                && a.iter().zip(b).all(|(ra, rb)| ra.len() == rb.len() && ra.iter().zip(rb).all(|(x, y)| node_eq(x, y)))
+        }
+        (Node::Matrix(_), _) | (_, Node::Matrix(_)) => false,
+        (Node::Text(_) | Node::Sym(_), _) | (_, Node::Text(_) | Node::Sym(_)) => word_eq(g, p),
+        _ => scalar_eq(g, p),
+    }
+}
+
+/// The name of a word-like answer: a `\text` word, a letter, or letters written side by side.
+fn word(n: &Node) -> Option<String> {
+    match n {
+        Node::Text(w) => Some(w.replace(' ', "")),
+        Node::Sym(s) => Some(s.clone()),
+        Node::E => Some("e".into()),
+        Node::Mul(fs) => fs.iter().map(word).collect(),
+        _ => None,
+    }
+}
+
+fn word_eq(g: &Node, p: &Node) -> bool {
+    match (word(g), word(p)) {
+        (Some(a), Some(b)) => a == b,
+        _ => false,
+    }
+}
+
+fn dedup(v: &[Node]) -> Vec<&Node> {
+    let mut out: Vec<&Node> = Vec::with_capacity(v.len());
+    for x in v {
+        if !out.iter().any(|y| *y == x) {
+            out.push(x);
+        }
+    }
+    out
+}
+
+fn ordered_eq(a: &[&Node], b: &[&Node]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| node_eq(x, y))
+}
+
+/// Each gold element matched to a distinct equivalent predicted element.
+fn unordered_eq(a: &[&Node], b: &[&Node]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut used = vec![false; b.len()];
+    'outer: for x in a {
+        for (j, y) in b.iter().enumerate() {
+            if !used[j] && node_eq(x, y) {
+                used[j] = true;
+                continue 'outer;
+            }
+        }
+        return false;
+    }
+    true
+}
+
+fn set_eq(g: &Node, p: &Node) -> bool {
+    let gw;
+    let pw;
+    let g = if is_setlike(g) {
+        g
+    } else {
+        gw = Node::Set(vec![g.clone()]);
+        &gw
+    };
+    let p = if is_setlike(p) {
+        p
+    } else {
+        pw = Node::Set(vec![p.clone()]);
+        &pw
+    };
+    match (g, p) {
+        (
+            Node::Interval { lo: a, hi: b, lo_open: ao, hi_open: bo },
+            Node::Interval { lo: c, hi: d, lo_open: co, hi_open: do_ },
+        ) => ao == co && bo == do_ && node_eq(a, c) && node_eq(b, d),
+        (Node::Union(a), Node::Union(b)) => {
+            let a: Vec<&Node> = a.iter().collect();
+            let b: Vec<&Node> = b.iter().collect();
+            unordered_eq(&a, &b)
+        }
+        (Node::Union(_), _) | (_, Node::Union(_)) => false,
+        (Node::Set(a), Node::Set(b)) => unordered_eq(&dedup(a), &dedup(b)),
+        (Node::Tuple(a), Node::Tuple(b)) => ordered_eq(&a.iter().collect::<Vec<_>>(), &b.iter().collect::<Vec<_>>()),
+        (Node::Tuple(a), Node::Set(b)) => ordered_eq(&a.iter().collect::<Vec<_>>(), &b.iter().collect::<Vec<_>>()),
+        (Node::Set(a), Node::Tuple(b)) => unordered_eq(&dedup(a), &b.iter().collect::<Vec<_>>()),
+        (Node::Interval { lo, hi, lo_open: true, hi_open: true }, Node::Set(b) | Node::Tuple(b)) if b.len() == 2 => {
+            ordered_eq(&[lo.as_ref(), hi.as_ref()], &b.iter().collect::<Vec<_>>())
+        }
+        (Node::Set(a), Node::Interval { lo, hi, lo_open: true, hi_open: true }) if a.len() == 2 => {
+            unordered_eq(&a.iter().collect::<Vec<_>>(), &[lo.as_ref(), hi.as_ref()])
+        }
+        (Node::Tuple(a), Node::Interval { lo, hi, lo_open: true, hi_open: true }) if a.len() == 2 => {
+            ordered_eq(&a.iter().collect::<Vec<_>>(), &[lo.as_ref(), hi.as_ref()])
+        }
+        _ => false,
+    }
+}
+
+fn diff(sides: &[Node], i: usize) -> Node {
+    Node::Add(vec![sides[i].clone(), Node::Neg(Box::new(sides[i + 1].clone()))])
+}
+
+fn rel_eq(gs: &[Node], gops: &[RelOp], ps: &[Node], pops: &[RelOp]) -> bool {
+    if gops.len() != pops.len() {
+        return false;
+    }
+    (0..gops.len()).all(|i| {
+        let (dg, dp) = (diff(gs, i), diff(ps, i));
+        let (go, po) = (gops[i], pops[i]);
+        if go == po && scalar_eq(&dg, &dp) {
+            return true;
+        }
+        if go.flipped() == po && scalar_eq(&dg, &Node::Neg(Box::new(dp.clone()))) {
+            return true;
+        }
+        // Same solutions: one side a constant multiple of the other (2x = 4 vs x = 2).
+        match constant_ratio(&dg, &dp) {
+            Some(c) if go == po && (c > 0.0 || matches!(go, RelOp::Eq | RelOp::Ne)) => true,
+            Some(c) if go.flipped() == po && c < 0.0 => true,
+            _ => false,
+        }
+    })
+}
+
+const N_POINTS: usize = 12;
+
+/// Deterministic sample value of variable `name` at point `k`: points 0..6 positive, 6..12 negative.
+fn sample(name: &str, k: usize) -> f64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes() {
+        h = (h ^ b as u64).wrapping_mul(0x1000_0000_01b3);
+    }
+    h ^= (k as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    h = (h ^ (h >> 31)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 29;
+    let u = (h >> 11) as f64 / (1u64 << 53) as f64;
+    let v = 0.3 + 2.4 * u;
+    if k < N_POINTS / 2 {
+        v
+    } else {
+        -v
+    }
+}
+
+fn close(a: f64, b: f64, tol: f64) -> bool {
+    if a.is_infinite() || b.is_infinite() {
+        return a == b;
+    }
+    (a - b).abs() <= tol * 1f64.max(a.abs()).max(b.abs())
+}
+
+/// Values of both sides at the sample points where both are finite.
+fn sampled(g: &Node, p: &Node) -> Vec<(f64, f64)> {
+    (0..N_POINTS)
+        .map(|k| {
+            let env = |s: &str| sample(s, k);
+            (approx(g, &env), approx(p, &env))
+        })
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .collect()
+}
+
+fn random_eq(g: &Node, p: &Node) -> bool {
+    let pts = sampled(g, p);
+    pts.len() >= 3 && pts.iter().all(|(a, b)| close(*a, *b, 1e-9))
+}
+
+/// c such that g = c * p at every sample point (c != 0), for expressions with variables.
+fn constant_ratio(g: &Node, p: &Node) -> Option<f64> {
+    if free_symbols(g).is_empty() {
+        return None;
+    }
+    let pts = sampled(g, p);
+    let ratios: Vec<f64> = pts.iter().filter(|(_, b)| b.abs() > 1e-9).map(|(a, b)| a / b).collect();
+    if ratios.len() < 3 {
+        return None;
+    }
+    let c = ratios[0];
+    (c.abs() > 1e-12 && ratios.iter().all(|r| close(*r, c, 1e-9))).then_some(c)
+}
+
+/// What Math-Verify's numeric comparison needs to know about a variable-free value.
+struct Info {
+    /// The value (a percentage divided by 100), when rational.
+    exact: Option<BigRational>,
+    /// The value without the percentage (25 for 25\%).
+    stripped: Option<BigRational>,
+    float: bool,
+    approx: f64,
+}
+
+impl Info {
+    fn new(n: &Node) -> Info {
+        let exact = exact(n);
+        let stripped = match n {
+            Node::Pct(inner) => super::eval::exact(inner),
+            _ => exact.clone(),
+        };
+        let approx = match &exact {
+            Some(v) => num_traits::ToPrimitive::to_f64(v).unwrap_or(f64::NAN),
+            None => approx(n, &|_| f64::NAN),
+        };
+        Info { exact, stripped, float: has_float(n), approx }
+    }
+
+    /// A plain number once evaluated (sympy's atomic Number).
+    fn atomic(&self) -> bool {
+        self.exact.is_some()
+    }
+
+    fn is_float(&self) -> bool {
+        self.atomic() && self.float
+    }
+
+    fn int_like(&self) -> bool {
+        !self.float && self.stripped.as_ref().is_some_and(|v| v.is_integer())
+    }
+
+    /// Rounded to 6 places: (is an exact integer, millionths).
+    fn rounded(&self) -> Option<(bool, num_bigint::BigInt)> {
+        match &self.exact {
+            Some(v) if !self.float && v.is_integer() => Some((true, v.to_integer())),
+            Some(v) => Some((false, round6_exact(v))),
+            None => round6_f64(self.approx).map(|r| (false, r)),
+        }
+    }
+
+    fn same_value(&self, o: &Info) -> bool {
+        match (&self.exact, &o.exact) {
+            (Some(a), Some(b)) => a == b,
+            (Some(_), None) | (None, Some(_)) | (None, None) => {
+                self.approx.is_finite() && o.approx.is_finite() && close(self.approx, o.approx, 1e-12)
+            }
+        }
+    }
+}
+
+/// Whether `\\infty` is written in the node (an overflowing value is not infinity).
+fn contains_inf(n: &Node) -> bool {
+    let mut found = false;
+    super::eval::visit(n, &mut |x| found |= matches!(x, Node::Inf));
+    found
+}
+
+fn scalar_eq(g: &Node, p: &Node) -> bool {
+    if !free_symbols(g).is_empty() || !free_symbols(p).is_empty() {
+        return random_eq(g, p);
+    }
+    let (gi, pi) = (Info::new(g), Info::new(p));
+    if gi.atomic() || pi.atomic() {
+        if gi.is_float() || pi.is_float() {
+            if let (Some(a), Some(b)) = (gi.rounded(), pi.rounded()) {
+                if a == b {
+                    return true;
+                }
+            }
+        } else if gi.int_like() && pi.int_like() {
+            if gi.stripped == pi.stripped {
+                return true;
+            }
+        } else if gi.same_value(&pi) {
+            return true;
+        }
+    } else if contains_inf(g) && contains_inf(p) && gi.approx.is_infinite() && gi.approx == pi.approx {
+        return true;
+    }
+    gi.same_value(&pi)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn eq(g: &str, p: &str) -> bool {
+        equivalent_parsed(&ParsedAnswer::new(g), &ParsedAnswer::new(p))
+    }
+
+    #[test]
+    fn numbers() {
+        assert!(eq("025", "25"));
+        assert!(eq("1,000", "1000"));
+        assert!(eq("27", "27.0"));
+        assert!(!eq("1", "0.9999999"));
+        assert!(eq("\\frac13", "0.3333333"));
+        assert!(!eq("\\frac13", "0.333"));
+        assert!(eq("25\\%", "25"));
+        assert!(eq("25\\%", "0.25"));
+        assert!(!eq("12.5\\%", "12.5"));
+        assert!(eq("2^{100}", "1267650600228229401496703205376"));
+        assert!(!eq("2^{100}", "1267650600228229401496703205377"));
+    }
+
+    #[test]
+    fn structures() {
+        assert!(eq("(1,2)", "\\{1,2\\}"));
+        assert!(!eq("(1,2)", "(2,1)"));
+        assert!(!eq("(1,2]", "[1,2]"));
+        assert!(eq("\\{1,2\\}", "\\{2,1\\}"));
+        assert!(eq("5", "x = 5"));
+        assert!(!eq("x=5", "y=5"));
+        assert!(eq("x > 2", "2 < x"));
+        assert!(!eq("x > 2", "x \\ge 2"));
+        assert!(eq("(x+1)^2", "x^2+2x+1"));
+        assert!(!eq("\\sqrt{x^2}", "x"));
+        assert!(eq("\\text{yes}", "yes"));
+    }
+
+    #[test]
+    fn adversarial_inputs_are_quick() {
+        let t = std::time::Instant::now();
+        assert!(!eq("10^{10^{10}}", "10^{10^{11}}"));
+        assert!(eq("10^{10^{10}}", "10^{10^{10}}"));
+        let deep = format!("{}1{}", "{".repeat(10_000), "}".repeat(10_000));
+        assert!(!eq(&deep, "1"));
+        let unbalanced = "\\frac{1}{2".repeat(100);
+        assert!(!eq(&unbalanced, "0.5"));
+        assert!(t.elapsed().as_secs_f64() < 1.0);
+    }
+}

@@ -1,0 +1,339 @@
+//! Bounded evaluation of parsed answers: exact rationals where the value is rational and small,
+//! `f64` otherwise (with variables bound to sample points). Every operation has a size limit, so an
+//! input such as `10^{10^{10}}` is "not exactly evaluable" instead of a hang.
+
+use super::parse::{Func, Node};
+use num_bigint::BigInt;
+use num_rational::BigRational;
+use num_traits::{Signed, ToPrimitive, Zero};
+
+/// Largest exponent applied exactly.
+const MAX_EXP: u64 = 4096;
+/// Largest size (bits of numerator + denominator) of an exact intermediate value.
+const MAX_BITS: u64 = 16_384;
+/// Largest n for which n! is computed exactly.
+const MAX_FACT: u64 = 500;
+
+fn too_big(x: &BigRational) -> bool {
+    x.numer().bits() + x.denom().bits() > MAX_BITS
+}
+
+fn checked(x: BigRational) -> Option<BigRational> {
+    if too_big(&x) {
+        None
+    } else {
+        Some(x)
+    }
+}
+
+/// Exact integer root of a non-negative integer, if it is one.
+fn int_root(x: &BigInt, n: u32) -> Option<BigInt> {
+    if x.is_negative() {
+        return None;
+    }
+    let r = x.nth_root(n);
+    if num_traits::pow(r.clone(), n as usize) == *x {
+        Some(r)
+    } else {
+        None
+    }
+}
+
+fn rational_root(x: &BigRational, n: u32) -> Option<BigRational> {
+    if n == 0 {
+        return None;
+    }
+    if x.is_negative() {
+        if n % 2 == 1 {
+            return rational_root(&-x.clone(), n).map(|r| -r);
+        }
+        return None;
+    }
+    Some(BigRational::new(int_root(x.numer(), n)?, int_root(x.denom(), n)?))
+}
+
+fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
+    if e.is_integer() {
+        let k = e.to_integer();
+        let mag = k.abs().to_u64()?;
+        if mag > MAX_EXP {
+            return None;
+        }
+        if (b.numer().bits() + b.denom().bits()).saturating_mul(mag) > MAX_BITS * 2 {
+            return None;
+        }
+        if b.is_zero() && k.is_negative() {
+            return None;
+        }
+        let p = num_traits::pow(b.clone(), mag as usize);
+        let p = if k.is_negative() { p.recip() } else { p };
+        return checked(p);
+    }
+    // Rational exponent p/q: exact when b is a perfect q-th power.
+    let q = e.denom().to_u32()?;
+    if q > 64 {
+        return None;
+    }
+    let root = rational_root(b, q)?;
+    pow_exact(&root, &BigRational::from_integer(e.numer().clone()))
+}
+
+/// The exact rational value of a variable-free node, when it has one that is cheap to compute.
+pub fn exact(node: &Node) -> Option<BigRational> {
+    match node {
+        Node::Num { value, .. } => Some(value.clone()),
+        Node::Add(ts) => {
+            let mut acc = BigRational::zero();
+            for t in ts {
+                acc = checked(acc + exact(t)?)?;
+            }
+            Some(acc)
+        }
+        Node::Mul(fs) => {
+            let mut acc = BigRational::from_integer(1.into());
+            for f in fs {
+                acc = checked(acc * exact(f)?)?;
+            }
+            Some(acc)
+        }
+        Node::Neg(a) => Some(-exact(a)?),
+        Node::Div(a, b) | Node::Frac(a, b) => {
+            let d = exact(b)?;
+            if d.is_zero() {
+                return None;
+            }
+            checked(exact(a)? / d)
+        }
+        Node::Pow(b, e) => pow_exact(&exact(b)?, &exact(e)?),
+        Node::Root(r, idx) => {
+            let n = match idx {
+                Some(i) => {
+                    let v = exact(i)?;
+                    if !v.is_integer() {
+                        return None;
+                    }
+                    v.to_integer().to_u32()?
+                }
+                None => 2,
+            };
+            if n == 0 || n > 64 {
+                return None;
+            }
+            rational_root(&exact(r)?, n)
+        }
+        Node::Pct(a) => Some(exact(a)? / BigRational::from_integer(100.into())),
+        Node::Fact(a) => {
+            let v = exact(a)?;
+            if !v.is_integer() || v.is_negative() {
+                return None;
+            }
+            let n = v.to_integer().to_u64()?;
+            if n > MAX_FACT {
+                return None;
+            }
+            let mut acc = BigInt::from(1);
+            for i in 2..=n {
+                acc *= i;
+            }
+            Some(BigRational::from_integer(acc))
+        }
+        Node::Log(base, arg) => {
+            // Exact only for integer results: log_b(b^k) = k.
+            let b = exact(base.as_deref()?)?;
+            let a = exact(arg)?;
+            if b <= BigRational::from_integer(1.into()) || a <= BigRational::zero() {
+                return None;
+            }
+            let approx = a.to_f64()?.ln() / b.to_f64()?.ln();
+            let k = approx.round();
+            if (approx - k).abs() > 1e-9 || k.abs() > MAX_EXP as f64 {
+                return None;
+            }
+            let kr = BigRational::from_integer(BigInt::from(k as i64));
+            (pow_exact(&b, &kr)? == a).then_some(kr)
+        }
+        Node::Func(Func::Abs, a) => Some(exact(a)?.abs()),
+        _ => None,
+    }
+}
+
+/// Whether a decimal literal appears anywhere in the node.
+pub fn has_float(node: &Node) -> bool {
+    let mut found = false;
+    visit(node, &mut |n| {
+        if matches!(n, Node::Num { float: true, .. }) {
+            found = true;
+        }
+    });
+    found
+}
+
+/// The names of the free variables of a node, sorted and deduplicated.
+pub fn free_symbols(node: &Node) -> Vec<String> {
+    let mut out = Vec::new();
+    visit(node, &mut |n| {
+        if let Node::Sym(s) = n {
+            out.push(s.clone());
+        }
+    });
+    out.sort();
+    out.dedup();
+    out
+}
+
+/// Pre-order walk with an explicit stack (no recursion).
+pub fn visit(node: &Node, f: &mut dyn FnMut(&Node)) {
+    let mut stack = vec![node];
+    while let Some(n) = stack.pop() {
+        f(n);
+        match n {
+            Node::Add(v) | Node::Mul(v) | Node::Tuple(v) | Node::Set(v) | Node::Union(v) | Node::Rel(v, _) => {
+                stack.extend(v.iter())
+            }
+            Node::Neg(a) | Node::Func(_, a) | Node::Fact(a) | Node::Pct(a) => stack.push(a),
+            Node::Div(a, b) | Node::Frac(a, b) | Node::Pow(a, b) => {
+                stack.push(a);
+                stack.push(b);
+            }
+            Node::Interval { lo, hi, .. } => {
+                stack.push(lo);
+                stack.push(hi);
+            }
+            Node::Root(a, i) | Node::Log(i, a) => {
+                stack.push(a);
+                if let Some(i) = i {
+                    stack.push(i);
+                }
+            }
+            Node::Matrix(rows) => rows.iter().for_each(|r| stack.extend(r.iter())),
+            Node::Num { .. } | Node::Sym(_) | Node::Pi | Node::E | Node::Inf | Node::Text(_) => {}
+        }
+    }
+}
+
+/// Floating-point value with variables taken from `env` (NaN when undefined or not a scalar).
+pub fn approx(node: &Node, env: &dyn Fn(&str) -> f64) -> f64 {
+    match node {
+        Node::Num { value, .. } => value.to_f64().unwrap_or(f64::NAN),
+        Node::Sym(s) => env(s),
+        Node::Pi => std::f64::consts::PI,
+        Node::E => std::f64::consts::E,
+        Node::Inf => f64::INFINITY,
+        Node::Add(ts) => ts.iter().map(|t| approx(t, env)).sum(),
+        Node::Mul(fs) => fs.iter().map(|t| approx(t, env)).product(),
+        Node::Neg(a) => -approx(a, env),
+        Node::Div(a, b) | Node::Frac(a, b) => approx(a, env) / approx(b, env),
+        Node::Pow(b, e) => {
+            let (b, e) = (approx(b, env), approx(e, env));
+            if b < 0.0 && e.fract() != 0.0 {
+                // Odd roots of negatives (x^{1/3}) are real; anything else is not.
+                let q = (1.0 / e.fract()).round();
+                if (q % 2.0).abs() == 1.0 && ((1.0 / e.fract()) - q).abs() < 1e-9 {
+                    return -((-b).powf(e));
+                }
+                return f64::NAN;
+            }
+            b.powf(e)
+        }
+        Node::Root(r, idx) => {
+            let n = idx.as_ref().map(|i| approx(i, env)).unwrap_or(2.0);
+            let v = approx(r, env);
+            if v < 0.0 && n.fract() == 0.0 && (n as i64) % 2 == 1 {
+                -(-v).powf(1.0 / n)
+            } else {
+                v.powf(1.0 / n)
+            }
+        }
+        Node::Log(base, arg) => {
+            let b = base.as_ref().map(|b| approx(b, env)).unwrap_or(10.0);
+            approx(arg, env).ln() / b.ln()
+        }
+        Node::Func(f, a) => {
+            let x = approx(a, env);
+            match f {
+                Func::Sin => x.sin(),
+                Func::Cos => x.cos(),
+                Func::Tan => x.tan(),
+                Func::Cot => 1.0 / x.tan(),
+                Func::Sec => 1.0 / x.cos(),
+                Func::Csc => 1.0 / x.sin(),
+                Func::Asin => x.asin(),
+                Func::Acos => x.acos(),
+                Func::Atan => x.atan(),
+                Func::Sinh => x.sinh(),
+                Func::Cosh => x.cosh(),
+                Func::Tanh => x.tanh(),
+                Func::Exp => x.exp(),
+                Func::Ln => x.ln(),
+                Func::Abs => x.abs(),
+            }
+        }
+        Node::Fact(a) => {
+            let x = approx(a, env);
+            if x < 0.0 || x.fract() != 0.0 {
+                return f64::NAN;
+            }
+            if x > 170.0 {
+                return f64::INFINITY;
+            }
+            (2..=(x as u64)).map(|i| i as f64).product()
+        }
+        Node::Pct(a) => approx(a, env) / 100.0,
+        _ => f64::NAN,
+    }
+}
+
+/// Round to 6 decimal places, as an integer count of millionths (half away from zero).
+pub fn round6_exact(x: &BigRational) -> BigInt {
+    let scaled = x * BigRational::from_integer(BigInt::from(1_000_000));
+    // Half away from zero.
+    scaled.round().to_integer()
+}
+
+/// [`round6_exact`] for floats (None when not finite).
+pub fn round6_f64(x: f64) -> Option<BigInt> {
+    let s = (x * 1e6).round();
+    if !s.is_finite() {
+        return None;
+    }
+    num_traits::FromPrimitive::from_f64(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::parse::parse;
+    use super::*;
+
+    fn ex(s: &str) -> Option<BigRational> {
+        exact(&parse(s).unwrap())
+    }
+
+    #[test]
+    fn exact_values() {
+        assert_eq!(ex("2^{10}"), Some(BigRational::from_integer(1024.into())));
+        assert_eq!(ex("\\sqrt[3]{8}"), Some(BigRational::from_integer(2.into())));
+        assert_eq!(ex("\\sqrt{2}"), None);
+        assert_eq!(ex("\\log_2 8"), Some(BigRational::from_integer(3.into())));
+        assert_eq!(ex("1\\frac{1}{4}"), Some(BigRational::new(5.into(), 4.into())));
+        assert_eq!(ex("25\\%"), Some(BigRational::new(1.into(), 4.into())));
+    }
+
+    #[test]
+    fn huge_values_are_bounded() {
+        let t = std::time::Instant::now();
+        assert_eq!(ex("10^{10^{10}}"), None);
+        assert_eq!(ex("(2^{4095})^{4095}"), None);
+        assert_eq!(ex("1000!"), None);
+        assert!(t.elapsed().as_millis() < 500);
+        assert!(approx(&parse("10^{10^{10}}").unwrap(), &|_| f64::NAN).is_infinite());
+    }
+
+    #[test]
+    fn approximate_values() {
+        let v = approx(&parse("\\frac{\\sqrt{3}}{2}").unwrap(), &|_| f64::NAN);
+        assert!((v - 0.866_025_403_784_438_6).abs() < 1e-12);
+        let v = approx(&parse("x^2+1").unwrap(), &|_| 2.0);
+        assert_eq!(v, 5.0);
+        assert_eq!(round6_f64(1.4142135), Some(BigInt::from(1_414_214)));
+    }
+}

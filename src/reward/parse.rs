@@ -1,0 +1,1095 @@
+//! LaTeX / plain-text answers to a small expression tree.
+//!
+//! The grammar covers what final answers look like: numbers (thousands separators, decimals,
+//! percentages), `\frac`, `\sqrt`, powers, implicit products, named functions, constants, relations
+//! (`x = 5`, `x \le 3`), tuples, intervals, unions, sets, `\pm`, matrices and `\text{...}` words.
+//! Presentation-only LaTeX (`\left`, spacing, `$`, `\$`, degrees, `\displaystyle`, units in `\text`
+//! after a value) is dropped. Parsing is linear in the input, with a nesting limit ([`MAX_DEPTH`])
+//! and a length limit ([`MAX_LEN`]); anything beyond them is "not parsed" (the caller then compares
+//! the normalised strings only).
+
+use num_bigint::BigInt;
+use num_rational::BigRational;
+use num_traits::Zero;
+
+/// Longest answer (in bytes) that is parsed; longer ones are compared as strings.
+pub const MAX_LEN: usize = 2_000;
+/// Deepest nesting of brackets / sub-expressions accepted by the parser.
+pub const MAX_DEPTH: usize = 64;
+
+/// Relation operators.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RelOp {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+impl RelOp {
+    /// The operator with its sides swapped (`a < b` is `b > a`).
+    pub fn flipped(self) -> RelOp {
+        match self {
+            RelOp::Lt => RelOp::Gt,
+            RelOp::Gt => RelOp::Lt,
+            RelOp::Le => RelOp::Ge,
+            RelOp::Ge => RelOp::Le,
+            other => other,
+        }
+    }
+}
+
+/// Named one-argument functions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Func {
+    Sin,
+    Cos,
+    Tan,
+    Cot,
+    Sec,
+    Csc,
+    Asin,
+    Acos,
+    Atan,
+    Sinh,
+    Cosh,
+    Tanh,
+    Exp,
+    Ln,
+    Abs,
+}
+
+/// A parsed answer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Node {
+    /// A number literal; `float` when written with a decimal point.
+    Num { value: BigRational, float: bool },
+    /// A variable (single letters are lower-cased, as Math-Verify does).
+    Sym(String),
+    Pi,
+    E,
+    Inf,
+    Add(Vec<Node>),
+    Mul(Vec<Node>),
+    Neg(Box<Node>),
+    Div(Box<Node>, Box<Node>),
+    /// `\frac{a}{b}` (kept apart from `/` to recognise mixed numbers such as `1\frac{1}{4}`).
+    Frac(Box<Node>, Box<Node>),
+    Pow(Box<Node>, Box<Node>),
+    /// `\sqrt[index]{radicand}`.
+    Root(Box<Node>, Option<Box<Node>>),
+    /// `\log_base(arg)`; `\log` without base is base 10, `\ln` is [`Func::Ln`].
+    Log(Option<Box<Node>>, Box<Node>),
+    Func(Func, Box<Node>),
+    Fact(Box<Node>),
+    /// `x\%`: the value x / 100, remembered as a percentage.
+    Pct(Box<Node>),
+    /// A chain of relations `a op b op c ...`.
+    Rel(Vec<Node>, Vec<RelOp>),
+    Tuple(Vec<Node>),
+    Set(Vec<Node>),
+    Interval { lo: Box<Node>, hi: Box<Node>, lo_open: bool, hi_open: bool },
+    Union(Vec<Node>),
+    Matrix(Vec<Vec<Node>>),
+    /// A word from `\text{...}` (lower-cased).
+    Text(String),
+}
+
+/// Why a string could not be parsed (the reason is only used in tests and debug logs).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ParseError {
+    #[error("answer longer than {MAX_LEN} bytes")]
+    TooLong,
+    #[error("nesting deeper than {MAX_DEPTH}")]
+    TooDeep,
+    #[error("unexpected {0}")]
+    Unexpected(String),
+    #[error("unexpected end of input")]
+    End,
+    #[error("empty answer")]
+    Empty,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum Tok {
+    /// Integer digits and optional fractional digits (`None`: no decimal point).
+    Num(String, Option<String>),
+    Ident(String),
+    Cmd(String),
+    Op(char),
+    LParen,
+    RParen,
+    LBrack,
+    RBrack,
+    LBrace,
+    RBrace,
+    SetOpen,
+    SetClose,
+    Percent,
+    Amp,
+    RowSep,
+    Word(String),
+}
+
+/// Commands whose braced argument is just a group (or a word when it is made of letters).
+const TEXT_CMDS: &[&str] = &[
+    "text", "textbf", "textit", "textrm", "textnormal", "mbox", "hbox", "mathrm", "mathbf", "mathit", "mathsf",
+    "mathtt", "boldsymbol", "bm", "boxed", "fbox", "operatorname", "textsf", "emph",
+];
+
+/// Commands that only change presentation and are dropped.
+const DROPPED_CMDS: &[&str] = &[
+    "left", "right", "displaystyle", "textstyle", "limits", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl",
+    "Bigr", "quad", "qquad", "circ", "degree", "dollar", "mathclap", "ensuremath", "biggl", "biggr", "middle",
+];
+
+fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
+    let chars: Vec<char> = s.chars().collect();
+    let mut toks = Vec::new();
+    let mut i = 0;
+    let n = chars.len();
+    while i < n {
+        let c = chars[i];
+        match c {
+            ' ' | '\t' | '\n' | '\r' | '~' | '$' => i += 1,
+            '0'..='9' | '.' => {
+                let start = i;
+                while i < n && chars[i].is_ascii_digit() {
+                    i += 1;
+                }
+                let mut int: String = chars[start..i].iter().collect();
+                // Thousands separators: 1,000 / 10{,}000 (groups of exactly three digits).
+                if int.len() <= 3 && !int.is_empty() {
+                    loop {
+                        let (skip, ok) = if i + 3 < n + 1 && chars.get(i) == Some(&',') {
+                            (1, true)
+                        } else if chars.get(i) == Some(&'{') && chars.get(i + 1) == Some(&',') && chars.get(i + 2) == Some(&'}')
+                        {
+                            (3, true)
+                        } else {
+                            (0, false)
+                        };
+                        if !ok {
+                            break;
+                        }
+                        let d = i + skip;
+                        let three = d + 3 <= n && chars[d..d + 3].iter().all(|c| c.is_ascii_digit());
+                        let after_ok = d + 3 >= n || !chars[d + 3].is_ascii_digit();
+                        if three && after_ok {
+                            int.extend(&chars[d..d + 3]);
+                            i = d + 3;
+                        } else {
+                            break;
+                        }
+                    }
+                }
+                let mut frac = None;
+                if i < n && chars[i] == '.' && i + 1 < n && chars[i + 1].is_ascii_digit() {
+                    i += 1;
+                    let fs = i;
+                    while i < n && chars[i].is_ascii_digit() {
+                        i += 1;
+                    }
+                    frac = Some(chars[fs..i].iter().collect());
+                } else if i < n && chars[i] == '.' && !int.is_empty() {
+                    // "7." : a trailing period, not a decimal (Math-Verify leaves it unparsed).
+                    return Err(ParseError::Unexpected("trailing '.'".into()));
+                }
+                if int.is_empty() && frac.is_none() {
+                    return Err(ParseError::Unexpected(".".into()));
+                }
+                toks.push(Tok::Num(int, frac));
+            }
+            'a'..='z' | 'A'..='Z' => {
+                toks.push(Tok::Ident(c.to_ascii_lowercase().to_string()));
+                i += 1;
+            }
+            '\\' => {
+                i += 1;
+                if i >= n {
+                    return Err(ParseError::End);
+                }
+                let c2 = chars[i];
+                if c2.is_ascii_alphabetic() {
+                    let start = i;
+                    while i < n && chars[i].is_ascii_alphabetic() {
+                        i += 1;
+                    }
+                    let name: String = chars[start..i].iter().collect();
+                    if DROPPED_CMDS.contains(&name.as_str()) {
+                        continue;
+                    }
+                    if name == "begin" || name == "end" {
+                        // \begin{pmatrix} / \end{pmatrix}: the environment name is skipped.
+                        if i < n && chars[i] == '{' {
+                            while i < n && chars[i] != '}' {
+                                i += 1;
+                            }
+                            i += 1;
+                        }
+                        toks.push(Tok::Cmd(name));
+                        continue;
+                    }
+                    if TEXT_CMDS.contains(&name.as_str()) {
+                        while i < n && chars[i] == ' ' {
+                            i += 1;
+                        }
+                        if i < n && chars[i] == '{' {
+                            let mut depth = 0usize;
+                            let start = i + 1;
+                            let mut j = i;
+                            while j < n {
+                                match chars[j] {
+                                    '{' => depth += 1,
+                                    '}' => {
+                                        depth -= 1;
+                                        if depth == 0 {
+                                            break;
+                                        }
+                                    }
+                                    _ => {}
+                                }
+                                j += 1;
+                            }
+                            if j >= n {
+                                return Err(ParseError::End);
+                            }
+                            let inner: String = chars[start..j].iter().collect();
+                            let word = inner.trim();
+                            if word.chars().count() >= 2 && word.chars().all(|c| c.is_alphabetic() || c == ' ') {
+                                toks.push(Tok::Word(word.to_lowercase()));
+                                i = j + 1;
+                            } else {
+                                // A group: tokenise the content in place.
+                                toks.push(Tok::LBrace);
+                                i = start;
+                                // The matching '}' will be tokenised as RBrace.
+                            }
+                        }
+                        continue;
+                    }
+                    toks.push(Tok::Cmd(name));
+                } else {
+                    i += 1;
+                    match c2 {
+                        '{' => toks.push(Tok::SetOpen),
+                        '}' => toks.push(Tok::SetClose),
+                        '%' => toks.push(Tok::Percent),
+                        '\\' => toks.push(Tok::RowSep),
+                        ',' | ';' | ':' | '!' | ' ' | '$' | '>' => {}
+                        '(' | ')' | '[' | ']' => {} // \( \) \[ \] math delimiters
+                        '|' => toks.push(Tok::Op('|')),
+                        _ => return Err(ParseError::Unexpected(format!("\\{c2}"))),
+                    }
+                }
+            }
+            '(' => {
+                toks.push(Tok::LParen);
+                i += 1;
+            }
+            ')' => {
+                toks.push(Tok::RParen);
+                i += 1;
+            }
+            '[' => {
+                toks.push(Tok::LBrack);
+                i += 1;
+            }
+            ']' => {
+                toks.push(Tok::RBrack);
+                i += 1;
+            }
+            '{' => {
+                toks.push(Tok::LBrace);
+                i += 1;
+            }
+            '}' => {
+                toks.push(Tok::RBrace);
+                i += 1;
+            }
+            '%' => {
+                toks.push(Tok::Percent);
+                i += 1;
+            }
+            '&' => {
+                toks.push(Tok::Amp);
+                i += 1;
+            }
+            '°' => i += 1,
+            '−' | '–' => {
+                toks.push(Tok::Op('-'));
+                i += 1;
+            }
+            '×' | '·' => {
+                toks.push(Tok::Op('*'));
+                i += 1;
+            }
+            '÷' => {
+                toks.push(Tok::Op('/'));
+                i += 1;
+            }
+            '≤' => {
+                toks.push(Tok::Cmd("le".into()));
+                i += 1;
+            }
+            '≥' => {
+                toks.push(Tok::Cmd("ge".into()));
+                i += 1;
+            }
+            '≠' => {
+                toks.push(Tok::Cmd("ne".into()));
+                i += 1;
+            }
+            'π' => {
+                toks.push(Tok::Cmd("pi".into()));
+                i += 1;
+            }
+            '∞' => {
+                toks.push(Tok::Cmd("infty".into()));
+                i += 1;
+            }
+            '√' => {
+                toks.push(Tok::Cmd("sqrt".into()));
+                i += 1;
+            }
+            '+' | '-' | '*' | '/' | '^' | '_' | '=' | '<' | '>' | ',' | '!' | '|' | '\'' => {
+                toks.push(Tok::Op(c));
+                i += 1;
+            }
+            ';' => {
+                toks.push(Tok::Op(','));
+                i += 1;
+            }
+            ':' => i += 1,
+            _ if c.is_alphabetic() => {
+                toks.push(Tok::Ident(c.to_lowercase().collect()));
+                i += 1;
+            }
+            _ => return Err(ParseError::Unexpected(c.to_string())),
+        }
+    }
+    Ok(toks)
+}
+
+struct Parser {
+    toks: Vec<Tok>,
+    pos: usize,
+    depth: usize,
+}
+
+fn int(v: i64) -> BigRational {
+    BigRational::from_integer(BigInt::from(v))
+}
+
+fn num_node(int_part: &str, frac: &Option<String>) -> Node {
+    let ip: BigInt = if int_part.is_empty() { BigInt::zero() } else { int_part.parse().unwrap_or_default() };
+    match frac {
+        None => Node::Num { value: BigRational::from_integer(ip), float: false },
+        Some(f) => {
+            let fp: BigInt = f.parse().unwrap_or_default();
+            let den = num_traits::pow(BigInt::from(10), f.len());
+            let value = BigRational::from_integer(ip) + BigRational::new(fp, den);
+            Node::Num { value, float: true }
+        }
+    }
+}
+
+fn is_integer_literal(n: &Node) -> bool {
+    matches!(n, Node::Num { value, float: false } if value.is_integer())
+}
+
+impl Parser {
+    fn peek(&self) -> Option<&Tok> {
+        self.toks.get(self.pos)
+    }
+
+    fn next(&mut self) -> Option<Tok> {
+        let t = self.toks.get(self.pos).cloned();
+        self.pos += 1;
+        t
+    }
+
+    fn expect(&mut self, t: Tok) -> Result<(), ParseError> {
+        match self.next() {
+            Some(ref x) if *x == t => Ok(()),
+            Some(x) => Err(ParseError::Unexpected(format!("{x:?}"))),
+            None => Err(ParseError::End),
+        }
+    }
+
+    fn enter(&mut self) -> Result<(), ParseError> {
+        self.depth += 1;
+        if self.depth > MAX_DEPTH {
+            Err(ParseError::TooDeep)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn leave(&mut self) {
+        self.depth -= 1;
+    }
+
+    /// Top level: a matrix, or comma-separated items (several items make a set, as in Math-Verify).
+    fn parse_top(&mut self) -> Result<Node, ParseError> {
+        let mut items = vec![self.parse_union()?];
+        while self.peek() == Some(&Tok::Op(',')) {
+            self.pos += 1;
+            if self.peek().is_none() {
+                break;
+            }
+            items.push(self.parse_union()?);
+        }
+        if let Some(t) = self.peek() {
+            return Err(ParseError::Unexpected(format!("{t:?}")));
+        }
+        Ok(if items.len() == 1 { items.pop().unwrap_or(Node::Set(vec![])) } else { Node::Set(items) })
+    }
+
+    fn parse_union(&mut self) -> Result<Node, ParseError> {
+        let first = self.parse_rel()?;
+        if self.peek() != Some(&Tok::Cmd("cup".into())) {
+            return Ok(first);
+        }
+        let mut parts = vec![first];
+        while self.peek() == Some(&Tok::Cmd("cup".into())) {
+            self.pos += 1;
+            parts.push(self.parse_rel()?);
+        }
+        Ok(Node::Union(parts))
+    }
+
+    fn rel_op(&self) -> Option<RelOp> {
+        match self.peek()? {
+            Tok::Op('=') => Some(RelOp::Eq),
+            Tok::Op('<') => Some(RelOp::Lt),
+            Tok::Op('>') => Some(RelOp::Gt),
+            Tok::Cmd(c) => match c.as_str() {
+                "le" | "leq" | "leqslant" => Some(RelOp::Le),
+                "ge" | "geq" | "geqslant" => Some(RelOp::Ge),
+                "ne" | "neq" => Some(RelOp::Ne),
+                "lt" => Some(RelOp::Lt),
+                "gt" => Some(RelOp::Gt),
+                "approx" | "equiv" => Some(RelOp::Eq),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn parse_rel(&mut self) -> Result<Node, ParseError> {
+        let first = self.parse_add()?;
+        let mut sides = vec![first];
+        let mut ops = Vec::new();
+        while let Some(op) = self.rel_op() {
+            self.pos += 1;
+            // "<=" / ">=" written with two characters.
+            let op = match (op, self.peek()) {
+                (RelOp::Lt, Some(Tok::Op('='))) => {
+                    self.pos += 1;
+                    RelOp::Le
+                }
+                (RelOp::Gt, Some(Tok::Op('='))) => {
+                    self.pos += 1;
+                    RelOp::Ge
+                }
+                _ => op,
+            };
+            ops.push(op);
+            sides.push(self.parse_add()?);
+        }
+        Ok(if ops.is_empty() { sides.pop().unwrap_or(Node::Set(vec![])) } else { Node::Rel(sides, ops) })
+    }
+
+    fn parse_add(&mut self) -> Result<Node, ParseError> {
+        self.enter()?;
+        let mut terms = Vec::new();
+        let mut pm: Option<Node> = None;
+        // Leading sign.
+        let first = match self.peek() {
+            Some(Tok::Cmd(c)) if c == "pm" => {
+                self.pos += 1;
+                let t = self.parse_mul()?;
+                pm = Some(t);
+                None
+            }
+            _ => Some(self.parse_signed()?),
+        };
+        if let Some(f) = first {
+            terms.push(f);
+        }
+        loop {
+            match self.peek() {
+                Some(Tok::Op('+')) => {
+                    self.pos += 1;
+                    terms.push(self.parse_signed()?);
+                }
+                Some(Tok::Op('-')) => {
+                    self.pos += 1;
+                    let t = self.parse_signed()?;
+                    terms.push(Node::Neg(Box::new(t)));
+                }
+                Some(Tok::Cmd(c)) if (c == "pm" || c == "mp") && pm.is_none() => {
+                    self.pos += 1;
+                    pm = Some(self.parse_mul()?);
+                }
+                _ => break,
+            }
+        }
+        self.leave();
+        let base = match terms.len() {
+            0 => None,
+            1 => terms.pop(),
+            _ => Some(Node::Add(terms)),
+        };
+        Ok(match (base, pm) {
+            (Some(b), None) => b,
+            (None, Some(d)) => Node::Set(vec![Node::Neg(Box::new(d.clone())), d]),
+            (Some(b), Some(d)) => {
+                Node::Set(vec![Node::Add(vec![b.clone(), Node::Neg(Box::new(d.clone()))]), Node::Add(vec![b, d])])
+            }
+            (None, None) => return Err(ParseError::Empty),
+        })
+    }
+
+    fn parse_signed(&mut self) -> Result<Node, ParseError> {
+        match self.peek() {
+            Some(Tok::Op('-')) => {
+                self.pos += 1;
+                self.enter()?;
+                let t = self.parse_signed()?;
+                self.leave();
+                Ok(Node::Neg(Box::new(t)))
+            }
+            Some(Tok::Op('+')) => {
+                self.pos += 1;
+                self.enter()?;
+                let t = self.parse_signed();
+                self.leave();
+                t
+            }
+            _ => self.parse_mul(),
+        }
+    }
+
+    fn starts_factor(&self) -> bool {
+        match self.peek() {
+            Some(Tok::Num(..) | Tok::Ident(_) | Tok::LParen | Tok::LBrace | Tok::SetOpen) => true,
+            Some(Tok::Cmd(c)) => !matches!(
+                c.as_str(),
+                "cup"
+                    | "pm"
+                    | "mp"
+                    | "le"
+                    | "leq"
+                    | "leqslant"
+                    | "ge"
+                    | "geq"
+                    | "geqslant"
+                    | "ne"
+                    | "neq"
+                    | "lt"
+                    | "gt"
+                    | "approx"
+                    | "equiv"
+                    | "cdot"
+                    | "times"
+                    | "div"
+                    | "end"
+                    | "in"
+            ),
+            _ => false,
+        }
+    }
+
+    fn parse_mul(&mut self) -> Result<Node, ParseError> {
+        self.enter()?;
+        let mut factors = vec![self.parse_power()?];
+        loop {
+            match self.peek() {
+                Some(Tok::Op('*')) => {
+                    self.pos += 1;
+                    factors.push(self.parse_power()?);
+                }
+                Some(Tok::Cmd(c)) if c == "cdot" || c == "times" || c == "ast" => {
+                    self.pos += 1;
+                    factors.push(self.parse_power()?);
+                }
+                Some(Tok::Op('/')) | Some(Tok::Cmd(_)) if self.is_div() => {
+                    self.pos += 1;
+                    let d = self.parse_power()?;
+                    let last = factors.pop().ok_or(ParseError::Empty)?;
+                    factors.push(Node::Div(Box::new(last), Box::new(d)));
+                }
+                Some(Tok::Word(_)) => {
+                    // A unit after a value ("5 \text{ cm}^2"): dropped.
+                    self.pos += 1;
+                    self.skip_unit_power()?;
+                }
+                _ if self.starts_factor() => {
+                    let f = self.parse_power()?;
+                    // Mixed number: 1\frac{1}{4} = 1 + 1/4.
+                    if factors.len() == 1 && is_integer_literal(&factors[0]) {
+                        if let Node::Frac(a, b) = &f {
+                            if is_integer_literal(a) && is_integer_literal(b) {
+                                let whole = factors.pop().ok_or(ParseError::Empty)?;
+                                factors.push(Node::Add(vec![whole, f]));
+                                continue;
+                            }
+                        }
+                    }
+                    factors.push(f);
+                }
+                _ => break,
+            }
+        }
+        self.leave();
+        Ok(if factors.len() == 1 { factors.pop().unwrap_or(Node::Set(vec![])) } else { Node::Mul(factors) })
+    }
+
+    fn is_div(&self) -> bool {
+        match self.peek() {
+            Some(Tok::Op('/')) => true,
+            Some(Tok::Cmd(c)) => c == "div",
+            _ => false,
+        }
+    }
+
+    fn skip_unit_power(&mut self) -> Result<(), ParseError> {
+        if self.peek() == Some(&Tok::Op('^')) {
+            self.pos += 1;
+            let _ = self.parse_arg()?;
+        }
+        Ok(())
+    }
+
+    fn parse_power(&mut self) -> Result<Node, ParseError> {
+        self.enter()?;
+        let mut base = self.parse_postfix()?;
+        if self.peek() == Some(&Tok::Op('^')) {
+            self.pos += 1;
+            let exp = match self.peek() {
+                Some(Tok::Op('-')) => {
+                    self.pos += 1;
+                    Node::Neg(Box::new(self.parse_arg()?))
+                }
+                _ => self.parse_arg()?,
+            };
+            base = Node::Pow(Box::new(base), Box::new(exp));
+            base = self.parse_postfix_ops(base)?;
+        }
+        self.leave();
+        Ok(base)
+    }
+
+    fn parse_postfix(&mut self) -> Result<Node, ParseError> {
+        let p = self.parse_primary()?;
+        self.parse_postfix_ops(p)
+    }
+
+    fn parse_postfix_ops(&mut self, mut p: Node) -> Result<Node, ParseError> {
+        loop {
+            match self.peek() {
+                Some(Tok::Percent) => {
+                    self.pos += 1;
+                    p = Node::Pct(Box::new(p));
+                }
+                Some(Tok::Op('!')) => {
+                    self.pos += 1;
+                    p = Node::Fact(Box::new(p));
+                }
+                Some(Tok::Op('\'')) => {
+                    self.pos += 1;
+                    if let Node::Sym(s) = p {
+                        p = Node::Sym(format!("{s}'"));
+                    } else {
+                        return Err(ParseError::Unexpected("'".into()));
+                    }
+                }
+                _ => return Ok(p),
+            }
+        }
+    }
+
+    /// A one-token or braced argument (`\frac12`, `\sqrt2`, `x^2`, `\frac{a}{b}`): a multi-digit
+    /// number without braces gives only its first digit, as in TeX.
+    fn parse_arg(&mut self) -> Result<Node, ParseError> {
+        self.enter()?;
+        let r = match self.peek().cloned() {
+            Some(Tok::LBrace) => {
+                self.pos += 1;
+                let inner = self.parse_group_body(Tok::RBrace)?;
+                Ok(inner)
+            }
+            Some(Tok::Num(int, None)) if int.len() > 1 => {
+                let first = int[..1].to_string();
+                self.toks[self.pos] = Tok::Num(int[1..].to_string(), None);
+                Ok(num_node(&first, &None))
+            }
+            Some(Tok::Num(..)) | Some(Tok::Ident(_)) => self.parse_primary(),
+            Some(Tok::Cmd(_)) => self.parse_primary(),
+            Some(t) => Err(ParseError::Unexpected(format!("{t:?}"))),
+            None => Err(ParseError::End),
+        };
+        self.leave();
+        r
+    }
+
+    /// Content of a `{...}` group up to `close`: one expression (commas make a set).
+    fn parse_group_body(&mut self, close: Tok) -> Result<Node, ParseError> {
+        let mut items = vec![self.parse_union()?];
+        while self.peek() == Some(&Tok::Op(',')) {
+            self.pos += 1;
+            items.push(self.parse_union()?);
+        }
+        self.expect(close)?;
+        Ok(if items.len() == 1 { items.pop().unwrap_or(Node::Set(vec![])) } else { Node::Set(items) })
+    }
+
+    fn parse_primary(&mut self) -> Result<Node, ParseError> {
+        self.enter()?;
+        let tok = self.next().ok_or(ParseError::End)?;
+        let r = match tok {
+            Tok::Num(i, f) => Ok(num_node(&i, &f)),
+            Tok::Ident(s) => {
+                let mut name = s;
+                if name == "e" {
+                    return self.leave_with(Ok(Node::E));
+                }
+                if self.peek() == Some(&Tok::Op('_')) {
+                    self.pos += 1;
+                    let sub = match self.next() {
+                        Some(Tok::Num(i, None)) => i,
+                        Some(Tok::Ident(s)) => s,
+                        Some(Tok::LBrace) => {
+                            let mut sub = String::new();
+                            loop {
+                                match self.next() {
+                                    Some(Tok::RBrace) => break,
+                                    Some(Tok::Num(i, None)) => sub.push_str(&i),
+                                    Some(Tok::Ident(s)) => sub.push_str(&s),
+                                    Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
+                                    None => return self.leave_with(Err(ParseError::End)),
+                                }
+                            }
+                            sub
+                        }
+                        Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
+                        None => return self.leave_with(Err(ParseError::End)),
+                    };
+                    name = format!("{name}_{sub}");
+                }
+                Ok(Node::Sym(name))
+            }
+            Tok::Word(w) => Ok(Node::Text(w)),
+            Tok::LBrace => self.parse_group_body(Tok::RBrace),
+            Tok::SetOpen => {
+                if self.peek() == Some(&Tok::SetClose) {
+                    self.pos += 1;
+                    Ok(Node::Set(vec![]))
+                } else {
+                    let mut items = vec![self.parse_union()?];
+                    while self.peek() == Some(&Tok::Op(',')) {
+                        self.pos += 1;
+                        items.push(self.parse_union()?);
+                    }
+                    self.expect(Tok::SetClose)?;
+                    Ok(Node::Set(items))
+                }
+            }
+            Tok::LParen | Tok::LBrack => {
+                let open_paren = tok == Tok::LParen;
+                let mut items = vec![self.parse_union()?];
+                while self.peek() == Some(&Tok::Op(',')) {
+                    self.pos += 1;
+                    items.push(self.parse_union()?);
+                }
+                let close_paren = match self.next() {
+                    Some(Tok::RParen) => true,
+                    Some(Tok::RBrack) => false,
+                    Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
+                    None => return self.leave_with(Err(ParseError::End)),
+                };
+                match items.len() {
+                    1 if open_paren == close_paren => Ok(items.pop().unwrap_or(Node::Set(vec![]))),
+                    2 => {
+                        let hi = items.pop().unwrap_or(Node::Set(vec![]));
+                        let lo = items.pop().unwrap_or(Node::Set(vec![]));
+                        Ok(Node::Interval { lo: Box::new(lo), hi: Box::new(hi), lo_open: open_paren, hi_open: close_paren })
+                    }
+                    n if n > 2 && open_paren == close_paren => Ok(Node::Tuple(items)),
+                    _ => Err(ParseError::Unexpected("mismatched brackets".into())),
+                }
+            }
+            Tok::Op('|') => {
+                let inner = self.parse_add()?;
+                self.expect(Tok::Op('|'))?;
+                Ok(Node::Func(Func::Abs, Box::new(inner)))
+            }
+            Tok::Cmd(c) => self.parse_command(&c),
+            t => Err(ParseError::Unexpected(format!("{t:?}"))),
+        };
+        self.leave();
+        r
+    }
+
+    fn leave_with(&mut self, r: Result<Node, ParseError>) -> Result<Node, ParseError> {
+        self.leave();
+        r
+    }
+
+    fn parse_command(&mut self, c: &str) -> Result<Node, ParseError> {
+        let func = |f: Func| -> Option<Func> { Some(f) };
+        let f = match c {
+            "frac" | "dfrac" | "tfrac" | "cfrac" => {
+                let a = self.parse_arg()?;
+                let b = self.parse_arg()?;
+                return Ok(Node::Frac(Box::new(a), Box::new(b)));
+            }
+            "sqrt" => {
+                let index = if self.peek() == Some(&Tok::LBrack) {
+                    self.pos += 1;
+                    let i = self.parse_add()?;
+                    self.expect(Tok::RBrack)?;
+                    Some(Box::new(i))
+                } else {
+                    None
+                };
+                let r = self.parse_arg()?;
+                return Ok(Node::Root(Box::new(r), index));
+            }
+            "pi" => return Ok(Node::Pi),
+            "infty" | "inf" | "infinity" => return Ok(Node::Inf),
+            "emptyset" | "varnothing" => return Ok(Node::Set(vec![])),
+            "log" | "lg" => {
+                let base = if self.peek() == Some(&Tok::Op('_')) {
+                    self.pos += 1;
+                    Some(Box::new(self.parse_arg()?))
+                } else {
+                    None
+                };
+                let arg = self.parse_func_arg()?;
+                let base = base.or_else(|| Some(Box::new(Node::Num { value: int(10), float: false })));
+                return Ok(Node::Log(base, Box::new(arg)));
+            }
+            "ln" => func(Func::Ln),
+            "exp" => func(Func::Exp),
+            "sin" => func(Func::Sin),
+            "cos" => func(Func::Cos),
+            "tan" => func(Func::Tan),
+            "cot" => func(Func::Cot),
+            "sec" => func(Func::Sec),
+            "csc" => func(Func::Csc),
+            "arcsin" => func(Func::Asin),
+            "arccos" => func(Func::Acos),
+            "arctan" => func(Func::Atan),
+            "sinh" => func(Func::Sinh),
+            "cosh" => func(Func::Cosh),
+            "tanh" => func(Func::Tanh),
+            "begin" => return self.parse_matrix(),
+            "lbrace" => {
+                self.pos -= 1;
+                self.toks[self.pos] = Tok::SetOpen;
+                return self.parse_primary();
+            }
+            "alpha" | "beta" | "gamma" | "delta" | "theta" | "lambda" | "mu" | "sigma" | "phi" | "omega" | "tau"
+            | "rho" | "epsilon" | "varepsilon" | "varphi" | "psi" | "chi" | "eta" | "zeta" | "xi" | "nu" | "kappa" => {
+                return Ok(Node::Sym(c.to_string()))
+            }
+            _ => None,
+        };
+        match f {
+            Some(f) => {
+                // sin^2 x
+                let power = if self.peek() == Some(&Tok::Op('^')) {
+                    self.pos += 1;
+                    Some(self.parse_arg()?)
+                } else {
+                    None
+                };
+                let arg = self.parse_func_arg()?;
+                let app = Node::Func(f, Box::new(arg));
+                Ok(match power {
+                    Some(p) => Node::Pow(Box::new(app), Box::new(p)),
+                    None => app,
+                })
+            }
+            None => Err(ParseError::Unexpected(format!("\\{c}"))),
+        }
+    }
+
+    fn parse_func_arg(&mut self) -> Result<Node, ParseError> {
+        match self.peek() {
+            Some(Tok::LParen) | Some(Tok::LBrace) => self.parse_power(),
+            _ => self.parse_power(),
+        }
+    }
+
+    fn parse_matrix(&mut self) -> Result<Node, ParseError> {
+        let mut rows = Vec::new();
+        let mut row = Vec::new();
+        loop {
+            match self.peek() {
+                Some(Tok::Cmd(c)) if c == "end" => {
+                    self.pos += 1;
+                    if !row.is_empty() {
+                        rows.push(row);
+                    }
+                    break;
+                }
+                Some(Tok::RowSep) => {
+                    self.pos += 1;
+                    if !row.is_empty() {
+                        rows.push(std::mem::take(&mut row));
+                    }
+                }
+                Some(Tok::Amp) => self.pos += 1,
+                None => return Err(ParseError::End),
+                _ => row.push(self.parse_add()?),
+            }
+        }
+        if rows.is_empty() || rows.iter().any(|r| r.len() != rows[0].len()) {
+            return Err(ParseError::Unexpected("ragged matrix".into()));
+        }
+        Ok(Node::Matrix(rows))
+    }
+}
+
+/// Parse one answer string.
+pub fn parse(s: &str) -> Result<Node, ParseError> {
+    if s.len() > MAX_LEN {
+        return Err(ParseError::TooLong);
+    }
+    // Degrees: 90^\circ = 90 (the "^" would otherwise lose its argument).
+    let s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("^{\\degree}", "");
+    let toks = tokenize(&s)?;
+    if toks.is_empty() {
+        return Err(ParseError::Empty);
+    }
+    let mut p = Parser { toks, pos: 0, depth: 0 };
+    // A leading word ("\text{yes}") or a lone set of words.
+    p.parse_top()
+}
+
+/// The comparison key of the string form: whitespace and presentation commands removed,
+/// `\text{...}` unwrapped, lower-cased (Math-Verify compares unparsed answers as strings).
+pub fn canonical(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut rest = s;
+    while let Some(pos) = rest.find('\\') {
+        out.push_str(&rest[..pos]);
+        let after = &rest[pos + 1..];
+        let name_len = after.chars().take_while(|c| c.is_ascii_alphabetic()).count();
+        let name = &after[..name_len];
+        if name_len == 0 {
+            // \, \; \! \  \$ are spacing or dollar signs; keep \{ \} \%.
+            match after.chars().next() {
+                Some(c @ ('{' | '}' | '%' | '\\')) => {
+                    out.push('\\');
+                    out.push(c);
+                    rest = &after[1..];
+                }
+                Some(c) => rest = &after[c.len_utf8()..],
+                None => rest = after,
+            }
+            continue;
+        }
+        rest = &after[name_len..];
+        if DROPPED_CMDS.contains(&name) {
+            continue;
+        }
+        if TEXT_CMDS.contains(&name) {
+            // Keep the content, drop the command and its braces.
+            if let Some(r) = rest.trim_start().strip_prefix('{') {
+                let mut depth = 1usize;
+                let mut end = None;
+                for (i, c) in r.char_indices() {
+                    match c {
+                        '{' => depth += 1,
+                        '}' => {
+                            depth -= 1;
+                            if depth == 0 {
+                                end = Some(i);
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                if let Some(e) = end {
+                    out.push_str(&r[..e]);
+                    rest = &r[e + 1..];
+                }
+            }
+            continue;
+        }
+        let name = match name {
+            "dfrac" | "tfrac" | "cfrac" => "frac",
+            "leq" => "le",
+            "geq" => "ge",
+            n => n,
+        };
+        out.push('\\');
+        out.push_str(name);
+        // Keep command names separated from following letters.
+        out.push(' ');
+    }
+    out.push_str(rest);
+    let mut key: String = out.chars().filter(|c| !c.is_whitespace() && *c != '$').flat_map(|c| c.to_lowercase()).collect();
+    while key.ends_with('.') {
+        key.pop();
+    }
+    key
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn n(v: i64) -> Node {
+        Node::Num { value: int(v), float: false }
+    }
+
+    #[test]
+    fn numbers_and_separators() {
+        assert_eq!(parse("1,000").unwrap(), n(1000));
+        assert_eq!(parse("10{,}000").unwrap(), n(10000));
+        assert_eq!(parse("025").unwrap(), n(25));
+        assert_eq!(parse("1, 2").unwrap(), Node::Set(vec![n(1), n(2)]));
+        assert!(matches!(parse("0.5").unwrap(), Node::Num { float: true, .. }));
+        assert!(parse("7.").is_err());
+    }
+
+    #[test]
+    fn structures() {
+        assert!(matches!(parse("(1,2]").unwrap(), Node::Interval { lo_open: true, hi_open: false, .. }));
+        assert!(matches!(parse("(1,2,3)").unwrap(), Node::Tuple(v) if v.len() == 3));
+        assert!(matches!(parse("\\{1,2\\}").unwrap(), Node::Set(v) if v.len() == 2));
+        assert!(matches!(parse("x = 5").unwrap(), Node::Rel(_, ops) if ops == vec![RelOp::Eq]));
+        assert!(matches!(parse("1\\frac{1}{4}").unwrap(), Node::Add(_)));
+        assert!(matches!(parse("\\begin{pmatrix}1\\\\2\\end{pmatrix}").unwrap(), Node::Matrix(r) if r.len() == 2));
+        assert!(matches!(parse("\\pm 3").unwrap(), Node::Set(v) if v.len() == 2));
+        assert_eq!(parse("5 \\text{ cm}^2").unwrap(), n(5));
+        assert_eq!(parse("\\text{yes}").unwrap(), Node::Text("yes".into()));
+        assert_eq!(parse("\\frac12").unwrap(), Node::Frac(Box::new(n(1)), Box::new(n(2))));
+    }
+
+    #[test]
+    fn limits() {
+        let deep = format!("{}1{}", "{".repeat(10_000), "}".repeat(10_000));
+        assert!(parse(&deep).is_err());
+        let nested = format!("{}1{}", "(".repeat(500), ")".repeat(500));
+        assert_eq!(parse(&nested), Err(ParseError::TooDeep));
+        assert!(parse("(1,2").is_err());
+        assert!(parse("").is_err());
+    }
+
+    #[test]
+    fn canonical_forms() {
+        assert_eq!(canonical("\\text{Yes}"), "yes");
+        assert_eq!(canonical("\\left( 1, 2 \\right)"), "(1,2)");
+        assert_eq!(canonical("\\dfrac{1}{2}"), canonical("\\frac{1}{2}"));
+    }
+}

@@ -1,0 +1,200 @@
+//! `grpo score` end to end on real files: the Qwen2.5-Math dev trajectories (recorded verdicts),
+//! malformed lines, --no-gold, --strict and adversarial responses.
+
+use assert_cmd::Command;
+use grpo::reward::{is_equivalent, majority_vote, pass_at_k};
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/reward").join(name)
+}
+
+fn read_jsonl(p: &Path) -> Vec<Value> {
+    std::fs::read_to_string(p).unwrap().lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect()
+}
+
+fn grpo() -> Command {
+    Command::cargo_bin("grpo").unwrap()
+}
+
+/// The dev file in the documented input shape {"answer", "responses", ...}.
+fn dev_as_answer_responses(dir: &Path) -> (PathBuf, Vec<Value>) {
+    let rows = read_jsonl(&fixture("math_x8_dev.jsonl"));
+    let path = dir.join("dev.jsonl");
+    let text: String = rows
+        .iter()
+        .map(|r| json!({"id": r["idx"], "answer": r["gt"], "responses": r["responses"]}).to_string() + "\n")
+        .collect();
+    std::fs::write(&path, text).unwrap();
+    (path, rows)
+}
+
+#[test]
+fn agrees_with_recorded_scores_on_dev_trajectories() {
+    let dir = tempfile::tempdir().unwrap();
+    let (input, rows) = dev_as_answer_responses(dir.path());
+    let out = dir.path().join("scored.jsonl");
+    let summary = dir.path().join("summary.json");
+    grpo()
+        .args(["score", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&out)
+        .arg("--summary")
+        .arg(&summary)
+        .args(["--k", "1,4,8"])
+        .assert()
+        .success();
+    let scored = read_jsonl(&out);
+    assert_eq!(scored.len(), 50);
+    let (mut agree, mut total) = (0, 0);
+    let mut our_maj_ok = Vec::new();
+    let mut recorded_maj_ok = Vec::new();
+    for (row, s) in rows.iter().zip(&scored) {
+        assert_eq!(s["id"], row["idx"], "extra fields are carried through in order");
+        let recorded: Vec<bool> = serde_json::from_value(row["scores"].clone()).unwrap();
+        let ours: Vec<bool> = serde_json::from_value(s["correct"].clone()).unwrap();
+        assert_eq!(s["preds"].as_array().unwrap().len(), 8);
+        for (a, b) in recorded.iter().zip(&ours) {
+            total += 1;
+            agree += usize::from(a == b);
+        }
+        let gt = row["gt"].as_str().unwrap();
+        our_maj_ok.push(s["majority"].as_str().is_some_and(|m| is_equivalent(gt, m)));
+        let recorded_preds: Vec<Option<String>> = serde_json::from_value(row["preds"].clone()).unwrap();
+        let v = majority_vote(&recorded_preds);
+        recorded_maj_ok.push(v.answer.as_deref().is_some_and(|m| is_equivalent(gt, m)));
+    }
+    eprintln!("agreement with recorded scores: {agree}/{total}");
+    assert_eq!(total, 400);
+    assert!(agree * 100 >= total * 99, "only {agree}/{total} agree");
+    assert_eq!(our_maj_ok, recorded_maj_ok, "majority correct on the same questions");
+
+    // Summary: pass@k equals the estimator over the per-item counts.
+    let sum: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(sum["n_items"], 50);
+    assert_eq!(sum["n_responses"], 400);
+    for k in [1usize, 4, 8] {
+        let expect: f64 = scored
+            .iter()
+            .map(|s| {
+                let c = s["correct"].as_array().unwrap().iter().filter(|b| b.as_bool().unwrap()).count();
+                pass_at_k(8, c, k)
+            })
+            .sum::<f64>()
+            / 50.0;
+        let got = sum["pass_at_k"][k.to_string()].as_f64().unwrap();
+        assert!((got - expect).abs() < 1e-12, "pass@{k}: {got} vs {expect}");
+    }
+    let n_correct: usize =
+        scored.iter().map(|s| s["correct"].as_array().unwrap().iter().filter(|b| b.as_bool().unwrap()).count()).sum();
+    assert!((sum["avg_at_n"].as_f64().unwrap() - n_correct as f64 / 400.0).abs() < 1e-12);
+    let maj = sum["maj_at_n"].as_f64().unwrap();
+    assert!((maj - our_maj_ok.iter().filter(|b| **b).count() as f64 / 50.0).abs() < 1e-12);
+}
+
+#[test]
+fn answer_field_reads_the_original_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("o.jsonl");
+    grpo()
+        .args(["score", "--answer-field", "gt", "--input"])
+        .arg(fixture("math_x8_dev.jsonl"))
+        .arg("--output")
+        .arg(&out)
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("pass@1"));
+    assert_eq!(read_jsonl(&out).len(), 50);
+}
+
+#[test]
+fn malformed_lines_are_reported_and_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("bad.jsonl");
+    let mut bytes = Vec::new();
+    bytes.extend_from_slice(b"{\"answer\": 27.0, \"response\": \"so \\\\boxed{27}\"}\n");
+    bytes.extend_from_slice(b"{not json\n");
+    bytes.extend_from_slice(b"\xff\xfe{\"answer\": 1}\n");
+    bytes.extend_from_slice(b"{\"response\": \"\\\\boxed{1}\"}\n");
+    bytes.extend_from_slice(b"{\"answer\": \"1\"}\n");
+    bytes.extend_from_slice(b"{\"id\": 7, \"answer\": \"\\\\frac12\", \"responses\": [\"\\\\boxed{0.5}\", \"no answer\", \"\\\\boxed{2}\"]}\n");
+    std::fs::write(&input, bytes).unwrap();
+    let out = dir.path().join("o.jsonl");
+    let assert = grpo().args(["score", "--input"]).arg(&input).arg("--output").arg(&out).assert().success();
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    for line in 2..=5 {
+        assert!(stderr.contains(&format!("bad.jsonl:{line}:")), "line {line} not reported in {stderr}");
+    }
+    let rows = read_jsonl(&out);
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[0]["correct"], json!([true]));
+    assert_eq!(rows[0]["preds"], json!(["27"]));
+    assert_eq!(rows[1]["id"], 7);
+    assert_eq!(rows[1]["preds"], json!(["0.5", null, "2"]));
+    assert_eq!(rows[1]["correct"], json!([true, false, false]));
+    assert_eq!(rows[1]["majority"], json!("0.5"));
+
+    grpo()
+        .args(["score", "--strict", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(dir.path().join("strict.jsonl"))
+        .assert()
+        .failure()
+        .stderr(predicates::str::contains("bad.jsonl:2:"));
+}
+
+#[test]
+fn no_gold_uses_the_majority() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("g.jsonl");
+    let line = json!({"responses": ["\\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{3}", "none", "\\boxed{1/2}"]});
+    std::fs::write(&input, format!("{line}\n")).unwrap();
+    let out = dir.path().join("o.jsonl");
+    let summary = dir.path().join("s.json");
+    grpo()
+        .args(["score", "--no-gold", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&out)
+        .arg("--summary")
+        .arg(&summary)
+        .assert()
+        .success();
+    let rows = read_jsonl(&out);
+    assert_eq!(rows[0]["majority"], json!("\\frac{1}{2}"));
+    assert_eq!(rows[0]["correct"], json!([true, true, false, false, true]));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["maj_at_n"], Value::Null);
+    assert!((s["extract_rate"].as_f64().unwrap() - 0.8).abs() < 1e-12);
+}
+
+#[test]
+fn adversarial_responses_finish_quickly() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("adv.jsonl");
+    let big = format!("{}\\boxed{{42}}", "a ".repeat(5_000_000));
+    let nested = format!("\\boxed{{{}1{}}}", "{".repeat(10_000), "}".repeat(10_000));
+    let unbalanced = format!("\\boxed{{{}", "{".repeat(10_000));
+    let lines = [
+        json!({"answer": "42", "response": big}),
+        json!({"answer": "1", "response": nested}),
+        json!({"answer": "1", "response": unbalanced}),
+        json!({"answer": "10^{10^{10}}", "responses": ["\\boxed{10^{10^{10}}}", "\\boxed{10^{10^{11}}}", "\\boxed{(2^{4096})^{4096}}"]}),
+        json!({"answer": "1", "response": "\\boxed{\\frac{1}{2".repeat(1000)}),
+        json!({"answer": "x", "response": format!("\\boxed{{{}x{}}}", "(".repeat(5000), ")".repeat(5000))}),
+    ];
+    let text: String = lines.iter().map(|l| l.to_string() + "\n").collect();
+    std::fs::write(&input, text).unwrap();
+    let out = dir.path().join("o.jsonl");
+    let t = std::time::Instant::now();
+    grpo().args(["score", "--input"]).arg(&input).arg("--output").arg(&out).assert().success();
+    assert!(t.elapsed().as_secs_f64() < 20.0, "took {:?}", t.elapsed());
+    let rows = read_jsonl(&out);
+    assert_eq!(rows.len(), 6);
+    assert_eq!(rows[0]["correct"], json!([true]));
+    assert_eq!(rows[2]["preds"], json!([null]));
+    assert_eq!(rows[3]["correct"], json!([true, false, false]));
+}
