@@ -36,14 +36,8 @@ fn turns(line: &str) -> (String, String) {
 fn stats_json(input: &Path, extra: &[&str]) -> (Value, String) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("stats.json");
-    let out = grpo()
-        .args(["data", "stats", "--input"])
-        .arg(input)
-        .arg("--json")
-        .arg(&json)
-        .args(extra)
-        .output()
-        .unwrap();
+    let out =
+        grpo().args(["data", "stats", "--input"]).arg(input).arg("--json").arg(&json).args(extra).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     (v, String::from_utf8_lossy(&out.stderr).into_owned())
@@ -78,7 +72,11 @@ fn shuffled_with_bad_lines(dir: &Path) -> (PathBuf, Vec<(u64, &'static str)>) {
         (10, r#"{"domain": "math", "conversations": [{"from": "human""#.into(), "bad_json"),
         (50, r#"{"domain":"math","source":"x","difficulty":null}"#.into(), "missing_conversations"),
         (100, r#"{"conversations":[{"from":"gpt","value":"\\boxed{1}"}]}"#.into(), "no_human_turn"),
-        (200, r#"{"conversations":[{"from":"human","value":"What?"},{"from":"gpt","value":""}]}"#.into(), "empty_response"),
+        (
+            200,
+            r#"{"conversations":[{"from":"human","value":"What?"},{"from":"gpt","value":""}]}"#.into(),
+            "empty_response",
+        ),
         (300, big, "row_too_large"),
     ];
     let mut lines = Vec::new();
@@ -201,8 +199,7 @@ fn stats_with_tokenizer_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("stats.png");
     let tok = tokenizer_dir();
-    let (s, _) =
-        stats_json(&fixture(), &["--tokenizer", tok.to_str().unwrap(), "--plot", png.to_str().unwrap()]);
+    let (s, _) = stats_json(&fixture(), &["--tokenizer", tok.to_str().unwrap(), "--plot", png.to_str().unwrap()]);
     assert_eq!(s["length_unit"], "tokens");
     let (c, _) = stats_json(&fixture(), &[]);
     // Tokens are fewer than characters.
@@ -307,7 +304,9 @@ fn parquet_gives_the_same_groups_as_jsonl() {
     assert_eq!(s["skipped_by_reason"]["no_human_turn"], 1);
     assert!(stderr.contains(&format!("ot3.parquet: row group {rg}, row {row}: no_human_turn")), "{stderr}");
     // Folder input picks the Parquet file up; the groups themselves are equal too.
-    let rows_of = |p: &Path| data::reader::read_all(&data::resolve_inputs(&[p.to_str().unwrap()]).unwrap(), &Default::default()).unwrap();
+    let rows_of = |p: &Path| {
+        data::reader::read_all(&data::resolve_inputs(&[p.to_str().unwrap()]).unwrap(), &Default::default()).unwrap()
+    };
     let (pq_rows, pq_bad) = rows_of(dir.path());
     let (js_rows, js_bad) = rows_of(&fixture());
     assert_eq!((pq_bad.len(), js_bad.len()), (1, 0));

@@ -3,6 +3,7 @@
 use clap::{Parser, Subcommand};
 
 mod data;
+mod eval;
 mod init_tiny;
 mod logprobs;
 mod score;
@@ -30,6 +31,8 @@ pub enum Command {
     /// Extract answers from generations, check them against gold (or the group majority) and report
     /// avg@n, pass@k and maj@n.
     Score(score::Args),
+    /// Generate answers on math benchmarks (AIME25, AIME24, AMC23, MATH-500) and score them.
+    Eval(eval::Args),
     /// Inspect and prepare teacher trajectories (OpenThoughts3 JSONL / Parquet).
     #[command(subcommand)]
     Data(data::DataCommand),
@@ -56,6 +59,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Logprobs(args) => logprobs::run(args),
         Command::Score(args) => score::run(args),
         Command::Data(cmd) => data::run(cmd),
+        Command::Eval(args) => eval::run(args),
     }
 }
 

@@ -267,7 +267,10 @@ fn finish_pair(question: &str, response: &str) -> Result<(String, String), (Skip
 /// Parse one JSONL line into a row.
 pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, (SkipReason, String)> {
     if line.bytes.len() > opts.max_row_bytes {
-        return Err((SkipReason::RowTooLarge, format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes)));
+        return Err((
+            SkipReason::RowTooLarge,
+            format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes),
+        ));
     }
     if line.bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         // serde would read a JSON array as a struct by position: only objects are rows.
@@ -290,9 +293,9 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
         }
     };
     let (question, response) = match (&row.conversations, &row.prompt, &row.response) {
-        (Some(turns), _, _) => pick_turns(
-            turns.iter().map(|t| (t.from.as_deref().unwrap_or(""), t.value.as_deref().unwrap_or(""))),
-        )?,
+        (Some(turns), _, _) => {
+            pick_turns(turns.iter().map(|t| (t.from.as_deref().unwrap_or(""), t.value.as_deref().unwrap_or(""))))?
+        }
         (None, Some(p), Some(r)) => finish_pair(p, r)?,
         (None, None, Some(_)) => return Err((SkipReason::NoHumanTurn, "row has `response` but no `prompt`".into())),
         (None, Some(_), None) => {
@@ -497,7 +500,8 @@ where
     S: FnMut(T) -> Result<(), DataError>,
 {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let pq_err = |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
+    let pq_err =
+        |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
     let f = File::open(path).map_err(io_err(path))?;
     let reader = SerializedFileReader::new(f).map_err(pq_err)?;
     let mut global = 0u64;
@@ -562,8 +566,7 @@ mod tests {
     use super::*;
 
     fn parse(s: &str) -> Result<Row, SkipReason> {
-        parse_json_row(&RawLine { number: 1, bytes: s.as_bytes().to_vec() }, &ReadOptions::default())
-            .map_err(|e| e.0)
+        parse_json_row(&RawLine { number: 1, bytes: s.as_bytes().to_vec() }, &ReadOptions::default()).map_err(|e| e.0)
     }
 
     #[test]

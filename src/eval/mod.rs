@@ -1,5 +1,22 @@
-//! Evaluation: batched generation and benchmark scoring.
+//! Evaluation: the benchmark registry, batched generation with a KV cache, and scoring through the
+//! reward module (avg@n, pass@k, maj@n).
 
+pub mod bench;
 pub mod generate;
+pub mod run;
 
 pub use generate::{generate, greedy_reference, FinishReason, Generation, SamplingParams};
+pub use run::{evaluate, BenchReport, EvalSettings, ProblemResult};
+
+/// Errors of evaluation.
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error("{0}")]
+    Bench(String),
+    #[error(transparent)]
+    Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error("{path}: {source}")]
+    Io { path: std::path::PathBuf, source: std::io::Error },
+}

@@ -1,0 +1,243 @@
+//! Running a benchmark: prompts through the chat template, batched sampling, scoring through the reward
+//! module only (so evaluation verdicts and training rewards never diverge), and the report.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+
+use super::bench::Benchmark;
+use super::generate::{generate, FinishReason, SamplingParams};
+use super::EvalError;
+use crate::model::{ChatTokenizer, Decoder};
+use crate::reward::{extract_answer, is_equivalent, majority_vote, summarize, ExtractOptions, ItemOutcome, Summary};
+
+/// How to evaluate.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EvalSettings {
+    /// Samples per problem.
+    pub n: usize,
+    pub sampling: SamplingParams,
+    /// Sequences generated together (whole problems are kept in one batch).
+    pub batch_size: usize,
+    pub system_prompt: Option<String>,
+    /// Only the first K problems.
+    pub limit: Option<usize>,
+    pub extract: ExtractOptions,
+}
+
+/// One sample of a problem.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub text: String,
+    pub pred: Option<String>,
+    pub correct: bool,
+    pub tokens: usize,
+    pub finish: FinishReason,
+}
+
+/// Everything about one problem (one line of generations.jsonl).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ProblemResult {
+    pub bench: String,
+    pub id: String,
+    pub prompt: String,
+    pub answer: String,
+    pub prompt_tokens: usize,
+    pub samples: Vec<Sample>,
+    pub majority: Option<String>,
+    pub majority_correct: bool,
+}
+
+/// The per-benchmark report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BenchReport {
+    pub bench: String,
+    pub n_problems: usize,
+    pub n: usize,
+    pub avg_at_n: f64,
+    pub pass_at_k: std::collections::BTreeMap<usize, f64>,
+    pub maj_at_n: f64,
+    pub extract_rate: f64,
+    pub mean_response_tokens: f64,
+    pub truncated_fraction: f64,
+    pub sampling: SamplingParams,
+    pub duration_s: f64,
+    pub generated_tokens: usize,
+    pub tokens_per_sec: f64,
+}
+
+/// k = 1, 2, 4, ..., n (and n itself).
+pub fn ks_for(n: usize) -> Vec<usize> {
+    let mut ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2)).take_while(|&k| k <= n).collect();
+    if ks.last() != Some(&n) && n > 0 {
+        ks.push(n);
+    }
+    ks
+}
+
+/// Score one problem's generated texts with the reward module.
+pub fn score_problem(
+    gold: &str,
+    texts: &[String],
+    extract: &ExtractOptions,
+) -> (Vec<Option<String>>, Vec<bool>, Option<String>, bool) {
+    let preds: Vec<Option<String>> = texts.iter().map(|t| extract_answer(t, extract)).collect();
+    let correct: Vec<bool> = preds.iter().map(|p| p.as_deref().is_some_and(|p| is_equivalent(gold, p))).collect();
+    let vote = majority_vote(&preds);
+    let maj_ok = vote.answer.as_deref().is_some_and(|m| is_equivalent(gold, m));
+    (preds, correct, vote.answer, maj_ok)
+}
+
+/// Summarise finished problems of one benchmark.
+pub fn report(
+    bench: &str,
+    results: &[ProblemResult],
+    settings: &EvalSettings,
+    duration_s: f64,
+    generated: usize,
+) -> BenchReport {
+    let items: Vec<ItemOutcome> = results
+        .iter()
+        .map(|r| ItemOutcome {
+            correct: r.samples.iter().map(|s| s.correct).collect(),
+            extracted: r.samples.iter().filter(|s| s.pred.is_some()).count(),
+            majority_correct: Some(r.majority_correct),
+        })
+        .collect();
+    let s: Summary = summarize(&items, &ks_for(settings.n));
+    let samples: Vec<&Sample> = results.iter().flat_map(|r| &r.samples).collect();
+    let count = samples.len().max(1) as f64;
+    BenchReport {
+        bench: bench.to_string(),
+        n_problems: results.len(),
+        n: settings.n,
+        avg_at_n: s.avg_at_n,
+        pass_at_k: s.pass_at_k,
+        maj_at_n: s.maj_at_n.unwrap_or(0.0),
+        extract_rate: s.extract_rate,
+        mean_response_tokens: samples.iter().map(|s| s.tokens as f64).sum::<f64>() / count,
+        truncated_fraction: samples.iter().filter(|s| s.finish == FinishReason::Length).count() as f64 / count,
+        sampling: settings.sampling.clone(),
+        duration_s,
+        generated_tokens: generated,
+        tokens_per_sec: if duration_s > 0.0 { generated as f64 / duration_s } else { 0.0 },
+    }
+}
+
+/// Evaluate `model` on `bench`. Problems found in `done` (by id) are not generated again (resume);
+/// `on_result` receives each newly finished problem (to append it to generations.jsonl);
+/// `on_progress(problems_done, tokens)` drives a progress bar.
+pub fn evaluate(
+    model: &Decoder,
+    tok: &ChatTokenizer,
+    bench: &Benchmark,
+    settings: &EvalSettings,
+    done: &HashMap<String, ProblemResult>,
+    mut on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
+    mut on_progress: impl FnMut(usize, usize),
+) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
+    let start = Instant::now();
+    let n = settings.n.max(1);
+    let problems: Vec<(usize, &super::bench::Problem)> =
+        bench.problems.iter().enumerate().take(settings.limit.unwrap_or(usize::MAX)).collect();
+    let mut results: Vec<Option<ProblemResult>> = problems.iter().map(|(_, p)| done.get(&p.id).cloned()).collect();
+    let todo: Vec<usize> = (0..problems.len()).filter(|&i| results[i].is_none()).collect();
+    let mut finished = problems.len() - todo.len();
+    let mut generated = 0usize;
+    on_progress(finished, generated);
+    let per_batch = (settings.batch_size / n).max(1);
+    for chunk in todo.chunks(per_batch) {
+        let mut prompts = Vec::with_capacity(chunk.len() * n);
+        let mut ids = Vec::with_capacity(chunk.len() * n);
+        let mut texts = Vec::with_capacity(chunk.len());
+        for &i in chunk {
+            let (global, p) = problems[i];
+            let text = tok.render_prompt(settings.system_prompt.as_deref(), &bench.prompt(p))?;
+            let ids_p = tok.encode(&text, false)?;
+            for s in 0..n {
+                prompts.push(ids_p.clone());
+                ids.push((global * n + s) as u64);
+            }
+            texts.push(text);
+        }
+        let gens = generate(model, &prompts, &ids, &settings.sampling, tok.eos_ids(), tok.pad_id(), |k| {
+            generated += k;
+            on_progress(finished, generated);
+        })?;
+        for (j, &i) in chunk.iter().enumerate() {
+            let p = problems[i].1;
+            let mine = &gens[j * n..(j + 1) * n];
+            let decoded: Vec<String> = mine.iter().map(|g| tok.decode(&g.tokens, true)).collect::<Result<_, _>>()?;
+            let (preds, correct, majority, majority_correct) = score_problem(&p.answer, &decoded, &settings.extract);
+            let samples = decoded
+                .into_iter()
+                .zip(mine)
+                .zip(preds.into_iter().zip(correct))
+                .map(|((text, g), (pred, correct))| Sample {
+                    text,
+                    pred,
+                    correct,
+                    tokens: g.tokens.len(),
+                    finish: g.finish,
+                })
+                .collect();
+            let r = ProblemResult {
+                bench: bench.name.clone(),
+                id: p.id.clone(),
+                prompt: texts[j].clone(),
+                answer: p.answer.clone(),
+                prompt_tokens: prompts[j * n].len(),
+                samples,
+                majority,
+                majority_correct,
+            };
+            on_result(&r)?;
+            results[i] = Some(r);
+            finished += 1;
+            on_progress(finished, generated);
+        }
+    }
+    let results: Vec<ProblemResult> = results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
+    let rep = report(&bench.name, &results, settings, start.elapsed().as_secs_f64(), generated);
+    Ok((rep, results))
+}
+
+/// A fixed-width table of reports.
+pub fn table(reports: &[BenchReport]) -> String {
+    let ks: Vec<usize> = reports.first().map(|r| r.pass_at_k.keys().copied().collect()).unwrap_or_default();
+    let mut out = format!("{:<10} {:>8} {:>9} {:>8}", "bench", "problems", "avg@n", "maj@n");
+    for k in &ks {
+        out += &format!(" {:>8}", format!("pass@{k}"));
+    }
+    out += &format!(" {:>9} {:>9} {:>8}\n", "mean len", "truncated", "tok/s");
+    for r in reports {
+        out += &format!("{:<10} {:>8} {:>9.4} {:>8.4}", r.bench, r.n_problems, r.avg_at_n, r.maj_at_n);
+        for k in &ks {
+            out += &format!(" {:>8.4}", r.pass_at_k.get(k).copied().unwrap_or(f64::NAN));
+        }
+        out += &format!(" {:>9.1} {:>9.3} {:>8.1}\n", r.mean_response_tokens, r.truncated_fraction, r.tokens_per_sec);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ks_are_powers_of_two_up_to_n() {
+        assert_eq!(ks_for(8), vec![1, 2, 4, 8]);
+        assert_eq!(ks_for(6), vec![1, 2, 4, 6]);
+        assert_eq!(ks_for(1), vec![1]);
+    }
+
+    #[test]
+    fn scoring_uses_the_reward_module() {
+        let texts = vec!["so \\boxed{025}".to_string(), "\\boxed{26}".into(), "no answer".into(), "\\boxed{25}".into()];
+        let (preds, correct, maj, ok) = score_problem("25", &texts, &ExtractOptions::default());
+        assert_eq!(preds[2], None);
+        assert_eq!(correct, vec![true, false, false, true]);
+        assert!(ok && maj.is_some());
+    }
+}
