@@ -16,3 +16,4 @@ pub mod kernels;
 pub mod model;
 pub mod objective;
 pub mod reward;
+pub mod train;

@@ -4,14 +4,15 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::model::{self as grpo_model, save_checkpoint, Arch, ChatTokenizer, ModelConfig};
+use crate::model::tiny::{write_tiny_model, TinyShape};
+use crate::model::Arch;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Architecture of the model.
     #[arg(long, value_enum)]
     pub arch: Arch,
-    /// Folder with tokenizer.json and tokenizer_config.json (e.g. ../shared/data/tokenizers/qwen3).
+    /// Folder with tokenizer.json and tokenizer_config.json (e.g. data/tokenizers/qwen3).
     #[arg(long)]
     pub tokenizer: PathBuf,
     /// Output folder (created; replaced atomically if it exists).
@@ -38,42 +39,21 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let tok = ChatTokenizer::load(&args.tokenizer)
-        .with_context(|| format!("loading the tokenizer from {}", args.tokenizer.display()))?;
-    let vocab = tok.vocab_size().div_ceil(64) * 64;
-    let inner = tok.inner();
-    let bos = ["<|begin_of_text|>", "<|endoftext|>"].iter().find_map(|t| inner.token_to_id(t));
-    let eos = tok.eos_ids().first().copied();
-    let cfg = ModelConfig::tiny(
+    let shape = TinyShape {
+        layers: args.layers,
+        hidden: args.hidden,
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        intermediate: args.intermediate,
+    };
+    let cfg = write_tiny_model(args.arch, &args.tokenizer, &args.out, &shape, args.seed)
+        .with_context(|| format!("writing a tiny {:?} model to {}", args.arch, args.out.display()))?;
+    tracing::info!(
+        "wrote a {:?} model with {} parameters (vocab {}) to {}",
         args.arch,
-        vocab,
-        args.layers,
-        args.hidden,
-        args.heads,
-        args.kv_heads,
-        args.intermediate,
-        bos,
-        eos,
-    )
-    .context("invalid tiny model shape")?;
-    let n = cfg.num_parameters();
-    let model = grpo_model::random_decoder(cfg, args.seed, candle_core::DType::F32, &candle_core::Device::Cpu, false)?;
-    let opts =
-        grpo_model::checkpoint::SaveOptions { tokenizer_dir: Some(args.tokenizer.clone()), ..Default::default() };
-    save_checkpoint(&model, &args.out, &opts, |dir| {
-        let gen = dir.join("generation_config.json");
-        if !gen.exists() {
-            let mut g = serde_json::json!({"_from_model_config": true});
-            if let Some(b) = bos {
-                g["bos_token_id"] = b.into();
-            }
-            g["eos_token_id"] = tok.eos_ids().to_vec().into();
-            std::fs::write(&gen, serde_json::to_string_pretty(&g).unwrap_or_default())
-                .map_err(|source| grpo_model::ModelError::Io { path: gen.clone(), source })?;
-        }
-        Ok(())
-    })
-    .with_context(|| format!("writing {}", args.out.display()))?;
-    tracing::info!("wrote a {:?} model with {n} parameters (vocab {vocab}) to {}", args.arch, args.out.display());
+        cfg.num_parameters(),
+        cfg.vocab_size,
+        args.out.display()
+    );
     Ok(())
 }

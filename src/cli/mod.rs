@@ -7,6 +7,7 @@ mod eval;
 mod init_tiny;
 mod logprobs;
 mod score;
+mod train;
 
 /// Off-policy GRPO post-training of open LLMs for mathematical reasoning.
 #[derive(Debug, Parser)]
@@ -24,6 +25,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
+    /// Post-train a model on teacher trajectories with off-policy GRPO (or grpo / sft baselines).
+    Train(train::Args),
     /// Create a small randomly initialised model with a real tokenizer (for smoke tests and CI).
     InitTiny(init_tiny::Args),
     /// Per-token log-probs of texts or of (prompt, response) pairs under a model.
@@ -55,6 +58,7 @@ pub fn init_logging(verbose: u8, quiet: bool) {
 /// Run the parsed command.
 pub fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Train(args) => train::run(args),
         Command::InitTiny(args) => init_tiny::run(args),
         Command::Logprobs(args) => logprobs::run(args),
         Command::Score(args) => score::run(args),

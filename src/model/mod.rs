@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod decoder;
 pub mod load;
+pub mod tiny;
 pub mod tokenizer;
 
 pub use checkpoint::save_checkpoint;

@@ -243,7 +243,7 @@ fn suggest(message: &str) -> String {
     let rest = &message[start + "unknown field `".len()..];
     let Some(end) = rest.find('`') else { return message.to_string() };
     let unknown = &rest[..end];
-    let candidates: Vec<&str> = rest[end..].split('`').skip(1).step_by(2).collect();
+    let candidates: Vec<&str> = rest[end..].split('`').skip(2).step_by(2).collect();
     match candidates.iter().min_by_key(|c| edit_distance(unknown, c)) {
         Some(best) if edit_distance(unknown, best) <= unknown.len().max(3) / 2 + 1 => {
             format!("{} (did you mean `{best}`?)", message.trim_end())
