@@ -4,8 +4,8 @@
 //! 1. equal normalised strings;
 //! 2. assignments (`x = 5`) are unwrapped following the gold's form: an equation in the prediction
 //!    against a plain gold value compares the right-hand side, and so on;
-//! 3. relations compare `lhs - rhs` (same operator, or the flipped one with the sides swapped, or a
-//!    constant multiple);
+//! 3. relations compare `lhs - rhs` (same operator, or the flipped one with the sides swapped;
+//!    like Math-Verify, `2x = 4` is not `x = 2`);
 //! 4. sets (order-free), tuples (ordered), intervals (open/closed ends must match) and unions;
 //!    a plain value against a set is a one-element set; an open interval `(a, b)` equals the
 //!    pair `a, b`;
@@ -234,12 +234,7 @@ fn rel_eq(gs: &[Node], gops: &[RelOp], ps: &[Node], pops: &[RelOp]) -> bool {
         if go.flipped() == po && scalar_eq(&dg, &Node::Neg(Box::new(dp.clone()))) {
             return true;
         }
-        // Same solutions: one side a constant multiple of the other (2x = 4 vs x = 2).
-        match constant_ratio(&dg, &dp) {
-            Some(c) if go == po && (c > 0.0 || matches!(go, RelOp::Eq | RelOp::Ne)) => true,
-            Some(c) if go.flipped() == po && c < 0.0 => true,
-            _ => false,
-        }
+        false
     })
 }
 
@@ -284,20 +279,6 @@ fn sampled(g: &Node, p: &Node) -> Vec<(f64, f64)> {
 fn random_eq(g: &Node, p: &Node) -> bool {
     let pts = sampled(g, p);
     pts.len() >= 3 && pts.iter().all(|(a, b)| close(*a, *b, 1e-9))
-}
-
-/// c such that g = c * p at every sample point (c != 0), for expressions with variables.
-fn constant_ratio(g: &Node, p: &Node) -> Option<f64> {
-    if free_symbols(g).is_empty() {
-        return None;
-    }
-    let pts = sampled(g, p);
-    let ratios: Vec<f64> = pts.iter().filter(|(_, b)| b.abs() > 1e-9).map(|(a, b)| a / b).collect();
-    if ratios.len() < 3 {
-        return None;
-    }
-    let c = ratios[0];
-    (c.abs() > 1e-12 && ratios.iter().all(|r| close(*r, c, 1e-9))).then_some(c)
 }
 
 /// What Math-Verify's numeric comparison needs to know about a variable-free value.

@@ -14,8 +14,8 @@ use num_traits::Zero;
 
 /// Longest answer (in bytes) that is parsed; longer ones are compared as strings.
 pub const MAX_LEN: usize = 2_000;
-/// Deepest nesting of brackets / sub-expressions accepted by the parser.
-pub const MAX_DEPTH: usize = 64;
+/// Deepest recursion of the parser (each bracket level costs about four).
+pub const MAX_DEPTH: usize = 128;
 
 /// Relation operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -163,7 +163,7 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                 // Thousands separators: 1,000 / 10{,}000 (groups of exactly three digits).
                 if int.len() <= 3 && !int.is_empty() {
                     loop {
-                        let (skip, ok) = if i + 3 < n + 1 && chars.get(i) == Some(&',') {
+                        let (skip, ok) = if chars.get(i) == Some(&',') {
                             (1, true)
                         } else if chars.get(i) == Some(&'{') && chars.get(i + 1) == Some(&',') && chars.get(i + 2) == Some(&'}')
                         {
@@ -258,7 +258,10 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                             }
                             let inner: String = chars[start..j].iter().collect();
                             let word = inner.trim();
-                            if word.chars().count() >= 2 && word.chars().all(|c| c.is_alphabetic() || c == ' ') {
+                            let wordy = word.chars().next().is_some_and(|c| c.is_alphabetic())
+                                && word.chars().count() >= 2
+                                && word.chars().all(|c| c.is_alphabetic() || matches!(c, ' ' | '/' | '.' | '-'));
+                            if wordy {
                                 toks.push(Tok::Word(word.to_lowercase()));
                                 i = j + 1;
                             } else {
@@ -859,6 +862,16 @@ impl Parser {
                 };
                 let r = self.parse_arg()?;
                 return Ok(Node::Root(Box::new(r), index));
+            }
+            "binom" | "dbinom" | "tbinom" => {
+                // C(n, k) = n! / (k! (n-k)!)
+                let n = self.parse_arg()?;
+                let k = self.parse_arg()?;
+                let nk = Node::Add(vec![n.clone(), Node::Neg(Box::new(k.clone()))]);
+                return Ok(Node::Div(
+                    Box::new(Node::Fact(Box::new(n))),
+                    Box::new(Node::Mul(vec![Node::Fact(Box::new(k)), Node::Fact(Box::new(nk))])),
+                ));
             }
             "pi" => return Ok(Node::Pi),
             "infty" | "inf" | "infinity" => return Ok(Node::Inf),
