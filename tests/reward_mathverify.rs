@@ -56,7 +56,10 @@ fn agrees_with_math_verify() {
         } else if excepted.contains_key(&(c.gold.clone(), c.pred.clone())) {
             used_exceptions.insert((c.gold.clone(), c.pred.clone()));
         } else {
-            failures.push(format!("[{}] gold {:?} pred {:?}: Math-Verify {} ours {}", c.category, c.gold, c.pred, c.expected, got));
+            failures.push(format!(
+                "[{}] gold {:?} pred {:?}: Math-Verify {} ours {}",
+                c.category, c.gold, c.pred, c.expected, got
+            ));
         }
     }
     let agree: usize = per_cat.values().map(|v| v.1).sum();

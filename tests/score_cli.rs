@@ -11,7 +11,12 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn read_jsonl(p: &Path) -> Vec<Value> {
-    std::fs::read_to_string(p).unwrap().lines().filter(|l| !l.trim().is_empty()).map(|l| serde_json::from_str(l).unwrap()).collect()
+    std::fs::read_to_string(p)
+        .unwrap()
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }
 
 fn grpo() -> Command {

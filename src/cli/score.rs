@@ -3,11 +3,11 @@
 //! Streaming: lines are read in batches, each batch is scored in parallel (rayon) and written in
 //! input order. A malformed line (bad JSON, invalid UTF-8, no answer or response field) is reported
 //! as `FILE:LINE: reason` on stderr and skipped, or stops the run with `--strict`.
-use anyhow::Context;
 use crate::jsonl::{AtomicFile, Lines, RawLine};
 use crate::reward::{
     equivalent_parsed, extract_answer, majority_vote_parsed, summarize, ExtractOptions, ItemOutcome, ParsedAnswer,
 };
+use anyhow::Context;
 use rayon::prelude::*;
 use serde_json::{Map, Value};
 use std::io::Write;
@@ -66,7 +66,9 @@ fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Score
         None
     } else {
         match obj.get(&args.answer_field) {
-            Some(v) => Some(gold_string(v).ok_or_else(|| format!("\"{}\" is not a string or number", args.answer_field))?),
+            Some(v) => {
+                Some(gold_string(v).ok_or_else(|| format!("\"{}\" is not a string or number", args.answer_field))?)
+            }
             None => return Err(format!("no \"{}\" field", args.answer_field)),
         }
     };
@@ -96,9 +98,8 @@ fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Score
             _ => false,
         })
         .collect();
-    let majority_correct = gold_parsed.as_ref().map(|g| {
-        rep.and_then(|i| parsed[i].as_ref()).is_some_and(|p| equivalent_parsed(g, p))
-    });
+    let majority_correct =
+        gold_parsed.as_ref().map(|g| rep.and_then(|i| parsed[i].as_ref()).is_some_and(|p| equivalent_parsed(g, p)));
     let extracted = preds.iter().filter(|p| p.is_some()).count();
     insert(&mut obj, "preds", serde_json::to_value(&preds).unwrap_or(Value::Null));
     insert(&mut obj, "correct", serde_json::to_value(&correct).unwrap_or(Value::Null));

@@ -74,10 +74,9 @@ fn is_assignment(n: &Node) -> bool {
 /// `a = b = c` as an assignment keeps `a = c`.
 fn truncate_assignment(n: &Node) -> Node {
     match n {
-        Node::Rel(sides, _) if sides.len() > 2 => Node::Rel(
-            vec![sides[0].clone(), sides[sides.len() - 1].clone()],
-            vec![RelOp::Eq],
-        ),
+        Node::Rel(sides, _) if sides.len() > 2 => {
+            Node::Rel(vec![sides[0].clone(), sides[sides.len() - 1].clone()], vec![RelOp::Eq])
+        }
         other => other.clone(),
     }
 }
@@ -145,7 +144,7 @@ fn word_eq(g: &Node, p: &Node) -> bool {
 fn dedup(v: &[Node]) -> Vec<&Node> {
     let mut out: Vec<&Node> = Vec::with_capacity(v.len());
     for x in v {
-        if !out.iter().any(|y| *y == x) {
+        if !out.contains(&x) {
             out.push(x);
         }
     }

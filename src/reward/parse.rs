@@ -65,7 +65,10 @@ pub enum Func {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Node {
     /// A number literal; `float` when written with a decimal point.
-    Num { value: BigRational, float: bool },
+    Num {
+        value: BigRational,
+        float: bool,
+    },
     /// A variable (single letters are lower-cased, as Math-Verify does).
     Sym(String),
     Pi,
@@ -90,7 +93,12 @@ pub enum Node {
     Rel(Vec<Node>, Vec<RelOp>),
     Tuple(Vec<Node>),
     Set(Vec<Node>),
-    Interval { lo: Box<Node>, hi: Box<Node>, lo_open: bool, hi_open: bool },
+    Interval {
+        lo: Box<Node>,
+        hi: Box<Node>,
+        lo_open: bool,
+        hi_open: bool,
+    },
     Union(Vec<Node>),
     Matrix(Vec<Vec<Node>>),
     /// A word from `\text{...}` (lower-cased).
@@ -135,14 +143,52 @@ enum Tok {
 
 /// Commands whose braced argument is just a group (or a word when it is made of letters).
 const TEXT_CMDS: &[&str] = &[
-    "text", "textbf", "textit", "textrm", "textnormal", "mbox", "hbox", "mathrm", "mathbf", "mathit", "mathsf",
-    "mathtt", "boldsymbol", "bm", "boxed", "fbox", "operatorname", "textsf", "emph",
+    "text",
+    "textbf",
+    "textit",
+    "textrm",
+    "textnormal",
+    "mbox",
+    "hbox",
+    "mathrm",
+    "mathbf",
+    "mathit",
+    "mathsf",
+    "mathtt",
+    "boldsymbol",
+    "bm",
+    "boxed",
+    "fbox",
+    "operatorname",
+    "textsf",
+    "emph",
 ];
 
 /// Commands that only change presentation and are dropped.
 const DROPPED_CMDS: &[&str] = &[
-    "left", "right", "displaystyle", "textstyle", "limits", "big", "Big", "bigg", "Bigg", "bigl", "bigr", "Bigl",
-    "Bigr", "quad", "qquad", "circ", "degree", "dollar", "mathclap", "ensuremath", "biggl", "biggr", "middle",
+    "left",
+    "right",
+    "displaystyle",
+    "textstyle",
+    "limits",
+    "big",
+    "Big",
+    "bigg",
+    "Bigg",
+    "bigl",
+    "bigr",
+    "Bigl",
+    "Bigr",
+    "quad",
+    "qquad",
+    "circ",
+    "degree",
+    "dollar",
+    "mathclap",
+    "ensuremath",
+    "biggl",
+    "biggr",
+    "middle",
 ];
 
 fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
@@ -165,7 +211,9 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                     loop {
                         let (skip, ok) = if chars.get(i) == Some(&',') {
                             (1, true)
-                        } else if chars.get(i) == Some(&'{') && chars.get(i + 1) == Some(&',') && chars.get(i + 2) == Some(&'}')
+                        } else if chars.get(i) == Some(&'{')
+                            && chars.get(i + 1) == Some(&',')
+                            && chars.get(i + 2) == Some(&'}')
                         {
                             (3, true)
                         } else {
@@ -820,7 +868,12 @@ impl Parser {
                     2 => {
                         let hi = items.pop().unwrap_or(Node::Set(vec![]));
                         let lo = items.pop().unwrap_or(Node::Set(vec![]));
-                        Ok(Node::Interval { lo: Box::new(lo), hi: Box::new(hi), lo_open: open_paren, hi_open: close_paren })
+                        Ok(Node::Interval {
+                            lo: Box::new(lo),
+                            hi: Box::new(hi),
+                            lo_open: open_paren,
+                            hi_open: close_paren,
+                        })
                     }
                     n if n > 2 && open_paren == close_paren => Ok(Node::Tuple(items)),
                     _ => Err(ParseError::Unexpected("mismatched brackets".into())),
@@ -1050,7 +1103,8 @@ pub fn canonical(s: &str) -> String {
         out.push(' ');
     }
     out.push_str(rest);
-    let mut key: String = out.chars().filter(|c| !c.is_whitespace() && *c != '$').flat_map(|c| c.to_lowercase()).collect();
+    let mut key: String =
+        out.chars().filter(|c| !c.is_whitespace() && *c != '$').flat_map(|c| c.to_lowercase()).collect();
     while key.ends_with('.') {
         key.pop();
     }
