@@ -523,7 +523,8 @@ impl Parser {
                 "ne" | "neq" => Some(RelOp::Ne),
                 "lt" => Some(RelOp::Lt),
                 "gt" => Some(RelOp::Gt),
-                "approx" | "equiv" => Some(RelOp::Eq),
+                // `x \in [a, b]` is read as `x = [a, b]` (Math-Verify does the same).
+                "approx" | "equiv" | "in" => Some(RelOp::Eq),
                 _ => None,
             },
             _ => None,
@@ -803,7 +804,14 @@ impl Parser {
         self.enter()?;
         let tok = self.next().ok_or(ParseError::End)?;
         let r = match tok {
-            Tok::Num(i, f) => Ok(num_node(&i, &f)),
+            Tok::Num(i, f) => {
+                // A base subscript (52_8) is dropped, as Math-Verify does.
+                if self.peek() == Some(&Tok::Op('_')) {
+                    self.pos += 1;
+                    self.parse_arg()?;
+                }
+                Ok(num_node(&i, &f))
+            }
             Tok::Ident(s) => {
                 let mut name = s;
                 if name == "e" {
