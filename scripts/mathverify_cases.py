@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
 """Ask Math-Verify for the verdict on every (gold, prediction) case of the reward test corpus.
 
-Usage: /work/venv/bin/python scripts/mathverify_cases.py > tests/fixtures/reward/mathverify_cases.jsonl
+Usage: /work/venv/bin/python scripts/mathverify_cases.py
+
+Writes two files:
+- tests/fixtures/reward/mathverify_cases.jsonl: the hand-written corpus below (the Rust test requires
+  100% agreement except the cases listed in mathverify_exceptions.jsonl);
+- tests/fixtures/reward/mathverify_math500_variants.jsonl: each MATH-500 gold answer against five
+  variants of it (\\dfrac, no spaces, the next answer in the file, "x = " prefix, \\left( \\right)
+  wrapper), 2,500 cases (the Rust test requires at least 99% agreement and reports the rate).
 
 Both sides are given to Math-Verify as `\\boxed{...}` (what `extract_answer` returns is the inside of
 the last box), gold first: verify(parse(gold), parse(pred)). Each output line is
 {"category", "gold", "pred", "expected"}; tests/reward_mathverify.rs requires the Rust checker to agree.
 """
 import json
-import sys
+import logging
+import os
 
 from math_verify import parse, verify
 
@@ -147,16 +155,35 @@ CASES = {
 }
 
 
+def verdict(gold: str, pred: str) -> bool:
+    try:
+        return bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
+    except Exception:  # Math-Verify itself failing counts as "not equal"
+        return False
+
+
 def main() -> None:
-    out = sys.stdout
-    for category, cases in CASES.items():
-        for gold, pred in cases:
-            try:
-                verdict = bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
-            except Exception:  # Math-Verify itself failing counts as "not equal"
-                verdict = False
-            out.write(json.dumps({"category": category, "gold": gold, "pred": pred, "expected": verdict}) + "\n")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "reward")
+    with open(os.path.join(root, "mathverify_cases.jsonl"), "w") as out:
+        for category, cases in CASES.items():
+            for gold, pred in cases:
+                row = {"category": category, "gold": gold, "pred": pred, "expected": verdict(gold, pred)}
+                out.write(json.dumps(row) + "\n")
+    answers = [json.loads(line)["answer"] for line in open(os.path.join(root, "math500_answers.jsonl"))]
+    with open(os.path.join(root, "mathverify_math500_variants.jsonl"), "w") as out:
+        for i, a in enumerate(answers):
+            variants = [
+                ("dfrac", a.replace("\\frac", "\\dfrac")),
+                ("no_spaces", a.replace(" ", "")),
+                ("next_answer", answers[(i + 1) % len(answers)]),
+                ("assignment", "x = " + a),
+                ("left_right", "\\left(" + a + "\\right)"),
+            ]
+            for category, pred in variants:
+                row = {"category": category, "gold": a, "pred": pred, "expected": verdict(a, pred)}
+                out.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
+    logging.disable(logging.WARNING)
     main()

@@ -192,6 +192,9 @@ const DROPPED_CMDS: &[&str] = &[
 ];
 
 fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
+    // "1,000" is a thousand only where a comma cannot separate items: not inside brackets or after
+    // "=" (Math-Verify reads "(58,500)" as an interval and "x = 58,500" as two values).
+    let plain_commas_group = !s.contains(['(', '[', '=']) && !s.contains("\\{") && !s.contains("\\in");
     let chars: Vec<char> = s.chars().collect();
     let mut toks = Vec::new();
     let mut i = 0;
@@ -209,7 +212,7 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                 // Thousands separators: 1,000 / 10{,}000 (groups of exactly three digits).
                 if int.len() <= 3 && !int.is_empty() {
                     loop {
-                        let (skip, ok) = if chars.get(i) == Some(&',') {
+                        let (skip, ok) = if plain_commas_group && chars.get(i) == Some(&',') {
                             (1, true)
                         } else if chars.get(i) == Some(&'{')
                             && chars.get(i + 1) == Some(&',')
@@ -496,7 +499,21 @@ impl Parser {
         if let Some(t) = self.peek() {
             return Err(ParseError::Unexpected(format!("{t:?}")));
         }
-        Ok(if items.len() == 1 { items.pop().unwrap_or(Node::Set(vec![])) } else { Node::Set(items) })
+        if items.len() == 1 {
+            return Ok(items.pop().unwrap_or(Node::Set(vec![])));
+        }
+        // `x = 1, -2` is `x = {1, -2}`.
+        if let Node::Rel(sides, ops) = &items[0] {
+            if ops.last() == Some(&RelOp::Eq) && items[1..].iter().all(|i| !matches!(i, Node::Rel(..))) {
+                let (mut sides, ops) = (sides.clone(), ops.clone());
+                let first = sides.pop().unwrap_or(Node::Set(vec![]));
+                let mut set = vec![first];
+                set.extend(items.drain(1..));
+                sides.push(Node::Set(set));
+                return Ok(Node::Rel(sides, ops));
+            }
+        }
+        Ok(Node::Set(items))
     }
 
     fn parse_union(&mut self) -> Result<Node, ParseError> {
@@ -504,12 +521,26 @@ impl Parser {
         if self.peek() != Some(&Tok::Cmd("cup".into())) {
             return Ok(first);
         }
+        // `x = A \cup B` is `x = (A \cup B)`.
+        let (mut rel, first) = match first {
+            Node::Rel(mut sides, ops) => {
+                let last = sides.pop().unwrap_or(Node::Set(vec![]));
+                (Some((sides, ops)), last)
+            }
+            other => (None, other),
+        };
         let mut parts = vec![first];
         while self.peek() == Some(&Tok::Cmd("cup".into())) {
             self.pos += 1;
             parts.push(self.parse_rel()?);
         }
-        Ok(Node::Union(parts))
+        Ok(match rel.take() {
+            Some((mut sides, ops)) => {
+                sides.push(Node::Union(parts));
+                Node::Rel(sides, ops)
+            }
+            None => Node::Union(parts),
+        })
     }
 
     fn rel_op(&self) -> Option<RelOp> {
@@ -1038,6 +1069,8 @@ pub fn parse(s: &str) -> Result<Node, ParseError> {
     }
     // Degrees: 90^\circ = 90 (the "^" would otherwise lose its argument).
     let s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("^{\\degree}", "");
+    // "10,\!080": a thin negative space after a thousands comma.
+    let s = s.replace(",\\! ", ",").replace(",\\!", ",");
     let toks = tokenize(&s)?;
     if toks.is_empty() {
         return Err(ParseError::Empty);
