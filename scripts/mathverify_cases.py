@@ -1,14 +1,22 @@
 #!/usr/bin/env python3
 """Ask Math-Verify for the verdict on every (gold, prediction) case of the reward test corpus.
 
-Usage: /work/venv/bin/python scripts/mathverify_cases.py > tests/fixtures/reward/mathverify_cases.jsonl
+Usage: /work/venv/bin/python scripts/mathverify_cases.py
+
+Writes two files:
+- tests/fixtures/reward/mathverify_cases.jsonl: the hand-written corpus below (the Rust test requires
+  100% agreement except the cases listed in mathverify_exceptions.jsonl);
+- tests/fixtures/reward/mathverify_math500_variants.jsonl: each MATH-500 gold answer against five
+  variants of it (\\dfrac, no spaces, the next answer in the file, "x = " prefix, \\left( \\right)
+  wrapper), 2,500 cases (the Rust test requires at least 99% agreement and reports the rate).
 
 Both sides are given to Math-Verify as `\\boxed{...}` (what `extract_answer` returns is the inside of
 the last box), gold first: verify(parse(gold), parse(pred)). Each output line is
 {"category", "gold", "pred", "expected"}; tests/reward_mathverify.rs requires the Rust checker to agree.
 """
 import json
-import sys
+import logging
+import os
 
 from math_verify import parse, verify
 
@@ -124,19 +132,58 @@ CASES = {
     "inequality": [
         ("x > 2", "x>2"), ("x > 2", "2 < x"), ("x > 2", "x \\geq 2"), ("x \\le 3", "x \\leq 3"), ("x < 3", "x \\le 3"),
     ],
+    "scientific_misc": [
+        ("35000", "3.5 \\times 10^4"), ("35000", "3.5 \\times 10^{4}"), ("0.001", "10^{-3}"), ("\\frac{1}{1000}", "10^{-3}"),
+        ("6", "3!"), ("120", "5!"), ("24", "4!"), ("\\binom{5}{2}", "10"), ("10", "\\dbinom{5}{2}"), ("2", "|-2|"),
+        ("-\\frac{3}{4}", "-0.75"), ("-\\frac{3}{4}", "\\frac{-3}{4}"), ("-\\frac{3}{4}", "0.75"), ("\\frac{3}{4}", "\\frac{6}{8}"),
+        ("2\\times 3", "6"), ("6", "2 \\cdot 3"), ("12", "3 \\times 4"), ("\\sqrt{16}", "4"), ("4", "\\sqrt{16}"),
+        ("\\frac{\\sqrt{6}}{3}", "\\sqrt{\\frac{2}{3}}"), ("\\frac{2\\sqrt{3}}{3}", "\\frac{2}{\\sqrt{3}}"),
+        ("3 + 4i", "4i + 3"), ("3 + 4i", "3 - 4i"), ("i", "i"), ("\\emptyset", "\\emptyset"),
+        ("(-\\infty, -2] \\cup [3, \\infty)", "(-\\infty,-2]\\cup[3,\\infty)"), ("(-\\infty, -2] \\cup [3, \\infty)", "(-\\infty,-2)\\cup[3,\\infty)"),
+        ("1{,}000{,}000", "10^6"), ("\\$1{,}000", "1000"), ("3.50", "3.5"), ("0.050", "0.05"), ("-0.5", "-\\frac{1}{2}"),
+        ("\\frac{1}{2}", "\\frac{1}{2} \\text{ hours}"), ("50", "50 \\text{ km/h}"), ("8", "8 \\text{ square units}"),
+        ("x^2", "x^{2}"), ("\\frac{x^2}{4}", "0.25x^2"), ("\\frac{x^2}{4}", "0.25x^3"), ("\\sqrt{2}x", "x\\sqrt{2}"),
+        ("y = -\\frac{1}{2}x + 3", "y = 3 - 0.5x"), ("2x + 4 = 0", "x = -2"), ("x = 2", "2x = 4"),
+    ],
+    "relation_set_base": [
+        ("x \\in [-2,7]", "[-2,7]"), ("[-2,7]", "x \\in [-2,7]"), ("x \\in [-2,7]", "x\\in[-2,7)"), ("x \\in [-2,7]", "x \\in [-2, 7]"),
+        ("x > 2", "(2, \\infty)"), ("(2,\\infty)", "x>2"), ("x > 2", "[2, \\infty)"), ("x \\le 5", "(-\\infty, 5]"),
+        ("x \\le 5", "(-\\infty, 5)"), ("1 < x < 3", "(1,3)"), ("-2 \\le x < 4", "[-2,4)"), ("x \\ge 0", "[0,\\infty)"),
+        ("2 < x", "(2, \\infty)"),
+        ("52_8", "52"), ("52_8", "52_8"), ("52_8", "42"), ("4210_{5}", "4210_5"), ("204_5", "204"), ("2516_8", "2516_{8}"),
+    ],
 }
 
 
+def verdict(gold: str, pred: str) -> bool:
+    try:
+        return bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
+    except Exception:  # Math-Verify itself failing counts as "not equal"
+        return False
+
+
 def main() -> None:
-    out = sys.stdout
-    for category, cases in CASES.items():
-        for gold, pred in cases:
-            try:
-                verdict = bool(verify(parse("\\boxed{" + gold + "}"), parse("\\boxed{" + pred + "}")))
-            except Exception:  # Math-Verify itself failing counts as "not equal"
-                verdict = False
-            out.write(json.dumps({"category": category, "gold": gold, "pred": pred, "expected": verdict}) + "\n")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "fixtures", "reward")
+    with open(os.path.join(root, "mathverify_cases.jsonl"), "w") as out:
+        for category, cases in CASES.items():
+            for gold, pred in cases:
+                row = {"category": category, "gold": gold, "pred": pred, "expected": verdict(gold, pred)}
+                out.write(json.dumps(row) + "\n")
+    answers = [json.loads(line)["answer"] for line in open(os.path.join(root, "math500_answers.jsonl"))]
+    with open(os.path.join(root, "mathverify_math500_variants.jsonl"), "w") as out:
+        for i, a in enumerate(answers):
+            variants = [
+                ("dfrac", a.replace("\\frac", "\\dfrac")),
+                ("no_spaces", a.replace(" ", "")),
+                ("next_answer", answers[(i + 1) % len(answers)]),
+                ("assignment", "x = " + a),
+                ("left_right", "\\left(" + a + "\\right)"),
+            ]
+            for category, pred in variants:
+                row = {"category": category, "gold": a, "pred": pred, "expected": verdict(a, pred)}
+                out.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
+    logging.disable(logging.WARNING)
     main()

@@ -61,6 +61,11 @@ fn agrees_with_recorded_scores_on_dev_trajectories() {
         let recorded: Vec<bool> = serde_json::from_value(row["scores"].clone()).unwrap();
         let ours: Vec<bool> = serde_json::from_value(s["correct"].clone()).unwrap();
         assert_eq!(s["preds"].as_array().unwrap().len(), 8);
+        // Extraction: the recorded preds, up to spacing.
+        let squash = |v: &Value| v.as_str().map(|t| t.replace(' ', ""));
+        for (ours, rec) in s["preds"].as_array().unwrap().iter().zip(row["preds"].as_array().unwrap()) {
+            assert_eq!(squash(ours), squash(rec), "idx {}", row["idx"]);
+        }
         for (a, b) in recorded.iter().zip(&ours) {
             total += 1;
             agree += usize::from(a == b);

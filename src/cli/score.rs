@@ -3,6 +3,13 @@
 //! Streaming: lines are read in batches, each batch is scored in parallel (rayon) and written in
 //! input order. A malformed line (bad JSON, invalid UTF-8, no answer or response field) is reported
 //! as `FILE:LINE: reason` on stderr and skipped, or stops the run with `--strict`.
+//!
+//! Each output line is the input object (all fields kept) plus `preds` (the extracted answer or null
+//! per response), `correct` (per response: equivalent to the gold, or with `--no-gold` a member of
+//! the majority cluster) and `majority` (the majority answer or null); fields of those names in the
+//! input are replaced. The summary (`--summary`, also printed as a table) has n_items, n_responses,
+//! extract_rate, avg_at_n, pass_at_k (unbiased estimator, per k), maj_at_n (null with `--no-gold`),
+//! n_skipped and reference ("gold" or "majority").
 use crate::jsonl::{AtomicFile, Lines, RawLine};
 use crate::reward::{
     equivalent_parsed, extract_answer, majority_vote_parsed, summarize, ExtractOptions, ItemOutcome, ParsedAnswer,

@@ -4,8 +4,8 @@
 //! 1. equal normalised strings;
 //! 2. assignments (`x = 5`) are unwrapped following the gold's form: an equation in the prediction
 //!    against a plain gold value compares the right-hand side, and so on;
-//! 3. relations compare `lhs - rhs` (same operator, or the flipped one with the sides swapped, or a
-//!    constant multiple);
+//! 3. relations compare `lhs - rhs` (same operator, or the flipped one with the sides swapped;
+//!    like Math-Verify, `2x = 4` is not `x = 2`);
 //! 4. sets (order-free), tuples (ordered), intervals (open/closed ends must match) and unions;
 //!    a plain value against a set is a one-element set; an open interval `(a, b)` equals the
 //!    pair `a, b`;
@@ -111,6 +111,9 @@ fn node_eq(g: &Node, p: &Node) -> bool {
     }
     match (g, p) {
         (Node::Rel(gs, gops), Node::Rel(ps, pops)) => rel_eq(gs, gops, ps, pops),
+        // An inequality in one variable against an interval: its solution set (gold side only, as in
+        // Math-Verify: `x > 2` = `(2, \infty)` but not the other way round).
+        (Node::Rel(sides, ops), _) if is_setlike(p) => relation_as_interval(sides, ops).is_some_and(|i| set_eq(&i, p)),
         (Node::Rel(..), _) | (_, Node::Rel(..)) => false,
         _ if is_setlike(g) || is_setlike(p) => set_eq(g, p),
         (Node::Matrix(a), Node::Matrix(b)) => {
@@ -144,7 +147,7 @@ fn word_eq(g: &Node, p: &Node) -> bool {
 fn dedup(v: &[Node]) -> Vec<&Node> {
     let mut out: Vec<&Node> = Vec::with_capacity(v.len());
     for x in v {
-        if !out.iter().any(|y| *y == x) {
+        if !out.contains(&x) {
             out.push(x);
         }
     }
@@ -216,6 +219,50 @@ fn set_eq(g: &Node, p: &Node) -> bool {
     }
 }
 
+fn is_constant(n: &Node) -> bool {
+    free_symbols(n).is_empty() && !is_setlike(n)
+}
+
+fn neg_inf() -> Node {
+    Node::Neg(Box::new(Node::Inf))
+}
+
+/// `x > c`, `c < x`, `a < x \le b` as an interval (None for anything else).
+fn relation_as_interval(sides: &[Node], ops: &[RelOp]) -> Option<Node> {
+    let interval = |lo: Node, hi: Node, lo_open: bool, hi_open: bool| Node::Interval {
+        lo: Box::new(lo),
+        hi: Box::new(hi),
+        lo_open,
+        hi_open,
+    };
+    match (sides, ops) {
+        ([a, b], [op]) => {
+            // Put the variable on the left.
+            let (c, op) = match (a, b) {
+                (Node::Sym(_), c) if is_constant(c) => (c, *op),
+                (c, Node::Sym(_)) if is_constant(c) => (c, op.flipped()),
+                _ => return None,
+            };
+            match op {
+                RelOp::Gt => Some(interval(c.clone(), Node::Inf, true, true)),
+                RelOp::Ge => Some(interval(c.clone(), Node::Inf, false, true)),
+                RelOp::Lt => Some(interval(neg_inf(), c.clone(), true, true)),
+                RelOp::Le => Some(interval(neg_inf(), c.clone(), true, false)),
+                _ => None,
+            }
+        }
+        ([lo, Node::Sym(_), hi], [o1, o2]) if is_constant(lo) && is_constant(hi) => {
+            let open = |o: &RelOp| match o {
+                RelOp::Lt => Some(true),
+                RelOp::Le => Some(false),
+                _ => None,
+            };
+            Some(interval(lo.clone(), hi.clone(), open(o1)?, open(o2)?))
+        }
+        _ => None,
+    }
+}
+
 fn diff(sides: &[Node], i: usize) -> Node {
     Node::Add(vec![sides[i].clone(), Node::Neg(Box::new(sides[i + 1].clone()))])
 }
@@ -227,18 +274,17 @@ fn rel_eq(gs: &[Node], gops: &[RelOp], ps: &[Node], pops: &[RelOp]) -> bool {
     (0..gops.len()).all(|i| {
         let (dg, dp) = (diff(gs, i), diff(ps, i));
         let (go, po) = (gops[i], pops[i]);
+        // Side by side (needed when a side is a set: `x \in [a, b]`).
+        if go == po && node_eq(&gs[i], &ps[i]) && node_eq(&gs[i + 1], &ps[i + 1]) {
+            return true;
+        }
         if go == po && scalar_eq(&dg, &dp) {
             return true;
         }
         if go.flipped() == po && scalar_eq(&dg, &Node::Neg(Box::new(dp.clone()))) {
             return true;
         }
-        // Same solutions: one side a constant multiple of the other (2x = 4 vs x = 2).
-        match constant_ratio(&dg, &dp) {
-            Some(c) if go == po && (c > 0.0 || matches!(go, RelOp::Eq | RelOp::Ne)) => true,
-            Some(c) if go.flipped() == po && c < 0.0 => true,
-            _ => false,
-        }
+        false
     })
 }
 
@@ -283,20 +329,6 @@ fn sampled(g: &Node, p: &Node) -> Vec<(f64, f64)> {
 fn random_eq(g: &Node, p: &Node) -> bool {
     let pts = sampled(g, p);
     pts.len() >= 3 && pts.iter().all(|(a, b)| close(*a, *b, 1e-9))
-}
-
-/// c such that g = c * p at every sample point (c != 0), for expressions with variables.
-fn constant_ratio(g: &Node, p: &Node) -> Option<f64> {
-    if free_symbols(g).is_empty() {
-        return None;
-    }
-    let pts = sampled(g, p);
-    let ratios: Vec<f64> = pts.iter().filter(|(_, b)| b.abs() > 1e-9).map(|(a, b)| a / b).collect();
-    if ratios.len() < 3 {
-        return None;
-    }
-    let c = ratios[0];
-    (c.abs() > 1e-12 && ratios.iter().all(|r| close(*r, c, 1e-9))).then_some(c)
 }
 
 /// What Math-Verify's numeric comparison needs to know about a variable-free value.

@@ -334,6 +334,6 @@ mod tests {
         assert!((v - 0.866_025_403_784_438_6).abs() < 1e-12);
         let v = approx(&parse("x^2+1").unwrap(), &|_| 2.0);
         assert_eq!(v, 5.0);
-        assert_eq!(round6_f64(1.4142135), Some(BigInt::from(1_414_214)));
+        assert_eq!(round6_f64(2.7182816), Some(BigInt::from(2_718_282)));
     }
 }

@@ -57,7 +57,7 @@ pub fn summarize(items: &[ItemOutcome], ks: &[usize]) -> Summary {
     for &k in ks {
         let total: f64 =
             items.iter().map(|i| pass_at_k(i.correct.len(), i.correct.iter().filter(|c| **c).count(), k)).sum();
-        pass.insert(k, ratio(1, 1) * if n_items == 0 { 0.0 } else { total / n_items as f64 });
+        pass.insert(k, if n_items == 0 { 0.0 } else { total / n_items as f64 });
     }
     let judged: Vec<bool> = items.iter().filter_map(|i| i.majority_correct).collect();
     let maj_at_n = (!judged.is_empty()).then(|| ratio(judged.iter().filter(|b| **b).count(), judged.len()));

@@ -14,8 +14,8 @@ use num_traits::Zero;
 
 /// Longest answer (in bytes) that is parsed; longer ones are compared as strings.
 pub const MAX_LEN: usize = 2_000;
-/// Deepest nesting of brackets / sub-expressions accepted by the parser.
-pub const MAX_DEPTH: usize = 64;
+/// Deepest recursion of the parser (each bracket level costs about four).
+pub const MAX_DEPTH: usize = 128;
 
 /// Relation operators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,6 +192,9 @@ const DROPPED_CMDS: &[&str] = &[
 ];
 
 fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
+    // "1,000" is a thousand only where a comma cannot separate items: not inside brackets or after
+    // "=" (Math-Verify reads "(58,500)" as an interval and "x = 58,500" as two values).
+    let plain_commas_group = !s.contains(['(', '[', '=']) && !s.contains("\\{") && !s.contains("\\in");
     let chars: Vec<char> = s.chars().collect();
     let mut toks = Vec::new();
     let mut i = 0;
@@ -209,7 +212,7 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                 // Thousands separators: 1,000 / 10{,}000 (groups of exactly three digits).
                 if int.len() <= 3 && !int.is_empty() {
                     loop {
-                        let (skip, ok) = if i + 3 < n + 1 && chars.get(i) == Some(&',') {
+                        let (skip, ok) = if plain_commas_group && chars.get(i) == Some(&',') {
                             (1, true)
                         } else if chars.get(i) == Some(&'{')
                             && chars.get(i + 1) == Some(&',')
@@ -306,7 +309,10 @@ fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
                             }
                             let inner: String = chars[start..j].iter().collect();
                             let word = inner.trim();
-                            if word.chars().count() >= 2 && word.chars().all(|c| c.is_alphabetic() || c == ' ') {
+                            let wordy = word.chars().next().is_some_and(|c| c.is_alphabetic())
+                                && word.chars().count() >= 2
+                                && word.chars().all(|c| c.is_alphabetic() || matches!(c, ' ' | '/' | '.' | '-'));
+                            if wordy {
                                 toks.push(Tok::Word(word.to_lowercase()));
                                 i = j + 1;
                             } else {
@@ -493,7 +499,21 @@ impl Parser {
         if let Some(t) = self.peek() {
             return Err(ParseError::Unexpected(format!("{t:?}")));
         }
-        Ok(if items.len() == 1 { items.pop().unwrap_or(Node::Set(vec![])) } else { Node::Set(items) })
+        if items.len() == 1 {
+            return Ok(items.pop().unwrap_or(Node::Set(vec![])));
+        }
+        // `x = 1, -2` is `x = {1, -2}`.
+        if let Node::Rel(sides, ops) = &items[0] {
+            if ops.last() == Some(&RelOp::Eq) && items[1..].iter().all(|i| !matches!(i, Node::Rel(..))) {
+                let (mut sides, ops) = (sides.clone(), ops.clone());
+                let first = sides.pop().unwrap_or(Node::Set(vec![]));
+                let mut set = vec![first];
+                set.extend(items.drain(1..));
+                sides.push(Node::Set(set));
+                return Ok(Node::Rel(sides, ops));
+            }
+        }
+        Ok(Node::Set(items))
     }
 
     fn parse_union(&mut self) -> Result<Node, ParseError> {
@@ -501,12 +521,26 @@ impl Parser {
         if self.peek() != Some(&Tok::Cmd("cup".into())) {
             return Ok(first);
         }
+        // `x = A \cup B` is `x = (A \cup B)`.
+        let (mut rel, first) = match first {
+            Node::Rel(mut sides, ops) => {
+                let last = sides.pop().unwrap_or(Node::Set(vec![]));
+                (Some((sides, ops)), last)
+            }
+            other => (None, other),
+        };
         let mut parts = vec![first];
         while self.peek() == Some(&Tok::Cmd("cup".into())) {
             self.pos += 1;
             parts.push(self.parse_rel()?);
         }
-        Ok(Node::Union(parts))
+        Ok(match rel.take() {
+            Some((mut sides, ops)) => {
+                sides.push(Node::Union(parts));
+                Node::Rel(sides, ops)
+            }
+            None => Node::Union(parts),
+        })
     }
 
     fn rel_op(&self) -> Option<RelOp> {
@@ -520,7 +554,8 @@ impl Parser {
                 "ne" | "neq" => Some(RelOp::Ne),
                 "lt" => Some(RelOp::Lt),
                 "gt" => Some(RelOp::Gt),
-                "approx" | "equiv" => Some(RelOp::Eq),
+                // `x \in [a, b]` is read as `x = [a, b]` (Math-Verify does the same).
+                "approx" | "equiv" | "in" => Some(RelOp::Eq),
                 _ => None,
             },
             _ => None,
@@ -800,7 +835,14 @@ impl Parser {
         self.enter()?;
         let tok = self.next().ok_or(ParseError::End)?;
         let r = match tok {
-            Tok::Num(i, f) => Ok(num_node(&i, &f)),
+            Tok::Num(i, f) => {
+                // A base subscript (52_8) is dropped, as Math-Verify does.
+                if self.peek() == Some(&Tok::Op('_')) {
+                    self.pos += 1;
+                    self.parse_arg()?;
+                }
+                Ok(num_node(&i, &f))
+            }
             Tok::Ident(s) => {
                 let mut name = s;
                 if name == "e" {
@@ -913,6 +955,16 @@ impl Parser {
                 let r = self.parse_arg()?;
                 return Ok(Node::Root(Box::new(r), index));
             }
+            "binom" | "dbinom" | "tbinom" => {
+                // C(n, k) = n! / (k! (n-k)!)
+                let n = self.parse_arg()?;
+                let k = self.parse_arg()?;
+                let nk = Node::Add(vec![n.clone(), Node::Neg(Box::new(k.clone()))]);
+                return Ok(Node::Div(
+                    Box::new(Node::Fact(Box::new(n))),
+                    Box::new(Node::Mul(vec![Node::Fact(Box::new(k)), Node::Fact(Box::new(nk))])),
+                ));
+            }
             "pi" => return Ok(Node::Pi),
             "infty" | "inf" | "infinity" => return Ok(Node::Inf),
             "emptyset" | "varnothing" => return Ok(Node::Set(vec![])),
@@ -1017,6 +1069,8 @@ pub fn parse(s: &str) -> Result<Node, ParseError> {
     }
     // Degrees: 90^\circ = 90 (the "^" would otherwise lose its argument).
     let s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("^{\\degree}", "");
+    // "10,\!080": a thin negative space after a thousands comma.
+    let s = s.replace(",\\! ", ",").replace(",\\!", ",");
     let toks = tokenize(&s)?;
     if toks.is_empty() {
         return Err(ParseError::Empty);
