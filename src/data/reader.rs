@@ -120,11 +120,12 @@ pub(crate) struct RowRef {
     pub ordinal: u64,
 }
 
-const EXTENSIONS: [&str; 6] = [".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson", ".parquet"];
+/// Files a folder input contributes (`.json` is left out: folders hold metadata JSON files).
+const EXTENSIONS: [&str; 7] = [".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".ndjson", ".ndjson.gz", ".parquet"];
 
 fn is_data_file(p: &Path) -> bool {
     let name = p.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
-    EXTENSIONS.iter().any(|e| name.ends_with(e)) || name.ends_with(".jsonl.zstd") || name.ends_with(".ndjson.gz")
+    EXTENSIONS.iter().any(|e| name.ends_with(e))
 }
 
 fn is_parquet(p: &Path) -> bool {
@@ -575,6 +576,23 @@ mod tests {
         assert_eq!((r.question.as_str(), r.response.as_str(), r.difficulty), ("Q", "A", Some(7)));
         let r = parse(r#"{"prompt":"Q","response":"A","teacher_logprobs":[-0.5,-1.0]}"#).unwrap();
         assert_eq!(r.teacher_logprobs, Some(vec![-0.5, -1.0]));
+    }
+
+    #[test]
+    fn inputs_from_files_folders_and_globs() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("sub");
+        std::fs::create_dir_all(&sub).unwrap();
+        for f in ["a.jsonl", "b.parquet", "meta.json", "sub/c.jsonl.gz", "notes.txt"] {
+            std::fs::write(dir.path().join(f), "").unwrap();
+        }
+        let d = dir.path().to_str().unwrap();
+        let names = |v: Vec<PathBuf>| v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        assert_eq!(names(resolve_inputs(&[d]).unwrap()), ["a.jsonl", "b.parquet", "c.jsonl.gz"]);
+        let glob = format!("{d}/*.jsonl");
+        let file = format!("{d}/meta.json");
+        assert_eq!(names(resolve_inputs(&[glob.as_str(), file.as_str(), glob.as_str()]).unwrap()), ["a.jsonl", "meta.json"]);
+        assert!(matches!(resolve_inputs(&[format!("{d}/*.zzz")]), Err(DataError::NoInput(_))));
     }
 
     #[test]
