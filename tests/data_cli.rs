@@ -36,14 +36,8 @@ fn turns(line: &str) -> (String, String) {
 fn stats_json(input: &Path, extra: &[&str]) -> (Value, String) {
     let dir = tempfile::tempdir().unwrap();
     let json = dir.path().join("stats.json");
-    let out = grpo()
-        .args(["data", "stats", "--input"])
-        .arg(input)
-        .arg("--json")
-        .arg(&json)
-        .args(extra)
-        .output()
-        .unwrap();
+    let out =
+        grpo().args(["data", "stats", "--input"]).arg(input).arg("--json").arg(&json).args(extra).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     (v, String::from_utf8_lossy(&out.stderr).into_owned())
@@ -62,11 +56,20 @@ fn shuffled_with_bad_lines(dir: &Path) -> (PathBuf, Vec<(u64, &'static str)>) {
         by_question.entry(q).or_default().push(line);
     }
     let mut good = Vec::new();
-    for slot in 0..8 {
-        for q in &order {
-            good.push((q.clone(), by_question[q][slot].clone()));
+    // Round robin over the questions: answer 1 of every question, then answer 2 of every question, ...
+    let mut queues: Vec<_> = order.iter().map(|q| (q.clone(), by_question[q].clone().into_iter())).collect();
+    loop {
+        let before = good.len();
+        for (q, answers) in queues.iter_mut() {
+            if let Some(line) = answers.next() {
+                good.push((q.clone(), line));
+            }
+        }
+        if good.len() == before {
+            break;
         }
     }
+    assert_eq!(good.len(), 400);
     for w in good.windows(2) {
         assert_ne!(w[0].0, w[1].0, "two answers of one question are adjacent");
     }
@@ -78,7 +81,11 @@ fn shuffled_with_bad_lines(dir: &Path) -> (PathBuf, Vec<(u64, &'static str)>) {
         (10, r#"{"domain": "math", "conversations": [{"from": "human""#.into(), "bad_json"),
         (50, r#"{"domain":"math","source":"x","difficulty":null}"#.into(), "missing_conversations"),
         (100, r#"{"conversations":[{"from":"gpt","value":"\\boxed{1}"}]}"#.into(), "no_human_turn"),
-        (200, r#"{"conversations":[{"from":"human","value":"What?"},{"from":"gpt","value":""}]}"#.into(), "empty_response"),
+        (
+            200,
+            r#"{"conversations":[{"from":"human","value":"What?"},{"from":"gpt","value":""}]}"#.into(),
+            "empty_response",
+        ),
         (300, big, "row_too_large"),
     ];
     let mut lines = Vec::new();
@@ -201,8 +208,7 @@ fn stats_with_tokenizer_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let png = dir.path().join("stats.png");
     let tok = tokenizer_dir();
-    let (s, _) =
-        stats_json(&fixture(), &["--tokenizer", tok.to_str().unwrap(), "--plot", png.to_str().unwrap()]);
+    let (s, _) = stats_json(&fixture(), &["--tokenizer", tok.to_str().unwrap(), "--plot", png.to_str().unwrap()]);
     assert_eq!(s["length_unit"], "tokens");
     let (c, _) = stats_json(&fixture(), &[]);
     // Tokens are fewer than characters.
@@ -307,7 +313,9 @@ fn parquet_gives_the_same_groups_as_jsonl() {
     assert_eq!(s["skipped_by_reason"]["no_human_turn"], 1);
     assert!(stderr.contains(&format!("ot3.parquet: row group {rg}, row {row}: no_human_turn")), "{stderr}");
     // Folder input picks the Parquet file up; the groups themselves are equal too.
-    let rows_of = |p: &Path| data::reader::read_all(&data::resolve_inputs(&[p.to_str().unwrap()]).unwrap(), &Default::default()).unwrap();
+    let rows_of = |p: &Path| {
+        data::reader::read_all(&data::resolve_inputs(&[p.to_str().unwrap()]).unwrap(), &Default::default()).unwrap()
+    };
     let (pq_rows, pq_bad) = rows_of(dir.path());
     let (js_rows, js_bad) = rows_of(&fixture());
     assert_eq!((pq_bad.len(), js_bad.len()), (1, 0));
@@ -338,7 +346,7 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
     let tok = grpo::model::ChatTokenizer::load(&tokenizer_dir()).unwrap();
     let eos = tok.eos_ids()[0];
     // Texts by question, from the in-memory grouping of the same rows.
-    let (rows, _) = data::reader::read_all(&[input.clone()], &Default::default()).unwrap();
+    let (rows, _) = data::reader::read_all(std::slice::from_ref(&input), &Default::default()).unwrap();
     let (groups, _) = data::group_rows(rows, &Default::default());
     let by_id: BTreeMap<_, _> = groups.iter().map(|g| (g.question_id.clone(), g)).collect();
     let stats = ds.stats().unwrap();

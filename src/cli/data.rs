@@ -172,7 +172,12 @@ fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
     };
     let outcome = data::prepare::prepare_with(&opts, &mut report_bad).context("data prepare")?;
     if outcome.skipped {
-        println!("{} is up to date ({} groups, {} responses): nothing to do", outcome.out.display(), outcome.groups, outcome.responses);
+        println!(
+            "{} is up to date ({} groups, {} responses): nothing to do",
+            outcome.out.display(),
+            outcome.groups,
+            outcome.responses
+        );
         return Ok(());
     }
     print!("{}", outcome.stats.report());

@@ -193,7 +193,13 @@ pub(crate) enum Measure<'a> {
     /// question when the tokenizer has no template); response = its tokens, plus one EOS when `eos`.
     /// With `responses` false, response lengths are not measured (0): prepare tokenises the chosen
     /// responses in its second pass anyway and measures them there.
-    Tokens { tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool, responses: bool, prompts: PromptCache },
+    Tokens {
+        tok: &'a ChatTokenizer,
+        system: Option<&'a str>,
+        eos: bool,
+        responses: bool,
+        prompts: PromptCache,
+    },
 }
 
 /// Prompt lengths by question hash: the answers of a question share their prompt, and rendering the
@@ -456,11 +462,7 @@ pub(crate) fn scan_with(
     on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
 ) -> Result<Stats, DataError> {
     let total_bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
-    let k = if opts.partitions > 0 {
-        opts.partitions
-    } else {
-        (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512)
-    };
+    let k = if opts.partitions > 0 { opts.partitions } else { (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512) };
     let spill = TempDir::new(opts.spill_dir.as_deref())?;
     let part_path = |i: usize| spill.0.join(format!("part-{i:04}.bin"));
     let mut writers = Vec::with_capacity(k);
@@ -546,7 +548,8 @@ mod tests {
 
     #[test]
     fn record_round_trip() {
-        let rec = record_of(RowRef { file: 3, ordinal: 99 }, 5, &row("Q", "\\boxed{7}"), &GroupOptions::default(), (4, 5));
+        let rec =
+            record_of(RowRef { file: 3, ordinal: 99 }, 5, &row("Q", "\\boxed{7}"), &GroupOptions::default(), (4, 5));
         let mut buf = Vec::new();
         rec.write(&mut buf).unwrap();
         rec.write(&mut buf).unwrap();
@@ -566,7 +569,8 @@ mod tests {
         let mut other = row("Q3", "\\boxed{3}");
         other.domain = Some("code".into());
         rows.push(other);
-        let opts = GroupOptions { group_size: 3, min_group_size: 2, domains: vec!["math".into()], ..Default::default() };
+        let opts =
+            GroupOptions { group_size: 3, min_group_size: 2, domains: vec!["math".into()], ..Default::default() };
         let (groups, stats) = group_rows(rows.clone(), &opts);
         assert_eq!(groups.len(), 1);
         assert_eq!(groups[0].responses.len(), 3);

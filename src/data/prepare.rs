@@ -116,12 +116,8 @@ struct Manifest {
 
 fn input_info(p: &Path) -> Result<InputInfo, DataError> {
     let m = std::fs::metadata(p).map_err(io_err(p))?;
-    let modified_ns = m
-        .modified()
-        .ok()
-        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
+    let modified_ns =
+        m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos()).unwrap_or(0);
     let path = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();
     Ok(InputInfo { path, size: m.len(), modified_ns })
 }
@@ -193,7 +189,13 @@ impl Selection {
         let u = |c: &[u8], i: usize| u64::from_le_bytes(c[i..i + 8].try_into().unwrap_or([0; 8]));
         Ok(bytes
             .chunks_exact(Self::SIZE)
-            .map(|c| Selection { ordinal: u(c, 0), qhash: u(c, 8), group: u(c, 16), response: u(c, 24), prompt: c[32] != 0 })
+            .map(|c| Selection {
+                ordinal: u(c, 0),
+                qhash: u(c, 8),
+                group: u(c, 16),
+                response: u(c, 24),
+                prompt: c[32] != 0,
+            })
             .collect())
     }
 }

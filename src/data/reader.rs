@@ -268,7 +268,10 @@ fn finish_pair(question: &str, response: &str) -> Result<(String, String), (Skip
 /// Parse one JSONL line into a row.
 pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, (SkipReason, String)> {
     if line.bytes.len() > opts.max_row_bytes {
-        return Err((SkipReason::RowTooLarge, format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes)));
+        return Err((
+            SkipReason::RowTooLarge,
+            format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes),
+        ));
     }
     if line.bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         // serde would read a JSON array as a struct by position: only objects are rows.
@@ -291,9 +294,9 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
         }
     };
     let (question, response) = match (&row.conversations, &row.prompt, &row.response) {
-        (Some(turns), _, _) => pick_turns(
-            turns.iter().map(|t| (t.from.as_deref().unwrap_or(""), t.value.as_deref().unwrap_or(""))),
-        )?,
+        (Some(turns), _, _) => {
+            pick_turns(turns.iter().map(|t| (t.from.as_deref().unwrap_or(""), t.value.as_deref().unwrap_or(""))))?
+        }
         (None, Some(p), Some(r)) => finish_pair(p, r)?,
         (None, None, Some(_)) => return Err((SkipReason::NoHumanTurn, "row has `response` but no `prompt`".into())),
         (None, Some(_), None) => {
@@ -416,6 +419,9 @@ pub(crate) fn parse_parquet_row(row: &parquet::record::Row) -> Result<Row, (Skip
     Ok(out)
 }
 
+/// A parsed row or why it is bad.
+type Parsed = Result<Row, (SkipReason, String)>;
+
 /// Rows handed to the parallel map at once (bounded by count and by bytes).
 const BATCH_ROWS: usize = 4096;
 const BATCH_BYTES: usize = 32 << 20;
@@ -498,15 +504,16 @@ where
     S: FnMut(T) -> Result<(), DataError>,
 {
     use parquet::file::reader::{FileReader, SerializedFileReader};
-    let pq_err = |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
+    let pq_err =
+        |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
     let f = File::open(path).map_err(io_err(path))?;
     let reader = SerializedFileReader::new(f).map_err(pq_err)?;
     let mut global = 0u64;
     for rg in 0..reader.metadata().num_row_groups() {
         let group = reader.get_row_group(rg).map_err(pq_err)?;
         let iter = group.get_row_iter(None).map_err(pq_err)?;
-        let mut batch: Vec<(u64, u64, Result<Row, (SkipReason, String)>)> = Vec::with_capacity(1024);
-        let mut flush = |batch: &mut Vec<(u64, u64, Result<Row, (SkipReason, String)>)>| -> Result<(), DataError> {
+        let mut batch: Vec<(u64, u64, Parsed)> = Vec::with_capacity(1024);
+        let mut flush = |batch: &mut Vec<(u64, u64, Parsed)>| -> Result<(), DataError> {
             let results: Vec<T> = std::mem::take(batch)
                 .into_par_iter()
                 .map(|(ordinal, row, parsed)| {
@@ -563,8 +570,7 @@ mod tests {
     use super::*;
 
     fn parse(s: &str) -> Result<Row, SkipReason> {
-        parse_json_row(&RawLine { number: 1, bytes: s.as_bytes().to_vec() }, &ReadOptions::default())
-            .map_err(|e| e.0)
+        parse_json_row(&RawLine { number: 1, bytes: s.as_bytes().to_vec() }, &ReadOptions::default()).map_err(|e| e.0)
     }
 
     #[test]
@@ -587,11 +593,16 @@ mod tests {
             std::fs::write(dir.path().join(f), "").unwrap();
         }
         let d = dir.path().to_str().unwrap();
-        let names = |v: Vec<PathBuf>| v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>();
+        let names = |v: Vec<PathBuf>| {
+            v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>()
+        };
         assert_eq!(names(resolve_inputs(&[d]).unwrap()), ["a.jsonl", "b.parquet", "c.jsonl.gz"]);
         let glob = format!("{d}/*.jsonl");
         let file = format!("{d}/meta.json");
-        assert_eq!(names(resolve_inputs(&[glob.as_str(), file.as_str(), glob.as_str()]).unwrap()), ["a.jsonl", "meta.json"]);
+        assert_eq!(
+            names(resolve_inputs(&[glob.as_str(), file.as_str(), glob.as_str()]).unwrap()),
+            ["a.jsonl", "meta.json"]
+        );
         assert!(matches!(resolve_inputs(&[format!("{d}/*.zzz")]), Err(DataError::NoInput(_))));
     }
 

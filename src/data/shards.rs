@@ -118,13 +118,7 @@ impl ShardWriter {
     pub(crate) fn create(dir: &Path, groups: u64, responses: u64, shard_limit: u64) -> Result<Self, DataError> {
         let table = |name: &str, len: u64| -> Result<File, DataError> {
             let p = dir.join(name);
-            let f = File::options()
-                .create(true)
-                .truncate(true)
-                .read(true)
-                .write(true)
-                .open(&p)
-                .map_err(io_err(&p))?;
+            let f = File::options().create(true).truncate(true).read(true).write(true).open(&p).map_err(io_err(&p))?;
             f.set_len(len).map_err(io_err(&p))?;
             Ok(f)
         };
@@ -294,8 +288,7 @@ impl PreparedDataset {
         let mut groups = Vec::with_capacity(head.groups as usize);
         for line in crate::jsonl::Lines::open(&gpath)? {
             let line = line?;
-            let g: GroupMeta =
-                line.json().map_err(|e| bad(format!("groups.jsonl line {}: {e}", line.number)))?;
+            let g: GroupMeta = line.json().map_err(|e| bad(format!("groups.jsonl line {}: {e}", line.number)))?;
             groups.push(g);
         }
         let prompts = Map::open(&dir.join("prompts.bin"))?;
@@ -363,7 +356,8 @@ impl PreparedDataset {
         let mut responses = Vec::with_capacity(meta.n_responses as usize);
         for j in 0..meta.n_responses as usize {
             let k = meta.first_response as usize + j;
-            let r = self.responses.bytes().get(k * RESP_REC..(k + 1) * RESP_REC).ok_or_else(|| self.corrupt("response"))?;
+            let r =
+                self.responses.bytes().get(k * RESP_REC..(k + 1) * RESP_REC).ok_or_else(|| self.corrupt("response"))?;
             let flags = le_u32(r, 28);
             if flags & FLAG_WRITTEN == 0 {
                 return Err(self.corrupt("unwritten response"));

@@ -301,9 +301,8 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
 
     // 1. Pie of group kinds.
     let pie_area = panels[0].margin(12, 0, 0, 0);
-    let pie_area = pie_area
-        .titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 20))
-        .map_err(|x| e(&x))?;
+    let pie_area =
+        pie_area.titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 20)).map_err(|x| e(&x))?;
     let kinds = [
         ("all positive", stats.all_positive_groups, RGBColor(0x4c, 0x9b, 0xe8)),
         ("mixed", stats.mixed_groups, RGBColor(0xf5, 0x9e, 0x42)),
@@ -311,9 +310,7 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
     ];
     let present: Vec<_> = kinds.iter().filter(|k| k.1 > 0).collect();
     if present.is_empty() {
-        pie_area
-            .draw(&Text::new("no groups", (200, 240), ("sans-serif", 20).into_font()))
-            .map_err(|x| e(&x))?;
+        pie_area.draw(&Text::new("no groups", (200, 240), ("sans-serif", 20).into_font())).map_err(|x| e(&x))?;
     } else {
         let sizes: Vec<f64> = present.iter().map(|k| k.1 as f64).collect();
         let colors: Vec<RGBColor> = present.iter().map(|k| k.2).collect();
@@ -337,13 +334,7 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
         .y_label_area_size(50)
         .build_cartesian_2d((0u64..max_margin).into_segmented(), 0u64..(max_count + max_count / 10 + 1))
         .map_err(|x| e(&x))?;
-    chart
-        .configure_mesh()
-        .disable_x_mesh()
-        .x_desc("margin")
-        .y_desc("groups")
-        .draw()
-        .map_err(|x| e(&x))?;
+    chart.configure_mesh().disable_x_mesh().x_desc("margin").y_desc("groups").draw().map_err(|x| e(&x))?;
     chart
         .draw_series(
             Histogram::vertical(&chart)
@@ -374,9 +365,9 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
         .draw()
         .map_err(|x| e(&x))?;
     chart
-        .draw_series(h.iter().map(|&(lo, c)| {
-            Rectangle::new([(lo, 0), (lo + width, c)], RGBColor(0xf5, 0x9e, 0x42).filled())
-        }))
+        .draw_series(
+            h.iter().map(|&(lo, c)| Rectangle::new([(lo, 0), (lo + width, c)], RGBColor(0xf5, 0x9e, 0x42).filled())),
+        )
         .map_err(|x| e(&x))?;
     root.present().map_err(|x| e(&x))?;
     Ok(())
