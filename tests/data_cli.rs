@@ -487,3 +487,22 @@ fn teacher_logprobs_are_kept_when_they_match_the_tokens() {
     assert!(again.skipped);
     assert_eq!(again.groups, 1);
 }
+
+#[test]
+fn compressed_inputs_and_globs_read_like_plain_jsonl() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read(fixture()).unwrap();
+    let (half_a, half_b) = text.split_at(text.iter().enumerate().filter(|(_, &b)| b == b'\n').nth(199).unwrap().0 + 1);
+    let gz = dir.path().join("part-a.jsonl.gz");
+    let mut enc = flate2::write::GzEncoder::new(std::fs::File::create(&gz).unwrap(), flate2::Compression::fast());
+    enc.write_all(half_a).unwrap();
+    enc.finish().unwrap();
+    std::fs::write(dir.path().join("part-b.jsonl.zst"), zstd::encode_all(half_b, 1).unwrap()).unwrap();
+    let (clean, _) = stats_json(&fixture(), &[]);
+    let (s, _) = stats_json(&dir.path().join("part-*"), &[]);
+    for f in GROUP_FIELDS {
+        assert_eq!(s[f], clean[f], "{f}");
+    }
+    assert_eq!(s["rows_read"], 400);
+}
