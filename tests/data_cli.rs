@@ -56,11 +56,20 @@ fn shuffled_with_bad_lines(dir: &Path) -> (PathBuf, Vec<(u64, &'static str)>) {
         by_question.entry(q).or_default().push(line);
     }
     let mut good = Vec::new();
-    for slot in 0..8 {
-        for q in &order {
-            good.push((q.clone(), by_question[q][slot].clone()));
+    // Round robin over the questions: answer 1 of every question, then answer 2 of every question, ...
+    let mut queues: Vec<_> = order.iter().map(|q| (q.clone(), by_question[q].clone().into_iter())).collect();
+    loop {
+        let before = good.len();
+        for (q, answers) in queues.iter_mut() {
+            if let Some(line) = answers.next() {
+                good.push((q.clone(), line));
+            }
+        }
+        if good.len() == before {
+            break;
         }
     }
+    assert_eq!(good.len(), 400);
     for w in good.windows(2) {
         assert_ne!(w[0].0, w[1].0, "two answers of one question are adjacent");
     }
@@ -337,7 +346,7 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
     let tok = grpo::model::ChatTokenizer::load(&tokenizer_dir()).unwrap();
     let eos = tok.eos_ids()[0];
     // Texts by question, from the in-memory grouping of the same rows.
-    let (rows, _) = data::reader::read_all(&[input.clone()], &Default::default()).unwrap();
+    let (rows, _) = data::reader::read_all(std::slice::from_ref(&input), &Default::default()).unwrap();
     let (groups, _) = data::group_rows(rows, &Default::default());
     let by_id: BTreeMap<_, _> = groups.iter().map(|g| (g.question_id.clone(), g)).collect();
     let stats = ds.stats().unwrap();
@@ -477,4 +486,23 @@ fn teacher_logprobs_are_kept_when_they_match_the_tokens() {
     .unwrap();
     assert!(again.skipped);
     assert_eq!(again.groups, 1);
+}
+
+#[test]
+fn compressed_inputs_and_globs_read_like_plain_jsonl() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let text = std::fs::read(fixture()).unwrap();
+    let (half_a, half_b) = text.split_at(text.iter().enumerate().filter(|(_, &b)| b == b'\n').nth(199).unwrap().0 + 1);
+    let gz = dir.path().join("part-a.jsonl.gz");
+    let mut enc = flate2::write::GzEncoder::new(std::fs::File::create(&gz).unwrap(), flate2::Compression::fast());
+    enc.write_all(half_a).unwrap();
+    enc.finish().unwrap();
+    std::fs::write(dir.path().join("part-b.jsonl.zst"), zstd::encode_all(half_b, 1).unwrap()).unwrap();
+    let (clean, _) = stats_json(&fixture(), &[]);
+    let (s, _) = stats_json(&dir.path().join("part-*"), &[]);
+    for f in GROUP_FIELDS {
+        assert_eq!(s[f], clean[f], "{f}");
+    }
+    assert_eq!(s["rows_read"], 400);
 }

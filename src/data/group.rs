@@ -191,10 +191,13 @@ pub(crate) enum Measure<'a> {
     Chars,
     /// Prompt = chat-template rendering of [system?, user] with the generation prompt (or the bare
     /// question when the tokenizer has no template); response = its tokens, plus one EOS when `eos`.
+    /// With `responses` false, response lengths are not measured (0): prepare tokenises the chosen
+    /// responses in its second pass anyway and measures them there.
     Tokens {
         tok: &'a ChatTokenizer,
         system: Option<&'a str>,
         eos: bool,
+        responses: bool,
         prompts: PromptCache,
     },
 }
@@ -228,16 +231,21 @@ impl Measure<'_> {
         }
     }
 
-    pub(crate) fn tokens<'a>(tok: &'a ChatTokenizer, system: Option<&'a str>, eos: bool) -> Measure<'a> {
-        Measure::Tokens { tok, system, eos, prompts: PromptCache::default() }
+    pub(crate) fn tokens<'a>(
+        tok: &'a ChatTokenizer,
+        system: Option<&'a str>,
+        eos: bool,
+        responses: bool,
+    ) -> Measure<'a> {
+        Measure::Tokens { tok, system, eos, responses, prompts: PromptCache::default() }
     }
 
     fn lengths(&self, qhash: u64, row: &Row) -> Result<(u32, u32), DataError> {
         match self {
             Measure::Chars => Ok((row.question.chars().count() as u32, row.response.chars().count() as u32)),
-            Measure::Tokens { tok, system, eos, prompts } => {
+            Measure::Tokens { tok, system, eos, responses, prompts } => {
                 let p = prompts.get_or(qhash, || Ok(prompt_tokens(tok, *system, &row.question)?.len() as u32))?;
-                let r = tok.encode(&row.response, false)?.len() + *eos as usize;
+                let r = if *responses { tok.encode(&row.response, false)?.len() + *eos as usize } else { 0 };
                 Ok((p, r as u32))
             }
         }
@@ -438,7 +446,7 @@ pub fn scan(
     on_bad: &mut dyn FnMut(&BadRow),
 ) -> Result<Stats, DataError> {
     let measure = match tokenizer {
-        Some(tok) => Measure::tokens(tok, None, false),
+        Some(tok) => Measure::tokens(tok, None, false, true),
         None => Measure::Chars,
     };
     scan_with(files, opts, &measure, &Limits::default(), on_bad, &mut |_| Ok(()))

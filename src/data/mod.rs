@@ -23,7 +23,7 @@ use std::path::PathBuf;
 pub use group::{group_rows, scan, GroupOptions, LabeledGroup, LabeledResponse, ScanOptions};
 pub use label::{label_answers, GroupKind, Labels};
 pub use prepare::{prepare, Overlong, PrepareOptions, PrepareOutcome};
-pub use reader::{resolve_inputs, BadRow, Location, ReadOptions, Row, SkipReason};
+pub use reader::{read_all, resolve_inputs, BadRow, Location, ReadOptions, Row, SkipReason};
 pub use shards::{Group, PreparedDataset, Response};
 pub use stats::{plot_stats, LengthSummary, Stats};
 

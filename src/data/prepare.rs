@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 use super::group::{prompt_tokens, scan_with, Limits, Measure, ScanOptions};
 use super::reader::{resolve_inputs, scan_file, BadRow, ReadOptions};
 use super::shards::{GroupMeta, ShardWriter, FORMAT};
-use super::stats::Stats;
+use super::stats::{LengthHistogram, Stats};
 use super::{io_err, question_hash, question_id, DataError, GroupOptions};
 use crate::jsonl::AtomicFile;
 use crate::model::tokenizer::ChatTokenizer;
@@ -295,12 +295,16 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         partitions: opts.partitions,
         spill_dir: Some(out.clone()),
     };
-    let measure = Measure::tokens(&tok, opts.system_prompt.as_deref(), true);
     let limit = |n: usize| if n == 0 { None } else { Some(n.min(u32::MAX as usize) as u32) };
+    // Dropping over-long responses changes which answers are chosen, so it needs every response's token
+    // length in pass 1. Truncating does not: then only the chosen responses are tokenised (in pass 2),
+    // which is most of the work.
+    let drop_long = opts.overlong == Overlong::Drop && opts.max_response_tokens > 0;
+    let measure = Measure::tokens(&tok, opts.system_prompt.as_deref(), true, drop_long);
     let limits = Limits {
         max_prompt: limit(opts.max_prompt_tokens),
-        max_response: limit(opts.max_response_tokens),
-        drop_long: opts.overlong == Overlong::Drop,
+        max_response: if drop_long { limit(opts.max_response_tokens) } else { None },
+        drop_long,
     };
     let sel_dir = out.join(".selection");
     let _ = std::fs::remove_dir_all(&sel_dir);
@@ -354,8 +358,9 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
 
     // Pass 2: tokenise the chosen rows, file by file.
     let mut writer = ShardWriter::create(out, n_groups, n_responses, opts.shard_tokens)?;
-    let max_response = limits.max_response.map(|m| m as usize);
-    let (mut lp_kept, mut lp_mismatched) = (0u64, 0u64);
+    let max_response = Some(opts.max_response_tokens).filter(|&m| m > 0);
+    let (mut lp_kept, mut lp_mismatched, mut truncated) = (0u64, 0u64, 0u64);
+    let mut response_hist = LengthHistogram::default();
     let bar = crate::cli::progress_bar(Some(n_responses), "tokenise");
     for (f, path) in files.iter().enumerate() {
         let p = sel_path(f);
@@ -419,6 +424,8 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
                     writer.write_prompt(t.sel.group, p)?;
                 }
                 lp_kept += t.logprobs.is_some() as u64;
+                truncated += t.truncated as u64;
+                response_hist.add(t.response.len() as u64);
                 lp_mismatched += t.logprobs_mismatched as u64;
                 writer.write_response(t.sel.response, &t.response, t.truncated, t.logprobs.as_deref())
             },
@@ -445,6 +452,8 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         tracing::warn!("{lp_mismatched} responses had teacher log-probs of the wrong length: left out");
     }
     stats.length_unit = "tokens".into();
+    stats.response_length = response_hist.summary();
+    stats.responses_truncated = truncated;
     stats.tokens = tokens;
     stats.teacher_logprobs_kept = lp_kept;
     stats.teacher_logprobs_mismatched = lp_mismatched;

@@ -120,11 +120,12 @@ pub(crate) struct RowRef {
     pub ordinal: u64,
 }
 
-const EXTENSIONS: [&str; 6] = [".jsonl", ".jsonl.gz", ".jsonl.zst", ".json", ".ndjson", ".parquet"];
+/// Files a folder input contributes (`.json` is left out: folders hold metadata JSON files).
+const EXTENSIONS: [&str; 7] = [".jsonl", ".jsonl.gz", ".jsonl.zst", ".jsonl.zstd", ".ndjson", ".ndjson.gz", ".parquet"];
 
 fn is_data_file(p: &Path) -> bool {
     let name = p.file_name().map(|n| n.to_string_lossy().to_lowercase()).unwrap_or_default();
-    EXTENSIONS.iter().any(|e| name.ends_with(e)) || name.ends_with(".jsonl.zstd") || name.ends_with(".ndjson.gz")
+    EXTENSIONS.iter().any(|e| name.ends_with(e))
 }
 
 fn is_parquet(p: &Path) -> bool {
@@ -418,6 +419,9 @@ pub(crate) fn parse_parquet_row(row: &parquet::record::Row) -> Result<Row, (Skip
     Ok(out)
 }
 
+/// A parsed row or why it is bad.
+type Parsed = Result<Row, (SkipReason, String)>;
+
 /// Rows handed to the parallel map at once (bounded by count and by bytes).
 const BATCH_ROWS: usize = 4096;
 const BATCH_BYTES: usize = 32 << 20;
@@ -508,8 +512,8 @@ where
     for rg in 0..reader.metadata().num_row_groups() {
         let group = reader.get_row_group(rg).map_err(pq_err)?;
         let iter = group.get_row_iter(None).map_err(pq_err)?;
-        let mut batch: Vec<(u64, u64, Result<Row, (SkipReason, String)>)> = Vec::with_capacity(1024);
-        let mut flush = |batch: &mut Vec<(u64, u64, Result<Row, (SkipReason, String)>)>| -> Result<(), DataError> {
+        let mut batch: Vec<(u64, u64, Parsed)> = Vec::with_capacity(1024);
+        let mut flush = |batch: &mut Vec<(u64, u64, Parsed)>| -> Result<(), DataError> {
             let results: Vec<T> = std::mem::take(batch)
                 .into_par_iter()
                 .map(|(ordinal, row, parsed)| {
@@ -578,6 +582,28 @@ mod tests {
         assert_eq!((r.question.as_str(), r.response.as_str(), r.difficulty), ("Q", "A", Some(7)));
         let r = parse(r#"{"prompt":"Q","response":"A","teacher_logprobs":[-0.5,-1.0]}"#).unwrap();
         assert_eq!(r.teacher_logprobs, Some(vec![-0.5, -1.0]));
+    }
+
+    #[test]
+    fn inputs_from_files_folders_and_globs() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("sub");
+        std::fs::create_dir_all(&sub).unwrap();
+        for f in ["a.jsonl", "b.parquet", "meta.json", "sub/c.jsonl.gz", "notes.txt"] {
+            std::fs::write(dir.path().join(f), "").unwrap();
+        }
+        let d = dir.path().to_str().unwrap();
+        let names = |v: Vec<PathBuf>| {
+            v.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect::<Vec<_>>()
+        };
+        assert_eq!(names(resolve_inputs(&[d]).unwrap()), ["a.jsonl", "b.parquet", "c.jsonl.gz"]);
+        let glob = format!("{d}/*.jsonl");
+        let file = format!("{d}/meta.json");
+        assert_eq!(
+            names(resolve_inputs(&[glob.as_str(), file.as_str(), glob.as_str()]).unwrap()),
+            ["a.jsonl", "meta.json"]
+        );
+        assert!(matches!(resolve_inputs(&[format!("{d}/*.zzz")]), Err(DataError::NoInput(_))));
     }
 
     #[test]
