@@ -19,7 +19,7 @@ OUT=$(mktemp -d)
 BYTES=$(stat -c %s "$DATA")
 LOG=$(mktemp)
 echo "input: $DATA ($BYTES bytes), $(nproc) cores, binary $BIN"
-/usr/bin/time -v "$BIN" -q data prepare --input "$DATA" --model tests/fixtures/tokenizers/qwen3 --out "$OUT" "$@" \
+/usr/bin/time -v "$BIN" -q data prepare --input "$DATA" --model data/tokenizers/qwen3 --out "$OUT" "$@" \
     > "$LOG.out" 2> "$LOG"
 tail -3 "$LOG.out"
 TOKENS=$(grep -o '"tokens": [0-9]*' "$OUT/manifest.json" | awk '{print $2}')

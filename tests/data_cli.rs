@@ -15,7 +15,7 @@ fn fixture() -> PathBuf {
 }
 
 fn tokenizer_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tokenizers/qwen3")
 }
 
 fn grpo() -> Command {

@@ -18,8 +18,22 @@ fn train(dir: &Path, config: &Path, extra: &[&str]) -> assert_cmd::assert::Asser
 }
 
 const REQUIRED: &[&str] = &[
-    "step", "epoch", "loss", "pg_loss", "kl", "grad_norm", "learning_rate", "reward", "reward_std",
-    "frac_reward_zero_std", "frac_bias_applied", "clip_ratio", "entropy", "num_tokens", "step_time", "tokens_per_sec",
+    "step",
+    "epoch",
+    "loss",
+    "pg_loss",
+    "kl",
+    "grad_norm",
+    "learning_rate",
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "frac_bias_applied",
+    "clip_ratio",
+    "entropy",
+    "num_tokens",
+    "step_time",
+    "tokens_per_sec",
 ];
 
 #[test]
@@ -107,7 +121,8 @@ fn resume_continues_exactly() {
     // Drop everything after step 2, as if the run had died there (with a metrics line written past it).
     std::fs::remove_dir_all(out_c.join("checkpoints/step-00000004")).unwrap();
     std::fs::write(out_c.join("checkpoints/latest"), "step-00000002").unwrap();
-    let lines: Vec<String> = std::fs::read_to_string(out_c.join("metrics.jsonl")).unwrap().lines().map(String::from).collect();
+    let lines: Vec<String> =
+        std::fs::read_to_string(out_c.join("metrics.jsonl")).unwrap().lines().map(String::from).collect();
     std::fs::write(out_c.join("metrics.jsonl"), lines[..3].join("\n") + "\n").unwrap();
     train(c.path(), &cfg_c, &["--resume", "auto"]).success();
 
@@ -137,4 +152,34 @@ fn bad_configs_fail_before_loading_anything() {
         .assert()
         .failure();
     assert!(String::from_utf8_lossy(&a.get_output().stderr).contains("k4"));
+}
+
+#[test]
+fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    // An absurd learning rate makes the weights overflow after the first update; later steps are
+    // non-finite, skipped, and the run stops after max_bad_steps of them.
+    let a = train(
+        dir.path(),
+        &cfg,
+        &[
+            "--set",
+            "optim.lr=1e38",
+            "--set",
+            "optim.grad_clip=0",
+            "--set",
+            "train.max_bad_steps=1",
+            "--set",
+            "train.save_every=1",
+            "--set",
+            "optim.name=\"sgd\"",
+        ],
+    )
+    .failure();
+    let err = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(err.contains("non-finite") && err.contains("Last good checkpoint"), "{err}");
+    let m = common::read_jsonl(&dir.path().join("out/metrics.jsonl"));
+    assert!(m.iter().any(|l| l["skipped"] == true), "no skipped step recorded");
+    assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).is_some());
 }

@@ -14,13 +14,22 @@ use grpo::train::step::{build_batch, compute_gradients};
 fn mean_logprobs(m: &Decoder, groups: &[Group]) -> (f64, f64) {
     let (mut pos, mut neg, mut np, mut nn) = (0f64, 0f64, 0usize, 0usize);
     for g in groups {
-        let seqs: Vec<Vec<u32>> = g.responses.iter().map(|r| [g.prompt_tokens.as_slice(), &r.tokens].concat()).collect();
+        let seqs: Vec<Vec<u32>> =
+            g.responses.iter().map(|r| [g.prompt_tokens.as_slice(), &r.tokens].concat()).collect();
         let b = TokenBatch::padded(&seqs, 0);
         let mut t = Targets::default();
         for (i, r) in g.responses.iter().enumerate() {
             (0..r.tokens.len()).for_each(|j| t.push(i, g.prompt_tokens.len() + j));
         }
-        let lp = m.token_logprobs(&b, &t, false).unwrap().narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let lp = m
+            .token_logprobs(&b, &t, false)
+            .unwrap()
+            .narrow(1, 0, 1)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
         let mut at = 0;
         for r in &g.responses {
             let s: f64 = lp[at..at + r.tokens.len()].iter().map(|&x| x as f64).sum();
@@ -39,7 +48,16 @@ fn mean_logprobs(m: &Decoder, groups: &[Group]) -> (f64, f64) {
 
 /// Train `objective` for `steps` steps on the mixed groups of the bundled trajectories (answers cut to
 /// `max_tokens`, at most `max_groups` groups of `group_size`) and check the direction of the change.
-fn check_signal(model_dir: &std::path::Path, oc: ObjectiveConfig, lr: f64, steps: usize, max_tokens: usize, max_groups: usize, group_size: usize) {
+fn check_signal(
+    model_dir: &std::path::Path,
+    oc: ObjectiveConfig,
+    teacher_from_model: bool,
+    lr: f64,
+    steps: usize,
+    max_tokens: usize,
+    max_groups: usize,
+    group_size: usize,
+) {
     let dir = tempfile::tempdir().unwrap();
     let opts = data::PrepareOptions {
         inputs: vec![common::root().join("data/trajectories/ot3_math_x8_dev.jsonl").display().to_string()],
@@ -51,7 +69,7 @@ fn check_signal(model_dir: &std::path::Path, oc: ObjectiveConfig, lr: f64, steps
     };
     data::prepare(&opts).unwrap();
     let ds = PreparedDataset::open(&dir.path().join("prepared")).unwrap();
-    let mixed: Vec<Group> = (0..ds.len())
+    let mut mixed: Vec<Group> = (0..ds.len())
         .map(|i| ds.group(i).unwrap())
         .filter(|g| g.responses.iter().any(|r| r.reward > 0.0) && g.responses.iter().any(|r| r.reward == 0.0))
         .take(max_groups)
@@ -63,11 +81,23 @@ fn check_signal(model_dir: &std::path::Path, oc: ObjectiveConfig, lr: f64, steps
     let objective = oc.build();
     let names = policy.names().to_vec();
     let mut opt = Optimizer::new(OptimConfig { lr, ..Default::default() }, &names, &policy.vars()).unwrap();
+    if teacher_from_model {
+        // Behaviour log-probs carried by the data (LUFFY-style target probs): here the initial model's own.
+        for g in &mut mixed {
+            for r in &mut g.responses {
+                let seq = [g.prompt_tokens.as_slice(), &r.tokens].concat();
+                let mut t = Targets::default();
+                (0..r.tokens.len()).for_each(|j| t.push(0, g.prompt_tokens.len() + j));
+                let lp = policy.token_logprobs(&TokenBatch::padded(&[seq], 0), &t, false).unwrap();
+                r.teacher_logprobs = Some(lp.narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            }
+        }
+    }
     let (pos0, neg0) = mean_logprobs(&policy, &mixed);
     let batch = build_batch(&mixed, objective.as_ref(), LossAgg::SeqMeanTokenMean, max_tokens);
     let mut kl = 0.0;
     for _ in 0..steps {
-        let (grads, stats) = compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, 8, 0).unwrap();
+        let (grads, stats) = compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, 4, 0).unwrap();
         let norm = grad_norm(&grads).unwrap();
         assert!(norm.is_finite() && norm > 0.0);
         opt.step(&grads, lr, if norm > 1.0 { 1.0 / norm } else { 1.0 }).unwrap();
@@ -81,23 +111,34 @@ fn check_signal(model_dir: &std::path::Path, oc: ObjectiveConfig, lr: f64, steps
     assert!(kl.is_finite() && kl > 0.0);
 }
 
-/// The seed's objective on the real SmolLM2-135M: its confident tokens (p >= 1 - eps) of negative answers
-/// are pushed down, positive answers up.
-#[test]
-fn off_grpo_raises_positive_and_lowers_negative_answers_on_smollm2() {
-    let Some(model_dir) = common::smollm2() else { return };
-    let oc = ObjectiveConfig { bias: 0.5, beta: 0.1, ..Default::default() };
-    check_signal(&model_dir, oc, 2e-5, 3, 24, 3, 4);
+fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
+    let model_dir = dir.join("model");
+    let shape = model::tiny::TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 64 };
+    model::tiny::write_tiny_model(
+        model::Arch::Llama,
+        &common::root().join("data/tokenizers/smollm2"),
+        &model_dir,
+        &shape,
+        1,
+    )
+    .unwrap();
+    model_dir
 }
 
-/// On a tiny random model every token has p << 1 - eps, so off_grpo leaves negative answers alone (by
-/// design); the standard clipped ratio (grpo) shows the same push and pull there, cheaply.
+/// off_grpo with behaviour log-probs in the data. (With the probability-1 assumption and a random model,
+/// every token has p << 1 - eps, so off_grpo leaves negative answers alone by design: the clip at 1 - eps
+/// only pushes down tokens the model is already confident about.)
+#[test]
+fn off_grpo_raises_positive_and_lowers_negative_answers_on_a_tiny_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let oc = ObjectiveConfig { bias: 0.5, beta: 0.1, ..Default::default() };
+    check_signal(&tiny_model(dir.path()), oc, true, 1e-3, 3, 24, 4, 8);
+}
+
+/// The standard clipped ratio against the policy's own log-probs (grpo).
 #[test]
 fn grpo_raises_positive_and_lowers_negative_answers_on_a_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
-    let model_dir = dir.path().join("model");
-    let shape = model::tiny::TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 64 };
-    model::tiny::write_tiny_model(model::Arch::Llama, &common::root().join("data/tokenizers/smollm2"), &model_dir, &shape, 1).unwrap();
     let oc = ObjectiveConfig { name: grpo::objective::ObjectiveName::Grpo, bias: 0.5, beta: 0.1, ..Default::default() };
-    check_signal(&model_dir, oc, 3e-3, 4, 24, 4, 8);
+    check_signal(&tiny_model(dir.path()), oc, false, 3e-3, 4, 24, 4, 8);
 }

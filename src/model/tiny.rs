@@ -19,13 +19,29 @@ pub struct TinyShape {
 
 /// Write a random `arch` model with the tokenizer of `tokenizer_dir` to `out` (atomically); returns its
 /// config. The vocabulary is the tokenizer's, rounded up to a multiple of 64.
-pub fn write_tiny_model(arch: Arch, tokenizer_dir: &Path, out: &Path, shape: &TinyShape, seed: u64) -> Result<ModelConfig, ModelError> {
+pub fn write_tiny_model(
+    arch: Arch,
+    tokenizer_dir: &Path,
+    out: &Path,
+    shape: &TinyShape,
+    seed: u64,
+) -> Result<ModelConfig, ModelError> {
     let tok = ChatTokenizer::load(tokenizer_dir)?;
     let vocab = tok.vocab_size().div_ceil(64) * 64;
     let inner = tok.inner();
     let bos = ["<|begin_of_text|>", "<|endoftext|>"].iter().find_map(|t| inner.token_to_id(t));
     let eos = tok.eos_ids().first().copied();
-    let cfg = ModelConfig::tiny(arch, vocab, shape.layers, shape.hidden, shape.heads, shape.kv_heads, shape.intermediate, bos, eos)?;
+    let cfg = ModelConfig::tiny(
+        arch,
+        vocab,
+        shape.layers,
+        shape.hidden,
+        shape.heads,
+        shape.kv_heads,
+        shape.intermediate,
+        bos,
+        eos,
+    )?;
     let model = random_decoder(cfg.clone(), seed, DType::F32, &Device::Cpu, false)?;
     let opts = SaveOptions { tokenizer_dir: Some(tokenizer_dir.to_path_buf()), ..Default::default() };
     save_checkpoint(&model, out, &opts, |dir| {

@@ -269,8 +269,8 @@ impl TrainConfig {
 
     /// Parse config text (`path` names it in messages).
     pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
-        let mut table: toml::Table =
-            toml::from_str(text).map_err(|e| ConfigError::Parse { path: path.into(), message: suggest(&e.to_string()) })?;
+        let mut table: toml::Table = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse { path: path.into(), message: suggest(&e.to_string()) })?;
         for o in overrides {
             let (key, value) = o.split_once('=').ok_or_else(|| ConfigError::BadOverride(o.clone()))?;
             let parts: Vec<&str> = key.trim().split('.').collect();
@@ -280,7 +280,9 @@ impl TrainConfig {
             let mut cur = &mut table;
             for p in &parts[..parts.len() - 1] {
                 let entry = cur.entry(p.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
-                cur = entry.as_table_mut().ok_or_else(|| ConfigError::BadOverride(format!("{o}: `{p}` is not a section")))?;
+                cur = entry
+                    .as_table_mut()
+                    .ok_or_else(|| ConfigError::BadOverride(format!("{o}: `{p}` is not a section")))?;
             }
             cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
         }
@@ -350,7 +352,8 @@ mod tests {
         let e = TrainConfig::parse(&format!("{MIN}[objective]\nbetta = 0.1\n"), Path::new("c.toml"), &[]).unwrap_err();
         let m = e.to_string();
         assert!(m.contains("betta") && m.contains("did you mean `beta`"), "{m}");
-        let e = TrainConfig::parse(&format!("{MIN}[train]\nbatch_question = 4\n"), Path::new("c.toml"), &[]).unwrap_err();
+        let e =
+            TrainConfig::parse(&format!("{MIN}[train]\nbatch_question = 4\n"), Path::new("c.toml"), &[]).unwrap_err();
         assert!(e.to_string().contains("did you mean `batch_questions`"), "{e}");
         let e = TrainConfig::parse(&format!("{MIN}[trian]\nx = 1\n"), Path::new("c.toml"), &[]).unwrap_err();
         assert!(e.to_string().contains("did you mean `train`"), "{e}");

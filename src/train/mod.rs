@@ -145,7 +145,8 @@ impl Run<'_> {
         let dir = checkpoints_dir(self.cfg);
         let name = format!("step-{:08}", state.step);
         let path = dir.join(&name);
-        let opts = SaveOptions { dtype: self.save_dtype, tokenizer_dir: Some(self.model_dir.clone()), ..Default::default() };
+        let opts =
+            SaveOptions { dtype: self.save_dtype, tokenizer_dir: Some(self.model_dir.clone()), ..Default::default() };
         save_checkpoint(&self.policy, &path, &opts, |tmp| {
             let tensors: Vec<(String, Tensor)> = self
                 .optimizer
@@ -157,7 +158,8 @@ impl Run<'_> {
             safetensors::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), None, &p)
                 .map_err(|e| ModelError::Files { path: p.clone(), message: e.to_string() })?;
             let s = tmp.join("trainer_state.json");
-            std::fs::write(&s, serde_json::to_vec_pretty(state).unwrap_or_default()).map_err(|source| ModelError::Io { path: s, source })
+            std::fs::write(&s, serde_json::to_vec_pretty(state).unwrap_or_default())
+                .map_err(|source| ModelError::Io { path: s, source })
         })?;
         write_atomic(&dir.join("latest"), name.as_bytes())?;
         // Keep the newest `keep_last` checkpoints.
@@ -264,7 +266,10 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
         Resume::Auto => latest_checkpoint(out),
         Resume::From(p) => {
             if !p.join("trainer_state.json").exists() {
-                return Err(TrainError::Stopped(format!("{} is not a grpo checkpoint (no trainer_state.json)", p.display())));
+                return Err(TrainError::Stopped(format!(
+                    "{} is not a grpo checkpoint (no trainer_state.json)",
+                    p.display()
+                )));
             }
             Some(p.clone())
         }
@@ -297,7 +302,13 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
         let opt_path = ck.join("optimizer.safetensors");
         let st = candle_core::safetensors::load(&opt_path, &Device::Cpu)?;
         run.optimizer.load_state(|n| st.get(n).cloned(), state.step as u64)?;
-        tracing::info!("resumed from {} at step {} (epoch {}, batch {})", ck.display(), state.step, state.epoch, state.batch_in_epoch);
+        tracing::info!(
+            "resumed from {} at step {} (epoch {}, batch {})",
+            ck.display(),
+            state.step,
+            state.epoch,
+            state.batch_in_epoch
+        );
     }
 
     // metrics.jsonl: keep what the resumed checkpoint had seen.
@@ -343,19 +354,33 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
             let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(n_groups)];
             let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
             let batch = step::build_batch(&groups, objective.as_ref(), cfg.objective.loss_agg, norm_len);
-            let (grads, stats) =
-                step::compute_gradients(&run.policy, run.reference.as_ref(), objective.as_ref(), &batch, cfg.train.micro_batch_size, pad)?;
+            let (grads, stats) = step::compute_gradients(
+                &run.policy,
+                run.reference.as_ref(),
+                objective.as_ref(),
+                &batch,
+                cfg.train.micro_batch_size,
+                pad,
+            )?;
             let norm = grad_norm(&grads)?;
             let lr = cfg.optim.lr_at(state.step, total_steps);
             let finite = stats.loss.is_finite() && norm.is_finite();
             if finite {
-                let scale = if cfg.optim.grad_clip > 0.0 && norm > cfg.optim.grad_clip { cfg.optim.grad_clip / (norm + 1e-6) } else { 1.0 };
+                let scale = if cfg.optim.grad_clip > 0.0 && norm > cfg.optim.grad_clip {
+                    cfg.optim.grad_clip / (norm + 1e-6)
+                } else {
+                    1.0
+                };
                 run.optimizer.step(&grads, lr, scale)?;
                 bad_in_row = 0;
             } else {
                 bad_in_row += 1;
                 state.nonfinite_steps += 1;
-                tracing::warn!("step {}: non-finite loss ({}) or gradient norm ({norm}); update skipped", state.step, stats.loss);
+                tracing::warn!(
+                    "step {}: non-finite loss ({}) or gradient norm ({norm}); update skipped",
+                    state.step,
+                    stats.loss
+                );
             }
             state.step += 1;
             state.batch_in_epoch += 1;
@@ -385,7 +410,12 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
                 "tokens_per_sec": stats.tokens as f64 / dt.max(1e-9),
             });
             bar.set_position(state.step as u64);
-            bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", stats.loss, batch.reward_mean, stats.tokens as f64 / dt.max(1e-9)));
+            bar.set_message(format!(
+                "loss {:.4} reward {:.3} {:.0} tok/s",
+                stats.loss,
+                batch.reward_mean,
+                stats.tokens as f64 / dt.max(1e-9)
+            ));
             if bad_in_row > cfg.train.max_bad_steps {
                 bar.abandon();
                 let last = latest_checkpoint(out).map(|p| p.display().to_string()).unwrap_or_else(|| "none".into());
@@ -396,16 +426,30 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
             }
             let epoch_end = state.batch_in_epoch >= steps_per_epoch;
             let run_end = state.step >= total_steps;
-            let val_now = cfg.validation.as_ref().is_some_and(|v| if v.every_steps > 0 { state.step % v.every_steps == 0 } else { epoch_end || run_end });
+            let val_now = cfg.validation.as_ref().is_some_and(|v| {
+                if v.every_steps > 0 {
+                    state.step % v.every_steps == 0
+                } else {
+                    epoch_end || run_end
+                }
+            });
             if val_now {
                 if let Some(score) = run.validate(state.step)? {
                     line["validation/score"] = score.into();
                     if state.best_score.is_none_or(|b| score > b) {
                         state.best_score = Some(score);
                         state.best_step = Some(state.step);
-                        let opts = SaveOptions { dtype: run.save_dtype, tokenizer_dir: Some(run.model_dir.clone()), ..Default::default() };
+                        let opts = SaveOptions {
+                            dtype: run.save_dtype,
+                            tokenizer_dir: Some(run.model_dir.clone()),
+                            ..Default::default()
+                        };
                         save_checkpoint(&run.policy, &out.join("best"), &opts, |_| Ok(()))?;
-                        tracing::info!("new best validation score {score:.4} at step {}: saved {}", state.step, out.join("best").display());
+                        tracing::info!(
+                            "new best validation score {score:.4} at step {}: saved {}",
+                            state.step,
+                            out.join("best").display()
+                        );
                     }
                 }
             }

@@ -252,7 +252,8 @@ mod tests {
     fn bf16_models_keep_f32_master_weights() {
         let var = Var::from_slice(&[1.0f32], 1, &Device::Cpu).unwrap();
         let var = Var::from_tensor(&var.as_tensor().to_dtype(DType::BF16).unwrap()).unwrap();
-        let mut opt = Optimizer::new(OptimConfig { name: OptimName::Sgd, ..Default::default() }, &["w".into()], &[&var]).unwrap();
+        let mut opt =
+            Optimizer::new(OptimConfig { name: OptimName::Sgd, ..Default::default() }, &["w".into()], &[&var]).unwrap();
         // 100 updates of 1e-4 each: lost entirely in bf16 (spacing 2^-7 near 1), kept in f32.
         for _ in 0..100 {
             opt.step(&grads(&[1.0]), 1e-4, 1.0).unwrap();

@@ -140,7 +140,12 @@ pub fn compute_gradients(
             let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
             ent += lp.narrow(1, 1, 1)?.sum_all()?.to_scalar::<f32>()? as f64;
             let behaviour = if needs_old { Some(logp.detach()) } else { teacher.clone() };
-            let inputs = TokenInputs { advantages: advantages.clone(), weights: weights.clone(), ref_logp: ref_logp.clone(), behaviour_logp: behaviour };
+            let inputs = TokenInputs {
+                advantages: advantages.clone(),
+                weights: weights.clone(),
+                ref_logp: ref_logp.clone(),
+                behaviour_logp: behaviour,
+            };
             let terms = objective.loss(&logp, &inputs)?;
             pg += terms.pg_loss as f64;
             kl += terms.kl as f64;
@@ -206,13 +211,20 @@ mod tests {
         let cfg = ModelConfig::tiny(Arch::Qwen2, 64, 2, 16, 4, 2, 24, None, None).unwrap();
         let policy = random_decoder(cfg, 5, DType::F32, &Device::Cpu, true).unwrap();
         let reference = policy.frozen_copy().unwrap();
-        let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0, 1.0, 1.0, 1.0]), group(2, &[0.0, 1.0, 1.0, 1.0])];
+        let groups =
+            vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0, 1.0, 1.0, 1.0]), group(2, &[0.0, 1.0, 1.0, 1.0])];
         for (name, agg) in [
             (ObjectiveName::OffGrpo, LossAgg::SeqMeanTokenMean),
             (ObjectiveName::Grpo, LossAgg::TokenMean),
             (ObjectiveName::Sft, LossAgg::SeqMeanTokenSumNorm),
         ] {
-            let oc = ObjectiveConfig { name, bias: if name == ObjectiveName::Sft { 0.0 } else { 0.5 }, beta: 0.1, loss_agg: agg, ..Default::default() };
+            let oc = ObjectiveConfig {
+                name,
+                bias: if name == ObjectiveName::Sft { 0.0 } else { 0.5 },
+                beta: 0.1,
+                loss_agg: agg,
+                ..Default::default()
+            };
             let obj = oc.build();
             let batch = build_batch(&groups, obj.as_ref(), agg, 32);
             let (g1, s1) = compute_gradients(&policy, Some(&reference), obj.as_ref(), &batch, usize::MAX, 0).unwrap();
