@@ -48,6 +48,7 @@ fn mean_logprobs(m: &Decoder, groups: &[Group]) -> (f64, f64) {
 
 /// Train `objective` for `steps` steps on the mixed groups of the bundled trajectories (answers cut to
 /// `max_tokens`, at most `max_groups` groups of `group_size`) and check the direction of the change.
+#[allow(clippy::too_many_arguments)]
 fn check_signal(
     model_dir: &std::path::Path,
     oc: ObjectiveConfig,

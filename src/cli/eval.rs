@@ -132,7 +132,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         batch_size: args.batch_size.max(1),
         system_prompt: args.system_prompt.clone(),
         limit: args.limit,
-        extract: ExtractOptions { fallbacks: args.fallbacks, ..Default::default() },
+        extract: ExtractOptions { fallbacks: args.fallbacks },
     };
     let started = std::time::Instant::now();
     let mut reports = Vec::new();
