@@ -6,6 +6,7 @@
   report DATE DEVICE OUT_JSON (B OURS_REPORT HF_JSON)...   table per batch size + ratio; writes OUT_JSON
 """
 import json
+import os
 import sys
 
 
@@ -30,7 +31,8 @@ def hf(prompts_path, model_dir, max_new, batch, limit):
     tok.pad_token = tok.eos_token
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
-    probs = [json.loads(l)["problem"] for l in open(prompts_path)][:limit]
+    rows = [json.loads(l) for l in open(prompts_path)][:limit]
+    probs = [r["problem"] for r in rows]
     texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False) for p in probs]
     gen_tokens = []
     t0 = time.perf_counter()
@@ -41,8 +43,9 @@ def hf(prompts_path, model_dir, max_new, batch, limit):
             for row in out[:, enc.input_ids.shape[1]:].tolist():
                 gen_tokens.append(row.index(eos) if eos in row else len(row))
     dt = time.perf_counter() - t0
+    prompt_tokens = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
     print(json.dumps({"batch_size": batch, "n_prompts": len(texts), "generated_tokens": sum(gen_tokens),
-                      "per_sequence": gen_tokens, "duration_s": dt, "tokens_per_sec": sum(gen_tokens) / dt,
+                      "ids": [r["id"] for r in rows], "prompt_tokens": prompt_tokens, "per_sequence": gen_tokens, "duration_s": dt, "tokens_per_sec": sum(gen_tokens) / dt,
                       "torch": torch.__version__}))
 
 
@@ -53,9 +56,16 @@ def report(date, device, out_json, *triples):
         rep = json.load(open(ours_path))
         (name, ours), = rep["benchmarks"].items()
         h = json.loads(open(hf_path).read().strip().splitlines()[-1])
+        gens = {}
+        for line in open(os.path.join(os.path.dirname(ours_path), "generations.jsonl")):
+            g = json.loads(line)
+            gens[g["id"]] = (g["prompt_tokens"], [s["tokens"] for s in g["samples"]])
+        ours_seq = [gens[i][1][0] if i in gens else None for i in h["ids"]]
+        ours_prompt = [gens[i][0] if i in gens else None for i in h["ids"]]
         rows.append({"batch_size": b, "n_prompts": h["n_prompts"],
                      "ours": {"generated_tokens": ours["generated_tokens"], "duration_s": ours["duration_s"],
                               "tokens_per_sec": ours["tokens_per_sec"], "n_problems": ours["n_problems"],
+                              "per_sequence": ours_seq, "prompt_tokens": ours_prompt,
                               "mean_response_tokens": ours.get("mean_response_tokens")},
                      "hf": h, "ratio_ours_over_hf": ours["tokens_per_sec"] / h["tokens_per_sec"]})
     for r in rows:
@@ -65,9 +75,12 @@ def report(date, device, out_json, *triples):
         print(f"  {'grpo eval (candle)':<22} {o['generated_tokens']:>10d} {o['duration_s']:>9.2f} {o['tokens_per_sec']:>8.1f}")
         print(f"  {'transformers generate':<22} {h['generated_tokens']:>10d} {h['duration_s']:>9.2f} {h['tokens_per_sec']:>8.1f}")
         print(f"  ratio ours/HF = {r['ratio_ours_over_hf']:.2f}x")
-        if o["generated_tokens"] != h["generated_tokens"]:
-            print(f"  note: generated token counts differ (ours {o['generated_tokens']}, HF {h['generated_tokens']}; "
-                  f"HF per sequence {h['per_sequence']})")
+        if o["prompt_tokens"] != h["prompt_tokens"]:
+            print(f"  note: prompt token counts differ: ours {o['prompt_tokens']}, HF {h['prompt_tokens']}")
+        if o["per_sequence"] != h["per_sequence"]:
+            print(f"  note: generated tokens per sequence differ (greedy paths diverge):")
+            print(f"    ours {o['per_sequence']}")
+            print(f"    HF   {h['per_sequence']}")
         print()
     with open(out_json, "w") as f:
         json.dump({"date": date, "device": device, "model": "SmolLM2-135M-Instruct", "dtype": "f32", "results": rows}, f, indent=2)

@@ -67,8 +67,9 @@ pub struct Args {
     pub dtype: String,
 }
 
-fn read_done(path: &std::path::Path) -> anyhow::Result<HashMap<(String, String), ProblemResult>> {
-    let mut done = HashMap::new();
+/// The readable results of an earlier run, in file order.
+fn read_done(path: &std::path::Path) -> anyhow::Result<Vec<ProblemResult>> {
+    let mut done = Vec::new();
     if !path.exists() {
         return Ok(done);
     }
@@ -76,7 +77,7 @@ fn read_done(path: &std::path::Path) -> anyhow::Result<HashMap<(String, String),
         let line = line?;
         match line.json::<ProblemResult>() {
             Ok(r) => {
-                done.insert((r.bench.clone(), r.id.clone()), r);
+                done.push(r);
             }
             Err(e) => tracing::warn!(
                 "{}:{}: ignoring unreadable line ({e}); it will be generated again",
@@ -112,12 +113,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let gen_path = args.out.join("generations.jsonl");
-    let done = if args.resume { read_done(&gen_path)? } else { HashMap::new() };
+    let previous = if args.resume { read_done(&gen_path)? } else { Vec::new() };
+    // Start from the readable results only (an interrupted run may have left a torn last line).
+    let mut kept = crate::jsonl::AtomicFile::create(Some(&gen_path))?;
+    for r in &previous {
+        kept.write_json(r)?;
+    }
+    kept.commit()?;
+    let done: HashMap<(String, String), ProblemResult> =
+        previous.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
     let mut gen_file = std::fs::OpenOptions::new()
-        .create(true)
-        .write(true)
-        .append(args.resume)
-        .truncate(!args.resume)
+        .append(true)
         .open(&gen_path)
         .with_context(|| format!("opening {}", gen_path.display()))?;
     let settings = EvalSettings {

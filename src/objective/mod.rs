@@ -274,8 +274,10 @@ impl ObjectiveConfig {
 /// is positive) and behaviour log-prob beta_t (0, i.e. probability 1, unless the data carries teacher
 /// log-probs):
 ///
-///     r_t = exp(log pi_theta(o_t) - beta_t)
-///     l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t(pi_theta || pi_ref)
+/// ```text
+/// r_t = exp(log pi_theta(o_t) - beta_t)
+/// l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t(pi_theta || pi_ref)
+/// ```
 ///
 /// aggregated with the configured [`LossAgg`] (the seed: seq-mean-token-mean).
 pub struct OffGrpo(pub ObjectiveConfig);
@@ -304,8 +306,10 @@ impl Objective for OffGrpo {
 
 /// `grpo`: the clipped ratio against the policy's own log-probs taken at the start of the step:
 ///
-///     r_t = exp(log pi_theta(o_t) - log pi_old(o_t))
-///     l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t
+/// ```text
+/// r_t = exp(log pi_theta(o_t) - log pi_old(o_t))
+/// l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t
+/// ```
 pub struct Grpo(pub ObjectiveConfig);
 
 impl Objective for Grpo {
@@ -333,7 +337,9 @@ impl Objective for Grpo {
 
 /// `sft`: negative log-likelihood of the answers with a positive reward only,
 ///
-///     l_t = -log pi_theta(o_t) + beta KL_t   for answers with r_i > 0
+/// ```text
+/// l_t = -log pi_theta(o_t) + beta KL_t   for answers with r_i > 0
+/// ```
 pub struct Sft(pub ObjectiveConfig);
 
 impl Objective for Sft {
