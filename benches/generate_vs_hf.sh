@@ -31,6 +31,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 CPU=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
 DEVICE="$CPU, nproc $(nproc)"
+LOAD0=$(cut -d" " -f1-3 /proc/loadavg)
 
 "$PY" benches/generate_vs_hf.py prep data/benchmarks/math500.jsonl "$WORK/math16.jsonl" 16
 
@@ -53,6 +54,7 @@ hf 16 16 "$WORK/hf_b16.json"
     echo "generation, SmolLM2-135M-Instruct, CPU f32, greedy, max_new_tokens $MAX_NEW, math500 problems 1..16"
     echo "date: $DATE"
     echo "device: $DEVICE"
+    echo "load average (1/5/15 min) before: $LOAD0, after: $(cut -d" " -f1-3 /proc/loadavg) (other work on the machine skews timings)"
     echo "grpo: $("$BIN" --version 2>/dev/null || echo "$BIN")"
     echo "python: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
     echo

@@ -31,6 +31,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 CPU=$(grep -m1 'model name' /proc/cpuinfo | sed 's/.*: //')
 DEVICE="$CPU, nproc $(nproc)"
+LOAD0=$(cut -d" " -f1-3 /proc/loadavg)
 
 "$PY" benches/train_step_vs_torch.py prep data/trajectories/ot3_math_x8_dev.jsonl "$WORK/rows.jsonl" 4
 
@@ -72,6 +73,7 @@ TOML
     echo "train step, SmolLM2-135M-Instruct, CPU f32, 1 question x 4 answers, max_response_tokens 256"
     echo "date: $DATE"
     echo "device: $DEVICE"
+    echo "load average (1/5/15 min) before: $LOAD0, after: $(cut -d" " -f1-3 /proc/loadavg) (other work on the machine skews timings)"
     echo "grpo: $("$BIN" --version 2>/dev/null || echo "$BIN")"
     echo "python: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
     echo

@@ -199,9 +199,48 @@ impl Grads {
     }
 }
 
+/// One layer's keys and values `[B, KV, capacity, D]`, written in place; the first `len` positions are used.
+#[derive(Clone)]
+struct LayerCache {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+impl LayerCache {
+    /// Append `k`, `v` (`[B, KV, t, D]`, contiguous) and return views of everything cached so far.
+    fn append(slot: &mut Option<LayerCache>, k: &Tensor, v: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
+        let (b, kv, t, d) = k.dims4()?;
+        let mut c = match slot.take() {
+            Some(c) => c,
+            None => {
+                let cap = (2 * t).max(64);
+                let z = Tensor::zeros((b, kv, cap, d), k.dtype(), k.device())?;
+                LayerCache { k: z.clone(), v: z.zeros_like()?, len: 0 }
+            }
+        };
+        let cap = c.k.dim(2)?;
+        if c.len + t > cap {
+            let new_cap = (2 * cap).max(c.len + t);
+            let grow = |old: &Tensor| -> candle_core::Result<Tensor> {
+                let z = Tensor::zeros((b, kv, new_cap, d), old.dtype(), old.device())?;
+                z.slice_set(&old.narrow(2, 0, c.len)?.contiguous()?, 2, 0)?;
+                Ok(z)
+            };
+            c = LayerCache { k: grow(&c.k)?, v: grow(&c.v)?, len: c.len };
+        }
+        c.k.slice_set(k, 2, c.len)?;
+        c.v.slice_set(v, 2, c.len)?;
+        c.len += t;
+        let views = (c.k.narrow(2, 0, c.len)?, c.v.narrow(2, 0, c.len)?);
+        *slot = Some(c);
+        Ok(views)
+    }
+}
+
 /// The per-layer cache of keys and values for generation, for a batch of rows.
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<LayerCache>>,
     /// Per row, whether each cached key position is a real token (false for left padding).
     valid: Vec<Vec<bool>>,
     /// Per row, the position id of the next token.
@@ -229,12 +268,13 @@ impl KvCache {
             return Ok(());
         }
         let device = match self.layers.iter().flatten().next() {
-            Some((k, _)) => k.device().clone(),
+            Some(c) => c.k.device().clone(),
             None => Device::Cpu,
         };
         let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &device)?;
         for layer in self.layers.iter_mut().flatten() {
-            *layer = (layer.0.index_select(&idx, 0)?, layer.1.index_select(&idx, 0)?);
+            layer.k = layer.k.index_select(&idx, 0)?;
+            layer.v = layer.v.index_select(&idx, 0)?;
         }
         self.valid = rows.iter().map(|&r| self.valid[r].clone()).collect();
         self.next_pos = rows.iter().map(|&r| self.next_pos[r]).collect();
@@ -519,7 +559,7 @@ impl Decoder {
         x: &Tensor,
         rope: &(Tensor, Tensor),
         mask: &Tensor,
-        cache: Option<&mut Option<(Tensor, Tensor)>>,
+        cache: Option<&mut Option<LayerCache>>,
         graph: bool,
     ) -> candle_core::Result<Tensor> {
         let li = self.layers[l];
@@ -546,11 +586,7 @@ impl Decoder {
         let mut k = apply_rope(k)?;
         let mut v = v.transpose(1, 2)?.contiguous()?;
         if let Some(cache) = cache {
-            if let Some((pk, pv)) = cache.take() {
-                k = Tensor::cat(&[&pk, &k], 2)?;
-                v = Tensor::cat(&[&pv, &v], 2)?;
-            }
-            *cache = Some((k.clone(), v.clone()));
+            (k, v) = LayerCache::append(cache, &k, &v)?;
         }
         let s = k.dim(2)?;
         // Grouped-query attention without repeating K/V: queries of the heads that share a KV head are
@@ -952,7 +988,8 @@ mod tests {
             let prompts = vec![vec![5u32, 17, 3, 88, 41], vec![11u32, 2], vec![7u32, 7, 7]];
             let (mut logits, mut cache) = m.prefill(&prompts, 0).unwrap();
             let mut seqs = prompts.clone();
-            for _ in 0..6 {
+            // Past 64 positions: the cache grows (reallocates) on the way.
+            for _ in 0..70 {
                 let next: Vec<u32> = logits.argmax(1).unwrap().to_vec1::<u32>().unwrap();
                 // The full forward over each sequence alone predicts the same next token, with the same logits.
                 for (r, s) in seqs.iter().enumerate() {
