@@ -183,3 +183,38 @@ fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint(
     assert!(m.iter().any(|l| l["skipped"] == true), "no skipped step recorded");
     assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).is_some());
 }
+
+#[test]
+fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let out = dir.path().join("out");
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+        .current_dir(common::root())
+        .args(["-q", "train", "--config"])
+        .arg(&cfg)
+        .arg("--set")
+        .arg(format!("train.output_dir=\"{}\"", out.display()))
+        .arg("--set")
+        .arg(format!("model.path=\"{}\"", dir.path().join("model").display()))
+        .args(["--set", "train.max_steps=0", "--set", "train.save_every=0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Wait for the first step, then interrupt.
+    let metrics = out.join("metrics.jsonl");
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() == 0) {
+        assert!(t0.elapsed().as_secs() < 300, "no step finished");
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    std::process::Command::new("kill").args(["-INT", &child.id().to_string()]).status().unwrap();
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("interrupted"), "{stderr}");
+    let ck = grpo::train::latest_checkpoint(&out).expect("a checkpoint written on Ctrl-C");
+    let state: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("trainer_state.json")).unwrap()).unwrap();
+    let steps = common::read_jsonl(&metrics).len() as u64;
+    assert_eq!(state["step"].as_u64().unwrap(), steps);
+    assert!(steps < 25, "the run was not interrupted");
+}
