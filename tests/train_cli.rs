@@ -189,7 +189,7 @@ fn ctrl_c_writes_a_checkpoint_and_exits_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = small_config(dir.path());
     let out = dir.path().join("out");
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
         .current_dir(common::root())
         .args(["-q", "train", "--config"])
         .arg(&cfg)
