@@ -75,6 +75,11 @@ def report(date, device, out_json, *triples):
         print(f"  {'grpo eval (candle)':<22} {o['generated_tokens']:>10d} {o['duration_s']:>9.2f} {o['tokens_per_sec']:>8.1f}")
         print(f"  {'transformers generate':<22} {h['generated_tokens']:>10d} {h['duration_s']:>9.2f} {h['tokens_per_sec']:>8.1f}")
         print(f"  ratio ours/HF = {r['ratio_ours_over_hf']:.2f}x")
+        seq_sum = sum(x or 0 for x in o["per_sequence"])
+        if seq_sum != o["generated_tokens"]:
+            print(f"  note: ours report.json generated_tokens {o['generated_tokens']} != sum of its per-sample tokens {seq_sum} "
+                  f"(the report counts each stop token); with {seq_sum}: ours {seq_sum / o['duration_s']:.1f} tok/s, "
+                  f"ratio {seq_sum / o['duration_s'] / h['tokens_per_sec']:.2f}x")
         if o["prompt_tokens"] != h["prompt_tokens"]:
             print(f"  note: prompt token counts differ: ours {o['prompt_tokens']}, HF {h['prompt_tokens']}")
         if o["per_sequence"] != h["per_sequence"]:

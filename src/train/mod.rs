@@ -274,6 +274,12 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
             Some(p.clone())
         }
     };
+    if resume_from.is_none() && latest_checkpoint(out).is_some() {
+        tracing::warn!(
+            "{} already has checkpoints; starting a new run from step 0 (use --resume auto to continue it)",
+            out.display()
+        );
+    }
     let policy_dir = resume_from.clone().unwrap_or_else(|| model_dir.clone());
     let mut policy = model::load_decoder(&policy_dir, dtype, &device, true)?;
     policy.options.checkpoint_layers = cfg.model.checkpoint_layers;
