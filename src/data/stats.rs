@@ -255,35 +255,23 @@ impl LengthHistogram {
     }
 }
 
+/// DejaVu Sans (data/fonts, free licence), bundled so that plots work on machines without fonts.
+const BUNDLED_FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
+
+/// Register the plot font: `GRPO_FONT` when set, else the bundled DejaVu Sans.
 fn load_font() -> Result<(), DataError> {
     use std::sync::OnceLock;
     static FONT: OnceLock<Result<(), String>> = OnceLock::new();
     FONT.get_or_init(|| {
-        let mut candidates: Vec<std::path::PathBuf> = Vec::new();
-        if let Ok(p) = std::env::var("GRPO_FONT") {
-            candidates.push(p.into());
-        }
-        for p in [
-            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/TTF/DejaVuSans.ttf",
-            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-            "/usr/share/fonts/liberation/LiberationSans-Regular.ttf",
-            "/System/Library/Fonts/Supplemental/Arial.ttf",
-            "/Library/Fonts/Arial.ttf",
-            "C:\\Windows\\Fonts\\arial.ttf",
-        ] {
-            candidates.push(p.into());
-        }
-        for p in candidates {
-            if let Ok(bytes) = std::fs::read(&p) {
-                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                if plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes).is_ok() {
-                    return Ok(());
-                }
+        let bytes: &'static [u8] = match std::env::var("GRPO_FONT") {
+            Ok(p) => {
+                let b = std::fs::read(&p).map_err(|e| format!("GRPO_FONT={p}: {e}"))?;
+                Box::leak(b.into_boxed_slice())
             }
-        }
-        Err("no TrueType font found (install DejaVu fonts or set GRPO_FONT=/path/to/font.ttf)".to_string())
+            Err(_) => BUNDLED_FONT,
+        };
+        plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes)
+            .map_err(|_| "the plot font could not be loaded".to_string())
     })
     .clone()
     .map_err(DataError::Plot)
