@@ -41,6 +41,9 @@ fn aime25_on_a_tiny_model_reports_consistent_numbers_and_resumes() {
             assert!(["stop", "length"].contains(&s["finish"].as_str().unwrap()));
         }
     }
+    let sample_tokens: u64 =
+        gens.iter().flat_map(|g| g["samples"].as_array().unwrap().iter().map(|s| s["tokens"].as_u64().unwrap())).sum();
+    assert_eq!(r["generated_tokens"].as_u64().unwrap(), sample_tokens, "tokens/s must count generated tokens only");
     let keys: Vec<&String> = r["pass_at_k"].as_object().unwrap().keys().collect();
     assert_eq!(keys, vec!["1", "2"]);
 

@@ -93,7 +93,7 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng)
 
 /// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
 /// their RNG streams (pass the global sample index so that batching never changes a sample);
-/// `on_tokens(n)` is called after each step with the number of tokens produced.
+/// `on_tokens(n)` is called after each step with the number of tokens produced (stop tokens excluded).
 pub fn generate(
     model: &Decoder,
     prompts: &[Vec<u32>],
@@ -120,6 +120,7 @@ pub fn generate(
         let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
+        let mut new_tokens = 0;
         for (r, &seq) in active.iter().enumerate() {
             let tok = sample_token(&rows[r], params, &mut rngs[seq]);
             if stop.contains(&tok) {
@@ -127,6 +128,7 @@ pub fn generate(
                 continue;
             }
             produced[seq].push(tok);
+            new_tokens += 1;
             if produced[seq].len() >= params.max_new_tokens {
                 out[seq] =
                     Some(Generation { tokens: std::mem::take(&mut produced[seq]), finish: FinishReason::Length });
@@ -135,7 +137,7 @@ pub fn generate(
             keep.push(r);
             next.push(tok);
         }
-        on_tokens(active.len());
+        on_tokens(new_tokens);
         if keep.is_empty() {
             break;
         }
