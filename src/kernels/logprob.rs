@@ -165,12 +165,17 @@ mod tests {
     use candle_core::{Device, Var};
 
     fn setup(n: usize, h: usize, v: usize) -> (Var, Var, Tensor, Tensor) {
+        use rand::{Rng, SeedableRng};
         let dev = Device::Cpu;
-        let hidden = Var::randn(0f32, 1.0, (n, h), &dev).unwrap();
-        let weight = Var::randn(0f32, 0.5, (v, h), &dev).unwrap();
+        // Seeded values (candle's randn is not seeded): deterministic tests.
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((n * 131 + h * 7 + v) as u64);
+        let mut draw =
+            |count: usize, scale: f32| -> Vec<f32> { (0..count).map(|_| rng.gen_range(-scale..scale)).collect() };
+        let hidden = Var::from_vec(draw(n * h, 1.7), (n, h), &dev).unwrap();
+        let weight = Var::from_vec(draw(v * h, 0.9), (v, h), &dev).unwrap();
+        let upstream = Tensor::from_vec(draw(n, 1.7), n, &dev).unwrap();
         let targets =
             Tensor::from_vec((0..n as u32).map(|i| (i * 7 + 3) % v as u32).collect::<Vec<_>>(), n, &dev).unwrap();
-        let upstream = Tensor::randn(0f32, 1.0, n, &dev).unwrap();
         (hidden, weight, targets, upstream)
     }
 

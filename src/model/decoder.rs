@@ -844,11 +844,15 @@ mod tests {
         cfg.raw["tie_word_embeddings"] = tied.into();
         let mut m = random_decoder(cfg, 3, DType::F32, &Device::Cpu, trainable).unwrap();
         // Larger than the usual 0.02 init so that every path carries a visible gradient.
+        // Seeded (not candle's unseeded randn) so that the tests are deterministic.
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
         for p in &m.params {
             if let Param::Trainable(v) = p {
                 let t = v.as_tensor();
-                let noise = (t.randn_like(0.0, 0.3).unwrap() + t).unwrap();
-                v.set(&noise).unwrap();
+                let noise: Vec<f32> = (0..t.elem_count()).map(|_| rng.gen_range(-0.5f32..0.5)).collect();
+                let noise = Tensor::from_vec(noise, t.shape(), t.device()).unwrap();
+                v.set(&(t + noise).unwrap()).unwrap();
             }
         }
         m.options.logprob_chunk_bytes = 97 * 4 * 5; // 5 rows per chunk: exercise chunking
@@ -925,7 +929,7 @@ mod tests {
                 let g = values(grads.grads[i].as_ref().unwrap());
                 // The coordinate with the largest gradient (a well-conditioned check).
                 let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
-                let eps = 1e-2f32;
+                let eps = 1e-3f32;
                 let shifted = |delta: f32| {
                     let mut v = flat.clone();
                     v[j] += delta;
