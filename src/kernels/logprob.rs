@@ -17,15 +17,20 @@ fn chunk_rows(vocab: usize, budget_bytes: usize) -> usize {
     (budget_bytes / (vocab.max(1) * 4)).clamp(1, 1 << 16)
 }
 
-/// Log-probs and entropy of one chunk, in f32: returns (`[n, 2]`, probs `[n, V]`).
-fn chunk_forward(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+/// f32 logits `[n, V]` of one chunk, their log-sum-exp `[n]` and the softmax `[n, V]`.
+fn chunk_softmax(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
     let logits = h.matmul(&w.t()?)?.to_dtype(DType::F32)?;
-    let lse = logits.log_sum_exp(D::Minus1)?; // [n]
-    let target = logits.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let logp = (target - &lse)?;
+    let lse = logits.log_sum_exp(D::Minus1)?;
     let probs = logits.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
+    Ok((logits, lse, probs))
+}
+
+/// `[log p(target), entropy]` (`[n, 2]`, f32) of one chunk.
+fn chunk_forward(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<Tensor> {
+    let (logits, lse, probs) = chunk_softmax(h, w)?;
+    let logp = (logits.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)? - &lse)?;
     let entropy = (&lse - (&probs * &logits)?.sum(D::Minus1)?)?;
-    Ok((Tensor::stack(&[logp, entropy], 1)?, probs, logits))
+    Tensor::stack(&[logp, entropy], 1)
 }
 
 /// The values of the op, computed without a graph.
@@ -38,7 +43,7 @@ fn forward_values(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget: us
     let mut start = 0;
     while start < n {
         let len = rows.min(n - start);
-        let (vals, _, _) = chunk_forward(&hidden.narrow(0, start, len)?, &weight, &targets.narrow(0, start, len)?)?;
+        let vals = chunk_forward(&hidden.narrow(0, start, len)?, &weight, &targets.narrow(0, start, len)?)?;
         out.push(vals);
         start += len;
     }
@@ -118,7 +123,8 @@ impl CustomOp3 for LogprobEntropy {
             let h = hidden.narrow(0, start, len)?;
             let t = targets.narrow(0, start, len)?.unsqueeze(1)?.contiguous()?;
             let gc = g.narrow(0, start, len)?.contiguous()?;
-            let (_, probs, _) = chunk_forward(&h, &weight, &t.squeeze(1)?)?;
+            // The backward needs only the softmax: no target gather, no entropy.
+            let (_, _, probs) = chunk_softmax(&h, &weight)?;
             // dz = g * (onehot(t) - p)
             let dz = probs.broadcast_mul(&gc.neg()?)?.scatter_add(&t, &gc, 1)?;
             let dz = dz.to_dtype(weight.dtype())?;

@@ -644,12 +644,22 @@ impl Decoder {
     /// With `graph = false` nothing is recorded (reference model, old-policy log-probs, scoring).
     pub fn token_logprobs(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         self.check(batch, targets)?;
+        self.logprobs_checked(batch, targets, graph)
+    }
+
+    /// The last layer's output `[B, T, hidden]` (before the final norm), without a cache.
+    fn run_layers(&self, batch: &TokenBatch, graph: bool) -> candle_core::Result<Tensor> {
         let rope = self.rope(&batch.positions)?;
         let mask = batch.mask(&self.device)?;
         let mut x = self.embed(&batch.tokens, graph)?;
         for l in 0..self.cfg.num_layers {
             x = self.layer(l, &x, &rope, &mask, None, graph)?;
         }
+        Ok(x)
+    }
+
+    fn logprobs_checked(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        let x = self.run_layers(batch, graph)?;
         let h = self.select_hidden(&x, targets, graph)?;
         logprobs_entropy(
             &h,
@@ -682,7 +692,7 @@ impl Decoder {
         self.check(batch, targets)?;
         let mut grads = Grads::new(self.params.len());
         if !self.options.checkpoint_layers {
-            let lp = self.token_logprobs(batch, targets, true)?;
+            let lp = self.logprobs_checked(batch, targets, true)?;
             let loss = loss_fn(&lp)?;
             let store = loss.backward()?;
             self.collect(&store, &mut grads)?;
@@ -821,12 +831,7 @@ impl Decoder {
     /// Logits of every position `[B, T, V]` (f32) without a cache: the reference that cached generation
     /// is tested against. Memory grows with T x V: meant for short inputs.
     pub fn full_logits(&self, batch: &TokenBatch) -> candle_core::Result<Tensor> {
-        let rope = self.rope(&batch.positions)?;
-        let mask = batch.mask(&self.device)?;
-        let mut x = self.embed(&batch.tokens, false)?;
-        for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &mask, None, false)?;
-        }
+        let x = self.run_layers(batch, false)?;
         let h = rms_norm(&x, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
         let (b, t, hs) = h.dims3()?;
         h.reshape((b * t, hs))?.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)?.reshape((b, t, ()))

@@ -173,6 +173,13 @@ fn clipped_surrogate(ratio: &Tensor, adv: &Tensor, eps_low: f32, eps_high: f32) 
     Ok((value.neg()?, n_clipped))
 }
 
+/// The clipped-ratio loss of `off_grpo` and `grpo` for a given log-ratio.
+fn clipped_loss(cfg: &ObjectiveConfig, log_ratio: &Tensor, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
+    let eps_high = cfg.eps_high.unwrap_or(cfg.eps);
+    let (pg, clipped) = clipped_surrogate(&log_ratio.exp()?, &inputs.advantages, cfg.eps, eps_high)?;
+    finish(pg, logp, inputs, cfg.beta, cfg.kl_estimator, clipped)
+}
+
 fn finish(
     pg: Tensor,
     logp: &Tensor,
@@ -297,10 +304,7 @@ impl Objective for OffGrpo {
             Some(b) => (logp - b)?,
             None => logp.clone(),
         };
-        let ratio = log_ratio.exp()?;
-        let eps_high = self.0.eps_high.unwrap_or(self.0.eps);
-        let (pg, clipped) = clipped_surrogate(&ratio, &inputs.advantages, self.0.eps, eps_high)?;
-        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator, clipped)
+        clipped_loss(&self.0, &log_ratio, logp, inputs)
     }
 }
 
@@ -328,10 +332,7 @@ impl Objective for Grpo {
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
         let old =
             inputs.behaviour_logp.as_ref().ok_or_else(|| candle_core::Error::Msg("grpo needs old log-probs".into()))?;
-        let ratio = (logp - old)?.exp()?;
-        let eps_high = self.0.eps_high.unwrap_or(self.0.eps);
-        let (pg, clipped) = clipped_surrogate(&ratio, &inputs.advantages, self.0.eps, eps_high)?;
-        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator, clipped)
+        clipped_loss(&self.0, &(logp - old)?, logp, inputs)
     }
 }
 
