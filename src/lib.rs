@@ -6,14 +6,22 @@
 //! - [`reward`]: answer extraction, math equivalence, majority vote, scoring metrics.
 //! - [`data`]: teacher trajectories (OpenThoughts3), grouping, labelling, tokenised shards.
 //! - [`jsonl`]: line-oriented input that reports bad lines with their number and keeps going.
+//! - [`objective`]: advantages and the losses (off_grpo, grpo, sft).
+//! - [`kernels`]: fused ops with their own backward (log-prob + entropy), CPU reference and CUDA kernels.
+//! - [`train`]: the training loop, optimiser, checkpoints and resume.
+//! - [`eval`]: benchmarks, batched generation and their scores.
+//! - [`device`]: the device's name and its peak memory.
+//! - [`perf`]: speed and memory measurements (`grpo bench`).
 //! - [`cli`]: the `grpo` command line.
 
 pub mod cli;
 pub mod data;
+pub mod device;
 pub mod eval;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;
 pub mod objective;
+pub mod perf;
 pub mod reward;
 pub mod train;

@@ -2,6 +2,7 @@
 
 use clap::{Parser, Subcommand};
 
+mod bench;
 mod data;
 mod eval;
 mod init_tiny;
@@ -39,6 +40,10 @@ pub enum Command {
     /// Inspect and prepare teacher trajectories (OpenThoughts3 JSONL / Parquet).
     #[command(subcommand)]
     Data(data::DataCommand),
+    /// Measure speed and memory on random weights (training step, log-prob op, generation); one JSON
+    /// line per measurement.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
 }
 
 /// Set up `tracing` output on stderr.
@@ -64,6 +69,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Score(args) => score::run(args),
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
+        Command::Bench(cmd) => bench::run(cmd),
     }
 }
 

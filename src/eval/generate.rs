@@ -115,14 +115,21 @@ pub fn generate(
     if params.max_new_tokens == 0 {
         return Ok(prompts.iter().map(|_| Generation { tokens: vec![], finish: FinishReason::Length }).collect());
     }
+    // Greedy on a GPU: take the argmax there instead of copying [rows, vocab] logits to the host.
+    let device_argmax = params.temperature <= 0.0 && !model.device().is_cpu();
     let (mut logits, mut cache) = model.prefill(prompts, pad)?;
     loop {
-        let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
+        let picks: Vec<u32> = if device_argmax {
+            logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?
+        } else {
+            let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
+            active.iter().enumerate().map(|(r, &seq)| sample_token(&rows[r], params, &mut rngs[seq])).collect()
+        };
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut new_tokens = 0;
         for (r, &seq) in active.iter().enumerate() {
-            let tok = sample_token(&rows[r], params, &mut rngs[seq]);
+            let tok = picks[r];
             if stop.contains(&tok) {
                 out[seq] = Some(Generation { tokens: std::mem::take(&mut produced[seq]), finish: FinishReason::Stop });
                 continue;

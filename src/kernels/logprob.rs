@@ -10,51 +10,42 @@
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
-/// Default memory budget for one chunk of f32 logits.
+use super::rows::{row_grad, row_stats};
+
+/// Default memory budget for one chunk of logits, counted as f32 (`rows = budget / (4 vocab)`).
 pub const LOGPROB_CHUNK_BYTES: usize = 64 << 20;
 
 fn chunk_rows(vocab: usize, budget_bytes: usize) -> usize {
     (budget_bytes / (vocab.max(1) * 4)).clamp(1, 1 << 16)
 }
 
-/// f32 logits `[n, V]` of one chunk, their log-sum-exp `[n]` and the softmax `[n, V]`.
-fn chunk_softmax(h: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-    let logits = h.matmul(&w.t()?)?.to_dtype(DType::F32)?;
-    let lse = logits.log_sum_exp(D::Minus1)?;
-    let probs = logits.broadcast_sub(&lse.unsqueeze(1)?)?.exp()?;
-    Ok((logits, lse, probs))
+/// Row ranges `(start, len)` of the chunks of `n` rows.
+fn chunks(n: usize, vocab: usize, budget: usize) -> impl Iterator<Item = (usize, usize)> {
+    let rows = chunk_rows(vocab, budget);
+    (0..n).step_by(rows).map(move |s| (s, rows.min(n - s)))
 }
 
-/// `[log p(target), entropy]` (`[n, 2]`, f32) of one chunk.
-fn chunk_forward(h: &Tensor, w: &Tensor, t: &Tensor) -> Result<Tensor> {
-    let (logits, lse, probs) = chunk_softmax(h, w)?;
-    let logp = (logits.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)? - &lse)?;
-    let entropy = (&lse - (&probs * &logits)?.sum(D::Minus1)?)?;
-    Tensor::stack(&[logp, entropy], 1)
-}
-
-/// The values of the op, computed without a graph.
+/// The values of the op, computed without a graph: `[n, 3]` f32 of `(log p, entropy, lse)`. Each chunk's
+/// logits are the only `[rows, vocab]` buffer, in the weight's dtype.
 fn forward_values(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget: usize) -> Result<Tensor> {
     let (n, _) = hidden.dims2()?;
     let (vocab, _) = weight.dims2()?;
-    let rows = chunk_rows(vocab, budget);
     let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
-    let mut out = Vec::with_capacity(n.div_ceil(rows));
-    let mut start = 0;
-    while start < n {
-        let len = rows.min(n - start);
-        let vals = chunk_forward(&hidden.narrow(0, start, len)?, &weight, &targets.narrow(0, start, len)?)?;
-        out.push(vals);
-        start += len;
-    }
+    let wt = weight.t()?;
+    let out = chunks(n, vocab, budget)
+        .map(|(s, len)| row_stats(&hidden.narrow(0, s, len)?.matmul(&wt)?, &targets.narrow(0, s, len)?))
+        .collect::<Result<Vec<_>>>()?;
     if out.is_empty() {
-        return Tensor::zeros((0, 2), DType::F32, hidden.device());
+        return Tensor::zeros((0, 3), DType::F32, hidden.device());
     }
     Tensor::cat(&out, 0)?.contiguous()
 }
 
 struct LogprobEntropy {
+    /// `[n, 2]`: the op's output.
     values: Tensor,
+    /// `[n]`: each row's log-sum-exp, kept for the backward.
+    lse: Tensor,
     budget: usize,
 }
 
@@ -111,30 +102,22 @@ impl CustomOp3 for LogprobEntropy {
         if entropy_grad != 0.0 {
             candle_core::bail!("logprob-entropy: the entropy column has no gradient; do not put it in the loss");
         }
-        let g = grad.narrow(1, 0, 1)?; // [n, 1]
+        // (lse, g) per row: all the backward needs besides the recomputed logits.
+        let coef = Tensor::stack(&[self.lse.clone(), grad.narrow(1, 0, 1)?.squeeze(1)?], 1)?;
         let (n, _) = hidden.dims2()?;
         let (vocab, _) = weight.dims2()?;
-        let rows = chunk_rows(vocab, self.budget);
-        let mut grad_h = Vec::with_capacity(n.div_ceil(rows));
+        let wt = weight.t()?;
+        let mut grad_h = Vec::with_capacity(n.div_ceil(chunk_rows(vocab, self.budget)));
         let mut grad_w: Option<Tensor> = None;
-        let mut start = 0;
-        while start < n {
-            let len = rows.min(n - start);
-            let h = hidden.narrow(0, start, len)?;
-            let t = targets.narrow(0, start, len)?.unsqueeze(1)?.contiguous()?;
-            let gc = g.narrow(0, start, len)?.contiguous()?;
-            // The backward needs only the softmax: no target gather, no entropy.
-            let (_, _, probs) = chunk_softmax(&h, &weight)?;
-            // dz = g * (onehot(t) - p)
-            let dz = probs.broadcast_mul(&gc.neg()?)?.scatter_add(&t, &gc, 1)?;
-            let dz = dz.to_dtype(weight.dtype())?;
+        for (s, len) in chunks(n, vocab, self.budget) {
+            let h = hidden.narrow(0, s, len)?;
+            let dz = row_grad(&h.matmul(&wt)?, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
             grad_h.push(dz.matmul(&weight)?);
             let gw = dz.t()?.matmul(&h)?.to_dtype(DType::F32)?;
             grad_w = Some(match grad_w {
                 None => gw,
                 Some(acc) => (acc + gw)?,
             });
-            start += len;
         }
         let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
         let grad_w = match grad_w {
@@ -148,11 +131,13 @@ impl CustomOp3 for LogprobEntropy {
 /// Per-token `[log p(target), entropy]` (`[n, 2]`, f32) of `hidden` (`[n, hidden]`) under
 /// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward.
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
-    let values = forward_values(hidden, weight, targets, budget_bytes)?;
+    let stats = forward_values(hidden, weight, targets, budget_bytes)?;
+    let values = stats.narrow(1, 0, 2)?.contiguous()?;
     if !(hidden.track_op() || weight.track_op()) {
         return Ok(values);
     }
-    hidden.apply_op3(weight, targets, LogprobEntropy { values, budget: budget_bytes })
+    let lse = stats.narrow(1, 2, 1)?.squeeze(1)?.contiguous()?;
+    hidden.apply_op3(weight, targets, LogprobEntropy { values, lse, budget: budget_bytes })
 }
 
 /// The same quantities from the whole `[n, vocab]` log-softmax with candle's own autograd: the reference

@@ -1,0 +1,50 @@
+//! With the `cuda` feature, compiles kernels/*.cu to PTX in OUT_DIR with nvcc; without it, does nothing
+//! (the default build needs no CUDA toolkit).
+//!
+//! nvcc is taken from $CUDA_HOME/bin (or $CUDA_ROOT/bin, else PATH); the PTX targets compute capability
+//! $CUDA_COMPUTE_CAP (default 80: PTX for 8.0 is JIT-compiled by the driver on 8.x and 9.x cards).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn main() {
+    println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed=kernels");
+    println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
+        return;
+    }
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
+    let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
+    let nvcc = ["CUDA_HOME", "CUDA_ROOT"]
+        .iter()
+        .filter_map(|v| std::env::var_os(v))
+        .map(|d| PathBuf::from(d).join("bin").join("nvcc"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| PathBuf::from("nvcc"));
+    let mut sources: Vec<PathBuf> = std::fs::read_dir("kernels")
+        .expect("kernels/ folder")
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    sources.sort();
+    for src in sources {
+        let stem = src.file_stem().unwrap().to_string_lossy().into_owned();
+        let ptx = out.join(format!("{stem}.ptx"));
+        let status = Command::new(&nvcc)
+            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}"), "-o"])
+            .arg(&ptx)
+            .arg(&src)
+            .status()
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot run {} ({e}): the `cuda` feature needs the CUDA toolkit; set CUDA_HOME or \
+                     `source ../shared/scripts/cuda-toolchain.sh`",
+                    nvcc.display()
+                )
+            });
+        assert!(status.success(), "nvcc failed on {} ({status})", src.display());
+    }
+}

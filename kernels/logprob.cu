@@ -1,0 +1,134 @@
+// Row kernels of the fused log-prob op (src/kernels/rows.rs has the CPU reference of each).
+//
+// lp_row_stats_<T>: for each row z of a [n, V] logits chunk and its target t, in one pass over the row with
+//   an online log-sum-exp, writes [log p(t), entropy, lse] (f32) to out[row * 3 ..].
+// lp_row_grad_<T>: dz[r, v] = g_r * (onehot(t_r)[v] - exp(z[r, v] - lse_r)), written in T, from
+//   coef[r] = (lse_r, g_r).
+//
+// Accumulation is in f32 whatever T is. A target outside [0, V) gives NaN log-probs (the trainer's
+// non-finite guard then skips the step) rather than reading out of bounds.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+__device__ __forceinline__ float to_f32(float x) { return x; }
+__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
+
+template <typename T> __device__ __forceinline__ T from_f32(float x);
+template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
+template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+
+// Running softmax statistics of a set of logits, relative to their maximum m:
+//   s = sum exp(z - m),  u = sum exp(z - m) * (z - m).
+// Then lse = m + log s and entropy = lse - E_p[z] = log s - u / s.
+struct Acc {
+    float m;
+    float s;
+    float u;
+};
+
+__device__ __forceinline__ void push(Acc &a, float z) {
+    if (z == -INFINITY) return;  // probability 0: contributes nothing
+    if (z <= a.m) {
+        float d = z - a.m;
+        float e = expf(d);
+        a.s += e;
+        a.u += e * d;
+    } else {
+        // New maximum: rescale what was accumulated against the old one.
+        float d = a.m - z;  // < 0, or -inf for the first element
+        if (a.s > 0.f) {
+            float sc = expf(d);
+            a.u = (a.u + d * a.s) * sc;
+            a.s = a.s * sc + 1.f;
+        } else {
+            a.u = 0.f;
+            a.s = 1.f;
+        }
+        a.m = z;
+    }
+}
+
+__device__ __forceinline__ Acc merge(Acc a, Acc b) {
+    if (a.s == 0.f) return b;
+    if (b.s == 0.f) return a;
+    float m = fmaxf(a.m, b.m);
+    float da = a.m - m, db = b.m - m;
+    float ea = expf(da), eb = expf(db);
+    Acc r;
+    r.m = m;
+    r.s = a.s * ea + b.s * eb;
+    r.u = (a.u + da * a.s) * ea + (b.u + db * b.s) * eb;
+    return r;
+}
+
+__device__ __forceinline__ Acc warp_merge(Acc a) {
+    for (int off = 16; off > 0; off >>= 1) {
+        Acc o;
+        o.m = __shfl_xor_sync(0xffffffffu, a.m, off);
+        o.s = __shfl_xor_sync(0xffffffffu, a.s, off);
+        o.u = __shfl_xor_sync(0xffffffffu, a.u, off);
+        a = merge(a, o);
+    }
+    return a;
+}
+
+// One block per row; blockDim.x a multiple of 32, at most 1024.
+template <typename T>
+__device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restrict__ targets,
+                          float *__restrict__ out, uint32_t vocab) {
+    const size_t row = blockIdx.x;
+    const T *z = logits + row * (size_t)vocab;
+    Acc a = {-INFINITY, 0.f, 0.f};
+    for (uint32_t v = threadIdx.x; v < vocab; v += blockDim.x) push(a, to_f32(z[v]));
+    a = warp_merge(a);
+    __shared__ Acc partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = a;
+    __syncthreads();
+    if (warp != 0) return;
+    const int warps = blockDim.x >> 5;
+    Acc b = lane < warps ? partial[lane] : Acc{-INFINITY, 0.f, 0.f};
+    b = warp_merge(b);
+    if (lane == 0) {
+        const float log_s = logf(b.s);
+        const float lse = b.m + log_s;
+        const uint32_t t = targets[row];
+        const float zt = t < vocab ? to_f32(z[t]) : __int_as_float(0x7fc00000);
+        out[row * 3 + 0] = zt - lse;
+        out[row * 3 + 1] = log_s - b.u / b.s;
+        out[row * 3 + 2] = lse;
+    }
+}
+
+// grid.x = rows, grid.y * blockDim.x threads stride over the vocabulary.
+template <typename T>
+__device__ void row_grad(const T *__restrict__ logits, const uint32_t *__restrict__ targets,
+                         const float *__restrict__ coef, T *__restrict__ out, uint32_t vocab) {
+    const size_t row = blockIdx.x;
+    const float lse = coef[row * 2], g = coef[row * 2 + 1];
+    const uint32_t t = targets[row];
+    const T *z = logits + row * (size_t)vocab;
+    T *dz = out + row * (size_t)vocab;
+    for (uint32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vocab; v += gridDim.y * blockDim.x) {
+        const float p = expf(to_f32(z[v]) - lse);
+        dz[v] = from_f32<T>(g * ((v == t ? 1.f : 0.f) - p));
+    }
+}
+
+#define LP_KERNELS(NAME, T)                                                                                   \
+    extern "C" __global__ void lp_row_stats_##NAME(const T *logits, const uint32_t *targets, float *out,      \
+                                                   uint32_t vocab) {                                          \
+        row_stats<T>(logits, targets, out, vocab);                                                            \
+    }                                                                                                         \
+    extern "C" __global__ void lp_row_grad_##NAME(const T *logits, const uint32_t *targets, const float *coef, \
+                                                  T *out, uint32_t vocab) {                                   \
+        row_grad<T>(logits, targets, coef, out, vocab);                                                       \
+    }
+
+LP_KERNELS(f32, float)
+LP_KERNELS(bf16, __nv_bfloat16)
+LP_KERNELS(f16, __half)

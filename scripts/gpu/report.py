@@ -1,0 +1,228 @@
+"""Merge the benchmark lines of torch_ref.py and `grpo bench` into tables and one JSON report.
+
+Usage:
+  python scripts/gpu/report.py RESULTS.jsonl OUT.json      # DATE=YYYY-MM-DD overrides today
+
+RESULTS.jsonl holds the JSON lines of both sides; anything that is not a JSON object is ignored.
+Ours are "impl": "grpo" (train_step, generate) or "grpo_fused" / "grpo_naive" (logprob); the
+reference is "torch" or "torch_naive". A line {"bench": "error", "what", "message"} is kept and shown.
+A line {"bench": "correctness", "what", "passed", "tests_ok"} (the CUDA tests of run.sh) is shown too.
+Pairs are made on (shape, answers, seq_len) for train_step, (tokens, hidden, vocab, with_loss)
+for logprob and (shape, batch, new_tokens) for generate. Every line of ours gets a row against
+the last torch line of its key (so several runs of ours, e.g. with different checkpoint_layers,
+each get one, its settings shown under "notes"); a key with only one side still gets a row.
+
+Ratios: speedup = our speed / torch speed (> 1: ours is faster; tokens/s for train_step and
+generate, inverse times for logprob); mem_ratio = our peak / torch peak (< 1: ours uses less).
+
+FLOPs and MFU (train_step only, the same formula for both sides), from shapes/<shape>.json:
+  P = L * (H*nh*hd + 2*H*nkv*hd + nh*hd*H + 3*H*I) + V*H
+      the parameters of matmuls: q, k, v, o, gate, up, down of every layer plus the lm_head;
+      the input embedding lookup is not a matmul and is excluded even when tied to the lm_head
+      (biases and norms are excluded too).
+  forward FLOPs of one sequence of T tokens = 2*P*T + 2*2*L*T^2*nh*hd / 2
+      (QK^T and AV, 2*T^2*nh*hd each, halved for the causal mask)
+  FLOPs per train step = answers * (3 + 1) * forward(seq_len)
+      (policy forward + backward = 3 forwards, reference = 1 forward)
+  MFU = FLOPs per step / step_time_s / peak dense bf16 FLOP/s of the card named in "device"
+      (H100 SXM / H100 80GB HBM3 and H200: 989.4e12, H100 PCIe: 756e12, A100: 312e12;
+      any other card: null).
+"""
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+SHAPES = Path(__file__).resolve().parent / "shapes"
+KEYS = {
+    "train_step": ("shape", "answers", "seq_len"),
+    "logprob": ("tokens", "hidden", "vocab", "with_loss"),
+    "generate": ("shape", "batch", "new_tokens"),
+}
+OURS = {"grpo", "grpo_fused", "grpo_naive"}
+# Settings of our lines that tell apart several runs on one key.
+VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb")
+TORCH = {"torch", "torch_naive"}
+GIB = 2**30
+
+
+def load(path):
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records
+
+
+def peak_flops(device):
+    """Peak dense bf16 FLOP/s of a card from its CUDA name, or None when unknown."""
+    name = (device or "").upper()
+    if "H200" in name:
+        return 989.4e12
+    if "H100" in name and "PCIE" in name:
+        return 756e12
+    if "H100" in name and ("SXM" in name or "HBM3" in name):
+        return 989.4e12
+    if "A100" in name:
+        return 312e12
+    return None
+
+
+def train_step_flops(shape, answers, seq_len):
+    cfg = json.loads((SHAPES / f"{shape}.json").read_text())
+    h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or h // heads
+    per_layer = h * heads * head_dim + 2 * h * kv_heads * head_dim + heads * head_dim * h
+    per_layer += 3 * h * cfg["intermediate_size"]
+    params = layers * per_layer + vocab * h
+    t = seq_len
+    forward = 2 * params * t + 2 * 2 * layers * t * t * heads * head_dim / 2
+    return answers * (3 + 1) * forward
+
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def mfu(flops, rec):
+    if rec is None or flops is None or not rec.get("step_time_s"):
+        return None
+    peak = peak_flops(rec.get("device"))
+    return flops / rec["step_time_s"] / peak if peak else None
+
+
+def get(rec, key):
+    return None if rec is None else rec.get(key)
+
+
+def compare(bench, key, ours, torch):
+    row = {"bench": bench, "key": key, "ours": ours, "torch": torch}
+    if bench == "train_step":
+        try:
+            row["flops_per_step"] = train_step_flops(key["shape"], key["answers"], key["seq_len"])
+        except (OSError, KeyError, TypeError) as e:
+            print(f"no FLOPs for shape {key['shape']!r}: {e!r}", file=sys.stderr)
+            row["flops_per_step"] = None
+        row["mfu_ours"] = mfu(row["flops_per_step"], ours)
+        row["mfu_torch"] = mfu(row["flops_per_step"], torch)
+        row["speedup"] = ratio(get(ours, "tokens_per_s"), get(torch, "tokens_per_s"))
+    elif bench == "logprob":
+        row["speedup"] = ratio(get(torch, "fwd_bwd_time_s"), get(ours, "fwd_bwd_time_s"))
+        row["fwd_speedup"] = ratio(get(torch, "fwd_time_s"), get(ours, "fwd_time_s"))
+    else:
+        row["speedup"] = ratio(get(ours, "tokens_per_s"), get(torch, "tokens_per_s"))
+    if bench != "generate":
+        row["mem_ratio"] = ratio(get(ours, "peak_mem_bytes"), get(torch, "peak_mem_bytes"))
+    return row
+
+
+def comparisons(records):
+    rows = []
+    for bench, names in KEYS.items():
+        groups = {}  # key -> (ours records, last torch record), in order of first appearance
+        for rec in records:
+            if rec.get("bench") != bench or rec.get("impl") not in OURS | TORCH:
+                continue
+            key = tuple(rec.get(n) for n in names)
+            ours, torch = groups.setdefault(key, ([], [None]))
+            if rec["impl"] in OURS:
+                ours.append(rec)
+            else:
+                torch[0] = rec
+        for key, (ours, torch) in groups.items():
+            for o in ours or [None]:
+                rows.append(compare(bench, dict(zip(names, key)), o, torch[0]))
+    return rows
+
+
+def fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def gib(rec):
+    b = get(rec, "peak_mem_bytes")
+    return None if b is None else b / GIB
+
+
+def notes(row):
+    out = []
+    if get(row["torch"], "grad_ckpt"):
+        out.append("torch: grad ckpt" + (" (OOM without)" if row["torch"].get("oom_without_ckpt") else ""))
+    ours = row["ours"] or {}
+    settings = [f"{k}={ours[k]}" for k in VARIANTS if ours.get(k) is not None]
+    if ours.get("impl", "grpo") != "grpo" or settings:
+        out.append(" ".join([f"ours: {ours['impl']}"] + settings))
+    return "; ".join(out)
+
+
+def table(title, header, lines):
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *lines)]
+    print(f"\n== {title}")
+    for cells in [header, *lines]:
+        print("  ".join(str(c).rjust(w) for c, w in zip(cells, widths)).rstrip())
+
+
+def print_tables(rows):
+    by_bench = {b: [r for r in rows if r["bench"] == b] for b in KEYS}
+    table("train_step (tokens/s over all tokens, peak GiB)",
+          ["shape", "answers", "seq_len", "ours tok/s", "torch tok/s", "speedup", "ours GiB",
+           "torch GiB", "mem ratio", "ours MFU", "torch MFU", "notes"],
+          [[r["key"]["shape"], r["key"]["answers"], r["key"]["seq_len"],
+            fmt(get(r["ours"], "tokens_per_s"), ".0f"), fmt(get(r["torch"], "tokens_per_s"), ".0f"),
+            fmt(r["speedup"], ".2f"), fmt(gib(r["ours"]), ".2f"), fmt(gib(r["torch"]), ".2f"),
+            fmt(r["mem_ratio"], ".2f"), fmt(r["mfu_ours"], ".1%"), fmt(r["mfu_torch"], ".1%"), notes(r)]
+           for r in by_bench["train_step"]])
+    def ms(rec, k):
+        return None if get(rec, k) is None else rec[k] * 1e3
+
+    table("logprob (ms, peak GiB above the inputs)",
+          ["tokens", "hidden", "vocab", "with_loss", "ours fwd", "torch fwd", "fwd speedup", "ours f+b",
+           "torch f+b", "speedup", "ours GiB", "torch GiB", "mem ratio", "notes"],
+          [[r["key"]["tokens"], r["key"]["hidden"], r["key"]["vocab"], r["key"]["with_loss"],
+            fmt(ms(r["ours"], "fwd_time_s"), ".2f"), fmt(ms(r["torch"], "fwd_time_s"), ".2f"),
+            fmt(r["fwd_speedup"], ".2f"), fmt(ms(r["ours"], "fwd_bwd_time_s"), ".2f"),
+            fmt(ms(r["torch"], "fwd_bwd_time_s"), ".2f"), fmt(r["speedup"], ".2f"),
+            fmt(gib(r["ours"]), ".2f"), fmt(gib(r["torch"]), ".2f"), fmt(r["mem_ratio"], ".2f"),
+            notes(r)]
+           for r in by_bench["logprob"]])
+    table("generate (new tokens/s over the batch)",
+          ["shape", "batch", "new_tokens", "ours tok/s", "torch tok/s", "speedup"],
+          [[r["key"]["shape"], r["key"]["batch"], r["key"]["new_tokens"],
+            fmt(get(r["ours"], "tokens_per_s"), ".1f"), fmt(get(r["torch"], "tokens_per_s"), ".1f"),
+            fmt(r["speedup"], ".2f")]
+           for r in by_bench["generate"]])
+
+
+def main():
+    if len(sys.argv) != 3:
+        sys.exit(__doc__)
+    records = load(sys.argv[1])
+    rows = comparisons(records)
+    devices = sorted({r["device"] for r in records if r.get("device")})
+    report = {
+        "date": os.environ.get("DATE") or datetime.date.today().isoformat(),
+        "device": ", ".join(devices) or None,
+        "results": records,
+        "comparisons": rows,
+        "correctness": [r for r in records if r.get("bench") == "correctness"],
+    }
+    print(f"{report['date']} on {report['device']}")
+    print_tables(rows)
+    for t in (r for r in records if r.get("bench") == "correctness"):
+        print(f"\ncorrectness {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'} "
+              f"({t.get('tests_ok')} tests ok)")
+    for err in (r for r in records if r.get("bench") == "error"):
+        print(f"\nERROR in {err.get('what')}: {err.get('message')}")
+    Path(sys.argv[2]).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"\nwrote {sys.argv[2]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+//! What the compute device is and how much memory it holds: the name of the card and the peak of GPU
+//! memory in use, for the benchmarks and the training metrics.
+//!
+//! candle allocates CUDA memory with `cuMemAllocAsync` from the device's default memory pool, so the
+//! pool's high-water mark of used memory is the peak of every tensor alive at once (cuBLAS workspaces
+//! and the CUDA context are outside it, as they are outside PyTorch's `max_memory_allocated`).
+
+use candle_core::{Device, Result};
+
+/// A readable name: `cpu`, or the CUDA card's name (e.g. `NVIDIA H100 80GB HBM3`).
+pub fn device_name(device: &Device) -> String {
+    match device {
+        Device::Cpu => "cpu".into(),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => d.cuda_stream().context().name().unwrap_or_else(|_| "cuda".into()),
+        #[allow(unreachable_patterns)]
+        _ => format!("{device:?}"),
+    }
+}
+
+/// Wait for the device's queued work (a no-op on the CPU): call before reading a clock.
+pub fn synchronize(device: &Device) -> Result<()> {
+    device.synchronize()
+}
+
+/// Start a new peak: the high-water mark restarts from the memory in use now. `Ok(false)` where the
+/// device has no such counter (the CPU).
+pub fn reset_peak_memory(device: &Device) -> Result<bool> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            device.synchronize()?;
+            cuda::set_high(device, 0)?;
+            Ok(true)
+        }
+        _ => Ok(false),
+    }
+}
+
+/// `(in use now, peak since the last reset)` in bytes, on a CUDA device; `None` on the CPU.
+pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => {
+            device.synchronize()?;
+            Ok(Some(cuda::used_and_high(device)?))
+        }
+        _ => Ok(None),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::{Device, Result};
+
+    fn pool(device: &Device) -> Result<sys::CUmemoryPool> {
+        let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
+        ctx.bind_to_thread().map_err(candle_core::Error::wrap)?;
+        let mut pool = std::ptr::null_mut();
+        // SAFETY: the context is bound; `pool` is a valid out pointer.
+        let r = unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!("cuDeviceGetDefaultMemPool failed: {r:?}");
+        }
+        Ok(pool)
+    }
+
+    fn get(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
+        let mut v: u64 = 0;
+        // SAFETY: USED_MEM_* attributes are cuuint64_t values.
+        let r = unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!("cuMemPoolGetAttribute({attr:?}) failed: {r:?}");
+        }
+        Ok(v)
+    }
+
+    pub fn used_and_high(device: &Device) -> Result<(u64, u64)> {
+        let p = pool(device)?;
+        let used = get(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        // A mark reset to zero stays there until the next allocation.
+        let high = get(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?.max(used);
+        Ok((used, high))
+    }
+
+    pub fn set_high(device: &Device, value: u64) -> Result<()> {
+        let p = pool(device)?;
+        let mut v = value;
+        // SAFETY: USED_MEM_HIGH may only be set to zero (resets it to the current use).
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                p,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                &mut v as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!("cuMemPoolSetAttribute(USED_MEM_HIGH) failed: {r:?}");
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_has_a_name_and_no_memory_counter() {
+        let d = Device::Cpu;
+        assert_eq!(device_name(&d), "cpu");
+        assert!(!reset_peak_memory(&d).unwrap());
+        assert_eq!(memory_bytes(&d).unwrap(), None);
+        synchronize(&d).unwrap();
+    }
+}

@@ -1,0 +1,431 @@
+//! The two row kernels under the fused log-prob op, as forward-only candle custom ops:
+//!
+//! - [`row_stats`]: for each row `z` of a `[n, V]` logits chunk and its target `t`, one pass with an online
+//!   log-sum-exp gives `[log p(t), entropy, lse]` (f32);
+//! - [`row_grad`]: `dz[r, v] = g_r (onehot(t_r)[v] - exp(z[r, v] - lse_r))` in the logits' dtype.
+//!
+//! The CPU implementations here (rayon over rows, f32 accumulation) are the reference; with the `cuda`
+//! feature the same functions run as kernels/logprob.cu on the GPU. A target outside `[0, V)` is an
+//! error on the CPU and gives NaN on the GPU (no device sync to check it).
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+/// Element types the kernels read and write, accumulated in f32.
+trait Elem: Copy + Send + Sync + 'static {
+    fn f32(self) -> f32;
+    fn of(x: f32) -> Self;
+}
+
+impl Elem for f32 {
+    fn f32(self) -> f32 {
+        self
+    }
+    fn of(x: f32) -> Self {
+        x
+    }
+}
+
+impl Elem for bf16 {
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    fn of(x: f32) -> Self {
+        bf16::from_f32(x)
+    }
+}
+
+impl Elem for f16 {
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    fn of(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+}
+
+/// Running softmax statistics relative to the running maximum `m`: `s = sum e^(z-m)`,
+/// `u = sum e^(z-m) (z-m)`; then `lse = m + ln s` and `entropy = ln s - u / s`.
+#[derive(Clone, Copy)]
+struct Acc {
+    m: f32,
+    s: f32,
+    u: f32,
+}
+
+impl Acc {
+    const EMPTY: Acc = Acc { m: f32::NEG_INFINITY, s: 0.0, u: 0.0 };
+
+    fn push(&mut self, z: f32) {
+        if z == f32::NEG_INFINITY {
+            return;
+        }
+        if z <= self.m {
+            let d = z - self.m;
+            let e = d.exp();
+            self.s += e;
+            self.u += e * d;
+        } else {
+            let d = self.m - z;
+            if self.s > 0.0 {
+                let sc = d.exp();
+                self.u = (self.u + d * self.s) * sc;
+                self.s = self.s * sc + 1.0;
+            } else {
+                self.u = 0.0;
+                self.s = 1.0;
+            }
+            self.m = z;
+        }
+    }
+}
+
+fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&'a [T]> {
+    match layout.contiguous_offsets() {
+        Some((a, b)) => Ok(&data[a..b]),
+        None => candle_core::bail!("{what} must be contiguous"),
+    }
+}
+
+fn dims(logits: &Layout, targets: &Layout) -> Result<(usize, usize)> {
+    let (n, v) = logits.shape().dims2()?;
+    if targets.shape().dims() != [n] {
+        candle_core::bail!("targets have shape {:?}, expected [{n}]", targets.shape().dims());
+    }
+    if v > u32::MAX as usize {
+        candle_core::bail!("vocabulary of {v} does not fit in u32");
+    }
+    Ok((n, v))
+}
+
+fn cpu_stats<T: Elem>(z: &[T], t: &[u32], v: usize) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; t.len() * 3];
+    out.par_chunks_mut(3).zip(z.par_chunks(v.max(1))).zip(t.par_iter()).try_for_each(|((o, row), &t)| {
+        if t as usize >= v {
+            candle_core::bail!("target {t} is outside the vocabulary of {v}");
+        }
+        let mut a = Acc::EMPTY;
+        for &x in row {
+            a.push(x.f32());
+        }
+        let ln_s = a.s.ln();
+        let lse = a.m + ln_s;
+        o[0] = row[t as usize].f32() - lse;
+        o[1] = ln_s - a.u / a.s;
+        o[2] = lse;
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+fn cpu_grad<T: Elem>(z: &[T], t: &[u32], coef: &[f32], v: usize) -> Result<Vec<T>> {
+    let mut out = vec![T::of(0.0); z.len()];
+    out.par_chunks_mut(v.max(1)).zip(z.par_chunks(v.max(1))).enumerate().try_for_each(|(r, (o, row))| {
+        let (lse, g, t) = (coef[2 * r], coef[2 * r + 1], t[r] as usize);
+        if t >= v {
+            candle_core::bail!("target {t} is outside the vocabulary of {v}");
+        }
+        for (o, &x) in o.iter_mut().zip(row) {
+            *o = T::of(-g * (x.f32() - lse).exp());
+        }
+        o[t] = T::of(g * (1.0 - (row[t].f32() - lse).exp()));
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+struct RowStats;
+
+impl CustomOp2 for RowStats {
+    fn name(&self) -> &'static str {
+        "lp-row-stats"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = dims(l1, l2)?;
+        let t = match s2 {
+            CpuStorage::U32(t) => contiguous(t, l2, "targets")?,
+            _ => candle_core::bail!("targets must be u32, got {:?}", s2.dtype()),
+        };
+        let out = match s1 {
+            CpuStorage::F32(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
+            CpuStorage::BF16(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
+            CpuStorage::F16(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
+            _ => candle_core::bail!("logits must be f32, bf16 or f16, got {:?}", s1.dtype()),
+        };
+        Ok((CpuStorage::F32(out), Shape::from((n, 3))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, v) = dims(l1, l2)?;
+        let out = cuda::stats(s1, l1, s2, l2, n, v)?;
+        Ok((out, Shape::from((n, 3))))
+    }
+}
+
+struct RowGrad;
+
+impl CustomOp3 for RowGrad {
+    fn name(&self) -> &'static str {
+        "lp-row-grad"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = dims(l1, l2)?;
+        let t = match s2 {
+            CpuStorage::U32(t) => contiguous(t, l2, "targets")?,
+            _ => candle_core::bail!("targets must be u32, got {:?}", s2.dtype()),
+        };
+        let coef = match s3 {
+            CpuStorage::F32(c) if l3.shape().dims() == [n, 2] => contiguous(c, l3, "coefficients")?,
+            _ => candle_core::bail!("coefficients must be f32 [{n}, 2]"),
+        };
+        let out = match s1 {
+            CpuStorage::F32(z) => CpuStorage::F32(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
+            CpuStorage::BF16(z) => CpuStorage::BF16(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
+            CpuStorage::F16(z) => CpuStorage::F16(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
+            _ => candle_core::bail!("logits must be f32, bf16 or f16, got {:?}", s1.dtype()),
+        };
+        Ok((out, Shape::from((n, v))))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        let (n, v) = dims(l1, l2)?;
+        if l3.shape().dims() != [n, 2] {
+            candle_core::bail!("coefficients must be f32 [{n}, 2]");
+        }
+        let out = cuda::grad(s1, l1, s2, l2, s3, l3, n, v)?;
+        Ok((out, Shape::from((n, v))))
+    }
+}
+
+/// `[n, 3]` f32: `log p(target)`, entropy and log-sum-exp of each row of `logits` (`[n, V]`, f32/bf16/f16;
+/// `targets` `[n]` u32). No gradient.
+pub fn row_stats(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    logits.detach().contiguous()?.apply_op2_no_bwd(&targets.detach().contiguous()?, &RowStats)
+}
+
+/// `dz = g (onehot(t) - softmax(z))` (`[n, V]`, dtype of `logits`), with the softmax from the row's
+/// log-sum-exp: `coef` is `[n, 2]` f32 of `(lse, g)`. No gradient.
+pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tensor> {
+    let coef = coef.detach().to_dtype(DType::F32)?.contiguous()?;
+    logits.detach().contiguous()?.apply_op3_no_bwd(&targets.detach().contiguous()?, &coef, &RowGrad)
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::{CudaStorage, Layout, Result};
+
+    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"));
+    const MODULE: &str = "grpo_logprob";
+
+    fn view<'a, T: DeviceRepr>(
+        s: &'a CudaSlice<T>,
+        l: &Layout,
+        what: &str,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
+        match l.contiguous_offsets() {
+            Some((a, b)) => Ok(s.slice(a..b)),
+            None => candle_core::bail!("{what} must be contiguous"),
+        }
+    }
+
+    fn targets<'a>(
+        s: &'a CudaStorage,
+        l: &Layout,
+    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
+        match &s.slice {
+            CudaStorageSlice::U32(t) => view(t, l, "targets"),
+            _ => candle_core::bail!("targets must be u32"),
+        }
+    }
+
+    pub fn stats(
+        z: &CudaStorage,
+        lz: &Layout,
+        t: &CudaStorage,
+        lt: &Layout,
+        n: usize,
+        v: usize,
+    ) -> Result<CudaStorage> {
+        let dev = &z.device;
+        let t = targets(t, lt)?;
+        // SAFETY: every element is written by the kernel (one block per row).
+        let out = unsafe { dev.alloc::<f32>(n * 3)? };
+        if n == 0 {
+            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
+        }
+        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+        let v32 = v as u32;
+        macro_rules! launch {
+            ($s:expr, $name:literal) => {{
+                let zs = view($s, lz, "logits")?;
+                let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+                let mut b = f.builder();
+                b.arg(&zs);
+                b.arg(&t);
+                b.arg(&out);
+                b.arg(&v32);
+                // SAFETY: argument types match the kernel's signature in kernels/logprob.cu.
+                unsafe { b.launch(cfg) }.w()?;
+            }};
+        }
+        match &z.slice {
+            CudaStorageSlice::F32(s) => launch!(s, "lp_row_stats_f32"),
+            CudaStorageSlice::BF16(s) => launch!(s, "lp_row_stats_bf16"),
+            CudaStorageSlice::F16(s) => launch!(s, "lp_row_stats_f16"),
+            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
+        }
+        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn grad(
+        z: &CudaStorage,
+        lz: &Layout,
+        t: &CudaStorage,
+        lt: &Layout,
+        c: &CudaStorage,
+        lc: &Layout,
+        n: usize,
+        v: usize,
+    ) -> Result<CudaStorage> {
+        let dev = &z.device;
+        let t = targets(t, lt)?;
+        let coef = match &c.slice {
+            CudaStorageSlice::F32(s) => view(s, lc, "coefficients")?,
+            _ => candle_core::bail!("coefficients must be f32"),
+        };
+        let threads = 256u32;
+        let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
+        let cfg =
+            LaunchConfig { grid_dim: (n.max(1) as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let v32 = v as u32;
+        macro_rules! launch {
+            ($s:expr, $ty:ty, $name:literal) => {{
+                let zs = view($s, lz, "logits")?;
+                // SAFETY: every element is written by the kernel.
+                let out = unsafe { dev.alloc::<$ty>(n * v)? };
+                if n > 0 {
+                    let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
+                    let mut b = f.builder();
+                    b.arg(&zs);
+                    b.arg(&t);
+                    b.arg(&coef);
+                    b.arg(&out);
+                    b.arg(&v32);
+                    // SAFETY: argument types match the kernel's signature in kernels/logprob.cu.
+                    unsafe { b.launch(cfg) }.w()?;
+                }
+                CudaStorage::wrap_cuda_slice(out, dev.clone())
+            }};
+        }
+        Ok(match &z.slice {
+            CudaStorageSlice::F32(s) => launch!(s, f32, "lp_row_grad_f32"),
+            CudaStorageSlice::BF16(s) => launch!(s, half::bf16, "lp_row_grad_bf16"),
+            CudaStorageSlice::F16(s) => launch!(s, half::f16, "lp_row_grad_f16"),
+            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, D};
+
+    fn logits(n: usize, v: usize, scale: f32) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64((n * 1009 + v) as u64);
+        let data: Vec<f32> = (0..n * v).map(|_| rng.gen_range(-scale..scale)).collect();
+        Tensor::from_vec(data, (n, v), &Device::Cpu).unwrap()
+    }
+
+    fn naive(z: &Tensor, t: &Tensor) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let z = z.to_dtype(DType::F32).unwrap();
+        let lse = z.log_sum_exp(D::Minus1).unwrap();
+        let logp_all = candle_nn::ops::log_softmax(&z, D::Minus1).unwrap();
+        let logp = logp_all.gather(&t.unsqueeze(1).unwrap(), 1).unwrap().squeeze(1).unwrap();
+        let ent = (logp_all.exp().unwrap() * &logp_all).unwrap().sum(D::Minus1).unwrap().neg().unwrap();
+        (logp.to_vec1().unwrap(), ent.to_vec1().unwrap(), lse.to_vec1().unwrap())
+    }
+
+    fn close(a: &[f32], b: &[f32], tol: f32) -> bool {
+        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= tol * (1.0 + y.abs()))
+    }
+
+    #[test]
+    fn stats_match_the_composite_ops_in_every_dtype() {
+        let (n, v) = (9, 1000);
+        let t = Tensor::from_vec((0..n as u32).map(|i| (i * 97 + 5) % v as u32).collect(), n, &Device::Cpu).unwrap();
+        // Wide logits (|z| up to 30) exercise the running-max rescaling.
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let z = logits(n, v, 30.0).to_dtype(dt).unwrap();
+            let s = row_stats(&z, &t).unwrap();
+            assert_eq!(s.dims(), [n, 3]);
+            let (lp, ent, lse) = naive(&z, &t);
+            let col = |i| s.narrow(1, i, 1).unwrap().squeeze(1).unwrap().to_vec1::<f32>().unwrap();
+            assert!(close(&col(0), &lp, 1e-5), "{dt:?} logp {:?} vs {lp:?}", col(0));
+            assert!(close(&col(1), &ent, 1e-5), "{dt:?} entropy {:?} vs {ent:?}", col(1));
+            assert!(close(&col(2), &lse, 1e-5), "{dt:?} lse");
+        }
+    }
+
+    #[test]
+    fn grad_is_g_times_onehot_minus_softmax() {
+        let (n, v) = (4, 37);
+        let z = logits(n, v, 5.0);
+        let t = Tensor::new(&[0u32, 36, 5, 5], &Device::Cpu).unwrap();
+        let s = row_stats(&z, &t).unwrap();
+        let g = Tensor::new(&[1.5f32, -0.5, 0.0, 2.0], &Device::Cpu).unwrap();
+        let coef = Tensor::stack(&[s.narrow(1, 2, 1).unwrap().squeeze(1).unwrap(), g.clone()], 1).unwrap();
+        let dz = row_grad(&z, &t, &coef).unwrap();
+        let p = candle_nn::ops::softmax(&z, D::Minus1).unwrap();
+        let onehot = Tensor::zeros((n, v), DType::F32, &Device::Cpu)
+            .unwrap()
+            .scatter_add(&t.unsqueeze(1).unwrap(), &Tensor::ones((n, 1), DType::F32, &Device::Cpu).unwrap(), 1)
+            .unwrap();
+        let want = (onehot - p).unwrap().broadcast_mul(&g.unsqueeze(1).unwrap()).unwrap();
+        let diff = (dz - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(diff < 1e-6, "max |dz - want| = {diff}");
+    }
+
+    #[test]
+    fn bad_targets_and_shapes_are_errors() {
+        let z = logits(2, 5, 1.0);
+        let e = row_stats(&z, &Tensor::new(&[1u32, 5], &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("outside the vocabulary"), "{e}");
+        let e = row_stats(&z, &Tensor::new(&[1u32, 2, 3], &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("targets have shape"), "{e}");
+        let e = row_stats(&z, &Tensor::new(&[1i64, 2], &Device::Cpu).unwrap()).unwrap_err().to_string();
+        assert!(e.contains("u32"), "{e}");
+    }
+}

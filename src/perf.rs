@@ -1,0 +1,376 @@
+//! Speed and memory measurements of the trainer's hot paths on random weights, one JSON record each,
+//! with the same keys as scripts/gpu/torch_ref.py prints for PyTorch, so that scripts/gpu/report.py can
+//! put both side by side:
+//!
+//! - [`train_step`]: one whole training step (policy forward and backward, reference forward, AdamW)
+//!   through the trainer's own code path;
+//! - [`logprob`]: the fused log-prob op alone (optionally with the off_grpo loss on top), and candle's
+//!   naive whole-vocabulary log-softmax for comparison;
+//! - [`generate`]: greedy generation with the KV cache, never stopping early.
+//!
+//! Times are medians of the timed repetitions after warm-up, with the device synchronised around each.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use crate::data::{Group, Response};
+use crate::device::{device_name, memory_bytes, reset_peak_memory, synchronize};
+use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
+use crate::model::{random_decoder, ModelConfig};
+use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
+use crate::train::optim::{grad_norm, OptimConfig, Optimizer};
+use crate::train::step::{build_batch, compute_gradients};
+
+/// Errors of a measurement.
+#[derive(Debug, thiserror::Error)]
+pub enum PerfError {
+    #[error("{0}")]
+    Candle(#[from] candle_core::Error),
+    #[error("{0}")]
+    Model(#[from] crate::model::ModelError),
+    #[error("model shape {path}: {source}")]
+    Shape { path: PathBuf, source: crate::model::config::ConfigError },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+type Result<T> = std::result::Result<T, PerfError>;
+
+/// Where and how long to measure.
+#[derive(Debug, Clone)]
+pub struct Timing {
+    pub device: Device,
+    pub dtype: DType,
+    pub warmup: usize,
+    pub repeats: usize,
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::F32 => "f32",
+        _ => "other",
+    }
+}
+
+fn median(xs: &[f64]) -> f64 {
+    let mut v = xs.to_vec();
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => 0.5 * (v[n / 2 - 1] + v[n / 2]),
+    }
+}
+
+/// Run `f` `warmup + repeats` times with the device synchronised around each; the timed durations.
+fn time_runs<T>(t: &Timing, mut f: impl FnMut() -> Result<T>) -> Result<(Vec<f64>, Vec<T>)> {
+    let (mut times, mut outs) = (Vec::new(), Vec::new());
+    for i in 0..t.warmup + t.repeats.max(1) {
+        synchronize(&t.device)?;
+        let t0 = Instant::now();
+        let out = f()?;
+        synchronize(&t.device)?;
+        if i >= t.warmup {
+            times.push(t0.elapsed().as_secs_f64());
+            outs.push(out);
+        }
+    }
+    Ok((times, outs))
+}
+
+fn shape_name(path: &std::path::Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
+}
+
+fn load_shape(path: &std::path::Path) -> Result<ModelConfig> {
+    ModelConfig::from_file(path).map_err(|source| PerfError::Shape { path: path.to_path_buf(), source })
+}
+
+fn random_ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
+}
+
+/// One training step's settings.
+#[derive(Debug, Clone)]
+pub struct TrainStepSpec {
+    /// An HF config.json giving the model's shape (weights are random).
+    pub shape: PathBuf,
+    pub answers: usize,
+    /// Tokens of each answer's full sequence (prompt included).
+    pub seq_len: usize,
+    pub prompt_len: usize,
+    pub micro_batch: usize,
+    pub checkpoint_layers: bool,
+    pub logprob_chunk_mb: usize,
+}
+
+/// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
+/// rewards alternating 1, 0 (advantages +-1 after normalisation), eps 0.2, beta 0.1 with k3 to a frozen
+/// reference, seq-mean-token-mean, AdamW at lr 1e-6 with f32 master weights and moments.
+pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
+    if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
+        return Err(PerfError::Invalid(format!(
+            "prompt length {} must be in 1..{} (the sequence length)",
+            spec.prompt_len, spec.seq_len
+        )));
+    }
+    let cfg = load_shape(&spec.shape)?;
+    let vocab = cfg.vocab_size;
+    let mut policy = random_decoder(cfg, 0, t.dtype, &t.device, true)?;
+    policy.options.checkpoint_layers = spec.checkpoint_layers;
+    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
+    let reference = policy.frozen_copy()?;
+    let objective_cfg = ObjectiveConfig {
+        name: ObjectiveName::OffGrpo,
+        eps: 0.2,
+        beta: 0.1,
+        kl_estimator: KlEstimator::K3,
+        loss_agg: LossAgg::SeqMeanTokenMean,
+        ..ObjectiveConfig::default()
+    };
+    let objective = objective_cfg.build();
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    let group = Group {
+        index: 0,
+        question_id: "random".into(),
+        domain: None,
+        source: None,
+        prompt_tokens: random_ids(&mut rng, spec.prompt_len, vocab),
+        responses: (0..spec.answers)
+            .map(|i| Response {
+                tokens: random_ids(&mut rng, spec.seq_len - spec.prompt_len, vocab),
+                reward: if i % 2 == 0 { 1.0 } else { 0.0 },
+                answer: None,
+                truncated: true,
+                teacher_logprobs: None,
+            })
+            .collect(),
+        majority: None,
+        majority_count: 0,
+        vote_margin: 0,
+    };
+    let batch = build_batch(&[group], objective.as_ref(), objective_cfg.loss_agg, spec.seq_len);
+    let optim_cfg = OptimConfig { lr: 1e-6, ..OptimConfig::default() };
+    let mut optimizer = Optimizer::new(optim_cfg, policy.names(), &policy.vars())?;
+    let mut peak = None;
+    let mut step_no = 0usize;
+    let (times, stats) = time_runs(t, || {
+        if step_no == t.warmup {
+            reset_peak_memory(&t.device)?;
+        }
+        step_no += 1;
+        let (grads, stats) =
+            compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, spec.micro_batch, 0)?;
+        let norm = grad_norm(&grads)?;
+        let scale = if norm > 1.0 { 1.0 / (norm + 1e-6) } else { 1.0 };
+        optimizer.step(&grads, 1e-6, scale)?;
+        Ok(stats)
+    })?;
+    if let Some((_, high)) = memory_bytes(&t.device)? {
+        peak = Some(high);
+    }
+    let step_time = median(&times);
+    let tokens = spec.answers * spec.seq_len;
+    Ok(json!({
+        "bench": "train_step",
+        "impl": "grpo",
+        "shape": shape_name(&spec.shape),
+        "answers": spec.answers,
+        "seq_len": spec.seq_len,
+        "prompt_len": spec.prompt_len,
+        "dtype": dtype_name(t.dtype),
+        "device": device_name(&t.device),
+        "micro_batch": spec.micro_batch,
+        "checkpoint_layers": spec.checkpoint_layers,
+        "logprob_chunk_mb": spec.logprob_chunk_mb,
+        "step_times": times,
+        "step_time_s": step_time,
+        "tokens": tokens,
+        "response_tokens": stats.first().map(|s| s.response_tokens).unwrap_or(0),
+        "tokens_per_s": tokens as f64 / step_time,
+        "peak_mem_bytes": peak,
+        "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+    }))
+}
+
+/// The log-prob op's settings.
+#[derive(Debug, Clone)]
+pub struct LogprobSpec {
+    pub tokens: usize,
+    pub hidden: usize,
+    pub vocab: usize,
+    /// Put the off_grpo token loss (ratio, clip, k3 KL) on top, as the trainer does.
+    pub with_loss: bool,
+    /// `Some(MB)`: the fused op with chunks of this budget; `None`: candle's whole-vocabulary log-softmax.
+    pub chunk_mb: Option<usize>,
+}
+
+/// Forward, and forward + backward, of the per-token log-prob from hidden states and the lm_head.
+pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
+    let dev = &t.device;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(1);
+    let mut draw = |n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-scale..scale)).collect() };
+    let hidden = Var::from_tensor(
+        &Tensor::from_vec(draw(spec.tokens * spec.hidden, 2.0), (spec.tokens, spec.hidden), dev)?.to_dtype(t.dtype)?,
+    )?;
+    let weight = Var::from_tensor(
+        &Tensor::from_vec(draw(spec.vocab * spec.hidden, 0.05), (spec.vocab, spec.hidden), dev)?.to_dtype(t.dtype)?,
+    )?;
+    let upstream = Tensor::from_vec(draw(spec.tokens, 1.0), spec.tokens, dev)?;
+    let ref_logp = Tensor::from_vec(draw(spec.tokens, 1.0), spec.tokens, dev)?.affine(1.0, -12.0)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
+    let targets = Tensor::from_vec(random_ids(&mut rng, spec.tokens, spec.vocab), spec.tokens, dev)?;
+    let objective_cfg = ObjectiveConfig { beta: 0.1, ..ObjectiveConfig::default() };
+    let objective = objective_cfg.build();
+    let inputs = TokenInputs {
+        advantages: upstream.clone(),
+        weights: Tensor::full(1.0 / spec.tokens as f32, spec.tokens, dev)?,
+        ref_logp: Some(ref_logp),
+        behaviour_logp: None,
+    };
+    let forward = || -> Result<Tensor> {
+        let lp = match spec.chunk_mb {
+            Some(mb) => logprobs_entropy(hidden.as_tensor(), weight.as_tensor(), &targets, mb.max(1) << 20)?,
+            None => logprobs_entropy_reference(hidden.as_tensor(), weight.as_tensor(), &targets)?,
+        };
+        let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
+        Ok(if spec.with_loss { objective.loss(&logp, &inputs)?.loss } else { (logp * &upstream)?.sum_all()? })
+    };
+    let (fwd, _) = time_runs(t, || forward().map(|l| l.detach()))?;
+    let before = memory_bytes(dev)?;
+    reset_peak_memory(dev)?;
+    let (fwd_bwd, _) = time_runs(t, || {
+        let grads = forward()?.backward()?;
+        Ok(grads.get(hidden.as_tensor()).is_some())
+    })?;
+    let peak = match (before, memory_bytes(dev)?) {
+        (Some((used, _)), Some((_, high))) => Some(high.saturating_sub(used)),
+        _ => None,
+    };
+    Ok(json!({
+        "bench": "logprob",
+        "impl": if spec.chunk_mb.is_some() { "grpo_fused" } else { "grpo_naive" },
+        "tokens": spec.tokens,
+        "hidden": spec.hidden,
+        "vocab": spec.vocab,
+        "dtype": dtype_name(t.dtype),
+        "device": device_name(dev),
+        "with_loss": spec.with_loss,
+        "chunk_mb": spec.chunk_mb,
+        "fwd_time_s": median(&fwd),
+        "fwd_bwd_time_s": median(&fwd_bwd),
+        "peak_mem_bytes": peak,
+    }))
+}
+
+/// Generation settings.
+#[derive(Debug, Clone)]
+pub struct GenerateSpec {
+    pub shape: PathBuf,
+    pub batch: usize,
+    pub prompt_len: usize,
+    pub new_tokens: usize,
+}
+
+/// Greedy generation of exactly `new_tokens` per row (no stop token) from random prompts.
+pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
+    use crate::eval::{generate as run_generate, SamplingParams};
+    let cfg = load_shape(&spec.shape)?;
+    let vocab = cfg.vocab_size;
+    let model = random_decoder(cfg, 0, t.dtype, &t.device, false)?;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
+    let prompts: Vec<Vec<u32>> = (0..spec.batch).map(|_| random_ids(&mut rng, spec.prompt_len, vocab)).collect();
+    let ids: Vec<u64> = (0..spec.batch as u64).collect();
+    let params = SamplingParams { max_new_tokens: spec.new_tokens, ..SamplingParams::default() };
+    let (times, outs) = time_runs(t, || {
+        let g = run_generate(&model, &prompts, &ids, &params, &[], 0, |_| {})?;
+        Ok(g.iter().map(|g| g.tokens.len()).sum::<usize>())
+    })?;
+    let produced = outs.first().copied().unwrap_or(0);
+    if produced != spec.batch * spec.new_tokens {
+        return Err(PerfError::Invalid(format!(
+            "generated {produced} tokens, expected {} x {}",
+            spec.batch, spec.new_tokens
+        )));
+    }
+    let time = median(&times);
+    Ok(json!({
+        "bench": "generate",
+        "impl": "grpo",
+        "shape": shape_name(&spec.shape),
+        "batch": spec.batch,
+        "prompt_len": spec.prompt_len,
+        "new_tokens": spec.new_tokens,
+        "dtype": dtype_name(t.dtype),
+        "device": device_name(&t.device),
+        "time_s": time,
+        "tokens_per_s": produced as f64 / time,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny_shape(dir: &std::path::Path) -> PathBuf {
+        let raw = json!({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": true});
+        let p = dir.join("tiny.json");
+        std::fs::write(&p, raw.to_string()).unwrap();
+        p
+    }
+
+    fn cpu() -> Timing {
+        Timing { device: Device::Cpu, dtype: DType::F32, warmup: 1, repeats: 2 }
+    }
+
+    #[test]
+    fn train_step_reports_every_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TrainStepSpec {
+            shape: tiny_shape(dir.path()),
+            answers: 4,
+            seq_len: 12,
+            prompt_len: 4,
+            micro_batch: 2,
+            checkpoint_layers: true,
+            logprob_chunk_mb: 1,
+        };
+        let r = train_step(&spec, &cpu()).unwrap();
+        assert_eq!(r["tokens"], 48);
+        assert_eq!(r["response_tokens"], 32);
+        assert_eq!(r["shape"], "tiny");
+        assert_eq!(r["step_times"].as_array().unwrap().len(), 2);
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["losses"].as_array().unwrap().iter().all(|l| l.as_f64().unwrap().is_finite()));
+        assert!(r["peak_mem_bytes"].is_null());
+        let bad = TrainStepSpec { prompt_len: 12, ..spec };
+        assert!(train_step(&bad, &cpu()).unwrap_err().to_string().contains("prompt length"));
+    }
+
+    #[test]
+    fn fused_and_naive_logprob_both_run() {
+        for chunk_mb in [Some(1), None] {
+            for with_loss in [false, true] {
+                let spec = LogprobSpec { tokens: 6, hidden: 8, vocab: 50, with_loss, chunk_mb };
+                let r = logprob(&spec, &cpu()).unwrap();
+                assert!(r["fwd_bwd_time_s"].as_f64().unwrap() > 0.0, "{r}");
+            }
+        }
+    }
+
+    #[test]
+    fn generation_produces_every_token() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = GenerateSpec { shape: tiny_shape(dir.path()), batch: 3, prompt_len: 5, new_tokens: 4 };
+        let r = generate(&spec, &cpu()).unwrap();
+        assert_eq!(r["batch"], 3);
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+    }
+}

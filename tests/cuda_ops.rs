@@ -1,0 +1,111 @@
+//! The CUDA kernels against their CPU reference on random inputs (built only with `--features cuda`;
+//! skips with a message when no GPU is present). Run on a GPU machine by scripts/gpu/run.sh.
+#![cfg(feature = "cuda")]
+
+use candle_core::{DType, Device, Tensor, Var};
+use grpo::kernels::{logprobs_entropy, row_grad, row_stats};
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> Option<Device> {
+    match Device::new_cuda(0) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            None
+        }
+    }
+}
+
+fn random(rng: &mut impl Rng, shape: (usize, usize), scale: f32) -> Tensor {
+    let data: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.gen_range(-scale..scale)).collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+fn targets(rng: &mut impl Rng, n: usize, v: usize) -> Tensor {
+    Tensor::from_vec((0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
+}
+
+/// max |a - b| / (1 + |b|) over all elements, and whether either side has a NaN.
+fn rel_err(a: &Tensor, b: &Tensor) -> (f32, bool) {
+    let a: Vec<f32> = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let nan = a.iter().chain(&b).any(|x| x.is_nan());
+    let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0f32, f32::max);
+    (err, nan)
+}
+
+#[test]
+fn row_kernels_match_the_cpu_reference() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    // A real vocabulary width and one that is not a multiple of the block size.
+    for (n, v) in [(33, 151_936), (70, 1001)] {
+        let t = targets(&mut rng, n, v);
+        for dt in [DType::F32, DType::BF16, DType::F16] {
+            let z = random(&mut rng, (n, v), 20.0).to_dtype(dt).unwrap();
+            let s_cpu = row_stats(&z, &t).unwrap();
+            let s_gpu = row_stats(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap()).unwrap();
+            let (err, nan) = rel_err(&s_gpu.to_device(&Device::Cpu).unwrap(), &s_cpu);
+            println!("row_stats n={n} V={v} {dt:?}: max rel err {err:.2e}");
+            assert!(!nan && err < 1e-5, "row_stats {dt:?} V={v}: err {err}, nan {nan}");
+
+            let g = random(&mut rng, (n, 1), 2.0).squeeze(1).unwrap();
+            let coef = Tensor::stack(&[s_cpu.narrow(1, 2, 1).unwrap().squeeze(1).unwrap(), g], 1).unwrap();
+            let d_cpu = row_grad(&z, &t, &coef).unwrap();
+            let d_gpu =
+                row_grad(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap(), &coef.to_device(&gpu).unwrap())
+                    .unwrap();
+            // Both round the same f32 value to the output dtype; expf differs by a few ulp.
+            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
+            let (err, nan) = rel_err(&d_gpu.to_device(&Device::Cpu).unwrap(), &d_cpu);
+            println!("row_grad  n={n} V={v} {dt:?}: max rel err {err:.2e}");
+            assert!(!nan && err < tol, "row_grad {dt:?} V={v}: err {err}, nan {nan}");
+        }
+    }
+}
+
+#[test]
+fn fused_op_forward_and_backward_match_the_cpu_in_f32_and_bf16() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    let (n, h, v) = (300, 128, 151_936);
+    let hidden = random(&mut rng, (n, h), 2.0);
+    let weight = random(&mut rng, (v, h), 0.1);
+    let t = targets(&mut rng, n, v);
+    let up = random(&mut rng, (n, 1), 1.0).squeeze(1).unwrap();
+    let run = |dev: &Device, dt: DType| {
+        let hv = Var::from_tensor(&hidden.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+        let wv = Var::from_tensor(&weight.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+        // 8 MiB chunks: several chunks at this vocabulary.
+        let lp = logprobs_entropy(hv.as_tensor(), wv.as_tensor(), &t.to_device(dev).unwrap(), 8 << 20).unwrap();
+        let loss = lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&up.to_device(dev).unwrap()).unwrap();
+        let grads = loss.sum_all().unwrap().backward().unwrap();
+        let cpu = |x: &Tensor| x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+        (cpu(&lp), cpu(grads.get(hv.as_tensor()).unwrap()), cpu(grads.get(wv.as_tensor()).unwrap()))
+    };
+    for (dt, tol_lp, tol_g) in [(DType::F32, 1e-4, 1e-3), (DType::BF16, 5e-2, 5e-2)] {
+        let (lp_c, gh_c, gw_c) = run(&Device::Cpu, dt);
+        let (lp_g, gh_g, gw_g) = run(&gpu, dt);
+        for (what, a, b, tol) in [
+            ("logp/entropy", &lp_g, &lp_c, tol_lp),
+            ("grad hidden", &gh_g, &gh_c, tol_g),
+            ("grad weight", &gw_g, &gw_c, tol_g),
+        ] {
+            let (err, nan) = rel_err(a, b);
+            println!("fused {dt:?} {what}: max rel err {err:.2e}");
+            assert!(!nan && err < tol, "{dt:?} {what}: err {err}, nan {nan}");
+        }
+        // The gradient is not identically zero.
+        let norm = gw_g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(norm > 0.0);
+    }
+}
+
+#[test]
+fn out_of_range_target_gives_nan_not_a_crash() {
+    let Some(gpu) = gpu() else { return };
+    let z = Tensor::zeros((2, 10), DType::F32, &gpu).unwrap();
+    let t = Tensor::new(&[3u32, 10], &gpu).unwrap();
+    let s: Vec<Vec<f32>> = row_stats(&z, &t).unwrap().to_vec2().unwrap();
+    assert!((s[0][0] + 10f32.ln()).abs() < 1e-6 && s[1][0].is_nan(), "{s:?}");
+}
