@@ -12,6 +12,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=CUDA_ROOT");
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
@@ -20,7 +21,7 @@ fn main() {
     let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
     let nvcc = ["CUDA_HOME", "CUDA_ROOT"]
         .iter()
-        .filter_map(|v| std::env::var_os(v))
+        .filter_map(std::env::var_os)
         .map(|d| PathBuf::from(d).join("bin").join("nvcc"))
         .find(|p| p.exists())
         .unwrap_or_else(|| PathBuf::from("nvcc"));

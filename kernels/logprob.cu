@@ -40,7 +40,7 @@ __device__ __forceinline__ void push(Acc &a, float z) {
     } else {
         // New maximum: rescale what was accumulated against the old one.
         float d = a.m - z;  // < 0, or -inf for the first element
-        if (a.s > 0.f) {
+        if (a.s != 0.f) {  // != keeps a NaN in s (a NaN logit makes the whole row NaN)
             float sc = expf(d);
             a.u = (a.u + d * a.s) * sc;
             a.s = a.s * sc + 1.f;

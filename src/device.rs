@@ -18,6 +18,16 @@ pub fn device_name(device: &Device) -> String {
     }
 }
 
+/// Set a freshly opened device up for speed: on CUDA, freed memory stays in the allocation pool for
+/// reuse rather than going back to the driver at every synchronisation.
+pub fn prepare(device: &Device) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) => cuda::keep_freed_memory(device),
+        _ => Ok(()),
+    }
+}
+
 /// Wait for the device's queued work (a no-op on the CPU): call before reading a clock.
 pub fn synchronize(device: &Device) -> Result<()> {
     device.synchronize()
@@ -28,7 +38,7 @@ pub fn synchronize(device: &Device) -> Result<()> {
 pub fn reset_peak_memory(device: &Device) -> Result<bool> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
+        Device::Cuda(_) if cuda::pooled(device)? => {
             device.synchronize()?;
             cuda::set_high(device, 0)?;
             Ok(true)
@@ -37,11 +47,12 @@ pub fn reset_peak_memory(device: &Device) -> Result<bool> {
     }
 }
 
-/// `(in use now, peak since the last reset)` in bytes, on a CUDA device; `None` on the CPU.
+/// `(in use now, peak since the last reset)` in bytes, on a CUDA device; `None` on the CPU (and where
+/// the driver has no memory pools, so allocations bypass the counters).
 pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
+        Device::Cuda(_) if cuda::pooled(device)? => {
             device.synchronize()?;
             Ok(Some(cuda::used_and_high(device)?))
         }
@@ -53,6 +64,33 @@ pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::sys;
     use candle_core::{Device, Result};
+
+    /// Whether candle's allocations go through the default pool (`cuMemAllocAsync`).
+    pub fn pooled(device: &Device) -> Result<bool> {
+        Ok(device.as_cuda_device()?.cuda_stream().context().has_async_alloc())
+    }
+
+    /// Let the pool keep freed memory instead of returning it to the driver at every synchronisation
+    /// (what PyTorch's caching allocator does too).
+    pub fn keep_freed_memory(device: &Device) -> Result<()> {
+        if !pooled(device)? {
+            return Ok(());
+        }
+        let p = pool(device)?;
+        let mut v = u64::MAX;
+        // SAFETY: RELEASE_THRESHOLD is a cuuint64_t.
+        let r = unsafe {
+            sys::cuMemPoolSetAttribute(
+                p,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut v as *mut u64 as *mut std::ffi::c_void,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!("cuMemPoolSetAttribute(RELEASE_THRESHOLD) failed: {r:?}");
+        }
+        Ok(())
+    }
 
     fn pool(device: &Device) -> Result<sys::CUmemoryPool> {
         let ctx = device.as_cuda_device()?.cuda_stream().context().clone();

@@ -1,5 +1,6 @@
 //! The CUDA kernels against their CPU reference on random inputs (built only with `--features cuda`;
-//! skips with a message when no GPU is present). Run on a GPU machine by scripts/gpu/run.sh.
+//! skips with a message when no CUDA device opens; the binary itself needs the driver's libcuda.so.1 to
+//! start). Run on a GPU machine by scripts/gpu/run.sh.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -25,13 +26,29 @@ fn targets(rng: &mut impl Rng, n: usize, v: usize) -> Tensor {
     Tensor::from_vec((0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), n, &Device::Cpu).unwrap()
 }
 
-/// max |a - b| / (1 + |b|) over all elements, and whether either side has a NaN.
+/// max |a - b| / (1 + |b|) over all elements (an error relative to the values' scale, for sums like
+/// log-sum-exp), and whether either side has a NaN.
 fn rel_err(a: &Tensor, b: &Tensor) -> (f32, bool) {
     let a: Vec<f32> = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let b: Vec<f32> = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
     let nan = a.iter().chain(&b).any(|x| x.is_nan());
     let err = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / (1.0 + y.abs())).fold(0f32, f32::max);
     (err, nan)
+}
+
+/// Whether every element has |a - b| <= rtol |b| + atol (elementwise, for small gradients), and the worst
+/// |a - b| / (rtol |b| + atol).
+fn allclose(a: &Tensor, b: &Tensor, rtol: f32, atol: f32) -> (bool, f32) {
+    let a: Vec<f32> = a.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let b: Vec<f32> = b.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs() / (rtol * y.abs() + atol)).fold(0f32, |m, r| {
+        if r.is_nan() {
+            f32::NAN
+        } else {
+            m.max(r)
+        }
+    });
+    (worst <= 1.0, worst)
 }
 
 #[test]
@@ -47,7 +64,8 @@ fn row_kernels_match_the_cpu_reference() {
             let s_gpu = row_stats(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap()).unwrap();
             let (err, nan) = rel_err(&s_gpu.to_device(&Device::Cpu).unwrap(), &s_cpu);
             println!("row_stats n={n} V={v} {dt:?}: max rel err {err:.2e}");
-            assert!(!nan && err < 1e-5, "row_stats {dt:?} V={v}: err {err}, nan {nan}");
+            // The CPU sums 151,936 terms in order, the GPU in a tree: a few e-6 apart.
+            assert!(!nan && err < 1e-4, "row_stats {dt:?} V={v}: err {err}, nan {nan}");
 
             let g = random(&mut rng, (n, 1), 2.0).squeeze(1).unwrap();
             let coef = Tensor::stack(&[s_cpu.narrow(1, 2, 1).unwrap().squeeze(1).unwrap(), g], 1).unwrap();
@@ -55,11 +73,16 @@ fn row_kernels_match_the_cpu_reference() {
             let d_gpu =
                 row_grad(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap(), &coef.to_device(&gpu).unwrap())
                     .unwrap();
-            // Both round the same f32 value to the output dtype; expf differs by a few ulp.
-            let tol = if dt == DType::F32 { 1e-5 } else { 1e-2 };
-            let (err, nan) = rel_err(&d_gpu.to_device(&Device::Cpu).unwrap(), &d_cpu);
-            println!("row_grad  n={n} V={v} {dt:?}: max rel err {err:.2e}");
-            assert!(!nan && err < tol, "row_grad {dt:?} V={v}: err {err}, nan {nan}");
+            // Both round the same f32 value to the output dtype; expf differs by a few ulp, which can
+            // flip one rounding of the output type.
+            let (rtol, atol) = match dt {
+                DType::F32 => (1e-4, 1e-30),
+                DType::BF16 => (1e-2, 1e-30),
+                _ => (2e-3, 1e-7),
+            };
+            let (ok, worst) = allclose(&d_gpu.to_device(&Device::Cpu).unwrap(), &d_cpu, rtol, atol);
+            println!("row_grad  n={n} V={v} {dt:?}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
+            assert!(ok, "row_grad {dt:?} V={v}: worst {worst}");
         }
     }
 }
@@ -99,6 +122,18 @@ fn fused_op_forward_and_backward_match_the_cpu_in_f32_and_bf16() {
         let norm = gw_g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(norm > 0.0);
     }
+}
+
+#[test]
+fn a_nan_logit_makes_the_row_nan_on_the_gpu() {
+    let Some(gpu) = gpu() else { return };
+    let mut z = vec![0.5f32; 3 * 2000];
+    z[1234] = f32::NAN; // row 0
+    z[2000] = f32::NAN; // row 1, first element
+    let z = Tensor::from_vec(z, (3, 2000), &gpu).unwrap();
+    let s: Vec<Vec<f32>> = row_stats(&z, &Tensor::new(&[1u32, 2, 3], &gpu).unwrap()).unwrap().to_vec2().unwrap();
+    assert!(s[0].iter().chain(&s[1]).all(|x| x.is_nan()), "{s:?}");
+    assert!(s[2].iter().all(|x| x.is_finite()), "{s:?}");
 }
 
 #[test]

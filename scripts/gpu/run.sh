@@ -8,14 +8,16 @@
 #      grpo vs PyTorch eager (transformers, SDPA, autocast bf16).
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: tests logprob generate train-0.5b train-1.5b (default: all)
+#   scripts/gpu/run.sh [PART...]      PART: tests logprob generate train (default: all)
 #
-# env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops: `cargo test --release --features cuda
-#      --test cuda_ops --no-run` prints its path), OUTDIR (default $OUT, else benches/results),
-#      PYTHON (default python3, with torch and transformers), LIMIT (seconds per measurement, default 420).
-# Build both binaries on the build machine first:
-#   source ../shared/scripts/cuda-toolchain.sh && cargo build --release --features cuda
-#   cargo test --release --features cuda --test cuda_ops --no-run
+# env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
+#      benches/results), PYTHON (default python3, with torch and transformers), LIMIT (seconds per
+#      measurement, default 420); sizes: LOGPROB_TOKENS (8192), LOGPROB_HIDDEN (896), VOCAB (151936),
+#      GEN_SHAPE (qwen2.5-0.5b), NEW_TOKENS (256), TRAIN_SHAPES ("qwen2.5-0.5b qwen2.5-1.5b"),
+#      TRAIN_LENS ("1024 4096 8192"), PROMPT_LEN (128); DEVICE (cuda:0) and TORCH_DEVICE (cuda) for a dry
+#      run on the CPU with small sizes.
+# Build both binaries on a build machine first with scripts/gpu/pack.sh: it leaves gpu-bin/grpo.xz and
+# gpu-bin/cuda_ops.xz, which this script unpacks.
 # Every measurement appends one JSON line to OUTDIR/gpu-results.jsonl (a failure appends
 # {"bench": "error", ...} and the run goes on), so several calls can share one results file.
 set -uo pipefail
@@ -28,9 +30,26 @@ LIMIT=${LIMIT:-420}
 DATE=${DATE:-$(date +%F)}
 export DATE
 mkdir -p "$OUTDIR"
+for f in "$BIN" "$TESTS"; do
+    if [ ! -x "$f" ] && [ -f "$f.xz" ]; then
+        python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$f.xz" "$f"
+        chmod +x "$f"
+    fi
+    [ -x "$f" ] || { echo "missing $f (build it with scripts/gpu/pack.sh)" >&2; exit 2; }
+done
 RES="$OUTDIR/gpu-results.jsonl"
+LOGPROB_TOKENS=${LOGPROB_TOKENS:-8192}
+LOGPROB_HIDDEN=${LOGPROB_HIDDEN:-896}
+VOCAB=${VOCAB:-151936}
+GEN_SHAPE=${GEN_SHAPE:-qwen2.5-0.5b}
+NEW_TOKENS=${NEW_TOKENS:-256}
+TRAIN_SHAPES=${TRAIN_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}
+TRAIN_LENS=${TRAIN_LENS:-1024 4096 8192}
+PROMPT_LEN=${PROMPT_LEN:-128}
+DEVICE=${DEVICE:-cuda:0}
+TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests logprob generate train-0.5b train-1.5b)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests logprob generate train)
 
 # The binary links cuBLAS/cuRAND/cudart 13 and finds no RUNPATH: point the loader at them.
 if [ -z "${LD_LIBRARY_PATH:-}" ] || ! ldconfig -p | grep -q libcublas.so.13; then
@@ -69,36 +88,41 @@ for part in "${PARTS[@]}"; do
         ;;
     logprob)
         for loss in "" --with-loss; do
-            common=(--tokens 8192 --hidden 896 --vocab 151936 --dtype bf16 $loss)
-            measure "logprob fused 64MiB $loss" "$BIN" -q bench logprob "${common[@]}" --chunk-mb 64 --device cuda:0 --repeats 5
-            measure "logprob fused 1GiB $loss" "$BIN" -q bench logprob "${common[@]}" --chunk-mb 1024 --device cuda:0 --repeats 5
-            measure "logprob candle naive $loss" "$BIN" -q bench logprob "${common[@]}" --naive --device cuda:0 --repeats 5
-            measure "logprob torch naive $loss" "$PY" scripts/gpu/torch_ref.py logprob "${common[@]}" --device cuda --repeats 5
+            common=(--tokens "$LOGPROB_TOKENS" --hidden "$LOGPROB_HIDDEN" --vocab "$VOCAB" --dtype bf16 $loss)
+            for mb in 64 1024; do
+                measure "logprob fused ${mb}MiB $loss" "$BIN" -q bench logprob "${common[@]}" --chunk-mb $mb \
+                    --device "$DEVICE" --repeats 5
+            done
+            measure "logprob candle naive $loss" "$BIN" -q bench logprob "${common[@]}" --naive --device "$DEVICE" --repeats 5
+            measure "logprob torch naive $loss" "$PY" scripts/gpu/torch_ref.py logprob "${common[@]}" \
+                --device "$TORCH_DEVICE" --repeats 5
         done
         ;;
     generate)
         for b in 1 32; do
-            common=(--shape $SHAPES/qwen2.5-0.5b.json --batch $b --prompt-len 128 --new-tokens 256 --dtype bf16)
-            measure "generate grpo batch $b" "$BIN" -q bench generate "${common[@]}" --device cuda:0 --repeats 2
-            measure "generate torch batch $b" "$PY" scripts/gpu/torch_ref.py generate "${common[@]}" --device cuda --repeats 2
+            common=(--shape "$SHAPES/$GEN_SHAPE.json" --batch $b --prompt-len "$PROMPT_LEN" --new-tokens "$NEW_TOKENS" --dtype bf16)
+            measure "generate grpo batch $b" "$BIN" -q bench generate "${common[@]}" --device "$DEVICE" --repeats 2
+            measure "generate torch batch $b" "$PY" scripts/gpu/torch_ref.py generate "${common[@]}" \
+                --device "$TORCH_DEVICE" --repeats 2
         done
         ;;
-    train-0.5b | train-1.5b)
-        shape=$SHAPES/qwen2.5-${part#train-}.json
-        for len in 1024 4096 8192; do
-            common=(--shape "$shape" --answers 8 --seq-len $len --prompt-len 128 --dtype bf16)
-            # Without layer recomputation candle keeps every layer's [heads, T, T] attention for the
-            # backward: recompute from 4096 tokens on.
-            ckpt=()
-            [ "$len" -ge 4096 ] && ckpt=(--checkpoint-layers)
-            measure "train-step grpo ${part#train-} $len" "$BIN" -q bench train-step "${common[@]}" "${ckpt[@]}" \
-                --logprob-chunk-mb 1024 --device cuda:0 --warmup 1 --repeats 2
-            measure "train-step torch ${part#train-} $len" "$PY" scripts/gpu/torch_ref.py train-step "${common[@]}" \
-                --device cuda --warmup 1 --steps 2
+    train)
+        for shape in $TRAIN_SHAPES; do
+            for len in $TRAIN_LENS; do
+                common=(--shape "$SHAPES/$shape.json" --answers 8 --seq-len "$len" --prompt-len "$PROMPT_LEN" --dtype bf16)
+                # Without layer recomputation candle keeps every layer's [heads, T, T] attention for the
+                # backward: recompute from 4096 tokens on.
+                ckpt=()
+                [ "$len" -ge 4096 ] && ckpt=(--checkpoint-layers)
+                measure "train-step grpo $shape $len" "$BIN" -q bench train-step "${common[@]}" "${ckpt[@]}" \
+                    --logprob-chunk-mb 1024 --device "$DEVICE" --warmup 1 --repeats 2
+                measure "train-step torch $shape $len" "$PY" scripts/gpu/torch_ref.py train-step "${common[@]}" \
+                    --device "$TORCH_DEVICE" --warmup 1 --steps 2
+            done
         done
         ;;
     *)
-        echo "unknown part $part (tests logprob generate train-0.5b train-1.5b)" >&2
+        echo "unknown part $part (tests logprob generate train)" >&2
         exit 2
         ;;
     esac

@@ -19,13 +19,23 @@ pub struct Args {
     /// Continue a run: `auto` (the latest checkpoint in the output folder, if any) or a checkpoint folder.
     #[arg(long)]
     pub resume: Option<String>,
+    /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Weight dtype, overriding `model.dtype`: f32, bf16 or f16 (log-probs, loss and optimiser state
+    /// stay f32).
+    #[arg(long)]
+    pub dtype: Option<String>,
     /// Check the configuration and exit without loading anything.
     #[arg(long)]
     pub check: bool,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let cfg = TrainConfig::load(&args.config, &args.overrides)?;
+    let mut overrides = args.overrides.clone();
+    overrides.extend(args.device.iter().map(|d| format!("model.device={d}")));
+    overrides.extend(args.dtype.iter().map(|d| format!("model.dtype={d}")));
+    let cfg = TrainConfig::load(&args.config, &overrides)?;
     if args.check {
         print!("{}", cfg.to_toml());
         return Ok(());

@@ -98,7 +98,7 @@ impl CustomOp3 for LogprobEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
-        let entropy_grad = grad.narrow(1, 1, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let entropy_grad = grad.narrow(1, 1, 1)?.abs()?.sum_all()?.to_scalar::<f32>()?;
         if entropy_grad != 0.0 {
             candle_core::bail!("logprob-entropy: the entropy column has no gradient; do not put it in the loss");
         }
@@ -132,7 +132,9 @@ impl CustomOp3 for LogprobEntropy {
 /// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward.
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
     let stats = forward_values(hidden, weight, targets, budget_bytes)?;
-    let values = stats.narrow(1, 0, 2)?.contiguous()?;
+    // A fresh buffer of exactly [n, 2] (not a view into `stats`): the custom op hands its storage out
+    // whole as the output.
+    let values = stats.narrow(1, 0, 2)?.affine(1.0, 0.0)?;
     if !(hidden.track_op() || weight.track_op()) {
         return Ok(values);
     }

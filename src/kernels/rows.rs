@@ -69,7 +69,8 @@ impl Acc {
             self.u += e * d;
         } else {
             let d = self.m - z;
-            if self.s > 0.0 {
+            // `!=` keeps a NaN in `s`: a NaN logit makes the whole row NaN, never a finite wrong value.
+            if self.s != 0.0 {
                 let sc = d.exp();
                 self.u = (self.u + d * self.s) * sc;
                 self.s = self.s * sc + 1.0;
@@ -94,8 +95,8 @@ fn dims(logits: &Layout, targets: &Layout) -> Result<(usize, usize)> {
     if targets.shape().dims() != [n] {
         candle_core::bail!("targets have shape {:?}, expected [{n}]", targets.shape().dims());
     }
-    if v > u32::MAX as usize {
-        candle_core::bail!("vocabulary of {v} does not fit in u32");
+    if v == 0 || v > i32::MAX as usize {
+        candle_core::bail!("vocabulary of {v}: expected 1..=2^31-1");
     }
     Ok((n, v))
 }
@@ -416,6 +417,22 @@ mod tests {
         let want = (onehot - p).unwrap().broadcast_mul(&g.unsqueeze(1).unwrap()).unwrap();
         let diff = (dz - want).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
         assert!(diff < 1e-6, "max |dz - want| = {diff}");
+    }
+
+    #[test]
+    fn a_nan_logit_makes_the_row_nan() {
+        for pos in [0usize, 3, 9] {
+            let mut row = vec![1.0f32, 2.0, 0.5, -1.0, 3.0, 0.0, 1.5, 2.5, -2.0, 0.25];
+            row[pos] = f32::NAN;
+            let z = Tensor::from_vec(row, (1, 10), &Device::Cpu).unwrap();
+            let s: Vec<f32> = row_stats(&z, &Tensor::new(&[1u32], &Device::Cpu).unwrap())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert!(s.iter().all(|x| x.is_nan()), "NaN at {pos}: {s:?}");
+        }
     }
 
     #[test]

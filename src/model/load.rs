@@ -63,7 +63,9 @@ pub fn parse_device(s: &str) -> Result<Device, ModelError> {
                     "device `{s}` asked for, but this binary was built without CUDA (rebuild with `--features cuda`)"
                 )));
             }
-            Ok(Device::new_cuda(ordinal)?)
+            let device = Device::new_cuda(ordinal)?;
+            crate::device::prepare(&device)?;
+            Ok(device)
         }
         other => Err(ModelError::Invalid(format!("unknown device `{other}` (expected cpu, cuda or cuda:N)"))),
     }
