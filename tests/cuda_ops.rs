@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::kernels::{logprobs_entropy, row_grad, row_stats};
+use grpo::kernels::{logprobs_entropy, masked_softmax, row_grad, row_stats};
 use rand::{Rng, SeedableRng};
 
 fn gpu() -> Option<Device> {
@@ -143,4 +143,45 @@ fn out_of_range_target_gives_nan_not_a_crash() {
     let t = Tensor::new(&[3u32, 10], &gpu).unwrap();
     let s: Vec<Vec<f32>> = row_stats(&z, &t).unwrap().to_vec2().unwrap();
     assert!((s[0][0] + 10f32.ln()).abs() < 1e-6 && s[1][0].is_nan(), "{s:?}");
+}
+
+#[test]
+fn masked_softmax_matches_the_cpu_forward_and_backward() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+    // 2 rows x 3 heads x 300 queries over 301 keys (one cached): row 0 causal, row 1 two packed
+    // segments and trailing padding.
+    let (b, h, t, s) = (2, 3, 300, 301);
+    let mut r = Vec::new();
+    for i in 0..t as u32 {
+        r.extend_from_slice(&[0, i + 1]);
+    }
+    for i in 0..t as u32 {
+        let q = i + 1;
+        r.extend_from_slice(&match i {
+            0..=119 => [0, q],
+            120..=279 => [121, q],
+            _ => [q, q],
+        });
+    }
+    let ranges = Tensor::from_vec(r, (b, t, 2), &Device::Cpu).unwrap();
+    let x = random(&mut rng, (b * h * t, s), 6.0).reshape((b, h, t, s)).unwrap();
+    let up = random(&mut rng, (b * h * t, s), 1.0).reshape((b, h, t, s)).unwrap();
+    for (dt, rtol, atol) in [(DType::F32, 1e-4, 1e-7), (DType::BF16, 2e-2, 1e-6), (DType::F16, 5e-3, 1e-6)] {
+        let run = |dev: &Device| {
+            let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+            let y = masked_softmax(xv.as_tensor(), &ranges.to_device(dev).unwrap(), 0.125).unwrap();
+            let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+            let g = loss.backward().unwrap();
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+            (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
+        };
+        let (y_c, g_c) = run(&Device::Cpu);
+        let (y_g, g_g) = run(&gpu);
+        for (what, a, b) in [("probs", &y_g, &y_c), ("grad", &g_g, &g_c)] {
+            let (ok, worst) = allclose(a, b, rtol, atol);
+            println!("masked_softmax {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
+            assert!(ok, "masked_softmax {dt:?} {what}: worst {worst}");
+        }
+    }
 }

@@ -1,11 +1,19 @@
 //! Fused operations with their own backward, as candle custom ops.
 //!
+//! [`masked_softmax`] is the attention softmax (scale, causal/segment mask, softmax) in one pass with its
+//! own backward; CPU implementation here, CUDA kernels in kernels/attention.cu.
+//!
 //! The log-prob op ([`logprobs_entropy`]) runs its matmuls through candle and its per-row work through
 //! two row kernels ([`row_stats`], [`row_grad`]): a CPU implementation (the reference CI tests) and, with
 //! the `cuda` feature, CUDA kernels from kernels/logprob.cu compiled to PTX by build.rs.
 
+mod attention;
+mod cpu;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod logprob;
 mod rows;
 
+pub use attention::masked_softmax;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use rows::{row_grad, row_stats};

@@ -10,41 +10,9 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
-use half::{bf16, f16};
 use rayon::prelude::*;
 
-/// Element types the kernels read and write, accumulated in f32.
-trait Elem: Copy + Send + Sync + 'static {
-    fn f32(self) -> f32;
-    fn of(x: f32) -> Self;
-}
-
-impl Elem for f32 {
-    fn f32(self) -> f32 {
-        self
-    }
-    fn of(x: f32) -> Self {
-        x
-    }
-}
-
-impl Elem for bf16 {
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(x: f32) -> Self {
-        bf16::from_f32(x)
-    }
-}
-
-impl Elem for f16 {
-    fn f32(self) -> f32 {
-        self.to_f32()
-    }
-    fn of(x: f32) -> Self {
-        f16::from_f32(x)
-    }
-}
+use super::cpu::{contiguous, Elem};
 
 /// Running softmax statistics relative to the running maximum `m`: `s = sum e^(z-m)`,
 /// `u = sum e^(z-m) (z-m)`; then `lse = m + ln s` and `entropy = ln s - u / s`.
@@ -80,13 +48,6 @@ impl Acc {
             }
             self.m = z;
         }
-    }
-}
-
-fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&'a [T]> {
-    match layout.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{what} must be contiguous"),
     }
 }
 
@@ -241,23 +202,14 @@ pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tens
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaStorage, Layout, Result};
 
-    const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"));
-    const MODULE: &str = "grpo_logprob";
+    use crate::kernels::cuda::view;
 
-    fn view<'a, T: DeviceRepr>(
-        s: &'a CudaSlice<T>,
-        l: &Layout,
-        what: &str,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, T>> {
-        match l.contiguous_offsets() {
-            Some((a, b)) => Ok(s.slice(a..b)),
-            None => candle_core::bail!("{what} must be contiguous"),
-        }
-    }
+    use crate::kernels::cuda::LOGPROB_PTX as PTX;
+    const MODULE: &str = "grpo_logprob";
 
     fn targets<'a>(
         s: &'a CudaStorage,

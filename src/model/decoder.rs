@@ -8,10 +8,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::{ModelConfig, RopeScaling};
-use crate::kernels::{logprobs_entropy, LOGPROB_CHUNK_BYTES};
-
-/// Large negative score for masked attention entries (finite, so fully masked rows stay NaN-free).
-const MASKED: f32 = -1e9;
+use crate::kernels::{logprobs_entropy, masked_softmax, LOGPROB_CHUNK_BYTES};
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
 #[derive(Clone)]
@@ -121,27 +118,21 @@ impl TokenBatch {
         self.segments.iter().flatten().filter(|&&s| s != 0).count()
     }
 
-    /// Additive attention mask `[B, 1, T, T]` (f32): causal within a segment; padding queries see
-    /// themselves only (their outputs are never used, but must stay finite).
-    fn mask(&self, device: &Device) -> candle_core::Result<Tensor> {
+    /// The keys each query attends to, `[B, T, 2]` u32 of inclusive `(lo, hi)`: causal within its
+    /// segment; a padding query sees itself only (its output is never used, but must stay finite).
+    fn ranges(&self, device: &Device) -> candle_core::Result<Tensor> {
         let (b, t) = (self.rows(), self.width());
-        let mut m = vec![MASKED; b * t * t];
-        for (r, seg) in self.segments.iter().enumerate() {
+        let mut r = Vec::with_capacity(b * t * 2);
+        for seg in &self.segments {
+            let mut start = 0;
             for i in 0..t {
-                let row = &mut m[(r * t + i) * t..(r * t + i + 1) * t];
-                if seg[i] == 0 {
-                    row[i] = 0.0;
-                    continue;
+                if i == 0 || seg[i] != seg[i - 1] {
+                    start = i;
                 }
-                for j in (0..=i).rev() {
-                    if seg[j] != seg[i] {
-                        break;
-                    }
-                    row[j] = 0.0;
-                }
+                r.extend_from_slice(&[if seg[i] == 0 { i as u32 } else { start as u32 }, i as u32]);
             }
         }
-        Tensor::from_vec(m, (b, 1, t, t), device)
+        Tensor::from_vec(r, (b, t, 2), device)
     }
 }
 
@@ -558,7 +549,7 @@ impl Decoder {
         l: usize,
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        mask: &Tensor,
+        ranges: &Tensor,
         cache: Option<&mut Option<LayerCache>>,
         graph: bool,
     ) -> candle_core::Result<Tensor> {
@@ -592,9 +583,8 @@ impl Decoder {
         // Grouped-query attention without repeating K/V: queries of the heads that share a KV head are
         // stacked along the time axis.
         let qg = q.reshape((b, nkv, rep * t, hd))?;
-        let scores = (qg.matmul(&k.t()?)? * (1.0 / (hd as f64).sqrt()))?;
-        let scores = scores.reshape((b, nh, t, s))?.to_dtype(DType::F32)?.broadcast_add(mask)?;
-        let probs = candle_nn::ops::softmax(&scores, D::Minus1)?.to_dtype(self.dtype)?;
+        let scores = qg.matmul(&k.t()?)?.reshape((b, nh, t, s))?;
+        let probs = masked_softmax(&scores, ranges, 1.0 / (hd as f64).sqrt())?;
         let attn = probs.reshape((b, nkv, rep * t, s))?.matmul(&v)?; // [B, KV, rep*T, D]
         let attn = attn.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
@@ -650,10 +640,10 @@ impl Decoder {
     /// The last layer's output `[B, T, hidden]` (before the final norm), without a cache.
     fn run_layers(&self, batch: &TokenBatch, graph: bool) -> candle_core::Result<Tensor> {
         let rope = self.rope(&batch.positions)?;
-        let mask = batch.mask(&self.device)?;
+        let ranges = batch.ranges(&self.device)?;
         let mut x = self.embed(&batch.tokens, graph)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &mask, None, graph)?;
+            x = self.layer(l, &x, &rope, &ranges, None, graph)?;
         }
         Ok(x)
     }
@@ -699,12 +689,12 @@ impl Decoder {
             return Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, grads));
         }
         let rope = self.rope(&batch.positions)?;
-        let mask = batch.mask(&self.device)?;
+        let ranges = batch.ranges(&self.device)?;
         // Forward without a graph, keeping only each layer's input.
         let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
         let mut x = self.embed(&batch.tokens, false)?;
         for l in 0..self.cfg.num_layers {
-            let next = self.layer(l, &x, &rope, &mask, None, false)?;
+            let next = self.layer(l, &x, &rope, &ranges, None, false)?;
             inputs.push(x);
             x = next;
         }
@@ -727,7 +717,7 @@ impl Decoder {
         // Layers in reverse: recompute with a graph, backprop the incoming gradient.
         for l in (0..self.cfg.num_layers).rev() {
             let xin = Var::from_tensor(&inputs[l])?;
-            let y = self.layer(l, xin.as_tensor(), &rope, &mask, None, true)?;
+            let y = self.layer(l, xin.as_tensor(), &rope, &ranges, None, true)?;
             let store = (y * &g)?.sum_all()?.backward()?;
             self.collect(&store, &mut grads)?;
             g = match store.get(xin.as_tensor()) {
@@ -806,22 +796,23 @@ impl Decoder {
             cache.next_pos[r] = next;
             positions.push(pos);
         }
-        let mut m = vec![MASKED; b * t * s];
-        for r in 0..b {
+        // Each row's valid keys are contiguous: left padding, then the prompt and what was generated.
+        let mut r = Vec::with_capacity(b * t * 2);
+        for valid in &cache.valid {
+            let first = valid.iter().position(|&v| v).unwrap_or(valid.len());
+            if valid[first..].iter().any(|&v| !v) {
+                candle_core::bail!("KV cache row with padding after its first token");
+            }
             for i in 0..t {
-                let row = &mut m[(r * t + i) * s..(r * t + i + 1) * s];
-                for (j, cell) in row.iter_mut().enumerate().take(past + i + 1) {
-                    if cache.valid[r][j] || j == past + i {
-                        *cell = 0.0;
-                    }
-                }
+                let q = past + i;
+                r.extend_from_slice(&[if valid[q] { first as u32 } else { q as u32 }, q as u32]);
             }
         }
-        let mask = Tensor::from_vec(m, (b, 1, t, s), &self.device)?;
+        let ranges = Tensor::from_vec(r, (b, t, 2), &self.device)?;
         let rope = self.rope(&positions)?;
         let mut x = self.embed(tokens, false)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &mask, Some(&mut cache.layers[l]), false)?;
+            x = self.layer(l, &x, &rope, &ranges, Some(&mut cache.layers[l]), false)?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
         let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
