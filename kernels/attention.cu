@@ -6,18 +6,7 @@
 //   attn_softmax_bwd_<T>: dx = scale * y * (g - sum_j g_j y_j)  (0 outside the range)
 // One block per row; f32 accumulation; blockDim.x a multiple of 32, at most 1024.
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
-__device__ __forceinline__ float to_f32(float x) { return x; }
-__device__ __forceinline__ float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
-__device__ __forceinline__ float to_f32(__half x) { return __half2float(x); }
-
-template <typename T> __device__ __forceinline__ T from_f32(float x);
-template <> __device__ __forceinline__ float from_f32<float>(float x) { return x; }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
-template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
+#include "common.cuh"
 
 // Reduce over the block with op (max or sum); every thread gets the result.
 template <bool MAX>

@@ -40,7 +40,7 @@ pub fn reset_peak_memory(device: &Device) -> Result<bool> {
         #[cfg(feature = "cuda")]
         Device::Cuda(_) if cuda::pooled(device)? => {
             device.synchronize()?;
-            cuda::set_high(device, 0)?;
+            cuda::reset_high(device)?;
             Ok(true)
         }
         _ => Ok(false),
@@ -63,33 +63,12 @@ pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::sys;
+    use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as Attr;
     use candle_core::{Device, Result};
 
     /// Whether candle's allocations go through the default pool (`cuMemAllocAsync`).
     pub fn pooled(device: &Device) -> Result<bool> {
         Ok(device.as_cuda_device()?.cuda_stream().context().has_async_alloc())
-    }
-
-    /// Let the pool keep freed memory instead of returning it to the driver at every synchronisation
-    /// (what PyTorch's caching allocator does too).
-    pub fn keep_freed_memory(device: &Device) -> Result<()> {
-        if !pooled(device)? {
-            return Ok(());
-        }
-        let p = pool(device)?;
-        let mut v = u64::MAX;
-        // SAFETY: RELEASE_THRESHOLD is a cuuint64_t.
-        let r = unsafe {
-            sys::cuMemPoolSetAttribute(
-                p,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                &mut v as *mut u64 as *mut std::ffi::c_void,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            candle_core::bail!("cuMemPoolSetAttribute(RELEASE_THRESHOLD) failed: {r:?}");
-        }
-        Ok(())
     }
 
     fn pool(device: &Device) -> Result<sys::CUmemoryPool> {
@@ -104,39 +83,43 @@ mod cuda {
         Ok(pool)
     }
 
-    fn get(pool: sys::CUmemoryPool, attr: sys::CUmemPool_attribute) -> Result<u64> {
-        let mut v: u64 = 0;
-        // SAFETY: USED_MEM_* attributes are cuuint64_t values.
-        let r = unsafe { sys::cuMemPoolGetAttribute(pool, attr, &mut v as *mut u64 as *mut std::ffi::c_void) };
+    /// Read a u64 attribute of the default pool, or write it when `set` is given.
+    fn attr(device: &Device, attr: Attr, set: Option<u64>) -> Result<u64> {
+        let p = pool(device)?;
+        let mut v = set.unwrap_or(0);
+        let ptr = &mut v as *mut u64 as *mut std::ffi::c_void;
+        // SAFETY: the attributes used here (USED_MEM_*, RELEASE_THRESHOLD) are cuuint64_t values.
+        let r = unsafe {
+            match set {
+                Some(_) => sys::cuMemPoolSetAttribute(p, attr, ptr),
+                None => sys::cuMemPoolGetAttribute(p, attr, ptr),
+            }
+        };
         if r != sys::CUresult::CUDA_SUCCESS {
-            candle_core::bail!("cuMemPoolGetAttribute({attr:?}) failed: {r:?}");
+            candle_core::bail!("memory pool attribute {attr:?}: {r:?}");
         }
         Ok(v)
     }
 
+    /// Let the pool keep freed memory instead of returning it to the driver at every synchronisation
+    /// (what PyTorch's caching allocator does too).
+    pub fn keep_freed_memory(device: &Device) -> Result<()> {
+        if pooled(device)? {
+            attr(device, Attr::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, Some(u64::MAX))?;
+        }
+        Ok(())
+    }
+
     pub fn used_and_high(device: &Device) -> Result<(u64, u64)> {
-        let p = pool(device)?;
-        let used = get(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        let used = attr(device, Attr::CU_MEMPOOL_ATTR_USED_MEM_CURRENT, None)?;
         // A mark reset to zero stays there until the next allocation.
-        let high = get(p, sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?.max(used);
+        let high = attr(device, Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, None)?.max(used);
         Ok((used, high))
     }
 
-    pub fn set_high(device: &Device, value: u64) -> Result<()> {
-        let p = pool(device)?;
-        let mut v = value;
-        // SAFETY: USED_MEM_HIGH may only be set to zero (resets it to the current use).
-        let r = unsafe {
-            sys::cuMemPoolSetAttribute(
-                p,
-                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                &mut v as *mut u64 as *mut std::ffi::c_void,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS {
-            candle_core::bail!("cuMemPoolSetAttribute(USED_MEM_HIGH) failed: {r:?}");
-        }
-        Ok(())
+    /// Restart the high-water mark (it may only be set to zero).
+    pub fn reset_high(device: &Device) -> Result<()> {
+        attr(device, Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, Some(0)).map(|_| ())
     }
 }
 

@@ -20,7 +20,7 @@ use serde_json::{json, Value};
 use crate::data::{Group, Response};
 use crate::device::{device_name, memory_bytes, reset_peak_memory, synchronize};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
-use crate::model::{random_decoder, ModelConfig};
+use crate::model::{Decoder, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
 use crate::train::optim::{grad_norm, OptimConfig, Optimizer};
 use crate::train::step::{build_batch, compute_gradients};
@@ -92,6 +92,22 @@ fn load_shape(path: &std::path::Path) -> Result<ModelConfig> {
     ModelConfig::from_file(path).map_err(|source| PerfError::Shape { path: path.to_path_buf(), source })
 }
 
+/// A model of `cfg` with random weights drawn on the device itself (fast at billions of parameters; the
+/// values do not matter for timing): normal(0, 0.02) matrices, unit norms, zero biases.
+fn random_model(cfg: ModelConfig, t: &Timing, trainable: bool) -> Result<Decoder> {
+    let dev = t.device.clone();
+    let get = |name: &str, shape: &[usize]| -> std::result::Result<Tensor, crate::model::ModelError> {
+        Ok(if name.ends_with("norm.weight") {
+            Tensor::ones(shape, DType::F32, &dev)?
+        } else if name.ends_with(".bias") {
+            Tensor::zeros(shape, DType::F32, &dev)?
+        } else {
+            Tensor::randn(0f32, 0.02, shape, &dev)?
+        })
+    };
+    Ok(Decoder::from_tensors(cfg, get, t.dtype, &t.device, trainable)?)
+}
+
 fn random_ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
 }
@@ -122,7 +138,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     }
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
-    let mut policy = random_decoder(cfg, 0, t.dtype, &t.device, true)?;
+    let mut policy = random_model(cfg, t, true)?;
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
     let reference = policy.frozen_copy()?;
@@ -283,7 +299,7 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
     use crate::eval::{generate as run_generate, SamplingParams};
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
-    let model = random_decoder(cfg, 0, t.dtype, &t.device, false)?;
+    let model = random_model(cfg, t, false)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
     let prompts: Vec<Vec<u32>> = (0..spec.batch).map(|_| random_ids(&mut rng, spec.prompt_len, vocab)).collect();
     let ids: Vec<u64> = (0..spec.batch as u64).collect();

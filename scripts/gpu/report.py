@@ -6,7 +6,8 @@ Usage:
 RESULTS.jsonl holds the JSON lines of both sides; anything that is not a JSON object is ignored.
 Ours are "impl": "grpo" (train_step, generate) or "grpo_fused" / "grpo_naive" (logprob); the
 reference is "torch" or "torch_naive". A line {"bench": "error", "what", "message"} is kept and shown.
-A line {"bench": "correctness", "what", "passed", "tests_ok"} (the CUDA tests of run.sh) is shown too.
+Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
+run) are shown too.
 Pairs are made on (shape, answers, seq_len) for train_step, (tokens, hidden, vocab, with_loss)
 for logprob and (shape, batch, new_tokens) for generate. Every line of ours gets a row against
 the last torch line of its key (so several runs of ours, e.g. with different checkpoint_layers,
@@ -211,13 +212,15 @@ def main():
         "device": ", ".join(devices) or None,
         "results": records,
         "comparisons": rows,
-        "correctness": [r for r in records if r.get("bench") == "correctness"],
+        "correctness": [r for r in records if r.get("bench") in ("correctness", "smoke")],
     }
     print(f"{report['date']} on {report['device']}")
     print_tables(rows)
     for t in (r for r in records if r.get("bench") == "correctness"):
         print(f"\ncorrectness {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'} "
               f"({t.get('tests_ok')} tests ok)")
+    for t in (r for r in records if r.get("bench") == "smoke"):
+        print(f"\nsmoke {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'}; losses {t.get('losses')}")
     for err in (r for r in records if r.get("bench") == "error"):
         print(f"\nERROR in {err.get('what')}: {err.get('message')}")
     Path(sys.argv[2]).write_text(json.dumps(report, indent=1) + "\n")

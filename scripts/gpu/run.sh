@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU measurements of grpo, in one invocation, on a machine with an NVIDIA GPU (builds nothing):
-#   1. the CUDA kernels' correctness tests against their CPU reference (tests/cuda_ops.rs);
+#   1. the CUDA kernels' correctness tests against their CPU reference (tests/cuda_ops.rs), and the smoke
+#      run of the README (`grpo train` on configs/smoke.toml, then `grpo eval` of its model) on the GPU
+#      in bf16;
 #   2. the log-prob op alone (fused, chunked; candle's naive log-softmax; PyTorch's naive
 #      log_softmax + gather) at vocabulary 151,936, with and without the off_grpo loss on top;
 #   3. greedy generation at batch 1 and 32, grpo vs transformers' generate;
@@ -8,7 +10,7 @@
 #      grpo vs PyTorch eager (transformers, SDPA, autocast bf16).
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: tests logprob generate train (default: all)
+#   scripts/gpu/run.sh [PART...]      PART: tests smoke logprob generate train (default: all)
 #
 # env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
 #      benches/results), PYTHON (default python3, with torch and transformers), LIMIT (seconds per
@@ -49,7 +51,7 @@ PROMPT_LEN=${PROMPT_LEN:-128}
 DEVICE=${DEVICE:-cuda:0}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests logprob generate train)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests smoke logprob generate train)
 
 # The binary links cuBLAS/cuRAND/cudart 13 and finds no RUNPATH: point the loader at them.
 if [ -z "${LD_LIBRARY_PATH:-}" ] || ! ldconfig -p | grep -q libcublas.so.13; then
@@ -85,6 +87,28 @@ for part in "${PARTS[@]}"; do
         cat "$log"
         n=$(grep -c '^test .* ok$' "$log")
         echo "{\"bench\": \"correctness\", \"what\": \"tests/cuda_ops.rs\", \"passed\": $ok, \"tests_ok\": $n}" | tee -a "$RES"
+        ;;
+    smoke)
+        work=$(mktemp -d)
+        ok=true
+        "$BIN" -q train --config configs/smoke.toml --device "$DEVICE" --dtype bf16 \
+            --set "train.output_dir=\"$work/run\"" --set "model.path=\"$work/tiny\"" >"$work/train.log" 2>&1 || ok=false
+        tail -5 "$work/train.log"
+        "$BIN" -q eval --bench aime25 --model "$work/run/best" --limit 4 --n 2 --max-new-tokens 32 --device "$DEVICE" \
+            --dtype bf16 --out "$work/eval" >"$work/eval.log" 2>&1 || ok=false
+        tail -12 "$work/eval.log"
+        "$PY" - "$work" "$ok" "$DEVICE" <<'PYEOF' | tee -a "$RES"
+import json, sys
+from pathlib import Path
+work, ok, device = Path(sys.argv[1]), sys.argv[2] == "true", sys.argv[3]
+steps = [json.loads(l) for l in open(work / "run/metrics.jsonl")] if (work / "run/metrics.jsonl").exists() else []
+report = json.loads((work / "eval/report.json").read_text()) if (work / "eval/report.json").exists() else None
+print(json.dumps({"bench": "smoke", "what": "configs/smoke.toml train + eval aime25 (4 problems x 2), bf16",
+                  "device": device, "passed": ok and len(steps) > 0 and report is not None,
+                  "losses": [s.get("loss") for s in steps], "grad_norms": [s.get("grad_norm") for s in steps],
+                  "eval": report}))
+PYEOF
+        rm -rf "$work"
         ;;
     logprob)
         for loss in "" --with-loss; do
@@ -122,7 +146,7 @@ for part in "${PARTS[@]}"; do
         done
         ;;
     *)
-        echo "unknown part $part (tests logprob generate train)" >&2
+        echo "unknown part $part (tests smoke logprob generate train)" >&2
         exit 2
         ;;
     esac

@@ -182,21 +182,11 @@ mod cuda {
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{view, ATTENTION_PTX as PTX};
+    use crate::kernels::cuda::{launch, u32_view, view, ATTENTION_PTX as PTX};
     const MODULE: &str = "grpo_attention";
 
     fn config(rows: usize) -> LaunchConfig {
         LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
-    }
-
-    fn ranges<'a>(
-        s: &'a CudaStorage,
-        l: &Layout,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
-        match &s.slice {
-            CudaStorageSlice::U32(r) => view(r, l, "attention ranges"),
-            _ => candle_core::bail!("attention ranges must be u32"),
-        }
     }
 
     pub fn forward(
@@ -208,33 +198,32 @@ mod cuda {
         scale: f32,
     ) -> Result<CudaStorage> {
         let dev = &x.device;
-        let r = ranges(r, lr)?;
-        let (h32, t32, s32) = (heads as u32, t as u32, s as u32);
-        macro_rules! launch {
-            ($src:expr, $ty:ty, $name:literal) => {{
-                let xs = view($src, lx, "scores")?;
-                // SAFETY: the kernel writes every element of every row.
-                let out = unsafe { dev.alloc::<$ty>(rows * s)? };
-                if rows > 0 {
-                    let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
-                    let mut b = f.builder();
-                    b.arg(&xs);
-                    b.arg(&r);
-                    b.arg(&out);
-                    b.arg(&h32);
-                    b.arg(&t32);
-                    b.arg(&s32);
-                    b.arg(&scale);
-                    // SAFETY: argument types match kernels/attention.cu.
-                    unsafe { b.launch(config(rows)) }.w()?;
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
+        let r = u32_view(r, lr, "attention ranges")?;
+        let (h, t, s32) = (heads as u32, t as u32, s as u32);
+        let (cfg, len) = (config(rows), rows * s);
         Ok(match &x.slice {
-            CudaStorageSlice::F32(v) => launch!(v, f32, "attn_softmax_fwd_f32"),
-            CudaStorageSlice::BF16(v) => launch!(v, half::bf16, "attn_softmax_fwd_bf16"),
-            CudaStorageSlice::F16(v) => launch!(v, half::f16, "attn_softmax_fwd_f16"),
+            CudaStorageSlice::F32(v) => {
+                let x = view(v, lx, "scores")?;
+                launch!(dev, PTX, MODULE, "attn_softmax_fwd_f32", cfg, f32, len, [&x, &r], [&h, &t, &s32, &scale])
+            }
+            CudaStorageSlice::BF16(v) => {
+                let x = view(v, lx, "scores")?;
+                launch!(
+                    dev,
+                    PTX,
+                    MODULE,
+                    "attn_softmax_fwd_bf16",
+                    cfg,
+                    half::bf16,
+                    len,
+                    [&x, &r],
+                    [&h, &t, &s32, &scale]
+                )
+            }
+            CudaStorageSlice::F16(v) => {
+                let x = view(v, lx, "scores")?;
+                launch!(dev, PTX, MODULE, "attn_softmax_fwd_f16", cfg, half::f16, len, [&x, &r], [&h, &t, &s32, &scale])
+            }
             _ => candle_core::bail!("scores must be f32, bf16 or f16"),
         })
     }
@@ -251,37 +240,42 @@ mod cuda {
         scale: f32,
     ) -> Result<CudaStorage> {
         let dev = &y.device;
-        let r = ranges(r, lr)?;
-        let (h32, t32, s32) = (heads as u32, t as u32, s as u32);
-        macro_rules! launch {
-            ($ys:expr, $gs:expr, $ty:ty, $name:literal) => {{
-                let yv = view($ys, ly, "y")?;
-                let gv = view($gs, lg, "grad")?;
-                // SAFETY: the kernel writes every element of every row.
-                let out = unsafe { dev.alloc::<$ty>(rows * s)? };
-                if rows > 0 {
-                    let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
-                    let mut b = f.builder();
-                    b.arg(&yv);
-                    b.arg(&gv);
-                    b.arg(&r);
-                    b.arg(&out);
-                    b.arg(&h32);
-                    b.arg(&t32);
-                    b.arg(&s32);
-                    b.arg(&scale);
-                    // SAFETY: argument types match kernels/attention.cu.
-                    unsafe { b.launch(config(rows)) }.w()?;
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
+        let r = u32_view(r, lr, "attention ranges")?;
+        let (h, t, s32) = (heads as u32, t as u32, s as u32);
+        let (cfg, len) = (config(rows), rows * s);
         Ok(match (&y.slice, &g.slice) {
-            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => launch!(a, b, f32, "attn_softmax_bwd_f32"),
-            (CudaStorageSlice::BF16(a), CudaStorageSlice::BF16(b)) => {
-                launch!(a, b, half::bf16, "attn_softmax_bwd_bf16")
+            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
+                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
+                launch!(dev, PTX, MODULE, "attn_softmax_bwd_f32", cfg, f32, len, [&y, &g, &r], [&h, &t, &s32, &scale])
             }
-            (CudaStorageSlice::F16(a), CudaStorageSlice::F16(b)) => launch!(a, b, half::f16, "attn_softmax_bwd_f16"),
+            (CudaStorageSlice::BF16(a), CudaStorageSlice::BF16(b)) => {
+                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
+                launch!(
+                    dev,
+                    PTX,
+                    MODULE,
+                    "attn_softmax_bwd_bf16",
+                    cfg,
+                    half::bf16,
+                    len,
+                    [&y, &g, &r],
+                    [&h, &t, &s32, &scale]
+                )
+            }
+            (CudaStorageSlice::F16(a), CudaStorageSlice::F16(b)) => {
+                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
+                launch!(
+                    dev,
+                    PTX,
+                    MODULE,
+                    "attn_softmax_bwd_f16",
+                    cfg,
+                    half::f16,
+                    len,
+                    [&y, &g, &r],
+                    [&h, &t, &s32, &scale]
+                )
+            }
             _ => candle_core::bail!("masked-softmax backward: y and grad must share a float dtype"),
         })
     }

@@ -206,20 +206,8 @@ mod cuda {
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::view;
-
-    use crate::kernels::cuda::LOGPROB_PTX as PTX;
+    use crate::kernels::cuda::{launch, u32_view, view, LOGPROB_PTX as PTX};
     const MODULE: &str = "grpo_logprob";
-
-    fn targets<'a>(
-        s: &'a CudaStorage,
-        l: &Layout,
-    ) -> Result<candle_core::cuda_backend::cudarc::driver::CudaView<'a, u32>> {
-        match &s.slice {
-            CudaStorageSlice::U32(t) => view(t, l, "targets"),
-            _ => candle_core::bail!("targets must be u32"),
-        }
-    }
 
     pub fn stats(
         z: &CudaStorage,
@@ -230,34 +218,24 @@ mod cuda {
         v: usize,
     ) -> Result<CudaStorage> {
         let dev = &z.device;
-        let t = targets(t, lt)?;
-        // SAFETY: every element is written by the kernel (one block per row).
-        let out = unsafe { dev.alloc::<f32>(n * 3)? };
-        if n == 0 {
-            return Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()));
-        }
+        let t = u32_view(t, lt, "targets")?;
         let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
         let v32 = v as u32;
-        macro_rules! launch {
-            ($s:expr, $name:literal) => {{
-                let zs = view($s, lz, "logits")?;
-                let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
-                let mut b = f.builder();
-                b.arg(&zs);
-                b.arg(&t);
-                b.arg(&out);
-                b.arg(&v32);
-                // SAFETY: argument types match the kernel's signature in kernels/logprob.cu.
-                unsafe { b.launch(cfg) }.w()?;
-            }};
-        }
-        match &z.slice {
-            CudaStorageSlice::F32(s) => launch!(s, "lp_row_stats_f32"),
-            CudaStorageSlice::BF16(s) => launch!(s, "lp_row_stats_bf16"),
-            CudaStorageSlice::F16(s) => launch!(s, "lp_row_stats_f16"),
+        Ok(match &z.slice {
+            CudaStorageSlice::F32(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_stats_f32", cfg, f32, n * 3, [&z, &t], [&v32])
+            }
+            CudaStorageSlice::BF16(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_stats_bf16", cfg, f32, n * 3, [&z, &t], [&v32])
+            }
+            CudaStorageSlice::F16(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_stats_f16", cfg, f32, n * 3, [&z, &t], [&v32])
+            }
             _ => candle_core::bail!("logits must be f32, bf16 or f16"),
-        }
-        Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
+        })
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -272,39 +250,28 @@ mod cuda {
         v: usize,
     ) -> Result<CudaStorage> {
         let dev = &z.device;
-        let t = targets(t, lt)?;
+        let t = u32_view(t, lt, "targets")?;
         let coef = match &c.slice {
             CudaStorageSlice::F32(s) => view(s, lc, "coefficients")?,
             _ => candle_core::bail!("coefficients must be f32"),
         };
         let threads = 256u32;
         let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
-        let cfg =
-            LaunchConfig { grid_dim: (n.max(1) as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let v32 = v as u32;
-        macro_rules! launch {
-            ($s:expr, $ty:ty, $name:literal) => {{
-                let zs = view($s, lz, "logits")?;
-                // SAFETY: every element is written by the kernel.
-                let out = unsafe { dev.alloc::<$ty>(n * v)? };
-                if n > 0 {
-                    let f = dev.get_or_load_custom_func($name, MODULE, PTX)?;
-                    let mut b = f.builder();
-                    b.arg(&zs);
-                    b.arg(&t);
-                    b.arg(&coef);
-                    b.arg(&out);
-                    b.arg(&v32);
-                    // SAFETY: argument types match the kernel's signature in kernels/logprob.cu.
-                    unsafe { b.launch(cfg) }.w()?;
-                }
-                CudaStorage::wrap_cuda_slice(out, dev.clone())
-            }};
-        }
+        let cfg = LaunchConfig { grid_dim: (n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+        let (v32, len) = (v as u32, n * v);
         Ok(match &z.slice {
-            CudaStorageSlice::F32(s) => launch!(s, f32, "lp_row_grad_f32"),
-            CudaStorageSlice::BF16(s) => launch!(s, half::bf16, "lp_row_grad_bf16"),
-            CudaStorageSlice::F16(s) => launch!(s, half::f16, "lp_row_grad_f16"),
+            CudaStorageSlice::F32(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_grad_f32", cfg, f32, len, [&z, &t, &coef], [&v32])
+            }
+            CudaStorageSlice::BF16(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_grad_bf16", cfg, half::bf16, len, [&z, &t, &coef], [&v32])
+            }
+            CudaStorageSlice::F16(s) => {
+                let z = view(s, lz, "logits")?;
+                launch!(dev, PTX, MODULE, "lp_row_grad_f16", cfg, half::f16, len, [&z, &t, &coef], [&v32])
+            }
             _ => candle_core::bail!("logits must be f32, bf16 or f16"),
         })
     }
