@@ -23,7 +23,17 @@ fn dims(x: &Layout, ranges: &Layout) -> Result<(usize, usize, usize, usize)> {
     if s == 0 || s > i32::MAX as usize {
         candle_core::bail!("attention over {s} keys: expected 1..=2^31-1");
     }
+    if b * h * t > i32::MAX as usize {
+        candle_core::bail!("{} attention rows: at most 2^31-1 (one GPU block each)", b * h * t);
+    }
     Ok((b * h * t, h, t, s))
+}
+
+fn backward_shapes(y: &Layout, grad: &Layout) -> Result<()> {
+    if y.shape() != grad.shape() {
+        candle_core::bail!("masked-softmax backward: grad {:?} for output {:?}", grad.shape(), y.shape());
+    }
+    Ok(())
 }
 
 /// The key range of score row `row`, clipped to the row.
@@ -138,6 +148,7 @@ impl CustomOp3 for MaskedSoftmaxBwd {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (_, h, t, s) = dims(l1, l3)?;
+        backward_shapes(l1, l2)?;
         let r = ranges_of(s3, l3)?;
         let k = self.scale;
         let out = match (s1, s2) {
@@ -166,6 +177,7 @@ impl CustomOp3 for MaskedSoftmaxBwd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = dims(l1, l3)?;
+        backward_shapes(l1, l2)?;
         Ok((cuda::backward(s1, l1, s2, l2, s3, l3, dims, self.scale)?, l1.shape().clone()))
     }
 }
@@ -383,6 +395,18 @@ mod tests {
             let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
             assert!((fd - g[idx] as f64).abs() < 2e-3, "d/dx[{idx}]: fd {fd} vs {}", g[idx]);
         }
+    }
+
+    #[test]
+    fn ranges_past_the_keys_are_clipped_and_empty_ranges_give_zeros() {
+        let x =
+            Tensor::from_vec((0..8).map(|i| i as f32 * 0.1).collect::<Vec<_>>(), (1, 1, 2, 4), &Device::Cpu).unwrap();
+        let r = Tensor::new(&[[[2u32, 99], [3, 1]]], &Device::Cpu).unwrap();
+        let y: Vec<Vec<f32>> =
+            masked_softmax(&x, &r, 1.0).unwrap().squeeze(0).unwrap().squeeze(0).unwrap().to_vec2().unwrap();
+        assert_eq!(&y[0][..2], &[0.0, 0.0]);
+        assert!((y[0][2] + y[0][3] - 1.0).abs() < 1e-6 && y[0][3] > y[0][2]);
+        assert_eq!(y[1], vec![0.0; 4]);
     }
 
     #[test]

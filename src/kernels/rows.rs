@@ -59,6 +59,9 @@ fn dims(logits: &Layout, targets: &Layout) -> Result<(usize, usize)> {
     if v == 0 || v > i32::MAX as usize {
         candle_core::bail!("vocabulary of {v}: expected 1..=2^31-1");
     }
+    if n > i32::MAX as usize {
+        candle_core::bail!("{n} rows: at most 2^31-1 (one GPU block each)");
+    }
     Ok((n, v))
 }
 

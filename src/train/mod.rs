@@ -357,6 +357,7 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
         let order = epoch_order(n_groups, cfg.train.seed, state.epoch, cfg.data.shuffle);
         while state.batch_in_epoch < steps_per_epoch && state.step < total_steps {
             let t0 = Instant::now();
+            crate::device::reset_peak_memory(run.policy.device())?;
             let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(n_groups)];
             let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
             let batch = step::build_batch(&groups, objective.as_ref(), cfg.objective.loss_agg, norm_len);
@@ -415,6 +416,10 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
                 "step_time": dt,
                 "tokens_per_sec": stats.tokens as f64 / dt.max(1e-9),
             });
+            // Peak GPU memory of the step (as verl's perf/max_memory_allocated_gb); absent on the CPU.
+            if let Some((_, peak)) = crate::device::memory_bytes(run.policy.device())? {
+                line["max_memory_allocated_gb"] = (peak as f64 / (1u64 << 30) as f64).into();
+            }
             bar.set_position(state.step as u64);
             bar.set_message(format!(
                 "loss {:.4} reward {:.3} {:.0} tok/s",
