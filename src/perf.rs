@@ -6,7 +6,8 @@
 //!   through the trainer's own code path;
 //! - [`logprob`]: the fused log-prob op alone (optionally with the off_grpo loss on top), and candle's
 //!   naive whole-vocabulary log-softmax for comparison;
-//! - [`generate`]: greedy generation with the KV cache, never stopping early.
+//! - [`generate`]: greedy generation with the KV cache, never stopping early;
+//! - [`sample`]: picking the next token (temperature, top-k, top-p) against the full-sort reference.
 //!
 //! Times are medians of the timed repetitions after warm-up, with the device synchronised around each.
 
@@ -330,6 +331,52 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
     }))
 }
 
+/// Sampling settings of [`sample`].
+#[derive(Debug, Clone)]
+pub struct SampleSpec {
+    pub vocab: usize,
+    pub rows: usize,
+    pub params: crate::eval::SamplingParams,
+}
+
+/// Time to pick one token from a row of `vocab` logits (normal, std 3), ours against the full-sort
+/// reference, on the host as generation does; with top-k or top-p both must pick the same tokens.
+pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
+    use crate::eval::{sample_token, sample_token_reference};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
+    let rows: Vec<Vec<f32>> = (0..spec.rows)
+        .map(|_| (0..spec.vocab).map(|_| 3.0 * crate::model::load::sample_normal(&mut rng)).collect())
+        .collect();
+    let run = |f: fn(&[f32], &crate::eval::SamplingParams, &mut rand_chacha::ChaCha8Rng) -> u32| {
+        time_runs(t, || {
+            let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+            Ok(rows.iter().map(|row| f(row, &spec.params, &mut r)).collect::<Vec<u32>>())
+        })
+    };
+    let (ours, picks) = run(sample_token)?;
+    let (reference, ref_picks) = run(sample_token_reference)?;
+    // With top-k or top-p both walk the kept candidates in the same order, so they must agree; over the
+    // whole vocabulary ours walks in token order (same distribution, other picks).
+    let truncated = spec.params.top_k > 0 || spec.params.top_p < 1.0;
+    if truncated && picks != ref_picks {
+        return Err(PerfError::Invalid("sampling picked other tokens than the full-sort reference".into()));
+    }
+    let per_row = |times: &[f64]| median(times) / spec.rows.max(1) as f64;
+    Ok(json!({
+        "bench": "sample",
+        "impl": "grpo",
+        "vocab": spec.vocab,
+        "rows": spec.rows,
+        "temperature": spec.params.temperature,
+        "top_p": spec.params.top_p,
+        "top_k": spec.params.top_k,
+        "us_per_row": per_row(&ours) * 1e6,
+        "reference_us_per_row": per_row(&reference) * 1e6,
+        "speedup": per_row(&reference) / per_row(&ours),
+        "same_picks": picks == ref_picks,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -379,6 +426,13 @@ mod tests {
                 assert!(r["fwd_bwd_time_s"].as_f64().unwrap() > 0.0, "{r}");
             }
         }
+    }
+
+    #[test]
+    fn sampling_agrees_with_the_reference() {
+        let params = crate::eval::SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() };
+        let r = sample(&SampleSpec { vocab: 3000, rows: 4, params }, &cpu()).unwrap();
+        assert!(r["speedup"].as_f64().unwrap() > 0.0, "{r}");
     }
 
     #[test]

@@ -85,6 +85,23 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Picking the next token (temperature, top-k, top-p) from random logits: ours vs the full-sort
+    /// reference.
+    Sample {
+        #[arg(long, default_value_t = 151_936)]
+        vocab: usize,
+        /// Rows per timed run (one per sequence of a generation batch).
+        #[arg(long, default_value_t = 32)]
+        rows: usize,
+        #[arg(long, default_value_t = 0.6)]
+        temperature: f32,
+        #[arg(long, default_value_t = 0.95)]
+        top_p: f32,
+        #[arg(long, default_value_t = 0)]
+        top_k: usize,
+        #[command(flatten)]
+        common: Common,
+    },
 }
 
 fn timing(c: &Common) -> anyhow::Result<Timing> {
@@ -115,6 +132,11 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Logprob { tokens, hidden, vocab, with_loss, chunk_mb, naive, common } => {
             let spec = LogprobSpec { tokens, hidden, vocab, with_loss, chunk_mb: (!naive).then_some(chunk_mb) };
             perf::logprob(&spec, &timing(&common)?).context("logprob benchmark")?
+        }
+        BenchCommand::Sample { vocab, rows, temperature, top_p, top_k, common } => {
+            let params =
+                crate::eval::SamplingParams { temperature, top_p, top_k, ..crate::eval::SamplingParams::default() };
+            perf::sample(&perf::SampleSpec { vocab, rows, params }, &timing(&common)?).context("sample benchmark")?
         }
         BenchCommand::Generate { shape, batch, prompt_len, new_tokens, common } => {
             let spec = GenerateSpec { shape, batch, prompt_len, new_tokens };

@@ -5,6 +5,7 @@
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 
 use crate::model::Decoder;
 
@@ -45,7 +46,89 @@ pub struct Generation {
 }
 
 /// Pick the next token from one row of f32 logits.
+///
+/// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
+/// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
+/// selection of a growing candidate set, so a 150k vocabulary costs a linear pass, not a sort.
 pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
+    if params.temperature <= 0.0 {
+        return argmax();
+    }
+    let mut cand: Vec<(u32, f32)> = logits
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.is_finite())
+        .map(|(i, &l)| (i as u32, l / params.temperature))
+        .collect();
+    if cand.is_empty() {
+        return argmax();
+    }
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    // Move the `k` first candidates (in `order`) to the front, sorted.
+    let front = |cand: &mut [(u32, f32)], k: usize| {
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k, order);
+        }
+        let k = k.min(cand.len());
+        cand[..k].sort_unstable_by(order);
+    };
+    if params.top_k > 0 && params.top_k < cand.len() {
+        front(&mut cand[..], params.top_k);
+        cand.truncate(params.top_k);
+    }
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let weight = |l: f32| ((l - max) as f64).exp();
+    let total: f64 = cand.iter().map(|c| weight(c.1)).sum();
+    let mut keep = cand.len();
+    if params.top_p < 1.0 {
+        let target = params.top_p as f64 * total;
+        // Search first among the candidates within e^30 of the top: the others hold under 1e-8 of the mass
+        // at any vocabulary size, so they enter a nucleus only when nothing else reaches p.
+        let mut limit = 0;
+        for i in 0..cand.len() {
+            if cand[i].1 >= max - 30.0 {
+                cand.swap(i, limit);
+                limit += 1;
+            }
+        }
+        let mut k = 64.min(limit);
+        loop {
+            front(&mut cand[..limit], k);
+            let mut acc = 0.0;
+            let reached = cand[..k].iter().position(|c| {
+                acc += weight(c.1);
+                acc >= target
+            });
+            if let Some(i) = reached {
+                keep = i + 1;
+                break;
+            }
+            if k == cand.len() {
+                break;
+            }
+            if k == limit {
+                limit = cand.len();
+            }
+            k = (k * 4).min(limit);
+        }
+    }
+    let kept = &cand[..keep];
+    let mass: f64 = if keep == cand.len() { total } else { kept.iter().map(|c| weight(c.1)).sum() };
+    let mut u: f64 = rng.gen::<f64>() * mass;
+    for c in kept {
+        let w = weight(c.1);
+        if u < w {
+            return c.0;
+        }
+        u -= w;
+    }
+    kept[keep - 1].0
+}
+
+/// The same choice as [`sample_token`] by sorting every candidate: the reference it is tested and
+/// benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
+pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
     let argmax = || logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
     if params.temperature <= 0.0 {
         return argmax();
@@ -123,7 +206,15 @@ pub fn generate(
             logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?
         } else {
             let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
-            active.iter().enumerate().map(|(r, &seq)| sample_token(&rows[r], params, &mut rngs[seq])).collect()
+            // Rows sample in parallel, each with its own sequence's RNG (`active` is increasing).
+            let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
+            let mut wanted = active.iter().peekable();
+            for (seq, rng) in rngs.iter_mut().enumerate() {
+                if wanted.next_if(|&&a| a == seq).is_some() {
+                    mine.push(rng);
+                }
+            }
+            rows.par_iter().zip(mine.par_iter_mut()).map(|(row, rng)| sample_token(row, params, *rng)).collect()
         };
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
@@ -205,5 +296,51 @@ mod tests {
         };
         assert_eq!(draw(5), draw(5));
         assert_ne!(draw(5), draw(6));
+    }
+
+    /// With top-k or top-p the kept candidates are walked in the same order as the full sort walks them,
+    /// so the same random draw picks the same token.
+    #[test]
+    fn the_same_tokens_as_the_full_sort_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let logits: Vec<f32> = (0..5000).map(|_| rng.gen_range(-6.0f32..6.0)).collect();
+        for params in [
+            SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.5, top_k: 100, ..Default::default() },
+            SamplingParams { temperature: 0.8, top_k: 20, ..Default::default() },
+        ] {
+            let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+            for i in 0..200 {
+                let (x, y) = (sample_token(&logits, &params, &mut a), sample_token_reference(&logits, &params, &mut b));
+                assert_eq!(x, y, "draw {i} with {params:?}");
+            }
+        }
+    }
+
+    /// The nucleus found by partial selection is the one a full sort gives, at vocabulary size.
+    #[test]
+    fn top_p_over_a_large_vocabulary_keeps_exactly_the_nucleus() {
+        let mut rng = ChaCha8Rng::seed_from_u64(1);
+        let logits: Vec<f32> = (0..151_936).map(|_| rng.gen_range(-8.0f32..8.0)).collect();
+        let p = SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() };
+        // The nucleus by a full sort.
+        let mut sorted: Vec<(usize, f64)> = logits.iter().map(|&l| (l / 0.6) as f64).enumerate().collect();
+        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = sorted[0].1;
+        let total: f64 = sorted.iter().map(|c| (c.1 - max).exp()).sum();
+        let mut acc = 0.0;
+        let n = sorted.iter().position(|c| {
+            acc += (c.1 - max).exp();
+            acc >= 0.95 * total
+        });
+        let nucleus: std::collections::HashSet<u32> = sorted[..n.unwrap() + 1].iter().map(|c| c.0 as u32).collect();
+        assert!(nucleus.len() > 1000, "the test needs a nucleus larger than the first selection");
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..100 {
+            let t = sample_token(&logits, &p, &mut rng);
+            assert!(nucleus.contains(&t), "token {t} is outside the nucleus");
+            seen.insert(t);
+        }
+        assert!(seen.len() > 50, "samples spread over the nucleus: {}", seen.len());
     }
 }

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use super::{config::ModelConfig, Decoder, ModelError};
 
@@ -149,7 +149,6 @@ pub fn random_decoder(
     device: &Device,
     trainable: bool,
 ) -> Result<Decoder, ModelError> {
-    use rand_distr_normal::sample_normal;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     Decoder::from_tensors(
         cfg,
@@ -171,13 +170,10 @@ pub fn random_decoder(
 }
 
 /// A standard normal sample by Box-Muller (keeps the dependency list short).
-mod rand_distr_normal {
-    use rand::Rng;
-    pub fn sample_normal(rng: &mut impl Rng) -> f32 {
-        let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
-        let u2: f64 = rng.gen();
-        ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-    }
+pub fn sample_normal(rng: &mut impl Rng) -> f32 {
+    let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
+    let u2: f64 = rng.gen();
+    ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
 }
 
 #[cfg(test)]
