@@ -77,8 +77,11 @@ fn time_runs<T>(t: &Timing, mut f: impl FnMut() -> Result<T>) -> Result<(Vec<f64
         let t0 = Instant::now();
         let out = f()?;
         synchronize(&t.device)?;
+        let dt = t0.elapsed().as_secs_f64();
+        let kind = if i < t.warmup { "warm-up" } else { "timed" };
+        tracing::info!("run {}/{} ({kind}): {dt:.3} s", i + 1, t.warmup + t.repeats.max(1));
         if i >= t.warmup {
-            times.push(t0.elapsed().as_secs_f64());
+            times.push(dt);
             outs.push(out);
         }
     }
