@@ -21,7 +21,10 @@
 # Build both binaries on a build machine first with scripts/gpu/pack.sh: it leaves gpu-bin/grpo.xz and
 # gpu-bin/cuda_ops.xz, which this script unpacks.
 # Every measurement appends one JSON line to OUTDIR/gpu-results.jsonl (a failure appends
-# {"bench": "error", ...} and the run goes on), so several calls can share one results file.
+# {"bench": "error", ...} and the run goes on). Where one call must stay short (a lease of 10 minutes a
+# command), run the parts in several calls, e.g. `run.sh tests smoke logprob generate`, then
+# `TRAIN_SHAPES=qwen2.5-0.5b run.sh train`, then `TRAIN_SHAPES=qwen2.5-1.5b run.sh train`; concatenate
+# their gpu-results.jsonl and run `scripts/gpu/report.py ALL.jsonl benches/results/gpu-<date>.json`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 BIN=${BIN:-gpu-bin/grpo}
