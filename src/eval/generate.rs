@@ -45,25 +45,35 @@ pub struct Generation {
     pub finish: FinishReason,
 }
 
-/// Pick the next token from one row of f32 logits.
-///
-/// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
-/// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
-/// selection of a growing candidate set, so a 150k vocabulary costs a linear pass, not a sort.
-pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+/// The finite logits as `(token, logit / temperature)`, or `Err` with the greedy choice when there is
+/// nothing to sample (temperature 0, or no finite logit).
+fn candidates(logits: &[f32], params: &SamplingParams) -> Result<Vec<(u32, f32)>, u32> {
     let argmax = || logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
     if params.temperature <= 0.0 {
-        return argmax();
+        return Err(argmax());
     }
-    let mut cand: Vec<(u32, f32)> = logits
+    let cand: Vec<(u32, f32)> = logits
         .iter()
         .enumerate()
         .filter(|(_, l)| l.is_finite())
         .map(|(i, &l)| (i as u32, l / params.temperature))
         .collect();
     if cand.is_empty() {
-        return argmax();
+        return Err(argmax());
     }
+    Ok(cand)
+}
+
+/// Pick the next token from one row of f32 logits.
+///
+/// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
+/// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
+/// selection of a growing candidate set, so a 150k vocabulary costs a linear pass, not a sort.
+pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+    let mut cand = match candidates(logits, params) {
+        Ok(c) => c,
+        Err(token) => return token,
+    };
     let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
     // Move the `k` first candidates (in `order`) to the front, sorted.
     let front = |cand: &mut [(u32, f32)], k: usize| {
@@ -129,19 +139,10 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng)
 /// The same choice as [`sample_token`] by sorting every candidate: the reference it is tested and
 /// benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
 pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
-    let argmax = || logits.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).map_or(0, |(i, _)| i as u32);
-    if params.temperature <= 0.0 {
-        return argmax();
-    }
-    let mut cand: Vec<(u32, f32)> = logits
-        .iter()
-        .enumerate()
-        .filter(|(_, l)| l.is_finite())
-        .map(|(i, &l)| (i as u32, l / params.temperature))
-        .collect();
-    if cand.is_empty() {
-        return argmax();
-    }
+    let mut cand = match candidates(logits, params) {
+        Ok(c) => c,
+        Err(token) => return token,
+    };
     cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     if params.top_k > 0 && params.top_k < cand.len() {
         cand.truncate(params.top_k);
