@@ -8,25 +8,6 @@
 
 #include "common.cuh"
 
-// Reduce over the block with op (max or sum); every thread gets the result.
-template <bool MAX>
-__device__ __forceinline__ float block_reduce(float v, float *shared) {
-    for (int off = 16; off > 0; off >>= 1) {
-        float o = __shfl_xor_sync(0xffffffffu, v, off);
-        v = MAX ? fmaxf(v, o) : v + o;
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
-    __syncthreads();  // shared may still be read from a previous reduction
-    if (lane == 0) shared[warp] = v;
-    __syncthreads();
-    v = lane < warps ? shared[lane] : (MAX ? -INFINITY : 0.f);
-    for (int off = 16; off > 0; off >>= 1) {
-        float o = __shfl_xor_sync(0xffffffffu, v, off);
-        v = MAX ? fmaxf(v, o) : v + o;
-    }
-    return v;
-}
-
 __device__ __forceinline__ void row_range(const uint32_t *ranges, size_t row, uint32_t heads, uint32_t t, uint32_t s,
                                           uint32_t &lo, uint32_t &hi) {
     const size_t b = row / ((size_t)heads * t);

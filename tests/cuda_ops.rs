@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::kernels::{logprobs_entropy, masked_softmax, row_grad, row_stats};
+use grpo::kernels::{logprobs_entropy, masked_softmax, rms_normalize, row_grad, row_stats};
 use rand::{Rng, SeedableRng};
 
 /// The GPU, or None (the test then skips) when none opens; with GRPO_REQUIRE_CUDA=1 (as scripts/gpu/run.sh
@@ -186,6 +186,34 @@ fn masked_softmax_matches_the_cpu_forward_and_backward() {
             let (ok, worst) = allclose(a, b, rtol, atol);
             println!("masked_softmax {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
             assert!(ok, "masked_softmax {dt:?} {what}: worst {worst}");
+        }
+    }
+}
+
+#[test]
+fn rms_normalize_matches_the_cpu_forward_and_backward() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    // Rows of a real hidden size and of an odd one (not a multiple of the block).
+    for (rows, h) in [(200, 896), (33, 77)] {
+        let x = random(&mut rng, (rows, h), 8.0);
+        let up = random(&mut rng, (rows, h), 1.0);
+        for (dt, rtol, atol) in [(DType::F32, 1e-4, 1e-6), (DType::BF16, 2e-2, 1e-4), (DType::F16, 5e-3, 1e-4)] {
+            let run = |dev: &Device| {
+                let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+                let y = rms_normalize(xv.as_tensor(), 1e-6).unwrap();
+                let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+                let g = loss.backward().unwrap();
+                let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+                (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
+            };
+            let (y_c, g_c) = run(&Device::Cpu);
+            let (y_g, g_g) = run(&gpu);
+            for (what, a, b) in [("y", &y_g, &y_c), ("grad", &g_g, &g_c)] {
+                let (ok, worst) = allclose(a, b, rtol, atol);
+                println!("rms_normalize {rows}x{h} {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
+                assert!(ok, "rms_normalize {dt:?} {what}: worst {worst}");
+            }
         }
     }
 }

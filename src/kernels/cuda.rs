@@ -8,6 +8,8 @@ use candle_core::{Layout, Result};
 pub const LOGPROB_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"));
 /// kernels/attention.cu, as PTX.
 pub const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// kernels/norm.cu, as PTX.
+pub const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
 
 /// The elements of a contiguous layout; an error naming `what` otherwise.
 pub fn view<'a, T: DeviceRepr>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {

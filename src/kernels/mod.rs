@@ -1,5 +1,8 @@
 //! Fused operations with their own backward, as candle custom ops.
 //!
+//! [`rms_normalize`] is RMSNorm without its weight, in one pass with its own backward; CPU implementation
+//! here, CUDA kernels in kernels/norm.cu.
+//!
 //! [`masked_softmax`] is the attention softmax (scale, causal/segment mask, softmax) in one pass with its
 //! own backward; CPU implementation here, CUDA kernels in kernels/attention.cu.
 //!
@@ -12,8 +15,10 @@ mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod logprob;
+mod norm;
 mod rows;
 
 pub use attention::masked_softmax;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
+pub use norm::rms_normalize;
 pub use rows::{row_grad, row_stats};

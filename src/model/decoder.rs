@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::{ModelConfig, RopeScaling};
-use crate::kernels::{logprobs_entropy, masked_softmax, LOGPROB_CHUNK_BYTES};
+use crate::kernels::{logprobs_entropy, masked_softmax, rms_normalize, LOGPROB_CHUNK_BYTES};
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
 #[derive(Clone)]
@@ -357,11 +357,9 @@ fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
     }
 }
 
+/// RMSNorm as transformers computes it: normalised in f32, rounded to the input dtype, times the weight.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    let dtype = x.dtype();
-    let xf = x.to_dtype(DType::F32)?;
-    let rms = (xf.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?;
-    xf.broadcast_div(&rms)?.to_dtype(dtype)?.broadcast_mul(w)
+    rms_normalize(x, eps)?.broadcast_mul(w)
 }
 
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
