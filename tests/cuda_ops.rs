@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::kernels::{logprobs_entropy, masked_softmax, rms_normalize, row_grad, row_stats};
+use grpo::kernels::{logprobs_entropy, masked_softmax, rms_normalize, rope, row_grad, row_stats};
 use rand::{Rng, SeedableRng};
 
 /// The GPU, or None (the test then skips) when none opens; with GRPO_REQUIRE_CUDA=1 (as scripts/gpu/run.sh
@@ -214,6 +214,36 @@ fn rms_normalize_matches_the_cpu_forward_and_backward() {
                 println!("rms_normalize {rows}x{h} {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
                 assert!(ok, "rms_normalize {dt:?} {what}: worst {worst}");
             }
+        }
+    }
+}
+
+#[test]
+fn rope_matches_the_cpu_forward_and_backward() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(19);
+    let (b, t, h, d) = (2, 37, 3, 64);
+    let x = random(&mut rng, (b * t * h, d), 4.0).reshape((b, t, h, d)).unwrap();
+    let angles = random(&mut rng, (b * t, d / 2), 50.0);
+    let angles = Tensor::cat(&[&angles, &angles], 1).unwrap().reshape((b, 1, t, d)).unwrap();
+    let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
+    let up = random(&mut rng, (b * h * t, d), 1.0).reshape((b, h, t, d)).unwrap();
+    for (dt, rtol, atol) in [(DType::F32, 1e-5, 1e-6), (DType::BF16, 1e-2, 1e-3), (DType::F16, 2e-3, 1e-4)] {
+        let run = |dev: &Device| {
+            let on = |t: &Tensor| t.to_dtype(dt).unwrap().to_device(dev).unwrap();
+            let xv = Var::from_tensor(&on(&x)).unwrap();
+            let y = rope(xv.as_tensor(), &on(&cos), &on(&sin)).unwrap();
+            let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+            let g = loss.backward().unwrap();
+            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+            (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
+        };
+        let (y_c, g_c) = run(&Device::Cpu);
+        let (y_g, g_g) = run(&gpu);
+        for (what, a, b) in [("y", &y_g, &y_c), ("grad", &g_g, &g_c)] {
+            let (ok, worst) = allclose(a, b, rtol, atol);
+            println!("rope {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
+            assert!(ok, "rope {dt:?} {what}: worst {worst}");
         }
     }
 }

@@ -8,6 +8,8 @@ use candle_core::{Layout, Result};
 pub const LOGPROB_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx"));
 /// kernels/attention.cu, as PTX.
 pub const ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"));
+/// kernels/rope.cu, as PTX.
+pub const ROPE_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"));
 /// kernels/norm.cu, as PTX.
 pub const NORM_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"));
 

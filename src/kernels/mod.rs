@@ -1,5 +1,8 @@
 //! Fused operations with their own backward, as candle custom ops.
 //!
+//! [`rope`] is the rotary embedding fused with the head transpose, each way in one op; CPU implementation
+//! here, CUDA kernels in kernels/rope.cu.
+//!
 //! [`rms_normalize`] is RMSNorm without its weight, in one pass with its own backward; CPU implementation
 //! here, CUDA kernels in kernels/norm.cu.
 //!
@@ -16,9 +19,11 @@ mod cpu;
 mod cuda;
 mod logprob;
 mod norm;
+mod rope;
 mod rows;
 
 pub use attention::masked_softmax;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::rms_normalize;
+pub use rope::rope;
 pub use rows::{row_grad, row_stats};

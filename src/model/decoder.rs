@@ -5,7 +5,7 @@
 //! - detached: the same forward with no graph (the frozen reference, old-policy log-probs);
 //! - generation: incremental forward with a KV cache over a batch of left-padded prompts.
 
-use candle_core::{DType, Device, Tensor, Var, D};
+use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{logprobs_entropy, masked_softmax, rms_normalize, LOGPROB_CHUNK_BYTES};
@@ -376,13 +376,6 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Ten
     y.reshape(out)
 }
 
-fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let x1 = x.narrow(D::Minus1, 0, d / 2)?;
-    let x2 = x.narrow(D::Minus1, d / 2, d / 2)?;
-    Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)
-}
-
 impl Decoder {
     /// Build a decoder from named tensors; `trainable` makes every parameter a `Var`.
     /// Missing tensors are reported by name. Tensors are converted to `dtype` on `device`.
@@ -567,12 +560,9 @@ impl Decoder {
             _ => (q, k),
         };
         let (cos, sin) = rope;
-        let apply_rope = |x: Tensor| -> candle_core::Result<Tensor> {
-            let x = x.transpose(1, 2)?.contiguous()?; // [B, heads, T, D]
-            x.broadcast_mul(cos)? + rotate_half(&x)?.broadcast_mul(sin)?
-        };
-        let q = apply_rope(q)?;
-        let mut k = apply_rope(k)?;
+        // [B, T, heads, D] -> [B, heads, T, D], rotated.
+        let q = crate::kernels::rope(&q, cos, sin)?;
+        let mut k = crate::kernels::rope(&k, cos, sin)?;
         let mut v = v.transpose(1, 2)?.contiguous()?;
         if let Some(cache) = cache {
             (k, v) = LayerCache::append(cache, &k, &v)?;
