@@ -145,13 +145,15 @@ mod cuda {
     use crate::kernels::cuda::{launch, view, NORM_PTX as PTX};
     const MODULE: &str = "grpo_norm";
 
-    fn config(rows: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    /// One block per row, at most 256 threads: fewer for short rows (q/k norms over a head of 64-128).
+    fn config(rows: usize, h: usize) -> LaunchConfig {
+        let threads = (h.div_ceil(32) * 32).min(256) as u32;
+        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
     }
 
     pub fn forward(x: &CudaStorage, lx: &Layout, rows: usize, h: usize, eps: f32) -> Result<CudaStorage> {
         let dev = &x.device;
-        let (cfg, len, h32) = (config(rows), rows * h, h as u32);
+        let (cfg, len, h32) = (config(rows, h), rows * h, h as u32);
         Ok(match &x.slice {
             CudaStorageSlice::F32(v) => {
                 let x = view(v, lx, "x")?;
@@ -179,7 +181,7 @@ mod cuda {
         eps: f32,
     ) -> Result<CudaStorage> {
         let dev = &x.device;
-        let (cfg, len, h32) = (config(rows), rows * h, h as u32);
+        let (cfg, len, h32) = (config(rows, h), rows * h, h as u32);
         Ok(match (&x.slice, &g.slice) {
             (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
                 let (x, g) = (view(a, lx, "x")?, view(b, lg, "grad")?);

@@ -22,8 +22,8 @@ fn dims(x: &Layout, c: &Layout, s: &Layout, grad: bool) -> Result<(usize, usize,
             candle_core::bail!("rope {what} has shape {:?}, expected [{b}, 1, {t}, {d}]", l.shape().dims());
         }
     }
-    if d % 2 != 0 {
-        candle_core::bail!("rope over an odd head dimension {d}");
+    if d == 0 || d % 2 != 0 {
+        candle_core::bail!("rope over a head dimension of {d}: expected a positive even number");
     }
     Ok((b, t, h, d))
 }
