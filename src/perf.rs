@@ -128,6 +128,8 @@ pub struct TrainStepSpec {
     pub micro_batch: usize,
     pub checkpoint_layers: bool,
     pub logprob_chunk_mb: usize,
+    /// The fused RMSNorm/rope/softmax kernels (false: their composite references).
+    pub fused_ops: bool,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -145,7 +147,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let mut policy = random_model(cfg, t, true)?;
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
-    let reference = policy.frozen_copy()?;
+    policy.options.fused_ops = spec.fused_ops;
+    let mut reference = policy.frozen_copy()?;
+    reference.options = policy.options.clone();
     let objective_cfg = ObjectiveConfig {
         name: ObjectiveName::OffGrpo,
         eps: 0.2,
@@ -209,6 +213,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "micro_batch": spec.micro_batch,
         "checkpoint_layers": spec.checkpoint_layers,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
+        "fused_ops": spec.fused_ops,
         "step_times": times,
         "step_time_s": step_time,
         "tokens": tokens,
@@ -296,6 +301,7 @@ pub struct GenerateSpec {
     pub batch: usize,
     pub prompt_len: usize,
     pub new_tokens: usize,
+    pub fused_ops: bool,
 }
 
 /// Greedy generation of exactly `new_tokens` per row (no stop token) from random prompts.
@@ -303,7 +309,8 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
     use crate::eval::{generate as run_generate, SamplingParams};
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
-    let model = random_model(cfg, t, false)?;
+    let mut model = random_model(cfg, t, false)?;
+    model.options.fused_ops = spec.fused_ops;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
     let prompts: Vec<Vec<u32>> = (0..spec.batch).map(|_| random_ids(&mut rng, spec.prompt_len, vocab)).collect();
     let ids: Vec<u64> = (0..spec.batch as u64).collect();
@@ -327,6 +334,7 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
         "batch": spec.batch,
         "prompt_len": spec.prompt_len,
         "new_tokens": spec.new_tokens,
+        "fused_ops": spec.fused_ops,
         "dtype": dtype_name(t.dtype),
         "device": device_name(&t.device),
         "time_s": time,
@@ -407,6 +415,7 @@ mod tests {
             micro_batch: 2,
             checkpoint_layers: true,
             logprob_chunk_mb: 1,
+            fused_ops: true,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["tokens"], 48);
@@ -441,7 +450,8 @@ mod tests {
     #[test]
     fn generation_produces_every_token() {
         let dir = tempfile::tempdir().unwrap();
-        let spec = GenerateSpec { shape: tiny_shape(dir.path()), batch: 3, prompt_len: 5, new_tokens: 4 };
+        let spec =
+            GenerateSpec { shape: tiny_shape(dir.path()), batch: 3, prompt_len: 5, new_tokens: 4, fused_ops: false };
         let r = generate(&spec, &cpu()).unwrap();
         assert_eq!(r["batch"], 3);
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);

@@ -44,7 +44,7 @@ KEYS = {
 }
 OURS = {"grpo", "grpo_fused", "grpo_naive"}
 # Settings of our lines that tell apart several runs on one key.
-VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb")
+VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb", "fused_ops")
 TORCH = {"torch", "torch_naive"}
 GIB = 2**30
 

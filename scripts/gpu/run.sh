@@ -7,7 +7,8 @@
 #      log_softmax + gather) at vocabulary 151,936, with and without the off_grpo loss on top;
 #   3. greedy generation at batch 1 and 32, grpo vs transformers' generate;
 #   4. one training step at Qwen2.5-0.5B and 1.5B shapes, 8 answers of 1024, 4096 and 8192 tokens,
-#      grpo vs PyTorch eager (transformers, SDPA, autocast bf16).
+#      grpo vs PyTorch eager (transformers, SDPA, autocast bf16);
+#   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops).
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
 #   scripts/gpu/run.sh [PART...]      PART: tests smoke logprob generate train (default: all)
@@ -134,6 +135,8 @@ PYEOF
             measure "generate grpo batch $b" "$BIN" -q bench generate "${common[@]}" --device "$DEVICE" --repeats 2
             measure "generate torch batch $b" "$PY" scripts/gpu/torch_ref.py generate "${common[@]}" \
                 --device "$TORCH_DEVICE" --repeats 2
+            measure "generate grpo composite batch $b" "$BIN" -q bench generate "${common[@]}" --composite-ops \
+                --device "$DEVICE" --repeats 2
         done
         ;;
     train)
@@ -148,6 +151,11 @@ PYEOF
                     --logprob-chunk-mb 1024 --device "$DEVICE" --warmup 1 --repeats 2
                 measure "train-step torch $shape $len" "$PY" scripts/gpu/torch_ref.py train-step "${common[@]}" \
                     --device "$TORCH_DEVICE" --warmup 1 --steps 2
+                # The fused kernels against candle's composite ops, on the first shape.
+                if [ "$shape" = "${TRAIN_SHAPES%% *}" ]; then
+                    measure "train-step grpo composite $shape $len" "$BIN" -q bench train-step "${common[@]}" \
+                        "${ckpt[@]}" --logprob-chunk-mb 1024 --composite-ops --device "$DEVICE" --warmup 1 --repeats 2
+                fi
             done
         done
         ;;

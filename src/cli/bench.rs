@@ -49,6 +49,9 @@ pub enum BenchCommand {
         /// Memory budget of one chunk of logits in the log-prob op, MiB.
         #[arg(long, default_value_t = 64)]
         logprob_chunk_mb: usize,
+        /// Use candle's composite ops instead of the fused RMSNorm, rope and attention softmax.
+        #[arg(long)]
+        composite_ops: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -82,6 +85,9 @@ pub enum BenchCommand {
         prompt_len: usize,
         #[arg(long, default_value_t = 256)]
         new_tokens: usize,
+        /// Use candle's composite ops instead of the fused RMSNorm, rope and attention softmax.
+        #[arg(long)]
+        composite_ops: bool,
         #[command(flatten)]
         common: Common,
     },
@@ -123,10 +129,19 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             micro_batch,
             checkpoint_layers,
             logprob_chunk_mb,
+            composite_ops,
             common,
         } => {
-            let spec =
-                TrainStepSpec { shape, answers, seq_len, prompt_len, micro_batch, checkpoint_layers, logprob_chunk_mb };
+            let spec = TrainStepSpec {
+                shape,
+                answers,
+                seq_len,
+                prompt_len,
+                micro_batch,
+                checkpoint_layers,
+                logprob_chunk_mb,
+                fused_ops: !composite_ops,
+            };
             perf::train_step(&spec, &timing(&common)?).context("train-step benchmark")?
         }
         BenchCommand::Logprob { tokens, hidden, vocab, with_loss, chunk_mb, naive, common } => {
@@ -138,8 +153,8 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
                 crate::eval::SamplingParams { temperature, top_p, top_k, ..crate::eval::SamplingParams::default() };
             perf::sample(&perf::SampleSpec { vocab, rows, params }, &timing(&common)?).context("sample benchmark")?
         }
-        BenchCommand::Generate { shape, batch, prompt_len, new_tokens, common } => {
-            let spec = GenerateSpec { shape, batch, prompt_len, new_tokens };
+        BenchCommand::Generate { shape, batch, prompt_len, new_tokens, composite_ops, common } => {
+            let spec = GenerateSpec { shape, batch, prompt_len, new_tokens, fused_ops: !composite_ops };
             perf::generate(&spec, &timing(&common)?).context("generate benchmark")?
         }
     };

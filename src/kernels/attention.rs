@@ -188,6 +188,28 @@ pub fn masked_softmax(scores: &Tensor, ranges: &Tensor, scale: f64) -> Result<Te
     scores.contiguous()?.apply_op2(&ranges.contiguous()?, MaskedSoftmax { scale: scale as f32 })
 }
 
+/// The same from candle's composite ops and an additive `[B, 1, T, S]` mask built from `ranges` on the
+/// host (scale in the scores' dtype, then f32, mask, softmax, back to the dtype): the reference
+/// [`masked_softmax`] is tested against, and the decoder's path with `fused_ops = false`. An empty range
+/// gives a uniform row here (the fused op gives zeros); the decoder never makes one.
+pub fn masked_softmax_reference(scores: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
+    let (b, _, t, s) = scores.dims4()?;
+    let r: Vec<u32> = ranges.flatten_all()?.to_vec1()?;
+    if r.len() != b * t * 2 {
+        candle_core::bail!("attention ranges have {} values, expected {}", r.len(), b * t * 2);
+    }
+    let mut m = vec![-1e9f32; b * t * s];
+    for (q, row) in m.chunks_mut(s).enumerate() {
+        let (lo, hi) = (r[2 * q] as usize, (r[2 * q + 1] as usize).min(s - 1));
+        for cell in row.iter_mut().take(hi + 1).skip(lo) {
+            *cell = 0.0;
+        }
+    }
+    let mask = Tensor::from_vec(m, (b, 1, t, s), scores.device())?;
+    let x = (scores * scale)?.to_dtype(candle_core::DType::F32)?.broadcast_add(&mask)?;
+    candle_nn::ops::softmax(&x, candle_core::D::Minus1)?.to_dtype(scores.dtype())
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};

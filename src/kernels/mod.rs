@@ -22,8 +22,8 @@ mod norm;
 mod rope;
 mod rows;
 
-pub use attention::masked_softmax;
+pub use attention::{masked_softmax, masked_softmax_reference};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
-pub use norm::rms_normalize;
-pub use rope::rope;
+pub use norm::{rms_normalize, rms_normalize_reference};
+pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};

@@ -136,6 +136,14 @@ pub fn rms_normalize(x: &Tensor, eps: f64) -> Result<Tensor> {
     x.contiguous()?.apply_op1(RmsNormalize { eps: eps as f32 })
 }
 
+/// The same from candle's composite ops (transformers' formula): the reference [`rms_normalize`] is
+/// tested against, and the decoder's path with `fused_ops = false`.
+pub fn rms_normalize_reference(x: &Tensor, eps: f64) -> Result<Tensor> {
+    let xf = x.to_dtype(candle_core::DType::F32)?;
+    let rms = (xf.sqr()?.mean_keepdim(candle_core::D::Minus1)? + eps)?.sqrt()?;
+    xf.broadcast_div(&rms)?.to_dtype(x.dtype())
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -203,7 +211,7 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var, D};
+    use candle_core::{DType, Device, Var};
 
     fn seeded(shape: (usize, usize, usize), scale: f32, seed: u64) -> Tensor {
         use rand::{Rng, SeedableRng};
@@ -213,11 +221,8 @@ mod tests {
             .unwrap()
     }
 
-    /// The composite the decoder used before (transformers' LlamaRMSNorm without the weight).
     fn composite(x: &Tensor, eps: f64) -> Tensor {
-        let xf = x.to_dtype(DType::F32).unwrap();
-        let rms = (xf.sqr().unwrap().mean_keepdim(D::Minus1).unwrap() + eps).unwrap().sqrt().unwrap();
-        xf.broadcast_div(&rms).unwrap().to_dtype(x.dtype()).unwrap()
+        rms_normalize_reference(x, eps).unwrap()
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

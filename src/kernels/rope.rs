@@ -154,6 +154,16 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { inverse: false })
 }
 
+/// The same from candle's composite ops (transpose, products, `rotate_half`): the reference [`rope`] is
+/// tested against, and the decoder's path with `fused_ops = false`.
+pub fn rope_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    use candle_core::D;
+    let x = x.transpose(1, 2)?.contiguous()?;
+    let d = x.dim(D::Minus1)?;
+    let rot = Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)?;
+    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -206,7 +216,7 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device, Var, D};
+    use candle_core::{DType, Device, Var};
 
     fn seeded(shape: &[usize], scale: f32, seed: u64) -> Tensor {
         use rand::{Rng, SeedableRng};
@@ -235,16 +245,8 @@ mod tests {
         (Tensor::from_vec(c, shape, &Device::Cpu).unwrap(), Tensor::from_vec(s, shape, &Device::Cpu).unwrap())
     }
 
-    /// The composite the decoder used before.
     fn composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
-        let x = x.transpose(1, 2).unwrap().contiguous().unwrap();
-        let d = x.dim(D::Minus1).unwrap();
-        let rot = Tensor::cat(
-            &[&x.narrow(D::Minus1, d / 2, d / 2).unwrap().neg().unwrap(), &x.narrow(D::Minus1, 0, d / 2).unwrap()],
-            D::Minus1,
-        )
-        .unwrap();
-        (x.broadcast_mul(cos).unwrap() + rot.broadcast_mul(sin).unwrap()).unwrap()
+        rope_reference(x, cos, sin).unwrap()
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

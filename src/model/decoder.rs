@@ -8,7 +8,10 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
-use crate::kernels::{logprobs_entropy, masked_softmax, rms_normalize, LOGPROB_CHUNK_BYTES};
+use crate::kernels::{
+    logprobs_entropy, masked_softmax, masked_softmax_reference, rms_normalize, rms_normalize_reference, rope_reference,
+    LOGPROB_CHUNK_BYTES,
+};
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
 #[derive(Clone)]
@@ -57,11 +60,14 @@ pub struct DecoderOptions {
     pub checkpoint_layers: bool,
     /// Memory budget of one chunk of f32 logits in the log-prob op.
     pub logprob_chunk_bytes: usize,
+    /// Use the project's fused ops (RMSNorm, rope, attention softmax); `false` uses their composite
+    /// candle references instead (slower, more memory: for checking the kernels and measuring them).
+    pub fused_ops: bool,
 }
 
 impl Default for DecoderOptions {
     fn default() -> Self {
-        Self { checkpoint_layers: false, logprob_chunk_bytes: LOGPROB_CHUNK_BYTES }
+        Self { checkpoint_layers: false, logprob_chunk_bytes: LOGPROB_CHUNK_BYTES, fused_ops: true }
     }
 }
 
@@ -358,8 +364,9 @@ fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 }
 
 /// RMSNorm as transformers computes it: normalised in f32, rounded to the input dtype, times the weight.
-fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> candle_core::Result<Tensor> {
-    rms_normalize(x, eps)?.broadcast_mul(w)
+fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, fused: bool) -> candle_core::Result<Tensor> {
+    let normalized = if fused { rms_normalize(x, eps)? } else { rms_normalize_reference(x, eps)? };
+    normalized.broadcast_mul(w)
 }
 
 fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
@@ -551,18 +558,22 @@ impl Decoder {
         let rep = nh / nkv;
         let eps = cfg.rms_norm_eps;
 
-        let h = rms_norm(x, &self.w(li.ln_in, graph), eps)?;
+        let fused = self.options.fused_ops;
+        let h = rms_norm(x, &self.w(li.ln_in, graph), eps, fused)?;
         let q = linear(&h, &self.w(li.q, graph), self.wo(li.q_bias, graph).as_ref())?.reshape((b, t, nh, hd))?;
         let k = linear(&h, &self.w(li.k, graph), self.wo(li.k_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
         let v = linear(&h, &self.w(li.v, graph), self.wo(li.v_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
         let (q, k) = match (li.q_norm, li.k_norm) {
-            (Some(qn), Some(kn)) => (rms_norm(&q, &self.w(qn, graph), eps)?, rms_norm(&k, &self.w(kn, graph), eps)?),
+            (Some(qn), Some(kn)) => {
+                (rms_norm(&q, &self.w(qn, graph), eps, fused)?, rms_norm(&k, &self.w(kn, graph), eps, fused)?)
+            }
             _ => (q, k),
         };
         let (cos, sin) = rope;
         // [B, T, heads, D] -> [B, heads, T, D], rotated.
-        let q = crate::kernels::rope(&q, cos, sin)?;
-        let mut k = crate::kernels::rope(&k, cos, sin)?;
+        let rotate = if fused { crate::kernels::rope } else { rope_reference };
+        let q = rotate(&q, cos, sin)?;
+        let mut k = rotate(&k, cos, sin)?;
         let mut v = v.transpose(1, 2)?.contiguous()?;
         if let Some(cache) = cache {
             (k, v) = LayerCache::append(cache, &k, &v)?;
@@ -572,12 +583,13 @@ impl Decoder {
         // stacked along the time axis.
         let qg = q.reshape((b, nkv, rep * t, hd))?;
         let scores = qg.matmul(&k.t()?)?.reshape((b, nh, t, s))?;
-        let probs = masked_softmax(&scores, ranges, 1.0 / (hd as f64).sqrt())?;
+        let softmax = if fused { masked_softmax } else { masked_softmax_reference };
+        let probs = softmax(&scores, ranges, 1.0 / (hd as f64).sqrt())?;
         let attn = probs.reshape((b, nkv, rep * t, s))?.matmul(&v)?; // [B, KV, rep*T, D]
         let attn = attn.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
 
-        let h = rms_norm(&x, &self.w(li.ln_post, graph), eps)?;
+        let h = rms_norm(&x, &self.w(li.ln_post, graph), eps, fused)?;
         let gate = linear(&h, &self.w(li.gate, graph), self.wo(li.gate_bias, graph).as_ref())?;
         let up = linear(&h, &self.w(li.up, graph), self.wo(li.up_bias, graph).as_ref())?;
         let mlp = linear(&(gate.silu()? * up)?, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
@@ -597,7 +609,7 @@ impl Decoder {
         let idx: Vec<u32> = targets.row.iter().zip(&targets.pos).map(|(&r, &p)| r * t as u32 + p - 1).collect();
         let idx = Tensor::from_vec(idx, targets.len(), &self.device)?;
         let sel = x.reshape(((), h))?.index_select(&idx, 0)?;
-        rms_norm(&sel, &self.w(self.norm, graph), self.cfg.rms_norm_eps)
+        rms_norm(&sel, &self.w(self.norm, graph), self.cfg.rms_norm_eps, self.options.fused_ops)
     }
 
     fn target_ids(&self, batch: &TokenBatch, targets: &Targets) -> candle_core::Result<Tensor> {
@@ -803,7 +815,7 @@ impl Decoder {
             x = self.layer(l, &x, &rope, &ranges, Some(&mut cache.layers[l]), false)?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
-        let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
+        let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         h.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)
     }
 
@@ -811,7 +823,7 @@ impl Decoder {
     /// is tested against. Memory grows with T x V: meant for short inputs.
     pub fn full_logits(&self, batch: &TokenBatch) -> candle_core::Result<Tensor> {
         let x = self.run_layers(batch, false)?;
-        let h = rms_norm(&x, &self.w(self.norm, false), self.cfg.rms_norm_eps)?;
+        let h = rms_norm(&x, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         let (b, t, hs) = h.dims3()?;
         h.reshape((b * t, hs))?.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)?.reshape((b, t, ()))
     }
@@ -940,6 +952,33 @@ mod tests {
             let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "{name}: recomputed gradient differs by {d}");
+        }
+    }
+
+    /// The fused kernels and their composite references give the same loss and gradients, padded and
+    /// packed, with q/k norms (Qwen3) and without (Llama).
+    #[test]
+    fn fused_ops_match_their_composite_references() {
+        for arch in [Arch::Qwen3, Arch::Llama] {
+            let mut m = tiny(arch, false, true);
+            let (b, t) = batch();
+            let packed = TokenBatch::packed(&[vec![vec![5, 17, 3], vec![88, 41, 9, 60]]], 0);
+            let mut pt = Targets::default();
+            for p in [1, 2, 4, 5, 6] {
+                pt.push(0, p);
+            }
+            for (batch, targets) in [(&b, &t), (&packed, &pt)] {
+                m.options.fused_ops = true;
+                let (l1, g1) = m.forward_backward(batch, targets, &mut weighted_loss).unwrap();
+                m.options.fused_ops = false;
+                let (l2, g2) = m.forward_backward(batch, targets, &mut weighted_loss).unwrap();
+                assert!((l1 - l2).abs() < 1e-5, "{arch:?}: loss {l1} vs {l2}");
+                for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
+                    let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
+                    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    assert!(d < 1e-5, "{arch:?} {name}: fused gradient differs by {d}");
+                }
+            }
         }
     }
 

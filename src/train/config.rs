@@ -74,6 +74,9 @@ pub struct ModelSection {
     pub checkpoint_layers: bool,
     /// Memory budget (MiB) of one chunk of logits in the log-prob op.
     pub logprob_chunk_mb: usize,
+    /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
+    /// for checking the kernels).
+    pub fused_ops: bool,
 }
 
 impl Default for ModelSection {
@@ -86,6 +89,7 @@ impl Default for ModelSection {
             reference: None,
             checkpoint_layers: false,
             logprob_chunk_mb: 64,
+            fused_ops: true,
         }
     }
 }

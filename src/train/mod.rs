@@ -284,13 +284,15 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
     let mut policy = model::load_decoder(&policy_dir, dtype, &device, true)?;
     policy.options.checkpoint_layers = cfg.model.checkpoint_layers;
     policy.options.logprob_chunk_bytes = cfg.model.logprob_chunk_mb.max(1) << 20;
+    policy.options.fused_ops = cfg.model.fused_ops;
     let objective = cfg.objective.build();
     let reference = if objective.beta() > 0.0 {
-        let r = match &cfg.model.reference {
+        let mut r = match &cfg.model.reference {
             Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,
             None if resume_from.is_some() => model::load_decoder(&model_dir, dtype, &device, false)?,
             None => policy.frozen_copy()?,
         };
+        r.options = policy.options.clone();
         Some(r)
     } else {
         None
