@@ -194,10 +194,10 @@ def print_tables(rows):
             notes(r)]
            for r in by_bench["logprob"]])
     table("generate (new tokens/s over the batch)",
-          ["shape", "batch", "new_tokens", "ours tok/s", "torch tok/s", "speedup"],
+          ["shape", "batch", "new_tokens", "ours tok/s", "torch tok/s", "speedup", "notes"],
           [[r["key"]["shape"], r["key"]["batch"], r["key"]["new_tokens"],
             fmt(get(r["ours"], "tokens_per_s"), ".1f"), fmt(get(r["torch"], "tokens_per_s"), ".1f"),
-            fmt(r["speedup"], ".2f")]
+            fmt(r["speedup"], ".2f"), notes(r)]
            for r in by_bench["generate"]])
 
 
