@@ -146,6 +146,42 @@ fn out_of_range_target_gives_nan_not_a_crash() {
     assert!((s[0][0] + 10f32.ln()).abs() < 1e-6 && s[1][0].is_nan(), "{s:?}");
 }
 
+/// Run `op` on `x` as a Var of dtype `dt` on `dev`, backprop `sum(y * up)`, and return `y` and `dy/dx` on
+/// the CPU in f32.
+fn forward_backward(
+    dev: &Device,
+    dt: DType,
+    x: &Tensor,
+    up: &Tensor,
+    op: impl Fn(&Tensor) -> Tensor,
+) -> (Tensor, Tensor) {
+    let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
+    let y = op(xv.as_tensor());
+    let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
+}
+
+/// `op` on the GPU against `op` on the CPU, forward and backward, in `dt` within `(rtol, atol)`.
+fn gpu_matches_cpu(
+    what: &str,
+    gpu: &Device,
+    dt: DType,
+    tol: (f32, f32),
+    x: &Tensor,
+    up: &Tensor,
+    op: impl Fn(&Tensor) -> Tensor,
+) {
+    let (y_c, g_c) = forward_backward(&Device::Cpu, dt, x, up, &op);
+    let (y_g, g_g) = forward_backward(gpu, dt, x, up, &op);
+    for (part, a, b) in [("y", &y_g, &y_c), ("grad", &g_g, &g_c)] {
+        let (ok, worst) = allclose(a, b, tol.0, tol.1);
+        println!("{what} {dt:?} {part}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
+        assert!(ok, "{what} {dt:?} {part}: worst {worst}");
+    }
+}
+
 #[test]
 fn masked_softmax_matches_the_cpu_forward_and_backward() {
     let Some(gpu) = gpu() else { return };
@@ -170,23 +206,11 @@ fn masked_softmax_matches_the_cpu_forward_and_backward() {
     let ranges = Tensor::from_vec(r, (b, t, 2), &Device::Cpu).unwrap();
     let x = random(&mut rng, (b * h * t, s), 6.0).reshape((b, h, t, s)).unwrap();
     let up = random(&mut rng, (b * h * t, s), 1.0).reshape((b, h, t, s)).unwrap();
-    for (dt, rtol, atol) in [(DType::F32, 1e-4, 1e-7), (DType::BF16, 2e-2, 1e-6), (DType::F16, 5e-3, 1e-6)] {
-        let run = |dev: &Device| {
-            let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
-            // Scores up to +-6 at scale 1: peaked rows with tiny probabilities.
-            let y = masked_softmax(xv.as_tensor(), &ranges.to_device(dev).unwrap(), 1.0).unwrap();
-            let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
-            let g = loss.backward().unwrap();
-            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-            (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
-        };
-        let (y_c, g_c) = run(&Device::Cpu);
-        let (y_g, g_g) = run(&gpu);
-        for (what, a, b) in [("probs", &y_g, &y_c), ("grad", &g_g, &g_c)] {
-            let (ok, worst) = allclose(a, b, rtol, atol);
-            println!("masked_softmax {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
-            assert!(ok, "masked_softmax {dt:?} {what}: worst {worst}");
-        }
+    for (dt, tol) in [(DType::F32, (1e-4, 1e-7)), (DType::BF16, (2e-2, 1e-6)), (DType::F16, (5e-3, 1e-6))] {
+        // Scores up to +-6 at scale 1: peaked rows with tiny probabilities.
+        gpu_matches_cpu("masked_softmax", &gpu, dt, tol, &x, &up, |x| {
+            masked_softmax(x, &ranges.to_device(x.device()).unwrap(), 1.0).unwrap()
+        });
     }
 }
 
@@ -198,22 +222,9 @@ fn rms_normalize_matches_the_cpu_forward_and_backward() {
     for (rows, h) in [(200, 896), (33, 77)] {
         let x = random(&mut rng, (rows, h), 8.0);
         let up = random(&mut rng, (rows, h), 1.0);
-        for (dt, rtol, atol) in [(DType::F32, 1e-4, 1e-6), (DType::BF16, 2e-2, 1e-4), (DType::F16, 5e-3, 1e-4)] {
-            let run = |dev: &Device| {
-                let xv = Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap();
-                let y = rms_normalize(xv.as_tensor(), 1e-6).unwrap();
-                let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
-                let g = loss.backward().unwrap();
-                let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-                (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
-            };
-            let (y_c, g_c) = run(&Device::Cpu);
-            let (y_g, g_g) = run(&gpu);
-            for (what, a, b) in [("y", &y_g, &y_c), ("grad", &g_g, &g_c)] {
-                let (ok, worst) = allclose(a, b, rtol, atol);
-                println!("rms_normalize {rows}x{h} {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
-                assert!(ok, "rms_normalize {dt:?} {what}: worst {worst}");
-            }
+        for (dt, tol) in [(DType::F32, (1e-4, 1e-6)), (DType::BF16, (2e-2, 1e-4)), (DType::F16, (5e-3, 1e-4))] {
+            let what = format!("rms_normalize {rows}x{h}");
+            gpu_matches_cpu(&what, &gpu, dt, tol, &x, &up, |x| rms_normalize(x, 1e-6).unwrap());
         }
     }
 }
@@ -228,22 +239,10 @@ fn rope_matches_the_cpu_forward_and_backward() {
     let angles = Tensor::cat(&[&angles, &angles], 1).unwrap().reshape((b, 1, t, d)).unwrap();
     let (cos, sin) = (angles.cos().unwrap(), angles.sin().unwrap());
     let up = random(&mut rng, (b * h * t, d), 1.0).reshape((b, h, t, d)).unwrap();
-    for (dt, rtol, atol) in [(DType::F32, 1e-5, 1e-6), (DType::BF16, 1e-2, 1e-3), (DType::F16, 2e-3, 1e-4)] {
-        let run = |dev: &Device| {
-            let on = |t: &Tensor| t.to_dtype(dt).unwrap().to_device(dev).unwrap();
-            let xv = Var::from_tensor(&on(&x)).unwrap();
-            let y = rope(xv.as_tensor(), &on(&cos), &on(&sin)).unwrap();
-            let loss = (y.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
-            let g = loss.backward().unwrap();
-            let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
-            (cpu(&y), cpu(g.get(xv.as_tensor()).unwrap()))
-        };
-        let (y_c, g_c) = run(&Device::Cpu);
-        let (y_g, g_g) = run(&gpu);
-        for (what, a, b) in [("y", &y_g, &y_c), ("grad", &g_g, &g_c)] {
-            let (ok, worst) = allclose(a, b, rtol, atol);
-            println!("rope {dt:?} {what}: worst |a-b|/(rtol|b|+atol) {worst:.2e}");
-            assert!(ok, "rope {dt:?} {what}: worst {worst}");
-        }
+    for (dt, tol) in [(DType::F32, (1e-5, 1e-6)), (DType::BF16, (1e-2, 1e-3)), (DType::F16, (2e-3, 1e-4))] {
+        gpu_matches_cpu("rope", &gpu, dt, tol, &x, &up, |x| {
+            let on = |t: &Tensor| t.to_dtype(x.dtype()).unwrap().to_device(x.device()).unwrap();
+            rope(x, &on(&cos), &on(&sin)).unwrap()
+        });
     }
 }
