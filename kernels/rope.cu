@@ -7,19 +7,30 @@
 
 #include "common.cuh"
 
+// Where pair k (k < B*H*T*D/2, in [B, H, T, D/2] order) lives: its index i in the half, the start of its
+// row in [B, T, H, D] and in [B, H, T, D], and the start of its cos/sin row in [B, 1, T, D].
+struct RopeIndex {
+    uint32_t i;
+    size_t bthd, bhtd, cs;
+};
+
+__device__ __forceinline__ RopeIndex rope_index(size_t k, uint32_t t, uint32_t h, uint32_t d) {
+    const uint32_t half = d / 2;
+    const size_t r = k / half;
+    const uint32_t ti = r % t, hi = (r / t) % h;
+    const size_t bi = r / ((size_t)t * h);
+    return RopeIndex{(uint32_t)(k % half), ((bi * t + ti) * h + hi) * d, r * d, (bi * t + ti) * d};
+}
+
 template <typename T>
 __device__ void rope_fwd(const T *__restrict__ x, const T *__restrict__ cs, const T *__restrict__ sn,
                          T *__restrict__ y, uint32_t b, uint32_t t, uint32_t h, uint32_t d) {
     const uint32_t half = d / 2;
     const size_t total = (size_t)b * h * t * half;
     for (size_t k = blockIdx.x * (size_t)blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
-        const uint32_t i = k % half;
-        const size_t r = k / half;  // (bi, hi, ti) in [B, H, T] order
-        const uint32_t ti = r % t, hi = (r / t) % h;
-        const size_t bi = r / ((size_t)t * h);
-        const size_t xin = ((bi * t + ti) * h + hi) * d;
-        const size_t out = r * d;
-        const size_t c = (bi * t + ti) * d;
+        const RopeIndex ix = rope_index(k, t, h, d);
+        const uint32_t i = ix.i;
+        const size_t xin = ix.bthd, out = ix.bhtd, c = ix.cs;
         const float x1 = to_f32(x[xin + i]), x2 = to_f32(x[xin + half + i]);
         const float c1 = to_f32(cs[c + i]), c2 = to_f32(cs[c + half + i]);
         const float s1 = to_f32(sn[c + i]), s2 = to_f32(sn[c + half + i]);
@@ -36,13 +47,9 @@ __device__ void rope_bwd(const T *__restrict__ g, const T *__restrict__ cs, cons
     const uint32_t half = d / 2;
     const size_t total = (size_t)b * h * t * half;
     for (size_t k = blockIdx.x * (size_t)blockDim.x + threadIdx.x; k < total; k += (size_t)gridDim.x * blockDim.x) {
-        const uint32_t i = k % half;
-        const size_t r = k / half;
-        const uint32_t ti = r % t, hi = (r / t) % h;
-        const size_t bi = r / ((size_t)t * h);
-        const size_t xin = ((bi * t + ti) * h + hi) * d;
-        const size_t gin = r * d;
-        const size_t c = (bi * t + ti) * d;
+        const RopeIndex ix = rope_index(k, t, h, d);
+        const uint32_t i = ix.i;
+        const size_t xin = ix.bthd, gin = ix.bhtd, c = ix.cs;
         const float g1 = to_f32(g[gin + i]), g2 = to_f32(g[gin + half + i]);
         const float c1 = to_f32(cs[c + i]), c2 = to_f32(cs[c + half + i]);
         const float s1 = to_f32(sn[c + i]), s2 = to_f32(sn[c + half + i]);

@@ -28,11 +28,6 @@ pub fn prepare(device: &Device) -> Result<()> {
     }
 }
 
-/// Wait for the device's queued work (a no-op on the CPU): call before reading a clock.
-pub fn synchronize(device: &Device) -> Result<()> {
-    device.synchronize()
-}
-
 /// Start a new peak: the high-water mark restarts from the memory in use now. `Ok(false)` where the
 /// device has no such counter (the CPU).
 pub fn reset_peak_memory(device: &Device) -> Result<bool> {
@@ -133,6 +128,5 @@ mod tests {
         assert_eq!(device_name(&d), "cpu");
         assert!(!reset_peak_memory(&d).unwrap());
         assert_eq!(memory_bytes(&d).unwrap(), None);
-        synchronize(&d).unwrap();
     }
 }

@@ -3,8 +3,6 @@ use clap::Parser;
 /// A training step frees and allocates tensors of tens of megabytes by the hundred. glibc serves large
 /// blocks with fresh mmaps and hands freed memory back at once, so every step pays millions of page
 /// faults to get it again; keep blocks up to 32 MiB in the heap and the heap's free memory for reuse.
-/// (Measured on three SmolLM2-135M steps, `perf stat`: 5.9M page faults -> 2.2M; the wall-time change was
-/// within this 2-core machine's run-to-run noise.)
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 fn tune_allocator() {
     // SAFETY: mallopt only changes allocator parameters; called before any other thread exists.

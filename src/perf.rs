@@ -19,11 +19,12 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::data::{Group, Response};
-use crate::device::{device_name, memory_bytes, reset_peak_memory, synchronize};
+use crate::device::{device_name, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
+use crate::model::load::random_parameter;
 use crate::model::{Decoder, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
-use crate::train::optim::{grad_norm, OptimConfig, Optimizer};
+use crate::train::optim::{clip_scale, grad_norm, OptimConfig, Optimizer};
 use crate::train::step::{build_batch, compute_gradients};
 
 /// Errors of a measurement.
@@ -73,10 +74,10 @@ fn median(xs: &[f64]) -> f64 {
 fn time_runs<T>(t: &Timing, mut f: impl FnMut() -> Result<T>) -> Result<(Vec<f64>, Vec<T>)> {
     let (mut times, mut outs) = (Vec::new(), Vec::new());
     for i in 0..t.warmup + t.repeats.max(1) {
-        synchronize(&t.device)?;
+        t.device.synchronize()?;
         let t0 = Instant::now();
         let out = f()?;
-        synchronize(&t.device)?;
+        t.device.synchronize()?;
         let dt = t0.elapsed().as_secs_f64();
         let kind = if i < t.warmup { "warm-up" } else { "timed" };
         tracing::info!("run {}/{} ({kind}): {dt:.3} s", i + 1, t.warmup + t.repeats.max(1));
@@ -99,16 +100,9 @@ fn load_shape(path: &std::path::Path) -> Result<ModelConfig> {
 /// A model of `cfg` with random weights drawn on the device itself (fast at billions of parameters; the
 /// values do not matter for timing): normal(0, 0.02) matrices, unit norms, zero biases.
 fn random_model(cfg: ModelConfig, t: &Timing, trainable: bool) -> Result<Decoder> {
-    let dev = t.device.clone();
-    let get = |name: &str, shape: &[usize]| -> std::result::Result<Tensor, crate::model::ModelError> {
-        Ok(if name.ends_with("norm.weight") {
-            Tensor::ones(shape, DType::F32, &dev)?
-        } else if name.ends_with(".bias") {
-            Tensor::zeros(shape, DType::F32, &dev)?
-        } else {
-            Tensor::randn(0f32, 0.02, shape, &dev)?
-        })
-    };
+    let dev = &t.device;
+    let get =
+        |name: &str, shape: &[usize]| random_parameter(name, shape, dev, || Ok(Tensor::randn(0f32, 0.02, shape, dev)?));
     Ok(Decoder::from_tensors(cfg, get, t.dtype, &t.device, trainable)?)
 }
 
@@ -181,7 +175,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     };
     let batch = build_batch(&[group], objective.as_ref(), objective_cfg.loss_agg, spec.seq_len);
     let optim_cfg = OptimConfig { lr: 1e-6, ..OptimConfig::default() };
-    let mut optimizer = Optimizer::new(optim_cfg, policy.names(), &policy.vars())?;
+    let mut optimizer = Optimizer::new(optim_cfg.clone(), policy.names(), &policy.vars())?;
     let mut peak = None;
     let mut step_no = 0usize;
     let (times, stats) = time_runs(t, || {
@@ -191,8 +185,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         step_no += 1;
         let (grads, stats) =
             compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, spec.micro_batch, 0)?;
-        let norm = grad_norm(&grads)?;
-        let scale = if norm > 1.0 { 1.0 / (norm + 1e-6) } else { 1.0 };
+        let scale = clip_scale(grad_norm(&grads)?, optim_cfg.grad_clip);
         optimizer.step(&grads, 1e-6, scale)?;
         Ok(stats)
     })?;

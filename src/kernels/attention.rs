@@ -8,11 +8,10 @@
 //! additive f32 mask and candle's composite softmax: one pass instead of six, no mask tensor, and the
 //! backward keeps only the probabilities. CPU reference here; CUDA kernels in kernels/attention.cu.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{contiguous, Elem};
+use super::cpu::{u32s, with_float, Elem, IntoStorage};
 
 /// `(rows, heads, t, s)` of scores `[B, H, T, S]` with ranges `[B, T, 2]`.
 fn dims(x: &Layout, ranges: &Layout) -> Result<(usize, usize, usize, usize)> {
@@ -82,13 +81,6 @@ fn cpu_bwd<T: Elem>(y: &[T], g: &[T], ranges: &[u32], heads: usize, t: usize, s:
     dx
 }
 
-fn ranges_of<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [u32]> {
-    match s {
-        CpuStorage::U32(r) => contiguous(r, l, "attention ranges"),
-        _ => candle_core::bail!("attention ranges must be u32, got {:?}", s.dtype()),
-    }
-}
-
 struct MaskedSoftmax {
     scale: f32,
 }
@@ -100,13 +92,8 @@ impl CustomOp2 for MaskedSoftmax {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, h, t, s) = dims(l1, l2)?;
-        let r = ranges_of(s2, l2)?;
-        let out = match s1 {
-            CpuStorage::F32(x) => CpuStorage::F32(cpu_fwd(contiguous(x, l1, "scores")?, r, h, t, s, self.scale)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(cpu_fwd(contiguous(x, l1, "scores")?, r, h, t, s, self.scale)),
-            CpuStorage::F16(x) => CpuStorage::F16(cpu_fwd(contiguous(x, l1, "scores")?, r, h, t, s, self.scale)),
-            _ => candle_core::bail!("scores must be f32, bf16 or f16, got {:?}", s1.dtype()),
-        };
+        let r = u32s(s2, l2, "attention ranges")?;
+        let out = with_float!((s1, l1, "scores") => |x| IntoStorage::storage(cpu_fwd(x, r, h, t, s, self.scale)));
         Ok((out, l1.shape().clone()))
     }
 
@@ -149,20 +136,10 @@ impl CustomOp3 for MaskedSoftmaxBwd {
     ) -> Result<(CpuStorage, Shape)> {
         let (_, h, t, s) = dims(l1, l3)?;
         backward_shapes(l1, l2)?;
-        let r = ranges_of(s3, l3)?;
+        let r = u32s(s3, l3, "attention ranges")?;
         let k = self.scale;
-        let out = match (s1, s2) {
-            (CpuStorage::F32(y), CpuStorage::F32(g)) => {
-                CpuStorage::F32(cpu_bwd(contiguous(y, l1, "y")?, contiguous(g, l2, "grad")?, r, h, t, s, k))
-            }
-            (CpuStorage::BF16(y), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(cpu_bwd(contiguous(y, l1, "y")?, contiguous(g, l2, "grad")?, r, h, t, s, k))
-            }
-            (CpuStorage::F16(y), CpuStorage::F16(g)) => {
-                CpuStorage::F16(cpu_bwd(contiguous(y, l1, "y")?, contiguous(g, l2, "grad")?, r, h, t, s, k))
-            }
-            _ => candle_core::bail!("masked-softmax backward: y and grad must share a float dtype"),
-        };
+        let out =
+            with_float!((s1, l1, "y"), (s2, l2, "grad") => |y, g| IntoStorage::storage(cpu_bwd(y, g, r, h, t, s, k)));
         Ok((out, l1.shape().clone()))
     }
 

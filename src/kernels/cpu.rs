@@ -44,3 +44,52 @@ pub fn contiguous<'a, T>(data: &'a [T], layout: &Layout, what: &str) -> Result<&
         None => candle_core::bail!("{what} must be contiguous"),
     }
 }
+
+/// Wrap a result of element type `Self` as CPU storage.
+pub trait IntoStorage: Sized {
+    fn storage(v: Vec<Self>) -> candle_core::CpuStorage;
+}
+
+impl IntoStorage for f32 {
+    fn storage(v: Vec<Self>) -> candle_core::CpuStorage {
+        candle_core::CpuStorage::F32(v)
+    }
+}
+
+impl IntoStorage for bf16 {
+    fn storage(v: Vec<Self>) -> candle_core::CpuStorage {
+        candle_core::CpuStorage::BF16(v)
+    }
+}
+
+impl IntoStorage for f16 {
+    fn storage(v: Vec<Self>) -> candle_core::CpuStorage {
+        candle_core::CpuStorage::F16(v)
+    }
+}
+
+/// Evaluate `$body` with each name bound to the contiguous elements of its float storage (f32, bf16 or
+/// f16; all of one dtype), monomorphised per dtype; anything else is an error naming the inputs.
+/// `with_float!((s1, l1, "x"), (s2, l2, "grad") => |x, g| cpu_bwd(x, g))`.
+macro_rules! with_float {
+    ($(($s:expr, $l:expr, $what:expr)),+ => |$($x:ident),+| $body:expr) => {{
+        use candle_core::CpuStorage as S;
+        use $crate::kernels::cpu::contiguous;
+        match ($($s,)+) {
+            ($(S::F32($x),)+) => { $(let $x = contiguous($x, $l, $what)?;)+ $body }
+            ($(S::BF16($x),)+) => { $(let $x = contiguous($x, $l, $what)?;)+ $body }
+            ($(S::F16($x),)+) => { $(let $x = contiguous($x, $l, $what)?;)+ $body }
+            _ => candle_core::bail!("{} must share one float dtype (f32, bf16 or f16)", [$($what),+].join(", ")),
+        }
+    }};
+}
+pub(crate) use with_float;
+
+/// The contiguous elements of a u32 storage (targets, ranges); an error naming `what` otherwise.
+pub fn u32s<'a>(s: &'a candle_core::CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
+    use candle_core::backend::BackendStorage;
+    match s {
+        candle_core::CpuStorage::U32(v) => contiguous(v, l, what),
+        _ => candle_core::bail!("{what} must be u32, got {:?}", s.dtype()),
+    }
+}

@@ -6,11 +6,10 @@
 //! replaces eight composite ops (and the f32 copies autograd kept of them). CPU reference here; CUDA
 //! kernels in kernels/norm.cu.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{contiguous, Elem};
+use super::cpu::{with_float, Elem, IntoStorage};
 
 fn rows_of(l: &Layout) -> Result<(usize, usize)> {
     let h = l.shape().dims().last().copied().unwrap_or(0);
@@ -63,12 +62,7 @@ impl CustomOp1 for RmsNormalize {
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
         let (_, h) = rows_of(l)?;
-        let out = match s {
-            CpuStorage::F32(x) => CpuStorage::F32(cpu_fwd(contiguous(x, l, "x")?, h, self.eps)),
-            CpuStorage::BF16(x) => CpuStorage::BF16(cpu_fwd(contiguous(x, l, "x")?, h, self.eps)),
-            CpuStorage::F16(x) => CpuStorage::F16(cpu_fwd(contiguous(x, l, "x")?, h, self.eps)),
-            _ => candle_core::bail!("rms norm of {:?}: expected f32, bf16 or f16", s.dtype()),
-        };
+        let out = with_float!((s, l, "x") => |x| IntoStorage::storage(cpu_fwd(x, h, self.eps)));
         Ok((out, l.shape().clone()))
     }
 
@@ -98,19 +92,8 @@ impl CustomOp2 for RmsNormalizeBwd {
         if l1.shape() != l2.shape() {
             candle_core::bail!("rms norm backward: grad {:?} for input {:?}", l2.shape(), l1.shape());
         }
-        let e = self.eps;
-        let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(g)) => {
-                CpuStorage::F32(cpu_bwd(contiguous(x, l1, "x")?, contiguous(g, l2, "grad")?, h, e))
-            }
-            (CpuStorage::BF16(x), CpuStorage::BF16(g)) => {
-                CpuStorage::BF16(cpu_bwd(contiguous(x, l1, "x")?, contiguous(g, l2, "grad")?, h, e))
-            }
-            (CpuStorage::F16(x), CpuStorage::F16(g)) => {
-                CpuStorage::F16(cpu_bwd(contiguous(x, l1, "x")?, contiguous(g, l2, "grad")?, h, e))
-            }
-            _ => candle_core::bail!("rms norm backward: x and grad must share a float dtype"),
-        };
+        let out =
+            with_float!((s1, l1, "x"), (s2, l2, "grad") => |x, g| IntoStorage::storage(cpu_bwd(x, g, h, self.eps)));
         Ok((out, l1.shape().clone()))
     }
 

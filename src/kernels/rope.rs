@@ -5,11 +5,10 @@
 //! rotation, `dx1 = g1 cos + g2 sin`, `dx2 = g2 cos - g1 sin`. It replaces seven composite ops per
 //! tensor. CPU reference here; CUDA kernels in kernels/rope.cu.
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{contiguous, Elem};
+use super::cpu::{with_float, Elem, IntoStorage};
 
 /// `(b, t, h, d)` of `x` (or of the gradient `[B, H, T, D]` when `grad`), checking cos/sin `[B, 1, T, D]`.
 fn dims(x: &Layout, c: &Layout, s: &Layout, grad: bool) -> Result<(usize, usize, usize, usize)> {
@@ -85,30 +84,9 @@ impl CustomOp3 for Rope {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = dims(l1, l2, l3, self.inverse)?;
         let inv = self.inverse;
-        let out = match (s1, s2, s3) {
-            (CpuStorage::F32(x), CpuStorage::F32(c), CpuStorage::F32(s)) => CpuStorage::F32(cpu_rope(
-                contiguous(x, l1, "x")?,
-                contiguous(c, l2, "cos")?,
-                contiguous(s, l3, "sin")?,
-                dims,
-                inv,
-            )),
-            (CpuStorage::BF16(x), CpuStorage::BF16(c), CpuStorage::BF16(s)) => CpuStorage::BF16(cpu_rope(
-                contiguous(x, l1, "x")?,
-                contiguous(c, l2, "cos")?,
-                contiguous(s, l3, "sin")?,
-                dims,
-                inv,
-            )),
-            (CpuStorage::F16(x), CpuStorage::F16(c), CpuStorage::F16(s)) => CpuStorage::F16(cpu_rope(
-                contiguous(x, l1, "x")?,
-                contiguous(c, l2, "cos")?,
-                contiguous(s, l3, "sin")?,
-                dims,
-                inv,
-            )),
-            _ => candle_core::bail!("rope: x, cos and sin must share a float dtype, got {:?}", s1.dtype()),
-        };
+        let out = with_float!((s1, l1, "x"), (s2, l2, "cos"), (s3, l3, "sin") => |x, c, s| {
+            IntoStorage::storage(cpu_rope(x, c, s, dims, inv))
+        });
         Ok((out, out_shape(dims, inv)))
     }
 

@@ -8,11 +8,10 @@
 //! feature the same functions run as kernels/logprob.cu on the GPU. A target outside `[0, V)` is an
 //! error on the CPU and gives NaN on the GPU (no device sync to check it).
 
-use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{contiguous, Elem};
+use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
 
 /// Running softmax statistics relative to the running maximum `m`: `s = sum e^(z-m)`,
 /// `u = sum e^(z-m) (z-m)`; then `lse = m + ln s` and `entropy = ln s - u / s`.
@@ -110,16 +109,8 @@ impl CustomOp2 for RowStats {
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
         let (n, v) = dims(l1, l2)?;
-        let t = match s2 {
-            CpuStorage::U32(t) => contiguous(t, l2, "targets")?,
-            _ => candle_core::bail!("targets must be u32, got {:?}", s2.dtype()),
-        };
-        let out = match s1 {
-            CpuStorage::F32(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
-            CpuStorage::BF16(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
-            CpuStorage::F16(z) => cpu_stats(contiguous(z, l1, "logits")?, t, v)?,
-            _ => candle_core::bail!("logits must be f32, bf16 or f16, got {:?}", s1.dtype()),
-        };
+        let t = u32s(s2, l2, "targets")?;
+        let out = with_float!((s1, l1, "logits") => |z| cpu_stats(z, t, v)?);
         Ok((CpuStorage::F32(out), Shape::from((n, 3))))
     }
 
@@ -154,20 +145,12 @@ impl CustomOp3 for RowGrad {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (n, v) = dims(l1, l2)?;
-        let t = match s2 {
-            CpuStorage::U32(t) => contiguous(t, l2, "targets")?,
-            _ => candle_core::bail!("targets must be u32, got {:?}", s2.dtype()),
-        };
+        let t = u32s(s2, l2, "targets")?;
         let coef = match s3 {
             CpuStorage::F32(c) if l3.shape().dims() == [n, 2] => contiguous(c, l3, "coefficients")?,
             _ => candle_core::bail!("coefficients must be f32 [{n}, 2]"),
         };
-        let out = match s1 {
-            CpuStorage::F32(z) => CpuStorage::F32(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
-            CpuStorage::BF16(z) => CpuStorage::BF16(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
-            CpuStorage::F16(z) => CpuStorage::F16(cpu_grad(contiguous(z, l1, "logits")?, t, coef, v)?),
-            _ => candle_core::bail!("logits must be f32, bf16 or f16, got {:?}", s1.dtype()),
-        };
+        let out = with_float!((s1, l1, "logits") => |z| IntoStorage::storage(cpu_grad(z, t, coef, v)?));
         Ok((out, Shape::from((n, v))))
     }
 

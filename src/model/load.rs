@@ -140,6 +140,23 @@ pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) 
     )
 }
 
+/// The initial value of parameter `name` in a random model: ones for norm weights, zeros for biases,
+/// and `normal()` (normal(0, 0.02)) for everything else.
+pub fn random_parameter(
+    name: &str,
+    shape: &[usize],
+    device: &Device,
+    normal: impl FnOnce() -> Result<Tensor, ModelError>,
+) -> Result<Tensor, ModelError> {
+    if name.ends_with("norm.weight") {
+        Ok(Tensor::ones(shape, DType::F32, device)?)
+    } else if name.ends_with(".bias") {
+        Ok(Tensor::zeros(shape, DType::F32, device)?)
+    } else {
+        normal()
+    }
+}
+
 /// A randomly initialised decoder (normal(0, 0.02) matrices, unit norms, zero biases), reproducible
 /// from `seed`.
 pub fn random_decoder(
@@ -153,15 +170,10 @@ pub fn random_decoder(
     Decoder::from_tensors(
         cfg,
         |name, shape| {
-            let n: usize = shape.iter().product();
-            let data: Vec<f32> = if name.ends_with("norm.weight") || name.ends_with("layernorm.weight") {
-                vec![1.0; n]
-            } else if name.ends_with(".bias") {
-                vec![0.0; n]
-            } else {
-                (0..n).map(|_| 0.02 * sample_normal(&mut rng)).collect()
-            };
-            Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+            random_parameter(name, shape, &Device::Cpu, || {
+                let data: Vec<f32> = (0..shape.iter().product()).map(|_| 0.02 * sample_normal(&mut rng)).collect();
+                Ok(Tensor::from_vec(data, shape, &Device::Cpu)?)
+            })
         },
         dtype,
         device,

@@ -375,11 +375,7 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
             let lr = cfg.optim.lr_at(state.step, total_steps);
             let finite = stats.loss.is_finite() && norm.is_finite();
             if finite {
-                let scale = if cfg.optim.grad_clip > 0.0 && norm > cfg.optim.grad_clip {
-                    cfg.optim.grad_clip / (norm + 1e-6)
-                } else {
-                    1.0
-                };
+                let scale = optim::clip_scale(norm, cfg.optim.grad_clip);
                 run.optimizer.step(&grads, lr, scale)?;
                 bad_in_row = 0;
             } else {

@@ -92,6 +92,15 @@ impl OptimConfig {
     }
 }
 
+/// The factor that clips a gradient of norm `norm` to `max` (1 when `max` is 0, clipping off).
+pub fn clip_scale(norm: f64, max: f64) -> f64 {
+    if max > 0.0 && norm > max {
+        max / (norm + 1e-6)
+    } else {
+        1.0
+    }
+}
+
 /// Global L2 norm of all gradients (f32 accumulated in f64).
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
     let mut sq = 0f64;
