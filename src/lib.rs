@@ -12,6 +12,7 @@
 //! - [`eval`]: benchmarks, batched generation and their scores.
 //! - [`device`]: the device's name and its peak memory.
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
 
 pub mod cli;
@@ -23,5 +24,6 @@ pub mod kernels;
 pub mod model;
 pub mod objective;
 pub mod perf;
+pub mod progress;
 pub mod reward;
 pub mod train;

@@ -24,8 +24,8 @@ use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
 use crate::model::{Decoder, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
-use crate::train::optim::{clip_scale, grad_norm, OptimConfig, Optimizer};
-use crate::train::step::{build_batch, compute_gradients};
+use crate::train::optim::OptimConfig;
+use crate::train::step::TrainStep;
 
 /// Errors of a measurement.
 #[derive(Debug, thiserror::Error)]
@@ -110,19 +110,31 @@ fn random_ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
 }
 
-/// One training step's settings.
-#[derive(Debug, Clone)]
+/// One training step's settings (`grpo bench train-step`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct TrainStepSpec {
-    /// An HF config.json giving the model's shape (weights are random).
+    /// HF config.json of the model shape (e.g. scripts/gpu/shapes/qwen2.5-0.5b.json); weights are random.
+    #[arg(long)]
     pub shape: PathBuf,
+    /// Answers in the step (one question).
+    #[arg(long, default_value_t = 8)]
     pub answers: usize,
-    /// Tokens of each answer's full sequence (prompt included).
+    /// Tokens of each answer's sequence, prompt included.
+    #[arg(long, default_value_t = 1024)]
     pub seq_len: usize,
+    #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
+    /// Answers per forward/backward.
+    #[arg(long, default_value_t = 1)]
     pub micro_batch: usize,
+    /// Recompute layer activations in the backward (less memory, one more forward).
+    #[arg(long)]
     pub checkpoint_layers: bool,
+    /// Memory budget of one chunk of logits in the log-prob op, MiB.
+    #[arg(long, default_value_t = 64)]
     pub logprob_chunk_mb: usize,
-    /// The fused RMSNorm/rope/softmax kernels (false: their composite references).
+    /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
+    #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
 }
 
@@ -152,7 +164,6 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         loss_agg: LossAgg::SeqMeanTokenMean,
         ..ObjectiveConfig::default()
     };
-    let objective = objective_cfg.build();
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
     let group = Group {
         index: 0,
@@ -173,9 +184,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         majority_count: 0,
         vote_margin: 0,
     };
-    let batch = build_batch(&[group], objective.as_ref(), objective_cfg.loss_agg, spec.seq_len);
     let optim_cfg = OptimConfig { lr: 1e-6, ..OptimConfig::default() };
-    let mut optimizer = Optimizer::new(optim_cfg.clone(), policy.names(), &policy.vars())?;
+    let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
+    let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
     let (times, stats) = time_runs(t, || {
@@ -183,11 +194,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
-        let (grads, stats) =
-            compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, spec.micro_batch, 0)?;
-        let scale = clip_scale(grad_norm(&grads)?, optim_cfg.grad_clip);
-        optimizer.step(&grads, 1e-6, scale)?;
-        Ok(stats)
+        Ok(step.run(&policy, Some(&reference), &groups, optim_cfg.lr)?.stats)
     })?;
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
@@ -217,16 +224,24 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     }))
 }
 
-/// The log-prob op's settings.
-#[derive(Debug, Clone)]
+/// The log-prob op's settings (`grpo bench logprob`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct LogprobSpec {
+    #[arg(long, default_value_t = 8192)]
     pub tokens: usize,
+    #[arg(long, default_value_t = 896)]
     pub hidden: usize,
+    #[arg(long, default_value_t = 151_936)]
     pub vocab: usize,
     /// Put the off_grpo token loss (ratio, clip, k3 KL) on top, as the trainer does.
+    #[arg(long)]
     pub with_loss: bool,
-    /// `Some(MB)`: the fused op with chunks of this budget; `None`: candle's whole-vocabulary log-softmax.
-    pub chunk_mb: Option<usize>,
+    /// Chunk budget of the fused op, MiB.
+    #[arg(long, default_value_t = 64)]
+    pub chunk_mb: usize,
+    /// Measure candle's naive whole-vocabulary log-softmax instead of the fused op.
+    #[arg(long)]
+    pub naive: bool,
 }
 
 /// Forward, and forward + backward, of the per-token log-prob from hidden states and the lm_head.
@@ -253,9 +268,10 @@ pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
         behaviour_logp: None,
     };
     let forward = || -> Result<Tensor> {
-        let lp = match spec.chunk_mb {
-            Some(mb) => logprobs_entropy(hidden.as_tensor(), weight.as_tensor(), &targets, mb.max(1) << 20)?,
-            None => logprobs_entropy_reference(hidden.as_tensor(), weight.as_tensor(), &targets)?,
+        let lp = if spec.naive {
+            logprobs_entropy_reference(hidden.as_tensor(), weight.as_tensor(), &targets)?
+        } else {
+            logprobs_entropy(hidden.as_tensor(), weight.as_tensor(), &targets, spec.chunk_mb.max(1) << 20)?
         };
         let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
         Ok(if spec.with_loss { objective.loss(&logp, &inputs)?.loss } else { (logp * &upstream)?.sum_all()? })
@@ -273,27 +289,34 @@ pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
     };
     Ok(json!({
         "bench": "logprob",
-        "impl": if spec.chunk_mb.is_some() { "grpo_fused" } else { "grpo_naive" },
+        "impl": if spec.naive { "grpo_naive" } else { "grpo_fused" },
         "tokens": spec.tokens,
         "hidden": spec.hidden,
         "vocab": spec.vocab,
         "dtype": dtype_name(t.dtype),
         "device": device_name(dev),
         "with_loss": spec.with_loss,
-        "chunk_mb": spec.chunk_mb,
+        "chunk_mb": (!spec.naive).then_some(spec.chunk_mb),
         "fwd_time_s": median(&fwd),
         "fwd_bwd_time_s": median(&fwd_bwd),
         "peak_mem_bytes": peak,
     }))
 }
 
-/// Generation settings.
-#[derive(Debug, Clone)]
+/// Generation settings (`grpo bench generate`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct GenerateSpec {
+    /// HF config.json of the model shape; weights are random.
+    #[arg(long)]
     pub shape: PathBuf,
+    #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
+    #[arg(long, default_value_t = 256)]
     pub new_tokens: usize,
+    /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
+    #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
 }
 
@@ -335,18 +358,32 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
     }))
 }
 
-/// Sampling settings of [`sample`].
-#[derive(Debug, Clone)]
+/// Sampling settings of [`sample`] (`grpo bench sample`).
+#[derive(Debug, Clone, clap::Args)]
 pub struct SampleSpec {
+    #[arg(long, default_value_t = 151_936)]
     pub vocab: usize,
+    /// Rows per timed run (one per sequence of a generation batch).
+    #[arg(long, default_value_t = 32)]
     pub rows: usize,
-    pub params: crate::eval::SamplingParams,
+    #[arg(long, default_value_t = 0.6)]
+    pub temperature: f32,
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    pub top_k: usize,
 }
 
 /// Time to pick one token from a row of `vocab` logits (normal, std 3), ours against the full-sort
 /// reference, on the host as generation does; with top-k or top-p both must pick the same tokens.
 pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
     use crate::eval::{sample_token, sample_token_reference};
+    let params = crate::eval::SamplingParams {
+        temperature: spec.temperature,
+        top_p: spec.top_p,
+        top_k: spec.top_k,
+        ..crate::eval::SamplingParams::default()
+    };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
     let rows: Vec<Vec<f32>> = (0..spec.rows)
         .map(|_| (0..spec.vocab).map(|_| 3.0 * crate::model::load::sample_normal(&mut rng)).collect())
@@ -354,14 +391,14 @@ pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
     let run = |f: fn(&[f32], &crate::eval::SamplingParams, &mut rand_chacha::ChaCha8Rng) -> u32| {
         time_runs(t, || {
             let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(5);
-            Ok(rows.iter().map(|row| f(row, &spec.params, &mut r)).collect::<Vec<u32>>())
+            Ok(rows.iter().map(|row| f(row, &params, &mut r)).collect::<Vec<u32>>())
         })
     };
     let (ours, picks) = run(sample_token)?;
     let (reference, ref_picks) = run(sample_token_reference)?;
     // With top-k or top-p both walk the kept candidates in the same order, so they must agree; over the
     // whole vocabulary ours walks in token order (same distribution, other picks).
-    let truncated = spec.params.top_k > 0 || spec.params.top_p < 1.0;
+    let truncated = params.top_k > 0 || params.top_p < 1.0;
     if truncated && picks != ref_picks {
         return Err(PerfError::Invalid("sampling picked other tokens than the full-sort reference".into()));
     }
@@ -371,9 +408,9 @@ pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
         "impl": "grpo",
         "vocab": spec.vocab,
         "rows": spec.rows,
-        "temperature": spec.params.temperature,
-        "top_p": spec.params.top_p,
-        "top_k": spec.params.top_k,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
         "us_per_row": per_row(&ours) * 1e6,
         "reference_us_per_row": per_row(&reference) * 1e6,
         "speedup": per_row(&reference) / per_row(&ours),
@@ -424,9 +461,9 @@ mod tests {
 
     #[test]
     fn fused_and_naive_logprob_both_run() {
-        for chunk_mb in [Some(1), None] {
+        for naive in [false, true] {
             for with_loss in [false, true] {
-                let spec = LogprobSpec { tokens: 6, hidden: 8, vocab: 50, with_loss, chunk_mb };
+                let spec = LogprobSpec { tokens: 6, hidden: 8, vocab: 50, with_loss, chunk_mb: 1, naive };
                 let r = logprob(&spec, &cpu()).unwrap();
                 assert!(r["fwd_bwd_time_s"].as_f64().unwrap() > 0.0, "{r}");
             }
@@ -435,8 +472,8 @@ mod tests {
 
     #[test]
     fn sampling_agrees_with_the_reference() {
-        let params = crate::eval::SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() };
-        let r = sample(&SampleSpec { vocab: 3000, rows: 4, params }, &cpu()).unwrap();
+        let spec = SampleSpec { vocab: 3000, rows: 4, temperature: 0.6, top_p: 0.95, top_k: 0 };
+        let r = sample(&spec, &cpu()).unwrap();
         assert!(r["speedup"].as_f64().unwrap() > 0.0, "{r}");
     }
 

@@ -458,7 +458,7 @@ fn teacher_logprobs_are_kept_when_they_match_the_tokens() {
     std::fs::write(&input, lines.join("\n")).unwrap();
     let out = dir.path().join("out");
     let outcome = data::prepare(&data::PrepareOptions {
-        inputs: vec![input.to_string_lossy().into_owned()],
+        input: data::InputOptions { inputs: vec![input.to_string_lossy().into_owned()], ..Default::default() },
         model: tokenizer_dir(),
         out: out.clone(),
         ..Default::default()
@@ -478,7 +478,7 @@ fn teacher_logprobs_are_kept_when_they_match_the_tokens() {
     }
     // Up to date: the library call is a no-op the second time.
     let again = data::prepare(&data::PrepareOptions {
-        inputs: vec![input.to_string_lossy().into_owned()],
+        input: data::InputOptions { inputs: vec![input.to_string_lossy().into_owned()], ..Default::default() },
         model: tokenizer_dir(),
         out,
         ..Default::default()

@@ -6,9 +6,9 @@ mod common;
 use candle_core::{DType, Device};
 use grpo::data::{self, Group, PreparedDataset};
 use grpo::model::{self, Decoder, Targets, TokenBatch};
-use grpo::objective::{LossAgg, ObjectiveConfig};
-use grpo::train::optim::{grad_norm, OptimConfig, Optimizer};
-use grpo::train::step::{build_batch, compute_gradients};
+use grpo::objective::ObjectiveConfig;
+use grpo::train::optim::OptimConfig;
+use grpo::train::step::TrainStep;
 
 /// Mean per-token log-prob of the positive and of the negative answers.
 fn mean_logprobs(m: &Decoder, groups: &[Group]) -> (f64, f64) {
@@ -61,11 +61,14 @@ fn check_signal(
 ) {
     let dir = tempfile::tempdir().unwrap();
     let opts = data::PrepareOptions {
-        inputs: vec![common::root().join("data/trajectories/ot3_math_x8_dev.jsonl").display().to_string()],
+        input: data::InputOptions {
+            inputs: vec![common::root().join("data/trajectories/ot3_math_x8_dev.jsonl").display().to_string()],
+            group: data::GroupOptions { group_size, ..Default::default() },
+            ..Default::default()
+        },
+        sequence: data::SequenceOptions { max_response_tokens: max_tokens, ..Default::default() },
         model: model_dir.to_path_buf(),
         out: dir.path().join("prepared"),
-        max_response_tokens: max_tokens,
-        group: data::GroupOptions { group_size, ..Default::default() },
         ..Default::default()
     };
     data::prepare(&opts).unwrap();
@@ -79,9 +82,7 @@ fn check_signal(
 
     let policy = model::load_decoder(model_dir, DType::F32, &Device::Cpu, true).unwrap();
     let reference = policy.frozen_copy().unwrap();
-    let objective = oc.build();
-    let names = policy.names().to_vec();
-    let mut opt = Optimizer::new(OptimConfig { lr, ..Default::default() }, &names, &policy.vars()).unwrap();
+    let mut step = TrainStep::new(&oc, &OptimConfig { lr, ..Default::default() }, &policy, 4, max_tokens, 0).unwrap();
     if teacher_from_model {
         // Behaviour log-probs carried by the data (LUFFY-style target probs): here the initial model's own.
         for g in &mut mixed {
@@ -95,14 +96,11 @@ fn check_signal(
         }
     }
     let (pos0, neg0) = mean_logprobs(&policy, &mixed);
-    let batch = build_batch(&mixed, objective.as_ref(), LossAgg::SeqMeanTokenMean, max_tokens);
     let mut kl = 0.0;
     for _ in 0..steps {
-        let (grads, stats) = compute_gradients(&policy, Some(&reference), objective.as_ref(), &batch, 4, 0).unwrap();
-        let norm = grad_norm(&grads).unwrap();
-        assert!(norm.is_finite() && norm > 0.0);
-        opt.step(&grads, lr, if norm > 1.0 { 1.0 / norm } else { 1.0 }).unwrap();
-        kl = stats.kl;
+        let report = step.run(&policy, Some(&reference), &mixed, lr).unwrap();
+        assert!(report.applied && report.grad_norm.is_finite() && report.grad_norm > 0.0);
+        kl = report.stats.kl;
     }
     let (pos1, neg1) = mean_logprobs(&policy, &mixed);
     eprintln!("positive {pos0:.4} -> {pos1:.4}, negative {neg0:.4} -> {neg1:.4}, kl {kl:.5}");
@@ -114,15 +112,13 @@ fn check_signal(
 
 fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
     let model_dir = dir.join("model");
-    let shape = model::tiny::TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 64 };
-    model::tiny::write_tiny_model(
-        model::Arch::Llama,
-        &common::root().join("data/tokenizers/smollm2"),
-        &model_dir,
-        &shape,
-        1,
-    )
-    .unwrap();
+    let spec = model::tiny::TinySpec {
+        arch: model::Arch::Llama,
+        tokenizer: common::root().join("data/tokenizers/smollm2"),
+        shape: model::tiny::TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 64 },
+        seed: 1,
+    };
+    model::tiny::write_tiny_model(&spec, &model_dir).unwrap();
     model_dir
 }
 

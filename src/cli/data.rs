@@ -4,7 +4,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::data::{self, GroupOptions, Overlong, PrepareOptions, ReadOptions, ScanOptions};
+use crate::data::{self, InputOptions, PrepareOptions, SequenceOptions};
 use crate::model::tokenizer::ChatTokenizer;
 
 #[derive(Debug, clap::Subcommand)]
@@ -16,58 +16,10 @@ pub enum DataCommand {
     Prepare(PrepareArgs),
 }
 
-/// Inputs and grouping options shared by `stats` and `prepare`.
-#[derive(Debug, clap::Args)]
-pub struct InputArgs {
-    /// JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files, folders or globs (repeatable).
-    #[arg(long = "input", short = 'i', num_args = 1.., required = true)]
-    pub inputs: Vec<String>,
-    /// Answers kept per question (G; 0 keeps all), chosen reproducibly from --seed.
-    #[arg(long, default_value_t = 8)]
-    pub group_size: usize,
-    /// Questions with fewer answers are dropped (and counted).
-    #[arg(long, default_value_t = 2)]
-    pub min_group_size: usize,
-    /// Seed of the choice of answers when a question has more than --group-size.
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Keep only these domains (e.g. math; comma-separated or repeated).
-    #[arg(long = "domain", value_delimiter = ',')]
-    pub domains: Vec<String>,
-    /// Keep only these sources (comma-separated or repeated).
-    #[arg(long = "source", value_delimiter = ',')]
-    pub sources: Vec<String>,
-    /// Stop at the first bad row (with its file and line) instead of skipping it.
-    #[arg(long)]
-    pub strict: bool,
-    /// Rows longer than this many bytes are skipped as too large.
-    #[arg(long, default_value_t = 1 << 20)]
-    pub max_row_bytes: usize,
-    /// Spill partitions of the grouping pass (0: from the input size).
-    #[arg(long, default_value_t = 0, hide = true)]
-    pub partitions: usize,
-}
-
-impl InputArgs {
-    fn group(&self) -> GroupOptions {
-        GroupOptions {
-            group_size: self.group_size,
-            min_group_size: self.min_group_size,
-            seed: self.seed,
-            domains: self.domains.clone(),
-            sources: self.sources.clone(),
-            extract: Default::default(),
-        }
-    }
-    fn read(&self) -> ReadOptions {
-        ReadOptions { max_row_bytes: self.max_row_bytes }
-    }
-}
-
 #[derive(Debug, clap::Args)]
 pub struct StatsArgs {
     #[command(flatten)]
-    pub input: InputArgs,
+    pub input: InputOptions,
     /// Also write the stats as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -83,25 +35,15 @@ pub struct StatsArgs {
 #[derive(Debug, clap::Args)]
 pub struct PrepareArgs {
     #[command(flatten)]
-    pub input: InputArgs,
+    pub input: InputOptions,
+    #[command(flatten)]
+    pub sequence: SequenceOptions,
     /// Model or tokenizer folder (tokenizer.json, tokenizer_config.json with the chat template).
     #[arg(long)]
     pub model: PathBuf,
     /// Output folder (shards, groups.jsonl, stats.json, manifest.json).
     #[arg(long)]
     pub out: PathBuf,
-    /// Groups whose rendered prompt is longer are dropped (0: no limit).
-    #[arg(long, default_value_t = 2048)]
-    pub max_prompt_tokens: usize,
-    /// Responses longer than this (EOS included) are truncated or dropped, see --overlong (0: no limit).
-    #[arg(long, default_value_t = 16384)]
-    pub max_response_tokens: usize,
-    /// What to do with over-long responses.
-    #[arg(long, value_enum, default_value_t = Overlong::Truncate)]
-    pub overlong: Overlong,
-    /// System prompt rendered before the question.
-    #[arg(long)]
-    pub system_prompt: Option<String>,
     /// Prepare again even when the output is up to date.
     #[arg(long)]
     pub force: bool,
@@ -127,15 +69,8 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
         Some(dir) => Some(ChatTokenizer::load(dir).with_context(|| format!("loading tokenizer {}", dir.display()))?),
         None => None,
     };
-    let opts = ScanOptions {
-        read: a.input.read(),
-        group: a.input.group(),
-        strict: a.input.strict,
-        partitions: a.input.partitions,
-        spill_dir: None,
-    };
     let started = std::time::Instant::now();
-    let stats = data::scan(&files, &opts, tok.as_ref(), &mut report_bad).context("data stats")?;
+    let stats = data::scan(&files, &a.input, tok.as_ref(), &mut report_bad).context("data stats")?;
     let secs = started.elapsed().as_secs_f64();
     let bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     print!("{}", stats.report());
@@ -156,19 +91,12 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
 
 fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
     let opts = PrepareOptions {
-        inputs: a.input.inputs.clone(),
+        input: a.input,
+        sequence: a.sequence,
         model: a.model,
         out: a.out,
-        group: a.input.group(),
-        read: a.input.read(),
-        max_prompt_tokens: a.max_prompt_tokens,
-        max_response_tokens: a.max_response_tokens,
-        overlong: a.overlong,
-        system_prompt: a.system_prompt,
-        strict: a.input.strict,
         force: a.force,
         shard_tokens: a.shard_tokens,
-        partitions: a.input.partitions,
     };
     let outcome = data::prepare::prepare_with(&opts, &mut report_bad).context("data prepare")?;
     if outcome.skipped {

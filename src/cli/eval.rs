@@ -144,7 +144,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut reports = Vec::new();
     for b in &benches {
         let total = args.limit.unwrap_or(usize::MAX).min(b.problems.len());
-        let bar = super::progress_bar(Some(total as u64), &b.name);
+        let bar = crate::progress::progress_bar(Some(total as u64), &b.name);
         let done_b: HashMap<String, ProblemResult> =
             done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
         let t0 = std::time::Instant::now();

@@ -94,7 +94,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())?;
     let lines = Lines::open(&args.input)?;
-    let bar = super::progress_bar(None, "logprobs");
+    let bar = crate::progress::progress_bar(None, "logprobs");
     let (mut done, mut bad) = (0usize, 0usize);
     let mut pending: Vec<Item> = Vec::new();
     let flush = |pending: &mut Vec<Item>, out: &mut AtomicFile| -> anyhow::Result<usize> {

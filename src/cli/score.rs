@@ -126,7 +126,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut lines = Lines::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())
         .with_context(|| format!("creating {}", args.output.as_deref().unwrap_or("-".as_ref()).display()))?;
-    let bar = crate::cli::progress_bar(None, "score");
+    let bar = crate::progress::progress_bar(None, "score");
     let mut outcomes = Vec::new();
     let mut skipped = 0usize;
     let path = args.input.display().to_string();

@@ -21,19 +21,28 @@ use crate::model::tokenizer::ChatTokenizer;
 use crate::reward::{extract_answer, ExtractOptions};
 
 /// How rows become groups.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
 pub struct GroupOptions {
-    /// At most this many answers per group (G); 0 keeps all.
+    /// Answers kept per question (G; 0 keeps all), chosen reproducibly from the seed.
+    #[arg(long, default_value_t = 8)]
     pub group_size: usize,
-    /// Groups with fewer answers are dropped (and counted).
+    /// Questions with fewer answers are dropped (and counted).
+    #[arg(long, default_value_t = 2)]
     pub min_group_size: usize,
-    /// Seed of the choice of G answers among more.
+    /// Seed of the choice of answers when a question has more than the group size (training: train.seed).
+    #[arg(long, default_value_t = 0)]
+    #[serde(skip)]
     pub seed: u64,
-    /// Keep only rows of these domains (empty: all).
+    /// Keep only these domains (e.g. math; comma-separated or repeated; empty: all).
+    #[arg(long = "domain", value_delimiter = ',')]
     pub domains: Vec<String>,
-    /// Keep only rows of these sources (empty: all).
+    /// Keep only these sources (comma-separated or repeated; empty: all).
+    #[arg(long = "source", value_delimiter = ',')]
     pub sources: Vec<String>,
     /// Answer extraction for the labels.
+    #[arg(skip)]
+    #[serde(skip)]
     pub extract: ExtractOptions,
 }
 
@@ -59,17 +68,27 @@ impl GroupOptions {
     }
 }
 
-/// Options of the streaming [`scan`].
-#[derive(Debug, Clone, Default)]
-pub struct ScanOptions {
-    pub read: ReadOptions,
+/// Which teacher rows are read and how they become groups: the `[data]` keys of the train config and the
+/// input flags of `grpo data stats` and `grpo data prepare`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
+pub struct InputOptions {
+    /// JSONL (.jsonl, .jsonl.gz, .jsonl.zst) or Parquet files, folders or globs (repeatable).
+    #[arg(long = "input", short = 'i', num_args = 1.., required = true)]
+    pub inputs: Vec<String>,
+    #[command(flatten)]
+    #[serde(flatten)]
     pub group: GroupOptions,
-    /// Fail at the first bad row instead of skipping it.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub read: ReadOptions,
+    /// Stop at the first bad row (with its file and line) instead of skipping it.
+    #[arg(long)]
     pub strict: bool,
-    /// Number of spill partitions (0: from the input size).
+    /// Spill partitions of the grouping pass (0: from the input size).
+    #[arg(long, default_value_t = 0, hide = true)]
+    #[serde(skip)]
     pub partitions: usize,
-    /// Where the spill files go (default: the system temporary folder).
-    pub spill_dir: Option<PathBuf>,
 }
 
 /// One response of a [`LabeledGroup`].
@@ -441,7 +460,7 @@ enum Item {
 /// chat template), otherwise in characters.
 pub fn scan(
     files: &[PathBuf],
-    opts: &ScanOptions,
+    opts: &InputOptions,
     tokenizer: Option<&ChatTokenizer>,
     on_bad: &mut dyn FnMut(&BadRow),
 ) -> Result<Stats, DataError> {
@@ -449,13 +468,15 @@ pub fn scan(
         Some(tok) => Measure::tokens(tok, None, false, true),
         None => Measure::Chars,
     };
-    scan_with(files, opts, &measure, &Limits::default(), on_bad, &mut |_| Ok(()))
+    scan_with(files, opts, None, &measure, &Limits::default(), on_bad, &mut |_| Ok(()))
 }
 
-/// The streaming scan with explicit length measure, limits and a consumer of the groups.
+/// The streaming scan with a folder for the spill files (default: the system temporary folder), explicit
+/// length measure, limits and a consumer of the groups.
 pub(crate) fn scan_with(
     files: &[PathBuf],
-    opts: &ScanOptions,
+    opts: &InputOptions,
+    spill_dir: Option<&Path>,
     measure: &Measure<'_>,
     limits: &Limits,
     on_bad: &mut dyn FnMut(&BadRow),
@@ -463,7 +484,7 @@ pub(crate) fn scan_with(
 ) -> Result<Stats, DataError> {
     let total_bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let k = if opts.partitions > 0 { opts.partitions } else { (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512) };
-    let spill = TempDir::new(opts.spill_dir.as_deref())?;
+    let spill = TempDir::new(spill_dir)?;
     let part_path = |i: usize| spill.0.join(format!("part-{i:04}.bin"));
     let mut writers = Vec::with_capacity(k);
     for i in 0..k {
@@ -471,7 +492,7 @@ pub(crate) fn scan_with(
         writers.push(BufWriter::with_capacity(64 << 10, File::create(&p).map_err(io_err(&p))?));
     }
     let mut stats = Stats { length_unit: measure.unit().to_string(), ..Stats::default() };
-    let bar = crate::cli::progress_bar(None, "rows");
+    let bar = crate::progress::progress_bar(None, "rows");
     for (fi, path) in files.iter().enumerate() {
         tracing::debug!("reading {}", path.display());
         scan_file(

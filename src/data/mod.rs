@@ -4,7 +4,7 @@
 //! Public surface:
 //! - [`reader`]: [`resolve_inputs`] (files, folders, globs) and [`Row`] / [`BadRow`] / [`ReadOptions`]:
 //!   OT3 rows (`conversations`) or plain `{"prompt", "response"}` rows, optional `teacher_logprobs`.
-//! - [`group`]: [`GroupOptions`], [`group_rows`] (in memory, full text) and [`scan`] (streaming, spill
+//! - [`group`]: [`InputOptions`] (which rows, how grouped), [`group_rows`] (in memory, full text) and [`scan`] (streaming, spill
 //!   files, bounded memory) which both produce labelled groups and [`Stats`].
 //! - [`label`]: [`label_answers`] -> [`Labels`] (majority answer, vote margin, rewards).
 //! - [`stats`]: [`Stats`], its text report and [`plot_stats`] (the seed's figure 2).
@@ -20,9 +20,9 @@ pub mod stats;
 
 use std::path::PathBuf;
 
-pub use group::{group_rows, scan, GroupOptions, LabeledGroup, LabeledResponse, ScanOptions};
+pub use group::{group_rows, scan, GroupOptions, InputOptions, LabeledGroup, LabeledResponse};
 pub use label::{label_answers, GroupKind, Labels};
-pub use prepare::{prepare, Overlong, PrepareOptions, PrepareOutcome};
+pub use prepare::{prepare, Overlong, PrepareOptions, PrepareOutcome, SequenceOptions};
 pub use reader::{read_all, resolve_inputs, BadRow, Location, ReadOptions, Row, SkipReason};
 pub use shards::{Group, PreparedDataset, Response};
 pub use stats::{plot_stats, LengthSummary, Stats};

@@ -12,13 +12,14 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::group::{prompt_tokens, scan_with, Limits, Measure, ScanOptions};
+use super::group::{prompt_tokens, scan_with, GroupOptions, InputOptions, Limits, Measure, ScannedGroup};
 use super::reader::{resolve_inputs, scan_file, BadRow, ReadOptions};
 use super::shards::{GroupMeta, ShardWriter, FORMAT};
 use super::stats::{LengthHistogram, Stats};
-use super::{io_err, question_hash, question_id, DataError, GroupOptions};
+use super::{io_err, question_hash, question_id, DataError};
 use crate::jsonl::AtomicFile;
 use crate::model::tokenizer::ChatTokenizer;
+use crate::reward::ExtractOptions;
 
 /// What to do with a response longer than the response-token limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -30,48 +31,54 @@ pub enum Overlong {
     Drop,
 }
 
+/// How a group's question and answers become token sequences: the `[data]` keys of the train config and
+/// flags of `grpo data prepare`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
+pub struct SequenceOptions {
+    /// Groups whose rendered prompt has more tokens are dropped (0: no limit).
+    #[arg(long, default_value_t = 2048)]
+    pub max_prompt_tokens: usize,
+    /// Responses with more tokens (EOS included) are truncated or dropped, see --overlong (0: no limit).
+    #[arg(long, default_value_t = 16384)]
+    pub max_response_tokens: usize,
+    /// What to do with over-long responses.
+    #[arg(long, value_enum, default_value_t = Overlong::Truncate)]
+    pub overlong: Overlong,
+    /// System prompt rendered before the question.
+    #[arg(long)]
+    pub system_prompt: Option<String>,
+}
+
+impl Default for SequenceOptions {
+    fn default() -> Self {
+        Self { max_prompt_tokens: 2048, max_response_tokens: 16384, overlong: Overlong::Truncate, system_prompt: None }
+    }
+}
+
 /// Options of [`prepare`].
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone)]
 pub struct PrepareOptions {
-    /// Files, folders or globs.
-    pub inputs: Vec<String>,
+    pub input: InputOptions,
+    pub sequence: SequenceOptions,
     /// Model or tokenizer folder (tokenizer.json + tokenizer_config.json with the chat template).
     pub model: PathBuf,
     pub out: PathBuf,
-    pub group: GroupOptions,
-    pub read: ReadOptions,
-    /// Groups whose prompt has more tokens are dropped (0: no limit).
-    pub max_prompt_tokens: usize,
-    /// Responses with more tokens (EOS included) are truncated or dropped (0: no limit).
-    pub max_response_tokens: usize,
-    pub overlong: Overlong,
-    pub system_prompt: Option<String>,
-    /// Fail at the first bad row.
-    pub strict: bool,
     /// Prepare again even when the manifest says it is up to date.
     pub force: bool,
     /// Tokens per token shard before a new one is started.
     pub shard_tokens: u64,
-    /// Spill partitions of the grouping pass (0: from the input size).
-    pub partitions: usize,
 }
 
 impl Default for PrepareOptions {
     fn default() -> Self {
         Self {
-            inputs: vec![],
+            input: InputOptions::default(),
+            sequence: SequenceOptions::default(),
             model: PathBuf::new(),
             out: PathBuf::new(),
-            group: GroupOptions::default(),
-            read: ReadOptions::default(),
-            max_prompt_tokens: 2048,
-            max_response_tokens: 16384,
-            overlong: Overlong::Truncate,
-            system_prompt: None,
-            strict: false,
             force: false,
             shard_tokens: 1 << 28,
-            partitions: 0,
         }
     }
 }
@@ -122,17 +129,31 @@ fn input_info(p: &Path) -> Result<InputInfo, DataError> {
     Ok(InputInfo { path, size: m.len(), modified_ns })
 }
 
+/// The options that change the output (inputs, output folder and `force` excluded), as the manifest
+/// records them.
+#[derive(Debug, Serialize)]
+struct OutputOptions<'a> {
+    group: &'a GroupOptions,
+    seed: u64,
+    extract: &'a ExtractOptions,
+    read: &'a ReadOptions,
+    strict: bool,
+    sequence: &'a SequenceOptions,
+    shard_tokens: u64,
+}
+
 fn output_options(o: &PrepareOptions) -> serde_json::Value {
-    serde_json::json!({
-        "group": o.group,
-        "read": o.read,
-        "max_prompt_tokens": o.max_prompt_tokens,
-        "max_response_tokens": o.max_response_tokens,
-        "overlong": o.overlong,
-        "system_prompt": o.system_prompt,
-        "strict": o.strict,
-        "shard_tokens": o.shard_tokens,
-    })
+    let g = &o.input.group;
+    let opts = OutputOptions {
+        group: g,
+        seed: g.seed,
+        extract: &g.extract,
+        read: &o.input.read,
+        strict: o.input.strict,
+        sequence: &o.sequence,
+        shard_tokens: o.shard_tokens,
+    };
+    serde_json::to_value(&opts).unwrap_or_default()
 }
 
 /// Why an existing manifest does not match (empty: up to date).
@@ -210,15 +231,15 @@ struct Tokenised {
     logprobs_mismatched: bool,
 }
 
-/// Prepare `opts.inputs` into `opts.out` (see the module doc). Skips the work when `out` holds a complete
-/// preparation of the same inputs (size, modification time), tokenizer and options.
+/// Prepare `opts.input.inputs` into `opts.out` (see the module doc). Skips the work when `out` holds a
+/// complete preparation of the same inputs (size, modification time), tokenizer and options.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
     prepare_with(opts, &mut |bad| tracing::warn!("skipped {bad}"))
 }
 
 /// [`prepare`] with a callback for each bad row.
 pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> Result<PrepareOutcome, DataError> {
-    let files = resolve_inputs(&opts.inputs)?;
+    let files = resolve_inputs(&opts.input.inputs)?;
     let tok = ChatTokenizer::load(&opts.model)?;
     if !tok.has_template() {
         tracing::warn!("{} has no chat template: prompts are the bare question", opts.model.display());
@@ -241,43 +262,90 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         options: output_options(opts),
         created_by: format!("grpo {}", env!("CARGO_PKG_VERSION")),
     };
-    let mpath = out.join("manifest.json");
-    let mut reasons = vec![];
-    if let Ok(text) = std::fs::read_to_string(&mpath) {
-        match serde_json::from_str::<Manifest>(&text) {
-            Ok(old) => {
-                reasons = differences(&old, &manifest);
-                if reasons.is_empty() && !opts.force {
-                    let spath = out.join("stats.json");
-                    let stats: Stats = std::fs::read_to_string(&spath)
-                        .ok()
-                        .and_then(|t| serde_json::from_str(&t).ok())
-                        .ok_or_else(|| DataError::Format { path: spath, message: "missing or unreadable".into() })?;
-                    tracing::info!("{} is up to date with its inputs: nothing to do", out.display());
-                    return Ok(PrepareOutcome {
-                        out: out.clone(),
-                        skipped: true,
-                        reasons,
-                        stats,
-                        groups: old.groups,
-                        responses: old.responses,
-                        tokens: old.tokens,
-                    });
-                }
-                if opts.force && reasons.is_empty() {
-                    reasons.push("--force".into());
-                }
-            }
-            Err(_) => reasons.push("unreadable manifest".into()),
-        }
-        for r in &reasons {
-            tracing::info!("re-preparing {}: {r}", out.display());
-        }
-        std::fs::remove_file(&mpath).map_err(io_err(&mpath))?;
-    } else {
-        reasons.push("new".into());
+    let reasons = match check_manifest(out, &manifest, opts.force)? {
+        Freshness::UpToDate(outcome) => return Ok(*outcome),
+        Freshness::Stale(reasons) => reasons,
+    };
+    remove_token_shards(out);
+    let sel_dir = out.join(".selection");
+    let _ = std::fs::remove_dir_all(&sel_dir);
+    std::fs::create_dir_all(&sel_dir).map_err(io_err(&sel_dir))?;
+    let (mut stats, n_groups, n_responses) = choose_groups(opts, &files, &tok, &sel_dir, on_bad)?;
+    let writer = ShardWriter::create(out, n_groups, n_responses, opts.shard_tokens)?;
+    let tokenised = tokenise_chosen(opts, &files, &tok, eos, &sel_dir, writer, n_responses)?;
+    let _ = std::fs::remove_dir_all(&sel_dir);
+    if tokenised.prompts != n_groups || tokenised.responses != n_responses {
+        return Err(DataError::Invalid(format!(
+            "prepared {} of {n_groups} prompts and {} of {n_responses} responses: inputs changed during prepare?",
+            tokenised.prompts, tokenised.responses
+        )));
     }
-    // Stale token shards of an earlier preparation.
+    tokenised.add_to(&mut stats);
+    write_json(&out.join("stats.json"), &stats)?;
+    manifest.groups = n_groups;
+    manifest.responses = n_responses;
+    manifest.tokens = tokenised.tokens;
+    manifest.token_shards = tokenised.shards;
+    write_json(&out.join("manifest.json"), &manifest)?;
+    Ok(PrepareOutcome {
+        out: out.clone(),
+        skipped: false,
+        reasons,
+        stats,
+        groups: n_groups,
+        responses: n_responses,
+        tokens: tokenised.tokens,
+    })
+}
+
+/// Whether an output folder is up to date with its manifest.
+enum Freshness {
+    UpToDate(Box<PrepareOutcome>),
+    /// Why it must be prepared (again).
+    Stale(Vec<String>),
+}
+
+/// Compare the folder's manifest with `manifest` (the one this preparation would write); a stale manifest
+/// is removed first, so that an interrupted preparation is never taken for a complete one.
+fn check_manifest(out: &Path, manifest: &Manifest, force: bool) -> Result<Freshness, DataError> {
+    let mpath = out.join("manifest.json");
+    let Ok(text) = std::fs::read_to_string(&mpath) else { return Ok(Freshness::Stale(vec!["new".into()])) };
+    let mut reasons = vec![];
+    match serde_json::from_str::<Manifest>(&text) {
+        Ok(old) => {
+            reasons = differences(&old, manifest);
+            if reasons.is_empty() && !force {
+                let spath = out.join("stats.json");
+                let stats: Stats = std::fs::read_to_string(&spath)
+                    .ok()
+                    .and_then(|t| serde_json::from_str(&t).ok())
+                    .ok_or_else(|| DataError::Format { path: spath, message: "missing or unreadable".into() })?;
+                tracing::info!("{} is up to date with its inputs: nothing to do", out.display());
+                return Ok(Freshness::UpToDate(Box::new(PrepareOutcome {
+                    out: out.to_path_buf(),
+                    skipped: true,
+                    reasons,
+                    stats,
+                    groups: old.groups,
+                    responses: old.responses,
+                    tokens: old.tokens,
+                })));
+            }
+            if force && reasons.is_empty() {
+                reasons.push("--force".into());
+            }
+        }
+        Err(_) => reasons.push("unreadable manifest".into()),
+    }
+    for r in &reasons {
+        tracing::info!("re-preparing {}: {r}", out.display());
+    }
+    std::fs::remove_file(&mpath).map_err(io_err(&mpath))?;
+    Ok(Freshness::Stale(reasons))
+}
+
+/// Remove the token shards of an earlier preparation.
+fn remove_token_shards(out: &Path) {
     if let Ok(entries) = std::fs::read_dir(out) {
         for e in entries.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -286,52 +354,50 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
             }
         }
     }
+}
 
-    // Pass 1: groups and labels.
-    let scan_opts = ScanOptions {
-        read: opts.read.clone(),
-        group: opts.group.clone(),
-        strict: opts.strict,
-        partitions: opts.partitions,
-        spill_dir: Some(out.clone()),
-    };
+/// Write `value` as pretty JSON to `path`, atomically.
+fn write_json(path: &Path, value: &impl Serialize) -> Result<(), DataError> {
+    let mut f = AtomicFile::create(Some(path)).map_err(io_err(path))?;
+    serde_json::to_writer_pretty(&mut f, value).map_err(|e| io_err(path)(e.into()))?;
+    f.commit().map_err(io_err(path))
+}
+
+fn selection_file(sel_dir: &Path, file: usize) -> PathBuf {
+    sel_dir.join(format!("file-{file:05}.bin"))
+}
+
+/// Pass 1: group and label the rows, write `groups.jsonl` and, per input file, the chosen rows
+/// ([`Selection`]s) into `sel_dir`. Returns the stats, the number of groups and of responses.
+fn choose_groups(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+    tok: &ChatTokenizer,
+    sel_dir: &Path,
+    on_bad: &mut dyn FnMut(&BadRow),
+) -> Result<(Stats, u64, u64), DataError> {
+    let seq = &opts.sequence;
     let limit = |n: usize| if n == 0 { None } else { Some(n.min(u32::MAX as usize) as u32) };
     // Dropping over-long responses changes which answers are chosen, so it needs every response's token
     // length in pass 1. Truncating does not: then only the chosen responses are tokenised (in pass 2),
     // which is most of the work.
-    let drop_long = opts.overlong == Overlong::Drop && opts.max_response_tokens > 0;
-    let measure = Measure::tokens(&tok, opts.system_prompt.as_deref(), true, drop_long);
+    let drop_long = seq.overlong == Overlong::Drop && seq.max_response_tokens > 0;
+    let measure = Measure::tokens(tok, seq.system_prompt.as_deref(), true, drop_long);
     let limits = Limits {
-        max_prompt: limit(opts.max_prompt_tokens),
-        max_response: if drop_long { limit(opts.max_response_tokens) } else { None },
+        max_prompt: limit(seq.max_prompt_tokens),
+        max_response: if drop_long { limit(seq.max_response_tokens) } else { None },
         drop_long,
     };
-    let sel_dir = out.join(".selection");
-    let _ = std::fs::remove_dir_all(&sel_dir);
-    std::fs::create_dir_all(&sel_dir).map_err(io_err(&sel_dir))?;
-    let sel_path = |f: usize| sel_dir.join(format!("file-{f:05}.bin"));
     let mut sel_writers: Vec<Option<BufWriter<File>>> = (0..files.len()).map(|_| None).collect();
-    let gpath = out.join("groups.jsonl");
+    let gpath = opts.out.join("groups.jsonl");
     let mut groups_out = AtomicFile::create(Some(&gpath)).map_err(io_err(&gpath))?;
     let (mut n_groups, mut n_responses) = (0u64, 0u64);
-    let mut stats = scan_with(&files, &scan_opts, &measure, &limits, on_bad, &mut |g| {
-        let meta = GroupMeta {
-            question_id: question_id(g.qhash),
-            domain: g.records[0].domain.clone(),
-            source: g.records[0].source.clone(),
-            first_response: n_responses,
-            n_responses: g.records.len() as u32,
-            majority: g.labels.majority.clone(),
-            majority_count: g.labels.majority_count,
-            vote_margin: g.labels.vote_margin,
-            answers: g.records.iter().map(|r| r.answer.clone()).collect(),
-            rewards: g.labels.rewards.clone(),
-        };
-        groups_out.write_json(&meta).map_err(io_err(&gpath))?;
+    let stats = scan_with(files, &opts.input, Some(&opts.out), &measure, &limits, on_bad, &mut |g| {
+        groups_out.write_json(&group_meta(&g, n_responses)).map_err(io_err(&gpath))?;
         for (j, r) in g.records.iter().enumerate() {
             let f = r.rref.file as usize;
             if sel_writers[f].is_none() {
-                let p = sel_path(f);
+                let p = selection_file(sel_dir, f);
                 sel_writers[f] = Some(BufWriter::new(File::create(&p).map_err(io_err(&p))?));
             }
             let sel = Selection {
@@ -342,7 +408,7 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
                 prompt: j == 0,
             };
             if let Some(w) = sel_writers[f].as_mut() {
-                sel.write(w).map_err(io_err(sel_path(f)))?;
+                sel.write(w).map_err(io_err(selection_file(sel_dir, f)))?;
             }
         }
         n_groups += 1;
@@ -352,18 +418,72 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
     groups_out.commit().map_err(io_err(&gpath))?;
     for (f, w) in sel_writers.into_iter().enumerate() {
         if let Some(w) = w {
-            w.into_inner().map_err(|e| DataError::Io { path: sel_path(f), source: e.into_error() })?;
+            w.into_inner().map_err(|e| DataError::Io { path: selection_file(sel_dir, f), source: e.into_error() })?;
         }
     }
+    Ok((stats, n_groups, n_responses))
+}
 
-    // Pass 2: tokenise the chosen rows, file by file.
-    let mut writer = ShardWriter::create(out, n_groups, n_responses, opts.shard_tokens)?;
-    let max_response = Some(opts.max_response_tokens).filter(|&m| m > 0);
-    let (mut lp_kept, mut lp_mismatched, mut truncated) = (0u64, 0u64, 0u64);
-    let mut response_hist = LengthHistogram::default();
-    let bar = crate::cli::progress_bar(Some(n_responses), "tokenise");
+fn group_meta(g: &ScannedGroup, first_response: u64) -> GroupMeta {
+    GroupMeta {
+        question_id: question_id(g.qhash),
+        domain: g.records[0].domain.clone(),
+        source: g.records[0].source.clone(),
+        first_response,
+        n_responses: g.records.len() as u32,
+        majority: g.labels.majority.clone(),
+        majority_count: g.labels.majority_count,
+        vote_margin: g.labels.vote_margin,
+        answers: g.records.iter().map(|r| r.answer.clone()).collect(),
+        rewards: g.labels.rewards.clone(),
+    }
+}
+
+/// What pass 2 wrote.
+struct TokenisePass {
+    prompts: u64,
+    responses: u64,
+    tokens: u64,
+    shards: Vec<String>,
+    logprobs_kept: u64,
+    logprobs_mismatched: u64,
+    truncated: u64,
+    response_lengths: LengthHistogram,
+}
+
+impl TokenisePass {
+    /// The token-level figures of the stats.
+    fn add_to(&self, stats: &mut Stats) {
+        if self.logprobs_mismatched > 0 {
+            tracing::warn!(
+                "{} responses had teacher log-probs of the wrong length: left out",
+                self.logprobs_mismatched
+            );
+        }
+        stats.length_unit = "tokens".into();
+        stats.response_length = self.response_lengths.summary();
+        stats.responses_truncated = self.truncated;
+        stats.tokens = self.tokens;
+        stats.teacher_logprobs_kept = self.logprobs_kept;
+        stats.teacher_logprobs_mismatched = self.logprobs_mismatched;
+    }
+}
+
+/// Pass 2: tokenise the chosen rows file by file (in parallel inside a file) into the shards.
+fn tokenise_chosen(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+    tok: &ChatTokenizer,
+    eos: u32,
+    sel_dir: &Path,
+    mut writer: ShardWriter,
+    n_responses: u64,
+) -> Result<TokenisePass, DataError> {
+    let (mut logprobs_kept, mut logprobs_mismatched, mut truncated) = (0u64, 0u64, 0u64);
+    let mut response_lengths = LengthHistogram::default();
+    let bar = crate::progress::progress_bar(Some(n_responses), "tokenise");
     for (f, path) in files.iter().enumerate() {
-        let p = sel_path(f);
+        let p = selection_file(sel_dir, f);
         if !p.exists() {
             continue;
         }
@@ -373,48 +493,17 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         scan_file(
             f as u32,
             path,
-            &opts.read,
+            &opts.input.read,
             |rref, row| -> Result<Option<Tokenised>, DataError> {
                 let Ok(i) = sels.binary_search_by_key(&rref.ordinal, |s| s.ordinal) else {
                     return Ok(None);
                 };
-                let sel = sels[i];
                 let changed = || DataError::Invalid(format!("{} changed while it was being prepared", path.display()));
                 let row = row.map_err(|_| changed())?;
-                if question_hash(&row.question) != sel.qhash {
+                if question_hash(&row.question) != sels[i].qhash {
                     return Err(changed());
                 }
-                let prompt = if sel.prompt {
-                    Some(prompt_tokens(&tok, opts.system_prompt.as_deref(), &row.question)?)
-                } else {
-                    None
-                };
-                let mut response = tok.encode(&row.response, false)?;
-                let text_len = response.len();
-                response.push(eos);
-                let (mut logprobs, mut logprobs_mismatched) = (None, false);
-                if let Some(mut lp) = row.teacher_logprobs {
-                    if lp.len() == text_len {
-                        // The teacher's EOS probability is unknown: 1, as for the whole response otherwise.
-                        lp.push(0.0);
-                    }
-                    if lp.len() == response.len() {
-                        logprobs = Some(lp);
-                    } else {
-                        logprobs_mismatched = true;
-                    }
-                }
-                let mut truncated = false;
-                if let Some(max) = max_response {
-                    if response.len() > max {
-                        response.truncate(max);
-                        truncated = true;
-                        if let Some(lp) = logprobs.as_mut() {
-                            lp.truncate(max);
-                        }
-                    }
-                }
-                Ok(Some(Tokenised { sel, prompt, response, truncated, logprobs, logprobs_mismatched }))
+                tokenise_row(sels[i], row, tok, eos, &opts.sequence).map(Some)
             },
             |t| {
                 let Some(t) = t? else { return Ok(()) };
@@ -423,10 +512,10 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
                 if let Some(p) = &t.prompt {
                     writer.write_prompt(t.sel.group, p)?;
                 }
-                lp_kept += t.logprobs.is_some() as u64;
+                logprobs_kept += t.logprobs.is_some() as u64;
                 truncated += t.truncated as u64;
-                response_hist.add(t.response.len() as u64);
-                lp_mismatched += t.logprobs_mismatched as u64;
+                response_lengths.add(t.response.len() as u64);
+                logprobs_mismatched += t.logprobs_mismatched as u64;
                 writer.write_response(t.sel.response, &t.response, t.truncated, t.logprobs.as_deref())
             },
         )?;
@@ -440,41 +529,54 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         }
     }
     bar.finish_and_clear();
-    let _ = std::fs::remove_dir_all(&sel_dir);
     let tokens = writer.tokens_total;
-    let (shards, np, nr) = writer.finish()?;
-    if np != n_groups || nr != n_responses {
-        return Err(DataError::Invalid(format!(
-            "prepared {np} of {n_groups} prompts and {nr} of {n_responses} responses: inputs changed during prepare?"
-        )));
-    }
-    if lp_mismatched > 0 {
-        tracing::warn!("{lp_mismatched} responses had teacher log-probs of the wrong length: left out");
-    }
-    stats.length_unit = "tokens".into();
-    stats.response_length = response_hist.summary();
-    stats.responses_truncated = truncated;
-    stats.tokens = tokens;
-    stats.teacher_logprobs_kept = lp_kept;
-    stats.teacher_logprobs_mismatched = lp_mismatched;
-    let spath = out.join("stats.json");
-    let mut sf = AtomicFile::create(Some(&spath)).map_err(io_err(&spath))?;
-    serde_json::to_writer_pretty(&mut sf, &stats).map_err(|e| io_err(&spath)(e.into()))?;
-    sf.commit().map_err(io_err(&spath))?;
-    manifest.groups = n_groups;
-    manifest.responses = n_responses;
-    manifest.tokens = tokens;
-    manifest.token_shards = shards;
-    let mut mf = AtomicFile::create(Some(&mpath)).map_err(io_err(&mpath))?;
-    serde_json::to_writer_pretty(&mut mf, &manifest).map_err(|e| io_err(&mpath)(e.into()))?;
-    mf.commit().map_err(io_err(&mpath))?;
-    Ok(PrepareOutcome {
-        out: out.clone(),
-        skipped: false,
-        reasons,
-        stats,
-        groups: n_groups,
-        responses: n_responses,
+    let (shards, prompts, responses) = writer.finish()?;
+    Ok(TokenisePass {
+        prompts,
+        responses,
         tokens,
+        shards,
+        logprobs_kept,
+        logprobs_mismatched,
+        truncated,
+        response_lengths,
     })
+}
+
+/// Tokenise one chosen row: its prompt when it is the group's first, its response with EOS (truncated
+/// past the limit) and its teacher log-probs when they match the tokens.
+fn tokenise_row(
+    sel: Selection,
+    row: super::reader::Row,
+    tok: &ChatTokenizer,
+    eos: u32,
+    seq: &SequenceOptions,
+) -> Result<Tokenised, DataError> {
+    let prompt = if sel.prompt { Some(prompt_tokens(tok, seq.system_prompt.as_deref(), &row.question)?) } else { None };
+    let mut response = tok.encode(&row.response, false)?;
+    let text_len = response.len();
+    response.push(eos);
+    let (mut logprobs, mut logprobs_mismatched) = (None, false);
+    if let Some(mut lp) = row.teacher_logprobs {
+        if lp.len() == text_len {
+            // The teacher's EOS probability is unknown: 1, as for the whole response otherwise.
+            lp.push(0.0);
+        }
+        if lp.len() == response.len() {
+            logprobs = Some(lp);
+        } else {
+            logprobs_mismatched = true;
+        }
+    }
+    let mut truncated = false;
+    if let Some(max) = Some(seq.max_response_tokens).filter(|&m| m > 0) {
+        if response.len() > max {
+            response.truncate(max);
+            truncated = true;
+            if let Some(lp) = logprobs.as_mut() {
+                lp.truncate(max);
+            }
+        }
+    }
+    Ok(Tokenised { sel, prompt, response, truncated, logprobs, logprobs_mismatched })
 }

@@ -100,9 +100,11 @@ impl fmt::Display for BadRow {
 }
 
 /// Options of the readers.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(default)]
 pub struct ReadOptions {
-    /// Rows (JSONL lines) longer than this are skipped as `row_too_large`.
+    /// Rows (JSONL lines) longer than this many bytes are skipped as too large.
+    #[arg(long, default_value_t = 1 << 20)]
     pub max_row_bytes: usize,
 }
 

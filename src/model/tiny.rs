@@ -1,6 +1,8 @@
 //! Small randomly initialised models with a real tokenizer (`grpo init-tiny`, smoke training runs).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
 
 use candle_core::{DType, Device};
 
@@ -8,24 +10,69 @@ use super::checkpoint::{save_checkpoint, SaveOptions};
 use super::{random_decoder, Arch, ChatTokenizer, ModelConfig, ModelError};
 
 /// Shape of a tiny model.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
 pub struct TinyShape {
+    /// Number of decoder layers.
+    #[arg(long, default_value_t = default_layers())]
+    #[serde(default = "default_layers")]
     pub layers: usize,
+    /// Hidden size.
+    #[arg(long, default_value_t = default_hidden())]
+    #[serde(default = "default_hidden")]
     pub hidden: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = default_heads())]
+    #[serde(default = "default_heads")]
     pub heads: usize,
+    /// Key/value heads (grouped-query attention).
+    #[arg(long, default_value_t = default_kv_heads())]
+    #[serde(default = "default_kv_heads")]
     pub kv_heads: usize,
+    /// MLP intermediate size.
+    #[arg(long, default_value_t = default_intermediate())]
+    #[serde(default = "default_intermediate")]
     pub intermediate: usize,
 }
 
-/// Write a random `arch` model with the tokenizer of `tokenizer_dir` to `out` (atomically); returns its
-/// config. The vocabulary is the tokenizer's, rounded up to a multiple of 64.
-pub fn write_tiny_model(
-    arch: Arch,
-    tokenizer_dir: &Path,
-    out: &Path,
-    shape: &TinyShape,
-    seed: u64,
-) -> Result<ModelConfig, ModelError> {
+fn default_layers() -> usize {
+    2
+}
+fn default_hidden() -> usize {
+    64
+}
+fn default_heads() -> usize {
+    4
+}
+fn default_kv_heads() -> usize {
+    2
+}
+fn default_intermediate() -> usize {
+    128
+}
+
+/// A small random model with a real tokenizer: `grpo init-tiny` and `[model.init_tiny]` of the train config
+/// (created when the model path does not exist).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+pub struct TinySpec {
+    /// Architecture of the model.
+    #[arg(long, value_enum)]
+    pub arch: Arch,
+    /// Folder with tokenizer.json and tokenizer_config.json (e.g. data/tokenizers/qwen3).
+    #[arg(long)]
+    pub tokenizer: PathBuf,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub shape: TinyShape,
+    /// Seed of the random initialisation.
+    #[arg(long, default_value_t = 0)]
+    #[serde(default)]
+    pub seed: u64,
+}
+
+/// Write the random model of `spec` with its tokenizer to `out` (atomically); returns its config. The
+/// vocabulary is the tokenizer's, rounded up to a multiple of 64.
+pub fn write_tiny_model(spec: &TinySpec, out: &Path) -> Result<ModelConfig, ModelError> {
+    let (arch, tokenizer_dir, shape) = (spec.arch, spec.tokenizer.as_path(), &spec.shape);
     let tok = ChatTokenizer::load(tokenizer_dir)?;
     let vocab = tok.vocab_size().div_ceil(64) * 64;
     let inner = tok.inner();
@@ -42,7 +89,7 @@ pub fn write_tiny_model(
         bos,
         eos,
     )?;
-    let model = random_decoder(cfg.clone(), seed, DType::F32, &Device::Cpu, false)?;
+    let model = random_decoder(cfg.clone(), spec.seed, DType::F32, &Device::Cpu, false)?;
     let opts = SaveOptions { tokenizer_dir: Some(tokenizer_dir.to_path_buf()), ..Default::default() };
     save_checkpoint(&model, out, &opts, |dir| {
         let gen = dir.join("generation_config.json");

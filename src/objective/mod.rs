@@ -88,29 +88,52 @@ pub struct AdvantageConfig {
     pub bias: f32,
 }
 
-/// Advantages of one group's rewards and whether the all-positive bias was applied.
-pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> (Vec<f32>, bool) {
-    let n = rewards.len();
-    if n == 0 {
-        return (vec![], false);
+/// Reward statistics of one group: the mean and the unbiased standard deviation (0 for one answer).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RewardStats {
+    pub mean: f64,
+    pub std: f64,
+}
+
+impl RewardStats {
+    pub fn of(rewards: &[f32]) -> Self {
+        let n = rewards.len();
+        if n == 0 {
+            return Self { mean: 0.0, std: 0.0 };
+        }
+        let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / n as f64;
+        let var =
+            if n > 1 { rewards.iter().map(|&r| (r as f64 - mean).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
+        Self { mean, std: var.sqrt() }
     }
-    let mean = rewards.iter().map(|&r| r as f64).sum::<f64>() / n as f64;
-    let var =
-        if n > 1 { rewards.iter().map(|&r| (r as f64 - mean).powi(2)).sum::<f64>() / (n - 1) as f64 } else { 0.0 };
-    let std = var.sqrt();
-    let mut adv: Vec<f32> = rewards
+}
+
+/// The advantages of one group's answers and the reward statistics they come from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GroupAdvantages {
+    pub advantages: Vec<f32>,
+    pub rewards: RewardStats,
+    /// Whether the all-positive bias was added.
+    pub bias_applied: bool,
+}
+
+/// Group-relative advantages of one group's rewards: `(r_i - mean) / (std + 1e-6)` (or `r_i - mean`), plus
+/// the all-positive bias b when every reward is positive.
+pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> GroupAdvantages {
+    let stats = RewardStats::of(rewards);
+    let mut advantages: Vec<f32> = rewards
         .iter()
         .map(|&r| {
-            let centred = r as f64 - mean;
-            (if cfg.std_normalize { centred / (std + 1e-6) } else { centred }) as f32
+            let centred = r as f64 - stats.mean;
+            (if cfg.std_normalize { centred / (stats.std + 1e-6) } else { centred }) as f32
         })
         .collect();
-    let all_positive = rewards.iter().all(|&r| r > 0.0);
-    let apply = all_positive && cfg.bias != 0.0;
-    if apply {
-        adv.iter_mut().for_each(|a| *a += cfg.bias);
+    let all_positive = !rewards.is_empty() && rewards.iter().all(|&r| r > 0.0);
+    let bias_applied = all_positive && cfg.bias != 0.0;
+    if bias_applied {
+        advantages.iter_mut().for_each(|a| *a += cfg.bias);
     }
-    (adv, apply)
+    GroupAdvantages { advantages, rewards: stats, bias_applied }
 }
 
 /// Per-token inputs of a loss for one micro-batch of `n` response tokens (all `[n]`, f32).
@@ -119,7 +142,7 @@ pub struct TokenInputs {
     pub advantages: Tensor,
     /// Aggregation weight of the token (from [`LossAgg::weights`] over the whole batch).
     pub weights: Tensor,
-    /// Log-probs under the frozen reference (when beta > 0).
+    /// Log-probs under the frozen reference: the KL term is present exactly when they are.
     pub ref_logp: Option<Tensor>,
     /// Behaviour log-probs: the teacher's when the data has them (`off_grpo`), the policy's at the start
     /// of the step (`grpo`).
@@ -142,10 +165,11 @@ pub struct LossTerms {
 pub trait Objective: Send + Sync {
     /// The name it is chosen by.
     fn name(&self) -> &'static str;
-    /// Weight of the KL term (0 loads no reference model).
-    fn beta(&self) -> f32;
-    /// Advantages of a group and whether the all-positive bias applied.
-    fn advantages(&self, rewards: &[f32]) -> (Vec<f32>, bool);
+    /// Whether the loss has a KL term to a reference model (beta > 0): the trainer then loads one and
+    /// passes its log-probs.
+    fn needs_reference(&self) -> bool;
+    /// Advantages of a group, with its reward statistics.
+    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages;
     /// Which answers of a group take part in the loss.
     fn include(&self, rewards: &[f32]) -> Vec<bool> {
         vec![true; rewards.len()]
@@ -189,14 +213,13 @@ fn finish(
     clipped: usize,
 ) -> Result<LossTerms> {
     let pg_sum = (&pg * &inputs.weights)?.sum_all()?;
-    let (loss, kl) = match (&inputs.ref_logp, beta > 0.0) {
-        (Some(r), true) => {
+    let (loss, kl) = match &inputs.ref_logp {
+        Some(r) => {
             let kl = (kl_est.per_token(logp, r)? * &inputs.weights)?.sum_all()?;
             let loss = (&pg_sum + (&kl * beta as f64)?)?;
             (loss, kl.to_scalar::<f32>()?)
         }
-        (None, true) => candle_core::bail!("beta > 0 but no reference log-probs were given"),
-        _ => (pg_sum.clone(), 0.0),
+        None => (pg_sum.clone(), 0.0),
     };
     Ok(LossTerms { pg_loss: pg_sum.to_scalar::<f32>()?, kl, loss, clipped_tokens: clipped })
 }
@@ -293,10 +316,10 @@ impl Objective for OffGrpo {
     fn name(&self) -> &'static str {
         "off_grpo"
     }
-    fn beta(&self) -> f32 {
-        self.0.beta
+    fn needs_reference(&self) -> bool {
+        self.0.beta > 0.0
     }
-    fn advantages(&self, rewards: &[f32]) -> (Vec<f32>, bool) {
+    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
         group_advantages(rewards, &self.0.advantage())
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
@@ -320,10 +343,10 @@ impl Objective for Grpo {
     fn name(&self) -> &'static str {
         "grpo"
     }
-    fn beta(&self) -> f32 {
-        self.0.beta
+    fn needs_reference(&self) -> bool {
+        self.0.beta > 0.0
     }
-    fn advantages(&self, rewards: &[f32]) -> (Vec<f32>, bool) {
+    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
         group_advantages(rewards, &self.0.advantage())
     }
     fn needs_old_logprobs(&self) -> bool {
@@ -347,11 +370,15 @@ impl Objective for Sft {
     fn name(&self) -> &'static str {
         "sft"
     }
-    fn beta(&self) -> f32 {
-        self.0.beta
+    fn needs_reference(&self) -> bool {
+        self.0.beta > 0.0
     }
-    fn advantages(&self, rewards: &[f32]) -> (Vec<f32>, bool) {
-        (rewards.iter().map(|&r| if r > 0.0 { 1.0 } else { 0.0 }).collect(), false)
+    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
+        GroupAdvantages {
+            advantages: rewards.iter().map(|&r| if r > 0.0 { 1.0 } else { 0.0 }).collect(),
+            rewards: RewardStats::of(rewards),
+            bias_applied: false,
+        }
     }
     fn include(&self, rewards: &[f32]) -> Vec<bool> {
         rewards.iter().map(|&r| r > 0.0).collect()

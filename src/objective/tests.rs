@@ -37,19 +37,21 @@ fn cfg(name: ObjectiveName, bias: f32, beta: f32) -> ObjectiveConfig {
 #[test]
 fn advantages_hand_computed() {
     let c = AdvantageConfig { std_normalize: true, bias: 0.5 };
-    let (a, applied) = group_advantages(&[1.0, 0.0, 0.0, 1.0], &c);
+    let g = group_advantages(&[1.0, 0.0, 0.0, 1.0], &c);
+    let (a, applied) = (g.advantages, g.bias_applied);
+    assert!((g.rewards.mean - 0.5).abs() < 1e-12 && (g.rewards.std - (1.0f64 / 3.0).sqrt()).abs() < 1e-12);
     // mean 0.5, unbiased std sqrt(1/3)
     let want = 0.5 / (1.0f64 / 3.0).sqrt();
     assert!(!applied);
     for (x, s) in a.iter().zip([1.0, -1.0, -1.0, 1.0]) {
         assert!((*x as f64 - s * want).abs() < 1e-5, "{a:?}");
     }
-    let (a, applied) = group_advantages(&[1.0; 4], &c);
+    let GroupAdvantages { advantages: a, bias_applied: applied, .. } = group_advantages(&[1.0; 4], &c);
     assert!(applied);
     assert_eq!(a, vec![0.5; 4]);
-    let (a, applied) = group_advantages(&[0.0; 4], &c);
+    let GroupAdvantages { advantages: a, bias_applied: applied, .. } = group_advantages(&[0.0; 4], &c);
     assert!(!applied && a == vec![0.0; 4], "all-negative groups get no bias");
-    let (a, _) = group_advantages(&[1.0, 0.0], &AdvantageConfig { std_normalize: false, bias: 0.0 });
+    let a = group_advantages(&[1.0, 0.0], &AdvantageConfig { std_normalize: false, bias: 0.0 }).advantages;
     assert_eq!(a, vec![0.5, -0.5]);
 }
 
@@ -59,7 +61,7 @@ fn all_positive_group_gives_zero_gradient_without_bias_and_positive_with_it() {
     let w = [0.25f32; 4];
     for (bias, expect_zero) in [(0.0, true), (0.5, false)] {
         let obj = cfg(ObjectiveName::OffGrpo, bias, 0.0).build();
-        let (adv, _) = obj.advantages(&[1.0; 4]);
+        let adv = obj.advantages(&[1.0; 4]).advantages;
         let (_, grad, _) = run(obj.as_ref(), &logp, &adv, &w, None);
         if expect_zero {
             assert!(grad.iter().all(|&g| g == 0.0), "{grad:?}");
@@ -148,8 +150,13 @@ fn kl_term_pulls_towards_the_reference() {
     assert!(terms.kl > 0.0);
     // Above the reference: pushed down (positive gradient of the loss); below: pushed up.
     assert!(grad[0] > 0.0 && grad[1] < 0.0, "{grad:?}");
-    let no_ref = TokenInputs { advantages: t(&[0.0]), weights: t(&[1.0]), ref_logp: None, behaviour_logp: None };
-    assert!(obj.loss(&t(&[-1.0]), &no_ref).is_err(), "beta > 0 without reference must fail");
+    assert!(obj.needs_reference());
+    // The KL term is present exactly when reference log-probs are.
+    let no_ref = TokenInputs { advantages: t(&[1.0]), weights: t(&[1.0]), ref_logp: None, behaviour_logp: None };
+    let terms = obj.loss(&t(&[-1.0]), &no_ref).unwrap();
+    assert_eq!(terms.kl, 0.0);
+    assert_eq!(terms.loss.to_scalar::<f32>().unwrap(), terms.pg_loss);
+    assert!(!cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().needs_reference());
 }
 
 #[test]
@@ -160,7 +167,7 @@ fn grpo_ratio_starts_at_one_and_sft_uses_positive_answers() {
     assert!((grad[0] + 0.5).abs() < 1e-6 && (grad[1] - 0.5).abs() < 1e-6, "{grad:?}");
     let sft = cfg(ObjectiveName::Sft, 0.0, 0.0).build();
     assert_eq!(sft.include(&[1.0, 0.0, 1.0]), vec![true, false, true]);
-    let (adv, _) = sft.advantages(&[1.0, 0.0]);
+    let adv = sft.advantages(&[1.0, 0.0]).advantages;
     let (loss, grad, _) = run(sft.as_ref(), &[-0.3, -2.0], &adv, &[1.0, 0.0], None);
     assert!((loss - 0.3).abs() < 1e-6 && grad == vec![-1.0, 0.0]);
 }

@@ -5,7 +5,7 @@
 use std::sync::OnceLock;
 
 /// Options of [`extract_answer`].
-#[derive(Debug, Clone, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExtractOptions {
     /// When no `\boxed{}` is found, try "the answer is X" and then the last number (evaluation only;
     /// off for training rewards).

@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::optim::OptimConfig;
-use crate::data::Overlong;
-use crate::model::Arch;
+use crate::data::{InputOptions, SequenceOptions};
+use crate::model::tiny::TinySpec;
 use crate::objective::ObjectiveConfig;
 
 /// Errors of reading and checking a config.
@@ -21,39 +21,6 @@ pub enum ConfigError {
     BadOverride(String),
     #[error("invalid config: {0}")]
     Invalid(String),
-}
-
-/// A small random model the trainer creates itself when `model.path` does not exist (smoke runs).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TinySpec {
-    pub arch: Arch,
-    pub tokenizer: PathBuf,
-    #[serde(default = "d2")]
-    pub layers: usize,
-    #[serde(default = "d64")]
-    pub hidden: usize,
-    #[serde(default = "d4")]
-    pub heads: usize,
-    #[serde(default = "d2")]
-    pub kv_heads: usize,
-    #[serde(default = "d128")]
-    pub intermediate: usize,
-    #[serde(default)]
-    pub seed: u64,
-}
-
-fn d2() -> usize {
-    2
-}
-fn d4() -> usize {
-    4
-}
-fn d64() -> usize {
-    64
-}
-fn d128() -> usize {
-    128
 }
 
 /// `[model]`
@@ -94,45 +61,23 @@ impl Default for ModelSection {
     }
 }
 
-/// `[data]`
+/// `[data]`: the data module's input and sequence options, and the trainer's own keys.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct DataSection {
-    /// Teacher trajectories: JSONL / Parquet files, folders or globs.
-    pub inputs: Vec<String>,
+    #[serde(flatten)]
+    pub input: InputOptions,
+    #[serde(flatten)]
+    pub sequence: SequenceOptions,
     /// Where the tokenised shards go (default OUTPUT/prepared); re-used when up to date.
     pub prepared_dir: Option<PathBuf>,
-    /// Answers per question (G).
-    pub group_size: usize,
-    pub min_group_size: usize,
-    pub max_prompt_tokens: usize,
-    pub max_response_tokens: usize,
-    pub overlong: Overlong,
-    pub system_prompt: Option<String>,
-    pub domains: Vec<String>,
-    pub sources: Vec<String>,
-    /// Fail on the first bad row instead of skipping it.
-    pub strict: bool,
     /// Shuffle the question order each epoch (from train.seed); false keeps file order.
     pub shuffle: bool,
 }
 
 impl Default for DataSection {
     fn default() -> Self {
-        Self {
-            inputs: vec![],
-            prepared_dir: None,
-            group_size: 8,
-            min_group_size: 2,
-            max_prompt_tokens: 2048,
-            max_response_tokens: 16384,
-            overlong: Overlong::Truncate,
-            system_prompt: None,
-            domains: vec![],
-            sources: vec![],
-            strict: false,
-            shuffle: true,
-        }
+        Self { input: InputOptions::default(), sequence: SequenceOptions::default(), prepared_dir: None, shuffle: true }
     }
 }
 
@@ -256,6 +201,36 @@ fn suggest(message: &str) -> String {
     }
 }
 
+/// The first key of `given` (the TOML as written, under `prefix`) that the parsed configuration `parsed`
+/// does not have, as a message with the nearest valid key. Sections composed with serde's `flatten` (the
+/// options of several modules in one table) ignore unknown keys instead of rejecting them; this check
+/// rejects them all the same.
+fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) -> Option<String> {
+    let valid = parsed.as_object()?;
+    for (key, value) in given {
+        let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
+        match valid.get(key) {
+            None => {
+                let best = valid.keys().min_by_key(|c| edit_distance(key, c));
+                let hint = match best {
+                    Some(b) if edit_distance(key, b) <= key.len().max(3) / 2 + 1 => format!(" (did you mean `{b}`?)"),
+                    _ => String::new(),
+                };
+                let expected = valid.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
+                return Some(format!("unknown key `{path}`, expected one of {expected}{hint}"));
+            }
+            Some(v) => {
+                if let Some(table) = value.as_table() {
+                    if let Some(m) = unknown_key(table, v, &path) {
+                        return Some(m);
+                    }
+                }
+            }
+        }
+    }
+    None
+}
+
 /// Parse `value` of a `--set` as a TOML value (number, bool, array, quoted string), else as a bare string.
 fn parse_value(value: &str) -> toml::Value {
     match toml::from_str::<toml::Table>(&format!("v = {value}")) {
@@ -290,9 +265,13 @@ impl TrainConfig {
             }
             cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
         }
-        let cfg: TrainConfig = toml::Value::Table(table)
+        let cfg: TrainConfig = toml::Value::Table(table.clone())
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.into(), message: suggest(&e.to_string()) })?;
+        let parsed = serde_json::to_value(&cfg).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        if let Some(message) = unknown_key(&table, &parsed, "") {
+            return Err(ConfigError::Parse { path: path.into(), message });
+        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -307,10 +286,10 @@ impl TrainConfig {
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
-        if self.data.inputs.is_empty() {
+        if self.data.input.inputs.is_empty() {
             return bad("data.inputs is empty: give the teacher trajectories (files, folders or globs)".into());
         }
-        if self.data.group_size == 1 {
+        if self.data.input.group.group_size == 1 {
             return bad("data.group_size = 1: a group needs at least 2 answers (0 keeps all)".into());
         }
         if self.train.batch_questions == 0 || self.train.micro_batch_size == 0 {
@@ -359,6 +338,13 @@ mod tests {
         let e =
             TrainConfig::parse(&format!("{MIN}[train]\nbatch_question = 4\n"), Path::new("c.toml"), &[]).unwrap_err();
         assert!(e.to_string().contains("did you mean `batch_questions`"), "{e}");
+        let e = TrainConfig::parse(&format!("{MIN}group_sise = 4\n"), Path::new("c.toml"), &[]).unwrap_err();
+        assert!(
+            e.to_string().contains("data.group_sise") && e.to_string().contains("did you mean `group_size`"),
+            "{e}"
+        );
+        let e = TrainConfig::parse(&format!("{MIN}seed = 4\n"), Path::new("c.toml"), &[]).unwrap_err();
+        assert!(e.to_string().contains("unknown key `data.seed`"), "{e}");
         let e = TrainConfig::parse(&format!("{MIN}[trian]\nx = 1\n"), Path::new("c.toml"), &[]).unwrap_err();
         assert!(e.to_string().contains("did you mean `train`"), "{e}");
     }

@@ -6,7 +6,9 @@
 //! and checkpoints hold the model (HF format), the optimiser state and the data position, so a resumed
 //! run continues exactly where it stopped.
 
+pub mod checkpoint;
 pub mod config;
+mod metrics;
 pub mod optim;
 pub mod step;
 
@@ -14,17 +16,18 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use serde::{Deserialize, Serialize};
 
+pub use checkpoint::latest_checkpoint;
+use checkpoint::Checkpointer;
 pub use config::TrainConfig;
-use optim::{grad_norm, Optimizer};
+use metrics::{MetricsLog, StepMetrics};
+use step::TrainStep;
 
 use crate::data::{self, PreparedDataset};
-use crate::model::checkpoint::SaveOptions;
-use crate::model::{self, save_checkpoint, ChatTokenizer, Decoder, ModelError};
+use crate::model::{self, ChatTokenizer, Decoder, ModelError};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -99,29 +102,10 @@ fn ensure_model(cfg: &TrainConfig) -> Result<PathBuf, TrainError> {
     if let Some(spec) = &cfg.model.init_tiny {
         if !p.join("config.json").exists() {
             tracing::info!("creating a tiny {:?} model at {}", spec.arch, p.display());
-            let shape = model::tiny::TinyShape {
-                layers: spec.layers,
-                hidden: spec.hidden,
-                heads: spec.heads,
-                kv_heads: spec.kv_heads,
-                intermediate: spec.intermediate,
-            };
-            model::tiny::write_tiny_model(spec.arch, &spec.tokenizer, p, &shape, spec.seed)?;
+            model::tiny::write_tiny_model(spec, p)?;
         }
     }
     Ok(model::resolve_model_dir(&cfg.model.path)?)
-}
-
-fn checkpoints_dir(cfg: &TrainConfig) -> PathBuf {
-    cfg.train.output_dir.join("checkpoints")
-}
-
-/// The checkpoint named by OUTPUT/checkpoints/latest.
-pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
-    let dir = output_dir.join("checkpoints");
-    let name = std::fs::read_to_string(dir.join("latest")).ok()?;
-    let p = dir.join(name.trim());
-    p.join("trainer_state.json").exists().then_some(p)
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
@@ -130,54 +114,83 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
+/// Prepare the config's data (once: re-used while inputs, tokenizer and options are unchanged) and open it.
+fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, TrainError> {
+    let prepared_dir = cfg.data.prepared_dir.clone().unwrap_or_else(|| cfg.train.output_dir.join("prepared"));
+    let mut input = cfg.data.input.clone();
+    input.group.seed = cfg.train.seed;
+    let popts = data::PrepareOptions {
+        input,
+        sequence: cfg.data.sequence.clone(),
+        model: model_dir.to_path_buf(),
+        out: prepared_dir.clone(),
+        ..Default::default()
+    };
+    let outcome = data::prepare(&popts)?;
+    if outcome.skipped {
+        tracing::info!("data in {} is up to date", prepared_dir.display());
+    }
+    let dataset = PreparedDataset::open(&prepared_dir)?;
+    if dataset.is_empty() {
+        return Err(TrainError::Stopped(format!("no training groups in {}", prepared_dir.display())));
+    }
+    Ok(dataset)
+}
+
+/// The checkpoint to resume from, if any.
+fn resume_point(out: &Path, resume: &Resume) -> Result<Option<PathBuf>, TrainError> {
+    let from = match resume {
+        Resume::No => None,
+        Resume::Auto => latest_checkpoint(out),
+        Resume::From(p) => {
+            if !p.join("trainer_state.json").exists() {
+                return Err(TrainError::Stopped(format!(
+                    "{} is not a grpo checkpoint (no trainer_state.json)",
+                    p.display()
+                )));
+            }
+            Some(p.clone())
+        }
+    };
+    if from.is_none() && latest_checkpoint(out).is_some() {
+        tracing::warn!(
+            "{} already has checkpoints; starting a new run from step 0 (use --resume auto to continue it)",
+            out.display()
+        );
+    }
+    Ok(from)
+}
+
+/// The number of steps of a run over `n_groups` groups.
+#[derive(Debug, Clone, Copy)]
+struct StepPlan {
+    steps_per_epoch: usize,
+    total_steps: usize,
+    epochs: usize,
+}
+
+impl StepPlan {
+    fn new(cfg: &TrainConfig, n_groups: usize) -> Self {
+        let steps_per_epoch = n_groups.div_ceil(cfg.train.batch_questions);
+        let mut total_steps = steps_per_epoch * cfg.train.epochs.max(1);
+        if cfg.train.max_steps > 0 {
+            total_steps =
+                if cfg.train.epochs == 0 { cfg.train.max_steps } else { total_steps.min(cfg.train.max_steps) };
+        }
+        Self { steps_per_epoch, total_steps, epochs: total_steps.div_ceil(steps_per_epoch) }
+    }
+}
+
 struct Run<'a> {
     cfg: &'a TrainConfig,
-    model_dir: PathBuf,
     policy: Decoder,
     reference: Option<Decoder>,
-    optimizer: Optimizer,
+    step: TrainStep,
     tok: ChatTokenizer,
-    save_dtype: Option<DType>,
+    checkpoints: Checkpointer,
 }
 
 impl Run<'_> {
-    fn save(&self, state: &TrainerState) -> Result<PathBuf, TrainError> {
-        let dir = checkpoints_dir(self.cfg);
-        let name = format!("step-{:08}", state.step);
-        let path = dir.join(&name);
-        let opts =
-            SaveOptions { dtype: self.save_dtype, tokenizer_dir: Some(self.model_dir.clone()), ..Default::default() };
-        save_checkpoint(&self.policy, &path, &opts, |tmp| {
-            let tensors: Vec<(String, Tensor)> = self
-                .optimizer
-                .state_tensors()
-                .into_iter()
-                .map(|(n, t)| Ok((n, t.to_device(&Device::Cpu)?)))
-                .collect::<candle_core::Result<_>>()?;
-            let p = tmp.join("optimizer.safetensors");
-            safetensors::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), None, &p)
-                .map_err(|e| ModelError::Files { path: p.clone(), message: e.to_string() })?;
-            let s = tmp.join("trainer_state.json");
-            std::fs::write(&s, serde_json::to_vec_pretty(state).unwrap_or_default())
-                .map_err(|source| ModelError::Io { path: s, source })
-        })?;
-        write_atomic(&dir.join("latest"), name.as_bytes())?;
-        // Keep the newest `keep_last` checkpoints.
-        let mut steps: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .map_err(io(&dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
-            .collect();
-        steps.sort();
-        let keep = self.cfg.train.keep_last.max(1);
-        if steps.len() > keep {
-            for old in &steps[..steps.len() - keep] {
-                std::fs::remove_dir_all(old).map_err(io(old))?;
-            }
-        }
-        Ok(path)
-    }
-
     fn validate(&self, step: usize) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
         let bench = crate::eval::bench::load(&v.bench)?;
@@ -215,78 +228,151 @@ impl Run<'_> {
         tracing::info!("validation on {} at step {step}: avg@{} = {:.4}", v.bench, v.n, report.avg_at_n);
         Ok(Some(report.avg_at_n))
     }
+
+    /// Train one batch of `order`, validate when due, and log the step's metrics.
+    fn train_batch(
+        &mut self,
+        dataset: &PreparedDataset,
+        order: &[usize],
+        state: &mut TrainerState,
+        plan: StepPlan,
+    ) -> Result<StepMetrics, TrainError> {
+        let cfg = self.cfg;
+        let t0 = Instant::now();
+        crate::device::reset_peak_memory(self.policy.device())?;
+        let bq = cfg.train.batch_questions;
+        let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(order.len())];
+        let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
+        let lr = cfg.optim.lr_at(state.step, plan.total_steps);
+        let report = self.step.run(&self.policy, self.reference.as_ref(), &groups, lr)?;
+        if !report.applied {
+            state.nonfinite_steps += 1;
+            tracing::warn!(
+                "step {}: non-finite loss ({}) or gradient norm ({}); update skipped",
+                state.step,
+                report.stats.loss,
+                report.grad_norm
+            );
+        }
+        state.step += 1;
+        state.batch_in_epoch += 1;
+        state.total_tokens += report.stats.tokens as u64;
+        let epoch = state.epoch as f64 + state.batch_in_epoch as f64 / plan.steps_per_epoch as f64;
+        let mut m = StepMetrics::new(state, epoch, &report, lr, t0.elapsed().as_secs_f64());
+        m.max_memory_allocated_gb =
+            crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak as f64 / (1u64 << 30) as f64);
+        Ok(m)
+    }
+
+    /// Validate after the step that `state` ends when due; a new best score saves OUTPUT/best.
+    fn validate_if_due(
+        &self,
+        state: &mut TrainerState,
+        epoch_end: bool,
+        run_end: bool,
+    ) -> Result<Option<f64>, TrainError> {
+        let due = self.cfg.validation.as_ref().is_some_and(|v| {
+            if v.every_steps > 0 {
+                state.step.is_multiple_of(v.every_steps)
+            } else {
+                epoch_end || run_end
+            }
+        });
+        if !due {
+            return Ok(None);
+        }
+        let Some(score) = self.validate(state.step)? else { return Ok(None) };
+        if state.best_score.is_none_or(|b| score > b) {
+            state.best_score = Some(score);
+            state.best_step = Some(state.step);
+            let best = self.checkpoints.save_best(&self.policy)?;
+            tracing::info!("new best validation score {score:.4} at step {}: saved {}", state.step, best.display());
+        }
+        Ok(Some(score))
+    }
+
+    /// The epochs from `state` on: one step per batch, checkpoints at the configured points, validation.
+    fn train_epochs(
+        &mut self,
+        dataset: &PreparedDataset,
+        mut state: TrainerState,
+        metrics: &mut MetricsLog,
+        mut last_ckpt: Option<PathBuf>,
+        stop: &AtomicBool,
+    ) -> Result<Outcome, TrainError> {
+        let cfg = self.cfg;
+        let plan = StepPlan::new(cfg, dataset.len());
+        tracing::info!(
+            "{} groups, {} steps per epoch, {} steps; objective {}",
+            dataset.len(),
+            plan.steps_per_epoch,
+            plan.total_steps,
+            self.step.objective_name()
+        );
+        let bar = crate::progress::progress_bar(Some(plan.total_steps as u64), "train");
+        bar.set_position(state.step as u64);
+        let mut bad_in_row = 0usize;
+        while state.step < plan.total_steps && state.epoch < plan.epochs {
+            let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
+            while state.batch_in_epoch < plan.steps_per_epoch && state.step < plan.total_steps {
+                let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
+                bad_in_row = if m.skipped { bad_in_row + 1 } else { 0 };
+                bar.set_position(state.step as u64);
+                bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", m.loss, m.reward, m.tokens_per_sec));
+                if bad_in_row > cfg.train.max_bad_steps {
+                    bar.abandon();
+                    let last = latest_checkpoint(&cfg.train.output_dir)
+                        .map(|p| p.display().to_string())
+                        .unwrap_or_else(|| "none".into());
+                    return Err(TrainError::Stopped(format!(
+                        "{bad_in_row} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
+                        cfg.train.max_bad_steps
+                    )));
+                }
+                let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
+                let run_end = state.step >= plan.total_steps;
+                m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
+                metrics.write(&m)?;
+                if epoch_end {
+                    state.epoch += 1;
+                    state.batch_in_epoch = 0;
+                }
+                let stop_now = stop.load(Ordering::SeqCst);
+                let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
+                if periodic || epoch_end || run_end || stop_now {
+                    last_ckpt = Some(self.checkpoints.save(&self.policy, self.step.optimizer(), &state)?);
+                }
+                if stop_now {
+                    bar.abandon_with_message("interrupted: checkpoint written");
+                    return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
+                }
+            }
+        }
+        bar.finish();
+        Ok(Outcome { state, checkpoint: last_ckpt, interrupted: false })
+    }
 }
 
-/// Run (or resume) the training described by `cfg`. `stop` is set by Ctrl-C: the run writes a checkpoint
-/// after the current step and returns with `interrupted = true`.
-pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Outcome, TrainError> {
-    cfg.validate()?;
-    let out = &cfg.train.output_dir;
-    std::fs::create_dir_all(out).map_err(io(out))?;
-    write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
-
-    let model_dir = ensure_model(cfg)?;
+/// Load the policy (from the checkpoint when resuming), the reference when the objective needs one, the
+/// tokenizer and the training step.
+fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&Path>) -> Result<Run<'a>, TrainError> {
     let device = model::parse_device(&cfg.model.device)?;
     let dtype = model::parse_dtype(&cfg.model.dtype)?;
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
-
-    // Data: prepared once, re-used while inputs, tokenizer and options are unchanged.
-    let prepared_dir = cfg.data.prepared_dir.clone().unwrap_or_else(|| out.join("prepared"));
-    let popts = data::PrepareOptions {
-        inputs: cfg.data.inputs.clone(),
-        model: model_dir.clone(),
-        out: prepared_dir.clone(),
-        group: data::GroupOptions {
-            group_size: cfg.data.group_size,
-            min_group_size: cfg.data.min_group_size,
-            seed: cfg.train.seed,
-            domains: cfg.data.domains.clone(),
-            sources: cfg.data.sources.clone(),
-            extract: Default::default(),
-        },
-        max_prompt_tokens: cfg.data.max_prompt_tokens,
-        max_response_tokens: cfg.data.max_response_tokens,
-        overlong: cfg.data.overlong,
-        system_prompt: cfg.data.system_prompt.clone(),
-        strict: cfg.data.strict,
-        ..Default::default()
-    };
-    let outcome = data::prepare(&popts)?;
-    if outcome.skipped {
-        tracing::info!("data in {} is up to date", prepared_dir.display());
-    }
-    let dataset = PreparedDataset::open(&prepared_dir)?;
-    if dataset.is_empty() {
-        return Err(TrainError::Stopped(format!("no training groups in {}", prepared_dir.display())));
-    }
-
-    // Resume point.
-    let resume_from = match &resume {
-        Resume::No => None,
-        Resume::Auto => latest_checkpoint(out),
-        Resume::From(p) => {
-            if !p.join("trainer_state.json").exists() {
-                return Err(TrainError::Stopped(format!(
-                    "{} is not a grpo checkpoint (no trainer_state.json)",
-                    p.display()
-                )));
-            }
-            Some(p.clone())
-        }
-    };
-    if resume_from.is_none() && latest_checkpoint(out).is_some() {
-        tracing::warn!(
-            "{} already has checkpoints; starting a new run from step 0 (use --resume auto to continue it)",
-            out.display()
-        );
-    }
-    let policy_dir = resume_from.clone().unwrap_or_else(|| model_dir.clone());
-    let mut policy = model::load_decoder(&policy_dir, dtype, &device, true)?;
+    let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
     policy.options.checkpoint_layers = cfg.model.checkpoint_layers;
     policy.options.logprob_chunk_bytes = cfg.model.logprob_chunk_mb.max(1) << 20;
     policy.options.fused_ops = cfg.model.fused_ops;
-    let objective = cfg.objective.build();
-    let reference = if objective.beta() > 0.0 {
+    let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
+    let step = TrainStep::new(
+        &cfg.objective,
+        &cfg.optim,
+        &policy,
+        cfg.train.micro_batch_size,
+        cfg.data.sequence.max_response_tokens,
+        tok.pad_id(),
+    )?;
+    let reference = if step.needs_reference() {
         let mut r = match &cfg.model.reference {
             Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,
             None if resume_from.is_some() => model::load_decoder(&model_dir, dtype, &device, false)?,
@@ -297,192 +383,30 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
     } else {
         None
     };
-    let names = policy.names().to_vec();
-    let vars: Vec<&candle_core::Var> = policy.vars();
-    let optimizer = Optimizer::new(cfg.optim.clone(), &names, &vars)?;
-    let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
-    let mut run = Run { cfg, model_dir, policy, reference, optimizer, tok, save_dtype };
-    let mut state = TrainerState::default();
-    if let Some(ck) = &resume_from {
-        let s = ck.join("trainer_state.json");
-        state = serde_json::from_slice(&std::fs::read(&s).map_err(io(&s))?)
-            .map_err(|e| TrainError::Stopped(format!("{}: {e}", s.display())))?;
-        let opt_path = ck.join("optimizer.safetensors");
-        let st = candle_core::safetensors::load(&opt_path, &Device::Cpu)?;
-        run.optimizer.load_state(|n| st.get(n).cloned(), state.step as u64)?;
-        tracing::info!(
-            "resumed from {} at step {} (epoch {}, batch {})",
-            ck.display(),
-            state.step,
-            state.epoch,
-            state.batch_in_epoch
-        );
-    }
+    let checkpoints = Checkpointer {
+        output_dir: cfg.train.output_dir.clone(),
+        model_dir,
+        save_dtype,
+        keep_last: cfg.train.keep_last,
+    };
+    Ok(Run { cfg, policy, reference, step, tok, checkpoints })
+}
 
-    // metrics.jsonl: keep what the resumed checkpoint had seen.
-    let metrics_path = out.join("metrics.jsonl");
-    let kept: Vec<String> = std::fs::read_to_string(&metrics_path)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| {
-            resume_from.is_some()
-                && serde_json::from_str::<serde_json::Value>(l)
-                    .ok()
-                    .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
-                    .is_some_and(|s| (s as usize) <= state.step)
-        })
-        .map(str::to_string)
-        .collect();
-    write_atomic(&metrics_path, kept.iter().map(|l| format!("{l}\n")).collect::<String>().as_bytes())?;
-    let mut metrics = std::fs::OpenOptions::new().append(true).open(&metrics_path).map_err(io(&metrics_path))?;
-
-    let n_groups = dataset.len();
-    let bq = cfg.train.batch_questions;
-    let steps_per_epoch = n_groups.div_ceil(bq);
-    let mut total_steps = steps_per_epoch * cfg.train.epochs.max(1);
-    if cfg.train.max_steps > 0 {
-        total_steps = if cfg.train.epochs == 0 { cfg.train.max_steps } else { total_steps.min(cfg.train.max_steps) };
-    }
-    let epochs = total_steps.div_ceil(steps_per_epoch);
-    tracing::info!(
-        "{n_groups} groups, {steps_per_epoch} steps per epoch, {total_steps} steps; objective {}",
-        objective.name()
-    );
-    let bar = crate::cli::progress_bar(Some(total_steps as u64), "train");
-    bar.set_position(state.step as u64);
-    let pad = run.tok.pad_id();
-    let norm_len = cfg.data.max_response_tokens;
-    let mut bad_in_row = 0usize;
-    let mut last_ckpt = resume_from.clone();
-    let mut interrupted = false;
-    'epochs: while state.step < total_steps && state.epoch < epochs {
-        let order = epoch_order(n_groups, cfg.train.seed, state.epoch, cfg.data.shuffle);
-        while state.batch_in_epoch < steps_per_epoch && state.step < total_steps {
-            let t0 = Instant::now();
-            crate::device::reset_peak_memory(run.policy.device())?;
-            let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(n_groups)];
-            let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
-            let batch = step::build_batch(&groups, objective.as_ref(), cfg.objective.loss_agg, norm_len);
-            let (grads, stats) = step::compute_gradients(
-                &run.policy,
-                run.reference.as_ref(),
-                objective.as_ref(),
-                &batch,
-                cfg.train.micro_batch_size,
-                pad,
-            )?;
-            let norm = grad_norm(&grads)?;
-            let lr = cfg.optim.lr_at(state.step, total_steps);
-            let finite = stats.loss.is_finite() && norm.is_finite();
-            if finite {
-                let scale = optim::clip_scale(norm, cfg.optim.grad_clip);
-                run.optimizer.step(&grads, lr, scale)?;
-                bad_in_row = 0;
-            } else {
-                bad_in_row += 1;
-                state.nonfinite_steps += 1;
-                tracing::warn!(
-                    "step {}: non-finite loss ({}) or gradient norm ({norm}); update skipped",
-                    state.step,
-                    stats.loss
-                );
-            }
-            state.step += 1;
-            state.batch_in_epoch += 1;
-            state.total_tokens += stats.tokens as u64;
-            let dt = t0.elapsed().as_secs_f64();
-            let rt = stats.response_tokens.max(1) as f64;
-            let mut line = serde_json::json!({
-                "step": state.step,
-                "epoch": state.epoch as f64 + state.batch_in_epoch as f64 / steps_per_epoch as f64,
-                "loss": stats.loss,
-                "pg_loss": stats.pg_loss,
-                "kl": stats.kl,
-                "grad_norm": norm,
-                "learning_rate": lr,
-                "reward": batch.reward_mean,
-                "reward_std": batch.reward_std,
-                "frac_reward_zero_std": batch.frac_reward_zero_std,
-                "frac_bias_applied": batch.frac_bias_applied,
-                "clip_ratio": stats.clipped_tokens as f64 / rt,
-                "entropy": stats.entropy_sum / rt,
-                "completions/mean_length": batch.mean_response_length,
-                "num_tokens": stats.tokens,
-                "total_tokens": state.total_tokens,
-                "skipped": !finite,
-                "nonfinite_steps": state.nonfinite_steps,
-                "step_time": dt,
-                "tokens_per_sec": stats.tokens as f64 / dt.max(1e-9),
-            });
-            // Peak GPU memory of the step (as verl's perf/max_memory_allocated_gb); absent on the CPU.
-            if let Some((_, peak)) = crate::device::memory_bytes(run.policy.device())? {
-                line["max_memory_allocated_gb"] = (peak as f64 / (1u64 << 30) as f64).into();
-            }
-            bar.set_position(state.step as u64);
-            bar.set_message(format!(
-                "loss {:.4} reward {:.3} {:.0} tok/s",
-                stats.loss,
-                batch.reward_mean,
-                stats.tokens as f64 / dt.max(1e-9)
-            ));
-            if bad_in_row > cfg.train.max_bad_steps {
-                bar.abandon();
-                let last = latest_checkpoint(out).map(|p| p.display().to_string()).unwrap_or_else(|| "none".into());
-                return Err(TrainError::Stopped(format!(
-                    "{bad_in_row} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
-                    cfg.train.max_bad_steps
-                )));
-            }
-            let epoch_end = state.batch_in_epoch >= steps_per_epoch;
-            let run_end = state.step >= total_steps;
-            let val_now = cfg.validation.as_ref().is_some_and(|v| {
-                if v.every_steps > 0 {
-                    state.step % v.every_steps == 0
-                } else {
-                    epoch_end || run_end
-                }
-            });
-            if val_now {
-                if let Some(score) = run.validate(state.step)? {
-                    line["validation/score"] = score.into();
-                    if state.best_score.is_none_or(|b| score > b) {
-                        state.best_score = Some(score);
-                        state.best_step = Some(state.step);
-                        let opts = SaveOptions {
-                            dtype: run.save_dtype,
-                            tokenizer_dir: Some(run.model_dir.clone()),
-                            ..Default::default()
-                        };
-                        save_checkpoint(&run.policy, &out.join("best"), &opts, |_| Ok(()))?;
-                        tracing::info!(
-                            "new best validation score {score:.4} at step {}: saved {}",
-                            state.step,
-                            out.join("best").display()
-                        );
-                    }
-                }
-            }
-            use std::io::Write;
-            writeln!(metrics, "{line}").and_then(|()| metrics.flush()).map_err(io(&metrics_path))?;
-            if epoch_end {
-                state.epoch += 1;
-                state.batch_in_epoch = 0;
-            }
-            let stop_now = stop.load(Ordering::SeqCst);
-            let periodic = cfg.train.save_every > 0 && state.step % cfg.train.save_every == 0;
-            if periodic || epoch_end || run_end || stop_now {
-                last_ckpt = Some(run.save(&state)?);
-            }
-            if stop_now {
-                interrupted = true;
-                bar.abandon_with_message("interrupted: checkpoint written");
-                break 'epochs;
-            }
-            if epoch_end {
-                continue 'epochs;
-            }
-        }
-    }
-    bar.finish();
-    Ok(Outcome { state, checkpoint: last_ckpt, interrupted })
+/// Run (or resume) the training described by `cfg`. `stop` is set by Ctrl-C: the run writes a checkpoint
+/// after the current step and returns with `interrupted = true`.
+pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Outcome, TrainError> {
+    cfg.validate()?;
+    let out = &cfg.train.output_dir;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    let model_dir = ensure_model(cfg)?;
+    let dataset = prepare_data(cfg, &model_dir)?;
+    let resume_from = resume_point(out, &resume)?;
+    let mut run = load_run(cfg, model_dir, resume_from.as_deref())?;
+    let state = match &resume_from {
+        Some(ck) => checkpoint::restore(ck, run.step.optimizer_mut())?,
+        None => TrainerState::default(),
+    };
+    let mut metrics = MetricsLog::open(out, resume_from.is_some().then_some(state.step))?;
+    run.train_epochs(&dataset, state, &mut metrics, resume_from, stop)
 }

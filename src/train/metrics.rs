@@ -1,0 +1,114 @@
+//! `metrics.jsonl`: one [`StepMetrics`] line per optimiser step, TRL's metric names where they exist.
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+use super::step::StepReport;
+use super::{io, write_atomic, TrainError, TrainerState};
+
+/// One line of metrics.jsonl.
+#[derive(Debug, Clone, Serialize)]
+pub struct StepMetrics {
+    pub step: usize,
+    /// Fractional epoch at the end of the step.
+    pub epoch: f64,
+    pub loss: f64,
+    pub pg_loss: f64,
+    pub kl: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    pub learning_rate: f64,
+    pub reward: f32,
+    pub reward_std: f32,
+    pub frac_reward_zero_std: f32,
+    pub frac_bias_applied: f32,
+    pub clip_ratio: f64,
+    pub entropy: f64,
+    #[serde(rename = "completions/mean_length")]
+    pub mean_length: f32,
+    pub num_tokens: usize,
+    pub total_tokens: u64,
+    /// The update was skipped (non-finite loss or gradient).
+    pub skipped: bool,
+    pub nonfinite_steps: u64,
+    pub step_time: f64,
+    pub tokens_per_sec: f64,
+    /// Peak GPU memory of the step (verl's perf/max_memory_allocated_gb); absent on the CPU.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_memory_allocated_gb: Option<f64>,
+    /// Validation score (avg@n) when the step validated.
+    #[serde(rename = "validation/score", skip_serializing_if = "Option::is_none")]
+    pub validation_score: Option<f64>,
+}
+
+impl StepMetrics {
+    /// The metrics of a finished step: `state` is already advanced past it, `epoch` is fractional.
+    pub fn new(state: &TrainerState, epoch: f64, report: &StepReport, lr: f64, step_time: f64) -> Self {
+        let s = &report.stats;
+        let r = &report.rewards;
+        let rt = s.response_tokens.max(1) as f64;
+        Self {
+            step: state.step,
+            epoch,
+            loss: s.loss,
+            pg_loss: s.pg_loss,
+            kl: s.kl,
+            grad_norm: report.grad_norm,
+            learning_rate: lr,
+            reward: r.reward_mean,
+            reward_std: r.reward_std,
+            frac_reward_zero_std: r.frac_reward_zero_std,
+            frac_bias_applied: r.frac_bias_applied,
+            clip_ratio: s.clipped_tokens as f64 / rt,
+            entropy: s.entropy_sum / rt,
+            mean_length: r.mean_response_length,
+            num_tokens: s.tokens,
+            total_tokens: state.total_tokens,
+            skipped: !report.applied,
+            nonfinite_steps: state.nonfinite_steps,
+            step_time,
+            tokens_per_sec: s.tokens as f64 / step_time.max(1e-9),
+            max_memory_allocated_gb: None,
+            validation_score: None,
+        }
+    }
+}
+
+/// metrics.jsonl of a run, opened for appending.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsLog {
+    /// Open OUTPUT/metrics.jsonl keeping the lines of steps up to `resumed_step` (those the resumed checkpoint
+    /// had seen; none for a fresh run).
+    pub fn open(out: &Path, resumed_step: Option<usize>) -> Result<Self, TrainError> {
+        let path = out.join("metrics.jsonl");
+        let kept: String = std::fs::read_to_string(&path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                resumed_step.is_some_and(|step| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v.get("step").and_then(|s| s.as_u64()))
+                        .is_some_and(|s| (s as usize) <= step)
+                })
+            })
+            .map(|l| format!("{l}\n"))
+            .collect();
+        write_atomic(&path, kept.as_bytes())?;
+        let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(io(&path))?;
+        Ok(Self { path, file })
+    }
+
+    /// Append one line and flush it.
+    pub fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
+        let line = serde_json::to_string(m).map_err(|e| io(&self.path)(e.into()))?;
+        writeln!(self.file, "{line}").and_then(|()| self.file.flush()).map_err(io(&self.path))
+    }
+}
