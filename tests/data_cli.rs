@@ -366,7 +366,7 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
             assert_eq!(r.teacher_logprobs, None);
         }
         assert_eq!((&g.majority, g.vote_margin), (&mem.majority, mem.vote_margin));
-        all_positive += g.is_all_positive() as u64;
+        all_positive += g.responses.iter().all(|r| r.reward > 0.0) as u64;
     }
     assert_eq!(all_positive, stats.all_positive_groups);
     assert_eq!(stats.length_unit, "tokens");

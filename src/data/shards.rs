@@ -72,13 +72,6 @@ pub struct Group {
     pub vote_margin: usize,
 }
 
-impl Group {
-    /// Every reward is 1 (the case the all-positive bias b exists for).
-    pub fn is_all_positive(&self) -> bool {
-        self.responses.iter().all(|r| r.reward > 0.0)
-    }
-}
-
 fn shard_name(i: usize) -> String {
     format!("tokens-{i:05}.u32")
 }
@@ -318,16 +311,6 @@ impl PreparedDataset {
 
     pub fn is_empty(&self) -> bool {
         self.groups.is_empty()
-    }
-
-    /// The metadata of every group (labels without tokens), in index order.
-    pub fn metas(&self) -> &[GroupMeta] {
-        &self.groups
-    }
-
-    /// The folder.
-    pub fn dir(&self) -> &Path {
-        &self.dir
     }
 
     /// The stats written by prepare (`stats.json`).

@@ -203,11 +203,6 @@ impl ChatTokenizer {
         }
         Ok(h.finalize().iter().take(8).map(|b| format!("{b:02x}")).collect())
     }
-
-    /// The folder the tokenizer was loaded from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
 }
 
 #[cfg(test)]
