@@ -126,9 +126,6 @@ fn fixture_has_50_groups_of_8_and_all_positive_agrees_with_majority_vote() {
     assert_eq!(s["rows_read"], 400);
     assert_eq!(s["rows_skipped"], 0);
     assert_eq!(s["questions"], 50);
-    assert_eq!(s["groups"], 50);
-    assert_eq!(s["responses"], 400);
-    assert_eq!(s["group_size_histogram"], serde_json::json!({"8": 50}));
     assert_eq!(s["length_unit"], "characters");
     // The same labels computed here from the reward module on the raw answers.
     let mut groups: BTreeMap<String, Vec<Option<String>>> = BTreeMap::new();
@@ -139,18 +136,27 @@ fn fixture_has_50_groups_of_8_and_all_positive_agrees_with_majority_vote() {
     }
     assert_eq!(groups.len(), 50);
     let (mut pos, mut neg, mut margins) = (0, 0, BTreeMap::<String, u64>::new());
-    let mut no_answer = 0;
+    let (mut no_answer, mut ties) = (0, 0);
     for answers in groups.values() {
         let vote = majority_vote(answers);
+        if vote.count > 0 && vote.margin == 0 {
+            // A tied vote: the group is dropped (data.ties = "drop").
+            ties += 1;
+            continue;
+        }
         let r = rewards(vote.answer.as_deref(), answers);
         pos += r.iter().all(|&x| x == 1.0) as u64;
         neg += r.iter().all(|&x| x == 0.0) as u64;
         *margins.entry(vote.margin.to_string()).or_default() += 1;
         no_answer += answers.iter().filter(|a| a.is_none()).count() as u64;
     }
+    assert!(ties > 0, "the fixture has tied votes");
+    assert_eq!((s["groups"].as_u64(), s["groups_dropped_tie"].as_u64()), (Some(50 - ties), Some(ties)));
+    assert_eq!(s["responses"], 8 * (50 - ties));
+    assert_eq!(s["group_size_histogram"], serde_json::json!({"8": 50 - ties}));
     assert_eq!(s["all_positive_groups"], pos);
     assert_eq!(s["all_negative_groups"], neg);
-    assert_eq!(s["mixed_groups"], 50 - pos - neg);
+    assert_eq!(s["mixed_groups"], 50 - ties - pos - neg);
     assert_eq!(s["no_answer"], no_answer);
     assert_eq!(s["vote_margin_histogram"], serde_json::to_value(&margins).unwrap());
     assert!(pos > 25, "most fixture groups are all-positive ({pos})");
@@ -192,14 +198,14 @@ fn strict_stops_at_the_first_bad_line() {
 
 #[test]
 fn filters_and_group_cap_are_counted() {
-    let (s, _) = stats_json(&fixture(), &["--group-size", "5", "--min-group-size", "6"]);
+    let (s, _) = stats_json(&fixture(), &["--group-size", "5", "--min-group-size", "6", "--ties", "first"]);
     assert_eq!((s["groups"].as_u64(), s["groups_dropped_small"].as_u64()), (Some(50), Some(0)));
     assert_eq!((s["responses"].as_u64(), s["responses_over_cap"].as_u64()), (Some(250), Some(150)));
-    let (s, _) = stats_json(&fixture(), &["--min-group-size", "9"]);
+    let (s, _) = stats_json(&fixture(), &["--min-group-size", "9", "--ties", "first"]);
     assert_eq!((s["groups"].as_u64(), s["groups_dropped_small"].as_u64()), (Some(0), Some(50)));
     let (s, _) = stats_json(&fixture(), &["--domain", "code"]);
     assert_eq!((s["rows_filtered"].as_u64(), s["groups"].as_u64()), (Some(400), Some(0)));
-    let (s, _) = stats_json(&fixture(), &["--domain", "math", "--source", "qwen2.5-math-eval/math"]);
+    let (s, _) = stats_json(&fixture(), &["--domain", "math", "--source", "qwen2.5-math-eval/math", "--ties", "first"]);
     assert_eq!((s["rows_filtered"].as_u64(), s["groups"].as_u64()), (Some(0), Some(50)));
 }
 
@@ -340,14 +346,14 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
     let input = dir.path().join("in.jsonl");
     std::fs::copy(fixture(), &input).unwrap();
     let out = dir.path().join("prepared");
-    prepare(&[&input], &out, &[]);
+    prepare(&[&input], &out, &["--ties", "first"]);
     let ds = PreparedDataset::open(&out).unwrap();
     assert_eq!(ds.len(), 50);
     let tok = grpo::model::ChatTokenizer::load(&tokenizer_dir()).unwrap();
     let eos = tok.eos_ids()[0];
     // Texts by question, from the in-memory grouping of the same rows.
     let (rows, _) = data::reader::read_all(std::slice::from_ref(&input), &Default::default()).unwrap();
-    let (groups, _) = data::group_rows(rows, &Default::default());
+    let (groups, _) = data::group_rows(rows, &data::GroupOptions { ties: data::Ties::First, ..Default::default() });
     let by_id: BTreeMap<_, _> = groups.iter().map(|g| (g.question_id.clone(), g)).collect();
     let stats = ds.stats().unwrap();
     let mut all_positive = 0;
@@ -375,15 +381,15 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
     assert_eq!(ds.group(7).unwrap().index, 7);
 
     // Same inputs: skipped. Changed input: noticed and prepared again.
-    assert!(prepare(&[&input], &out, &[]).contains("up to date"));
+    assert!(prepare(&[&input], &out, &["--ties", "first"]).contains("up to date"));
     let mut lines = fixture_lines();
     lines.truncate(392);
     std::fs::write(&input, lines.join("\n") + "\n").unwrap();
-    let again = prepare(&[&input], &out, &[]);
+    let again = prepare(&[&input], &out, &["--ties", "first"]);
     assert!(again.contains("changed"), "{again}");
     assert_eq!(PreparedDataset::open(&out).unwrap().len(), 49);
     // Changed options are noticed too.
-    assert!(prepare(&[&input], &out, &["--seed", "3"]).contains("options changed"));
+    assert!(prepare(&[&input], &out, &["--ties", "first", "--seed", "3"]).contains("options changed"));
 }
 
 #[test]
@@ -391,8 +397,8 @@ fn prepare_of_shuffled_and_malformed_input_gives_identical_groups() {
     let dir = tempfile::tempdir().unwrap();
     let (shuffled, _) = shuffled_with_bad_lines(dir.path());
     let (a, b) = (dir.path().join("a"), dir.path().join("b"));
-    prepare(&[&fixture()], &a, &["--group-size", "6"]);
-    let log = prepare(&[&shuffled], &b, &["--group-size", "6", "--partitions", "5"]);
+    prepare(&[&fixture()], &a, &["--group-size", "6", "--ties", "first"]);
+    let log = prepare(&[&shuffled], &b, &["--group-size", "6", "--partitions", "5", "--ties", "first"]);
     assert_eq!(log.matches(" skipped ").count(), 5, "{log}");
     let (a, b) = (PreparedDataset::open(&a).unwrap(), PreparedDataset::open(&b).unwrap());
     assert_eq!(a.len(), 50);
@@ -415,8 +421,9 @@ fn prepare_of_shuffled_and_malformed_input_gives_identical_groups() {
 fn overlong_responses_are_truncated_or_dropped_and_counted() {
     let dir = tempfile::tempdir().unwrap();
     let (t, d) = (dir.path().join("t"), dir.path().join("d"));
-    prepare(&[&fixture()], &t, &["--max-response-tokens", "300", "--overlong", "truncate"]);
-    prepare(&[&fixture()], &d, &["--max-response-tokens", "300", "--overlong", "drop", "--group-size", "0"]);
+    prepare(&[&fixture()], &t, &["--max-response-tokens", "300", "--overlong", "truncate", "--ties", "first"]);
+    let drop = ["--max-response-tokens", "300", "--overlong", "drop", "--group-size", "0", "--ties", "first"];
+    prepare(&[&fixture()], &d, &drop);
     let t = PreparedDataset::open(&t).unwrap();
     let ts = t.stats().unwrap();
     let mut truncated = 0;
@@ -505,4 +512,24 @@ fn compressed_inputs_and_globs_read_like_plain_jsonl() {
         assert_eq!(s[f], clean[f], "{f}");
     }
     assert_eq!(s["rows_read"], 400);
+}
+
+#[test]
+fn max_questions_draws_the_same_sample_again_and_another_with_another_seed() {
+    let dir = tempfile::tempdir().unwrap();
+    let ids = |out: &Path, seed: &str| {
+        let log = prepare(&[&fixture()], out, &["--max-questions", "10", "--seed", seed]);
+        let ds = PreparedDataset::open(out).unwrap();
+        let ids: std::collections::BTreeSet<String> = (0..ds.len()).map(|i| ds.group(i).unwrap().question_id).collect();
+        let st = ds.stats().unwrap();
+        assert_eq!((ids.len(), st.groups + st.groups_not_sampled + st.groups_dropped_tie), (10, 50));
+        (ids, log)
+    };
+    let (a, _) = ids(&dir.path().join("a"), "0");
+    assert_eq!(ids(&dir.path().join("b"), "0").0, a, "a rerun draws the same sample");
+    let (again, log) = ids(&dir.path().join("a"), "0");
+    assert!(log.contains("up to date") && again == a, "{log}");
+    let (other, log) = ids(&dir.path().join("a"), "1");
+    assert!(log.contains("options changed"), "{log}");
+    assert_ne!(other, a, "another seed draws another sample");
 }

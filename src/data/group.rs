@@ -5,7 +5,9 @@
 //! row position, extracted answer, lengths; never the text) into one of K hash-partitioned spill files,
 //! then each partition is grouped on its own. [`group_rows`] does the same in memory on rows already read
 //! and keeps the text. Both pick at most G answers per group reproducibly from the seed (the choice does
-//! not depend on row order), drop groups smaller than the minimum, and label groups with [`label_answers`].
+//! not depend on row order), drop groups smaller than the minimum, and label groups with [`label_group`]: the majority vote over
+//! every answer of the question (or only the chosen ones), ties dropped or not, a minimum vote margin, and
+//! an optional seeded sample of at most `max_questions` questions.
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
@@ -13,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::label::{label_answers, Labels};
+use super::label::{label_group, Labels};
 use super::reader::{scan_file, BadRow, ReadOptions, Row, RowRef};
 use super::stats::{LengthHistogram, Stats};
 use super::{io_err, question_hash, question_id, DataError, Fnv};
@@ -40,6 +42,20 @@ pub struct GroupOptions {
     /// Keep only these sources (comma-separated or repeated; empty: all).
     #[arg(long = "source", value_delimiter = ',')]
     pub sources: Vec<String>,
+    /// Which answers vote for the majority answer: every answer of the question (all) or only the chosen
+    /// group (group). Over-long answers vote with their full text.
+    #[arg(long, value_enum, default_value_t = VoteOver::All)]
+    pub vote_over: VoteOver,
+    /// A vote where two answers tie for the majority: drop the group, or let the first-seen answer win.
+    #[arg(long, value_enum, default_value_t = Ties::Drop)]
+    pub ties: Ties,
+    /// Groups whose vote margin (winner's count minus the runner-up's) is below this are dropped.
+    #[arg(long, default_value_t = 0)]
+    pub min_vote_margin: usize,
+    /// Keep a sample of at most this many questions (0: all), drawn from the seed among the groups that
+    /// pass every other rule.
+    #[arg(long, default_value_t = 0)]
+    pub max_questions: usize,
     /// Answer extraction for the labels.
     #[arg(skip)]
     #[serde(skip)]
@@ -54,9 +70,33 @@ impl Default for GroupOptions {
             seed: 0,
             domains: vec![],
             sources: vec![],
+            vote_over: VoteOver::All,
+            ties: Ties::Drop,
+            min_vote_margin: 0,
+            max_questions: 0,
             extract: ExtractOptions::default(),
         }
     }
+}
+
+/// Which answers of a question vote for its majority answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum VoteOver {
+    /// Every answer of the question (OpenThoughts3 has 16), before the G are chosen.
+    All,
+    /// Only the G answers chosen for training.
+    Group,
+}
+
+/// What a tied majority vote does to its group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum Ties {
+    /// Leave the group out (counted as `dropped_tie`).
+    Drop,
+    /// The answer seen first among the tied ones wins.
+    First,
 }
 
 impl GroupOptions {
@@ -307,11 +347,42 @@ fn choice_key(seed: u64, r: &Record) -> u64 {
     h.finish()
 }
 
-/// Group records (any order) into labelled groups, in order of question hash.
+/// The key that orders questions for the `max_questions` sample.
+fn sample_key(seed: u64, qhash: u64) -> u64 {
+    let mut h = Fnv::new();
+    h.write(b"sample");
+    h.write_u64(seed);
+    h.write_u64(qhash);
+    h.finish()
+}
+
+/// The `max_questions` sample: the questions with the smallest sample keys among the eligible ones.
+#[derive(Default)]
+struct Sample {
+    /// While collecting: the `max` smallest (key, question hash) seen, largest on top.
+    heap: std::collections::BinaryHeap<(u64, u64)>,
+    max: usize,
+}
+
+impl Sample {
+    fn offer(&mut self, seed: u64, qhash: u64) {
+        self.heap.push((sample_key(seed, qhash), qhash));
+        if self.heap.len() > self.max {
+            self.heap.pop();
+        }
+    }
+    fn chosen(self) -> std::collections::HashSet<u64> {
+        self.heap.into_iter().map(|(_, q)| q).collect()
+    }
+}
+
+/// Group records (any order) into labelled groups, in order of question hash. With `sample`, only the
+/// questions in it are delivered (the others are counted as not sampled).
 fn form_groups(
     mut records: Vec<Record>,
     opts: &GroupOptions,
     limits: &Limits,
+    sample: Option<&std::collections::HashSet<u64>>,
     stats: &mut Stats,
     hists: &mut (LengthHistogram, LengthHistogram),
     on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
@@ -321,31 +392,15 @@ fn form_groups(
     while start < records.len() {
         let q = records[start].qhash;
         let end = start + records[start..].iter().take_while(|r| r.qhash == q).count();
-        let mut members: Vec<Record> = records[start..end].to_vec();
+        let members: Vec<Record> = records[start..end].to_vec();
         start = end;
         stats.questions += 1;
-        if let Some(max) = limits.max_prompt {
-            if members[0].prompt_len > max {
-                stats.groups_dropped_long_prompt += 1;
-                continue;
-            }
-        }
-        if let (Some(max), true) = (limits.max_response, limits.drop_long) {
-            let before = members.len();
-            members.retain(|r| r.response_len <= max);
-            stats.responses_dropped_long += (before - members.len()) as u64;
-        }
-        if members.len() < opts.min_group_size.max(1) {
-            stats.groups_dropped_small += 1;
+        let Some((members, labels)) = choose_and_label(members, opts, limits, stats) else { continue };
+        if sample.is_some_and(|s| !s.contains(&q)) {
+            stats.groups_not_sampled += 1;
             continue;
         }
-        if opts.group_size > 0 && members.len() > opts.group_size {
-            stats.responses_over_cap += (members.len() - opts.group_size) as u64;
-            members.truncate(opts.group_size);
-        }
-        let answers: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
-        let labels = label_answers(&answers);
-        let no_answer = answers.iter().filter(|a| a.is_none()).count();
+        let no_answer = members.iter().filter(|r| r.answer.is_none()).count();
         stats.add_group(labels.kind(), labels.vote_margin, members.len(), no_answer);
         hists.0.add(members[0].prompt_len as u64);
         for r in &members {
@@ -361,6 +416,73 @@ fn form_groups(
         on_group(ScannedGroup { qhash: q, records: members, labels })?;
     }
     Ok(())
+}
+
+/// Apply the prompt limit, the vote, the length limit, the group-size bounds, the tie rule and the vote
+/// margin to one question's answers (in choice order); the chosen answers and their labels, or None
+/// when the group is dropped (counted in `stats`).
+fn choose_and_label(
+    mut members: Vec<Record>,
+    opts: &GroupOptions,
+    limits: &Limits,
+    stats: &mut Stats,
+) -> Option<(Vec<Record>, Labels)> {
+    if limits.max_prompt.is_some_and(|max| members[0].prompt_len > max) {
+        stats.groups_dropped_long_prompt += 1;
+        return None;
+    }
+    let all_answers: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
+    if let (Some(max), true) = (limits.max_response, limits.drop_long) {
+        let before = members.len();
+        members.retain(|r| r.response_len <= max);
+        stats.responses_dropped_long += (before - members.len()) as u64;
+    }
+    if members.len() < opts.min_group_size.max(1) {
+        stats.groups_dropped_small += 1;
+        return None;
+    }
+    if opts.group_size > 0 && members.len() > opts.group_size {
+        stats.responses_over_cap += (members.len() - opts.group_size) as u64;
+        members.truncate(opts.group_size);
+    }
+    let chosen: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
+    let voters = match opts.vote_over {
+        VoteOver::All => &all_answers,
+        VoteOver::Group => &chosen,
+    };
+    let labels = label_group(voters, &chosen);
+    if opts.ties == Ties::Drop && labels.is_tie() {
+        stats.groups_dropped_tie += 1;
+        return None;
+    }
+    if labels.vote_margin < opts.min_vote_margin {
+        stats.groups_dropped_margin += 1;
+        return None;
+    }
+    Some((members, labels))
+}
+
+/// The questions of the `max_questions` sample among `partitions` of records (None: no sample).
+fn draw_sample<I>(
+    partitions: I,
+    opts: &GroupOptions,
+    limits: &Limits,
+) -> Result<Option<std::collections::HashSet<u64>>, DataError>
+where
+    I: IntoIterator<Item = Result<Vec<Record>, DataError>>,
+{
+    if opts.max_questions == 0 {
+        return Ok(None);
+    }
+    let mut sample = Sample { max: opts.max_questions, ..Default::default() };
+    let (mut stats, mut hists) = (Stats::default(), Default::default());
+    for records in partitions {
+        form_groups(records?, opts, limits, None, &mut stats, &mut hists, &mut |g| {
+            sample.offer(opts.seed, g.qhash);
+            Ok(())
+        })?;
+    }
+    Ok(Some(sample.chosen()))
 }
 
 fn record_of(rref: RowRef, qhash: u64, row: &Row, opts: &GroupOptions, lengths: (u32, u32)) -> Record {
@@ -397,7 +519,10 @@ pub fn group_rows(rows: Vec<Row>, opts: &GroupOptions) -> (Vec<LabeledGroup>, St
     let mut rows: Vec<Option<Row>> = rows.into_iter().map(Some).collect();
     let mut groups = Vec::new();
     let mut hists = Default::default();
-    let _ = form_groups(records, opts, &Limits::default(), &mut stats, &mut hists, &mut |g| {
+    let limits = Limits::default();
+    // In memory nothing can fail: the sample and the groups are always formed.
+    let sample = draw_sample(std::iter::once(Ok(records.clone())), opts, &limits).unwrap_or_default();
+    let _ = form_groups(records, opts, &limits, sample.as_ref(), &mut stats, &mut hists, &mut |g| {
         let mut responses = Vec::with_capacity(g.records.len());
         let mut first: Option<Row> = None;
         for (rec, &reward) in g.records.iter().zip(&g.labels.rewards) {
@@ -536,16 +661,21 @@ pub(crate) fn scan_with(
     for (i, w) in writers.into_iter().enumerate() {
         w.into_inner().map_err(|e| DataError::Io { path: part_path(i), source: e.into_error() })?;
     }
-    let mut hists = Default::default();
-    for i in 0..k {
+    let read_partition = |i: usize| -> Result<Vec<Record>, DataError> {
         let p = part_path(i);
         let mut r = BufReader::with_capacity(1 << 20, File::open(&p).map_err(io_err(&p))?);
         let mut records = Vec::new();
         while let Some(rec) = Record::read(&mut r).map_err(io_err(&p))? {
             records.push(rec);
         }
-        let _ = std::fs::remove_file(&p);
-        form_groups(records, &opts.group, limits, &mut stats, &mut hists, on_group)?;
+        Ok(records)
+    };
+    let sample = draw_sample((0..k).map(read_partition), &opts.group, limits)?;
+    let mut hists = Default::default();
+    for i in 0..k {
+        let records = read_partition(i)?;
+        let _ = std::fs::remove_file(part_path(i));
+        form_groups(records, &opts.group, limits, sample.as_ref(), &mut stats, &mut hists, on_group)?;
     }
     stats.prompt_length = hists.0.summary();
     stats.response_length = hists.1.summary();
@@ -565,6 +695,55 @@ mod tests {
             difficulty: None,
             teacher_logprobs: None,
         }
+    }
+
+    /// `n` answers `\boxed{a}` to question `q`, each with its own text.
+    fn answers(q: &str, a: &str, n: usize) -> Vec<Row> {
+        (0..n).map(|i| row(q, &format!("attempt {i}: \\boxed{{{a}}}"))).collect()
+    }
+
+    #[test]
+    fn the_vote_is_over_every_answer_of_the_question_unless_asked_otherwise() {
+        // 16 answers, 9 say 7 and 7 say 8; 8 of them are chosen.
+        let rows = [answers("Q", "7", 9), answers("Q", "8", 7)].concat();
+        let (g, _) = group_rows(rows.clone(), &GroupOptions::default());
+        assert_eq!(g[0].responses.len(), 8);
+        assert_eq!((g[0].majority.as_deref(), g[0].vote_margin), (Some("7"), 2));
+        for r in &g[0].responses {
+            assert_eq!(r.reward, if r.answer.as_deref() == Some("7") { 1.0 } else { 0.0 });
+        }
+        // Over the chosen 8 only, the count is that of the chosen answers.
+        let group = GroupOptions { vote_over: VoteOver::Group, ties: Ties::First, ..Default::default() };
+        let (g, _) = group_rows(rows, &group);
+        let sevens = g[0].responses.iter().filter(|r| r.answer.as_deref() == Some("7")).count();
+        assert!(g[0].majority_count == sevens.max(8 - sevens), "{sevens} sevens of 8");
+    }
+
+    #[test]
+    fn ties_margins_and_the_question_sample() {
+        // q0: a 4-4 tie; q1: 5 against 3 (margin 2); q2..q9: unanimous.
+        let mut rows =
+            [answers("q0", "1", 4), answers("q0", "2", 4), answers("q1", "3", 5), answers("q1", "4", 3)].concat();
+        for i in 2..10 {
+            rows.extend(answers(&format!("q{i}"), "5", 8));
+        }
+        let (g, st) = group_rows(rows.clone(), &GroupOptions::default());
+        assert_eq!((g.len(), st.groups_dropped_tie), (9, 1));
+        let (g, st) = group_rows(rows.clone(), &GroupOptions { ties: Ties::First, ..Default::default() });
+        assert_eq!((g.len(), st.groups_dropped_tie), (10, 0));
+        assert_eq!(g.iter().find(|g| g.vote_margin == 0).unwrap().majority.as_deref(), Some("1"));
+        let margin = GroupOptions { min_vote_margin: 3, ..Default::default() };
+        let (g, st) = group_rows(rows.clone(), &margin);
+        assert_eq!((g.len(), st.groups_dropped_tie, st.groups_dropped_margin), (8, 1, 1));
+        let ids = |seed: u64| {
+            let opts = GroupOptions { max_questions: 4, seed, ..Default::default() };
+            let (g, st) = group_rows(rows.clone(), &opts);
+            assert_eq!((g.len(), st.groups, st.groups_not_sampled, st.groups_dropped_tie), (4, 4, 5, 1));
+            g.iter().map(|g| g.question.clone()).collect::<Vec<_>>()
+        };
+        assert_eq!(ids(0), ids(0), "the same seed draws the same sample");
+        assert!((1..4).any(|seed| ids(seed) != ids(0)), "other seeds draw other samples");
+        assert!(!ids(0).contains(&"q0".to_string()), "tied groups are never sampled");
     }
 
     #[test]

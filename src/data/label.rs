@@ -42,11 +42,19 @@ impl Labels {
     }
 }
 
-/// Label a group from its extracted answers (None = no final answer found).
-pub fn label_answers(answers: &[Option<String>]) -> Labels {
-    let vote = majority_vote(answers);
-    let rewards = rewards(vote.answer.as_deref(), answers);
+/// Label the `chosen` answers of a question by the majority vote over `voters` (all of the question's
+/// answers, or the chosen ones themselves).
+pub fn label_group(voters: &[Option<String>], chosen: &[Option<String>]) -> Labels {
+    let vote = majority_vote(voters);
+    let rewards = rewards(vote.answer.as_deref(), chosen);
     Labels { majority: vote.answer, majority_count: vote.count, vote_margin: vote.margin, rewards }
+}
+
+impl Labels {
+    /// Two answers tie for the majority (a winner whose margin over the runner-up is 0).
+    pub fn is_tie(&self) -> bool {
+        self.majority_count > 0 && self.vote_margin == 0
+    }
 }
 
 #[cfg(test)]
@@ -55,6 +63,10 @@ mod tests {
 
     fn s(x: &str) -> Option<String> {
         Some(x.to_string())
+    }
+
+    fn label_answers(answers: &[Option<String>]) -> Labels {
+        label_group(answers, answers)
     }
 
     #[test]
@@ -67,5 +79,21 @@ mod tests {
         assert_eq!(label_answers(&[s("1"), s("1")]).kind(), GroupKind::AllPositive);
         let none = label_answers(&[None, None]);
         assert_eq!((none.majority.clone(), none.kind()), (None, GroupKind::AllNegative));
+        assert!(!none.is_tie() && !l.is_tie());
+        assert!(label_answers(&[s("4"), s("5")]).is_tie());
+    }
+
+    #[test]
+    fn the_vote_over_all_answers_can_differ_from_the_vote_over_the_chosen() {
+        // 16 answers: 9 say 7, 7 say 8; the 8 chosen happen to hold 5 eights and 3 sevens.
+        let all: Vec<Option<String>> = [vec![s("7"); 9], vec![s("8"); 7]].concat();
+        let chosen: Vec<Option<String>> = [vec![s("8"); 5], vec![s("7"); 3]].concat();
+        let over_all = label_group(&all, &chosen);
+        assert_eq!(over_all.majority.as_deref(), Some("7"));
+        assert_eq!((over_all.majority_count, over_all.vote_margin), (9, 2));
+        assert_eq!(over_all.rewards, [vec![0.0; 5], vec![1.0; 3]].concat());
+        let over_group = label_group(&chosen, &chosen);
+        assert_eq!(over_group.majority.as_deref(), Some("8"));
+        assert_eq!(over_group.rewards, [vec![1.0; 5], vec![0.0; 3]].concat());
     }
 }

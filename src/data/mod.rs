@@ -6,7 +6,7 @@
 //!   OT3 rows (`conversations`) or plain `{"prompt", "response"}` rows, optional `teacher_logprobs`.
 //! - [`group`]: [`InputOptions`] (which rows, how grouped), [`group_rows`] (in memory, full text) and [`scan`] (streaming, spill
 //!   files, bounded memory) which both produce labelled groups and [`Stats`].
-//! - [`label`]: [`label_answers`] -> [`Labels`] (majority answer, vote margin, rewards).
+//! - [`label`]: [`label_group`] -> [`Labels`] (majority answer, vote margin, rewards).
 //! - [`stats`]: [`Stats`], its text report and [`plot_stats`] (the seed's figure 2).
 //! - [`prepare`]: [`prepare()`] with [`PrepareOptions`] writes tokenised shards, `stats.json` and a manifest.
 //! - [`shards`]: [`PreparedDataset`], the memory-mapped reader of a prepared folder ([`Group`], [`Response`]).
@@ -20,8 +20,8 @@ pub mod stats;
 
 use std::path::PathBuf;
 
-pub use group::{group_rows, scan, GroupOptions, InputOptions, LabeledGroup, LabeledResponse};
-pub use label::{label_answers, GroupKind, Labels};
+pub use group::{group_rows, scan, GroupOptions, InputOptions, LabeledGroup, LabeledResponse, Ties, VoteOver};
+pub use label::{label_group, GroupKind, Labels};
 pub use prepare::{prepare, Overlong, PrepareOptions, PrepareOutcome, SequenceOptions};
 pub use reader::{read_all, resolve_inputs, BadRow, Location, ReadOptions, Row, SkipReason};
 pub use shards::{Group, PreparedDataset, Response};

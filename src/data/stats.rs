@@ -35,6 +35,15 @@ pub struct Stats {
     pub groups_dropped_small: u64,
     /// Groups whose prompt is longer than the prompt limit (dropped; prepare only).
     pub groups_dropped_long_prompt: u64,
+    /// Groups whose majority vote is a tie (dropped with `ties = "drop"`).
+    #[serde(default)]
+    pub groups_dropped_tie: u64,
+    /// Groups whose vote margin is below `min_vote_margin` (dropped).
+    #[serde(default)]
+    pub groups_dropped_margin: u64,
+    /// Eligible groups left out of the `max_questions` sample.
+    #[serde(default)]
+    pub groups_not_sampled: u64,
     /// Responses in the kept groups.
     pub responses: u64,
     /// Answers beyond the group-size cap (left out).
@@ -103,8 +112,15 @@ impl Stats {
         let _ = writeln!(s, "questions            {}", self.questions);
         let _ = writeln!(s, "groups               {}", self.groups);
         let _ = writeln!(s, "  dropped_small      {}", self.groups_dropped_small);
-        if self.groups_dropped_long_prompt > 0 {
-            let _ = writeln!(s, "  dropped_long_prompt {}", self.groups_dropped_long_prompt);
+        for (name, n) in [
+            ("dropped_long_prompt", self.groups_dropped_long_prompt),
+            ("dropped_tie", self.groups_dropped_tie),
+            ("dropped_margin", self.groups_dropped_margin),
+            ("not_sampled", self.groups_not_sampled),
+        ] {
+            if n > 0 {
+                let _ = writeln!(s, "  {name:<18} {n}");
+            }
         }
         let _ = writeln!(s, "responses            {}", self.responses);
         let _ = writeln!(s, "  over_cap           {}", self.responses_over_cap);
