@@ -1,5 +1,10 @@
 """Helper of benches/train_step_vs_torch.sh (needs torch + transformers + tokenizers).
 
+The PyTorch side computes what grpo computes: token ids from the `tokenizers` library on tokenizer.json
+(as grpo's tokenizer), not from transformers' tokenizer (transformers 5 drops SmolLM2's digit-splitting
+pre-tokenizer, so numbers get other ids), and an embedding without padding_idx (transformers would zero
+the gradient of the pad token's row, SmolLM2's <|im_end|>, which ends every answer; grpo computes it).
+
   prep  SRC OUT_JSONL N            first question of SRC (OT3 rows) with its first N answers -> OUT_JSONL
   torch ROWS MODEL MAX_RESP STEPS  one off_grpo training step of MODEL in PyTorch eager (f32, CPU), timed;
                                    prints a JSON line {"step_times": [...], "num_tokens": ..., ...}
@@ -7,6 +12,7 @@
                                    table of both + ratio ours/torch; writes OUT_JSON
 """
 import json
+import os
 import statistics
 import sys
 
@@ -27,17 +33,28 @@ def prep(src, out, n):
             f.write(json.dumps(d) + "\n")
 
 
-def build_batch(tok, rows_path, max_resp):
-    """Token ids as grpo prepares them: chat-template prompt, response + <|im_end|>, truncated to max_resp."""
-    eos = tok.convert_tokens_to_ids("<|im_end|>")
+def build_batch(model_dir, rows_path, max_resp):
+    """Token ids as grpo prepares them: chat-template prompt, response + <|im_end|>, truncated to max_resp.
+
+    transformers only renders the chat template (text); the `tokenizers` library encodes it from
+    tokenizer.json, with every pre-tokenizer rule, as grpo does."""
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    template = AutoTokenizer.from_pretrained(model_dir)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    eos = tok.token_to_id("<|im_end|>")
+    if eos is None:
+        sys.exit(f"{model_dir}/tokenizer.json has no <|im_end|> token")
     seqs = []
     for line in open(rows_path):
         d = json.loads(line)
         q = d["conversations"][0]["value"]
         a = d["conversations"][1]["value"]
-        text = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
-        p = tok(text, add_special_tokens=False).input_ids
-        r = tok(a, add_special_tokens=False).input_ids
+        text = template.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                            tokenize=False)
+        p = tok.encode(text, add_special_tokens=False).ids
+        r = tok.encode(a, add_special_tokens=False).ids
         r = r[:max_resp] if len(r) >= max_resp else r + [eos]
         seqs.append((p, r))
     return seqs, eos
@@ -48,12 +65,11 @@ def torch_step(rows_path, model_dir, max_resp, steps):
     import time
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    seqs, eos = build_batch(tok, rows_path, max_resp)
+    seqs, eos = build_batch(model_dir, rows_path, max_resp)
     num_tokens = sum(len(p) + len(r) for p, r in seqs)
     resp_tokens = sum(len(r) for _, r in seqs)
     T = max(len(p) + len(r) for p, r in seqs)
@@ -71,7 +87,13 @@ def torch_step(rows_path, model_dir, max_resp, steps):
     adv = torch.full((B, 1), 0.5)
     eps, beta = 0.2, 0.1
 
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    # No pad token in the config: transformers then builds the embedding without padding_idx, so the row
+    # of <|im_end|> (SmolLM2's pad_token_id) gets its gradient, as in grpo.
+    config = AutoConfig.from_pretrained(model_dir)
+    config.pad_token_id = None
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32,
+                                                  attn_implementation="sdpa")
+    assert policy.get_input_embeddings().padding_idx is None, "the embedding still has a padding_idx"
     policy.train()
     policy.config.use_cache = False
     reference = copy.deepcopy(policy).eval()

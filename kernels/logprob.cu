@@ -5,48 +5,51 @@
 // lp_row_grad_<T>: dz[r, v] = g_r * (onehot(t_r)[v] - exp(z[r, v] - lse_r)), written in T, from
 //   coef[r] = (lse_r, g_r).
 //
-// Accumulation is in f32 whatever T is. A target outside [0, V) gives NaN log-probs (the trainer's
-// non-finite guard then skips the step) rather than reading out of bounds.
+// Each term is computed in f32 whatever T is; the sums are f64 (see Acc). A target outside [0, V) gives
+// NaN log-probs (the trainer's non-finite guard then skips the step) rather than reading out of bounds.
 
 #include "common.cuh"
 
 // Running softmax statistics of a set of logits, relative to their maximum m:
 //   s = sum exp(z - m),  u = sum exp(z - m) * (z - m).
 // Then lse = m + log s and entropy = lse - E_p[z] = log s - u / s.
+// The terms are f32, s and u f64: in f32 each thread's sum over its V / blockDim terms rounds every small
+// term against the growing sum (terms under half an ulp are lost), a log-sum-exp error that grows with
+// the vocabulary; in f64 the error is that of the f32 terms, whatever V (src/kernels/rows.rs, Acc).
 struct Acc {
     float m;
-    float s;
-    float u;
+    double s;
+    double u;
 };
 
 __device__ __forceinline__ void push(Acc &a, float z) {
     if (z == -INFINITY) return;  // probability 0: contributes nothing
     if (z <= a.m) {
-        float d = z - a.m;
-        float e = expf(d);
-        a.s += e;
-        a.u += e * d;
+        const float d = z - a.m;
+        const float e = expf(d);
+        a.s += (double)e;
+        a.u += (double)(e * d);
     } else {
         // New maximum: rescale what was accumulated against the old one.
-        float d = a.m - z;  // < 0, or -inf for the first element
-        if (a.s != 0.f) {  // != keeps a NaN in s (a NaN logit makes the whole row NaN)
-            float sc = expf(d);
+        const double d = (double)a.m - (double)z;  // < 0, or -inf for the first element
+        if (a.s != 0.0) {  // != keeps a NaN in s (a NaN logit makes the whole row NaN)
+            const double sc = exp(d);
             a.u = (a.u + d * a.s) * sc;
-            a.s = a.s * sc + 1.f;
+            a.s = a.s * sc + 1.0;
         } else {
-            a.u = 0.f;
-            a.s = 1.f;
+            a.u = 0.0;
+            a.s = 1.0;
         }
         a.m = z;
     }
 }
 
 __device__ __forceinline__ Acc merge(Acc a, Acc b) {
-    if (a.s == 0.f) return b;
-    if (b.s == 0.f) return a;
-    float m = fmaxf(a.m, b.m);
-    float da = a.m - m, db = b.m - m;
-    float ea = expf(da), eb = expf(db);
+    if (a.s == 0.0) return b;
+    if (b.s == 0.0) return a;
+    const float m = fmaxf(a.m, b.m);
+    const double da = (double)a.m - (double)m, db = (double)b.m - (double)m;
+    const double ea = exp(da), eb = exp(db);
     Acc r;
     r.m = m;
     r.s = a.s * ea + b.s * eb;
@@ -71,7 +74,7 @@ __device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restri
                           float *__restrict__ out, uint32_t vocab) {
     const size_t row = blockIdx.x;
     const T *z = logits + row * (size_t)vocab;
-    Acc a = {-INFINITY, 0.f, 0.f};
+    Acc a = {-INFINITY, 0.0, 0.0};
     for (uint32_t v = threadIdx.x; v < vocab; v += blockDim.x) push(a, to_f32(z[v]));
     a = warp_merge(a);
     __shared__ Acc partial[32];
@@ -80,16 +83,16 @@ __device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restri
     __syncthreads();
     if (warp != 0) return;
     const int warps = blockDim.x >> 5;
-    Acc b = lane < warps ? partial[lane] : Acc{-INFINITY, 0.f, 0.f};
+    Acc b = lane < warps ? partial[lane] : Acc{-INFINITY, 0.0, 0.0};
     b = warp_merge(b);
     if (lane == 0) {
-        const float log_s = logf(b.s);
-        const float lse = b.m + log_s;
+        const double log_s = log(b.s);
+        const double lse = (double)b.m + log_s;
         const uint32_t t = targets[row];
-        const float zt = t < vocab ? to_f32(z[t]) : __int_as_float(0x7fc00000);
-        out[row * 3 + 0] = zt - lse;
-        out[row * 3 + 1] = log_s - b.u / b.s;
-        out[row * 3 + 2] = lse;
+        const double zt = t < vocab ? (double)to_f32(z[t]) : __longlong_as_double(0x7ff8000000000000ll);
+        out[row * 3 + 0] = (float)(zt - lse);
+        out[row * 3 + 1] = (float)(log_s - b.u / b.s);
+        out[row * 3 + 2] = (float)lse;
     }
 }
 

@@ -64,8 +64,12 @@ def timed(device, fn):
 
 def build_model(shape, dtype, device):
     cfg = transformers.Qwen2Config.from_json_file(shape)
+    # No pad token: the embedding is built without padding_idx, whose row transformers would zero at
+    # init and whose gradient it would drop; grpo trains every row, so both compute the same step.
+    cfg.pad_token_id = None
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="sdpa")
+    assert model.get_input_embeddings().padding_idx is None, "the embedding still has a padding_idx"
     return model.to(device)
 
 

@@ -92,8 +92,8 @@ pub fn save_checkpoint(
 
 fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), ModelError> {
     let dtype = opts.dtype.unwrap_or(model.dtype());
-    let mut config = model.config().raw.clone();
-    config["torch_dtype"] = dtype_name(dtype).into();
+    // Rotary settings in both layouts, so that transformers 4 and 5 load the same model.
+    let config = model.config().hf_json(dtype_name(dtype));
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&config).unwrap_or_default()).map_err(io(&cfg_path))?;
 
@@ -182,6 +182,32 @@ mod tests {
                 serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
             assert_eq!(cfg["torch_dtype"], "float32");
         }
+    }
+
+    #[test]
+    fn transformers_5_configs_are_written_for_transformers_4_too() {
+        // A config in transformers 5's layout: no top-level rope_theta, the dtype under `dtype`.
+        let mut raw = ModelConfig::tiny(Arch::Llama, 64, 2, 16, 4, 2, 24, None, None).unwrap().raw;
+        let obj = raw.as_object_mut().unwrap();
+        obj.remove("rope_theta");
+        obj.remove("torch_dtype");
+        raw["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 12345.0});
+        raw["dtype"] = "bfloat16".into();
+        let cfg = ModelConfig::from_json(raw, Path::new("tf5.json")).unwrap();
+        assert_eq!(cfg.rope_theta, 12345.0);
+        let m = random_decoder(cfg, 1, DType::F32, &Device::Cpu, false).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        save_checkpoint(&m, &out, &SaveOptions::default(), |_| Ok(())).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+        assert_eq!(written["rope_theta"], 12345.0);
+        assert_eq!(written["rope_scaling"], serde_json::Value::Null);
+        assert_eq!(written["rope_parameters"], serde_json::json!({"rope_type": "default", "rope_theta": 12345.0}));
+        assert_eq!((&written["torch_dtype"], &written["dtype"]), (&"float32".into(), &"float32".into()));
+        let back = load_decoder(&out, DType::F32, &Device::Cpu, false).unwrap();
+        assert_eq!(back.config().rope_theta, 12345.0);
+        assert_eq!(logprobs(&m), logprobs(&back));
     }
 
     #[test]

@@ -1,7 +1,15 @@
-//! `config.json` of Qwen2 / Qwen2.5, Qwen3 and Llama-style models.
+//! `config.json` of Qwen2 / Qwen2.5, Qwen3 and Llama-style models, in the layout transformers 4 writes
+//! (top-level `rope_theta`, `rope_scaling`, `torch_dtype`) and the one transformers 5 writes
+//! (`rope_parameters: {rope_type, rope_theta, ...}`, `dtype`).
+//!
+//! [`RawConfig`] is the file as serde reads it (every field optional); [`ModelConfig::from_json`]
+//! validates it: a missing size is an error naming the key, and so is any key that changes the numerics
+//! and that the decoder does not implement (an unknown rope type, sliding-window attention in use, a
+//! partial rotary factor, an activation other than SiLU) — never a silent default.
 
 use std::path::{Path, PathBuf};
 
+use serde::Deserialize;
 use serde_json::Value;
 
 /// The architectures the decoder implements.
@@ -42,15 +50,225 @@ pub enum ConfigError {
     #[error("{path}: invalid JSON: {source}")]
     Json { path: PathBuf, source: serde_json::Error },
     #[error("{path}: field `{field}`: {message}")]
-    Field { path: PathBuf, field: &'static str, message: String },
+    Field { path: PathBuf, field: String, message: String },
 }
 
-/// Rotary embedding frequency scaling (Llama-3.1 style `rope_scaling`).
+/// Rotary embedding frequency scaling (`rope_scaling` in transformers 4, `rope_parameters` in 5).
 #[derive(Debug, Clone, PartialEq)]
 pub enum RopeScaling {
     None,
     Linear { factor: f64 },
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: f64 },
+}
+
+impl RopeScaling {
+    /// The scaling as a rope dict (`rope_type` and its parameters, plus `rope_theta` when given).
+    fn to_json(&self, theta: Option<f64>) -> Value {
+        let mut v = match self {
+            RopeScaling::None => serde_json::json!({"rope_type": "default"}),
+            RopeScaling::Linear { factor } => serde_json::json!({"rope_type": "linear", "factor": factor}),
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                // A length, which transformers validates as an integer.
+                let original = match *original_max_position_embeddings {
+                    n if n.fract() == 0.0 && (0.0..9e15).contains(&n) => Value::from(n as u64),
+                    n => Value::from(n),
+                };
+                serde_json::json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                    "high_freq_factor": high_freq_factor, "original_max_position_embeddings": original})
+            }
+        };
+        if let Some(t) = theta {
+            v["rope_theta"] = t.into();
+        }
+        v
+    }
+}
+
+/// config.json as serde reads it: every field of the Qwen2 / Qwen3 / Llama / Mistral configs that the
+/// decoder reads or must refuse, all optional (absent and `null` alike); [`ModelConfig::from_json`]
+/// decides what is required. Keys that HF spells two ways and that may appear together in one file
+/// (`rope_scaling` / `rope_parameters`, `type` / `rope_type`) are separate fields rather than serde
+/// aliases, which would reject such files as duplicates; validation reconciles them. (The dtype, under
+/// `torch_dtype` or `dtype`, is read from `raw` by [`ModelConfig::dtype_name`].)
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawConfig {
+    model_type: Option<String>,
+    vocab_size: Option<usize>,
+    hidden_size: Option<usize>,
+    intermediate_size: Option<usize>,
+    num_hidden_layers: Option<usize>,
+    num_attention_heads: Option<usize>,
+    num_key_value_heads: Option<usize>,
+    head_dim: Option<usize>,
+    hidden_act: Option<String>,
+    rms_norm_eps: Option<f64>,
+    max_position_embeddings: Option<usize>,
+    tie_word_embeddings: Option<bool>,
+    attention_bias: Option<bool>,
+    mlp_bias: Option<bool>,
+    /// transformers 4: the rotary base at the top level, its scaling in `rope_scaling`.
+    rope_theta: Option<f64>,
+    rope_scaling: Option<RawRope>,
+    /// transformers 5: base and scaling together.
+    rope_parameters: Option<RawRope>,
+    partial_rotary_factor: Option<f64>,
+    use_sliding_window: Option<bool>,
+    sliding_window: Option<usize>,
+    max_window_layers: Option<usize>,
+    /// transformers 5 (Qwen2 / Qwen3): `full_attention` or `sliding_attention` per layer.
+    layer_types: Option<Vec<String>>,
+}
+
+/// A `rope_scaling` / `rope_parameters` dict. Keys it does not name end up in `other` and are refused:
+/// everything in this dict changes the rotary frequencies.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawRope {
+    rope_type: Option<String>,
+    /// transformers' older spelling of `rope_type`.
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
+    rope_theta: Option<f64>,
+    factor: Option<f64>,
+    low_freq_factor: Option<f64>,
+    high_freq_factor: Option<f64>,
+    original_max_position_embeddings: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    #[serde(flatten)]
+    other: serde_json::Map<String, Value>,
+}
+
+/// Builds [`ConfigError::Field`] for one file.
+struct Fields<'a>(&'a Path);
+
+impl Fields<'_> {
+    fn err(&self, field: impl Into<String>, message: impl Into<String>) -> ConfigError {
+        ConfigError::Field { path: self.0.into(), field: field.into(), message: message.into() }
+    }
+
+    fn required(&self, value: Option<usize>, field: &str) -> Result<usize, ConfigError> {
+        value.ok_or_else(|| self.err(field, "missing (a non-negative integer is required)"))
+    }
+
+    /// The serde error of `raw`, attributed to the first top-level key that fails on its own.
+    fn parse_error(&self, raw: &Value, e: serde_json::Error) -> ConfigError {
+        if let Value::Object(map) = raw {
+            for (k, v) in map {
+                let one = Value::Object(std::iter::once((k.clone(), v.clone())).collect());
+                if let Err(e) = RawConfig::deserialize(&one) {
+                    return self.err(k.as_str(), e.to_string());
+                }
+            }
+            return self.err("<config>", e.to_string());
+        }
+        self.err("<config>", format!("expected a JSON object ({e})"))
+    }
+}
+
+/// One rope dict as a scaling; `name` is its key in config.json (for messages).
+fn rope_scaling(r: &RawRope, name: &str, f: &Fields) -> Result<RopeScaling, ConfigError> {
+    if let Some(key) = r.other.keys().next() {
+        return Err(f.err(format!("{name}.{key}"), "not understood (it would change the rotary embedding)"));
+    }
+    if let Some(p) = r.partial_rotary_factor.filter(|&p| p != 1.0) {
+        return Err(f.err(format!("{name}.partial_rotary_factor"), format!("{p}: only 1.0 is supported")));
+    }
+    let kind = match (&r.rope_type, &r.legacy_type) {
+        (Some(a), Some(b)) if a != b => {
+            return Err(f.err(format!("{name}.rope_type"), format!("`{a}` but `type` says `{b}`")));
+        }
+        (Some(t), _) | (None, Some(t)) => t.as_str(),
+        (None, None) if r.factor.is_some() => {
+            return Err(f.err(format!("{name}.rope_type"), "missing (a `factor` is given)"));
+        }
+        (None, None) => "default",
+    };
+    let num = |v: Option<f64>, key: &str| v.ok_or_else(|| f.err(format!("{name}.{key}"), format!("missing ({kind})")));
+    Ok(match kind {
+        "default" => RopeScaling::None,
+        "linear" => RopeScaling::Linear { factor: num(r.factor, "factor")? },
+        "llama3" => RopeScaling::Llama3 {
+            factor: num(r.factor, "factor")?,
+            low_freq_factor: num(r.low_freq_factor, "low_freq_factor")?,
+            high_freq_factor: num(r.high_freq_factor, "high_freq_factor")?,
+            original_max_position_embeddings: num(
+                r.original_max_position_embeddings,
+                "original_max_position_embeddings",
+            )?,
+        },
+        other => {
+            return Err(
+                f.err(format!("{name}.rope_type"), format!("`{other}` is not supported (default, linear, llama3)"))
+            )
+        }
+    })
+}
+
+/// The rotary base and scaling from either layout. Where both layouts are present they must agree
+/// (transformers 4 reads only the top-level keys, transformers 5 prefers `rope_scaling`, then
+/// `rope_parameters`); the base defaults to 10000 as in transformers when neither gives one.
+fn rope(raw: &RawConfig, f: &Fields) -> Result<(f64, RopeScaling), ConfigError> {
+    if let Some(p) = raw.partial_rotary_factor.filter(|&p| p != 1.0) {
+        return Err(f.err("partial_rotary_factor", format!("{p}: only 1.0 is supported")));
+    }
+    let dicts = [("rope_scaling", &raw.rope_scaling), ("rope_parameters", &raw.rope_parameters)];
+    let mut theta: Option<(f64, String)> = raw.rope_theta.map(|t| (t, "rope_theta".to_string()));
+    let mut scaling: Option<(RopeScaling, &str)> = None;
+    for (name, dict) in dicts {
+        let Some(d) = dict else { continue };
+        if let Some(t) = d.rope_theta {
+            match &theta {
+                Some((t0, at)) if *t0 != t => {
+                    return Err(f.err(format!("{name}.rope_theta"), format!("{t}, but `{at}` is {t0}")));
+                }
+                _ => theta = Some((t, format!("{name}.rope_theta"))),
+            }
+        }
+        let s = rope_scaling(d, name, f)?;
+        match &scaling {
+            Some((s0, at)) if *s0 != s => {
+                return Err(f.err(name, format!("{s:?} disagrees with `{at}` ({s0:?})")));
+            }
+            _ => scaling = Some((s, name)),
+        }
+    }
+    if let Some((t, at)) = &theta {
+        if !(t.is_finite() && *t > 0.0) {
+            return Err(f.err(at.as_str(), format!("{t}: must be a positive number")));
+        }
+    }
+    Ok((theta.map_or(10_000.0, |(t, _)| t), scaling.map_or(RopeScaling::None, |(s, _)| s)))
+}
+
+/// Refuse sliding-window attention wherever transformers would apply it: Mistral on every layer when
+/// `sliding_window` is set; Qwen2 / Qwen3 when `use_sliding_window` is true, on the layers `layer_types`
+/// marks `sliding_attention` (transformers 5) or else on layers from `max_window_layers` (default 28) on.
+fn check_full_attention(raw: &RawConfig, layers: usize, f: &Fields) -> Result<(), ConfigError> {
+    if let Some(kinds) = &raw.layer_types {
+        if let Some(k) = kinds.iter().find(|k| *k != "full_attention" && *k != "sliding_attention") {
+            return Err(f.err("layer_types", format!("`{k}` is not supported (full_attention)")));
+        }
+    }
+    let window = match raw.model_type.as_deref() {
+        Some("mistral") => raw.sliding_window.map(|w| (w, "sliding_window")),
+        Some("qwen2" | "qwen3") if raw.use_sliding_window == Some(true) => {
+            raw.sliding_window.map(|w| (w, "use_sliding_window"))
+        }
+        _ => None,
+    };
+    let Some((w, key)) = window else { return Ok(()) };
+    let sliding_layers = match (raw.model_type.as_deref(), &raw.layer_types) {
+        (Some("mistral"), _) => layers,
+        (_, Some(kinds)) => kinds.iter().filter(|k| *k == "sliding_attention").count(),
+        (_, None) => layers.saturating_sub(raw.max_window_layers.unwrap_or(28)),
+    };
+    if sliding_layers > 0 {
+        return Err(
+            f.err(key, format!("sliding-window attention (window {w}) on {sliding_layers} layers is not supported"))
+        );
+    }
+    Ok(())
 }
 
 /// The model hyper-parameters the decoder needs, plus the original JSON to write back.
@@ -72,7 +290,7 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// q/k/v projections have biases (always for Qwen2, `attention_bias` otherwise).
     pub qkv_bias: bool,
-    /// o_proj has a bias (Llama `attention_bias`).
+    /// o_proj has a bias (`attention_bias` of Llama and Qwen3).
     pub o_bias: bool,
     /// MLP projections have biases (Llama `mlp_bias`).
     pub mlp_bias: bool,
@@ -93,113 +311,82 @@ impl ModelConfig {
 
     /// Validate a config given as JSON (`path` is only used in messages).
     pub fn from_json(raw: Value, path: &Path) -> Result<Self, ConfigError> {
-        let err = |field: &'static str, message: String| ConfigError::Field { path: path.into(), field, message };
-        let usize_field = |field: &'static str| -> Result<usize, ConfigError> {
-            raw.get(field)
-                .and_then(Value::as_u64)
-                .map(|v| v as usize)
-                .ok_or_else(|| err(field, "missing or not a non-negative integer".into()))
-        };
-        let bool_field = |field: &'static str, default: bool| -> Result<bool, ConfigError> {
-            match raw.get(field) {
-                None | Some(Value::Null) => Ok(default),
-                Some(Value::Bool(b)) => Ok(*b),
-                Some(v) => Err(err(field, format!("expected true or false, found {v}"))),
-            }
-        };
-        let f64_field = |field: &'static str, default: f64| -> Result<f64, ConfigError> {
-            match raw.get(field) {
-                None | Some(Value::Null) => Ok(default),
-                Some(v) => v.as_f64().ok_or_else(|| err(field, format!("expected a number, found {v}"))),
-            }
-        };
-        let model_type = raw.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let arch = match model_type {
-            "qwen2" => Arch::Qwen2,
-            "qwen3" => Arch::Qwen3,
-            "llama" | "mistral" => Arch::Llama,
+        let f = Fields(path);
+        let c = RawConfig::deserialize(&raw).map_err(|e| f.parse_error(&raw, e))?;
+        let arch = match c.model_type.as_deref() {
+            Some("qwen2") => Arch::Qwen2,
+            Some("qwen3") => Arch::Qwen3,
+            Some("llama" | "mistral") => Arch::Llama,
             other => {
-                return Err(err(
+                return Err(f.err(
                     "model_type",
-                    format!("`{other}` is not supported (expected qwen2, qwen3, llama or mistral)"),
+                    format!("`{}` is not supported (expected qwen2, qwen3, llama or mistral)", other.unwrap_or("")),
                 ))
             }
         };
-        let hidden_size = usize_field("hidden_size")?;
-        let num_heads = usize_field("num_attention_heads")?;
-        let num_kv_heads = match raw.get("num_key_value_heads") {
-            None | Some(Value::Null) => num_heads,
-            Some(_) => usize_field("num_key_value_heads")?,
-        };
+        let hidden_size = f.required(c.hidden_size, "hidden_size")?;
+        let num_heads = f.required(c.num_attention_heads, "num_attention_heads")?;
+        let num_layers = f.required(c.num_hidden_layers, "num_hidden_layers")?;
+        let num_kv_heads = c.num_key_value_heads.unwrap_or(num_heads);
         if num_heads == 0 || num_kv_heads == 0 || num_heads % num_kv_heads != 0 {
-            return Err(err(
-                "num_key_value_heads",
-                format!("{num_kv_heads} must divide num_attention_heads = {num_heads}"),
-            ));
+            return Err(
+                f.err("num_key_value_heads", format!("{num_kv_heads} must divide num_attention_heads = {num_heads}"))
+            );
         }
-        let head_dim = match raw.get("head_dim") {
-            None | Some(Value::Null) => {
-                if hidden_size % num_heads != 0 {
-                    return Err(err("hidden_size", format!("{hidden_size} is not a multiple of {num_heads} heads")));
-                }
-                hidden_size / num_heads
-            }
-            Some(_) => usize_field("head_dim")?,
+        let head_dim = match c.head_dim {
+            Some(d) => d,
+            None if hidden_size % num_heads == 0 => hidden_size / num_heads,
+            None => return Err(f.err("hidden_size", format!("{hidden_size} is not a multiple of {num_heads} heads"))),
         };
-        if head_dim % 2 != 0 {
-            return Err(err("head_dim", format!("{head_dim} must be even for rotary embeddings")));
+        if head_dim == 0 || head_dim % 2 != 0 {
+            return Err(f.err("head_dim", format!("{head_dim} must be even and positive for rotary embeddings")));
         }
-        let attention_bias = bool_field("attention_bias", false)?;
-        let rope_scaling = match raw.get("rope_scaling") {
-            None | Some(Value::Null) => RopeScaling::None,
-            Some(v) => {
-                let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(Value::as_str).unwrap_or("");
-                let num = |k: &str, d: f64| v.get(k).and_then(Value::as_f64).unwrap_or(d);
-                match kind {
-                    "default" => RopeScaling::None,
-                    "linear" => RopeScaling::Linear { factor: num("factor", 1.0) },
-                    "llama3" => RopeScaling::Llama3 {
-                        factor: num("factor", 8.0),
-                        low_freq_factor: num("low_freq_factor", 1.0),
-                        high_freq_factor: num("high_freq_factor", 4.0),
-                        original_max_position_embeddings: num("original_max_position_embeddings", 8192.0),
-                    },
-                    other => {
-                        return Err(err(
-                            "rope_scaling",
-                            format!("rope type `{other}` is not supported (default, linear, llama3)"),
-                        ))
-                    }
-                }
-            }
-        };
-        let act = raw.get("hidden_act").and_then(Value::as_str).unwrap_or("silu");
-        if act != "silu" {
-            return Err(err("hidden_act", format!("`{act}` is not supported (silu)")));
+        let act = c.hidden_act.as_deref().unwrap_or("silu");
+        if act != "silu" && act != "swish" {
+            return Err(f.err("hidden_act", format!("`{act}` is not supported (silu)")));
         }
-        let cfg = ModelConfig {
+        let (rope_theta, rope_scaling) = rope(&c, &f)?;
+        check_full_attention(&c, num_layers, &f)?;
+        let attention_bias = c.attention_bias.unwrap_or(false);
+        Ok(ModelConfig {
             arch,
-            vocab_size: usize_field("vocab_size")?,
+            vocab_size: f.required(c.vocab_size, "vocab_size")?,
             hidden_size,
-            intermediate_size: usize_field("intermediate_size")?,
-            num_layers: usize_field("num_hidden_layers")?,
+            intermediate_size: f.required(c.intermediate_size, "intermediate_size")?,
+            num_layers,
             num_heads,
             num_kv_heads,
             head_dim,
-            rms_norm_eps: f64_field("rms_norm_eps", 1e-6)?,
-            rope_theta: f64_field("rope_theta", 10_000.0)?,
+            rms_norm_eps: c.rms_norm_eps.unwrap_or(1e-6),
+            rope_theta,
             rope_scaling,
-            max_position_embeddings: raw.get("max_position_embeddings").and_then(Value::as_u64).unwrap_or(32_768)
-                as usize,
+            max_position_embeddings: c.max_position_embeddings.unwrap_or(32_768),
             // transformers' Qwen2/Qwen3/Llama configs default to untied.
-            tie_word_embeddings: bool_field("tie_word_embeddings", false)?,
+            tie_word_embeddings: c.tie_word_embeddings.unwrap_or(false),
             qkv_bias: arch == Arch::Qwen2 || attention_bias,
-            o_bias: arch == Arch::Llama && attention_bias,
-            mlp_bias: arch == Arch::Llama && bool_field("mlp_bias", false)?,
+            // Qwen2's o_proj never has a bias; Llama's and Qwen3's follow `attention_bias`.
+            o_bias: arch != Arch::Qwen2 && attention_bias,
+            mlp_bias: arch == Arch::Llama && c.mlp_bias.unwrap_or(false),
             qk_norm: arch == Arch::Qwen3,
-            raw: Value::Null,
+            raw,
+        })
+    }
+
+    /// The config.json of a checkpoint with weights in `dtype` (`"bfloat16"`, ...): the original keys,
+    /// the dtype under both names (`torch_dtype` in older transformers, `dtype` in recent ones), and the rotary settings in both layouts, so that
+    /// transformers 4 (top-level `rope_theta` / `rope_scaling`; it keeps `rope_parameters` as an unused
+    /// attribute) and transformers 5 (`rope_scaling` when set, else `rope_parameters`) build the same model.
+    pub fn hf_json(&self, dtype: &str) -> Value {
+        let mut v = self.raw.clone();
+        v["torch_dtype"] = dtype.into();
+        v["dtype"] = dtype.into();
+        v["rope_theta"] = self.rope_theta.into();
+        v["rope_scaling"] = match self.rope_scaling {
+            RopeScaling::None => Value::Null,
+            ref s => s.to_json(None),
         };
-        Ok(ModelConfig { raw, ..cfg })
+        v["rope_parameters"] = self.rope_scaling.to_json(Some(self.rope_theta));
+        v
     }
 
     /// The `torch_dtype` / `dtype` recorded in the config, if any.
@@ -307,6 +494,141 @@ mod tests {
         let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
         assert!(c.qkv_bias && !c.tie_word_embeddings && !c.qk_norm);
         assert_eq!(c.head_dim, 8);
+    }
+
+    fn base(model_type: &str) -> Value {
+        serde_json::json!({"model_type": model_type, "vocab_size": 100, "hidden_size": 32,
+            "intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2})
+    }
+
+    /// The error of `base(model_type)` with `patch` applied: it must name `field`.
+    fn error_naming(model_type: &str, patch: Value, field: &str) -> String {
+        let mut raw = base(model_type);
+        for (k, v) in patch.as_object().unwrap() {
+            raw[k] = v.clone();
+        }
+        let e = ModelConfig::from_json(raw, Path::new("c.json")).unwrap_err();
+        match &e {
+            ConfigError::Field { field: f, .. } if f == field => e.to_string(),
+            _ => panic!("expected an error naming `{field}`, got: {e}"),
+        }
+    }
+
+    #[test]
+    fn rope_parameters_of_transformers_5_are_read() {
+        let mut raw = base("llama");
+        raw["rope_parameters"] = serde_json::json!({"rope_type": "default", "rope_theta": 100000.0});
+        let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
+        assert_eq!((c.rope_theta, c.rope_scaling), (1e5, RopeScaling::None));
+        let mut raw = base("llama");
+        raw["rope_parameters"] = serde_json::json!({"rope_type": "linear", "rope_theta": 5e5, "factor": 2.0});
+        let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
+        assert_eq!((c.rope_theta, c.rope_scaling), (5e5, RopeScaling::Linear { factor: 2.0 }));
+        // Neither layout: transformers' default base.
+        assert_eq!(ModelConfig::from_json(base("qwen2"), Path::new("c.json")).unwrap().rope_theta, 1e4);
+    }
+
+    #[test]
+    fn numerics_keys_that_are_not_understood_are_errors() {
+        use serde_json::json;
+        let e = error_naming(
+            "llama",
+            json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+            "rope_scaling.rope_type",
+        );
+        assert!(e.contains("yarn"), "{e}");
+        error_naming(
+            "llama",
+            json!({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4}}),
+            "rope_parameters.rope_type",
+        );
+        error_naming("llama", json!({"rope_scaling": {"type": "linear"}}), "rope_scaling.factor");
+        error_naming(
+            "llama",
+            json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+            "rope_scaling.low_freq_factor",
+        );
+        error_naming("llama", json!({"rope_scaling": {"factor": 8.0}}), "rope_scaling.rope_type");
+        // Per-layer-type rope dicts (Gemma-3 style) and unknown rope keys.
+        error_naming(
+            "qwen3",
+            json!({"rope_parameters": {"full_attention": {"rope_theta": 1e6}}}),
+            "rope_parameters.full_attention",
+        );
+        error_naming("llama", json!({"partial_rotary_factor": 0.5}), "partial_rotary_factor");
+        error_naming(
+            "llama",
+            json!({"rope_parameters": {"rope_theta": 1e4, "partial_rotary_factor": 0.25}}),
+            "rope_parameters.partial_rotary_factor",
+        );
+        let e = error_naming("llama", json!({"hidden_act": "gelu"}), "hidden_act");
+        assert!(e.contains("gelu"), "{e}");
+        // The two layouts disagree.
+        error_naming(
+            "llama",
+            json!({"rope_theta": 1e4, "rope_parameters": {"rope_theta": 1e5}}),
+            "rope_parameters.rope_theta",
+        );
+        error_naming(
+            "llama",
+            json!({"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "default"}}),
+            "rope_parameters",
+        );
+    }
+
+    #[test]
+    fn sliding_window_attention_in_use_is_an_error() {
+        use serde_json::json;
+        // In use: Qwen2 with the window on layers from max_window_layers on, transformers 5's layer_types,
+        // Mistral with any window.
+        error_naming(
+            "qwen2",
+            json!({"use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 2}),
+            "use_sliding_window",
+        );
+        error_naming(
+            "qwen3",
+            json!({"use_sliding_window": true, "sliding_window": 4096, "layer_types":
+            ["full_attention", "full_attention", "sliding_attention", "sliding_attention"]}),
+            "use_sliding_window",
+        );
+        error_naming("mistral", json!({"sliding_window": 4096}), "sliding_window");
+        error_naming("qwen2", json!({"layer_types": ["full_attention", "chunked_attention"]}), "layer_types");
+        // Not in use: switched off, or on no layer (max_window_layers >= layers), or no window at all.
+        for patch in [
+            json!({"use_sliding_window": false, "sliding_window": 4096, "max_window_layers": 2}),
+            json!({"use_sliding_window": true, "sliding_window": 4096, "max_window_layers": 4}),
+            json!({"use_sliding_window": true, "sliding_window": null}),
+            json!({"use_sliding_window": false, "sliding_window": null, "layer_types": ["full_attention", "full_attention", "full_attention", "full_attention"]}),
+        ] {
+            let mut raw = base("qwen2");
+            for (k, v) in patch.as_object().unwrap() {
+                raw[k] = v.clone();
+            }
+            ModelConfig::from_json(raw, Path::new("c.json")).unwrap_or_else(|e| panic!("{patch}: {e}"));
+        }
+    }
+
+    #[test]
+    fn wrong_types_and_missing_sizes_name_the_key() {
+        use serde_json::json;
+        let e = error_naming("llama", json!({"hidden_size": "576"}), "hidden_size");
+        assert!(e.contains("576"), "{e}");
+        error_naming("llama", json!({"rope_scaling": {"rope_type": "linear", "factor": "2"}}), "rope_scaling");
+        error_naming("llama", json!({"vocab_size": null}), "vocab_size");
+        error_naming("llama", json!({"rope_theta": -1.0}), "rope_theta");
+    }
+
+    #[test]
+    fn qwen3_attention_bias_covers_o_proj() {
+        let mut raw = base("qwen3");
+        raw["attention_bias"] = true.into();
+        let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
+        assert!(c.qkv_bias && c.o_bias && c.qk_norm);
+        let mut raw = base("qwen2");
+        raw["attention_bias"] = true.into();
+        let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
+        assert!(c.qkv_bias && !c.o_bias);
     }
 
     #[test]
