@@ -152,10 +152,13 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::tiny::TinyShape;
     use crate::model::{load_decoder, random_decoder, Arch, ModelConfig, Targets, TokenBatch};
 
     fn model(arch: Arch) -> Decoder {
-        let cfg = ModelConfig::tiny(arch, 64, 2, 16, 4, 2, 24, None, None).unwrap();
+        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(arch, 64, None, None)
+            .unwrap();
         random_decoder(cfg, 1, DType::F32, &Device::Cpu, true).unwrap()
     }
 
@@ -187,7 +190,10 @@ mod tests {
     #[test]
     fn transformers_5_configs_are_written_for_transformers_4_too() {
         // A config in transformers 5's layout: no top-level rope_theta, the dtype under `dtype`.
-        let mut raw = ModelConfig::tiny(Arch::Llama, 64, 2, 16, 4, 2, 24, None, None).unwrap().raw;
+        let mut raw = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Llama, 64, None, None)
+            .unwrap()
+            .raw;
         let obj = raw.as_object_mut().unwrap();
         obj.remove("rope_theta");
         obj.remove("torch_dtype");

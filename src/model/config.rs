@@ -415,55 +415,6 @@ impl ModelConfig {
         let head = if self.tie_word_embeddings { 0 } else { v * h };
         v * h + self.num_layers * layer + h + head
     }
-
-    /// The config of a small random model of `arch` (for `grpo init-tiny`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn tiny(
-        arch: Arch,
-        vocab_size: usize,
-        layers: usize,
-        hidden: usize,
-        heads: usize,
-        kv_heads: usize,
-        intermediate: usize,
-        bos: Option<u32>,
-        eos: Option<u32>,
-    ) -> Result<Self, ConfigError> {
-        let mut raw = serde_json::json!({
-            "architectures": [arch.hf_class()],
-            "model_type": arch.model_type(),
-            "vocab_size": vocab_size,
-            "hidden_size": hidden,
-            "intermediate_size": intermediate,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": kv_heads,
-            "head_dim": hidden.checked_div(heads).unwrap_or(0),
-            "hidden_act": "silu",
-            "max_position_embeddings": 4096,
-            "rms_norm_eps": 1e-6,
-            "rope_theta": 10000.0,
-            "tie_word_embeddings": arch == Arch::Llama,
-            "attention_bias": false,
-            "attention_dropout": 0.0,
-            "initializer_range": 0.02,
-            "use_cache": true,
-            "torch_dtype": "float32",
-        });
-        if arch == Arch::Llama {
-            raw["mlp_bias"] = false.into();
-        }
-        if arch == Arch::Qwen2 {
-            raw["use_sliding_window"] = false.into();
-        }
-        if let Some(b) = bos {
-            raw["bos_token_id"] = b.into();
-        }
-        if let Some(e) = eos {
-            raw["eos_token_id"] = e.into();
-        }
-        Self::from_json(raw, Path::new("<tiny config>"))
-    }
 }
 
 #[cfg(test)]

@@ -832,10 +832,13 @@ impl Decoder {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{random_decoder, Arch, ModelConfig};
+    use crate::model::tiny::TinyShape;
+    use crate::model::{random_decoder, Arch};
 
     fn tiny(arch: Arch, tied: bool, trainable: bool) -> Decoder {
-        let mut cfg = ModelConfig::tiny(arch, 97, 2, 16, 4, 2, 24, None, None).unwrap();
+        let mut cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(arch, 97, None, None)
+            .unwrap();
         cfg.tie_word_embeddings = tied;
         cfg.raw["tie_word_embeddings"] = tied.into();
         let mut m = random_decoder(cfg, 3, DType::F32, &Device::Cpu, trainable).unwrap();

@@ -7,10 +7,11 @@ use serde::{Deserialize, Serialize};
 use candle_core::{DType, Device};
 
 use super::checkpoint::{save_checkpoint, SaveOptions};
+use super::config::ConfigError;
 use super::{random_decoder, Arch, ChatTokenizer, ModelConfig, ModelError};
 
 /// Shape of a tiny model.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize, clap::Args)]
 pub struct TinyShape {
     /// Number of decoder layers.
     #[arg(long, default_value_t = default_layers())]
@@ -32,6 +33,53 @@ pub struct TinyShape {
     #[arg(long, default_value_t = default_intermediate())]
     #[serde(default = "default_intermediate")]
     pub intermediate: usize,
+}
+
+impl TinyShape {
+    /// The HF config of a random `arch` model of this shape.
+    pub fn config(
+        &self,
+        arch: Arch,
+        vocab_size: usize,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Result<ModelConfig, ConfigError> {
+        let TinyShape { layers, hidden, heads, kv_heads, intermediate } = *self;
+        let mut raw = serde_json::json!({
+            "architectures": [arch.hf_class()],
+            "model_type": arch.model_type(),
+            "vocab_size": vocab_size,
+            "hidden_size": hidden,
+            "intermediate_size": intermediate,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads,
+            "head_dim": hidden.checked_div(heads).unwrap_or(0),
+            "hidden_act": "silu",
+            "max_position_embeddings": 4096,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "tie_word_embeddings": arch == Arch::Llama,
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "use_cache": true,
+            "torch_dtype": "float32",
+        });
+        if arch == Arch::Llama {
+            raw["mlp_bias"] = false.into();
+        }
+        if arch == Arch::Qwen2 {
+            raw["use_sliding_window"] = false.into();
+        }
+        if let Some(b) = bos {
+            raw["bos_token_id"] = b.into();
+        }
+        if let Some(e) = eos {
+            raw["eos_token_id"] = e.into();
+        }
+        ModelConfig::from_json(raw, Path::new("<tiny config>"))
+    }
 }
 
 fn default_layers() -> usize {
@@ -78,17 +126,7 @@ pub fn write_tiny_model(spec: &TinySpec, out: &Path) -> Result<ModelConfig, Mode
     let inner = tok.inner();
     let bos = ["<|begin_of_text|>", "<|endoftext|>"].iter().find_map(|t| inner.token_to_id(t));
     let eos = tok.eos_ids().first().copied();
-    let cfg = ModelConfig::tiny(
-        arch,
-        vocab,
-        shape.layers,
-        shape.hidden,
-        shape.heads,
-        shape.kv_heads,
-        shape.intermediate,
-        bos,
-        eos,
-    )?;
+    let cfg = shape.config(arch, vocab, bos, eos)?;
     let model = random_decoder(cfg.clone(), spec.seed, DType::F32, &Device::Cpu, false)?;
     let opts = SaveOptions { tokenizer_dir: Some(tokenizer_dir.to_path_buf()), ..Default::default() };
     save_checkpoint(&model, out, &opts, |dir| {

@@ -270,7 +270,8 @@ fn compute_gradients(
 mod tests {
     use super::*;
     use crate::data::Response;
-    use crate::model::{random_decoder, Arch, ModelConfig};
+    use crate::model::tiny::TinyShape;
+    use crate::model::{random_decoder, Arch};
     use crate::objective::{ObjectiveConfig, ObjectiveName};
     use candle_core::{DType, Device};
 
@@ -304,7 +305,9 @@ mod tests {
 
     #[test]
     fn micro_batch_split_never_changes_the_gradient() {
-        let cfg = ModelConfig::tiny(Arch::Qwen2, 64, 2, 16, 4, 2, 24, None, None).unwrap();
+        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
         let policy = random_decoder(cfg, 5, DType::F32, &Device::Cpu, true).unwrap();
         let reference = policy.frozen_copy().unwrap();
         let groups =
@@ -338,7 +341,9 @@ mod tests {
 
     #[test]
     fn a_step_updates_the_policy_and_needs_a_reference_exactly_with_kl() {
-        let cfg = ModelConfig::tiny(Arch::Llama, 64, 1, 16, 4, 2, 24, None, None).unwrap();
+        let cfg = TinyShape { layers: 1, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Llama, 64, None, None)
+            .unwrap();
         let policy = random_decoder(cfg, 3, DType::F32, &Device::Cpu, true).unwrap();
         let reference = policy.frozen_copy().unwrap();
         let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0])];
