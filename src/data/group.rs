@@ -720,6 +720,22 @@ mod tests {
     }
 
     #[test]
+    fn labels_take_the_answer_after_the_thinking_not_the_boxes_inside_it() {
+        // Every trace boxes an intermediate result while thinking; the final answers are 5, 5, 6.
+        let rows: Vec<Row> = [("5", "5"), ("6", "5"), ("7", "6")]
+            .iter()
+            .map(|(inner, last)| {
+                row("Q", &format!("<think>so far \\boxed{{{inner}}}</think> The answer is \\boxed{{{last}}}."))
+            })
+            .collect();
+        let (g, _) = group_rows(rows, &GroupOptions::default());
+        let mut got: Vec<Option<&str>> = g[0].responses.iter().map(|r| r.answer.as_deref()).collect();
+        got.sort();
+        assert_eq!(got, vec![Some("5"), Some("5"), Some("6")]);
+        assert_eq!((g[0].majority.as_deref(), g[0].vote_margin), (Some("5"), 1));
+    }
+
+    #[test]
     fn ties_margins_and_the_question_sample() {
         // q0: a 4-4 tie; q1: 5 against 3 (margin 2); q2..q9: unanimous.
         let mut rows =
