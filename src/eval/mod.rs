@@ -5,9 +5,7 @@ pub mod bench;
 pub mod generate;
 pub mod run;
 
-pub use generate::{
-    generate, greedy_reference, sample_token, sample_token_reference, FinishReason, Generation, SamplingParams,
-};
+pub use generate::{generate, sample_token, sample_token_reference, FinishReason, Generation, SamplingParams};
 pub use run::{evaluate, BenchReport, EvalSettings, ProblemResult};
 
 /// Errors of evaluation.
