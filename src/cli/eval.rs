@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::eval::{bench, run, EvalSettings, ProblemResult, SamplingParams};
+use crate::eval::{benchmarks, run, EvalSettings, ProblemResult, SamplingParams};
 use crate::jsonl::Lines;
 use crate::model::{self, ChatTokenizer};
 use crate::reward::ExtractOptions;
@@ -92,17 +92,17 @@ fn read_done(path: &std::path::Path) -> anyhow::Result<Vec<ProblemResult>> {
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.list {
         println!("{:<10} {:>8}  description", "name", "problems");
-        for (name, count, about) in bench::list() {
+        for (name, count, about) in benchmarks::list() {
             println!("{name:<10} {count:>8}  {about}");
         }
         return Ok(());
     }
-    let mut benches = Vec::new();
+    let mut selected = Vec::new();
     for name in &args.bench {
-        benches.push(bench::load(name)?);
+        selected.push(benchmarks::load(name)?);
     }
     if let (Some(f), Some(t)) = (&args.bench_file, &args.prompt_template) {
-        benches.push(bench::load_file(f, t)?);
+        selected.push(benchmarks::load_file(f, t)?);
     }
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
@@ -142,7 +142,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let started = std::time::Instant::now();
     let mut reports = Vec::new();
-    for b in &benches {
+    for b in &selected {
         let total = args.limit.unwrap_or(usize::MAX).min(b.problems.len());
         let bar = super::progress_bar(Some(total as u64), &b.name);
         let done_b: HashMap<String, ProblemResult> =

@@ -1,7 +1,7 @@
 //! Evaluation: the benchmark registry, batched generation with a KV cache, and scoring through the
 //! reward module (avg@n, pass@k, maj@n).
 
-pub mod bench;
+pub mod benchmarks;
 pub mod generate;
 pub mod run;
 
@@ -12,7 +12,7 @@ pub use run::{evaluate, BenchReport, EvalSettings, ProblemResult};
 #[derive(Debug, thiserror::Error)]
 pub enum EvalError {
     #[error("{0}")]
-    Bench(String),
+    Benchmark(String),
     #[error(transparent)]
     Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
     #[error(transparent)]

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::bench::Benchmark;
+use super::benchmarks::Benchmark;
 use super::generate::{generate, FinishReason, SamplingParams};
 use super::EvalError;
 use crate::model::{ChatTokenizer, Decoder};
@@ -139,7 +139,7 @@ pub fn evaluate(
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let start = Instant::now();
     let n = settings.n.max(1);
-    let problems: Vec<(usize, &super::bench::Problem)> =
+    let problems: Vec<(usize, &super::benchmarks::Problem)> =
         bench.problems.iter().enumerate().take(settings.limit.unwrap_or(usize::MAX)).collect();
     let mut results: Vec<Option<ProblemResult>> = problems.iter().map(|(_, p)| done.get(&p.id).cloned()).collect();
     let todo: Vec<usize> = (0..problems.len()).filter(|&i| results[i].is_none()).collect();

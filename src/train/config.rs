@@ -328,11 +328,11 @@ impl TrainConfig {
             if v.n == 0 || v.max_new_tokens == 0 {
                 return bad("validation.n and validation.max_new_tokens must be >= 1".into());
             }
-            if !crate::eval::bench::names().contains(&v.bench.as_str()) {
+            if !crate::eval::benchmarks::names().contains(&v.bench.as_str()) {
                 return bad(format!(
                     "validation.bench = `{}` is not a registered benchmark ({})",
                     v.bench,
-                    crate::eval::bench::names().join(", ")
+                    crate::eval::benchmarks::names().join(", ")
                 ));
             }
         }

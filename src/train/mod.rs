@@ -180,7 +180,7 @@ impl Run<'_> {
 
     fn validate(&self, step: usize) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
-        let bench = crate::eval::bench::load(&v.bench)?;
+        let bench = crate::eval::benchmarks::load(&v.bench)?;
         let settings = crate::eval::EvalSettings {
             n: v.n,
             sampling: crate::eval::SamplingParams {
