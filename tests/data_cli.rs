@@ -11,7 +11,7 @@ use grpo::reward::{extract_answer, majority_vote, rewards, ExtractOptions};
 use serde_json::Value;
 
 fn fixture() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ot3_math_x8_dev.jsonl")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/trajectories/ot3_math_x8_dev.jsonl")
 }
 
 fn tokenizer_dir() -> PathBuf {

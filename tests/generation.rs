@@ -1,41 +1,11 @@
-//! Batched, cached generation against one-at-a-time and full-recompute greedy decoding, and SmolLM2's
-//! greedy answers against transformers' generate (fixture).
+//! Sampled generation independent of the batch, and SmolLM2's greedy answers against transformers'
+//! generate (fixture). Batched, cached greedy decoding against full recompute: unit test in
+//! src/eval/generate.rs.
 
 mod common;
 
-use grpo::eval::{generate, greedy_reference, FinishReason, SamplingParams};
+use grpo::eval::{generate, SamplingParams};
 use grpo::model::{load_decoder, ChatTokenizer};
-
-#[test]
-fn batched_greedy_equals_single_and_full_recompute() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("m");
-    common::init_tiny("qwen3", "qwen3", &path);
-    let model = load_decoder(&path, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
-    let tok = ChatTokenizer::load(&path).unwrap();
-    let prompts: Vec<Vec<u32>> = ["What is 1+1?", "Name a prime number larger than ten, please.", "Hi"]
-        .iter()
-        .map(|q| tok.encode(&tok.render_prompt(None, q).unwrap(), false).unwrap())
-        .collect();
-    let params = SamplingParams { max_new_tokens: 12, ..Default::default() };
-    // A stop token that the random model emits sometimes, so rows leave the batch at different steps.
-    let single: Vec<_> = prompts
-        .iter()
-        .enumerate()
-        .map(|(i, p)| {
-            generate(&model, std::slice::from_ref(p), &[i as u64], &params, &[], 0, |_| {}).unwrap().remove(0)
-        })
-        .collect();
-    let stop = vec![single[0].tokens[3]];
-    let batched = generate(&model, &prompts, &[0, 1, 2], &params, &stop, 0, |_| {}).unwrap();
-    for (i, p) in prompts.iter().enumerate() {
-        let one = generate(&model, std::slice::from_ref(p), &[i as u64], &params, &stop, 0, |_| {}).unwrap().remove(0);
-        let reference = greedy_reference(&model, p, 12, &stop).unwrap();
-        assert_eq!(batched[i], one, "prompt {i}: batched != single");
-        assert_eq!(one, reference, "prompt {i}: cached != full recompute");
-    }
-    assert_eq!(batched[0].finish, FinishReason::Stop);
-}
 
 #[test]
 fn sampled_generation_is_reproducible_and_batch_independent() {

@@ -6,10 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::eval::{bench, run, EvalSettings, ProblemResult, SamplingParams};
+use crate::eval::{benchmarks, run, EvalOptions, ProblemResult};
 use crate::jsonl::Lines;
 use crate::model::{self, ChatTokenizer};
-use crate::reward::ExtractOptions;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
@@ -28,33 +27,8 @@ pub struct Args {
     /// Model folder or hub id (local Hugging Face cache).
     #[arg(long, required_unless_present = "list")]
     pub model: Option<String>,
-    /// Samples per problem.
-    #[arg(long, default_value_t = 1)]
-    pub n: usize,
-    /// Sampling temperature (0: greedy).
-    #[arg(long, default_value_t = 0.6)]
-    pub temperature: f32,
-    #[arg(long, default_value_t = 0.95)]
-    pub top_p: f32,
-    /// 0 disables top-k.
-    #[arg(long, default_value_t = 0)]
-    pub top_k: usize,
-    #[arg(long, default_value_t = 32768)]
-    pub max_new_tokens: usize,
-    #[arg(long, default_value_t = 0)]
-    pub seed: u64,
-    /// Only the first K problems of each benchmark.
-    #[arg(long)]
-    pub limit: Option<usize>,
-    /// Sequences generated together.
-    #[arg(long, default_value_t = 32)]
-    pub batch_size: usize,
-    /// A system prompt before each problem.
-    #[arg(long)]
-    pub system_prompt: Option<String>,
-    /// Fall back to "the answer is X" and the last number when there is no \boxed{}.
-    #[arg(long)]
-    pub fallbacks: bool,
+    #[command(flatten)]
+    pub options: EvalOptions,
     /// Output folder: generations.jsonl and report.json.
     #[arg(long, default_value = "runs/eval")]
     pub out: PathBuf,
@@ -89,20 +63,38 @@ fn read_done(path: &std::path::Path) -> anyhow::Result<Vec<ProblemResult>> {
     Ok(done)
 }
 
+/// Results of an earlier run by (benchmark, problem id).
+type Finished = HashMap<(String, String), ProblemResult>;
+
+/// Open generations.jsonl for appending: emptied, or with `resume` keeping the readable results of an
+/// earlier run (an interrupted run may have left a torn last line), which are returned by (bench, id).
+fn open_generations(path: &std::path::Path, resume: bool) -> anyhow::Result<(Finished, std::fs::File)> {
+    let previous = if resume { read_done(path)? } else { Vec::new() };
+    let mut kept = crate::jsonl::AtomicFile::create(Some(path))?;
+    for r in &previous {
+        kept.write_json(r)?;
+    }
+    kept.commit()?;
+    let done = previous.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
+    let file =
+        std::fs::OpenOptions::new().append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
+    Ok((done, file))
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.list {
         println!("{:<10} {:>8}  description", "name", "problems");
-        for (name, count, about) in bench::list() {
+        for (name, count, about) in benchmarks::list() {
             println!("{name:<10} {count:>8}  {about}");
         }
         return Ok(());
     }
-    let mut benches = Vec::new();
+    let mut selected = Vec::new();
     for name in &args.bench {
-        benches.push(bench::load(name)?);
+        selected.push(benchmarks::load(name)?);
     }
     if let (Some(f), Some(t)) = (&args.bench_file, &args.prompt_template) {
-        benches.push(bench::load_file(f, t)?);
+        selected.push(benchmarks::load_file(f, t)?);
     }
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
@@ -113,37 +105,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let gen_path = args.out.join("generations.jsonl");
-    let previous = if args.resume { read_done(&gen_path)? } else { Vec::new() };
-    // Start from the readable results only (an interrupted run may have left a torn last line).
-    let mut kept = crate::jsonl::AtomicFile::create(Some(&gen_path))?;
-    for r in &previous {
-        kept.write_json(r)?;
-    }
-    kept.commit()?;
-    let done: HashMap<(String, String), ProblemResult> =
-        previous.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
-    let mut gen_file = std::fs::OpenOptions::new()
-        .append(true)
-        .open(&gen_path)
-        .with_context(|| format!("opening {}", gen_path.display()))?;
-    let settings = EvalSettings {
-        n: args.n.max(1),
-        sampling: SamplingParams {
-            temperature: args.temperature,
-            top_p: args.top_p,
-            top_k: args.top_k,
-            max_new_tokens: args.max_new_tokens,
-            seed: args.seed,
-        },
-        batch_size: args.batch_size.max(1),
-        system_prompt: args.system_prompt.clone(),
-        limit: args.limit,
-        extract: ExtractOptions { fallbacks: args.fallbacks },
-    };
+    let (done, mut gen_file) = open_generations(&gen_path, args.resume)?;
+    let options = EvalOptions { n: args.options.n.max(1), batch_size: args.options.batch_size.max(1), ..args.options };
     let started = std::time::Instant::now();
     let mut reports = Vec::new();
-    for b in &benches {
-        let total = args.limit.unwrap_or(usize::MAX).min(b.problems.len());
+    for b in &selected {
+        let total = options.problem_count(b.problems.len());
         let bar = crate::progress::progress_bar(Some(total as u64), &b.name);
         let done_b: HashMap<String, ProblemResult> =
             done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
@@ -152,7 +119,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             &decoder,
             &tok,
             b,
-            &settings,
+            &options,
             &done_b,
             |r| {
                 serde_json::to_writer(&mut gen_file, r)
@@ -173,9 +140,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let report = serde_json::json!({
         "model": model_name,
         "model_dir": dir,
-        "sampling": settings.sampling,
-        "n": settings.n,
-        "limit": args.limit,
+        "sampling": options.sampling(),
+        "n": options.n,
+        "limit": (options.limit > 0).then_some(options.limit),
         "duration_s": started.elapsed().as_secs_f64(),
         "benchmarks": reports.iter().map(|r| (r.bench.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
     });

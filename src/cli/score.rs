@@ -11,9 +11,7 @@
 //! extract_rate, avg_at_n, pass_at_k (unbiased estimator, per k), maj_at_n (null with `--no-gold`),
 //! n_skipped and reference ("gold" or "majority").
 use crate::jsonl::{AtomicFile, Lines, RawLine};
-use crate::reward::{
-    equivalent_parsed, extract_answer, majority_vote_parsed, summarize, ExtractOptions, ItemOutcome, ParsedAnswer,
-};
+use crate::reward::{judge, summarize, ExtractOptions, ItemOutcome};
 use anyhow::Context;
 use rayon::prelude::*;
 use serde_json::{Map, Value};
@@ -88,30 +86,11 @@ fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Score
         (None, Some(_)) => return Err("\"response\" is not a string".into()),
         (None, None) => return Err("no \"response\" or \"responses\" field".into()),
     };
-    let preds: Vec<Option<String>> = responses.iter().map(|r| extract_answer(r, opts)).collect();
-    let parsed: Vec<Option<ParsedAnswer>> = preds.iter().map(|p| p.as_deref().map(ParsedAnswer::new)).collect();
-    let vote = majority_vote_parsed(&preds, &parsed);
-    let gold_parsed = gold.as_deref().map(ParsedAnswer::new);
-    // The winner's representative: the first response whose answer is the vote's answer.
-    let rep = vote.answer.as_ref().and_then(|a| preds.iter().position(|p| p.as_ref() == Some(a)));
-    let winner = rep.and_then(|i| vote.cluster[i]);
-    let correct: Vec<bool> = parsed
-        .iter()
-        .zip(&vote.cluster)
-        .map(|(p, c)| match (&gold_parsed, p) {
-            (Some(g), Some(p)) => equivalent_parsed(g, p),
-            // Without gold the reference is the majority: correct = member of the winning cluster.
-            (None, Some(_)) => winner.is_some() && *c == winner,
-            _ => false,
-        })
-        .collect();
-    let majority_correct =
-        gold_parsed.as_ref().map(|g| rep.and_then(|i| parsed[i].as_ref()).is_some_and(|p| equivalent_parsed(g, p)));
-    let extracted = preds.iter().filter(|p| p.is_some()).count();
-    insert(&mut obj, "preds", serde_json::to_value(&preds).unwrap_or(Value::Null));
-    insert(&mut obj, "correct", serde_json::to_value(&correct).unwrap_or(Value::Null));
-    insert(&mut obj, "majority", vote.answer.clone().map(Value::String).unwrap_or(Value::Null));
-    Ok(Scored { line: Value::Object(obj), outcome: ItemOutcome { correct, extracted, majority_correct } })
+    let v = judge(gold.as_deref(), &responses, opts);
+    insert(&mut obj, "preds", serde_json::to_value(&v.preds).unwrap_or(Value::Null));
+    insert(&mut obj, "correct", serde_json::to_value(&v.correct).unwrap_or(Value::Null));
+    insert(&mut obj, "majority", v.majority.clone().map(Value::String).unwrap_or(Value::Null));
+    Ok(Scored { line: Value::Object(obj), outcome: v.outcome() })
 }
 
 fn insert(obj: &mut Map<String, Value>, key: &str, v: Value) {

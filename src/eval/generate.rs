@@ -2,7 +2,6 @@
 //! finished sequences leave the batch so the rest keeps going. Each sequence draws from its own RNG,
 //! seeded from (seed, sequence index), so results do not depend on batch composition.
 
-use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
@@ -247,32 +246,57 @@ pub fn generate(
     Ok(out.into_iter().map(|g| g.expect("every sequence finishes")).collect())
 }
 
-/// Greedy-decode one sequence by recomputing the full forward at every step (no cache): the reference
-/// that cached, batched generation is tested against. Quadratic: for tests on short outputs only.
-pub fn greedy_reference(
-    model: &Decoder,
-    prompt: &[u32],
-    max_new_tokens: usize,
-    stop: &[u32],
-) -> candle_core::Result<Generation> {
-    let mut seq = prompt.to_vec();
-    let mut tokens = Vec::new();
-    for _ in 0..max_new_tokens {
-        let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
-        let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
-        let tok = last.argmax(0)?.to_scalar::<u32>()?;
-        if stop.contains(&tok) {
-            return Ok(Generation { tokens, finish: FinishReason::Stop });
-        }
-        tokens.push(tok);
-        seq.push(tok);
-    }
-    Ok(Generation { tokens, finish: FinishReason::Length })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::{random_decoder, Arch};
+    use candle_core::Tensor;
+
+    /// Greedy-decode one sequence by recomputing the full forward at every step (no cache): the reference
+    /// that cached, batched generation is tested against. Quadratic: for tests on short outputs only.
+    fn greedy_reference(
+        model: &Decoder,
+        prompt: &[u32],
+        max_new_tokens: usize,
+        stop: &[u32],
+    ) -> candle_core::Result<Generation> {
+        let mut seq = prompt.to_vec();
+        let mut tokens = Vec::new();
+        for _ in 0..max_new_tokens {
+            let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
+            let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
+            let tok = last.argmax(0)?.to_scalar::<u32>()?;
+            if stop.contains(&tok) {
+                return Ok(Generation { tokens, finish: FinishReason::Stop });
+            }
+            tokens.push(tok);
+            seq.push(tok);
+        }
+        Ok(Generation { tokens, finish: FinishReason::Length })
+    }
+
+    #[test]
+    fn batched_greedy_equals_single_and_full_recompute() {
+        let shape = crate::model::tiny::TinyShape { layers: 2, hidden: 64, heads: 4, kv_heads: 2, intermediate: 128 };
+        let cfg = shape.config(Arch::Qwen3, 128, None, None).unwrap();
+        let model = random_decoder(cfg, 7, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
+        let prompts: Vec<Vec<u32>> =
+            vec![vec![1, 5, 9, 33, 2], vec![2, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41], vec![3]];
+        let params = SamplingParams { max_new_tokens: 12, ..Default::default() };
+        let single = |p: &Vec<u32>, i: usize, stop: &[u32]| {
+            generate(&model, std::slice::from_ref(p), &[i as u64], &params, stop, 0, |_| {}).unwrap().remove(0)
+        };
+        // A stop token that the random model emits sometimes, so rows leave the batch at different steps.
+        let stop = vec![single(&prompts[0], 0, &[]).tokens[3]];
+        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &stop, 0, |_| {}).unwrap();
+        for (i, p) in prompts.iter().enumerate() {
+            let one = single(p, i, &stop);
+            let reference = greedy_reference(&model, p, 12, &stop).unwrap();
+            assert_eq!(batched[i], one, "prompt {i}: batched != single");
+            assert_eq!(one, reference, "prompt {i}: cached != full recompute");
+        }
+        assert_eq!(batched[0].finish, FinishReason::Stop);
+    }
 
     #[test]
     fn sampling_respects_top_k_top_p_and_seed() {

@@ -1,20 +1,21 @@
 //! Evaluation: the benchmark registry, batched generation with a KV cache, and scoring through the
-//! reward module (avg@n, pass@k, maj@n).
+//! reward module (avg@n, pass@k, maj@n), with one set of options ([`EvalOptions`]) for `grpo eval` and
+//! the trainer's `[validation]`.
 
-pub mod bench;
+pub mod benchmarks;
 pub mod generate;
+mod options;
 pub mod run;
 
-pub use generate::{
-    generate, greedy_reference, sample_token, sample_token_reference, FinishReason, Generation, SamplingParams,
-};
-pub use run::{evaluate, BenchReport, EvalSettings, ProblemResult};
+pub use generate::{generate, sample_token, sample_token_reference, FinishReason, Generation, SamplingParams};
+pub use options::EvalOptions;
+pub use run::{evaluate, BenchReport, ProblemResult};
 
 /// Errors of evaluation.
 #[derive(Debug, thiserror::Error)]
 pub enum EvalError {
     #[error("{0}")]
-    Bench(String),
+    Benchmark(String),
     #[error(transparent)]
     Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
     #[error(transparent)]

@@ -6,25 +6,12 @@ use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
 
-use super::bench::Benchmark;
-use super::generate::{generate, FinishReason, SamplingParams};
+use super::benchmarks::{Benchmark, Problem};
+use super::generate::{generate, FinishReason, Generation, SamplingParams};
+use super::options::EvalOptions;
 use super::EvalError;
 use crate::model::{ChatTokenizer, Decoder};
-use crate::reward::{extract_answer, is_equivalent, majority_vote, summarize, ExtractOptions, ItemOutcome, Summary};
-
-/// How to evaluate.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct EvalSettings {
-    /// Samples per problem.
-    pub n: usize,
-    pub sampling: SamplingParams,
-    /// Sequences generated together (whole problems are kept in one batch).
-    pub batch_size: usize,
-    pub system_prompt: Option<String>,
-    /// Only the first K problems.
-    pub limit: Option<usize>,
-    pub extract: ExtractOptions,
-}
+use crate::reward::{judge, summarize, ItemOutcome, Summary};
 
 /// One sample of a problem.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -68,7 +55,7 @@ pub struct BenchReport {
 }
 
 /// k = 1, 2, 4, ..., n (and n itself).
-pub fn ks_for(n: usize) -> Vec<usize> {
+fn ks_for(n: usize) -> Vec<usize> {
     let mut ks: Vec<usize> = std::iter::successors(Some(1usize), |k| Some(k * 2)).take_while(|&k| k <= n).collect();
     if ks.last() != Some(&n) && n > 0 {
         ks.push(n);
@@ -76,24 +63,11 @@ pub fn ks_for(n: usize) -> Vec<usize> {
     ks
 }
 
-/// Score one problem's generated texts with the reward module.
-pub fn score_problem(
-    gold: &str,
-    texts: &[String],
-    extract: &ExtractOptions,
-) -> (Vec<Option<String>>, Vec<bool>, Option<String>, bool) {
-    let preds: Vec<Option<String>> = texts.iter().map(|t| extract_answer(t, extract)).collect();
-    let correct: Vec<bool> = preds.iter().map(|p| p.as_deref().is_some_and(|p| is_equivalent(gold, p))).collect();
-    let vote = majority_vote(&preds);
-    let maj_ok = vote.answer.as_deref().is_some_and(|m| is_equivalent(gold, m));
-    (preds, correct, vote.answer, maj_ok)
-}
-
 /// Summarise finished problems of one benchmark.
-pub fn report(
+fn report(
     bench: &str,
     results: &[ProblemResult],
-    settings: &EvalSettings,
+    options: &EvalOptions,
     duration_s: f64,
     generated: usize,
 ) -> BenchReport {
@@ -105,24 +79,54 @@ pub fn report(
             majority_correct: Some(r.majority_correct),
         })
         .collect();
-    let s: Summary = summarize(&items, &ks_for(settings.n));
+    let s: Summary = summarize(&items, &ks_for(options.n));
     let samples: Vec<&Sample> = results.iter().flat_map(|r| &r.samples).collect();
     let count = samples.len().max(1) as f64;
     BenchReport {
         bench: bench.to_string(),
         n_problems: results.len(),
-        n: settings.n,
+        n: options.n,
         avg_at_n: s.avg_at_n,
         pass_at_k: s.pass_at_k,
         maj_at_n: s.maj_at_n.unwrap_or(0.0),
         extract_rate: s.extract_rate,
         mean_response_tokens: samples.iter().map(|s| s.tokens as f64).sum::<f64>() / count,
         truncated_fraction: samples.iter().filter(|s| s.finish == FinishReason::Length).count() as f64 / count,
-        sampling: settings.sampling.clone(),
+        sampling: options.sampling(),
         duration_s,
         generated_tokens: generated,
         tokens_per_sec: if duration_s > 0.0 { generated as f64 / duration_s } else { 0.0 },
     }
+}
+
+/// One problem's result: its generations decoded and judged against its gold answer.
+fn problem_result(
+    tok: &ChatTokenizer,
+    bench: &str,
+    problem: &Problem,
+    prompt: String,
+    prompt_tokens: usize,
+    gens: &[Generation],
+    options: &EvalOptions,
+) -> Result<ProblemResult, EvalError> {
+    let texts: Vec<String> = gens.iter().map(|g| tok.decode(&g.tokens, true)).collect::<Result<_, _>>()?;
+    let v = judge(Some(&problem.answer), &texts, &options.extract());
+    let samples = texts
+        .into_iter()
+        .zip(gens)
+        .zip(v.preds.into_iter().zip(v.correct))
+        .map(|((text, g), (pred, correct))| Sample { text, pred, correct, tokens: g.tokens.len(), finish: g.finish })
+        .collect();
+    Ok(ProblemResult {
+        bench: bench.to_string(),
+        id: problem.id.clone(),
+        prompt,
+        answer: problem.answer.clone(),
+        prompt_tokens,
+        samples,
+        majority: v.majority,
+        majority_correct: v.majority_correct.unwrap_or(false),
+    })
 }
 
 /// Evaluate `model` on `bench`. Problems found in `done` (by id) are not generated again (resume);
@@ -132,28 +136,29 @@ pub fn evaluate(
     model: &Decoder,
     tok: &ChatTokenizer,
     bench: &Benchmark,
-    settings: &EvalSettings,
+    options: &EvalOptions,
     done: &HashMap<String, ProblemResult>,
     mut on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
     mut on_progress: impl FnMut(usize, usize),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let start = Instant::now();
-    let n = settings.n.max(1);
-    let problems: Vec<(usize, &super::bench::Problem)> =
-        bench.problems.iter().enumerate().take(settings.limit.unwrap_or(usize::MAX)).collect();
+    let n = options.n.max(1);
+    let sampling = options.sampling();
+    let problems: Vec<(usize, &Problem)> =
+        bench.problems.iter().enumerate().take(options.problem_count(bench.problems.len())).collect();
     let mut results: Vec<Option<ProblemResult>> = problems.iter().map(|(_, p)| done.get(&p.id).cloned()).collect();
     let todo: Vec<usize> = (0..problems.len()).filter(|&i| results[i].is_none()).collect();
     let mut finished = problems.len() - todo.len();
     let mut generated = 0usize;
     on_progress(finished, generated);
-    let per_batch = (settings.batch_size / n).max(1);
+    let per_batch = (options.batch_size / n).max(1);
     for chunk in todo.chunks(per_batch) {
         let mut prompts = Vec::with_capacity(chunk.len() * n);
         let mut ids = Vec::with_capacity(chunk.len() * n);
         let mut texts = Vec::with_capacity(chunk.len());
         for &i in chunk {
             let (global, p) = problems[i];
-            let text = tok.render_prompt(settings.system_prompt.as_deref(), &bench.prompt(p))?;
+            let text = tok.render_prompt(options.system_prompt.as_deref(), &bench.prompt(p))?;
             let ids_p = tok.encode(&text, false)?;
             for s in 0..n {
                 prompts.push(ids_p.clone());
@@ -161,37 +166,13 @@ pub fn evaluate(
             }
             texts.push(text);
         }
-        let gens = generate(model, &prompts, &ids, &settings.sampling, tok.eos_ids(), tok.pad_id(), |k| {
+        let gens = generate(model, &prompts, &ids, &sampling, tok.eos_ids(), tok.pad_id(), |k| {
             generated += k;
             on_progress(finished, generated);
         })?;
-        for (j, &i) in chunk.iter().enumerate() {
-            let p = problems[i].1;
+        for ((j, &i), text) in chunk.iter().enumerate().zip(texts) {
             let mine = &gens[j * n..(j + 1) * n];
-            let decoded: Vec<String> = mine.iter().map(|g| tok.decode(&g.tokens, true)).collect::<Result<_, _>>()?;
-            let (preds, correct, majority, majority_correct) = score_problem(&p.answer, &decoded, &settings.extract);
-            let samples = decoded
-                .into_iter()
-                .zip(mine)
-                .zip(preds.into_iter().zip(correct))
-                .map(|((text, g), (pred, correct))| Sample {
-                    text,
-                    pred,
-                    correct,
-                    tokens: g.tokens.len(),
-                    finish: g.finish,
-                })
-                .collect();
-            let r = ProblemResult {
-                bench: bench.name.clone(),
-                id: p.id.clone(),
-                prompt: texts[j].clone(),
-                answer: p.answer.clone(),
-                prompt_tokens: prompts[j * n].len(),
-                samples,
-                majority,
-                majority_correct,
-            };
+            let r = problem_result(tok, &bench.name, problems[i].1, text, prompts[j * n].len(), mine, options)?;
             on_result(&r)?;
             results[i] = Some(r);
             finished += 1;
@@ -199,7 +180,7 @@ pub fn evaluate(
         }
     }
     let results: Vec<ProblemResult> = results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
-    let rep = report(&bench.name, &results, settings, start.elapsed().as_secs_f64(), generated);
+    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), generated);
     Ok((rep, results))
 }
 
@@ -230,14 +211,5 @@ mod tests {
         assert_eq!(ks_for(8), vec![1, 2, 4, 8]);
         assert_eq!(ks_for(6), vec![1, 2, 4, 6]);
         assert_eq!(ks_for(1), vec![1]);
-    }
-
-    #[test]
-    fn scoring_uses_the_reward_module() {
-        let texts = vec!["so \\boxed{025}".to_string(), "\\boxed{26}".into(), "no answer".into(), "\\boxed{25}".into()];
-        let (preds, correct, maj, ok) = score_problem("25", &texts, &ExtractOptions::default());
-        assert_eq!(preds[2], None);
-        assert_eq!(correct, vec![true, false, false, true]);
-        assert!(ok && maj.is_some());
     }
 }

@@ -33,11 +33,6 @@ impl ParsedAnswer {
     pub fn new(s: &str) -> Self {
         ParsedAnswer { key: canonical(s), node: parse(s).ok() }
     }
-
-    /// Whether the answer was understood as mathematics (not only as a string).
-    pub fn is_parsed(&self) -> bool {
-        self.node.is_some()
-    }
 }
 
 /// Whether `pred` is equivalent to `gold` (gold first: assignments and equations are unwrapped
@@ -467,5 +462,20 @@ mod tests {
         let unbalanced = "\\frac{1}{2".repeat(100);
         assert!(!eq(&unbalanced, "0.5"));
         assert!(t.elapsed().as_secs_f64() < 1.0);
+    }
+
+    /// The gold answers of MATH-500 (tests/fixtures/reward/math500_answers.jsonl, from
+    /// hkust-nlp/simpleRL-reason math500, MIT) are understood as mathematics, not only compared as strings.
+    #[test]
+    fn math500_answers_parse() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/reward/math500_answers.jsonl");
+        let text = std::fs::read_to_string(path).unwrap();
+        let answers: Vec<String> = text
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["answer"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(answers.len(), 500);
+        let failed: Vec<&String> = answers.iter().filter(|a| ParsedAnswer::new(a).node.is_none()).collect();
+        assert!(failed.is_empty(), "{} of 500 MATH-500 answers not parsed: {failed:#?}", failed.len());
     }
 }

@@ -3,10 +3,11 @@
 //!
 //! Public surface:
 //! - [`extract_answer`] with [`ExtractOptions`]: the final answer of a response, or nothing.
-//! - [`is_equivalent`]: gold-first equivalence of two answers (Math-Verify semantics); for repeated
-//!   comparisons parse once with [`ParsedAnswer::new`] and call [`equivalent_parsed`].
+//! - [`is_equivalent`]: gold-first equivalence of two answers (Math-Verify semantics).
 //! - [`majority_vote`] / [`Vote`]: clustering answers by equivalence and picking the winner.
 //! - [`rewards`]: 1/0 per response against gold or against the majority.
+//! - [`judge`] / [`Verdicts`]: the answers of a group of responses and their verdicts against the gold
+//!   answer or, without one, the majority (evaluation, validation and `grpo score`).
 //! - [`pass_at_k`], [`summarize`] / [`Summary`] / [`ItemOutcome`]: avg@n, pass@k and maj@n.
 //!
 //! Every function ends in bounded time on any input: brace matching is iterative, regexes are
@@ -17,12 +18,14 @@ mod eval;
 mod extract;
 mod metrics;
 mod parse;
+mod verdict;
 mod vote;
 
-pub use equiv::{equivalent_parsed, ParsedAnswer};
+use equiv::{equivalent_parsed, ParsedAnswer};
 pub use extract::{extract_answer, ExtractOptions};
 pub use metrics::{pass_at_k, summarize, ItemOutcome, Summary};
-pub use vote::{majority_vote, majority_vote_parsed, rewards, Vote};
+pub use verdict::{judge, Verdicts};
+pub use vote::{majority_vote, rewards, Vote};
 
 /// Whether `pred` is mathematically equivalent to `gold` (gold first, as in Math-Verify).
 pub fn is_equivalent(gold: &str, pred: &str) -> bool {

@@ -191,240 +191,214 @@ const DROPPED_CMDS: &[&str] = &[
     "middle",
 ];
 
+/// Split an answer into tokens. LaTeX commands become [`Tok::Cmd`] (presentation commands are dropped,
+/// text commands give a [`Tok::Word`] or a group), Unicode symbols their LaTeX equivalents.
 fn tokenize(s: &str) -> Result<Vec<Tok>, ParseError> {
     // "1,000" is a thousand only where a comma cannot separate items: not inside brackets or after
     // "=" (Math-Verify reads "(58,500)" as an interval and "x = 58,500" as two values).
     let plain_commas_group = !s.contains(['(', '[', '=']) && !s.contains("\\{") && !s.contains("\\in");
-    let chars: Vec<char> = s.chars().collect();
-    let mut toks = Vec::new();
-    let mut i = 0;
-    let n = chars.len();
-    while i < n {
-        let c = chars[i];
+    let mut lx = Lexer { chars: s.chars().collect(), i: 0, toks: Vec::new(), plain_commas_group };
+    while let Some(c) = lx.at(lx.i) {
         match c {
-            ' ' | '\t' | '\n' | '\r' | '~' | '$' => i += 1,
-            '0'..='9' | '.' => {
-                let start = i;
-                while i < n && chars[i].is_ascii_digit() {
-                    i += 1;
+            '0'..='9' | '.' => lx.number()?,
+            '\\' => lx.backslash()?,
+            _ => {
+                if let Some(t) = char_token(c)? {
+                    lx.toks.push(t);
                 }
-                let mut int: String = chars[start..i].iter().collect();
-                // Thousands separators: 1,000 / 10{,}000 (groups of exactly three digits).
-                if int.len() <= 3 && !int.is_empty() {
-                    loop {
-                        let (skip, ok) = if plain_commas_group && chars.get(i) == Some(&',') {
-                            (1, true)
-                        } else if chars.get(i) == Some(&'{')
-                            && chars.get(i + 1) == Some(&',')
-                            && chars.get(i + 2) == Some(&'}')
-                        {
-                            (3, true)
-                        } else {
-                            (0, false)
-                        };
-                        if !ok {
-                            break;
-                        }
-                        let d = i + skip;
-                        let three = d + 3 <= n && chars[d..d + 3].iter().all(|c| c.is_ascii_digit());
-                        let after_ok = d + 3 >= n || !chars[d + 3].is_ascii_digit();
-                        if three && after_ok {
-                            int.extend(&chars[d..d + 3]);
-                            i = d + 3;
-                        } else {
-                            break;
-                        }
-                    }
-                }
-                let mut frac = None;
-                if i < n && chars[i] == '.' && i + 1 < n && chars[i + 1].is_ascii_digit() {
-                    i += 1;
-                    let fs = i;
-                    while i < n && chars[i].is_ascii_digit() {
-                        i += 1;
-                    }
-                    frac = Some(chars[fs..i].iter().collect());
-                } else if i < n && chars[i] == '.' && !int.is_empty() {
-                    // "7." : a trailing period, not a decimal (Math-Verify leaves it unparsed).
-                    return Err(ParseError::Unexpected("trailing '.'".into()));
-                }
-                if int.is_empty() && frac.is_none() {
-                    return Err(ParseError::Unexpected(".".into()));
-                }
-                toks.push(Tok::Num(int, frac));
+                lx.i += 1;
             }
-            'a'..='z' | 'A'..='Z' => {
-                toks.push(Tok::Ident(c.to_ascii_lowercase().to_string()));
-                i += 1;
-            }
-            '\\' => {
-                i += 1;
-                if i >= n {
-                    return Err(ParseError::End);
-                }
-                let c2 = chars[i];
-                if c2.is_ascii_alphabetic() {
-                    let start = i;
-                    while i < n && chars[i].is_ascii_alphabetic() {
-                        i += 1;
-                    }
-                    let name: String = chars[start..i].iter().collect();
-                    if DROPPED_CMDS.contains(&name.as_str()) {
-                        continue;
-                    }
-                    if name == "begin" || name == "end" {
-                        // \begin{pmatrix} / \end{pmatrix}: the environment name is skipped.
-                        if i < n && chars[i] == '{' {
-                            while i < n && chars[i] != '}' {
-                                i += 1;
-                            }
-                            i += 1;
-                        }
-                        toks.push(Tok::Cmd(name));
-                        continue;
-                    }
-                    if TEXT_CMDS.contains(&name.as_str()) {
-                        while i < n && chars[i] == ' ' {
-                            i += 1;
-                        }
-                        if i < n && chars[i] == '{' {
-                            let mut depth = 0usize;
-                            let start = i + 1;
-                            let mut j = i;
-                            while j < n {
-                                match chars[j] {
-                                    '{' => depth += 1,
-                                    '}' => {
-                                        depth -= 1;
-                                        if depth == 0 {
-                                            break;
-                                        }
-                                    }
-                                    _ => {}
-                                }
-                                j += 1;
-                            }
-                            if j >= n {
-                                return Err(ParseError::End);
-                            }
-                            let inner: String = chars[start..j].iter().collect();
-                            let word = inner.trim();
-                            let wordy = word.chars().next().is_some_and(|c| c.is_alphabetic())
-                                && word.chars().count() >= 2
-                                && word.chars().all(|c| c.is_alphabetic() || matches!(c, ' ' | '/' | '.' | '-'));
-                            if wordy {
-                                toks.push(Tok::Word(word.to_lowercase()));
-                                i = j + 1;
-                            } else {
-                                // A group: tokenise the content in place.
-                                toks.push(Tok::LBrace);
-                                i = start;
-                                // The matching '}' will be tokenised as RBrace.
-                            }
-                        }
-                        continue;
-                    }
-                    toks.push(Tok::Cmd(name));
-                } else {
-                    i += 1;
-                    match c2 {
-                        '{' => toks.push(Tok::SetOpen),
-                        '}' => toks.push(Tok::SetClose),
-                        '%' => toks.push(Tok::Percent),
-                        '\\' => toks.push(Tok::RowSep),
-                        ',' | ';' | ':' | '!' | ' ' | '$' | '>' => {}
-                        '(' | ')' | '[' | ']' => {} // \( \) \[ \] math delimiters
-                        '|' => toks.push(Tok::Op('|')),
-                        _ => return Err(ParseError::Unexpected(format!("\\{c2}"))),
-                    }
-                }
-            }
-            '(' => {
-                toks.push(Tok::LParen);
-                i += 1;
-            }
-            ')' => {
-                toks.push(Tok::RParen);
-                i += 1;
-            }
-            '[' => {
-                toks.push(Tok::LBrack);
-                i += 1;
-            }
-            ']' => {
-                toks.push(Tok::RBrack);
-                i += 1;
-            }
-            '{' => {
-                toks.push(Tok::LBrace);
-                i += 1;
-            }
-            '}' => {
-                toks.push(Tok::RBrace);
-                i += 1;
-            }
-            '%' => {
-                toks.push(Tok::Percent);
-                i += 1;
-            }
-            '&' => {
-                toks.push(Tok::Amp);
-                i += 1;
-            }
-            '°' => i += 1,
-            '−' | '–' => {
-                toks.push(Tok::Op('-'));
-                i += 1;
-            }
-            '×' | '·' => {
-                toks.push(Tok::Op('*'));
-                i += 1;
-            }
-            '÷' => {
-                toks.push(Tok::Op('/'));
-                i += 1;
-            }
-            '≤' => {
-                toks.push(Tok::Cmd("le".into()));
-                i += 1;
-            }
-            '≥' => {
-                toks.push(Tok::Cmd("ge".into()));
-                i += 1;
-            }
-            '≠' => {
-                toks.push(Tok::Cmd("ne".into()));
-                i += 1;
-            }
-            'π' => {
-                toks.push(Tok::Cmd("pi".into()));
-                i += 1;
-            }
-            '∞' => {
-                toks.push(Tok::Cmd("infty".into()));
-                i += 1;
-            }
-            '√' => {
-                toks.push(Tok::Cmd("sqrt".into()));
-                i += 1;
-            }
-            '+' | '-' | '*' | '/' | '^' | '_' | '=' | '<' | '>' | ',' | '!' | '|' | '\'' => {
-                toks.push(Tok::Op(c));
-                i += 1;
-            }
-            ';' => {
-                toks.push(Tok::Op(','));
-                i += 1;
-            }
-            ':' => i += 1,
-            _ if c.is_alphabetic() => {
-                toks.push(Tok::Ident(c.to_lowercase().collect()));
-                i += 1;
-            }
-            _ => return Err(ParseError::Unexpected(c.to_string())),
         }
     }
-    Ok(toks)
+    Ok(lx.toks)
+}
+
+/// The token of a character outside numbers and commands (`None`: the character is skipped).
+fn char_token(c: char) -> Result<Option<Tok>, ParseError> {
+    let cmd = |name: &str| Some(Tok::Cmd(name.into()));
+    Ok(match c {
+        ' ' | '\t' | '\n' | '\r' | '~' | '$' | '°' | ':' => None,
+        'a'..='z' | 'A'..='Z' => Some(Tok::Ident(c.to_ascii_lowercase().to_string())),
+        '(' => Some(Tok::LParen),
+        ')' => Some(Tok::RParen),
+        '[' => Some(Tok::LBrack),
+        ']' => Some(Tok::RBrack),
+        '{' => Some(Tok::LBrace),
+        '}' => Some(Tok::RBrace),
+        '%' => Some(Tok::Percent),
+        '&' => Some(Tok::Amp),
+        '−' | '–' => Some(Tok::Op('-')),
+        '×' | '·' => Some(Tok::Op('*')),
+        '÷' => Some(Tok::Op('/')),
+        '≤' => cmd("le"),
+        '≥' => cmd("ge"),
+        '≠' => cmd("ne"),
+        'π' => cmd("pi"),
+        '∞' => cmd("infty"),
+        '√' => cmd("sqrt"),
+        '+' | '-' | '*' | '/' | '^' | '_' | '=' | '<' | '>' | ',' | '!' | '|' | '\'' => Some(Tok::Op(c)),
+        ';' => Some(Tok::Op(',')),
+        _ if c.is_alphabetic() => Some(Tok::Ident(c.to_lowercase().collect())),
+        _ => return Err(ParseError::Unexpected(c.to_string())),
+    })
+}
+
+/// The token of a backslash followed by `c`, not a letter (`None`: spacing or a math delimiter).
+fn escaped_token(c: char) -> Result<Option<Tok>, ParseError> {
+    Ok(match c {
+        '{' => Some(Tok::SetOpen),
+        '}' => Some(Tok::SetClose),
+        '%' => Some(Tok::Percent),
+        '\\' => Some(Tok::RowSep),
+        ',' | ';' | ':' | '!' | ' ' | '$' | '>' => None,
+        '(' | ')' | '[' | ']' => None, // \( \) \[ \] math delimiters
+        '|' => Some(Tok::Op('|')),
+        _ => return Err(ParseError::Unexpected(format!("\\{c}"))),
+    })
+}
+
+/// The tokeniser's state.
+struct Lexer {
+    chars: Vec<char>,
+    /// The next character to read.
+    i: usize,
+    toks: Vec<Tok>,
+    /// Whether a plain comma may separate thousands (see [`tokenize`]).
+    plain_commas_group: bool,
+}
+
+impl Lexer {
+    fn at(&self, k: usize) -> Option<char> {
+        self.chars.get(k).copied()
+    }
+
+    /// The ASCII digits from the current position on.
+    fn digits(&mut self) -> String {
+        let start = self.i;
+        while self.at(self.i).is_some_and(|c| c.is_ascii_digit()) {
+            self.i += 1;
+        }
+        self.chars[start..self.i].iter().collect()
+    }
+
+    /// A number: integer digits (thousands separators removed) and optional fractional digits.
+    fn number(&mut self) -> Result<(), ParseError> {
+        let mut int = self.digits();
+        if !int.is_empty() && int.len() <= 3 {
+            self.thousands(&mut int);
+        }
+        let mut frac = None;
+        if self.at(self.i) == Some('.') && self.at(self.i + 1).is_some_and(|c| c.is_ascii_digit()) {
+            self.i += 1;
+            frac = Some(self.digits());
+        } else if self.at(self.i) == Some('.') && !int.is_empty() {
+            // "7." : a trailing period, not a decimal (Math-Verify leaves it unparsed).
+            return Err(ParseError::Unexpected("trailing '.'".into()));
+        }
+        if int.is_empty() && frac.is_none() {
+            return Err(ParseError::Unexpected(".".into()));
+        }
+        self.toks.push(Tok::Num(int, frac));
+        Ok(())
+    }
+
+    /// Thousands separators after the first digits: 1,000 / 10{,}000 (groups of exactly three digits).
+    fn thousands(&mut self, int: &mut String) {
+        loop {
+            let i = self.i;
+            let skip = if self.plain_commas_group && self.at(i) == Some(',') {
+                1
+            } else if self.at(i) == Some('{') && self.at(i + 1) == Some(',') && self.at(i + 2) == Some('}') {
+                3
+            } else {
+                return;
+            };
+            let (d, n) = (i + skip, self.chars.len());
+            let three = d + 3 <= n && self.chars[d..d + 3].iter().all(|c| c.is_ascii_digit());
+            let after_ok = d + 3 >= n || !self.chars[d + 3].is_ascii_digit();
+            if !(three && after_ok) {
+                return;
+            }
+            int.extend(&self.chars[d..d + 3]);
+            self.i = d + 3;
+        }
+    }
+
+    /// A backslash: a command (`\frac`, `\begin{pmatrix}`, `\text{...}`) or an escaped symbol.
+    fn backslash(&mut self) -> Result<(), ParseError> {
+        self.i += 1;
+        let Some(c) = self.at(self.i) else { return Err(ParseError::End) };
+        if !c.is_ascii_alphabetic() {
+            self.i += 1;
+            if let Some(t) = escaped_token(c)? {
+                self.toks.push(t);
+            }
+            return Ok(());
+        }
+        let start = self.i;
+        while self.at(self.i).is_some_and(|c| c.is_ascii_alphabetic()) {
+            self.i += 1;
+        }
+        let name: String = self.chars[start..self.i].iter().collect();
+        if DROPPED_CMDS.contains(&name.as_str()) {
+            return Ok(());
+        }
+        if TEXT_CMDS.contains(&name.as_str()) {
+            return self.text_argument();
+        }
+        if (name == "begin" || name == "end") && self.at(self.i) == Some('{') {
+            // \begin{pmatrix} / \end{pmatrix}: the environment name is skipped.
+            while self.at(self.i).is_some_and(|c| c != '}') {
+                self.i += 1;
+            }
+            self.i += 1;
+        }
+        self.toks.push(Tok::Cmd(name));
+        Ok(())
+    }
+
+    /// The braced argument of a text command: a [`Tok::Word`] when it is made of letters, else a group
+    /// whose content is tokenised in place (its closing '}' becomes the RBrace).
+    fn text_argument(&mut self) -> Result<(), ParseError> {
+        while self.at(self.i) == Some(' ') {
+            self.i += 1;
+        }
+        if self.at(self.i) != Some('{') {
+            return Ok(());
+        }
+        let start = self.i + 1;
+        let mut depth = 0usize;
+        let mut j = self.i;
+        while let Some(c) = self.at(j) {
+            match c {
+                '{' => depth += 1,
+                '}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        break;
+                    }
+                }
+                _ => {}
+            }
+            j += 1;
+        }
+        if j >= self.chars.len() {
+            return Err(ParseError::End);
+        }
+        let inner: String = self.chars[start..j].iter().collect();
+        let word = inner.trim();
+        let wordy = word.chars().next().is_some_and(|c| c.is_alphabetic())
+            && word.chars().count() >= 2
+            && word.chars().all(|c| c.is_alphabetic() || matches!(c, ' ' | '/' | '.' | '-'));
+        if wordy {
+            self.toks.push(Tok::Word(word.to_lowercase()));
+            self.i = j + 1;
+        } else {
+            self.toks.push(Tok::LBrace);
+            self.i = start;
+        }
+        Ok(())
+    }
 }
 
 struct Parser {
@@ -835,89 +809,12 @@ impl Parser {
         self.enter()?;
         let tok = self.next().ok_or(ParseError::End)?;
         let r = match tok {
-            Tok::Num(i, f) => {
-                // A base subscript (52_8) is dropped, as Math-Verify does.
-                if self.peek() == Some(&Tok::Op('_')) {
-                    self.pos += 1;
-                    self.parse_arg()?;
-                }
-                Ok(num_node(&i, &f))
-            }
-            Tok::Ident(s) => {
-                let mut name = s;
-                if name == "e" {
-                    return self.leave_with(Ok(Node::E));
-                }
-                if self.peek() == Some(&Tok::Op('_')) {
-                    self.pos += 1;
-                    let sub = match self.next() {
-                        Some(Tok::Num(i, None)) => i,
-                        Some(Tok::Ident(s)) => s,
-                        Some(Tok::LBrace) => {
-                            let mut sub = String::new();
-                            loop {
-                                match self.next() {
-                                    Some(Tok::RBrace) => break,
-                                    Some(Tok::Num(i, None)) => sub.push_str(&i),
-                                    Some(Tok::Ident(s)) => sub.push_str(&s),
-                                    Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
-                                    None => return self.leave_with(Err(ParseError::End)),
-                                }
-                            }
-                            sub
-                        }
-                        Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
-                        None => return self.leave_with(Err(ParseError::End)),
-                    };
-                    name = format!("{name}_{sub}");
-                }
-                Ok(Node::Sym(name))
-            }
+            Tok::Num(i, f) => self.parse_number(&i, &f),
+            Tok::Ident(s) => self.parse_symbol(s),
             Tok::Word(w) => Ok(Node::Text(w)),
             Tok::LBrace => self.parse_group_body(Tok::RBrace),
-            Tok::SetOpen => {
-                if self.peek() == Some(&Tok::SetClose) {
-                    self.pos += 1;
-                    Ok(Node::Set(vec![]))
-                } else {
-                    let mut items = vec![self.parse_union()?];
-                    while self.peek() == Some(&Tok::Op(',')) {
-                        self.pos += 1;
-                        items.push(self.parse_union()?);
-                    }
-                    self.expect(Tok::SetClose)?;
-                    Ok(Node::Set(items))
-                }
-            }
-            Tok::LParen | Tok::LBrack => {
-                let open_paren = tok == Tok::LParen;
-                let mut items = vec![self.parse_union()?];
-                while self.peek() == Some(&Tok::Op(',')) {
-                    self.pos += 1;
-                    items.push(self.parse_union()?);
-                }
-                let close_paren = match self.next() {
-                    Some(Tok::RParen) => true,
-                    Some(Tok::RBrack) => false,
-                    Some(t) => return self.leave_with(Err(ParseError::Unexpected(format!("{t:?}")))),
-                    None => return self.leave_with(Err(ParseError::End)),
-                };
-                match items.len() {
-                    1 if open_paren == close_paren => Ok(items.pop().unwrap_or(Node::Set(vec![]))),
-                    2 => {
-                        let hi = items.pop().unwrap_or(Node::Set(vec![]));
-                        let lo = items.pop().unwrap_or(Node::Set(vec![]));
-                        Ok(Node::Interval {
-                            lo: Box::new(lo),
-                            hi: Box::new(hi),
-                            lo_open: open_paren,
-                            hi_open: close_paren,
-                        })
-                    }
-                    n if n > 2 && open_paren == close_paren => Ok(Node::Tuple(items)),
-                    _ => Err(ParseError::Unexpected("mismatched brackets".into())),
-                }
-            }
+            Tok::SetOpen => self.parse_set(),
+            Tok::LParen | Tok::LBrack => self.parse_bracketed(tok == Tok::LParen),
             Tok::Op('|') => {
                 let inner = self.parse_add()?;
                 self.expect(Tok::Op('|'))?;
@@ -930,9 +827,87 @@ impl Parser {
         r
     }
 
-    fn leave_with(&mut self, r: Result<Node, ParseError>) -> Result<Node, ParseError> {
-        self.leave();
-        r
+    /// A number (its token just read). A base subscript (52_8) is dropped, as Math-Verify does.
+    fn parse_number(&mut self, int_part: &str, frac: &Option<String>) -> Result<Node, ParseError> {
+        if self.peek() == Some(&Tok::Op('_')) {
+            self.pos += 1;
+            self.parse_arg()?;
+        }
+        Ok(num_node(int_part, frac))
+    }
+
+    /// A variable (its letter just read), with a subscript joined to its name (`x_1`, `a_{n1}`); `e` is
+    /// Euler's number.
+    fn parse_symbol(&mut self, name: String) -> Result<Node, ParseError> {
+        if name == "e" {
+            return Ok(Node::E);
+        }
+        if self.peek() != Some(&Tok::Op('_')) {
+            return Ok(Node::Sym(name));
+        }
+        self.pos += 1;
+        let sub = match self.next() {
+            Some(Tok::Num(i, None)) => i,
+            Some(Tok::Ident(s)) => s,
+            Some(Tok::LBrace) => {
+                let mut sub = String::new();
+                loop {
+                    match self.next() {
+                        Some(Tok::RBrace) => break sub,
+                        Some(Tok::Num(i, None)) => sub.push_str(&i),
+                        Some(Tok::Ident(s)) => sub.push_str(&s),
+                        Some(t) => return Err(ParseError::Unexpected(format!("{t:?}"))),
+                        None => return Err(ParseError::End),
+                    }
+                }
+            }
+            Some(t) => return Err(ParseError::Unexpected(format!("{t:?}"))),
+            None => return Err(ParseError::End),
+        };
+        Ok(Node::Sym(format!("{name}_{sub}")))
+    }
+
+    /// Comma-separated items (at least one).
+    fn parse_items(&mut self) -> Result<Vec<Node>, ParseError> {
+        let mut items = vec![self.parse_union()?];
+        while self.peek() == Some(&Tok::Op(',')) {
+            self.pos += 1;
+            items.push(self.parse_union()?);
+        }
+        Ok(items)
+    }
+
+    /// A set (its `\{` just read).
+    fn parse_set(&mut self) -> Result<Node, ParseError> {
+        if self.peek() == Some(&Tok::SetClose) {
+            self.pos += 1;
+            return Ok(Node::Set(vec![]));
+        }
+        let items = self.parse_items()?;
+        self.expect(Tok::SetClose)?;
+        Ok(Node::Set(items))
+    }
+
+    /// What follows `(` or `[`: a parenthesised expression, an interval (open or closed at either end) or
+    /// a tuple.
+    fn parse_bracketed(&mut self, open_paren: bool) -> Result<Node, ParseError> {
+        let mut items = self.parse_items()?;
+        let close_paren = match self.next() {
+            Some(Tok::RParen) => true,
+            Some(Tok::RBrack) => false,
+            Some(t) => return Err(ParseError::Unexpected(format!("{t:?}"))),
+            None => return Err(ParseError::End),
+        };
+        match items.len() {
+            1 if open_paren == close_paren => Ok(items.pop().unwrap_or(Node::Set(vec![]))),
+            2 => {
+                let hi = items.pop().unwrap_or(Node::Set(vec![]));
+                let lo = items.pop().unwrap_or(Node::Set(vec![]));
+                Ok(Node::Interval { lo: Box::new(lo), hi: Box::new(hi), lo_open: open_paren, hi_open: close_paren })
+            }
+            n if n > 2 && open_paren == close_paren => Ok(Node::Tuple(items)),
+            _ => Err(ParseError::Unexpected("mismatched brackets".into())),
+        }
     }
 
     fn parse_command(&mut self, c: &str) -> Result<Node, ParseError> {
@@ -968,17 +943,7 @@ impl Parser {
             "pi" => return Ok(Node::Pi),
             "infty" | "inf" | "infinity" => return Ok(Node::Inf),
             "emptyset" | "varnothing" => return Ok(Node::Set(vec![])),
-            "log" | "lg" => {
-                let base = if self.peek() == Some(&Tok::Op('_')) {
-                    self.pos += 1;
-                    Some(Box::new(self.parse_arg()?))
-                } else {
-                    None
-                };
-                let arg = self.parse_func_arg()?;
-                let base = base.or_else(|| Some(Box::new(Node::Num { value: int(10), float: false })));
-                return Ok(Node::Log(base, Box::new(arg)));
-            }
+            "log" | "lg" => return self.parse_log(),
             "ln" => func(Func::Ln),
             "exp" => func(Func::Exp),
             "sin" => func(Func::Sin),
@@ -1006,23 +971,38 @@ impl Parser {
             _ => None,
         };
         match f {
-            Some(f) => {
-                // sin^2 x
-                let power = if self.peek() == Some(&Tok::Op('^')) {
-                    self.pos += 1;
-                    Some(self.parse_arg()?)
-                } else {
-                    None
-                };
-                let arg = self.parse_func_arg()?;
-                let app = Node::Func(f, Box::new(arg));
-                Ok(match power {
-                    Some(p) => Node::Pow(Box::new(app), Box::new(p)),
-                    None => app,
-                })
-            }
+            Some(f) => self.parse_application(f),
             None => Err(ParseError::Unexpected(format!("\\{c}"))),
         }
+    }
+
+    /// `\log_b x` (base 10 when none is given; its command just read).
+    fn parse_log(&mut self) -> Result<Node, ParseError> {
+        let base = if self.peek() == Some(&Tok::Op('_')) {
+            self.pos += 1;
+            Some(Box::new(self.parse_arg()?))
+        } else {
+            None
+        };
+        let arg = self.parse_func_arg()?;
+        let base = base.or_else(|| Some(Box::new(Node::Num { value: int(10), float: false })));
+        Ok(Node::Log(base, Box::new(arg)))
+    }
+
+    /// A function applied to its argument, with an optional power after the name (`\sin^2 x`).
+    fn parse_application(&mut self, f: Func) -> Result<Node, ParseError> {
+        let power = if self.peek() == Some(&Tok::Op('^')) {
+            self.pos += 1;
+            Some(self.parse_arg()?)
+        } else {
+            None
+        };
+        let arg = self.parse_func_arg()?;
+        let app = Node::Func(f, Box::new(arg));
+        Ok(match power {
+            Some(p) => Node::Pow(Box::new(app), Box::new(p)),
+            None => app,
+        })
     }
 
     fn parse_func_arg(&mut self) -> Result<Node, ParseError> {

@@ -121,41 +121,10 @@ impl Default for TrainSection {
     }
 }
 
-/// `[validation]`: evaluate on a benchmark during training and keep the best checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ValidationSection {
-    /// A registered benchmark (aime24, aime25, amc23, math500).
-    pub bench: String,
-    /// Every N steps (0: at the end of each epoch).
-    pub every_steps: usize,
-    /// Samples per problem.
-    pub n: usize,
-    pub temperature: f32,
-    pub top_p: f32,
-    pub max_new_tokens: usize,
-    /// Only the first K problems (0: all).
-    pub limit: usize,
-    /// Prompts generated together.
-    pub batch_size: usize,
-    pub system_prompt: Option<String>,
-}
-
-impl Default for ValidationSection {
-    fn default() -> Self {
-        Self {
-            bench: "aime24".into(),
-            every_steps: 0,
-            n: 1,
-            temperature: 0.0,
-            top_p: 1.0,
-            max_new_tokens: 4096,
-            limit: 0,
-            batch_size: 16,
-            system_prompt: None,
-        }
-    }
-}
+/// `[validation]`: evaluate on a benchmark during training and keep the best checkpoint. The keys are
+/// `grpo eval`'s options with the same defaults, plus `bench` and `every_steps`; the sampling seed
+/// defaults to train.seed.
+pub type ValidationSection = crate::eval::EvalOptions;
 
 /// The whole training configuration.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -307,11 +276,11 @@ impl TrainConfig {
             if v.n == 0 || v.max_new_tokens == 0 {
                 return bad("validation.n and validation.max_new_tokens must be >= 1".into());
             }
-            if !crate::eval::bench::names().contains(&v.bench.as_str()) {
+            if !crate::eval::benchmarks::names().contains(&v.bench.as_str()) {
                 return bad(format!(
                     "validation.bench = `{}` is not a registered benchmark ({})",
                     v.bench,
-                    crate::eval::bench::names().join(", ")
+                    crate::eval::benchmarks::names().join(", ")
                 ));
             }
         }

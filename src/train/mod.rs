@@ -193,21 +193,8 @@ struct Run<'a> {
 impl Run<'_> {
     fn validate(&self, step: usize) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
-        let bench = crate::eval::bench::load(&v.bench)?;
-        let settings = crate::eval::EvalSettings {
-            n: v.n,
-            sampling: crate::eval::SamplingParams {
-                temperature: v.temperature,
-                top_p: v.top_p,
-                top_k: 0,
-                max_new_tokens: v.max_new_tokens,
-                seed: self.cfg.train.seed,
-            },
-            batch_size: v.batch_size,
-            system_prompt: v.system_prompt.clone(),
-            limit: (v.limit > 0).then_some(v.limit),
-            extract: Default::default(),
-        };
+        let bench = crate::eval::benchmarks::load(&v.bench)?;
+        let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
         let out = self.cfg.train.output_dir.join("validation");
         std::fs::create_dir_all(&out).map_err(io(&out))?;
         let mut lines = Vec::new();
@@ -215,7 +202,7 @@ impl Run<'_> {
             &self.policy,
             &self.tok,
             &bench,
-            &settings,
+            &options,
             &Default::default(),
             |r| {
                 lines.push(serde_json::to_string(r).unwrap_or_default());

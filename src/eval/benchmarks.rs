@@ -1,5 +1,6 @@
-//! The benchmark registry: AIME25, AIME24, AMC23 and MATH-500 (bundled in the binary from
-//! data/benchmarks/) with SkyThought's prompt templates, and any other JSONL set with a template.
+//! The benchmark registry (`grpo eval --bench`, `[validation] bench`): AIME25, AIME24, AMC23 and
+//! MATH-500 (bundled in the binary from data/benchmarks/) with SkyThought's prompt templates, and any
+//! other JSONL set with a template.
 
 use std::path::Path;
 
@@ -86,7 +87,7 @@ fn parse(name: &str, source: &str, text: &str, template: &str) -> Result<Benchma
         if line.trim().is_empty() {
             continue;
         }
-        let bad = |m: &str| EvalError::Bench(format!("{source}:{}: {m}", i + 1));
+        let bad = |m: &str| EvalError::Benchmark(format!("{source}:{}: {m}", i + 1));
         let v: Value = serde_json::from_str(line).map_err(|e| bad(&e.to_string()))?;
         let problem = v
             .get("problem")
@@ -106,17 +107,16 @@ fn parse(name: &str, source: &str, text: &str, template: &str) -> Result<Benchma
         problems.push(Problem { id, problem: problem.to_string(), answer });
     }
     if problems.is_empty() {
-        return Err(EvalError::Bench(format!("{source}: no problems")));
+        return Err(EvalError::Benchmark(format!("{source}: no problems")));
     }
     Ok(Benchmark { name: name.to_string(), template: template.to_string(), problems })
 }
 
 /// A registered benchmark by name.
 pub fn load(name: &str) -> Result<Benchmark, EvalError> {
-    let e = REGISTRY
-        .iter()
-        .find(|e| e.name == name)
-        .ok_or_else(|| EvalError::Bench(format!("unknown benchmark `{name}` (registered: {})", names().join(", "))))?;
+    let e = REGISTRY.iter().find(|e| e.name == name).ok_or_else(|| {
+        EvalError::Benchmark(format!("unknown benchmark `{name}` (registered: {})", names().join(", ")))
+    })?;
     parse(e.name, &format!("data/benchmarks/{name}.jsonl"), e.data, e.template)
 }
 
@@ -124,10 +124,10 @@ pub fn load(name: &str) -> Result<Benchmark, EvalError> {
 /// `{problem}`.
 pub fn load_file(path: &Path, template: &str) -> Result<Benchmark, EvalError> {
     if !template.contains("{problem}") {
-        return Err(EvalError::Bench(format!("prompt template `{template}` has no {{problem}} placeholder")));
+        return Err(EvalError::Benchmark(format!("prompt template `{template}` has no {{problem}} placeholder")));
     }
-    let text =
-        std::fs::read_to_string(path).map_err(|e| EvalError::Bench(format!("cannot read {}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| EvalError::Benchmark(format!("cannot read {}: {e}", path.display())))?;
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "custom".into());
     parse(&name, &path.display().to_string(), &text, template)
 }
