@@ -1,4 +1,5 @@
-//! The benchmark registry (`grpo eval --bench`, `[validation] bench`): AIME25, AIME24, AMC23 and
+//! The benchmark registry (`grpo eval --bench`, `[validation] bench`): AIME25 (and its parts I and II,
+//! reported apart by the seed), AIME24, AMC23 and
 //! MATH-500 (bundled in the binary from data/benchmarks/) with SkyThought's prompt templates, and any
 //! other JSONL set with a template.
 
@@ -17,32 +18,54 @@ struct Entry {
     name: &'static str,
     template: &'static str,
     data: &'static str,
+    /// Only the rows whose `url` contains this (a part of a combined set).
+    part: Option<&'static str>,
     about: &'static str,
 }
+
+const AIME25: &str = include_str!("../../data/benchmarks/aime25.jsonl");
 
 const REGISTRY: &[Entry] = &[
     Entry {
         name: "aime25",
         template: AIME25_TEMPLATE,
-        data: include_str!("../../data/benchmarks/aime25.jsonl"),
+        data: AIME25,
+        part: None,
         about: "AIME 2025 I and II, 30 problems, integer answers",
+    },
+    Entry {
+        name: "aime25_1",
+        template: AIME25_TEMPLATE,
+        data: AIME25,
+        part: Some("2025_AIME_I_Problems"),
+        about: "AIME 2025 I, 15 problems (SkyThought's aime25_1)",
+    },
+    Entry {
+        name: "aime25_2",
+        template: AIME25_TEMPLATE,
+        data: AIME25,
+        part: Some("2025_AIME_II_Problems"),
+        about: "AIME 2025 II, 15 problems (SkyThought's aime25_2)",
     },
     Entry {
         name: "aime24",
         template: BOXED_FIRST_TEMPLATE,
         data: include_str!("../../data/benchmarks/aime24.jsonl"),
+        part: None,
         about: "AIME 2024, 30 problems, integer answers",
     },
     Entry {
         name: "amc23",
         template: BOXED_FIRST_TEMPLATE,
         data: include_str!("../../data/benchmarks/amc23.jsonl"),
+        part: None,
         about: "AMC 2023, 40 problems",
     },
     Entry {
         name: "math500",
         template: BOXED_FIRST_TEMPLATE,
         data: include_str!("../../data/benchmarks/math500.jsonl"),
+        part: None,
         about: "MATH-500, 500 problems, LaTeX answers",
     },
 ];
@@ -78,7 +101,19 @@ pub fn names() -> Vec<&'static str> {
 
 /// (name, problems, description) of each registered benchmark, for `grpo eval --list`.
 pub fn list() -> Vec<(&'static str, usize, &'static str)> {
-    REGISTRY.iter().map(|e| (e.name, e.data.lines().filter(|l| !l.trim().is_empty()).count(), e.about)).collect()
+    REGISTRY.iter().map(|e| (e.name, load(e.name).map(|b| b.problems.len()).unwrap_or(0), e.about)).collect()
+}
+
+/// The lines of a registered set that belong to it (all, or those of its part).
+fn entry_lines(e: &Entry) -> String {
+    let keep = |l: &&str| match e.part {
+        None => true,
+        Some(part) => serde_json::from_str::<Value>(l)
+            .ok()
+            .and_then(|v| v.get("url").and_then(Value::as_str).map(|u| u.contains(part)))
+            .unwrap_or(false),
+    };
+    e.data.lines().filter(|l| !l.trim().is_empty()).filter(keep).collect::<Vec<_>>().join("\n")
 }
 
 fn parse(name: &str, source: &str, text: &str, template: &str) -> Result<Benchmark, EvalError> {
@@ -117,7 +152,8 @@ pub fn load(name: &str) -> Result<Benchmark, EvalError> {
     let e = REGISTRY.iter().find(|e| e.name == name).ok_or_else(|| {
         EvalError::Benchmark(format!("unknown benchmark `{name}` (registered: {})", names().join(", ")))
     })?;
-    parse(e.name, &format!("data/benchmarks/{name}.jsonl"), e.data, e.template)
+    let file = if e.part.is_some() { "aime25" } else { name };
+    parse(e.name, &format!("data/benchmarks/{file}.jsonl"), &entry_lines(e), e.template)
 }
 
 /// Any JSONL file of {"problem" (or "question"), "answer", "id"?} with a prompt template containing
@@ -139,7 +175,14 @@ mod tests {
     #[test]
     fn registry_has_the_four_benchmarks_with_skythought_prompts() {
         let counts: Vec<(&str, usize)> = list().iter().map(|(n, c, _)| (*n, *c)).collect();
-        assert_eq!(counts, vec![("aime25", 30), ("aime24", 30), ("amc23", 40), ("math500", 500)]);
+        assert_eq!(
+            counts,
+            vec![("aime25", 30), ("aime25_1", 15), ("aime25_2", 15), ("aime24", 30), ("amc23", 40), ("math500", 500)]
+        );
+        let (one, two) = (load("aime25_1").unwrap(), load("aime25_2").unwrap());
+        let both = load("aime25").unwrap();
+        assert_eq!([one.problems.clone(), two.problems.clone()].concat(), both.problems, "I then II make the whole");
+        assert_eq!((one.problems[0].answer.as_str(), two.problems[0].answer.as_str()), ("70", "468"));
         let b = load("aime25").unwrap();
         assert_eq!(b.problems.len(), 30);
         assert_eq!(b.problems[0].answer, "70");
