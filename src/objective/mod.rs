@@ -146,19 +146,13 @@ impl RewardStats {
 
 /// What identifies a group within a run: the source of RED-Drop's seeded random choice (so a resumed run
 /// drops the same answers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct GroupKey<'a> {
     /// The run's seed (`train.seed`).
     pub seed: u64,
     pub epoch: usize,
     /// The question's id.
     pub question: &'a str,
-}
-
-impl Default for GroupKey<'_> {
-    fn default() -> Self {
-        Self { seed: 0, epoch: 0, question: "" }
-    }
 }
 
 /// The advantages of one group's answers, which answers take part in the loss, and the reward statistics

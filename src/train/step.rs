@@ -145,6 +145,7 @@ impl TrainStep {
         };
         if let Some(every) = self.snapshot_every() {
             if ctx.step.is_multiple_of(every) {
+                self.snapshot = None; // free the old copy first: one model less at the peak
                 self.snapshot = Some(policy.frozen_copy()?);
             } else if self.snapshot.is_none() {
                 candle_core::bail!("{name}: no anchor snapshot at step {} (taken every {every} steps)", ctx.step);
