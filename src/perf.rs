@@ -158,10 +158,10 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     reference.options = policy.options.clone();
     let objective_cfg = ObjectiveConfig {
         name: ObjectiveName::OffGrpo,
-        eps: 0.2,
+        eps: Some(0.2),
         beta: 0.1,
-        kl_estimator: KlEstimator::K3,
-        loss_agg: LossAgg::SeqMeanTokenMean,
+        kl_estimator: Some(KlEstimator::K3),
+        loss_agg: Some(LossAgg::SeqMeanTokenMean),
         ..ObjectiveConfig::default()
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
@@ -261,12 +261,9 @@ pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
     let targets = Tensor::from_vec(random_ids(&mut rng, spec.tokens, spec.vocab), spec.tokens, dev)?;
     let objective_cfg = ObjectiveConfig { beta: 0.1, ..ObjectiveConfig::default() };
     let objective = objective_cfg.build();
-    let inputs = TokenInputs {
-        advantages: upstream.clone(),
-        weights: Tensor::full(1.0 / spec.tokens as f32, spec.tokens, dev)?,
-        ref_logp: Some(ref_logp),
-        behaviour_logp: None,
-    };
+    let mut inputs = TokenInputs::for_sequences(&[spec.tokens], &[0.0], &[1.0 / spec.tokens as f32], dev)?;
+    inputs.advantages = upstream.clone();
+    inputs.ref_logp = Some(ref_logp);
     let forward = || -> Result<Tensor> {
         let lp = if spec.naive {
             logprobs_entropy_reference(hidden.as_tensor(), weight.as_tensor(), &targets)?

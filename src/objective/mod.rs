@@ -1,12 +1,49 @@
 //! The losses: group-relative advantages, loss aggregation, KL estimators, and the objectives behind one
-//! trait, chosen by name: `off_grpo` (the seed), `grpo` (standard clipped ratio) and `sft`.
+//! trait, chosen by `objective.name`:
+//!
+//! | name | seed | family | file |
+//! |---|---|---|---|
+//! | `off_grpo` | 000 | clipped ratio to the teacher (probability 1) | [`clipped`] |
+//! | `grpo` | 000 (baseline) | clipped ratio to the policy at the start of the step | [`clipped`] |
+//! | `gspo` | 004 (B.7) | clipped sequence-level ratio | [`clipped`] |
+//! | `rec` | 004 | REINFORCE with one-side / two-side / ring clipping masks, IS or NOIS | [`clipped`] |
+//! | `opmd` | 004 | REINFORCE + (tau / 2) squared sequence log-ratio | [`reinforce`] |
+//! | `asymre` | 004 | REINFORCE with the baseline mean(r) - shift | [`reinforce`] |
+//! | `red_drop` | 004 | REINFORCE on the group with its excess negatives dropped | [`reinforce`] |
+//! | `red_weight` | 004 | REINFORCE with weights exp(A / T) | [`reinforce`] |
+//! | `sft` | 000 (baseline) | log-likelihood of the positive answers | [`reinforce`] |
+//! | `oapl` | 003 | squared regression of the sequence log-ratio onto r - V* | [`oapl`] |
 //!
 //! Every per-token quantity is f32. Aggregation is expressed as one weight per token computed from the
 //! whole batch (see [`LossAgg::weights`]), so the loss is a plain weighted sum: splitting a batch into
-//! micro-batches and adding their losses never changes the gradient.
+//! micro-batches and adding their losses never changes the gradient. Sequence-level terms (sums or means
+//! of a sequence's tokens: GSPO's ratio, OPMD's and OAPL's squared terms) are exact too, because a
+//! micro-batch holds whole sequences; each such term is weighted by its sequence's token weight.
+//!
+//! Every `exp` of a log-ratio (or of A / T) first clamps its argument to [-20, 20] (as verl does): a large
+//! log-prob gap gives a clipped, finite value with no gradient instead of inf or NaN.
 
-use candle_core::{DType, Result, Tensor};
+pub mod clipped;
+mod config;
+pub mod oapl;
+pub mod reinforce;
+
+use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
+
+pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel};
+
+/// The bound of every log-ratio before `exp` (verl's clamp).
+pub const MAX_LOG_RATIO: f32 = 20.0;
+
+/// `exp(clamp(x, -20, 20))`: where `|x| > 20` the value is that of the bound and carries no gradient;
+/// elsewhere the gradient is the usual `exp(x)`.
+pub fn exp_clamped(x: &Tensor) -> Result<Tensor> {
+    let v = x.detach();
+    let inside = v.abs()?.le(MAX_LOG_RATIO as f64)?;
+    let bounded = v.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)?;
+    inside.where_cond(x, &bounded)?.exp()
+}
 
 /// How per-token losses are averaged into the batch loss (verl's `loss_agg_mode`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -68,12 +105,11 @@ impl KlEstimator {
             KlEstimator::K2 => diff.sqr()? * 0.5,
             KlEstimator::K3 => {
                 let d = diff.neg()?; // log(p_ref / p)
-                let k3 = ((d.exp()? - &d)? - 1.0)?;
+                let k3 = ((exp_clamped(&d)? - &d)? - 1.0)?;
                 // Clamp like verl; outside the range the value is constant and carries no gradient.
                 let v = k3.detach();
-                let inside = v.ge(-10f32)?.mul(&v.le(10f32)?)?.to_dtype(DType::F32)?;
-                let clamped = v.clamp(-10f32, 10f32)?;
-                (k3 * &inside)? + (clamped * (1.0 - &inside)?)?
+                let inside = v.abs()?.le(10f64)?;
+                inside.where_cond(&k3, &v.clamp(-10f32, 10f32)?)
             }
         }
     }
@@ -108,17 +144,32 @@ impl RewardStats {
     }
 }
 
-/// The advantages of one group's answers and the reward statistics they come from.
+/// What identifies a group within a run: the source of RED-Drop's seeded random choice (so a resumed run
+/// drops the same answers).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GroupKey<'a> {
+    /// The run's seed (`train.seed`).
+    pub seed: u64,
+    pub epoch: usize,
+    /// The question's id.
+    pub question: &'a str,
+}
+
+/// The advantages of one group's answers, which answers take part in the loss, and the reward statistics
+/// they come from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GroupAdvantages {
+    /// Per answer: the factor of its log-prob gradient (OAPL: its regression target r_i - V*).
     pub advantages: Vec<f32>,
+    /// Per answer: whether it is in the loss (`sft`: the positive answers; `red_drop`: the kept ones).
+    pub include: Vec<bool>,
     pub rewards: RewardStats,
     /// Whether the all-positive bias was added.
     pub bias_applied: bool,
 }
 
 /// Group-relative advantages of one group's rewards: `(r_i - mean) / (std + 1e-6)` (or `r_i - mean`), plus
-/// the all-positive bias b when every reward is positive.
+/// the all-positive bias b when every reward is positive. Every answer is included.
 pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> GroupAdvantages {
     let stats = RewardStats::of(rewards);
     let mut advantages: Vec<f32> = rewards
@@ -133,31 +184,83 @@ pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> GroupAdvantag
     if bias_applied {
         advantages.iter_mut().for_each(|a| *a += cfg.bias);
     }
-    GroupAdvantages { advantages, rewards: stats, bias_applied }
+    GroupAdvantages { advantages, include: vec![true; rewards.len()], rewards: stats, bias_applied }
 }
 
-/// Per-token inputs of a loss for one micro-batch of `n` response tokens (all `[n]`, f32).
+/// Per-token inputs of a loss for one micro-batch of `n` response tokens in `m` whole sequences.
 pub struct TokenInputs {
-    /// Advantage of the token's answer.
+    /// `[n]` f32: advantage of the token's answer.
     pub advantages: Tensor,
-    /// Aggregation weight of the token (from [`LossAgg::weights`] over the whole batch).
+    /// `[n]` f32: aggregation weight of the token (from [`LossAgg::weights`] over the whole batch).
     pub weights: Tensor,
-    /// Log-probs under the frozen reference: the KL term is present exactly when they are.
+    /// `[n]` u32: index (0..m) of the token's sequence in the micro-batch.
+    pub seq: Tensor,
+    /// `[m]` f32: number of tokens of each sequence.
+    pub seq_lengths: Tensor,
+    /// `[n]` log-probs under the frozen reference: the KL term is present exactly when they are.
     pub ref_logp: Option<Tensor>,
-    /// Behaviour log-probs: the teacher's when the data has them (`off_grpo`), the policy's at the start
-    /// of the step (`grpo`).
+    /// `[n]` behaviour (anchor) log-probs, as the objective's [`Anchor`] says; `None` is the teacher's
+    /// probability 1 (log-prob 0).
     pub behaviour_logp: Option<Tensor>,
+}
+
+impl TokenInputs {
+    /// Inputs for whole sequences of `lengths` tokens, each with one advantage and one token weight; no
+    /// reference and probability-1 behaviour (set those fields afterwards).
+    pub fn for_sequences(lengths: &[usize], advantages: &[f32], weights: &[f32], device: &Device) -> Result<Self> {
+        let n: usize = lengths.iter().sum();
+        let mut seq = Vec::with_capacity(n);
+        let (mut adv, mut w) = (Vec::with_capacity(n), Vec::with_capacity(n));
+        for (i, &l) in lengths.iter().enumerate() {
+            seq.extend(std::iter::repeat_n(i as u32, l));
+            adv.extend(std::iter::repeat_n(advantages[i], l));
+            w.extend(std::iter::repeat_n(weights[i], l));
+        }
+        let m = lengths.len();
+        Ok(Self {
+            advantages: Tensor::from_vec(adv, n, device)?,
+            weights: Tensor::from_vec(w, n, device)?,
+            seq: Tensor::from_vec(seq, n, device)?,
+            seq_lengths: Tensor::from_vec(lengths.iter().map(|&l| l as f32).collect::<Vec<_>>(), m, device)?,
+            ref_logp: None,
+            behaviour_logp: None,
+        })
+    }
+
+    /// Per-sequence sums `[m]` of a per-token tensor `[n]` (differentiable).
+    pub fn seq_sum(&self, x: &Tensor) -> Result<Tensor> {
+        self.seq_lengths.zeros_like()?.index_add(&self.seq, &x.contiguous()?, 0)
+    }
+
+    /// Per-sequence means `[m]` of a per-token tensor `[n]` (differentiable).
+    pub fn seq_mean(&self, x: &Tensor) -> Result<Tensor> {
+        self.seq_sum(x)?.div(&self.seq_lengths.clamp(1f32, f32::MAX)?)
+    }
+
+    /// A per-sequence tensor `[m]` repeated on each of its tokens `[n]`.
+    pub fn per_token(&self, x: &Tensor) -> Result<Tensor> {
+        x.index_select(&self.seq, 0)
+    }
+
+    /// The log-ratio `log pi_theta - log pi_behaviour` per token (the policy's log-prob itself when the
+    /// behaviour is the teacher's probability 1).
+    pub fn log_ratio(&self, logp: &Tensor) -> Result<Tensor> {
+        match &self.behaviour_logp {
+            Some(b) => logp - b,
+            None => Ok(logp.clone()),
+        }
+    }
 }
 
 /// A loss and its parts for one micro-batch. Weighted sums, so micro-batch values add up.
 pub struct LossTerms {
     /// The scalar to differentiate.
     pub loss: Tensor,
-    /// Weighted policy-gradient part.
+    /// Weighted policy part (everything but the KL term).
     pub pg_loss: f32,
     /// Weighted KL part (before beta).
     pub kl: f32,
-    /// Number of tokens whose ratio was clipped (no gradient).
+    /// Number of tokens whose ratio was clipped or masked (no gradient).
     pub clipped_tokens: usize,
 }
 
@@ -165,54 +268,31 @@ pub struct LossTerms {
 pub trait Objective: Send + Sync {
     /// The name it is chosen by.
     fn name(&self) -> &'static str;
-    /// Whether the loss has a KL term to a reference model (beta > 0): the trainer then loads one and
-    /// passes its log-probs.
-    fn needs_reference(&self) -> bool;
-    /// Advantages of a group, with its reward statistics.
-    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages;
-    /// Which answers of a group take part in the loss.
-    fn include(&self, rewards: &[f32]) -> Vec<bool> {
-        vec![true; rewards.len()]
+    /// Whether the loss has a KL term to the frozen reference (beta > 0).
+    fn needs_kl(&self) -> bool;
+    /// Where its behaviour log-probs come from (`None`: the loss reads none).
+    fn anchor(&self) -> Option<Anchor> {
+        None
     }
-    /// Whether the loss needs the policy's own log-probs from the start of the step as behaviour.
-    fn needs_old_logprobs(&self) -> bool {
-        false
+    /// Whether the trainer must load the frozen reference: for the KL term or as the anchor.
+    fn needs_reference(&self) -> bool {
+        self.needs_kl() || self.anchor() == Some(Anchor::Reference)
     }
+    /// Advantages of a group and which of its answers are in the loss, with its reward statistics.
+    fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages;
     /// The micro-batch loss from the policy's per-token log-probs `logp` (`[n]`, with a graph).
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms>;
 }
 
-/// `-(min(r A, clip(r, 1 - eps_low, 1 + eps_high) A))` per token, with exact gradients: where the
-/// clipped branch is the minimum, the value is that constant and the gradient is zero.
-fn clipped_surrogate(ratio: &Tensor, adv: &Tensor, eps_low: f32, eps_high: f32) -> Result<(Tensor, usize)> {
-    let r = ratio.detach();
-    let clipped_r = r.clamp(1.0 - eps_low, 1.0 + eps_high)?;
-    let unclipped = (&r * adv)?;
-    let clipped = (&clipped_r * adv)?;
-    // The clipped branch is strictly smaller: the minimum is the constant.
-    let mask = clipped.lt(&unclipped)?.to_dtype(DType::F32)?;
-    let n_clipped = mask.sum_all()?.to_scalar::<f32>()? as usize;
-    let keep = (1.0 - &mask)?;
-    let value = ((ratio * adv)? * &keep)?.add(&(clipped * &mask)?)?;
-    Ok((value.neg()?, n_clipped))
-}
-
-/// The clipped-ratio loss of `off_grpo` and `grpo` for a given log-ratio.
-fn clipped_loss(cfg: &ObjectiveConfig, log_ratio: &Tensor, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-    let eps_high = cfg.eps_high.unwrap_or(cfg.eps);
-    let (pg, clipped) = clipped_surrogate(&log_ratio.exp()?, &inputs.advantages, cfg.eps, eps_high)?;
-    finish(pg, logp, inputs, cfg.beta, cfg.kl_estimator, clipped)
-}
-
+/// Add `beta * sum_t w_t KL_t` to the weighted policy part `pg_sum` when reference log-probs are given.
 fn finish(
-    pg: Tensor,
+    pg_sum: Tensor,
     logp: &Tensor,
     inputs: &TokenInputs,
     beta: f32,
     kl_est: KlEstimator,
     clipped: usize,
 ) -> Result<LossTerms> {
-    let pg_sum = (&pg * &inputs.weights)?.sum_all()?;
     let (loss, kl) = match &inputs.ref_logp {
         Some(r) => {
             let kl = (kl_est.per_token(logp, r)? * &inputs.weights)?.sum_all()?;
@@ -224,170 +304,17 @@ fn finish(
     Ok(LossTerms { pg_loss: pg_sum.to_scalar::<f32>()?, kl, loss, clipped_tokens: clipped })
 }
 
-/// The objectives, by name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum ObjectiveName {
-    OffGrpo,
-    Grpo,
-    Sft,
+/// The weighted sum `sum_t w_t l_t` of per-token losses.
+fn weighted_sum(per_token: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
+    (per_token * &inputs.weights)?.sum_all()
 }
 
-/// The `[objective]` section of the training config. `name` picks the objective; options that do not
-/// apply to it are rejected by [`ObjectiveConfig::validate`].
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ObjectiveConfig {
-    pub name: ObjectiveName,
-    /// Clip range below 1 (eps_low): for A < 0, tokens whose ratio is under 1 - eps get no gradient.
-    pub eps: f32,
-    /// Clip range above 1 (default: eps). Irrelevant for off_grpo without teacher log-probs (ratio <= 1).
-    pub eps_high: Option<f32>,
-    /// The all-positive bias b (off_grpo, grpo).
-    pub bias: f32,
-    /// Divide advantages by the group's standard deviation.
-    pub std_normalize: bool,
-    /// KL weight; 0 loads no reference model.
-    pub beta: f32,
-    pub kl_estimator: KlEstimator,
-    pub loss_agg: LossAgg,
-}
-
-impl Default for ObjectiveConfig {
-    fn default() -> Self {
-        Self {
-            name: ObjectiveName::OffGrpo,
-            eps: 0.2,
-            eps_high: None,
-            bias: 0.0,
-            std_normalize: true,
-            beta: 0.0,
-            kl_estimator: KlEstimator::K3,
-            loss_agg: LossAgg::SeqMeanTokenMean,
-        }
-    }
-}
-
-impl ObjectiveConfig {
-    /// Check ranges and that every option set applies to the chosen objective.
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        if !(0.0..1.0).contains(&self.eps) {
-            return Err(format!("objective.eps = {} must be in [0, 1)", self.eps));
-        }
-        if self.eps_high.is_some_and(|e| e < 0.0) {
-            return Err("objective.eps_high must be >= 0".into());
-        }
-        if self.beta < 0.0 || !self.beta.is_finite() {
-            return Err(format!("objective.beta = {} must be >= 0", self.beta));
-        }
-        if self.name == ObjectiveName::Sft && self.bias != 0.0 {
-            return Err("objective.bias does not apply to sft (it trains on positive answers only)".into());
-        }
-        Ok(())
-    }
-
-    fn advantage(&self) -> AdvantageConfig {
-        AdvantageConfig { std_normalize: self.std_normalize, bias: self.bias }
-    }
-
-    /// Build the objective.
-    pub fn build(&self) -> Box<dyn Objective> {
-        match self.name {
-            ObjectiveName::OffGrpo => Box::new(OffGrpo(self.clone())),
-            ObjectiveName::Grpo => Box::new(Grpo(self.clone())),
-            ObjectiveName::Sft => Box::new(Sft(self.clone())),
-        }
-    }
-}
-
-/// `off_grpo`, the seed's objective. Per token of answer i with advantage A_i (plus b when the whole group
-/// is positive) and behaviour log-prob beta_t (0, i.e. probability 1, unless the data carries teacher
-/// log-probs):
-///
-/// ```text
-/// r_t = exp(log pi_theta(o_t) - beta_t)
-/// l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t(pi_theta || pi_ref)
-/// ```
-///
-/// aggregated with the configured [`LossAgg`] (the seed: seq-mean-token-mean).
-pub struct OffGrpo(pub ObjectiveConfig);
-
-impl Objective for OffGrpo {
-    fn name(&self) -> &'static str {
-        "off_grpo"
-    }
-    fn needs_reference(&self) -> bool {
-        self.0.beta > 0.0
-    }
-    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
-        group_advantages(rewards, &self.0.advantage())
-    }
-    fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        let log_ratio = match &inputs.behaviour_logp {
-            Some(b) => (logp - b)?,
-            None => logp.clone(),
-        };
-        clipped_loss(&self.0, &log_ratio, logp, inputs)
-    }
-}
-
-/// `grpo`: the clipped ratio against the policy's own log-probs taken at the start of the step:
-///
-/// ```text
-/// r_t = exp(log pi_theta(o_t) - log pi_old(o_t))
-/// l_t = -min(r_t A_i, clip(r_t, 1 - eps, 1 + eps_high) A_i) + beta KL_t
-/// ```
-pub struct Grpo(pub ObjectiveConfig);
-
-impl Objective for Grpo {
-    fn name(&self) -> &'static str {
-        "grpo"
-    }
-    fn needs_reference(&self) -> bool {
-        self.0.beta > 0.0
-    }
-    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
-        group_advantages(rewards, &self.0.advantage())
-    }
-    fn needs_old_logprobs(&self) -> bool {
-        true
-    }
-    fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        let old =
-            inputs.behaviour_logp.as_ref().ok_or_else(|| candle_core::Error::Msg("grpo needs old log-probs".into()))?;
-        clipped_loss(&self.0, &(logp - old)?, logp, inputs)
-    }
-}
-
-/// `sft`: negative log-likelihood of the answers with a positive reward only,
-///
-/// ```text
-/// l_t = -log pi_theta(o_t) + beta KL_t   for answers with r_i > 0
-/// ```
-pub struct Sft(pub ObjectiveConfig);
-
-impl Objective for Sft {
-    fn name(&self) -> &'static str {
-        "sft"
-    }
-    fn needs_reference(&self) -> bool {
-        self.0.beta > 0.0
-    }
-    fn advantages(&self, rewards: &[f32]) -> GroupAdvantages {
-        GroupAdvantages {
-            advantages: rewards.iter().map(|&r| if r > 0.0 { 1.0 } else { 0.0 }).collect(),
-            rewards: RewardStats::of(rewards),
-            bias_applied: false,
-        }
-    }
-    fn include(&self, rewards: &[f32]) -> Vec<bool> {
-        rewards.iter().map(|&r| r > 0.0).collect()
-    }
-    fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        let pg = (logp * &inputs.advantages)?.neg()?;
-        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator, 0)
-    }
+/// The number of ones in a 0/1 mask.
+fn count(mask: &Tensor) -> Result<usize> {
+    Ok(mask.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize)
 }
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_fixture;

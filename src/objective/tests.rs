@@ -1,3 +1,6 @@
+//! Hand-computed losses and gradients of every objective, the KL estimators, the log-ratio clamp and the
+//! option validation.
+
 use super::*;
 use candle_core::{Device, Var};
 
@@ -9,20 +12,43 @@ fn vals(t: &Tensor) -> Vec<f32> {
     t.to_vec1::<f32>().unwrap()
 }
 
-/// Loss and d loss / d logp for one micro-batch.
-fn run(
-    obj: &dyn Objective,
-    logp: &[f32],
-    adv: &[f32],
-    w: &[f32],
-    ref_logp: Option<&[f32]>,
-) -> (f32, Vec<f32>, LossTerms) {
+fn near(a: f32, b: f32) -> bool {
+    (a - b).abs() <= 1e-5 * b.abs().max(1.0)
+}
+
+fn assert_all_near(got: &[f32], want: &[f32], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (g, w) in got.iter().zip(want) {
+        assert!(near(*g, *w), "{what}: {got:?} vs {want:?}");
+    }
+}
+
+/// One micro-batch of whole sequences: `lengths`, a per-sequence advantage and token weight, per-token
+/// behaviour (anchor) and reference log-probs.
+struct Case<'a> {
+    lengths: &'a [usize],
+    adv: &'a [f32],
+    w: &'a [f32],
+    behaviour: Option<&'a [f32]>,
+    reference: Option<&'a [f32]>,
+}
+
+impl<'a> Case<'a> {
+    fn tokens(adv: &'a [f32], w: &'a [f32]) -> Self {
+        // One-token sequences: per-token advantages and weights.
+        const ONES: [usize; 16] = [1; 16];
+        Case { lengths: &ONES[..adv.len()], adv, w, behaviour: None, reference: None }
+    }
+}
+
+/// Loss, d loss / d logp and the loss terms.
+fn run(obj: &dyn Objective, logp: &[f32], case: &Case) -> (f32, Vec<f32>, LossTerms) {
     let lp = Var::from_slice(logp, logp.len(), &Device::Cpu).unwrap();
-    let inputs = TokenInputs {
-        advantages: t(adv),
-        weights: t(w),
-        ref_logp: ref_logp.map(t),
-        behaviour_logp: if obj.needs_old_logprobs() { Some(lp.as_detached_tensor()) } else { None },
+    let mut inputs = TokenInputs::for_sequences(case.lengths, case.adv, case.w, &Device::Cpu).unwrap();
+    inputs.ref_logp = case.reference.map(t);
+    inputs.behaviour_logp = match obj.anchor() {
+        Some(Anchor::Step) => Some(lp.as_detached_tensor()),
+        _ => case.behaviour.map(t),
     };
     let terms = obj.loss(lp.as_tensor(), &inputs).unwrap();
     let g = terms.loss.backward().unwrap();
@@ -32,6 +58,10 @@ fn run(
 
 fn cfg(name: ObjectiveName, bias: f32, beta: f32) -> ObjectiveConfig {
     ObjectiveConfig { name, bias, beta, ..Default::default() }
+}
+
+fn advantages(obj: &dyn Objective, rewards: &[f32]) -> GroupAdvantages {
+    obj.advantages(rewards, &GroupKey::default())
 }
 
 #[test]
@@ -56,13 +86,49 @@ fn advantages_hand_computed() {
 }
 
 #[test]
+fn seed_004_advantages_hand_computed() {
+    let r = [1.0f32, 0.0, 0.0, 1.0];
+    // rec, opmd: r - mean, no std.
+    for name in [ObjectiveName::Rec, ObjectiveName::Opmd] {
+        assert_eq!(advantages(cfg(name, 0.0, 0.0).build().as_ref(), &r).advantages, vec![0.5, -0.5, -0.5, 0.5]);
+    }
+    // asymre: r - (mean - 0.1), for every group, all-positive ones included.
+    let asym = cfg(ObjectiveName::Asymre, 0.0, 0.0).build();
+    assert_all_near(&advantages(asym.as_ref(), &r).advantages, &[0.6, -0.4, -0.4, 0.6], "asymre");
+    assert_all_near(&advantages(asym.as_ref(), &[1.0; 3]).advantages, &[0.1; 3], "asymre all positive");
+    // red_weight: exp(A / T) A.
+    let red = ObjectiveConfig { temperature: Some(0.5), ..cfg(ObjectiveName::RedWeight, 0.0, 0.0) }.build();
+    let (e1, em1) = (1f32.exp(), (-1f32).exp());
+    assert_all_near(&advantages(red.as_ref(), &r).advantages, &[0.5 * e1, -0.5 * em1, -0.5 * em1, 0.5 * e1], "red");
+    // oapl: r - V*, V* = log((e + e + 1 + 1) / 4) with beta1 = 1; with a tiny beta1 V* tends to max(r).
+    let oapl = cfg(ObjectiveName::Oapl, 0.0, 0.0).build();
+    let v = ((2.0 * 1f64.exp() + 2.0) / 4.0).ln() as f32;
+    assert_all_near(&advantages(oapl.as_ref(), &r).advantages, &[1.0 - v, -v, -v, 1.0 - v], "oapl");
+    let sharp = ObjectiveConfig { beta1: Some(1e-3), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) }.build();
+    let a = advantages(sharp.as_ref(), &r).advantages;
+    assert!(a[0].abs() < 1e-2 && (a[1] + 1.0).abs() < 1e-2, "{a:?}");
+    // red_drop: 1 positive, 5 negatives: 4 negatives dropped, the baseline recomputed on the kept two.
+    let drop = cfg(ObjectiveName::RedDrop, 0.0, 0.0).build();
+    let key = GroupKey { seed: 9, epoch: 3, question: "q" };
+    let g = drop.advantages(&[0.0, 1.0, 0.0, 0.0, 0.0, 0.0], &key);
+    assert_eq!(g.include.iter().filter(|&&k| k).count(), 2);
+    assert!(g.include[1] && g.advantages[1] == 0.5);
+    let kept_negative = (0..6).find(|&j| j != 1 && g.include[j]).unwrap();
+    assert_eq!(g.advantages[kept_negative], -0.5);
+    assert!(g.include.iter().zip(&g.advantages).all(|(&k, &a)| k || a == 0.0));
+    assert_eq!(g, drop.advantages(&[0.0, 1.0, 0.0, 0.0, 0.0, 0.0], &key), "the choice is a pure function of the key");
+    // Balanced or positive-heavy groups are kept whole.
+    assert!(drop.advantages(&[1.0, 1.0, 0.0], &key).include.iter().all(|&k| k));
+}
+
+#[test]
 fn all_positive_group_gives_zero_gradient_without_bias_and_positive_with_it() {
     let logp = [-0.1f32, -2.0, -0.7, -0.05];
     let w = [0.25f32; 4];
     for (bias, expect_zero) in [(0.0, true), (0.5, false)] {
         let obj = cfg(ObjectiveName::OffGrpo, bias, 0.0).build();
-        let adv = obj.advantages(&[1.0; 4]).advantages;
-        let (_, grad, _) = run(obj.as_ref(), &logp, &adv, &w, None);
+        let adv = advantages(obj.as_ref(), &[1.0; 4]).advantages;
+        let (_, grad, _) = run(obj.as_ref(), &logp, &Case::tokens(&adv, &w));
         if expect_zero {
             assert!(grad.iter().all(|&g| g == 0.0), "{grad:?}");
         } else {
@@ -80,7 +146,7 @@ fn negative_advantage_tokens_below_one_minus_eps_get_no_gradient() {
     let obj = cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build();
     // p = 0.5 (< 0.8), p = 0.9 (>= 0.8), p = 0.79 (< 0.8), p = 0.81
     let logp: Vec<f32> = [0.5f32, 0.9, 0.79, 0.81].iter().map(|p| p.ln()).collect();
-    let (loss, grad, terms) = run(obj.as_ref(), &logp, &[-1.0; 4], &[1.0; 4], None);
+    let (loss, grad, terms) = run(obj.as_ref(), &logp, &Case::tokens(&[-1.0; 4], &[1.0; 4]));
     assert_eq!(grad[0], 0.0);
     assert_eq!(grad[2], 0.0);
     assert!((grad[1] - 0.9).abs() < 1e-6 && (grad[3] - 0.81).abs() < 1e-6, "{grad:?}");
@@ -88,27 +154,177 @@ fn negative_advantage_tokens_below_one_minus_eps_get_no_gradient() {
     // value = -min(p A, max(p, 0.8) A) summed = 0.8 + 0.9 + 0.8 + 0.81
     assert!((loss - 3.31).abs() < 1e-5, "{loss}");
     // Positive advantages are never clipped when the behaviour probability is 1 (ratio <= 1).
-    let (_, grad, terms) = run(obj.as_ref(), &logp, &[1.0; 4], &[1.0; 4], None);
+    let (_, grad, terms) = run(obj.as_ref(), &logp, &Case::tokens(&[1.0; 4], &[1.0; 4]));
     assert_eq!(terms.clipped_tokens, 0);
     assert!(grad.iter().zip([0.5f32, 0.9, 0.79, 0.81]).all(|(g, p)| (g + p).abs() < 1e-6));
 }
 
 #[test]
 fn teacher_logprobs_replace_probability_one() {
-    let obj = OffGrpo(cfg(ObjectiveName::OffGrpo, 0.0, 0.0));
-    let lp = Var::from_slice(&[-1.0f32, -1.0], 2, &Device::Cpu).unwrap();
+    let obj = cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build();
     // Teacher log-probs -1.0 and -2.0: ratios 1 and e (clipped at 1.2 for A > 0).
-    let inputs = TokenInputs {
-        advantages: t(&[1.0, 1.0]),
-        weights: t(&[1.0, 1.0]),
-        ref_logp: None,
-        behaviour_logp: Some(t(&[-1.0, -2.0])),
-    };
-    let terms = obj.loss(lp.as_tensor(), &inputs).unwrap();
+    let case = Case { behaviour: Some(&[-1.0, -2.0]), ..Case::tokens(&[1.0, 1.0], &[1.0, 1.0]) };
+    let (loss, g, terms) = run(obj.as_ref(), &[-1.0, -1.0], &case);
     assert_eq!(terms.clipped_tokens, 1);
-    assert!((terms.loss.to_scalar::<f32>().unwrap() + 1.0 + 1.2).abs() < 1e-5);
-    let g = vals(terms.loss.backward().unwrap().get(lp.as_tensor()).unwrap());
+    assert!((loss + 1.0 + 1.2).abs() < 1e-5);
     assert!((g[0] + 1.0).abs() < 1e-6 && g[1] == 0.0, "{g:?}");
+}
+
+/// Ratios r = exp(logp - behaviour) of the given values, with behaviour 0.
+fn logp_of(ratios: &[f32]) -> Vec<f32> {
+    ratios.iter().map(|r| r.ln()).collect()
+}
+
+#[test]
+fn grpo_clips_at_different_eps_and_eps_high_and_never_clips_a_negative_advantage_above_one_plus_eps() {
+    // eps = 0.1, eps_high = 0.3: the band is [0.9, 1.3]. Behaviour log-probs 0 (the reference as anchor).
+    let c = ObjectiveConfig {
+        eps: Some(0.1),
+        eps_high: Some(0.3),
+        anchor: Some(Anchor::Reference),
+        ..cfg(ObjectiveName::Grpo, 0.0, 0.0)
+    };
+    let obj = c.build();
+    let r = [1.4f32, 1.25, 0.85, 0.95, 1.6, 1.25];
+    let adv = [1.0f32, 1.0, -1.0, -1.0, -1.0, -2.0];
+    let w = [0.5f32; 6];
+    let case = Case { behaviour: Some(&[0.0; 6]), ..Case::tokens(&adv, &w) };
+    let (loss, grad, terms) = run(obj.as_ref(), &logp_of(&r), &case);
+    // 1.4 with A > 0: clipped at 1 + eps_high = 1.3 (not at 1.1); 0.85 with A < 0: clipped at 0.9 (not 0.7).
+    // 1.6 with A < 0 is above 1 + eps_high: min(r A, clip(r) A) = r A, not clipped: the gradient flows.
+    assert_eq!(terms.clipped_tokens, 2);
+    let want_grad = [0.0, -0.5 * 1.25, 0.0, 0.5 * 0.95, 0.5 * 1.6, 0.5 * 2.0 * 1.25];
+    assert_all_near(&grad, &want_grad, "grpo gradient");
+    let want_loss = -0.5 * (1.3 + 1.25 - 0.9 - 0.95 - 1.6 - 2.0 * 1.25);
+    assert!(near(loss, want_loss), "{loss} vs {want_loss}");
+    assert_eq!(c.eps_low(), 0.1);
+    assert_eq!(c.eps_high(), 0.3);
+}
+
+#[test]
+fn rec_masks_hand_computed() {
+    // Band [0.8, 1.2], ring outer bounds 1 - 0.6 = 0.4 and 1 + 2.0 = 3.0.
+    let r = [1.1f32, 1.3, 0.5, 0.3, 0.9, 0.7, 1.5, 3.5];
+    let adv = [1.0f32, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0];
+    let w = [1.0f32; 8];
+    let case = Case { behaviour: Some(&[0.0; 8]), ..Case::tokens(&adv, &w) };
+    let masks: [(ClipMode, [f32; 8]); 3] = [
+        // one-side: A > 0 while r <= 1.2, A < 0 while r >= 0.8.
+        (ClipMode::OneSide, [1.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 1.0]),
+        // two-side: 0.8 <= r <= 1.2 only.
+        (ClipMode::TwoSide, [1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0]),
+        // ring: the band, A > 0 below 0.4, A < 0 above 3.0.
+        (ClipMode::Ring, [1.0, 0.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]),
+    ];
+    let logp = logp_of(&r);
+    for (mode, m) in masks {
+        for is in [false, true] {
+            let c = ObjectiveConfig {
+                clip_mode: Some(mode),
+                importance_weight: Some(is),
+                ..cfg(ObjectiveName::Rec, 0.0, 0.0)
+            };
+            c.validate().unwrap();
+            let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
+            let factor = |i: usize| if is { r[i] } else { 1.0 };
+            let want_grad: Vec<f32> = (0..8).map(|i| -adv[i] * m[i] * factor(i)).collect();
+            assert_all_near(&grad, &want_grad, &format!("{mode:?} IS={is}"));
+            let value = |i: usize| if is { r[i] } else { logp[i] };
+            let want_loss: f32 = (0..8).map(|i| -adv[i] * m[i] * value(i)).sum();
+            assert!(near(loss, want_loss), "{mode:?} IS={is}: {loss} vs {want_loss}");
+            assert_eq!(terms.clipped_tokens, m.iter().filter(|&&x| x == 0.0).count());
+        }
+    }
+}
+
+#[test]
+fn gspo_uses_the_sequence_ratio_and_clips_whole_sequences() {
+    // Two answers of 2 and 3 tokens; token log-ratios (behaviour log-probs given) average to
+    // log s_1 = 0.1 and log s_2 = -0.3; A = (+1, -1); eps = 0.2.
+    let logp = [-1.0f32, -2.0, -0.5, -0.5, -0.5];
+    let behaviour = [-1.05f32, -2.15, -0.3, -0.1, -0.2];
+    let c = ObjectiveConfig { eps: Some(0.2), anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Gspo, 0.0, 0.0) };
+    let case = Case {
+        lengths: &[2, 3],
+        adv: &[1.0, -1.0],
+        w: &[0.25, 1.0 / 6.0],
+        behaviour: Some(&behaviour),
+        reference: None,
+    };
+    let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
+    let (s1, s2) = (0.1f32.exp(), (-0.3f32).exp());
+    // s_1 = 1.105 inside the band: gradient -w A s_1 on each token; s_2 = 0.741 < 0.8 with A < 0: clipped.
+    assert!(s1 < 1.2 && s2 < 0.8);
+    assert_all_near(&grad, &[-0.25 * s1, -0.25 * s1, 0.0, 0.0, 0.0], "gspo gradient");
+    assert_eq!(terms.clipped_tokens, 3);
+    let want = -(0.5 * s1) - 3.0 / 6.0 * (-0.8);
+    assert!(near(loss, want), "{loss} vs {want}");
+    // The seed's defaults: sequence ratio, eps 6e-4 / 8e-4, no std normalisation, the policy at the step start.
+    let d = cfg(ObjectiveName::Gspo, 0.0, 0.0);
+    assert_eq!(
+        (d.ratio_level(), d.eps_low(), d.eps_high(), d.std_normalize()),
+        (RatioLevel::Sequence, 6e-4, 8e-4, false)
+    );
+    assert_eq!(d.anchor(), Some(Anchor::Step));
+}
+
+#[test]
+fn opmd_adds_half_tau_squared_sequence_log_ratio() {
+    // Two answers (2 and 1 tokens) with snapshot log-probs; sequence log-ratios S = (0.3, -0.2).
+    let logp = [-1.0f32, -0.5, -2.0];
+    let behaviour = [-1.1f32, -0.7, -1.8];
+    let c = ObjectiveConfig { tau: Some(0.5), anchor: Some(Anchor::Snapshot), ..cfg(ObjectiveName::Opmd, 0.0, 0.0) };
+    let case =
+        Case { lengths: &[2, 1], adv: &[0.5, -0.5], w: &[0.5, 0.5], behaviour: Some(&behaviour), reference: None };
+    let (loss, grad, _) = run(c.build().as_ref(), &logp, &case);
+    let (s1, s2) = (0.3f32, -0.2f32);
+    // -sum_t w_t A_i log p_t = -(0.5 * 0.5 * -1.5) - (0.5 * -0.5 * -2) = 0.375 - 0.5.
+    let pg = 0.375 - 0.5;
+    let want = pg + 0.5 * 0.25 * (s1 * s1 + s2 * s2);
+    assert!(near(loss, want), "{loss} vs {want}");
+    // d/dlogp_t = -w A + w_i tau S_i.
+    let want_grad = [-0.25 + 0.5 * 0.5 * s1, -0.25 + 0.5 * 0.5 * s1, 0.25 + 0.5 * 0.5 * s2];
+    assert_all_near(&grad, &want_grad, "opmd gradient");
+    // With the default anchor (the policy at the start of the step) the squared term vanishes.
+    let (loss, grad, _) = run(cfg(ObjectiveName::Opmd, 0.0, 0.0).build().as_ref(), &logp, &case);
+    assert!(near(loss, pg), "{loss} vs {pg}");
+    assert_all_near(&grad, &[-0.25, -0.25, 0.25], "opmd at the step start");
+}
+
+#[test]
+fn reinforce_family_losses_hand_computed() {
+    let logp = [-1.0f32, -0.5, -2.0];
+    let case = Case { lengths: &[2, 1], adv: &[0.6, -0.4], w: &[0.25, 0.5], behaviour: None, reference: None };
+    for name in [ObjectiveName::Asymre, ObjectiveName::RedDrop, ObjectiveName::RedWeight, ObjectiveName::Sft] {
+        let (loss, grad, terms) = run(cfg(name, 0.0, 0.0).build().as_ref(), &logp, &case);
+        // -sum_t w_t A_i log p_t = -(0.25 * 0.6 * -1.5) - (0.5 * -0.4 * -2.0)
+        assert!(near(loss, 0.225 - 0.4), "{name:?}: {loss}");
+        assert_all_near(&grad, &[-0.15, -0.15, 0.2], &format!("{name:?}"));
+        assert_eq!((terms.kl, terms.clipped_tokens), (0.0, 0));
+    }
+}
+
+#[test]
+fn oapl_regresses_the_scaled_sequence_log_ratio_onto_the_optimal_advantage() {
+    // Two answers (1 and 2 tokens), anchor log-probs given, targets A = r - V* = (0.4, -0.6), beta2 = 0.5.
+    let logp = [-1.0f32, -0.5, -0.5];
+    let anchor = [-1.2f32, -0.4, -0.2];
+    let c = ObjectiveConfig { beta2: Some(0.5), anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) };
+    let case = Case { lengths: &[1, 2], adv: &[0.4, -0.6], w: &[0.5, 0.5], behaviour: Some(&anchor), reference: None };
+    let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
+    // S = (0.2, -0.4); residuals 0.5 S - A = (-0.3, 0.4); L = 0.5 (0.09 + 0.16).
+    assert!(near(loss, 0.125), "{loss}");
+    assert!(near(terms.pg_loss, 0.125) && terms.kl == 0.0);
+    // d/dlogp_t = 2 w_i beta2 (beta2 S_i - A_i).
+    assert_all_near(&grad, &[2.0 * 0.5 * 0.5 * -0.3, 0.2, 0.2], "oapl gradient");
+    // No clip, no importance ratio: a log-ratio of 30 gives a quadratic, finite loss.
+    let far = Case { behaviour: Some(&[-31.0, -0.5, -0.5]), ..case };
+    let (loss, grad, _) = run(c.build().as_ref(), &logp, &far);
+    assert!(near(loss, 0.5 * (15.0f32 - 0.4).powi(2) + 0.5 * 0.36), "{loss}");
+    assert!(near(grad[0], 14.6 * 0.5));
+    let d = cfg(ObjectiveName::Oapl, 0.0, 0.0);
+    assert_eq!((d.beta1(), d.beta2(), d.anchor(), d.anchor_every()), (1.0, 1e-3, Some(Anchor::Snapshot), 50));
+    assert!(!d.build().needs_kl() && !d.build().needs_reference());
 }
 
 #[test]
@@ -144,44 +360,193 @@ fn kl_estimators() {
 }
 
 #[test]
+fn k2_and_k3_gradients_inside_the_clamp_range() {
+    let logp = [-1.0f32, -0.5, -3.0, -0.2];
+    let reference = [-1.5f32, -0.5, -1.0, -2.5];
+    for est in [KlEstimator::K1, KlEstimator::K2, KlEstimator::K3] {
+        let lp = Var::from_slice(&logp, 4, &Device::Cpu).unwrap();
+        let k = est.per_token(lp.as_tensor(), &t(&reference)).unwrap();
+        let g = vals(k.sum_all().unwrap().backward().unwrap().get(lp.as_tensor()).unwrap());
+        let want: Vec<f32> = logp
+            .iter()
+            .zip(reference)
+            .map(|(&l, r)| match est {
+                KlEstimator::K1 => 1.0,
+                KlEstimator::K2 => l - r,
+                KlEstimator::K3 => 1.0 - (r - l).exp(), // d/dlogp of p_ref/p - log(p_ref/p) - 1
+            })
+            .collect();
+        assert!(vals(&k).iter().all(|v| v.abs() < 10.0), "{est:?}: outside the clamp");
+        assert_all_near(&g, &want, &format!("{est:?} gradient"));
+    }
+}
+
+#[test]
+fn loss_is_pg_plus_beta_times_kl() {
+    let logp = [-0.5f32, -3.0, -1.0];
+    let reference = [-1.0f32, -1.0, -1.2];
+    let w = [0.2f32, 0.3, 0.5];
+    let adv = [1.0f32, -1.0, 0.5];
+    let k3: Vec<f32> = logp.iter().zip(reference).map(|(&l, r)| (r - l).exp() - (r - l) - 1.0).collect();
+    let kl: f32 = k3.iter().zip(w).map(|(k, w)| k * w).sum();
+    for name in [
+        ObjectiveName::OffGrpo,
+        ObjectiveName::Grpo,
+        ObjectiveName::Rec,
+        ObjectiveName::Opmd,
+        ObjectiveName::Asymre,
+        ObjectiveName::Sft,
+    ] {
+        let obj = cfg(name, 0.0, 0.3).build();
+        let case = Case { reference: Some(&reference), ..Case::tokens(&adv, &w) };
+        let (loss, grad, terms) = run(obj.as_ref(), &logp, &case);
+        assert!(near(terms.kl, kl), "{name:?}: kl {} vs {kl}", terms.kl);
+        assert!(near(loss, terms.pg_loss + 0.3 * kl), "{name:?}: {loss} vs {} + 0.3 {kl}", terms.pg_loss);
+        // The KL part of the gradient: beta w_t (1 - p_ref / p), on top of the policy part.
+        let (_, pg_grad, _) = run(obj.as_ref(), &logp, &Case::tokens(&adv, &w));
+        for i in 0..3 {
+            let kl_grad = 0.3 * w[i] * (1.0 - (reference[i] - logp[i]).exp());
+            assert!(near(grad[i], pg_grad[i] + kl_grad), "{name:?} token {i}: {} vs {}", grad[i], pg_grad[i] + kl_grad);
+        }
+    }
+}
+
+#[test]
 fn kl_term_pulls_towards_the_reference() {
     let obj = cfg(ObjectiveName::OffGrpo, 0.0, 0.1).build();
-    let (_, grad, terms) = run(obj.as_ref(), &[-0.5, -3.0], &[0.0, 0.0], &[1.0, 1.0], Some(&[-1.0, -1.0]));
+    let case = Case { reference: Some(&[-1.0, -1.0]), ..Case::tokens(&[0.0, 0.0], &[1.0, 1.0]) };
+    let (_, grad, terms) = run(obj.as_ref(), &[-0.5, -3.0], &case);
     assert!(terms.kl > 0.0);
     // Above the reference: pushed down (positive gradient of the loss); below: pushed up.
     assert!(grad[0] > 0.0 && grad[1] < 0.0, "{grad:?}");
-    assert!(obj.needs_reference());
+    assert!(obj.needs_kl() && obj.needs_reference());
     // The KL term is present exactly when reference log-probs are.
-    let no_ref = TokenInputs { advantages: t(&[1.0]), weights: t(&[1.0]), ref_logp: None, behaviour_logp: None };
-    let terms = obj.loss(&t(&[-1.0]), &no_ref).unwrap();
+    let (loss, _, terms) = run(obj.as_ref(), &[-1.0], &Case::tokens(&[1.0], &[1.0]));
     assert_eq!(terms.kl, 0.0);
-    assert_eq!(terms.loss.to_scalar::<f32>().unwrap(), terms.pg_loss);
+    assert_eq!(loss, terms.pg_loss);
     assert!(!cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().needs_reference());
+    let anchored = ObjectiveConfig { anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Rec, 0.0, 0.0) }.build();
+    assert!(!anchored.needs_kl() && anchored.needs_reference());
+}
+
+#[test]
+fn a_large_log_prob_gap_gives_clipped_finite_values_never_inf_or_nan() {
+    // Teacher log-probs 60 below the policy's: the ratio exp(60) would overflow f32; clamped at exp(20).
+    let logp = [-0.1f32, -0.2, -0.3, -0.4];
+    let teacher = [-60.1f32, -60.2, -0.3, -0.4];
+    let reference = [-90.0f32, -0.2, 50.0, -0.4];
+    let adv = [1.0f32, -1.0, 1.0, -1.0];
+    let w = [0.25f32; 4];
+    let x = Var::from_slice(&[-30.0f32, -19.0, 0.0, 25.0], 4, &Device::Cpu).unwrap();
+    let e = exp_clamped(x.as_tensor()).unwrap();
+    assert_all_near(&vals(&e), &[(-20f32).exp(), (-19f32).exp(), 1.0, 20f32.exp()], "exp_clamped");
+    let g = vals(e.sum_all().unwrap().backward().unwrap().get(x.as_tensor()).unwrap());
+    assert_all_near(&g, &[0.0, (-19f32).exp(), 1.0, 0.0], "exp_clamped gradient");
+    let configs = [
+        cfg(ObjectiveName::OffGrpo, 0.0, 0.1),
+        ObjectiveConfig {
+            importance_weight: Some(true),
+            clip_mode: Some(ClipMode::Ring),
+            ..cfg(ObjectiveName::Rec, 0.0, 0.1)
+        },
+        ObjectiveConfig { eps: Some(0.2), anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Gspo, 0.0, 0.1) },
+        ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Opmd, 0.0, 0.1) },
+        ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) },
+    ];
+    for c in configs {
+        let case = Case { behaviour: Some(&teacher), reference: Some(&reference), ..Case::tokens(&adv, &w) };
+        let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
+        assert!(loss.is_finite() && terms.kl.is_finite(), "{:?}: loss {loss}", c.name);
+        assert!(grad.iter().all(|g| g.is_finite()), "{:?}: {grad:?}", c.name);
+    }
+    // off_grpo: token 0 (A > 0, ratio e^20 clipped at 1.2), token 1 (A < 0: -r A = e^20, no gradient).
+    let case = Case { behaviour: Some(&teacher), ..Case::tokens(&adv, &w) };
+    let (loss, grad, _) = run(cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().as_ref(), &logp, &case);
+    let want = 0.25 * (-1.2 + 20f32.exp() - 1.0 + 1.0);
+    assert!(near(loss, want), "{loss} vs {want}");
+    assert_eq!(&grad[..2], &[0.0, 0.0]);
 }
 
 #[test]
 fn grpo_ratio_starts_at_one_and_sft_uses_positive_answers() {
     let obj = cfg(ObjectiveName::Grpo, 0.0, 0.0).build();
-    let (loss, grad, _) = run(obj.as_ref(), &[-0.3, -2.0], &[1.0, -1.0], &[0.5, 0.5], None);
+    let (loss, grad, _) = run(obj.as_ref(), &[-0.3, -2.0], &Case::tokens(&[1.0, -1.0], &[0.5, 0.5]));
     assert!(loss.abs() < 1e-6);
     assert!((grad[0] + 0.5).abs() < 1e-6 && (grad[1] - 0.5).abs() < 1e-6, "{grad:?}");
     let sft = cfg(ObjectiveName::Sft, 0.0, 0.0).build();
-    assert_eq!(sft.include(&[1.0, 0.0, 1.0]), vec![true, false, true]);
-    let adv = sft.advantages(&[1.0, 0.0]).advantages;
-    let (loss, grad, _) = run(sft.as_ref(), &[-0.3, -2.0], &adv, &[1.0, 0.0], None);
+    let g = advantages(sft.as_ref(), &[1.0, 0.0, 1.0]);
+    assert_eq!(g.include, vec![true, false, true]);
+    let adv = advantages(sft.as_ref(), &[1.0, 0.0]).advantages;
+    let (loss, grad, _) = run(sft.as_ref(), &[-0.3, -2.0], &Case::tokens(&adv, &[1.0, 0.0]));
     assert!((loss - 0.3).abs() < 1e-6 && grad == vec![-1.0, 0.0]);
 }
 
 #[test]
-fn config_validation_names_the_field() {
-    let mut c = ObjectiveConfig { eps: 1.5, ..Default::default() };
-    assert!(c.validate().unwrap_err().contains("objective.eps"));
-    c = ObjectiveConfig { name: ObjectiveName::Sft, bias: 0.5, ..Default::default() };
-    assert!(c.validate().unwrap_err().contains("objective.bias"));
+fn options_that_do_not_apply_are_rejected_by_name() {
+    let bad = |c: ObjectiveConfig, key: &str| {
+        let e = c.validate().unwrap_err();
+        assert!(e.contains(&format!("objective.{key}")), "{key}: {e}");
+    };
+    let c = |name| cfg(name, 0.0, 0.0);
+    bad(ObjectiveConfig { eps: Some(1.5), ..Default::default() }, "eps");
+    bad(ObjectiveConfig { bias: 0.5, ..c(ObjectiveName::Sft) }, "bias");
+    bad(ObjectiveConfig { eps: Some(0.2), ..c(ObjectiveName::Sft) }, "eps");
+    bad(ObjectiveConfig { beta: 0.1, ..c(ObjectiveName::Oapl) }, "beta");
+    bad(ObjectiveConfig { kl_estimator: Some(KlEstimator::K2), ..c(ObjectiveName::Oapl) }, "kl_estimator");
+    bad(ObjectiveConfig { clip_mode: Some(ClipMode::Ring), ..c(ObjectiveName::Grpo) }, "clip_mode");
+    bad(ObjectiveConfig { importance_weight: Some(true), ..c(ObjectiveName::OffGrpo) }, "importance_weight");
+    bad(ObjectiveConfig { tau: Some(0.1), ..c(ObjectiveName::Rec) }, "tau");
+    bad(ObjectiveConfig { baseline_shift: Some(0.1), ..c(ObjectiveName::Opmd) }, "baseline_shift");
+    bad(ObjectiveConfig { std_normalize: Some(true), ..c(ObjectiveName::Asymre) }, "std_normalize");
+    bad(ObjectiveConfig { temperature: Some(2.0), ..c(ObjectiveName::RedDrop) }, "temperature");
+    bad(ObjectiveConfig { beta1: Some(1.0), ..c(ObjectiveName::Grpo) }, "beta1");
+    bad(ObjectiveConfig { anchor: Some(Anchor::Snapshot), ..c(ObjectiveName::Asymre) }, "anchor");
+    bad(ObjectiveConfig { ratio_level: Some(RatioLevel::Sequence), ..c(ObjectiveName::Opmd) }, "ratio_level");
+    bad(ObjectiveConfig { eps_low_outer: Some(0.6), ..c(ObjectiveName::Rec) }, "eps_low_outer");
+    bad(ObjectiveConfig { anchor_every: Some(10), ..c(ObjectiveName::Grpo) }, "anchor_every");
+    bad(ObjectiveConfig { anchor_every: Some(0), ..c(ObjectiveName::Oapl) }, "anchor_every");
+    bad(ObjectiveConfig { temperature: Some(0.0), ..c(ObjectiveName::RedWeight) }, "temperature");
+    bad(
+        ObjectiveConfig { clip_mode: Some(ClipMode::Ring), eps_high_outer: Some(0.1), ..c(ObjectiveName::Rec) },
+        "eps_high_outer",
+    );
+    // What applies passes.
+    let ok = [
+        ObjectiveConfig { eps: Some(0.6), eps_high: Some(2.0), ..c(ObjectiveName::Rec) },
+        ObjectiveConfig { clip_mode: Some(ClipMode::Ring), eps_low_outer: Some(0.6), ..c(ObjectiveName::Rec) },
+        ObjectiveConfig {
+            anchor: Some(Anchor::Snapshot),
+            anchor_every: Some(20),
+            tau: Some(0.1),
+            ..c(ObjectiveName::Opmd)
+        },
+        ObjectiveConfig { beta1: Some(1.0), beta2: Some(1e-3), anchor_every: Some(50), ..c(ObjectiveName::Oapl) },
+        ObjectiveConfig { ratio_level: Some(RatioLevel::Sequence), bias: 0.5, beta: 0.1, ..c(ObjectiveName::Grpo) },
+        ObjectiveConfig { loss_agg: Some(LossAgg::TokenMean), beta: 0.1, ..c(ObjectiveName::Sft) },
+    ];
+    for c in ok {
+        c.validate().unwrap_or_else(|e| panic!("{c:?}: {e}"));
+    }
+}
+
+#[test]
+fn config_parses_and_names_unknown_keys() {
     let parsed: ObjectiveConfig =
         toml::from_str("name = \"grpo\"\neps = 0.1\neps_high = 0.28\nloss_agg = \"token-mean\"").unwrap();
     assert_eq!(parsed.name, ObjectiveName::Grpo);
-    assert_eq!(parsed.loss_agg, LossAgg::TokenMean);
+    assert_eq!(parsed.loss_agg(), LossAgg::TokenMean);
+    let parsed: ObjectiveConfig =
+        toml::from_str("name = \"rec\"\nclip_mode = \"ring\"\nimportance_weight = true\nanchor = \"snapshot\"")
+            .unwrap();
+    assert_eq!(
+        (parsed.clip_mode(), parsed.importance_weight(), parsed.anchor()),
+        (ClipMode::Ring, true, Some(Anchor::Snapshot))
+    );
     let err = toml::from_str::<ObjectiveConfig>("name = \"grpo\"\nbetta = 0.1").unwrap_err().to_string();
     assert!(err.contains("betta"), "{err}");
+    // Unset options are not written back, so a resolved config validates again.
+    let text = toml::to_string(&cfg(ObjectiveName::Oapl, 0.0, 0.0)).unwrap();
+    let back: ObjectiveConfig = toml::from_str(&text).unwrap();
+    back.validate().unwrap();
+    assert!(!text.contains("eps"), "{text}");
 }

@@ -231,7 +231,8 @@ impl Run<'_> {
         let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(order.len())];
         let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
-        let report = self.step.run(&self.policy, self.reference.as_ref(), &groups, lr)?;
+        let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
+        let report = self.step.run_at(&self.policy, self.reference.as_ref(), &groups, lr, ctx)?;
         if !report.applied {
             state.nonfinite_steps += 1;
             tracing::warn!(
@@ -327,7 +328,7 @@ impl Run<'_> {
                 let stop_now = stop.load(Ordering::SeqCst);
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
-                    last_ckpt = Some(self.checkpoints.save(&self.policy, self.step.optimizer(), &state)?);
+                    last_ckpt = Some(self.checkpoints.save(&self.policy, &self.step, &state)?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
@@ -340,8 +341,8 @@ impl Run<'_> {
     }
 }
 
-/// Load the policy (from the checkpoint when resuming), the reference when the objective needs one, the
-/// tokenizer and the training step.
+/// Load the policy (from the checkpoint when resuming), the reference when the objective needs one (its
+/// KL term, or the reference as its anchor), the tokenizer and the training step.
 fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&Path>) -> Result<Run<'a>, TrainError> {
     let device = model::parse_device(&cfg.model.device)?;
     let dtype = model::parse_dtype(&cfg.model.dtype)?;
@@ -391,7 +392,7 @@ pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Out
     let resume_from = resume_point(out, &resume)?;
     let mut run = load_run(cfg, model_dir, resume_from.as_deref())?;
     let state = match &resume_from {
-        Some(ck) => checkpoint::restore(ck, run.step.optimizer_mut())?,
+        Some(ck) => checkpoint::restore(ck, &run.policy, &mut run.step)?,
         None => TrainerState::default(),
     };
     let mut metrics = MetricsLog::open(out, resume_from.is_some().then_some(state.step))?;
