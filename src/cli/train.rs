@@ -6,9 +6,20 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::train::{train, Resume, TrainConfig};
+use crate::train::{train, Resume, RunOptions, TrainConfig};
+
+/// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:
+/// EX_TEMPFAIL, "try again later", so a scheduler or script can tell it from a failure (1) and requeue with
+/// `--resume auto`.
+pub const STOPPED_EXIT_CODE: i32 = 75;
+
+/// The exit status after a second Ctrl-C / SIGTERM, which exits at once without a checkpoint.
+pub const ABORTED_EXIT_CODE: i32 = 130;
 
 #[derive(Debug, clap::Args)]
+#[command(after_help = "Exit status: 0 when the run is done; 75 when it was stopped on request (Ctrl-C, SIGTERM or \
+SIGHUP: the current step is finished and a checkpoint written; continue with --resume auto); 130 when a second \
+signal aborted it without a checkpoint; 1 on any error (including another run holding the output folder).")]
 pub struct Args {
     /// The training configuration (TOML), e.g. configs/smoke.toml or configs/openthinker3.toml.
     #[arg(long)]
@@ -17,8 +28,17 @@ pub struct Args {
     #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
     pub overrides: Vec<String>,
     /// Continue a run: `auto` (the latest checkpoint in the output folder, if any) or a checkpoint folder.
+    /// The checkpoint's model and tokenizer must be the run's, and its training config the same except for
+    /// the run's length, saving, device and speed settings (README, `grpo train`).
     #[arg(long)]
     pub resume: Option<String>,
+    /// Start a new run in an output folder that holds another run's checkpoints, deleting that run's
+    /// checkpoints, best model, validation outputs, metrics and configs (the prepared data is kept).
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
+    /// Resume even though the training config differs from the checkpoint's (the changed keys are logged).
+    #[arg(long, requires = "resume")]
+    pub allow_config_change: bool,
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
     #[arg(long)]
     pub device: Option<String>,
@@ -45,23 +65,33 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         Some("auto") => Resume::Auto,
         Some(p) => Resume::From(PathBuf::from(p)),
     };
+    let opts = RunOptions { resume, overwrite: args.overwrite, allow_config_change: args.allow_config_change };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
-    // A first Ctrl-C asks for a checkpoint after the current step; a second one exits at once.
-    let _ = ctrlc::set_handler(move || {
+    // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits
+    // at once.
+    let handler = ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
             eprintln!("interrupted twice: exiting without a checkpoint");
-            std::process::exit(130);
+            std::process::exit(ABORTED_EXIT_CODE);
         }
-        eprintln!("interrupt: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+        eprintln!("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
     });
-    let out = train(&cfg, resume, &stop).context("training failed")?;
+    if let Err(e) = handler {
+        tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");
+    }
+    let out = train(&cfg, &opts, &stop).context("training failed")?;
     match &out.checkpoint {
         Some(p) => tracing::info!("step {}: checkpoint {}", out.state.step, p.display()),
         None => tracing::info!("step {}: nothing to save", out.state.step),
     }
     if out.interrupted {
-        anyhow::bail!("interrupted at step {}; resume with --resume auto", out.state.step);
+        eprintln!(
+            "interrupted at step {}; resume with --resume auto (exit status {STOPPED_EXIT_CODE})",
+            out.state.step
+        );
+        // `train` has returned: the output folder's lock is released and every file is closed.
+        std::process::exit(STOPPED_EXIT_CODE);
     }
     Ok(())
 }

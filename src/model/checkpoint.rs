@@ -90,6 +90,49 @@ pub fn save_checkpoint(
     Ok(())
 }
 
+/// Whether `name` is one of the temporary folders that [`save_checkpoint`] and [`remove_checkpoint`] make
+/// next to a checkpoint: `.NAME.tmp-*` (being written), `.NAME.old-*` (being replaced), `.NAME.del-*`
+/// (being deleted), or a `tempfile` folder (`.tmp*`).
+pub fn is_temp_name(name: &str) -> bool {
+    name.starts_with(".tmp") || (name.starts_with('.') && [".tmp-", ".old-", ".del-"].iter().any(|m| name.contains(m)))
+}
+
+/// Delete the checkpoint folder `dir` so that a kill never leaves a half-deleted folder under its name: it is
+/// renamed to `.NAME.del-PID` first, then removed.
+pub fn remove_checkpoint(dir: &Path) -> Result<(), ModelError> {
+    let name = dir.file_name().ok_or_else(|| ModelError::Invalid(format!("bad checkpoint path {}", dir.display())))?;
+    let doomed = dir.with_file_name(format!(".{}.del-{}", name.to_string_lossy(), std::process::id()));
+    std::fs::rename(dir, &doomed).map_err(io(dir))?;
+    std::fs::remove_dir_all(&doomed).map_err(io(&doomed))
+}
+
+/// Clean the temporary folders that a killed [`save_checkpoint`] or [`remove_checkpoint`] left in `parent`
+/// (those whose name `which` accepts), returning what was removed. A checkpoint whose swap was cut short (its name missing, its previous version
+/// still at `.NAME.old-*`) gets the previous version back. Call it only while no other process writes
+/// checkpoints into `parent`.
+pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>, ModelError> {
+    let Ok(entries) = std::fs::read_dir(parent) else { return Ok(Vec::new()) };
+    let mut removed = Vec::new();
+    for entry in entries {
+        let p = entry.map_err(io(parent))?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if !p.is_dir() || !is_temp_name(&name) || !which(&name) {
+            continue;
+        }
+        if let Some((base, _)) = name.strip_prefix('.').and_then(|n| n.rsplit_once(".old-")) {
+            let target = parent.join(base);
+            if !target.exists() {
+                std::fs::rename(&p, &target).map_err(io(&p))?;
+                tracing::warn!("restored {} from an interrupted replacement", target.display());
+                continue;
+            }
+        }
+        std::fs::remove_dir_all(&p).map_err(io(&p))?;
+        removed.push(p);
+    }
+    Ok(removed)
+}
+
 fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), ModelError> {
     let dtype = opts.dtype.unwrap_or(model.dtype());
     // Rotary settings in both layouts, so that transformers 4 and 5 load the same model.
@@ -244,6 +287,38 @@ mod tests {
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
         assert_eq!(names, vec!["ckpt".to_string()]);
+    }
+
+    #[test]
+    fn leftovers_of_a_killed_save_or_delete_are_recognised_and_cleaned() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("step-00000002");
+        let m = model(Arch::Qwen3);
+        // The folder save_checkpoint writes into is one that remove_leftovers recognises.
+        let mut tmp_name = String::new();
+        save_checkpoint(&m, &out, &SaveOptions::default(), |d| {
+            tmp_name = d.file_name().unwrap().to_string_lossy().into_owned();
+            Ok(())
+        })
+        .unwrap();
+        assert!(is_temp_name(&tmp_name), "{tmp_name}");
+        for keep in ["step-00000002", "best", "latest", ".hidden", "step-1.tmp"] {
+            assert!(!is_temp_name(keep), "{keep}");
+        }
+        // A kill during a write, during a delete, and between the two renames of a replacement.
+        std::fs::create_dir_all(dir.path().join(&tmp_name)).unwrap();
+        std::fs::create_dir_all(dir.path().join(".step-00000001.del-77/sub")).unwrap();
+        std::fs::rename(&out, dir.path().join(".step-00000002.old-77")).unwrap();
+        let removed = remove_leftovers(dir.path(), |_| true).unwrap();
+        assert_eq!(removed.len(), 2, "{removed:?}");
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert_eq!(names, vec!["step-00000002".to_string()]);
+        assert!(out.join("model.safetensors").exists());
+        remove_checkpoint(&out).unwrap();
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
     }
 
     #[test]

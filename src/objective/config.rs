@@ -82,7 +82,7 @@ impl ObjectiveName {
             ObjectiveName::RedDrop => &["std_normalize", "loss_agg", KL[0], KL[1]],
             ObjectiveName::RedWeight => &["temperature", "std_normalize", "loss_agg", KL[0], KL[1]],
             ObjectiveName::Oapl => &["beta1", "beta2", "anchor", "anchor_every", "loss_agg"],
-            ObjectiveName::Sft => &["loss_agg", KL[0], KL[1]],
+            ObjectiveName::Sft => &["sft_answers", "loss_agg", KL[0], KL[1]],
         }
     }
 }
@@ -189,6 +189,20 @@ pub struct ObjectiveConfig {
     /// Steps between snapshot refreshes (anchor = snapshot), default 50 (seed 003's L for math).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub anchor_every: Option<usize>,
+    /// sft: the answers trained on, the positive ones (default) or all of them (seed 000 says both).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sft_answers: Option<SftAnswers>,
+}
+
+/// Which answers `sft` trains on. Seed 000 describes its SFT baseline both as "only positive samples" and
+/// as "all training data are treated as positive".
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SftAnswers {
+    /// The answers that agree with the majority (reward > 0).
+    Positive,
+    /// Every teacher answer.
+    All,
 }
 
 impl Default for ObjectiveConfig {
@@ -214,6 +228,7 @@ impl Default for ObjectiveConfig {
             beta2: None,
             anchor: None,
             anchor_every: None,
+            sft_answers: None,
         }
     }
 }
@@ -241,6 +256,7 @@ impl ObjectiveConfig {
             ("beta2", self.beta2.is_some()),
             ("anchor", self.anchor.is_some()),
             ("anchor_every", self.anchor_every.is_some()),
+            ("sft_answers", self.sft_answers.is_some()),
         ];
         set.iter().filter(|(_, s)| *s).map(|(k, _)| *k).collect()
     }
@@ -335,6 +351,10 @@ impl ObjectiveConfig {
     /// Steps between refreshes of the anchor snapshot.
     pub fn anchor_every(&self) -> usize {
         self.anchor_every.unwrap_or(50)
+    }
+
+    pub fn sft_answers(&self) -> SftAnswers {
+        self.sft_answers.unwrap_or(SftAnswers::Positive)
     }
 
     /// Check ranges and that every option set applies to the chosen objective.

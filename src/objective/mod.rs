@@ -31,7 +31,7 @@ pub mod reinforce;
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
-pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel};
+pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel, SftAnswers};
 
 /// The bound of every log-ratio before `exp` (verl's clamp).
 pub const MAX_LOG_RATIO: f32 = 20.0;

@@ -17,7 +17,7 @@ use candle_core::{Result, Tensor};
 
 use super::{
     finish, group_advantages, weighted_sum, AdvantageConfig, Anchor, GroupAdvantages, GroupKey, LossTerms, Objective,
-    ObjectiveConfig, RewardStats, TokenInputs, MAX_LOG_RATIO,
+    ObjectiveConfig, RewardStats, SftAnswers, TokenInputs, MAX_LOG_RATIO,
 };
 
 /// `-sum_t w_t A_i log pi(o_t)`.
@@ -192,10 +192,11 @@ impl Objective for RedWeight {
     }
 }
 
-/// `sft`: negative log-likelihood of the answers with a positive reward only,
+/// `sft`: negative log-likelihood of the answers with a positive reward (`sft_answers = "positive"`, the
+/// default) or of every answer (`"all"`),
 ///
 /// ```text
-/// l_t = -log pi_theta(o_t) + beta KL_t   for answers with r_i > 0
+/// l_t = -log pi_theta(o_t) + beta KL_t   for answers with r_i > 0 (positive) or all answers (all)
 /// ```
 pub struct Sft(pub ObjectiveConfig);
 
@@ -207,9 +208,11 @@ impl Objective for Sft {
         self.0.beta > 0.0
     }
     fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
+        let all = self.0.sft_answers() == SftAnswers::All;
+        let trained = |r: f32| all || r > 0.0;
         GroupAdvantages {
-            advantages: rewards.iter().map(|&r| if r > 0.0 { 1.0 } else { 0.0 }).collect(),
-            include: rewards.iter().map(|&r| r > 0.0).collect(),
+            advantages: rewards.iter().map(|&r| if trained(r) { 1.0 } else { 0.0 }).collect(),
+            include: rewards.iter().map(|&r| trained(r)).collect(),
             rewards: RewardStats::of(rewards),
             bias_applied: false,
         }

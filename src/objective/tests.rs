@@ -479,6 +479,13 @@ fn grpo_ratio_starts_at_one_and_sft_uses_positive_answers() {
     let adv = advantages(sft.as_ref(), &[1.0, 0.0]).advantages;
     let (loss, grad, _) = run(sft.as_ref(), &[-0.3, -2.0], &Case::tokens(&adv, &[1.0, 0.0]));
     assert!((loss - 0.3).abs() < 1e-6 && grad == vec![-1.0, 0.0]);
+    // sft_answers = "all": every teacher answer is a positive sample.
+    let all = ObjectiveConfig { sft_answers: Some(SftAnswers::All), ..cfg(ObjectiveName::Sft, 0.0, 0.0) };
+    all.validate().unwrap();
+    let g = advantages(all.build().as_ref(), &[1.0, 0.0, 1.0]);
+    assert_eq!((g.include, g.advantages), (vec![true; 3], vec![1.0; 3]));
+    let wrong = ObjectiveConfig { sft_answers: Some(SftAnswers::All), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) };
+    assert!(wrong.validate().unwrap_err().contains("objective.sft_answers"));
 }
 
 #[test]

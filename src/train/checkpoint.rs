@@ -8,8 +8,12 @@ use candle_core::{DType, Device, Tensor};
 
 use super::step::TrainStep;
 use super::{io, write_atomic, TrainError, TrainerState};
-use crate::model::checkpoint::SaveOptions;
+use crate::model::checkpoint::{remove_checkpoint, SaveOptions};
 use crate::model::{save_checkpoint, Decoder, ModelError};
+
+/// The training config inside each checkpoint: the configuration of the run segment that wrote it, which a
+/// resume compares with its own.
+pub const CONFIG_FILE: &str = "train_config.toml";
 
 /// The checkpoint named by OUTPUT/checkpoints/latest.
 pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
@@ -19,6 +23,75 @@ pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
     p.join("trainer_state.json").exists().then_some(p)
 }
 
+/// The checkpoint `--resume auto` continues: the one `latest` names (an error naming what is missing when it
+/// is damaged), else the newest complete step folder, else none.
+pub(super) fn auto_resume_point(output_dir: &Path) -> Result<Option<PathBuf>, TrainError> {
+    let dir = output_dir.join("checkpoints");
+    if let Ok(name) = std::fs::read_to_string(dir.join("latest")) {
+        let ck = dir.join(name.trim());
+        check_complete(&ck)?;
+        return Ok(Some(ck));
+    }
+    let newest = step_dirs(&dir)?.into_iter().rev().find(|p| check_complete(p).is_ok());
+    if let Some(p) = &newest {
+        tracing::warn!(
+            "{} has no `latest`; resuming from the newest complete checkpoint, {}",
+            dir.display(),
+            p.display()
+        );
+    }
+    Ok(newest)
+}
+
+/// The step-N folders of OUTPUT/checkpoints, oldest first (none when the folder does not exist).
+pub(super) fn step_dirs(dir: &Path) -> Result<Vec<PathBuf>, TrainError> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Ok(Vec::new()) };
+    let mut steps = Vec::new();
+    for entry in entries {
+        let p = entry.map_err(io(dir))?.path();
+        if p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")) {
+            steps.push(p);
+        }
+    }
+    steps.sort();
+    Ok(steps)
+}
+
+/// The run a checkpoint belongs to (the run id of its trainer state); None when that is unreadable.
+pub(super) fn run_of(ck: &Path) -> Option<String> {
+    read_state(ck).ok().map(|s| s.run_id)
+}
+
+/// Check that `ck` holds every file a resume reads, naming those that are missing.
+pub(super) fn check_complete(ck: &Path) -> Result<(), TrainError> {
+    let damaged = |message: String| Err(TrainError::Damaged { ck: ck.to_path_buf(), message });
+    if !ck.is_dir() {
+        return damaged("the folder does not exist".into());
+    }
+    let mut files: Vec<String> =
+        ["config.json", "trainer_state.json", "optimizer.safetensors"].iter().map(|f| f.to_string()).collect();
+    let index = ck.join("model.safetensors.index.json");
+    if index.exists() {
+        let v: serde_json::Value =
+            std::fs::read(&index).ok().and_then(|b| serde_json::from_slice(&b).ok()).ok_or_else(|| {
+                TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{} is unreadable", index.display()) }
+            })?;
+        let shards = v["weight_map"].as_object().map(|m| m.values().filter_map(|f| f.as_str()).collect::<Vec<_>>());
+        let mut shards: Vec<String> = shards.unwrap_or_default().into_iter().map(String::from).collect();
+        shards.sort();
+        shards.dedup();
+        files.extend(shards);
+    } else {
+        files.push("model.safetensors".into());
+    }
+    let missing: Vec<String> = files.into_iter().filter(|f| !ck.join(f).is_file()).collect();
+    if missing.is_empty() {
+        Ok(())
+    } else {
+        damaged(format!("missing {}", missing.join(", ")))
+    }
+}
+
 /// Where and how a run writes its checkpoints.
 pub(super) struct Checkpointer {
     pub output_dir: PathBuf,
@@ -26,6 +99,8 @@ pub(super) struct Checkpointer {
     pub model_dir: PathBuf,
     pub save_dtype: Option<DType>,
     pub keep_last: usize,
+    /// The run's configuration (TOML), written into every checkpoint as [`CONFIG_FILE`].
+    pub config_toml: String,
 }
 
 impl Checkpointer {
@@ -38,9 +113,13 @@ impl Checkpointer {
         let dir = self.output_dir.join("checkpoints");
         let name = format!("step-{:08}", state.step);
         let path = dir.join(&name);
-        save_checkpoint(policy, &path, &self.options(), |tmp| write_trainer_files(tmp, step, state))?;
+        save_checkpoint(policy, &path, &self.options(), |tmp| {
+            write_trainer_files(tmp, step, state)?;
+            let c = tmp.join(CONFIG_FILE);
+            std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c, source })
+        })?;
         write_atomic(&dir.join("latest"), name.as_bytes())?;
-        self.prune(&dir)?;
+        prune(&dir, &state.run_id, self.keep_last, state.step)?;
         Ok(path)
     }
 
@@ -50,23 +129,26 @@ impl Checkpointer {
         save_checkpoint(policy, &path, &self.options(), |_| Ok(()))?;
         Ok(path)
     }
+}
 
-    /// Keep the newest `keep_last` step folders.
-    fn prune(&self, dir: &Path) -> Result<(), TrainError> {
-        let mut steps: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(io(dir))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_dir() && p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step-")))
-            .collect();
-        steps.sort();
-        let keep = self.keep_last.max(1);
-        if steps.len() > keep {
-            for old in &steps[..steps.len() - keep] {
-                std::fs::remove_dir_all(old).map_err(io(old))?;
-            }
-        }
-        Ok(())
+/// The step number of a step-N folder.
+fn step_of(ck: &Path) -> Option<usize> {
+    ck.file_name()?.to_str()?.strip_prefix("step-")?.parse().ok()
+}
+
+/// Keep the newest `keep` checkpoints of the run `run` up to step `upto` (the one just written) in `dir`.
+/// Other runs' checkpoints are never touched, nor this run's later ones (left by a continuation that a resume
+/// from an earlier checkpoint abandoned; they are replaced as the run reaches them). Each deleted folder goes
+/// through a temporary name, so a kill never leaves a half-deleted folder under a checkpoint's name.
+fn prune(dir: &Path, run: &str, keep: usize, upto: usize) -> Result<(), TrainError> {
+    let mine: Vec<PathBuf> = step_dirs(dir)?
+        .into_iter()
+        .filter(|p| step_of(p).is_some_and(|s| s <= upto) && run_of(p).as_deref() == Some(run))
+        .collect();
+    for old in &mine[..mine.len().saturating_sub(keep.max(1))] {
+        remove_checkpoint(old)?;
     }
+    Ok(())
 }
 
 /// Write named tensors (moved to the CPU) as one safetensors file.
@@ -100,25 +182,42 @@ fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Re
 /// The anchor snapshot's file in a checkpoint.
 const ANCHOR_FILE: &str = "anchor.safetensors";
 
-/// Read a checkpoint's trainer state, restore the optimiser from it and, when the checkpoint holds one,
-/// the training step's anchor snapshot (a frozen copy shaped like `policy`).
-pub(super) fn restore(ck: &Path, policy: &Decoder, step: &mut TrainStep) -> Result<TrainerState, TrainError> {
+/// Read a checkpoint's trainer state.
+pub(super) fn read_state(ck: &Path) -> Result<TrainerState, TrainError> {
     let s = ck.join("trainer_state.json");
-    let state: TrainerState = serde_json::from_slice(&std::fs::read(&s).map_err(io(&s))?)
-        .map_err(|e| TrainError::Stopped(format!("{}: {e}", s.display())))?;
-    let opt_path = ck.join("optimizer.safetensors");
-    let st = candle_core::safetensors::load(&opt_path, &Device::Cpu)?;
-    step.optimizer_mut().load_state(|n| st.get(n).cloned(), state.step as u64)?;
-    if stores_snapshot(step, &state) {
+    serde_json::from_slice(&std::fs::read(&s).map_err(io(&s))?)
+        .map_err(|e| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("trainer_state.json: {e}") })
+}
+
+/// Restore, from the checkpoint whose trainer state is `state`, the optimiser and, when the checkpoint
+/// holds one, the training step's anchor snapshot (a frozen copy shaped like `policy`).
+pub(super) fn restore(
+    ck: &Path,
+    state: &TrainerState,
+    policy: &Decoder,
+    step: &mut TrainStep,
+) -> Result<(), TrainError> {
+    let damaged = |file: &str| {
+        let file = file.to_string();
+        move |e: candle_core::Error| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") }
+    };
+    let st = candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu)
+        .map_err(damaged("optimizer.safetensors"))?;
+    step.optimizer_mut()
+        .load_state(|n| st.get(n).cloned(), state.step as u64)
+        .map_err(damaged("optimizer.safetensors"))?;
+    if stores_snapshot(step, state) {
         let p = ck.join(ANCHOR_FILE);
         if !p.exists() {
-            return Err(TrainError::Stopped(format!(
-                "{} has no {ANCHOR_FILE}: the objective's anchor snapshot of step {} cannot be restored",
-                ck.display(),
-                state.step
-            )));
+            return Err(TrainError::Damaged {
+                ck: ck.to_path_buf(),
+                message: format!(
+                    "missing {ANCHOR_FILE}: the objective's anchor snapshot of step {} cannot be restored",
+                    state.step
+                ),
+            });
         }
-        let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu)?;
+        let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu).map_err(damaged(ANCHOR_FILE))?;
         let get = |name: &str, _: &[usize]| tensors.remove(name).ok_or_else(|| ModelError::Missing(name.into()));
         let mut snapshot = Decoder::from_tensors(policy.config().clone(), get, policy.dtype(), policy.device(), false)?;
         snapshot.options = policy.options.clone();
@@ -131,5 +230,33 @@ pub(super) fn restore(ck: &Path, policy: &Decoder, step: &mut TrainStep) -> Resu
         state.epoch,
         state.batch_in_epoch
     );
-    Ok(state)
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake(dir: &Path, step: usize, run: &str) {
+        let ck = dir.join(format!("step-{step:08}"));
+        std::fs::create_dir_all(&ck).unwrap();
+        let state = TrainerState { step, run_id: run.into(), ..Default::default() };
+        std::fs::write(ck.join("trainer_state.json"), serde_json::to_vec(&state).unwrap()).unwrap();
+    }
+
+    #[test]
+    fn pruning_deletes_only_this_runs_older_checkpoints() {
+        let dir = tempfile::tempdir().unwrap();
+        for (step, run) in [(2, "a"), (4, "b"), (6, "a"), (8, "a"), (10, "a")] {
+            fake(dir.path(), step, run);
+        }
+        std::fs::create_dir_all(dir.path().join("step-unreadable")).unwrap();
+        prune(dir.path(), "a", 1, 8).unwrap();
+        let mut names: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        names.sort();
+        assert_eq!(names, ["step-00000004", "step-00000008", "step-00000010", "step-unreadable"]);
+        assert_eq!(step_dirs(dir.path()).unwrap().len(), 4);
+        assert_eq!(run_of(&dir.path().join("step-00000004")).as_deref(), Some("b"));
+    }
 }

@@ -10,6 +10,8 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+mod resume;
+mod run_dir;
 pub mod step;
 
 use std::path::{Path, PathBuf};
@@ -24,6 +26,7 @@ pub use checkpoint::latest_checkpoint;
 use checkpoint::Checkpointer;
 pub use config::TrainConfig;
 use metrics::{MetricsLog, StepMetrics};
+pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
 
 use crate::data::{self, PreparedDataset};
@@ -46,6 +49,20 @@ pub enum TrainError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Stopped(String),
+    #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
+    Busy { dir: PathBuf, holder: String },
+    #[error("will not start in {}: {message}", dir.display())]
+    OutputHasRun { dir: PathBuf, message: String },
+    #[error("damaged checkpoint {}: {message}", ck.display())]
+    Damaged { ck: PathBuf, message: String },
+    #[error("cannot resume from {}: {message}", ck.display())]
+    Incompatible { ck: PathBuf, message: String },
+    #[error(
+        "cannot resume from {}: the training config differs from the checkpoint's (pass --allow-config-change \
+         to resume with the new values):\n{changes}",
+        ck.display()
+    )]
+    ConfigChanged { ck: PathBuf, changes: String },
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -64,6 +81,9 @@ pub struct TrainerState {
     pub nonfinite_steps: u64,
     pub best_score: Option<f64>,
     pub best_step: Option<usize>,
+    /// Identifies the run (kept across resumes): pruning only ever deletes this run's checkpoints.
+    #[serde(default)]
+    pub run_id: String,
 }
 
 /// How to start.
@@ -75,6 +95,18 @@ pub enum Resume {
     Auto,
     /// Continue from this checkpoint folder.
     From(PathBuf),
+}
+
+/// How a run starts in its output folder.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunOptions {
+    pub resume: Resume,
+    /// A new run in a folder that holds another run's checkpoints deletes that run's results (without it, the
+    /// run is refused).
+    pub overwrite: bool,
+    /// Resume even when the training config differs from the checkpoint's in keys outside
+    /// [`RESUMABLE_KEYS`].
+    pub allow_config_change: bool,
 }
 
 /// What a run did.
@@ -137,28 +169,48 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
     Ok(dataset)
 }
 
-/// The checkpoint to resume from, if any.
-fn resume_point(out: &Path, resume: &Resume) -> Result<Option<PathBuf>, TrainError> {
+/// The checkpoint to resume from, if any, with its trainer state.
+fn resume_point(out: &Path, resume: &Resume) -> Result<Option<(PathBuf, TrainerState)>, TrainError> {
     let from = match resume {
         Resume::No => None,
-        Resume::Auto => latest_checkpoint(out),
-        Resume::From(p) => {
-            if !p.join("trainer_state.json").exists() {
-                return Err(TrainError::Stopped(format!(
-                    "{} is not a grpo checkpoint (no trainer_state.json)",
-                    p.display()
-                )));
+        Resume::Auto => {
+            let ck = checkpoint::auto_resume_point(out)?;
+            if ck.is_none() {
+                tracing::info!("no checkpoint in {}: starting at step 0", out.display());
             }
+            ck
+        }
+        Resume::From(p) => {
+            checkpoint::check_complete(p)?;
             Some(p.clone())
         }
     };
-    if from.is_none() && latest_checkpoint(out).is_some() {
-        tracing::warn!(
-            "{} already has checkpoints; starting a new run from step 0 (use --resume auto to continue it)",
-            out.display()
-        );
-    }
-    Ok(from)
+    from.map(|ck| checkpoint::read_state(&ck).map(|state| (ck, state))).transpose()
+}
+
+/// A new run's id: unique enough to tell runs of one folder apart.
+fn new_run_id() -> String {
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    format!("{nanos:x}-{}", std::process::id())
+}
+
+/// Write the configuration of this run segment: OUTPUT/config.toml for a run from step 0 (which removes the
+/// resumed segments' configs of an earlier run), OUTPUT/config-resume-step-N.toml for a segment resumed at
+/// step N (earlier segments' files are kept).
+fn write_config(cfg: &TrainConfig, resumed_at: Option<usize>) -> Result<(), TrainError> {
+    let out = &cfg.train.output_dir;
+    let name = match resumed_at {
+        None => {
+            for p in std::fs::read_dir(out).map_err(io(out))?.filter_map(|e| e.ok().map(|e| e.path())) {
+                if p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("config-resume-step-")) {
+                    std::fs::remove_file(&p).map_err(io(&p))?;
+                }
+            }
+            "config.toml".to_string()
+        }
+        Some(step) => format!("config-resume-step-{step:08}.toml"),
+    };
+    write_atomic(&out.join(name), cfg.to_toml().as_bytes())
 }
 
 /// The number of steps of a run over `n_groups` groups.
@@ -303,6 +355,11 @@ impl Run<'_> {
         while state.step < plan.total_steps && state.epoch < plan.epochs {
             let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
             while state.batch_in_epoch < plan.steps_per_epoch && state.step < plan.total_steps {
+                if stop.load(Ordering::SeqCst) {
+                    // Asked to stop before this segment's first step: nothing new to save.
+                    bar.abandon_with_message("interrupted");
+                    return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
+                }
                 let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
                 bad_in_row = if m.skipped { bad_in_row + 1 } else { 0 };
                 bar.set_position(state.step as u64);
@@ -376,24 +433,39 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
         model_dir,
         save_dtype,
         keep_last: cfg.train.keep_last,
+        config_toml: cfg.to_toml(),
     };
     Ok(Run { cfg, policy, reference, step, tok, checkpoints })
 }
 
-/// Run (or resume) the training described by `cfg`. `stop` is set by Ctrl-C: the run writes a checkpoint
-/// after the current step and returns with `interrupted = true`.
-pub fn train(cfg: &TrainConfig, resume: Resume, stop: &AtomicBool) -> Result<Outcome, TrainError> {
+/// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
+/// refuses a folder that holds another run's checkpoints unless `opts.overwrite`; a resume checks the
+/// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
+/// writes a checkpoint after the current step and returns with `interrupted = true`.
+pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
     cfg.validate()?;
     let out = &cfg.train.output_dir;
     std::fs::create_dir_all(out).map_err(io(out))?;
-    write_atomic(&out.join("config.toml"), cfg.to_toml().as_bytes())?;
+    let _lock = run_dir::lock(out)?;
+    run_dir::clean_leftovers(out)?;
+    let resumed = resume_point(out, &opts.resume)?;
+    run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
+    if let Some((ck, _)) = &resumed {
+        resume::check_config(ck, cfg, opts.allow_config_change)?;
+    }
     let model_dir = ensure_model(cfg)?;
+    if let Some((ck, _)) = &resumed {
+        resume::check_model(ck, &model_dir)?;
+    }
+    write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     let dataset = prepare_data(cfg, &model_dir)?;
-    let resume_from = resume_point(out, &resume)?;
-    let mut run = load_run(cfg, model_dir, resume_from.as_deref())?;
-    let state = match &resume_from {
-        Some(ck) => checkpoint::restore(ck, &run.policy, &mut run.step)?,
-        None => TrainerState::default(),
+    let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()))?;
+    let (resume_from, state) = match resumed {
+        Some((ck, state)) => {
+            checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
+            (Some(ck), state)
+        }
+        None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
     };
     let mut metrics = MetricsLog::open(out, resume_from.is_some().then_some(state.step))?;
     run.train_epochs(&dataset, state, &mut metrics, resume_from, stop)

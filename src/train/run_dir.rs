@@ -1,0 +1,122 @@
+//! The output folder of a run: one run at a time (an OS lock on OUTPUT/.lock), no leftovers of a killed
+//! run, and no run writing over another run's checkpoints.
+
+use std::fs::{File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use super::checkpoint::{run_of, step_dirs};
+use super::{io, TrainError};
+use crate::model::checkpoint::{remove_checkpoint, remove_leftovers};
+
+/// The exclusive lock of an output folder, held as long as this value lives. It is an OS file lock
+/// (`flock`), so the OS releases it when the process ends, however it ends: there are no stale locks.
+pub(super) struct FolderLock {
+    _file: File,
+}
+
+/// This machine's host name (part of the lock holder's description).
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if rc == 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown host".into()
+    }
+}
+
+/// Take OUTPUT/.lock, or fail naming the process that holds it. The file holds the holder's pid and host. On
+/// a file system that cannot lock, the run goes on with a warning.
+pub(super) fn lock(out: &Path) -> Result<FolderLock, TrainError> {
+    let path = out.join(".lock");
+    let mut file =
+        OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io(&path))?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = match text.split_whitespace().collect::<Vec<_>>()[..] {
+                [pid, host, ..] => format!("pid {pid} on {host}"),
+                [pid] => format!("pid {pid}"),
+                [] => "pid unknown".into(),
+            };
+            return Err(TrainError::Busy { dir: out.to_path_buf(), holder });
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            // A file system without locks (some network mounts): run, but say that nothing guards the folder.
+            tracing::warn!("cannot lock {}: {e}; another run on this folder would not be stopped", path.display());
+        }
+    }
+    file.set_len(0)
+        .and_then(|()| writeln!(file, "{} {}", std::process::id(), host_name()))
+        .and_then(|()| file.flush())
+        .map_err(io(&path))?;
+    Ok(FolderLock { _file: file })
+}
+
+/// Remove what a killed run left half-written or half-deleted: temporary checkpoint folders in
+/// OUTPUT/checkpoints, and those of `best/` and of an interrupted `--overwrite` in OUTPUT. Needs the lock.
+pub(super) fn clean_leftovers(out: &Path) -> Result<(), TrainError> {
+    let ours = |name: &str| ["best", "checkpoints", "validation"].iter().any(|b| name.starts_with(&format!(".{b}.")));
+    let mut removed = remove_leftovers(&out.join("checkpoints"), |_| true)?;
+    removed.extend(remove_leftovers(out, ours)?);
+    for p in removed {
+        tracing::warn!("removed {} (left by an interrupted run)", p.display());
+    }
+    Ok(())
+}
+
+/// What a previous run wrote into an output folder (`prepared/` and the model are kept: they are inputs).
+fn previous_run_files(out: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> =
+        ["checkpoints", "best", "validation", "metrics.jsonl", "config.toml"].iter().map(|n| out.join(n)).collect();
+    if let Ok(entries) = std::fs::read_dir(out) {
+        files.extend(
+            entries
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("config-resume-"))),
+        );
+    }
+    files.retain(|p| p.exists());
+    files
+}
+
+/// Make sure OUTPUT/checkpoints holds no checkpoint of a run other than `run` (the run id of the
+/// checkpoint being resumed; None for a new run). A new run given `overwrite` deletes the previous run's
+/// results instead; otherwise it is refused, as is a resume into a folder that holds another run.
+pub(super) fn claim(out: &Path, run: Option<&str>, overwrite: bool) -> Result<(), TrainError> {
+    let ckdir = out.join("checkpoints");
+    let foreign: Vec<PathBuf> =
+        step_dirs(&ckdir)?.into_iter().filter(|p| run.is_none() || run_of(p).as_deref() != run).collect();
+    if foreign.is_empty() {
+        return Ok(());
+    }
+    let names = foreign.iter().map(|p| p.file_name().unwrap_or_default().to_string_lossy()).collect::<Vec<_>>();
+    let names = names.join(", ");
+    if run.is_some() {
+        let message = format!(
+            "it holds checkpoints of another run ({names}); resume into another train.output_dir, or remove them"
+        );
+        return Err(TrainError::OutputHasRun { dir: out.to_path_buf(), message });
+    }
+    if !overwrite {
+        let message = format!(
+            "it holds the checkpoints of a previous run ({names}); continue that run with --resume auto, start \
+             over with --overwrite (deletes its checkpoints, best model and metrics), or choose another \
+             train.output_dir"
+        );
+        return Err(TrainError::OutputHasRun { dir: out.to_path_buf(), message });
+    }
+    for p in previous_run_files(out) {
+        tracing::warn!("--overwrite: deleting {} of the previous run", p.display());
+        if p.is_dir() {
+            remove_checkpoint(&p)?;
+        } else {
+            std::fs::remove_file(&p).map_err(io(&p))?;
+        }
+    }
+    Ok(())
+}
