@@ -66,9 +66,26 @@ fn aime25_on_a_tiny_model_reports_consistent_numbers_and_resumes() {
 fn registered_benchmarks_are_listed() {
     let a = common::grpo().args(["eval", "--list"]).assert().success();
     let s = String::from_utf8_lossy(&a.get_output().stdout).to_string();
-    for b in ["aime25", "aime24", "amc23", "math500"] {
+    for b in ["aime25", "aime25_1", "aime25_2", "aime24", "amc23", "math500"] {
         assert!(s.contains(b));
     }
+}
+
+#[test]
+fn aime25_parts_one_and_two_are_reported_apart() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    common::init_tiny("qwen3", "qwen3", &model);
+    let out = dir.path().join("eval");
+    let args = ["--bench", "aime25_1,aime25_2", "--n", "1", "--temperature", "0", "--max-new-tokens", "2"];
+    let a = eval(&args, &model, &out).success();
+    let stdout = String::from_utf8_lossy(&a.get_output().stdout).to_string();
+    assert!(stdout.contains("aime25_1") && stdout.contains("aime25_2"), "{stdout}");
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    for part in ["aime25_1", "aime25_2"] {
+        assert_eq!(report["benchmarks"][part]["n_problems"], 15, "{report}");
+    }
+    assert_eq!(common::read_jsonl(&out.join("generations.jsonl")).len(), 30);
 }
 
 #[test]
