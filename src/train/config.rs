@@ -228,19 +228,6 @@ pub struct TrainConfig {
     pub validation: Option<ValidationSection>,
 }
 
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur.push((prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 /// Add "did you mean" to serde's "unknown field `x`, expected one of `a`, `b`" messages.
 fn suggest(message: &str) -> String {
     let Some(start) = message.find("unknown field `") else { return message.to_string() };
@@ -248,8 +235,8 @@ fn suggest(message: &str) -> String {
     let Some(end) = rest.find('`') else { return message.to_string() };
     let unknown = &rest[..end];
     let candidates: Vec<&str> = rest[end..].split('`').skip(2).step_by(2).collect();
-    match candidates.iter().min_by_key(|c| edit_distance(unknown, c)) {
-        Some(best) if edit_distance(unknown, best) <= unknown.len().max(3) / 2 + 1 => {
+    match candidates.iter().min_by_key(|c| strsim::levenshtein(unknown, c)) {
+        Some(best) if strsim::levenshtein(unknown, best) <= unknown.len().max(3) / 2 + 1 => {
             format!("{} (did you mean `{best}`?)", message.trim_end())
         }
         _ => message.to_string(),
