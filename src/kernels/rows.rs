@@ -188,12 +188,25 @@ pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tens
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{launch, u32_view, view, LOGPROB_PTX as PTX};
-    const MODULE: &str = "grpo_logprob";
+    use crate::kernels::cuda::{f32_view, kernel_name, launch, u32_view, Float, Map1, LOGPROB};
+
+    struct Stats<'a> {
+        targets: CudaView<'a, u32>,
+        n: usize,
+        v: usize,
+    }
+
+    impl Map1 for Stats<'_> {
+        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let cfg = LaunchConfig { grid_dim: (self.n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+            let (name, v) = (kernel_name::<T>("lp_row_stats"), self.v as u32);
+            Ok(launch!(dev, LOGPROB, name, cfg, f32, self.n * 3, [z, &self.targets], [&v]))
+        }
+    }
 
     pub fn stats(
         z: &CudaStorage,
@@ -203,25 +216,25 @@ mod cuda {
         n: usize,
         v: usize,
     ) -> Result<CudaStorage> {
-        let dev = &z.device;
-        let t = u32_view(t, lt, "targets")?;
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-        let v32 = v as u32;
-        Ok(match &z.slice {
-            CudaStorageSlice::F32(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_f32", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            CudaStorageSlice::BF16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_bf16", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            CudaStorageSlice::F16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_f16", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
-        })
+        Stats { targets: u32_view(t, lt, "targets")?, n, v }.map((z, lz, "logits"))
+    }
+
+    struct Grad<'a> {
+        targets: CudaView<'a, u32>,
+        coef: CudaView<'a, f32>,
+        n: usize,
+        v: usize,
+    }
+
+    impl Map1 for Grad<'_> {
+        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let threads = 256u32;
+            let per_row = (self.v as u32).div_ceil(threads * 4).clamp(1, 65535);
+            let cfg =
+                LaunchConfig { grid_dim: (self.n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let (name, v) = (kernel_name::<T>("lp_row_grad"), self.v as u32);
+            Ok(launch!(dev, LOGPROB, name, cfg, T, self.n * self.v, [z, &self.targets, &self.coef], [&v]))
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -235,31 +248,8 @@ mod cuda {
         n: usize,
         v: usize,
     ) -> Result<CudaStorage> {
-        let dev = &z.device;
-        let t = u32_view(t, lt, "targets")?;
-        let coef = match &c.slice {
-            CudaStorageSlice::F32(s) => view(s, lc, "coefficients")?,
-            _ => candle_core::bail!("coefficients must be f32"),
-        };
-        let threads = 256u32;
-        let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
-        let cfg = LaunchConfig { grid_dim: (n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let (v32, len) = (v as u32, n * v);
-        Ok(match &z.slice {
-            CudaStorageSlice::F32(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_f32", cfg, f32, len, [&z, &t, &coef], [&v32])
-            }
-            CudaStorageSlice::BF16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_bf16", cfg, half::bf16, len, [&z, &t, &coef], [&v32])
-            }
-            CudaStorageSlice::F16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_f16", cfg, half::f16, len, [&z, &t, &coef], [&v32])
-            }
-            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
-        })
+        let (targets, coef) = (u32_view(t, lt, "targets")?, f32_view(c, lc, "coefficients")?);
+        Grad { targets, coef, n, v }.map((z, lz, "logits"))
     }
 }
 
