@@ -15,9 +15,8 @@ pub struct Module {
     pub ptx: &'static str,
 }
 
-/// kernels/logprob.cu.
-pub const LOGPROB: Module =
-    Module { name: "grpo_logprob", ptx: include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx")) };
+/// kernels/rows.cu.
+pub const ROWS: Module = Module { name: "grpo_rows", ptx: include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx")) };
 /// kernels/attention.cu.
 pub const ATTENTION: Module =
     Module { name: "grpo_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };

@@ -5,7 +5,7 @@
 //! - [`row_grad`]: `dz[r, v] = g_r (onehot(t_r)[v] - exp(z[r, v] - lse_r))` in the logits' dtype.
 //!
 //! The CPU implementations here (rayon over rows, f32 accumulation) are the reference; with the `cuda`
-//! feature the same functions run as kernels/logprob.cu on the GPU. A target outside `[0, V)` is an
+//! feature the same functions run as kernels/rows.cu on the GPU. A target outside `[0, V)` is an
 //! error on the CPU and gives NaN on the GPU (no device sync to check it).
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -192,7 +192,7 @@ mod cuda {
     use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{f32_view, kernel_name, launch, u32_view, Float, Map1, LOGPROB};
+    use crate::kernels::cuda::{f32_view, kernel_name, launch, u32_view, Float, Map1, ROWS};
 
     struct Stats<'a> {
         targets: CudaView<'a, u32>,
@@ -204,7 +204,7 @@ mod cuda {
         fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
             let cfg = LaunchConfig { grid_dim: (self.n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
             let (name, v) = (kernel_name::<T>("lp_row_stats"), self.v as u32);
-            Ok(launch!(dev, LOGPROB, name, cfg, f32, self.n * 3, [z, &self.targets], [&v]))
+            Ok(launch!(dev, ROWS, name, cfg, f32, self.n * 3, [z, &self.targets], [&v]))
         }
     }
 
@@ -233,7 +233,7 @@ mod cuda {
             let cfg =
                 LaunchConfig { grid_dim: (self.n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             let (name, v) = (kernel_name::<T>("lp_row_grad"), self.v as u32);
-            Ok(launch!(dev, LOGPROB, name, cfg, T, self.n * self.v, [z, &self.targets, &self.coef], [&v]))
+            Ok(launch!(dev, ROWS, name, cfg, T, self.n * self.v, [z, &self.targets, &self.coef], [&v]))
         }
     }
 
