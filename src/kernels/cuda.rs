@@ -16,7 +16,7 @@ pub struct Module {
 }
 
 /// kernels/rows.cu.
-pub const ROWS: Module = Module { name: "grpo_rows", ptx: include_str!(concat!(env!("OUT_DIR"), "/logprob.ptx")) };
+pub const ROWS: Module = Module { name: "grpo_rows", ptx: include_str!(concat!(env!("OUT_DIR"), "/rows.ptx")) };
 /// kernels/attention.cu.
 pub const ATTENTION: Module =
     Module { name: "grpo_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
