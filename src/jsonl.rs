@@ -117,67 +117,57 @@ impl Iterator for Lines {
     }
 }
 
-/// An output file written to `PATH.tmp` and renamed into place by [`AtomicFile::commit`], or stdout.
-/// Dropping it without commit leaves any previous file at PATH untouched.
+/// An output file written to a temporary file next to PATH and moved into place by
+/// [`AtomicFile::commit`] (see [`crate::fsio`]), or stdout. Dropping it without commit leaves any
+/// previous file at PATH untouched.
 pub struct AtomicFile {
-    target: Option<PathBuf>,
-    tmp: Option<PathBuf>,
-    writer: BufWriter<Box<dyn Write + Send>>,
+    out: Output,
+}
+
+enum Output {
+    File { target: PathBuf, writer: BufWriter<tempfile::NamedTempFile> },
+    Stdout(BufWriter<io::Stdout>),
 }
 
 impl AtomicFile {
     /// `None` or `-` writes to stdout.
     pub fn create(path: Option<&Path>) -> io::Result<Self> {
-        match path {
-            Some(p) if p.as_os_str() != "-" => {
-                if let Some(dir) = p.parent().filter(|d| !d.as_os_str().is_empty()) {
-                    std::fs::create_dir_all(dir)?;
-                }
-                let mut tmp = p.as_os_str().to_owned();
-                tmp.push(".tmp");
-                let tmp = PathBuf::from(tmp);
-                let file = File::create(&tmp)?;
-                Ok(Self {
-                    target: Some(p.to_path_buf()),
-                    tmp: Some(tmp),
-                    writer: BufWriter::with_capacity(1 << 20, Box::new(file)),
-                })
-            }
-            _ => Ok(Self { target: None, tmp: None, writer: BufWriter::new(Box::new(io::stdout())) }),
-        }
+        let out = match path {
+            Some(p) if p.as_os_str() != "-" => Output::File {
+                target: p.to_path_buf(),
+                writer: BufWriter::with_capacity(1 << 20, crate::fsio::temp_file(p)?),
+            },
+            _ => Output::Stdout(BufWriter::new(io::stdout())),
+        };
+        Ok(Self { out })
     }
 
     /// Write one JSON value as a line.
     pub fn write_json<T: serde::Serialize>(&mut self, value: &T) -> io::Result<()> {
-        serde_json::to_writer(&mut self.writer, value)?;
-        self.writer.write_all(b"\n")
+        serde_json::to_writer(&mut *self, value)?;
+        self.write_all(b"\n")
     }
 
     /// Flush, sync and move into place.
-    pub fn commit(mut self) -> io::Result<()> {
-        self.writer.flush()?;
-        if let (Some(tmp), Some(target)) = (self.tmp.take(), self.target.take()) {
-            let file = File::options().write(true).open(&tmp)?;
-            file.sync_all()?;
-            std::fs::rename(&tmp, &target)?;
+    pub fn commit(self) -> io::Result<()> {
+        match self.out {
+            Output::File { target, writer } => crate::fsio::persist(writer.into_inner()?, &target),
+            Output::Stdout(mut w) => w.flush(),
         }
-        Ok(())
     }
 }
 
 impl Write for AtomicFile {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.writer.write(buf)
+        match &mut self.out {
+            Output::File { writer, .. } => writer.write(buf),
+            Output::Stdout(w) => w.write(buf),
+        }
     }
     fn flush(&mut self) -> io::Result<()> {
-        self.writer.flush()
-    }
-}
-
-impl Drop for AtomicFile {
-    fn drop(&mut self) {
-        if let Some(tmp) = self.tmp.take() {
-            let _ = std::fs::remove_file(tmp);
+        match &mut self.out {
+            Output::File { writer, .. } => writer.flush(),
+            Output::Stdout(w) => w.flush(),
         }
     }
 }
@@ -222,6 +212,8 @@ mod tests {
             f.write_json(&1).unwrap();
         }
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "old\n");
+        // The dropped temporary file is gone.
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
         let mut f = AtomicFile::create(Some(&p)).unwrap();
         f.write_json(&serde_json::json!({"x": 1})).unwrap();
         f.commit().unwrap();

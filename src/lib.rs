@@ -6,6 +6,7 @@
 //! - [`reward`]: answer extraction, math equivalence, majority vote, scoring metrics.
 //! - [`data`]: teacher trajectories (OpenThoughts3), grouping, labelling, tokenised shards.
 //! - [`jsonl`]: line-oriented input that reports bad lines with their number and keeps going.
+//! - [`fsio`]: atomic output (a file or folder written aside, then renamed into place).
 //! - [`objective`]: advantages and the losses (off_grpo, grpo, sft).
 //! - [`kernels`]: fused ops with their own backward (log-prob + entropy), CPU reference and CUDA kernels.
 //! - [`train`]: the training loop, optimiser, checkpoints and resume.
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod data;
 pub mod device;
 pub mod eval;
+pub mod fsio;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;

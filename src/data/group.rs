@@ -554,23 +554,10 @@ pub fn group_rows(rows: Vec<Row>, opts: &GroupOptions) -> (Vec<LabeledGroup>, St
     (groups, stats)
 }
 
-/// A folder removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new(parent: Option<&Path>) -> Result<Self, DataError> {
-        let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
-        let dir = parent.join(format!("grpo-spill-{}-{nanos}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(io_err(&dir))?;
-        Ok(TempDir(dir))
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+/// A folder for the spill files in `parent` (default: the system temporary folder), removed when dropped.
+fn spill_folder(parent: Option<&Path>) -> Result<tempfile::TempDir, DataError> {
+    let parent = parent.map(Path::to_path_buf).unwrap_or_else(std::env::temp_dir);
+    tempfile::Builder::new().prefix("grpo-spill-").tempdir_in(&parent).map_err(io_err(&parent))
 }
 
 enum Item {
@@ -609,8 +596,8 @@ pub(crate) fn scan_with(
 ) -> Result<Stats, DataError> {
     let total_bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     let k = if opts.partitions > 0 { opts.partitions } else { (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512) };
-    let spill = TempDir::new(spill_dir)?;
-    let part_path = |i: usize| spill.0.join(format!("part-{i:04}.bin"));
+    let spill = spill_folder(spill_dir)?;
+    let part_path = |i: usize| spill.path().join(format!("part-{i:04}.bin"));
     let mut writers = Vec::with_capacity(k);
     for i in 0..k {
         let p = part_path(i);

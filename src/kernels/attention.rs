@@ -189,15 +189,73 @@ pub fn masked_softmax_reference(scores: &Tensor, ranges: &Tensor, scale: f64) ->
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{launch, u32_view, view, ATTENTION_PTX as PTX};
-    const MODULE: &str = "grpo_attention";
+    use crate::kernels::cuda::{kernel_name, launch, u32_view, Float, Map1, Map2, ATTENTION};
 
-    fn config(rows: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    /// The masked softmax over `rows` rows of `s` keys: forward as [`Map1`] (scores), backward as
+    /// [`Map2`] (y, grad); one block of 256 threads per row.
+    struct Softmax<'a> {
+        ranges: CudaView<'a, u32>,
+        rows: usize,
+        heads: u32,
+        t: u32,
+        s: u32,
+        scale: f32,
+    }
+
+    impl<'a> Softmax<'a> {
+        fn new(
+            r: &'a CudaStorage,
+            lr: &Layout,
+            (rows, heads, t, s): (usize, usize, usize, usize),
+            scale: f32,
+        ) -> Result<Self> {
+            let ranges = u32_view(r, lr, "attention ranges")?;
+            Ok(Self { ranges, rows, heads: heads as u32, t: t as u32, s: s as u32, scale })
+        }
+
+        fn config(&self) -> LaunchConfig {
+            LaunchConfig { grid_dim: (self.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+        }
+
+        fn len(&self) -> usize {
+            self.rows * self.s as usize
+        }
+    }
+
+    impl Map1 for Softmax<'_> {
+        fn f<T: Float>(&self, x: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let (name, cfg, len) = (kernel_name::<T>("attn_softmax_fwd"), self.config(), self.len());
+            Ok(launch!(
+                dev,
+                ATTENTION,
+                name,
+                cfg,
+                T,
+                len,
+                [x, &self.ranges],
+                [&self.heads, &self.t, &self.s, &self.scale]
+            ))
+        }
+    }
+
+    impl Map2 for Softmax<'_> {
+        fn f<T: Float>(&self, y: &CudaView<'_, T>, g: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let (name, cfg, len) = (kernel_name::<T>("attn_softmax_bwd"), self.config(), self.len());
+            Ok(launch!(
+                dev,
+                ATTENTION,
+                name,
+                cfg,
+                T,
+                len,
+                [y, g, &self.ranges],
+                [&self.heads, &self.t, &self.s, &self.scale]
+            ))
+        }
     }
 
     pub fn forward(
@@ -205,38 +263,10 @@ mod cuda {
         lx: &Layout,
         r: &CudaStorage,
         lr: &Layout,
-        (rows, heads, t, s): (usize, usize, usize, usize),
+        dims: (usize, usize, usize, usize),
         scale: f32,
     ) -> Result<CudaStorage> {
-        let dev = &x.device;
-        let r = u32_view(r, lr, "attention ranges")?;
-        let (h, t, s32) = (heads as u32, t as u32, s as u32);
-        let (cfg, len) = (config(rows), rows * s);
-        Ok(match &x.slice {
-            CudaStorageSlice::F32(v) => {
-                let x = view(v, lx, "scores")?;
-                launch!(dev, PTX, MODULE, "attn_softmax_fwd_f32", cfg, f32, len, [&x, &r], [&h, &t, &s32, &scale])
-            }
-            CudaStorageSlice::BF16(v) => {
-                let x = view(v, lx, "scores")?;
-                launch!(
-                    dev,
-                    PTX,
-                    MODULE,
-                    "attn_softmax_fwd_bf16",
-                    cfg,
-                    half::bf16,
-                    len,
-                    [&x, &r],
-                    [&h, &t, &s32, &scale]
-                )
-            }
-            CudaStorageSlice::F16(v) => {
-                let x = view(v, lx, "scores")?;
-                launch!(dev, PTX, MODULE, "attn_softmax_fwd_f16", cfg, half::f16, len, [&x, &r], [&h, &t, &s32, &scale])
-            }
-            _ => candle_core::bail!("scores must be f32, bf16 or f16"),
-        })
+        Map1::map(&Softmax::new(r, lr, dims, scale)?, (x, lx, "scores"))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -247,48 +277,10 @@ mod cuda {
         lg: &Layout,
         r: &CudaStorage,
         lr: &Layout,
-        (rows, heads, t, s): (usize, usize, usize, usize),
+        dims: (usize, usize, usize, usize),
         scale: f32,
     ) -> Result<CudaStorage> {
-        let dev = &y.device;
-        let r = u32_view(r, lr, "attention ranges")?;
-        let (h, t, s32) = (heads as u32, t as u32, s as u32);
-        let (cfg, len) = (config(rows), rows * s);
-        Ok(match (&y.slice, &g.slice) {
-            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
-                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
-                launch!(dev, PTX, MODULE, "attn_softmax_bwd_f32", cfg, f32, len, [&y, &g, &r], [&h, &t, &s32, &scale])
-            }
-            (CudaStorageSlice::BF16(a), CudaStorageSlice::BF16(b)) => {
-                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
-                launch!(
-                    dev,
-                    PTX,
-                    MODULE,
-                    "attn_softmax_bwd_bf16",
-                    cfg,
-                    half::bf16,
-                    len,
-                    [&y, &g, &r],
-                    [&h, &t, &s32, &scale]
-                )
-            }
-            (CudaStorageSlice::F16(a), CudaStorageSlice::F16(b)) => {
-                let (y, g) = (view(a, ly, "y")?, view(b, lg, "grad")?);
-                launch!(
-                    dev,
-                    PTX,
-                    MODULE,
-                    "attn_softmax_bwd_f16",
-                    cfg,
-                    half::f16,
-                    len,
-                    [&y, &g, &r],
-                    [&h, &t, &s32, &scale]
-                )
-            }
-            _ => candle_core::bail!("masked-softmax backward: y and grad must share a float dtype"),
-        })
+        Map2::map(&Softmax::new(r, lr, dims, scale)?, (y, ly, "y"), (g, lg, "grad"))
     }
 }
 

@@ -1,17 +1,21 @@
-//! Fused operations with their own backward, as candle custom ops.
+//! Fused operations with their own backward, as candle custom ops. Each `X.rs` holds an op's CPU
+//! implementation (the reference CI tests) and, with the `cuda` feature, its launches of the CUDA
+//! kernels of kernels/X.cu (compiled to PTX by build.rs):
 //!
-//! [`rope`] is the rotary embedding fused with the head transpose, each way in one op; CPU implementation
-//! here, CUDA kernels in kernels/rope.cu.
+//! - [`rope`] (rope.rs): the rotary embedding fused with the head transpose, each way in one op.
+//! - [`rms_normalize`] (norm.rs): RMSNorm without its weight, in one pass with its own backward.
+//! - [`masked_softmax`] (attention.rs): the attention softmax (scale, causal/segment mask, softmax) in
+//!   one pass with its own backward.
+//! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
+//!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
-//! [`rms_normalize`] is RMSNorm without its weight, in one pass with its own backward; CPU implementation
-//! here, CUDA kernels in kernels/norm.cu.
+//! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
+//! and its per-row work through the row kernels.
 //!
-//! [`masked_softmax`] is the attention softmax (scale, causal/segment mask, softmax) in one pass with its
-//! own backward; CPU implementation here, CUDA kernels in kernels/attention.cu.
-//!
-//! The log-prob op ([`logprobs_entropy`]) runs its matmuls through candle and its per-row work through
-//! two row kernels ([`row_stats`], [`row_grad`]): a CPU implementation (the reference CI tests) and, with
-//! the `cuda` feature, CUDA kernels from kernels/logprob.cu compiled to PTX by build.rs.
+//! Every kernel exists for f32, bf16 and f16, and each side dispatches on the dtype in one place: on
+//! the CPU `with_float!` (cpu.rs) binds the inputs' elements and the generic body is monomorphised per
+//! dtype; on the GPU an op implements `Map1`/`Map2`/`Map3` (cuda.rs) with one generic launch, whose
+//! kernel is `{name}_{f32,bf16,f16}`.
 
 mod attention;
 mod cpu;

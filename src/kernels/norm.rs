@@ -129,37 +129,43 @@ pub fn rms_normalize_reference(x: &Tensor, eps: f64) -> Result<Tensor> {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{launch, view, NORM_PTX as PTX};
-    const MODULE: &str = "grpo_norm";
+    use crate::kernels::cuda::{kernel_name, launch, Float, Map1, Map2, NORM};
 
-    /// One block per row, at most 256 threads: fewer for short rows (q/k norms over a head of 64-128).
-    fn config(rows: usize, h: usize) -> LaunchConfig {
-        let threads = (h.div_ceil(32) * 32).min(256) as u32;
-        LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+    /// RMS normalisation of `rows` rows of `h`: forward as [`Map1`] (x), backward as [`Map2`] (x, grad).
+    struct Norm {
+        rows: usize,
+        h: usize,
+        eps: f32,
+    }
+
+    impl Norm {
+        /// One block per row, at most 256 threads: fewer for short rows (q/k norms over a head of 64-128).
+        fn config(&self) -> LaunchConfig {
+            let threads = (self.h.div_ceil(32) * 32).min(256) as u32;
+            LaunchConfig { grid_dim: (self.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+        }
+    }
+
+    impl Map1 for Norm {
+        fn f<T: Float>(&self, x: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let (name, h) = (kernel_name::<T>("rms_norm_fwd"), self.h as u32);
+            Ok(launch!(dev, NORM, name, self.config(), T, self.rows * self.h, [x], [&h, &self.eps]))
+        }
+    }
+
+    impl Map2 for Norm {
+        fn f<T: Float>(&self, x: &CudaView<'_, T>, g: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let (name, h) = (kernel_name::<T>("rms_norm_bwd"), self.h as u32);
+            Ok(launch!(dev, NORM, name, self.config(), T, self.rows * self.h, [x, g], [&h, &self.eps]))
+        }
     }
 
     pub fn forward(x: &CudaStorage, lx: &Layout, rows: usize, h: usize, eps: f32) -> Result<CudaStorage> {
-        let dev = &x.device;
-        let (cfg, len, h32) = (config(rows, h), rows * h, h as u32);
-        Ok(match &x.slice {
-            CudaStorageSlice::F32(v) => {
-                let x = view(v, lx, "x")?;
-                launch!(dev, PTX, MODULE, "rms_norm_fwd_f32", cfg, f32, len, [&x], [&h32, &eps])
-            }
-            CudaStorageSlice::BF16(v) => {
-                let x = view(v, lx, "x")?;
-                launch!(dev, PTX, MODULE, "rms_norm_fwd_bf16", cfg, half::bf16, len, [&x], [&h32, &eps])
-            }
-            CudaStorageSlice::F16(v) => {
-                let x = view(v, lx, "x")?;
-                launch!(dev, PTX, MODULE, "rms_norm_fwd_f16", cfg, half::f16, len, [&x], [&h32, &eps])
-            }
-            _ => candle_core::bail!("rms norm: expected f32, bf16 or f16"),
-        })
+        Map1::map(&Norm { rows, h, eps }, (x, lx, "x"))
     }
 
     pub fn backward(
@@ -171,23 +177,7 @@ mod cuda {
         h: usize,
         eps: f32,
     ) -> Result<CudaStorage> {
-        let dev = &x.device;
-        let (cfg, len, h32) = (config(rows, h), rows * h, h as u32);
-        Ok(match (&x.slice, &g.slice) {
-            (CudaStorageSlice::F32(a), CudaStorageSlice::F32(b)) => {
-                let (x, g) = (view(a, lx, "x")?, view(b, lg, "grad")?);
-                launch!(dev, PTX, MODULE, "rms_norm_bwd_f32", cfg, f32, len, [&x, &g], [&h32, &eps])
-            }
-            (CudaStorageSlice::BF16(a), CudaStorageSlice::BF16(b)) => {
-                let (x, g) = (view(a, lx, "x")?, view(b, lg, "grad")?);
-                launch!(dev, PTX, MODULE, "rms_norm_bwd_bf16", cfg, half::bf16, len, [&x, &g], [&h32, &eps])
-            }
-            (CudaStorageSlice::F16(a), CudaStorageSlice::F16(b)) => {
-                let (x, g) = (view(a, lx, "x")?, view(b, lg, "grad")?);
-                launch!(dev, PTX, MODULE, "rms_norm_bwd_f16", cfg, half::f16, len, [&x, &g], [&h32, &eps])
-            }
-            _ => candle_core::bail!("rms norm backward: x and grad must share a float dtype"),
-        })
+        Map2::map(&Norm { rows, h, eps }, (x, lx, "x"), (g, lg, "grad"))
     }
 }
 

@@ -144,12 +144,35 @@ pub fn rope_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{launch, view, ROPE_PTX as PTX};
-    const MODULE: &str = "grpo_rope";
+    use crate::kernels::cuda::{kernel_name, launch, Float, Map3, ROPE};
+
+    /// The rotary embedding of `[b, t, h, d]` (x, cos, sin), or its inverse.
+    struct Rope {
+        dims: [u32; 4],
+        len: usize,
+        inverse: bool,
+    }
+
+    impl Map3 for Rope {
+        fn f<T: Float>(
+            &self,
+            x: &CudaView<'_, T>,
+            c: &CudaView<'_, T>,
+            s: &CudaView<'_, T>,
+            dev: &CudaDevice,
+        ) -> Result<CudaStorage> {
+            let threads = 256u32;
+            let blocks = ((self.len / 2).div_ceil(threads as usize)).clamp(1, 1 << 20) as u32;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let name = kernel_name::<T>(if self.inverse { "rope_bwd" } else { "rope_fwd" });
+            let [b, t, h, d] = &self.dims;
+            Ok(launch!(dev, ROPE, name, cfg, T, self.len, [x, c, s], [b, t, h, d]))
+        }
+    }
 
     #[allow(clippy::too_many_arguments)]
     pub fn rope(
@@ -162,32 +185,8 @@ mod cuda {
         (b, t, h, d): (usize, usize, usize, usize),
         inverse: bool,
     ) -> Result<CudaStorage> {
-        let dev = &x.device;
-        let len = b * t * h * d;
-        let threads = 256u32;
-        let blocks = ((len / 2).div_ceil(threads as usize)).clamp(1, 1 << 20) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let dims = [b as u32, t as u32, h as u32, d as u32];
-        let [b32, t32, h32, d32] = &dims;
-        macro_rules! go {
-            ($x:expr, $c:expr, $s:expr, $ty:ty, $fwd:literal, $bwd:literal) => {{
-                let (x, c, s) = (view($x, lx, "x")?, view($c, lc, "cos")?, view($s, ls, "sin")?);
-                let name = if inverse { $bwd } else { $fwd };
-                launch!(dev, PTX, MODULE, name, cfg, $ty, len, [&x, &c, &s], [b32, t32, h32, d32])
-            }};
-        }
-        Ok(match (&x.slice, &c.slice, &s.slice) {
-            (CudaStorageSlice::F32(x), CudaStorageSlice::F32(c), CudaStorageSlice::F32(s)) => {
-                go!(x, c, s, f32, "rope_fwd_f32", "rope_bwd_f32")
-            }
-            (CudaStorageSlice::BF16(x), CudaStorageSlice::BF16(c), CudaStorageSlice::BF16(s)) => {
-                go!(x, c, s, half::bf16, "rope_fwd_bf16", "rope_bwd_bf16")
-            }
-            (CudaStorageSlice::F16(x), CudaStorageSlice::F16(c), CudaStorageSlice::F16(s)) => {
-                go!(x, c, s, half::f16, "rope_fwd_f16", "rope_bwd_f16")
-            }
-            _ => candle_core::bail!("rope: x, cos and sin must share a float dtype"),
-        })
+        let op = Rope { dims: [b as u32, t as u32, h as u32, d as u32], len: b * t * h * d, inverse };
+        op.map((x, lx, "x"), (c, lc, "cos"), (s, ls, "sin"))
     }
 }
 

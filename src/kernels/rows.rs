@@ -4,8 +4,8 @@
 //!   log-sum-exp gives `[log p(t), entropy, lse]` (f32);
 //! - [`row_grad`]: `dz[r, v] = g_r (onehot(t_r)[v] - exp(z[r, v] - lse_r))` in the logits' dtype.
 //!
-//! The CPU implementations here (rayon over rows; f32 terms, f64 sums, see [`Acc`]) are the reference; with the `cuda`
-//! feature the same functions run as kernels/logprob.cu on the GPU. A target outside `[0, V)` is an
+//! The CPU implementations here (rayon over rows; f32 terms, f64 sums, see [`Acc`]) are the reference;
+//! with the `cuda` feature the same functions run as kernels/rows.cu on the GPU. A target outside `[0, V)` is an
 //! error on the CPU and gives NaN on the GPU (no device sync to check it).
 
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
@@ -194,12 +194,25 @@ pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tens
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
+    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
+    use candle_core::cuda_backend::CudaDevice;
     use candle_core::{CudaStorage, Layout, Result};
 
-    use crate::kernels::cuda::{launch, u32_view, view, LOGPROB_PTX as PTX};
-    const MODULE: &str = "grpo_logprob";
+    use crate::kernels::cuda::{f32_view, kernel_name, launch, u32_view, Float, Map1, ROWS};
+
+    struct Stats<'a> {
+        targets: CudaView<'a, u32>,
+        n: usize,
+        v: usize,
+    }
+
+    impl Map1 for Stats<'_> {
+        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let cfg = LaunchConfig { grid_dim: (self.n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+            let (name, v) = (kernel_name::<T>("lp_row_stats"), self.v as u32);
+            Ok(launch!(dev, ROWS, name, cfg, f32, self.n * 3, [z, &self.targets], [&v]))
+        }
+    }
 
     pub fn stats(
         z: &CudaStorage,
@@ -209,25 +222,25 @@ mod cuda {
         n: usize,
         v: usize,
     ) -> Result<CudaStorage> {
-        let dev = &z.device;
-        let t = u32_view(t, lt, "targets")?;
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-        let v32 = v as u32;
-        Ok(match &z.slice {
-            CudaStorageSlice::F32(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_f32", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            CudaStorageSlice::BF16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_bf16", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            CudaStorageSlice::F16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_stats_f16", cfg, f32, n * 3, [&z, &t], [&v32])
-            }
-            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
-        })
+        Stats { targets: u32_view(t, lt, "targets")?, n, v }.map((z, lz, "logits"))
+    }
+
+    struct Grad<'a> {
+        targets: CudaView<'a, u32>,
+        coef: CudaView<'a, f32>,
+        n: usize,
+        v: usize,
+    }
+
+    impl Map1 for Grad<'_> {
+        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
+            let threads = 256u32;
+            let per_row = (self.v as u32).div_ceil(threads * 4).clamp(1, 65535);
+            let cfg =
+                LaunchConfig { grid_dim: (self.n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let (name, v) = (kernel_name::<T>("lp_row_grad"), self.v as u32);
+            Ok(launch!(dev, ROWS, name, cfg, T, self.n * self.v, [z, &self.targets, &self.coef], [&v]))
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -241,31 +254,8 @@ mod cuda {
         n: usize,
         v: usize,
     ) -> Result<CudaStorage> {
-        let dev = &z.device;
-        let t = u32_view(t, lt, "targets")?;
-        let coef = match &c.slice {
-            CudaStorageSlice::F32(s) => view(s, lc, "coefficients")?,
-            _ => candle_core::bail!("coefficients must be f32"),
-        };
-        let threads = 256u32;
-        let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
-        let cfg = LaunchConfig { grid_dim: (n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-        let (v32, len) = (v as u32, n * v);
-        Ok(match &z.slice {
-            CudaStorageSlice::F32(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_f32", cfg, f32, len, [&z, &t, &coef], [&v32])
-            }
-            CudaStorageSlice::BF16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_bf16", cfg, half::bf16, len, [&z, &t, &coef], [&v32])
-            }
-            CudaStorageSlice::F16(s) => {
-                let z = view(s, lz, "logits")?;
-                launch!(dev, PTX, MODULE, "lp_row_grad_f16", cfg, half::f16, len, [&z, &t, &coef], [&v32])
-            }
-            _ => candle_core::bail!("logits must be f32, bf16 or f16"),
-        })
+        let (targets, coef) = (u32_view(t, lt, "targets")?, f32_view(c, lc, "coefficients")?);
+        Grad { targets, coef, n, v }.map((z, lz, "logits"))
     }
 }
 

@@ -1,12 +1,13 @@
 //! Checkpoints in Hugging Face format: config.json, model.safetensors (or shards with an index) and the
-//! tokenizer files, written into a temporary folder and renamed into place, so a crash never leaves a
-//! half-written checkpoint under the final name.
+//! tokenizer files, written into a temporary folder and swapped into place ([`crate::fsio`]), so a crash
+//! never leaves a half-written checkpoint under the final name.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 
 use super::{Decoder, ModelError};
+use crate::fsio;
 
 /// Files copied from the tokenizer folder when present.
 const TOKENIZER_FILES: &[&str] = &[
@@ -56,38 +57,14 @@ pub fn save_checkpoint(
     opts: &SaveOptions,
     extra: impl FnOnce(&Path) -> Result<(), ModelError>,
 ) -> Result<(), ModelError> {
-    let name = out.file_name().ok_or_else(|| ModelError::Invalid(format!("bad checkpoint path {}", out.display())))?;
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).map_err(io(parent))?;
-    let tmp = parent.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
-    if tmp.exists() {
-        std::fs::remove_dir_all(&tmp).map_err(io(&tmp))?;
+    if out.file_name().is_none() {
+        return Err(ModelError::Invalid(format!("bad checkpoint path {}", out.display())));
     }
-    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
-    let result = write_into(model, &tmp, opts).and_then(|()| extra(&tmp)).and_then(|()| {
-        // Make the contents durable before the rename publishes them.
-        for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))? {
-            let p = entry.map_err(io(&tmp))?.path();
-            if p.is_file() {
-                std::fs::File::open(&p).and_then(|f| f.sync_all()).map_err(io(&p))?;
-            }
-        }
-        Ok(())
-    });
-    if let Err(e) = result {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(e);
-    }
-    // Swap: the old checkpoint is moved aside, the new one renamed in, the old one removed.
-    let old = parent.join(format!(".{}.old-{}", name.to_string_lossy(), std::process::id()));
-    if out.exists() {
-        std::fs::rename(out, &old).map_err(io(out))?;
-    }
-    std::fs::rename(&tmp, out).map_err(io(out))?;
-    if old.exists() {
-        std::fs::remove_dir_all(&old).map_err(io(&old))?;
-    }
-    Ok(())
+    let tmp = fsio::temp_dir(out).map_err(io(out))?;
+    // An error drops `tmp`, which removes it.
+    write_into(model, tmp.path(), opts)?;
+    extra(tmp.path())?;
+    fsio::persist_dir(tmp, out).map_err(io(out))
 }
 
 /// Whether `name` is one of the temporary folders that [`save_checkpoint`] and [`remove_checkpoint`] make
@@ -227,6 +204,11 @@ mod tests {
             let cfg: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
             assert_eq!(cfg["torch_dtype"], "float32");
+            // Readable by others, like a folder that transformers writes (not tempfile's private 0700).
+            use std::os::unix::fs::PermissionsExt;
+            let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode(&out), 0o755, "{arch:?}");
+            assert_eq!(mode(&out.join("config.json")) & 0o644, 0o644, "{arch:?}");
         }
     }
 

@@ -4,25 +4,24 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use hf_hub::{Cache, Repo, RepoType};
 use rand::{Rng, SeedableRng};
 
 use super::{config::ModelConfig, Decoder, ModelError};
 
-/// The Hugging Face hub cache folder: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
-pub fn hf_cache_dir() -> PathBuf {
-    if let Some(p) = std::env::var_os("HF_HUB_CACHE") {
-        return PathBuf::from(p);
+/// The local Hugging Face hub cache: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
+fn hf_cache() -> Cache {
+    match std::env::var_os("HF_HUB_CACHE") {
+        Some(p) => Cache::new(p.into()),
+        // hf-hub reads HF_HOME, else the home folder (and panics when there is none).
+        None if std::env::var_os("HF_HOME").is_some() || std::env::var_os("HOME").is_some() => Cache::from_env(),
+        None => Cache::new(Path::new(".cache").join("huggingface").join("hub")),
     }
-    if let Some(p) = std::env::var_os("HF_HOME") {
-        return PathBuf::from(p).join("hub");
-    }
-    let home = std::env::var_os("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-    home.join(".cache").join("huggingface").join("hub")
 }
 
 /// Resolve `model` to a folder holding config.json: a local path first, then `org/name` (optionally
-/// `org/name@revision`) in the local hub cache. Nothing is downloaded (this build has no network client;
-/// HF_HUB_OFFLINE is therefore always honoured).
+/// `org/name@revision`, a branch, tag or commit hash) in the local hub cache. Nothing is downloaded (this
+/// build has no network client; HF_HUB_OFFLINE is therefore always honoured).
 pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
     let p = Path::new(model);
     if p.is_dir() {
@@ -31,20 +30,19 @@ pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
         }
         return Ok(p.to_path_buf());
     }
-    let cache = hf_cache_dir();
+    let cache = hf_cache();
     let (id, revision) = model.split_once('@').unwrap_or((model, "main"));
     if id.split('/').count() == 2 && !id.starts_with('.') && !id.starts_with('/') {
-        let repo = cache.join(format!("models--{}", id.replace('/', "--")));
-        let reference = repo.join("refs").join(revision);
-        let snapshot = match std::fs::read_to_string(&reference) {
-            Ok(hash) => repo.join("snapshots").join(hash.trim()),
-            Err(_) => repo.join("snapshots").join(revision),
-        };
-        if snapshot.join("config.json").exists() {
-            return Ok(snapshot);
+        let repo = cache.repo(Repo::with_revision(id.into(), RepoType::Model, revision.into()));
+        // A branch or tag names its commit in refs/; a commit hash names its snapshot folder directly.
+        let config = repo
+            .get("config.json")
+            .or_else(|| Some(repo.pointer_path(revision).join("config.json")).filter(|c| c.exists()));
+        if let Some(snapshot) = config.as_deref().and_then(Path::parent) {
+            return Ok(snapshot.to_path_buf());
         }
     }
-    Err(ModelError::NotFound(model.to_string(), cache))
+    Err(ModelError::NotFound(model.to_string(), cache.path().clone()))
 }
 
 /// `cpu`, `cuda` or `cuda:N`.
@@ -197,7 +195,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let repo = dir.path().join("hub/models--org--tiny");
         std::fs::create_dir_all(repo.join("refs")).unwrap();
-        std::fs::write(repo.join("refs/main"), "abc123\n").unwrap();
+        // As huggingface_hub writes it: the commit hash, no newline.
+        std::fs::write(repo.join("refs/main"), "abc123").unwrap();
         let snap = repo.join("snapshots/abc123");
         std::fs::create_dir_all(&snap).unwrap();
         std::fs::write(snap.join("config.json"), "{}").unwrap();
@@ -205,6 +204,14 @@ mod tests {
         std::env::set_var("HF_HOME", dir.path());
         std::env::remove_var("HF_HUB_CACHE");
         assert_eq!(resolve_model_dir("org/tiny").unwrap(), snap);
+        assert_eq!(resolve_model_dir("org/tiny@abc123").unwrap(), snap);
+        assert!(resolve_model_dir("org/tiny@v2").is_err());
+        // $HF_HUB_CACHE comes before $HF_HOME/hub.
+        let other = tempfile::tempdir().unwrap();
+        std::env::set_var("HF_HUB_CACHE", other.path());
+        let err = resolve_model_dir("org/tiny").unwrap_err().to_string();
+        assert!(err.contains(&other.path().display().to_string()), "{err}");
+        std::env::remove_var("HF_HUB_CACHE");
         let err = resolve_model_dir("org/absent").unwrap_err().to_string();
         assert!(err.contains("org/absent") && err.contains("huggingface-cli download"), "{err}");
     }

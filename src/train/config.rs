@@ -142,32 +142,23 @@ pub struct TrainConfig {
     pub validation: Option<ValidationSection>,
 }
 
-fn edit_distance(a: &str, b: &str) -> usize {
-    let b: Vec<char> = b.chars().collect();
-    let mut prev: Vec<usize> = (0..=b.len()).collect();
-    for (i, ca) in a.chars().enumerate() {
-        let mut cur = vec![i + 1];
-        for (j, cb) in b.iter().enumerate() {
-            cur.push((prev[j] + usize::from(ca != *cb)).min(prev[j + 1] + 1).min(cur[j] + 1));
-        }
-        prev = cur;
-    }
-    prev[b.len()]
-}
-
 /// Add "did you mean" to serde's "unknown field `x`, expected one of `a`, `b`" messages.
 fn suggest(message: &str) -> String {
     let Some(start) = message.find("unknown field `") else { return message.to_string() };
     let rest = &message[start + "unknown field `".len()..];
     let Some(end) = rest.find('`') else { return message.to_string() };
     let unknown = &rest[..end];
-    let candidates: Vec<&str> = rest[end..].split('`').skip(2).step_by(2).collect();
-    match candidates.iter().min_by_key(|c| edit_distance(unknown, c)) {
-        Some(best) if edit_distance(unknown, best) <= unknown.len().max(3) / 2 + 1 => {
-            format!("{} (did you mean `{best}`?)", message.trim_end())
-        }
-        _ => message.to_string(),
+    let candidates = rest[end..].split('`').skip(2).step_by(2);
+    match nearest(unknown, candidates) {
+        Some(best) => format!("{} (did you mean `{best}`?)", message.trim_end()),
+        None => message.to_string(),
     }
+}
+
+/// The candidate closest to a mistyped `name`, when it is close enough to be meant.
+fn nearest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let best = candidates.into_iter().min_by_key(|c| strsim::levenshtein(name, c))?;
+    (strsim::levenshtein(name, best) <= name.len().max(3) / 2 + 1).then_some(best)
 }
 
 /// The first key of `given` (the TOML as written, under `prefix`) that the parsed configuration `parsed`
@@ -180,10 +171,9 @@ fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) ->
         let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
         match valid.get(key) {
             None => {
-                let best = valid.keys().min_by_key(|c| edit_distance(key, c));
-                let hint = match best {
-                    Some(b) if edit_distance(key, b) <= key.len().max(3) / 2 + 1 => format!(" (did you mean `{b}`?)"),
-                    _ => String::new(),
+                let hint = match nearest(key, valid.keys().map(String::as_str)) {
+                    Some(b) => format!(" (did you mean `{b}`?)"),
+                    None => String::new(),
                 };
                 let expected = valid.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
                 return Some(format!("unknown key `{path}`, expected one of {expected}{hint}"));

@@ -141,9 +141,7 @@ fn ensure_model(cfg: &TrainConfig) -> Result<PathBuf, TrainError> {
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(io(&tmp))?;
-    std::fs::rename(&tmp, path).map_err(io(path))
+    crate::fsio::write_atomic(path, bytes).map_err(io(path))
 }
 
 /// Prepare the config's data (once: re-used while inputs, tokenizer and options are unchanged) and open it.

@@ -1,0 +1,132 @@
+//! Atomic output: a file or folder is written under a hidden temporary name next to its target, synced,
+//! and renamed into place only once complete, so a crash never leaves a half-written file under the
+//! final name and an error leaves any previous file untouched. A temporary that is dropped before it is
+//! persisted is removed. Files end up 0644 and folders 0755, as the usual `umask 022` would make them.
+
+use std::fs::Permissions;
+use std::io::{self, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use tempfile::{Builder, NamedTempFile, TempDir};
+
+/// The folder that holds `target` (`.` for a bare name), created if missing, and `target`'s file name.
+fn split(target: &Path) -> io::Result<(&Path, String)> {
+    let name = target
+        .file_name()
+        .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, format!("{} names no file", target.display())))?;
+    let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent)?;
+    Ok((parent, format!(".{}.", name.to_string_lossy())))
+}
+
+/// A new temporary file in `target`'s folder (created if missing); finish it with [`persist`].
+pub fn temp_file(target: &Path) -> io::Result<NamedTempFile> {
+    let (parent, prefix) = split(target)?;
+    Builder::new().prefix(&prefix).suffix(".tmp").tempfile_in(parent)
+}
+
+/// Make `tmp` 0644, sync it and rename it to `target`, replacing any file there.
+pub fn persist(tmp: NamedTempFile, target: &Path) -> io::Result<()> {
+    tmp.as_file().set_permissions(Permissions::from_mode(0o644))?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(target)?;
+    Ok(())
+}
+
+/// Write `bytes` to `path` atomically (see the module documentation).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    let mut tmp = temp_file(path)?;
+    tmp.write_all(bytes)?;
+    persist(tmp, path)
+}
+
+/// A new, empty temporary folder (0755) in `target`'s parent (created if missing); fill it, then
+/// finish it with [`persist_dir`].
+pub fn temp_dir(target: &Path) -> io::Result<TempDir> {
+    let (parent, prefix) = split(target)?;
+    let dir = Builder::new().prefix(&prefix).suffix(".tmp").tempdir_in(parent)?;
+    std::fs::set_permissions(dir.path(), Permissions::from_mode(0o755))?;
+    Ok(dir)
+}
+
+/// Sync the files of `tmp` and swap it in as folder `target`: a previous `target` is moved aside, `tmp`
+/// renamed in, and the previous one removed. If the rename fails, the previous `target` is put back.
+pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
+    for entry in std::fs::read_dir(tmp.path())? {
+        let p = entry?.path();
+        if p.is_file() {
+            std::fs::File::open(&p)?.sync_all()?;
+        }
+    }
+    // The temporary name is unique in the folder, so this one is free too.
+    let aside = PathBuf::from(format!("{}.old", tmp.path().display()));
+    let replaced = target.exists();
+    if replaced {
+        std::fs::rename(target, &aside)?;
+    }
+    if let Err(e) = std::fs::rename(tmp.path(), target) {
+        if replaced {
+            std::fs::rename(&aside, target)?;
+        }
+        return Err(e);
+    }
+    // Renamed away: nothing is left for the TempDir to remove.
+    let _ = tmp.keep();
+    if replaced {
+        std::fs::remove_dir_all(&aside)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> =
+            std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn files_are_replaced_whole_with_mode_0644() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("sub/state.json");
+        write_atomic(&p, b"first").unwrap();
+        write_atomic(&p, b"second").unwrap();
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "second");
+        assert_eq!(mode(&p), 0o644);
+        assert_eq!(names(&dir.path().join("sub")), ["state.json"]);
+        // A temporary dropped before it is persisted leaves nothing behind and the target as it was.
+        let mut tmp = temp_file(&p).unwrap();
+        tmp.write_all(b"third").unwrap();
+        drop(tmp);
+        assert_eq!(std::fs::read_to_string(&p).unwrap(), "second");
+        assert_eq!(names(&dir.path().join("sub")), ["state.json"]);
+    }
+
+    #[test]
+    fn folders_are_swapped_whole_with_mode_0755() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        for content in ["first", "second"] {
+            let tmp = temp_dir(&out).unwrap();
+            std::fs::write(tmp.path().join("weights"), content).unwrap();
+            persist_dir(tmp, &out).unwrap();
+        }
+        assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
+        assert_eq!(mode(&out), 0o755);
+        assert_eq!(names(dir.path()), ["ckpt"]);
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "third").unwrap();
+        drop(tmp);
+        assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
+        assert_eq!(names(dir.path()), ["ckpt"]);
+    }
+}
