@@ -50,6 +50,27 @@ pub fn temp_dir(target: &Path) -> io::Result<TempDir> {
     Ok(dir)
 }
 
+/// What an atomic write that was killed can leave in a folder, recognised by its name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Leftover {
+    /// `.NAME.XXXXXX.tmp`: a file or folder that was being written.
+    Writing,
+    /// `.NAME.XXXXXX.tmp.old`: the previous version of `NAME`, moved aside while the new one was renamed
+    /// in; when `NAME` is missing the swap was cut short and this is the version to put back.
+    Aside { target: String },
+}
+
+/// The kind of leftover `name` is, if it is one of the temporary names this module makes.
+pub fn leftover(name: &str) -> Option<Leftover> {
+    let rest = name.strip_prefix('.')?;
+    if let Some(tmp) = rest.strip_suffix(".tmp.old") {
+        let (target, _) = tmp.rsplit_once('.')?;
+        return Some(Leftover::Aside { target: target.to_string() });
+    }
+    let tmp = rest.strip_suffix(".tmp")?;
+    tmp.rsplit_once('.').map(|_| Leftover::Writing)
+}
+
 /// Sync the files of `tmp` and swap it in as folder `target`: a previous `target` is moved aside, `tmp`
 /// renamed in, and the previous one removed. If the rename fails, the previous `target` is put back.
 pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
@@ -92,6 +113,20 @@ mod tests {
             std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).collect();
         v.sort();
         v
+    }
+
+    #[test]
+    fn leftovers_are_recognised_by_the_names_this_module_makes() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("step-00000002");
+        let tmp = temp_dir(&target).unwrap();
+        let name = tmp.path().file_name().unwrap().to_string_lossy().into_owned();
+        assert_eq!(leftover(&name), Some(Leftover::Writing), "{name}");
+        let aside = format!("{name}.old");
+        assert_eq!(leftover(&aside), Some(Leftover::Aside { target: "step-00000002".into() }));
+        for other in ["step-00000002", "best", ".hidden", "x.tmp", ".tmp"] {
+            assert_eq!(leftover(other), None, "{other}");
+        }
     }
 
     #[test]

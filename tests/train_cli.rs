@@ -352,9 +352,9 @@ fn leftovers_of_a_killed_run_are_removed_and_a_damaged_checkpoint_is_named() {
     // What a kill leaves: a half-written checkpoint, a half-deleted one (pruning), a half-written best model.
     let ckdir = out.join("checkpoints");
     let leftovers = [
-        ckdir.join(".step-00000006.tmp-999999"),
+        ckdir.join(".step-00000006.x1Y2z3.tmp"),
         ckdir.join(".step-00000002.del-999999"),
-        out.join(".best.tmp-999999"),
+        out.join(".best.Q9w8E7.tmp"),
     ];
     for l in &leftovers {
         std::fs::create_dir_all(l).unwrap();

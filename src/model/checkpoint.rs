@@ -67,11 +67,10 @@ pub fn save_checkpoint(
     fsio::persist_dir(tmp, out).map_err(io(out))
 }
 
-/// Whether `name` is one of the temporary folders that [`save_checkpoint`] and [`remove_checkpoint`] make
-/// next to a checkpoint: `.NAME.tmp-*` (being written), `.NAME.old-*` (being replaced), `.NAME.del-*`
-/// (being deleted), or a `tempfile` folder (`.tmp*`).
+/// Whether `name` is one of the temporary folders that [`save_checkpoint`] (see [`fsio::leftover`]) and
+/// [`remove_checkpoint`] (`.NAME.del-PID`, being deleted) make next to a checkpoint.
 pub fn is_temp_name(name: &str) -> bool {
-    name.starts_with(".tmp") || (name.starts_with('.') && [".tmp-", ".old-", ".del-"].iter().any(|m| name.contains(m)))
+    fsio::leftover(name).is_some() || (name.starts_with('.') && name.contains(".del-"))
 }
 
 /// Delete the checkpoint folder `dir` so that a kill never leaves a half-deleted folder under its name: it is
@@ -84,8 +83,8 @@ pub fn remove_checkpoint(dir: &Path) -> Result<(), ModelError> {
 }
 
 /// Clean the temporary folders that a killed [`save_checkpoint`] or [`remove_checkpoint`] left in `parent`
-/// (those whose name `which` accepts), returning what was removed. A checkpoint whose swap was cut short (its name missing, its previous version
-/// still at `.NAME.old-*`) gets the previous version back. Call it only while no other process writes
+/// (those whose name `which` accepts), returning what was removed. A checkpoint whose swap was cut short
+/// (its name missing, its previous version still moved aside) gets the previous version back. Call it only while no other process writes
 /// checkpoints into `parent`.
 pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>, ModelError> {
     let Ok(entries) = std::fs::read_dir(parent) else { return Ok(Vec::new()) };
@@ -96,8 +95,8 @@ pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<V
         if !p.is_dir() || !is_temp_name(&name) || !which(&name) {
             continue;
         }
-        if let Some((base, _)) = name.strip_prefix('.').and_then(|n| n.rsplit_once(".old-")) {
-            let target = parent.join(base);
+        if let Some(fsio::Leftover::Aside { target }) = fsio::leftover(&name) {
+            let target = parent.join(target);
             if !target.exists() {
                 std::fs::rename(&p, &target).map_err(io(&p))?;
                 tracing::warn!("restored {} from an interrupted replacement", target.display());
@@ -284,13 +283,13 @@ mod tests {
         })
         .unwrap();
         assert!(is_temp_name(&tmp_name), "{tmp_name}");
-        for keep in ["step-00000002", "best", "latest", ".hidden", "step-1.tmp"] {
+        for keep in ["step-00000002", "best", "latest", ".hidden", "step-1.tmp", ".step-1.old-3"] {
             assert!(!is_temp_name(keep), "{keep}");
         }
         // A kill during a write, during a delete, and between the two renames of a replacement.
         std::fs::create_dir_all(dir.path().join(&tmp_name)).unwrap();
         std::fs::create_dir_all(dir.path().join(".step-00000001.del-77/sub")).unwrap();
-        std::fs::rename(&out, dir.path().join(".step-00000002.old-77")).unwrap();
+        std::fs::rename(&out, dir.path().join(".step-00000002.Ab12Cd.tmp.old")).unwrap();
         let removed = remove_leftovers(dir.path(), |_| true).unwrap();
         assert_eq!(removed.len(), 2, "{removed:?}");
         let names: Vec<String> = std::fs::read_dir(dir.path())
