@@ -33,6 +33,49 @@ impl ParsedAnswer {
     pub fn new(s: &str) -> Self {
         ParsedAnswer { key: canonical(s), node: parse(s).ok() }
     }
+
+    /// The normalised string: answers with the same non-empty key are equivalent.
+    pub(super) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// For a plain number (no variable, word, relation or structure anywhere) whose value is known as
+    /// a float: that value and, for a percentage, the value without the percent. Two such answers are
+    /// only ever equivalent (other than by equal keys) when a value of one is within
+    /// `max(1.5e-6, 2e-12 |x|)` of a value of the other, or both are the same infinity: the values
+    /// let majority voting compare an answer with nearby answers only.
+    pub(super) fn numeric_values(&self) -> Option<Vec<f64>> {
+        let node = self.node.as_ref()?;
+        let mut plain = true;
+        super::eval::visit(node, &mut |n| {
+            plain &= !matches!(
+                n,
+                Node::Sym(_)
+                    | Node::Text(_)
+                    | Node::Rel(..)
+                    | Node::Tuple(_)
+                    | Node::Set(_)
+                    | Node::Interval { .. }
+                    | Node::Union(_)
+                    | Node::Matrix(_)
+            )
+        });
+        if !plain {
+            return None;
+        }
+        let info = Info::new(node);
+        if info.approx.is_nan() {
+            return None;
+        }
+        let mut values = vec![info.approx];
+        if let Some(s) = &info.stripped {
+            let s = num_traits::ToPrimitive::to_f64(s).filter(|v| !v.is_nan())?;
+            if s != info.approx {
+                values.push(s);
+            }
+        }
+        Some(values)
+    }
 }
 
 /// Whether `pred` is equivalent to `gold` (gold first: assignments and equations are unwrapped
