@@ -273,9 +273,7 @@ impl TrainConfig {
         self.objective.validate().map_err(ConfigError::Invalid)?;
         self.optim.validate().map_err(ConfigError::Invalid)?;
         if let Some(v) = &self.validation {
-            if v.n == 0 || v.max_new_tokens == 0 {
-                return bad("validation.n and validation.max_new_tokens must be >= 1".into());
-            }
+            v.validate("validation.").map_err(ConfigError::Invalid)?;
             if !crate::eval::benchmarks::names().contains(&v.bench.as_str()) {
                 return bad(format!(
                     "validation.bench = `{}` is not a registered benchmark ({})",
@@ -334,6 +332,30 @@ mod tests {
         assert!(TrainConfig::parse(MIN, Path::new("c.toml"), &["novalue".into()]).is_err());
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.device=tpu".into()]).unwrap_err();
         assert!(e.to_string().contains("model.device"), "{e}");
+    }
+
+    #[test]
+    fn nan_and_out_of_range_values_are_rejected() {
+        let bad = [
+            "objective.bias=nan",
+            "objective.beta=nan",
+            "objective.bias=inf",
+            "validation.temperature=-0.5",
+            "validation.temperature=nan",
+            "validation.top_p=0",
+            "validation.top_p=1.5",
+            "validation.n=0",
+            "validation.batch_size=0",
+            "validation.max_new_tokens=0",
+        ];
+        for o in bad {
+            let key = o.split('=').next().unwrap();
+            let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]);
+            assert!(e.as_ref().is_err_and(|e| e.to_string().contains(key)), "{o}: {e:?}");
+        }
+        for o in ["validation.temperature=0", "validation.top_p=1", "objective.beta=0"] {
+            TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap();
+        }
     }
 
     #[test]
