@@ -252,6 +252,13 @@ impl TrainConfig {
             return bad("model.path is required".into());
         }
         crate::model::parse_dtype(&self.model.dtype).map_err(|e| ConfigError::Invalid(format!("model.dtype: {e}")))?;
+        let path = &self.model.path;
+        if self.model.init_tiny.is_some() && path.contains('/') && !crate::model::load::looks_local(path) {
+            return bad(format!(
+                "model.path = `{path}` looks like a hub id and is not a local folder: model.init_tiny would fill it \
+                 with a random model (write a local path such as `./{path}` to create one there)"
+            ));
+        }
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
@@ -353,7 +360,10 @@ mod tests {
             let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]);
             assert!(e.as_ref().is_err_and(|e| e.to_string().contains(key)), "{o}: {e:?}");
         }
-        for o in ["validation.temperature=0", "validation.top_p=1", "objective.beta=0"] {
+        let tiny = "model.init_tiny={arch=\"llama\",tokenizer=\"t\"}";
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[tiny.into(), "model.path=\"Org/typo\"".into()]);
+        assert!(e.is_err_and(|e| e.to_string().contains("looks like a hub id")));
+        for o in ["validation.temperature=0", "validation.top_p=1", "objective.beta=0", "model.path=\"./Org/x\""] {
             TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap();
         }
     }
