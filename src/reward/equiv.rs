@@ -17,7 +17,7 @@
 //! 7. expressions with variables are compared at sample points (both signs), 12 points, agreeing to
 //!    1e-9 relative where both are defined, with at least 3 defined points.
 
-use super::eval::{approx, exact, free_symbols, has_float, round6_exact, round6_f64};
+use super::eval::{approx, exact, exact_big, free_symbols, has_float, round6_exact, round6_f64};
 use super::parse::{canonical, parse, Node, RelOp};
 use num_rational::BigRational;
 
@@ -64,7 +64,9 @@ impl ParsedAnswer {
             return None;
         }
         let info = Info::new(node);
-        if info.approx.is_nan() {
+        // A value too large or too small for exact evaluation may be decided exactly later
+        // (`big_equal`) while its float is meaningless: such values are compared with everything.
+        if info.approx.is_nan() || (info.exact.is_none() && (info.approx == 0.0 || info.approx.is_infinite())) {
             return None;
         }
         let mut values = vec![info.approx];
@@ -454,7 +456,19 @@ fn scalar_eq(g: &Node, p: &Node) -> bool {
     } else if contains_inf(g) && contains_inf(p) && gi.approx.is_infinite() && gi.approx == pi.approx {
         return true;
     }
+    if !(gi.atomic() && pi.atomic()) && !gi.float && !pi.float && big_equal(g, p, &gi, &pi) {
+        return true;
+    }
     gi.same_value(&pi)
+}
+
+/// Exact equality of two integers or fractions when one is too large for [`exact`] (`2^{100000}` and
+/// `4^{50000}`, `720!` and `((3!)!)!`), with the larger limits of [`exact_big`]. Past those limits
+/// equality is unknown, and the answers are not called equivalent (the float comparison that follows
+/// cannot tell such values apart either way).
+fn big_equal(g: &Node, p: &Node, gi: &Info, pi: &Info) -> bool {
+    let Some(a) = gi.exact.clone().or_else(|| exact_big(g)) else { return false };
+    pi.exact.clone().or_else(|| exact_big(p)).is_some_and(|b| a == b)
 }
 
 #[cfg(test)]
@@ -478,6 +492,21 @@ mod tests {
         assert!(!eq("12.5\\%", "12.5"));
         assert!(eq("2^{100}", "1267650600228229401496703205376"));
         assert!(!eq("2^{100}", "1267650600228229401496703205377"));
+    }
+
+    #[test]
+    fn huge_values_are_decided_exactly() {
+        let t = std::time::Instant::now();
+        assert!(eq("2^{100000}", "4^{50000}"));
+        assert!(eq("4^{50000}", "2^{100000}"));
+        assert!(eq("720!", "((3!)!)!"));
+        assert!(eq("2^{5000}", &num_bigint::BigInt::from(2).pow(5000).to_string()));
+        assert!(eq("\\frac{2^{100000}}{4^{49999}}", "4"));
+        assert!(!eq("2^{100000}", "2^{100001}"));
+        assert!(!eq("720!", "721!"));
+        assert!(!eq("720!", "((3!)!)! + 1"));
+        assert!(!eq("2^{10^{9}}", "4^{5 \\cdot 10^{8}}"), "past the limits: unknown, not called equal");
+        assert!(t.elapsed().as_secs_f64() < 1.0, "took {:?}", t.elapsed());
     }
 
     #[test]

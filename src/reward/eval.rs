@@ -7,19 +7,24 @@ use num_bigint::BigInt;
 use num_rational::BigRational;
 use num_traits::{Signed, ToPrimitive, Zero};
 
-/// Largest exponent applied exactly.
-const MAX_EXP: u64 = 4096;
-/// Largest size (bits of numerator + denominator) of an exact intermediate value.
-const MAX_BITS: u64 = 16_384;
-/// Largest n for which n! is computed exactly.
-const MAX_FACT: u64 = 500;
-
-fn too_big(x: &BigRational) -> bool {
-    x.numer().bits() + x.denom().bits() > MAX_BITS
+/// Size limits of exact evaluation.
+struct Limits {
+    /// Largest exponent applied exactly.
+    exp: u64,
+    /// Largest size (bits of numerator + denominator) of an exact intermediate value.
+    bits: u64,
+    /// Largest n for which n! is computed exactly.
+    fact: u64,
 }
 
-fn checked(x: BigRational) -> Option<BigRational> {
-    if too_big(&x) {
+/// The limits of [`exact`], used on every comparison.
+const SMALL: Limits = Limits { exp: 4096, bits: 16_384, fact: 500 };
+/// The limits of [`exact_big`], tried only when two values that [`exact`] cannot evaluate are compared:
+/// a few milliseconds at most per value.
+const BIG: Limits = Limits { exp: 1 << 18, bits: 1 << 18, fact: 3000 };
+
+fn checked(x: BigRational, lim: &Limits) -> Option<BigRational> {
+    if x.numer().bits() + x.denom().bits() > lim.bits {
         None
     } else {
         Some(x)
@@ -52,14 +57,14 @@ fn rational_root(x: &BigRational, n: u32) -> Option<BigRational> {
     Some(BigRational::new(int_root(x.numer(), n)?, int_root(x.denom(), n)?))
 }
 
-fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
+fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Option<BigRational> {
     if e.is_integer() {
         let k = e.to_integer();
         let mag = k.abs().to_u64()?;
-        if mag > MAX_EXP {
+        if mag > lim.exp {
             return None;
         }
-        if (b.numer().bits() + b.denom().bits()).saturating_mul(mag) > MAX_BITS * 2 {
+        if (b.numer().bits() + b.denom().bits()).saturating_mul(mag) > lim.bits * 2 {
             return None;
         }
         if b.is_zero() && k.is_negative() {
@@ -67,7 +72,7 @@ fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
         }
         let p = num_traits::pow(b.clone(), mag as usize);
         let p = if k.is_negative() { p.recip() } else { p };
-        return checked(p);
+        return checked(p, lim);
     }
     // Rational exponent p/q: exact when b is a perfect q-th power.
     let q = e.denom().to_u32()?;
@@ -75,11 +80,24 @@ fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
         return None;
     }
     let root = rational_root(b, q)?;
-    pow_exact(&root, &BigRational::from_integer(e.numer().clone()))
+    pow_exact(&root, &BigRational::from_integer(e.numer().clone()), lim)
 }
 
 /// The exact rational value of a variable-free node, when it has one that is cheap to compute.
 pub fn exact(node: &Node) -> Option<BigRational> {
+    exact_in(node, &SMALL)
+}
+
+/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^18 bits): for
+/// deciding the equality of two values that [`exact`] cannot evaluate, instead of not knowing.
+pub fn exact_big(node: &Node) -> Option<BigRational> {
+    exact_in(node, &BIG)
+}
+
+fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
+    let exact = |n: &Node| exact_in(n, lim);
+    let checked = |x: BigRational| checked(x, lim);
+    let pow_exact = |b: &BigRational, e: &BigRational| pow_exact(b, e, lim);
     match node {
         Node::Num { value, .. } => Some(value.clone()),
         Node::Add(ts) => {
@@ -128,7 +146,7 @@ pub fn exact(node: &Node) -> Option<BigRational> {
                 return None;
             }
             let n = v.to_integer().to_u64()?;
-            if n > MAX_FACT {
+            if n > lim.fact {
                 return None;
             }
             let mut acc = BigInt::from(1);
@@ -146,7 +164,7 @@ pub fn exact(node: &Node) -> Option<BigRational> {
             }
             let approx = a.to_f64()?.ln() / b.to_f64()?.ln();
             let k = approx.round();
-            if (approx - k).abs() > 1e-9 || k.abs() > MAX_EXP as f64 {
+            if (approx - k).abs() > 1e-9 || k.abs() > lim.exp as f64 {
                 return None;
             }
             let kr = BigRational::from_integer(BigInt::from(k as i64));
