@@ -21,7 +21,7 @@ struct Limits {
 const SMALL: Limits = Limits { exp: 4096, bits: 16_384, fact: 500 };
 /// The limits of [`exact_big`], tried only when two values that [`exact`] cannot evaluate are compared:
 /// a few milliseconds at most per value.
-const BIG: Limits = Limits { exp: 1 << 18, bits: 1 << 18, fact: 3000 };
+const BIG: Limits = Limits { exp: 1 << 17, bits: 1 << 17, fact: 1000 };
 
 fn checked(x: BigRational, lim: &Limits) -> Option<BigRational> {
     if x.numer().bits() + x.denom().bits() > lim.bits {
@@ -64,13 +64,18 @@ fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Option<BigRation
         if mag > lim.exp {
             return None;
         }
-        if (b.numer().bits() + b.denom().bits()).saturating_mul(mag) > lim.bits * 2 {
+        // At least (bits - 1) * mag bits each side: past the limit, do not compute it.
+        if (b.numer().bits() + b.denom().bits()).saturating_sub(2).saturating_mul(mag) > lim.bits {
             return None;
         }
         if b.is_zero() && k.is_negative() {
             return None;
         }
-        let p = num_traits::pow(b.clone(), mag as usize);
+        // Numerator and denominator apart: they stay coprime, no gcd of huge numbers is needed.
+        let p = BigRational::new_raw(
+            num_traits::pow(b.numer().clone(), mag as usize),
+            num_traits::pow(b.denom().clone(), mag as usize),
+        );
         let p = if k.is_negative() { p.recip() } else { p };
         return checked(p, lim);
     }
@@ -88,10 +93,53 @@ pub fn exact(node: &Node) -> Option<BigRational> {
     exact_in(node, &SMALL)
 }
 
-/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^18 bits): for
+/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^17 bits): for
 /// deciding the equality of two values that [`exact`] cannot evaluate, instead of not knowing.
 pub fn exact_big(node: &Node) -> Option<BigRational> {
     exact_in(node, &BIG)
+}
+
+fn size(x: &BigRational) -> u64 {
+    x.numer().bits() + x.denom().bits()
+}
+
+/// Whether the general operations (which reduce by a gcd, quadratic in the size) are cheap on `a`, `b`.
+fn small(a: &BigRational, b: &BigRational) -> bool {
+    size(a) <= SMALL.bits && size(b) <= SMALL.bits
+}
+
+/// `a + b` without a gcd of large numbers (None for two large fractions).
+fn add(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a + b);
+    }
+    let (a, b) = if b.is_integer() { (a, b) } else { (b, a) };
+    if !b.is_integer() {
+        return None;
+    }
+    // n/d + m = (n + m d)/d, still in lowest terms.
+    let numer = a.numer() + b.numer() * a.denom();
+    Some(BigRational::new_raw(numer, a.denom().clone()))
+}
+
+/// `a * b` without a gcd of large numbers (None unless both are integers).
+fn mul(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a * b);
+    }
+    (a.is_integer() && b.is_integer()).then(|| BigRational::from_integer(a.numer() * b.numer()))
+}
+
+/// `a / b` (b non-zero) without a gcd of large numbers (None unless it divides exactly).
+fn div(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a / b);
+    }
+    if !(a.is_integer() && b.is_integer()) {
+        return None;
+    }
+    let (q, r) = (a.numer() / b.numer(), a.numer() % b.numer());
+    r.is_zero().then(|| BigRational::from_integer(q))
 }
 
 fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
@@ -103,14 +151,14 @@ fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
         Node::Add(ts) => {
             let mut acc = BigRational::zero();
             for t in ts {
-                acc = checked(acc + exact(t)?)?;
+                acc = checked(add(acc, exact(t)?)?)?;
             }
             Some(acc)
         }
         Node::Mul(fs) => {
             let mut acc = BigRational::from_integer(1.into());
             for f in fs {
-                acc = checked(acc * exact(f)?)?;
+                acc = checked(mul(acc, exact(f)?)?)?;
             }
             Some(acc)
         }
@@ -120,7 +168,7 @@ fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
             if d.is_zero() {
                 return None;
             }
-            checked(exact(a)? / d)
+            checked(div(exact(a)?, d)?)
         }
         Node::Pow(b, e) => pow_exact(&exact(b)?, &exact(e)?),
         Node::Root(r, idx) => {
@@ -139,7 +187,7 @@ fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
             }
             rational_root(&exact(r)?, n)
         }
-        Node::Pct(a) => Some(exact(a)? / BigRational::from_integer(100.into())),
+        Node::Pct(a) => div(exact(a)?, BigRational::from_integer(100.into())),
         Node::Fact(a) => {
             let v = exact(a)?;
             if !v.is_integer() || v.is_negative() {
