@@ -315,5 +315,11 @@ mod tests {
         f.write_json(&serde_json::json!({"x": 1})).unwrap();
         f.commit().unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "{\"x\":1}\n");
+        // The usual permissions (0644 under umask 022), not a temporary file's owner-only 0600.
+        use std::os::unix::fs::PermissionsExt;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let umask = status.lines().find_map(|l| l.strip_prefix("Umask:")).unwrap().trim();
+        let expected = 0o666 & !u32::from_str_radix(umask, 8).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, expected);
     }
 }

@@ -69,6 +69,7 @@ pub fn save_checkpoint(
         for entry in std::fs::read_dir(&tmp).map_err(io(&tmp))? {
             let p = entry.map_err(io(&tmp))?.path();
             if p.is_file() {
+                usual_permissions(&p)?;
                 std::fs::File::open(&p).and_then(|f| f.sync_all()).map_err(io(&p))?;
             }
         }
@@ -88,6 +89,13 @@ pub fn save_checkpoint(
         std::fs::remove_dir_all(&old).map_err(io(&old))?;
     }
     Ok(())
+}
+
+/// Give a checkpoint file the usual permissions (0644): some writers (safetensors, temporary files) create
+/// owner-only files, which other users of a shared machine could not load.
+fn usual_permissions(path: &Path) -> Result<(), ModelError> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o644)).map_err(io(path))
 }
 
 /// Whether `name` is one of the temporary folders that [`save_checkpoint`] and [`remove_checkpoint`] make
@@ -227,6 +235,26 @@ mod tests {
             let cfg: serde_json::Value =
                 serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
             assert_eq!(cfg["torch_dtype"], "float32");
+        }
+    }
+
+    /// The process umask (from /proc, without changing it).
+    fn umask() -> u32 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        u32::from_str_radix(line.split_whitespace().nth(1).unwrap(), 8).unwrap()
+    }
+
+    #[test]
+    fn checkpoints_have_the_usual_permissions() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        save_checkpoint(&model(Arch::Llama), &out, &SaveOptions::default(), |_| Ok(())).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&out), 0o777 & !umask(), "folder");
+        for f in ["config.json", "model.safetensors"] {
+            assert_eq!(mode(&out.join(f)), 0o644, "{f}");
         }
     }
 
