@@ -456,7 +456,8 @@ fn scalar_eq(g: &Node, p: &Node) -> bool {
     } else if contains_inf(g) && contains_inf(p) && gi.approx.is_infinite() && gi.approx == pi.approx {
         return true;
     }
-    if !(gi.atomic() && pi.atomic()) && !gi.float && !pi.float && big_equal(g, p, &gi, &pi) {
+    let one_too_large = !gi.atomic() || !pi.atomic();
+    if one_too_large && !gi.float && !pi.float && big_equal(g, p, &gi, &pi) {
         return true;
     }
     gi.same_value(&pi)
