@@ -163,15 +163,17 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
         tracing::info!("data in {} is up to date", prepared_dir.display());
     }
     let dataset = PreparedDataset::open(&prepared_dir)?;
-    let stats = if outcome.skipped { dataset.stats()? } else { outcome.stats };
+    // An up-to-date folder's counts are in its stats.json (the message only: unreadable is no error).
+    let stats = if outcome.skipped { dataset.stats().ok() } else { Some(outcome.stats) };
     let group = &cfg.data.input.group;
     if dataset.is_empty() {
         return Err(TrainError::Stopped(format!(
             "no training groups in {}: {}",
             prepared_dir.display(),
-            why_no_groups(&stats, group)
+            stats.map_or("stats.json is unreadable".into(), |s| why_no_groups(&s, group))
         )));
     }
+    let Some(stats) = stats else { return Ok(dataset) };
     let small: u64 = stats.group_size_histogram.range(..group.group_size as u64).map(|(_, n)| n).sum();
     if group.group_size > 0 && small > 0 {
         tracing::warn!(
