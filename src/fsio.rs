@@ -71,12 +71,14 @@ pub fn leftover(name: &str) -> Option<Leftover> {
     tmp.rsplit_once('.').map(|_| Leftover::Writing)
 }
 
-/// Sync the files of `tmp` and swap it in as folder `target`: a previous `target` is moved aside, `tmp`
+/// Make the files of `tmp` 0644, sync them and swap `tmp` in as folder `target`: a previous `target` is moved aside, `tmp`
 /// renamed in, and the previous one removed. If the rename fails, the previous `target` is put back.
 pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
     for entry in std::fs::read_dir(tmp.path())? {
         let p = entry?.path();
         if p.is_file() {
+            // Some writers (safetensors) create owner-only files, which other users could not load.
+            std::fs::set_permissions(&p, Permissions::from_mode(0o644))?;
             std::fs::File::open(&p)?.sync_all()?;
         }
     }

@@ -16,6 +16,8 @@ pub enum LineError {
     Utf8(usize),
     #[error("invalid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("line too large: {bytes} bytes > limit of {limit} bytes (skipped unread)")]
+    TooLarge { bytes: u64, limit: usize },
 }
 
 /// Opening or reading a whole file failed.
@@ -50,11 +52,22 @@ pub fn open_reader(path: &Path) -> Result<Box<dyn BufRead + Send>, JsonlError> {
 pub struct RawLine {
     pub number: u64,
     pub bytes: Vec<u8>,
+    /// Set when the line was longer than the reader's limit: its length in bytes. Such a line was
+    /// skipped while it was read and `bytes` is empty.
+    pub too_large: Option<(u64, usize)>,
 }
 
 impl RawLine {
-    /// The line as text, or where it stops being UTF-8.
+    /// A line read whole.
+    pub fn new(number: u64, bytes: Vec<u8>) -> Self {
+        Self { number, bytes, too_large: None }
+    }
+
+    /// The line as text, or where it stops being UTF-8 (or that it was too large to be read).
     pub fn text(&self) -> Result<&str, LineError> {
+        if let Some((bytes, limit)) = self.too_large {
+            return Err(LineError::TooLarge { bytes, limit });
+        }
         std::str::from_utf8(&self.bytes).map_err(|e| LineError::Utf8(e.valid_up_to()))
     }
 
@@ -66,26 +79,75 @@ impl RawLine {
 
     /// True for a line with nothing but whitespace (skipped silently by readers).
     pub fn is_blank(&self) -> bool {
-        self.bytes.iter().all(|b| b.is_ascii_whitespace())
+        self.too_large.is_none() && self.bytes.iter().all(|b| b.is_ascii_whitespace())
     }
 }
 
+/// The line limit of [`Lines::open`]: generous, for files this program wrote itself (a generations file
+/// holds every response to a problem on one line); user inputs set their own with
+/// [`Lines::max_line_bytes`].
+pub const DEFAULT_MAX_LINE_BYTES: usize = 1 << 30;
+
 /// Iterator over the raw lines of a file; blank lines are skipped, numbering counts them.
+///
+/// Memory is bounded by the line limit: a longer line is consumed without being kept and comes back
+/// with [`RawLine::too_large`] set.
 pub struct Lines {
     path: PathBuf,
     reader: Box<dyn BufRead + Send>,
     number: u64,
+    max_line_bytes: usize,
     /// Total bytes consumed so far (of the decompressed stream).
     pub bytes_read: u64,
 }
 
 impl Lines {
     pub fn open(path: &Path) -> Result<Self, JsonlError> {
-        Ok(Self { path: path.to_path_buf(), reader: open_reader(path)?, number: 0, bytes_read: 0 })
+        Ok(Self {
+            path: path.to_path_buf(),
+            reader: open_reader(path)?,
+            number: 0,
+            max_line_bytes: DEFAULT_MAX_LINE_BYTES,
+            bytes_read: 0,
+        })
+    }
+
+    /// Lines longer than `max` bytes (without the newline) are skipped while they are read.
+    pub fn max_line_bytes(mut self, max: usize) -> Self {
+        self.max_line_bytes = max;
+        self
     }
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Read one line into `buf`, keeping at most `max_line_bytes + 2` bytes (the line and `\r\n`).
+    /// Returns the number of bytes consumed (0 at the end) and whether the line ended with a newline.
+    fn read_bounded(&mut self, buf: &mut Vec<u8>) -> io::Result<(u64, bool)> {
+        let keep = self.max_line_bytes.saturating_add(2);
+        let mut consumed = 0u64;
+        loop {
+            let chunk = match self.reader.fill_buf() {
+                Ok(c) => c,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            };
+            if chunk.is_empty() {
+                return Ok((consumed, false));
+            }
+            let (take, end) = match chunk.iter().position(|&b| b == b'\n') {
+                Some(i) => (i + 1, true),
+                None => (chunk.len(), false),
+            };
+            let room = keep.saturating_sub(buf.len()).min(take);
+            buf.extend_from_slice(&chunk[..room]);
+            self.reader.consume(take);
+            consumed += take as u64;
+            if end {
+                return Ok((consumed, true));
+            }
+        }
     }
 }
 
@@ -95,15 +157,21 @@ impl Iterator for Lines {
     fn next(&mut self) -> Option<Self::Item> {
         loop {
             let mut buf = Vec::new();
-            match self.reader.read_until(b'\n', &mut buf) {
-                Ok(0) => return None,
-                Ok(n) => {
+            match self.read_bounded(&mut buf) {
+                Ok((0, _)) => return None,
+                Ok((n, newline)) => {
                     self.number += 1;
-                    self.bytes_read += n as u64;
+                    self.bytes_read += n;
+                    let truncated = n > buf.len() as u64;
                     while matches!(buf.last(), Some(b'\n' | b'\r')) {
                         buf.pop();
                     }
-                    let line = RawLine { number: self.number, bytes: buf };
+                    let line = if truncated || buf.len() > self.max_line_bytes {
+                        let len = if truncated { n - u64::from(newline) } else { buf.len() as u64 };
+                        RawLine { number: self.number, bytes: Vec::new(), too_large: Some((len, self.max_line_bytes)) }
+                    } else {
+                        RawLine::new(self.number, buf)
+                    };
                     if line.is_blank() {
                         continue;
                     }
@@ -190,6 +258,27 @@ mod tests {
     }
 
     #[test]
+    fn long_lines_are_skipped_while_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("x.jsonl.gz");
+        let mut enc = flate2::write::GzEncoder::new(File::create(&p).unwrap(), flate2::Compression::fast());
+        enc.write_all(b"{\"a\":1}\n\"").unwrap();
+        for _ in 0..64 {
+            enc.write_all(&[b'x'; 1 << 16]).unwrap();
+        }
+        enc.write_all(b"\"\r\n{\"a\":22}\r\n{\"a\":3}").unwrap();
+        enc.finish().unwrap();
+        let lines: Vec<_> = Lines::open(&p).unwrap().max_line_bytes(9).map(|l| l.unwrap()).collect();
+        assert_eq!(lines.iter().map(|l| l.number).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+        assert_eq!(lines[1].too_large, Some(((1 << 22) + 3, 9)));
+        assert!(lines[1].bytes.capacity() <= 64, "the long line was kept: {}", lines[1].bytes.capacity());
+        assert!(matches!(lines[1].json::<serde_json::Value>(), Err(LineError::TooLarge { .. })));
+        assert_eq!(lines[2].json::<serde_json::Value>().unwrap()["a"], 22);
+        let lines: Vec<_> = Lines::open(&p).unwrap().max_line_bytes(7).map(|l| l.unwrap()).collect();
+        assert_eq!(lines.iter().map(|l| l.too_large.is_some()).collect::<Vec<_>>(), [false, true, true, false]);
+    }
+
+    #[test]
     fn gzip_and_zstd_are_transparent() {
         let dir = tempfile::tempdir().unwrap();
         let gz = dir.path().join("x.jsonl.gz");
@@ -218,5 +307,11 @@ mod tests {
         f.write_json(&serde_json::json!({"x": 1})).unwrap();
         f.commit().unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "{\"x\":1}\n");
+        // The usual permissions (0644 under umask 022), not a temporary file's owner-only 0600.
+        use std::os::unix::fs::PermissionsExt;
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let umask = status.lines().find_map(|l| l.strip_prefix("Umask:")).unwrap().trim();
+        let expected = 0o666 & !u32::from_str_radix(umask, 8).unwrap();
+        assert_eq!(std::fs::metadata(&p).unwrap().permissions().mode() & 0o777, expected);
     }
 }

@@ -533,3 +533,35 @@ fn max_questions_draws_the_same_sample_again_and_another_with_another_seed() {
     assert!(log.contains("options changed"), "{log}");
     assert_ne!(other, a, "another seed draws another sample");
 }
+
+/// The largest resident set of any waited-for child process so far, in bytes.
+fn peak_child_rss() -> u64 {
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage only writes into the struct we pass.
+    assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut usage) }, 0);
+    usage.ru_maxrss as u64 * 1024
+}
+
+#[test]
+fn an_over_long_line_is_skipped_while_read_with_bounded_memory() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("long.jsonl.gz");
+    let good = fixture_lines();
+    let file = std::fs::File::create(&path).unwrap();
+    let mut enc = flate2::write::GzEncoder::new(file, flate2::Compression::fast());
+    writeln!(enc, "{}", good[0]).unwrap();
+    enc.write_all(br#"{"prompt":"Q","response":""#).unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    for _ in 0..384 {
+        enc.write_all(&chunk).unwrap();
+    }
+    enc.write_all(b"\"}\n").unwrap();
+    writeln!(enc, "{}", good[1]).unwrap();
+    enc.finish().unwrap();
+    let (s, stderr) = stats_json(&path, &[]);
+    let peak = peak_child_rss();
+    assert_eq!(s["skipped_by_reason"]["row_too_large"], 1, "{s}");
+    assert!(stderr.contains("long.jsonl.gz: line 2: row_too_large"), "{stderr}");
+    assert!(peak < 256 << 20, "peak RSS of a child {} MiB for a 384 MiB line", peak >> 20);
+}

@@ -131,3 +131,21 @@ fn smollm2_greedy_math500_matches_transformers() {
         assert_eq!(s["correct"].as_bool().unwrap(), ok);
     }
 }
+
+#[test]
+fn out_of_range_options_are_rejected_before_loading_anything() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("no-model");
+    for (flag, value, needle) in [
+        ("--n", "0", "--n = 0"),
+        ("--batch-size", "0", "--batch-size = 0"),
+        ("--temperature", "-1", "--temperature = -1"),
+        ("--top-p", "0", "--top-p = 0"),
+        ("--top-p", "NaN", "--top-p = NaN"),
+    ] {
+        let a = eval(&["--bench", "aime24", &format!("{flag}={value}")], &missing, &dir.path().join("out")).failure();
+        let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+        assert!(stderr.contains(needle), "{flag} {value}: {stderr}");
+    }
+    assert!(!dir.path().join("out").exists());
+}

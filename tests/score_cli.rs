@@ -208,3 +208,49 @@ fn adversarial_responses_finish_quickly() {
     assert_eq!(rows[2]["preds"], json!([null]));
     assert_eq!(rows[3]["correct"], json!([true, false, false]));
 }
+
+#[test]
+fn over_long_lines_are_skipped_and_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("long.jsonl");
+    let long = json!({"answer": "1", "response": "x".repeat(3 << 20)}).to_string();
+    let text = format!(
+        "{}\n{long}\n{}\n",
+        json!({"answer": "2", "response": "\\boxed{2}"}),
+        json!({"answer": "3", "response": "\\boxed{4}"})
+    );
+    std::fs::write(&input, text).unwrap();
+    let out = dir.path().join("out.jsonl");
+    let assert = grpo()
+        .args(["score", "--max-row-bytes", "1048576", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&out)
+        .assert()
+        .success();
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert!(stderr.contains("long.jsonl:2: line too large"), "{stderr}");
+    assert_eq!(read_jsonl(&out).len(), 2);
+    grpo().args(["score", "--strict", "--max-row-bytes", "1048576", "--input"]).arg(&input).assert().failure();
+}
+
+#[test]
+fn nothing_scored_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("none.jsonl");
+    std::fs::write(&input, "{\"response\": \"\\\\boxed{1}\"}\n\n").unwrap();
+    let out = dir.path().join("out.jsonl");
+    let assert = grpo().args(["score", "--input"]).arg(&input).arg("--output").arg(&out).assert().failure();
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert!(stderr.contains("nothing was scored"), "{stderr}");
+    assert!(!out.exists());
+    std::fs::write(&input, "").unwrap();
+    grpo().args(["score", "--input"]).arg(&input).assert().failure();
+}
+
+#[test]
+fn a_missing_input_is_named_once() {
+    let assert = grpo().args(["score", "--input", "no/such.jsonl"]).assert().failure();
+    let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
+    assert_eq!(stderr.matches("no/such.jsonl").count(), 1, "{stderr}");
+}

@@ -416,3 +416,25 @@ fn killed_at_random_points_and_resumed_a_run_ends_exactly_as_an_uninterrupted_on
     assert_eq!(ma, mc, "{why}");
     assert_eq!(entries(&cc), ["latest", "step-00000005", "step-00000006"], "{why}");
 }
+
+#[test]
+fn no_training_groups_says_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let a = train(dir.path(), &cfg, &["--set", "data.min_group_size=9", "--set", "data.group_size=0"]).failure();
+    let err = stderr_of(&a);
+    assert!(err.contains("no training groups"), "{err}");
+    assert!(
+        err.contains("400 rows read") && err.contains("50 with fewer than data.min_group_size = 9 answers"),
+        "{err}"
+    );
+}
+
+#[test]
+fn groups_smaller_than_group_size_are_reported() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let a = train(dir.path(), &cfg, &["--set", "data.group_size=10", "--set", "train.max_steps=1"]).success();
+    let err = stderr_of(&a);
+    assert!(err.contains("48 of 48 groups have fewer than data.group_size = 10 answers and are trained on"), "{err}");
+}

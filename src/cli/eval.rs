@@ -89,6 +89,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    args.options.validate("--").map_err(anyhow::Error::msg)?;
     let mut selected = Vec::new();
     for name in &args.bench {
         selected.push(benchmarks::load(name)?);
@@ -106,7 +107,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let gen_path = args.out.join("generations.jsonl");
     let (done, mut gen_file) = open_generations(&gen_path, args.resume)?;
-    let options = EvalOptions { n: args.options.n.max(1), batch_size: args.options.batch_size.max(1), ..args.options };
+    let options = args.options.clone();
     let started = std::time::Instant::now();
     let mut reports = Vec::new();
     for b in &selected {
@@ -136,6 +137,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         )?;
         bar.finish_and_clear();
         reports.push(report);
+    }
+    if reports.iter().all(|r| r.n_problems == 0) {
+        anyhow::bail!("nothing was evaluated: no problem in the selected benchmarks");
     }
     let report = serde_json::json!({
         "model": model_name,

@@ -32,6 +32,9 @@ pub struct Args {
     /// Stop at the first malformed line instead of reporting and skipping it.
     #[arg(long)]
     pub strict: bool,
+    /// Lines longer than this many bytes are skipped as too large (without being held in memory).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_row_bytes: usize,
 }
 
 struct Item {
@@ -93,7 +96,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let decoder =
         model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())?;
-    let lines = Lines::open(&args.input)?;
+    let lines = Lines::open(&args.input)?.max_line_bytes(args.max_row_bytes);
     let bar = crate::progress::progress_bar(None, "logprobs");
     let (mut done, mut bad) = (0usize, 0usize);
     let mut pending: Vec<Item> = Vec::new();

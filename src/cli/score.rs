@@ -44,10 +44,14 @@ pub struct Args {
     /// Stop at the first malformed line instead of skipping it.
     #[arg(long)]
     pub strict: bool,
+    /// Lines longer than this many bytes are skipped as too large (without being held in memory).
+    #[arg(long, default_value_t = 16 << 20)]
+    pub max_row_bytes: usize,
 }
 
-/// Lines scored in parallel at a time.
+/// Lines scored in parallel at a time (bounded by count and by bytes).
 const BATCH: usize = 1024;
+const BATCH_BYTES: usize = 32 << 20;
 
 struct Scored {
     line: Value,
@@ -102,7 +106,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("--k values must be at least 1");
     }
     let opts = ExtractOptions { fallbacks: args.fallbacks };
-    let mut lines = Lines::open(&args.input).with_context(|| format!("reading {}", args.input.display()))?;
+    let mut lines = Lines::open(&args.input)?.max_line_bytes(args.max_row_bytes);
     let mut out = AtomicFile::create(args.output.as_deref())
         .with_context(|| format!("creating {}", args.output.as_deref().unwrap_or("-".as_ref()).display()))?;
     let bar = crate::progress::progress_bar(None, "score");
@@ -111,9 +115,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let path = args.input.display().to_string();
     let started = std::time::Instant::now();
     loop {
-        let mut batch = Vec::with_capacity(BATCH);
-        for l in lines.by_ref().take(BATCH) {
-            batch.push(l.context("reading input")?);
+        let (mut batch, mut bytes) = (Vec::with_capacity(BATCH), 0usize);
+        while batch.len() < BATCH && bytes < BATCH_BYTES {
+            let Some(l) = lines.next() else { break };
+            let l = l?;
+            bytes += l.bytes.len();
+            batch.push(l);
         }
         if batch.is_empty() {
             break;
@@ -137,6 +144,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         bar.inc(batch.len() as u64);
     }
     bar.finish_and_clear();
+    if outcomes.is_empty() {
+        anyhow::bail!("{path}: nothing was scored ({skipped} lines skipped)");
+    }
     out.commit().context("writing output")?;
     let summary = summarize(&outcomes, &args.k);
     let elapsed = started.elapsed().as_secs_f64();

@@ -269,6 +269,9 @@ fn finish_pair(question: &str, response: &str) -> Result<(String, String), (Skip
 
 /// Parse one JSONL line into a row.
 pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, (SkipReason, String)> {
+    if let Some((bytes, _)) = line.too_large {
+        return Err((SkipReason::RowTooLarge, format!("{bytes} bytes > --max-row-bytes {}", opts.max_row_bytes)));
+    }
     if line.bytes.len() > opts.max_row_bytes {
         return Err((
             SkipReason::RowTooLarge,
@@ -281,6 +284,7 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
             Ok(_) => (SkipReason::BadSchema, "not a JSON object".into()),
             Err(LineError::Utf8(at)) => (SkipReason::InvalidUtf8, format!("at byte {at}")),
             Err(LineError::Json(e)) => (SkipReason::BadJson, e.to_string()),
+            Err(e @ LineError::TooLarge { .. }) => (SkipReason::RowTooLarge, e.to_string()),
         });
     }
     let row: JsonRow = match line.json() {
@@ -294,6 +298,7 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
             };
             return Err((reason, e.to_string()));
         }
+        Err(e @ LineError::TooLarge { .. }) => return Err((SkipReason::RowTooLarge, e.to_string())),
     };
     let (question, response) = match (&row.conversations, &row.prompt, &row.response) {
         (Some(turns), _, _) => {
@@ -447,7 +452,7 @@ where
     }
     // A reader thread keeps decompression and line splitting off the parsing threads.
     let (tx, rx) = std::sync::mpsc::sync_channel::<Result<Vec<RawLine>, DataError>>(2);
-    let lines = Lines::open(path)?;
+    let lines = Lines::open(path)?.max_line_bytes(opts.max_row_bytes);
     std::thread::scope(|scope| -> Result<(), DataError> {
         scope.spawn(move || {
             let mut batch = Vec::with_capacity(BATCH_ROWS);
@@ -572,7 +577,7 @@ mod tests {
     use super::*;
 
     fn parse(s: &str) -> Result<Row, SkipReason> {
-        parse_json_row(&RawLine { number: 1, bytes: s.as_bytes().to_vec() }, &ReadOptions::default()).map_err(|e| e.0)
+        parse_json_row(&RawLine::new(1, s.as_bytes().to_vec()), &ReadOptions::default()).map_err(|e| e.0)
     }
 
     #[test]

@@ -88,6 +88,24 @@ impl EvalOptions {
         ExtractOptions { fallbacks: self.fallbacks }
     }
 
+    /// Check ranges, naming each value as `{prefix}{name}` (`--` for `grpo eval`, `validation.` for a
+    /// training config).
+    pub fn validate(&self, prefix: &str) -> Result<(), String> {
+        for (name, v) in [("n", self.n), ("batch_size", self.batch_size), ("max_new_tokens", self.max_new_tokens)] {
+            if v == 0 {
+                return Err(format!("{prefix}{} = 0 must be >= 1", flag(prefix, name)));
+            }
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            let name = flag(prefix, "temperature");
+            return Err(format!("{prefix}{name} = {} must be >= 0 (0: greedy)", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("{prefix}{} = {} must be in (0, 1]", flag(prefix, "top_p"), self.top_p));
+        }
+        Ok(())
+    }
+
     /// How many of a benchmark's `available` problems are evaluated (the first ones).
     pub fn problem_count(&self, available: usize) -> usize {
         if self.limit == 0 {
@@ -95,6 +113,15 @@ impl EvalOptions {
         } else {
             self.limit.min(available)
         }
+    }
+}
+
+/// A field's name as written after `prefix`: a flag (`batch-size`) after `--`, else the key.
+fn flag(prefix: &str, name: &str) -> String {
+    if prefix == "--" {
+        name.replace('_', "-")
+    } else {
+        name.to_string()
     }
 }
 
@@ -127,6 +154,21 @@ mod tests {
             (3, 2, 30)
         );
         assert!(Cli::try_parse_from(["eval", "--bench", "aime24"]).is_err(), "bench is not a flag of the options");
+    }
+
+    #[test]
+    fn out_of_range_values_are_named() {
+        assert_eq!(EvalOptions::default().validate("--"), Ok(()));
+        let e = |args: &[&str]| {
+            let all: Vec<&str> = ["eval"].iter().chain(args).copied().collect();
+            Cli::parse_from(all).options.validate("--").unwrap_err()
+        };
+        assert!(e(&["--n", "0"]).starts_with("--n = 0"));
+        assert!(e(&["--batch-size", "0"]).starts_with("--batch-size = 0"));
+        assert!(e(&["--temperature=-1"]).starts_with("--temperature = -1"));
+        assert!(e(&["--temperature", "NaN"]).starts_with("--temperature = NaN"));
+        assert!(e(&["--top-p", "0"]).starts_with("--top-p = 0"));
+        assert!(e(&["--top-p", "1.01"]).starts_with("--top-p = 1.01"));
     }
 
     #[test]

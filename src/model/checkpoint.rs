@@ -211,6 +211,26 @@ mod tests {
         }
     }
 
+    /// The process umask (from /proc, without changing it).
+    fn umask() -> u32 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        u32::from_str_radix(line.split_whitespace().nth(1).unwrap(), 8).unwrap()
+    }
+
+    #[test]
+    fn checkpoints_have_the_usual_permissions() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("ckpt");
+        save_checkpoint(&model(Arch::Llama), &out, &SaveOptions::default(), |_| Ok(())).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&out), 0o777 & !umask(), "folder");
+        for f in ["config.json", "model.safetensors"] {
+            assert_eq!(mode(&out.join(f)), 0o644, "{f}");
+        }
+    }
+
     #[test]
     fn transformers_5_configs_are_written_for_transformers_4_too() {
         // A config in transformers 5's layout: no top-level rope_theta, the dtype under `dtype`.

@@ -30,6 +30,15 @@ pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
         }
         return Ok(p.to_path_buf());
     }
+    if p.exists() {
+        return Err(ModelError::Files { path: p.into(), message: "not a folder (give the model's folder)".into() });
+    }
+    if looks_local(model) {
+        return Err(ModelError::Files {
+            path: p.into(),
+            message: "no such folder (a local path: the Hugging Face cache is not searched)".into(),
+        });
+    }
     let cache = hf_cache();
     let (id, revision) = model.split_once('@').unwrap_or((model, "main"));
     if id.split('/').count() == 2 && !id.starts_with('.') && !id.starts_with('/') {
@@ -43,6 +52,16 @@ pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
         }
     }
     Err(ModelError::NotFound(model.to_string(), cache.path().clone()))
+}
+
+/// Whether a model argument that is not an existing folder is meant as a local path rather than a hub
+/// id: it starts with `.`, `/` or `~`, has more than one `/`, or its first component exists here.
+pub fn looks_local(model: &str) -> bool {
+    let id = model.split_once('@').map_or(model, |(id, _)| id);
+    let first = id.split('/').next().unwrap_or_default();
+    model.starts_with(['.', '/', '~'])
+        || id.matches('/').count() > 1
+        || (id.contains('/') && !first.is_empty() && Path::new(first).exists())
 }
 
 /// `cpu`, `cuda` or `cuda:N`.
@@ -189,6 +208,23 @@ pub fn sample_normal(rng: &mut impl Rng) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_looking_paths_are_not_sent_to_the_hub_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let typo = format!("{}/no-such-model", dir.path().display());
+        let e = resolve_model_dir(&typo).unwrap_err().to_string();
+        assert!(e.contains("no such folder") && !e.contains("huggingface-cli"), "{e}");
+        assert_eq!(e.matches("no-such-model").count(), 1, "{e}");
+        for local in ["./m", "~/m", "runs/smoke/tiny-lama", "src/model"] {
+            assert!(looks_local(local), "{local}");
+        }
+        for hub in ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B@main", "gpt2"] {
+            assert!(!looks_local(hub), "{hub}");
+        }
+        let e = resolve_model_dir("NoSuchOrg/no-such-model").unwrap_err().to_string();
+        assert!(e.contains("huggingface-cli download NoSuchOrg/no-such-model"), "{e}");
+    }
 
     #[test]
     fn hub_ids_resolve_through_the_cache() {

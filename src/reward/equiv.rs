@@ -17,7 +17,7 @@
 //! 7. expressions with variables are compared at sample points (both signs), 12 points, agreeing to
 //!    1e-9 relative where both are defined, with at least 3 defined points.
 
-use super::eval::{approx, exact, free_symbols, has_float, round6_exact, round6_f64};
+use super::eval::{approx, exact, exact_big, free_symbols, has_float, round6_exact, round6_f64};
 use super::parse::{canonical, parse, Node, RelOp};
 use num_rational::BigRational;
 
@@ -32,6 +32,51 @@ impl ParsedAnswer {
     /// Normalise and parse `s` (never fails: an unparsable answer is compared by its string).
     pub fn new(s: &str) -> Self {
         ParsedAnswer { key: canonical(s), node: parse(s).ok() }
+    }
+
+    /// The normalised string: answers with the same non-empty key are equivalent.
+    pub(super) fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// For a plain number (no variable, word, relation or structure anywhere) whose value is known as
+    /// a float: that value and, for a percentage, the value without the percent. Two such answers are
+    /// only ever equivalent (other than by equal keys) when a value of one is within
+    /// `max(1.5e-6, 2e-12 |x|)` of a value of the other, or both are the same infinity: the values
+    /// let majority voting compare an answer with nearby answers only.
+    pub(super) fn numeric_values(&self) -> Option<Vec<f64>> {
+        let node = self.node.as_ref()?;
+        let mut plain = true;
+        super::eval::visit(node, &mut |n| {
+            plain &= !matches!(
+                n,
+                Node::Sym(_)
+                    | Node::Text(_)
+                    | Node::Rel(..)
+                    | Node::Tuple(_)
+                    | Node::Set(_)
+                    | Node::Interval { .. }
+                    | Node::Union(_)
+                    | Node::Matrix(_)
+            )
+        });
+        if !plain {
+            return None;
+        }
+        let info = Info::new(node);
+        // A value too large or too small for exact evaluation may be decided exactly later
+        // (`big_equal`) while its float is meaningless: such values are compared with everything.
+        if info.approx.is_nan() || (info.exact.is_none() && (info.approx == 0.0 || info.approx.is_infinite())) {
+            return None;
+        }
+        let mut values = vec![info.approx];
+        if let Some(s) = &info.stripped {
+            let s = num_traits::ToPrimitive::to_f64(s).filter(|v| !v.is_nan())?;
+            if s != info.approx {
+                values.push(s);
+            }
+        }
+        Some(values)
     }
 }
 
@@ -411,7 +456,20 @@ fn scalar_eq(g: &Node, p: &Node) -> bool {
     } else if contains_inf(g) && contains_inf(p) && gi.approx.is_infinite() && gi.approx == pi.approx {
         return true;
     }
+    let one_too_large = !gi.atomic() || !pi.atomic();
+    if one_too_large && !gi.float && !pi.float && big_equal(g, p, &gi, &pi) {
+        return true;
+    }
     gi.same_value(&pi)
+}
+
+/// Exact equality of two integers or fractions when one is too large for [`exact`] (`2^{100000}` and
+/// `4^{50000}`, `720!` and `((3!)!)!`), with the larger limits of [`exact_big`]. Past those limits
+/// equality is unknown, and the answers are not called equivalent (the float comparison that follows
+/// cannot tell such values apart either way).
+fn big_equal(g: &Node, p: &Node, gi: &Info, pi: &Info) -> bool {
+    let Some(a) = gi.exact.clone().or_else(|| exact_big(g)) else { return false };
+    pi.exact.clone().or_else(|| exact_big(p)).is_some_and(|b| a == b)
 }
 
 #[cfg(test)]
@@ -435,6 +493,21 @@ mod tests {
         assert!(!eq("12.5\\%", "12.5"));
         assert!(eq("2^{100}", "1267650600228229401496703205376"));
         assert!(!eq("2^{100}", "1267650600228229401496703205377"));
+    }
+
+    #[test]
+    fn huge_values_are_decided_exactly() {
+        let t = std::time::Instant::now();
+        assert!(eq("2^{100000}", "4^{50000}"));
+        assert!(eq("4^{50000}", "2^{100000}"));
+        assert!(eq("720!", "((3!)!)!"));
+        assert!(eq("2^{5000}", &num_bigint::BigInt::from(2).pow(5000).to_string()));
+        assert!(eq("\\frac{2^{100000}}{4^{49999}}", "4"));
+        assert!(!eq("2^{100000}", "2^{100001}"));
+        assert!(!eq("720!", "721!"));
+        assert!(!eq("720!", "((3!)!)! + 1"));
+        assert!(!eq("2^{10^{9}}", "4^{5 \\cdot 10^{8}}"), "past the limits: unknown, not called equal");
+        assert!(t.elapsed().as_secs_f64() < 1.0, "took {:?}", t.elapsed());
     }
 
     #[test]

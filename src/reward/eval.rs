@@ -7,19 +7,24 @@ use num_bigint::BigInt;
 use num_rational::BigRational;
 use num_traits::{Signed, ToPrimitive, Zero};
 
-/// Largest exponent applied exactly.
-const MAX_EXP: u64 = 4096;
-/// Largest size (bits of numerator + denominator) of an exact intermediate value.
-const MAX_BITS: u64 = 16_384;
-/// Largest n for which n! is computed exactly.
-const MAX_FACT: u64 = 500;
-
-fn too_big(x: &BigRational) -> bool {
-    x.numer().bits() + x.denom().bits() > MAX_BITS
+/// Size limits of exact evaluation.
+struct Limits {
+    /// Largest exponent applied exactly.
+    exp: u64,
+    /// Largest size (bits of numerator + denominator) of an exact intermediate value.
+    bits: u64,
+    /// Largest n for which n! is computed exactly.
+    fact: u64,
 }
 
-fn checked(x: BigRational) -> Option<BigRational> {
-    if too_big(&x) {
+/// The limits of [`exact`], used on every comparison.
+const SMALL: Limits = Limits { exp: 4096, bits: 16_384, fact: 500 };
+/// The limits of [`exact_big`], tried only when two values that [`exact`] cannot evaluate are compared:
+/// a few milliseconds at most per value.
+const BIG: Limits = Limits { exp: 1 << 17, bits: 1 << 17, fact: 1000 };
+
+fn checked(x: BigRational, lim: &Limits) -> Option<BigRational> {
+    if x.numer().bits() + x.denom().bits() > lim.bits {
         None
     } else {
         Some(x)
@@ -52,22 +57,27 @@ fn rational_root(x: &BigRational, n: u32) -> Option<BigRational> {
     Some(BigRational::new(int_root(x.numer(), n)?, int_root(x.denom(), n)?))
 }
 
-fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
+fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Option<BigRational> {
     if e.is_integer() {
         let k = e.to_integer();
         let mag = k.abs().to_u64()?;
-        if mag > MAX_EXP {
+        if mag > lim.exp {
             return None;
         }
-        if (b.numer().bits() + b.denom().bits()).saturating_mul(mag) > MAX_BITS * 2 {
+        // At least (bits - 1) * mag bits each side: past the limit, do not compute it.
+        if (b.numer().bits() + b.denom().bits()).saturating_sub(2).saturating_mul(mag) > lim.bits {
             return None;
         }
         if b.is_zero() && k.is_negative() {
             return None;
         }
-        let p = num_traits::pow(b.clone(), mag as usize);
+        // Numerator and denominator apart: they stay coprime, no gcd of huge numbers is needed.
+        let p = BigRational::new_raw(
+            num_traits::pow(b.numer().clone(), mag as usize),
+            num_traits::pow(b.denom().clone(), mag as usize),
+        );
         let p = if k.is_negative() { p.recip() } else { p };
-        return checked(p);
+        return checked(p, lim);
     }
     // Rational exponent p/q: exact when b is a perfect q-th power.
     let q = e.denom().to_u32()?;
@@ -75,24 +85,80 @@ fn pow_exact(b: &BigRational, e: &BigRational) -> Option<BigRational> {
         return None;
     }
     let root = rational_root(b, q)?;
-    pow_exact(&root, &BigRational::from_integer(e.numer().clone()))
+    pow_exact(&root, &BigRational::from_integer(e.numer().clone()), lim)
 }
 
 /// The exact rational value of a variable-free node, when it has one that is cheap to compute.
 pub fn exact(node: &Node) -> Option<BigRational> {
+    exact_in(node, &SMALL)
+}
+
+/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^17 bits): for
+/// deciding the equality of two values that [`exact`] cannot evaluate, instead of not knowing.
+pub fn exact_big(node: &Node) -> Option<BigRational> {
+    exact_in(node, &BIG)
+}
+
+fn size(x: &BigRational) -> u64 {
+    x.numer().bits() + x.denom().bits()
+}
+
+/// Whether the general operations (which reduce by a gcd, quadratic in the size) are cheap on `a`, `b`.
+fn small(a: &BigRational, b: &BigRational) -> bool {
+    size(a) <= SMALL.bits && size(b) <= SMALL.bits
+}
+
+/// `a + b` without a gcd of large numbers (None for two large fractions).
+fn add(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a + b);
+    }
+    let (a, b) = if b.is_integer() { (a, b) } else { (b, a) };
+    if !b.is_integer() {
+        return None;
+    }
+    // n/d + m = (n + m d)/d, still in lowest terms.
+    let numer = a.numer() + b.numer() * a.denom();
+    Some(BigRational::new_raw(numer, a.denom().clone()))
+}
+
+/// `a * b` without a gcd of large numbers (None unless both are integers).
+fn mul(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a * b);
+    }
+    (a.is_integer() && b.is_integer()).then(|| BigRational::from_integer(a.numer() * b.numer()))
+}
+
+/// `a / b` (b non-zero) without a gcd of large numbers (None unless it divides exactly).
+fn div(a: BigRational, b: BigRational) -> Option<BigRational> {
+    if small(&a, &b) {
+        return Some(a / b);
+    }
+    if !(a.is_integer() && b.is_integer()) {
+        return None;
+    }
+    let (q, r) = (a.numer() / b.numer(), a.numer() % b.numer());
+    r.is_zero().then(|| BigRational::from_integer(q))
+}
+
+fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
+    let exact = |n: &Node| exact_in(n, lim);
+    let checked = |x: BigRational| checked(x, lim);
+    let pow_exact = |b: &BigRational, e: &BigRational| pow_exact(b, e, lim);
     match node {
         Node::Num { value, .. } => Some(value.clone()),
         Node::Add(ts) => {
             let mut acc = BigRational::zero();
             for t in ts {
-                acc = checked(acc + exact(t)?)?;
+                acc = checked(add(acc, exact(t)?)?)?;
             }
             Some(acc)
         }
         Node::Mul(fs) => {
             let mut acc = BigRational::from_integer(1.into());
             for f in fs {
-                acc = checked(acc * exact(f)?)?;
+                acc = checked(mul(acc, exact(f)?)?)?;
             }
             Some(acc)
         }
@@ -102,7 +168,7 @@ pub fn exact(node: &Node) -> Option<BigRational> {
             if d.is_zero() {
                 return None;
             }
-            checked(exact(a)? / d)
+            checked(div(exact(a)?, d)?)
         }
         Node::Pow(b, e) => pow_exact(&exact(b)?, &exact(e)?),
         Node::Root(r, idx) => {
@@ -121,14 +187,14 @@ pub fn exact(node: &Node) -> Option<BigRational> {
             }
             rational_root(&exact(r)?, n)
         }
-        Node::Pct(a) => Some(exact(a)? / BigRational::from_integer(100.into())),
+        Node::Pct(a) => div(exact(a)?, BigRational::from_integer(100.into())),
         Node::Fact(a) => {
             let v = exact(a)?;
             if !v.is_integer() || v.is_negative() {
                 return None;
             }
             let n = v.to_integer().to_u64()?;
-            if n > MAX_FACT {
+            if n > lim.fact {
                 return None;
             }
             let mut acc = BigInt::from(1);
@@ -146,7 +212,7 @@ pub fn exact(node: &Node) -> Option<BigRational> {
             }
             let approx = a.to_f64()?.ln() / b.to_f64()?.ln();
             let k = approx.round();
-            if (approx - k).abs() > 1e-9 || k.abs() > MAX_EXP as f64 {
+            if (approx - k).abs() > 1e-9 || k.abs() > lim.exp as f64 {
                 return None;
             }
             let kr = BigRational::from_integer(BigInt::from(k as i64));

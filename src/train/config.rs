@@ -242,6 +242,13 @@ impl TrainConfig {
             return bad("model.path is required".into());
         }
         crate::model::parse_dtype(&self.model.dtype).map_err(|e| ConfigError::Invalid(format!("model.dtype: {e}")))?;
+        let path = &self.model.path;
+        if self.model.init_tiny.is_some() && path.contains('/') && !crate::model::load::looks_local(path) {
+            return bad(format!(
+                "model.path = `{path}` looks like a hub id and is not a local folder: model.init_tiny would fill it \
+                 with a random model (write a local path such as `./{path}` to create one there)"
+            ));
+        }
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
@@ -263,9 +270,7 @@ impl TrainConfig {
         self.objective.validate().map_err(ConfigError::Invalid)?;
         self.optim.validate().map_err(ConfigError::Invalid)?;
         if let Some(v) = &self.validation {
-            if v.n == 0 || v.max_new_tokens == 0 {
-                return bad("validation.n and validation.max_new_tokens must be >= 1".into());
-            }
+            v.validate("validation.").map_err(ConfigError::Invalid)?;
             if !crate::eval::benchmarks::names().contains(&v.bench.as_str()) {
                 return bad(format!(
                     "validation.bench = `{}` is not a registered benchmark ({})",
@@ -324,6 +329,33 @@ mod tests {
         assert!(TrainConfig::parse(MIN, Path::new("c.toml"), &["novalue".into()]).is_err());
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.device=tpu".into()]).unwrap_err();
         assert!(e.to_string().contains("model.device"), "{e}");
+    }
+
+    #[test]
+    fn nan_and_out_of_range_values_are_rejected() {
+        let bad = [
+            "objective.bias=nan",
+            "objective.beta=nan",
+            "objective.bias=inf",
+            "validation.temperature=-0.5",
+            "validation.temperature=nan",
+            "validation.top_p=0",
+            "validation.top_p=1.5",
+            "validation.n=0",
+            "validation.batch_size=0",
+            "validation.max_new_tokens=0",
+        ];
+        for o in bad {
+            let key = o.split('=').next().unwrap();
+            let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]);
+            assert!(e.as_ref().is_err_and(|e| e.to_string().contains(key)), "{o}: {e:?}");
+        }
+        let tiny = "model.init_tiny={arch=\"llama\",tokenizer=\"t\"}";
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[tiny.into(), "model.path=\"Org/typo\"".into()]);
+        assert!(e.is_err_and(|e| e.to_string().contains("looks like a hub id")));
+        for o in ["validation.temperature=0", "validation.top_p=1", "objective.beta=0", "model.path=\"./Org/x\""] {
+            TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap();
+        }
     }
 
     #[test]

@@ -161,10 +161,53 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
         tracing::info!("data in {} is up to date", prepared_dir.display());
     }
     let dataset = PreparedDataset::open(&prepared_dir)?;
+    // An up-to-date folder's counts are in its stats.json (the message only: unreadable is no error).
+    let stats = if outcome.skipped { dataset.stats().ok() } else { Some(outcome.stats) };
+    let group = &cfg.data.input.group;
     if dataset.is_empty() {
-        return Err(TrainError::Stopped(format!("no training groups in {}", prepared_dir.display())));
+        return Err(TrainError::Stopped(format!(
+            "no training groups in {}: {}",
+            prepared_dir.display(),
+            stats.map_or("stats.json is unreadable".into(), |s| why_no_groups(&s, group))
+        )));
+    }
+    let Some(stats) = stats else { return Ok(dataset) };
+    let small: u64 = stats.group_size_histogram.range(..group.group_size as u64).map(|(_, n)| n).sum();
+    if group.group_size > 0 && small > 0 {
+        tracing::warn!(
+            "{small} of {} groups have fewer than data.group_size = {} answers and are trained on as they are \
+             (only groups under data.min_group_size = {} are dropped)",
+            stats.groups,
+            group.group_size,
+            group.min_group_size
+        );
     }
     Ok(dataset)
+}
+
+/// Why preparation kept no group, from its counts.
+fn why_no_groups(s: &data::Stats, group: &data::GroupOptions) -> String {
+    if s.rows_read == 0 {
+        return "the inputs have no rows".into();
+    }
+    let mut why = vec![format!("{} rows read", s.rows_read)];
+    let add = |why: &mut Vec<String>, n: u64, what: String| {
+        if n > 0 {
+            why.push(format!("{n} {what}"));
+        }
+    };
+    let reasons: Vec<String> = s.skipped_by_reason.iter().map(|(r, n)| format!("{r}: {n}")).collect();
+    add(&mut why, s.rows_skipped, format!("skipped ({})", reasons.join(", ")));
+    add(&mut why, s.rows_filtered, "left out by data.domains / data.sources".into());
+    why.push(format!("{} questions", s.questions));
+    let min = group.min_group_size.max(1);
+    add(&mut why, s.groups_dropped_small, format!("with fewer than data.min_group_size = {min} answers"));
+    add(&mut why, s.groups_dropped_long_prompt, "with a prompt over data.max_prompt_tokens".into());
+    add(&mut why, s.groups_dropped_tie, "with a tied vote (data.ties = \"drop\")".into());
+    let margin = format!("with a vote margin under data.min_vote_margin = {}", group.min_vote_margin);
+    add(&mut why, s.groups_dropped_margin, margin);
+    add(&mut why, s.groups_not_sampled, "left out of the data.max_questions sample".into());
+    why.join(", ")
 }
 
 /// The checkpoint to resume from, if any, with its trainer state.
