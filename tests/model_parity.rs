@@ -132,4 +132,19 @@ fn logprobs_reports_malformed_lines_and_keeps_going() {
         .failure();
     assert!(String::from_utf8_lossy(&assert.get_output().stderr).contains("in.jsonl:2:"));
     assert!(!strict_out.exists());
+    // Every line malformed: nothing scored is an error, and no output is left behind.
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{not json\n{\"id\": 3}\n").unwrap();
+    let none_out = dir.path().join("none.jsonl");
+    let assert = common::grpo()
+        .args(["logprobs", "--model"])
+        .arg(&model)
+        .arg("--input")
+        .arg(&bad)
+        .arg("--output")
+        .arg(&none_out)
+        .assert()
+        .failure();
+    assert!(String::from_utf8_lossy(&assert.get_output().stderr).contains("nothing was scored"));
+    assert!(!none_out.exists());
 }

@@ -136,6 +136,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     done += pending.len();
     flush(&mut pending, &mut out)?;
     bar.finish_and_clear();
+    if done == 0 {
+        anyhow::bail!("{}: nothing was scored ({bad} lines skipped)", args.input.display());
+    }
     out.commit()?;
     tracing::info!("scored {done} lines, skipped {bad} malformed");
     Ok(())
