@@ -431,7 +431,9 @@ fn choose_and_label(
         stats.groups_dropped_long_prompt += 1;
         return None;
     }
-    let all_answers: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
+    // The vote over every answer needs them before the length limit and the cap remove some.
+    let all_answers: Option<Vec<Option<String>>> =
+        (opts.vote_over == VoteOver::All).then(|| members.iter().map(|r| r.answer.clone()).collect());
     if let (Some(max), true) = (limits.max_response, limits.drop_long) {
         let before = members.len();
         members.retain(|r| r.response_len <= max);
@@ -446,10 +448,7 @@ fn choose_and_label(
         members.truncate(opts.group_size);
     }
     let chosen: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
-    let voters = match opts.vote_over {
-        VoteOver::All => &all_answers,
-        VoteOver::Group => &chosen,
-    };
+    let voters = all_answers.as_ref().unwrap_or(&chosen);
     let labels = label_group(voters, &chosen);
     if opts.ties == Ties::Drop && labels.is_tie() {
         stats.groups_dropped_tie += 1;
@@ -520,8 +519,9 @@ pub fn group_rows(rows: Vec<Row>, opts: &GroupOptions) -> (Vec<LabeledGroup>, St
     let mut groups = Vec::new();
     let mut hists = Default::default();
     let limits = Limits::default();
-    // In memory nothing can fail: the sample and the groups are always formed.
-    let sample = draw_sample(std::iter::once(Ok(records.clone())), opts, &limits).unwrap_or_default();
+    // In memory nothing can fail: the sample (records copied only when one is drawn) and the groups are
+    // always formed.
+    let sample = draw_sample(std::iter::once_with(|| Ok(records.clone())), opts, &limits).unwrap_or_default();
     let _ = form_groups(records, opts, &limits, sample.as_ref(), &mut stats, &mut hists, &mut |g| {
         let mut responses = Vec::with_capacity(g.records.len());
         let mut first: Option<Row> = None;
