@@ -1,11 +1,12 @@
 //! `grpo data stats` and `grpo data prepare`.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 
 use crate::data::{self, InputOptions, PrepareOptions, SequenceOptions};
-use crate::model::tokenizer::ChatTokenizer;
+use crate::model::{self, tokenizer::ChatTokenizer};
+use crate::train::refcache::{ComputeOptions, ReferenceCache};
 
 #[derive(Debug, clap::Subcommand)]
 pub enum DataCommand {
@@ -50,6 +51,27 @@ pub struct PrepareArgs {
     /// Tokens per shard file.
     #[arg(long, default_value_t = 1 << 28)]
     pub shard_tokens: u64,
+    #[command(flatten)]
+    pub reference: ReferenceArgs,
+}
+
+/// The reference log-probs `grpo train` reads instead of loading its reference model
+/// (`model.cache_reference`).
+#[derive(Debug, clap::Args)]
+pub struct ReferenceArgs {
+    /// Also compute the log-prob of every prepared answer token under this frozen reference model (folder
+    /// or hub id: the run's `model.reference`, else its initial weights) into the output folder.
+    #[arg(long)]
+    pub reference: Option<String>,
+    /// Weights dtype of the reference: f32, bf16 or f16 (a run with another `model.dtype` recomputes them).
+    #[arg(long, default_value = "f32")]
+    pub dtype: String,
+    /// Device of the reference: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
+    /// Sequences per reference forward.
+    #[arg(long, default_value_t = 8)]
+    pub micro_batch_size: usize,
 }
 
 pub fn run(cmd: DataCommand) -> anyhow::Result<()> {
@@ -106,16 +128,36 @@ fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
             outcome.groups,
             outcome.responses
         );
-        return Ok(());
+    } else {
+        print!("{}", outcome.stats.report());
+        println!(
+            "prepared {} groups, {} responses, {} tokens into {} ({})",
+            outcome.groups,
+            outcome.responses,
+            outcome.tokens,
+            outcome.out.display(),
+            outcome.reasons.join("; ")
+        );
     }
-    print!("{}", outcome.stats.report());
-    println!(
-        "prepared {} groups, {} responses, {} tokens into {} ({})",
-        outcome.groups,
-        outcome.responses,
-        outcome.tokens,
-        outcome.out.display(),
-        outcome.reasons.join("; ")
-    );
+    match &a.reference.reference {
+        Some(r) => reference_logprobs(r, &a.reference, &outcome.out),
+        None => Ok(()),
+    }
+}
+
+/// Compute (or check) the reference log-probs of the prepared folder `out`.
+fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path) -> anyhow::Result<()> {
+    let dir = model::resolve_model_dir(reference)?;
+    let dataset = data::PreparedDataset::open(out)?;
+    let opts = ComputeOptions {
+        dtype: model::parse_dtype(&a.dtype).context("--dtype")?,
+        device: model::parse_device(&a.device).context("--device")?,
+        batch: a.micro_batch_size,
+        decoder: Default::default(),
+    };
+    let (cache, computed) =
+        ReferenceCache::ensure(&dataset, out, &dir, &opts).context("reference log-probs")?;
+    let what = if computed { "written to" } else { "up to date in" };
+    println!("reference log-probs of {} {what} {}", dir.display(), cache.path().display());
     Ok(())
 }

@@ -331,6 +331,18 @@ impl PreparedDataset {
         DataError::Format { path: self.dir.clone(), message: format!("corrupt prepared data: {what} out of range") }
     }
 
+    /// The token count of each response of group `i` (read from the response table only).
+    pub fn response_lengths(&self, i: usize) -> Result<Vec<usize>, DataError> {
+        let meta = self.groups.get(i).ok_or_else(|| self.corrupt("group index"))?;
+        (0..meta.n_responses as usize)
+            .map(|j| {
+                let k = meta.first_response as usize + j;
+                let r = self.responses.bytes().get(k * RESP_REC..(k + 1) * RESP_REC);
+                r.map(|r| le_u32(r, 4) as usize).ok_or_else(|| self.corrupt("response"))
+            })
+            .collect()
+    }
+
     /// Group `i` with its prompt and response tokens (read from the memory maps).
     pub fn group(&self, i: usize) -> Result<Group, DataError> {
         let meta = self.groups.get(i).ok_or_else(|| self.corrupt("group index"))?;
@@ -421,6 +433,7 @@ mod tests {
         assert_eq!(g0.prompt_tokens, vec![1, 2, 3]);
         assert_eq!(g0.responses.iter().map(|r| r.tokens.clone()).collect::<Vec<_>>(), vec![vec![10, 11], vec![12]]);
         assert!(g0.responses[0].truncated && !g0.responses[1].truncated);
+        assert_eq!((ds.response_lengths(0).unwrap(), ds.response_lengths(1).unwrap()), (vec![2, 1], vec![3]));
         let g1 = ds.group(1).unwrap();
         assert_eq!((g1.prompt_tokens.clone(), g1.responses[0].tokens.clone()), (vec![5, 6], vec![7, 8, 9]));
         assert_eq!(g1.responses[0].teacher_logprobs, Some(vec![-0.1, -0.2, 0.0]));

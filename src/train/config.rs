@@ -35,7 +35,8 @@ pub struct ModelSection {
     pub dtype: String,
     /// cpu, cuda or cuda:N.
     pub device: String,
-    /// The frozen reference model (default: the policy's initial weights). Loaded only when beta > 0.
+    /// The frozen reference model (default: the policy's initial weights). Loaded when the objective reads it
+    /// (beta > 0 or anchor = reference) and its log-probs are not cached (cache_reference).
     pub reference: Option<String>,
     /// Recompute each layer in the backward pass (less memory, about 30% more compute).
     pub checkpoint_layers: bool,
@@ -44,6 +45,10 @@ pub struct ModelSection {
     /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
     /// for checking the kernels).
     pub fused_ops: bool,
+    /// Compute the frozen reference's log-probs of the prepared answers once, store them beside the
+    /// prepared data (recomputed when the reference or the data changes) and load no reference model while
+    /// training; false computes them on the fly each step.
+    pub cache_reference: bool,
 }
 
 impl Default for ModelSection {
@@ -57,6 +62,7 @@ impl Default for ModelSection {
             checkpoint_layers: false,
             logprob_chunk_mb: 64,
             fused_ops: true,
+            cache_reference: true,
         }
     }
 }

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+pub mod refcache;
 mod resume;
 mod run_dir;
 pub mod step;
@@ -49,6 +50,8 @@ pub enum TrainError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Stopped(String),
+    #[error("reference log-prob cache {}: {message}", path.display())]
+    ReferenceCache { path: PathBuf, message: String },
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -144,9 +147,14 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
     crate::fsio::write_atomic(path, bytes).map_err(io(path))
 }
 
+/// Where the config's data is prepared.
+fn prepared_dir(cfg: &TrainConfig) -> PathBuf {
+    cfg.data.prepared_dir.clone().unwrap_or_else(|| cfg.train.output_dir.join("prepared"))
+}
+
 /// Prepare the config's data (once: re-used while inputs, tokenizer and options are unchanged) and open it.
 fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, TrainError> {
-    let prepared_dir = cfg.data.prepared_dir.clone().unwrap_or_else(|| cfg.train.output_dir.join("prepared"));
+    let prepared_dir = prepared_dir(cfg);
     let mut input = cfg.data.input.clone();
     input.group.seed = cfg.train.seed;
     let popts = data::PrepareOptions {
@@ -278,6 +286,8 @@ struct Run<'a> {
     cfg: &'a TrainConfig,
     policy: Decoder,
     reference: Option<Decoder>,
+    /// The reference's log-probs computed beforehand (then no reference model is loaded).
+    ref_cache: Option<refcache::ReferenceCache>,
     step: TrainStep,
     tok: ChatTokenizer,
     checkpoints: Checkpointer,
@@ -325,7 +335,12 @@ impl Run<'_> {
         let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
-        let report = self.step.run_at(&self.policy, self.reference.as_ref(), &groups, lr, ctx)?;
+        let cached = self.ref_cache.as_ref().map(|c| c.logprobs(&groups)).transpose()?;
+        let reference = match &cached {
+            Some(lp) => step::Reference::Logprobs(lp),
+            None => self.reference.as_ref().into(),
+        };
+        let report = self.step.run_with(&self.policy, reference, &groups, lr, ctx)?;
         if !report.applied {
             state.nonfinite_steps += 1;
             tracing::warn!(
@@ -440,8 +455,14 @@ impl Run<'_> {
 }
 
 /// Load the policy (from the checkpoint when resuming), the reference when the objective needs one (its
-/// KL term, or the reference as its anchor), the tokenizer and the training step.
-fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&Path>) -> Result<Run<'a>, TrainError> {
+/// KL term, or the reference as its anchor) unless its log-probs are in `ref_cache`, the tokenizer and the
+/// training step.
+fn load_run<'a>(
+    cfg: &'a TrainConfig,
+    model_dir: PathBuf,
+    resume_from: Option<&Path>,
+    ref_cache: Option<refcache::ReferenceCache>,
+) -> Result<Run<'a>, TrainError> {
     let device = model::parse_device(&cfg.model.device)?;
     let dtype = model::parse_dtype(&cfg.model.dtype)?;
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
@@ -458,7 +479,7 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
         cfg.data.sequence.max_response_tokens,
         tok.pad_id(),
     )?;
-    let reference = if step.needs_reference() {
+    let reference = if step.needs_reference() && ref_cache.is_none() {
         let mut r = match &cfg.model.reference {
             Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,
             None if resume_from.is_some() => model::load_decoder(&model_dir, dtype, &device, false)?,
@@ -476,7 +497,7 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
         keep_last: cfg.train.keep_last,
         config_toml: cfg.to_toml(),
     };
-    Ok(Run { cfg, policy, reference, step, tok, checkpoints })
+    Ok(Run { cfg, policy, reference, ref_cache, step, tok, checkpoints })
 }
 
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
@@ -500,7 +521,8 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     }
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     let dataset = prepare_data(cfg, &model_dir)?;
-    let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()))?;
+    let ref_cache = refcache::for_run(cfg, &model_dir, &prepared_dir(cfg), &dataset)?;
+    let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;

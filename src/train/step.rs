@@ -29,6 +29,24 @@ pub struct TrainStep {
     next_step: usize,
 }
 
+/// Where a step takes the frozen reference's log-probs from (the KL term, anchor = reference).
+#[derive(Clone, Copy)]
+pub enum Reference<'a> {
+    /// The objective reads no reference.
+    None,
+    /// The reference model, run on each micro-batch.
+    Model(&'a Decoder),
+    /// Computed beforehand (the reference cache, [`super::refcache`]): for each group of the step, for each
+    /// of its answers, the reference's log-prob of each answer token (at least as many as the answer has).
+    Logprobs(&'a [Vec<Vec<f32>>]),
+}
+
+impl<'a> From<Option<&'a Decoder>> for Reference<'a> {
+    fn from(m: Option<&'a Decoder>) -> Self {
+        m.map_or(Reference::None, Reference::Model)
+    }
+}
+
 /// Where a step is in its run: the snapshot refresh and RED-Drop's random choice depend on it.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct StepContext {
@@ -136,13 +154,32 @@ impl TrainStep {
         lr: f64,
         ctx: StepContext,
     ) -> candle_core::Result<StepReport> {
+        self.run_with(policy, reference.into(), groups, lr, ctx)
+    }
+
+    /// [`TrainStep::run_at`] with the reference's log-probs from `reference`: the model, or log-probs
+    /// computed beforehand. It must be [`Reference::None`] exactly when the objective reads no reference.
+    pub fn run_with(
+        &mut self,
+        policy: &Decoder,
+        reference: Reference,
+        groups: &[Group],
+        lr: f64,
+        ctx: StepContext,
+    ) -> candle_core::Result<StepReport> {
         let name = self.objective.name();
-        let reference = match (reference, self.needs_reference()) {
-            (Some(r), true) => Some(r),
-            (None, false) => None,
-            (None, true) => candle_core::bail!("{name} needs a reference model (beta > 0 or anchor = reference)"),
-            (Some(_), false) => candle_core::bail!("{name} uses no reference model: pass none"),
-        };
+        match (&reference, self.needs_reference()) {
+            (Reference::None, true) => {
+                candle_core::bail!("{name} needs a reference model (beta > 0 or anchor = reference)")
+            }
+            (Reference::Model(_) | Reference::Logprobs(_), false) => {
+                candle_core::bail!("{name} uses no reference model: pass none")
+            }
+            (Reference::Logprobs(lp), true) if lp.len() != groups.len() => {
+                candle_core::bail!("reference log-probs for {} groups, the step has {}", lp.len(), groups.len())
+            }
+            _ => {}
+        }
         if let Some(every) = self.snapshot_every() {
             if ctx.step.is_multiple_of(every) {
                 self.snapshot = None; // free the old copy first: one model less at the peak
@@ -169,7 +206,7 @@ impl TrainStep {
 #[derive(Clone, Copy)]
 struct Anchors<'a> {
     /// The frozen reference (KL term, or anchor = reference).
-    reference: Option<&'a Decoder>,
+    reference: Reference<'a>,
     /// The policy snapshot (anchor = snapshot).
     snapshot: Option<&'a Decoder>,
 }
@@ -179,6 +216,8 @@ struct Anchors<'a> {
 struct Sequence {
     prompt: std::sync::Arc<Vec<u32>>,
     response: Vec<u32>,
+    /// (group in the step, answer in the group): where its cached reference log-probs are.
+    origin: (usize, usize),
     teacher_logprobs: Option<Vec<f32>>,
     advantage: f32,
     /// Aggregation weight of each of its tokens.
@@ -216,7 +255,7 @@ fn build_batch(
     let mut seqs = Vec::new();
     let mut include = Vec::new();
     let (mut reward_sum, mut std_sum, mut zero_std, mut biased) = (0f64, 0f64, 0usize, 0usize);
-    for g in groups {
+    for (gi, g) in groups.iter().enumerate() {
         let rewards: Vec<f32> = g.responses.iter().map(|r| r.reward).collect();
         let key = GroupKey { seed: ctx.seed, epoch: ctx.epoch, question: &g.question_id };
         let adv = objective.advantages(&rewards, &key);
@@ -225,10 +264,11 @@ fn build_batch(
         biased += usize::from(adv.bias_applied);
         reward_sum += rewards.iter().map(|&r| r as f64).sum::<f64>();
         let prompt = std::sync::Arc::new(g.prompt_tokens.clone());
-        for ((r, a), i) in g.responses.iter().zip(adv.advantages).zip(adv.include) {
+        for (j, ((r, a), i)) in g.responses.iter().zip(adv.advantages).zip(adv.include).enumerate() {
             seqs.push(Sequence {
                 prompt: prompt.clone(),
                 response: r.tokens.clone(),
+                origin: (gi, j),
                 teacher_logprobs: r.teacher_logprobs.clone(),
                 advantage: a,
                 weight: 0.0,
@@ -296,6 +336,36 @@ fn micro_inputs(
     Ok((tb, targets, inputs, teacher))
 }
 
+/// The reference's log-probs of a micro-batch's targets: from the model, or the cached log-probs of each
+/// sequence's answer (its first tokens when the answer was cut shorter than the cached one).
+fn reference_logprobs(
+    reference: Reference,
+    chunk: &[Sequence],
+    tb: &TokenBatch,
+    targets: &Targets,
+    device: &candle_core::Device,
+) -> candle_core::Result<Option<Tensor>> {
+    let cached = match reference {
+        Reference::None => return Ok(None),
+        Reference::Model(m) => return Ok(Some(m.token_logprobs(tb, targets, false)?.narrow(1, 0, 1)?.squeeze(1)?)),
+        Reference::Logprobs(lp) => lp,
+    };
+    let mut values = Vec::with_capacity(targets.len());
+    for s in chunk {
+        let (g, a) = s.origin;
+        let lp = cached.get(g).and_then(|answers| answers.get(a)).map_or(&[][..], Vec::as_slice);
+        if lp.len() < s.response.len() {
+            candle_core::bail!(
+                "reference log-probs of answer {a} of group {g}: {} values for {} tokens",
+                lp.len(),
+                s.response.len()
+            );
+        }
+        values.extend_from_slice(&lp[..s.response.len()]);
+    }
+    Ok(Some(Tensor::from_vec(values, targets.len(), device)?))
+}
+
 /// The gradient of the whole batch, computed `micro` sequences at a time. The reference's log-probs
 /// give the KL term when the objective has one; the behaviour log-probs come from the objective's
 /// anchor: the teacher's, the policy's own at the start of the step (detached), the reference's or the
@@ -318,7 +388,7 @@ fn compute_gradients(
         let (tb, targets, mut inputs, teacher) = micro_inputs(chunk, pad, &device)?;
         stats.response_tokens += targets.len();
         stats.tokens += tb.num_tokens();
-        let ref_logp = logprobs(anchors.reference, &tb, &targets)?;
+        let ref_logp = reference_logprobs(anchors.reference, chunk, &tb, &targets, &device)?;
         let anchor = objective.anchor();
         let missing = |what: &str| candle_core::Error::Msg(format!("{}: no {what} model", objective.name()));
         inputs.behaviour_logp = match anchor {
@@ -460,7 +530,7 @@ mod tests {
         // A reference and a snapshot that differ from the policy, so ratios, masks and KL are not trivial.
         let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
         let snapshot = random_decoder(cfg, 7, DType::F32, &Device::Cpu, false).unwrap();
-        let anchors = Anchors { reference: Some(&reference), snapshot: Some(&snapshot) };
+        let anchors = Anchors { reference: Reference::Model(&reference), snapshot: Some(&snapshot) };
         let groups = with_teacher(vec![
             group(0, &[1.0, 0.0, 1.0, 0.0]),
             group(1, &[1.0, 1.0, 1.0, 1.0]),
@@ -491,6 +561,65 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The reference's log-probs of every answer of `groups`, each answer scored alone.
+    fn reference_alone(reference: &Decoder, groups: &[Group]) -> Vec<Vec<Vec<f32>>> {
+        let alone = |g: &Group, r: &Response| {
+            let full = [g.prompt_tokens.as_slice(), &r.tokens].concat();
+            let mut t = Targets::default();
+            (0..r.tokens.len()).for_each(|j| t.push(0, g.prompt_tokens.len() + j));
+            values(&reference.token_logprobs(&TokenBatch::padded(&[full], 0), &t, false).unwrap().narrow(1, 0, 1).unwrap())
+        };
+        groups.iter().map(|g| g.responses.iter().map(|r| alone(g, r)).collect()).collect()
+    }
+
+    /// Cached reference log-probs (each answer scored alone, plus values past its end as an answer cut
+    /// shorter than the cache would have) give the loss and gradients of the reference model run on each
+    /// micro-batch: bitwise with one sequence per micro-batch (the same forward), within 1e-5 (relative)
+    /// when a micro-batch pads several sequences together.
+    #[test]
+    fn cached_reference_logprobs_give_the_reference_models_loss_and_gradients() {
+        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
+        let policy = random_decoder(cfg.clone(), 5, DType::F32, &Device::Cpu, true).unwrap();
+        let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
+        let snapshot = random_decoder(cfg, 7, DType::F32, &Device::Cpu, false).unwrap();
+        let groups = with_teacher(vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[0.0, 1.0, 0.0, 0.0])]);
+        let mut cached = reference_alone(&reference, &groups);
+        cached.iter_mut().flatten().for_each(|a| a.extend([-1.5, -2.5]));
+        let on_the_fly = Anchors { reference: Reference::Model(&reference), snapshot: Some(&snapshot) };
+        let from_cache = Anchors { reference: Reference::Logprobs(&cached), snapshot: Some(&snapshot) };
+        let ctx = StepContext { seed: 3, epoch: 0, step: 0 };
+        let mut checked = 0;
+        for oc in every_objective().into_iter().filter(|o| o.build().needs_reference()) {
+            let obj = oc.build();
+            let batch = build_batch(&groups, obj.as_ref(), oc.loss_agg(), 32, ctx);
+            for (micro, tol) in [(1, 0.0), (3, 1e-5)] {
+                let (ga, sa) = compute_gradients(&policy, on_the_fly, obj.as_ref(), &batch, micro, 0).unwrap();
+                let (gb, sb) = compute_gradients(&policy, from_cache, obj.as_ref(), &batch, micro, 0).unwrap();
+                let name = format!("{oc:?} micro {micro}");
+                let close = |a: f64, b: f64| (a - b).abs() <= tol * a.abs().max(1.0);
+                assert!(close(sa.loss, sb.loss) && close(sa.kl, sb.kl), "{name}: {sa:?} vs {sb:?}");
+                assert!(sa.loss != 0.0 && (oc.beta == 0.0 || sa.kl != 0.0), "{name}: trivial loss {sa:?}");
+                for (a, b) in ga.grads.iter().zip(&gb.grads) {
+                    let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
+                    let scale = a.iter().map(|x| x.abs()).fold(1e-3f32, f32::max).max(1.0);
+                    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    assert!(d <= tol as f32 * scale, "{name}: gradients differ by {d}");
+                }
+            }
+            checked += 1;
+        }
+        assert!(checked >= 4, "only {checked} objectives read the reference");
+        // Fewer cached values than answer tokens is an error, not a silent zero.
+        let short: Vec<Vec<Vec<f32>>> = vec![vec![vec![-1.0]; 4]; 2];
+        let anchors = Anchors { reference: Reference::Logprobs(&short), snapshot: None };
+        let kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
+        let batch = build_batch(&groups, kl.build().as_ref(), kl.loss_agg(), 32, ctx);
+        let e = compute_gradients(&policy, anchors, kl.build().as_ref(), &batch, 2, 0).err().map(|e| e.to_string());
+        assert!(e.as_ref().is_some_and(|e| e.contains("1 values for")), "{e:?}");
     }
 
     #[test]

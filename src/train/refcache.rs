@@ -1,0 +1,633 @@
+//! Reference log-probs computed once.
+//!
+//! With teacher data, the frozen reference's log-prob of each answer token depends only on the prepared
+//! data and the reference's weights, so it is computed in one pass (by `grpo data prepare --reference` or by
+//! the trainer before its first step) and stored beside the prepared shards:
+//! - `reference-logprobs.f32`: f32 little-endian, one value per answer token, groups in index order and the
+//!   answers of a group in their order (the layout follows from the prepared response table);
+//! - `reference-logprobs.json`: the [`Manifest`], written last, keyed by a SHA-256 of the reference's
+//!   config and weights, of the prepared data (its manifest and tables) and by the dtype of the forward.
+//!
+//! A changed key recomputes the values; a truncated or damaged file (size or SHA-256 not the manifest's) is
+//! reported with its path and recomputed. Training then memory-maps the values and loads no reference model:
+//! a step looks up the answers of its groups by (group index, answer index), so shuffling, epochs, resume
+//! and micro-batching read the same values, and an answer cut shorter reads the first of them.
+
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use candle_core::{DType, Device};
+use memmap2::Mmap;
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{io, TrainConfig, TrainError};
+use crate::data::{Group, PreparedDataset};
+use crate::model::{self, Decoder, DecoderOptions, Targets, TokenBatch};
+
+/// The values file, in the prepared folder.
+pub const VALUES_FILE: &str = "reference-logprobs.f32";
+/// The manifest, in the prepared folder.
+pub const MANIFEST_FILE: &str = "reference-logprobs.json";
+const FORMAT: &str = "grpo-reference-logprobs-v1";
+/// Bytes hashed per task: files are hashed in chunks in parallel, then the chunk digests together.
+const HASH_CHUNK: usize = 64 << 20;
+
+/// Whether the reference log-probs of a run with `cfg` can be cached: the run trains on fixed data (the
+/// prepared teacher answers) against a reference that stays frozen for the whole run (`model.reference`
+/// or the initial weights), and `model.cache_reference` is on. A reference that changes during training,
+/// or answers generated during training, must be scored on the fly: their conditions belong here.
+pub fn reference_is_cacheable(cfg: &TrainConfig) -> bool {
+    cfg.model.cache_reference
+}
+
+/// How the cache is computed.
+#[derive(Debug, Clone)]
+pub struct ComputeOptions {
+    /// Weights dtype of the reference (part of the cache's key).
+    pub dtype: DType,
+    pub device: Device,
+    /// Sequences per reference forward.
+    pub batch: usize,
+    /// How the reference computes (log-prob chunking, fused ops): not part of the key.
+    pub decoder: DecoderOptions,
+}
+
+/// `reference-logprobs.json`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+struct Manifest {
+    format: String,
+    /// The reference folder the values were computed from (for people: the key is its hash).
+    reference: String,
+    /// SHA-256 of the reference's config.json and safetensors files.
+    reference_sha256: String,
+    /// SHA-256 of the prepared folder's manifest.json, prompts.bin and responses.bin.
+    data_sha256: String,
+    /// Weights dtype of the reference forward.
+    dtype: String,
+    groups: u64,
+    responses: u64,
+    /// f32 values in the values file (answer tokens).
+    values: u64,
+    /// SHA-256 of the values file (chunked, see [`hash_bytes`]).
+    values_sha256: String,
+    created_by: String,
+}
+
+/// What the values depend on.
+#[derive(Debug, Clone, PartialEq)]
+struct Key {
+    reference_sha256: String,
+    data_sha256: String,
+    dtype: String,
+}
+
+/// Where each answer's values are: per group the index of its first answer, per answer (offset, length).
+#[derive(Debug, Clone)]
+struct Layout {
+    first: Vec<usize>,
+    answers: Vec<(usize, usize)>,
+    values: usize,
+}
+
+impl Layout {
+    fn of(dataset: &PreparedDataset) -> Result<Self, TrainError> {
+        let (mut first, mut answers, mut values) = (Vec::with_capacity(dataset.len() + 1), Vec::new(), 0);
+        for g in 0..dataset.len() {
+            first.push(answers.len());
+            for len in dataset.response_lengths(g)? {
+                answers.push((values, len));
+                values += len;
+            }
+        }
+        first.push(answers.len());
+        Ok(Self { first, answers, values })
+    }
+}
+
+/// Why an existing cache cannot be used.
+enum Stale {
+    Missing,
+    Changed(String),
+    Damaged(String),
+}
+
+/// SHA-256 over `HASH_CHUNK`-byte chunks of a byte stream, in any number of `update`s: the digest of the
+/// length and the chunks' digests, so that a file can be hashed in parallel or while it is written.
+struct ChunkedHash {
+    current: Sha256,
+    in_chunk: usize,
+    len: u64,
+    digests: Vec<u8>,
+}
+
+impl ChunkedHash {
+    fn new() -> Self {
+        Self { current: Sha256::new(), in_chunk: 0, len: 0, digests: Vec::new() }
+    }
+
+    fn update(&mut self, mut bytes: &[u8]) {
+        while !bytes.is_empty() {
+            let n = bytes.len().min(HASH_CHUNK - self.in_chunk);
+            self.current.update(&bytes[..n]);
+            (self.in_chunk, self.len, bytes) = (self.in_chunk + n, self.len + n as u64, &bytes[n..]);
+            if self.in_chunk == HASH_CHUNK {
+                let done = std::mem::replace(&mut self.current, Sha256::new());
+                self.digests.extend_from_slice(&done.finalize());
+                self.in_chunk = 0;
+            }
+        }
+    }
+
+    fn finish(mut self) -> String {
+        if self.in_chunk > 0 {
+            self.digests.extend_from_slice(&self.current.finalize());
+        }
+        finish_hash(self.len, &self.digests)
+    }
+}
+
+fn finish_hash(len: u64, digests: &[u8]) -> String {
+    let mut h = Sha256::new();
+    h.update(len.to_le_bytes());
+    h.update(digests);
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The [`ChunkedHash`] of `bytes`, its chunks hashed in parallel.
+fn hash_bytes(bytes: &[u8]) -> String {
+    let digests: Vec<u8> = bytes.par_chunks(HASH_CHUNK).flat_map_iter(|c| Sha256::digest(c).to_vec()).collect();
+    finish_hash(bytes.len() as u64, &digests)
+}
+
+/// A read-only memory map of `path` (`None` for an empty file).
+fn map_file(path: &Path) -> Result<Option<Mmap>, TrainError> {
+    let f = std::fs::File::open(path).map_err(io(path))?;
+    if f.metadata().map_err(io(path))?.len() == 0 {
+        return Ok(None);
+    }
+    // SAFETY: read-only map of a file this program does not modify while it is mapped; the cache and the
+    // weights are replaced by renaming a new file into place, never rewritten in place.
+    unsafe { Mmap::map(&f) }.map(Some).map_err(io(path))
+}
+
+/// The hash of the contents of `files`, in order, each hashed in parallel chunks.
+fn hash_files(files: &[PathBuf]) -> Result<String, TrainError> {
+    let mut all = Vec::new();
+    for f in files {
+        let map = map_file(f)?;
+        all.extend_from_slice(hash_bytes(map.as_deref().unwrap_or(&[])).as_bytes());
+    }
+    Ok(finish_hash(files.len() as u64, &all))
+}
+
+impl Key {
+    fn of(prepared_dir: &Path, reference: &Path, dtype: DType) -> Result<Self, TrainError> {
+        let mut weights = model::load::weight_files(reference)?;
+        weights.sort();
+        weights.insert(0, reference.join("config.json"));
+        let data: Vec<PathBuf> =
+            ["manifest.json", "prompts.bin", "responses.bin"].iter().map(|f| prepared_dir.join(f)).collect();
+        Ok(Self { reference_sha256: hash_files(&weights)?, data_sha256: hash_files(&data)?, dtype: format!("{dtype:?}") })
+    }
+
+    /// Why `m` was computed for another key (`None`: the same).
+    fn differs(&self, m: &Manifest) -> Option<String> {
+        let mut why = Vec::new();
+        if m.reference_sha256 != self.reference_sha256 {
+            why.push("the reference weights changed".to_string());
+        }
+        if m.data_sha256 != self.data_sha256 {
+            why.push("the prepared data changed".into());
+        }
+        if m.dtype != self.dtype {
+            why.push(format!("dtype {} -> {}", m.dtype, self.dtype));
+        }
+        (!why.is_empty()).then(|| why.join(", "))
+    }
+}
+
+/// The memory-mapped reference log-probs of a prepared folder.
+pub struct ReferenceCache {
+    path: PathBuf,
+    map: Option<Mmap>,
+    layout: Layout,
+}
+
+impl std::fmt::Debug for ReferenceCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReferenceCache").field("path", &self.path).field("values", &self.layout.values).finish()
+    }
+}
+
+/// Whether the cache in `dir` holds the values of `key` for `layout`.
+fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<(), Stale> {
+    let (mpath, vpath) = (dir.join(MANIFEST_FILE), dir.join(VALUES_FILE));
+    let Ok(text) = std::fs::read_to_string(&mpath) else { return Err(Stale::Missing) };
+    let m: Manifest = serde_json::from_str(&text)
+        .map_err(|e| Stale::Damaged(format!("{}: unreadable manifest: {e}", mpath.display())))?;
+    if m.format != FORMAT {
+        return Err(Stale::Changed(format!("format {} -> {FORMAT}", m.format)));
+    }
+    if let Some(why) = key.differs(&m) {
+        return Err(Stale::Changed(why));
+    }
+    let damaged = |what: String| Stale::Damaged(format!("{}: {what}", vpath.display()));
+    if m.values != layout.values as u64 || m.responses != layout.answers.len() as u64 {
+        return Err(damaged(format!(
+            "the manifest counts {} values of {} answers, the prepared data has {} of {}",
+            m.values,
+            m.responses,
+            layout.values,
+            layout.answers.len()
+        )));
+    }
+    let map = map_file(&vpath).map_err(|e| damaged(e.to_string()))?;
+    let bytes = map.as_deref().unwrap_or(&[]);
+    if bytes.len() != layout.values * 4 {
+        return Err(damaged(format!("{} bytes, expected {} ({} f32 values)", bytes.len(), layout.values * 4, layout.values)));
+    }
+    if hash_bytes(bytes) != m.values_sha256 {
+        return Err(damaged("contents do not match the SHA-256 in the manifest".into()));
+    }
+    Ok(())
+}
+
+/// Appends values to the temporary values file, hashing them.
+struct ValueWriter {
+    file: BufWriter<tempfile::NamedTempFile>,
+    hash: ChunkedHash,
+    values: usize,
+}
+
+impl ValueWriter {
+    fn push(&mut self, values: &[f32], path: &Path) -> Result<(), TrainError> {
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.hash.update(&bytes);
+        self.values += values.len();
+        self.file.write_all(&bytes).map_err(io(path))
+    }
+}
+
+/// The reference's log-prob of each answer token of `seqs` (prompt, answer), in order.
+fn score(model: &Decoder, seqs: &[(Arc<Vec<u32>>, Vec<u32>)]) -> Result<Vec<f32>, TrainError> {
+    let full: Vec<Vec<u32>> = seqs.iter().map(|(p, r)| [p.as_slice(), r].concat()).collect();
+    let mut targets = Targets::default();
+    for (row, (p, r)) in seqs.iter().enumerate() {
+        (0..r.len()).for_each(|j| targets.push(row, p.len() + j));
+    }
+    if targets.is_empty() {
+        return Ok(Vec::new());
+    }
+    let lp = model.token_logprobs(&TokenBatch::padded(&full, 0), &targets, false)?;
+    Ok(lp.narrow(1, 0, 1)?.squeeze(1)?.to_vec1::<f32>()?)
+}
+
+/// Score every answer of `dataset` with `model` into `out`, `batch` sequences per forward.
+fn score_all(
+    model: &Decoder,
+    dataset: &PreparedDataset,
+    batch: usize,
+    out: &mut ValueWriter,
+    path: &Path,
+    answers: usize,
+) -> Result<(), TrainError> {
+    let bar = crate::progress::progress_bar(Some(answers as u64), "reference log-probs");
+    let mut pending: Vec<(Arc<Vec<u32>>, Vec<u32>)> = Vec::with_capacity(batch);
+    for g in 0..dataset.len() {
+        let group = dataset.group(g)?;
+        let prompt = Arc::new(group.prompt_tokens);
+        for r in group.responses {
+            pending.push((prompt.clone(), r.tokens));
+            if pending.len() >= batch {
+                out.push(&score(model, &pending)?, path)?;
+                bar.inc(pending.len() as u64);
+                pending.clear();
+            }
+        }
+    }
+    out.push(&score(model, &pending)?, path)?;
+    bar.finish_and_clear();
+    Ok(())
+}
+
+impl ReferenceCache {
+    /// The cache of `dataset` (prepared in `prepared_dir`) under the reference model in folder `reference`:
+    /// opened when its key matches and its values are intact, else computed (progress bar) and written
+    /// atomically first. Returns it and whether it was computed.
+    pub fn ensure(
+        dataset: &PreparedDataset,
+        prepared_dir: &Path,
+        reference: &Path,
+        opts: &ComputeOptions,
+    ) -> Result<(Self, bool), TrainError> {
+        let key = Key::of(prepared_dir, reference, opts.dtype)?;
+        let layout = Layout::of(dataset)?;
+        let path = prepared_dir.join(VALUES_FILE);
+        match check(prepared_dir, &key, &layout) {
+            Ok(()) => {
+                tracing::info!("reference log-probs in {} are up to date", path.display());
+                return Ok((Self::map(path, layout)?, false));
+            }
+            Err(Stale::Missing) => tracing::info!("computing the reference log-probs into {}", path.display()),
+            Err(Stale::Changed(why)) => tracing::info!("recomputing the reference log-probs in {}: {why}", path.display()),
+            Err(Stale::Damaged(why)) => tracing::warn!("damaged reference log-prob cache ({why}): recomputing it"),
+        }
+        compute(dataset, prepared_dir, reference, opts, &key, &layout)?;
+        Ok((Self::map(path, layout)?, true))
+    }
+
+    fn map(path: PathBuf, layout: Layout) -> Result<Self, TrainError> {
+        let map = map_file(&path)?;
+        if map.as_deref().map_or(0, <[u8]>::len) != layout.values * 4 {
+            return Err(TrainError::ReferenceCache { path, message: "changed while being opened".into() });
+        }
+        Ok(Self { path, map, layout })
+    }
+
+    /// The values file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// For each group, for each of its answers, the reference's log-prob of each answer token as prepared.
+    pub fn logprobs(&self, groups: &[Group]) -> Result<Vec<Vec<Vec<f32>>>, TrainError> {
+        let bytes = self.map.as_deref().unwrap_or(&[]);
+        let bad = |message: String| TrainError::ReferenceCache { path: self.path.clone(), message };
+        groups
+            .iter()
+            .map(|g| {
+                let (Some(&a), Some(&b)) = (self.layout.first.get(g.index), self.layout.first.get(g.index + 1)) else {
+                    return Err(bad(format!("no group {} in the cache", g.index)));
+                };
+                if b - a != g.responses.len() {
+                    return Err(bad(format!("group {}: {} answers cached, {} in the data", g.index, b - a, g.responses.len())));
+                }
+                Ok(self.layout.answers[a..b]
+                    .iter()
+                    .map(|&(off, len)| {
+                        bytes[off * 4..(off + len) * 4]
+                            .chunks_exact(4)
+                            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                            .collect()
+                    })
+                    .collect())
+            })
+            .collect()
+    }
+}
+
+/// Compute the values of `key` into the prepared folder: the values file, then the manifest.
+fn compute(
+    dataset: &PreparedDataset,
+    dir: &Path,
+    reference: &Path,
+    opts: &ComputeOptions,
+    key: &Key,
+    layout: &Layout,
+) -> Result<(), TrainError> {
+    let mut model = model::load_decoder(reference, opts.dtype, &opts.device, false)?;
+    model.options = DecoderOptions { checkpoint_layers: false, ..opts.decoder.clone() };
+    let (vpath, mpath) = (dir.join(VALUES_FILE), dir.join(MANIFEST_FILE));
+    // The old manifest goes first: an interrupted computation never leaves a manifest over other values.
+    match std::fs::remove_file(&mpath) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&mpath)(e)),
+        _ => {}
+    }
+    let tmp = crate::fsio::temp_file(&vpath).map_err(io(&vpath))?;
+    let mut out = ValueWriter { file: BufWriter::with_capacity(1 << 20, tmp), hash: ChunkedHash::new(), values: 0 };
+    let started = std::time::Instant::now();
+    score_all(&model, dataset, opts.batch.max(1), &mut out, &vpath, layout.answers.len())?;
+    if out.values != layout.values {
+        let message = format!("computed {} values, the prepared data has {} answer tokens", out.values, layout.values);
+        return Err(TrainError::ReferenceCache { path: vpath, message });
+    }
+    let tmp = out.file.into_inner().map_err(|e| io(&vpath)(e.into_error()))?;
+    crate::fsio::persist(tmp, &vpath).map_err(io(&vpath))?;
+    let manifest = Manifest {
+        format: FORMAT.into(),
+        reference: reference.display().to_string(),
+        reference_sha256: key.reference_sha256.clone(),
+        data_sha256: key.data_sha256.clone(),
+        dtype: key.dtype.clone(),
+        groups: dataset.len() as u64,
+        responses: layout.answers.len() as u64,
+        values: layout.values as u64,
+        values_sha256: out.hash.finish(),
+        created_by: format!("grpo {}", env!("CARGO_PKG_VERSION")),
+    };
+    let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
+    crate::fsio::write_atomic(&mpath, text.as_bytes()).map_err(io(&mpath))?;
+    tracing::info!(
+        "reference log-probs of {} answers ({} tokens) written to {} in {:.1} s",
+        layout.answers.len(),
+        layout.values,
+        vpath.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+/// The frozen reference's folder: `model.reference`, else the policy's initial weights (`model_dir`).
+pub fn reference_dir(cfg: &TrainConfig, model_dir: &Path) -> Result<PathBuf, TrainError> {
+    match &cfg.model.reference {
+        Some(p) => Ok(model::resolve_model_dir(p)?),
+        None => Ok(model_dir.to_path_buf()),
+    }
+}
+
+/// The reference cache of a run (computed when missing or stale), or `None` when the run reads no
+/// reference or scores it on the fly ([`reference_is_cacheable`]).
+pub fn for_run(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    prepared_dir: &Path,
+    dataset: &PreparedDataset,
+) -> Result<Option<ReferenceCache>, TrainError> {
+    if !cfg.objective.build().needs_reference() || !reference_is_cacheable(cfg) {
+        return Ok(None);
+    }
+    let opts = ComputeOptions {
+        dtype: model::parse_dtype(&cfg.model.dtype)?,
+        device: model::parse_device(&cfg.model.device)?,
+        batch: cfg.train.micro_batch_size,
+        decoder: DecoderOptions {
+            checkpoint_layers: false,
+            logprob_chunk_bytes: cfg.model.logprob_chunk_mb.max(1) << 20,
+            fused_ops: cfg.model.fused_ops,
+        },
+    };
+    let (cache, _) = ReferenceCache::ensure(dataset, prepared_dir, &reference_dir(cfg, model_dir)?, &opts)?;
+    tracing::info!("reference log-probs from {}: no reference model loaded", cache.path().display());
+    Ok(Some(cache))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::data::{prepare, GroupOptions, InputOptions, PrepareOptions, SequenceOptions};
+    use crate::model::tiny::{write_tiny_model, TinyShape, TinySpec};
+    use crate::model::Arch;
+    use crate::objective::{Anchor, ObjectiveConfig, ObjectiveName};
+    use crate::train::optim::OptimConfig;
+    use crate::train::step::{Reference, StepContext, TrainStep};
+
+    fn root() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    }
+
+    fn tiny(dir: &Path, seed: u64) {
+        let shape = TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 64 };
+        let tokenizer = root().join("data/tokenizers/smollm2");
+        write_tiny_model(&TinySpec { arch: Arch::Qwen2, tokenizer, shape, seed }, dir).unwrap();
+    }
+
+    /// 4 questions of the bundled data, 4 answers each cut to `max_response` tokens, prepared in `out`.
+    fn prepared(model: &Path, out: &Path, max_response: usize) -> PreparedDataset {
+        let data = root().join("data/trajectories/ot3_math_x8_dev.jsonl").display().to_string();
+        let group = GroupOptions { group_size: 4, max_questions: 4, ..Default::default() };
+        let opts = PrepareOptions {
+            input: InputOptions { inputs: vec![data], group, ..Default::default() },
+            sequence: SequenceOptions { max_response_tokens: max_response, ..Default::default() },
+            model: model.to_path_buf(),
+            out: out.to_path_buf(),
+            ..Default::default()
+        };
+        prepare(&opts).unwrap();
+        PreparedDataset::open(out).unwrap()
+    }
+
+    fn opts(batch: usize) -> ComputeOptions {
+        ComputeOptions { dtype: DType::F32, device: Device::Cpu, batch, decoder: DecoderOptions::default() }
+    }
+
+    fn all_groups(ds: &PreparedDataset) -> Vec<Group> {
+        (0..ds.len()).map(|i| ds.group(i).unwrap()).collect()
+    }
+
+    /// A training step of `objective` with the cache (scored one answer per forward) and with the reference
+    /// model run on each micro-batch of one sequence: the same forward, so the loss, KL, gradient norm and
+    /// updated weights are bitwise equal, over two steps on groups taken out of order.
+    #[test]
+    fn a_step_from_the_cache_equals_a_step_with_the_reference_model() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, r, p) = (dir.path().join("policy"), dir.path().join("reference"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        tiny(&r, 5);
+        let ds = prepared(&m, &p, 24);
+        let (cache, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(1)).unwrap();
+        assert!(computed && ds.len() == 4);
+        let reference = model::load_decoder(&r, DType::F32, &Device::Cpu, false).unwrap();
+        let groups = all_groups(&ds);
+        let steps = [vec![groups[2].clone(), groups[0].clone()], vec![groups[3].clone(), groups[1].clone()]];
+        let objectives = [
+            ObjectiveConfig { beta: 0.1, bias: 0.5, ..Default::default() },
+            ObjectiveConfig { anchor: Some(Anchor::Reference), name: ObjectiveName::Oapl, ..Default::default() },
+        ];
+        let optim = OptimConfig { lr: 1e-2, ..Default::default() };
+        for oc in objectives {
+            let a = model::load_decoder(&m, DType::F32, &Device::Cpu, true).unwrap();
+            let b = model::load_decoder(&m, DType::F32, &Device::Cpu, true).unwrap();
+            let mut sa = TrainStep::new(&oc, &optim, &a, 1, 24, 0).unwrap();
+            let mut sb = TrainStep::new(&oc, &optim, &b, 1, 24, 0).unwrap();
+            for (i, groups) in steps.iter().enumerate() {
+                let ctx = StepContext { seed: 1, epoch: 0, step: i };
+                let lp = cache.logprobs(groups).unwrap();
+                let ra = sa.run_with(&a, Reference::Logprobs(&lp), groups, 1e-2, ctx).unwrap();
+                let rb = sb.run_at(&b, Some(&reference), groups, 1e-2, ctx).unwrap();
+                assert!(ra.applied && ra.stats.loss != 0.0, "{oc:?}: {ra:?}");
+                assert_eq!((ra.stats.loss, ra.stats.kl, ra.grad_norm), (rb.stats.loss, rb.stats.kl, rb.grad_norm));
+            }
+            let (wa, wb) = (a.named_tensors(), b.named_tensors());
+            for ((n, x), (_, y)) in wa.iter().zip(&wb) {
+                let (x, y) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                assert_eq!(x, y, "{n} differs after two steps ({oc:?})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_changed_reference_data_or_dtype_recomputes_the_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, r, p) = (dir.path().join("policy"), dir.path().join("reference"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        tiny(&r, 5);
+        let ds = prepared(&m, &p, 24);
+        let first = |c: &ReferenceCache, ds: &PreparedDataset| c.logprobs(&all_groups(ds)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        assert!(computed);
+        let before = first(&c, &ds);
+        // Batched (3 per forward) or one at a time: the same values up to rounding.
+        let manifest = std::fs::read_to_string(p.join(MANIFEST_FILE)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(1)).unwrap();
+        assert!(!computed, "an up-to-date cache was recomputed");
+        assert_eq!(std::fs::read_to_string(p.join(MANIFEST_FILE)).unwrap(), manifest);
+        assert_eq!(first(&c, &ds), before);
+        drop(c);
+        // Other reference weights (same folder, same config).
+        tiny(&r, 6);
+        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        assert!(computed, "new reference weights did not recompute the cache");
+        let other = first(&c, &ds);
+        assert_ne!(other, before);
+        for (a, b) in other.iter().flatten().zip(before.iter().flatten()) {
+            assert_eq!(a.len(), b.len());
+        }
+        drop(c);
+        // Other data: answers cut at 12 tokens instead of 24.
+        let ds = prepared(&m, &p, 12);
+        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        assert!(computed, "new data did not recompute the cache");
+        let cut = first(&c, &ds);
+        assert!(cut.iter().flatten().all(|a| a.len() <= 12) && cut.iter().flatten().any(|a| a.len() == 12));
+        // The first tokens' log-probs do not depend on where the answer is cut.
+        let (x, y) = (&cut[0][0], &other[0][0]);
+        assert!(x.iter().zip(y).all(|(a, b)| (a - b).abs() < 1e-5), "{x:?} vs {y:?}");
+        drop(c);
+        // Another dtype.
+        let bf16 = ComputeOptions { dtype: DType::BF16, ..opts(3) };
+        assert!(ReferenceCache::ensure(&ds, &p, &r, &bf16).unwrap().1);
+        assert!(!ReferenceCache::ensure(&ds, &p, &r, &bf16).unwrap().1);
+    }
+
+    #[test]
+    fn a_damaged_cache_is_named_and_recomputed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        let ds = prepared(&m, &p, 16);
+        let (c, _) = ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap();
+        let good = c.logprobs(&all_groups(&ds)).unwrap();
+        drop(c);
+        let key = Key::of(&p, &m, DType::F32).unwrap();
+        let layout = Layout::of(&ds).unwrap();
+        let vpath = p.join(VALUES_FILE);
+        let bytes = std::fs::read(&vpath).unwrap();
+        let damaged = |expect: &str| match check(&p, &key, &layout) {
+            Err(Stale::Damaged(m)) => assert!(m.contains(&p.display().to_string()) && m.contains(expect), "{m}"),
+            _ => panic!("damage not detected ({expect})"),
+        };
+        // Truncated.
+        std::fs::write(&vpath, &bytes[..bytes.len() - 4]).unwrap();
+        damaged(&format!("{}: {} bytes", vpath.display(), bytes.len() - 4));
+        // Same size, other contents.
+        let mut flipped = bytes.clone();
+        flipped[10] ^= 0x40;
+        std::fs::write(&vpath, &flipped).unwrap();
+        damaged("SHA-256");
+        let (c, computed) = ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap();
+        assert!(computed);
+        assert_eq!(c.logprobs(&all_groups(&ds)).unwrap(), good);
+        // An unreadable manifest.
+        std::fs::write(p.join(MANIFEST_FILE), "{ not json").unwrap();
+        damaged(MANIFEST_FILE);
+        assert!(ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap().1);
+        // A group the cache does not have is an error naming the file.
+        let mut g = ds.group(0).unwrap();
+        g.index = 99;
+        let e = c.logprobs(&[g]).unwrap_err().to_string();
+        assert!(e.contains(&vpath.display().to_string()) && e.contains("no group 99"), "{e}");
+    }
+}

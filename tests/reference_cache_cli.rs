@@ -1,0 +1,128 @@
+//! The reference log-prob cache from the command line: `grpo data prepare --reference` writes it, `grpo train`
+//! reads it without loading the reference model, and a damaged cache is reported with its path and
+//! recomputed.
+
+mod common;
+
+use std::path::Path;
+
+fn data() -> String {
+    common::root().join("data/trajectories/ot3_math_x8_dev.jsonl").display().to_string()
+}
+
+/// `grpo data prepare` of 6 questions x 4 answers cut at 24 tokens, as the config below prepares them.
+fn prepare(model: &Path, out: &Path, extra: &[&str]) -> assert_cmd::assert::Assert {
+    common::grpo()
+        .args(["data", "prepare", "-i", &data(), "--group-size", "4", "--max-questions", "6"])
+        .args(["--max-response-tokens", "24", "--seed", "7", "--model"])
+        .arg(model)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .assert()
+}
+
+fn config(dir: &Path) -> std::path::PathBuf {
+    let cfg = format!(
+        r#"
+[model]
+path = "{model}"
+
+[data]
+inputs = ["{data}"]
+group_size = 4
+max_questions = 6
+max_response_tokens = 24
+prepared_dir = "{prepared}"
+
+[objective]
+name = "off_grpo"
+beta = 0.1
+
+[train]
+output_dir = "{out}"
+batch_questions = 2
+micro_batch_size = 3
+max_steps = 2
+seed = 7
+"#,
+        model = dir.join("model").display(),
+        data = data(),
+        prepared = dir.join("prepared").display(),
+        out = dir.join("out").display(),
+    );
+    let p = dir.join("train.toml");
+    std::fs::write(&p, cfg).unwrap();
+    p
+}
+
+fn stderr(a: &assert_cmd::assert::Assert) -> String {
+    String::from_utf8_lossy(&a.get_output().stderr).into_owned()
+}
+
+#[test]
+fn prepare_writes_the_cache_and_train_uses_it_without_the_reference_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, prepared) = (dir.path().join("model"), dir.path().join("prepared"));
+    common::init_tiny("qwen2", "smollm2", &model);
+    let ref_arg = model.display().to_string();
+    let out = prepare(&model, &prepared, &["--reference", &ref_arg]).success();
+    let stdout = String::from_utf8_lossy(&out.get_output().stdout).into_owned();
+    let values = prepared.join("reference-logprobs.f32");
+    assert!(stdout.contains(&format!("written to {}", values.display())), "{stdout}");
+    let manifest: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(prepared.join("reference-logprobs.json")).unwrap()).unwrap();
+    assert_eq!(manifest["values"].as_u64().unwrap() * 4, std::fs::metadata(&values).unwrap().len());
+    let written = std::fs::metadata(&values).unwrap().modified().unwrap();
+
+    let cfg = config(dir.path());
+    let run = common::grpo().current_dir(common::root()).arg("train").arg("--config").arg(&cfg).assert().success();
+    let log = stderr(&run);
+    let fresh = format!("data in {} is up to date", prepared.display());
+    assert!(log.contains(&fresh), "the prepared data was prepared again:\n{log}");
+    assert!(log.contains(&format!("reference log-probs in {} are up to date", values.display())), "{log}");
+    assert!(log.contains("no reference model loaded"), "{log}");
+    assert_eq!(std::fs::metadata(&values).unwrap().modified().unwrap(), written, "the cache was rewritten");
+    let metrics = common::read_jsonl(&dir.path().join("out/metrics.jsonl"));
+    assert_eq!(metrics.len(), 2);
+    // The policy starts as the reference: the first step's KL is 0, the second's is not.
+    assert!(metrics[0]["kl"].as_f64().unwrap().abs() < 1e-6, "{}", metrics[0]);
+    assert!(metrics[1]["kl"].as_f64().unwrap() > 0.0, "{}", metrics[1]);
+
+    // The same run with the cache off loads the reference and trains alike.
+    let run = common::grpo()
+        .current_dir(common::root())
+        .args(["train", "--overwrite", "--set", "model.cache_reference=false", "--config"])
+        .arg(&cfg)
+        .assert()
+        .success();
+    assert!(!stderr(&run).contains("no reference model loaded"));
+    let again = common::read_jsonl(&dir.path().join("out/metrics.jsonl"));
+    for (a, b) in metrics.iter().zip(&again) {
+        for k in ["loss", "kl", "grad_norm"] {
+            let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+            assert!((x - y).abs() <= 1e-4 * x.abs().max(1e-2), "{k}: cached {x} vs on the fly {y}");
+        }
+    }
+}
+
+#[test]
+fn a_damaged_cache_is_reported_with_its_path_and_recomputed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, prepared) = (dir.path().join("model"), dir.path().join("prepared"));
+    common::init_tiny("qwen2", "smollm2", &model);
+    let ref_arg = model.display().to_string();
+    prepare(&model, &prepared, &["--reference", &ref_arg]).success();
+    let values = prepared.join("reference-logprobs.f32");
+    let bytes = std::fs::read(&values).unwrap();
+    std::fs::write(&values, &bytes[..bytes.len() / 2]).unwrap();
+    let again = prepare(&model, &prepared, &["--reference", &ref_arg]).success();
+    let log = stderr(&again);
+    assert!(log.contains(&values.display().to_string()) && log.contains("recomputing"), "{log}");
+    assert_eq!(std::fs::read(&values).unwrap(), bytes);
+    // The trainer does the same.
+    std::fs::write(prepared.join("reference-logprobs.json"), "{").unwrap();
+    let run = common::grpo().current_dir(common::root()).arg("train").arg("--config").arg(config(dir.path())).assert();
+    let log = stderr(&run.success());
+    assert!(log.contains("reference-logprobs.json") && log.contains("recomputing"), "{log}");
+}
