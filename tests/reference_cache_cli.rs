@@ -37,7 +37,14 @@ prepared_dir = "{prepared}"
 
 [objective]
 name = "off_grpo"
+bias = 0.5
 beta = 0.1
+
+# Plain SGD with a large step: the policy moves away from the reference at once, and the cached and
+# on-the-fly runs stay within rounding of each other (no sign of a near-zero gradient amplified as by Adam).
+[optim]
+name = "sgd"
+lr = 0.5
 
 [train]
 output_dir = "{out}"

@@ -155,8 +155,7 @@ fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path) -> anyhow:
         batch: a.micro_batch_size,
         decoder: Default::default(),
     };
-    let (cache, computed) =
-        ReferenceCache::ensure(&dataset, out, &dir, &opts).context("reference log-probs")?;
+    let (cache, computed) = ReferenceCache::ensure(&dataset, out, &dir, &opts).context("reference log-probs")?;
     let what = if computed { "written to" } else { "up to date in" };
     println!("reference log-probs of {} {what} {}", dir.display(), cache.path().display());
     Ok(())

@@ -190,7 +190,18 @@ impl Key {
         weights.insert(0, reference.join("config.json"));
         let data: Vec<PathBuf> =
             ["manifest.json", "prompts.bin", "responses.bin"].iter().map(|f| prepared_dir.join(f)).collect();
-        Ok(Self { reference_sha256: hash_files(&weights)?, data_sha256: hash_files(&data)?, dtype: format!("{dtype:?}") })
+        let started = std::time::Instant::now();
+        let key = Self {
+            reference_sha256: hash_files(&weights)?,
+            data_sha256: hash_files(&data)?,
+            dtype: format!("{dtype:?}"),
+        };
+        tracing::debug!(
+            "hashed {} and its prepared data in {:.1} s",
+            reference.display(),
+            started.elapsed().as_secs_f64()
+        );
+        Ok(key)
     }
 
     /// Why `m` was computed for another key (`None`: the same).
@@ -247,7 +258,12 @@ fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<(), Stale> {
     let map = map_file(&vpath).map_err(|e| damaged(e.to_string()))?;
     let bytes = map.as_deref().unwrap_or(&[]);
     if bytes.len() != layout.values * 4 {
-        return Err(damaged(format!("{} bytes, expected {} ({} f32 values)", bytes.len(), layout.values * 4, layout.values)));
+        return Err(damaged(format!(
+            "{} bytes, expected {} ({} f32 values)",
+            bytes.len(),
+            layout.values * 4,
+            layout.values
+        )));
     }
     if hash_bytes(bytes) != m.values_sha256 {
         return Err(damaged("contents do not match the SHA-256 in the manifest".into()));
@@ -332,7 +348,9 @@ impl ReferenceCache {
                 return Ok((Self::map(path, layout)?, false));
             }
             Err(Stale::Missing) => tracing::info!("computing the reference log-probs into {}", path.display()),
-            Err(Stale::Changed(why)) => tracing::info!("recomputing the reference log-probs in {}: {why}", path.display()),
+            Err(Stale::Changed(why)) => {
+                tracing::info!("recomputing the reference log-probs in {}: {why}", path.display())
+            }
             Err(Stale::Damaged(why)) => tracing::warn!("damaged reference log-prob cache ({why}): recomputing it"),
         }
         compute(dataset, prepared_dir, reference, opts, &key, &layout)?;
@@ -363,7 +381,12 @@ impl ReferenceCache {
                     return Err(bad(format!("no group {} in the cache", g.index)));
                 };
                 if b - a != g.responses.len() {
-                    return Err(bad(format!("group {}: {} answers cached, {} in the data", g.index, b - a, g.responses.len())));
+                    return Err(bad(format!(
+                        "group {}: {} answers cached, {} in the data",
+                        g.index,
+                        b - a,
+                        g.responses.len()
+                    )));
                 }
                 Ok(self.layout.answers[a..b]
                     .iter()
@@ -392,9 +415,10 @@ fn compute(
     model.options = DecoderOptions { checkpoint_layers: false, ..opts.decoder.clone() };
     let (vpath, mpath) = (dir.join(VALUES_FILE), dir.join(MANIFEST_FILE));
     // The old manifest goes first: an interrupted computation never leaves a manifest over other values.
-    match std::fs::remove_file(&mpath) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(&mpath)(e)),
-        _ => {}
+    if let Err(e) = std::fs::remove_file(&mpath) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            return Err(io(&mpath)(e));
+        }
     }
     let tmp = crate::fsio::temp_file(&vpath).map_err(io(&vpath))?;
     let mut out = ValueWriter { file: BufWriter::with_capacity(1 << 20, tmp), hash: ChunkedHash::new(), values: 0 };
@@ -542,7 +566,10 @@ mod tests {
             }
             let (wa, wb) = (a.named_tensors(), b.named_tensors());
             for ((n, x), (_, y)) in wa.iter().zip(&wb) {
-                let (x, y) = (x.flatten_all().unwrap().to_vec1::<f32>().unwrap(), y.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                let (x, y) = (
+                    x.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                );
                 assert_eq!(x, y, "{n} differs after two steps ({oc:?})");
             }
         }

@@ -569,7 +569,9 @@ mod tests {
             let full = [g.prompt_tokens.as_slice(), &r.tokens].concat();
             let mut t = Targets::default();
             (0..r.tokens.len()).for_each(|j| t.push(0, g.prompt_tokens.len() + j));
-            values(&reference.token_logprobs(&TokenBatch::padded(&[full], 0), &t, false).unwrap().narrow(1, 0, 1).unwrap())
+            values(
+                &reference.token_logprobs(&TokenBatch::padded(&[full], 0), &t, false).unwrap().narrow(1, 0, 1).unwrap(),
+            )
         };
         groups.iter().map(|g| g.responses.iter().map(|r| alone(g, r)).collect()).collect()
     }
