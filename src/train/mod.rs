@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+pub mod plan;
 mod resume;
 mod run_dir;
 pub mod step;
@@ -49,6 +50,8 @@ pub enum TrainError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Stopped(String),
+    #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
+    DoesNotFit { plan: String, advice: String },
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -107,6 +110,8 @@ pub struct RunOptions {
     /// Resume even when the training config differs from the checkpoint's in keys outside
     /// [`RESUMABLE_KEYS`].
     pub allow_config_change: bool,
+    /// The device's memory for the plan's check (default: the device's total).
+    pub device_memory: Option<u64>,
 }
 
 /// What a run did.
@@ -479,6 +484,21 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
     Ok(Run { cfg, policy, reference, step, tok, checkpoints })
 }
 
+/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
+fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -> Result<(), TrainError> {
+    let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
+    let memory = match device_memory {
+        Some(m) => Some(m),
+        None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
+    };
+    let plan = plan::run_plan(cfg, &shape, memory);
+    if plan.fits() == Some(false) {
+        return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice() });
+    }
+    tracing::info!("memory plan: peak {:.2} GiB", plan.peak(plan::Place::Device) as f64 / (1u64 << 30) as f64);
+    Ok(())
+}
+
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
 /// refuses a folder that holds another run's checkpoints unless `opts.overwrite`; a resume checks the
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
@@ -498,6 +518,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
+    check_plan(cfg, &model_dir, opts.device_memory)?;
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     let dataset = prepare_data(cfg, &model_dir)?;
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()))?;
