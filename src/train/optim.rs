@@ -384,13 +384,23 @@ mod tests {
 
     /// Bit patterns of a tensor's values (as f32).
     fn bits(t: &Tensor) -> Vec<u32> {
-        t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|x| x.to_bits()).collect()
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
     }
 
     /// A matrix and a vector parameter in `dtype`, and `steps` seeded gradients for them.
     fn problem(dtype: DType, steps: usize) -> (Vec<Var>, Vec<Grads>) {
-        let vals = |n: usize, k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect() };
-        let w = Var::from_tensor(&Tensor::from_vec(vals(12, 0), (3, 4), &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+        let vals =
+            |n: usize, k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect() };
+        let w =
+            Var::from_tensor(&Tensor::from_vec(vals(12, 0), (3, 4), &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
         let b = Var::from_tensor(&Tensor::from_vec(vals(4, 1), 4, &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
         let grads = (0..steps)
             .map(|s| Grads {

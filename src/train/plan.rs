@@ -8,17 +8,19 @@
 //! is B = `train.micro_batch_size` sequences of T = `max_prompt_tokens + max_response_tokens` tokens
 //! (the largest the data allows), N = B T tokens, of which n = B `max_response_tokens` are scored.
 //!
-//! The step's peak is `resident + max(backward, update, validation)`:
-//! - resident: the weights (P d), the f32 gradient accumulator (4 P: every micro-batch's gradients are
-//!   added into it as they are collected), the optimiser state when it is on the device (AdamW: f32 master
+//! The run's peak is `resident + max(step + max(backward, update), validation)`:
+//! - resident: the weights (P d), the optimiser state when it is on the device (AdamW: f32 master
 //!   weights and two moments, 12 P; SGD: 4 P), the frozen reference (P d) unless its log-probs are cached,
 //!   a snapshot anchor (P d), and the process's own memory (see [`CPU_PROCESS_BYTES`],
 //!   [`CUDA_CONTEXT_BYTES`]);
+//! - step: the f32 gradient accumulator (4 P: every micro-batch's gradients are added into it as they are
+//!   collected), alive from the first backward to the end of the update;
 //! - backward: the activations the forward keeps for the backward plus the larger of the log-prob head's
 //!   backward and one layer's backward (its workspace, the parameter gradients it holds before they are
 //!   added to the accumulator, and the attention workspace) — see [`Activations`];
-//! - update: the temporaries of the optimiser update (on the device without offload; in host memory with
-//!   it, where only the weights in flight return to the device);
+//! - update: the temporaries of the optimiser update: new moments, bias-corrected moments, the update and
+//!   its scaled copy and the new master copy, 7 f32 copies of the largest tensor (on the device without
+//!   offload; in host memory with it, where only the weights in flight return to the device);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
 //!   doubling its capacity.
@@ -32,8 +34,9 @@ use crate::objective::Anchor;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
-/// allocator keeps. Measured on the smoke run (tiny model: the peak RSS minus its tensors).
-pub const CPU_PROCESS_BYTES: u64 = 150 << 20;
+/// allocator keeps. Measured: `grpo train` on the tiny model of configs/smoke.toml peaks about this much
+/// above its tensors.
+pub const CPU_PROCESS_BYTES: u64 = 64 << 20;
 
 /// Device memory outside the tensors on a GPU: the CUDA context, cuBLAS's workspaces and the kernels'
 /// modules (outside candle's allocation pool).
@@ -72,6 +75,8 @@ pub enum Place {
 pub enum Phase {
     /// The whole run.
     Resident,
+    /// A training step (its forward/backward passes and the update).
+    Step,
     /// The forward and backward of a micro-batch.
     Backward,
     /// The optimiser update.
@@ -121,8 +126,8 @@ pub struct Plan {
 /// attention) the gradients of the probabilities and scores (2 B heads T^2); flash attention works in
 /// blocks (O(T)). The log-prob head keeps its gathered, normed inputs (3 [n, h]) and its backward
 /// accumulates the lm_head gradient in f32 chunk by chunk (accumulator, chunk gradient and their sum:
-/// 12 V h bytes) beside one chunk of logits and their gradient (2 rows V d, rows = logprob_chunk_mb /
-/// (4 V)).
+/// 12 V h bytes; one chunk: its f32 gradient, 4 V h, and its d-byte original when d < 4) beside one
+/// chunk of logits and their gradient (2 rows V d, rows = logprob_chunk_mb / (4 V))
 #[derive(Debug, Clone, Copy)]
 pub struct Activations {
     pub saved_full: u64,
@@ -167,7 +172,8 @@ impl Activations {
         let (heads, l) = (m.num_heads as u64, m.num_layers as u64);
         let n = s.b * s.t;
         let (qkv_b, o_b, mlp_b, qk_n) = (m.qkv_bias as u64, m.o_bias as u64, m.mlp_bias as u64, m.qk_norm as u64);
-        let width = (8 + o_b + mlp_b) * h + (4 + qkv_b + 2 * qk_n) * q + (4 + 2 * qkv_b + 2 * qk_n) * kv + (4 + 2 * mlp_b) * i;
+        let width =
+            (8 + o_b + mlp_b) * h + (4 + qkv_b + 2 * qk_n) * q + (4 + 2 * qkv_b + 2 * qk_n) * kv + (4 + 2 * mlp_b) * i;
         let matrix = 2 * s.b * heads * s.t * s.t * d;
         let (attn_saved, attn_work) = match attention {
             AttentionKind::Matrix => (matrix, matrix),
@@ -175,13 +181,19 @@ impl Activations {
         };
         let layer = n * width * d + attn_saved;
         let rows = (chunk_bytes / (4 * v).max(1)).clamp(1, 1 << 16).min(s.n_scored.max(1));
+        let one_chunk = s.n_scored <= rows;
+        let head_backward = match (one_chunk, d) {
+            (true, 4) => 4 * v * h,
+            (true, _) => (4 + d) * v * h,
+            (false, _) => 12 * v * h,
+        };
         Self {
             saved_full: l * layer + n * h * d,
             saved_checkpointed: (l + 1) * n * h * d + layer,
             layer_backward: n * (3 * i + 3 * h + 2 * q) * d,
             attention_workspace: attn_work,
             head: 3 * s.n_scored * h * d + 16 * s.n_scored,
-            head_backward: 12 * v * h,
+            head_backward,
             logprob_chunk: 2 * rows * v * d,
         }
     }
@@ -210,7 +222,7 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     use Phase::*;
     use Place::*;
     add("weights", p * d, Device, Resident, format!("P x {d} B"));
-    add("gradients (f32 accumulator)", 4 * p, Device, Resident, "P x 4 B".into());
+    add("gradients (f32 accumulator)", 4 * p, Device, Step, "P x 4 B".into());
     let opt = cfg.optim.name;
     let state = if opt == OptimName::Adamw { 12 } else { 4 };
     let state_place = if cfg.optim.offload { Host } else { Device };
@@ -236,12 +248,25 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     }
     let ckpt = cfg.model.checkpoint_layers;
     let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
-    add("activations, checkpoint_layers = true", act.saved_checkpointed, Device, used, "(L+1) [N,h] + one layer".into());
+    add(
+        "activations, checkpoint_layers = true",
+        act.saved_checkpointed,
+        Device,
+        used,
+        "(L+1) [N,h] + one layer".into(),
+    );
     add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]".into());
     add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
     // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
-    // parameter gradients held before they are added to the accumulator.
-    let grad_store = if ckpt { p_layer.max(p_max) * d } else { p * d };
+    // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
+    // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
+    let answers = (cfg.train.batch_questions * cfg.data.input.group.group_size) as u64;
+    let shared = d == 4 && answers > 0 && answers <= b;
+    let grad_store = match (ckpt, shared) {
+        (_, true) => 0,
+        (true, false) => p_layer.max(p_max) * d,
+        (false, false) => p * d,
+    };
     let layer_part = act.layer_backward + act.attention_workspace + grad_store;
     let head_part = act.head_backward + act.logprob_chunk;
     let kind = match inputs.attention {
@@ -249,7 +274,13 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
         AttentionKind::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {
-        add("log-prob head backward (f32 lm_head grad)", act.head_backward, Device, Backward, "12 V h B".into());
+        add(
+            "log-prob head backward (f32 lm_head grad)",
+            act.head_backward,
+            Device,
+            Backward,
+            "12 V h B (1 chunk: 4+d)".into(),
+        );
         add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Backward, "2 rows V d".into());
         add("attention workspace", act.attention_workspace, Device, Alternative, kind.into());
     } else {
@@ -259,13 +290,11 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
         add("parameter gradients in flight", grad_store, Device, Backward, what.into());
         add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, "2 rows V d".into());
     }
-    let update = if cfg.optim.offload {
-        (OFFLOAD_CHUNK_BYTES as u64).min(4 * p) * 6
-    } else {
-        24 * p_max
-    };
+    let update = if cfg.optim.offload { (OFFLOAD_CHUNK_BYTES as u64).min(4 * p) * 6 } else { 28 * p_max };
     let upd_place = if cfg.optim.offload { Host } else { Device };
-    add("optimizer update temporaries", update, upd_place, Update, "6 f32 copies of the tensors in flight".into());
+    let f =
+        if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
+    add("optimizer update temporaries", update, upd_place, Update, f.into());
     if let Some(v) = &cfg.validation {
         let tokens = prompt + v.max_new_tokens as u64;
         let per_token = 2 * model.num_layers as u64 * (model.num_kv_heads * model.head_dim) as u64 * d;
@@ -304,10 +333,14 @@ impl Plan {
         of == place || (self.inputs.on_cpu && place == Place::Device)
     }
 
-    /// The expected peak in `place`: resident + the largest phase.
+    /// The expected peak in `place`: resident + the larger of a training step and validation.
     pub fn peak(&self, place: Place) -> u64 {
-        let phases = [Phase::Backward, Phase::Update, Phase::Validation];
-        self.sum(Phase::Resident, place) + phases.iter().map(|&ph| self.sum(ph, place)).max().unwrap_or(0)
+        self.sum(Phase::Resident, place) + self.step_peak(place).max(self.sum(Phase::Validation, place))
+    }
+
+    /// A training step's part of the peak: the gradients and the larger of the backward and the update.
+    fn step_peak(&self, place: Place) -> u64 {
+        self.sum(Phase::Step, place) + self.sum(Phase::Backward, place).max(self.sum(Phase::Update, place))
     }
 
     /// Whether the device's peak fits its memory (`None`: the memory is unknown).
@@ -330,9 +363,16 @@ impl fmt::Display for Plan {
         writeln!(f, "memory plan: {}", self.summary)?;
         writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  formula", "component", "peak", "where", "when")?;
         for c in &self.components {
-            let place = if self.inputs.on_cpu { "host" } else if c.place == Place::Device { "device" } else { "host" };
+            let place = if self.inputs.on_cpu {
+                "host"
+            } else if c.place == Place::Device {
+                "device"
+            } else {
+                "host"
+            };
             let phase = match c.phase {
                 Phase::Resident => "resident",
+                Phase::Step => "step",
                 Phase::Backward => "backward",
                 Phase::Update => "update",
                 Phase::Validation => "validation",
@@ -343,9 +383,11 @@ impl fmt::Display for Plan {
         let phase = |ph| gib(self.sum(ph, Place::Device));
         writeln!(
             f,
-            "device peak: {} = resident {} + max(backward {}, update {}, validation {})",
+            "device peak: {} ({} bytes) = resident {} + max(step {} + max(backward {}, update {}), validation {})",
             gib(self.peak(Place::Device)),
+            self.peak(Place::Device),
             phase(Phase::Resident),
+            phase(Phase::Step),
             phase(Phase::Backward),
             phase(Phase::Update),
             phase(Phase::Validation)
@@ -432,13 +474,13 @@ mod tests {
 
     fn config(extra: &[&str]) -> TrainConfig {
         let base = "[model]\npath = \"m\"\ndtype = \"bf16\"\n[data]\ninputs = [\"x.jsonl\"]\nmax_prompt_tokens = 6\n\
-                    max_response_tokens = 10\n[train]\nmicro_batch_size = 2\n";
+                    max_response_tokens = 10\n[objective]\nbeta = 0.1\n[train]\nmicro_batch_size = 2\n";
         let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
         TrainConfig::parse(base, Path::new("c.toml"), &o).unwrap()
     }
 
     fn inputs(attention: AttentionKind) -> PlanInputs {
-        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(1 << 20) }
+        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30) }
     }
 
     fn bytes(p: &Plan, name: &str) -> u64 {
@@ -455,9 +497,9 @@ mod tests {
         assert_eq!(bytes(&plan, "weights"), 2 * p);
         assert_eq!(bytes(&plan, "gradients (f32 accumulator)"), 4 * p);
         assert_eq!(bytes(&plan, "optimizer state"), 12 * p);
-        assert_eq!(bytes(&plan, "reference model"), 2 * p); // beta defaults to > 0: the reference is loaded
-        // N = 2 x 16 = 32 tokens; per layer: 8 [N,8] + 5 [N,8] (q, with bias) + 6 [N,4] (k, v) + 4 [N,16]
-        // = 64 + 40 + 24 + 64 = 192 values per token, in bf16; scores + probs 2 x 2 x 2 x 16^2 x 2 B.
+        assert_eq!(bytes(&plan, "reference model"), 2 * p); // beta > 0: the reference is loaded
+                                                            // N = 2 x 16 = 32 tokens; per layer: 8 [N,8] + 5 [N,8] (q, with bias) + 6 [N,4] (k, v) + 4 [N,16]
+                                                            // = 64 + 40 + 24 + 64 = 192 values per token, in bf16; scores + probs 2 x 2 x 2 x 16^2 x 2 B.
         let layer = 32 * 192 * 2 + 2 * 2 * 2 * 256 * 2;
         assert_eq!(bytes(&plan, "activations, checkpoint_layers = false"), 3 * layer + 32 * 8 * 2);
         assert_eq!(bytes(&plan, "activations, checkpoint_layers = true"), 4 * 32 * 8 * 2 + layer);
@@ -500,7 +542,9 @@ mod tests {
         assert!(text.contains("does NOT fit") && text.contains("weights") && text.contains("device peak"), "{text}");
         p.inputs.device_memory = None;
         assert_eq!(p.fits(), None);
-        for key in ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"] {
+        for key in
+            ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"]
+        {
             assert!(p.advice().contains(key), "{key}");
         }
     }
