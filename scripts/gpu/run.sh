@@ -189,7 +189,7 @@ PYEOF
                 --offload --no-reference --dtype bf16 --device "$DEVICE" --warmup 0 --repeats 1 \
                 >"$work/bench.txt" 2>"$work/bench.err"; then rc=0; else rc=$?; fi
             [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
-            "$PY" scripts/gpu/seed7b.py "$work" "$rc" "$len" "$SEED_PROMPT" "$DEVICE" | tee -a "$RES"
+            "$PY" scripts/gpu/seed7b.py "$work" "$rc" "$len" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" | tee -a "$RES"
             rm -rf "$work"
         done
         ;;
