@@ -31,6 +31,7 @@ fn write_config(dir: &Path, model: &str) -> PathBuf {
 }
 
 /// Run `cmd` to its end and return its peak resident memory in bytes.
+#[allow(clippy::zombie_processes, reason = "wait4 reaps the child (std's wait would not give its rusage)")]
 fn peak_rss(mut cmd: Command) -> u64 {
     let child = cmd.spawn().expect("spawn grpo");
     let pid = child.id() as libc::pid_t;
