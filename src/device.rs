@@ -55,6 +55,25 @@ pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
     }
 }
 
+/// The device's total memory in bytes: the card's on CUDA, the machine's RAM (`MemTotal` of
+/// /proc/meminfo) on the CPU; `None` where it cannot be read.
+pub fn total_memory(device: &Device) -> Result<Option<u64>> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => Ok(Some(d.cuda_stream().context().total_mem().map_err(candle_core::Error::wrap)? as u64)),
+        Device::Cpu => Ok(std::fs::read_to_string("/proc/meminfo").ok().as_deref().and_then(mem_total)),
+        #[allow(unreachable_patterns)]
+        _ => Ok(None),
+    }
+}
+
+/// `MemTotal` of /proc/meminfo's text, in bytes.
+fn mem_total(meminfo: &str) -> Option<u64> {
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use candle_core::cuda_backend::cudarc::driver::sys;
@@ -128,5 +147,7 @@ mod tests {
         assert_eq!(device_name(&d), "cpu");
         assert!(!reset_peak_memory(&d).unwrap());
         assert_eq!(memory_bytes(&d).unwrap(), None);
+        assert_eq!(mem_total("MemFree: 1 kB\nMemTotal:       16384 kB\n"), Some(16 << 20));
+        assert_eq!(mem_total("nothing"), None);
     }
 }

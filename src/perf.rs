@@ -136,11 +136,18 @@ pub struct TrainStepSpec {
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
     #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
+    /// Keep the optimiser state in host memory and update there (`optim.offload`).
+    #[arg(long)]
+    pub offload: bool,
+    /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
+    #[arg(long)]
+    pub no_reference: bool,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
 /// rewards alternating 1, 0 (advantages +-1 after normalisation), eps 0.2, beta 0.1 with k3 to a frozen
-/// reference, seq-mean-token-mean, AdamW at lr 1e-6 with f32 master weights and moments.
+/// reference (beta 0 and no reference with `no_reference`), seq-mean-token-mean, AdamW at lr 1e-6 with
+/// f32 master weights and moments (in host memory with `offload`).
 pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
         return Err(PerfError::Invalid(format!(
@@ -154,12 +161,17 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
     policy.options.fused_ops = spec.fused_ops;
-    let mut reference = policy.frozen_copy()?;
-    reference.options = policy.options.clone();
+    let reference = if spec.no_reference {
+        None
+    } else {
+        let mut r = policy.frozen_copy()?;
+        r.options = policy.options.clone();
+        Some(r)
+    };
     let objective_cfg = ObjectiveConfig {
         name: ObjectiveName::OffGrpo,
         eps: Some(0.2),
-        beta: 0.1,
+        beta: if spec.no_reference { 0.0 } else { 0.1 },
         kl_estimator: Some(KlEstimator::K3),
         loss_agg: Some(LossAgg::SeqMeanTokenMean),
         ..ObjectiveConfig::default()
@@ -184,7 +196,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         majority_count: 0,
         vote_margin: 0,
     };
-    let optim_cfg = OptimConfig { lr: 1e-6, ..OptimConfig::default() };
+    let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
     let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
     let groups = [group];
     let mut peak = None;
@@ -194,7 +206,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
-        Ok(step.run(&policy, Some(&reference), &groups, optim_cfg.lr)?.stats)
+        Ok(step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats)
     })?;
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
@@ -214,6 +226,8 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "checkpoint_layers": spec.checkpoint_layers,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
+        "offload": spec.offload,
+        "reference": !spec.no_reference,
         "step_times": times,
         "step_time_s": step_time,
         "tokens": tokens,
@@ -443,6 +457,8 @@ mod tests {
             checkpoint_layers: true,
             logprob_chunk_mb: 1,
             fused_ops: true,
+            offload: false,
+            no_reference: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["tokens"], 48);
@@ -452,6 +468,8 @@ mod tests {
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(r["losses"].as_array().unwrap().iter().all(|l| l.as_f64().unwrap().is_finite()));
         assert!(r["peak_mem_bytes"].is_null());
+        let lean = train_step(&TrainStepSpec { offload: true, no_reference: true, ..spec.clone() }, &cpu()).unwrap();
+        assert_eq!((&lean["offload"], &lean["reference"]), (&true.into(), &false.into()));
         let bad = TrainStepSpec { prompt_len: 12, ..spec };
         assert!(train_step(&bad, &cpu()).unwrap_err().to_string().contains("prompt length"));
     }

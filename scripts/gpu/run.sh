@@ -8,17 +8,24 @@
 #   3. greedy generation at batch 1 and 32, grpo vs transformers' generate;
 #   4. one training step at Qwen2.5-0.5B and 1.5B shapes, 8 answers of 1024, 4096 and 8192 tokens,
 #      grpo vs PyTorch eager (transformers, SDPA, autocast bf16);
-#   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops).
+#   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops);
+#   5. (part seed7b, not in the default list) one training step at the Qwen2.5-7B shape with random bf16
+#      weights and the seed's memory settings (configs/openthinker3.toml: layer recomputation, optimiser
+#      state in host memory, no reference model in memory, 2 answers per forward/backward), 8 answers of
+#      2048 + 4096 and 2048 + 16384 tokens: the measured peak device memory beside `grpo train --plan`'s.
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: tests smoke logprob generate train (default: all)
+#   scripts/gpu/run.sh [PART...]      PART: tests smoke logprob generate train seed7b (default: all but
+#                                     seed7b, which needs an 80 GB card and ~100 GB of host memory)
 #
 # env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
 #      benches/results), PYTHON (default python3, with torch and transformers), LIMIT (seconds per
 #      measurement, default 420); sizes: LOGPROB_TOKENS (8192), LOGPROB_HIDDEN (896), VOCAB (151936),
 #      GEN_SHAPE (qwen2.5-0.5b), NEW_TOKENS (256), TRAIN_SHAPES ("qwen2.5-0.5b qwen2.5-1.5b"),
-#      TRAIN_LENS ("1024 4096 8192"), PROMPT_LEN (128); DEVICE (cuda:0) and TORCH_DEVICE (cuda) for a dry
-#      run on the CPU with small sizes.
+#      TRAIN_LENS ("1024 4096 8192"), PROMPT_LEN (128), SEED_SHAPE (configs/models/qwen2.5-7b-instruct.
+#      config.json), SEED_PROMPT (2048), SEED_LENS ("4096 16384"), SEED_MEMORY (the plan's device memory,
+#      80GiB); DEVICE (cuda:0) and TORCH_DEVICE (cuda) for a dry run on the CPU with small sizes (e.g.
+#      DEVICE=cpu SEED_SHAPE=scripts/gpu/shapes/tiny.json SEED_PROMPT=16 SEED_LENS=48 run.sh seed7b).
 # Build both binaries on a build machine first with scripts/gpu/pack.sh: it leaves gpu-bin/grpo.xz and
 # gpu-bin/cuda_ops.xz, which this script unpacks.
 # Every measurement appends one JSON line to OUTDIR/gpu-results.jsonl (a failure appends
@@ -52,6 +59,10 @@ NEW_TOKENS=${NEW_TOKENS:-256}
 TRAIN_SHAPES=${TRAIN_SHAPES:-qwen2.5-0.5b qwen2.5-1.5b}
 TRAIN_LENS=${TRAIN_LENS:-1024 4096 8192}
 PROMPT_LEN=${PROMPT_LEN:-128}
+SEED_SHAPE=${SEED_SHAPE:-configs/models/qwen2.5-7b-instruct.config.json}
+SEED_PROMPT=${SEED_PROMPT:-2048}
+SEED_LENS=${SEED_LENS:-4096 16384}
+SEED_MEMORY=${SEED_MEMORY:-80GiB}
 DEVICE=${DEVICE:-cuda:0}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
@@ -159,8 +170,31 @@ PYEOF
             done
         done
         ;;
+    seed7b)
+        for len in $SEED_LENS; do
+            work=$(mktemp -d)
+            # The plan of the seed's config for this micro-batch, on the shape alone (no weights).
+            "$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
+                --device-memory "$SEED_MEMORY" --set "data.max_prompt_tokens=$SEED_PROMPT" \
+                --set "data.max_response_tokens=$len" >"$work/plan.txt" 2>&1
+            cat "$work/plan.txt"
+            # nvidia-smi's view (context and pool reserve included), sampled every 200 ms.
+            smi=
+            if command -v nvidia-smi >/dev/null && [ "$DEVICE" != cpu ]; then
+                nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$work/smi.txt" &
+                smi=$!
+            fi
+            if timeout "$LIMIT" "$BIN" -q bench train-step --shape "$SEED_SHAPE" --answers 8 \
+                --seq-len $((SEED_PROMPT + len)) --prompt-len "$SEED_PROMPT" --micro-batch 2 --checkpoint-layers \
+                --offload --no-reference --dtype bf16 --device "$DEVICE" --warmup 0 --repeats 1 \
+                >"$work/bench.txt" 2>"$work/bench.err"; then rc=0; else rc=$?; fi
+            [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
+            "$PY" scripts/gpu/seed7b.py "$work" "$rc" "$len" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" | tee -a "$RES"
+            rm -rf "$work"
+        done
+        ;;
     *)
-        echo "unknown part $part (tests smoke logprob generate train)" >&2
+        echo "unknown part $part (tests smoke logprob generate train seed7b)" >&2
         exit 2
         ;;
     esac

@@ -6,7 +6,8 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
-use crate::train::{train, Resume, RunOptions, TrainConfig};
+use crate::model::ModelConfig;
+use crate::train::{plan, train, Resume, RunOptions, TrainConfig};
 
 /// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:
 /// EX_TEMPFAIL, "try again later", so a scheduler or script can tell it from a failure (1) and requeue with
@@ -49,6 +50,42 @@ pub struct Args {
     /// Check the configuration and exit without loading anything.
     #[arg(long)]
     pub check: bool,
+    /// Print the memory plan (each component's expected peak, on the device or in host memory, and the
+    /// total against the device's memory) and exit without loading any weight.
+    #[arg(long)]
+    pub plan: bool,
+    /// The device's memory for the plan (and the check a run makes before loading weights), e.g. 80GiB,
+    /// 80GB, 512MiB. Default: the device's total (the machine's RAM for cpu).
+    #[arg(long, value_name = "SIZE", value_parser = crate::train::plan::parse_bytes)]
+    pub device_memory: Option<u64>,
+    /// With --plan: the model shape from this config.json instead of model.path's (no weights needed),
+    /// e.g. configs/models/qwen2.5-7b-instruct.config.json.
+    #[arg(long, requires = "plan", value_name = "FILE")]
+    pub model_config: Option<PathBuf>,
+}
+
+/// `--plan`: the memory plan of `cfg`, on the model shape of `--model-config` or of the config's model.
+fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
+    let shape = match &args.model_config {
+        Some(p) => ModelConfig::from_file(p).with_context(|| format!("reading {}", p.display()))?,
+        None => plan::model_config(cfg).context("reading the model's config.json (or give --model-config)")?,
+    };
+    let memory = match args.device_memory {
+        Some(m) => Some(m),
+        None => match crate::model::parse_device(&cfg.model.device) {
+            Ok(device) => crate::device::total_memory(&device)?,
+            Err(e) => {
+                tracing::warn!("device {}: {e}; give --device-memory", cfg.model.device);
+                None
+            }
+        },
+    };
+    let p = plan::run_plan(cfg, &shape, memory);
+    print!("{p}");
+    if p.fits() == Some(false) {
+        println!("To fit, {}.", p.advice());
+    }
+    Ok(())
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -60,12 +97,20 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         print!("{}", cfg.to_toml());
         return Ok(());
     }
+    if args.plan {
+        return print_plan(&cfg, &args);
+    }
     let resume = match args.resume.as_deref() {
         None => Resume::No,
         Some("auto") => Resume::Auto,
         Some(p) => Resume::From(PathBuf::from(p)),
     };
-    let opts = RunOptions { resume, overwrite: args.overwrite, allow_config_change: args.allow_config_change };
+    let opts = RunOptions {
+        resume,
+        overwrite: args.overwrite,
+        allow_config_change: args.allow_config_change,
+        device_memory: args.device_memory,
+    };
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits

@@ -172,7 +172,8 @@ pub struct Grads {
 }
 
 impl Grads {
-    fn new(n: usize) -> Self {
+    /// No gradient yet for `n` parameters.
+    pub fn new(n: usize) -> Self {
         Self { grads: vec![None; n] }
     }
 
@@ -182,16 +183,6 @@ impl Grads {
             None => g,
             Some(acc) => (acc + g)?,
         });
-        Ok(())
-    }
-
-    /// Add every gradient of `other` into `self` (gradient accumulation).
-    pub fn accumulate(&mut self, other: Grads) -> candle_core::Result<()> {
-        for (i, g) in other.grads.into_iter().enumerate() {
-            if let Some(g) = g {
-                self.add(i, &g)?;
-            }
-        }
         Ok(())
     }
 }
@@ -679,14 +670,30 @@ impl Decoder {
         targets: &Targets,
         loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<(f32, Grads)> {
-        self.check(batch, targets)?;
         let mut grads = Grads::new(self.params.len());
+        let loss = self.forward_backward_into(batch, targets, loss_fn, &mut grads)?;
+        Ok((loss, grads))
+    }
+
+    /// [`Decoder::forward_backward`] adding the gradients into `grads` (gradient accumulation without a
+    /// second full set of f32 gradients); returns the loss value.
+    pub fn forward_backward_into(
+        &self,
+        batch: &TokenBatch,
+        targets: &Targets,
+        loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+        grads: &mut Grads,
+    ) -> candle_core::Result<f32> {
+        self.check(batch, targets)?;
+        if grads.grads.len() != self.params.len() {
+            candle_core::bail!("{} gradients for {} parameters", grads.grads.len(), self.params.len());
+        }
         if !self.options.checkpoint_layers {
             let lp = self.logprobs_checked(batch, targets, true)?;
             let loss = loss_fn(&lp)?;
             let store = loss.backward()?;
-            self.collect(&store, &mut grads)?;
-            return Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, grads));
+            self.collect(&store, grads)?;
+            return loss.to_dtype(DType::F32)?.to_scalar::<f32>();
         }
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
@@ -709,7 +716,7 @@ impl Decoder {
         )?;
         let loss = loss_fn(&lp)?;
         let store = loss.backward()?;
-        self.collect(&store, &mut grads)?;
+        self.collect(&store, grads)?;
         let mut g = match store.get(xv.as_tensor()) {
             Some(g) => g.clone(),
             None => x.zeros_like()?,
@@ -719,7 +726,7 @@ impl Decoder {
             let xin = Var::from_tensor(&inputs[l])?;
             let y = self.layer(l, xin.as_tensor(), &rope, &ranges, None, true)?;
             let store = (y * &g)?.sum_all()?.backward()?;
-            self.collect(&store, &mut grads)?;
+            self.collect(&store, grads)?;
             g = match store.get(xin.as_tensor()) {
                 Some(g) => g.clone(),
                 None => g.zeros_like()?,
@@ -729,9 +736,9 @@ impl Decoder {
         if let Param::Trainable(_) = &self.params[self.embed] {
             let e = self.embed(&batch.tokens, true)?;
             let store = (e * &g)?.sum_all()?.backward()?;
-            self.collect(&store, &mut grads)?;
+            self.collect(&store, grads)?;
         }
-        Ok((loss.to_dtype(DType::F32)?.to_scalar::<f32>()?, grads))
+        loss.to_dtype(DType::F32)?.to_scalar::<f32>()
     }
 
     /// Start generation: run left-padded prompts and return the last position's logits `[B, V]` (f32)

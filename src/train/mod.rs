@@ -11,6 +11,7 @@ pub mod config;
 mod metrics;
 pub mod optim;
 pub mod refcache;
+pub mod plan;
 mod resume;
 mod run_dir;
 pub mod step;
@@ -52,6 +53,8 @@ pub enum TrainError {
     Stopped(String),
     #[error("reference log-prob cache {}: {message}", path.display())]
     ReferenceCache { path: PathBuf, message: String },
+    #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
+    DoesNotFit { plan: String, advice: String },
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -110,6 +113,8 @@ pub struct RunOptions {
     /// Resume even when the training config differs from the checkpoint's in keys outside
     /// [`RESUMABLE_KEYS`].
     pub allow_config_change: bool,
+    /// The device's memory for the plan's check (default: the device's total).
+    pub device_memory: Option<u64>,
 }
 
 /// What a run did.
@@ -500,6 +505,21 @@ fn load_run<'a>(
     Ok(Run { cfg, policy, reference, ref_cache, step, tok, checkpoints })
 }
 
+/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
+fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -> Result<(), TrainError> {
+    let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
+    let memory = match device_memory {
+        Some(m) => Some(m),
+        None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
+    };
+    let plan = plan::run_plan(cfg, &shape, memory);
+    if plan.fits() == Some(false) {
+        return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice() });
+    }
+    tracing::info!("memory plan: peak {:.2} GiB", plan.peak(plan::Place::Device) as f64 / (1u64 << 30) as f64);
+    Ok(())
+}
+
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
 /// refuses a folder that holds another run's checkpoints unless `opts.overwrite`; a resume checks the
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
@@ -519,6 +539,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
+    check_plan(cfg, &model_dir, opts.device_memory)?;
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     let dataset = prepare_data(cfg, &model_dir)?;
     let ref_cache = refcache::for_run(cfg, &model_dir, &prepared_dir(cfg), &dataset)?;

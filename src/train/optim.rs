@@ -1,7 +1,15 @@
 //! Optimisers with f32 state whatever the model dtype: AdamW (f32 master weights and moments, decoupled
 //! weight decay) and plain SGD; global gradient-norm clipping; learning-rate schedules.
+//!
+//! Every model keeps an f32 master copy of its weights (also an f32 model: one update path, and a bf16
+//! model's small updates are not lost to rounding): the update reads the f32 gradient, updates the master
+//! copy and the moments, and writes the master copy back into the model in its dtype. Where the state lives
+//! is `optim.offload`: on the model's device, or in host memory, where the update runs in parallel over the
+//! parameters (rayon) and only the new weights, in the model's dtype, go back to the device. The update is
+//! the same candle operations in both places, so on the CPU device the two are bitwise identical.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use crate::model::Grads;
@@ -40,6 +48,11 @@ pub struct OptimConfig {
     pub schedule: Schedule,
     pub warmup_steps: usize,
     pub min_lr_ratio: f64,
+    /// Keep the f32 master weights and the AdamW moments in host memory and run the update there (in
+    /// parallel over the parameters); the device then holds only the weights, gradients and activations.
+    /// Host memory: 12 bytes per parameter with AdamW (master, m, v), 4 with SGD, plus the gradients of
+    /// the parameters in flight (at most [`OFFLOAD_CHUNK_BYTES`]). The updates are the same as without it.
+    pub offload: bool,
 }
 
 impl Default for OptimConfig {
@@ -54,6 +67,7 @@ impl Default for OptimConfig {
             schedule: Schedule::Constant,
             warmup_steps: 0,
             min_lr_ratio: 0.0,
+            offload: false,
         }
     }
 }
@@ -110,14 +124,70 @@ pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
     Ok(sq.sqrt())
 }
 
+/// The gradients of the parameters updated together in host memory hold at most this many bytes (with
+/// `offload`): the host memory the update needs beyond its state.
+pub const OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
+
 struct ParamState {
     index: usize,
     var: Var,
     decay: bool,
-    /// f32 master copy (the weights the update is applied to).
+    /// f32 master copy (the weights the update is applied to), on the state's device.
     master: Tensor,
     m: Option<Tensor>,
     v: Option<Tensor>,
+}
+
+/// The hyper-parameters of one update.
+#[derive(Clone, Copy)]
+struct Update {
+    name: OptimName,
+    lr: f64,
+    scale: f64,
+    betas: [f64; 2],
+    eps: f64,
+    weight_decay: f64,
+    /// 1-based step number (AdamW's bias correction).
+    t: i32,
+}
+
+impl ParamState {
+    /// Apply one update with gradient `g` (f32, on the state's device) to the master copy and the moments.
+    fn update(&mut self, g: &Tensor, u: &Update) -> candle_core::Result<()> {
+        let g = if u.scale != 1.0 { (g * u.scale)? } else { g.clone() };
+        let lr = u.lr;
+        match u.name {
+            OptimName::Sgd => {
+                self.master = (&self.master - (g * lr)?)?;
+            }
+            OptimName::Adamw => {
+                let [b1, b2] = u.betas;
+                if self.decay && u.weight_decay > 0.0 {
+                    self.master = (&self.master * (1.0 - lr * u.weight_decay))?;
+                }
+                let m = match &self.m {
+                    Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
+                    None => (&g * (1.0 - b1))?,
+                };
+                let v = match &self.v {
+                    Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
+                    None => (g.sqr()? * (1.0 - b2))?,
+                };
+                let m_hat = (&m / (1.0 - b1.powi(u.t)))?;
+                let v_hat = (&v / (1.0 - b2.powi(u.t)))?;
+                let update = (m_hat / (v_hat.sqrt()? + u.eps)?)?;
+                self.master = (&self.master - (update * lr)?)?;
+                self.m = Some(m);
+                self.v = Some(v);
+            }
+        }
+        Ok(())
+    }
+
+    /// The master copy in the model's dtype, on the state's device.
+    fn weights(&self) -> candle_core::Result<Tensor> {
+        self.master.to_dtype(self.var.dtype())
+    }
 }
 
 /// The optimiser over a model's trainable parameters.
@@ -130,16 +200,18 @@ pub struct Optimizer {
 }
 
 impl Optimizer {
-    /// `vars[i]` is parameter i (named `names[i]`), matching the order of [`Grads`].
+    /// `vars[i]` is parameter i (named `names[i]`), matching the order of [`Grads`]. The state is made on
+    /// the parameters' device, or in host memory with `cfg.offload`.
     pub fn new(cfg: OptimConfig, names: &[String], vars: &[&Var]) -> candle_core::Result<Self> {
         let mut params = Vec::with_capacity(vars.len());
         for (i, v) in vars.iter().enumerate() {
             let t = v.as_tensor();
+            let state_device = if cfg.offload { Device::Cpu } else { t.device().clone() };
             params.push(ParamState {
                 index: i,
                 var: (*v).clone(),
                 decay: t.rank() >= 2,
-                master: t.detach().to_dtype(DType::F32)?.copy()?,
+                master: t.detach().to_dtype(DType::F32)?.to_device(&state_device)?.copy()?,
                 m: None,
                 v: None,
             });
@@ -147,44 +219,77 @@ impl Optimizer {
         Ok(Self { cfg, params, names: names.to_vec(), steps: 0 })
     }
 
+    /// Where the state lives: host memory (`optim.offload`) or the model's device.
+    fn state_device(&self, var: &Var) -> Device {
+        if self.cfg.offload {
+            Device::Cpu
+        } else {
+            var.device().clone()
+        }
+    }
+
     /// Apply one update with learning rate `lr`, scaling gradients by `scale` first (clipping).
     pub fn step(&mut self, grads: &Grads, lr: f64, scale: f64) -> candle_core::Result<()> {
         self.steps += 1;
-        let t = self.steps as i32;
-        let [b1, b2] = self.cfg.betas;
+        let u = Update {
+            name: self.cfg.name,
+            lr,
+            scale,
+            betas: self.cfg.betas,
+            eps: self.cfg.eps,
+            weight_decay: self.cfg.weight_decay,
+            t: self.steps as i32,
+        };
+        if self.cfg.offload {
+            return self.step_on_host(grads, &u);
+        }
         for p in &mut self.params {
             let Some(g) = grads.grads.get(p.index).and_then(|g| g.as_ref()) else { continue };
-            let g = if scale != 1.0 { (g * scale)? } else { g.clone() };
-            match self.cfg.name {
-                OptimName::Sgd => {
-                    p.master = (&p.master - (g * lr)?)?;
-                }
-                OptimName::Adamw => {
-                    if p.decay && self.cfg.weight_decay > 0.0 {
-                        p.master = (&p.master * (1.0 - lr * self.cfg.weight_decay))?;
-                    }
-                    let m = match &p.m {
-                        Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
-                        None => (&g * (1.0 - b1))?,
-                    };
-                    let v = match &p.v {
-                        Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
-                        None => (g.sqr()? * (1.0 - b2))?,
-                    };
-                    let m_hat = (&m / (1.0 - b1.powi(t)))?;
-                    let v_hat = (&v / (1.0 - b2.powi(t)))?;
-                    let update = (m_hat / (v_hat.sqrt()? + self.cfg.eps)?)?;
-                    p.master = (&p.master - (update * lr)?)?;
-                    p.m = Some(m);
-                    p.v = Some(v);
-                }
-            }
-            p.var.set(&p.master.to_dtype(p.var.dtype())?)?;
+            p.update(g, &u)?;
+            p.var.set(&p.weights()?)?;
         }
         Ok(())
     }
 
-    /// The optimiser state as named f32 tensors (master weights and moments) for a checkpoint.
+    /// The update with the state in host memory: the gradients of a chunk of parameters (at most
+    /// [`OFFLOAD_CHUNK_BYTES`]) are copied to the host, updated in parallel, and the new weights are copied
+    /// back in the model's dtype. Device transfers stay on this thread.
+    fn step_on_host(&mut self, grads: &Grads, u: &Update) -> candle_core::Result<()> {
+        let mut todo: Vec<(&mut ParamState, &Tensor)> = self
+            .params
+            .iter_mut()
+            .filter_map(|p| grads.grads.get(p.index).and_then(|g| g.as_ref()).map(|g| (p, g)))
+            .collect();
+        while !todo.is_empty() {
+            let mut bytes = 0;
+            let n = todo
+                .iter()
+                .position(|(_, g)| {
+                    bytes += g.elem_count() * 4;
+                    bytes > OFFLOAD_CHUNK_BYTES
+                })
+                .map_or(todo.len(), |i| i.max(1));
+            let chunk: Vec<(&mut ParamState, &Tensor)> = todo.drain(..n).collect();
+            let mut work = chunk
+                .into_iter()
+                .map(|(p, g)| Ok((p, g.to_device(&Device::Cpu)?)))
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            let weights = work
+                .par_iter_mut()
+                .map(|(p, g)| {
+                    p.update(g, u)?;
+                    p.weights()
+                })
+                .collect::<candle_core::Result<Vec<_>>>()?;
+            for ((p, _), w) in work.iter().zip(weights) {
+                p.var.set(&w.to_device(p.var.device())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The optimiser state as named f32 tensors (master weights and moments) for a checkpoint. The same
+    /// tensors wherever the state lives, so a run may resume with `optim.offload` switched.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for p in &self.params {
@@ -200,17 +305,20 @@ impl Optimizer {
         out
     }
 
-    /// Restore the state written by [`Optimizer::state_tensors`]; the model weights are set from the
-    /// master copies so that a bf16 model resumes from its exact f32 weights.
+    /// Restore the state written by [`Optimizer::state_tensors`] (placed on the device or in host memory
+    /// as `optim.offload` now says); the model weights are set from the master copies so that a bf16
+    /// model resumes from its exact f32 weights.
     pub fn load_state(&mut self, mut get: impl FnMut(&str) -> Option<Tensor>, steps: u64) -> candle_core::Result<()> {
-        for p in &mut self.params {
+        let devices: Vec<Device> = self.params.iter().map(|p| self.state_device(&p.var)).collect();
+        for (p, device) in self.params.iter_mut().zip(devices) {
             let name = &self.names[p.index];
             let master = get(&format!("master.{name}"))
                 .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state has no master.{name}")))?;
-            p.master = master.to_dtype(DType::F32)?.to_device(p.var.device())?;
-            p.m = get(&format!("exp_avg.{name}")).map(|t| t.to_device(p.var.device())).transpose()?;
-            p.v = get(&format!("exp_avg_sq.{name}")).map(|t| t.to_device(p.var.device())).transpose()?;
-            p.var.set(&p.master.to_dtype(p.var.dtype())?)?;
+            let f32_on = |t: Tensor| t.to_dtype(DType::F32)?.to_device(&device);
+            p.master = f32_on(master)?;
+            p.m = get(&format!("exp_avg.{name}")).map(f32_on).transpose()?;
+            p.v = get(&format!("exp_avg_sq.{name}")).map(f32_on).transpose()?;
+            p.var.set(&p.weights()?.to_device(p.var.device())?)?;
         }
         self.steps = steps;
         Ok(())
@@ -272,6 +380,91 @@ mod tests {
         assert!((master - 0.99).abs() < 1e-5, "{master}");
         let w = var.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()[0];
         assert!((w - 0.99).abs() < 4e-3, "{w}");
+    }
+
+    /// Bit patterns of a tensor's values (as f32).
+    fn bits(t: &Tensor) -> Vec<u32> {
+        t.to_dtype(DType::F32)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits())
+            .collect()
+    }
+
+    /// A matrix and a vector parameter in `dtype`, and `steps` seeded gradients for them.
+    fn problem(dtype: DType, steps: usize) -> (Vec<Var>, Vec<Grads>) {
+        let vals =
+            |n: usize, k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect() };
+        let w =
+            Var::from_tensor(&Tensor::from_vec(vals(12, 0), (3, 4), &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+        let b = Var::from_tensor(&Tensor::from_vec(vals(4, 1), 4, &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+        let grads = (0..steps)
+            .map(|s| Grads {
+                grads: vec![
+                    Some(Tensor::from_vec(vals(12, s + 2), (3, 4), &Device::Cpu).unwrap()),
+                    // The vector has no gradient on odd steps (a parameter the loss did not reach).
+                    (s % 2 == 0).then(|| Tensor::from_vec(vals(4, s + 3), 4, &Device::Cpu).unwrap()),
+                ],
+            })
+            .collect();
+        (vec![w.unwrap(), b.unwrap()], grads)
+    }
+
+    #[test]
+    fn offloaded_updates_are_bitwise_the_same() {
+        for name in [OptimName::Adamw, OptimName::Sgd] {
+            for dtype in [DType::F32, DType::BF16] {
+                let run = |offload: bool| {
+                    let cfg = OptimConfig { name, lr: 0.01, weight_decay: 0.1, offload, ..Default::default() };
+                    let (vars, grads) = problem(dtype, 5);
+                    let mut opt = Optimizer::new(cfg, &["w".into(), "b".into()], &[&vars[0], &vars[1]]).unwrap();
+                    for (i, g) in grads.iter().enumerate() {
+                        opt.step(g, 0.01 * (i + 1) as f64, if i == 2 { 0.5 } else { 1.0 }).unwrap();
+                    }
+                    let state: Vec<Vec<u32>> = opt.state_tensors().iter().map(|(_, t)| bits(t)).collect();
+                    (state, vars.iter().map(|v| bits(v.as_tensor())).collect::<Vec<_>>())
+                };
+                let (on, off) = (run(true), run(false));
+                assert_eq!(on, off, "{name:?} {dtype:?}");
+                assert_eq!(on.0.len(), if name == OptimName::Adamw { 6 } else { 2 });
+            }
+        }
+    }
+
+    #[test]
+    fn a_resume_may_switch_offload() {
+        for dtype in [DType::F32, DType::BF16] {
+            let (vars, grads) = problem(dtype, 4);
+            let names = ["w".to_string(), "b".to_string()];
+            let cfg = |offload| OptimConfig { lr: 0.01, offload, ..Default::default() };
+            // Straight through without offload.
+            let mut straight = Optimizer::new(cfg(false), &names, &[&vars[0], &vars[1]]).unwrap();
+            for g in &grads {
+                straight.step(g, 0.01, 1.0).unwrap();
+            }
+            // Two steps offloaded, then the state handed to a fresh optimiser that does not offload, and back.
+            let (vars2, _) = problem(dtype, 0);
+            let mut first = Optimizer::new(cfg(true), &names, &[&vars2[0], &vars2[1]]).unwrap();
+            first.step(&grads[0], 0.01, 1.0).unwrap();
+            first.step(&grads[1], 0.01, 1.0).unwrap();
+            let saved: std::collections::HashMap<String, Tensor> = first.state_tensors().into_iter().collect();
+            let mut second = Optimizer::new(cfg(false), &names, &[&vars2[0], &vars2[1]]).unwrap();
+            second.load_state(|n| saved.get(n).cloned(), 2).unwrap();
+            second.step(&grads[2], 0.01, 1.0).unwrap();
+            let saved: std::collections::HashMap<String, Tensor> = second.state_tensors().into_iter().collect();
+            let mut third = Optimizer::new(cfg(true), &names, &[&vars2[0], &vars2[1]]).unwrap();
+            third.load_state(|n| saved.get(n).cloned(), 3).unwrap();
+            third.step(&grads[3], 0.01, 1.0).unwrap();
+            let state = |o: &Optimizer| o.state_tensors().iter().map(|(_, t)| bits(t)).collect::<Vec<_>>();
+            assert_eq!(state(&straight), state(&third), "{dtype:?}");
+            for (a, b) in vars.iter().zip(&vars2) {
+                assert_eq!(bits(a.as_tensor()), bits(b.as_tensor()), "{dtype:?}");
+            }
+        }
     }
 
     #[test]

@@ -379,7 +379,8 @@ fn compute_gradients(
     pad: u32,
 ) -> candle_core::Result<(Grads, StepStats)> {
     let device = policy.device().clone();
-    let mut total: Option<Grads> = None;
+    // One f32 accumulator: each micro-batch's gradients are added into it as they are collected.
+    let mut total = Grads::new(policy.params().len());
     let mut stats = StepStats::default();
     let logprobs = |m: Option<&Decoder>, tb: &TokenBatch, t: &Targets| -> candle_core::Result<Option<Tensor>> {
         m.map(|m| m.token_logprobs(tb, t, false)?.narrow(1, 0, 1)?.squeeze(1)).transpose()
@@ -413,22 +414,14 @@ fn compute_gradients(
             clipped += terms.clipped_tokens;
             Ok(terms.loss)
         };
-        let (loss, grads) = policy.forward_backward(&tb, &targets, &mut loss_fn)?;
+        let loss = policy.forward_backward_into(&tb, &targets, &mut loss_fn, &mut total)?;
         stats.loss += loss as f64;
         stats.pg_loss += pg;
         stats.kl += kl;
         stats.clipped_tokens += clipped;
         stats.entropy_sum += ent;
-        match &mut total {
-            None => total = Some(grads),
-            Some(t) => t.accumulate(grads)?,
-        }
     }
-    let grads = match total {
-        Some(g) => g,
-        None => Grads { grads: vec![None; policy.params().len()] },
-    };
-    Ok((grads, stats))
+    Ok((total, stats))
 }
 
 #[cfg(test)]

@@ -1,0 +1,563 @@
+//! The memory plan of a training run: what each component of a step needs at its peak, derived from the
+//! configuration and the model's shape (its `config.json`; no weights are loaded), where it lives (the
+//! device or host memory) and whether the total fits the device.
+//!
+//! Notation: P parameters (of which `P_layer` in the largest decoder layer and `P_max` in the largest
+//! single tensor), d bytes per weight element (4 for f32, 2 for bf16/f16), L layers, hidden h, query width
+//! q = heads x head_dim, key/value width kv = kv_heads x head_dim, MLP width i, vocabulary V. A micro-batch
+//! is B = `train.micro_batch_size` sequences of T = `max_prompt_tokens + max_response_tokens` tokens
+//! (the largest the data allows), N = B T tokens, of which n = B `max_response_tokens` are scored.
+//!
+//! The run's peak is `resident + max(step + max(backward, update), validation)`:
+//! - resident: the weights (P d), the optimiser state when it is on the device (AdamW: f32 master
+//!   weights and two moments, 12 P; SGD: 4 P), the frozen reference (P d) unless its log-probs are cached,
+//!   a snapshot anchor (P d), and the process's own memory (see [`CPU_PROCESS_BYTES`],
+//!   [`CUDA_CONTEXT_BYTES`]);
+//! - step: the f32 gradient accumulator (4 P: every micro-batch's gradients are added into it as they are
+//!   collected), alive from the first backward to the end of the update;
+//! - backward: the activations the forward keeps for the backward plus the larger of the log-prob head's
+//!   backward and one layer's backward (its workspace, the parameter gradients it holds before they are
+//!   added to the accumulator, and the attention workspace) — see [`Activations`];
+//! - update: the temporaries of the optimiser update: new moments, bias-corrected moments, the update and
+//!   its scaled copy and the new master copy, 7 f32 copies of the largest tensor (on the device without
+//!   offload; in host memory with it, where only the weights in flight return to the device);
+//! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
+//!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
+//!   doubling its capacity.
+
+use std::fmt;
+
+use super::config::TrainConfig;
+use super::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
+use crate::model::{ChatTokenizer, ModelConfig, ModelError};
+use crate::objective::Anchor;
+
+/// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
+/// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
+/// allocator keeps. Measured: `grpo train` on the tiny model of configs/smoke.toml peaks about this much
+/// above its tensors.
+pub const CPU_PROCESS_BYTES: u64 = 64 << 20;
+
+/// Device memory outside the tensors on a GPU: the CUDA context, cuBLAS's workspaces and the kernels'
+/// modules (outside candle's allocation pool).
+pub const CUDA_CONTEXT_BYTES: u64 = 1 << 30;
+
+/// The attention implementation (`[model] attention`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttentionKind {
+    /// Block-wise attention: keeps the output and one f32 log-sum-exp per query and head, O(T).
+    Flash,
+    /// Scores and probabilities as `[B, heads, T, T]` matrices, O(T^2).
+    Matrix,
+}
+
+/// What the plan needs besides the two configurations.
+#[derive(Debug, Clone, Copy)]
+pub struct PlanInputs {
+    pub attention: AttentionKind,
+    /// The reference model's log-probs are read from a file instead of computed by a loaded reference.
+    pub reference_cached: bool,
+    /// The model runs on the CPU: the device is host memory and the process counts in it.
+    pub on_cpu: bool,
+    /// Bytes of device memory (`None`: unknown).
+    pub device_memory: Option<u64>,
+}
+
+/// Where a component lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place {
+    Device,
+    Host,
+}
+
+/// When a component is alive.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    /// The whole run.
+    Resident,
+    /// A training step (its forward/backward passes and the update).
+    Step,
+    /// The forward and backward of a micro-batch.
+    Backward,
+    /// The optimiser update.
+    Update,
+    /// Validation (generation).
+    Validation,
+    /// Shown for comparison, not counted (the other setting of a switch).
+    Alternative,
+}
+
+/// One line of the plan.
+#[derive(Debug, Clone)]
+pub struct Component {
+    pub name: String,
+    pub bytes: u64,
+    pub place: Place,
+    pub phase: Phase,
+    /// How it is computed, in words.
+    pub formula: String,
+}
+
+/// The memory plan of a run.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    pub components: Vec<Component>,
+    pub inputs: PlanInputs,
+    /// Model and micro-batch, for the heading.
+    pub summary: String,
+}
+
+/// The activations of one micro-batch kept for (and made during) the backward, in bytes.
+///
+/// Per layer, the forward keeps (counted from `Decoder::layer`, each tensor once): the layer input, the
+/// two RMSNorm outputs and their weighted copies, the attention output projection, the residual sum and
+/// the MLP down projection (8 x [N, h], plus one per o_proj / down_proj bias); the q projection, its
+/// bias sum, its rotated copy, the attention output and its transposed copy (4 x [N, q] plus one with
+/// q/k/v biases); k and v with their bias sums, rotated k and transposed v (4 x [N, kv], plus two with
+/// biases); q/k norms (2 x [N, q] + 2 x [N, kv] when present); gate, up, silu(gate) and the product
+/// (4 x [N, i], plus two with MLP biases); and the attention: scores and probabilities (2 B heads T^2)
+/// for the matrix kind, one f32 log-sum-exp per query and head (4 B heads T bytes) for flash.
+///
+/// With `checkpoint_layers`, the forward keeps only the L + 1 layer inputs / final output ([N, h] each)
+/// and recomputes one layer at a time in the backward, so one layer's saved tensors are alive at once;
+/// without it all L layers' are, plus the final output.
+///
+/// A layer's backward workspace is about 3 [N, i] + 3 [N, h] + 2 [N, q] of gradients, plus (matrix
+/// attention) the gradients of the probabilities and scores (2 B heads T^2); flash attention works in
+/// blocks (O(T)). The log-prob head keeps its gathered, normed inputs (3 [n, h]) and its backward
+/// accumulates the lm_head gradient in f32 chunk by chunk (accumulator, chunk gradient and their sum:
+/// 12 V h bytes; one chunk: its f32 gradient, 4 V h, and its d-byte original when d < 4) beside one
+/// chunk of logits and their gradient (2 rows V d, rows = logprob_chunk_mb / (4 V))
+#[derive(Debug, Clone, Copy)]
+pub struct Activations {
+    pub saved_full: u64,
+    pub saved_checkpointed: u64,
+    pub layer_backward: u64,
+    pub attention_workspace: u64,
+    pub head: u64,
+    pub head_backward: u64,
+    pub logprob_chunk: u64,
+}
+
+/// Sequence shape of the largest micro-batch.
+struct Shape {
+    b: u64,
+    t: u64,
+    n_scored: u64,
+}
+
+/// Bytes per element of a weight dtype name.
+fn dtype_bytes(dtype: &str) -> u64 {
+    if dtype == "f32" {
+        4
+    } else {
+        2
+    }
+}
+
+/// The largest decoder layer's and the largest tensor's parameter counts.
+fn largest_params(m: &ModelConfig) -> (u64, u64) {
+    let shapes = crate::model::decoder::parameter_shapes(m);
+    let size = |s: &[usize]| s.iter().product::<usize>() as u64;
+    let largest = shapes.iter().map(|(_, s)| size(s)).max().unwrap_or(0);
+    let layer0: u64 = shapes.iter().filter(|(n, _)| n.starts_with("model.layers.0.")).map(|(_, s)| size(s)).sum();
+    (layer0, largest)
+}
+
+impl Activations {
+    fn new(m: &ModelConfig, s: &Shape, d: u64, attention: AttentionKind, chunk_bytes: u64) -> Self {
+        let (h, i, v) = (m.hidden_size as u64, m.intermediate_size as u64, m.vocab_size as u64);
+        let q = (m.num_heads * m.head_dim) as u64;
+        let kv = (m.num_kv_heads * m.head_dim) as u64;
+        let (heads, l) = (m.num_heads as u64, m.num_layers as u64);
+        let n = s.b * s.t;
+        let (qkv_b, o_b, mlp_b, qk_n) = (m.qkv_bias as u64, m.o_bias as u64, m.mlp_bias as u64, m.qk_norm as u64);
+        let width =
+            (8 + o_b + mlp_b) * h + (4 + qkv_b + 2 * qk_n) * q + (4 + 2 * qkv_b + 2 * qk_n) * kv + (4 + 2 * mlp_b) * i;
+        let matrix = 2 * s.b * heads * s.t * s.t * d;
+        let (attn_saved, attn_work) = match attention {
+            AttentionKind::Matrix => (matrix, matrix),
+            AttentionKind::Flash => (4 * s.b * heads * s.t, 8 * s.b * heads * s.t),
+        };
+        let layer = n * width * d + attn_saved;
+        let rows = (chunk_bytes / (4 * v).max(1)).clamp(1, 1 << 16).min(s.n_scored.max(1));
+        let one_chunk = s.n_scored <= rows;
+        let head_backward = match (one_chunk, d) {
+            (true, 4) => 4 * v * h,
+            (true, _) => (4 + d) * v * h,
+            (false, _) => 12 * v * h,
+        };
+        Self {
+            saved_full: l * layer + n * h * d,
+            saved_checkpointed: (l + 1) * n * h * d + layer,
+            layer_backward: n * (3 * i + 3 * h + 2 * q) * d,
+            attention_workspace: attn_work,
+            head: 3 * s.n_scored * h * d + 16 * s.n_scored,
+            head_backward,
+            logprob_chunk: 2 * rows * v * d,
+        }
+    }
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// Build the plan of `cfg` for a model of shape `model`.
+pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan {
+    let d = dtype_bytes(&cfg.model.dtype);
+    let p = model.num_parameters() as u64;
+    let (p_layer, p_max) = largest_params(model);
+    let seq = &cfg.data.sequence;
+    let max_pos = model.max_position_embeddings;
+    let or_max = |x: usize| if x == 0 { max_pos } else { x } as u64;
+    let (prompt, response) = (or_max(seq.max_prompt_tokens), or_max(seq.max_response_tokens));
+    let b = cfg.train.micro_batch_size.max(1) as u64;
+    let shape = Shape { b, t: prompt + response, n_scored: b * response };
+    let act = Activations::new(model, &shape, d, inputs.attention, (cfg.model.logprob_chunk_mb.max(1) as u64) << 20);
+    let mut c = Vec::new();
+    let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
+        c.push(Component { name: name.into(), bytes, place, phase, formula });
+    };
+    use Phase::*;
+    use Place::*;
+    add("weights", p * d, Device, Resident, format!("P x {d} B"));
+    add("gradients (f32 accumulator)", 4 * p, Device, Step, "P x 4 B".into());
+    let opt = cfg.optim.name;
+    let state = if opt == OptimName::Adamw { 12 } else { 4 };
+    let state_place = if cfg.optim.offload { Host } else { Device };
+    let what = if opt == OptimName::Adamw { "f32 master + 2 moments" } else { "f32 master" };
+    let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
+    add("optimizer state", state * p, state_place, Resident, format!("P x {state} B ({what}; {off})"));
+    let objective = cfg.objective.build();
+    if objective.needs_reference() {
+        if inputs.reference_cached {
+            let bytes = 4 * shape.n_scored;
+            add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch".into());
+        } else {
+            add("reference model", p * d, Device, Resident, format!("P x {d} B"));
+        }
+    }
+    if objective.anchor() == Some(Anchor::Snapshot) {
+        add("anchor snapshot", p * d, Device, Resident, format!("P x {d} B"));
+    }
+    if inputs.on_cpu {
+        add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured".into());
+    } else {
+        add("CUDA context and cuBLAS workspaces", CUDA_CONTEXT_BYTES, Device, Resident, "fixed".into());
+    }
+    let ckpt = cfg.model.checkpoint_layers;
+    let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
+    add(
+        "activations, checkpoint_layers = true",
+        act.saved_checkpointed,
+        Device,
+        used,
+        "(L+1) [N,h] + one layer".into(),
+    );
+    add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]".into());
+    add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
+    // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
+    // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
+    // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
+    let answers = (cfg.train.batch_questions * cfg.data.input.group.group_size) as u64;
+    let shared = d == 4 && answers > 0 && answers <= b;
+    let grad_store = match (ckpt, shared) {
+        (_, true) => 0,
+        (true, false) => p_layer.max(p_max) * d,
+        (false, false) => p * d,
+    };
+    let layer_part = act.layer_backward + act.attention_workspace + grad_store;
+    let head_part = act.head_backward + act.logprob_chunk;
+    let kind = match inputs.attention {
+        AttentionKind::Flash => "flash: O(T)",
+        AttentionKind::Matrix => "matrix: 2 B heads T^2 d",
+    };
+    if head_part >= layer_part {
+        add(
+            "log-prob head backward (f32 lm_head grad)",
+            act.head_backward,
+            Device,
+            Backward,
+            "12 V h B (1 chunk: 4+d)".into(),
+        );
+        add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Backward, "2 rows V d".into());
+        add("attention workspace", act.attention_workspace, Device, Alternative, kind.into());
+    } else {
+        add("layer backward workspace", act.layer_backward, Device, Backward, "(3i+3h+2q) N d".into());
+        add("attention workspace", act.attention_workspace, Device, Backward, kind.into());
+        let what = if ckpt { "largest layer or tensor x d" } else { "P x d: all, until collected" };
+        add("parameter gradients in flight", grad_store, Device, Backward, what.into());
+        add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, "2 rows V d".into());
+    }
+    let update = if cfg.optim.offload { (OFFLOAD_CHUNK_BYTES as u64).min(4 * p) * 6 } else { 28 * p_max };
+    let upd_place = if cfg.optim.offload { Host } else { Device };
+    let f =
+        if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
+    add("optimizer update temporaries", update, upd_place, Update, f.into());
+    if let Some(v) = &cfg.validation {
+        let tokens = prompt + v.max_new_tokens as u64;
+        let per_token = 2 * model.num_layers as u64 * (model.num_kv_heads * model.head_dim) as u64 * d;
+        let kv = 2 * v.batch_size as u64 * tokens * per_token;
+        let logits = 2 * v.batch_size as u64 * model.vocab_size as u64 * 4;
+        let f = format!("2 x batch {} x {tokens} tokens x {per_token} B + logits", v.batch_size);
+        add("validation KV cache", kv + logits, Device, Validation, f);
+    }
+    let summary = format!(
+        "{} layers, hidden {}, {} heads / {} KV heads, intermediate {}, vocab {}: {:.2}B parameters, {}; \
+         micro-batch {} x {} tokens ({} + {})",
+        model.num_layers,
+        model.hidden_size,
+        model.num_heads,
+        model.num_kv_heads,
+        model.intermediate_size,
+        model.vocab_size,
+        p as f64 / 1e9,
+        cfg.model.dtype,
+        b,
+        shape.t,
+        prompt,
+        response
+    );
+    Plan { components: c, inputs, summary }
+}
+
+impl Plan {
+    /// The bytes of one phase in one place.
+    fn sum(&self, phase: Phase, place: Place) -> u64 {
+        self.components.iter().filter(|c| c.phase == phase && self.counts_in(c.place, place)).map(|c| c.bytes).sum()
+    }
+
+    /// On the CPU the host is the device: host components count in its total too.
+    fn counts_in(&self, of: Place, place: Place) -> bool {
+        of == place || (self.inputs.on_cpu && place == Place::Device)
+    }
+
+    /// The expected peak in `place`: resident + the larger of a training step and validation.
+    pub fn peak(&self, place: Place) -> u64 {
+        self.sum(Phase::Resident, place) + self.step_peak(place).max(self.sum(Phase::Validation, place))
+    }
+
+    /// A training step's part of the peak: the gradients and the larger of the backward and the update.
+    fn step_peak(&self, place: Place) -> u64 {
+        self.sum(Phase::Step, place) + self.sum(Phase::Backward, place).max(self.sum(Phase::Update, place))
+    }
+
+    /// Whether the device's peak fits its memory (`None`: the memory is unknown).
+    pub fn fits(&self) -> Option<bool> {
+        self.inputs.device_memory.map(|m| self.peak(Place::Device) <= m)
+    }
+
+    /// What to change when the plan does not fit.
+    pub fn advice(&self) -> String {
+        "reduce the peak with model.checkpoint_layers = true, a smaller train.micro_batch_size or \
+         data.max_response_tokens, optim.offload = true (optimizer state in host memory), flash attention \
+         (model.attention) and cached reference log-probs (model.cache_reference), or a smaller \
+         validation.batch_size"
+            .into()
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "memory plan: {}", self.summary)?;
+        writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  formula", "component", "peak", "where", "when")?;
+        for c in &self.components {
+            let place = if self.inputs.on_cpu {
+                "host"
+            } else if c.place == Place::Device {
+                "device"
+            } else {
+                "host"
+            };
+            let phase = match c.phase {
+                Phase::Resident => "resident",
+                Phase::Step => "step",
+                Phase::Backward => "backward",
+                Phase::Update => "update",
+                Phase::Validation => "validation",
+                Phase::Alternative => "(not used)",
+            };
+            writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  {}", c.name, gib(c.bytes), place, phase, c.formula)?;
+        }
+        let phase = |ph| gib(self.sum(ph, Place::Device));
+        writeln!(
+            f,
+            "device peak: {} ({} bytes) = resident {} + max(step {} + max(backward {}, update {}), validation {})",
+            gib(self.peak(Place::Device)),
+            self.peak(Place::Device),
+            phase(Phase::Resident),
+            phase(Phase::Step),
+            phase(Phase::Backward),
+            phase(Phase::Update),
+            phase(Phase::Validation)
+        )?;
+        if !self.inputs.on_cpu {
+            writeln!(f, "host peak (optimizer state and update): {}", gib(self.peak(Place::Host)))?;
+        }
+        match self.inputs.device_memory {
+            Some(m) => {
+                let peak = self.peak(Place::Device);
+                let verdict = if peak <= m {
+                    format!("fits, {} ({:.0}%) left", gib(m - peak), 100.0 * (m - peak) as f64 / m as f64)
+                } else {
+                    format!("does NOT fit: {} over", gib(peak - m))
+                };
+                writeln!(f, "device memory: {}: {verdict}", gib(m))
+            }
+            None => writeln!(f, "device memory: unknown (give --device-memory)"),
+        }
+    }
+}
+
+/// Parse a memory size: a number with an optional suffix GiB, GB, MiB, MB, KiB, KB or B (no suffix:
+/// bytes), e.g. `80GiB`, `80 GB`, `512MiB`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| c.is_ascii_alphabetic()).unwrap_or(t.len());
+    let (num, unit) = (t[..split].trim(), t[split..].trim().to_ascii_lowercase());
+    let value: f64 = num.parse().map_err(|_| format!("`{s}`: expected a number with GiB, GB, MiB or MB"))?;
+    let scale: f64 = match unit.as_str() {
+        "" | "b" => 1.0,
+        "kib" => 1024.0,
+        "kb" => 1e3,
+        "mib" => (1u64 << 20) as f64,
+        "mb" => 1e6,
+        "gib" => (1u64 << 30) as f64,
+        "gb" => 1e9,
+        "tib" => (1u64 << 40) as f64,
+        "tb" => 1e12,
+        _ => return Err(format!("`{s}`: unknown unit `{unit}` (GiB, GB, MiB, MB, KiB, KB)")),
+    };
+    if !(value.is_finite() && value > 0.0) {
+        return Err(format!("`{s}`: must be a positive size"));
+    }
+    Ok((value * scale) as u64)
+}
+
+/// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device.
+pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>) -> Plan {
+    let inputs = PlanInputs {
+        // from [model] attention once that key exists
+        attention: AttentionKind::Flash,
+        reference_cached: super::refcache::reference_is_cacheable(cfg),
+        on_cpu: cfg.model.device == "cpu",
+        device_memory,
+    };
+    plan(cfg, model, inputs)
+}
+
+/// The model shape of a run without loading any weight: `model.path`'s config.json, or, for a tiny model
+/// not made yet, the config `model.init_tiny` will write.
+pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
+    let local = std::path::Path::new(&cfg.model.path);
+    if let (Some(spec), false) = (&cfg.model.init_tiny, local.join("config.json").exists()) {
+        let tok = ChatTokenizer::load(&spec.tokenizer)?;
+        return Ok(spec.shape.config(spec.arch, tok.vocab_size().div_ceil(64) * 64, None, None)?);
+    }
+    let dir = crate::model::resolve_model_dir(&cfg.model.path)?;
+    Ok(ModelConfig::from_file(&dir.join("config.json"))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// A Qwen2-like shape small enough to count by hand: h 8, 2 heads / 1 KV head of dim 4, i 16, V 32.
+    fn shape() -> ModelConfig {
+        let raw = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "tie_word_embeddings": false});
+        ModelConfig::from_json(raw, Path::new("test")).unwrap()
+    }
+
+    fn config(extra: &[&str]) -> TrainConfig {
+        let base = "[model]\npath = \"m\"\ndtype = \"bf16\"\n[data]\ninputs = [\"x.jsonl\"]\nmax_prompt_tokens = 6\n\
+                    max_response_tokens = 10\n[objective]\nbeta = 0.1\n[train]\nmicro_batch_size = 2\n";
+        let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        TrainConfig::parse(base, Path::new("c.toml"), &o).unwrap()
+    }
+
+    fn inputs(attention: AttentionKind) -> PlanInputs {
+        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30) }
+    }
+
+    fn bytes(p: &Plan, name: &str) -> u64 {
+        p.components.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name}")).bytes
+    }
+
+    #[test]
+    fn components_follow_the_formulas() {
+        let m = shape();
+        // P: embed + lm_head 2 x 32 x 8, per layer q 64 + k 32 + v 32 + o 64 + biases 16 + MLP 384 + norms 16.
+        let p = 2 * 32 * 8 + 3 * (64 + 32 + 32 + 64 + 16 + 384 + 16) + 8;
+        assert_eq!(m.num_parameters(), p as usize);
+        let plan = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
+        assert_eq!(bytes(&plan, "weights"), 2 * p);
+        assert_eq!(bytes(&plan, "gradients (f32 accumulator)"), 4 * p);
+        assert_eq!(bytes(&plan, "optimizer state"), 12 * p);
+        assert_eq!(bytes(&plan, "reference model"), 2 * p); // beta > 0: the reference is loaded
+                                                            // N = 2 x 16 = 32 tokens; per layer: 8 [N,8] + 5 [N,8] (q, with bias) + 6 [N,4] (k, v) + 4 [N,16]
+                                                            // = 64 + 40 + 24 + 64 = 192 values per token, in bf16; scores + probs 2 x 2 x 2 x 16^2 x 2 B.
+        let layer = 32 * 192 * 2 + 2 * 2 * 2 * 256 * 2;
+        assert_eq!(bytes(&plan, "activations, checkpoint_layers = false"), 3 * layer + 32 * 8 * 2);
+        assert_eq!(bytes(&plan, "activations, checkpoint_layers = true"), 4 * 32 * 8 * 2 + layer);
+        // n = 2 x 10 scored tokens.
+        assert_eq!(bytes(&plan, "log-prob head inputs"), 3 * 20 * 8 * 2 + 16 * 20);
+        let flash = super::plan(&config(&[]), &m, inputs(AttentionKind::Flash));
+        let saved = bytes(&flash, "activations, checkpoint_layers = false");
+        assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
+    }
+
+    #[test]
+    fn switches_move_memory_where_they_say() {
+        let m = shape();
+        let base = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
+        let off = plan(&config(&["optim.offload=true"]), &m, inputs(AttentionKind::Matrix));
+        assert!(off.peak(Place::Device) < base.peak(Place::Device));
+        assert_eq!(off.components.iter().find(|c| c.name == "optimizer state").unwrap().place, Place::Host);
+        assert!(off.peak(Place::Host) >= 12 * m.num_parameters() as u64);
+        let cached = PlanInputs { reference_cached: true, ..inputs(AttentionKind::Matrix) };
+        let with_cache = plan(&config(&[]), &m, cached);
+        // The reference's weights (2 P) leave; its log-probs (4 B for each of the 20 scored tokens) come in.
+        assert_eq!(base.peak(Place::Device) - with_cache.peak(Place::Device), 2 * m.num_parameters() as u64 - 80);
+        let no_ref = plan(&config(&["objective.beta=0"]), &m, inputs(AttentionKind::Matrix));
+        assert!(!no_ref.components.iter().any(|c| c.name.starts_with("reference")));
+        // On the CPU the host is the device: offload changes nothing there.
+        let cpu = |c: &TrainConfig| plan(c, &m, PlanInputs { on_cpu: true, ..inputs(AttentionKind::Matrix) });
+        let (a, b) = (cpu(&config(&[])), cpu(&config(&["optim.offload=true"])));
+        assert_eq!(bytes(&a, "optimizer state"), bytes(&b, "optimizer state"));
+        assert!(a.to_string().contains("process"));
+    }
+
+    #[test]
+    fn the_verdict_and_the_table() {
+        let m = shape();
+        let mut p = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
+        assert_eq!(p.fits(), Some(true));
+        p.inputs.device_memory = Some(1000);
+        assert_eq!(p.fits(), Some(false));
+        let text = p.to_string();
+        assert!(text.contains("does NOT fit") && text.contains("weights") && text.contains("device peak"), "{text}");
+        p.inputs.device_memory = None;
+        assert_eq!(p.fits(), None);
+        for key in
+            ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"]
+        {
+            assert!(p.advice().contains(key), "{key}");
+        }
+    }
+
+    #[test]
+    fn sizes_parse_with_units() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("80 GB"), Ok(80_000_000_000));
+        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
+        assert_eq!(parse_bytes("1.5gib"), Ok(3 << 29));
+        assert_eq!(parse_bytes("1024"), Ok(1024));
+        for bad in ["", "GiB", "-1GiB", "nan", "80 parsecs", "0"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
+    }
+}
