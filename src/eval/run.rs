@@ -19,6 +19,9 @@ pub struct Sample {
     pub text: String,
     pub pred: Option<String>,
     pub correct: bool,
+    /// The verdict is unknown: equivalence to the gold answer could not be decided (not correct).
+    #[serde(default)]
+    pub unknown: bool,
     pub tokens: usize,
     pub finish: FinishReason,
 }
@@ -46,6 +49,10 @@ pub struct BenchReport {
     pub pass_at_k: std::collections::BTreeMap<usize, f64>,
     pub maj_at_n: f64,
     pub extract_rate: f64,
+    /// Samples whose verdict is unknown (counted as not correct): equivalence to the gold answer could
+    /// not be decided within the limits of exact arithmetic.
+    #[serde(default)]
+    pub n_unknown: usize,
     pub mean_response_tokens: f64,
     pub truncated_fraction: f64,
     pub sampling: SamplingParams,
@@ -75,6 +82,7 @@ fn report(
         .iter()
         .map(|r| ItemOutcome {
             correct: r.samples.iter().map(|s| s.correct).collect(),
+            unknown: r.samples.iter().filter(|s| s.unknown).count(),
             extracted: r.samples.iter().filter(|s| s.pred.is_some()).count(),
             majority_correct: Some(r.majority_correct),
         })
@@ -90,6 +98,7 @@ fn report(
         pass_at_k: s.pass_at_k,
         maj_at_n: s.maj_at_n.unwrap_or(0.0),
         extract_rate: s.extract_rate,
+        n_unknown: s.n_unknown,
         mean_response_tokens: samples.iter().map(|s| s.tokens as f64).sum::<f64>() / count,
         truncated_fraction: samples.iter().filter(|s| s.finish == FinishReason::Length).count() as f64 / count,
         sampling: options.sampling(),
@@ -114,8 +123,15 @@ fn problem_result(
     let samples = texts
         .into_iter()
         .zip(gens)
-        .zip(v.preds.into_iter().zip(v.correct))
-        .map(|((text, g), (pred, correct))| Sample { text, pred, correct, tokens: g.tokens.len(), finish: g.finish })
+        .zip(v.preds.into_iter().zip(v.correct).zip(v.unknown))
+        .map(|((text, g), ((pred, correct), unknown))| Sample {
+            text,
+            pred,
+            correct,
+            unknown,
+            tokens: g.tokens.len(),
+            finish: g.finish,
+        })
         .collect();
     Ok(ProblemResult {
         bench: bench.to_string(),
