@@ -226,6 +226,21 @@ fn shape(n: &Node) -> Component {
     }
 }
 
+/// One component per leaf of a structure (its elements, and the elements of elements that are
+/// structures themselves): when two structures are equal, each leaf of one is equal to a leaf of the
+/// other, or (a structure against a plain value) to that value.
+fn leaf_components(n: &Node, view: &mut View) {
+    for e in elements(n) {
+        if (is_setlike(e) && !matches!(e, Node::Set(v) if v.is_empty())) || matches!(e, Node::Matrix(_)) {
+            leaf_components(e, view);
+        } else {
+            let mut c = Vec::new();
+            atom_keys(e, &mut c);
+            view.push(c);
+        }
+    }
+}
+
 /// The views of a node compared by `node_eq` at the top of an answer.
 fn views_of(n: &Node, out: &mut Vec<View>) {
     match n {
@@ -240,20 +255,12 @@ fn views_of(n: &Node, out: &mut Vec<View>) {
         Node::Set(v) if v.is_empty() => out.push(vec![vec![Key::exact("Empty")]]),
         _ if is_setlike(n) => {
             let mut view = vec![shape(n)];
-            for e in elements(n) {
-                let mut c = Vec::new();
-                atom_keys(e, &mut c);
-                view.push(c);
-            }
+            leaf_components(n, &mut view);
             out.push(view);
         }
         Node::Matrix(rows) => {
             let mut view = vec![shape(n), vec![Key::exact(("Mat", rows.len(), rows[0].len()))]];
-            for e in elements(n) {
-                let mut c = Vec::new();
-                atom_keys(e, &mut c);
-                view.push(c);
-            }
+            leaf_components(n, &mut view);
             out.push(view);
         }
         _ => {

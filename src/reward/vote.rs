@@ -245,7 +245,7 @@ mod tests {
         assert!(comparisons < a.len(), "{comparisons} comparisons for {} answers", a.len());
         assert_eq!(v.count, 1);
         let mut b = a.clone();
-        b.extend([Some("\\{8, 1, 0, 0\\}".into()), Some("\\{11, 9\\}".into()), Some("(0, 1, 10, 1.41421356237)".into())]);
+        b.extend([Some("\\{8, 1, 0, 0\\}".into()), Some("\\{9, 11\\}".into()), Some("(0, 1, 10, 1.41421356237)".into())]);
         let (v, comparisons) = counted_vote(&b);
         assert!(comparisons < b.len(), "{comparisons} comparisons for {} answers", b.len());
         assert_eq!(&v.cluster[4000..], [Some(8), Some(9), Some(10)]);
@@ -259,7 +259,7 @@ mod tests {
             a.push(Some(format!("x = {i}")));
             a.push(Some(format!("x > {i}")));
             a.push(Some(format!("\\begin{{pmatrix}} 1 & {i} \\\\ 0 & 1 \\end{{pmatrix}}")));
-            a.push(Some(format!("\\text{{word{i}}}")));
+            a.push(Some(format!("\\text{{word {}}}", i + 1)));
             a.push(Some(format!("2^{{10^{{9}} + {i}}}")));
             a.push(Some(format!("unparsable ({i}")));
             a.push(Some(format!("{i}.5\\%")));
