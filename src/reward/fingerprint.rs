@@ -231,7 +231,11 @@ fn shape(n: &Node) -> Component {
 /// other, or (a structure against a plain value) to that value.
 fn leaf_components(n: &Node, view: &mut View) {
     for e in elements(n) {
-        if (is_setlike(e) && !matches!(e, Node::Set(v) if v.is_empty())) || matches!(e, Node::Matrix(_)) {
+        if let Node::Matrix(rows) = e {
+            // A matrix is only ever equal to a matrix of the same size.
+            view.push(vec![Key::exact(("Mat", rows.len(), rows[0].len()))]);
+            leaf_components(e, view);
+        } else if is_setlike(e) && !matches!(e, Node::Set(v) if v.is_empty()) {
             leaf_components(e, view);
         } else {
             let mut c = Vec::new();
@@ -318,5 +322,59 @@ impl Fingerprint {
     /// sorted): a necessary condition for the representative to be equal to this answer.
     pub(super) fn matches(&self, view: usize, entries: &[u64]) -> bool {
         self.views[view].iter().all(|c| c.iter().any(|k| k.probes().any(|e| entries.binary_search(&e).is_ok())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::equiv::{equivalent_parsed, Equivalence, ParsedAnswer};
+    use super::*;
+
+    /// Whether the fingerprint of `pred` matches that of `gold` (the vote's candidate condition).
+    fn candidate(gold: &str, pred: &str) -> bool {
+        let entries = Fingerprint::new(&super::super::parse::parse(gold).unwrap()).entries();
+        let fp = Fingerprint::new(&super::super::parse::parse(pred).unwrap());
+        (0..fp.n_views()).any(|v| fp.matches(v, &entries))
+    }
+
+    #[test]
+    fn equal_answers_have_matching_fingerprints() {
+        let pairs = [
+            ("\\begin{pmatrix}1 & 2\\end{pmatrix}", "\\{\\begin{pmatrix}1.0 & 2\\end{pmatrix}\\}"),
+            ("\\{\\begin{pmatrix}1 & 2\\end{pmatrix}\\}", "\\begin{pmatrix}1 & \\frac{4}{2}\\end{pmatrix}"),
+            ("\\{(1, 2), (3, 4)\\}", "\\{(3, 4), (1, 2.0)\\}"),
+            ("\\{\\{1, 2\\}, 3\\}", "\\{3, \\{2, 1\\}\\}"),
+            ("\\{5, 5\\}", "5"),
+            ("5", "\\{5\\}"),
+            ("x > 2", "(2, \\infty)"),
+            ("x > 2", "x = (2, \\infty)"),
+            ("1 < x \\le 3", "(1, 3]"),
+            ("x = 5", "5.0"),
+            ("5", "y = 5"),
+            ("x = 5", "x = \\frac{10}{2}"),
+            ("x < 3", "3 > x"),
+            ("x - 1 = 2", "x - 1 = 2.0"),
+            ("\\text{eta}", "\\eta"),
+            ("\\emptyset", "\\{\\}"),
+            ("(1, 2) \\cup (3, \\infty)", "(3, \\infty) \\cup (1, 2)"),
+            ("\\sqrt{2}", "1.414214"),
+            ("\\frac{1}{3}", "0.3333333"),
+            ("25\\%", "25"),
+            ("25\\%", "\\frac14"),
+            ("x - x + 5", "5"),
+            ("2^{100000}", "4^{50000}"),
+            ("\\infty", "\\infty + 1"),
+            ("(x+1)^2", "x^2 + 2x + 1"),
+            ("\\frac{x^2-1}{x-1}", "x + 1"),
+        ];
+        for (g, p) in pairs {
+            let e = equivalent_parsed(&ParsedAnswer::new(g), &ParsedAnswer::new(p));
+            assert_eq!(e, Equivalence::Equal, "{g} vs {p}");
+            assert!(candidate(g, p), "{g} vs {p}: equal, but not a candidate");
+        }
+        // Distinct answers are told apart.
+        for (g, p) in [("x^2 + 1", "x^2 + 2"), ("\\{1, 2\\}", "\\{1, 3\\}"), ("(1, 2]", "(1, 2)"), ("x = 1", "x = 2")] {
+            assert!(!candidate(g, p), "{g} vs {p}");
+        }
     }
 }

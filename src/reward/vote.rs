@@ -357,6 +357,18 @@ mod tests {
             format!("\\frac{{{a}\\pi}}{{{c}}}"),
             format!("e^{{{a}}}"),
             format!("\\sin({a})"),
+            format!("\\{{\\begin{{pmatrix}} {a} & {b} \\end{{pmatrix}}\\}}"),
+            format!("\\{{({a}, {b}), ({c}, {a})\\}}"),
+            format!("\\{{({c}, {a}), ({a}, {b}.0)\\}}"),
+            format!("\\{{\\{{{a}, {b}\\}}, {c}\\}}"),
+            format!("\\{{{c}, \\{{{b}, {a}\\}}\\}}"),
+            format!("\\{{x + {a}, x - {b}\\}}"),
+            format!("\\{{-{b} + x, {a} + x\\}}"),
+            format!("x - {a} = {b}"),
+            format!("{c}x = {}", a * c),
+            format!("{a} = x"),
+            format!("x \\le {a}"),
+            format!("(-\\infty, {a}]"),
         ];
         forms[rng.gen_range(0..forms.len())].clone()
     }
