@@ -25,8 +25,8 @@ use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 
 use super::equiv::{
-    at_point, dedup, diff, is_assignment, is_equation, is_setlike, last_rhs, relation_as_interval,
-    truncate_assignment, word, Value, N_POINTS,
+    at_point, dedup, diff, is_assignment, is_equation, is_setlike, last_rhs, relation_as_interval, truncate_assignment,
+    word, Value, N_POINTS,
 };
 use super::eval::{free_symbols, round6_exact, round6_f64, Inexact};
 use super::parse::{Node, RelOp};

@@ -26,8 +26,8 @@ mod parse;
 mod verdict;
 mod vote;
 
-use equiv::{equivalent_parsed, ParsedAnswer};
 pub use equiv::Equivalence;
+use equiv::{equivalent_parsed, ParsedAnswer};
 pub use extract::{extract_answer, ExtractOptions};
 pub use metrics::{pass_at_k, summarize, ItemOutcome, Summary};
 pub use verdict::{judge, Verdicts};

@@ -64,9 +64,8 @@ pub fn judge<S: AsRef<str>>(gold: Option<&str>, responses: &[S], opts: &ExtractO
             _ => Equivalence::NotEqual,
         })
         .collect();
-    let majority_correct = gold
-        .as_ref()
-        .map(|g| rep_parsed.is_some_and(|p| equivalent_parsed(g, p) == Equivalence::Equal));
+    let majority_correct =
+        gold.as_ref().map(|g| rep_parsed.is_some_and(|p| equivalent_parsed(g, p) == Equivalence::Equal));
     Verdicts {
         preds,
         correct: verdicts.iter().map(|v| *v == Equivalence::Equal).collect(),
@@ -115,7 +114,11 @@ mod tests {
         let v = judge(Some("4^{50000}"), &responses, &ExtractOptions::default());
         assert_eq!((v.correct, v.unknown), (vec![false, true, false, false], vec![true, false, false, false]));
         // Without gold: the unknown comparison does not merge clusters; against the winner it is unknown.
-        let v = judge(None, &["\\boxed{2^{10^{9}}}", "\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{10^{9}}}"], &ExtractOptions::default());
+        let v = judge(
+            None,
+            &["\\boxed{2^{10^{9}}}", "\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{10^{9}}}"],
+            &ExtractOptions::default(),
+        );
         assert_eq!(v.correct, vec![true, false, true]);
         assert_eq!(v.unknown, vec![false, true, false]);
     }

@@ -245,7 +245,11 @@ mod tests {
         assert!(comparisons < a.len(), "{comparisons} comparisons for {} answers", a.len());
         assert_eq!(v.count, 1);
         let mut b = a.clone();
-        b.extend([Some("\\{8, 1, 0, 0\\}".into()), Some("\\{9, 11\\}".into()), Some("(0, 1, 10, 1.41421356237)".into())]);
+        b.extend([
+            Some("\\{8, 1, 0, 0\\}".into()),
+            Some("\\{9, 11\\}".into()),
+            Some("(0, 1, 10, 1.41421356237)".into()),
+        ]);
         let (v, comparisons) = counted_vote(&b);
         assert!(comparisons < b.len(), "{comparisons} comparisons for {} answers", b.len());
         assert_eq!(&v.cluster[4000..], [Some(8), Some(9), Some(10)]);
@@ -351,7 +355,8 @@ mod tests {
             format!("\\begin{{pmatrix}} {a} & {b} \\end{{pmatrix}}"),
             format!("\\begin{{pmatrix}} {a}.0 & \\frac{{{}}}{{2}} \\end{{pmatrix}}", 2 * b),
             ["\\infty", "-\\infty", "\\infty", "\\frac{1}{0}"][b as usize % 4].to_string(),
-            ["2^{100000}", "4^{50000}", "2^{10^{9}}", "4^{5 \\cdot 10^{8}}", "720!", "((3!)!)!"][b as usize].to_string(),
+            ["2^{100000}", "4^{50000}", "2^{10^{9}}", "4^{5 \\cdot 10^{8}}", "720!", "((3!)!)!"][b as usize]
+                .to_string(),
             format!("\\pm {b}"),
             format!("{a}\\pi"),
             format!("\\frac{{{a}\\pi}}{{{c}}}"),
