@@ -228,4 +228,40 @@ mod tests {
         assert_eq!(ks_for(6), vec![1, 2, 4, 6]);
         assert_eq!(ks_for(1), vec![1]);
     }
+
+    #[test]
+    fn unknown_verdicts_are_counted_and_old_records_still_read() {
+        let sample = |correct: bool, unknown: bool| Sample {
+            text: String::new(),
+            pred: Some("1".into()),
+            correct,
+            unknown,
+            tokens: 3,
+            finish: FinishReason::Stop,
+        };
+        let result = ProblemResult {
+            bench: "b".into(),
+            id: "1".into(),
+            prompt: String::new(),
+            answer: "1".into(),
+            prompt_tokens: 1,
+            samples: vec![sample(true, false), sample(false, true), sample(false, true)],
+            majority: Some("1".into()),
+            majority_correct: true,
+        };
+        let options = EvalOptions { n: 3, ..EvalOptions::default() };
+        let r = report("b", &[result.clone()], &options, 1.0, 9);
+        assert_eq!(r.n_unknown, 2);
+        assert!((r.avg_at_n - 1.0 / 3.0).abs() < 1e-12);
+        // Records written before the field existed read as "not unknown" / no unknown verdicts.
+        let mut old = serde_json::to_value(&result).unwrap();
+        old["samples"].as_array_mut().unwrap().iter_mut().for_each(|s| {
+            s.as_object_mut().unwrap().remove("unknown");
+        });
+        let back: ProblemResult = serde_json::from_value(old).unwrap();
+        assert!(back.samples.iter().all(|s| !s.unknown));
+        let mut old_report = serde_json::to_value(&r).unwrap();
+        old_report.as_object_mut().unwrap().remove("n_unknown");
+        assert_eq!(serde_json::from_value::<BenchReport>(old_report).unwrap().n_unknown, 0);
+    }
 }
