@@ -250,7 +250,7 @@ mod tests {
             majority_correct: true,
         };
         let options = EvalOptions { n: 3, ..EvalOptions::default() };
-        let r = report("b", &[result.clone()], &options, 1.0, 9);
+        let r = report("b", std::slice::from_ref(&result), &options, 1.0, 9);
         assert_eq!(r.n_unknown, 2);
         assert!((r.avg_at_n - 1.0 / 3.0).abs() < 1e-12);
         // Records written before the field existed read as "not unknown" / no unknown verdicts.

@@ -28,8 +28,8 @@ const BIG: Limits = Limits { exp: 1 << 17, bits: 1 << 17, fact: 1000 };
 pub enum Inexact {
     /// Computing it would exceed the size limits (it may well be rational: `2^{10^{9}}`).
     Budget,
-    /// It is irrational, undefined, or built from something exact evaluation does not cover (`\\sqrt{2}`,
-    /// `\\pi`, `1/0`).
+    /// It is irrational, undefined, or built from something exact evaluation does not cover (`\sqrt{2}`,
+    /// `\pi`, `1/0`).
     NotRational,
 }
 

@@ -20,6 +20,9 @@
 //!
 //! Float buckets are looked up with their neighbours: two values within the comparison's tolerance are
 //! in the same or adjacent buckets.
+//!
+//! Every parsed answer has a fingerprint (its structural hash at least); an answer that does not parse
+//! is only ever equal to another by its normalised key or its text, which the vote indexes apart.
 
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
