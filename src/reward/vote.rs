@@ -393,6 +393,54 @@ mod tests {
     }
 
     #[test]
+    fn fingerprinted_vote_clusters_like_the_pairwise_one_on_random_compositions() {
+        use rand::{seq::SliceRandom, Rng, SeedableRng};
+        const PIECES: &[&str] = &[
+            "1",
+            "2",
+            "0",
+            "3",
+            "1.0",
+            "0.5",
+            ",",
+            "x",
+            "y",
+            "e",
+            "\\pi",
+            "\\infty",
+            "+",
+            "-",
+            "*",
+            "/",
+            "=",
+            "<",
+            "\\%",
+            "!",
+            "\\sqrt{2}",
+            "\\{1, 2\\}",
+            "(1, 2)",
+            "[1, 2]",
+            "(x, 1)",
+            "2^{100000}",
+            "4^{50000}",
+            "2^{10^{9}}",
+            "\\frac{1}{2}",
+            "x^2",
+            "(x+1)",
+        ];
+        for seed in 0..8 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let a: Vec<Option<String>> = (0..400)
+                .map(|_| {
+                    let n = rng.gen_range(1..9);
+                    Some((0..n).map(|_| *PIECES.choose(&mut rng).unwrap()).collect::<String>())
+                })
+                .collect();
+            assert_eq!(majority_vote(&a).cluster, quadratic_clusters(&a), "seed {seed}");
+        }
+    }
+
+    #[test]
     fn unknown_comparisons_do_not_merge_clusters() {
         let a = s(&[Some("2^{10^{9}}"), Some("4^{5 \\cdot 10^{8}}"), Some("2^{100000}"), Some("4^{50000}")]);
         let v = majority_vote(&a);
