@@ -207,6 +207,7 @@ fn adversarial_responses_finish_quickly() {
     assert_eq!(rows[0]["correct"], json!([true]));
     assert_eq!(rows[2]["preds"], json!([null]));
     assert_eq!(rows[3]["correct"], json!([true, false, false]));
+    assert_eq!(rows[3]["unknown"], json!([false, true, true]), "past the limits of exact arithmetic");
 }
 
 #[test]
@@ -253,4 +254,58 @@ fn a_missing_input_is_named_once() {
     let assert = grpo().args(["score", "--input", "no/such.jsonl"]).assert().failure();
     let stderr = String::from_utf8_lossy(&assert.get_output().stderr).to_string();
     assert_eq!(stderr.matches("no/such.jsonl").count(), 1, "{stderr}");
+}
+
+#[test]
+fn undecidable_equalities_are_reported_as_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("huge.jsonl");
+    let lines = [
+        // Decided exactly within the limits of exact arithmetic.
+        json!({"answer": "2^{100000}", "responses": ["\\boxed{4^{50000}}", "\\boxed{2^{100001}}"]}),
+        json!({"answer": "720!", "responses": ["\\boxed{((3!)!)!}"]}),
+        // Past them: unknown, neither correct nor called wrong.
+        json!({"answer": "2^{10^{9}}", "responses": ["\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{10^{9}}}", "no answer"]}),
+    ];
+    std::fs::write(&input, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let out = dir.path().join("o.jsonl");
+    let summary = dir.path().join("s.json");
+    grpo()
+        .args(["score", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(&out)
+        .arg("--summary")
+        .arg(&summary)
+        .assert()
+        .success()
+        .stdout(predicates::str::contains("unknown verdicts  1"));
+    let rows = read_jsonl(&out);
+    assert_eq!(rows[0]["correct"], json!([true, false]));
+    assert_eq!(rows[0]["unknown"], json!([false, false]));
+    assert_eq!(rows[1]["correct"], json!([true]));
+    assert_eq!(rows[2]["correct"], json!([false, true, false]));
+    assert_eq!(rows[2]["unknown"], json!([true, false, false]));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["n_unknown"], 1);
+    assert_eq!(s["n_responses"], 6);
+
+    // Without gold: the unknown comparison does not join the majority, and is reported as unknown.
+    let no_gold = dir.path().join("no_gold.jsonl");
+    let line = json!({"responses": ["\\boxed{2^{10^{9}}}", "\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{10^{9}}}"]});
+    std::fs::write(&no_gold, format!("{line}\n")).unwrap();
+    grpo()
+        .args(["score", "--no-gold", "--input"])
+        .arg(&no_gold)
+        .arg("--output")
+        .arg(&out)
+        .arg("--summary")
+        .arg(&summary)
+        .assert()
+        .success();
+    let rows = read_jsonl(&out);
+    assert_eq!(rows[0]["correct"], json!([true, false, true]));
+    assert_eq!(rows[0]["unknown"], json!([false, true, false]));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["n_unknown"], 1);
 }

@@ -6,10 +6,12 @@
 //!
 //! Each output line is the input object (all fields kept) plus `preds` (the extracted answer or null
 //! per response), `correct` (per response: equivalent to the gold, or with `--no-gold` a member of
-//! the majority cluster) and `majority` (the majority answer or null); fields of those names in the
-//! input are replaced. The summary (`--summary`, also printed as a table) has n_items, n_responses,
-//! extract_rate, avg_at_n, pass_at_k (unbiased estimator, per k), maj_at_n (null with `--no-gold`),
-//! n_skipped and reference ("gold" or "majority").
+//! the majority cluster), `unknown` (per response: equivalence to the reference could not be decided
+//! within the limits of exact arithmetic; such a response is not correct) and `majority` (the majority
+//! answer or null); fields of those names in the input are replaced. The summary (`--summary`, also
+//! printed as a table) has n_items, n_responses, extract_rate, avg_at_n, n_unknown (responses with an
+//! unknown verdict), pass_at_k (unbiased estimator, per k), maj_at_n (null with `--no-gold`), n_skipped
+//! and reference ("gold" or "majority").
 use crate::jsonl::{AtomicFile, Lines, RawLine};
 use crate::reward::{judge, summarize, ExtractOptions, ItemOutcome};
 use anyhow::Context;
@@ -93,6 +95,7 @@ fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Score
     let v = judge(gold.as_deref(), &responses, opts);
     insert(&mut obj, "preds", serde_json::to_value(&v.preds).unwrap_or(Value::Null));
     insert(&mut obj, "correct", serde_json::to_value(&v.correct).unwrap_or(Value::Null));
+    insert(&mut obj, "unknown", serde_json::to_value(&v.unknown).unwrap_or(Value::Null));
     insert(&mut obj, "majority", v.majority.clone().map(Value::String).unwrap_or(Value::Null));
     Ok(Scored { line: Value::Object(obj), outcome: v.outcome() })
 }

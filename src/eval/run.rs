@@ -19,6 +19,9 @@ pub struct Sample {
     pub text: String,
     pub pred: Option<String>,
     pub correct: bool,
+    /// The verdict is unknown: equivalence to the gold answer could not be decided (not correct).
+    #[serde(default)]
+    pub unknown: bool,
     pub tokens: usize,
     pub finish: FinishReason,
 }
@@ -46,6 +49,10 @@ pub struct BenchReport {
     pub pass_at_k: std::collections::BTreeMap<usize, f64>,
     pub maj_at_n: f64,
     pub extract_rate: f64,
+    /// Samples whose verdict is unknown (counted as not correct): equivalence to the gold answer could
+    /// not be decided within the limits of exact arithmetic.
+    #[serde(default)]
+    pub n_unknown: usize,
     pub mean_response_tokens: f64,
     pub truncated_fraction: f64,
     pub sampling: SamplingParams,
@@ -75,6 +82,7 @@ fn report(
         .iter()
         .map(|r| ItemOutcome {
             correct: r.samples.iter().map(|s| s.correct).collect(),
+            unknown: r.samples.iter().filter(|s| s.unknown).count(),
             extracted: r.samples.iter().filter(|s| s.pred.is_some()).count(),
             majority_correct: Some(r.majority_correct),
         })
@@ -90,6 +98,7 @@ fn report(
         pass_at_k: s.pass_at_k,
         maj_at_n: s.maj_at_n.unwrap_or(0.0),
         extract_rate: s.extract_rate,
+        n_unknown: s.n_unknown,
         mean_response_tokens: samples.iter().map(|s| s.tokens as f64).sum::<f64>() / count,
         truncated_fraction: samples.iter().filter(|s| s.finish == FinishReason::Length).count() as f64 / count,
         sampling: options.sampling(),
@@ -114,8 +123,15 @@ fn problem_result(
     let samples = texts
         .into_iter()
         .zip(gens)
-        .zip(v.preds.into_iter().zip(v.correct))
-        .map(|((text, g), (pred, correct))| Sample { text, pred, correct, tokens: g.tokens.len(), finish: g.finish })
+        .zip(v.preds.into_iter().zip(v.correct).zip(v.unknown))
+        .map(|((text, g), ((pred, correct), unknown))| Sample {
+            text,
+            pred,
+            correct,
+            unknown,
+            tokens: g.tokens.len(),
+            finish: g.finish,
+        })
         .collect();
     Ok(ProblemResult {
         bench: bench.to_string(),
@@ -211,5 +227,41 @@ mod tests {
         assert_eq!(ks_for(8), vec![1, 2, 4, 8]);
         assert_eq!(ks_for(6), vec![1, 2, 4, 6]);
         assert_eq!(ks_for(1), vec![1]);
+    }
+
+    #[test]
+    fn unknown_verdicts_are_counted_and_old_records_still_read() {
+        let sample = |correct: bool, unknown: bool| Sample {
+            text: String::new(),
+            pred: Some("1".into()),
+            correct,
+            unknown,
+            tokens: 3,
+            finish: FinishReason::Stop,
+        };
+        let result = ProblemResult {
+            bench: "b".into(),
+            id: "1".into(),
+            prompt: String::new(),
+            answer: "1".into(),
+            prompt_tokens: 1,
+            samples: vec![sample(true, false), sample(false, true), sample(false, true)],
+            majority: Some("1".into()),
+            majority_correct: true,
+        };
+        let options = EvalOptions { n: 3, ..EvalOptions::default() };
+        let r = report("b", std::slice::from_ref(&result), &options, 1.0, 9);
+        assert_eq!(r.n_unknown, 2);
+        assert!((r.avg_at_n - 1.0 / 3.0).abs() < 1e-12);
+        // Records written before the field existed read as "not unknown" / no unknown verdicts.
+        let mut old = serde_json::to_value(&result).unwrap();
+        old["samples"].as_array_mut().unwrap().iter_mut().for_each(|s| {
+            s.as_object_mut().unwrap().remove("unknown");
+        });
+        let back: ProblemResult = serde_json::from_value(old).unwrap();
+        assert!(back.samples.iter().all(|s| !s.unknown));
+        let mut old_report = serde_json::to_value(&r).unwrap();
+        old_report.as_object_mut().unwrap().remove("n_unknown");
+        assert_eq!(serde_json::from_value::<BenchReport>(old_report).unwrap().n_unknown, 0);
     }
 }

@@ -16,8 +16,16 @@
 //!    otherwise exact rational equality, or for irrational values agreement to 12 significant digits;
 //! 7. expressions with variables are compared at sample points (both signs), 12 points, agreeing to
 //!    1e-9 relative where both are defined, with at least 3 defined points.
+//!
+//! The outcome is three-way ([`Equivalence`]): rational values are compared exactly, first within small
+//! size limits and then within larger ones (`2^{100000}` = `4^{50000}`, `720!` = `((3!)!)!`, a few
+//! milliseconds each); a value past those limits (`2^{10^{9}}`), a non-rational value whose float
+//! overflows (`e^{1000}`), or expressions defined at fewer than 3 sample points because of an overflow
+//! give [`Equivalence::Unknown`] rather than an answer either way. Structures combine their parts'
+//! outcomes: all parts Equal is Equal, any part NotEqual is NotEqual, else Unknown (sets: a matching on
+//! Equal pairs is Equal, one that needs Unknown pairs is Unknown).
 
-use super::eval::{approx, exact, exact_big, free_symbols, has_float, round6_exact, round6_f64};
+use super::eval::{approx, exact, exact_big, free_symbols, has_float, round6_exact, round6_f64, Inexact};
 use super::parse::{canonical, parse, Node, RelOp};
 use num_rational::BigRational;
 
@@ -39,59 +47,74 @@ impl ParsedAnswer {
         &self.key
     }
 
-    /// For a plain number (no variable, word, relation or structure anywhere) whose value is known as
-    /// a float: that value and, for a percentage, the value without the percent. Two such answers are
-    /// only ever equivalent (other than by equal keys) when a value of one is within
-    /// `max(1.5e-6, 2e-12 |x|)` of a value of the other, or both are the same infinity: the values
-    /// let majority voting compare an answer with nearby answers only.
-    pub(super) fn numeric_values(&self) -> Option<Vec<f64>> {
-        let node = self.node.as_ref()?;
-        let mut plain = true;
-        super::eval::visit(node, &mut |n| {
-            plain &= !matches!(
-                n,
-                Node::Sym(_)
-                    | Node::Text(_)
-                    | Node::Rel(..)
-                    | Node::Tuple(_)
-                    | Node::Set(_)
-                    | Node::Interval { .. }
-                    | Node::Union(_)
-                    | Node::Matrix(_)
-            )
-        });
-        if !plain {
-            return None;
+    /// The parsed answer (None when it could not be parsed: compared by its key only).
+    pub(super) fn node(&self) -> Option<&Node> {
+        self.node.as_ref()
+    }
+}
+
+/// The three-way outcome of comparing two answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Equivalence {
+    Equal,
+    NotEqual,
+    /// Equality could not be decided within the size limits of exact arithmetic (`2^{10^{9}}` against
+    /// `4^{5 \cdot 10^{8}}`), or the values' floating-point approximations overflow: not called equal,
+    /// and not called different either.
+    Unknown,
+}
+
+use Equivalence::{Equal, NotEqual, Unknown};
+
+impl Equivalence {
+    fn decided(equal: bool) -> Self {
+        if equal {
+            Equal
+        } else {
+            NotEqual
         }
-        let info = Info::new(node);
-        // A value too large or too small for exact evaluation may be decided exactly later
-        // (`big_equal`) while its float is meaningless: such values are compared with everything.
-        if info.approx.is_nan() || (info.exact.is_none() && (info.approx == 0.0 || info.approx.is_infinite())) {
-            return None;
-        }
-        let mut values = vec![info.approx];
-        if let Some(s) = &info.stripped {
-            let s = num_traits::ToPrimitive::to_f64(s).filter(|v| !v.is_nan())?;
-            if s != info.approx {
-                values.push(s);
+    }
+
+    /// Kleene conjunction, lazily: any NotEqual decides, else any Unknown.
+    fn all(parts: impl IntoIterator<Item = Equivalence>) -> Self {
+        let mut out = Equal;
+        for p in parts {
+            match p {
+                NotEqual => return NotEqual,
+                Unknown => out = Unknown,
+                Equal => {}
             }
         }
-        Some(values)
+        out
+    }
+
+    /// Kleene disjunction, lazily: any Equal decides, else any Unknown.
+    fn any(parts: impl IntoIterator<Item = Equivalence>) -> Self {
+        let mut out = NotEqual;
+        for p in parts {
+            match p {
+                Equal => return Equal,
+                Unknown => out = Unknown,
+                NotEqual => {}
+            }
+        }
+        out
     }
 }
 
 /// Whether `pred` is equivalent to `gold` (gold first: assignments and equations are unwrapped
 /// following the gold's form, as in Math-Verify).
-pub fn equivalent_parsed(gold: &ParsedAnswer, pred: &ParsedAnswer) -> bool {
+pub fn equivalent_parsed(gold: &ParsedAnswer, pred: &ParsedAnswer) -> Equivalence {
     if gold.key.is_empty() || pred.key.is_empty() {
-        return false;
+        return NotEqual;
     }
     if gold.key == pred.key {
-        return true;
+        return Equal;
     }
     match (&gold.node, &pred.node) {
         (Some(g), Some(p)) => top_eq(g, p),
-        _ => false,
+        _ => NotEqual,
     }
 }
 
@@ -103,16 +126,16 @@ fn only_symbols(n: &Node) -> bool {
     }
 }
 
-fn is_equation(n: &Node) -> bool {
+pub(super) fn is_equation(n: &Node) -> bool {
     matches!(n, Node::Rel(_, ops) if ops.iter().all(|o| *o == RelOp::Eq))
 }
 
-fn is_assignment(n: &Node) -> bool {
+pub(super) fn is_assignment(n: &Node) -> bool {
     matches!(n, Node::Rel(sides, _) if is_equation(n) && only_symbols(&sides[0]))
 }
 
 /// `a = b = c` as an assignment keeps `a = c`.
-fn truncate_assignment(n: &Node) -> Node {
+pub(super) fn truncate_assignment(n: &Node) -> Node {
     match n {
         Node::Rel(sides, _) if sides.len() > 2 => {
             Node::Rel(vec![sides[0].clone(), sides[sides.len() - 1].clone()], vec![RelOp::Eq])
@@ -121,14 +144,14 @@ fn truncate_assignment(n: &Node) -> Node {
     }
 }
 
-fn last_rhs(n: &Node) -> Node {
+pub(super) fn last_rhs(n: &Node) -> Node {
     match n {
         Node::Rel(sides, _) => sides[sides.len() - 1].clone(),
         other => other.clone(),
     }
 }
 
-fn top_eq(gold: &Node, pred: &Node) -> bool {
+fn top_eq(gold: &Node, pred: &Node) -> Equivalence {
     let (g_assign, p_assign) = (is_assignment(gold), is_assignment(pred));
     let (g_eq, p_eq) = (is_equation(gold), is_equation(pred));
     let mut g = if g_assign { truncate_assignment(gold) } else { gold.clone() };
@@ -141,33 +164,37 @@ fn top_eq(gold: &Node, pred: &Node) -> bool {
     node_eq(&g, &p)
 }
 
-fn is_setlike(n: &Node) -> bool {
+pub(super) fn is_setlike(n: &Node) -> bool {
     matches!(n, Node::Set(_) | Node::Tuple(_) | Node::Interval { .. } | Node::Union(_))
 }
 
-fn node_eq(g: &Node, p: &Node) -> bool {
+fn node_eq(g: &Node, p: &Node) -> Equivalence {
     if g == p {
-        return true;
+        return Equal;
     }
     match (g, p) {
         (Node::Rel(gs, gops), Node::Rel(ps, pops)) => rel_eq(gs, gops, ps, pops),
         // An inequality in one variable against an interval: its solution set (gold side only, as in
         // Math-Verify: `x > 2` = `(2, \infty)` but not the other way round).
-        (Node::Rel(sides, ops), _) if is_setlike(p) => relation_as_interval(sides, ops).is_some_and(|i| set_eq(&i, p)),
-        (Node::Rel(..), _) | (_, Node::Rel(..)) => false,
+        (Node::Rel(sides, ops), _) if is_setlike(p) => {
+            relation_as_interval(sides, ops).map_or(NotEqual, |i| set_eq(&i, p))
+        }
+        (Node::Rel(..), _) | (_, Node::Rel(..)) => NotEqual,
         _ if is_setlike(g) || is_setlike(p) => set_eq(g, p),
         (Node::Matrix(a), Node::Matrix(b)) => {
-            a.len() == b.len()
-                && a.iter().zip(b).all(|(ra, rb)| ra.len() == rb.len() && ra.iter().zip(rb).all(|(x, y)| node_eq(x, y)))
+            if a.len() != b.len() || a.iter().zip(b).any(|(ra, rb)| ra.len() != rb.len()) {
+                return NotEqual;
+            }
+            Equivalence::all(a.iter().zip(b).flat_map(|(ra, rb)| ra.iter().zip(rb)).map(|(x, y)| node_eq(x, y)))
         }
-        (Node::Matrix(_), _) | (_, Node::Matrix(_)) => false,
-        (Node::Text(_) | Node::Sym(_), _) | (_, Node::Text(_) | Node::Sym(_)) => word_eq(g, p),
+        (Node::Matrix(_), _) | (_, Node::Matrix(_)) => NotEqual,
+        (Node::Text(_) | Node::Sym(_), _) | (_, Node::Text(_) | Node::Sym(_)) => Equivalence::decided(word_eq(g, p)),
         _ => scalar_eq(g, p),
     }
 }
 
 /// The name of a word-like answer: a `\text` word, a letter, or letters written side by side.
-fn word(n: &Node) -> Option<String> {
+pub(super) fn word(n: &Node) -> Option<String> {
     match n {
         Node::Text(w) => Some(w.replace(' ', "")),
         Node::Sym(s) => Some(s.clone()),
@@ -184,7 +211,7 @@ fn word_eq(g: &Node, p: &Node) -> bool {
     }
 }
 
-fn dedup(v: &[Node]) -> Vec<&Node> {
+pub(super) fn dedup(v: &[Node]) -> Vec<&Node> {
     let mut out: Vec<&Node> = Vec::with_capacity(v.len());
     for x in v {
         if !out.contains(&x) {
@@ -194,29 +221,42 @@ fn dedup(v: &[Node]) -> Vec<&Node> {
     out
 }
 
-fn ordered_eq(a: &[&Node], b: &[&Node]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| node_eq(x, y))
-}
-
-/// Each gold element matched to a distinct equivalent predicted element.
-fn unordered_eq(a: &[&Node], b: &[&Node]) -> bool {
+fn ordered_eq(a: &[&Node], b: &[&Node]) -> Equivalence {
     if a.len() != b.len() {
-        return false;
+        return NotEqual;
     }
-    let mut used = vec![false; b.len()];
-    'outer: for x in a {
-        for (j, y) in b.iter().enumerate() {
-            if !used[j] && node_eq(x, y) {
-                used[j] = true;
-                continue 'outer;
-            }
-        }
-        return false;
-    }
-    true
+    Equivalence::all(a.iter().zip(b).map(|(x, y)| node_eq(x, y)))
 }
 
-fn set_eq(g: &Node, p: &Node) -> bool {
+/// Each gold element matched to a distinct equivalent predicted element (greedily, in order). Equal
+/// when the matching succeeds on Equal pairs; Unknown when it fails on those but succeeds when Unknown
+/// pairs may match too; else NotEqual.
+fn unordered_eq(a: &[&Node], b: &[&Node]) -> Equivalence {
+    if a.len() != b.len() {
+        return NotEqual;
+    }
+    let mut memo: Vec<Option<Equivalence>> = vec![None; a.len() * b.len()];
+    let mut cmp = |i: usize, j: usize| *memo[i * b.len() + j].get_or_insert_with(|| node_eq(a[i], b[j]));
+    let mut greedy = |accept: &dyn Fn(Equivalence) -> bool| {
+        let mut used = vec![false; b.len()];
+        (0..a.len()).all(|i| match (0..b.len()).find(|&j| !used[j] && accept(cmp(i, j))) {
+            Some(j) => {
+                used[j] = true;
+                true
+            }
+            None => false,
+        })
+    };
+    if greedy(&|e| e == Equal) {
+        Equal
+    } else if greedy(&|e| e != NotEqual) {
+        Unknown
+    } else {
+        NotEqual
+    }
+}
+
+fn set_eq(g: &Node, p: &Node) -> Equivalence {
     let gw;
     let pw;
     let g = if is_setlike(g) {
@@ -235,28 +275,33 @@ fn set_eq(g: &Node, p: &Node) -> bool {
         (
             Node::Interval { lo: a, hi: b, lo_open: ao, hi_open: bo },
             Node::Interval { lo: c, hi: d, lo_open: co, hi_open: do_ },
-        ) => ao == co && bo == do_ && node_eq(a, c) && node_eq(b, d),
-        (Node::Union(a), Node::Union(b)) => {
-            let a: Vec<&Node> = a.iter().collect();
-            let b: Vec<&Node> = b.iter().collect();
-            unordered_eq(&a, &b)
+        ) => {
+            if ao != co || bo != do_ {
+                return NotEqual;
+            }
+            Equivalence::all([(a, c), (b, d)].into_iter().map(|(x, y)| node_eq(x, y)))
         }
-        (Node::Union(_), _) | (_, Node::Union(_)) => false,
+        (Node::Union(a), Node::Union(b)) => unordered_eq(&refs(a), &refs(b)),
+        (Node::Union(_), _) | (_, Node::Union(_)) => NotEqual,
         (Node::Set(a), Node::Set(b)) => unordered_eq(&dedup(a), &dedup(b)),
-        (Node::Tuple(a), Node::Tuple(b)) => ordered_eq(&a.iter().collect::<Vec<_>>(), &b.iter().collect::<Vec<_>>()),
-        (Node::Tuple(a), Node::Set(b)) => ordered_eq(&a.iter().collect::<Vec<_>>(), &b.iter().collect::<Vec<_>>()),
-        (Node::Set(a), Node::Tuple(b)) => unordered_eq(&dedup(a), &b.iter().collect::<Vec<_>>()),
+        (Node::Tuple(a), Node::Tuple(b)) => ordered_eq(&refs(a), &refs(b)),
+        (Node::Tuple(a), Node::Set(b)) => ordered_eq(&refs(a), &refs(b)),
+        (Node::Set(a), Node::Tuple(b)) => unordered_eq(&dedup(a), &refs(b)),
         (Node::Interval { lo, hi, lo_open: true, hi_open: true }, Node::Set(b) | Node::Tuple(b)) if b.len() == 2 => {
-            ordered_eq(&[lo.as_ref(), hi.as_ref()], &b.iter().collect::<Vec<_>>())
+            ordered_eq(&[lo.as_ref(), hi.as_ref()], &refs(b))
         }
         (Node::Set(a), Node::Interval { lo, hi, lo_open: true, hi_open: true }) if a.len() == 2 => {
-            unordered_eq(&a.iter().collect::<Vec<_>>(), &[lo.as_ref(), hi.as_ref()])
+            unordered_eq(&refs(a), &[lo.as_ref(), hi.as_ref()])
         }
         (Node::Tuple(a), Node::Interval { lo, hi, lo_open: true, hi_open: true }) if a.len() == 2 => {
-            ordered_eq(&a.iter().collect::<Vec<_>>(), &[lo.as_ref(), hi.as_ref()])
+            ordered_eq(&refs(a), &[lo.as_ref(), hi.as_ref()])
         }
-        _ => false,
+        _ => NotEqual,
     }
+}
+
+fn refs(v: &[Node]) -> Vec<&Node> {
+    v.iter().collect()
 }
 
 fn is_constant(n: &Node) -> bool {
@@ -268,7 +313,7 @@ fn neg_inf() -> Node {
 }
 
 /// `x > c`, `c < x`, `a < x \le b` as an interval (None for anything else).
-fn relation_as_interval(sides: &[Node], ops: &[RelOp]) -> Option<Node> {
+pub(super) fn relation_as_interval(sides: &[Node], ops: &[RelOp]) -> Option<Node> {
     let interval = |lo: Node, hi: Node, lo_open: bool, hi_open: bool| Node::Interval {
         lo: Box::new(lo),
         hi: Box::new(hi),
@@ -303,35 +348,43 @@ fn relation_as_interval(sides: &[Node], ops: &[RelOp]) -> Option<Node> {
     }
 }
 
-fn diff(sides: &[Node], i: usize) -> Node {
+/// `sides[i] - sides[i + 1]`.
+pub(super) fn diff(sides: &[Node], i: usize) -> Node {
     Node::Add(vec![sides[i].clone(), Node::Neg(Box::new(sides[i + 1].clone()))])
 }
 
-fn rel_eq(gs: &[Node], gops: &[RelOp], ps: &[Node], pops: &[RelOp]) -> bool {
+fn rel_eq(gs: &[Node], gops: &[RelOp], ps: &[Node], pops: &[RelOp]) -> Equivalence {
     if gops.len() != pops.len() {
-        return false;
+        return NotEqual;
     }
-    (0..gops.len()).all(|i| {
-        let (dg, dp) = (diff(gs, i), diff(ps, i));
+    Equivalence::all((0..gops.len()).map(|i| {
         let (go, po) = (gops[i], pops[i]);
-        // Side by side (needed when a side is a set: `x \in [a, b]`).
-        if go == po && node_eq(&gs[i], &ps[i]) && node_eq(&gs[i + 1], &ps[i + 1]) {
-            return true;
-        }
-        if go == po && scalar_eq(&dg, &dp) {
-            return true;
-        }
-        if go.flipped() == po && scalar_eq(&dg, &Node::Neg(Box::new(dp.clone()))) {
-            return true;
-        }
-        false
-    })
+        let same = go == po;
+        let flipped = go.flipped() == po;
+        let side_by_side = || {
+            // Needed when a side is a set: `x \in [a, b]`.
+            if !same {
+                return NotEqual;
+            }
+            Equivalence::all([(&gs[i], &ps[i]), (&gs[i + 1], &ps[i + 1])].into_iter().map(|(x, y)| node_eq(x, y)))
+        };
+        let difference = || if same { scalar_eq(&diff(gs, i), &diff(ps, i)) } else { NotEqual };
+        let negated = || {
+            if flipped {
+                scalar_eq(&diff(gs, i), &Node::Neg(Box::new(diff(ps, i))))
+            } else {
+                NotEqual
+            }
+        };
+        let alternatives: [&dyn Fn() -> Equivalence; 3] = [&side_by_side, &difference, &negated];
+        Equivalence::any(alternatives.iter().map(|f| f()))
+    }))
 }
 
-const N_POINTS: usize = 12;
+pub(super) const N_POINTS: usize = 12;
 
 /// Deterministic sample value of variable `name` at point `k`: points 0..6 positive, 6..12 negative.
-fn sample(name: &str, k: usize) -> f64 {
+pub(super) fn sample(name: &str, k: usize) -> f64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in name.bytes() {
         h = (h ^ b as u64).wrapping_mul(0x1000_0000_01b3);
@@ -355,30 +408,41 @@ fn close(a: f64, b: f64, tol: f64) -> bool {
     (a - b).abs() <= tol * 1f64.max(a.abs()).max(b.abs())
 }
 
-/// Values of both sides at the sample points where both are finite.
-fn sampled(g: &Node, p: &Node) -> Vec<(f64, f64)> {
-    (0..N_POINTS)
-        .map(|k| {
-            let env = |s: &str| sample(s, k);
-            (approx(g, &env), approx(p, &env))
-        })
-        .filter(|(a, b)| a.is_finite() && b.is_finite())
-        .collect()
+/// The value of `n` at sample point `k`.
+pub(super) fn at_point(n: &Node, k: usize) -> f64 {
+    approx(n, &|s: &str| sample(s, k))
 }
 
-fn random_eq(g: &Node, p: &Node) -> bool {
-    let pts = sampled(g, p);
-    pts.len() >= 3 && pts.iter().all(|(a, b)| close(*a, *b, 1e-9))
+/// Expressions with variables: equal when they agree at every sample point where both are finite, with
+/// at least 3 such points. With fewer, unknown when a value overflowed at some point (it may have been
+/// defined there; an infinity written as `\infty` is not an overflow), else not equal.
+fn random_eq(g: &Node, p: &Node) -> Equivalence {
+    let values: Vec<(f64, f64)> = (0..N_POINTS).map(|k| (at_point(g, k), at_point(p, k))).collect();
+    let pts: Vec<&(f64, f64)> = values.iter().filter(|(a, b)| a.is_finite() && b.is_finite()).collect();
+    if !pts.iter().all(|(a, b)| close(*a, *b, 1e-9)) {
+        return NotEqual;
+    }
+    if pts.len() >= 3 {
+        return Equal;
+    }
+    let (g_inf, p_inf) = (contains_inf(g), contains_inf(p));
+    let overflow = values.iter().any(|(a, b)| (a.is_infinite() && !g_inf) || (b.is_infinite() && !p_inf));
+    if overflow {
+        Unknown
+    } else {
+        NotEqual
+    }
 }
 
 /// What Math-Verify's numeric comparison needs to know about a variable-free value.
-struct Info {
+#[derive(Debug, Clone)]
+pub(super) struct Info {
     /// The value (a percentage divided by 100), when rational.
-    exact: Option<BigRational>,
+    pub(super) exact: Option<BigRational>,
     /// The value without the percentage (25 for 25\%).
-    stripped: Option<BigRational>,
+    pub(super) stripped: Option<BigRational>,
     float: bool,
-    approx: f64,
+    pub(super) approx: f64,
 }
 
 impl Info {
@@ -395,6 +459,17 @@ impl Info {
         Info { exact, stripped, float: has_float(n), approx }
     }
 
+    /// The value with the larger limits of [`exact_big`] (`2^{100000}`, `720!`), or why there is none.
+    fn big(n: &Node) -> Result<Info, Inexact> {
+        let exact = exact_big(n)?;
+        let stripped = match n {
+            Node::Pct(inner) => exact_big(inner).ok(),
+            _ => Some(exact.clone()),
+        };
+        let approx = num_traits::ToPrimitive::to_f64(&exact).unwrap_or(f64::NAN);
+        Ok(Info { exact: Some(exact), stripped, float: has_float(n), approx })
+    }
+
     /// A plain number once evaluated (sympy's atomic Number).
     fn atomic(&self) -> bool {
         self.exact.is_some()
@@ -404,12 +479,12 @@ impl Info {
         self.atomic() && self.float
     }
 
-    fn int_like(&self) -> bool {
+    pub(super) fn int_like(&self) -> bool {
         !self.float && self.stripped.as_ref().is_some_and(|v| v.is_integer())
     }
 
     /// Rounded to 6 places: (is an exact integer, millionths).
-    fn rounded(&self) -> Option<(bool, num_bigint::BigInt)> {
+    pub(super) fn rounded(&self) -> Option<(bool, num_bigint::BigInt)> {
         match &self.exact {
             Some(v) if !self.float && v.is_integer() => Some((true, v.to_integer())),
             Some(v) => Some((false, round6_exact(v))),
@@ -427,6 +502,33 @@ impl Info {
     }
 }
 
+/// A variable-free value as the comparison sees it: its value within the small limits of exact
+/// arithmetic, within the larger ones (or why not), and whether an infinity is written in it.
+pub(super) struct Value {
+    pub(super) small: Info,
+    pub(super) exact: Result<Info, Inexact>,
+    pub(super) written_inf: bool,
+}
+
+impl Value {
+    pub(super) fn new(n: &Node) -> Value {
+        let small = Info::new(n);
+        let exact = if small.atomic() { Ok(small.clone()) } else { Info::big(n) };
+        Value { small, exact, written_inf: contains_inf(n) }
+    }
+
+    /// Whether the float value can be compared: an exact value, a finite float, or an infinity that is
+    /// written as `\infty` (not an overflow).
+    pub(super) fn float_reliable(&self) -> bool {
+        self.exact.is_ok() || self.small.approx.is_finite() || (self.small.approx.is_infinite() && self.written_inf)
+    }
+
+    /// An infinity written as such (`\infty`, `-\infty`): its sign.
+    pub(super) fn written_infinity(&self) -> Option<bool> {
+        (self.written_inf && self.small.approx.is_infinite()).then_some(self.small.approx > 0.0)
+    }
+}
+
 /// Whether `\\infty` is written in the node (an overflowing value is not infinity).
 fn contains_inf(n: &Node) -> bool {
     let mut found = false;
@@ -434,50 +536,75 @@ fn contains_inf(n: &Node) -> bool {
     found
 }
 
-fn scalar_eq(g: &Node, p: &Node) -> bool {
+/// Two rational values (exact equality, rounding to 6 places when one is a decimal, percentages).
+fn numbers_eq(a: &Info, b: &Info) -> bool {
+    if a.is_float() || b.is_float() {
+        if let (Some(x), Some(y)) = (a.rounded(), b.rounded()) {
+            if x == y {
+                return true;
+            }
+        }
+    } else if a.int_like() && b.int_like() && a.stripped == b.stripped {
+        return true;
+    }
+    a.same_value(b)
+}
+
+fn scalar_eq(g: &Node, p: &Node) -> Equivalence {
     if !free_symbols(g).is_empty() || !free_symbols(p).is_empty() {
         return random_eq(g, p);
     }
-    let (gi, pi) = (Info::new(g), Info::new(p));
-    if gi.atomic() || pi.atomic() {
-        if gi.is_float() || pi.is_float() {
-            if let (Some(a), Some(b)) = (gi.rounded(), pi.rounded()) {
-                if a == b {
-                    return true;
-                }
-            }
-        } else if gi.int_like() && pi.int_like() {
-            if gi.stripped == pi.stripped {
-                return true;
-            }
-        } else if gi.same_value(&pi) {
-            return true;
-        }
-    } else if contains_inf(g) && contains_inf(p) && gi.approx.is_infinite() && gi.approx == pi.approx {
-        return true;
-    }
-    let one_too_large = !gi.atomic() || !pi.atomic();
-    if one_too_large && !gi.float && !pi.float && big_equal(g, p, &gi, &pi) {
-        return true;
-    }
-    gi.same_value(&pi)
+    values_eq(&Value::new(g), &Value::new(p))
 }
 
-/// Exact equality of two integers or fractions when one is too large for [`exact`] (`2^{100000}` and
-/// `4^{50000}`, `720!` and `((3!)!)!`), with the larger limits of [`exact_big`]. Past those limits
-/// equality is unknown, and the answers are not called equivalent (the float comparison that follows
-/// cannot tell such values apart either way).
-fn big_equal(g: &Node, p: &Node, gi: &Info, pi: &Info) -> bool {
-    let Some(a) = gi.exact.clone().or_else(|| exact_big(g)) else { return false };
-    pi.exact.clone().or_else(|| exact_big(p)).is_some_and(|b| a == b)
+/// Two variable-free values. Exact when both are rational within the small limits of exact arithmetic
+/// or else within the larger ones (`2^{100000}` = `4^{50000}`, `720!` = `((3!)!)!`); past those limits,
+/// unknown. Values that are not rational (`\sqrt{2}`, `\pi`) compare as floats, and are unknown when
+/// their float overflows.
+fn values_eq(g: &Value, p: &Value) -> Equivalence {
+    let (gi, pi) = (&g.small, &p.small);
+    if gi.atomic() && pi.atomic() {
+        return Equivalence::decided(numbers_eq(gi, pi));
+    }
+    if let (Some(a), Some(b)) = (g.written_infinity(), p.written_infinity()) {
+        if a == b {
+            return Equal;
+        }
+    }
+    match (&g.exact, &p.exact) {
+        (Ok(a), Ok(b)) => Equivalence::decided(numbers_eq(a, b)),
+        (Err(Inexact::Budget), _) | (_, Err(Inexact::Budget)) => Unknown,
+        _ => irrational_eq(g, p),
+    }
+}
+
+/// At least one side is not rational: the float comparison (rounding to 6 places against a decimal,
+/// else 12 significant digits).
+fn irrational_eq(g: &Value, p: &Value) -> Equivalence {
+    if !g.float_reliable() || !p.float_reliable() {
+        return Unknown;
+    }
+    let (gi, pi) = (&g.small, &p.small);
+    if (gi.is_float() || pi.is_float()) && (gi.atomic() || pi.atomic()) {
+        if let (Some(a), Some(b)) = (gi.rounded(), pi.rounded()) {
+            if a == b {
+                return Equal;
+            }
+        }
+    }
+    Equivalence::decided(gi.same_value(pi))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn eq(g: &str, p: &str) -> bool {
+    fn cmp(g: &str, p: &str) -> Equivalence {
         equivalent_parsed(&ParsedAnswer::new(g), &ParsedAnswer::new(p))
+    }
+
+    fn eq(g: &str, p: &str) -> bool {
+        cmp(g, p) == Equal
     }
 
     #[test]
@@ -506,8 +633,41 @@ mod tests {
         assert!(!eq("2^{100000}", "2^{100001}"));
         assert!(!eq("720!", "721!"));
         assert!(!eq("720!", "((3!)!)! + 1"));
-        assert!(!eq("2^{10^{9}}", "4^{5 \\cdot 10^{8}}"), "past the limits: unknown, not called equal");
+        assert_eq!(cmp("2^{100000}", "2^{100001}"), NotEqual);
+        assert_eq!(cmp("720!", "((3!)!)! + 1"), NotEqual);
+        // Tiny and nearly-equal rationals past the small limits are exact, not float, comparisons.
+        assert_eq!(cmp("2^{-20000}", "0"), NotEqual);
+        assert_eq!(cmp("1 + 2^{-20000}", "1"), NotEqual);
+        assert!(eq("2^{-20000}", "0.0"), "rounded to 6 places against a decimal");
+        assert!(eq("2^{20000} + 0.0", "2^{20000}"));
+        assert!(eq("2^{20000} + 0.5", "2^{20000} + \\frac{1}{2}"));
+        assert!(eq("1^{10^{10}}", "1"));
         assert!(t.elapsed().as_secs_f64() < 1.0, "took {:?}", t.elapsed());
+    }
+
+    #[test]
+    fn past_the_limits_equality_is_unknown() {
+        // Equal or not, these are past the exact limits: unknown, never "not equal".
+        assert_eq!(cmp("2^{10^{9}}", "4^{5 \\cdot 10^{8}}"), Unknown);
+        assert_eq!(cmp("2^{10^{9}}", "2^{10^{9}} + 1"), Unknown);
+        assert_eq!(cmp("2000!", "2000 \\cdot 1999!"), Unknown);
+        assert_eq!(cmp("10^{10^{10}}", "10^{10^{11}}"), Unknown);
+        assert_eq!(cmp("10^{10^{10}} - 10^{10^{10}} + 5", "5"), Unknown);
+        assert_eq!(cmp("2^{-10^{9}}", "0"), Unknown, "an underflow is not zero");
+        // A float overflow of a value that is not rational.
+        assert_eq!(cmp("e^{1000}", "e^{999} e"), Unknown);
+        assert_eq!(cmp("2^{100000} x", "4^{50000} x"), Unknown);
+        // Structures: a part unknown and none different.
+        assert_eq!(cmp("(1, 2^{10^{9}})", "(1, 4^{5 \\cdot 10^{8}})"), Unknown);
+        assert_eq!(cmp("(2, 2^{10^{9}})", "(1, 4^{5 \\cdot 10^{8}})"), NotEqual);
+        assert_eq!(cmp("\\{1, 2^{10^{9}}\\}", "\\{4^{5 \\cdot 10^{8}}, 1\\}"), Unknown);
+        assert_eq!(cmp("x = 2^{10^{9}}", "4^{5 \\cdot 10^{8}}"), Unknown);
+        // Identical writing is still equal, and written infinities are not overflows.
+        assert_eq!(cmp("2^{10^{9}}", "2^{10^{9}}"), Equal);
+        assert_eq!(cmp("\\infty", "-\\infty"), NotEqual);
+        assert_eq!(cmp("\\infty", "5"), NotEqual);
+        assert_eq!(cmp("x + 1", "\\infty"), NotEqual);
+        assert_eq!(cmp("\\frac{1}{0}", "5"), Unknown);
     }
 
     #[test]
@@ -528,7 +688,7 @@ mod tests {
     #[test]
     fn adversarial_inputs_are_quick() {
         let t = std::time::Instant::now();
-        assert!(!eq("10^{10^{10}}", "10^{10^{11}}"));
+        assert_eq!(cmp("10^{10^{10}}", "10^{10^{11}}"), Unknown);
         assert!(eq("10^{10^{10}}", "10^{10^{10}}"));
         let deep = format!("{}1{}", "{".repeat(10_000), "}".repeat(10_000));
         assert!(!eq(&deep, "1"));

@@ -5,7 +5,7 @@
 use super::parse::{Func, Node};
 use num_bigint::BigInt;
 use num_rational::BigRational;
-use num_traits::{Signed, ToPrimitive, Zero};
+use num_traits::{One, Signed, ToPrimitive, Zero};
 
 /// Size limits of exact evaluation.
 struct Limits {
@@ -23,11 +23,41 @@ const SMALL: Limits = Limits { exp: 4096, bits: 16_384, fact: 500 };
 /// a few milliseconds at most per value.
 const BIG: Limits = Limits { exp: 1 << 17, bits: 1 << 17, fact: 1000 };
 
-fn checked(x: BigRational, lim: &Limits) -> Option<BigRational> {
-    if x.numer().bits() + x.denom().bits() > lim.bits {
-        None
+/// Why a value has no exact rational value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Inexact {
+    /// Computing it would exceed the size limits (it may well be rational: `2^{10^{9}}`).
+    Budget,
+    /// It is irrational, undefined, or built from something exact evaluation does not cover (`\sqrt{2}`,
+    /// `\pi`, `1/0`).
+    NotRational,
+}
+
+type Exact = Result<BigRational, Inexact>;
+
+/// The worse of two failures: a size limit wins over irrationality (the value might have been decidable).
+fn worse(a: Inexact, b: Inexact) -> Inexact {
+    if a == Inexact::Budget || b == Inexact::Budget {
+        Inexact::Budget
     } else {
-        Some(x)
+        Inexact::NotRational
+    }
+}
+
+/// Both values, or the worse of their failures.
+fn both(a: Exact, b: Exact) -> Result<(BigRational, BigRational), Inexact> {
+    match (a, b) {
+        (Ok(a), Ok(b)) => Ok((a, b)),
+        (Err(e), Ok(_)) | (Ok(_), Err(e)) => Err(e),
+        (Err(e), Err(f)) => Err(worse(e, f)),
+    }
+}
+
+fn checked(x: BigRational, lim: &Limits) -> Exact {
+    if x.numer().bits() + x.denom().bits() > lim.bits {
+        Err(Inexact::Budget)
+    } else {
+        Ok(x)
     }
 }
 
@@ -57,19 +87,24 @@ fn rational_root(x: &BigRational, n: u32) -> Option<BigRational> {
     Some(BigRational::new(int_root(x.numer(), n)?, int_root(x.denom(), n)?))
 }
 
-fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Option<BigRational> {
+fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Exact {
     if e.is_integer() {
         let k = e.to_integer();
-        let mag = k.abs().to_u64()?;
+        let mag = k.abs().to_u64().ok_or(Inexact::Budget)?;
+        if b.is_zero() && k.is_negative() {
+            return Err(Inexact::NotRational);
+        }
+        // 0, 1 and -1 to any power are cheap.
+        if b.is_zero() || (b.is_integer() && b.numer().magnitude().is_one()) {
+            let odd = mag % 2 == 1;
+            return Ok(if mag == 0 || (b.is_negative() && !odd) { BigRational::one() } else { b.clone() });
+        }
         if mag > lim.exp {
-            return None;
+            return Err(Inexact::Budget);
         }
         // At least (bits - 1) * mag bits each side: past the limit, do not compute it.
         if (b.numer().bits() + b.denom().bits()).saturating_sub(2).saturating_mul(mag) > lim.bits {
-            return None;
-        }
-        if b.is_zero() && k.is_negative() {
-            return None;
+            return Err(Inexact::Budget);
         }
         // Numerator and denominator apart: they stay coprime, no gcd of huge numbers is needed.
         let p = BigRational::new_raw(
@@ -80,22 +115,22 @@ fn pow_exact(b: &BigRational, e: &BigRational, lim: &Limits) -> Option<BigRation
         return checked(p, lim);
     }
     // Rational exponent p/q: exact when b is a perfect q-th power.
-    let q = e.denom().to_u32()?;
+    let q = e.denom().to_u32().ok_or(Inexact::NotRational)?;
     if q > 64 {
-        return None;
+        return Err(Inexact::NotRational);
     }
-    let root = rational_root(b, q)?;
+    let root = rational_root(b, q).ok_or(Inexact::NotRational)?;
     pow_exact(&root, &BigRational::from_integer(e.numer().clone()), lim)
 }
-
 /// The exact rational value of a variable-free node, when it has one that is cheap to compute.
 pub fn exact(node: &Node) -> Option<BigRational> {
-    exact_in(node, &SMALL)
+    exact_in(node, &SMALL).ok()
 }
 
-/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^17 bits): for
-/// deciding the equality of two values that [`exact`] cannot evaluate, instead of not knowing.
-pub fn exact_big(node: &Node) -> Option<BigRational> {
+/// [`exact`] with limits large enough for values such as `2^{100000}` or `720!` (up to 2^17 bits), for
+/// deciding the equality of two values that [`exact`] cannot evaluate; the error says whether the value
+/// is past these limits ([`Inexact::Budget`]: equality with it is unknown) or not rational.
+pub fn exact_big(node: &Node) -> Exact {
     exact_in(node, &BIG)
 }
 
@@ -108,118 +143,157 @@ fn small(a: &BigRational, b: &BigRational) -> bool {
     size(a) <= SMALL.bits && size(b) <= SMALL.bits
 }
 
-/// `a + b` without a gcd of large numbers (None for two large fractions).
-fn add(a: BigRational, b: BigRational) -> Option<BigRational> {
+/// `a + b` without a gcd of large numbers (past the budget for two large fractions).
+fn add(a: BigRational, b: BigRational) -> Exact {
     if small(&a, &b) {
-        return Some(a + b);
+        return Ok(a + b);
     }
     let (a, b) = if b.is_integer() { (a, b) } else { (b, a) };
     if !b.is_integer() {
-        return None;
+        return Err(Inexact::Budget);
     }
     // n/d + m = (n + m d)/d, still in lowest terms.
     let numer = a.numer() + b.numer() * a.denom();
-    Some(BigRational::new_raw(numer, a.denom().clone()))
+    Ok(BigRational::new_raw(numer, a.denom().clone()))
 }
 
-/// `a * b` without a gcd of large numbers (None unless both are integers).
-fn mul(a: BigRational, b: BigRational) -> Option<BigRational> {
+/// `a * b` without a gcd of large numbers (past the budget unless both are integers).
+fn mul(a: BigRational, b: BigRational) -> Exact {
     if small(&a, &b) {
-        return Some(a * b);
+        return Ok(a * b);
     }
-    (a.is_integer() && b.is_integer()).then(|| BigRational::from_integer(a.numer() * b.numer()))
+    if a.is_integer() && b.is_integer() {
+        Ok(BigRational::from_integer(a.numer() * b.numer()))
+    } else {
+        Err(Inexact::Budget)
+    }
 }
 
-/// `a / b` (b non-zero) without a gcd of large numbers (None unless it divides exactly).
-fn div(a: BigRational, b: BigRational) -> Option<BigRational> {
+/// `a / b` (b non-zero) without a gcd of large numbers (past the budget unless it divides exactly).
+fn div(a: BigRational, b: BigRational) -> Exact {
     if small(&a, &b) {
-        return Some(a / b);
+        return Ok(a / b);
     }
     if !(a.is_integer() && b.is_integer()) {
-        return None;
+        return Err(Inexact::Budget);
     }
     let (q, r) = (a.numer() / b.numer(), a.numer() % b.numer());
-    r.is_zero().then(|| BigRational::from_integer(q))
+    if r.is_zero() {
+        Ok(BigRational::from_integer(q))
+    } else {
+        Err(Inexact::Budget)
+    }
 }
 
-fn exact_in(node: &Node, lim: &Limits) -> Option<BigRational> {
+/// A sum or product of terms: every term is evaluated (so that a size limit met anywhere is reported
+/// as such), then folded.
+fn fold(terms: &[Node], lim: &Limits, init: BigRational, op: fn(BigRational, BigRational) -> Exact) -> Exact {
+    let mut values = Vec::with_capacity(terms.len());
+    let mut failure: Option<Inexact> = None;
+    for t in terms {
+        match exact_in(t, lim) {
+            Ok(v) => values.push(v),
+            Err(e) => failure = Some(failure.map_or(e, |f| worse(e, f))),
+        }
+    }
+    if let Some(e) = failure {
+        return Err(e);
+    }
+    let mut acc = init;
+    for v in values {
+        acc = checked(op(acc, v)?, lim)?;
+    }
+    Ok(acc)
+}
+
+fn root_index(idx: &Option<Box<Node>>, lim: &Limits) -> Result<u32, Inexact> {
+    let n = match idx {
+        Some(i) => {
+            let v = exact_in(i, lim)?;
+            if !v.is_integer() {
+                return Err(Inexact::NotRational);
+            }
+            v.to_integer().to_u32().ok_or(Inexact::NotRational)?
+        }
+        None => 2,
+    };
+    if n == 0 || n > 64 {
+        return Err(Inexact::NotRational);
+    }
+    Ok(n)
+}
+
+fn factorial(v: BigRational, lim: &Limits) -> Exact {
+    if !v.is_integer() || v.is_negative() {
+        return Err(Inexact::NotRational);
+    }
+    let n = v.to_integer().to_u64().ok_or(Inexact::Budget)?;
+    if n > lim.fact {
+        return Err(Inexact::Budget);
+    }
+    let mut acc = BigInt::from(1);
+    for i in 2..=n {
+        acc *= i;
+    }
+    Ok(BigRational::from_integer(acc))
+}
+
+/// Exact only for integer results: log_b(b^k) = k.
+fn log_exact(b: BigRational, a: BigRational, lim: &Limits) -> Exact {
+    if b <= BigRational::one() || a <= BigRational::zero() {
+        return Err(Inexact::NotRational);
+    }
+    let approx = a.to_f64().ok_or(Inexact::NotRational)?.ln() / b.to_f64().ok_or(Inexact::NotRational)?.ln();
+    let k = approx.round();
+    if !k.is_finite() || k.abs() > lim.exp as f64 {
+        return Err(Inexact::Budget);
+    }
+    if (approx - k).abs() > 1e-9 {
+        return Err(Inexact::NotRational);
+    }
+    let kr = BigRational::from_integer(BigInt::from(k as i64));
+    if pow_exact(&b, &kr, lim)? == a {
+        Ok(kr)
+    } else {
+        Err(Inexact::NotRational)
+    }
+}
+
+fn exact_in(node: &Node, lim: &Limits) -> Exact {
     let exact = |n: &Node| exact_in(n, lim);
-    let checked = |x: BigRational| checked(x, lim);
-    let pow_exact = |b: &BigRational, e: &BigRational| pow_exact(b, e, lim);
     match node {
-        Node::Num { value, .. } => Some(value.clone()),
-        Node::Add(ts) => {
-            let mut acc = BigRational::zero();
-            for t in ts {
-                acc = checked(add(acc, exact(t)?)?)?;
-            }
-            Some(acc)
-        }
-        Node::Mul(fs) => {
-            let mut acc = BigRational::from_integer(1.into());
-            for f in fs {
-                acc = checked(mul(acc, exact(f)?)?)?;
-            }
-            Some(acc)
-        }
-        Node::Neg(a) => Some(-exact(a)?),
+        Node::Num { value, .. } => Ok(value.clone()),
+        Node::Add(ts) => fold(ts, lim, BigRational::zero(), add),
+        Node::Mul(fs) => fold(fs, lim, BigRational::one(), mul),
+        Node::Neg(a) => Ok(-exact(a)?),
         Node::Div(a, b) | Node::Frac(a, b) => {
-            let d = exact(b)?;
+            let (n, d) = both(exact(a), exact(b))?;
             if d.is_zero() {
-                return None;
+                return Err(Inexact::NotRational);
             }
-            checked(div(exact(a)?, d)?)
+            checked(div(n, d)?, lim)
         }
-        Node::Pow(b, e) => pow_exact(&exact(b)?, &exact(e)?),
+        Node::Pow(b, e) => {
+            let (b, e) = both(exact(b), exact(e))?;
+            pow_exact(&b, &e, lim)
+        }
         Node::Root(r, idx) => {
-            let n = match idx {
-                Some(i) => {
-                    let v = exact(i)?;
-                    if !v.is_integer() {
-                        return None;
-                    }
-                    v.to_integer().to_u32()?
-                }
-                None => 2,
+            let (r, n) = match (exact(r), root_index(idx, lim)) {
+                (Ok(r), Ok(n)) => (r, n),
+                (Err(e), Ok(_)) | (Ok(_), Err(e)) => return Err(e),
+                (Err(e), Err(f)) => return Err(worse(e, f)),
             };
-            if n == 0 || n > 64 {
-                return None;
-            }
-            rational_root(&exact(r)?, n)
+            rational_root(&r, n).ok_or(Inexact::NotRational)
         }
         Node::Pct(a) => div(exact(a)?, BigRational::from_integer(100.into())),
-        Node::Fact(a) => {
-            let v = exact(a)?;
-            if !v.is_integer() || v.is_negative() {
-                return None;
-            }
-            let n = v.to_integer().to_u64()?;
-            if n > lim.fact {
-                return None;
-            }
-            let mut acc = BigInt::from(1);
-            for i in 2..=n {
-                acc *= i;
-            }
-            Some(BigRational::from_integer(acc))
-        }
+        Node::Fact(a) => factorial(exact(a)?, lim),
         Node::Log(base, arg) => {
-            // Exact only for integer results: log_b(b^k) = k.
-            let b = exact(base.as_deref()?)?;
-            let a = exact(arg)?;
-            if b <= BigRational::from_integer(1.into()) || a <= BigRational::zero() {
-                return None;
-            }
-            let approx = a.to_f64()?.ln() / b.to_f64()?.ln();
-            let k = approx.round();
-            if (approx - k).abs() > 1e-9 || k.abs() > lim.exp as f64 {
-                return None;
-            }
-            let kr = BigRational::from_integer(BigInt::from(k as i64));
-            (pow_exact(&b, &kr)? == a).then_some(kr)
+            let base = base.as_deref().ok_or(Inexact::NotRational)?;
+            let (b, a) = both(exact(base), exact(arg))?;
+            log_exact(b, a, lim)
         }
-        Node::Func(Func::Abs, a) => Some(exact(a)?.abs()),
-        _ => None,
+        Node::Func(Func::Abs, a) => Ok(exact(a)?.abs()),
+        _ => Err(Inexact::NotRational),
     }
 }
 

@@ -25,6 +25,8 @@ pub fn pass_at_k(n: usize, c: usize, k: usize) -> f64 {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ItemOutcome {
     pub correct: Vec<bool>,
+    /// How many responses (not correct) have an unknown verdict: equivalence not decidable.
+    pub unknown: usize,
     /// How many responses had an extractable answer.
     pub extracted: usize,
     /// Whether the majority answer is correct (None when there is no gold to judge it).
@@ -40,6 +42,9 @@ pub struct Summary {
     pub extract_rate: f64,
     /// Mean correctness over all responses.
     pub avg_at_n: f64,
+    /// Responses whose verdict is unknown (counted as not correct): equivalence to the reference
+    /// could not be decided within the limits of exact arithmetic.
+    pub n_unknown: usize,
     /// Mean over items of the unbiased pass@k, keyed by k.
     pub pass_at_k: BTreeMap<usize, f64>,
     /// Fraction of items whose majority answer is correct (None without gold).
@@ -66,6 +71,7 @@ pub fn summarize(items: &[ItemOutcome], ks: &[usize]) -> Summary {
         n_responses,
         extract_rate: ratio(extracted, n_responses),
         avg_at_n: ratio(n_correct, n_responses),
+        n_unknown: items.iter().map(|i| i.unknown).sum(),
         pass_at_k: pass,
         maj_at_n,
     }
@@ -79,6 +85,7 @@ impl Summary {
             ("responses".to_string(), self.n_responses.to_string()),
             ("extract rate".to_string(), format!("{:.4}", self.extract_rate)),
             ("avg@n".to_string(), format!("{:.4}", self.avg_at_n)),
+            ("unknown verdicts".to_string(), self.n_unknown.to_string()),
         ];
         for (k, v) in &self.pass_at_k {
             rows.push((format!("pass@{k}"), format!("{v:.4}")));
@@ -106,8 +113,8 @@ mod tests {
     #[test]
     fn summary_values() {
         let items = vec![
-            ItemOutcome { correct: vec![true, false], extracted: 2, majority_correct: Some(true) },
-            ItemOutcome { correct: vec![false, false], extracted: 1, majority_correct: Some(false) },
+            ItemOutcome { correct: vec![true, false], unknown: 0, extracted: 2, majority_correct: Some(true) },
+            ItemOutcome { correct: vec![false, false], unknown: 1, extracted: 1, majority_correct: Some(false) },
         ];
         let s = summarize(&items, &[1, 2]);
         assert_eq!(s.n_responses, 4);
@@ -116,6 +123,8 @@ mod tests {
         assert!((s.pass_at_k[&1] - 0.25).abs() < 1e-12);
         assert!((s.pass_at_k[&2] - 0.5).abs() < 1e-12);
         assert_eq!(s.maj_at_n, Some(0.5));
+        assert_eq!(s.n_unknown, 1);
+        assert!(s.table().contains("unknown verdicts  1"));
         assert!(s.table().contains("pass@2"));
     }
 }

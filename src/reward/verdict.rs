@@ -1,7 +1,7 @@
 //! The verdicts on the responses to one question, against the gold answer or, without one, against the
 //! majority: the one decision behind `grpo eval`, validation during training and `grpo score`.
 
-use super::equiv::{equivalent_parsed, ParsedAnswer};
+use super::equiv::{equivalent_parsed, Equivalence, ParsedAnswer};
 use super::extract::{extract_answer, ExtractOptions};
 use super::metrics::ItemOutcome;
 use super::vote::majority_vote_parsed;
@@ -13,6 +13,10 @@ pub struct Verdicts {
     pub preds: Vec<Option<String>>,
     /// Per response: equivalent to the gold answer, or without gold a member of the majority cluster.
     pub correct: Vec<bool>,
+    /// Per response: its equivalence to the gold answer (without gold: to the majority answer, for a
+    /// response outside the majority cluster) could not be decided ([`Equivalence::Unknown`]). Such a
+    /// response is not correct (it earns no reward) but it is not known to be wrong either.
+    pub unknown: Vec<bool>,
     /// The majority answer (None when no response has an answer).
     pub majority: Option<String>,
     /// Whether the majority answer is equivalent to the gold answer (None without gold).
@@ -24,6 +28,7 @@ impl Verdicts {
     pub fn outcome(&self) -> ItemOutcome {
         ItemOutcome {
             correct: self.correct.clone(),
+            unknown: self.unknown.iter().filter(|u| **u).count(),
             extracted: self.preds.iter().filter(|p| p.is_some()).count(),
             majority_correct: self.majority_correct,
         }
@@ -31,7 +36,8 @@ impl Verdicts {
 }
 
 /// Extract the answer of each response and judge it: against `gold` (gold first, Math-Verify semantics)
-/// when given, else against the majority vote (correct = member of the winning cluster). Every answer is
+/// when given, else against the majority vote (correct = member of the winning cluster; a response
+/// outside it whose comparison with the winner is unknown is reported as unknown). Every answer is
 /// parsed once.
 pub fn judge<S: AsRef<str>>(gold: Option<&str>, responses: &[S], opts: &ExtractOptions) -> Verdicts {
     let preds: Vec<Option<String>> = responses.iter().map(|r| extract_answer(r.as_ref(), opts)).collect();
@@ -41,18 +47,32 @@ pub fn judge<S: AsRef<str>>(gold: Option<&str>, responses: &[S], opts: &ExtractO
     // The winner's representative: the first response whose answer is the vote's answer.
     let rep = vote.answer.as_ref().and_then(|a| preds.iter().position(|p| p.as_ref() == Some(a)));
     let winner = rep.and_then(|i| vote.cluster[i]);
-    let correct: Vec<bool> = parsed
+    let rep_parsed = rep.and_then(|i| parsed[i].as_ref());
+    let verdicts: Vec<Equivalence> = parsed
         .iter()
         .zip(&vote.cluster)
         .map(|(p, c)| match (&gold, p) {
             (Some(g), Some(p)) => equivalent_parsed(g, p),
-            (None, Some(_)) => winner.is_some() && *c == winner,
-            _ => false,
+            (None, Some(_)) if winner.is_some() && *c == winner => Equivalence::Equal,
+            (None, Some(p)) => rep_parsed.map_or(Equivalence::NotEqual, |r| {
+                // Outside the winning cluster: never equal to its representative, maybe unknown.
+                match equivalent_parsed(r, p) {
+                    Equivalence::Unknown => Equivalence::Unknown,
+                    _ => Equivalence::NotEqual,
+                }
+            }),
+            _ => Equivalence::NotEqual,
         })
         .collect();
     let majority_correct =
-        gold.as_ref().map(|g| rep.and_then(|i| parsed[i].as_ref()).is_some_and(|p| equivalent_parsed(g, p)));
-    Verdicts { preds, correct, majority: vote.answer, majority_correct }
+        gold.as_ref().map(|g| rep_parsed.is_some_and(|p| equivalent_parsed(g, p) == Equivalence::Equal));
+    Verdicts {
+        preds,
+        correct: verdicts.iter().map(|v| *v == Equivalence::Equal).collect(),
+        unknown: verdicts.iter().map(|v| *v == Equivalence::Unknown).collect(),
+        majority: vote.answer,
+        majority_correct,
+    }
 }
 
 #[cfg(test)]
@@ -80,5 +100,26 @@ mod tests {
         assert_eq!((v.majority.as_deref(), v.majority_correct), (Some("1/2"), None));
         let none = judge(None, &["none", "nothing"], &ExtractOptions::default());
         assert_eq!((none.correct, none.majority), (vec![false, false], None));
+    }
+
+    #[test]
+    fn undecided_comparisons_are_unknown_not_wrong() {
+        let responses = ["\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{100000}}", "\\boxed{3}", "none"];
+        let v = judge(Some("2^{10^{9}}"), &responses, &ExtractOptions::default());
+        assert_eq!(v.correct, vec![false, false, false, false]);
+        // Past the limits of exact arithmetic, even 3 is not known to differ (the float value of such an
+        // expression says nothing about its size).
+        assert_eq!(v.unknown, vec![true, true, true, false]);
+        assert_eq!(v.outcome().unknown, 3);
+        let v = judge(Some("4^{50000}"), &responses, &ExtractOptions::default());
+        assert_eq!((v.correct, v.unknown), (vec![false, true, false, false], vec![true, false, false, false]));
+        // Without gold: the unknown comparison does not merge clusters; against the winner it is unknown.
+        let v = judge(
+            None,
+            &["\\boxed{2^{10^{9}}}", "\\boxed{4^{5 \\cdot 10^{8}}}", "\\boxed{2^{10^{9}}}"],
+            &ExtractOptions::default(),
+        );
+        assert_eq!(v.correct, vec![true, false, true]);
+        assert_eq!(v.unknown, vec![false, true, false]);
     }
 }

@@ -2,7 +2,8 @@
 
 use std::collections::HashMap;
 
-use super::equiv::{equivalent_parsed, ParsedAnswer};
+use super::equiv::{equivalent_parsed, Equivalence, ParsedAnswer};
+use super::fingerprint::Fingerprint;
 
 /// Result of a majority vote over a group of (possibly missing) answers.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -22,17 +23,27 @@ pub struct Vote {
 /// Cluster answers by equivalence and pick the largest cluster.
 ///
 /// Each answer joins the first earlier cluster whose representative (its first member, taken as
-/// gold) it is equivalent to, else starts a new cluster. Tie rule: among clusters of the same size
-/// the one that appeared first wins (and `margin` is 0). Missing answers never form a cluster.
+/// gold) it is equivalent to, else starts a new cluster. A comparison whose outcome is
+/// [`Equivalence::Unknown`] counts as "not equivalent": it never merges clusters (the answer goes on to
+/// the next cluster, or starts its own). Tie rule: among clusters of the same size the one that
+/// appeared first wins (and `margin` is 0). Missing answers never form a cluster.
 pub fn majority_vote(answers: &[Option<String>]) -> Vote {
     let parsed: Vec<Option<ParsedAnswer>> = answers.iter().map(|a| a.as_deref().map(ParsedAnswer::new)).collect();
     majority_vote_parsed(answers, &parsed)
 }
 
+/// At most this many representatives are compared with one answer, in cluster order. Fingerprints
+/// leave far fewer on any realistic group (one or two); past the bound (many representatives sharing
+/// every fingerprint component, none equal) the answer starts a new cluster: an equivalence class may
+/// then be split, two answers that are not equal are never merged.
+const MAX_COMPARED: usize = 512;
+
 /// [`majority_vote`] on answers already parsed (`parsed[i]` is `answers[i]` parsed).
 ///
 /// Near-linear: an answer is only compared with the representatives that could be equivalent to it
-/// ([`Candidates`]), in cluster order, so that it still joins the first equivalent one.
+/// (same text, same normalised key, or a matching [`Fingerprint`]), in cluster order, so that it still
+/// joins the first equivalent one: the clusters are those of comparing every answer with every earlier
+/// representative.
 pub fn majority_vote_parsed(answers: &[Option<String>], parsed: &[Option<ParsedAnswer>]) -> Vote {
     // (index of the representative, count)
     let mut reps: Vec<(usize, usize)> = Vec::new();
@@ -43,17 +54,18 @@ pub fn majority_vote_parsed(answers: &[Option<String>], parsed: &[Option<ParsedA
             cluster.push(None);
             continue;
         };
-        let values = a.numeric_values();
-        let found = index.of(text, a, values.as_deref(), reps.len()).into_iter().find(|&k| {
+        let fp = a.node().map(Fingerprint::new);
+        let found = index.of(text, a, fp.as_ref()).into_iter().take(MAX_COMPARED).find(|&k| {
             let r = reps[k].0;
             count_comparison();
-            answers[r] == answers[i] || parsed[r].as_ref().is_some_and(|rp| equivalent_parsed(rp, a))
+            answers[r] == answers[i]
+                || parsed[r].as_ref().is_some_and(|rp| equivalent_parsed(rp, a) == Equivalence::Equal)
         });
         let idx = match found {
             Some(k) => k,
             None => {
                 reps.push((i, 0));
-                index.add(reps.len() - 1, text, a, values.as_deref());
+                index.add(reps.len() - 1, text, a, fp.as_ref());
                 reps.len() - 1
             }
         };
@@ -82,46 +94,44 @@ fn count_comparison() {
 }
 
 /// The cluster representatives an answer could be equivalent to: those with the same text or the same
-/// normalised key, every representative that is not a plain number, and for a plain number the plain
-/// numbers with a nearby value (see [`ParsedAnswer::numeric_values`]).
+/// normalised key, and those whose fingerprint entries match one of the answer's fingerprint views.
 #[derive(Default)]
 struct Candidates {
     by_text: HashMap<String, usize>,
     by_key: HashMap<String, usize>,
-    by_value: HashMap<i64, Vec<usize>>,
-    /// Representatives that are not plain numbers.
-    other: Vec<usize>,
-}
-
-/// A bucket of values: values within `max(1.5e-6, 2e-12 |x|)` of each other are in the same or
-/// adjacent buckets (asinh(x / 1e6) moves by less than 4e-12 over that distance).
-fn bucket(x: f64) -> i64 {
-    if x.is_infinite() {
-        return if x > 0.0 { i64::MAX } else { i64::MIN };
-    }
-    ((x / 1e6).asinh() / 1e-10).floor() as i64
+    /// Fingerprint entry -> representatives that have it.
+    postings: HashMap<u64, Vec<usize>>,
+    /// Per representative: its fingerprint entries, sorted (empty when it was not parsed).
+    entries: Vec<Vec<u64>>,
 }
 
 impl Candidates {
-    fn add(&mut self, k: usize, text: &str, a: &ParsedAnswer, values: Option<&[f64]>) {
+    fn add(&mut self, k: usize, text: &str, a: &ParsedAnswer, fp: Option<&Fingerprint>) {
         self.by_text.entry(text.to_string()).or_insert(k);
         self.by_key.entry(a.key().to_string()).or_insert(k);
-        match values {
-            Some(vs) => vs.iter().for_each(|v| self.by_value.entry(bucket(*v)).or_default().push(k)),
-            None => self.other.push(k),
+        let entries = fp.map(Fingerprint::entries).unwrap_or_default();
+        for e in &entries {
+            self.postings.entry(*e).or_default().push(k);
         }
+        self.entries.push(entries);
     }
 
-    /// Candidate clusters in increasing order (all of them for an answer that is not a plain number).
-    fn of(&self, text: &str, a: &ParsedAnswer, values: Option<&[f64]>, n_reps: usize) -> Vec<usize> {
-        let Some(vs) = values else { return (0..n_reps).collect() };
-        let mut out: Vec<usize> = self.other.clone();
+    /// Candidate clusters in increasing order. For each view of the answer, the representatives posted
+    /// under its most selective component are kept when they match every component.
+    fn of(&self, text: &str, a: &ParsedAnswer, fp: Option<&Fingerprint>) -> Vec<usize> {
+        let mut out: Vec<usize> = Vec::new();
         out.extend(self.by_text.get(text));
         out.extend(self.by_key.get(a.key()));
-        for v in vs {
-            let b = bucket(*v);
-            for nb in [b.saturating_sub(1), b, b.saturating_add(1)] {
-                out.extend(self.by_value.get(&nb).into_iter().flatten());
+        if let Some(fp) = fp {
+            let posted = |e: u64| self.postings.get(&e).map_or(0, Vec::len);
+            for view in 0..fp.n_views() {
+                let mut seen: Vec<usize> = Vec::new();
+                for e in fp.rarest_probes(view, posted) {
+                    seen.extend(self.postings.get(&e).into_iter().flatten());
+                }
+                seen.sort_unstable();
+                seen.dedup();
+                out.extend(seen.into_iter().filter(|&r| fp.matches(view, &self.entries[r])));
             }
         }
         out.sort_unstable();
@@ -130,13 +140,14 @@ impl Candidates {
     }
 }
 
-/// Reward per response: 1.0 when its answer is equivalent to `reference` (taken as gold), else 0.0.
+/// Reward per response: 1.0 when its answer is equivalent to `reference` (taken as gold), else 0.0 (also
+/// when equivalence is unknown).
 pub fn rewards(reference: Option<&str>, answers: &[Option<String>]) -> Vec<f32> {
     let reference = reference.map(ParsedAnswer::new);
     answers
         .iter()
         .map(|a| match (&reference, a) {
-            (Some(r), Some(a)) if equivalent_parsed(r, &ParsedAnswer::new(a)) => 1.0,
+            (Some(r), Some(a)) if equivalent_parsed(r, &ParsedAnswer::new(a)) == Equivalence::Equal => 1.0,
             _ => 0.0,
         })
         .collect()
@@ -169,19 +180,103 @@ mod tests {
         assert_eq!(v, Vote { answer: None, count: 0, margin: 0, cluster: vec![None, None] });
     }
 
+    /// Votes over `a` and returns the clusters and the number of comparisons made.
+    fn counted_vote(a: &[Option<String>]) -> (Vote, usize) {
+        COMPARISONS.with(|c| c.set(0));
+        let v = majority_vote(a);
+        (v, COMPARISONS.with(|c| c.get()))
+    }
+
     #[test]
     fn many_distinct_answers_vote_in_linear_comparisons() {
         let mut a: Vec<Option<String>> = (0..4000).map(|i| Some(format!("{}", i * 7 + 3))).collect();
         a.extend([Some("\\frac{6}{2}".into()), Some("10.0".into()), Some("1700\\%".into()), Some("x".into())]);
-        COMPARISONS.with(|c| c.set(0));
-        let t = std::time::Instant::now();
-        let v = majority_vote(&a);
-        let comparisons = COMPARISONS.with(|c| c.get());
+        let (v, comparisons) = counted_vote(&a);
         assert!(comparisons < 4 * a.len(), "{comparisons} comparisons for {} answers", a.len());
-        assert!(t.elapsed().as_secs_f64() < 2.0, "took {:?}", t.elapsed());
         assert_eq!(v.answer.as_deref(), Some("3"));
         assert_eq!((v.count, v.margin), (2, 0));
         assert_eq!(&v.cluster[4000..], [Some(0), Some(1), Some(2), Some(4000)]);
+    }
+
+    fn distinct_expressions(n: usize) -> Vec<Option<String>> {
+        (0..n)
+            .map(|i| {
+                Some(match i % 4 {
+                    0 => format!("x^2 + {i}x + 1"),
+                    1 => format!("\\frac{{x}}{{{i}}} - y"),
+                    2 => format!("\\sqrt{{x + {i}}}"),
+                    _ => format!("{i} \\sin(t) + {}", i % 7),
+                })
+            })
+            .collect()
+    }
+
+    fn distinct_sets(n: usize) -> Vec<Option<String>> {
+        (0..n)
+            .map(|i| {
+                Some(match i % 4 {
+                    0 => format!("\\{{0, 1, {i}\\}}"),
+                    1 => format!("({i}, {})", i + 2),
+                    2 => format!("(0, 1, {i}, \\sqrt{{2}})"),
+                    _ => format!("[{i}, \\infty) \\cup \\{{-1\\}}"),
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn distinct_expressions_vote_in_linear_comparisons() {
+        let a = distinct_expressions(4000);
+        let (v, comparisons) = counted_vote(&a);
+        assert!(comparisons < a.len(), "{comparisons} comparisons for {} answers", a.len());
+        assert_eq!(v.count, 1);
+        // The same expressions written differently join their clusters.
+        let mut b = a.clone();
+        b.extend([Some("1 + x^2 + 16x".into()), Some("-y + \\frac{x}{5}".into()), Some("\\sqrt{6 + x}".into())]);
+        let (v, comparisons) = counted_vote(&b);
+        assert!(comparisons < b.len(), "{comparisons} comparisons for {} answers", b.len());
+        assert_eq!(&v.cluster[4000..], [Some(16), Some(5), Some(6)]);
+    }
+
+    #[test]
+    fn distinct_sets_vote_in_linear_comparisons() {
+        let a = distinct_sets(4000);
+        let (v, comparisons) = counted_vote(&a);
+        assert!(comparisons < a.len(), "{comparisons} comparisons for {} answers", a.len());
+        assert_eq!(v.count, 1);
+        let mut b = a.clone();
+        b.extend([
+            Some("\\{8, 1, 0, 0\\}".into()),
+            Some("\\{9, 11\\}".into()),
+            Some("(0, 1, 10, 1.41421356237)".into()),
+        ]);
+        let (v, comparisons) = counted_vote(&b);
+        assert!(comparisons < b.len(), "{comparisons} comparisons for {} answers", b.len());
+        assert_eq!(&v.cluster[4000..], [Some(8), Some(9), Some(10)]);
+    }
+
+    #[test]
+    fn a_mix_of_distinct_answers_votes_in_linear_comparisons() {
+        let n = 4000;
+        let mut a: Vec<Option<String>> = Vec::new();
+        for i in 0..n / 8 {
+            a.push(Some(format!("x = {i}")));
+            a.push(Some(format!("x > {i}")));
+            a.push(Some(format!("\\begin{{pmatrix}} 1 & {i} \\\\ 0 & 1 \\end{{pmatrix}}")));
+            a.push(Some(format!("\\text{{word {}}}", i + 1)));
+            a.push(Some(format!("2^{{10^{{9}} + {i}}}")));
+            a.push(Some(format!("unparsable ({i}")));
+            a.push(Some(format!("{i}.5\\%")));
+            a.push(Some(format!("e^{{{i}}} + \\pi")));
+        }
+        let (v, comparisons) = counted_vote(&a);
+        assert!(comparisons < a.len(), "{comparisons} comparisons for {} answers", a.len());
+        assert_eq!(v.count, 1);
+        let mut all = a.clone();
+        all.extend(distinct_expressions(n));
+        all.extend(distinct_sets(n));
+        let (_, comparisons) = counted_vote(&all);
+        assert!(comparisons < all.len(), "{comparisons} comparisons for {} answers", all.len());
     }
 
     /// The clustering of every answer against every earlier representative, as it was before indexing.
@@ -195,7 +290,8 @@ mod tests {
                 continue;
             };
             let k = reps.iter().position(|&r| {
-                answers[r] == answers[i] || parsed[r].as_ref().is_some_and(|rp| equivalent_parsed(rp, a))
+                answers[r] == answers[i]
+                    || parsed[r].as_ref().is_some_and(|rp| equivalent_parsed(rp, a) == Equivalence::Equal)
             });
             out.push(Some(k.unwrap_or_else(|| {
                 reps.push(i);
@@ -203,6 +299,153 @@ mod tests {
             })));
         }
         out
+    }
+
+    /// One answer drawn from families of equivalent and nearly-equivalent forms (numbers, decimals at
+    /// the rounding edge, percentages, irrational values, expressions, sets, tuples, intervals, unions,
+    /// relations, assignments, words, matrices, infinities, huge values).
+    fn random_answer(rng: &mut impl rand::Rng) -> String {
+        let a: i64 = rng.gen_range(-3..6);
+        let b: i64 = rng.gen_range(0..6);
+        let c: i64 = rng.gen_range(1..4);
+        let forms: Vec<String> = vec![
+            format!("{a}"),
+            format!("{a}.0"),
+            format!("\\frac{{{}}}{{{c}}}", a * c),
+            format!("\\frac{{{a}}}{{{c}}}"),
+            format!("{:.6}", a as f64 / c as f64),
+            format!("{:.7}", a as f64 / c as f64),
+            format!("{:.3}", a as f64 / c as f64),
+            format!("{}\\%", a * 25),
+            format!("{}", a as f64 / 4.0),
+            format!("\\sqrt{{{b}}}"),
+            format!("{:.6}", (b as f64).sqrt()),
+            format!("{:.12}", (b as f64).sqrt()),
+            format!("\\sqrt{{{}}}", b * c * c),
+            format!("{c}\\sqrt{{{b}}}"),
+            format!("x + {a}"),
+            format!("{a} + x"),
+            format!("(x + {a})^2"),
+            format!("x^2 + {}x + {}", 2 * a, a * a),
+            format!("\\frac{{x^2 - {}}}{{x - {a}}}", a * a),
+            format!("{c}(x + {a})"),
+            format!("{c}x + {}", c * a),
+            format!("\\{{{a}, {b}\\}}"),
+            format!("\\{{{b}, {a}\\}}"),
+            format!("\\{{{a}, {a}, {b}\\}}"),
+            format!("{a}, {b}"),
+            format!("({a}, {b})"),
+            format!("({a}, {b}]"),
+            format!("[{a}, {b}]"),
+            format!("({a}, {b}, {c})"),
+            format!("\\{{{c}, {b}, {a}\\}}"),
+            format!("({a}, {b}) \\cup ({c}, \\infty)"),
+            format!("({c}, \\infty) \\cup ({a}, {b})"),
+            format!("x > {a}"),
+            format!("{a} < x"),
+            format!("x \\ge {a}"),
+            format!("({a}, \\infty)"),
+            format!("[{a}, \\infty)"),
+            format!("x = {a}"),
+            format!("y = {a}"),
+            format!("x = {a}, {b}"),
+            format!("{a} \\le x < {b}"),
+            format!("\\text{{{}}}", ["yes", "no", "Yes"][b as usize % 3]),
+            ["yes", "no", "x", "xy", "yx", "e", "\\eta", "eta"][b as usize % 8].to_string(),
+            format!("\\begin{{pmatrix}} {a} & {b} \\end{{pmatrix}}"),
+            format!("\\begin{{pmatrix}} {a}.0 & \\frac{{{}}}{{2}} \\end{{pmatrix}}", 2 * b),
+            ["\\infty", "-\\infty", "\\infty", "\\frac{1}{0}"][b as usize % 4].to_string(),
+            ["2^{100000}", "4^{50000}", "2^{10^{9}}", "4^{5 \\cdot 10^{8}}", "720!", "((3!)!)!"][b as usize]
+                .to_string(),
+            format!("\\pm {b}"),
+            format!("{a}\\pi"),
+            format!("\\frac{{{a}\\pi}}{{{c}}}"),
+            format!("e^{{{a}}}"),
+            format!("\\sin({a})"),
+            format!("\\{{\\begin{{pmatrix}} {a} & {b} \\end{{pmatrix}}\\}}"),
+            format!("\\{{({a}, {b}), ({c}, {a})\\}}"),
+            format!("\\{{({c}, {a}), ({a}, {b}.0)\\}}"),
+            format!("\\{{\\{{{a}, {b}\\}}, {c}\\}}"),
+            format!("\\{{{c}, \\{{{b}, {a}\\}}\\}}"),
+            format!("\\{{x + {a}, x - {b}\\}}"),
+            format!("\\{{-{b} + x, {a} + x\\}}"),
+            format!("x - {a} = {b}"),
+            format!("{c}x = {}", a * c),
+            format!("{a} = x"),
+            format!("x \\le {a}"),
+            format!("(-\\infty, {a}]"),
+        ];
+        forms[rng.gen_range(0..forms.len())].clone()
+    }
+
+    #[test]
+    fn fingerprinted_vote_clusters_like_the_pairwise_one_on_a_random_mix() {
+        use rand::{Rng, SeedableRng};
+        for seed in 0..4 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let a: Vec<Option<String>> =
+                (0..600).map(|_| if rng.gen_bool(0.02) { None } else { Some(random_answer(&mut rng)) }).collect();
+            let v = majority_vote(&a);
+            assert_eq!(v.cluster, quadratic_clusters(&a), "seed {seed}");
+            let clusters = v.cluster.iter().flatten().max().map_or(0, |m| m + 1);
+            assert!(clusters > 50 && clusters < 400, "a mix of equal and distinct answers: {clusters} clusters");
+        }
+    }
+
+    #[test]
+    fn fingerprinted_vote_clusters_like_the_pairwise_one_on_random_compositions() {
+        use rand::{seq::SliceRandom, Rng, SeedableRng};
+        const PIECES: &[&str] = &[
+            "1",
+            "2",
+            "0",
+            "3",
+            "1.0",
+            "0.5",
+            ",",
+            "x",
+            "y",
+            "e",
+            "\\pi",
+            "\\infty",
+            "+",
+            "-",
+            "*",
+            "/",
+            "=",
+            "<",
+            "\\%",
+            "!",
+            "\\sqrt{2}",
+            "\\{1, 2\\}",
+            "(1, 2)",
+            "[1, 2]",
+            "(x, 1)",
+            "2^{100000}",
+            "4^{50000}",
+            "2^{10^{9}}",
+            "\\frac{1}{2}",
+            "x^2",
+            "(x+1)",
+        ];
+        for seed in 0..8 {
+            let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+            let a: Vec<Option<String>> = (0..400)
+                .map(|_| {
+                    let n = rng.gen_range(1..9);
+                    Some((0..n).map(|_| *PIECES.choose(&mut rng).unwrap()).collect::<String>())
+                })
+                .collect();
+            assert_eq!(majority_vote(&a).cluster, quadratic_clusters(&a), "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn unknown_comparisons_do_not_merge_clusters() {
+        let a = s(&[Some("2^{10^{9}}"), Some("4^{5 \\cdot 10^{8}}"), Some("2^{100000}"), Some("4^{50000}")]);
+        let v = majority_vote(&a);
+        assert_eq!(v.cluster, vec![Some(0), Some(1), Some(2), Some(2)]);
+        assert_eq!(rewards(Some("2^{10^{9}}"), &a), vec![1.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]
