@@ -25,6 +25,7 @@
 
 pub mod clipped;
 mod config;
+mod mask;
 pub mod oapl;
 pub mod reinforce;
 

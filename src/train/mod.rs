@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+mod reference_swap;
 mod resume;
 mod run_dir;
 pub mod step;
@@ -25,12 +26,14 @@ use serde::{Deserialize, Serialize};
 pub use checkpoint::latest_checkpoint;
 use checkpoint::Checkpointer;
 pub use config::TrainConfig;
+pub use reference_swap::ReferenceSwap;
 use metrics::{MetricsLog, StepMetrics};
 pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
 
 use crate::data::{self, PreparedDataset};
 use crate::model::{self, ChatTokenizer, Decoder, ModelError};
+use crate::rollout::{GroupSource, Rollouts};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -43,6 +46,8 @@ pub enum TrainError {
     Data(#[from] data::DataError),
     #[error(transparent)]
     Eval(#[from] crate::eval::EvalError),
+    #[error(transparent)]
+    Rollout(#[from] crate::rollout::RolloutError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("{path}: {source}")]
@@ -185,6 +190,22 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
     Ok(dataset)
 }
 
+/// The groups the run's batches come from: the prepared teacher data, or the questions of
+/// `rollout.questions`.
+fn open_groups(cfg: &TrainConfig, model_dir: &Path) -> Result<GroupSource, TrainError> {
+    match cfg.rollout.as_ref().and_then(|r| r.questions.as_ref().map(|q| (r, q))) {
+        Some((r, path)) => {
+            let tok = ChatTokenizer::load(model_dir).map_err(ModelError::from)?;
+            let seq = &cfg.data.sequence;
+            let system = seq.system_prompt.as_deref();
+            let questions =
+                crate::rollout::load_questions(path, &r.prompt_template, &tok, system, seq.max_prompt_tokens)?;
+            Ok(GroupSource::Questions(questions))
+        }
+        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir)?)),
+    }
+}
+
 /// Why preparation kept no group, from its counts.
 fn why_no_groups(s: &data::Stats, group: &data::GroupOptions) -> String {
     if s.rows_read == 0 {
@@ -278,6 +299,10 @@ struct Run<'a> {
     cfg: &'a TrainConfig,
     policy: Decoder,
     reference: Option<Decoder>,
+    /// The reference is a swapped-in copy of the policy (train.reference_swap_every): checkpoints hold it.
+    reference_swapped: bool,
+    /// `[rollout]`: sampling, scoring and the sampling policy's copy.
+    rollouts: Option<Rollouts>,
     step: TrainStep,
     tok: ChatTokenizer,
     checkpoints: Checkpointer,
@@ -312,7 +337,7 @@ impl Run<'_> {
     /// Train one batch of `order`, validate when due, and log the step's metrics.
     fn train_batch(
         &mut self,
-        dataset: &PreparedDataset,
+        dataset: &GroupSource,
         order: &[usize],
         state: &mut TrainerState,
         plan: StepPlan,
@@ -325,7 +350,14 @@ impl Run<'_> {
         let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
-        let report = self.step.run_at(&self.policy, self.reference.as_ref(), &groups, lr, ctx)?;
+        let (report, rollout) = match &mut self.rollouts {
+            Some(r) => {
+                let (report, m) =
+                    r.step(&self.policy, self.reference.as_ref(), &mut self.step, &self.tok, &groups, lr, ctx)?;
+                (report, Some(m))
+            }
+            None => (self.step.run_at(&self.policy, self.reference.as_ref(), &groups, lr, ctx)?, None),
+        };
         if !report.applied {
             state.nonfinite_steps += 1;
             tracing::warn!(
@@ -340,6 +372,7 @@ impl Run<'_> {
         state.total_tokens += report.stats.tokens as u64;
         let epoch = state.epoch as f64 + state.batch_in_epoch as f64 / plan.steps_per_epoch as f64;
         let mut m = StepMetrics::new(state, epoch, &report, lr, t0.elapsed().as_secs_f64());
+        m.rollout = rollout;
         m.max_memory_allocated_gb =
             crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak as f64 / (1u64 << 30) as f64);
         Ok(m)
@@ -372,10 +405,37 @@ impl Run<'_> {
         Ok(Some(score))
     }
 
+    /// Make the reference a copy of the policy when train.reference_swap_every says so.
+    fn swap_reference_if_due(&mut self, steps_done: usize, epoch_end: bool) -> Result<(), TrainError> {
+        let Some(swap) = self.cfg.train.reference_swap_every else { return Ok(()) };
+        if swap.due(steps_done, epoch_end) {
+            self.reference = None; // free the old copy first
+            let mut r = self.policy.frozen_copy()?;
+            r.options = self.policy.options.clone();
+            self.reference = Some(r);
+            self.reference_swapped = true;
+            tracing::info!("step {steps_done}: the reference is now a copy of the policy");
+        }
+        Ok(())
+    }
+
+    /// The frozen models a checkpoint of `state` must hold besides the policy: the swapped reference, and
+    /// the lagged sampling policy when it is not the checkpoint's own weights.
+    fn frozen_to_save(&self, state: &TrainerState) -> Vec<(&'static str, &Decoder)> {
+        let mut out = Vec::new();
+        if let (true, Some(r)) = (self.reference_swapped, &self.reference) {
+            out.push((checkpoint::REFERENCE_FILE, r));
+        }
+        if let Some(s) = self.rollouts.as_ref().filter(|r| r.stores_sampler(state.step)).and_then(|r| r.sampler()) {
+            out.push((checkpoint::SAMPLER_FILE, s));
+        }
+        out
+    }
+
     /// The epochs from `state` on: one step per batch, checkpoints at the configured points, validation.
     fn train_epochs(
         &mut self,
-        dataset: &PreparedDataset,
+        dataset: &GroupSource,
         mut state: TrainerState,
         metrics: &mut MetricsLog,
         mut last_ckpt: Option<PathBuf>,
@@ -419,6 +479,7 @@ impl Run<'_> {
                 let run_end = state.step >= plan.total_steps;
                 m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
                 metrics.write(&m)?;
+                self.swap_reference_if_due(state.step, epoch_end)?;
                 if epoch_end {
                     state.epoch += 1;
                     state.batch_in_epoch = 0;
@@ -426,7 +487,7 @@ impl Run<'_> {
                 let stop_now = stop.load(Ordering::SeqCst);
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
-                    last_ckpt = Some(self.checkpoints.save(&self.policy, &self.step, &state)?);
+                    last_ckpt = Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
@@ -436,6 +497,26 @@ impl Run<'_> {
         }
         bar.finish();
         Ok(Outcome { state, checkpoint: last_ckpt, interrupted: false })
+    }
+}
+
+impl Run<'_> {
+    /// Restore, from the checkpoint `ck` of `state`, the swapped reference and the lagged sampling policy.
+    fn restore_frozen(&mut self, ck: &Path, state: &TrainerState) -> Result<(), TrainError> {
+        if let Some(r) = checkpoint::read_frozen(ck, checkpoint::REFERENCE_FILE, &self.policy)? {
+            self.reference = Some(r);
+            self.reference_swapped = true;
+        }
+        if let Some(rollouts) = self.rollouts.as_mut().filter(|r| r.stores_sampler(state.step)) {
+            let sampler = checkpoint::read_frozen(ck, checkpoint::SAMPLER_FILE, &self.policy)?.ok_or_else(|| {
+                TrainError::Damaged {
+                    ck: ck.to_path_buf(),
+                    message: format!("missing {}: the lagged sampling policy cannot be restored", checkpoint::SAMPLER_FILE),
+                }
+            })?;
+            rollouts.set_sampler(sampler);
+        }
+        Ok(())
     }
 }
 
@@ -476,7 +557,8 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
         keep_last: cfg.train.keep_last,
         config_toml: cfg.to_toml(),
     };
-    Ok(Run { cfg, policy, reference, step, tok, checkpoints })
+    let rollouts = cfg.rollout.clone().map(|r| Rollouts::new(r, cfg.train.seed, cfg.train.micro_batch_size));
+    Ok(Run { cfg, policy, reference, reference_swapped: false, rollouts, step, tok, checkpoints })
 }
 
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
@@ -499,11 +581,12 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
         resume::check_model(ck, &model_dir)?;
     }
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
-    let dataset = prepare_data(cfg, &model_dir)?;
+    let dataset = open_groups(cfg, &model_dir)?;
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()))?;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
+            run.restore_frozen(&ck, &state)?;
             (Some(ck), state)
         }
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),

@@ -266,6 +266,60 @@ pub struct StepStats {
     pub entropy_sum: f64,
     /// Prompt + response tokens processed (policy forward).
     pub tokens: usize,
+    /// The ratio pi_theta / pi_behaviour over the tokens that have behaviour log-probs: its sum, extremes
+    /// and token count (0: no behaviour log-probs).
+    pub ratio: RatioStats,
+}
+
+/// Sum, minimum and maximum of the per-token ratio exp(log pi_theta - log pi_behaviour).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RatioStats {
+    pub sum: f64,
+    pub min: f64,
+    pub max: f64,
+    pub tokens: usize,
+}
+
+impl RatioStats {
+    /// Add the ratios of `log_ratio` (`[n]`, detached).
+    fn add(&mut self, log_ratio: &Tensor) -> candle_core::Result<()> {
+        let r: Vec<f32> = crate::objective::exp_clamped(log_ratio)?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        for &x in &r {
+            let x = x as f64;
+            (self.min, self.max) = if self.tokens == 0 { (x, x) } else { (self.min.min(x), self.max.max(x)) };
+            self.sum += x;
+            self.tokens += 1;
+        }
+        Ok(())
+    }
+
+    fn merge(&mut self, o: &RatioStats) {
+        if o.tokens > 0 {
+            (self.min, self.max) =
+                if self.tokens == 0 { (o.min, o.max) } else { (self.min.min(o.min), self.max.max(o.max)) };
+            self.sum += o.sum;
+            self.tokens += o.tokens;
+        }
+    }
+
+    /// The mean ratio (None without behaviour log-probs).
+    pub fn mean(&self) -> Option<f64> {
+        (self.tokens > 0).then(|| self.sum / self.tokens as f64)
+    }
+}
+
+impl StepStats {
+    /// Add another computation's sums (another update on the same batch).
+    pub fn merge(&mut self, o: &StepStats) {
+        self.loss += o.loss;
+        self.pg_loss += o.pg_loss;
+        self.kl += o.kl;
+        self.clipped_tokens += o.clipped_tokens;
+        self.response_tokens += o.response_tokens;
+        self.entropy_sum += o.entropy_sum;
+        self.tokens += o.tokens;
+        self.ratio.merge(&o.ratio);
+    }
 }
 
 /// One micro-batch: its tokens, targets, per-token loss inputs (without behaviour log-probs) and the
@@ -331,11 +385,15 @@ fn compute_gradients(
         };
         inputs.ref_logp = if objective.needs_kl() { ref_logp } else { None };
         let (mut pg, mut kl, mut clipped, mut ent) = (0f64, 0f64, 0usize, 0f64);
+        let mut ratio = RatioStats::default();
         let mut loss_fn = |lp: &Tensor| -> candle_core::Result<Tensor> {
             let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
             ent += lp.narrow(1, 1, 1)?.sum_all()?.to_scalar::<f32>()? as f64;
             if anchor == Some(Anchor::Step) {
                 inputs.behaviour_logp = Some(logp.detach());
+            }
+            if let Some(b) = &inputs.behaviour_logp {
+                ratio.add(&(logp.detach() - b)?)?;
             }
             let terms = objective.loss(&logp, &inputs)?;
             pg += terms.pg_loss as f64;
@@ -349,6 +407,7 @@ fn compute_gradients(
         stats.kl += kl;
         stats.clipped_tokens += clipped;
         stats.entropy_sum += ent;
+        stats.ratio.merge(&ratio);
         match &mut total {
             None => total = Some(grads),
             Some(t) => t.accumulate(grads)?,
