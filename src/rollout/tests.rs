@@ -189,3 +189,43 @@ fn sync_every_samples_from_the_policy_of_the_last_sync() {
     let mut fresh = Rollouts::new(opts, 5, 4);
     assert!(fresh.sample(&m, &tok, &qs, 4).unwrap_err().to_string().contains("sync_every"));
 }
+
+#[test]
+fn the_train_config_checks_what_rollouts_need() {
+    use crate::train::TrainConfig;
+    let base = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n[rollout]\nn = 4\n";
+    let parse = |extra: &[&str]| {
+        let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        TrainConfig::parse(base, std::path::Path::new("c.toml"), &o).map_err(|e| e.to_string())
+    };
+    let e = parse(&["objective.name=grpo"]).unwrap_err();
+    assert!(e.contains("objective.anchor = \"step\"") && e.contains("behaviour"), "{e}");
+    let ok = parse(&["objective.name=grpo", "objective.anchor=behaviour"]).unwrap();
+    assert_eq!(ok.objective.anchor(), Some(Anchor::Teacher));
+    assert!(parse(&["objective.anchor=snapshot"]).unwrap_err().contains("sync_every"));
+    let e = parse(&["objective.mask_zero_std=true", "objective.bias=0.5"]).unwrap_err();
+    assert!(e.contains("objective.mask_zero_std") && e.contains("bias"), "{e}");
+    assert!(parse(&["objective.mask_zero_std=true"]).is_ok());
+    let e = parse(&["train.reference_swap_every=3"]).unwrap_err();
+    assert!(e.contains("train.reference_swap_every") && e.contains("no reference"), "{e}");
+    assert!(parse(&["train.reference_swap_every=\"epoch\"", "objective.beta=0.1"]).is_ok());
+    assert!(parse(&["rollout.temperature=nan"]).unwrap_err().contains("rollout.temperature"));
+    let e = parse(&["rollout.n_samples=3"]).unwrap_err();
+    assert!(e.contains("rollout.n_samples"), "{e}");
+    // Own questions need no teacher data.
+    let own = "[model]\npath = \"m\"\n[data]\n[rollout]\nquestions = \"q.jsonl\"\n";
+    assert!(TrainConfig::parse(own, std::path::Path::new("c.toml"), &[]).is_ok());
+    let none = "[model]\npath = \"m\"\n[data]\n[rollout]\n";
+    assert!(TrainConfig::parse(none, std::path::Path::new("c.toml"), &[]).unwrap_err().to_string().contains("data.inputs"));
+}
+
+#[test]
+fn mask_zero_std_leaves_agreeing_groups_out_and_keeps_the_others() {
+    let oc = ObjectiveConfig { mask_zero_std: Some(true), ..Default::default() };
+    let obj = oc.build();
+    let key = crate::objective::GroupKey::default();
+    assert_eq!(obj.advantages(&[1.0, 1.0, 1.0], &key).include, vec![false; 3]);
+    assert_eq!(obj.advantages(&[0.0, 0.0], &key).include, vec![false; 2]);
+    let mixed = obj.advantages(&[1.0, 0.0], &key);
+    assert_eq!(mixed, ObjectiveConfig::default().build().advantages(&[1.0, 0.0], &key));
+}

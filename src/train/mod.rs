@@ -493,6 +493,9 @@ impl Run<'_> {
                     bar.abandon_with_message("interrupted: checkpoint written");
                     return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
                 }
+                if epoch_end {
+                    break; // the next epoch has its own order
+                }
             }
         }
         bar.finish();
@@ -501,11 +504,16 @@ impl Run<'_> {
 }
 
 impl Run<'_> {
-    /// Restore, from the checkpoint `ck` of `state`, the swapped reference and the lagged sampling policy.
+    /// Restore, from the checkpoint `ck` of `state`, the swapped reference, the lagged sampling policy and
+    /// the optimiser's update count with several updates per step.
     fn restore_frozen(&mut self, ck: &Path, state: &TrainerState) -> Result<(), TrainError> {
         if let Some(r) = checkpoint::read_frozen(ck, checkpoint::REFERENCE_FILE, &self.policy)? {
             self.reference = Some(r);
             self.reference_swapped = true;
+        }
+        if let Some(r) = &self.rollouts {
+            // Each step made updates_per_batch optimiser updates: Adam's bias correction counts them all.
+            self.step.optimizer_mut().steps = (state.step * r.options().updates_per_batch) as u64;
         }
         if let Some(rollouts) = self.rollouts.as_mut().filter(|r| r.stores_sampler(state.step)) {
             let sampler = checkpoint::read_frozen(ck, checkpoint::SAMPLER_FILE, &self.policy)?.ok_or_else(|| {
