@@ -211,7 +211,7 @@ fn the_train_config_checks_what_rollouts_need() {
     assert!(parse(&["train.reference_swap_every=\"epoch\"", "objective.beta=0.1"]).is_ok());
     assert!(parse(&["rollout.temperature=nan"]).unwrap_err().contains("rollout.temperature"));
     let e = parse(&["rollout.n_samples=3"]).unwrap_err();
-    assert!(e.contains("rollout.n_samples"), "{e}");
+    assert!(e.contains("n_samples") && e.contains("rollout"), "{e}");
     // Own questions need no teacher data.
     let own = "[model]\npath = \"m\"\n[data]\n[rollout]\nquestions = \"q.jsonl\"\n";
     assert!(TrainConfig::parse(own, std::path::Path::new("c.toml"), &[]).is_ok());
@@ -228,4 +228,36 @@ fn mask_zero_std_leaves_agreeing_groups_out_and_keeps_the_others() {
     assert_eq!(obj.advantages(&[0.0, 0.0], &key).include, vec![false; 2]);
     let mixed = obj.advantages(&[1.0, 0.0], &key);
     assert_eq!(mixed, ObjectiveConfig::default().build().advantages(&[1.0, 0.0], &key));
+}
+
+/// LUFFY's mixed groups: sampled answers have ratio pi / pi_sampling (1 at the first update), teacher
+/// answers without log-probs pi / 1.
+#[test]
+fn mixed_groups_use_the_recorded_log_probs_for_rollouts_and_probability_one_for_the_teacher() {
+    let tok = tokenizer();
+    let m = policy(4);
+    let qs = questions(&tok, 2);
+    let opts = RolloutOptions { teacher_answers: 2, ..options(5, 4) };
+    let groups = sample_groups(&m, &tok, &qs, &opts, &opts.sampling(2, 0), 4).unwrap().0;
+    let mut expected = 0f64;
+    let mut tokens = 0usize;
+    for g in &groups {
+        assert_eq!(g.responses.len(), 5);
+        for r in &g.responses[..3] {
+            expected += r.tokens.len() as f64;
+            tokens += r.tokens.len();
+        }
+        for r in &g.responses[3..] {
+            assert!(r.teacher_logprobs.is_none());
+            expected += single_logprobs(&m, &g.prompt_tokens, &r.tokens).iter().map(|&l| (l as f64).exp()).sum::<f64>();
+            tokens += r.tokens.len();
+        }
+    }
+    let oc = grpo_on_rollouts(0.2);
+    let mut train = TrainStep::new(&oc, &OptimConfig { lr: 1e-3, ..Default::default() }, &m, 4, 4, 0).unwrap();
+    let report = train.run_at(&m, None, &groups, 1e-3, StepContext::default()).unwrap();
+    let ratio = report.stats.ratio;
+    assert_eq!(ratio.tokens, tokens);
+    assert!((ratio.sum - expected).abs() < 1e-3 * tokens as f64, "ratio sum {} vs {expected}", ratio.sum);
+    assert!(ratio.min < 0.2 && (ratio.max - 1.0).abs() < 1e-4, "{ratio:?}");
 }

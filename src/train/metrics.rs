@@ -42,7 +42,7 @@ pub struct StepMetrics {
     /// Validation score (avg@n) when the step validated.
     #[serde(rename = "validation/score", skip_serializing_if = "Option::is_none")]
     pub validation_score: Option<f64>,
-    /// The ratio pi_theta / pi_behaviour over the tokens with behaviour log-probs (absent without them).
+    /// The ratio pi_theta / pi_behaviour over the step's tokens (absent for objectives without an anchor).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ratio_mean: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]

@@ -266,8 +266,8 @@ pub struct StepStats {
     pub entropy_sum: f64,
     /// Prompt + response tokens processed (policy forward).
     pub tokens: usize,
-    /// The ratio pi_theta / pi_behaviour over the tokens that have behaviour log-probs: its sum, extremes
-    /// and token count (0: no behaviour log-probs).
+    /// The ratio pi_theta / pi_behaviour of the objectives that have one (an anchor): its sum, extremes
+    /// and token count (0: no ratio).
     pub ratio: RatioStats,
 }
 
@@ -392,8 +392,11 @@ fn compute_gradients(
             if anchor == Some(Anchor::Step) {
                 inputs.behaviour_logp = Some(logp.detach());
             }
-            if let Some(b) = &inputs.behaviour_logp {
-                ratio.add(&(logp.detach() - b)?)?;
+            match (&inputs.behaviour_logp, anchor) {
+                (Some(b), _) => ratio.add(&(logp.detach() - b)?)?,
+                // Teacher answers without log-probs: probability 1.
+                (None, Some(Anchor::Teacher)) => ratio.add(&logp.detach())?,
+                _ => {}
             }
             let terms = objective.loss(&logp, &inputs)?;
             pg += terms.pg_loss as f64;
