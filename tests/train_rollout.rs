@@ -22,7 +22,9 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     let questions = dir.join("questions.jsonl");
     let words = ["a", "b", "c", "d", "e", "f", "g", "h"];
     let lines: Vec<String> = (0..8)
-        .map(|i| format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8]))
+        .map(|i| {
+            format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8])
+        })
         .collect();
     std::fs::write(&questions, lines.join("\n") + "\n").unwrap();
     (model, questions)
@@ -210,7 +212,11 @@ fn the_seed_configs_check_and_the_on_policy_arm_runs_on_the_cpu_as_the_readme_sa
         let cfg = common::root().join(format!("configs/seed000/{c}.toml"));
         common::grpo().args(["train", "--check", "--config"]).arg(&cfg).assert().success();
     }
-    common::grpo().args(["train", "--check", "--config"]).arg(common::root().join("configs/seed002.toml")).assert().success();
+    common::grpo()
+        .args(["train", "--check", "--config"])
+        .arg(common::root().join("configs/seed002.toml"))
+        .assert()
+        .success();
     let d = tempfile::tempdir().unwrap();
     let model = d.path().join("tiny-llama");
     common::init_tiny("llama", "smollm2", &model);

@@ -71,10 +71,7 @@ fn rollouts_are_scored_and_carry_the_sampling_weights_log_probs() {
     for (g, q) in groups.iter().zip(&qs) {
         assert_eq!(g.responses.len(), 5);
         assert_eq!(g.responses[4], q.responses[0], "the first teacher answer closes the group");
-        let texts: Vec<String> = g.responses[..4]
-            .iter()
-            .map(|r| tok.decode(&r.tokens, true).unwrap())
-            .collect();
+        let texts: Vec<String> = g.responses[..4].iter().map(|r| tok.decode(&r.tokens, true).unwrap()).collect();
         let v = crate::reward::judge(Some("7"), &texts, &opts.extract());
         for (r, ok) in g.responses[..4].iter().zip(&v.correct) {
             assert_eq!(r.reward, if *ok { 1.0 } else { 0.0 });
@@ -216,7 +213,10 @@ fn the_train_config_checks_what_rollouts_need() {
     let own = "[model]\npath = \"m\"\n[data]\n[rollout]\nquestions = \"q.jsonl\"\n";
     assert!(TrainConfig::parse(own, std::path::Path::new("c.toml"), &[]).is_ok());
     let none = "[model]\npath = \"m\"\n[data]\n[rollout]\n";
-    assert!(TrainConfig::parse(none, std::path::Path::new("c.toml"), &[]).unwrap_err().to_string().contains("data.inputs"));
+    assert!(TrainConfig::parse(none, std::path::Path::new("c.toml"), &[])
+        .unwrap_err()
+        .to_string()
+        .contains("data.inputs"));
 }
 
 #[test]

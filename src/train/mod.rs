@@ -26,8 +26,8 @@ use serde::{Deserialize, Serialize};
 pub use checkpoint::latest_checkpoint;
 use checkpoint::Checkpointer;
 pub use config::TrainConfig;
-pub use reference_swap::ReferenceSwap;
 use metrics::{MetricsLog, StepMetrics};
+pub use reference_swap::ReferenceSwap;
 pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
 
@@ -487,7 +487,8 @@ impl Run<'_> {
                 let stop_now = stop.load(Ordering::SeqCst);
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
-                    last_ckpt = Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
+                    last_ckpt =
+                        Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
@@ -519,7 +520,10 @@ impl Run<'_> {
             let sampler = checkpoint::read_frozen(ck, checkpoint::SAMPLER_FILE, &self.policy)?.ok_or_else(|| {
                 TrainError::Damaged {
                     ck: ck.to_path_buf(),
-                    message: format!("missing {}: the lagged sampling policy cannot be restored", checkpoint::SAMPLER_FILE),
+                    message: format!(
+                        "missing {}: the lagged sampling policy cannot be restored",
+                        checkpoint::SAMPLER_FILE
+                    ),
                 }
             })?;
             rollouts.set_sampler(sampler);

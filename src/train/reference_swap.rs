@@ -28,8 +28,12 @@ impl TryFrom<RawSwap> for ReferenceSwap {
         match raw {
             RawSwap::Steps(k) if k >= 1 => Ok(ReferenceSwap::Steps(k as usize)),
             RawSwap::Word(w) if w == "epoch" => Ok(ReferenceSwap::Epoch),
-            RawSwap::Steps(k) => Err(format!("train.reference_swap_every = {k}: expected a number of steps >= 1 or \"epoch\"")),
-            RawSwap::Word(w) => Err(format!("train.reference_swap_every = \"{w}\": expected a number of steps >= 1 or \"epoch\"")),
+            RawSwap::Steps(k) => {
+                Err(format!("train.reference_swap_every = {k}: expected a number of steps >= 1 or \"epoch\""))
+            }
+            RawSwap::Word(w) => {
+                Err(format!("train.reference_swap_every = \"{w}\": expected a number of steps >= 1 or \"epoch\""))
+            }
         }
     }
 }
