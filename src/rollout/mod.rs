@@ -41,9 +41,11 @@ pub enum RolloutError {
     Invalid(String),
 }
 
-/// The rollout side of a run: its options and the sampling policy's copy when it lags.
+/// The rollout side of a run: its options, the tokenizer that decodes answers for scoring, and the
+/// sampling policy's copy when it lags.
 pub struct Rollouts {
     options: RolloutOptions,
+    tok: ChatTokenizer,
     seed: u64,
     /// Sequences per behaviour forward.
     micro: usize,
@@ -52,9 +54,10 @@ pub struct Rollouts {
 }
 
 impl Rollouts {
-    /// Rollouts of a run seeded `seed`, `micro` sequences per behaviour forward.
-    pub fn new(options: RolloutOptions, seed: u64, micro: usize) -> Self {
-        Self { options, seed, micro: micro.max(1), sampler: None }
+    /// Rollouts of a run seeded `seed` with the policy's tokenizer `tok`, `micro` sequences per behaviour
+    /// forward.
+    pub fn new(options: RolloutOptions, tok: ChatTokenizer, seed: u64, micro: usize) -> Self {
+        Self { options, tok, seed, micro: micro.max(1), sampler: None }
     }
 
     pub fn options(&self) -> &RolloutOptions {
@@ -85,12 +88,11 @@ impl Rollouts {
         policy: &Decoder,
         reference: Option<&Decoder>,
         train: &mut TrainStep,
-        tok: &ChatTokenizer,
         questions: &[Group],
         lr: f64,
         ctx: StepContext,
     ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
-        let (groups, mut metrics) = self.sample(policy, tok, questions, ctx.step)?;
+        let (groups, mut metrics) = self.sample(policy, questions, ctx.step)?;
         let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
         metrics.updates = reports.len();
         Ok((combine(reports), metrics))
@@ -100,7 +102,6 @@ impl Rollouts {
     fn sample(
         &mut self,
         policy: &Decoder,
-        tok: &ChatTokenizer,
         questions: &[Group],
         step: usize,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
@@ -119,7 +120,7 @@ impl Rollouts {
         }
         let sampler = self.sampler.as_ref().unwrap_or(policy);
         let params = self.options.sampling(self.seed, step);
-        sample_groups(sampler, tok, questions, &self.options, &params, self.micro)
+        sample_groups(sampler, &self.tok, questions, &self.options, &params, self.micro)
     }
 
     /// `updates_per_batch` updates of `policy` on the same groups and behaviour log-probs.

@@ -114,7 +114,7 @@ fn the_second_update_on_the_same_rollouts_has_a_real_ratio_and_clips() {
     }
     let oc = grpo_on_rollouts(0.05);
     let mut train = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m, 3, 5, 0).unwrap();
-    let rollouts = Rollouts::new(opts, 1, 4);
+    let rollouts = Rollouts::new(opts, tokenizer(), 1, 4);
     let ctx = StepContext::default();
     let before = params(&m);
     let first = train.run_at(&m, None, &groups, 0.05, ctx).unwrap();
@@ -165,12 +165,12 @@ fn sync_every_samples_from_the_policy_of_the_last_sync() {
     let opts = RolloutOptions { sync_every: 3, ..options(4, 4) };
     let oc = grpo_on_rollouts(0.2);
     let mut train = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m, 4, 4, 0).unwrap();
-    let mut r = Rollouts::new(opts.clone(), 5, 4);
+    let mut r = Rollouts::new(opts.clone(), tokenizer(), 5, 4);
     let at0 = m.frozen_copy().unwrap();
     assert!(!r.stores_sampler(3) && r.stores_sampler(4));
     for step in 0..4 {
         let at_step = m.frozen_copy().unwrap();
-        let (groups, _) = r.sample(&m, &tok, &qs, step).unwrap();
+        let (groups, _) = r.sample(&m, &qs, step).unwrap();
         let from = if step < 3 { &at0 } else { &at_step };
         let expected = sample_groups(from, &tok, &qs, &opts, &opts.sampling(5, step), 4).unwrap().0;
         assert_eq!(groups, expected, "step {step}");
@@ -183,8 +183,8 @@ fn sync_every_samples_from_the_policy_of_the_last_sync() {
         r.train_on(&mut train, &m, None, &g, 0.05, StepContext { step, ..Default::default() }).unwrap();
     }
     // A resumed run without its sampling copy at step 4 stops instead of sampling from another policy.
-    let mut fresh = Rollouts::new(opts, 5, 4);
-    assert!(fresh.sample(&m, &tok, &qs, 4).unwrap_err().to_string().contains("sync_every"));
+    let mut fresh = Rollouts::new(opts, tokenizer(), 5, 4);
+    assert!(fresh.sample(&m, &qs, 4).unwrap_err().to_string().contains("sync_every"));
 }
 
 #[test]

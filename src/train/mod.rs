@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+mod ratio;
 mod reference_swap;
 mod resume;
 mod run_dir;
@@ -352,8 +353,7 @@ impl Run<'_> {
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
         let (report, rollout) = match &mut self.rollouts {
             Some(r) => {
-                let (report, m) =
-                    r.step(&self.policy, self.reference.as_ref(), &mut self.step, &self.tok, &groups, lr, ctx)?;
+                let (report, m) = r.step(&self.policy, self.reference.as_ref(), &mut self.step, &groups, lr, ctx)?;
                 (report, Some(m))
             }
             None => (self.step.run_at(&self.policy, self.reference.as_ref(), &groups, lr, ctx)?, None),
@@ -569,7 +569,13 @@ fn load_run<'a>(cfg: &'a TrainConfig, model_dir: PathBuf, resume_from: Option<&P
         keep_last: cfg.train.keep_last,
         config_toml: cfg.to_toml(),
     };
-    let rollouts = cfg.rollout.clone().map(|r| Rollouts::new(r, cfg.train.seed, cfg.train.micro_batch_size));
+    let rollouts = match &cfg.rollout {
+        Some(r) => {
+            let tok = ChatTokenizer::load(&checkpoints.model_dir).map_err(ModelError::from)?;
+            Some(Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size))
+        }
+        None => None,
+    };
     Ok(Run { cfg, policy, reference, reference_swapped: false, rollouts, step, tok, checkpoints })
 }
 
