@@ -9,6 +9,7 @@
 //! - [`fsio`]: atomic output (a file or folder written aside, then renamed into place).
 //! - [`objective`]: advantages and the losses (off_grpo, grpo, sft).
 //! - [`kernels`]: fused ops with their own backward (log-prob + entropy), CPU reference and CUDA kernels.
+//! - [`rollout`]: sampling, scoring and behaviour log-probs of the policy's own answers during training.
 //! - [`train`]: the training loop, optimiser, checkpoints and resume.
 //! - [`eval`]: benchmarks, batched generation and their scores.
 //! - [`device`]: the device's name and its peak memory.
@@ -28,4 +29,5 @@ pub mod objective;
 pub mod perf;
 pub mod progress;
 pub mod reward;
+pub mod rollout;
 pub mod train;

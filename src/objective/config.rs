@@ -8,6 +8,7 @@
 use serde::{Deserialize, Serialize};
 
 use super::clipped::Clipped;
+use super::mask::MaskZeroStd;
 use super::oapl::Oapl;
 use super::reinforce::{AsymRe, Opmd, RedDrop, RedWeight, Sft};
 use super::{AdvantageConfig, KlEstimator, LossAgg, Objective};
@@ -91,8 +92,10 @@ impl ObjectiveName {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Anchor {
-    /// The teacher that wrote the answers: its log-probs when the data has them, else probability 1
-    /// (log-prob 0), as the seed assumes.
+    /// The policy that wrote each answer (alias `behaviour`): for teacher answers the teacher's log-probs
+    /// when the data has them, else probability 1 (log-prob 0), as the seed assumes; for answers sampled
+    /// with `[rollout]`, the sampling policy's log-probs recorded at sampling.
+    #[serde(alias = "behaviour")]
     Teacher,
     /// The policy itself at the start of the step (detached): the on-policy "pi_old".
     Step,
@@ -192,6 +195,10 @@ pub struct ObjectiveConfig {
     /// sft: the answers trained on, the positive ones (default) or all of them (seed 000 says both).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sft_answers: Option<SftAnswers>,
+    /// Leave the groups whose rewards all agree (standard deviation 0) out of the loss, KL term included
+    /// (seed 002). Default false; not with `bias`, which exists for exactly those groups.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_zero_std: Option<bool>,
 }
 
 /// Which answers `sft` trains on. Seed 000 describes its SFT baseline both as "only positive samples" and
@@ -229,6 +236,7 @@ impl Default for ObjectiveConfig {
             anchor: None,
             anchor_every: None,
             sft_answers: None,
+            mask_zero_std: None,
         }
     }
 }
@@ -353,6 +361,11 @@ impl ObjectiveConfig {
         self.anchor_every.unwrap_or(50)
     }
 
+    /// Whether zero-variance groups are left out of the loss.
+    pub fn mask_zero_std(&self) -> bool {
+        self.mask_zero_std.unwrap_or(false)
+    }
+
     pub fn sft_answers(&self) -> SftAnswers {
         self.sft_answers.unwrap_or(SftAnswers::Positive)
     }
@@ -403,6 +416,13 @@ impl ObjectiveConfig {
         if self.anchor_every.is_some() && self.anchor() != Some(Anchor::Snapshot) {
             return Err("objective.anchor_every applies to anchor = \"snapshot\" only".into());
         }
+        if self.mask_zero_std() && self.bias != 0.0 {
+            return Err(format!(
+                "objective.mask_zero_std = true with objective.bias = {}: the bias only acts on groups whose rewards \
+                 all agree, which mask_zero_std leaves out",
+                self.bias
+            ));
+        }
         if self.anchor_every() == 0 {
             return Err("objective.anchor_every must be >= 1".into());
         }
@@ -413,8 +433,17 @@ impl ObjectiveConfig {
         AdvantageConfig { std_normalize: self.std_normalize(), bias: self.bias }
     }
 
-    /// Build the objective.
+    /// Build the objective (leaving zero-variance groups out of its loss with `mask_zero_std`).
     pub fn build(&self) -> Box<dyn Objective> {
+        let objective = self.build_unmasked();
+        if self.mask_zero_std() {
+            Box::new(MaskZeroStd(objective))
+        } else {
+            objective
+        }
+    }
+
+    fn build_unmasked(&self) -> Box<dyn Objective> {
         match self.name {
             ObjectiveName::OffGrpo | ObjectiveName::Grpo | ObjectiveName::Gspo | ObjectiveName::Rec => {
                 Box::new(Clipped::new(self))

@@ -4,7 +4,7 @@
 //! | name | seed | family | file |
 //! |---|---|---|---|
 //! | `off_grpo` | 000 | clipped ratio to the teacher (probability 1) | [`clipped`] |
-//! | `grpo` | 000 (baseline) | clipped ratio to the policy at the start of the step | [`clipped`] |
+//! | `grpo` | 000 (baseline) | clipped ratio to the policy at the start of the step (1 on teacher data: group-relative REINFORCE on teacher answers); on-policy GRPO with `anchor = "behaviour"` and `[rollout]` | [`clipped`] |
 //! | `gspo` | 004 (B.7) | clipped sequence-level ratio | [`clipped`] |
 //! | `rec` | 004 | REINFORCE with one-side / two-side / ring clipping masks, IS or NOIS | [`clipped`] |
 //! | `opmd` | 004 | REINFORCE + (tau / 2) squared sequence log-ratio | [`reinforce`] |
@@ -25,6 +25,7 @@
 
 pub mod clipped;
 mod config;
+mod mask;
 pub mod oapl;
 pub mod reinforce;
 

@@ -108,13 +108,23 @@ impl Checkpointer {
         SaveOptions { dtype: self.save_dtype, tokenizer_dir: Some(self.model_dir.clone()), ..Default::default() }
     }
 
-    /// Write checkpoints/step-N for `state`, point `latest` at it and prune to the newest `keep_last`.
-    pub fn save(&self, policy: &Decoder, step: &TrainStep, state: &TrainerState) -> Result<PathBuf, TrainError> {
+    /// Write checkpoints/step-N for `state` (with the frozen models of `frozen` as `(file, model)`), point
+    /// `latest` at it and prune to the newest `keep_last`.
+    pub fn save(
+        &self,
+        policy: &Decoder,
+        step: &TrainStep,
+        state: &TrainerState,
+        frozen: &[(&str, &Decoder)],
+    ) -> Result<PathBuf, TrainError> {
         let dir = self.output_dir.join("checkpoints");
         let name = format!("step-{:08}", state.step);
         let path = dir.join(&name);
         save_checkpoint(policy, &path, &self.options(), |tmp| {
             write_trainer_files(tmp, step, state)?;
+            for (file, model) in frozen {
+                write_tensors(&tmp.join(file), model.named_tensors())?;
+            }
             let c = tmp.join(CONFIG_FILE);
             std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c, source })
         })?;
@@ -181,6 +191,25 @@ fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Re
 
 /// The anchor snapshot's file in a checkpoint.
 const ANCHOR_FILE: &str = "anchor.safetensors";
+/// The swapped-in reference (train.reference_swap_every), once the run has swapped it.
+pub(super) const REFERENCE_FILE: &str = "reference.safetensors";
+/// The lagged sampling policy (rollout.sync_every), when it is not the checkpoint's own weights.
+pub(super) const SAMPLER_FILE: &str = "sampler.safetensors";
+
+/// The frozen model (shaped like `policy`, in its dtype and on its device) that the checkpoint `ck` holds
+/// as `file`, or None when it holds none.
+pub(super) fn read_frozen(ck: &Path, file: &str, policy: &Decoder) -> Result<Option<Decoder>, TrainError> {
+    let p = ck.join(file);
+    if !p.exists() {
+        return Ok(None);
+    }
+    let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu)
+        .map_err(|e| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") })?;
+    let get = |name: &str, _: &[usize]| tensors.remove(name).ok_or_else(|| ModelError::Missing(name.into()));
+    let mut model = Decoder::from_tensors(policy.config().clone(), get, policy.dtype(), policy.device(), false)?;
+    model.options = policy.options.clone();
+    Ok(Some(model))
+}
 
 /// Read a checkpoint's trainer state.
 pub(super) fn read_state(ck: &Path) -> Result<TrainerState, TrainError> {

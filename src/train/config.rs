@@ -6,9 +6,11 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use super::optim::OptimConfig;
+use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
 use crate::objective::ObjectiveConfig;
+use crate::rollout::RolloutOptions;
 
 /// Errors of reading and checking a config.
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +110,9 @@ pub struct TrainSection {
     pub max_bad_steps: usize,
     /// dtype of the saved HF weights (default: the model's).
     pub save_dtype: Option<String>,
+    /// Make the frozen reference a copy of the policy every K steps, or at each epoch's end with
+    /// "epoch" (seed 002). Default: never.
+    pub reference_swap_every: Option<ReferenceSwap>,
 }
 
 impl Default for TrainSection {
@@ -123,6 +128,7 @@ impl Default for TrainSection {
             keep_last: 2,
             max_bad_steps: 3,
             save_dtype: None,
+            reference_swap_every: None,
         }
     }
 }
@@ -146,6 +152,9 @@ pub struct TrainConfig {
     pub train: TrainSection,
     #[serde(default)]
     pub validation: Option<ValidationSection>,
+    /// Sample the policy's own answers each step and train on them (absent: teacher answers only).
+    #[serde(default)]
+    pub rollout: Option<RolloutOptions>,
 }
 
 /// Add "did you mean" to serde's "unknown field `x`, expected one of `a`, `b`" messages.
@@ -258,7 +267,8 @@ impl TrainConfig {
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
-        if self.data.input.inputs.is_empty() {
+        let own_questions = self.rollout.as_ref().is_some_and(|r| r.questions.is_some());
+        if self.data.input.inputs.is_empty() && !own_questions {
             return bad("data.inputs is empty: give the teacher trajectories (files, folders or globs)".into());
         }
         if self.data.input.group.group_size == 1 {
@@ -275,6 +285,7 @@ impl TrainConfig {
         }
         self.objective.validate().map_err(ConfigError::Invalid)?;
         self.optim.validate().map_err(ConfigError::Invalid)?;
+        self.validate_rollout().map_err(ConfigError::Invalid)?;
         if let Some(v) = &self.validation {
             v.validate("validation.").map_err(ConfigError::Invalid)?;
             if !crate::eval::benchmarks::names().contains(&v.bench.as_str()) {
@@ -286,6 +297,30 @@ impl TrainConfig {
             }
         }
         Ok(())
+    }
+
+    /// `[rollout]` and the options that only make sense with or without it.
+    fn validate_rollout(&self) -> Result<(), String> {
+        if self.train.reference_swap_every.is_some() && !self.objective.build().needs_reference() {
+            return Err("train.reference_swap_every: the objective uses no reference (beta = 0 and anchor is not \
+                        \"reference\"), there is nothing to swap"
+                .into());
+        }
+        let Some(r) = &self.rollout else { return Ok(()) };
+        r.validate()?;
+        use crate::objective::Anchor;
+        match self.objective.anchor() {
+            Some(Anchor::Step) => Err(format!(
+                "objective.anchor = \"step\" (the default of `{}`) with [rollout]: the ratio to the policy at the \
+                 start of each update is always 1; set objective.anchor = \"behaviour\" (the sampling policy's \
+                 log-probs recorded with the rollouts)",
+                self.objective.name.as_str()
+            )),
+            Some(Anchor::Snapshot) => Err("objective.anchor = \"snapshot\" with [rollout]: the lagged policy is \
+                                           rollout.sync_every; set objective.anchor = \"behaviour\""
+                .into()),
+            _ => Ok(()),
+        }
     }
 
     /// The resolved configuration as TOML (written into the output folder).

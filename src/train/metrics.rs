@@ -42,6 +42,16 @@ pub struct StepMetrics {
     /// Validation score (avg@n) when the step validated.
     #[serde(rename = "validation/score", skip_serializing_if = "Option::is_none")]
     pub validation_score: Option<f64>,
+    /// The ratio pi_theta / pi_behaviour over the step's tokens (absent for objectives without an anchor).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_mean: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_min: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ratio_max: Option<f64>,
+    /// `[rollout]`: the step's rollouts (`rollout/*`).
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<crate::rollout::RolloutMetrics>,
 }
 
 impl StepMetrics {
@@ -73,6 +83,10 @@ impl StepMetrics {
             tokens_per_sec: s.tokens as f64 / step_time.max(1e-9),
             max_memory_allocated_gb: None,
             validation_score: None,
+            ratio_mean: s.ratio.mean(),
+            ratio_min: s.ratio.mean().map(|_| s.ratio.min),
+            ratio_max: s.ratio.mean().map(|_| s.ratio.max),
+            rollout: None,
         }
     }
 }

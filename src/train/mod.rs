@@ -12,6 +12,8 @@ mod metrics;
 pub mod optim;
 pub mod refcache;
 pub mod plan;
+mod ratio;
+mod reference_swap;
 mod resume;
 mod run_dir;
 pub mod step;
@@ -28,11 +30,13 @@ pub use checkpoint::latest_checkpoint;
 use checkpoint::Checkpointer;
 pub use config::TrainConfig;
 use metrics::{MetricsLog, StepMetrics};
+pub use reference_swap::ReferenceSwap;
 pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
 
 use crate::data::{self, PreparedDataset};
 use crate::model::{self, ChatTokenizer, Decoder, ModelError};
+use crate::rollout::{GroupSource, Rollouts};
 
 /// Errors of a training run.
 #[derive(Debug, thiserror::Error)]
@@ -45,6 +49,8 @@ pub enum TrainError {
     Data(#[from] data::DataError),
     #[error(transparent)]
     Eval(#[from] crate::eval::EvalError),
+    #[error(transparent)]
+    Rollout(#[from] crate::rollout::RolloutError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error("{path}: {source}")]
@@ -198,6 +204,22 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
     Ok(dataset)
 }
 
+/// The groups the run's batches come from: the prepared teacher data, or the questions of
+/// `rollout.questions`.
+fn open_groups(cfg: &TrainConfig, model_dir: &Path) -> Result<GroupSource, TrainError> {
+    match cfg.rollout.as_ref().and_then(|r| r.questions.as_ref().map(|q| (r, q))) {
+        Some((r, path)) => {
+            let tok = ChatTokenizer::load(model_dir).map_err(ModelError::from)?;
+            let seq = &cfg.data.sequence;
+            let system = seq.system_prompt.as_deref();
+            let questions =
+                crate::rollout::load_questions(path, &r.prompt_template, &tok, system, seq.max_prompt_tokens)?;
+            Ok(GroupSource::Questions(questions))
+        }
+        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir)?)),
+    }
+}
+
 /// Why preparation kept no group, from its counts.
 fn why_no_groups(s: &data::Stats, group: &data::GroupOptions) -> String {
     if s.rows_read == 0 {
@@ -293,6 +315,10 @@ struct Run<'a> {
     reference: Option<Decoder>,
     /// The reference's log-probs computed beforehand (then no reference model is loaded).
     ref_cache: Option<refcache::ReferenceCache>,
+    /// The reference is a swapped-in copy of the policy (train.reference_swap_every): checkpoints hold it.
+    reference_swapped: bool,
+    /// `[rollout]`: sampling, scoring and the sampling policy's copy.
+    rollouts: Option<Rollouts>,
     step: TrainStep,
     tok: ChatTokenizer,
     checkpoints: Checkpointer,
@@ -327,7 +353,7 @@ impl Run<'_> {
     /// Train one batch of `order`, validate when due, and log the step's metrics.
     fn train_batch(
         &mut self,
-        dataset: &PreparedDataset,
+        dataset: &GroupSource,
         order: &[usize],
         state: &mut TrainerState,
         plan: StepPlan,
@@ -340,12 +366,20 @@ impl Run<'_> {
         let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
-        let cached = self.ref_cache.as_ref().map(|c| c.logprobs(&groups)).transpose()?;
-        let reference = match &cached {
-            Some(lp) => step::Reference::Logprobs(lp),
-            None => self.reference.as_ref().into(),
+        let (report, rollout) = match &mut self.rollouts {
+            Some(r) => {
+                let (report, m) = r.step(&self.policy, self.reference.as_ref(), &mut self.step, &groups, lr, ctx)?;
+                (report, Some(m))
+            }
+            None => {
+                let cached = self.ref_cache.as_ref().map(|c| c.logprobs(&groups)).transpose()?;
+                let reference = match &cached {
+                    Some(lp) => step::Reference::Logprobs(lp),
+                    None => self.reference.as_ref().into(),
+                };
+                (self.step.run_with(&self.policy, reference, &groups, lr, ctx)?, None)
+            }
         };
-        let report = self.step.run_with(&self.policy, reference, &groups, lr, ctx)?;
         if !report.applied {
             state.nonfinite_steps += 1;
             tracing::warn!(
@@ -360,6 +394,7 @@ impl Run<'_> {
         state.total_tokens += report.stats.tokens as u64;
         let epoch = state.epoch as f64 + state.batch_in_epoch as f64 / plan.steps_per_epoch as f64;
         let mut m = StepMetrics::new(state, epoch, &report, lr, t0.elapsed().as_secs_f64());
+        m.rollout = rollout;
         m.max_memory_allocated_gb =
             crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak as f64 / (1u64 << 30) as f64);
         Ok(m)
@@ -392,10 +427,37 @@ impl Run<'_> {
         Ok(Some(score))
     }
 
+    /// Make the reference a copy of the policy when train.reference_swap_every says so.
+    fn swap_reference_if_due(&mut self, steps_done: usize, epoch_end: bool) -> Result<(), TrainError> {
+        let Some(swap) = self.cfg.train.reference_swap_every else { return Ok(()) };
+        if swap.due(steps_done, epoch_end) {
+            self.reference = None; // free the old copy first
+            let mut r = self.policy.frozen_copy()?;
+            r.options = self.policy.options.clone();
+            self.reference = Some(r);
+            self.reference_swapped = true;
+            tracing::info!("step {steps_done}: the reference is now a copy of the policy");
+        }
+        Ok(())
+    }
+
+    /// The frozen models a checkpoint of `state` must hold besides the policy: the swapped reference, and
+    /// the lagged sampling policy when it is not the checkpoint's own weights.
+    fn frozen_to_save(&self, state: &TrainerState) -> Vec<(&'static str, &Decoder)> {
+        let mut out = Vec::new();
+        if let (true, Some(r)) = (self.reference_swapped, &self.reference) {
+            out.push((checkpoint::REFERENCE_FILE, r));
+        }
+        if let Some(s) = self.rollouts.as_ref().filter(|r| r.stores_sampler(state.step)).and_then(|r| r.sampler()) {
+            out.push((checkpoint::SAMPLER_FILE, s));
+        }
+        out
+    }
+
     /// The epochs from `state` on: one step per batch, checkpoints at the configured points, validation.
     fn train_epochs(
         &mut self,
-        dataset: &PreparedDataset,
+        dataset: &GroupSource,
         mut state: TrainerState,
         metrics: &mut MetricsLog,
         mut last_ckpt: Option<PathBuf>,
@@ -439,6 +501,7 @@ impl Run<'_> {
                 let run_end = state.step >= plan.total_steps;
                 m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
                 metrics.write(&m)?;
+                self.swap_reference_if_due(state.step, epoch_end)?;
                 if epoch_end {
                     state.epoch += 1;
                     state.batch_in_epoch = 0;
@@ -446,16 +509,48 @@ impl Run<'_> {
                 let stop_now = stop.load(Ordering::SeqCst);
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
-                    last_ckpt = Some(self.checkpoints.save(&self.policy, &self.step, &state)?);
+                    last_ckpt =
+                        Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
                     return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
                 }
+                if epoch_end {
+                    break; // the next epoch has its own order
+                }
             }
         }
         bar.finish();
         Ok(Outcome { state, checkpoint: last_ckpt, interrupted: false })
+    }
+}
+
+impl Run<'_> {
+    /// Restore, from the checkpoint `ck` of `state`, the swapped reference, the lagged sampling policy and
+    /// the optimiser's update count with several updates per step.
+    fn restore_frozen(&mut self, ck: &Path, state: &TrainerState) -> Result<(), TrainError> {
+        if let Some(r) = checkpoint::read_frozen(ck, checkpoint::REFERENCE_FILE, &self.policy)? {
+            self.reference = Some(r);
+            self.reference_swapped = true;
+        }
+        if let Some(r) = &self.rollouts {
+            // Each step made updates_per_batch optimiser updates: Adam's bias correction counts them all.
+            self.step.optimizer_mut().steps = (state.step * r.options().updates_per_batch) as u64;
+        }
+        if let Some(rollouts) = self.rollouts.as_mut().filter(|r| r.stores_sampler(state.step)) {
+            let sampler = checkpoint::read_frozen(ck, checkpoint::SAMPLER_FILE, &self.policy)?.ok_or_else(|| {
+                TrainError::Damaged {
+                    ck: ck.to_path_buf(),
+                    message: format!(
+                        "missing {}: the lagged sampling policy cannot be restored",
+                        checkpoint::SAMPLER_FILE
+                    ),
+                }
+            })?;
+            rollouts.set_sampler(sampler);
+        }
+        Ok(())
     }
 }
 
@@ -502,7 +597,14 @@ fn load_run<'a>(
         keep_last: cfg.train.keep_last,
         config_toml: cfg.to_toml(),
     };
-    Ok(Run { cfg, policy, reference, ref_cache, step, tok, checkpoints })
+    let rollouts = match &cfg.rollout {
+        Some(r) => {
+            let tok = ChatTokenizer::load(&checkpoints.model_dir).map_err(ModelError::from)?;
+            Some(Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size))
+        }
+        None => None,
+    };
+    Ok(Run { cfg, policy, reference, ref_cache, reference_swapped: false, rollouts, step, tok, checkpoints })
 }
 
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
@@ -541,12 +643,16 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     }
     check_plan(cfg, &model_dir, opts.device_memory)?;
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
-    let dataset = prepare_data(cfg, &model_dir)?;
-    let ref_cache = refcache::for_run(cfg, &model_dir, &prepared_dir(cfg), &dataset)?;
+    let dataset = open_groups(cfg, &model_dir)?;
+    let ref_cache = match &dataset {
+        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, &prepared_dir(cfg), prepared)?,
+        GroupSource::Questions(_) => None,
+    };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
+            run.restore_frozen(&ck, &state)?;
             (Some(ck), state)
         }
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),

@@ -40,7 +40,7 @@ const HASH_CHUNK: usize = 64 << 20;
 /// or the initial weights), and `model.cache_reference` is on. A reference that changes during training,
 /// or answers generated during training, must be scored on the fly: their conditions belong here.
 pub fn reference_is_cacheable(cfg: &TrainConfig) -> bool {
-    cfg.model.cache_reference
+    cfg.model.cache_reference && cfg.train.reference_swap_every.is_none() && cfg.rollout.is_none()
 }
 
 /// How the cache is computed.

@@ -6,6 +6,7 @@
 use candle_core::Tensor;
 
 use super::optim::{clip_scale, grad_norm, OptimConfig, Optimizer};
+pub use super::ratio::RatioStats;
 use crate::data::Group;
 use crate::model::{Decoder, Grads, Targets, TokenBatch};
 use crate::objective::{Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, TokenInputs};
@@ -306,6 +307,23 @@ pub struct StepStats {
     pub entropy_sum: f64,
     /// Prompt + response tokens processed (policy forward).
     pub tokens: usize,
+    /// The ratio pi_theta / pi_behaviour of the objectives that have one (an anchor): its sum, extremes
+    /// and token count (0: no ratio).
+    pub ratio: RatioStats,
+}
+
+impl StepStats {
+    /// Add another computation's sums (another update on the same batch).
+    pub fn merge(&mut self, o: &StepStats) {
+        self.loss += o.loss;
+        self.pg_loss += o.pg_loss;
+        self.kl += o.kl;
+        self.clipped_tokens += o.clipped_tokens;
+        self.response_tokens += o.response_tokens;
+        self.entropy_sum += o.entropy_sum;
+        self.tokens += o.tokens;
+        self.ratio.merge(&o.ratio);
+    }
 }
 
 /// One micro-batch: its tokens, targets, per-token loss inputs (without behaviour log-probs) and the
@@ -402,11 +420,18 @@ fn compute_gradients(
         };
         inputs.ref_logp = if objective.needs_kl() { ref_logp } else { None };
         let (mut pg, mut kl, mut clipped, mut ent) = (0f64, 0f64, 0usize, 0f64);
+        let mut ratio = RatioStats::default();
         let mut loss_fn = |lp: &Tensor| -> candle_core::Result<Tensor> {
             let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
             ent += lp.narrow(1, 1, 1)?.sum_all()?.to_scalar::<f32>()? as f64;
             if anchor == Some(Anchor::Step) {
                 inputs.behaviour_logp = Some(logp.detach());
+            }
+            match (&inputs.behaviour_logp, anchor) {
+                (Some(b), _) => ratio.add(&(logp.detach() - b)?)?,
+                // Teacher answers without log-probs: probability 1.
+                (None, Some(Anchor::Teacher)) => ratio.add(&logp.detach())?,
+                _ => {}
             }
             let terms = objective.loss(&logp, &inputs)?;
             pg += terms.pg_loss as f64;
@@ -420,6 +445,7 @@ fn compute_gradients(
         stats.kl += kl;
         stats.clipped_tokens += clipped;
         stats.entropy_sum += ent;
+        stats.ratio.merge(&ratio);
     }
     Ok((total, stats))
 }

@@ -1,0 +1,180 @@
+//! The `[rollout]` section of a training config: how the policy's own answers are sampled, scored and
+//! reused during training.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+use crate::eval::benchmarks::BOXED_FIRST_TEMPLATE;
+use crate::eval::SamplingParams;
+use crate::reward::ExtractOptions;
+
+/// How each step samples answers from the policy. Present in a training config, it turns the step into
+/// sample -> score -> train; absent, the trainer learns from the teacher's answers only.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields, default)]
+pub struct RolloutOptions {
+    /// Answers per question in a group (G), sampled ones and teacher ones together.
+    #[arg(long = "rollout-n", default_value_t = 8)]
+    pub n: usize,
+    /// Sampling temperature (0: greedy).
+    #[arg(long = "rollout-temperature", default_value_t = 1.0)]
+    pub temperature: f32,
+    /// Nucleus sampling mass (1 disables).
+    #[arg(long = "rollout-top-p", default_value_t = 1.0)]
+    pub top_p: f32,
+    /// Keep the k most likely tokens (0 disables).
+    #[arg(long = "rollout-top-k", default_value_t = 0)]
+    pub top_k: usize,
+    /// Generated tokens per answer at most.
+    #[arg(long = "rollout-max-new-tokens", default_value_t = 1024)]
+    pub max_new_tokens: usize,
+    /// Sequences generated together.
+    #[arg(long = "rollout-batch-size", default_value_t = 64)]
+    pub batch_size: usize,
+    /// The questions: a JSONL file of {"problem", "answer"} lines (the format of data/benchmarks), scored
+    /// against their answers. Absent: the questions of the teacher data (data.inputs), scored against
+    /// their label (the teacher's majority answer), or by majority vote over the group without one.
+    #[arg(long = "rollout-questions")]
+    pub questions: Option<PathBuf>,
+    /// The user message of a question from `questions`: `{problem}` is replaced by the problem text.
+    #[arg(long = "rollout-prompt-template", default_value = BOXED_FIRST_TEMPLATE)]
+    pub prompt_template: String,
+    /// Accept "the answer is X" and the last number when an answer has no \boxed{}.
+    #[arg(long = "rollout-fallbacks")]
+    pub fallbacks: bool,
+    /// The sampling policy is a copy of the trained policy refreshed every this many steps: the policy
+    /// at step floor(step / v) * v (1: on-policy, the policy itself).
+    #[arg(long = "rollout-sync-every", default_value_t = 1)]
+    pub sync_every: usize,
+    /// Optimiser updates per batch of rollouts: the same answers and behaviour log-probs serve this many
+    /// updates, so from the second one on the ratio moves away from 1 and the clip acts.
+    #[arg(long = "rollout-updates-per-batch", default_value_t = 1)]
+    pub updates_per_batch: usize,
+    /// Teacher answers per group (LUFFY): each group has n - k sampled answers and the first k teacher
+    /// answers of its question, trained with the teacher's log-probs (probability 1 without them).
+    #[arg(long = "rollout-teacher-answers", default_value_t = 0)]
+    pub teacher_answers: usize,
+}
+
+impl Default for RolloutOptions {
+    fn default() -> Self {
+        Self {
+            n: 8,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 1024,
+            batch_size: 64,
+            questions: None,
+            prompt_template: BOXED_FIRST_TEMPLATE.into(),
+            fallbacks: false,
+            sync_every: 1,
+            updates_per_batch: 1,
+            teacher_answers: 0,
+        }
+    }
+}
+
+impl RolloutOptions {
+    /// Answers sampled per question.
+    pub fn sampled(&self) -> usize {
+        self.n.saturating_sub(self.teacher_answers)
+    }
+
+    /// The sampling settings of step `step` of a run seeded `seed`: each step draws from its own streams.
+    pub fn sampling(&self, seed: u64, step: usize) -> SamplingParams {
+        let mut z = seed ^ (step as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_new_tokens: self.max_new_tokens,
+            seed: z ^ (z >> 31),
+        }
+    }
+
+    pub fn extract(&self) -> ExtractOptions {
+        ExtractOptions { fallbacks: self.fallbacks }
+    }
+
+    /// Check ranges, naming each value as `rollout.KEY`.
+    pub fn validate(&self) -> Result<(), String> {
+        for (key, v) in [
+            ("n", self.n),
+            ("max_new_tokens", self.max_new_tokens),
+            ("batch_size", self.batch_size),
+            ("sync_every", self.sync_every),
+            ("updates_per_batch", self.updates_per_batch),
+        ] {
+            if v == 0 {
+                return Err(format!("rollout.{key} = 0 must be >= 1"));
+            }
+        }
+        if self.n < 2 {
+            return Err(format!("rollout.n = {} must be >= 2: a group needs two answers to compare", self.n));
+        }
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("rollout.temperature = {} must be >= 0 (0: greedy)", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("rollout.top_p = {} must be in (0, 1]", self.top_p));
+        }
+        if self.teacher_answers >= self.n {
+            return Err(format!(
+                "rollout.teacher_answers = {} must be < rollout.n = {}: a group needs at least one sampled answer",
+                self.teacher_answers, self.n
+            ));
+        }
+        if self.teacher_answers > 0 && self.questions.is_some() {
+            return Err("rollout.teacher_answers needs teacher data: rollout.questions has no teacher answers".into());
+        }
+        if self.questions.is_some() && !self.prompt_template.contains("{problem}") {
+            return Err(format!("rollout.prompt_template = `{}` has no {{problem}} placeholder", self.prompt_template));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        options: RolloutOptions,
+    }
+
+    #[test]
+    fn flags_and_keys_have_the_same_defaults() {
+        assert_eq!(Cli::parse_from(["x"]).options, RolloutOptions::default());
+        let empty: RolloutOptions = toml::from_str("").unwrap();
+        assert_eq!(empty, RolloutOptions::default());
+        assert_eq!(RolloutOptions::default().validate(), Ok(()));
+    }
+
+    #[test]
+    fn out_of_range_values_are_named() {
+        let bad = |t: &str| toml::from_str::<RolloutOptions>(t).unwrap().validate().unwrap_err();
+        assert!(bad("n = 1").starts_with("rollout.n = 1"));
+        assert!(bad("sync_every = 0").starts_with("rollout.sync_every = 0"));
+        assert!(bad("updates_per_batch = 0").starts_with("rollout.updates_per_batch"));
+        assert!(bad("temperature = nan").starts_with("rollout.temperature"));
+        assert!(bad("top_p = 0").starts_with("rollout.top_p"));
+        assert!(bad("n = 4\nteacher_answers = 4").starts_with("rollout.teacher_answers = 4"));
+        assert!(bad("teacher_answers = 1\nquestions = \"q.jsonl\"").contains("needs teacher data"));
+        assert!(bad("questions = \"q.jsonl\"\nprompt_template = \"x\"").contains("placeholder"));
+    }
+
+    #[test]
+    fn each_step_samples_with_its_own_seed() {
+        let o = RolloutOptions::default();
+        assert_eq!(o.sampling(3, 5), o.sampling(3, 5));
+        assert_ne!(o.sampling(3, 5).seed, o.sampling(3, 6).seed);
+        assert_ne!(o.sampling(3, 5).seed, o.sampling(4, 5).seed);
+    }
+}

@@ -1,0 +1,263 @@
+use super::*;
+use crate::data::Response;
+use crate::model::tiny::TinyShape;
+use crate::model::{random_decoder, Arch, Targets, TokenBatch};
+use crate::objective::{group_advantages, AdvantageConfig, Anchor, ObjectiveConfig, ObjectiveName};
+use crate::train::optim::OptimConfig;
+use candle_core::{DType, Device};
+
+fn tokenizer() -> ChatTokenizer {
+    ChatTokenizer::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/digits"))
+        .unwrap()
+}
+
+fn policy(seed: u64) -> Decoder {
+    let shape = TinyShape { layers: 1, hidden: 16, heads: 4, kv_heads: 2, intermediate: 32 };
+    let cfg = shape.config(Arch::Llama, 64, None, Some(0)).unwrap();
+    random_decoder(cfg, seed, DType::F32, &Device::Cpu, true).unwrap()
+}
+
+fn questions(tok: &ChatTokenizer, n: usize) -> Vec<Group> {
+    (0..n)
+        .map(|i| Group {
+            index: i,
+            question_id: format!("q{i}"),
+            domain: None,
+            source: None,
+            prompt_tokens: tok.encode(&format!("a b {} c", ["d", "e", "f", "g"][i % 4]), false).unwrap(),
+            responses: (0..2)
+                .map(|j| Response {
+                    tokens: vec![20 + j as u32, 3, 0],
+                    reward: j as f32,
+                    answer: None,
+                    truncated: false,
+                    teacher_logprobs: None,
+                })
+                .collect(),
+            majority: Some("7".into()),
+            majority_count: 0,
+            vote_margin: 0,
+        })
+        .collect()
+}
+
+fn options(n: usize, max_new_tokens: usize) -> RolloutOptions {
+    RolloutOptions { n, max_new_tokens, fallbacks: true, batch_size: 5, ..Default::default() }
+}
+
+fn params(m: &Decoder) -> Vec<Vec<f32>> {
+    m.named_tensors().iter().map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+}
+
+/// The log-probs of `response` after `prompt` under `m`, one sequence alone.
+fn single_logprobs(m: &Decoder, prompt: &[u32], response: &[u32]) -> Vec<f32> {
+    let mut t = Targets::default();
+    (0..response.len()).for_each(|j| t.push(0, prompt.len() + j));
+    let seq = [prompt, response].concat();
+    let lp = m.token_logprobs(&TokenBatch::padded(&[seq], 0), &t, false).unwrap();
+    lp.narrow(1, 0, 1).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+}
+
+#[test]
+fn rollouts_are_scored_and_carry_the_sampling_weights_log_probs() {
+    let tok = tokenizer();
+    let m = policy(1);
+    let qs = questions(&tok, 3);
+    let opts = RolloutOptions { teacher_answers: 1, ..options(5, 6) };
+    let p = opts.sampling(9, 0);
+    let (groups, metrics) = sample_groups(&m, &tok, &qs, &opts, &p, 3).unwrap();
+    assert_eq!(groups.len(), 3);
+    let mut rewards = Vec::new();
+    for (g, q) in groups.iter().zip(&qs) {
+        assert_eq!(g.responses.len(), 5);
+        assert_eq!(g.responses[4], q.responses[0], "the first teacher answer closes the group");
+        let texts: Vec<String> = g.responses[..4].iter().map(|r| tok.decode(&r.tokens, true).unwrap()).collect();
+        let v = crate::reward::judge(Some("7"), &texts, &opts.extract());
+        for (r, ok) in g.responses[..4].iter().zip(&v.correct) {
+            assert_eq!(r.reward, if *ok { 1.0 } else { 0.0 });
+            let behaviour = r.teacher_logprobs.as_ref().unwrap();
+            let alone = single_logprobs(&m, &q.prompt_tokens, &r.tokens);
+            assert_eq!(behaviour.len(), r.tokens.len());
+            for (a, b) in behaviour.iter().zip(&alone) {
+                assert!((a - b).abs() < 1e-5, "behaviour {a} vs forward {b}");
+            }
+            // A stopped answer ends with its EOS; a cut one has max_new_tokens tokens.
+            assert!(r.truncated && r.tokens.len() == 6 || r.tokens.last() == Some(&0));
+            rewards.push(r.reward as f64);
+        }
+    }
+    assert_eq!(metrics.reward_mean, rewards.iter().sum::<f64>() / 12.0);
+    // The same seed and step give the same rollouts; another step others.
+    let (again, _) = sample_groups(&m, &tok, &qs, &opts, &p, 2).unwrap();
+    assert_eq!(again, groups);
+    let (other, _) = sample_groups(&m, &tok, &qs, &opts, &opts.sampling(9, 1), 3).unwrap();
+    assert_ne!(other, groups);
+}
+
+fn grpo_on_rollouts(eps: f32) -> ObjectiveConfig {
+    ObjectiveConfig { name: ObjectiveName::Grpo, anchor: Some(Anchor::Teacher), eps: Some(eps), ..Default::default() }
+}
+
+/// With two updates per batch, the first update's ratio is 1 and the second's is pi_new / pi_behaviour,
+/// clipped exactly where PPO's rule says on the hand-computed ratios.
+#[test]
+fn the_second_update_on_the_same_rollouts_has_a_real_ratio_and_clips() {
+    let tok = tokenizer();
+    let m = policy(2);
+    let opts = RolloutOptions { updates_per_batch: 2, ..options(4, 5) };
+    let mut groups = sample_groups(&m, &tok, &questions(&tok, 2), &opts, &opts.sampling(1, 0), 4).unwrap().0;
+    // Rewards that vary within each group, whatever the random model wrote.
+    for g in &mut groups {
+        for (j, r) in g.responses.iter_mut().enumerate() {
+            r.reward = (j % 2) as f32;
+        }
+    }
+    let oc = grpo_on_rollouts(0.05);
+    let mut train = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m, 3, 5, 0).unwrap();
+    let rollouts = Rollouts::new(opts, tokenizer(), 1, 4);
+    let ctx = StepContext::default();
+    let before = params(&m);
+    let first = train.run_at(&m, None, &groups, 0.05, ctx).unwrap();
+    assert!((first.stats.ratio.min - 1.0).abs() < 1e-4 && (first.stats.ratio.max - 1.0).abs() < 1e-4);
+    assert_eq!(first.stats.clipped_tokens, 0);
+    // Hand-computed: the ratios of the updated policy to the recorded behaviour, and PPO's clip rule.
+    let (mut lo, mut hi, mut tokens) = (0usize, 0usize, 0usize);
+    let adv_cfg = AdvantageConfig { std_normalize: true, bias: 0.0 };
+    for g in &groups {
+        let adv = group_advantages(&g.responses.iter().map(|r| r.reward).collect::<Vec<_>>(), &adv_cfg);
+        for (r, a) in g.responses.iter().zip(&adv.advantages) {
+            let now = single_logprobs(&m, &g.prompt_tokens, &r.tokens);
+            for (x, b) in now.iter().zip(r.teacher_logprobs.as_ref().unwrap()) {
+                let ratio = ((x - b) as f64).exp();
+                let clipped = |ratio: f64| (*a > 0.0 && ratio > 1.05) || (*a < 0.0 && ratio < 0.95);
+                // Ratios within 1e-5 of a bound may fall either side in another forward.
+                lo += usize::from(clipped(ratio) && clipped(ratio * (1.0 - 1e-5)) && clipped(ratio * (1.0 + 1e-5)));
+                hi += usize::from(clipped(ratio) || clipped(ratio * (1.0 - 1e-5)) || clipped(ratio * (1.0 + 1e-5)));
+                tokens += 1;
+            }
+        }
+    }
+    let second = train.run_at(&m, None, &groups, 0.05, ctx).unwrap();
+    assert_eq!(second.stats.ratio.tokens, tokens);
+    assert!(second.stats.ratio.max - second.stats.ratio.min > 0.05, "the ratio stayed at 1: {:?}", second.stats.ratio);
+    let c = second.stats.clipped_tokens;
+    assert!(lo > 0 && lo <= c && c <= hi, "clipped {c}, hand-computed {lo}..={hi}");
+    // The same two updates through the rollout driver, from the same start, give the same result.
+    let m2 = policy(2);
+    assert_eq!(params(&m2), before);
+    let mut train2 = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m2, 3, 5, 0).unwrap();
+    let reports = rollouts.train_on(&mut train2, &m2, None, &groups, 0.05, ctx).unwrap();
+    assert_eq!(reports.len(), 2);
+    assert_eq!(reports[1].stats.clipped_tokens, c);
+    assert_eq!(params(&m2), params(&m));
+    let all = combine(reports);
+    assert_eq!(all.stats.clipped_tokens, c);
+    assert_eq!(all.stats.ratio.tokens, 2 * tokens);
+}
+
+/// With sync_every = 3 the answers of steps 0, 1 and 2 come from the policy of step 0, those of step 3
+/// from the policy of step 3.
+#[test]
+fn sync_every_samples_from_the_policy_of_the_last_sync() {
+    let tok = tokenizer();
+    let m = policy(3);
+    let qs = questions(&tok, 2);
+    let opts = RolloutOptions { sync_every: 3, ..options(4, 4) };
+    let oc = grpo_on_rollouts(0.2);
+    let mut train = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m, 4, 4, 0).unwrap();
+    let mut r = Rollouts::new(opts.clone(), tokenizer(), 5, 4);
+    let at0 = m.frozen_copy().unwrap();
+    assert!(!r.stores_sampler(3) && r.stores_sampler(4));
+    for step in 0..4 {
+        let at_step = m.frozen_copy().unwrap();
+        let (groups, _) = r.sample(&m, &qs, step).unwrap();
+        let from = if step < 3 { &at0 } else { &at_step };
+        let expected = sample_groups(from, &tok, &qs, &opts, &opts.sampling(5, step), 4).unwrap().0;
+        assert_eq!(groups, expected, "step {step}");
+        assert_eq!(params(r.sampler().unwrap()), params(from), "step {step}");
+        if step > 0 && step < 3 {
+            assert_ne!(params(&at_step), params(&at0), "the policy must have moved for the test to mean anything");
+        }
+        let mut g = groups;
+        g.iter_mut().for_each(|g| g.responses.iter_mut().enumerate().for_each(|(j, x)| x.reward = (j % 2) as f32));
+        r.train_on(&mut train, &m, None, &g, 0.05, StepContext { step, ..Default::default() }).unwrap();
+    }
+    // A resumed run without its sampling copy at step 4 stops instead of sampling from another policy.
+    let mut fresh = Rollouts::new(opts, tokenizer(), 5, 4);
+    assert!(fresh.sample(&m, &qs, 4).unwrap_err().to_string().contains("sync_every"));
+}
+
+#[test]
+fn the_train_config_checks_what_rollouts_need() {
+    use crate::train::TrainConfig;
+    let base = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n[rollout]\nn = 4\n";
+    let parse = |extra: &[&str]| {
+        let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        TrainConfig::parse(base, std::path::Path::new("c.toml"), &o).map_err(|e| e.to_string())
+    };
+    let e = parse(&["objective.name=grpo"]).unwrap_err();
+    assert!(e.contains("objective.anchor = \"step\"") && e.contains("behaviour"), "{e}");
+    let ok = parse(&["objective.name=grpo", "objective.anchor=behaviour"]).unwrap();
+    assert_eq!(ok.objective.anchor(), Some(Anchor::Teacher));
+    assert!(parse(&["objective.anchor=snapshot"]).unwrap_err().contains("sync_every"));
+    let e = parse(&["objective.mask_zero_std=true", "objective.bias=0.5"]).unwrap_err();
+    assert!(e.contains("objective.mask_zero_std") && e.contains("bias"), "{e}");
+    assert!(parse(&["objective.mask_zero_std=true"]).is_ok());
+    let e = parse(&["train.reference_swap_every=3"]).unwrap_err();
+    assert!(e.contains("train.reference_swap_every") && e.contains("no reference"), "{e}");
+    assert!(parse(&["train.reference_swap_every=\"epoch\"", "objective.beta=0.1"]).is_ok());
+    assert!(parse(&["rollout.temperature=nan"]).unwrap_err().contains("rollout.temperature"));
+    let e = parse(&["rollout.n_samples=3"]).unwrap_err();
+    assert!(e.contains("n_samples") && e.contains("rollout"), "{e}");
+    // Own questions need no teacher data.
+    let own = "[model]\npath = \"m\"\n[data]\n[rollout]\nquestions = \"q.jsonl\"\n";
+    assert!(TrainConfig::parse(own, std::path::Path::new("c.toml"), &[]).is_ok());
+    let none = "[model]\npath = \"m\"\n[data]\n[rollout]\n";
+    assert!(TrainConfig::parse(none, std::path::Path::new("c.toml"), &[])
+        .unwrap_err()
+        .to_string()
+        .contains("data.inputs"));
+}
+
+#[test]
+fn mask_zero_std_leaves_agreeing_groups_out_and_keeps_the_others() {
+    let oc = ObjectiveConfig { mask_zero_std: Some(true), ..Default::default() };
+    let obj = oc.build();
+    let key = crate::objective::GroupKey::default();
+    assert_eq!(obj.advantages(&[1.0, 1.0, 1.0], &key).include, vec![false; 3]);
+    assert_eq!(obj.advantages(&[0.0, 0.0], &key).include, vec![false; 2]);
+    let mixed = obj.advantages(&[1.0, 0.0], &key);
+    assert_eq!(mixed, ObjectiveConfig::default().build().advantages(&[1.0, 0.0], &key));
+}
+
+/// LUFFY's mixed groups: sampled answers have ratio pi / pi_sampling (1 at the first update), teacher
+/// answers without log-probs pi / 1.
+#[test]
+fn mixed_groups_use_the_recorded_log_probs_for_rollouts_and_probability_one_for_the_teacher() {
+    let tok = tokenizer();
+    let m = policy(4);
+    let qs = questions(&tok, 2);
+    let opts = RolloutOptions { teacher_answers: 2, ..options(5, 4) };
+    let groups = sample_groups(&m, &tok, &qs, &opts, &opts.sampling(2, 0), 4).unwrap().0;
+    let mut expected = 0f64;
+    let mut tokens = 0usize;
+    for g in &groups {
+        assert_eq!(g.responses.len(), 5);
+        for r in &g.responses[..3] {
+            expected += r.tokens.len() as f64;
+            tokens += r.tokens.len();
+        }
+        for r in &g.responses[3..] {
+            assert!(r.teacher_logprobs.is_none());
+            expected += single_logprobs(&m, &g.prompt_tokens, &r.tokens).iter().map(|&l| (l as f64).exp()).sum::<f64>();
+            tokens += r.tokens.len();
+        }
+    }
+    let oc = grpo_on_rollouts(0.2);
+    let mut train = TrainStep::new(&oc, &OptimConfig { lr: 1e-3, ..Default::default() }, &m, 4, 4, 0).unwrap();
+    let report = train.run_at(&m, None, &groups, 1e-3, StepContext::default()).unwrap();
+    let ratio = report.stats.ratio;
+    assert_eq!(ratio.tokens, tokens);
+    assert!((ratio.sum - expected).abs() < 1e-3 * tokens as f64, "ratio sum {} vs {expected}", ratio.sum);
+    assert!(ratio.min < 0.2 && (ratio.max - 1.0).abs() < 1e-4, "{ratio:?}");
+}
