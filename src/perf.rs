@@ -22,7 +22,7 @@ use crate::data::{Group, Response};
 use crate::device::{device_name, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
-use crate::model::{Decoder, ModelConfig};
+use crate::model::{Attention, Decoder, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
 use crate::train::optim::OptimConfig;
 use crate::train::step::TrainStep;
@@ -136,6 +136,9 @@ pub struct TrainStepSpec {
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
     #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
+    /// How attention is computed with fused ops: flash (block by block) or matrix (score matrix).
+    #[arg(long, value_enum, default_value_t = Attention::Flash)]
+    pub attention: Attention,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -154,6 +157,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
     policy.options.fused_ops = spec.fused_ops;
+    policy.options.attention = spec.attention;
     let mut reference = policy.frozen_copy()?;
     reference.options = policy.options.clone();
     let objective_cfg = ObjectiveConfig {
@@ -214,6 +218,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "checkpoint_layers": spec.checkpoint_layers,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
+        "attention": spec.attention,
         "step_times": times,
         "step_time_s": step_time,
         "tokens": tokens,
@@ -443,8 +448,10 @@ mod tests {
             checkpoint_layers: true,
             logprob_chunk_mb: 1,
             fused_ops: true,
+            attention: Attention::Matrix,
         };
         let r = train_step(&spec, &cpu()).unwrap();
+        assert_eq!(r["attention"], "matrix");
         assert_eq!(r["tokens"], 48);
         assert_eq!(r["response_tokens"], 32);
         assert_eq!(r["shape"], "tiny");

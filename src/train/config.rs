@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::optim::OptimConfig;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
+use crate::model::Attention;
 use crate::objective::ObjectiveConfig;
 
 /// Errors of reading and checking a config.
@@ -44,6 +45,9 @@ pub struct ModelSection {
     /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
     /// for checking the kernels).
     pub fused_ops: bool,
+    /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
+    /// the default) or "matrix" (through each head's [T, T] score matrix: quadratic memory).
+    pub attention: Attention,
 }
 
 impl Default for ModelSection {
@@ -57,6 +61,7 @@ impl Default for ModelSection {
             checkpoint_layers: false,
             logprob_chunk_mb: 64,
             fused_ops: true,
+            attention: Attention::Flash,
         }
     }
 }
@@ -329,6 +334,11 @@ mod tests {
         assert!(TrainConfig::parse(MIN, Path::new("c.toml"), &["novalue".into()]).is_err());
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.device=tpu".into()]).unwrap_err();
         assert!(e.to_string().contains("model.device"), "{e}");
+        assert_eq!(c.model.attention, Attention::Flash);
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=matrix".into()]).unwrap();
+        assert_eq!(c.model.attention, Attention::Matrix);
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=sparse".into()]).unwrap_err();
+        assert!(e.to_string().contains("sparse") && e.to_string().contains("`flash`"), "{e}");
     }
 
     #[test]
