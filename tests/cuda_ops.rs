@@ -304,7 +304,8 @@ fn flash_attention_matches_the_cpu_forward_and_backward() {
             let cpu = flash_forward_backward(&Device::Cpu, dt, &qkv, &up, &ranges);
             let gpu_out = flash_forward_backward(&gpu, dt, &qkv, &up, &ranges);
             for (part, (a, c)) in ["o", "dq", "dk", "dv"].iter().zip(gpu_out.iter().zip(&cpu)) {
-                let diff: f32 = (a - c).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+                let diff: f32 =
+                    (a - c).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
                 let size: f32 = c.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
                 let err = diff / size.max(1e-6);
                 println!("flash_attention h={h} kv={kv} t={t} past={past} d={d} {dt:?} {part}: max|gpu-cpu|/max|cpu| {err:.2e}");

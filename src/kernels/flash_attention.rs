@@ -89,8 +89,8 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
     let mut acc = [0f32; 8];
     for (x, y) in ca.zip(cb) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+        for ((a, x), y) in acc.iter_mut().zip(x).zip(y) {
+            *a += x * y;
         }
     }
     acc.iter().sum::<f32>() + tail
@@ -211,9 +211,10 @@ impl<T: Elem> Inputs<'_, T> {
         let mut out = vec![T::of(0.0); self.dims.q_len()];
         let mut lse = vec![0f32; self.dims.b * self.dims.h * t];
         out.par_chunks_mut(t * d).zip(lse.par_chunks_mut(t)).enumerate().for_each(|(bh, (oh, lh))| {
-            oh.par_chunks_mut(CPU_QUERY_BLOCK * d).zip(lh.par_chunks_mut(CPU_QUERY_BLOCK)).enumerate().for_each(
-                |(blk, (o, l))| self.forward_block(bh, blk * CPU_QUERY_BLOCK, o, l),
-            );
+            oh.par_chunks_mut(CPU_QUERY_BLOCK * d)
+                .zip(lh.par_chunks_mut(CPU_QUERY_BLOCK))
+                .enumerate()
+                .for_each(|(blk, (o, l))| self.forward_block(bh, blk * CPU_QUERY_BLOCK, o, l));
         });
         (out, lse)
     }
@@ -303,9 +304,10 @@ impl<T: Elem> Inputs<'_, T> {
                 .for_each(|(blk, dq)| self.dq_block(up, bh, blk * CPU_QUERY_BLOCK, dq));
         });
         dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)).enumerate().for_each(|(bkv, (dkh, dvh))| {
-            dkh.par_chunks_mut(CPU_KEY_BLOCK * d).zip(dvh.par_chunks_mut(CPU_KEY_BLOCK * d)).enumerate().for_each(
-                |(blk, (dk, dv))| self.dkv_block(up, bkv, blk * CPU_KEY_BLOCK, dk, dv),
-            );
+            dkh.par_chunks_mut(CPU_KEY_BLOCK * d)
+                .zip(dvh.par_chunks_mut(CPU_KEY_BLOCK * d))
+                .enumerate()
+                .for_each(|(blk, (dk, dv))| self.dkv_block(up, bkv, blk * CPU_KEY_BLOCK, dk, dv));
         });
         grads
     }
@@ -388,9 +390,7 @@ impl CustomOp3 for FlashAttention {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let Some(lse) = self.lse.get() else {
-            candle_core::bail!("flash attention backward before its forward")
-        };
+        let Some(lse) = self.lse.get() else { candle_core::bail!("flash attention backward before its forward") };
         let grad = grad.to_dtype(out.dtype())?.contiguous()?;
         let delta = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
         let op = FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse, delta: &delta, scale: self.scale };
@@ -497,7 +497,7 @@ pub fn matrix_attention(
     let qg = q.contiguous()?.reshape((b, kv, (h / kv) * t, d))?;
     let scores = qg.matmul(&k.t()?)?.reshape((b, h, t, s))?;
     let probs = softmax(&scores)?;
-    probs.reshape((b, kv, (h / kv) * t, s))?.matmul(&v.contiguous()?)?.reshape((b, h, t, d))
+    probs.reshape((b, kv, (h / kv) * t, s))?.matmul(v)?.reshape((b, h, t, d))
 }
 
 #[cfg(feature = "cuda")]
@@ -601,11 +601,8 @@ mod cuda {
             let tiles = forward_tiles(dims.d)?;
             // SAFETY: the kernel writes every output element.
             let out = unsafe { dev.alloc::<T>(dims.q_len())? };
-            let f = dev.get_or_load_custom_func(
-                &kernel_name::<T>("flash_fwd"),
-                FLASH_ATTENTION.name,
-                FLASH_ATTENTION.ptx,
-            )?;
+            let f =
+                dev.get_or_load_custom_func(&kernel_name::<T>("flash_fwd"), FLASH_ATTENTION.name, FLASH_ATTENTION.ptx)?;
             let [h, kv, t, s, d] = sizes(dims);
             let bq = tiles.bq as u32;
             let mut b = f.builder();

@@ -76,7 +76,8 @@ pub struct DecoderOptions {
     /// candle references instead (slower, more memory: for checking the kernels and measuring them),
     /// attention through the score matrix whatever `attention` says.
     pub fused_ops: bool,
-    /// How attention is computed (with `fused_ops`).
+    /// How attention is computed (with `fused_ops`; generation's one-token steps, whose scores are
+    /// linear in the cache, always go through the score matrix).
     pub attention: Attention,
 }
 
@@ -599,9 +600,12 @@ impl Decoder {
         }
         // Grouped-query attention without repeating K/V (both paths read KV head h / (H / KV)).
         let scale = 1.0 / (hd as f64).sqrt();
-        let attn = match (fused, self.options.attention) {
-            (true, Attention::Flash) => flash_attention(&q, &k, &v, ranges, scale)?,
-            (true, Attention::Matrix) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
+        // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
+        // cache views as they are, where flash attention would copy them into contiguous tensors.
+        let flash = self.options.attention == Attention::Flash && t > 1;
+        let attn = match (fused, flash) {
+            (true, true) => flash_attention(&q, &k, &v, ranges, scale)?,
+            (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;

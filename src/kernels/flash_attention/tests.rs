@@ -50,7 +50,9 @@ impl Case {
     /// q, k, v (as variables) and an upstream gradient, in `dtype`.
     fn inputs(&self, seed: u64, dtype: DType) -> (Var, Var, Var, Tensor) {
         let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let mut var = |shape: &[usize], scale| Var::from_tensor(&random(&mut rng, shape, scale).to_dtype(dtype).unwrap()).unwrap();
+        let mut var = |shape: &[usize], scale| {
+            Var::from_tensor(&random(&mut rng, shape, scale).to_dtype(dtype).unwrap()).unwrap()
+        };
         let q = var(&[self.b, self.h, self.t, self.d], 2.0);
         let k = var(&[self.b, self.kv, self.s, self.d], 2.0);
         let v = var(&[self.b, self.kv, self.s, self.d], 1.0);
@@ -60,13 +62,7 @@ impl Case {
 }
 
 /// Output, dq, dk and dv of `attend` on the case's inputs, in f32.
-fn run(
-    q: &Var,
-    k: &Var,
-    v: &Var,
-    up: &Tensor,
-    attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor,
-) -> [Tensor; 4] {
+fn run(q: &Var, k: &Var, v: &Var, up: &Tensor, attend: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor) -> [Tensor; 4] {
     let o = attend(q.as_tensor(), k.as_tensor(), v.as_tensor());
     let g = (o.to_dtype(DType::F32).unwrap() * up.to_dtype(DType::F32).unwrap())
         .unwrap()
@@ -75,7 +71,12 @@ fn run(
         .backward()
         .unwrap();
     let f32 = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
-    [f32(&o), f32(g.get(q.as_tensor()).unwrap()), f32(g.get(k.as_tensor()).unwrap()), f32(g.get(v.as_tensor()).unwrap())]
+    [
+        f32(&o),
+        f32(g.get(q.as_tensor()).unwrap()),
+        f32(g.get(k.as_tensor()).unwrap()),
+        f32(g.get(v.as_tensor()).unwrap()),
+    ]
 }
 
 fn flash(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
