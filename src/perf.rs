@@ -22,7 +22,7 @@ use crate::data::{Group, Response};
 use crate::device::{device_name, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
-use crate::model::{Decoder, ModelConfig};
+use crate::model::{Attention, Decoder, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
 use crate::train::optim::OptimConfig;
 use crate::train::step::TrainStep;
@@ -142,6 +142,9 @@ pub struct TrainStepSpec {
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
+    /// How attention is computed with fused ops: flash (block by block) or matrix (score matrix).
+    #[arg(long, value_enum, default_value_t = Attention::Flash)]
+    pub attention: Attention,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -161,6 +164,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
     policy.options.fused_ops = spec.fused_ops;
+    policy.options.attention = spec.attention;
     let reference = if spec.no_reference {
         None
     } else {
@@ -228,6 +232,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
         "reference": !spec.no_reference,
+        "attention": spec.attention,
         "step_times": times,
         "step_time_s": step_time,
         "tokens": tokens,
@@ -459,8 +464,10 @@ mod tests {
             fused_ops: true,
             offload: false,
             no_reference: false,
+            attention: Attention::Matrix,
         };
         let r = train_step(&spec, &cpu()).unwrap();
+        assert_eq!(r["attention"], "matrix");
         assert_eq!(r["tokens"], 48);
         assert_eq!(r["response_tokens"], 32);
         assert_eq!(r["shape"], "tiny");

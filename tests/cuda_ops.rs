@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::kernels::{logprobs_entropy, masked_softmax, rms_normalize, rope, row_grad, row_stats};
+use grpo::kernels::{flash_attention, logprobs_entropy, masked_softmax, rms_normalize, rope, row_grad, row_stats};
 use rand::{Rng, SeedableRng};
 
 /// The GPU, or None (the test then skips) when none opens; with GRPO_REQUIRE_CUDA=1 (as scripts/gpu/run.sh
@@ -244,5 +244,73 @@ fn rope_matches_the_cpu_forward_and_backward() {
             let on = |t: &Tensor| t.to_dtype(x.dtype()).unwrap().to_device(x.device()).unwrap();
             rope(x, &on(&cos), &on(&sin)).unwrap()
         });
+    }
+}
+
+/// Flash attention's output and gradients of q, k, v (`sum(o * up)`) on `dev` in `dt`, on the CPU in f32.
+fn flash_forward_backward(dev: &Device, dt: DType, qkv: &[Tensor; 3], up: &Tensor, ranges: &Tensor) -> Vec<Tensor> {
+    let vars: Vec<Var> =
+        qkv.iter().map(|x| Var::from_tensor(&x.to_dtype(dt).unwrap().to_device(dev).unwrap()).unwrap()).collect();
+    let ranges = ranges.to_device(dev).unwrap();
+    let o = flash_attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), &ranges, 0.125).unwrap();
+    assert_eq!(o.dtype(), dt);
+    let loss = (o.to_dtype(DType::F32).unwrap() * up.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+    let mut out = vec![cpu(&o)];
+    out.extend(vars.iter().map(|v| cpu(g.get(v.as_tensor()).unwrap())));
+    out
+}
+
+/// Ranges `[B, T, 2]` over `past + T` keys: row 0 causal; row 1 two packed segments, a query whose range
+/// runs past the keys (clipped), an empty one (zero output and gradient) and trailing padding.
+fn flash_ranges(b: usize, t: usize, past: usize) -> Tensor {
+    let mut r = Vec::new();
+    for row in 0..b {
+        for i in 0..t as u32 {
+            let q = i + past as u32;
+            let third = t as u32 / 3;
+            r.extend_from_slice(&match (row, i) {
+                (0, _) => [0, q],
+                (_, i) if i < third => [0, q],
+                (_, i) if i + 3 < t as u32 && i < 2 * third + 20 => [third + past as u32, q],
+                (_, i) if i + 3 == t as u32 => [5, 1_000_000],
+                (_, i) if i + 2 == t as u32 => [7, 3],
+                _ => [q, q],
+            });
+        }
+    }
+    Tensor::from_vec(r, (b, t, 2), &Device::Cpu).unwrap()
+}
+
+#[test]
+fn flash_attention_matches_the_cpu_forward_and_backward() {
+    let Some(gpu) = gpu() else { return };
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    // (heads, kv heads, queries, cached keys, head dim): GQA groups of 1, 2 and 4; lengths that are not
+    // multiples of the tiles; head dims of every tile choice; a decode step (one query over a cache).
+    let cases = [(2, 2, 300, 1, 64), (4, 2, 257, 0, 128), (4, 1, 100, 37, 256), (8, 2, 1, 200, 128), (2, 1, 45, 0, 40)];
+    for (h, kv, t, past, d) in cases {
+        let b = 2;
+        let s = t + past;
+        let mut draw = |n: usize, m: usize, scale: f32| random(&mut rng, (n, m), scale);
+        let q = draw(b * h * t, d, 3.0).reshape((b, h, t, d)).unwrap();
+        let k = draw(b * kv * s, d, 3.0).reshape((b, kv, s, d)).unwrap();
+        let v = draw(b * kv * s, d, 1.0).reshape((b, kv, s, d)).unwrap();
+        let up = draw(b * h * t, d, 1.0).reshape((b, h, t, d)).unwrap();
+        let ranges = flash_ranges(b, t, past);
+        for (dt, tol) in [(DType::F32, 1e-4), (DType::BF16, 2e-2), (DType::F16, 5e-3)] {
+            let qkv = [q.clone(), k.clone(), v.clone()];
+            let cpu = flash_forward_backward(&Device::Cpu, dt, &qkv, &up, &ranges);
+            let gpu_out = flash_forward_backward(&gpu, dt, &qkv, &up, &ranges);
+            for (part, (a, c)) in ["o", "dq", "dk", "dv"].iter().zip(gpu_out.iter().zip(&cpu)) {
+                let diff: f32 =
+                    (a - c).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+                let size: f32 = c.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+                let err = diff / size.max(1e-6);
+                println!("flash_attention h={h} kv={kv} t={t} past={past} d={d} {dt:?} {part}: max|gpu-cpu|/max|cpu| {err:.2e}");
+                assert!(err < tol, "flash_attention h={h} kv={kv} t={t} d={d} {dt:?} {part}: {err}");
+            }
+        }
     }
 }

@@ -20,6 +20,9 @@ pub const ROWS: Module = Module { name: "grpo_rows", ptx: include_str!(concat!(e
 /// kernels/attention.cu.
 pub const ATTENTION: Module =
     Module { name: "grpo_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
+/// kernels/flash_attention.cu.
+pub const FLASH_ATTENTION: Module =
+    Module { name: "grpo_flash_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx")) };
 /// kernels/rope.cu.
 pub const ROPE: Module = Module { name: "grpo_rope", ptx: include_str!(concat!(env!("OUT_DIR"), "/rope.ptx")) };
 /// kernels/norm.cu.

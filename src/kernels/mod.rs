@@ -6,6 +6,8 @@
 //! - [`rms_normalize`] (norm.rs): RMSNorm without its weight, in one pass with its own backward.
 //! - [`masked_softmax`] (attention.rs): the attention softmax (scale, causal/segment mask, softmax) in
 //!   one pass with its own backward.
+//! - [`flash_attention`] (flash_attention.rs): attention block by block with an online softmax and its
+//!   own backward, O(T) memory per head; [`matrix_attention`] is the same through the `[T, S]` matrix.
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
@@ -21,12 +23,14 @@ mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod flash_attention;
 mod logprob;
 mod norm;
 mod rope;
 mod rows;
 
 pub use attention::{masked_softmax, masked_softmax_reference};
+pub use flash_attention::{flash_attention, matrix_attention};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};

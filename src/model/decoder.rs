@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    logprobs_entropy, masked_softmax, masked_softmax_reference, rms_normalize, rms_normalize_reference, rope_reference,
-    LOGPROB_CHUNK_BYTES,
+    flash_attention, logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
+    rms_normalize_reference, rope_reference, LOGPROB_CHUNK_BYTES,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -53,6 +53,18 @@ struct LayerIdx {
     ln_post: usize,
 }
 
+/// How the decoder computes attention (the same values either way, up to rounding).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Attention {
+    /// Block by block with an online softmax and its own backward (flash attention): O(T) memory per
+    /// head, forward and backward.
+    #[default]
+    Flash,
+    /// Through the `[T, S]` score matrix of each head and the fused masked softmax: O(T x S) memory.
+    Matrix,
+}
+
 /// Options that change how (not what) the decoder computes.
 #[derive(Debug, Clone)]
 pub struct DecoderOptions {
@@ -61,13 +73,22 @@ pub struct DecoderOptions {
     /// Memory budget of one chunk of f32 logits in the log-prob op.
     pub logprob_chunk_bytes: usize,
     /// Use the project's fused ops (RMSNorm, rope, attention softmax); `false` uses their composite
-    /// candle references instead (slower, more memory: for checking the kernels and measuring them).
+    /// candle references instead (slower, more memory: for checking the kernels and measuring them),
+    /// attention through the score matrix whatever `attention` says.
     pub fused_ops: bool,
+    /// How attention is computed (with `fused_ops`; generation's one-token steps, whose scores are
+    /// linear in the cache, always go through the score matrix).
+    pub attention: Attention,
 }
 
 impl Default for DecoderOptions {
     fn default() -> Self {
-        Self { checkpoint_layers: false, logprob_chunk_bytes: LOGPROB_CHUNK_BYTES, fused_ops: true }
+        Self {
+            checkpoint_layers: false,
+            logprob_chunk_bytes: LOGPROB_CHUNK_BYTES,
+            fused_ops: true,
+            attention: Attention::Flash,
+        }
     }
 }
 
@@ -546,7 +567,6 @@ impl Decoder {
         let cfg = &self.cfg;
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
-        let rep = nh / nkv;
         let eps = cfg.rms_norm_eps;
 
         let fused = self.options.fused_ops;
@@ -569,15 +589,17 @@ impl Decoder {
         if let Some(cache) = cache {
             (k, v) = LayerCache::append(cache, &k, &v)?;
         }
-        let s = k.dim(2)?;
-        // Grouped-query attention without repeating K/V: queries of the heads that share a KV head are
-        // stacked along the time axis.
-        let qg = q.reshape((b, nkv, rep * t, hd))?;
-        let scores = qg.matmul(&k.t()?)?.reshape((b, nh, t, s))?;
-        let softmax = if fused { masked_softmax } else { masked_softmax_reference };
-        let probs = softmax(&scores, ranges, 1.0 / (hd as f64).sqrt())?;
-        let attn = probs.reshape((b, nkv, rep * t, s))?.matmul(&v)?; // [B, KV, rep*T, D]
-        let attn = attn.reshape((b, nh, t, hd))?.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        // Grouped-query attention without repeating K/V (both paths read KV head h / (H / KV)).
+        let scale = 1.0 / (hd as f64).sqrt();
+        // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
+        // cache views as they are, where flash attention would copy them into contiguous tensors.
+        let flash = self.options.attention == Attention::Flash && t > 1;
+        let attn = match (fused, flash) {
+            (true, true) => flash_attention(&q, &k, &v, ranges, scale)?,
+            (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
+            (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
+        };
+        let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
 
         let h = rms_norm(&x, &self.w(li.ln_post, graph), eps, fused)?;
@@ -902,10 +924,12 @@ mod tests {
         }
     }
 
+    /// Through the default attention (flash, with its own backward).
     #[test]
     fn finite_differences_agree_with_autograd() {
         for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
             let m = tiny(arch, arch == Arch::Llama, true);
+            assert_eq!(m.options.attention, Attention::Flash);
             let (b, t) = batch();
             let (_, grads) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
             let eval = |m: &Decoder| -> f64 {
@@ -992,6 +1016,37 @@ mod tests {
         }
     }
 
+    /// Flash attention and the score-matrix path give the same loss and gradients, padded and packed,
+    /// with and without layer recomputation.
+    #[test]
+    fn flash_and_matrix_attention_give_the_same_gradients() {
+        for arch in [Arch::Qwen3, Arch::Llama] {
+            let mut m = tiny(arch, false, true);
+            let (b, t) = batch();
+            let packed = TokenBatch::packed(&[vec![vec![5, 17, 3], vec![88, 41, 9, 60]], vec![vec![7, 8]]], 0);
+            let mut pt = Targets::default();
+            for (r, p) in [(0, 1), (0, 2), (0, 4), (0, 5), (0, 6), (1, 1)] {
+                pt.push(r, p);
+            }
+            for (batch, targets) in [(&b, &t), (&packed, &pt)] {
+                for checkpoint in [false, true] {
+                    m.options.checkpoint_layers = checkpoint;
+                    m.options.attention = Attention::Flash;
+                    let (l1, g1) = m.forward_backward(batch, targets, &mut weighted_loss).unwrap();
+                    m.options.attention = Attention::Matrix;
+                    let (l2, g2) = m.forward_backward(batch, targets, &mut weighted_loss).unwrap();
+                    assert!((l1 - l2).abs() < 1e-5, "{arch:?}: loss {l1} vs {l2}");
+                    for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
+                        let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
+                        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                        let size = b.iter().map(|x| x.abs()).fold(1f32, f32::max);
+                        assert!(d < 1e-5 * size, "{arch:?} {name}: flash gradient differs by {d} (of {size})");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn padding_and_packing_do_not_change_logprobs() {
         let m = tiny(Arch::Qwen2, false, false);
@@ -1020,8 +1075,11 @@ mod tests {
 
     #[test]
     fn kv_cache_generation_matches_full_forward() {
-        for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
-            let m = tiny(arch, false, false);
+        for (arch, attention) in
+            [(Arch::Qwen2, Attention::Flash), (Arch::Qwen3, Attention::Flash), (Arch::Llama, Attention::Matrix)]
+        {
+            let mut m = tiny(arch, false, false);
+            m.options.attention = attention;
             let prompts = vec![vec![5u32, 17, 3, 88, 41], vec![11u32, 2], vec![7u32, 7, 7]];
             let (mut logits, mut cache) = m.prefill(&prompts, 0).unwrap();
             let mut seqs = prompts.clone();

@@ -10,7 +10,7 @@ pub mod tokenizer;
 
 pub use checkpoint::save_checkpoint;
 pub use config::{Arch, ModelConfig};
-pub use decoder::{Decoder, DecoderOptions, Grads, KvCache, Param, Targets, TokenBatch};
+pub use decoder::{Attention, Decoder, DecoderOptions, Grads, KvCache, Param, Targets, TokenBatch};
 pub use load::{load_decoder, parse_device, parse_dtype, random_decoder, resolve_model_dir};
 pub use tokenizer::{ChatTokenizer, Message};
 

@@ -9,6 +9,7 @@ use super::optim::OptimConfig;
 use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
+use crate::model::Attention;
 use crate::objective::ObjectiveConfig;
 use crate::rollout::RolloutOptions;
 
@@ -51,6 +52,9 @@ pub struct ModelSection {
     /// prepared data (recomputed when the reference or the data changes) and load no reference model while
     /// training; false computes them on the fly each step.
     pub cache_reference: bool,
+    /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
+    /// the default) or "matrix" (through each head's [T, T] score matrix: quadratic memory).
+    pub attention: Attention,
 }
 
 impl Default for ModelSection {
@@ -65,6 +69,7 @@ impl Default for ModelSection {
             logprob_chunk_mb: 64,
             fused_ops: true,
             cache_reference: true,
+            attention: Attention::Flash,
         }
     }
 }
@@ -370,6 +375,11 @@ mod tests {
         assert!(TrainConfig::parse(MIN, Path::new("c.toml"), &["novalue".into()]).is_err());
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.device=tpu".into()]).unwrap_err();
         assert!(e.to_string().contains("model.device"), "{e}");
+        assert_eq!(c.model.attention, Attention::Flash);
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=matrix".into()]).unwrap();
+        assert_eq!(c.model.attention, Attention::Matrix);
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=sparse".into()]).unwrap_err();
+        assert!(e.to_string().contains("sparse") && e.to_string().contains("`flash`"), "{e}");
     }
 
     #[test]

@@ -570,6 +570,7 @@ fn load_run<'a>(
     policy.options.checkpoint_layers = cfg.model.checkpoint_layers;
     policy.options.logprob_chunk_bytes = cfg.model.logprob_chunk_mb.max(1) << 20;
     policy.options.fused_ops = cfg.model.fused_ops;
+    policy.options.attention = cfg.model.attention;
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
     let step = TrainStep::new(
         &cfg.objective,

@@ -29,7 +29,7 @@ use std::fmt;
 
 use super::config::TrainConfig;
 use super::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
-use crate::model::{ChatTokenizer, ModelConfig, ModelError};
+use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
@@ -42,19 +42,10 @@ pub const CPU_PROCESS_BYTES: u64 = 64 << 20;
 /// modules (outside candle's allocation pool).
 pub const CUDA_CONTEXT_BYTES: u64 = 1 << 30;
 
-/// The attention implementation (`[model] attention`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AttentionKind {
-    /// Block-wise attention: keeps the output and one f32 log-sum-exp per query and head, O(T).
-    Flash,
-    /// Scores and probabilities as `[B, heads, T, T]` matrices, O(T^2).
-    Matrix,
-}
-
 /// What the plan needs besides the two configurations.
 #[derive(Debug, Clone, Copy)]
 pub struct PlanInputs {
-    pub attention: AttentionKind,
+    pub attention: Attention,
     /// The reference model's log-probs are read from a file instead of computed by a loaded reference.
     pub reference_cached: bool,
     /// The model runs on the CPU: the device is host memory and the process counts in it.
@@ -165,7 +156,7 @@ fn largest_params(m: &ModelConfig) -> (u64, u64) {
 }
 
 impl Activations {
-    fn new(m: &ModelConfig, s: &Shape, d: u64, attention: AttentionKind, chunk_bytes: u64) -> Self {
+    fn new(m: &ModelConfig, s: &Shape, d: u64, attention: Attention, chunk_bytes: u64) -> Self {
         let (h, i, v) = (m.hidden_size as u64, m.intermediate_size as u64, m.vocab_size as u64);
         let q = (m.num_heads * m.head_dim) as u64;
         let kv = (m.num_kv_heads * m.head_dim) as u64;
@@ -176,8 +167,8 @@ impl Activations {
             (8 + o_b + mlp_b) * h + (4 + qkv_b + 2 * qk_n) * q + (4 + 2 * qkv_b + 2 * qk_n) * kv + (4 + 2 * mlp_b) * i;
         let matrix = 2 * s.b * heads * s.t * s.t * d;
         let (attn_saved, attn_work) = match attention {
-            AttentionKind::Matrix => (matrix, matrix),
-            AttentionKind::Flash => (4 * s.b * heads * s.t, 8 * s.b * heads * s.t),
+            Attention::Matrix => (matrix, matrix),
+            Attention::Flash => (4 * s.b * heads * s.t, 8 * s.b * heads * s.t),
         };
         let layer = n * width * d + attn_saved;
         let rows = (chunk_bytes / (4 * v).max(1)).clamp(1, 1 << 16).min(s.n_scored.max(1));
@@ -270,8 +261,8 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     let layer_part = act.layer_backward + act.attention_workspace + grad_store;
     let head_part = act.head_backward + act.logprob_chunk;
     let kind = match inputs.attention {
-        AttentionKind::Flash => "flash: O(T)",
-        AttentionKind::Matrix => "matrix: 2 B heads T^2 d",
+        Attention::Flash => "flash: O(T)",
+        Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {
         add(
@@ -438,8 +429,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device.
 pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>) -> Plan {
     let inputs = PlanInputs {
-        // from [model] attention once that key exists
-        attention: AttentionKind::Flash,
+        // Without the fused ops, attention goes through the composite score matrix.
+        attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
         reference_cached: super::refcache::reference_is_cacheable(cfg),
         on_cpu: cfg.model.device == "cpu",
         device_memory,
@@ -479,7 +470,7 @@ mod tests {
         TrainConfig::parse(base, Path::new("c.toml"), &o).unwrap()
     }
 
-    fn inputs(attention: AttentionKind) -> PlanInputs {
+    fn inputs(attention: Attention) -> PlanInputs {
         PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30) }
     }
 
@@ -493,7 +484,7 @@ mod tests {
         // P: embed + lm_head 2 x 32 x 8, per layer q 64 + k 32 + v 32 + o 64 + biases 16 + MLP 384 + norms 16.
         let p = 2 * 32 * 8 + 3 * (64 + 32 + 32 + 64 + 16 + 384 + 16) + 8;
         assert_eq!(m.num_parameters(), p as usize);
-        let plan = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
+        let plan = plan(&config(&[]), &m, inputs(Attention::Matrix));
         assert_eq!(bytes(&plan, "weights"), 2 * p);
         assert_eq!(bytes(&plan, "gradients (f32 accumulator)"), 4 * p);
         assert_eq!(bytes(&plan, "optimizer state"), 12 * p);
@@ -505,7 +496,7 @@ mod tests {
         assert_eq!(bytes(&plan, "activations, checkpoint_layers = true"), 4 * 32 * 8 * 2 + layer);
         // n = 2 x 10 scored tokens.
         assert_eq!(bytes(&plan, "log-prob head inputs"), 3 * 20 * 8 * 2 + 16 * 20);
-        let flash = super::plan(&config(&[]), &m, inputs(AttentionKind::Flash));
+        let flash = super::plan(&config(&[]), &m, inputs(Attention::Flash));
         let saved = bytes(&flash, "activations, checkpoint_layers = false");
         assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
     }
@@ -513,19 +504,19 @@ mod tests {
     #[test]
     fn switches_move_memory_where_they_say() {
         let m = shape();
-        let base = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
-        let off = plan(&config(&["optim.offload=true"]), &m, inputs(AttentionKind::Matrix));
+        let base = plan(&config(&[]), &m, inputs(Attention::Matrix));
+        let off = plan(&config(&["optim.offload=true"]), &m, inputs(Attention::Matrix));
         assert!(off.peak(Place::Device) < base.peak(Place::Device));
         assert_eq!(off.components.iter().find(|c| c.name == "optimizer state").unwrap().place, Place::Host);
         assert!(off.peak(Place::Host) >= 12 * m.num_parameters() as u64);
-        let cached = PlanInputs { reference_cached: true, ..inputs(AttentionKind::Matrix) };
+        let cached = PlanInputs { reference_cached: true, ..inputs(Attention::Matrix) };
         let with_cache = plan(&config(&[]), &m, cached);
         // The reference's weights (2 P) leave; its log-probs (4 B for each of the 20 scored tokens) come in.
         assert_eq!(base.peak(Place::Device) - with_cache.peak(Place::Device), 2 * m.num_parameters() as u64 - 80);
-        let no_ref = plan(&config(&["objective.beta=0"]), &m, inputs(AttentionKind::Matrix));
+        let no_ref = plan(&config(&["objective.beta=0"]), &m, inputs(Attention::Matrix));
         assert!(!no_ref.components.iter().any(|c| c.name.starts_with("reference")));
         // On the CPU the host is the device: offload changes nothing there.
-        let cpu = |c: &TrainConfig| plan(c, &m, PlanInputs { on_cpu: true, ..inputs(AttentionKind::Matrix) });
+        let cpu = |c: &TrainConfig| plan(c, &m, PlanInputs { on_cpu: true, ..inputs(Attention::Matrix) });
         let (a, b) = (cpu(&config(&[])), cpu(&config(&["optim.offload=true"])));
         assert_eq!(bytes(&a, "optimizer state"), bytes(&b, "optimizer state"));
         assert!(a.to_string().contains("process"));
@@ -534,7 +525,7 @@ mod tests {
     #[test]
     fn the_verdict_and_the_table() {
         let m = shape();
-        let mut p = plan(&config(&[]), &m, inputs(AttentionKind::Matrix));
+        let mut p = plan(&config(&[]), &m, inputs(Attention::Matrix));
         assert_eq!(p.fits(), Some(true));
         p.inputs.device_memory = Some(1000);
         assert_eq!(p.fits(), Some(false));
