@@ -9,7 +9,7 @@ use super::optim::OptimConfig;
 use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
-use crate::model::Attention;
+use crate::model::{Attention, DecoderOptions};
 use crate::objective::ObjectiveConfig;
 use crate::rollout::RolloutOptions;
 
@@ -55,6 +55,19 @@ pub struct ModelSection {
     /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
     /// the default) or "matrix" (through each head's [T, T] score matrix: quadratic memory).
     pub attention: Attention,
+}
+
+impl ModelSection {
+    /// How the policy (and a reference scored with it) computes: the `[model]` keys that do not change
+    /// what is computed.
+    pub fn decoder_options(&self) -> DecoderOptions {
+        DecoderOptions {
+            checkpoint_layers: self.checkpoint_layers,
+            logprob_chunk_bytes: self.logprob_chunk_mb.max(1) << 20,
+            fused_ops: self.fused_ops,
+            attention: self.attention,
+        }
+    }
 }
 
 impl Default for ModelSection {

@@ -567,10 +567,7 @@ fn load_run<'a>(
     let dtype = model::parse_dtype(&cfg.model.dtype)?;
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
     let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
-    policy.options.checkpoint_layers = cfg.model.checkpoint_layers;
-    policy.options.logprob_chunk_bytes = cfg.model.logprob_chunk_mb.max(1) << 20;
-    policy.options.fused_ops = cfg.model.fused_ops;
-    policy.options.attention = cfg.model.attention;
+    policy.options = cfg.model.decoder_options();
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
     let step = TrainStep::new(
         &cfg.objective,

@@ -477,11 +477,7 @@ pub fn for_run(
         dtype: model::parse_dtype(&cfg.model.dtype)?,
         device: model::parse_device(&cfg.model.device)?,
         batch: cfg.train.micro_batch_size,
-        decoder: DecoderOptions {
-            checkpoint_layers: false,
-            logprob_chunk_bytes: cfg.model.logprob_chunk_mb.max(1) << 20,
-            fused_ops: cfg.model.fused_ops,
-        },
+        decoder: DecoderOptions { checkpoint_layers: false, ..cfg.model.decoder_options() },
     };
     let (cache, _) = ReferenceCache::ensure(dataset, prepared_dir, &reference_dir(cfg, model_dir)?, &opts)?;
     tracing::info!("reference log-probs from {}: no reference model loaded", cache.path().display());
