@@ -176,19 +176,19 @@ fn run_names(dirs: &[PathBuf]) -> Vec<String> {
     }
 }
 
-/// A tick label: scientific for very small or large magnitudes (learning rates), else a few decimals.
-fn tick(v: f64) -> String {
+/// A tick label on an axis spanning `span`: enough digits to tell ticks a fifth of the span apart,
+/// scientific for very small or large magnitudes (learning rates).
+fn tick(v: f64, span: f64) -> String {
+    let step = (span / 5.0).abs().max(f64::MIN_POSITIVE);
     let a = v.abs();
     if a == 0.0 {
         "0".into()
     } else if !(1e-2..1e5).contains(&a) {
-        format!("{v:.1e}")
-    } else if a < 1.0 {
-        format!("{v:.3}")
-    } else if a < 100.0 {
-        format!("{v:.2}")
+        let digits = (a.log10() - step.log10()).ceil().clamp(1.0, 6.0) as usize;
+        format!("{v:.digits$e}")
     } else {
-        format!("{v:.0}")
+        let decimals = (-step.log10()).ceil().clamp(0.0, 6.0) as usize;
+        format!("{v:.decimals$}")
     }
 }
 
@@ -215,6 +215,7 @@ fn draw_panel(
     missing: &str,
     series: &[(usize, &Series)],
     steps: (f64, f64),
+    fixed: Option<(f64, f64)>,
 ) -> Result<(), String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     if series.iter().all(|(_, s)| s.is_empty()) {
@@ -225,7 +226,7 @@ fn draw_panel(
         area.draw(&Text::new(missing.to_string(), (w as i32 / 2, h as i32 / 2 - 20), style)).map_err(|x| e(&x))?;
         return Ok(());
     }
-    let (y0, y1) = padded_range(series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1)));
+    let (y0, y1) = fixed.unwrap_or_else(|| padded_range(series.iter().flat_map(|(_, s)| s.iter().map(|p| p.1))));
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 18))
         .margin(12)
@@ -239,7 +240,7 @@ fn draw_panel(
         .x_labels(6)
         .y_labels(6)
         .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_label_formatter(&|v| tick(*v))
+        .y_label_formatter(&|v| tick(*v, y1 - y0))
         .light_line_style(RGBColor(0xee, 0xee, 0xee))
         .label_style(("sans-serif", 13))
         .draw()
@@ -289,7 +290,7 @@ fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     for (panel, (key, title)) in panels.iter().zip(METRIC_PANELS) {
         let series: Vec<(usize, &Series)> =
             runs.iter().enumerate().filter_map(|(i, r)| r.metrics.get(key).map(|s| (i, s))).collect();
-        draw_panel(panel, title, &format!("no `{key}` in metrics.jsonl"), &series, steps)?;
+        draw_panel(panel, title, &format!("no `{key}` in metrics.jsonl"), &series, steps, None)?;
     }
     let series: Vec<(usize, &Series)> =
         runs.iter().enumerate().flat_map(|(i, r)| r.validation.values().map(move |s| (i, s))).collect();
@@ -304,7 +305,7 @@ fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     } else {
         format!("validation avg@n ({})", benches.join(", "))
     };
-    draw_panel(&panels[8], &title, "no validation records", &series, steps)?;
+    draw_panel(&panels[8], &title, "no validation records", &series, steps, Some((-0.02, 1.02)))?;
     root.present().map_err(|x| e(&x))
 }
 

@@ -38,9 +38,11 @@ struct CompletionRequest<'a> {
     max_tokens: usize,
     temperature: f32,
     top_p: f32,
-    /// vLLM, SGLang and llama.cpp's extension; -1 disables it.
+    /// vLLM, SGLang and llama.cpp's extension. They disagree on the value that turns it off (-1 for
+    /// SGLang, 0 for llama.cpp, whose default is 40), so "off" is sent as the vocabulary size: every
+    /// token kept, on any of them.
     #[serde(skip_serializing_if = "Option::is_none")]
-    top_k: Option<i64>,
+    top_k: Option<usize>,
     /// Set to "off" (0 and 1): llama.cpp's server defaults to min_p 0.05 and repeat_penalty 1.1, which
     /// the native sampler does not apply.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -133,9 +135,9 @@ fn build_request<'a>(
     n: usize,
     sampling: &SamplingParams,
     sequence: u64,
-    fields_only: bool,
+    (vocab, fields_only): (usize, bool),
 ) -> CompletionRequest<'a> {
-    let top_k = if sampling.top_k == 0 { -1 } else { sampling.top_k as i64 };
+    let top_k = if sampling.top_k == 0 { vocab } else { sampling.top_k };
     CompletionRequest {
         model,
         prompt,
@@ -262,7 +264,8 @@ impl<'a> OpenAi<'a> {
         let mut samples = Vec::with_capacity(n);
         while samples.len() < n {
             let sequence = job.first_sequence + samples.len() as u64;
-            let req = build_request(&self.model, &job.text, n - samples.len(), sampling, sequence, self.fields_only);
+            let fields = (self.tok.vocab_size(), self.fields_only);
+            let req = build_request(&self.model, &job.text, n - samples.len(), sampling, sequence, fields);
             let body = serde_json::to_string(&req).map_err(|e| RequestError::BadResponse(e.to_string()))?;
             for (text, finish) in self.send_with_retries(&body, stop)?.into_iter().take(n - samples.len()) {
                 let tokens = self.tok.encode(&text, false).map_err(|e| RequestError::BadResponse(e.to_string()))?.len();
@@ -361,20 +364,20 @@ mod tests {
 
     #[test]
     fn requests_carry_the_sampling_settings() {
-        let r = build_request("smol", "<|im_start|>user\nhi", 4, &sampling(), 12, false);
+        let r = build_request("smol", "<|im_start|>user\nhi", 4, &sampling(), 12, (49152, false));
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["model"], "smol");
         assert_eq!(v["prompt"], "<|im_start|>user\nhi");
         assert_eq!((v["n"].as_u64(), v["max_tokens"].as_u64()), (Some(4), Some(64)));
         assert!((v["temperature"].as_f64().unwrap() - 0.6).abs() < 1e-6);
         assert!((v["top_p"].as_f64().unwrap() - 0.95).abs() < 1e-6);
-        assert_eq!(v["top_k"], -1, "top_k 0 (off) is sent as -1, which every server reads as off");
+        assert_eq!(v["top_k"], 49152, "top_k 0 (off) is sent as the vocabulary size");
         assert_eq!((v["min_p"].as_f64(), v["repeat_penalty"].as_f64()), (Some(0.0), Some(1.0)));
         assert_eq!(v["stream"], false);
         assert_eq!(v["seed"].as_u64(), Some(request_seed(3, 12)));
-        let k = build_request("smol", "p", 1, &SamplingParams { top_k: 20, ..sampling() }, 0, false);
+        let k = build_request("smol", "p", 1, &SamplingParams { top_k: 20, ..sampling() }, 0, (49152, false));
         assert_eq!(k.top_k, Some(20));
-        let plain = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, true)).unwrap();
+        let plain = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, (49152, true))).unwrap();
         let keys: Vec<&String> = plain.as_object().unwrap().keys().collect();
         assert_eq!(keys, ["model", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stream"]);
     }
