@@ -85,14 +85,8 @@ fn open_generations(path: &std::path::Path, resume: bool) -> anyhow::Result<(Fin
     Ok((done, file))
 }
 
-pub fn run(args: Args) -> anyhow::Result<()> {
-    if args.list {
-        println!("{:<10} {:>8}  description", "name", "problems");
-        for (name, count, about) in benchmarks::list() {
-            println!("{name:<10} {count:>8}  {about}");
-        }
-        return Ok(());
-    }
+/// Check the options, then load the selected benchmarks.
+fn checked_benchmarks(args: &Args) -> anyhow::Result<Vec<benchmarks::Benchmark>> {
     args.options.validate("--").map_err(anyhow::Error::msg)?;
     args.engine.validate("--").map_err(anyhow::Error::msg)?;
     if args.engine.engine == EngineKind::Openai && args.engine.openai_fields_only && args.options.top_k > 0 {
@@ -105,6 +99,18 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let (Some(f), Some(t)) = (&args.bench_file, &args.prompt_template) {
         selected.push(benchmarks::load_file(f, t)?);
     }
+    Ok(selected)
+}
+
+pub fn run(args: Args) -> anyhow::Result<()> {
+    if args.list {
+        println!("{:<10} {:>8}  description", "name", "problems");
+        for (name, count, about) in benchmarks::list() {
+            println!("{name:<10} {count:>8}  {about}");
+        }
+        return Ok(());
+    }
+    let selected = checked_benchmarks(&args)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
