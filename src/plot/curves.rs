@@ -404,7 +404,7 @@ mod tests {
         assert_eq!(read.metrics["loss"], vec![(2.0, 0.5)]);
         assert!(!read.metrics.contains_key("kl"));
         assert_eq!(read.validation["validation"], vec![(2.0, 0.1)]);
-        draw_curves(&[run.clone()], &dir.path().join("c.png")).unwrap();
+        draw_curves(std::slice::from_ref(&run), &dir.path().join("c.png")).unwrap();
         let empty = dir.path().join("empty");
         std::fs::create_dir_all(&empty).unwrap();
         let e = draw_curves(&[run, empty.clone()], &dir.path().join("d.png")).unwrap_err();
@@ -421,10 +421,13 @@ mod tests {
 
     #[test]
     fn ticks_and_ranges() {
+        let t = |v, span| tick(v, span);
         assert_eq!(
-            (tick(0.0), tick(1e-7), tick(0.25), tick(12.345), tick(2500.0)),
-            ("0".into(), "1.0e-7".into(), "0.250".into(), "12.35".into(), "2500".into())
+            (t(0.0, 1.0), t(1e-7, 1e-7), t(0.25, 0.1), t(12.345, 10.0), t(2500.0, 1000.0)),
+            ("0".into(), "1.0e-7".into(), "0.25".into(), "12".into(), "2500".into())
         );
+        // A narrow range gets the digits that tell its ticks apart.
+        assert_eq!((t(10.7912, 0.001), t(1.05e-4, 2e-5)), ("10.7912".into(), "1.05e-4".into()));
         assert_eq!(padded_range([1.0, 3.0].into_iter()), (0.9, 3.1));
         assert_eq!(padded_range([0.0].into_iter()), (-1.0, 1.0));
         assert_eq!(padded_range(std::iter::empty()), (0.0, 1.0));
