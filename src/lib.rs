@@ -14,6 +14,7 @@
 //! - [`eval`]: benchmarks, batched generation and their scores.
 //! - [`device`]: the device's name and its peak memory.
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`plot`]: figures (training curves of run folders).
 //! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
 
@@ -27,6 +28,7 @@ pub mod kernels;
 pub mod model;
 pub mod objective;
 pub mod perf;
+pub mod plot;
 pub mod progress;
 pub mod reward;
 pub mod rollout;

@@ -51,6 +51,7 @@ fn smoke_config_trains_end_to_end() {
     }
     // The resolved config, the best (validation) model and a loadable final checkpoint are there.
     assert!(out.join("config.toml").exists() && out.join("best/model.safetensors").exists());
+    assert!(out.join("curves.png").exists(), "the training curves are drawn at validation and at the end");
     let ck = grpo::train::latest_checkpoint(&out).expect("a checkpoint");
     for f in ["config.json", "model.safetensors", "tokenizer.json", "optimizer.safetensors", "trainer_state.json"] {
         assert!(ck.join(f).exists(), "{f} missing from {}", ck.display());

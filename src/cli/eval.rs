@@ -6,7 +6,8 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
-use crate::eval::{benchmarks, run, EvalOptions, ProblemResult};
+use crate::eval::engine::{Engine, Native, OpenAi};
+use crate::eval::{benchmarks, run, EngineKind, EngineOptions, EvalOptions, ProblemResult};
 use crate::jsonl::Lines;
 use crate::model::{self, ChatTokenizer};
 
@@ -24,11 +25,14 @@ pub struct Args {
     /// List the registered benchmarks and exit.
     #[arg(long)]
     pub list: bool,
-    /// Model folder or hub id (local Hugging Face cache).
+    /// Model folder or hub id (local Hugging Face cache). With --engine openai only its tokenizer and chat
+    /// template are used (to render the prompts and count tokens): give the served model's.
     #[arg(long, required_unless_present = "list")]
     pub model: Option<String>,
     #[command(flatten)]
     pub options: EvalOptions,
+    #[command(flatten)]
+    pub engine: EngineOptions,
     /// Output folder: generations.jsonl and report.json.
     #[arg(long, default_value = "runs/eval")]
     pub out: PathBuf,
@@ -81,6 +85,23 @@ fn open_generations(path: &std::path::Path, resume: bool) -> anyhow::Result<(Fin
     Ok((done, file))
 }
 
+/// Check the options, then load the selected benchmarks.
+fn checked_benchmarks(args: &Args) -> anyhow::Result<Vec<benchmarks::Benchmark>> {
+    args.options.validate("--").map_err(anyhow::Error::msg)?;
+    args.engine.validate("--").map_err(anyhow::Error::msg)?;
+    if args.engine.engine == EngineKind::Openai && args.engine.openai_fields_only && args.options.top_k > 0 {
+        anyhow::bail!("--top-k = {} cannot be sent with --openai-fields-only (set --top-k 0)", args.options.top_k);
+    }
+    let mut selected = Vec::new();
+    for name in &args.bench {
+        selected.push(benchmarks::load(name)?);
+    }
+    if let (Some(f), Some(t)) = (&args.bench_file, &args.prompt_template) {
+        selected.push(benchmarks::load_file(f, t)?);
+    }
+    Ok(selected)
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.list {
         println!("{:<10} {:>8}  description", "name", "problems");
@@ -89,21 +110,26 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    args.options.validate("--").map_err(anyhow::Error::msg)?;
-    let mut selected = Vec::new();
-    for name in &args.bench {
-        selected.push(benchmarks::load(name)?);
-    }
-    if let (Some(f), Some(t)) = (&args.bench_file, &args.prompt_template) {
-        selected.push(benchmarks::load_file(f, t)?);
-    }
+    let selected = checked_benchmarks(&args)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
-    let device = model::parse_device(&args.device)?;
-    let dtype = model::parse_dtype(&args.dtype)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let decoder =
-        model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
+    let decoder = match args.engine.engine {
+        EngineKind::Native => {
+            let device = model::parse_device(&args.device)?;
+            let dtype = model::parse_dtype(&args.dtype)?;
+            Some(
+                model::load_decoder(&dir, dtype, &device, false)
+                    .with_context(|| format!("loading {}", dir.display()))?,
+            )
+        }
+        EngineKind::Openai => None,
+    };
+    let engine: Box<dyn Engine> = match &decoder {
+        Some(model) => Box::new(Native { model, tok: &tok, batch_size: args.options.batch_size }),
+        None => Box::new(OpenAi::new(&args.engine, &tok)?),
+    };
+    tracing::info!("engine: {}", engine.describe());
     std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
     let gen_path = args.out.join("generations.jsonl");
     let (done, mut gen_file) = open_generations(&gen_path, args.resume)?;
@@ -116,8 +142,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         let done_b: HashMap<String, ProblemResult> =
             done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
         let t0 = std::time::Instant::now();
-        let (report, _) = run::evaluate(
-            &decoder,
+        let (report, _) = run::evaluate_with(
+            engine.as_ref(),
             &tok,
             b,
             &options,
@@ -144,6 +170,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let report = serde_json::json!({
         "model": model_name,
         "model_dir": dir,
+        "engine": engine.describe(),
         "sampling": options.sampling(),
         "n": options.n,
         "limit": (options.limit > 0).then_some(options.limit),

@@ -7,6 +7,7 @@ mod data;
 mod eval;
 mod init_tiny;
 mod logprobs;
+mod plot;
 mod score;
 mod train;
 
@@ -40,6 +41,9 @@ pub enum Command {
     /// Inspect and prepare teacher trajectories (OpenThoughts3 JSONL / Parquet).
     #[command(subcommand)]
     Data(data::DataCommand),
+    /// Draw the training curves of run folders (loss, reward, KL, clip ratio, entropy, gradient norm,
+    /// tokens/s, learning rate, validation) to a PNG; several runs on one figure.
+    Plot(plot::Args),
     /// Measure speed and memory on random weights (training step, log-prob op, generation); one JSON
     /// line per measurement.
     #[command(subcommand)]
@@ -70,5 +74,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
         Command::Bench(cmd) => bench::run(cmd),
+        Command::Plot(args) => plot::run(args),
     }
 }

@@ -271,26 +271,9 @@ impl LengthHistogram {
     }
 }
 
-/// DejaVu Sans (data/fonts, free licence), bundled so that plots work on machines without fonts.
-const BUNDLED_FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
-
-/// Register the plot font: `GRPO_FONT` when set, else the bundled DejaVu Sans.
+/// Register the plot font (see [`crate::plot::register_font`]).
 fn load_font() -> Result<(), DataError> {
-    use std::sync::OnceLock;
-    static FONT: OnceLock<Result<(), String>> = OnceLock::new();
-    FONT.get_or_init(|| {
-        let bytes: &'static [u8] = match std::env::var("GRPO_FONT") {
-            Ok(p) => {
-                let b = std::fs::read(&p).map_err(|e| format!("GRPO_FONT={p}: {e}"))?;
-                Box::leak(b.into_boxed_slice())
-            }
-            Err(_) => BUNDLED_FONT,
-        };
-        plotters::style::register_font("sans-serif", plotters::style::FontStyle::Normal, bytes)
-            .map_err(|_| "the plot font could not be loaded".to_string())
-    })
-    .clone()
-    .map_err(DataError::Plot)
+    crate::plot::register_font().map_err(DataError::Plot)
 }
 
 /// Draw the stats as a PNG: the share of all-positive / mixed / all-negative groups (the seed's figure 2),

@@ -1,4 +1,4 @@
-//! Running a benchmark: prompts through the chat template, batched sampling, scoring through the reward
+//! Running a benchmark: prompts through the chat template, samples from an engine, scoring through the reward
 //! module only (so evaluation verdicts and training rewards never diverge), and the report.
 
 use std::collections::HashMap;
@@ -7,7 +7,8 @@ use std::time::Instant;
 use serde::{Deserialize, Serialize};
 
 use super::benchmarks::{Benchmark, Problem};
-use super::generate::{generate, FinishReason, Generation, SamplingParams};
+use super::engine::{Completion, Engine, Native, Progress, PromptJob};
+use super::generate::{FinishReason, SamplingParams};
 use super::options::EvalOptions;
 use super::EvalError;
 use crate::model::{ChatTokenizer, Decoder};
@@ -108,32 +109,30 @@ fn report(
     }
 }
 
-/// One problem's result: its generations decoded and judged against its gold answer.
+/// One problem's result: its samples judged against its gold answer.
 fn problem_result(
-    tok: &ChatTokenizer,
     bench: &str,
     problem: &Problem,
     prompt: String,
     prompt_tokens: usize,
-    gens: &[Generation],
+    gens: Vec<Completion>,
     options: &EvalOptions,
-) -> Result<ProblemResult, EvalError> {
-    let texts: Vec<String> = gens.iter().map(|g| tok.decode(&g.tokens, true)).collect::<Result<_, _>>()?;
+) -> ProblemResult {
+    let texts: Vec<&str> = gens.iter().map(|g| g.text.as_str()).collect();
     let v = judge(Some(&problem.answer), &texts, &options.extract());
-    let samples = texts
+    let samples = gens
         .into_iter()
-        .zip(gens)
         .zip(v.preds.into_iter().zip(v.correct).zip(v.unknown))
-        .map(|((text, g), ((pred, correct), unknown))| Sample {
-            text,
+        .map(|(g, ((pred, correct), unknown))| Sample {
+            text: g.text,
             pred,
             correct,
             unknown,
-            tokens: g.tokens.len(),
+            tokens: g.tokens,
             finish: g.finish,
         })
         .collect();
-    Ok(ProblemResult {
+    ProblemResult {
         bench: bench.to_string(),
         id: problem.id.clone(),
         prompt,
@@ -142,61 +141,89 @@ fn problem_result(
         samples,
         majority: v.majority,
         majority_correct: v.majority_correct.unwrap_or(false),
-    })
+    }
 }
 
-/// Evaluate `model` on `bench`. Problems found in `done` (by id) are not generated again (resume);
-/// `on_result` receives each newly finished problem (to append it to generations.jsonl);
-/// `on_progress(problems_done, tokens)` drives a progress bar.
+/// Evaluate `model` on `bench` with the native engine (see [`evaluate_with`]).
 pub fn evaluate(
     model: &Decoder,
     tok: &ChatTokenizer,
     bench: &Benchmark,
     options: &EvalOptions,
     done: &HashMap<String, ProblemResult>,
-    mut on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
+    on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
+    on_progress: impl FnMut(usize, usize),
+) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
+    let engine = Native { model, tok, batch_size: options.batch_size };
+    evaluate_with(&engine, tok, bench, options, done, on_result, on_progress)
+}
+
+/// Scores the engine's samples as they come (the [`Progress`] given to the engine).
+struct Scorer<'a, R, P> {
+    bench: &'a Benchmark,
+    options: &'a EvalOptions,
+    /// (index into `results`, problem, prompt text, prompt tokens) of each job.
+    jobs: Vec<(usize, &'a Problem, String, usize)>,
+    results: Vec<Option<ProblemResult>>,
+    finished: usize,
+    generated: usize,
+    on_result: R,
+    on_progress: P,
+}
+
+impl<R, P> Progress for Scorer<'_, R, P>
+where
+    R: FnMut(&ProblemResult) -> Result<(), EvalError>,
+    P: FnMut(usize, usize),
+{
+    fn tokens(&mut self, count: usize) {
+        self.generated += count;
+        (self.on_progress)(self.finished, self.generated);
+    }
+
+    fn done(&mut self, job: usize, samples: Vec<Completion>) -> Result<(), EvalError> {
+        let (i, problem, prompt, prompt_tokens) = &mut self.jobs[job];
+        let r =
+            problem_result(&self.bench.name, problem, std::mem::take(prompt), *prompt_tokens, samples, self.options);
+        (self.on_result)(&r)?;
+        self.results[*i] = Some(r);
+        self.finished += 1;
+        (self.on_progress)(self.finished, self.generated);
+        Ok(())
+    }
+}
+
+/// Evaluate on `bench`, drawing the samples from `engine`; prompts are rendered with `tok`'s chat template
+/// and scored by the reward module. Problems found in `done` (by id) are not generated again (resume);
+/// `on_result` receives each newly finished problem (to append it to generations.jsonl);
+/// `on_progress(problems_done, tokens)` drives a progress bar.
+pub fn evaluate_with(
+    engine: &dyn Engine,
+    tok: &ChatTokenizer,
+    bench: &Benchmark,
+    options: &EvalOptions,
+    done: &HashMap<String, ProblemResult>,
+    on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
     mut on_progress: impl FnMut(usize, usize),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let start = Instant::now();
     let n = options.n.max(1);
-    let sampling = options.sampling();
-    let problems: Vec<(usize, &Problem)> =
-        bench.problems.iter().enumerate().take(options.problem_count(bench.problems.len())).collect();
-    let mut results: Vec<Option<ProblemResult>> = problems.iter().map(|(_, p)| done.get(&p.id).cloned()).collect();
-    let todo: Vec<usize> = (0..problems.len()).filter(|&i| results[i].is_none()).collect();
-    let mut finished = problems.len() - todo.len();
-    let mut generated = 0usize;
-    on_progress(finished, generated);
-    let per_batch = (options.batch_size / n).max(1);
-    for chunk in todo.chunks(per_batch) {
-        let mut prompts = Vec::with_capacity(chunk.len() * n);
-        let mut ids = Vec::with_capacity(chunk.len() * n);
-        let mut texts = Vec::with_capacity(chunk.len());
-        for &i in chunk {
-            let (global, p) = problems[i];
-            let text = tok.render_prompt(options.system_prompt.as_deref(), &bench.prompt(p))?;
-            let ids_p = tok.encode(&text, false)?;
-            for s in 0..n {
-                prompts.push(ids_p.clone());
-                ids.push((global * n + s) as u64);
-            }
-            texts.push(text);
-        }
-        let gens = generate(model, &prompts, &ids, &sampling, tok.eos_ids(), tok.pad_id(), |k| {
-            generated += k;
-            on_progress(finished, generated);
-        })?;
-        for ((j, &i), text) in chunk.iter().enumerate().zip(texts) {
-            let mine = &gens[j * n..(j + 1) * n];
-            let r = problem_result(tok, &bench.name, problems[i].1, text, prompts[j * n].len(), mine, options)?;
-            on_result(&r)?;
-            results[i] = Some(r);
-            finished += 1;
-            on_progress(finished, generated);
-        }
+    let problems: Vec<&Problem> = bench.problems.iter().take(options.problem_count(bench.problems.len())).collect();
+    let results: Vec<Option<ProblemResult>> = problems.iter().map(|p| done.get(&p.id).cloned()).collect();
+    let mut jobs = Vec::new();
+    let mut prompts = Vec::new();
+    for (i, p) in problems.iter().enumerate().filter(|(i, _)| results[*i].is_none()) {
+        let text = tok.render_prompt(options.system_prompt.as_deref(), &bench.prompt(p))?;
+        let ids = tok.encode(&text, false)?;
+        jobs.push((i, *p, text.clone(), ids.len()));
+        prompts.push(PromptJob { id: p.id.clone(), text, ids, first_sequence: (i * n) as u64 });
     }
-    let results: Vec<ProblemResult> = results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
-    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), generated);
+    let finished = problems.len() - jobs.len();
+    on_progress(finished, 0);
+    let mut scorer = Scorer { bench, options, jobs, results, finished, generated: 0, on_result, on_progress };
+    engine.complete(&prompts, n, &options.sampling(), &mut scorer)?;
+    let results: Vec<ProblemResult> = scorer.results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
+    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), scorer.generated);
     Ok((rep, results))
 }
 

@@ -502,6 +502,9 @@ impl Run<'_> {
                 m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
                 metrics.write(&m)?;
                 self.swap_reference_if_due(state.step, epoch_end)?;
+                if m.validation_score.is_some() {
+                    crate::plot::refresh_run_curves(&cfg.train.output_dir);
+                }
                 if epoch_end {
                     state.epoch += 1;
                     state.batch_in_epoch = 0;
@@ -656,5 +659,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
     };
     let mut metrics = MetricsLog::open(out, resume_from.is_some().then_some(state.step))?;
-    run.train_epochs(&dataset, state, &mut metrics, resume_from, stop)
+    let outcome = run.train_epochs(&dataset, state, &mut metrics, resume_from, stop)?;
+    crate::plot::refresh_run_curves(out);
+    Ok(outcome)
 }

@@ -1,0 +1,200 @@
+//! `grpo eval --engine openai` against a real OpenAI-compatible server: llama.cpp's, from the
+//! llama-cpp-python package (`pip install 'llama-cpp-python[server]'`, installed by .ci/run), serving
+//! SmolLM2-135M-Instruct (Q4_1 GGUF from ../shared) on the CPU on a loopback port. The prompts are
+//! rendered with the chat template of the SmolLM2 folder the native tests use. Skips with a message when
+//! the package, the GGUF or that folder is missing.
+
+mod common;
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// The name the server serves the model under.
+const SERVED: &str = "smollm2-135m";
+
+/// The served GGUF, from ../shared (beside the repository in CI).
+fn gguf() -> Option<PathBuf> {
+    let p = common::root().join("../shared/data/models/smollm2-135m-instruct/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        eprintln!("SKIPPED: {} is absent (../shared is needed)", p.display());
+        None
+    }
+}
+
+/// The Python that has llama-cpp-python's server: `GRPO_LLAMA_PYTHON`, else `python3`.
+fn server_python() -> Option<String> {
+    let py = std::env::var("GRPO_LLAMA_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&py)
+        .args(["-c", "import llama_cpp.server"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        Some(py)
+    } else {
+        eprintln!(
+            "SKIPPED: `{py} -c 'import llama_cpp.server'` failed: install llama.cpp's server with \
+             `pip install 'llama-cpp-python[server]'` (.ci/run does), or set GRPO_LLAMA_PYTHON"
+        );
+        None
+    }
+}
+
+/// A running server, stopped (killed and reaped) when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn base_url(&self) -> String {
+        format!("http://127.0.0.1:{}/v1", self.port)
+    }
+
+    /// Completion requests the server has answered so far (uvicorn's access log).
+    fn completions_served(&self) -> usize {
+        std::fs::read_to_string(&self.log).unwrap_or_default().matches("POST /v1/completions").count()
+    }
+}
+
+/// Start llama.cpp's server on a free loopback port and wait until it answers (None, with the reason
+/// printed, when it does not start).
+fn start_server(py: &str, gguf: &Path, dir: &Path) -> Option<Server> {
+    let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
+    let log = dir.join("server.log");
+    let out = std::fs::File::create(&log).ok()?;
+    let child = Command::new(py)
+        .args(["-m", "llama_cpp.server", "--model"])
+        .arg(gguf)
+        .args(["--model_alias", SERVED, "--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(["--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
+        .stdout(out.try_clone().ok()?)
+        .stderr(out)
+        .spawn();
+    let mut server = match child {
+        Ok(child) => Server { child, port, log },
+        Err(e) => {
+            eprintln!("SKIPPED: cannot start `{py} -m llama_cpp.server`: {e}");
+            return None;
+        }
+    };
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_secs(120) {
+        if let Ok(Some(status)) = server.child.try_wait() {
+            let log = std::fs::read_to_string(&server.log).unwrap_or_default();
+            eprintln!("SKIPPED: llama.cpp's server exited ({status}) at start:\n{log}");
+            return None;
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", server.port)).is_ok() {
+            return Some(server);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    eprintln!("SKIPPED: llama.cpp's server did not listen within 120 s; log: {}", server.log.display());
+    None
+}
+
+fn eval_openai(model: &Path, base_url: &str, out: &Path, extra: &[&str]) -> assert_cmd::assert::Assert {
+    common::grpo()
+        .args(["eval", "--bench", "math500", "--limit", "3", "--n", "2", "--temperature", "0"])
+        .args(["--max-new-tokens", "24", "--engine", "openai", "--base-url", base_url, "--served-model", SERVED])
+        .args(["--concurrency", "2"])
+        .args(extra)
+        .arg("--model")
+        .arg(model)
+        .arg("--out")
+        .arg(out)
+        .assert()
+}
+
+fn all_samples(gens: &[Value]) -> Vec<&Value> {
+    gens.iter().flat_map(|g| g["samples"].as_array().unwrap()).collect()
+}
+
+#[test]
+fn math500_through_llama_cpp_server_is_scored_resumed_and_failures_are_named() {
+    let (Some(model), Some(gguf), Some(py)) = (common::smollm2(), gguf(), server_python()) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = start_server(&py, &gguf, dir.path()) else { return };
+    let out = dir.path().join("eval");
+    let a = eval_openai(&model, &server.base_url(), &out, &[]).success();
+    let stdout = String::from_utf8_lossy(&a.get_output().stdout).to_string();
+    assert!(stdout.contains("math500"), "{stdout}");
+
+    let gens = common::read_jsonl(&out.join("generations.jsonl"));
+    assert_eq!(gens.len(), 3);
+    for g in &gens {
+        let s = g["samples"].as_array().unwrap();
+        assert_eq!(s.len(), 2, "n = 2 samples per problem, whether or not the server honours n");
+        assert_eq!(s[0]["text"], s[1]["text"], "greedy (temperature 0) samples are the same");
+        assert!(g["prompt"].as_str().unwrap().starts_with("<|im_start|>"), "rendered with SmolLM2's chat template");
+        assert!(g["prompt_tokens"].as_u64().unwrap() > 10);
+    }
+    for s in all_samples(&gens) {
+        let tokens = s["tokens"].as_u64().unwrap();
+        assert!(tokens > 0 && tokens <= 26, "re-tokenised count {tokens} of at most 24 generated tokens");
+        assert!(["stop", "length"].contains(&s["finish"].as_str().unwrap()));
+        assert!(s["correct"].is_boolean());
+    }
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+    assert!(report["engine"].as_str().unwrap().starts_with(&format!("openai {SERVED} at http://127.0.0.1:")));
+    let r = &report["benchmarks"]["math500"];
+    assert_eq!((r["n_problems"].as_u64(), r["n"].as_u64()), (Some(3), Some(2)));
+    let verdicts: Vec<bool> = all_samples(&gens).iter().map(|s| s["correct"].as_bool().unwrap()).collect();
+    let mean = verdicts.iter().filter(|&&c| c).count() as f64 / verdicts.len() as f64;
+    assert!((r["avg_at_n"].as_f64().unwrap() - mean).abs() < 1e-12);
+    let tokens: u64 = all_samples(&gens).iter().map(|s| s["tokens"].as_u64().unwrap()).sum();
+    assert_eq!(r["generated_tokens"].as_u64(), Some(tokens));
+
+    // Interrupted after two problems: --resume sends only the third.
+    let text = std::fs::read_to_string(out.join("generations.jsonl")).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    std::fs::write(out.join("generations.jsonl"), lines[..2].join("\n") + "\n").unwrap();
+    let before = server.completions_served();
+    eval_openai(&model, &server.base_url(), &out, &["--resume"]).success();
+    let resumed = common::read_jsonl(&out.join("generations.jsonl"));
+    assert_eq!(resumed.len(), 3);
+    assert_eq!(&resumed[..2], &gens[..2]);
+    let third = resumed[2]["id"].as_str().unwrap().to_string();
+    let sent = server.completions_served() - before;
+    assert!((1..=2).contains(&sent), "one problem re-sent (1 request, or 2 when the server ignores n): {sent}");
+
+    // The server gone: a finished run resumes without sending anything; an unfinished problem fails by id.
+    let url = server.base_url();
+    drop(server);
+    eval_openai(&model, &url, &out, &["--resume"]).success();
+    std::fs::write(out.join("generations.jsonl"), lines[..2].join("\n") + "\n").unwrap();
+    let a = eval_openai(&model, &url, &out, &["--resume", "--max-retries", "1"]).failure();
+    let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(stderr.contains("1 problem failed") && stderr.contains(&format!("problem {third}: ")), "{stderr}");
+    assert_eq!(common::read_jsonl(&out.join("generations.jsonl")).len(), 2, "finished problems are kept");
+}
+
+#[test]
+fn openai_without_base_url_is_refused_naming_the_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = common::grpo()
+        .args(["eval", "--bench", "math500", "--engine", "openai", "--served-model", "m", "--model"])
+        .arg(common::root().join("data/tokenizers/smollm2"))
+        .arg("--out")
+        .arg(dir.path())
+        .assert()
+        .failure();
+    let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(stderr.contains("--base-url is required with --engine openai"), "{stderr}");
+}
