@@ -64,7 +64,7 @@ pub struct RolloutOptions {
     pub server: EngineOptions,
     /// openai engine: how the server loads the sampling weights saved at each refresh (every
     /// sync_every steps) to OUTPUT/rollout-policy: `sglang` (/update_weights_from_disk), `vllm`
-    /// (/collective_rpc reload_weights, VLLM_SERVER_DEV_MODE=1) or `none` (it cannot, e.g. llama.cpp:
+    /// (/collective_rpc reload_weights, VLLM_SERVER_DEV_MODE=1, serving OUTPUT/rollout-policy) or `none` (it cannot, e.g. llama.cpp:
     /// the starting weights stay the sampling policy for the whole run).
     #[arg(long = "rollout-reload", value_enum, default_value_t = Reload::None)]
     pub reload: Reload,

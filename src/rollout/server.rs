@@ -8,8 +8,10 @@
 //! At each refresh of the sampling policy the weights are saved as a Hugging Face folder
 //! (OUTPUT/rollout-policy, written atomically) and the server is told to load it:
 //! - `sglang`: `POST ROOT/update_weights_from_disk {"model_path": DIR}` (SGLang's own endpoint);
-//! - `vllm`: `POST ROOT/collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}`,
-//!   which vLLM's server exposes only with `VLLM_SERVER_DEV_MODE=1`;
+//! - `vllm`: `POST ROOT/collective_rpc {"method": "reload_weights"}` (exposed only with
+//!   `VLLM_SERVER_DEV_MODE=1`): each worker re-reads the weights from the path the server was started on,
+//!   so the server must serve DIR itself (`vllm serve OUTPUT/rollout-policy`, a copy of the starting model
+//!   placed there first);
 //! - `none`: the server cannot reload (llama.cpp); it must serve the starting weights, which stay the
 //!   sampling policy for the whole run.
 //!
@@ -35,7 +37,8 @@ pub enum Reload {
     None,
     /// SGLang's `/update_weights_from_disk`.
     Sglang,
-    /// vLLM's `/collective_rpc` with `reload_weights` (server started with VLLM_SERVER_DEV_MODE=1).
+    /// vLLM's `/collective_rpc` with `reload_weights` (server started with VLLM_SERVER_DEV_MODE=1 on
+    /// OUTPUT/rollout-policy, which it re-reads).
     Vllm,
 }
 
@@ -52,14 +55,8 @@ struct SglangBody<'a> {
 }
 
 #[derive(Serialize)]
-struct VllmKwargs<'a> {
-    weights_path: &'a str,
-}
-
-#[derive(Serialize)]
 struct VllmBody<'a> {
     method: &'a str,
-    kwargs: VllmKwargs<'a>,
 }
 
 /// The call telling the server at `base_url` to load the weights of `dir` (none for [`Reload::None`]).
@@ -70,10 +67,7 @@ pub fn reload_request(reload: Reload, base_url: &str, dir: &Path) -> Option<Relo
     let (endpoint, body) = match reload {
         Reload::None => return None,
         Reload::Sglang => ("update_weights_from_disk", serde_json::to_string(&SglangBody { model_path: &path })),
-        Reload::Vllm => (
-            "collective_rpc",
-            serde_json::to_string(&VllmBody { method: "reload_weights", kwargs: VllmKwargs { weights_path: &path } }),
-        ),
+        Reload::Vllm => ("collective_rpc", serde_json::to_string(&VllmBody { method: "reload_weights" })),
     };
     Some(ReloadRequest { url: format!("{root}/{endpoint}"), body: body.expect("plain structs serialise") })
 }
@@ -186,7 +180,7 @@ mod tests {
         assert_eq!(s.body, r#"{"model_path":"/runs/a/rollout-policy"}"#);
         let v = reload_request(Reload::Vllm, "http://h:8000/v1", dir).unwrap();
         assert_eq!(v.url, "http://h:8000/collective_rpc");
-        assert_eq!(v.body, r#"{"method":"reload_weights","kwargs":{"weights_path":"/runs/a/rollout-policy"}}"#);
+        assert_eq!(v.body, r#"{"method":"reload_weights"}"#);
         assert_eq!(
             reload_request(Reload::Sglang, "http://h:1", dir).unwrap().url,
             "http://h:1/update_weights_from_disk"
