@@ -28,7 +28,7 @@ mod server;
 pub use options::RolloutOptions;
 pub use questions::{load_questions, GroupSource};
 pub use sample::{behaviour_logprobs, sample_groups, RolloutMetrics};
-pub use server::{reload_request, Reload, ReloadRequest};
+pub use server::Reload;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -187,7 +187,7 @@ fn sync_server(
     save: &SaveOptions,
 ) -> Result<(), RolloutError> {
     let base = options.server.base_url.as_deref().unwrap_or_default();
-    let Some(req) = reload_request(options.reload, base, dir) else { return Ok(()) };
+    let Some(req) = server::reload_request(options.reload, base, dir) else { return Ok(()) };
     save_checkpoint(sampler, dir, save, |_| Ok(()))?;
     tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
     server::send_reload(&req, &options.server)
