@@ -198,3 +198,82 @@ fn openai_without_base_url_is_refused_naming_the_flag() {
     let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
     assert!(stderr.contains("--base-url is required with --engine openai"), "{stderr}");
 }
+
+/// `grpo train` with `[rollout.server] engine = "openai"` on llama.cpp's server (which cannot reload:
+/// `reload = "none"`): two steps of a tiny model sharing SmolLM2's tokenizer, whose answers come from the
+/// server, re-tokenised, scored and trained on, with rollout metrics written. (The served weights are not
+/// the tiny model's, so only the plumbing is checked here, not the ratio.)
+#[test]
+fn training_rollouts_come_from_llama_cpp_server() {
+    let (Some(gguf), Some(py)) = (gguf(), server_python()) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = start_server(&py, &gguf, dir.path()) else { return };
+    let model = dir.path().join("model");
+    common::grpo()
+        .args(["init-tiny", "--arch", "llama", "--tokenizer"])
+        .arg(gguf.parent().unwrap())
+        .arg("--out")
+        .arg(&model)
+        .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
+        .assert()
+        .success();
+    let questions = dir.path().join("questions.jsonl");
+    std::fs::write(
+        &questions,
+        "{\"problem\": \"What is 3 + 4?\", \"answer\": \"7\"}\n{\"problem\": \"What is 2 + 2?\", \"answer\": \"4\"}\n",
+    )
+    .unwrap();
+    let out = dir.path().join("out");
+    let cfg = format!(
+        r#"[model]
+path = "{model}"
+
+[data]
+max_prompt_tokens = 128
+
+[objective]
+name = "grpo"
+anchor = "behaviour"
+
+[optim]
+lr = 0.001
+
+[train]
+output_dir = "{out}"
+batch_questions = 2
+micro_batch_size = 4
+epochs = 0
+max_steps = 2
+seed = 3
+
+[rollout]
+n = 2
+max_new_tokens = 8
+questions = "{questions}"
+fallbacks = true
+
+[rollout.server]
+engine = "openai"
+base_url = "{url}"
+served_model = "{SERVED}"
+concurrency = 2
+"#,
+        model = model.display(),
+        out = out.display(),
+        questions = questions.display(),
+        url = server.base_url(),
+    );
+    let path = dir.path().join("config.toml");
+    std::fs::write(&path, cfg).unwrap();
+    common::grpo().args(["-q", "train", "--config"]).arg(&path).assert().success();
+    let m = common::read_jsonl(&out.join("metrics.jsonl"));
+    assert_eq!(m.len(), 2, "{m:?}");
+    for row in &m {
+        let len = row["rollout/mean_length"].as_f64().unwrap();
+        assert!(len > 0.0 && len <= 9.0, "at most 8 generated tokens and the EOS: {row}");
+        assert!(row["rollout/reward_mean"].as_f64().is_some(), "{row}");
+        assert_eq!(row["rollout/updates"].as_u64(), Some(1), "{row}");
+    }
+    assert!(server.completions_served() >= 2, "the answers came from the server");
+    assert!(!out.join("rollout-policy").exists(), "reload = \"none\" saves nothing for the server");
+}

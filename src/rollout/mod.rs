@@ -15,17 +15,27 @@
 //! every multiple of `sync_every` steps. Sampling streams are a pure function of (train.seed, step,
 //! question index, answer index), so a resumed run regenerates a step's rollouts exactly once the sampling
 //! copy is restored (checkpoints hold it when it is not the checkpoint's own weights).
+//!
+//! With `[rollout.server] engine = "openai"` the answers come from an OpenAI-compatible server (see
+//! [`server`]), told to load the sampling weights at each refresh; the scoring and the behaviour forward
+//! are the same.
 
 mod options;
 mod questions;
 mod sample;
+mod server;
 
 pub use options::RolloutOptions;
 pub use questions::{load_questions, GroupSource};
 pub use sample::{behaviour_logprobs, sample_groups, RolloutMetrics};
+pub use server::Reload;
+
+use std::path::PathBuf;
+use std::time::Instant;
 
 use crate::data::Group;
-use crate::model::{ChatTokenizer, Decoder};
+use crate::model::checkpoint::SaveOptions;
+use crate::model::{save_checkpoint, ChatTokenizer, Decoder, ModelError};
 use crate::train::step::{StepContext, StepReport, TrainStep};
 
 /// Errors of sampling and scoring rollouts.
@@ -37,6 +47,8 @@ pub enum RolloutError {
     Tokenizer(#[from] crate::model::tokenizer::TokenizerError),
     #[error(transparent)]
     Questions(#[from] crate::eval::EvalError),
+    #[error(transparent)]
+    Model(#[from] ModelError),
     #[error("{0}")]
     Invalid(String),
 }
@@ -51,13 +63,23 @@ pub struct Rollouts {
     micro: usize,
     /// The policy at step floor(step / sync_every) * sync_every (sync_every > 1 only).
     sampler: Option<Decoder>,
+    /// openai engine with a reload: where the sampling weights are saved for the server, and how.
+    serving: Option<(PathBuf, SaveOptions)>,
+    /// Whether the server was told to load the current sampling weights.
+    server_synced: bool,
 }
 
 impl Rollouts {
     /// Rollouts of a run seeded `seed` with the policy's tokenizer `tok`, `micro` sequences per behaviour
     /// forward.
     pub fn new(options: RolloutOptions, tok: ChatTokenizer, seed: u64, micro: usize) -> Self {
-        Self { options, tok, seed, micro: micro.max(1), sampler: None }
+        Self { options, tok, seed, micro: micro.max(1), sampler: None, serving: None, server_synced: false }
+    }
+
+    /// Save the sampling weights to `dir` (with `save`) for the server to reload at each refresh; used
+    /// only with an openai engine whose reload is not `none`.
+    pub fn serve_weights_from(&mut self, dir: PathBuf, save: SaveOptions) {
+        self.serving = Some((dir, save));
     }
 
     pub fn options(&self) -> &RolloutOptions {
@@ -67,7 +89,8 @@ impl Rollouts {
     /// Whether a checkpoint written after `step` steps must hold the sampling copy: it lags and was not
     /// taken at that step.
     pub fn stores_sampler(&self, step: usize) -> bool {
-        self.options.sync_every > 1 && !step.is_multiple_of(self.options.sync_every)
+        let every = self.options.refresh_every();
+        every > 1 && !step.is_multiple_of(every)
     }
 
     /// The lagged sampling copy, once taken.
@@ -78,6 +101,7 @@ impl Rollouts {
     /// Restore the sampling copy of a resumed run.
     pub fn set_sampler(&mut self, sampler: Decoder) {
         self.sampler = Some(sampler);
+        self.server_synced = false;
     }
 
     /// Step `ctx.step`: refresh the sampling copy when due, sample and score the rollouts of `questions`,
@@ -105,22 +129,40 @@ impl Rollouts {
         questions: &[Group],
         step: usize,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
-        let every = self.options.sync_every;
+        let every = self.options.refresh_every();
         if every > 1 {
             if step.is_multiple_of(every) {
                 self.sampler = None; // free the old copy first
                 let mut copy = policy.frozen_copy()?;
                 copy.options = policy.options.clone();
                 self.sampler = Some(copy);
+                self.server_synced = false;
             } else if self.sampler.is_none() {
                 return Err(RolloutError::Invalid(format!(
                     "no sampling policy at step {step} (refreshed every rollout.sync_every = {every} steps)"
                 )));
             }
+        } else {
+            self.server_synced = false; // on-policy: the weights changed since the last step
         }
         let sampler = self.sampler.as_ref().unwrap_or(policy);
         let params = self.options.sampling(self.seed, step);
-        sample_groups(sampler, &self.tok, questions, &self.options, &params, self.micro)
+        if !self.options.uses_server() {
+            return sample_groups(sampler, &self.tok, questions, &self.options, &params, self.micro);
+        }
+        if !self.server_synced {
+            if let Some((dir, save)) = &self.serving {
+                sync_server(&self.options, sampler, dir, save)?;
+            }
+            self.server_synced = true;
+        }
+        let start = Instant::now();
+        let bar = crate::progress::progress_bar(None, "rollout");
+        bar.set_message("tokens generated (server)");
+        let counts = (self.options.sampled(), self.options.n);
+        let samples = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
+        bar.finish_and_clear();
+        sample::score_groups(sampler, &self.tok, questions, &self.options, samples, self.micro, start)
     }
 
     /// `updates_per_batch` updates of `policy` on the same groups and behaviour log-probs.
@@ -135,6 +177,20 @@ impl Rollouts {
     ) -> candle_core::Result<Vec<StepReport>> {
         (0..self.options.updates_per_batch).map(|_| train.run_at(policy, reference, groups, lr, ctx)).collect()
     }
+}
+
+/// Save `sampler` to `dir` and tell the server to load it.
+fn sync_server(
+    options: &RolloutOptions,
+    sampler: &Decoder,
+    dir: &std::path::Path,
+    save: &SaveOptions,
+) -> Result<(), RolloutError> {
+    let base = options.server.base_url.as_deref().unwrap_or_default();
+    let Some(req) = server::reload_request(options.reload, base, dir) else { return Ok(()) };
+    save_checkpoint(sampler, dir, save, |_| Ok(()))?;
+    tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
+    server::send_reload(&req, &options.server)
 }
 
 /// One report for several updates on the same groups: loss terms and the gradient norm averaged, token

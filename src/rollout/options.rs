@@ -5,8 +5,9 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::server::Reload;
 use crate::eval::benchmarks::BOXED_FIRST_TEMPLATE;
-use crate::eval::SamplingParams;
+use crate::eval::{EngineKind, EngineOptions, SamplingParams};
 use crate::reward::ExtractOptions;
 
 /// How each step samples answers from the policy. Present in a training config, it turns the step into
@@ -55,6 +56,18 @@ pub struct RolloutOptions {
     /// answers of its question, trained with the teacher's log-probs (probability 1 without them).
     #[arg(long = "rollout-teacher-answers", default_value_t = 0)]
     pub teacher_answers: usize,
+    /// Where the answers come from (`[rollout.server]`): `engine = "native"` (grpo's sampler) or
+    /// `engine = "openai"` with the server's base_url, served_model, api_key_env, concurrency, ... (the
+    /// keys of `grpo eval --engine openai`). The server must serve the policy's starting weights.
+    #[serde(default)]
+    #[command(flatten)]
+    pub server: EngineOptions,
+    /// openai engine: how the server loads the sampling weights saved at each refresh (every
+    /// sync_every steps) to OUTPUT/rollout-policy: `sglang` (/update_weights_from_disk), `vllm`
+    /// (/collective_rpc reload_weights, VLLM_SERVER_DEV_MODE=1, serving OUTPUT/rollout-policy) or `none` (it cannot, e.g. llama.cpp:
+    /// the starting weights stay the sampling policy for the whole run).
+    #[arg(long = "rollout-reload", value_enum, default_value_t = Reload::None)]
+    pub reload: Reload,
 }
 
 impl Default for RolloutOptions {
@@ -72,6 +85,8 @@ impl Default for RolloutOptions {
             sync_every: 1,
             updates_per_batch: 1,
             teacher_answers: 0,
+            server: EngineOptions::default(),
+            reload: Reload::None,
         }
     }
 }
@@ -93,6 +108,21 @@ impl RolloutOptions {
             top_k: self.top_k,
             max_new_tokens: self.max_new_tokens,
             seed: z ^ (z >> 31),
+        }
+    }
+
+    /// Whether the answers come from an OpenAI-compatible server.
+    pub fn uses_server(&self) -> bool {
+        self.server.engine == EngineKind::Openai
+    }
+
+    /// Steps between refreshes of the sampling policy: `sync_every`, or never after the start when the
+    /// server cannot reload.
+    pub fn refresh_every(&self) -> usize {
+        if self.uses_server() && self.reload == Reload::None {
+            usize::MAX
+        } else {
+            self.sync_every
         }
     }
 
@@ -134,6 +164,24 @@ impl RolloutOptions {
         if self.questions.is_some() && !self.prompt_template.contains("{problem}") {
             return Err(format!("rollout.prompt_template = `{}` has no {{problem}} placeholder", self.prompt_template));
         }
+        self.validate_server()
+    }
+
+    /// `[rollout.server]` and `reload`: a reload needs a server, a server that cannot reload keeps the
+    /// starting weights (so a sync_every would be a lie).
+    fn validate_server(&self) -> Result<(), String> {
+        self.server.validate("rollout.server.")?;
+        if !self.uses_server() && self.reload != Reload::None {
+            return Err("rollout.reload is only used with rollout.server.engine = \"openai\"".into());
+        }
+        if self.uses_server() && self.reload == Reload::None && self.sync_every != 1 {
+            return Err(format!(
+                "rollout.sync_every = {} with rollout.reload = \"none\": a server that cannot reload serves the \
+                 starting weights for the whole run; set rollout.reload = \"sglang\" or \"vllm\", or leave \
+                 sync_every out",
+                self.sync_every
+            ));
+        }
         Ok(())
     }
 }
@@ -168,6 +216,15 @@ mod tests {
         assert!(bad("n = 4\nteacher_answers = 4").starts_with("rollout.teacher_answers = 4"));
         assert!(bad("teacher_answers = 1\nquestions = \"q.jsonl\"").contains("needs teacher data"));
         assert!(bad("questions = \"q.jsonl\"\nprompt_template = \"x\"").contains("placeholder"));
+        assert!(bad("[server]\nengine = \"openai\"").starts_with("rollout.server.base_url is required"));
+        assert!(bad("reload = \"sglang\"").starts_with("rollout.reload is only used"));
+        let server = "[server]\nengine = \"openai\"\nbase_url = \"http://h/v1\"\nserved_model = \"m\"";
+        assert!(bad(&format!("sync_every = 4\n{server}")).contains("cannot reload"));
+        let ok = |t: &str| toml::from_str::<RolloutOptions>(t).unwrap();
+        let none = ok(server);
+        assert_eq!((none.validate(), none.refresh_every()), (Ok(()), usize::MAX));
+        let sglang = ok(&format!("sync_every = 4\nreload = \"sglang\"\n{server}"));
+        assert_eq!((sglang.validate(), sglang.refresh_every()), (Ok(()), 4));
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::server::Sampled;
 use super::{RolloutError, RolloutOptions};
 use crate::data::{Group, Response};
 use crate::eval::{generate, FinishReason, SamplingParams};
@@ -56,6 +57,22 @@ pub fn sample_groups(
     micro: usize,
 ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
     let start = Instant::now();
+    let bar = crate::progress::progress_bar(None, "rollout");
+    bar.set_message("tokens generated");
+    let samples = native_samples(sampler, tok, questions, opts, params, |n| bar.inc(n as u64))?;
+    bar.finish_and_clear();
+    score_groups(sampler, tok, questions, opts, samples, micro, start)
+}
+
+/// `opts.sampled()` answers of `sampler` to each question, in question order.
+fn native_samples(
+    sampler: &Decoder,
+    tok: &ChatTokenizer,
+    questions: &[Group],
+    opts: &RolloutOptions,
+    params: &SamplingParams,
+    mut on_tokens: impl FnMut(usize),
+) -> Result<Vec<Sampled>, RolloutError> {
     let k = opts.sampled();
     let mut prompts = Vec::with_capacity(questions.len() * k);
     let mut ids = Vec::with_capacity(questions.len() * k);
@@ -65,44 +82,69 @@ pub fn sample_groups(
             ids.push((g.index * opts.n + j) as u64);
         }
     }
-    let bar = crate::progress::progress_bar(None, "rollout");
-    bar.set_message("tokens generated");
     let mut gens = Vec::with_capacity(prompts.len());
     let per_batch = opts.batch_size.max(1);
     for (p, i) in prompts.chunks(per_batch).zip(ids.chunks(per_batch)) {
-        gens.extend(generate(sampler, p, i, params, tok.eos_ids(), tok.pad_id(), |n| bar.inc(n as u64))?);
+        gens.extend(generate(sampler, p, i, params, tok.eos_ids(), tok.pad_id(), &mut on_tokens)?);
     }
-    let generated: usize = gens.iter().map(|g| g.tokens.len()).sum();
-    let gen_time = start.elapsed().as_secs_f64();
-    bar.finish_and_clear();
     // A stopped answer ends with its EOS, as the teacher's answers do: the policy learns to stop.
     let eos = tok.eos_ids().first().copied();
-    let responses: Vec<Vec<u32>> = gens
-        .iter()
-        .map(|g| match (g.finish, eos) {
-            (FinishReason::Stop, Some(e)) => [g.tokens.as_slice(), &[e]].concat(),
-            _ => g.tokens.clone(),
+    gens.into_iter()
+        .map(|g| {
+            let text = tok.decode(&g.tokens, true)?;
+            let generated = g.tokens.len();
+            let tokens = match (g.finish, eos) {
+                (FinishReason::Stop, Some(e)) => [g.tokens.as_slice(), &[e]].concat(),
+                _ => g.tokens,
+            };
+            Ok(Sampled { tokens, text, finish: g.finish, generated })
         })
-        .collect();
+        .collect()
+}
+
+/// The groups of `questions` with their answers replaced by `samples` (`opts.sampled()` per question, in
+/// question order; plus the first `opts.teacher_answers` teacher answers of each), scored, each sampled
+/// answer carrying the log-probs of its tokens under `sampler` (the weights that wrote it).
+pub(super) fn score_groups(
+    sampler: &Decoder,
+    tok: &ChatTokenizer,
+    questions: &[Group],
+    opts: &RolloutOptions,
+    samples: Vec<Sampled>,
+    micro: usize,
+    start: Instant,
+) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+    let k = opts.sampled();
+    if samples.len() != questions.len() * k {
+        return Err(RolloutError::Invalid(format!(
+            "{} answers for {} questions of {k} answers",
+            samples.len(),
+            questions.len()
+        )));
+    }
+    let gen_time = start.elapsed().as_secs_f64();
+    let generated: usize = samples.iter().map(|s| s.generated).sum();
+    let prompts: Vec<Vec<u32>> =
+        questions.iter().flat_map(|g| std::iter::repeat_n(g.prompt_tokens.clone(), k)).collect();
+    let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.tokens.clone()).collect();
     let behaviour = behaviour_logprobs(sampler, &prompts, &responses, micro, tok.pad_id())?;
     let mut out = Vec::with_capacity(questions.len());
-    let mut rewards = Vec::with_capacity(gens.len());
+    let mut rewards = Vec::with_capacity(samples.len());
     let mut extracted = 0usize;
-    let mut items = gens.iter().zip(responses).zip(behaviour);
+    let mut items = samples.iter().zip(behaviour);
     for q in questions {
         let mine: Vec<_> = items.by_ref().take(k).collect();
-        let texts: Vec<String> =
-            mine.iter().map(|((g, _), _)| tok.decode(&g.tokens, true)).collect::<Result<_, _>>()?;
+        let texts: Vec<String> = mine.iter().map(|(s, _)| s.text.clone()).collect();
         let v = judge(q.majority.as_deref(), &texts, &opts.extract());
         extracted += v.preds.iter().filter(|p| p.is_some()).count();
         let mut answers: Vec<Response> = mine
             .into_iter()
             .zip(v.preds.into_iter().zip(v.correct))
-            .map(|(((g, tokens), logp), (answer, correct))| Response {
-                tokens,
+            .map(|((s, logp), (answer, correct))| Response {
+                tokens: s.tokens.clone(),
                 reward: if correct { 1.0 } else { 0.0 },
                 answer,
-                truncated: g.finish == FinishReason::Length,
+                truncated: s.finish == FinishReason::Length,
                 teacher_logprobs: Some(logp),
             })
             .collect();
@@ -110,13 +152,13 @@ pub fn sample_groups(
         answers.extend(q.responses.iter().take(opts.teacher_answers).cloned());
         out.push(Group { responses: answers, ..q.clone() });
     }
-    let n = gens.len().max(1) as f64;
+    let n = samples.len().max(1) as f64;
     let mean = rewards.iter().sum::<f64>() / n;
     let metrics = RolloutMetrics {
         reward_mean: mean,
         reward_std: (rewards.iter().map(|r| (r - mean).powi(2)).sum::<f64>() / n).sqrt(),
-        mean_length: out.iter().flat_map(|g| &g.responses[..k]).map(|r| r.tokens.len() as f64).sum::<f64>() / n,
-        truncated_fraction: gens.iter().filter(|g| g.finish == FinishReason::Length).count() as f64 / n,
+        mean_length: samples.iter().map(|s| s.tokens.len() as f64).sum::<f64>() / n,
+        truncated_fraction: samples.iter().filter(|s| s.finish == FinishReason::Length).count() as f64 / n,
         extract_rate: extracted as f64 / n,
         generation_time: start.elapsed().as_secs_f64(),
         tokens_per_sec: generated as f64 / gen_time.max(1e-9),

@@ -261,3 +261,75 @@ fn mixed_groups_use_the_recorded_log_probs_for_rollouts_and_probability_one_for_
     assert!((ratio.sum - expected).abs() < 1e-3 * tokens as f64, "ratio sum {} vs {expected}", ratio.sum);
     assert!(ratio.min < 0.2 && (ratio.max - 1.0).abs() < 1e-4, "{ratio:?}");
 }
+
+/// A server's answers become rollout sequences: the re-tokenised text plus EOS when it stopped, scored on
+/// the text, with behaviour log-probs from a forward of the sampling weights.
+#[test]
+fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
+    use crate::eval::engine::Completion;
+    use crate::eval::FinishReason;
+    let tok = tokenizer();
+    let m = policy(4);
+    let qs = questions(&tok, 2);
+    let opts = options(2, 8);
+    let texts = ["7", "a b", "c 7 d", "e"];
+    let finishes = [FinishReason::Stop, FinishReason::Length, FinishReason::Stop, FinishReason::Length];
+    let eos = tok.eos_ids().first().copied();
+    let samples: Vec<_> = texts
+        .iter()
+        .zip(finishes)
+        .map(|(t, finish)| {
+            let c = Completion { text: t.to_string(), tokens: 0, finish };
+            server::to_sampled(c, &tok, eos).unwrap()
+        })
+        .collect();
+    let (groups, metrics) = sample::score_groups(&m, &tok, &qs, &opts, samples, 3, std::time::Instant::now()).unwrap();
+    let answers: Vec<_> =
+        groups.iter().flat_map(|g| g.responses.iter().zip(std::iter::repeat(&g.prompt_tokens))).collect();
+    for ((r, prompt), (text, finish)) in answers.iter().zip(texts.iter().zip(finishes)) {
+        let mut want = tok.encode(text, false).unwrap();
+        if finish == FinishReason::Stop {
+            want.push(eos.unwrap());
+        }
+        assert_eq!(r.tokens, want, "{text}");
+        assert_eq!(r.truncated, finish == FinishReason::Length);
+        let alone = single_logprobs(&m, prompt, &r.tokens);
+        for (a, b) in r.teacher_logprobs.as_ref().unwrap().iter().zip(&alone) {
+            assert!((a - b).abs() < 1e-5, "behaviour {a} vs forward {b}");
+        }
+    }
+    // Scored on the text: "7" and "c 7 d" (last-number fallback) match the label 7.
+    let rewards: Vec<f32> = answers.iter().map(|(r, _)| r.reward).collect();
+    assert_eq!(rewards, [1.0, 0.0, 1.0, 0.0]);
+    assert_eq!(metrics.truncated_fraction, 0.5);
+    // One answer too few is refused.
+    let short =
+        vec![server::to_sampled(Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop }, &tok, eos)
+            .unwrap()];
+    assert!(sample::score_groups(&m, &tok, &qs, &opts, short, 3, std::time::Instant::now()).is_err());
+}
+
+/// With a reloading server, the first step saves the sampling weights as a model folder and asks the
+/// server to load them before any completion (here the server is absent: the error names the endpoint).
+#[test]
+fn a_reloading_server_gets_the_sampling_weights_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let served = dir.path().join("rollout-policy");
+    let mut opts = options(2, 4);
+    opts.reload = Reload::Sglang;
+    opts.server = crate::eval::EngineOptions {
+        engine: crate::eval::EngineKind::Openai,
+        base_url: Some("http://127.0.0.1:9/v1".into()),
+        served_model: Some("m".into()),
+        request_timeout_s: 5,
+        ..Default::default()
+    };
+    opts.validate().unwrap();
+    let m = policy(5);
+    let mut rollouts = Rollouts::new(opts, tokenizer(), 1, 2);
+    rollouts.serve_weights_from(served.clone(), crate::model::checkpoint::SaveOptions::default());
+    let e = rollouts.sample(&m, &questions(&tokenizer(), 1), 0).unwrap_err().to_string();
+    assert!(e.contains("http://127.0.0.1:9/update_weights_from_disk"), "{e}");
+    let saved = crate::model::load_decoder(&served, DType::F32, &Device::Cpu, false).unwrap();
+    assert_eq!(params(&saved), params(&m), "the server was pointed at the sampling weights");
+}

@@ -10,9 +10,9 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
-pub mod refcache;
 pub mod plan;
 mod ratio;
+pub mod refcache;
 mod reference_swap;
 mod resume;
 mod run_dir;
@@ -601,7 +601,14 @@ fn load_run<'a>(
     let rollouts = match &cfg.rollout {
         Some(r) => {
             let tok = ChatTokenizer::load(&checkpoints.model_dir).map_err(ModelError::from)?;
-            Some(Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size))
+            let mut rollouts = Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size);
+            let save = model::checkpoint::SaveOptions {
+                dtype: save_dtype,
+                tokenizer_dir: Some(checkpoints.model_dir.clone()),
+                ..Default::default()
+            };
+            rollouts.serve_weights_from(cfg.train.output_dir.join("rollout-policy"), save);
+            Some(rollouts)
         }
         None => None,
     };
