@@ -8,7 +8,7 @@
 //! is B = `train.micro_batch_size` sequences of T = `max_prompt_tokens + max_response_tokens` tokens
 //! (the largest the data allows), N = B T tokens, of which n = B `max_response_tokens` are scored.
 //!
-//! The run's peak is `resident + max(step + max(backward, update), validation)`:
+//! The run's peak is `resident + max(step + max(backward, update), validation, rollouts)`:
 //! - resident: the weights (P d), the optimiser state when it is on the device (AdamW: f32 master
 //!   weights and two moments, 12 P; SGD: 4 P), the frozen reference (P d) unless its log-probs are cached,
 //!   a snapshot anchor (P d), and the process's own memory (see [`CPU_PROCESS_BYTES`],
@@ -23,7 +23,10 @@
 //!   offload; in host memory with it, where only the weights in flight return to the device);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
-//!   doubling its capacity.
+//!   doubling its capacity;
+//! - rollouts (`[rollout]` with grpo's own sampler): the same KV cache for `rollout.batch_size` sequences
+//!   of `max_prompt_tokens + rollout.max_new_tokens` tokens; a lagged sampling policy
+//!   (`rollout.sync_every > 1`) is one more resident copy of the weights (P d).
 
 use std::fmt;
 
@@ -74,6 +77,8 @@ pub enum Phase {
     Update,
     /// Validation (generation).
     Validation,
+    /// A step's rollouts (`[rollout]`: generation before the step's forward/backward).
+    Rollout,
     /// Shown for comparison, not counted (the other setting of a switch).
     Alternative,
 }
@@ -286,13 +291,26 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     let f =
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
-    if let Some(v) = &cfg.validation {
-        let tokens = prompt + v.max_new_tokens as u64;
+    // A generation's KV cache: `batch` sequences of `tokens` tokens, 2 L kv d bytes per token, counted
+    // twice because the cache grows by concatenation, plus two rows of f32 logits per sequence.
+    let kv_cache = |batch: usize, tokens: u64| {
         let per_token = 2 * model.num_layers as u64 * (model.num_kv_heads * model.head_dim) as u64 * d;
-        let kv = 2 * v.batch_size as u64 * tokens * per_token;
-        let logits = 2 * v.batch_size as u64 * model.vocab_size as u64 * 4;
-        let f = format!("2 x batch {} x {tokens} tokens x {per_token} B + logits", v.batch_size);
-        add("validation KV cache", kv + logits, Device, Validation, f);
+        let bytes = 2 * batch as u64 * tokens * per_token + 2 * batch as u64 * model.vocab_size as u64 * 4;
+        (bytes, format!("2 x batch {batch} x {tokens} tokens x {per_token} B + logits"))
+    };
+    if let Some(v) = &cfg.validation {
+        let (bytes, f) = kv_cache(v.batch_size, prompt + v.max_new_tokens as u64);
+        add("validation KV cache", bytes, Device, Validation, f);
+    }
+    if let Some(r) = &cfg.rollout {
+        if r.sync_every > 1 {
+            let f = format!("P x {d} B (the policy of the last refresh, rollout.sync_every = {})", r.sync_every);
+            add("rollout sampling policy copy", p * d, Device, Resident, f);
+        }
+        if r.server.engine == crate::eval::EngineKind::Native {
+            let (bytes, f) = kv_cache(r.batch_size, prompt + r.max_new_tokens as u64);
+            add("rollout KV cache", bytes, Device, Rollout, f);
+        }
     }
     let summary = format!(
         "{} layers, hidden {}, {} heads / {} KV heads, intermediate {}, vocab {}: {:.2}B parameters, {}; \
@@ -324,9 +342,10 @@ impl Plan {
         of == place || (self.inputs.on_cpu && place == Place::Device)
     }
 
-    /// The expected peak in `place`: resident + the larger of a training step and validation.
+    /// The expected peak in `place`: resident + the largest of a training step, validation and rollouts.
     pub fn peak(&self, place: Place) -> u64 {
-        self.sum(Phase::Resident, place) + self.step_peak(place).max(self.sum(Phase::Validation, place))
+        let generation = self.sum(Phase::Validation, place).max(self.sum(Phase::Rollout, place));
+        self.sum(Phase::Resident, place) + self.step_peak(place).max(generation)
     }
 
     /// A training step's part of the peak: the gradients and the larger of the backward and the update.
@@ -367,6 +386,7 @@ impl fmt::Display for Plan {
                 Phase::Backward => "backward",
                 Phase::Update => "update",
                 Phase::Validation => "validation",
+                Phase::Rollout => "rollouts",
                 Phase::Alternative => "(not used)",
             };
             writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  {}", c.name, gib(c.bytes), place, phase, c.formula)?;
@@ -374,14 +394,16 @@ impl fmt::Display for Plan {
         let phase = |ph| gib(self.sum(ph, Place::Device));
         writeln!(
             f,
-            "device peak: {} ({} bytes) = resident {} + max(step {} + max(backward {}, update {}), validation {})",
+            "device peak: {} ({} bytes) = resident {} + max(step {} + max(backward {}, update {}), validation {}, \
+             rollouts {})",
             gib(self.peak(Place::Device)),
             self.peak(Place::Device),
             phase(Phase::Resident),
             phase(Phase::Step),
             phase(Phase::Backward),
             phase(Phase::Update),
-            phase(Phase::Validation)
+            phase(Phase::Validation),
+            phase(Phase::Rollout)
         )?;
         if !self.inputs.on_cpu {
             writeln!(f, "host peak (optimizer state and update): {}", gib(self.peak(Place::Host)))?;
@@ -499,6 +521,26 @@ mod tests {
         let flash = super::plan(&config(&[]), &m, inputs(Attention::Flash));
         let saved = bytes(&flash, "activations, checkpoint_layers = false");
         assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
+    }
+
+    #[test]
+    fn rollouts_add_their_kv_cache_and_a_lagged_policy_copy() {
+        let m = shape();
+        let p = m.num_parameters() as u64;
+        let set = ["rollout.batch_size=4", "rollout.max_new_tokens=10"];
+        let on_policy = plan(&config(&set), &m, inputs(Attention::Flash));
+        assert!(on_policy.components.iter().all(|c| c.name != "rollout sampling policy copy"));
+        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens, counted twice;
+        // two f32 rows of 32 logits per sequence.
+        let kv = 2 * 4 * 16 * (2 * 3 * 4 * 2) + 2 * 4 * 32 * 4;
+        assert_eq!(bytes(&on_policy, "rollout KV cache"), kv);
+        let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
+        assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
+        assert_eq!(lagged.peak(Place::Device), on_policy.peak(Place::Device) + 2 * p);
+        let without = plan(&config(&[]), &m, inputs(Attention::Flash));
+        let generation = on_policy.sum(Phase::Rollout, Place::Device);
+        let step = without.step_peak(Place::Device);
+        assert_eq!(on_policy.peak(Place::Device), without.peak(Place::Device) - step + step.max(generation));
     }
 
     #[test]
