@@ -27,6 +27,20 @@ impl Default for SamplingParams {
     }
 }
 
+impl SamplingParams {
+    /// Check the ranges of temperature (finite, >= 0) and top_p (in (0, 1]); `name` gives a field's name as
+    /// the user wrote it (a flag or a config key).
+    pub fn validate(&self, name: impl Fn(&str) -> String) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("{} = {} must be >= 0 (0: greedy)", name("temperature"), self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("{} = {} must be in (0, 1]", name("top_p"), self.top_p));
+        }
+        Ok(())
+    }
+}
+
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]

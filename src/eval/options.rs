@@ -96,14 +96,7 @@ impl EvalOptions {
                 return Err(format!("{prefix}{} = 0 must be >= 1", flag(prefix, name)));
             }
         }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            let name = flag(prefix, "temperature");
-            return Err(format!("{prefix}{name} = {} must be >= 0 (0: greedy)", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("{prefix}{} = {} must be in (0, 1]", flag(prefix, "top_p"), self.top_p));
-        }
-        Ok(())
+        self.sampling().validate(|name| format!("{prefix}{}", flag(prefix, name)))
     }
 
     /// How many of a benchmark's `available` problems are evaluated (the first ones).

@@ -117,16 +117,26 @@ pub struct TinySpec {
     pub seed: u64,
 }
 
-/// Write the random model of `spec` with its tokenizer to `out` (atomically); returns its config. The
-/// vocabulary is the tokenizer's, rounded up to a multiple of 64.
+impl TinySpec {
+    /// The config of the model `spec` makes with tokenizer `tok`: the vocabulary is the tokenizer's,
+    /// rounded up to a multiple of 64.
+    pub fn config(&self, tok: &ChatTokenizer) -> Result<ModelConfig, ModelError> {
+        let vocab = tok.vocab_size().div_ceil(64) * 64;
+        Ok(self.shape.config(self.arch, vocab, bos_id(tok), tok.eos_ids().first().copied())?)
+    }
+}
+
+fn bos_id(tok: &ChatTokenizer) -> Option<u32> {
+    ["<|begin_of_text|>", "<|endoftext|>"].iter().find_map(|t| tok.inner().token_to_id(t))
+}
+
+/// Write the random model of `spec` with its tokenizer to `out` (atomically); returns its config
+/// ([`TinySpec::config`]).
 pub fn write_tiny_model(spec: &TinySpec, out: &Path) -> Result<ModelConfig, ModelError> {
-    let (arch, tokenizer_dir, shape) = (spec.arch, spec.tokenizer.as_path(), &spec.shape);
+    let tokenizer_dir = spec.tokenizer.as_path();
     let tok = ChatTokenizer::load(tokenizer_dir)?;
-    let vocab = tok.vocab_size().div_ceil(64) * 64;
-    let inner = tok.inner();
-    let bos = ["<|begin_of_text|>", "<|endoftext|>"].iter().find_map(|t| inner.token_to_id(t));
-    let eos = tok.eos_ids().first().copied();
-    let cfg = shape.config(arch, vocab, bos, eos)?;
+    let bos = bos_id(&tok);
+    let cfg = spec.config(&tok)?;
     let model = random_decoder(cfg.clone(), spec.seed, DType::F32, &Device::Cpu, false)?;
     let opts = SaveOptions { tokenizer_dir: Some(tokenizer_dir.to_path_buf()), ..Default::default() };
     save_checkpoint(&model, out, &opts, |dir| {

@@ -146,12 +146,7 @@ impl RolloutOptions {
         if self.n < 2 {
             return Err(format!("rollout.n = {} must be >= 2: a group needs two answers to compare", self.n));
         }
-        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return Err(format!("rollout.temperature = {} must be >= 0 (0: greedy)", self.temperature));
-        }
-        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
-            return Err(format!("rollout.top_p = {} must be in (0, 1]", self.top_p));
-        }
+        self.sampling(0, 0).validate(|name| format!("rollout.{name}"))?;
         if self.teacher_answers >= self.n {
             return Err(format!(
                 "rollout.teacher_answers = {} must be < rollout.n = {}: a group needs at least one sampled answer",

@@ -465,8 +465,7 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
 pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
     let local = std::path::Path::new(&cfg.model.path);
     if let (Some(spec), false) = (&cfg.model.init_tiny, local.join("config.json").exists()) {
-        let tok = ChatTokenizer::load(&spec.tokenizer)?;
-        return Ok(spec.shape.config(spec.arch, tok.vocab_size().div_ceil(64) * 64, None, None)?);
+        return spec.config(&ChatTokenizer::load(&spec.tokenizer)?);
     }
     let dir = crate::model::resolve_model_dir(&cfg.model.path)?;
     Ok(ModelConfig::from_file(&dir.join("config.json"))?)

@@ -540,15 +540,19 @@ mod tests {
         ]
     }
 
-    #[test]
-    fn micro_batch_split_never_changes_the_gradient() {
+    /// A tiny trainable policy, and a reference and a snapshot that differ from it (so ratios, masks and
+    /// KL are not trivial).
+    fn tiny_models() -> [Decoder; 3] {
         let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
             .config(Arch::Qwen2, 64, None, None)
             .unwrap();
-        let policy = random_decoder(cfg.clone(), 5, DType::F32, &Device::Cpu, true).unwrap();
-        // A reference and a snapshot that differ from the policy, so ratios, masks and KL are not trivial.
-        let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
-        let snapshot = random_decoder(cfg, 7, DType::F32, &Device::Cpu, false).unwrap();
+        [(5, true), (6, false), (7, false)]
+            .map(|(seed, trainable)| random_decoder(cfg.clone(), seed, DType::F32, &Device::Cpu, trainable).unwrap())
+    }
+
+    #[test]
+    fn micro_batch_split_never_changes_the_gradient() {
+        let [policy, reference, snapshot] = tiny_models();
         let anchors = Anchors { reference: Reference::Model(&reference), snapshot: Some(&snapshot) };
         let groups = with_teacher(vec![
             group(0, &[1.0, 0.0, 1.0, 0.0]),
@@ -601,12 +605,7 @@ mod tests {
     /// when a micro-batch pads several sequences together.
     #[test]
     fn cached_reference_logprobs_give_the_reference_models_loss_and_gradients() {
-        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
-            .config(Arch::Qwen2, 64, None, None)
-            .unwrap();
-        let policy = random_decoder(cfg.clone(), 5, DType::F32, &Device::Cpu, true).unwrap();
-        let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
-        let snapshot = random_decoder(cfg, 7, DType::F32, &Device::Cpu, false).unwrap();
+        let [policy, reference, snapshot] = tiny_models();
         let groups = with_teacher(vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[0.0, 1.0, 0.0, 0.0])]);
         let mut cached = reference_alone(&reference, &groups);
         cached.iter_mut().flatten().for_each(|a| a.extend([-1.5, -2.5]));
