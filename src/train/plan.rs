@@ -291,6 +291,20 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     let f =
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
+    c.extend(generation_components(cfg, model, d, prompt));
+    let summary = summary(cfg, model, &shape, prompt, response);
+    Plan { components: c, inputs, summary }
+}
+
+/// The KV caches of generation: validation's, and with `[rollout]` grpo's sampler's (a server's rollouts
+/// use the server's memory) and a lagged sampling policy's copy of the weights.
+fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt: u64) -> Vec<Component> {
+    use Phase::*;
+    use Place::*;
+    let mut c = Vec::new();
+    let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
+        c.push(Component { name: name.into(), bytes, place, phase, formula });
+    };
     // A generation's KV cache: `batch` sequences of `tokens` tokens, 2 L kv d bytes per token, counted
     // twice because the cache grows by concatenation, plus two rows of f32 logits per sequence.
     let kv_cache = |batch: usize, tokens: u64| {
@@ -305,14 +319,19 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     if let Some(r) = &cfg.rollout {
         if r.sync_every > 1 {
             let f = format!("P x {d} B (the policy of the last refresh, rollout.sync_every = {})", r.sync_every);
-            add("rollout sampling policy copy", p * d, Device, Resident, f);
+            add("rollout sampling policy copy", model.num_parameters() as u64 * d, Device, Resident, f);
         }
         if r.server.engine == crate::eval::EngineKind::Native {
             let (bytes, f) = kv_cache(r.batch_size, prompt + r.max_new_tokens as u64);
             add("rollout KV cache", bytes, Device, Rollout, f);
         }
     }
-    let summary = format!(
+    c
+}
+
+/// The plan's first line: the model's shape and the micro-batch.
+fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, response: u64) -> String {
+    format!(
         "{} layers, hidden {}, {} heads / {} KV heads, intermediate {}, vocab {}: {:.2}B parameters, {}; \
          micro-batch {} x {} tokens ({} + {})",
         model.num_layers,
@@ -321,14 +340,13 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
         model.num_kv_heads,
         model.intermediate_size,
         model.vocab_size,
-        p as f64 / 1e9,
+        model.num_parameters() as f64 / 1e9,
         cfg.model.dtype,
-        b,
+        shape.b,
         shape.t,
         prompt,
         response
-    );
-    Plan { components: c, inputs, summary }
+    )
 }
 
 impl Plan {
