@@ -7,6 +7,7 @@
 //! - [`data`]: teacher trajectories (OpenThoughts3), grouping, labelling, tokenised shards.
 //! - [`jsonl`]: line-oriented input that reports bad lines with their number and keeps going.
 //! - [`fsio`]: atomic output (a file or folder written aside, then renamed into place).
+//! - [`checksum`]: checksums recorded when a re-used file is written, checked when it is read.
 //! - [`objective`]: advantages and the losses (off_grpo, grpo, sft).
 //! - [`kernels`]: fused ops with their own backward (log-prob + entropy), CPU reference and CUDA kernels.
 //! - [`rollout`]: sampling, scoring and behaviour log-probs of the policy's own answers during training.
@@ -18,6 +19,7 @@
 //! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
 
+pub mod checksum;
 pub mod cli;
 pub mod data;
 pub mod device;

@@ -78,6 +78,11 @@ fn init_reference(out: &Path) {
         .success();
 }
 
+/// The current version of a prepared folder (where its reference cache is).
+fn version(prepared: &Path) -> std::path::PathBuf {
+    prepared.join(std::fs::read_to_string(prepared.join("CURRENT")).unwrap().trim())
+}
+
 fn stderr(a: &assert_cmd::assert::Assert) -> String {
     String::from_utf8_lossy(&a.get_output().stderr).into_owned()
 }
@@ -91,10 +96,11 @@ fn prepare_writes_the_cache_and_train_uses_it_without_the_reference_model() {
     let ref_arg = dir.path().join("reference").display().to_string();
     let out = prepare(&model, &prepared, &["--reference", &ref_arg]).success();
     let stdout = String::from_utf8_lossy(&out.get_output().stdout).into_owned();
-    let values = prepared.join("reference-logprobs.f32");
+    let values = version(&prepared).join("reference-logprobs.f32");
     assert!(stdout.contains(&format!("written to {}", values.display())), "{stdout}");
     let manifest: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(prepared.join("reference-logprobs.json")).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(version(&prepared).join("reference-logprobs.json")).unwrap())
+            .unwrap();
     assert_eq!(manifest["values"].as_u64().unwrap() * 4, std::fs::metadata(&values).unwrap().len());
     let written = std::fs::metadata(&values).unwrap().modified().unwrap();
 
@@ -136,7 +142,7 @@ fn a_damaged_cache_is_reported_with_its_path_and_recomputed() {
     init_reference(&dir.path().join("reference"));
     let ref_arg = dir.path().join("reference").display().to_string();
     prepare(&model, &prepared, &["--reference", &ref_arg]).success();
-    let values = prepared.join("reference-logprobs.f32");
+    let values = version(&prepared).join("reference-logprobs.f32");
     let bytes = std::fs::read(&values).unwrap();
     std::fs::write(&values, &bytes[..bytes.len() / 2]).unwrap();
     let again = prepare(&model, &prepared, &["--reference", &ref_arg]).success();
@@ -144,7 +150,7 @@ fn a_damaged_cache_is_reported_with_its_path_and_recomputed() {
     assert!(log.contains(&values.display().to_string()) && log.contains("recomputing"), "{log}");
     assert_eq!(std::fs::read(&values).unwrap(), bytes);
     // The trainer does the same.
-    std::fs::write(prepared.join("reference-logprobs.json"), "{").unwrap();
+    std::fs::write(version(&prepared).join("reference-logprobs.json"), "{").unwrap();
     let run = common::grpo().current_dir(common::root()).arg("train").arg("--config").arg(config(dir.path())).assert();
     let log = stderr(&run.success());
     assert!(log.contains("reference-logprobs.json") && log.contains("recomputing"), "{log}");

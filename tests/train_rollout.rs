@@ -174,6 +174,22 @@ fn a_lagged_run_resumed_from_any_checkpoint_ends_exactly_as_an_uninterrupted_one
         train(&cfg, &[LAGGED, &["--resume", "auto"]].concat()).success();
         same_run(&a.join("out"), &out, &format!("resumed from step {from}"));
     }
+    // A checkpoint after the swap without its swapped reference is refused, not resumed with the initial one
+    // (its checksum record is edited too, as a copy that left the file out would have it).
+    let step4 = ck.join("step-00000004");
+    std::fs::remove_file(step4.join("reference.safetensors")).unwrap();
+    let sums = step4.join("checksums.json");
+    let mut record: Value = serde_json::from_str(&std::fs::read_to_string(&sums).unwrap()).unwrap();
+    record["files"].as_object_mut().unwrap().remove("reference.safetensors").unwrap();
+    std::fs::write(&sums, serde_json::to_vec(&record).unwrap()).unwrap();
+    for later in 5..=6 {
+        std::fs::remove_dir_all(ck.join(format!("step-{later:08}"))).unwrap();
+    }
+    std::fs::write(ck.join("latest"), "step-00000004").unwrap();
+    let cfg = config(&a, &model, &questions, 0.03, 6);
+    let failed = train(&cfg, &[LAGGED, &["--resume", "auto"]].concat()).failure();
+    let err = String::from_utf8_lossy(&failed.get_output().stderr).into_owned();
+    assert!(err.contains("missing reference.safetensors") && err.contains("step-00000004"), "{err}");
 }
 
 #[test]

@@ -1,12 +1,15 @@
 //! `grpo data stats` and `grpo data prepare`.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use anyhow::Context;
 
 use crate::data::{self, InputOptions, PrepareOptions, SequenceOptions};
 use crate::model::{self, tokenizer::ChatTokenizer};
 use crate::train::refcache::{ComputeOptions, ReferenceCache};
+use crate::train::TrainError;
 
 #[derive(Debug, clap::Subcommand)]
 pub enum DataCommand {
@@ -120,7 +123,17 @@ fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
         force: a.force,
         shard_tokens: a.shard_tokens,
     };
-    let outcome = data::prepare::prepare_with(&opts, &mut report_bad).context("data prepare")?;
+    // Ctrl-C or SIGTERM stops preparation (and the reference pass) within a row or batch, exit status 75;
+    // the next run removes what the stopped one had written.
+    let stop = Arc::new(AtomicBool::new(false));
+    let flag = stop.clone();
+    if let Err(e) = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst)) {
+        tracing::warn!("no Ctrl-C / SIGTERM handler ({e})");
+    }
+    let outcome = match data::prepare::prepare_with(&opts, &mut report_bad, Some(&stop)) {
+        Err(data::DataError::Interrupted(what)) => exit_stopped(&what),
+        r => r.context("data prepare")?,
+    };
     if outcome.skipped {
         println!(
             "{} is up to date ({} groups, {} responses): nothing to do",
@@ -140,13 +153,22 @@ fn prepare(a: PrepareArgs) -> anyhow::Result<()> {
         );
     }
     match &a.reference.reference {
-        Some(r) => reference_logprobs(r, &a.reference, &outcome.out),
+        Some(r) => reference_logprobs(r, &a.reference, &opts.out, &stop),
         None => Ok(()),
     }
 }
 
+/// Exit with the status of a run stopped on request, saying what was stopped.
+fn exit_stopped(what: &str) -> ! {
+    eprintln!(
+        "stopped on request {what}; run the command again to continue (exit status {})",
+        super::train::STOPPED_EXIT_CODE
+    );
+    std::process::exit(super::train::STOPPED_EXIT_CODE)
+}
+
 /// Compute (or check) the reference log-probs of the prepared folder `out`.
-fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path) -> anyhow::Result<()> {
+fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path, stop: &AtomicBool) -> anyhow::Result<()> {
     let dir = model::resolve_model_dir(reference)?;
     let dataset = data::PreparedDataset::open(out)?;
     let opts = ComputeOptions {
@@ -155,7 +177,10 @@ fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path) -> anyhow:
         batch: a.micro_batch_size,
         decoder: Default::default(),
     };
-    let (cache, computed) = ReferenceCache::ensure(&dataset, out, &dir, &opts).context("reference log-probs")?;
+    let (cache, computed) = match ReferenceCache::ensure(&dataset, &dir, &opts, Some(stop)) {
+        Err(TrainError::Interrupted(what)) => exit_stopped(&what),
+        r => r.context("reference log-probs")?,
+    };
     let what = if computed { "written to" } else { "up to date in" };
     println!("reference log-probs of {} {what} {}", dir.display(), cache.path().display());
     Ok(())

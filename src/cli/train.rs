@@ -125,7 +125,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Err(e) = handler {
         tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");
     }
-    let out = train(&cfg, &opts, &stop).context("training failed")?;
+    let out = match train(&cfg, &opts, &stop) {
+        Err(e) if e.interrupted().is_some() => {
+            eprintln!(
+                "stopped on request {} (before the first step: no checkpoint); run the same command again to \
+                 continue (exit status {STOPPED_EXIT_CODE})",
+                e.interrupted().unwrap_or_default()
+            );
+            std::process::exit(STOPPED_EXIT_CODE);
+        }
+        r => r.context("training failed")?,
+    };
     match &out.checkpoint {
         Some(p) => tracing::info!("step {}: checkpoint {}", out.state.step, p.display()),
         None => tracing::info!("step {}: nothing to save", out.state.step),

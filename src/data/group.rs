@@ -325,11 +325,13 @@ pub(crate) fn prompt_tokens(tok: &ChatTokenizer, system: Option<&str>, question:
 
 /// Length limits applied while grouping (prepare).
 #[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct Limits {
+pub(crate) struct Limits<'a> {
     pub max_prompt: Option<u32>,
     pub max_response: Option<u32>,
     /// Drop over-long responses (true) or keep them truncated (false).
     pub drop_long: bool,
+    /// Set by a stop request: the scan stops at the next row with [`DataError::Interrupted`].
+    pub stop: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
 /// A group as the streaming scan delivers it: records of the chosen answers, in group order.
@@ -381,7 +383,7 @@ impl Sample {
 fn form_groups(
     mut records: Vec<Record>,
     opts: &GroupOptions,
-    limits: &Limits,
+    limits: &Limits<'_>,
     sample: Option<&std::collections::HashSet<u64>>,
     stats: &mut Stats,
     hists: &mut (LengthHistogram, LengthHistogram),
@@ -424,7 +426,7 @@ fn form_groups(
 fn choose_and_label(
     mut members: Vec<Record>,
     opts: &GroupOptions,
-    limits: &Limits,
+    limits: &Limits<'_>,
     stats: &mut Stats,
 ) -> Option<(Vec<Record>, Labels)> {
     if limits.max_prompt.is_some_and(|max| members[0].prompt_len > max) {
@@ -465,7 +467,7 @@ fn choose_and_label(
 fn draw_sample<I>(
     partitions: I,
     opts: &GroupOptions,
-    limits: &Limits,
+    limits: &Limits<'_>,
 ) -> Result<Option<std::collections::HashSet<u64>>, DataError>
 where
     I: IntoIterator<Item = Result<Vec<Record>, DataError>>,
@@ -590,7 +592,7 @@ pub(crate) fn scan_with(
     opts: &InputOptions,
     spill_dir: Option<&Path>,
     measure: &Measure<'_>,
-    limits: &Limits,
+    limits: &Limits<'_>,
     on_bad: &mut dyn FnMut(&BadRow),
     on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
 ) -> Result<Stats, DataError> {
@@ -623,6 +625,9 @@ pub(crate) fn scan_with(
                 }
             },
             |item| {
+                if limits.stop.is_some_and(|s| s.load(std::sync::atomic::Ordering::SeqCst)) {
+                    return Err(DataError::Interrupted(format!("while reading {}", path.display())));
+                }
                 stats.rows_read += 1;
                 bar.inc(1);
                 match item {

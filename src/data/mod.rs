@@ -17,6 +17,7 @@ pub mod prepare;
 pub mod reader;
 pub mod shards;
 pub mod stats;
+pub mod versions;
 
 use std::path::PathBuf;
 
@@ -49,6 +50,11 @@ pub enum DataError {
     Plot(String),
     #[error("{0}")]
     Invalid(String),
+    /// A stop request (Ctrl-C, SIGTERM) was honoured.
+    #[error("stopped on request {0}")]
+    Interrupted(String),
+    #[error(transparent)]
+    Checksum(#[from] crate::checksum::ChecksumError),
 }
 
 pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> DataError {

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -16,6 +17,7 @@ use super::group::{prompt_tokens, scan_with, GroupOptions, InputOptions, Limits,
 use super::reader::{resolve_inputs, scan_file, BadRow, ReadOptions};
 use super::shards::{GroupMeta, ShardWriter, FORMAT};
 use super::stats::{LengthHistogram, Stats};
+use super::versions;
 use super::{io_err, question_hash, question_id, DataError};
 use crate::jsonl::AtomicFile;
 use crate::model::tokenizer::ChatTokenizer;
@@ -86,6 +88,7 @@ impl Default for PrepareOptions {
 /// What [`prepare`] did.
 #[derive(Debug, Clone)]
 pub struct PrepareOutcome {
+    /// The folder of the prepared version (inside the output folder, see [`super::versions`]).
     pub out: PathBuf,
     /// True when the folder was already up to date and nothing was done.
     pub skipped: bool,
@@ -119,6 +122,9 @@ struct Manifest {
     /// The options that change the output (inputs, output folder and `force` excluded).
     options: serde_json::Value,
     created_by: String,
+    /// The [`crate::checksum`] of each file of the version, checked when it is opened.
+    #[serde(default)]
+    checksums: BTreeMap<String, String>,
 }
 
 fn input_info(p: &Path) -> Result<InputInfo, DataError> {
@@ -234,11 +240,21 @@ struct Tokenised {
 /// Prepare `opts.input.inputs` into `opts.out` (see the module doc). Skips the work when `out` holds a
 /// complete preparation of the same inputs (size, modification time), tokenizer and options.
 pub fn prepare(opts: &PrepareOptions) -> Result<PrepareOutcome, DataError> {
-    prepare_with(opts, &mut |bad| tracing::warn!("skipped {bad}"))
+    prepare_with(opts, &mut |bad| tracing::warn!("skipped {bad}"), None)
 }
 
-/// [`prepare`] with a callback for each bad row.
-pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> Result<PrepareOutcome, DataError> {
+/// [`prepare`] with a callback for each bad row and a stop flag: set (by Ctrl-C or SIGTERM), preparation
+/// stops within a row with [`DataError::Interrupted`], and the next one removes what it had written.
+///
+/// The output folder holds versions ([`super::versions`]): an up-to-date current version is re-used; else a
+/// new version is written beside it under a temporary name, renamed into place and made current, so that a
+/// reader of the previous version keeps reading it unchanged. One process prepares a folder at a time; a
+/// second waits for it, then re-uses its result when its inputs and options are the same.
+pub fn prepare_with(
+    opts: &PrepareOptions,
+    on_bad: &mut dyn FnMut(&BadRow),
+    stop: Option<&AtomicBool>,
+) -> Result<PrepareOutcome, DataError> {
     let files = resolve_inputs(&opts.input.inputs)?;
     let tok = ChatTokenizer::load(&opts.model)?;
     if !tok.has_template() {
@@ -261,18 +277,70 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         eos_id: eos,
         options: output_options(opts),
         created_by: format!("grpo {}", env!("CARGO_PKG_VERSION")),
+        checksums: BTreeMap::new(),
     };
-    let reasons = match check_manifest(out, &manifest, opts.force)? {
-        Freshness::UpToDate(outcome) => return Ok(*outcome),
+    let _lock = versions::lock_preparation(out, stop)?;
+    versions::remove_leftovers(out);
+    let current = versions::current(out)?;
+    let reasons = match check_manifest(current.as_deref().unwrap_or(out), &manifest, opts.force)? {
+        Freshness::UpToDate(outcome) => {
+            versions::remove_unused(out, current.as_deref().and_then(Path::file_name).and_then(|n| n.to_str()));
+            return Ok(*outcome);
+        }
         Freshness::Stale(reasons) => reasons,
     };
-    remove_token_shards(out);
-    let sel_dir = out.join(".selection");
-    let _ = std::fs::remove_dir_all(&sel_dir);
+    let name = versions::new_version_name();
+    let target = out.join(&name);
+    let tmp = crate::fsio::temp_dir(&target).map_err(io_err(&target))?;
+    let (stats, counts) = write_version(opts, &files, &tok, eos, tmp.path(), on_bad, stop)?;
+    (manifest.groups, manifest.responses, manifest.tokens) = (counts.groups, counts.responses, counts.tokens);
+    manifest.token_shards = counts.shards.clone();
+    let mut names: Vec<String> = ["stats.json", "groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    names.extend(counts.shards);
+    manifest.checksums = crate::checksum::hash_files(tmp.path(), &names)?;
+    write_json(&tmp.path().join("manifest.json"), &manifest)?;
+    versions::create_readers_lock(tmp.path())?;
+    crate::fsio::persist_dir(tmp, &target).map_err(io_err(&target))?;
+    versions::switch_to(out, &name)?;
+    tracing::info!("prepared {} groups into {}", counts.groups, target.display());
+    Ok(PrepareOutcome {
+        out: target,
+        skipped: false,
+        reasons,
+        stats,
+        groups: counts.groups,
+        responses: counts.responses,
+        tokens: counts.tokens,
+    })
+}
+
+/// What a version holds.
+struct Counts {
+    groups: u64,
+    responses: u64,
+    tokens: u64,
+    shards: Vec<String>,
+}
+
+/// Write a whole preparation into the (new, empty) folder `dir`: groups, token shards, stats.
+fn write_version(
+    opts: &PrepareOptions,
+    files: &[PathBuf],
+    tok: &ChatTokenizer,
+    eos: u32,
+    dir: &Path,
+    on_bad: &mut dyn FnMut(&BadRow),
+    stop: Option<&AtomicBool>,
+) -> Result<(Stats, Counts), DataError> {
+    let sel_dir = dir.join(".selection");
     std::fs::create_dir_all(&sel_dir).map_err(io_err(&sel_dir))?;
-    let (mut stats, n_groups, n_responses) = choose_groups(opts, &files, &tok, &sel_dir, on_bad)?;
-    let writer = ShardWriter::create(out, n_groups, n_responses, opts.shard_tokens)?;
-    let tokenised = tokenise_chosen(opts, &files, &tok, eos, &sel_dir, writer, n_responses)?;
+    let (mut stats, n_groups, n_responses) = choose_groups(opts, files, tok, (dir, &sel_dir), on_bad, stop)?;
+    let writer = ShardWriter::create(dir, n_groups, n_responses, opts.shard_tokens)?;
+    let pass = Pass2 { sel_dir: &sel_dir, n_responses, stop };
+    let tokenised = tokenise_chosen(opts, files, tok, eos, writer, pass)?;
     let _ = std::fs::remove_dir_all(&sel_dir);
     if tokenised.prompts != n_groups || tokenised.responses != n_responses {
         return Err(DataError::Invalid(format!(
@@ -281,21 +349,18 @@ pub fn prepare_with(opts: &PrepareOptions, on_bad: &mut dyn FnMut(&BadRow)) -> R
         )));
     }
     tokenised.add_to(&mut stats);
-    write_json(&out.join("stats.json"), &stats)?;
-    manifest.groups = n_groups;
-    manifest.responses = n_responses;
-    manifest.tokens = tokenised.tokens;
-    manifest.token_shards = tokenised.shards;
-    write_json(&out.join("manifest.json"), &manifest)?;
-    Ok(PrepareOutcome {
-        out: out.clone(),
-        skipped: false,
-        reasons,
-        stats,
-        groups: n_groups,
-        responses: n_responses,
-        tokens: tokenised.tokens,
-    })
+    write_json(&dir.join("stats.json"), &stats)?;
+    let counts =
+        Counts { groups: n_groups, responses: n_responses, tokens: tokenised.tokens, shards: tokenised.shards };
+    Ok((stats, counts))
+}
+
+/// [`DataError::Interrupted`] when a stop was requested.
+fn check_stop(stop: Option<&AtomicBool>, opts: &PrepareOptions) -> Result<(), DataError> {
+    if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+        return Err(DataError::Interrupted(format!("while preparing {}", opts.out.display())));
+    }
+    Ok(())
 }
 
 /// Whether an output folder is up to date with its manifest.
@@ -305,24 +370,24 @@ enum Freshness {
     Stale(Vec<String>),
 }
 
-/// Compare the folder's manifest with `manifest` (the one this preparation would write); a stale manifest
-/// is removed first, so that an interrupted preparation is never taken for a complete one.
-fn check_manifest(out: &Path, manifest: &Manifest, force: bool) -> Result<Freshness, DataError> {
-    let mpath = out.join("manifest.json");
+/// Compare the manifest of the prepared version in `dir` with `manifest` (the one this preparation would
+/// write).
+fn check_manifest(dir: &Path, manifest: &Manifest, force: bool) -> Result<Freshness, DataError> {
+    let mpath = dir.join("manifest.json");
     let Ok(text) = std::fs::read_to_string(&mpath) else { return Ok(Freshness::Stale(vec!["new".into()])) };
     let mut reasons = vec![];
     match serde_json::from_str::<Manifest>(&text) {
         Ok(old) => {
             reasons = differences(&old, manifest);
             if reasons.is_empty() && !force {
-                let spath = out.join("stats.json");
+                let spath = dir.join("stats.json");
                 let stats: Stats = std::fs::read_to_string(&spath)
                     .ok()
                     .and_then(|t| serde_json::from_str(&t).ok())
                     .ok_or_else(|| DataError::Format { path: spath, message: "missing or unreadable".into() })?;
-                tracing::info!("{} is up to date with its inputs: nothing to do", out.display());
+                tracing::info!("{} is up to date with its inputs: nothing to do", dir.display());
                 return Ok(Freshness::UpToDate(Box::new(PrepareOutcome {
-                    out: out.to_path_buf(),
+                    out: dir.to_path_buf(),
                     skipped: true,
                     reasons,
                     stats,
@@ -338,22 +403,9 @@ fn check_manifest(out: &Path, manifest: &Manifest, force: bool) -> Result<Freshn
         Err(_) => reasons.push("unreadable manifest".into()),
     }
     for r in &reasons {
-        tracing::info!("re-preparing {}: {r}", out.display());
+        tracing::info!("re-preparing {}: {r}", dir.display());
     }
-    std::fs::remove_file(&mpath).map_err(io_err(&mpath))?;
     Ok(Freshness::Stale(reasons))
-}
-
-/// Remove the token shards of an earlier preparation.
-fn remove_token_shards(out: &Path) {
-    if let Ok(entries) = std::fs::read_dir(out) {
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with("tokens-") && name.ends_with(".u32") {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
-    }
 }
 
 /// Write `value` as pretty JSON to `path`, atomically.
@@ -373,8 +425,9 @@ fn choose_groups(
     opts: &PrepareOptions,
     files: &[PathBuf],
     tok: &ChatTokenizer,
-    sel_dir: &Path,
+    (dir, sel_dir): (&Path, &Path),
     on_bad: &mut dyn FnMut(&BadRow),
+    stop: Option<&AtomicBool>,
 ) -> Result<(Stats, u64, u64), DataError> {
     let seq = &opts.sequence;
     let limit = |n: usize| if n == 0 { None } else { Some(n.min(u32::MAX as usize) as u32) };
@@ -387,12 +440,13 @@ fn choose_groups(
         max_prompt: limit(seq.max_prompt_tokens),
         max_response: if drop_long { limit(seq.max_response_tokens) } else { None },
         drop_long,
+        stop,
     };
     let mut sel_writers: Vec<Option<BufWriter<File>>> = (0..files.len()).map(|_| None).collect();
-    let gpath = opts.out.join("groups.jsonl");
+    let gpath = dir.join("groups.jsonl");
     let mut groups_out = AtomicFile::create(Some(&gpath)).map_err(io_err(&gpath))?;
     let (mut n_groups, mut n_responses) = (0u64, 0u64);
-    let stats = scan_with(files, &opts.input, Some(&opts.out), &measure, &limits, on_bad, &mut |g| {
+    let stats = scan_with(files, &opts.input, Some(dir), &measure, &limits, on_bad, &mut |g| {
         groups_out.write_json(&group_meta(&g, n_responses)).map_err(io_err(&gpath))?;
         for (j, r) in g.records.iter().enumerate() {
             let f = r.rref.file as usize;
@@ -469,16 +523,23 @@ impl TokenisePass {
     }
 }
 
+/// Where pass 2 finds the chosen rows, how many, and the stop flag.
+struct Pass2<'a> {
+    sel_dir: &'a Path,
+    n_responses: u64,
+    stop: Option<&'a AtomicBool>,
+}
+
 /// Pass 2: tokenise the chosen rows file by file (in parallel inside a file) into the shards.
 fn tokenise_chosen(
     opts: &PrepareOptions,
     files: &[PathBuf],
     tok: &ChatTokenizer,
     eos: u32,
-    sel_dir: &Path,
     mut writer: ShardWriter,
-    n_responses: u64,
+    pass: Pass2<'_>,
 ) -> Result<TokenisePass, DataError> {
+    let Pass2 { sel_dir, n_responses, stop } = pass;
     let (mut logprobs_kept, mut logprobs_mismatched, mut truncated) = (0u64, 0u64, 0u64);
     let mut response_lengths = LengthHistogram::default();
     let bar = crate::progress::progress_bar(Some(n_responses), "tokenise");
@@ -498,6 +559,7 @@ fn tokenise_chosen(
                 let Ok(i) = sels.binary_search_by_key(&rref.ordinal, |s| s.ordinal) else {
                     return Ok(None);
                 };
+                check_stop(stop, opts)?;
                 let changed = || DataError::Invalid(format!("{} changed while it was being prepared", path.display()));
                 let row = row.map_err(|_| changed())?;
                 if question_hash(&row.question) != sels[i].qhash {

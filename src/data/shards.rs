@@ -1,8 +1,8 @@
 //! The prepared-data format and its memory-mapped reader [`PreparedDataset`].
 //!
-//! A prepared folder holds:
+//! A prepared version (a folder of the prepared folder, see [`super::versions`]) holds:
 //! - `manifest.json`: format, inputs (size, modification time), tokenizer fingerprint, options, counts,
-//!   token shard names (written last: a folder without it is incomplete);
+//!   token shard names and the checksum of every other file, checked when the version is opened;
 //! - `stats.json`: the [`super::Stats`] of the data as prepared;
 //! - `groups.jsonl`: one line per group, in group index order ([`GroupMeta`]);
 //! - `prompts.bin`: per group 16 bytes (shard u32, length u32, offset u64 in tokens), little-endian;
@@ -21,7 +21,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{io_err, DataError};
 
-pub(crate) const FORMAT: &str = "grpo-prepared-v1";
+pub(crate) const FORMAT: &str = "grpo-prepared-v2";
 const PROMPT_REC: usize = 16;
 const RESP_REC: usize = 32;
 const FLAG_WRITTEN: u32 = 1;
@@ -238,11 +238,16 @@ pub(crate) struct ManifestHead {
     pub groups: u64,
     pub responses: u64,
     pub token_shards: Vec<String>,
+    #[serde(default)]
+    pub checksums: std::collections::BTreeMap<String, String>,
 }
 
 /// A prepared folder, memory-mapped: random access to groups by index.
 pub struct PreparedDataset {
+    /// The version's folder.
     dir: PathBuf,
+    /// Keeps the version from being removed by a later preparation while it is read.
+    _hold: super::versions::ReaderLock,
     groups: Vec<GroupMeta>,
     prompts: Map,
     responses: Map,
@@ -267,16 +272,28 @@ fn le_u64(b: &[u8], at: usize) -> u64 {
 }
 
 impl PreparedDataset {
-    /// Open a folder written by [`super::prepare()`]. Fails when the manifest is missing (an incomplete
-    /// preparation) or the tables do not match it.
-    pub fn open(dir: &Path) -> Result<Self, DataError> {
+    /// Open the current version of a folder written by [`super::prepare()`] and keep it (a later
+    /// preparation writes another version). Fails when the manifest is missing (an incomplete
+    /// preparation), a file's checksum is not the manifest's, or the tables do not match it.
+    pub fn open(folder: &Path) -> Result<Self, DataError> {
+        let (version, hold) = super::versions::open_current(folder)?;
+        let dir = version.as_path();
         let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
         let mpath = dir.join("manifest.json");
         let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
         let head: ManifestHead = serde_json::from_str(&text).map_err(|e| bad(format!("manifest.json: {e}")))?;
         if head.format != FORMAT {
-            return Err(bad(format!("format {:?}, expected {FORMAT:?}", head.format)));
+            return Err(bad(format!(
+                "format {:?}, expected {FORMAT:?}: prepare it again (grpo data prepare, or a training run)",
+                head.format
+            )));
         }
+        let mut expected: Vec<&str> = vec!["groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"];
+        expected.extend(head.token_shards.iter().map(String::as_str));
+        if let Some(f) = expected.iter().find(|f| !head.checksums.contains_key(**f)) {
+            return Err(bad(format!("manifest.json records no checksum of {f}")));
+        }
+        crate::checksum::verify(dir, &head.checksums, "manifest.json")?;
         let gpath = dir.join("groups.jsonl");
         let mut groups = Vec::with_capacity(head.groups as usize);
         for line in crate::jsonl::Lines::open(&gpath)? {
@@ -301,7 +318,12 @@ impl PreparedDataset {
         }
         let shards = head.token_shards.iter().map(|s| Map::open(&dir.join(s))).collect::<Result<Vec<_>, _>>()?;
         let logprobs = Map::open(&dir.join("logprobs.f32"))?;
-        Ok(Self { dir: dir.to_path_buf(), groups, prompts, responses, shards, logprobs })
+        Ok(Self { dir: dir.to_path_buf(), _hold: hold, groups, prompts, responses, shards, logprobs })
+    }
+
+    /// The folder of the version read (its manifest, tables and the reference log-prob cache).
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Number of groups.
@@ -425,7 +447,11 @@ mod tests {
         for m in [meta(0, 2), meta(2, 1)] {
             writeln!(f, "{}", serde_json::to_string(&m).unwrap()).unwrap();
         }
-        let head = ManifestHead { format: FORMAT.into(), groups: 2, responses: 3, token_shards: shards };
+        let mut names: Vec<String> =
+            ["groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"].map(String::from).into();
+        names.extend(shards.iter().cloned());
+        let checksums = crate::checksum::hash_files(dir.path(), &names).unwrap();
+        let head = ManifestHead { format: FORMAT.into(), groups: 2, responses: 3, token_shards: shards, checksums };
         std::fs::write(dir.path().join("manifest.json"), serde_json::to_string(&head).unwrap()).unwrap();
         let ds = PreparedDataset::open(dir.path()).unwrap();
         assert_eq!(ds.len(), 2);
@@ -438,5 +464,18 @@ mod tests {
         assert_eq!((g1.prompt_tokens.clone(), g1.responses[0].tokens.clone()), (vec![5, 6], vec![7, 8, 9]));
         assert_eq!(g1.responses[0].teacher_logprobs, Some(vec![-0.1, -0.2, 0.0]));
         assert!(ds.group(2).is_err());
+        drop(ds);
+        // A flipped byte in any file is an error naming that file.
+        for name in &names {
+            let p = dir.path().join(name);
+            let mut b = std::fs::read(&p).unwrap();
+            b[0] ^= 0x40;
+            std::fs::write(&p, &b).unwrap();
+            let err = PreparedDataset::open(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(name.as_str()) && err.contains("changed"), "{name}: {err}");
+            b[0] ^= 0x40;
+            std::fs::write(&p, &b).unwrap();
+        }
+        PreparedDataset::open(dir.path()).unwrap();
     }
 }

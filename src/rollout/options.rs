@@ -92,6 +92,19 @@ impl Default for RolloutOptions {
 }
 
 impl RolloutOptions {
+    /// What is allowed but almost certainly not meant, as messages for the run's log.
+    pub fn warnings(&self) -> Vec<String> {
+        let mut w = Vec::new();
+        if self.temperature == 0.0 && self.sampled() > 1 {
+            w.push(format!(
+                "rollout.temperature = 0 samples greedily: the {} sampled answers of a question are identical, so \
+                 their rewards agree, their group-relative advantages are 0 and they give no gradient",
+                self.sampled()
+            ));
+        }
+        w
+    }
+
     /// Answers sampled per question.
     pub fn sampled(&self) -> usize {
         self.n.saturating_sub(self.teacher_answers)
@@ -220,6 +233,16 @@ mod tests {
         assert_eq!((none.validate(), none.refresh_every()), (Ok(()), usize::MAX));
         let sglang = ok(&format!("sync_every = 4\nreload = \"sglang\"\n{server}"));
         assert_eq!((sglang.validate(), sglang.refresh_every()), (Ok(()), 4));
+    }
+
+    #[test]
+    fn greedy_rollouts_are_warned_about() {
+        let ok = |t: &str| toml::from_str::<RolloutOptions>(t).unwrap();
+        assert!(RolloutOptions::default().warnings().is_empty());
+        let w = ok("temperature = 0").warnings();
+        assert!(w.len() == 1 && w[0].starts_with("rollout.temperature = 0") && w[0].contains("no gradient"), "{w:?}");
+        // One sampled answer beside teacher answers: greedy is a choice, not a mistake.
+        assert!(ok("temperature = 0\nn = 4\nteacher_answers = 3").warnings().is_empty());
     }
 
     #[test]

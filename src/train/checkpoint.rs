@@ -2,9 +2,11 @@
 //! `trainer_state.json`, and `anchor.safetensors` when the objective's anchor snapshot is not the
 //! checkpoint itself), the `latest` pointer, keep-last pruning, and reading them back to resume.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
 
 use super::step::TrainStep;
 use super::{io, write_atomic, TrainError, TrainerState};
@@ -126,7 +128,8 @@ impl Checkpointer {
                 write_tensors(&tmp.join(file), model.named_tensors())?;
             }
             let c = tmp.join(CONFIG_FILE);
-            std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c, source })
+            std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c.clone(), source })?;
+            write_checksums(tmp)
         })?;
         write_atomic(&dir.join("latest"), name.as_bytes())?;
         prune(&dir, &state.run_id, self.keep_last, state.step)?;
@@ -151,11 +154,14 @@ fn step_of(ck: &Path) -> Option<usize> {
 /// from an earlier checkpoint abandoned; they are replaced as the run reaches them). Each deleted folder goes
 /// through a temporary name, so a kill never leaves a half-deleted folder under a checkpoint's name.
 fn prune(dir: &Path, run: &str, keep: usize, upto: usize) -> Result<(), TrainError> {
+    if keep == 0 {
+        return Ok(()); // train.keep_last = 0 keeps every checkpoint
+    }
     let mine: Vec<PathBuf> = step_dirs(dir)?
         .into_iter()
         .filter(|p| step_of(p).is_some_and(|s| s <= upto) && run_of(p).as_deref() == Some(run))
         .collect();
-    for old in &mine[..mine.len().saturating_sub(keep.max(1))] {
+    for old in &mine[..mine.len().saturating_sub(keep)] {
         remove_checkpoint(old)?;
     }
     Ok(())
@@ -187,6 +193,59 @@ fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Re
     let s = tmp.join("trainer_state.json");
     std::fs::write(&s, serde_json::to_vec_pretty(state).unwrap_or_default())
         .map_err(|source| ModelError::Io { path: s, source })
+}
+
+/// The checksums of a checkpoint's files, written last into it.
+pub(super) const CHECKSUMS_FILE: &str = "checksums.json";
+
+/// `checksums.json`: the [`crate::checksum`] of every other file of a checkpoint.
+#[derive(Debug, Serialize, Deserialize)]
+struct Checksums {
+    files: BTreeMap<String, String>,
+}
+
+/// Record the checksum of every file in the checkpoint folder `dir` (being written).
+fn write_checksums(dir: &Path) -> Result<(), ModelError> {
+    let io_error = |source| ModelError::Io { path: dir.to_path_buf(), source };
+    let mut names = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io_error)? {
+        let entry = entry.map_err(io_error)?;
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if entry.path().is_file() && name != CHECKSUMS_FILE {
+            names.push(name);
+        }
+    }
+    let files = crate::checksum::hash_files(dir, &names)
+        .map_err(|e| ModelError::Files { path: dir.to_path_buf(), message: e.to_string() })?;
+    let p = dir.join(CHECKSUMS_FILE);
+    let text = serde_json::to_vec_pretty(&Checksums { files }).unwrap_or_default();
+    std::fs::write(&p, text).map_err(|source| ModelError::Io { path: p, source })
+}
+
+/// Check every file of checkpoint `ck` against its `checksums.json` before a resume reads it: a changed file is
+/// an error naming it. A checkpoint written before checksums were recorded is resumed with a warning.
+pub(super) fn verify_checksums(ck: &Path) -> Result<(), TrainError> {
+    let p = ck.join(CHECKSUMS_FILE);
+    let text = match std::fs::read(&p) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!("{} has no {CHECKSUMS_FILE}: its files cannot be checked", ck.display());
+            return Ok(());
+        }
+        Err(e) => return Err(io(&p)(e)),
+    };
+    let sums: Checksums = serde_json::from_slice(&text)
+        .map_err(|e| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{CHECKSUMS_FILE}: {e}") })?;
+    let started = std::time::Instant::now();
+    crate::checksum::verify(ck, &sums.files, CHECKSUMS_FILE)
+        .map_err(|e| TrainError::Damaged { ck: ck.to_path_buf(), message: e.to_string() })?;
+    tracing::debug!(
+        "checked {} files of {} in {:.1} s",
+        sums.files.len(),
+        ck.display(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
 }
 
 /// The anchor snapshot's file in a checkpoint.
@@ -287,5 +346,36 @@ mod tests {
         assert_eq!(names, ["step-00000004", "step-00000008", "step-00000010", "step-unreadable"]);
         assert_eq!(step_dirs(dir.path()).unwrap().len(), 4);
         assert_eq!(run_of(&dir.path().join("step-00000004")).as_deref(), Some("b"));
+        // keep_last = 0 keeps them all.
+        fake(dir.path(), 12, "a");
+        prune(dir.path(), "a", 0, 12).unwrap();
+        assert_eq!(step_dirs(dir.path()).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn a_flipped_byte_in_any_checkpoint_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let names = ["optimizer.safetensors", "anchor.safetensors", "sampler.safetensors", "reference.safetensors"];
+        for (i, n) in names.iter().enumerate() {
+            std::fs::write(dir.path().join(n), vec![i as u8; 1000 + i]).unwrap();
+        }
+        std::fs::write(dir.path().join("trainer_state.json"), "{}").unwrap();
+        write_checksums(dir.path()).unwrap();
+        verify_checksums(dir.path()).unwrap();
+        for n in names.iter().chain(&["trainer_state.json"]) {
+            let p = dir.path().join(n);
+            let mut b = std::fs::read(&p).unwrap();
+            b[1] ^= 1;
+            std::fs::write(&p, &b).unwrap();
+            let e = verify_checksums(dir.path()).unwrap_err().to_string();
+            assert!(e.contains(n) && e.contains("changed"), "{n}: {e}");
+            b[1] ^= 1;
+            std::fs::write(&p, &b).unwrap();
+        }
+        verify_checksums(dir.path()).unwrap();
+        // A missing file is named too.
+        std::fs::remove_file(dir.path().join("sampler.safetensors")).unwrap();
+        let e = verify_checksums(dir.path()).unwrap_err().to_string();
+        assert!(e.contains("sampler.safetensors"), "{e}");
     }
 }

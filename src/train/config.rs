@@ -122,7 +122,7 @@ pub struct TrainSection {
     pub seed: u64,
     /// Write a checkpoint every N steps (0: only at the end of each epoch and of the run).
     pub save_every: usize,
-    /// Checkpoints kept (the newest); OUTPUT/best is kept apart.
+    /// Checkpoints kept (the newest; 0 keeps every one); OUTPUT/best is kept apart.
     pub keep_last: usize,
     /// Stop after this many consecutive steps with a non-finite loss or gradient.
     pub max_bad_steps: usize,
@@ -223,6 +223,38 @@ fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) ->
     None
 }
 
+/// The key (as `section.key`) and value whose removal lets `table` parse: the value that serde refused.
+/// Sections composed with `flatten` report a bad value with the section's name only; this finds the key.
+fn offending_key(table: &toml::Table) -> Option<(String, toml::Value)> {
+    let parses = |t: &toml::Table| toml::Value::Table(t.clone()).try_into::<TrainConfig>().is_ok();
+    let mut leaves = Vec::new();
+    collect_leaves(table, &mut Vec::new(), &mut leaves);
+    leaves.into_iter().find_map(|path| {
+        let mut t = table.clone();
+        let value = remove_leaf(&mut t, &path)?;
+        parses(&t).then(|| (path.join("."), value))
+    })
+}
+
+fn collect_leaves(table: &toml::Table, prefix: &mut Vec<String>, out: &mut Vec<Vec<String>>) {
+    for (k, v) in table {
+        prefix.push(k.clone());
+        match v.as_table() {
+            Some(t) => collect_leaves(t, prefix, out),
+            None => out.push(prefix.clone()),
+        }
+        prefix.pop();
+    }
+}
+
+fn remove_leaf(table: &mut toml::Table, path: &[String]) -> Option<toml::Value> {
+    match path {
+        [last] => table.remove(last),
+        [first, rest @ ..] => remove_leaf(table.get_mut(first)?.as_table_mut()?, rest),
+        [] => None,
+    }
+}
+
 /// Parse `value` of a `--set` as a TOML value (number, bool, array, quoted string), else as a bare string.
 fn parse_value(value: &str) -> toml::Value {
     match toml::from_str::<toml::Table>(&format!("v = {value}")) {
@@ -257,9 +289,13 @@ impl TrainConfig {
             }
             cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
         }
-        let cfg: TrainConfig = toml::Value::Table(table.clone())
-            .try_into()
-            .map_err(|e: toml::de::Error| ConfigError::Parse { path: path.into(), message: suggest(&e.to_string()) })?;
+        let cfg: TrainConfig = toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
+            let message = match offending_key(&table) {
+                Some((key, value)) => format!("{key} = {value}: {}", suggest(e.message())),
+                None => suggest(&e.to_string()),
+            };
+            ConfigError::Parse { path: path.into(), message }
+        })?;
         let parsed = serde_json::to_value(&cfg).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         if let Some(message) = unknown_key(&table, &parsed, "") {
             return Err(ConfigError::Parse { path: path.into(), message });
@@ -298,6 +334,7 @@ impl TrainConfig {
         if self.train.epochs == 0 && self.train.max_steps == 0 {
             return bad("train.epochs and train.max_steps are both 0: nothing to do".into());
         }
+        self.check_bounds()?;
         if let Some(d) = &self.train.save_dtype {
             crate::model::parse_dtype(d).map_err(|e| ConfigError::Invalid(format!("train.save_dtype: {e}")))?;
         }
@@ -312,6 +349,39 @@ impl TrainConfig {
                     v.bench,
                     crate::eval::benchmarks::names().join(", ")
                 ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Values that parse but no run could mean (a typo's extra zeros, an overflowed number): refused, naming
+    /// the key and the accepted range.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
+        let (t, d, o) = (&self.train, &self.data, &self.optim);
+        let g = &d.input.group;
+        let counts: [(&str, usize, usize); 8] = [
+            ("train.batch_questions", t.batch_questions, 1 << 20),
+            ("train.micro_batch_size", t.micro_batch_size, 1 << 20),
+            ("train.epochs", t.epochs, 100_000),
+            ("train.max_steps", t.max_steps, 1 << 32),
+            ("data.group_size", g.group_size, 1 << 16),
+            ("data.min_group_size", g.min_group_size, 1 << 16),
+            ("data.max_prompt_tokens", d.sequence.max_prompt_tokens, 1 << 24),
+            ("data.max_response_tokens", d.sequence.max_response_tokens, 1 << 24),
+        ];
+        for (key, value, max) in counts {
+            if value > max {
+                return Err(ConfigError::Invalid(format!("{key} = {value} is out of range (at most {max})")));
+            }
+        }
+        let reals = [
+            ("optim.lr", o.lr, 1.0),
+            ("optim.weight_decay", o.weight_decay, 100.0),
+            ("optim.grad_clip", o.grad_clip, 1e9),
+        ];
+        for (key, value, max) in reals {
+            if !value.is_finite() || value > max {
+                return Err(ConfigError::Invalid(format!("{key} = {value} is out of range (at most {max})")));
             }
         }
         Ok(())
@@ -418,6 +488,38 @@ mod tests {
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[tiny.into(), "model.path=\"Org/typo\"".into()]);
         assert!(e.is_err_and(|e| e.to_string().contains("looks like a hub id")));
         for o in ["validation.temperature=0", "validation.top_p=1", "objective.beta=0", "model.path=\"./Org/x\""] {
+            TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_bad_value_in_a_composed_section_names_its_key() {
+        for (text, key) in [
+            ("group_size = -1\n", "data.group_size = -1"),
+            ("max_response_tokens = -5\n", "data.max_response_tokens = -5"),
+            ("[train]\nbatch_questions = -2\n", "train.batch_questions = -2"),
+            ("[objective]\nbeta = \"x\"\n", "objective.beta = \"x\""),
+        ] {
+            let e = TrainConfig::parse(&format!("{MIN}{text}"), Path::new("c.toml"), &[]).unwrap_err().to_string();
+            assert!(e.contains(key), "{text}: {e}");
+        }
+    }
+
+    #[test]
+    fn absurd_finite_values_are_refused_naming_the_key() {
+        for o in [
+            "train.batch_questions=100000000",
+            "train.epochs=1000000000",
+            "data.group_size=100000000",
+            "data.max_response_tokens=100000000000",
+            "optim.lr=1e30",
+            "optim.weight_decay=1e9",
+        ] {
+            let key = o.split('=').next().unwrap();
+            let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap_err().to_string();
+            assert!(e.contains(key) && e.contains("out of range"), "{o}: {e}");
+        }
+        for o in ["train.epochs=100", "data.max_response_tokens=32768", "optim.lr=1e-7", "train.keep_last=0"] {
             TrainConfig::parse(MIN, Path::new("c.toml"), &[o.into()]).unwrap();
         }
     }

@@ -57,6 +57,9 @@ pub enum TrainError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
     Stopped(String),
+    /// A stop request (Ctrl-C, SIGTERM) honoured during a long pass before the first step.
+    #[error("stopped on request {0}")]
+    Interrupted(String),
     #[error("reference log-prob cache {}: {message}", path.display())]
     ReferenceCache { path: PathBuf, message: String },
     #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
@@ -75,6 +78,17 @@ pub enum TrainError {
         ck.display()
     )]
     ConfigChanged { ck: PathBuf, changes: String },
+}
+
+impl TrainError {
+    /// What was stopped, when this is a stop request honoured during a long pass (data preparation, the
+    /// reference pass) rather than a failure.
+    pub fn interrupted(&self) -> Option<&str> {
+        match self {
+            TrainError::Interrupted(what) | TrainError::Data(data::DataError::Interrupted(what)) => Some(what),
+            _ => None,
+        }
+    }
 }
 
 fn io(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
@@ -96,6 +110,10 @@ pub struct TrainerState {
     /// Identifies the run (kept across resumes): pruning only ever deletes this run's checkpoints.
     #[serde(default)]
     pub run_id: String,
+    /// The frozen reference has been swapped for a copy of the policy (train.reference_swap_every): the
+    /// checkpoint holds it, and a resume without it is refused.
+    #[serde(default)]
+    pub reference_swapped: bool,
 }
 
 /// How to start.
@@ -164,7 +182,7 @@ fn prepared_dir(cfg: &TrainConfig) -> PathBuf {
 }
 
 /// Prepare the config's data (once: re-used while inputs, tokenizer and options are unchanged) and open it.
-fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, TrainError> {
+fn prepare_data(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result<PreparedDataset, TrainError> {
     let prepared_dir = prepared_dir(cfg);
     let mut input = cfg.data.input.clone();
     input.group.seed = cfg.train.seed;
@@ -175,7 +193,7 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
         out: prepared_dir.clone(),
         ..Default::default()
     };
-    let outcome = data::prepare(&popts)?;
+    let outcome = data::prepare::prepare_with(&popts, &mut |bad| tracing::warn!("skipped {bad}"), Some(stop))?;
     if outcome.skipped {
         tracing::info!("data in {} is up to date", prepared_dir.display());
     }
@@ -206,7 +224,7 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path) -> Result<PreparedDataset, 
 
 /// The groups the run's batches come from: the prepared teacher data, or the questions of
 /// `rollout.questions`.
-fn open_groups(cfg: &TrainConfig, model_dir: &Path) -> Result<GroupSource, TrainError> {
+fn open_groups(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result<GroupSource, TrainError> {
     match cfg.rollout.as_ref().and_then(|r| r.questions.as_ref().map(|q| (r, q))) {
         Some((r, path)) => {
             let tok = ChatTokenizer::load(model_dir).map_err(ModelError::from)?;
@@ -216,7 +234,7 @@ fn open_groups(cfg: &TrainConfig, model_dir: &Path) -> Result<GroupSource, Train
                 crate::rollout::load_questions(path, &r.prompt_template, &tok, system, seq.max_prompt_tokens)?;
             Ok(GroupSource::Questions(questions))
         }
-        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir)?)),
+        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir, stop)?)),
     }
 }
 
@@ -502,6 +520,7 @@ impl Run<'_> {
                 m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
                 metrics.write(&m)?;
                 self.swap_reference_if_due(state.step, epoch_end)?;
+                state.reference_swapped |= self.reference_swapped;
                 if m.validation_score.is_some() {
                     crate::plot::refresh_run_curves(&cfg.train.output_dir);
                 }
@@ -533,9 +552,22 @@ impl Run<'_> {
     /// Restore, from the checkpoint `ck` of `state`, the swapped reference, the lagged sampling policy and
     /// the optimiser's update count with several updates per step.
     fn restore_frozen(&mut self, ck: &Path, state: &TrainerState) -> Result<(), TrainError> {
-        if let Some(r) = checkpoint::read_frozen(ck, checkpoint::REFERENCE_FILE, &self.policy)? {
-            self.reference = Some(r);
-            self.reference_swapped = true;
+        match checkpoint::read_frozen(ck, checkpoint::REFERENCE_FILE, &self.policy)? {
+            Some(r) => {
+                self.reference = Some(r);
+                self.reference_swapped = true;
+            }
+            None if state.reference_swapped => {
+                return Err(TrainError::Damaged {
+                    ck: ck.to_path_buf(),
+                    message: format!(
+                        "missing {}: the run swapped its reference (train.reference_swap_every), and the swapped \
+                         reference cannot be restored",
+                        checkpoint::REFERENCE_FILE
+                    ),
+                })
+            }
+            None => {}
         }
         if let Some(r) = &self.rollouts {
             // Each step made updates_per_batch optimiser updates: Adam's bias correction counts them all.
@@ -636,6 +668,9 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
     cfg.validate()?;
+    for w in cfg.rollout.iter().flat_map(|r| r.warnings()) {
+        tracing::warn!("{w}");
+    }
     let out = &cfg.train.output_dir;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let _lock = run_dir::lock(out)?;
@@ -643,6 +678,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     let resumed = resume_point(out, &opts.resume)?;
     run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
     if let Some((ck, _)) = &resumed {
+        checkpoint::verify_checksums(ck)?;
         resume::check_config(ck, cfg, opts.allow_config_change)?;
     }
     let model_dir = ensure_model(cfg)?;
@@ -651,9 +687,9 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     }
     check_plan(cfg, &model_dir, opts.device_memory)?;
     write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
-    let dataset = open_groups(cfg, &model_dir)?;
+    let dataset = open_groups(cfg, &model_dir, stop)?;
     let ref_cache = match &dataset {
-        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, &prepared_dir(cfg), prepared)?,
+        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop)?,
         GroupSource::Questions(_) => None,
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;

@@ -18,12 +18,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use memmap2::Mmap;
-use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 
 use super::{io, TrainConfig, TrainError};
+use crate::checksum::{self, hash_bytes, ChunkedHash};
 use crate::data::{Group, PreparedDataset};
 use crate::model::{self, Decoder, DecoderOptions, Targets, TokenBatch};
 
@@ -31,9 +32,7 @@ use crate::model::{self, Decoder, DecoderOptions, Targets, TokenBatch};
 pub const VALUES_FILE: &str = "reference-logprobs.f32";
 /// The manifest, in the prepared folder.
 pub const MANIFEST_FILE: &str = "reference-logprobs.json";
-const FORMAT: &str = "grpo-reference-logprobs-v1";
-/// Bytes hashed per task: files are hashed in chunks in parallel, then the chunk digests together.
-const HASH_CHUNK: usize = 64 << 20;
+const FORMAT: &str = "grpo-reference-logprobs-v2";
 
 /// Whether the reference log-probs of a run with `cfg` can be cached: the run trains on fixed data (the
 /// prepared teacher answers) against a reference that stays frozen for the whole run (`model.reference`
@@ -63,7 +62,8 @@ struct Manifest {
     reference: String,
     /// SHA-256 of the reference's config.json and safetensors files.
     reference_sha256: String,
-    /// SHA-256 of the prepared folder's manifest.json, prompts.bin and responses.bin.
+    /// SHA-256 of the prepared version's manifest.json, which holds the checksum of each of its files
+    /// (token shards, groups and their labels, tables): any change to the data changes it.
     data_sha256: String,
     /// Weights dtype of the reference forward.
     dtype: String,
@@ -114,73 +114,15 @@ enum Stale {
     Damaged(String),
 }
 
-/// SHA-256 over `HASH_CHUNK`-byte chunks of a byte stream, in any number of `update`s: the digest of the
-/// length and the chunks' digests, so that a file can be hashed in parallel or while it is written.
-struct ChunkedHash {
-    current: Sha256,
-    in_chunk: usize,
-    len: u64,
-    digests: Vec<u8>,
-}
-
-impl ChunkedHash {
-    fn new() -> Self {
-        Self { current: Sha256::new(), in_chunk: 0, len: 0, digests: Vec::new() }
-    }
-
-    fn update(&mut self, mut bytes: &[u8]) {
-        while !bytes.is_empty() {
-            let n = bytes.len().min(HASH_CHUNK - self.in_chunk);
-            self.current.update(&bytes[..n]);
-            (self.in_chunk, self.len, bytes) = (self.in_chunk + n, self.len + n as u64, &bytes[n..]);
-            if self.in_chunk == HASH_CHUNK {
-                let done = std::mem::replace(&mut self.current, Sha256::new());
-                self.digests.extend_from_slice(&done.finalize());
-                self.in_chunk = 0;
-            }
-        }
-    }
-
-    fn finish(mut self) -> String {
-        if self.in_chunk > 0 {
-            self.digests.extend_from_slice(&self.current.finalize());
-        }
-        finish_hash(self.len, &self.digests)
-    }
-}
-
-fn finish_hash(len: u64, digests: &[u8]) -> String {
-    let mut h = Sha256::new();
-    h.update(len.to_le_bytes());
-    h.update(digests);
-    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
-}
-
-/// The [`ChunkedHash`] of `bytes`, its chunks hashed in parallel.
-fn hash_bytes(bytes: &[u8]) -> String {
-    let digests: Vec<u8> = bytes.par_chunks(HASH_CHUNK).flat_map_iter(|c| Sha256::digest(c).to_vec()).collect();
-    finish_hash(bytes.len() as u64, &digests)
-}
-
 /// A read-only memory map of `path` (`None` for an empty file).
 fn map_file(path: &Path) -> Result<Option<Mmap>, TrainError> {
-    let f = std::fs::File::open(path).map_err(io(path))?;
-    if f.metadata().map_err(io(path))?.len() == 0 {
-        return Ok(None);
-    }
-    // SAFETY: read-only map of a file this program does not modify while it is mapped; the cache and the
-    // weights are replaced by renaming a new file into place, never rewritten in place.
-    unsafe { Mmap::map(&f) }.map(Some).map_err(io(path))
+    checksum::map_file(path).map_err(io(path))
 }
 
 /// The hash of the contents of `files`, in order, each hashed in parallel chunks.
 fn hash_files(files: &[PathBuf]) -> Result<String, TrainError> {
-    let mut all = Vec::new();
-    for f in files {
-        let map = map_file(f)?;
-        all.extend_from_slice(hash_bytes(map.as_deref().unwrap_or(&[])).as_bytes());
-    }
-    Ok(finish_hash(files.len() as u64, &all))
+    let hashes = files.iter().map(|f| checksum::hash_file(f).map_err(io(f))).collect::<Result<Vec<_>, _>>()?;
+    Ok(checksum::combine(&hashes))
 }
 
 impl Key {
@@ -188,8 +130,7 @@ impl Key {
         let mut weights = model::load::weight_files(reference)?;
         weights.sort();
         weights.insert(0, reference.join("config.json"));
-        let data: Vec<PathBuf> =
-            ["manifest.json", "prompts.bin", "responses.bin"].iter().map(|f| prepared_dir.join(f)).collect();
+        let data = vec![prepared_dir.join("manifest.json")];
         let started = std::time::Instant::now();
         let key = Self {
             reference_sha256: hash_files(&weights)?,
@@ -233,8 +174,9 @@ impl std::fmt::Debug for ReferenceCache {
     }
 }
 
-/// Whether the cache in `dir` holds the values of `key` for `layout`.
-fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<(), Stale> {
+/// The values of the cache in `dir` when it holds those of `key` for `layout`, intact (mapped once: the
+/// bytes checked are the bytes used).
+fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<Option<Mmap>, Stale> {
     let (mpath, vpath) = (dir.join(MANIFEST_FILE), dir.join(VALUES_FILE));
     let Ok(text) = std::fs::read_to_string(&mpath) else { return Err(Stale::Missing) };
     let m: Manifest = serde_json::from_str(&text)
@@ -268,7 +210,31 @@ fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<(), Stale> {
     if hash_bytes(bytes) != m.values_sha256 {
         return Err(damaged("contents do not match the SHA-256 in the manifest".into()));
     }
-    Ok(())
+    Ok(map)
+}
+
+/// Log why the cache in `path` is computed.
+fn say_why(path: &Path, stale: &Stale) {
+    match stale {
+        Stale::Missing => tracing::info!("computing the reference log-probs into {}", path.display()),
+        Stale::Changed(why) => tracing::info!("recomputing the reference log-probs in {}: {why}", path.display()),
+        Stale::Damaged(why) => tracing::warn!("damaged reference log-prob cache ({why}): recomputing it"),
+    }
+}
+
+/// Remove the temporary values files that killed computations left in `dir` (needs the cache's lock).
+fn remove_temp_values(dir: &Path) {
+    let prefix = format!(".{VALUES_FILE}.");
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with(&prefix) && crate::fsio::leftover(&name).is_some() {
+            match std::fs::remove_file(e.path()) {
+                Ok(()) => tracing::warn!("removed {} (left by an interrupted run)", e.path().display()),
+                Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
+            }
+        }
+    }
 }
 
 /// Appends values to the temporary values file, hashing them.
@@ -309,8 +275,12 @@ fn score_all(
     out: &mut ValueWriter,
     path: &Path,
     answers: usize,
+    stop: Option<&AtomicBool>,
 ) -> Result<(), TrainError> {
     let bar = crate::progress::progress_bar(Some(answers as u64), "reference log-probs");
+    let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
+    let interrupted =
+        || TrainError::Interrupted(format!("while computing the reference log-probs into {}", path.display()));
     let mut pending: Vec<(Arc<Vec<u32>>, Vec<u32>)> = Vec::with_capacity(batch);
     for g in 0..dataset.len() {
         let group = dataset.group(g)?;
@@ -318,11 +288,17 @@ fn score_all(
         for r in group.responses {
             pending.push((prompt.clone(), r.tokens));
             if pending.len() >= batch {
+                if stopped() {
+                    return Err(interrupted());
+                }
                 out.push(&score(model, &pending)?, path)?;
                 bar.inc(pending.len() as u64);
                 pending.clear();
             }
         }
+    }
+    if stopped() {
+        return Err(interrupted());
     }
     out.push(&score(model, &pending)?, path)?;
     bar.finish_and_clear();
@@ -330,39 +306,42 @@ fn score_all(
 }
 
 impl ReferenceCache {
-    /// The cache of `dataset` (prepared in `prepared_dir`) under the reference model in folder `reference`:
-    /// opened when its key matches and its values are intact, else computed (progress bar) and written
-    /// atomically first. Returns it and whether it was computed.
+    /// The cache of `dataset` (in its prepared version's folder) under the reference model in folder
+    /// `reference`: opened when its key matches and its values are intact, else computed (progress bar) and
+    /// written atomically first, by one process at a time (a second waits, then uses the first's result).
+    /// `stop` ends a computation within a batch ([`TrainError::Interrupted`]). Returns the cache and
+    /// whether it was computed.
     pub fn ensure(
         dataset: &PreparedDataset,
-        prepared_dir: &Path,
         reference: &Path,
         opts: &ComputeOptions,
+        stop: Option<&AtomicBool>,
     ) -> Result<(Self, bool), TrainError> {
-        let key = Key::of(prepared_dir, reference, opts.dtype)?;
+        let dir = dataset.dir();
+        let key = Key::of(dir, reference, opts.dtype)?;
         let layout = Layout::of(dataset)?;
-        let path = prepared_dir.join(VALUES_FILE);
-        match check(prepared_dir, &key, &layout) {
-            Ok(()) => {
-                tracing::info!("reference log-probs in {} are up to date", path.display());
-                return Ok((Self::map(path, layout)?, false));
-            }
-            Err(Stale::Missing) => tracing::info!("computing the reference log-probs into {}", path.display()),
-            Err(Stale::Changed(why)) => {
-                tracing::info!("recomputing the reference log-probs in {}: {why}", path.display())
-            }
-            Err(Stale::Damaged(why)) => tracing::warn!("damaged reference log-prob cache ({why}): recomputing it"),
+        let path = dir.join(VALUES_FILE);
+        if let Ok(map) = check(dir, &key, &layout) {
+            tracing::info!("reference log-probs in {} are up to date", path.display());
+            return Ok((Self { path, map, layout }, false));
         }
-        compute(dataset, prepared_dir, reference, opts, &key, &layout)?;
-        Ok((Self::map(path, layout)?, true))
-    }
-
-    fn map(path: PathBuf, layout: Layout) -> Result<Self, TrainError> {
-        let map = map_file(&path)?;
-        if map.as_deref().map_or(0, <[u8]>::len) != layout.values * 4 {
-            return Err(TrainError::ReferenceCache { path, message: "changed while being opened".into() });
+        let what = format!("computing the reference log-probs in {}", dir.display());
+        let _lock =
+            crate::data::versions::lock_exclusive(&dir.join(crate::data::versions::REFERENCE_LOCK), &what, stop)?;
+        remove_temp_values(dir);
+        match check(dir, &key, &layout) {
+            Ok(map) => {
+                tracing::info!("reference log-probs in {} were computed by another process", path.display());
+                return Ok((Self { path, map, layout }, false));
+            }
+            Err(stale) => say_why(&path, &stale),
         }
-        Ok(Self { path, map, layout })
+        compute(dataset, reference, opts, &key, &layout, stop)?;
+        let map = check(dir, &key, &layout).map_err(|_| TrainError::ReferenceCache {
+            path: path.clone(),
+            message: "changed while being written".into(),
+        })?;
+        Ok((Self { path, map, layout }, true))
     }
 
     /// The values file.
@@ -405,12 +384,13 @@ impl ReferenceCache {
 /// Compute the values of `key` into the prepared folder: the values file, then the manifest.
 fn compute(
     dataset: &PreparedDataset,
-    dir: &Path,
     reference: &Path,
     opts: &ComputeOptions,
     key: &Key,
     layout: &Layout,
+    stop: Option<&AtomicBool>,
 ) -> Result<(), TrainError> {
+    let dir = dataset.dir();
     let mut model = model::load_decoder(reference, opts.dtype, &opts.device, false)?;
     model.options = DecoderOptions { checkpoint_layers: false, ..opts.decoder.clone() };
     let (vpath, mpath) = (dir.join(VALUES_FILE), dir.join(MANIFEST_FILE));
@@ -421,9 +401,9 @@ fn compute(
         }
     }
     let tmp = crate::fsio::temp_file(&vpath).map_err(io(&vpath))?;
-    let mut out = ValueWriter { file: BufWriter::with_capacity(1 << 20, tmp), hash: ChunkedHash::new(), values: 0 };
+    let mut out = ValueWriter { file: BufWriter::with_capacity(1 << 20, tmp), hash: ChunkedHash::default(), values: 0 };
     let started = std::time::Instant::now();
-    score_all(&model, dataset, opts.batch.max(1), &mut out, &vpath, layout.answers.len())?;
+    score_all(&model, dataset, opts.batch.max(1), &mut out, &vpath, layout.answers.len(), stop)?;
     if out.values != layout.values {
         let message = format!("computed {} values, the prepared data has {} answer tokens", out.values, layout.values);
         return Err(TrainError::ReferenceCache { path: vpath, message });
@@ -467,8 +447,8 @@ pub fn reference_dir(cfg: &TrainConfig, model_dir: &Path) -> Result<PathBuf, Tra
 pub fn for_run(
     cfg: &TrainConfig,
     model_dir: &Path,
-    prepared_dir: &Path,
     dataset: &PreparedDataset,
+    stop: &AtomicBool,
 ) -> Result<Option<ReferenceCache>, TrainError> {
     if !cfg.objective.build().needs_reference() || !reference_is_cacheable(cfg) {
         return Ok(None);
@@ -479,7 +459,7 @@ pub fn for_run(
         batch: cfg.train.micro_batch_size,
         decoder: DecoderOptions { checkpoint_layers: false, ..cfg.model.decoder_options() },
     };
-    let (cache, _) = ReferenceCache::ensure(dataset, prepared_dir, &reference_dir(cfg, model_dir)?, &opts)?;
+    let (cache, _) = ReferenceCache::ensure(dataset, &reference_dir(cfg, model_dir)?, &opts, Some(stop))?;
     tracing::info!("reference log-probs from {}: no reference model loaded", cache.path().display());
     Ok(Some(cache))
 }
@@ -537,7 +517,7 @@ mod tests {
         tiny(&m, 3);
         tiny(&r, 5);
         let ds = prepared(&m, &p, 24);
-        let (cache, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(1)).unwrap();
+        let (cache, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None).unwrap();
         assert!(computed && ds.len() == 4);
         let reference = model::load_decoder(&r, DType::F32, &Device::Cpu, false).unwrap();
         let groups = all_groups(&ds);
@@ -579,19 +559,19 @@ mod tests {
         tiny(&r, 5);
         let ds = prepared(&m, &p, 24);
         let first = |c: &ReferenceCache, ds: &PreparedDataset| c.logprobs(&all_groups(ds)).unwrap();
-        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
         assert!(computed);
         let before = first(&c, &ds);
         // Batched (3 per forward) or one at a time: the same values up to rounding.
-        let manifest = std::fs::read_to_string(p.join(MANIFEST_FILE)).unwrap();
-        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(1)).unwrap();
+        let manifest = std::fs::read_to_string(ds.dir().join(MANIFEST_FILE)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None).unwrap();
         assert!(!computed, "an up-to-date cache was recomputed");
-        assert_eq!(std::fs::read_to_string(p.join(MANIFEST_FILE)).unwrap(), manifest);
+        assert_eq!(std::fs::read_to_string(ds.dir().join(MANIFEST_FILE)).unwrap(), manifest);
         assert_eq!(first(&c, &ds), before);
         drop(c);
         // Other reference weights (same folder, same config).
         tiny(&r, 6);
-        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
         assert!(computed, "new reference weights did not recompute the cache");
         let other = first(&c, &ds);
         assert_ne!(other, before);
@@ -601,7 +581,7 @@ mod tests {
         drop(c);
         // Other data: answers cut at 12 tokens instead of 24.
         let ds = prepared(&m, &p, 12);
-        let (c, computed) = ReferenceCache::ensure(&ds, &p, &r, &opts(3)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
         assert!(computed, "new data did not recompute the cache");
         let cut = first(&c, &ds);
         assert!(cut.iter().flatten().all(|a| a.len() <= 12) && cut.iter().flatten().any(|a| a.len() == 12));
@@ -611,8 +591,8 @@ mod tests {
         drop(c);
         // Another dtype.
         let bf16 = ComputeOptions { dtype: DType::BF16, ..opts(3) };
-        assert!(ReferenceCache::ensure(&ds, &p, &r, &bf16).unwrap().1);
-        assert!(!ReferenceCache::ensure(&ds, &p, &r, &bf16).unwrap().1);
+        assert!(ReferenceCache::ensure(&ds, &r, &bf16, None).unwrap().1);
+        assert!(!ReferenceCache::ensure(&ds, &r, &bf16, None).unwrap().1);
     }
 
     #[test]
@@ -621,15 +601,15 @@ mod tests {
         let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
         tiny(&m, 3);
         let ds = prepared(&m, &p, 16);
-        let (c, _) = ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap();
+        let (c, _) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
         let good = c.logprobs(&all_groups(&ds)).unwrap();
         drop(c);
-        let key = Key::of(&p, &m, DType::F32).unwrap();
+        let key = Key::of(ds.dir(), &m, DType::F32).unwrap();
         let layout = Layout::of(&ds).unwrap();
-        let vpath = p.join(VALUES_FILE);
+        let vpath = ds.dir().join(VALUES_FILE);
         let bytes = std::fs::read(&vpath).unwrap();
-        let damaged = |expect: &str| match check(&p, &key, &layout) {
-            Err(Stale::Damaged(m)) => assert!(m.contains(&p.display().to_string()) && m.contains(expect), "{m}"),
+        let damaged = |expect: &str| match check(ds.dir(), &key, &layout) {
+            Err(Stale::Damaged(m)) => assert!(m.contains(&ds.dir().display().to_string()) && m.contains(expect), "{m}"),
             _ => panic!("damage not detected ({expect})"),
         };
         // Truncated.
@@ -640,17 +620,58 @@ mod tests {
         flipped[10] ^= 0x40;
         std::fs::write(&vpath, &flipped).unwrap();
         damaged("SHA-256");
-        let (c, computed) = ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
         assert!(computed);
         assert_eq!(c.logprobs(&all_groups(&ds)).unwrap(), good);
         // An unreadable manifest.
-        std::fs::write(p.join(MANIFEST_FILE), "{ not json").unwrap();
+        std::fs::write(ds.dir().join(MANIFEST_FILE), "{ not json").unwrap();
         damaged(MANIFEST_FILE);
-        assert!(ReferenceCache::ensure(&ds, &p, &m, &opts(4)).unwrap().1);
+        assert!(ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap().1);
         // A group the cache does not have is an error naming the file.
         let mut g = ds.group(0).unwrap();
         g.index = 99;
         let e = c.logprobs(&[g]).unwrap_err().to_string();
         assert!(e.contains(&vpath.display().to_string()) && e.contains("no group 99"), "{e}");
+    }
+
+    #[test]
+    fn a_stop_request_ends_the_pass_and_a_later_run_recomputes_cleanly() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        let ds = prepared(&m, &p, 16);
+        // What a killed computation leaves.
+        let leftover = ds.dir().join(format!(".{VALUES_FILE}.abc123.tmp"));
+        std::fs::write(&leftover, [0u8; 64]).unwrap();
+        let stop = AtomicBool::new(true);
+        let err = ReferenceCache::ensure(&ds, &m, &opts(4), Some(&stop)).unwrap_err();
+        assert!(matches!(err, TrainError::Interrupted(_)), "{err}");
+        assert!(!ds.dir().join(MANIFEST_FILE).exists(), "an interrupted pass left a manifest");
+        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
+        assert!(computed && c.logprobs(&all_groups(&ds)).is_ok());
+        assert!(!leftover.exists(), "the leftover of a killed computation was not removed");
+        let tmp: Vec<_> = std::fs::read_dir(ds.dir())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
+        assert!(tmp.is_empty(), "{tmp:?}");
+    }
+
+    #[test]
+    fn the_key_covers_the_token_data_and_the_groups() {
+        let dir = tempfile::tempdir().unwrap();
+        let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        let ds = prepared(&m, &p, 16);
+        let key = Key::of(ds.dir(), &m, DType::F32).unwrap();
+        let manifest: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(ds.dir().join("manifest.json")).unwrap()).unwrap();
+        let sums = manifest["checksums"].as_object().unwrap();
+        assert!(sums.contains_key("groups.jsonl") && sums.contains_key("tokens-00000.u32"), "{sums:?}");
+        // Another preparation of other answers: another manifest, another key.
+        drop(ds);
+        let ds = prepared(&m, &p, 12);
+        assert_ne!(Key::of(ds.dir(), &m, DType::F32).unwrap().data_sha256, key.data_sha256);
     }
 }

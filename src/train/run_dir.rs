@@ -58,11 +58,21 @@ pub(super) fn lock(out: &Path) -> Result<FolderLock, TrainError> {
 }
 
 /// Remove what a killed run left half-written or half-deleted: temporary checkpoint folders in
-/// OUTPUT/checkpoints, and those of `best/` and of an interrupted `--overwrite` in OUTPUT. Needs the lock.
+/// OUTPUT/checkpoints, and in OUTPUT every temporary file or folder of an atomic write (`best/`, the rollout
+/// policy served to a sampling server, `curves.png`, an interrupted `--overwrite`...). The folder is this
+/// run's (it holds the lock), so nothing else is writing them. Needs the lock.
 pub(super) fn clean_leftovers(out: &Path) -> Result<(), TrainError> {
-    let ours = |name: &str| ["best", "checkpoints", "validation"].iter().any(|b| name.starts_with(&format!(".{b}.")));
     let mut removed = remove_leftovers(&out.join("checkpoints"), |_| true)?;
-    removed.extend(remove_leftovers(out, ours)?);
+    removed.extend(remove_leftovers(out, |_| true)?);
+    if let Ok(entries) = std::fs::read_dir(out) {
+        for e in entries.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if e.path().is_file() && crate::fsio::leftover(&name) == Some(crate::fsio::Leftover::Writing) {
+                std::fs::remove_file(e.path()).map_err(io(&e.path()))?;
+                removed.push(e.path());
+            }
+        }
+    }
     for p in removed {
         tracing::warn!("removed {} (left by an interrupted run)", p.display());
     }
@@ -119,4 +129,31 @@ pub(super) fn claim(out: &Path, run: Option<&str>, overwrite: bool) -> Result<()
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_leftovers_of_killed_runs_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path();
+        let keep = ["best/model.safetensors", "rollout-policy/model.safetensors", "metrics.jsonl", "prepared/CURRENT"];
+        let gone =
+            [".rollout-policy.Ab12Cd.tmp/model.safetensors", ".best.x1y2z3.tmp/config.json", ".curves.png.q9w8e7.tmp"];
+        for f in keep.iter().chain(&gone) {
+            let p = out.join(f);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(&p, b"x").unwrap();
+        }
+        clean_leftovers(out).unwrap();
+        for f in keep {
+            assert!(out.join(f).exists(), "{f} was removed");
+        }
+        for f in gone {
+            let top = f.split('/').next().unwrap();
+            assert!(!out.join(top).exists(), "{top} was kept");
+        }
+    }
 }
