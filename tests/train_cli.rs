@@ -159,14 +159,19 @@ fn bad_configs_fail_before_loading_anything() {
 fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = small_config(dir.path());
-    // An absurd learning rate makes the weights overflow after the first update; later steps are
-    // non-finite, skipped, and the run stops after max_bad_steps of them.
+    // A huge advantage (bias) with f16 weights makes the weights overflow f16 after the first update (the
+    // f32 master weights are finite, their f16 copy is not); later steps are non-finite, skipped, and the run
+    // stops after max_bad_steps of them. (An absurd learning rate is refused by the config's bounds.)
     let a = train(
         dir.path(),
         &cfg,
         &[
             "--set",
-            "optim.lr=1e38",
+            "model.dtype=\"f16\"",
+            "--set",
+            "objective.bias=1e6",
+            "--set",
+            "optim.lr=1",
             "--set",
             "optim.grad_clip=0",
             "--set",
