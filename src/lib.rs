@@ -14,6 +14,7 @@
 //! - [`train`]: the training loop, optimiser, checkpoints and resume.
 //! - [`eval`]: benchmarks, batched generation and their scores.
 //! - [`device`]: the device's name and its peak memory.
+//! - [`dist`]: data parallelism over several processes (ranks) and their collectives (MPI).
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
 //! - [`plot`]: figures (training curves of run folders).
 //! - [`progress`]: progress bars.
@@ -23,6 +24,7 @@ pub mod checksum;
 pub mod cli;
 pub mod data;
 pub mod device;
+pub mod dist;
 pub mod eval;
 pub mod fsio;
 pub mod jsonl;

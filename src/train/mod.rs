@@ -19,6 +19,7 @@ mod run_dir;
 pub mod step;
 
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -35,6 +36,7 @@ pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
 
 use crate::data::{self, PreparedDataset};
+use crate::dist::World;
 use crate::model::{self, ChatTokenizer, Decoder, ModelError};
 use crate::rollout::{GroupSource, Rollouts};
 
@@ -53,6 +55,8 @@ pub enum TrainError {
     Rollout(#[from] crate::rollout::RolloutError),
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Dist(#[from] crate::dist::DistError),
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}")]
@@ -340,6 +344,8 @@ struct Run<'a> {
     step: TrainStep,
     tok: ChatTokenizer,
     checkpoints: Checkpointer,
+    /// The ranks of a data-parallel run ([`crate::dist`]); rank 0 writes the run's files.
+    world: Rc<World>,
 }
 
 impl Run<'_> {
@@ -435,10 +441,15 @@ impl Run<'_> {
         if !due {
             return Ok(None);
         }
-        let Some(score) = self.validate(state.step)? else { return Ok(None) };
+        // Rank 0 validates; the others take its score, so that every rank's state agrees.
+        let score = if self.world.is_primary() { self.validate(state.step)? } else { None };
+        let Some(score) = self.world.from_primary(score) else { return Ok(None) };
         if state.best_score.is_none_or(|b| score > b) {
             state.best_score = Some(score);
             state.best_step = Some(state.step);
+            if !self.world.is_primary() {
+                return Ok(Some(score));
+            }
             let best = self.checkpoints.save_best(&self.policy)?;
             tracing::info!("new best validation score {score:.4} at step {}: saved {}", state.step, best.display());
         }
@@ -477,7 +488,7 @@ impl Run<'_> {
         &mut self,
         dataset: &GroupSource,
         mut state: TrainerState,
-        metrics: &mut MetricsLog,
+        mut metrics: Option<&mut MetricsLog>,
         mut last_ckpt: Option<PathBuf>,
         stop: &AtomicBool,
     ) -> Result<Outcome, TrainError> {
@@ -496,7 +507,7 @@ impl Run<'_> {
         while state.step < plan.total_steps && state.epoch < plan.epochs {
             let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
             while state.batch_in_epoch < plan.steps_per_epoch && state.step < plan.total_steps {
-                if stop.load(Ordering::SeqCst) {
+                if self.world.any(stop.load(Ordering::SeqCst)) {
                     // Asked to stop before this segment's first step: nothing new to save.
                     bar.abandon_with_message("interrupted");
                     return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
@@ -518,19 +529,21 @@ impl Run<'_> {
                 let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
                 let run_end = state.step >= plan.total_steps;
                 m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
-                metrics.write(&m)?;
+                if let Some(metrics) = metrics.as_deref_mut() {
+                    metrics.write(&m)?;
+                }
                 self.swap_reference_if_due(state.step, epoch_end)?;
                 state.reference_swapped |= self.reference_swapped;
-                if m.validation_score.is_some() {
+                if m.validation_score.is_some() && self.world.is_primary() {
                     crate::plot::refresh_run_curves(&cfg.train.output_dir);
                 }
                 if epoch_end {
                     state.epoch += 1;
                     state.batch_in_epoch = 0;
                 }
-                let stop_now = stop.load(Ordering::SeqCst);
+                let stop_now = self.world.any(stop.load(Ordering::SeqCst));
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
-                if periodic || epoch_end || run_end || stop_now {
+                if (periodic || epoch_end || run_end || stop_now) && self.world.is_primary() {
                     last_ckpt =
                         Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
                 }
@@ -644,7 +657,8 @@ fn load_run<'a>(
         }
         None => None,
     };
-    Ok(Run { cfg, policy, reference, ref_cache, reference_swapped: false, rollouts, step, tok, checkpoints })
+    let world = Rc::new(World::single());
+    Ok(Run { cfg, policy, reference, ref_cache, reference_swapped: false, rollouts, step, tok, checkpoints, world })
 }
 
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
@@ -667,32 +681,61 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
+    let world = Rc::new(World::from_env()?);
+    let result = train_in(cfg, opts, stop, world.clone());
+    if let Err(e) = &result {
+        if e.interrupted().is_none() {
+            world.abort_on_error(e);
+        }
+    }
+    result
+}
+
+/// [`train`] as one rank of `world`: rank 0 holds the output folder's lock and writes the run's files; every
+/// rank prepares (or waits for) the data and the reference cache and trains on its share of each batch.
+fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<World>) -> Result<Outcome, TrainError> {
+    let cfg = &cfg.for_rank(&world)?;
+    let primary = world.is_primary();
     cfg.validate()?;
     for w in cfg.rollout.iter().flat_map(|r| r.warnings()) {
         tracing::warn!("{w}");
     }
     let out = &cfg.train.output_dir;
     std::fs::create_dir_all(out).map_err(io(out))?;
-    let _lock = run_dir::lock(out)?;
-    run_dir::clean_leftovers(out)?;
+    let _lock = if primary { Some(run_dir::lock(out)?) } else { None };
+    if primary {
+        run_dir::clean_leftovers(out)?;
+    }
     let resumed = resume_point(out, &opts.resume)?;
-    run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
+    if primary {
+        run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
+    }
     if let Some((ck, _)) = &resumed {
         checkpoint::verify_checksums(ck)?;
         resume::check_config(ck, cfg, opts.allow_config_change)?;
     }
-    let model_dir = ensure_model(cfg)?;
+    // Rank 0 creates a `model.init_tiny` model; the others wait for it.
+    let model_dir = if primary { Some(ensure_model(cfg)?) } else { None };
+    world.barrier();
+    let model_dir = match model_dir {
+        Some(d) => d,
+        None => ensure_model(cfg)?,
+    };
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
     check_plan(cfg, &model_dir, opts.device_memory)?;
-    write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
+    if primary {
+        write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
+    }
     let dataset = open_groups(cfg, &model_dir, stop)?;
     let ref_cache = match &dataset {
         GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop)?,
         GroupSource::Questions(_) => None,
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
+    run.step.share_with(world.clone());
+    run.world = world;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
@@ -701,8 +744,11 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
         }
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
     };
-    let mut metrics = MetricsLog::open(out, resume_from.is_some().then_some(state.step))?;
-    let outcome = run.train_epochs(&dataset, state, &mut metrics, resume_from, stop)?;
-    crate::plot::refresh_run_curves(out);
+    let mut metrics =
+        if primary { Some(MetricsLog::open(out, resume_from.is_some().then_some(state.step))?) } else { None };
+    let outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
+    if primary {
+        crate::plot::refresh_run_curves(out);
+    }
     Ok(outcome)
 }

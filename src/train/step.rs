@@ -8,6 +8,7 @@ use candle_core::Tensor;
 use super::optim::{clip_scale, grad_norm, OptimConfig, Optimizer};
 pub use super::ratio::RatioStats;
 use crate::data::Group;
+use crate::dist::World;
 use crate::model::{Decoder, Grads, Targets, TokenBatch};
 use crate::objective::{Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, TokenInputs};
 
@@ -28,6 +29,8 @@ pub struct TrainStep {
     snapshot: Option<Decoder>,
     /// The step [`TrainStep::run`] takes next.
     next_step: usize,
+    /// The ranks the batch is shared with (data parallelism, [`crate::dist`]).
+    world: std::rc::Rc<World>,
 }
 
 /// Where a step takes the frozen reference's log-probs from (the KL term, anchor = reference).
@@ -93,7 +96,14 @@ impl TrainStep {
             anchor_every: objective.anchor_every().max(1),
             snapshot: None,
             next_step: 0,
+            world: std::rc::Rc::new(World::single()),
         })
+    }
+
+    /// Share each step's batch with the other ranks of `world`: this rank trains on its groups, the
+    /// gradients and statistics are summed over the ranks (see [`crate::dist`]).
+    pub fn share_with(&mut self, world: std::rc::Rc<World>) {
+        self.world = world;
     }
 
     /// The objective's name.
@@ -190,9 +200,14 @@ impl TrainStep {
             }
         }
         let anchor = Anchors { reference, snapshot: self.snapshot.as_ref() };
-        let batch = build_batch(groups, self.objective.as_ref(), self.loss_agg, self.norm_len, ctx);
-        let (grads, stats) =
+        let mut batch = build_batch(groups, self.objective.as_ref(), self.loss_agg, self.norm_len, ctx);
+        // The weights carry the global batch's normaliser: each rank keeps its groups' answers.
+        batch.seqs.retain(|s| self.world.owns_group(s.origin.0));
+        let (mut grads, mut stats) =
             compute_gradients(policy, anchor, self.objective.as_ref(), &batch, self.micro_batch, self.pad)?;
+        if self.world.size() > 1 {
+            sum_over_ranks(&self.world, policy, &mut grads, &mut stats)?;
+        }
         let norm = grad_norm(&grads)?;
         let applied = stats.loss.is_finite() && norm.is_finite();
         if applied {
@@ -448,6 +463,72 @@ fn compute_gradients(
         stats.ratio.merge(&ratio);
     }
     Ok((total, stats))
+}
+
+/// Sum the gradients (a parameter without one on a rank counts as zeros) and the statistics of every rank,
+/// so that each rank holds those of the global batch.
+fn sum_over_ranks(
+    world: &World,
+    policy: &Decoder,
+    grads: &mut Grads,
+    stats: &mut StepStats,
+) -> candle_core::Result<()> {
+    // The shapes of the trainable parameters (frozen ones have no gradient on any rank).
+    let shapes: Vec<Option<Vec<usize>>> = policy
+        .params()
+        .iter()
+        .map(|p| match p {
+            crate::model::Param::Trainable(v) => Some(v.dims().to_vec()),
+            crate::model::Param::Frozen(_) => None,
+        })
+        .collect();
+    let mut flat = Vec::new();
+    for (g, shape) in grads.grads.iter().zip(&shapes) {
+        match (g, shape) {
+            (Some(g), _) => flat.extend(g.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
+            (None, Some(shape)) => flat.resize(flat.len() + shape.iter().product::<usize>(), 0.0),
+            (None, None) => {}
+        }
+    }
+    world.sum_f32(&mut flat);
+    let device = policy.device();
+    let mut at = 0;
+    for (g, shape) in grads.grads.iter_mut().zip(&shapes) {
+        let Some(shape) = shape else { continue };
+        let n: usize = shape.iter().product();
+        *g = Some(Tensor::from_slice(&flat[at..at + n], shape.as_slice(), device)?);
+        at += n;
+    }
+    let r = &stats.ratio;
+    let mut sums = [
+        stats.loss,
+        stats.pg_loss,
+        stats.kl,
+        stats.clipped_tokens as f64,
+        stats.response_tokens as f64,
+        stats.entropy_sum,
+        stats.tokens as f64,
+        r.sum,
+        r.tokens as f64,
+    ];
+    world.sum_f64(&mut sums);
+    let mut extremes = if r.tokens > 0 { [-r.min, r.max] } else { [f64::NEG_INFINITY; 2] };
+    world.max_f64(&mut extremes);
+    let [loss, pg_loss, kl, clipped, response, entropy, tokens, ratio_sum, ratio_tokens] = sums;
+    *stats = StepStats {
+        loss,
+        pg_loss,
+        kl,
+        clipped_tokens: clipped as usize,
+        response_tokens: response as usize,
+        entropy_sum: entropy,
+        tokens: tokens as usize,
+        ratio: RatioStats { sum: ratio_sum, min: -extremes[0], max: extremes[1], tokens: ratio_tokens as usize },
+    };
+    if stats.ratio.tokens == 0 {
+        stats.ratio = RatioStats::default();
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -1,0 +1,51 @@
+//! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Barrier, MPI_Abort.
+
+use mpi::collective::SystemOperation;
+use mpi::environment::Universe;
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+
+use super::{Collective, DistError};
+
+/// MPI, initialised once for the process; finalised when dropped.
+pub(super) struct Mpi {
+    // Declared before the universe: dropped first.
+    world: SimpleCommunicator,
+    _universe: Universe,
+}
+
+impl Mpi {
+    /// Initialise MPI: the communicator, this process's rank and the world size.
+    pub(super) fn init() -> Result<(Self, usize, usize), DistError> {
+        let universe =
+            mpi::initialize().ok_or_else(|| DistError::Launch("MPI was already initialised in this process".into()))?;
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        Ok((Self { world, _universe: universe }, rank, size))
+    }
+}
+
+impl Collective for Mpi {
+    fn sum_f32(&self, buf: &mut [f32]) {
+        let send = buf.to_vec();
+        self.world.all_reduce_into(&send[..], buf, SystemOperation::sum());
+    }
+
+    fn sum_f64(&self, buf: &mut [f64]) {
+        let send = buf.to_vec();
+        self.world.all_reduce_into(&send[..], buf, SystemOperation::sum());
+    }
+
+    fn max_f64(&self, buf: &mut [f64]) {
+        let send = buf.to_vec();
+        self.world.all_reduce_into(&send[..], buf, SystemOperation::max());
+    }
+
+    fn barrier(&self) {
+        self.world.barrier();
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        self.world.abort(code)
+    }
+}

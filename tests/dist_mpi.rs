@@ -1,0 +1,186 @@
+//! Data parallelism over MPI: `mpirun -np 2 grpo train` equals one process on the same global batch, a
+//! run resumes at another world size, and a rank that dies stops the other. Built with `--features mpi`
+//! (needs Open MPI); .ci/run runs `cargo test --features mpi --test dist_mpi`. Without mpirun on the PATH
+//! each test says so and returns.
+#![cfg(feature = "mpi")]
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::{Device, Tensor};
+
+fn mpirun() -> Option<PathBuf> {
+    let found = std::process::Command::new("mpirun").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !found {
+        eprintln!("SKIPPED: mpirun is not on the PATH (Debian: apt-get install openmpi-bin libopenmpi-dev)");
+    }
+    found.then(|| PathBuf::from("mpirun"))
+}
+
+/// A run of `steps` steps of `objective` (TOML lines of `[objective]`) on 4 questions x 4 answers per
+/// step, answers of uneven lengths (cut at 40 tokens), AdamW with clipping on the global norm.
+fn config(dir: &Path, model: &Path, objective: &str, steps: usize) -> PathBuf {
+    let text = format!(
+        "[model]\npath = \"{model}\"\n\
+         [data]\ninputs = [\"{data}\"]\ngroup_size = 4\nmax_questions = 12\nmax_response_tokens = 40\nties = \"first\"\n\
+         prepared_dir = \"{prepared}\"\n\
+         [objective]\n{objective}\n\
+         [optim]\nname = \"adamw\"\nlr = 1e-3\ngrad_clip = 0.5\n\
+         [train]\noutput_dir = \"{out}\"\nbatch_questions = 4\nmicro_batch_size = 3\nmax_steps = {steps}\nseed = 3\n\
+         save_every = 1\nkeep_last = 0\n",
+        model = model.display(),
+        data = common::root().join("data/trajectories/ot3_math_x8_dev.jsonl").display(),
+        prepared = dir.join("prepared").display(),
+        out = dir.join("out").display(),
+    );
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+fn grpo_bin() -> PathBuf {
+    assert_cmd::cargo::cargo_bin("grpo")
+}
+
+/// `grpo train` on `np` processes (1: without mpirun).
+fn train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
+    let mut c = if np == 1 {
+        std::process::Command::new(grpo_bin())
+    } else {
+        let mut c = std::process::Command::new("mpirun");
+        c.args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()]).arg(grpo_bin());
+        c
+    };
+    c.env("OMPI_MCA_btl", "self,vader,tcp").args(["-q", "train", "--config"]).arg(cfg).args(extra);
+    let o = c.output().unwrap();
+    assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
+    o
+}
+
+fn weights(ck: &Path) -> Vec<(String, Vec<f32>)> {
+    let mut t: Vec<(String, Tensor)> =
+        candle_core::safetensors::load(ck.join("model.safetensors"), &Device::Cpu).unwrap().into_iter().collect();
+    t.sort_by(|a, b| a.0.cmp(&b.0));
+    t.into_iter().map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap())).collect()
+}
+
+fn max_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .flat_map(|((na, x), (nb, y))| {
+            assert_eq!(na, nb);
+            x.iter().zip(y).map(|(p, q)| (p - q).abs())
+        })
+        .fold(0.0, f32::max)
+}
+
+fn tiny(dir: &Path) -> PathBuf {
+    let model = dir.join("model");
+    common::init_tiny("llama", "smollm2", &model);
+    model
+}
+
+fn step_dir(out: &Path, step: usize) -> PathBuf {
+    out.join(format!("out/checkpoints/step-{step:08}"))
+}
+
+const OBJECTIVES: &[(&str, &str)] = &[
+    ("off_grpo", "name = \"off_grpo\"\nbias = 0.5\nbeta = 0.1\nloss_agg = \"token-mean\""),
+    ("gspo", "name = \"gspo\"\nloss_agg = \"seq-mean-token-mean\""),
+    ("sft", "name = \"sft\""),
+];
+
+#[test]
+fn two_ranks_equal_one_process_on_the_same_global_batch() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    for (name, objective) in OBJECTIVES {
+        let (one, two) = (d.path().join(format!("{name}-1")), d.path().join(format!("{name}-2")));
+        for (dir, np) in [(&one, 1), (&two, 2)] {
+            std::fs::create_dir_all(dir).unwrap();
+            train(np, &config(dir, &model, objective, 3), &[]);
+        }
+        let diff = max_diff(&weights(&step_dir(&one, 3)), &weights(&step_dir(&two, 3)));
+        eprintln!("{name}: max |w1 - w2| after 3 AdamW steps = {diff:e}");
+        assert!(diff <= 1e-5, "{name}: {diff}");
+        let (m1, m2) =
+            (common::read_jsonl(&one.join("out/metrics.jsonl")), common::read_jsonl(&two.join("out/metrics.jsonl")));
+        assert_eq!(m1.len(), 3);
+        assert_eq!(m2.len(), 3, "rank 1 wrote metrics too");
+        for (a, b) in m1.iter().zip(&m2) {
+            for k in ["loss", "grad_norm", "reward", "num_tokens"] {
+                let (x, y) = (a[k].as_f64().unwrap_or(0.0), b[k].as_f64().unwrap_or(0.0));
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{name} {k}: 1 process {x}, 2 ranks {y}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_run_resumes_exactly_at_another_world_size() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let (_, objective) = OBJECTIVES[0];
+    let whole = d.path().join("whole");
+    std::fs::create_dir_all(&whole).unwrap();
+    train(1, &config(&whole, &model, objective, 4), &[]);
+    let reference = weights(&step_dir(&whole, 4));
+    for (first, then) in [(2, 1), (1, 2)] {
+        let dir = d.path().join(format!("{first}-then-{then}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        train(first, &config(&dir, &model, objective, 2), &[]);
+        train(then, &config(&dir, &model, objective, 4), &["--resume", "auto"]);
+        let diff = max_diff(&reference, &weights(&step_dir(&dir, 4)));
+        eprintln!("{first} then {then} ranks: max |w - w_uninterrupted| = {diff:e}");
+        assert!(diff <= 1e-5, "{first} -> {then}: {diff}");
+    }
+}
+
+#[test]
+fn a_rank_killed_mid_run_stops_the_other_within_a_minute() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let cfg = config(d.path(), &model, OBJECTIVES[0].1, 1000);
+    let mut job = std::process::Command::new("mpirun")
+        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
+        .arg(grpo_bin())
+        .args(["-q", "train", "--config"])
+        .arg(&cfg)
+        .args(["--set", "train.max_steps=0", "--set", "train.epochs=100", "--set", "train.save_every=0"])
+        .env("OMPI_MCA_btl", "self,vader,tcp")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = d.path().join("out/metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() < 1) {
+        assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The ranks are grpo processes below mpirun; kill one of them.
+    let ranks = String::from_utf8(
+        std::process::Command::new("pgrep").args(["-f", "-P", &job.id().to_string(), "grpo"]).output().unwrap().stdout,
+    )
+    .unwrap();
+    let victim = ranks.split_whitespace().next().expect("a rank process");
+    std::process::Command::new("kill").args(["-KILL", victim]).status().unwrap();
+    let killed = Instant::now();
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if killed.elapsed() > Duration::from_secs(60) {
+            let _ = job.kill();
+            panic!("the job still runs 60 s after a rank was killed");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    assert!(!status.success(), "the job ended successfully after a rank was killed");
+    eprintln!("stopped {:?} after a rank was killed", killed.elapsed());
+}
