@@ -1,14 +1,42 @@
 //! Atomic output: a file or folder is written under a hidden temporary name next to its target, synced,
 //! and renamed into place only once complete, so a crash never leaves a half-written file under the
 //! final name and an error leaves any previous file untouched. A temporary that is dropped before it is
-//! persisted is removed. Files end up 0644 and folders 0755, as the usual `umask 022` would make them.
+//! persisted is removed. Files and folders get the modes the process's umask gives a new file or folder
+//! (0644 and 0755 under the usual `umask 022`), not a temporary file's owner-only 0600.
 
 use std::fs::Permissions;
 use std::io::{self, Write};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use tempfile::{Builder, NamedTempFile, TempDir};
+
+/// The process's umask, read once (from /proc/self/status where there is one, else from `umask(2)`).
+fn umask() -> u32 {
+    static UMASK: OnceLock<u32> = OnceLock::new();
+    *UMASK.get_or_init(|| {
+        let from_proc = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+            s.lines().find_map(|l| l.strip_prefix("Umask:")).and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        });
+        from_proc.unwrap_or_else(|| {
+            // SAFETY: umask only swaps the process's file mode mask; the old one is put back at once.
+            let old = unsafe { libc::umask(0o022) };
+            unsafe { libc::umask(old) };
+            old as u32
+        })
+    })
+}
+
+/// The mode of a new file under the process's umask (0644 under `umask 022`).
+pub fn file_mode() -> u32 {
+    0o666 & !umask()
+}
+
+/// The mode of a new folder under the process's umask (0755 under `umask 022`).
+pub fn dir_mode() -> u32 {
+    0o777 & !umask()
+}
 
 /// The folder that holds `target` (`.` for a bare name), created if missing, and `target`'s file name.
 fn split(target: &Path) -> io::Result<(&Path, String)> {
@@ -26,9 +54,9 @@ pub fn temp_file(target: &Path) -> io::Result<NamedTempFile> {
     Builder::new().prefix(&prefix).suffix(".tmp").tempfile_in(parent)
 }
 
-/// Make `tmp` 0644, sync it and rename it to `target`, replacing any file there.
+/// Give `tmp` a new file's mode ([`file_mode`]), sync it and rename it to `target`, replacing any file there.
 pub fn persist(tmp: NamedTempFile, target: &Path) -> io::Result<()> {
-    tmp.as_file().set_permissions(Permissions::from_mode(0o644))?;
+    tmp.as_file().set_permissions(Permissions::from_mode(file_mode()))?;
     tmp.as_file().sync_all()?;
     tmp.persist(target)?;
     Ok(())
@@ -41,12 +69,12 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     persist(tmp, path)
 }
 
-/// A new, empty temporary folder (0755) in `target`'s parent (created if missing); fill it, then
+/// A new, empty temporary folder (with a new folder's mode, [`dir_mode`]) in `target`'s parent (created if missing); fill it, then
 /// finish it with [`persist_dir`].
 pub fn temp_dir(target: &Path) -> io::Result<TempDir> {
     let (parent, prefix) = split(target)?;
     let dir = Builder::new().prefix(&prefix).suffix(".tmp").tempdir_in(parent)?;
-    std::fs::set_permissions(dir.path(), Permissions::from_mode(0o755))?;
+    std::fs::set_permissions(dir.path(), Permissions::from_mode(dir_mode()))?;
     Ok(dir)
 }
 
@@ -71,14 +99,14 @@ pub fn leftover(name: &str) -> Option<Leftover> {
     tmp.rsplit_once('.').map(|_| Leftover::Writing)
 }
 
-/// Make the files of `tmp` 0644, sync them and swap `tmp` in as folder `target`: a previous `target` is moved aside, `tmp`
+/// Give the files of `tmp` a new file's mode, sync them and swap `tmp` in as folder `target`: a previous `target` is moved aside, `tmp`
 /// renamed in, and the previous one removed. If the rename fails, the previous `target` is put back.
 pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
     for entry in std::fs::read_dir(tmp.path())? {
         let p = entry?.path();
         if p.is_file() {
             // Some writers (safetensors) create owner-only files, which other users could not load.
-            std::fs::set_permissions(&p, Permissions::from_mode(0o644))?;
+            std::fs::set_permissions(&p, Permissions::from_mode(file_mode()))?;
             std::fs::File::open(&p)?.sync_all()?;
         }
     }
@@ -118,6 +146,17 @@ mod tests {
     }
 
     #[test]
+    fn modes_follow_the_umask() {
+        // The process's umask as the kernel reports it, against what a plain create makes.
+        let dir = tempfile::tempdir().unwrap();
+        let plain = dir.path().join("plain");
+        std::fs::write(&plain, "x").unwrap();
+        assert_eq!(mode(&plain), file_mode());
+        std::fs::create_dir(dir.path().join("d")).unwrap();
+        assert_eq!(mode(&dir.path().join("d")), dir_mode());
+    }
+
+    #[test]
     fn leftovers_are_recognised_by_the_names_this_module_makes() {
         let dir = tempfile::tempdir().unwrap();
         let target = dir.path().join("step-00000002");
@@ -132,13 +171,13 @@ mod tests {
     }
 
     #[test]
-    fn files_are_replaced_whole_with_mode_0644() {
+    fn files_are_replaced_whole_with_the_umasks_mode() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("sub/state.json");
         write_atomic(&p, b"first").unwrap();
         write_atomic(&p, b"second").unwrap();
         assert_eq!(std::fs::read_to_string(&p).unwrap(), "second");
-        assert_eq!(mode(&p), 0o644);
+        assert_eq!(mode(&p), file_mode());
         assert_eq!(names(&dir.path().join("sub")), ["state.json"]);
         // A temporary dropped before it is persisted leaves nothing behind and the target as it was.
         let mut tmp = temp_file(&p).unwrap();
@@ -149,7 +188,7 @@ mod tests {
     }
 
     #[test]
-    fn folders_are_swapped_whole_with_mode_0755() {
+    fn folders_are_swapped_whole_with_the_umasks_mode() {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path().join("ckpt");
         for content in ["first", "second"] {
@@ -158,7 +197,8 @@ mod tests {
             persist_dir(tmp, &out).unwrap();
         }
         assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
-        assert_eq!(mode(&out), 0o755);
+        assert_eq!(mode(&out), dir_mode());
+        assert_eq!(mode(&out.join("weights")), file_mode());
         assert_eq!(names(dir.path()), ["ckpt"]);
         let tmp = temp_dir(&out).unwrap();
         std::fs::write(tmp.path().join("weights"), "third").unwrap();

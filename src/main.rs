@@ -23,8 +23,8 @@ fn main() -> std::process::ExitCode {
     match grpo::cli::run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
-            std::process::ExitCode::from(1)
+            eprintln!("error: {}", grpo::cli::error_message(&err));
+            std::process::ExitCode::from(grpo::cli::exit_code(&err))
         }
     }
 }

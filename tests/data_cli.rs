@@ -565,3 +565,14 @@ fn an_over_long_line_is_skipped_while_read_with_bounded_memory() {
     assert!(stderr.contains("long.jsonl.gz: line 2: row_too_large"), "{stderr}");
     assert!(peak < 256 << 20, "peak RSS of a child {} MiB for a 384 MiB line", peak >> 20);
 }
+
+#[test]
+fn stats_of_a_file_without_rows_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty.jsonl");
+    std::fs::write(&empty, "").unwrap();
+    let out = grpo().args(["data", "stats", "--input"]).arg(&empty).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no rows in") && err.contains("empty.jsonl"), "{err}");
+}

@@ -27,6 +27,9 @@ fn aime25_on_a_tiny_model_reports_consistent_numbers_and_resumes() {
     let a = eval(&args, &model, &out).success();
     let stdout = String::from_utf8_lossy(&a.get_output().stdout).to_string();
     assert!(stdout.contains("aime25") && stdout.contains("pass@2"), "{stdout}");
+    // The budget is stated before generating.
+    let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(stderr.contains("aime25: 30 problems x 2 samples x 16 max new tokens = at most 960 tokens"), "{stderr}");
     let gens = common::read_jsonl(&out.join("generations.jsonl"));
     assert_eq!(gens.len(), 30);
     let report: Value = serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
@@ -46,6 +49,22 @@ fn aime25_on_a_tiny_model_reports_consistent_numbers_and_resumes() {
     assert_eq!(r["generated_tokens"].as_u64().unwrap(), sample_tokens, "tokens/s must count generated tokens only");
     let keys: Vec<&String> = r["pass_at_k"].as_object().unwrap().keys().collect();
     assert_eq!(keys, vec!["1", "2"]);
+
+    // `grpo score` reads eval's own generations.jsonl and agrees with its report.
+    let summary = dir.path().join("score.json");
+    common::grpo()
+        .args(["score", "--k", "1,2", "--input"])
+        .arg(out.join("generations.jsonl"))
+        .arg("--output")
+        .arg(dir.path().join("scored.jsonl"))
+        .arg("--summary")
+        .arg(&summary)
+        .assert()
+        .success();
+    let scored: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!((scored["n_items"].as_u64(), scored["n_responses"].as_u64()), (Some(30), Some(60)));
+    assert!((scored["avg_at_n"].as_f64().unwrap() - r["avg_at_n"].as_f64().unwrap()).abs() < 1e-12, "{scored}");
+    assert_eq!(scored["pass_at_k"], r["pass_at_k"]);
 
     // Interrupted after 10 problems (and a torn last line): --resume generates only the rest.
     let text = std::fs::read_to_string(out.join("generations.jsonl")).unwrap();

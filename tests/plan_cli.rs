@@ -114,8 +114,30 @@ fn plan_runs_without_weights_and_names_what_to_change() {
     let fits = plan(&["--device-memory", "72GiB"]);
     assert!(fits.contains("7.62B parameters") && fits.contains("fits"), "{fits}");
     assert!(fits.contains("optimizer state") && fits.contains("host: optim.offload"), "{fits}");
-    let too_small = plan(&["--device-memory", "40GiB"]);
-    assert!(too_small.contains("does NOT fit") && too_small.contains("optim.offload"), "{too_small}");
+    // One that does not fit exits with the documented status 3, advising only what the config has not set.
+    let a = common::grpo()
+        .current_dir(&root)
+        .args([
+            "train",
+            "--config",
+            "configs/openthinker3.toml",
+            "--plan",
+            "--device-memory",
+            "40GiB",
+            "--model-config",
+        ])
+        .arg(&seven_b)
+        .assert()
+        .code(3);
+    let too_small = String::from_utf8(a.get_output().stdout.clone()).unwrap();
+    assert!(too_small.contains("does NOT fit"), "{too_small}");
+    let advice = too_small.lines().find(|l| l.starts_with("To fit, ")).expect("advice");
+    for set in ["checkpoint_layers", "offload", "attention", "cache_reference"] {
+        assert!(!advice.contains(set), "{set} is already set: {advice}");
+    }
+    assert!(advice.contains("micro_batch_size under 2") && advice.contains("validation.batch_size"), "{advice}");
+    let err = String::from_utf8(a.get_output().stderr.clone()).unwrap();
+    assert!(err.contains("does not fit"), "{err}");
     // A normal run makes the same plan before loading weights and stops when it does not fit.
     let dir = tempfile::tempdir().unwrap();
     let tokenizer = root.join("data/tokenizers/smollm2");
@@ -130,7 +152,7 @@ fn plan_runs_without_weights_and_names_what_to_change() {
         .args(["train", "--device-memory", "1MiB", "--config"])
         .arg(&config)
         .assert()
-        .failure()
+        .code(3)
         .get_output()
         .stderr
         .clone();

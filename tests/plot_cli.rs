@@ -45,6 +45,12 @@ fn two_runs_on_one_figure_and_one_run_into_its_folder() {
 
     let e = common::grpo().arg("plot").arg(&a).arg(&b).assert().failure();
     assert!(String::from_utf8_lossy(&e.get_output().stderr).contains("-o FILE.png"));
-    let e = common::grpo().arg("plot").arg(&a).arg(dir.path().join("nothing")).arg("-o").arg(&out).assert().failure();
+    let empty = dir.path().join("empty");
+    std::fs::create_dir(&empty).unwrap();
+    let e = common::grpo().arg("plot").arg(&a).arg(&empty).arg("-o").arg(&out).assert().failure();
     assert!(String::from_utf8_lossy(&e.get_output().stderr).contains("not the output folder of a training run"));
+    // A folder that does not exist is named as missing.
+    let e = common::grpo().arg("plot").arg(dir.path().join("nothing")).assert().failure();
+    let err = String::from_utf8_lossy(&e.get_output().stderr).to_string();
+    assert!(err.contains("nothing: no such run folder") && !err.contains("metrics.jsonl"), "{err}");
 }

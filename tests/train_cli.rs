@@ -444,3 +444,203 @@ fn groups_smaller_than_group_size_are_reported() {
     let err = stderr_of(&a);
     assert!(err.contains("48 of 48 groups have fewer than data.group_size = 10 answers and are trained on"), "{err}");
 }
+
+/// `grpo train` of `config` with extra arguments, stdout and stderr written to files (as under a scheduler);
+/// returns (exit status, stdout, stderr).
+fn train_logged(dir: &Path, config: &Path, extra: &[&str]) -> (Option<i32>, String, String) {
+    let (out_log, err_log) = (dir.join("stdout.log"), dir.join("stderr.log"));
+    let status = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+        .current_dir(common::root())
+        .args(["train", "--config"])
+        .arg(config)
+        .arg("--set")
+        .arg(format!("train.output_dir=\"{}\"", dir.join("out").display()))
+        .arg("--set")
+        .arg(format!("model.path=\"{}\"", dir.join("model").display()))
+        .args(extra)
+        .stdout(std::fs::File::create(&out_log).unwrap())
+        .stderr(std::fs::File::create(&err_log).unwrap())
+        .status()
+        .unwrap();
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap();
+    (status.code(), read(&out_log), read(&err_log))
+}
+
+#[test]
+fn without_a_terminal_each_step_is_a_log_line_and_the_run_ends_with_its_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let (code, stdout, stderr) = train_logged(dir.path(), &cfg, &[]);
+    assert_eq!(code, Some(0), "{stderr}");
+    // Why the questions became groups, then one line per step with the numbers a person follows.
+    assert!(stderr.contains("50 questions") && stderr.contains("-> 48 training groups"), "{stderr}");
+    let steps: Vec<&str> = stderr.lines().filter(|l| l.contains(" step ") && l.contains("/4 epoch")).collect();
+    assert_eq!(steps.len(), 4, "{stderr}");
+    for (i, l) in steps.iter().enumerate() {
+        assert!(l.contains(&format!("step {}/4", i + 1)), "{l}");
+        for word in ["loss ", "reward ", "kl ", "clip ", "tok/s", "elapsed ", "ETA "] {
+            assert!(l.contains(word), "{word} missing: {l}");
+        }
+    }
+    // The summary on stdout and in summary.json.
+    let out = dir.path().join("out");
+    assert!(stdout.contains("run complete: 4 of 4 steps"), "{stdout}");
+    assert!(stdout.contains("final (step 4): loss") && stdout.contains("best: loss"), "{stdout}");
+    for f in ["metrics.jsonl", "curves.png", "checkpoints/step-00000004", "summary.json"] {
+        assert!(stdout.contains(&out.join(f).display().to_string()), "{f}: {stdout}");
+    }
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "complete");
+    assert_eq!((summary["steps"].as_u64(), summary["total_steps"].as_u64()), (Some(4), Some(4)));
+    let metrics = common::read_jsonl(&out.join("metrics.jsonl"));
+    let tokens: u64 = metrics.iter().map(|m| m["num_tokens"].as_u64().unwrap()).sum();
+    assert_eq!(summary["tokens_trained"].as_u64(), Some(tokens));
+    assert_eq!(summary["final_metrics"]["loss"], metrics[3]["loss"]);
+    assert!(summary["wall_time_s"].as_f64().unwrap() > 0.0);
+    assert_eq!(summary["files"]["last_checkpoint"], out.join("checkpoints/step-00000004").display().to_string());
+    assert_eq!(summary["files"]["curves"], out.join("curves.png").display().to_string());
+
+    // train.log_every = 2: steps 2 and 4 only.
+    let again = tempfile::tempdir().unwrap();
+    let (code, _, stderr) = train_logged(again.path(), &cfg, &["--set", "train.log_every=2"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    let steps: Vec<&str> = stderr.lines().filter(|l| l.contains("/4 epoch")).collect();
+    assert!(steps.len() == 2 && steps[0].contains("step 2/4") && steps[1].contains("step 4/4"), "{stderr}");
+}
+
+#[test]
+fn quiet_prints_errors_only_and_still_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let (code, stdout, stderr) = train_logged(dir.path(), &cfg, &["-q", "--set", "train.max_steps=1"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert_eq!(stderr, "", "-q logs nothing but errors");
+    assert!(stdout.contains("run complete: 1 of 1 steps"), "{stdout}");
+}
+
+#[test]
+fn resume_auto_says_what_it_does_and_a_complete_run_is_left_as_it_is() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let out = dir.path().join("out");
+    let (code, _, stderr) = train_logged(dir.path(), &cfg, &["--resume", "auto", "--set", "train.max_steps=2"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("--resume auto: no checkpoint") && stderr.contains("starting a new run"), "{stderr}");
+    let (code, _, stderr) = train_logged(dir.path(), &cfg, &["--resume", "auto", "--set", "train.max_steps=3"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stderr.contains("resuming from") && stderr.contains("step-00000002 at step 2"), "{stderr}");
+    // The run is complete at 3 steps: a resume says so, exits 0 and writes nothing.
+    let listing = |d: &Path| -> Vec<(String, std::time::SystemTime)> {
+        // The lock file is opened (and names its holder) by any start.
+        let files = walk(d).into_iter().filter(|p| !p.ends_with(".lock"));
+        let mut v: Vec<_> = files.map(|p| (p.display().to_string(), modified(&p))).collect();
+        v.sort();
+        v
+    };
+    let before = listing(&out);
+    let (code, stdout, stderr) = train_logged(dir.path(), &cfg, &["--resume", "auto", "--set", "train.max_steps=3"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(stdout.contains("already complete at step 3") && stdout.contains("nothing to do"), "{stdout}");
+    assert_eq!(listing(&out), before, "a complete run's folder was written to");
+}
+
+fn modified(p: &Path) -> std::time::SystemTime {
+    std::fs::metadata(p).unwrap().modified().unwrap()
+}
+
+/// Every file and folder under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut all = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            all.extend(walk(&p));
+        }
+        all.push(p);
+    }
+    all
+}
+
+#[test]
+fn a_stopped_run_writes_its_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let out = dir.path().join("out");
+    let child = spawn_with_stdout(dir.path(), &cfg, LONG);
+    wait_for_steps(&out.join("metrics.jsonl"), 1);
+    signal(&child, "-TERM");
+    let output = child.wait_with_output().unwrap();
+    assert_eq!(output.status.code(), Some(STOPPED));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("run stopped: ") && stdout.contains("continue with --resume auto"), "{stdout}");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "stopped");
+    let ck = grpo::train::latest_checkpoint(&out).unwrap();
+    assert_eq!(summary["files"]["last_checkpoint"], ck.display().to_string());
+    assert_eq!(summary["steps"].as_u64().unwrap(), common::read_jsonl(&out.join("metrics.jsonl")).len() as u64);
+}
+
+/// Like `spawn`, with stdout captured too.
+fn spawn_with_stdout(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Child {
+    std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+        .current_dir(common::root())
+        .args(["-q", "train", "--config"])
+        .arg(config)
+        .arg("--set")
+        .arg(format!("train.output_dir=\"{}\"", dir.join("out").display()))
+        .arg("--set")
+        .arg(format!("model.path=\"{}\"", dir.join("model").display()))
+        .args(extra)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn every_file_of_a_run_follows_the_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    for (umask, file_mode) in [("022", 0o644), ("027", 0o640)] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = small_config(dir.path());
+        let script = format!("umask {umask} && exec \"$0\" \"$@\"");
+        let status = std::process::Command::new("sh")
+            .current_dir(common::root())
+            .args(["-c", &script])
+            .arg(assert_cmd::cargo::cargo_bin("grpo"))
+            .args(["-q", "train", "--config"])
+            .arg(&cfg)
+            .arg("--set")
+            .arg(format!("train.output_dir=\"{}\"", dir.path().join("out").display()))
+            .arg("--set")
+            .arg(format!("model.path=\"{}\"", dir.path().join("model").display()))
+            .args(["--set", "train.max_steps=2", "--set", "validation.limit=1", "--set", "validation.max_new_tokens=2"])
+            .args(["--set", "validation.bench=\"aime24\""])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let out = dir.path().join("out");
+        for f in ["curves.png", "summary.json", "metrics.jsonl", "best/model.safetensors", "config.toml"] {
+            assert!(out.join(f).exists(), "{f} was not written");
+        }
+        for p in walk(&out).into_iter().chain(walk(&dir.path().join("model"))) {
+            let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
+            let want = if p.is_dir() { file_mode | 0o111 } else { file_mode };
+            assert_eq!(mode, want, "umask {umask}: {} is {mode:o}", p.display());
+        }
+    }
+}
+
+#[test]
+fn messages_name_their_cause_once() {
+    let a = common::grpo().current_dir(common::root()).args(["train", "--config", "configs/nope.toml"]).assert();
+    let err = stderr_of(&a.failure());
+    assert!(err.contains("cannot read configs/nope.toml"), "{err}");
+    assert_eq!(err.matches("os error 2").count(), 1, "{err}");
+    let a = common::grpo()
+        .current_dir(common::root())
+        .args(["train", "--check", "--config", "configs/smoke.toml", "--set", "train.batch_questions=-2"])
+        .assert();
+    let err = stderr_of(&a.failure());
+    assert!(err.contains("--set train.batch_questions=-2: ") && !err.contains("smoke.toml"), "{err}");
+}

@@ -96,6 +96,10 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
     };
     let started = std::time::Instant::now();
     let stats = data::scan(&files, &a.input, tok.as_ref(), &mut report_bad).context("data stats")?;
+    if stats.rows_read == 0 {
+        let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
+        anyhow::bail!("no rows in {}: nothing to report", names.join(", "));
+    }
     let secs = started.elapsed().as_secs_f64();
     let bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();
     print!("{}", stats.report());

@@ -102,6 +102,24 @@ fn checked_benchmarks(args: &Args) -> anyhow::Result<Vec<benchmarks::Benchmark>>
     Ok(selected)
 }
 
+/// Say, before generating, how much `b` can generate at most: problems x n x max_new_tokens.
+fn state_budget(b: &benchmarks::Benchmark, options: &EvalOptions, done: &HashMap<String, ProblemResult>) {
+    let selected = &b.problems[..options.problem_count(b.problems.len())];
+    let todo = selected.iter().filter(|p| !done.contains_key(&p.id)).count();
+    let resumed = if todo < selected.len() {
+        format!(" ({} done in an earlier run)", selected.len() - todo)
+    } else {
+        String::new()
+    };
+    tracing::info!(
+        "{}: {todo} problems{resumed} x {} samples x {} max new tokens = at most {} tokens to generate",
+        b.name,
+        options.n,
+        options.max_new_tokens,
+        todo as u64 * (options.n * options.max_new_tokens) as u64
+    );
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.list {
         println!("{:<10} {:>8}  description", "name", "problems");
@@ -137,10 +155,10 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let started = std::time::Instant::now();
     let mut reports = Vec::new();
     for b in &selected {
-        let total = options.problem_count(b.problems.len());
-        let bar = crate::progress::progress_bar(Some(total as u64), &b.name);
         let done_b: HashMap<String, ProblemResult> =
             done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
+        state_budget(b, &options, &done_b);
+        let bar = crate::progress::progress_bar(Some(0), &b.name);
         let t0 = std::time::Instant::now();
         let (report, _) = run::evaluate_with(
             engine.as_ref(),
@@ -155,11 +173,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
                     .and_then(|()| gen_file.flush())
                     .map_err(|source| crate::eval::EvalError::Io { path: gen_path.clone(), source })
             },
-            |problems, tokens| {
-                bar.set_position(problems as u64);
-                let secs = t0.elapsed().as_secs_f64().max(1e-9);
-                bar.set_message(format!("{:.1} tok/s", tokens as f64 / secs));
-            },
+            |p| p.show(&bar, t0),
         )?;
         bar.finish_and_clear();
         reports.push(report);

@@ -18,7 +18,8 @@ pub struct Cli {
     /// More log output (-v: debug, -vv: trace). RUST_LOG overrides.
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     pub verbose: u8,
-    /// Only warnings and errors.
+    /// Errors only: no progress, log lines or warnings (results on stdout, such as tables and the
+    /// training summary, are still printed).
     #[arg(short, long, global = true)]
     pub quiet: bool,
     #[command(subcommand)]
@@ -54,7 +55,7 @@ pub enum Command {
 pub fn init_logging(verbose: u8, quiet: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match (quiet, verbose) {
-        (true, _) => "warn",
+        (true, _) => "error",
         (false, 0) => "info",
         (false, 1) => "debug",
         (false, _) => "trace",
@@ -62,6 +63,37 @@ pub fn init_logging(verbose: u8, quiet: bool) {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
     let _ =
         tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+/// An error that ends the process with its own exit status (each documented in its command's help); any
+/// other error exits with 1.
+#[derive(Debug, thiserror::Error)]
+#[error("{message}")]
+pub struct Exit {
+    pub code: u8,
+    pub message: String,
+}
+
+/// The exit status for `err`: an [`Exit`]'s code anywhere in its chain, else 1.
+pub fn exit_code(err: &anyhow::Error) -> u8 {
+    err.chain().find_map(|e| e.downcast_ref::<Exit>()).map_or(1, |e| e.code)
+}
+
+/// The message of `err` and its causes, joined by `: `, each said once: a cause whose text is already in
+/// the message (an error type that writes its source into its own message) is not repeated.
+pub fn error_message(err: &anyhow::Error) -> String {
+    let mut out = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if text.is_empty() || out.contains(&text) {
+            continue;
+        }
+        if !out.is_empty() {
+            out.push_str(": ");
+        }
+        out.push_str(&text);
+    }
+    out
 }
 
 /// Run the parsed command.
@@ -75,5 +107,39 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Plot(args) => plot::run(args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_said_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("cannot read {path}: {source}")]
+        struct Read {
+            path: String,
+            source: std::io::Error,
+        }
+        let io = std::io::Error::new(std::io::ErrorKind::NotFound, "No such file or directory (os error 2)");
+        let err = anyhow::Error::new(Read { path: "configs/nope.toml".into(), source: io });
+        assert_eq!(err.chain().count(), 2, "the io error is the source and is in the message");
+        assert_eq!(error_message(&err), "cannot read configs/nope.toml: No such file or directory (os error 2)");
+        // A context that adds words keeps them, and a cause the message does not hold is still said.
+        let err = err.context("training failed");
+        assert_eq!(
+            error_message(&err),
+            "training failed: cannot read configs/nope.toml: No such file or directory (os error 2)"
+        );
+        let plain = anyhow::anyhow!("disk full").context("writing metrics.jsonl");
+        assert_eq!(error_message(&plain), "writing metrics.jsonl: disk full");
+    }
+
+    #[test]
+    fn exit_codes_come_from_the_chain() {
+        let e = anyhow::Error::new(Exit { code: 3, message: "does not fit".into() }).context("planning");
+        assert_eq!(exit_code(&e), 3);
+        assert_eq!(exit_code(&anyhow::anyhow!("other")), 1);
     }
 }

@@ -22,7 +22,8 @@ use std::path::PathBuf;
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// JSONL with {"answer", "response"} or {"answer", "responses": [...]} per line (.gz/.zst, or -).
+    /// JSONL with {"answer", "response"}, {"answer", "responses": [...]} or {"answer", "samples": [{"text"},
+    /// ...]} per line (`grpo eval`'s generations.jsonl, a run's validation records), .gz/.zst, or -.
     #[arg(long)]
     pub input: PathBuf,
     /// Where to write the scored lines (default: stdout).
@@ -83,21 +84,33 @@ fn score_line(raw: &RawLine, args: &Args, opts: &ExtractOptions) -> Result<Score
             None => return Err(format!("no \"{}\" field", args.answer_field)),
         }
     };
-    let responses: Vec<&str> = match (obj.get("responses"), obj.get("response")) {
-        (Some(Value::Array(a)), _) => {
-            a.iter().map(|r| r.as_str().ok_or("\"responses\" holds a non-string")).collect::<Result<_, _>>()?
-        }
-        (Some(_), _) => return Err("\"responses\" is not an array".into()),
-        (None, Some(Value::String(s))) => vec![s.as_str()],
-        (None, Some(_)) => return Err("\"response\" is not a string".into()),
-        (None, None) => return Err("no \"response\" or \"responses\" field".into()),
-    };
+    let responses = responses(&obj)?;
     let v = judge(gold.as_deref(), &responses, opts);
     insert(&mut obj, "preds", serde_json::to_value(&v.preds).unwrap_or(Value::Null));
     insert(&mut obj, "correct", serde_json::to_value(&v.correct).unwrap_or(Value::Null));
     insert(&mut obj, "unknown", serde_json::to_value(&v.unknown).unwrap_or(Value::Null));
     insert(&mut obj, "majority", v.majority.clone().map(Value::String).unwrap_or(Value::Null));
     Ok(Scored { line: Value::Object(obj), outcome: v.outcome() })
+}
+
+/// The texts to score: `responses` (strings), `response` (one string), or the `text` of each of
+/// `samples` (the lines of `grpo eval`'s generations.jsonl and of a run's validation records).
+fn responses(obj: &Map<String, Value>) -> Result<Vec<&str>, String> {
+    match (obj.get("responses"), obj.get("response"), obj.get("samples")) {
+        (Some(Value::Array(a)), _, _) => {
+            a.iter().map(|r| r.as_str().ok_or("\"responses\" holds a non-string".into())).collect()
+        }
+        (Some(_), _, _) => Err("\"responses\" is not an array".into()),
+        (None, Some(Value::String(s)), _) => Ok(vec![s.as_str()]),
+        (None, Some(_), _) => Err("\"response\" is not a string".into()),
+        (None, None, Some(Value::Array(a))) => a
+            .iter()
+            .enumerate()
+            .map(|(i, s)| s.get("text").and_then(Value::as_str).ok_or(format!("samples[{i}] has no string \"text\"")))
+            .collect(),
+        (None, None, Some(_)) => Err("\"samples\" is not an array".into()),
+        (None, None, None) => Err("no \"response\", \"responses\" or \"samples\" field".into()),
+    }
 }
 
 fn insert(obj: &mut Map<String, Value>, key: &str, v: Value) {

@@ -6,8 +6,9 @@ use std::sync::Arc;
 
 use anyhow::Context;
 
+use super::Exit;
 use crate::model::ModelConfig;
-use crate::train::{plan, train, Resume, RunOptions, TrainConfig};
+use crate::train::{plan, train, Resume, RunOptions, TrainConfig, TrainError};
 
 /// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:
 /// EX_TEMPFAIL, "try again later", so a scheduler or script can tell it from a failure (1) and requeue with
@@ -17,10 +18,16 @@ pub const STOPPED_EXIT_CODE: i32 = 75;
 /// The exit status after a second Ctrl-C / SIGTERM, which exits at once without a checkpoint.
 pub const ABORTED_EXIT_CODE: i32 = 130;
 
+/// The exit status when the run's memory plan does not fit the device (`--plan`, or the check a run makes
+/// before loading weights).
+pub const DOES_NOT_FIT_EXIT_CODE: u8 = 3;
+
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Exit status: 0 when the run is done; 75 when it was stopped on request (Ctrl-C, SIGTERM or \
+#[command(after_help = "Exit status: 0 when the run is done (or, with --resume, was already complete; with --plan or \
+--check, when the plan fits or the config is valid); 75 when it was stopped on request (Ctrl-C, SIGTERM or \
 SIGHUP: the current step is finished and a checkpoint written; continue with --resume auto); 130 when a second \
-signal aborted it without a checkpoint; 1 on any error (including another run holding the output folder).")]
+signal aborted it without a checkpoint; 3 when the memory plan does not fit the device (--plan, or before a run \
+loads its weights); 1 on any other error (including another run holding the output folder).")]
 pub struct Args {
     /// The training configuration (TOML), e.g. configs/smoke.toml or configs/openthinker3.toml.
     #[arg(long)]
@@ -83,9 +90,26 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     let p = plan::run_plan(cfg, &shape, memory);
     print!("{p}");
     if p.fits() == Some(false) {
-        println!("To fit, {}.", p.advice());
+        println!("To fit, {}.", p.advice(cfg));
+        let message = "the run does not fit its device's memory (the plan above)".to_string();
+        return Err(Exit { code: DOES_NOT_FIT_EXIT_CODE, message }.into());
     }
     Ok(())
+}
+
+/// The error of a failed run, with the exit status of a plan that does not fit.
+fn failed(e: TrainError) -> anyhow::Error {
+    if e.interrupted().is_some() {
+        let message = format!(
+            "{e} (before the first step: no checkpoint); run the same command again to continue (exit status \
+             {STOPPED_EXIT_CODE})"
+        );
+        return Exit { code: STOPPED_EXIT_CODE as u8, message }.into();
+    }
+    match e {
+        TrainError::DoesNotFit { .. } => Exit { code: DOES_NOT_FIT_EXIT_CODE, message: e.to_string() }.into(),
+        e => anyhow::Error::new(e).context("training failed"),
+    }
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -125,20 +149,19 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     if let Err(e) = handler {
         tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");
     }
-    let out = match train(&cfg, &opts, &stop) {
-        Err(e) if e.interrupted().is_some() => {
-            eprintln!(
-                "stopped on request {} (before the first step: no checkpoint); run the same command again to \
-                 continue (exit status {STOPPED_EXIT_CODE})",
-                e.interrupted().unwrap_or_default()
-            );
-            std::process::exit(STOPPED_EXIT_CODE);
-        }
-        r => r.context("training failed")?,
-    };
-    match &out.checkpoint {
-        Some(p) => tracing::info!("step {}: checkpoint {}", out.state.step, p.display()),
-        None => tracing::info!("step {}: nothing to save", out.state.step),
+    let out = train(&cfg, &opts, &stop).map_err(failed)?;
+    if out.already_complete {
+        let ck = out.checkpoint.as_ref().map_or(String::new(), |p| format!(" (checkpoint {})", p.display()));
+        println!(
+            "{} is already complete at step {}{ck}: nothing to do. To train longer, raise train.max_steps or \
+             train.epochs and resume again.",
+            cfg.train.output_dir.display(),
+            out.state.step
+        );
+        return Ok(());
+    }
+    if let Some(summary) = &out.summary {
+        print!("{summary}");
     }
     if out.interrupted {
         eprintln!(

@@ -144,6 +144,39 @@ fn problem_result(
     }
 }
 
+/// Where an evaluation is, against its budget: each problem may generate up to n x max_new_tokens tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EvalProgress {
+    /// Problems finished in this run (not counting those resumed from an earlier run).
+    pub problems_done: usize,
+    /// Problems this run generates.
+    pub problems: usize,
+    /// Tokens generated so far.
+    pub tokens: usize,
+    /// The most tokens the run can generate: problems x n x max_new_tokens.
+    pub budget: u64,
+    /// The part of the budget used up: the tokens generated, plus what finished problems left unused
+    /// (answers that stopped before max_new_tokens). It reaches `budget` at the end, and
+    /// `budget - spent` bounds the work left, so an ETA from it is an upper bound.
+    pub spent: u64,
+}
+
+impl EvalProgress {
+    /// Show this point on `bar`, a bar over the token budget, for a run that began at `started`.
+    pub fn show(&self, bar: &indicatif::ProgressBar, started: Instant) {
+        bar.set_length(self.budget);
+        bar.set_position(self.spent);
+        let secs = started.elapsed().as_secs_f64().max(1e-9);
+        bar.set_message(format!(
+            "tokens of the budget; {}/{} problems done, {} tokens generated, {:.1} tok/s",
+            self.problems_done,
+            self.problems,
+            self.tokens,
+            self.tokens as f64 / secs
+        ));
+    }
+}
+
 /// Evaluate `model` on `bench` with the native engine (see [`evaluate_with`]).
 pub fn evaluate(
     model: &Decoder,
@@ -152,7 +185,7 @@ pub fn evaluate(
     options: &EvalOptions,
     done: &HashMap<String, ProblemResult>,
     on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
-    on_progress: impl FnMut(usize, usize),
+    on_progress: impl FnMut(&EvalProgress),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let engine = Native { model, tok, batch_size: options.batch_size };
     evaluate_with(&engine, tok, bench, options, done, on_result, on_progress)
@@ -165,20 +198,32 @@ struct Scorer<'a, R, P> {
     /// (index into `results`, problem, prompt text, prompt tokens) of each job.
     jobs: Vec<(usize, &'a Problem, String, usize)>,
     results: Vec<Option<ProblemResult>>,
-    finished: usize,
-    generated: usize,
+    progress: EvalProgress,
+    /// The budget of one problem: n x max_new_tokens.
+    per_problem: u64,
+    /// Tokens of the finished problems.
+    finished_tokens: u64,
     on_result: R,
     on_progress: P,
+}
+
+impl<R, P: FnMut(&EvalProgress)> Scorer<'_, R, P> {
+    fn report_progress(&mut self) {
+        let p = &mut self.progress;
+        let in_flight = (p.tokens as u64).saturating_sub(self.finished_tokens);
+        p.spent = (p.problems_done as u64 * self.per_problem + in_flight).min(p.budget);
+        (self.on_progress)(&self.progress);
+    }
 }
 
 impl<R, P> Progress for Scorer<'_, R, P>
 where
     R: FnMut(&ProblemResult) -> Result<(), EvalError>,
-    P: FnMut(usize, usize),
+    P: FnMut(&EvalProgress),
 {
     fn tokens(&mut self, count: usize) {
-        self.generated += count;
-        (self.on_progress)(self.finished, self.generated);
+        self.progress.tokens += count;
+        self.report_progress();
     }
 
     fn done(&mut self, job: usize, samples: Vec<Completion>) -> Result<(), EvalError> {
@@ -186,9 +231,10 @@ where
         let r =
             problem_result(&self.bench.name, problem, std::mem::take(prompt), *prompt_tokens, samples, self.options);
         (self.on_result)(&r)?;
+        self.finished_tokens += r.samples.iter().map(|s| s.tokens as u64).sum::<u64>();
         self.results[*i] = Some(r);
-        self.finished += 1;
-        (self.on_progress)(self.finished, self.generated);
+        self.progress.problems_done += 1;
+        self.report_progress();
         Ok(())
     }
 }
@@ -196,7 +242,7 @@ where
 /// Evaluate on `bench`, drawing the samples from `engine`; prompts are rendered with `tok`'s chat template
 /// and scored by the reward module. Problems found in `done` (by id) are not generated again (resume);
 /// `on_result` receives each newly finished problem (to append it to generations.jsonl);
-/// `on_progress(problems_done, tokens)` drives a progress bar.
+/// `on_progress` receives where the run is against its token budget (for a progress bar).
 pub fn evaluate_with(
     engine: &dyn Engine,
     tok: &ChatTokenizer,
@@ -204,7 +250,7 @@ pub fn evaluate_with(
     options: &EvalOptions,
     done: &HashMap<String, ProblemResult>,
     on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
-    mut on_progress: impl FnMut(usize, usize),
+    on_progress: impl FnMut(&EvalProgress),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let start = Instant::now();
     let n = options.n.max(1);
@@ -218,12 +264,14 @@ pub fn evaluate_with(
         jobs.push((i, *p, text.clone(), ids.len()));
         prompts.push(PromptJob { id: p.id.clone(), text, ids, first_sequence: (i * n) as u64 });
     }
-    let finished = problems.len() - jobs.len();
-    on_progress(finished, 0);
-    let mut scorer = Scorer { bench, options, jobs, results, finished, generated: 0, on_result, on_progress };
+    let per_problem = (n * options.max_new_tokens) as u64;
+    let progress = EvalProgress { problems: jobs.len(), budget: jobs.len() as u64 * per_problem, ..Default::default() };
+    let mut scorer =
+        Scorer { bench, options, jobs, results, progress, per_problem, finished_tokens: 0, on_result, on_progress };
+    scorer.report_progress();
     engine.complete(&prompts, n, &options.sampling(), &mut scorer)?;
     let results: Vec<ProblemResult> = scorer.results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
-    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), scorer.generated);
+    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), scorer.progress.tokens);
     Ok((rep, results))
 }
 

@@ -206,8 +206,8 @@ mod tests {
             // Readable by others, like a folder that transformers writes (not tempfile's private 0700).
             use std::os::unix::fs::PermissionsExt;
             let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
-            assert_eq!(mode(&out), 0o755, "{arch:?}");
-            assert_eq!(mode(&out.join("config.json")) & 0o644, 0o644, "{arch:?}");
+            assert_eq!(mode(&out), 0o777 & !umask(), "{arch:?}");
+            assert_eq!(mode(&out.join("config.json")), 0o666 & !umask(), "{arch:?}");
         }
     }
 
@@ -227,7 +227,7 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&out), 0o777 & !umask(), "folder");
         for f in ["config.json", "model.safetensors"] {
-            assert_eq!(mode(&out.join(f)), 0o644, "{f}");
+            assert_eq!(mode(&out.join(f)), 0o666 & !umask(), "{f}");
         }
     }
 

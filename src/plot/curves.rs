@@ -17,6 +17,8 @@ pub enum PlotError {
     Io { path: PathBuf, source: std::io::Error },
     #[error("{0}: no metrics.jsonl and no validation records: not the output folder of a training run")]
     NotARun(PathBuf),
+    #[error("{0}: no such run folder")]
+    Missing(PathBuf),
     #[error("no run folder to plot")]
     NoRuns,
     #[error("drawing {path}: {message}")]
@@ -143,6 +145,9 @@ fn read_validation(dir: &Path, run: &mut RunCurves) -> Result<(), PlotError> {
 
 /// Everything plotted of one run folder, named `name`.
 fn read_run(dir: &Path, name: String) -> Result<RunCurves, PlotError> {
+    if !dir.is_dir() {
+        return Err(PlotError::Missing(dir.to_path_buf()));
+    }
     let mut run = RunCurves { name, ..Default::default() };
     let has_metrics = read_metrics(dir, &mut run)?;
     read_validation(dir, &mut run)?;
@@ -181,7 +186,8 @@ fn run_names(dirs: &[PathBuf]) -> Vec<String> {
 fn tick(v: f64, span: f64) -> String {
     let step = (span / 5.0).abs().max(f64::MIN_POSITIVE);
     let a = v.abs();
-    if a == 0.0 {
+    // A tick computed as 0 plus rounding error (-1.7e-21 on a range around 0) is 0.
+    if a <= step * 1e-6 {
         "0".into()
     } else if !(1e-2..1e5).contains(&a) {
         let digits = (a.log10() - step.log10()).ceil().clamp(1.0, 6.0) as usize;
@@ -192,20 +198,44 @@ fn tick(v: f64, span: f64) -> String {
     }
 }
 
-/// The range of `values` with a margin (a point gets a unit-wide range around it).
+/// The range of `values` with a margin. A flat series (all values within a millionth of their magnitude:
+/// rounding noise, not a trend) gets a range of 10% of its value around it, and an all-zero one [-1, 1],
+/// so that a constant reads as a constant instead of being zoomed into its last digits.
 fn padded_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
     if !lo.is_finite() {
         return (0.0, 1.0);
     }
-    let pad = if hi > lo {
-        0.05 * (hi - lo)
-    } else if lo != 0.0 {
-        0.1 * lo.abs()
-    } else {
-        1.0
-    };
+    let magnitude = lo.abs().max(hi.abs());
+    if hi - lo > 1e-6 * magnitude {
+        let pad = 0.05 * (hi - lo);
+        return (lo - pad, hi + pad);
+    }
+    let mid = 0.5 * (lo + hi);
+    let pad = if mid != 0.0 { 0.1 * mid.abs() } else { 1.0 };
+    (mid - pad, mid + pad)
+}
+
+/// The steps' range with a margin, so that a point at the first or last step (a single validation, the
+/// last step's) is drawn inside the panel, not on its edge.
+fn step_range(steps: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = steps.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
+    if !lo.is_finite() {
+        return (0.0, 1.0);
+    }
+    let pad = (0.03 * (hi - lo)).max(0.5);
     (lo - pad, hi + pad)
+}
+
+/// An x tick label: whole steps only (a tick between two steps gets none).
+fn step_tick(v: f64) -> String {
+    let r = v.round();
+    if (v - r).abs() < 1e-6 {
+        // + 0.0 turns -0 into 0.
+        format!("{:.0}", r + 0.0)
+    } else {
+        String::new()
+    }
 }
 
 /// One panel: the series of each run (`(run index, points)`), or a note when no run has any.
@@ -239,7 +269,7 @@ fn draw_panel(
         .x_desc("step")
         .x_labels(6)
         .y_labels(6)
-        .x_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| step_tick(*v))
         .y_label_formatter(&|v| tick(*v, y1 - y0))
         .light_line_style(RGBColor(0xee, 0xee, 0xee))
         .label_style(("sans-serif", 13))
@@ -248,8 +278,10 @@ fn draw_panel(
     for (run, points) in series {
         let c = colour(*run);
         chart.draw_series(LineSeries::new(points.iter().copied(), c.stroke_width(2))).map_err(|x| e(&x))?;
+        // Markers where points are few, larger for a lone point or two (which have no line to show them).
         if points.len() <= 60 {
-            chart.draw_series(points.iter().map(|&p| Circle::new(p, 3, c.filled()))).map_err(|x| e(&x))?;
+            let size = if points.len() <= 2 { 5 } else { 3 };
+            chart.draw_series(points.iter().map(|&p| Circle::new(p, size, c.filled()))).map_err(|x| e(&x))?;
         }
     }
     Ok(())
@@ -279,14 +311,7 @@ fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     let panels = grid.split_evenly((3, 3));
     let all_steps =
         runs.iter().flat_map(|r| r.metrics.values().chain(r.validation.values())).flat_map(|s| s.iter().map(|p| p.0));
-    let (lo, hi) = all_steps.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
-    let steps = if !lo.is_finite() {
-        (0.0, 1.0)
-    } else if hi > lo {
-        (lo, hi)
-    } else {
-        (lo - 1.0, hi + 1.0)
-    };
+    let steps = step_range(all_steps);
     for (panel, (key, title)) in panels.iter().zip(METRIC_PANELS) {
         let series: Vec<(usize, &Series)> =
             runs.iter().enumerate().filter_map(|(i, r)| r.metrics.get(key).map(|s| (i, s))).collect();
@@ -305,7 +330,7 @@ fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     } else {
         format!("validation avg@n ({})", benches.join(", "))
     };
-    draw_panel(&panels[8], &title, "no validation records", &series, steps, Some((-0.02, 1.02)))?;
+    draw_panel(&panels[8], &title, "no validation records", &series, steps, Some((-0.05, 1.05)))?;
     root.present().map_err(|x| e(&x))
 }
 
@@ -331,7 +356,8 @@ pub fn draw_curves(dirs: &[PathBuf], out: &Path) -> Result<(), PlotError> {
         let root = BitMapBackend::new(tmp.path(), FIGURE_SIZE).into_drawing_area();
         draw_figure(&root, &runs).map_err(draw)?;
     }
-    tmp.persist(out).map_err(|e| PlotError::Io { path: out.to_path_buf(), source: e.error })?;
+    // persist gives it a new file's mode under the umask (a temporary file is owner-only).
+    crate::fsio::persist(tmp, out).map_err(|source| PlotError::Io { path: out.to_path_buf(), source })?;
     Ok(())
 }
 
@@ -407,8 +433,11 @@ mod tests {
         draw_curves(std::slice::from_ref(&run), &dir.path().join("c.png")).unwrap();
         let empty = dir.path().join("empty");
         std::fs::create_dir_all(&empty).unwrap();
-        let e = draw_curves(&[run, empty.clone()], &dir.path().join("d.png")).unwrap_err();
+        let e = draw_curves(&[run.clone(), empty.clone()], &dir.path().join("d.png")).unwrap_err();
         assert!(matches!(e, PlotError::NotARun(p) if p == empty));
+        let missing = dir.path().join("missing");
+        let e = draw_curves(&[run, missing.clone()], &dir.path().join("d.png")).unwrap_err();
+        assert!(matches!(&e, PlotError::Missing(p) if *p == missing), "{e}");
     }
 
     #[test]
@@ -431,5 +460,20 @@ mod tests {
         assert_eq!(padded_range([1.0, 3.0].into_iter()), (0.9, 3.1));
         assert_eq!(padded_range([0.0].into_iter()), (-1.0, 1.0));
         assert_eq!(padded_range(std::iter::empty()), (0.0, 1.0));
+        // All zeros: a plain range, and its ticks read 0 rather than rounding noise.
+        assert_eq!(padded_range([0.0, 0.0, 0.0].into_iter()), (-1.0, 1.0));
+        let noise = -1.0 + 5.0 * 0.2 - 1.7e-21;
+        assert_eq!(t(noise, 2.0), "0");
+        // A flat entropy with noise in its sixth digit is shown as flat, not zoomed into the noise.
+        let (lo, hi) = padded_range([10.7912, 10.791201, 10.7911995].into_iter());
+        assert!(lo < 9.8 && hi > 11.8, "{lo} {hi}");
+        // A real trend, however small against the value, is still shown.
+        let (lo, hi) = padded_range([10.70, 10.71].into_iter());
+        assert!(lo > 10.69 && hi < 10.72, "{lo} {hi}");
+        // Points at the first and last step are inside the panel.
+        let (a, b) = step_range([1.0, 4.0].into_iter());
+        assert!(a < 1.0 && b > 4.0);
+        assert_eq!(step_range([3.0].into_iter()), (2.5, 3.5));
+        assert_eq!((step_tick(2.0), step_tick(2.5), step_tick(-0.0)), ("2".into(), String::new(), "0".into()));
     }
 }

@@ -22,6 +22,8 @@ pub enum ConfigError {
     Parse { path: PathBuf, message: String },
     #[error("--set {0}: expected section.key=value")]
     BadOverride(String),
+    #[error("--set {set}: {message}")]
+    BadOverrideValue { set: String, message: String },
     #[error("invalid config: {0}")]
     Invalid(String),
 }
@@ -128,6 +130,8 @@ pub struct TrainSection {
     pub max_bad_steps: usize,
     /// dtype of the saved HF weights (default: the model's).
     pub save_dtype: Option<String>,
+    /// Without a terminal (a log file), log a progress line every N steps (and at the last).
+    pub log_every: usize,
     /// Make the frozen reference a copy of the policy every K steps, or at each epoch's end with
     /// "epoch" (seed 002). Default: never.
     pub reference_swap_every: Option<ReferenceSwap>,
@@ -146,6 +150,7 @@ impl Default for TrainSection {
             keep_last: 2,
             max_bad_steps: 3,
             save_dtype: None,
+            log_every: 1,
             reference_swap_every: None,
         }
     }
@@ -263,6 +268,36 @@ fn parse_value(value: &str) -> toml::Value {
     }
 }
 
+/// Apply `--set section.key=value` (`o`) to `table`.
+fn apply_override(table: &mut toml::Table, o: &str) -> Result<(), ConfigError> {
+    let (key, value) = o.split_once('=').ok_or_else(|| ConfigError::BadOverride(o.into()))?;
+    let parts: Vec<&str> = key.trim().split('.').collect();
+    if parts.iter().any(|p| p.is_empty()) {
+        return Err(ConfigError::BadOverride(o.into()));
+    }
+    let mut cur = table;
+    for p in &parts[..parts.len() - 1] {
+        let entry = cur.entry(p.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
+        cur = entry.as_table_mut().ok_or_else(|| ConfigError::BadOverride(format!("{o}: `{p}` is not a section")))?;
+    }
+    cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
+    Ok(())
+}
+
+/// The config `table` holds, or why it holds none (a value of the wrong type, an unknown key).
+fn from_table(table: &toml::Table) -> Result<TrainConfig, String> {
+    let cfg: TrainConfig =
+        toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| match offending_key(table) {
+            Some((key, value)) => format!("{key} = {value}: {}", suggest(e.message())),
+            None => suggest(&e.to_string()),
+        })?;
+    let parsed = serde_json::to_value(&cfg).map_err(|e| e.to_string())?;
+    match unknown_key(table, &parsed, "") {
+        Some(message) => Err(message),
+        None => Ok(cfg),
+    }
+}
+
 impl TrainConfig {
     /// Read a config file and apply `--set section.key=value` overrides.
     pub fn load(path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
@@ -274,32 +309,20 @@ impl TrainConfig {
     pub fn parse(text: &str, path: &Path, overrides: &[String]) -> Result<Self, ConfigError> {
         let mut table: toml::Table = toml::from_str(text)
             .map_err(|e| ConfigError::Parse { path: path.into(), message: suggest(&e.to_string()) })?;
+        // The first `--set` that turns a readable config into an unreadable one is named as the culprit.
+        let mut readable = from_table(&table).is_ok();
+        let mut culprit = None;
         for o in overrides {
-            let (key, value) = o.split_once('=').ok_or_else(|| ConfigError::BadOverride(o.clone()))?;
-            let parts: Vec<&str> = key.trim().split('.').collect();
-            if parts.iter().any(|p| p.is_empty()) {
-                return Err(ConfigError::BadOverride(o.clone()));
+            apply_override(&mut table, o)?;
+            if readable && culprit.is_none() && from_table(&table).is_err() {
+                culprit = Some(o.clone());
             }
-            let mut cur = &mut table;
-            for p in &parts[..parts.len() - 1] {
-                let entry = cur.entry(p.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
-                cur = entry
-                    .as_table_mut()
-                    .ok_or_else(|| ConfigError::BadOverride(format!("{o}: `{p}` is not a section")))?;
-            }
-            cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
+            readable = readable || from_table(&table).is_ok();
         }
-        let cfg: TrainConfig = toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
-            let message = match offending_key(&table) {
-                Some((key, value)) => format!("{key} = {value}: {}", suggest(e.message())),
-                None => suggest(&e.to_string()),
-            };
-            ConfigError::Parse { path: path.into(), message }
+        let cfg = from_table(&table).map_err(|message| match culprit {
+            Some(set) => ConfigError::BadOverrideValue { set, message },
+            None => ConfigError::Parse { path: path.into(), message },
         })?;
-        let parsed = serde_json::to_value(&cfg).map_err(|e| ConfigError::Invalid(e.to_string()))?;
-        if let Some(message) = unknown_key(&table, &parsed, "") {
-            return Err(ConfigError::Parse { path: path.into(), message });
-        }
         cfg.validate()?;
         Ok(cfg)
     }
@@ -483,6 +506,24 @@ mod tests {
         assert_eq!(c.model.attention, Attention::Matrix);
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=sparse".into()]).unwrap_err();
         assert!(e.to_string().contains("sparse") && e.to_string().contains("`flash`"), "{e}");
+    }
+
+    #[test]
+    fn a_bad_value_given_with_set_is_named_as_the_set() {
+        let o = |s: &[&str]| s.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &o(&["train.seed=1", "train.batch_questions=-2"]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("--set train.batch_questions=-2: "), "{e}");
+        assert!(!e.contains("c.toml"), "{e}");
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &o(&["train.batch_question=2"])).unwrap_err().to_string();
+        assert!(e.starts_with("--set train.batch_question=2: ") && e.contains("did you mean `batch_questions`"), "{e}");
+        // The file's own bad value is still the file's, and a --set that completes a config is no culprit.
+        let bad = format!("{MIN}[train]\nseed = \"x\"\n");
+        let e = TrainConfig::parse(&bad, Path::new("c.toml"), &o(&["train.epochs=2"])).unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: "), "{e}");
+        let e = TrainConfig::parse("[data]\ninputs = [\"x\"]\n", Path::new("c.toml"), &o(&["model.path=m"]));
+        assert!(e.is_ok(), "{e:?}");
     }
 
     #[test]

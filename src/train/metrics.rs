@@ -91,6 +91,30 @@ impl StepMetrics {
     }
 }
 
+impl StepMetrics {
+    /// The step's log line (when no bar is drawn): step/total, the main metrics, the time since
+    /// `segment.0` (the start or resume, at step `segment.1`) and the ETA at this segment's pace.
+    pub fn log_line(&self, total_steps: usize, segment: (std::time::Instant, usize)) -> String {
+        let elapsed = segment.0.elapsed().as_secs_f64();
+        let done = self.step.saturating_sub(segment.1).max(1) as f64;
+        let eta = elapsed / done * total_steps.saturating_sub(self.step) as f64;
+        let skipped = if self.skipped { " (update skipped: non-finite)" } else { "" };
+        format!(
+            "step {}/{} epoch {:.2}: loss {:.4} reward {:.3} kl {:.4} clip {:.3} {:.0} tok/s{skipped} | elapsed {} ETA {}",
+            self.step,
+            total_steps,
+            self.epoch,
+            self.loss,
+            self.reward,
+            self.kl,
+            self.clip_ratio,
+            self.tokens_per_sec,
+            crate::progress::duration(elapsed),
+            crate::progress::duration(eta)
+        )
+    }
+}
+
 /// metrics.jsonl of a run, opened for appending.
 pub struct MetricsLog {
     path: PathBuf,

@@ -17,6 +17,7 @@ mod reference_swap;
 mod resume;
 mod run_dir;
 pub mod step;
+mod summary;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -34,6 +35,7 @@ use metrics::{MetricsLog, StepMetrics};
 pub use reference_swap::ReferenceSwap;
 pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
+pub use summary::{RunStatus, RunSummary, SUMMARY_FILE};
 
 use crate::data::{self, PreparedDataset};
 use crate::dist::World;
@@ -152,6 +154,16 @@ pub struct Outcome {
     /// The last checkpoint written (a HF model folder).
     pub checkpoint: Option<PathBuf>,
     pub interrupted: bool,
+    /// A resume found the run already complete: nothing was trained or written.
+    pub already_complete: bool,
+    /// What the run did (also in OUTPUT/summary.json); absent when it was already complete.
+    pub summary: Option<RunSummary>,
+}
+
+impl Outcome {
+    fn new(state: TrainerState, checkpoint: Option<PathBuf>, interrupted: bool) -> Self {
+        Self { state, checkpoint, interrupted, already_complete: false, summary: None }
+    }
 }
 
 /// The permutation of group indices of an epoch: a pure function of (seed, epoch).
@@ -209,10 +221,11 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Resul
         return Err(TrainError::Stopped(format!(
             "no training groups in {}: {}",
             prepared_dir.display(),
-            stats.map_or("stats.json is unreadable".into(), |s| why_no_groups(&s, group))
+            stats.map_or("stats.json is unreadable".into(), |s| data_counts(&s, group))
         )));
     }
     let Some(stats) = stats else { return Ok(dataset) };
+    tracing::info!("data: {} -> {} training groups", data_counts(&stats, group), stats.groups);
     let small: u64 = stats.group_size_histogram.range(..group.group_size as u64).map(|(_, n)| n).sum();
     if group.group_size > 0 && small > 0 {
         tracing::warn!(
@@ -242,8 +255,9 @@ fn open_groups(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result
     }
 }
 
-/// Why preparation kept no group, from its counts.
-fn why_no_groups(s: &data::Stats, group: &data::GroupOptions) -> String {
+/// What preparation read and what each of its rules left out, from its counts (why N questions became M
+/// groups, or none).
+fn data_counts(s: &data::Stats, group: &data::GroupOptions) -> String {
     if s.rows_read == 0 {
         return "the inputs have no rows".into();
     }
@@ -274,7 +288,7 @@ fn resume_point(out: &Path, resume: &Resume) -> Result<Option<(PathBuf, TrainerS
         Resume::Auto => {
             let ck = checkpoint::auto_resume_point(out)?;
             if ck.is_none() {
-                tracing::info!("no checkpoint in {}: starting at step 0", out.display());
+                tracing::info!("--resume auto: no checkpoint in {}, starting a new run at step 0", out.display());
             }
             ck
         }
@@ -283,7 +297,17 @@ fn resume_point(out: &Path, resume: &Resume) -> Result<Option<(PathBuf, TrainerS
             Some(p.clone())
         }
     };
-    from.map(|ck| checkpoint::read_state(&ck).map(|state| (ck, state))).transpose()
+    let resumed = from.map(|ck| checkpoint::read_state(&ck).map(|state| (ck, state))).transpose()?;
+    if let Some((ck, state)) = &resumed {
+        tracing::info!("resuming from {} at step {} (epoch {})", ck.display(), state.step, state.epoch);
+    }
+    Ok(resumed)
+}
+
+/// Whether a run at `state` has taken all its steps under `cfg` (its epochs, or train.max_steps).
+fn is_complete(cfg: &TrainConfig, state: &TrainerState) -> bool {
+    let t = &cfg.train;
+    (t.max_steps > 0 && state.step >= t.max_steps) || (t.epochs > 0 && state.epoch >= t.epochs)
 }
 
 /// A new run's id: unique enough to tell runs of one folder apart.
@@ -356,6 +380,8 @@ impl Run<'_> {
         let out = self.cfg.train.output_dir.join("validation");
         std::fs::create_dir_all(&out).map_err(io(&out))?;
         let mut lines = Vec::new();
+        let bar = crate::progress::log_only_bar(Some(0), &format!("validation on {}", v.bench));
+        let started = Instant::now();
         let (report, _) = crate::eval::evaluate(
             &self.policy,
             &self.tok,
@@ -366,8 +392,9 @@ impl Run<'_> {
                 lines.push(serde_json::to_string(r).unwrap_or_default());
                 Ok(())
             },
-            |_, _| {},
+            |p| p.show(&bar, started),
         )?;
+        bar.finish_and_clear();
         let p = out.join(format!("step-{step:08}-{}.jsonl", v.bench));
         std::fs::write(&p, lines.join("\n") + "\n").map_err(io(&p))?;
         tracing::info!("validation on {} at step {step}: avg@{} = {:.4}", v.bench, v.n, report.avg_at_n);
@@ -501,8 +528,11 @@ impl Run<'_> {
             plan.total_steps,
             self.step.objective_name()
         );
-        let bar = crate::progress::progress_bar(Some(plan.total_steps as u64), "train");
+        // A bar on a terminal; elsewhere one log line every train.log_every steps.
+        let bar = crate::progress::terminal_bar(Some(plan.total_steps as u64), "train");
         bar.set_position(state.step as u64);
+        let log_lines = !crate::progress::on_terminal();
+        let segment = (Instant::now(), state.step);
         let mut bad_in_row = 0usize;
         while state.step < plan.total_steps && state.epoch < plan.epochs {
             let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
@@ -510,12 +540,16 @@ impl Run<'_> {
                 if self.world.any(stop.load(Ordering::SeqCst)) {
                     // Asked to stop before this segment's first step: nothing new to save.
                     bar.abandon_with_message("interrupted");
-                    return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
+                    return Ok(Outcome::new(state, last_ckpt, true));
                 }
                 let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
                 bad_in_row = if m.skipped { bad_in_row + 1 } else { 0 };
                 bar.set_position(state.step as u64);
                 bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", m.loss, m.reward, m.tokens_per_sec));
+                let last = state.step >= plan.total_steps;
+                if log_lines && (last || state.step.is_multiple_of(cfg.train.log_every.max(1))) {
+                    tracing::info!("{}", m.log_line(plan.total_steps, segment));
+                }
                 if bad_in_row > cfg.train.max_bad_steps {
                     bar.abandon();
                     let last = latest_checkpoint(&cfg.train.output_dir)
@@ -549,7 +583,7 @@ impl Run<'_> {
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
-                    return Ok(Outcome { state, checkpoint: last_ckpt, interrupted: true });
+                    return Ok(Outcome::new(state, last_ckpt, true));
                 }
                 if epoch_end {
                     break; // the next epoch has its own order
@@ -557,7 +591,7 @@ impl Run<'_> {
             }
         }
         bar.finish();
-        Ok(Outcome { state, checkpoint: last_ckpt, interrupted: false })
+        Ok(Outcome::new(state, last_ckpt, false))
     }
 }
 
@@ -670,7 +704,7 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
     };
     let plan = plan::run_plan(cfg, &shape, memory);
     if plan.fits() == Some(false) {
-        return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice() });
+        return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }
     tracing::info!("memory plan: peak {:.2} GiB", plan.peak(plan::Place::Device) as f64 / (1u64 << 30) as f64);
     Ok(())
@@ -700,6 +734,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     for w in cfg.rollout.iter().flat_map(|r| r.warnings()) {
         tracing::warn!("{w}");
     }
+    let started = Instant::now();
     let out = &cfg.train.output_dir;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let _lock = if primary { Some(run_dir::lock(out)?) } else { None };
@@ -710,9 +745,13 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if primary {
         run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
     }
-    if let Some((ck, _)) = &resumed {
+    if let Some((ck, state)) = &resumed {
         checkpoint::verify_checksums(ck)?;
         resume::check_config(ck, cfg, opts.allow_config_change)?;
+        if is_complete(cfg, state) {
+            let outcome = Outcome { already_complete: true, ..Outcome::new(state.clone(), Some(ck.clone()), false) };
+            return Ok(outcome);
+        }
     }
     // Rank 0 creates a `model.init_tiny` model; the others wait for it.
     let model_dir = if primary { Some(ensure_model(cfg)?) } else { None };
@@ -744,11 +783,24 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         }
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
     };
-    let mut metrics =
-        if primary { Some(MetricsLog::open(out, resume_from.is_some().then_some(state.step))?) } else { None };
-    let outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
-    if primary {
-        crate::plot::refresh_run_curves(out);
+    let resumed_from_step = resume_from.is_some().then_some(state.step);
+    let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step)?) } else { None };
+    let mut outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
+    if !primary {
+        return Ok(outcome);
     }
+    crate::plot::refresh_run_curves(out);
+    let plan = StepPlan::new(cfg, dataset.len());
+    let end = summary::RunEnd {
+        out,
+        outcome: &outcome,
+        total_steps: plan.total_steps,
+        steps_per_epoch: plan.steps_per_epoch,
+        wall_time_s: started.elapsed().as_secs_f64(),
+        resumed_from_step,
+    };
+    let summary = RunSummary::new(&end);
+    summary.write()?;
+    outcome.summary = Some(summary);
     Ok(outcome)
 }

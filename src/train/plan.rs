@@ -376,13 +376,42 @@ impl Plan {
         self.inputs.device_memory.map(|m| self.peak(Place::Device) <= m)
     }
 
-    /// What to change when the plan does not fit.
-    pub fn advice(&self) -> String {
-        "reduce the peak with model.checkpoint_layers = true, a smaller train.micro_batch_size or \
-         data.max_response_tokens, optim.offload = true (optimizer state in host memory), flash attention \
-         (model.attention) and cached reference log-probs (model.cache_reference), or a smaller \
-         validation.batch_size"
-            .into()
+    /// What to change in `cfg` when the plan does not fit: only the settings it can still change.
+    pub fn advice(&self, cfg: &TrainConfig) -> String {
+        let mut ways = Vec::new();
+        if !cfg.model.checkpoint_layers {
+            ways.push("model.checkpoint_layers = true".to_string());
+        }
+        if cfg.train.micro_batch_size > 1 {
+            ways.push(format!("a train.micro_batch_size under {}", cfg.train.micro_batch_size));
+        }
+        ways.push(format!("a data.max_response_tokens under {}", self.max_response_tokens(cfg)));
+        if !cfg.optim.offload && !self.inputs.on_cpu {
+            ways.push("optim.offload = true (optimizer state in host memory)".into());
+        }
+        if self.inputs.attention != Attention::Flash {
+            ways.push("flash attention (model.fused_ops = true, model.attention = \"flash\")".into());
+        }
+        if cfg.objective.build().needs_reference() && !self.inputs.reference_cached {
+            ways.push("cached reference log-probs (model.cache_reference = true)".into());
+        }
+        if let Some(v) = cfg.validation.as_ref().filter(|v| v.batch_size > 1) {
+            ways.push(format!("a validation.batch_size under {}", v.batch_size));
+        }
+        if let Some(r) = cfg.rollout.as_ref().filter(|r| r.batch_size > 1) {
+            ways.push(format!("a rollout.batch_size under {}", r.batch_size));
+        }
+        let last = ways.pop().unwrap_or_default();
+        let list = if ways.is_empty() { last } else { format!("{} or {last}", ways.join(", ")) };
+        format!("reduce the peak with {list}; or give a device with more memory")
+    }
+
+    /// The response length the plan used: `data.max_response_tokens`, or the model's context when 0.
+    fn max_response_tokens(&self, cfg: &TrainConfig) -> String {
+        match cfg.data.sequence.max_response_tokens {
+            0 => "the model's context (0: no limit)".into(),
+            n => n.to_string(),
+        }
     }
 }
 
@@ -592,11 +621,21 @@ mod tests {
         assert!(text.contains("does NOT fit") && text.contains("weights") && text.contains("device peak"), "{text}");
         p.inputs.device_memory = None;
         assert_eq!(p.fits(), None);
-        for key in
-            ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"]
-        {
-            assert!(p.advice().contains(key), "{key}");
+        let cfg = config(&[]);
+        let all =
+            ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"];
+        for key in all {
+            assert!(p.advice(&cfg).contains(key), "{key}: {}", p.advice(&cfg));
         }
+        // Settings the config already has are not advised.
+        let set = config(&["model.checkpoint_layers=true", "train.micro_batch_size=1", "optim.offload=true"]);
+        let mut q = plan(&set, &m, PlanInputs { reference_cached: true, ..inputs(Attention::Flash) });
+        q.inputs.device_memory = Some(1000);
+        let advice = q.advice(&set);
+        for key in ["checkpoint_layers", "micro_batch_size", "offload", "attention", "cache_reference"] {
+            assert!(!advice.contains(key), "{key}: {advice}");
+        }
+        assert!(advice.contains("max_response_tokens") && advice.contains("more memory"), "{advice}");
     }
 
     #[test]

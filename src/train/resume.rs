@@ -27,6 +27,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "train.output_dir",
     "train.epochs",
     "train.max_steps",
+    "train.log_every",
     "train.micro_batch_size",
     "train.save_every",
     "train.keep_last",

@@ -82,7 +82,10 @@ pub(super) fn clean_leftovers(out: &Path) -> Result<(), TrainError> {
 /// What a previous run wrote into an output folder (`prepared/` and the model are kept: they are inputs).
 fn previous_run_files(out: &Path) -> Vec<PathBuf> {
     let mut files: Vec<PathBuf> =
-        ["checkpoints", "best", "validation", "metrics.jsonl", "config.toml"].iter().map(|n| out.join(n)).collect();
+        ["checkpoints", "best", "validation", "metrics.jsonl", "config.toml", "curves.png", "summary.json"]
+            .iter()
+            .map(|n| out.join(n))
+            .collect();
     if let Ok(entries) = std::fs::read_dir(out) {
         files.extend(
             entries
