@@ -188,6 +188,13 @@ mod tests {
                 .validate("--")
                 .unwrap_err();
         assert!(e.starts_with("--concurrency = 0"), "{e}");
+        let e =
+            parse(&["--engine", "openai", "--base-url", "http://h/v1", "--served-model", "m", "--idle-timeout-s", "0"])
+                .validate("--")
+                .unwrap_err();
+        assert!(e.starts_with("--idle-timeout-s = 0"), "{e}");
+        let toml: EngineOptions = toml::from_str("idle_timeout_s = 5").unwrap();
+        assert_eq!(toml, parse(&["--idle-timeout-s", "5"]));
         let e = parse(&["--base-url", "http://h/v1"]).validate("--").unwrap_err();
         assert_eq!(e, "--base-url is only used with --engine openai");
         let toml: EngineOptions = toml::from_str("served_model = \"m\"").unwrap();
