@@ -160,3 +160,78 @@ fn plan_runs_without_weights_and_names_what_to_change() {
     assert!(err.contains("does not fit") && err.contains("checkpoint_layers"), "{err}");
     assert!(!dir.path().join("out/metrics.jsonl").exists());
 }
+
+/// The shipped configs: each has a `# plan: ARGS` line giving its model's shape (a config.json of
+/// configs/models, or the tiny model it makes) and the memory of the device it is written for. Its plan
+/// with those arguments fits, or the line says `does not fit because REASON` and the plan agrees.
+#[test]
+fn every_shipped_config_fits_the_device_it_is_written_for() {
+    let root = common::root();
+    let mut configs = Vec::new();
+    for dir in ["configs", "configs/seed000", "configs/seed004"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "toml") {
+                configs.push(path);
+            }
+        }
+    }
+    configs.sort();
+    assert!(configs.len() >= 10, "{configs:?}");
+    for path in &configs {
+        let text = std::fs::read_to_string(path).unwrap();
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("# plan:"))
+            .unwrap_or_else(|| panic!("{}: no `# plan: ARGS` line", path.display()));
+        let (args, why) = match line.split_once("does not fit because") {
+            Some((args, why)) => (args, Some(why.trim())),
+            None => (line, None),
+        };
+        let out = common::grpo()
+            .current_dir(&root)
+            .args(["train", "--plan", "--config"])
+            .arg(path)
+            .args(args.split_whitespace())
+            .output()
+            .unwrap();
+        let plan = String::from_utf8(out.stdout).unwrap();
+        let verdict = plan.lines().find(|l| l.starts_with("device memory:")).unwrap_or_else(|| {
+            panic!("{}: no verdict\n{plan}\n{}", path.display(), String::from_utf8_lossy(&out.stderr))
+        });
+        match why {
+            None => assert!(verdict.contains(": fits,"), "{}: {verdict}\n{plan}", path.display()),
+            Some(why) => {
+                assert!(why.len() > 10, "{}: say why it does not fit", path.display());
+                assert!(verdict.contains("does NOT fit"), "{}: it fits now: {verdict}", path.display());
+            }
+        }
+    }
+}
+
+/// A model config.json with an absurd size is refused at once, naming the file and the key.
+#[test]
+fn an_absurd_model_shape_is_refused_by_name() {
+    let root = common::root();
+    let dir = tempfile::tempdir().unwrap();
+    let seven_b = std::fs::read_to_string(root.join("configs/models/qwen2.5-7b-instruct.config.json")).unwrap();
+    for (key, value) in [("num_hidden_layers", "1000000000"), ("vocab_size", "18446744073709551615")] {
+        let mut shape: serde_json::Value = serde_json::from_str(&seven_b).unwrap();
+        shape[key] = serde_json::from_str(value).unwrap();
+        let file = dir.path().join(format!("{key}.json"));
+        std::fs::write(&file, shape.to_string()).unwrap();
+        let out = common::grpo()
+            .current_dir(&root)
+            .args(["train", "--config", "configs/openthinker3.toml", "--plan", "--device-memory", "80GiB"])
+            .arg("--model-config")
+            .arg(&file)
+            .timeout(std::time::Duration::from_secs(20))
+            .assert()
+            .failure()
+            .get_output()
+            .stderr
+            .clone();
+        let err = String::from_utf8(out).unwrap();
+        assert!(err.contains(&format!("{key}.json: field `{key}`: {value}")), "{err}");
+    }
+}

@@ -271,6 +271,42 @@ fn check_full_attention(raw: &RawConfig, layers: usize, f: &Fields) -> Result<()
     Ok(())
 }
 
+/// The sizes a config.json may give, with the largest value accepted for each: far above any released
+/// model (vocabularies of 262k, hidden 16k, MLP 53k, 126 layers, 128 heads, 10M positions), low enough
+/// that parameter counts and the memory plan's products of them cannot overflow. Zero is refused too.
+const SIZE_BOUNDS: [(&str, usize); 8] = [
+    ("vocab_size", 1 << 24),
+    ("hidden_size", 1 << 20),
+    ("intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 12),
+    ("num_attention_heads", 1 << 12),
+    ("num_key_value_heads", 1 << 12),
+    ("head_dim", 1 << 14),
+    ("max_position_embeddings", 1 << 28),
+];
+
+/// Refuse a size of `raw` outside [1, its bound of [`SIZE_BOUNDS`]], naming its key.
+fn check_sizes(raw: &RawConfig, f: &Fields) -> Result<(), ConfigError> {
+    let values = [
+        raw.vocab_size,
+        raw.hidden_size,
+        raw.intermediate_size,
+        raw.num_hidden_layers,
+        raw.num_attention_heads,
+        raw.num_key_value_heads,
+        raw.head_dim,
+        raw.max_position_embeddings,
+    ];
+    for ((key, max), value) in SIZE_BOUNDS.iter().zip(values) {
+        match value {
+            Some(0) => return Err(f.err(*key, "0: must be at least 1")),
+            Some(v) if v > *max => return Err(f.err(*key, format!("{v} is not a plausible size (at most {max})"))),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// The model hyper-parameters the decoder needs, plus the original JSON to write back.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -324,6 +360,7 @@ impl ModelConfig {
                 ))
             }
         };
+        check_sizes(&c, &f)?;
         let hidden_size = f.required(c.hidden_size, "hidden_size")?;
         let num_heads = f.required(c.num_attention_heads, "num_attention_heads")?;
         let num_layers = f.required(c.num_hidden_layers, "num_hidden_layers")?;
@@ -394,11 +431,13 @@ impl ModelConfig {
         self.raw.get("torch_dtype").or_else(|| self.raw.get("dtype")).and_then(Value::as_str)
     }
 
-    /// Total number of parameters.
+    /// Total number of parameters (in u128, clamped to usize::MAX: with the sizes validation accepts,
+    /// no product comes near either bound).
     pub fn num_parameters(&self) -> usize {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let q = self.num_heads * self.head_dim;
-        let kv = self.num_kv_heads * self.head_dim;
+        let w = |x: usize| x as u128;
+        let (h, i, v) = (w(self.hidden_size), w(self.intermediate_size), w(self.vocab_size));
+        let q = w(self.num_heads) * w(self.head_dim);
+        let kv = w(self.num_kv_heads) * w(self.head_dim);
         let mut layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
         if self.qkv_bias {
             layer += q + 2 * kv;
@@ -410,10 +449,11 @@ impl ModelConfig {
             layer += 2 * i + h;
         }
         if self.qk_norm {
-            layer += 2 * self.head_dim;
+            layer += 2 * w(self.head_dim);
         }
         let head = if self.tie_word_embeddings { 0 } else { v * h };
-        v * h + self.num_layers * layer + h + head
+        let total = v * h + w(self.num_layers) * layer + h + head;
+        total.min(usize::MAX as u128) as usize
     }
 }
 
@@ -568,6 +608,31 @@ mod tests {
         error_naming("llama", json!({"rope_scaling": {"rope_type": "linear", "factor": "2"}}), "rope_scaling");
         error_naming("llama", json!({"vocab_size": null}), "vocab_size");
         error_naming("llama", json!({"rope_theta": -1.0}), "rope_theta");
+    }
+
+    #[test]
+    fn absurd_sizes_are_refused_naming_the_key_and_file() {
+        use serde_json::json;
+        let cases = [
+            ("vocab_size", json!(u64::MAX)),
+            ("num_hidden_layers", json!(1_000_000_000u64)),
+            ("hidden_size", json!(1u64 << 40)),
+            ("intermediate_size", json!(0)),
+            ("max_position_embeddings", json!(1u64 << 40)),
+            ("head_dim", json!(1u64 << 20)),
+        ];
+        for (key, value) in cases {
+            let e = error_naming("qwen2", json!({ key: value }), key);
+            assert!(e.starts_with("c.json: field `") && e.contains(&value.to_string()), "{e}");
+        }
+        // The largest real shapes pass: a 262k vocabulary, 126 layers, hidden 16384.
+        let big = json!({"vocab_size": 262_144, "num_hidden_layers": 126, "hidden_size": 16_384,
+            "intermediate_size": 53_248, "num_attention_heads": 128, "num_key_value_heads": 8});
+        let mut raw = base("llama");
+        for (k, v) in big.as_object().unwrap() {
+            raw[k] = v.clone();
+        }
+        assert_eq!(ModelConfig::from_json(raw, Path::new("c.json")).unwrap().num_layers, 126);
     }
 
     #[test]

@@ -160,9 +160,12 @@ impl Rollouts {
         let bar = crate::progress::progress_bar(None, "rollout");
         bar.set_message("tokens generated (server)");
         let counts = (self.options.sampled(), self.options.n);
-        let samples = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
+        let (samples, cut) = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
         bar.finish_and_clear();
-        sample::score_groups(sampler, &self.tok, questions, &self.options, samples, self.micro, start)
+        let (groups, mut metrics) =
+            sample::score_groups(sampler, &self.tok, questions, &self.options, samples, self.micro, start)?;
+        metrics.server_cut = cut;
+        Ok((groups, metrics))
     }
 
     /// `updates_per_batch` updates of `policy` on the same groups and behaviour log-probs.

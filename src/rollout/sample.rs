@@ -37,6 +37,10 @@ pub struct RolloutMetrics {
     /// Generated tokens per second of generation.
     #[serde(rename = "rollout/tokens_per_sec")]
     pub tokens_per_sec: f64,
+    /// Answers the server returned longer than rollout.max_new_tokens (it ignored max_tokens), cut to it
+    /// (always 0 with grpo's sampler).
+    #[serde(rename = "rollout/server_cut")]
+    pub server_cut: usize,
     /// Optimiser updates made on these rollouts.
     #[serde(rename = "rollout/updates")]
     pub updates: usize,
@@ -162,6 +166,7 @@ pub(super) fn score_groups(
         extract_rate: extracted as f64 / n,
         generation_time: start.elapsed().as_secs_f64(),
         tokens_per_sec: generated as f64 / gen_time.max(1e-9),
+        server_cut: 0,
         updates: 0,
     };
     Ok((out, metrics))

@@ -7,7 +7,7 @@
 //!
 //! At each refresh of the sampling policy the weights are saved as a Hugging Face folder
 //! (OUTPUT/rollout-policy, written atomically) and the server is told to load it:
-//! - `sglang`: `POST ROOT/update_weights_from_disk {"model_path": DIR}` (SGLang's own endpoint);
+//! - `sglang`: `POST ROOT/update_weights_from_disk {"model_path": DIR}` (SGLang's own endpoint; DIR absolute);
 //! - `vllm`: `POST ROOT/collective_rpc {"method": "reload_weights"}` (exposed only with
 //!   `VLLM_SERVER_DEV_MODE=1`): each worker re-reads the weights from the path the server was started on,
 //!   so the server must serve DIR itself (`vllm serve OUTPUT/rollout-policy`, a copy of the starting model
@@ -17,8 +17,8 @@
 //!
 //! ROOT is `base_url` without its trailing `/v1`.
 
+use std::io::Read;
 use std::path::Path;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
@@ -60,9 +60,12 @@ struct VllmBody<'a> {
 }
 
 /// The call telling the server at `base_url` to load the weights of `dir` (none for [`Reload::None`]).
+/// The folder is named by its absolute path (canonical when it exists): the server does not share the
+/// run's working directory.
 pub fn reload_request(reload: Reload, base_url: &str, dir: &Path) -> Option<ReloadRequest> {
     let root = base_url.trim_end_matches('/');
     let root = root.strip_suffix("/v1").unwrap_or(root);
+    let dir = std::fs::canonicalize(dir).or_else(|_| std::path::absolute(dir)).unwrap_or_else(|_| dir.into());
     let path = dir.to_string_lossy();
     let (endpoint, body) = match reload {
         Reload::None => return None,
@@ -72,14 +75,9 @@ pub fn reload_request(reload: Reload, base_url: &str, dir: &Path) -> Option<Relo
     Some(ReloadRequest { url: format!("{root}/{endpoint}"), body: body.expect("plain structs serialise") })
 }
 
-/// Send `req` (with the API key of `options`), failing on any status but 200.
+/// Send `req` (with the API key and timeouts of `options`), failing on any status but 200.
 pub fn send_reload(req: &ReloadRequest, options: &EngineOptions) -> Result<(), RolloutError> {
-    let agent: ureq::Agent = ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(options.request_timeout_s)))
-        .build()
-        .into();
-    let mut call = agent.post(&req.url).header("Content-Type", "application/json");
+    let mut call = options.http_agent().post(&req.url).header("Content-Type", "application/json");
     if let Some(key) = options.api_key().map_err(RolloutError::Invalid)? {
         call = call.header("Authorization", format!("Bearer {key}"));
     }
@@ -87,8 +85,10 @@ pub fn send_reload(req: &ReloadRequest, options: &EngineOptions) -> Result<(), R
     let resp = call.send(&req.body).map_err(|e| fail(e.to_string()))?;
     let status = resp.status().as_u16();
     if status != 200 {
-        let text = resp.into_body().read_to_string().unwrap_or_default();
-        return Err(fail(format!("HTTP {status}: {}", text.chars().take(500).collect::<String>())));
+        let mut head = Vec::new();
+        let _ = resp.into_body().into_reader().take(64 << 10).read_to_end(&mut head);
+        let text: String = String::from_utf8_lossy(&head).chars().take(500).collect();
+        return Err(fail(format!("HTTP {status}: {text}")));
     }
     Ok(())
 }
@@ -103,16 +103,27 @@ pub struct Sampled {
     pub generated: usize,
 }
 
-/// A server's answer as a rollout sequence: the text re-tokenised with the policy's tokenizer, plus
-/// `eos` when it stopped.
-pub fn to_sampled(c: Completion, tok: &ChatTokenizer, eos: Option<u32>) -> Result<Sampled, RolloutError> {
-    let ids = tok.encode(&c.text, false)?;
+/// A server's answer as a rollout sequence: the text re-tokenised with the policy's tokenizer, cut to
+/// `max_new_tokens` tokens (then it did not stop), plus `eos` when it stopped. Also whether it was cut.
+pub fn to_sampled(
+    c: Completion,
+    tok: &ChatTokenizer,
+    eos: Option<u32>,
+    max_new_tokens: usize,
+) -> Result<(Sampled, bool), RolloutError> {
+    let mut ids = tok.encode(&c.text, false)?;
+    let (text, finish, cut) = if ids.len() > max_new_tokens {
+        ids.truncate(max_new_tokens);
+        (tok.decode(&ids, false)?, FinishReason::Length, true)
+    } else {
+        (c.text, c.finish, false)
+    };
     let generated = ids.len();
-    let tokens = match (c.finish, eos) {
+    let tokens = match (finish, eos) {
         (FinishReason::Stop, Some(e)) => [ids.as_slice(), &[e]].concat(),
         _ => ids,
     };
-    Ok(Sampled { tokens, text: c.text, finish: c.finish, generated })
+    Ok((Sampled { tokens, text, finish, generated }, cut))
 }
 
 /// Collects the engine's samples per job.
@@ -134,7 +145,8 @@ impl Progress for Sink<'_> {
 }
 
 /// `k` answers to each question from the server, answer j of group `g` seeded from sequence
-/// `g.index * n + j` of `params.seed`, in question order.
+/// `g.index * n + j` of `params.seed`, in question order, each at most `params.max_new_tokens` tokens;
+/// also how many were longer (a server ignoring max_tokens) and were cut to it.
 pub fn server_samples(
     options: &EngineOptions,
     tok: &ChatTokenizer,
@@ -142,7 +154,7 @@ pub fn server_samples(
     (k, n): (usize, usize),
     params: &SamplingParams,
     bar: &indicatif::ProgressBar,
-) -> Result<Vec<Sampled>, RolloutError> {
+) -> Result<(Vec<Sampled>, usize), RolloutError> {
     let engine = OpenAi::new(options, tok)?;
     let jobs: Vec<PromptJob> = questions
         .iter()
@@ -159,13 +171,16 @@ pub fn server_samples(
     engine.complete(&jobs, k, params, &mut sink)?;
     let eos = tok.eos_ids().first().copied();
     let mut out = Vec::with_capacity(jobs.len() * k);
+    let mut cut = engine.cut_answers();
     for samples in sink.out {
         let samples = samples.ok_or_else(|| RolloutError::Invalid("the server left a question unanswered".into()))?;
         for c in samples.into_iter().take(k) {
-            out.push(to_sampled(c, tok, eos)?);
+            let (sampled, was_cut) = to_sampled(c, tok, eos, params.max_new_tokens)?;
+            out.push(sampled);
+            cut += usize::from(was_cut);
         }
     }
-    Ok(out)
+    Ok((out, cut))
 }
 
 #[cfg(test)]
@@ -194,5 +209,44 @@ mod tests {
         let opts = EngineOptions { request_timeout_s: 5, ..Default::default() };
         let e = send_reload(&req, &opts).unwrap_err().to_string();
         assert!(e.contains("http://127.0.0.1:9/update_weights_from_disk"), "{e}");
+    }
+
+    #[test]
+    fn the_sglang_reload_names_the_folder_by_its_absolute_path() {
+        use crate::eval::engine::fake_server::{serve, Reply};
+        // Relative to the run's working directory, which the server does not share.
+        let existing = Path::new("src/rollout");
+        let s = reload_request(Reload::Sglang, "http://h:1/v1", existing).unwrap();
+        let want = std::fs::canonicalize(existing).unwrap();
+        assert!(want.is_absolute());
+        assert_eq!(s.body, serde_json::json!({ "model_path": want }).to_string());
+        let not_yet = Path::new("runs/x/rollout-policy");
+        let s = reload_request(Reload::Sglang, "http://h:1/v1", not_yet).unwrap();
+        let want = std::env::current_dir().unwrap().join(not_yet);
+        assert_eq!(s.body, serde_json::json!({ "model_path": want }).to_string());
+        // What the server receives.
+        let (url, server) = serve(vec![Reply::Full(200, r#"{"success":true}"#.into())]);
+        let req = reload_request(Reload::Sglang, &url, existing).unwrap();
+        send_reload(&req, &EngineOptions::default()).unwrap();
+        let got: serde_json::Value = serde_json::from_str(&server.join().unwrap()[0].request).unwrap();
+        let path = got["model_path"].as_str().unwrap();
+        assert!(Path::new(path).is_absolute() && Path::new(path).ends_with("src/rollout"), "{got}");
+    }
+
+    #[test]
+    fn answers_past_max_new_tokens_are_cut_to_it() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/digits");
+        let tok = ChatTokenizer::load(&dir).unwrap();
+        let eos = tok.eos_ids().first().copied();
+        let long = Completion { text: "1 2 3 4 5 6 7 8 9 ".repeat(50), tokens: 0, finish: FinishReason::Stop };
+        let (s, cut) = to_sampled(long.clone(), &tok, eos, 8).unwrap();
+        assert!(cut);
+        assert_eq!((s.tokens.len(), s.generated, s.finish), (8, 8, FinishReason::Length));
+        assert_eq!(tok.encode(&s.text, false).unwrap(), s.tokens);
+        assert!(long.text.starts_with(s.text.trim_end()), "{}", s.text);
+        let short = Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop };
+        let (s, cut) = to_sampled(short, &tok, eos, 8).unwrap();
+        assert!(!cut && s.finish == FinishReason::Stop && s.generated == 1);
+        assert_eq!(s.tokens.last().copied(), eos);
     }
 }

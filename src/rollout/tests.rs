@@ -280,7 +280,7 @@ fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
         .zip(finishes)
         .map(|(t, finish)| {
             let c = Completion { text: t.to_string(), tokens: 0, finish };
-            server::to_sampled(c, &tok, eos).unwrap()
+            server::to_sampled(c, &tok, eos, 8).unwrap().0
         })
         .collect();
     let (groups, metrics) = sample::score_groups(&m, &tok, &qs, &opts, samples, 3, std::time::Instant::now()).unwrap();
@@ -303,9 +303,11 @@ fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
     assert_eq!(rewards, [1.0, 0.0, 1.0, 0.0]);
     assert_eq!(metrics.truncated_fraction, 0.5);
     // One answer too few is refused.
-    let short =
-        vec![server::to_sampled(Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop }, &tok, eos)
-            .unwrap()];
+    let short = vec![
+        server::to_sampled(Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop }, &tok, eos, 8)
+            .unwrap()
+            .0,
+    ];
     assert!(sample::score_groups(&m, &tok, &qs, &opts, short, 3, std::time::Instant::now()).is_err());
 }
 
@@ -332,4 +334,33 @@ fn a_reloading_server_gets_the_sampling_weights_first() {
     assert!(e.contains("http://127.0.0.1:9/update_weights_from_disk"), "{e}");
     let saved = crate::model::load_decoder(&served, DType::F32, &Device::Cpu, false).unwrap();
     assert_eq!(params(&saved), params(&m), "the server was pointed at the sampling weights");
+}
+
+/// A server ignoring max_tokens: its answers are cut to rollout.max_new_tokens, and counted.
+#[test]
+fn a_servers_answers_are_cut_to_max_new_tokens_and_counted() {
+    use crate::eval::engine::fake_server::{serve, Reply};
+    use crate::eval::{FinishReason, SamplingParams};
+    let tok = tokenizer();
+    let long = "1 2 3 4 5 6 7 8 9 ".repeat(500);
+    let body = serde_json::json!({"choices": [
+        {"index": 0, "text": "7", "finish_reason": "stop"},
+        {"index": 1, "text": long, "finish_reason": "stop"}]});
+    let (url, server) = serve(vec![Reply::Full(200, body.to_string())]);
+    let options = crate::eval::EngineOptions {
+        engine: crate::eval::EngineKind::Openai,
+        base_url: Some(url),
+        served_model: Some("m".into()),
+        max_retries: 0,
+        concurrency: 1,
+        ..Default::default()
+    };
+    let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 };
+    let bar = indicatif::ProgressBar::hidden();
+    let (samples, cut) = server::server_samples(&options, &tok, &questions(&tok, 1), (2, 2), &params, &bar).unwrap();
+    server.join().unwrap();
+    assert_eq!(cut, 1);
+    let eos = tok.eos_ids().first().copied().unwrap();
+    assert_eq!((samples[0].finish, samples[0].tokens.last()), (FinishReason::Stop, Some(&eos)));
+    assert_eq!((samples[1].finish, samples[1].generated, samples[1].tokens.len()), (FinishReason::Length, 8, 8));
 }

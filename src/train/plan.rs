@@ -6,7 +6,10 @@
 //! single tensor), d bytes per weight element (4 for f32, 2 for bf16/f16), L layers, hidden h, query width
 //! q = heads x head_dim, key/value width kv = kv_heads x head_dim, MLP width i, vocabulary V. A micro-batch
 //! is B = `train.micro_batch_size` sequences of T = `max_prompt_tokens + max_response_tokens` tokens
-//! (the largest the data allows), N = B T tokens, of which n = B `max_response_tokens` are scored.
+//! (the largest the data allows; with `[rollout]` the answers are the sampled ones, of at most
+//! `rollout.max_new_tokens` + 1 tokens, see [`sequence_tokens`]), N = B T tokens, of which
+//! n = B `max_response_tokens` are scored. Sizes are computed in f64 and saturate: an absurd
+//! configuration plans u64::MAX bytes (it does not fit) rather than wrapping around.
 //!
 //! The run's peak is `resident + max(step + max(backward, update), validation, rollouts)`:
 //! - resident: the weights (P d), the optimiser state when it is on the device (AdamW: f32 master
@@ -142,6 +145,16 @@ struct Shape {
     n_scored: u64,
 }
 
+/// Bytes of a size computed in f64: exact below 2^53 (8 PiB, any real size), and an absurd
+/// configuration saturates at u64::MAX (it does not fit) instead of wrapping around to a small number.
+fn to_bytes(x: f64) -> u64 {
+    if x.is_nan() {
+        u64::MAX
+    } else {
+        x as u64 // saturating
+    }
+}
+
 /// Bytes per element of a weight dtype name.
 fn dtype_bytes(dtype: &str) -> u64 {
     if dtype == "f32" {
@@ -151,46 +164,53 @@ fn dtype_bytes(dtype: &str) -> u64 {
     }
 }
 
-/// The largest decoder layer's and the largest tensor's parameter counts.
+/// The largest decoder layer's and the largest tensor's parameter counts (from a one-layer copy of the
+/// shape: every layer has the same tensors, and a config's layer count may be large).
 fn largest_params(m: &ModelConfig) -> (u64, u64) {
-    let shapes = crate::model::decoder::parameter_shapes(m);
-    let size = |s: &[usize]| s.iter().product::<usize>() as u64;
+    let one_layer = ModelConfig { num_layers: 1, ..m.clone() };
+    let shapes = crate::model::decoder::parameter_shapes(&one_layer);
+    let size = |s: &[usize]| to_bytes(s.iter().map(|&x| x as f64).product());
     let largest = shapes.iter().map(|(_, s)| size(s)).max().unwrap_or(0);
-    let layer0: u64 = shapes.iter().filter(|(n, _)| n.starts_with("model.layers.0.")).map(|(_, s)| size(s)).sum();
-    (layer0, largest)
+    let layer0 = shapes.iter().filter(|(n, _)| n.starts_with("model.layers.0.")).map(|(_, s)| size(s));
+    (layer0.fold(0, u64::saturating_add), largest)
 }
 
 impl Activations {
     fn new(m: &ModelConfig, s: &Shape, d: u64, attention: Attention, chunk_bytes: u64) -> Self {
-        let (h, i, v) = (m.hidden_size as u64, m.intermediate_size as u64, m.vocab_size as u64);
-        let q = (m.num_heads * m.head_dim) as u64;
-        let kv = (m.num_kv_heads * m.head_dim) as u64;
-        let (heads, l) = (m.num_heads as u64, m.num_layers as u64);
-        let n = s.b * s.t;
-        let (qkv_b, o_b, mlp_b, qk_n) = (m.qkv_bias as u64, m.o_bias as u64, m.mlp_bias as u64, m.qk_norm as u64);
-        let width =
-            (8 + o_b + mlp_b) * h + (4 + qkv_b + 2 * qk_n) * q + (4 + 2 * qkv_b + 2 * qk_n) * kv + (4 + 2 * mlp_b) * i;
-        let matrix = 2 * s.b * heads * s.t * s.t * d;
+        let f = |x: usize| x as f64;
+        let (h, i, v) = (f(m.hidden_size), f(m.intermediate_size), f(m.vocab_size));
+        let q = f(m.num_heads) * f(m.head_dim);
+        let kv = f(m.num_kv_heads) * f(m.head_dim);
+        let (heads, l) = (f(m.num_heads), f(m.num_layers));
+        let (b, t, n_scored, d) = (s.b as f64, s.t as f64, s.n_scored as f64, d as f64);
+        let n = b * t;
+        let flag = |x: bool| if x { 1.0 } else { 0.0 };
+        let (qkv_b, o_b, mlp_b, qk_n) = (flag(m.qkv_bias), flag(m.o_bias), flag(m.mlp_bias), flag(m.qk_norm));
+        let width = (8.0 + o_b + mlp_b) * h
+            + (4.0 + qkv_b + 2.0 * qk_n) * q
+            + (4.0 + 2.0 * qkv_b + 2.0 * qk_n) * kv
+            + (4.0 + 2.0 * mlp_b) * i;
+        let matrix = 2.0 * b * heads * t * t * d;
         let (attn_saved, attn_work) = match attention {
             Attention::Matrix => (matrix, matrix),
-            Attention::Flash => (4 * s.b * heads * s.t, 8 * s.b * heads * s.t),
+            Attention::Flash => (4.0 * b * heads * t, 8.0 * b * heads * t),
         };
         let layer = n * width * d + attn_saved;
-        let rows = (chunk_bytes / (4 * v).max(1)).clamp(1, 1 << 16).min(s.n_scored.max(1));
-        let one_chunk = s.n_scored <= rows;
-        let head_backward = match (one_chunk, d) {
-            (true, 4) => 4 * v * h,
-            (true, _) => (4 + d) * v * h,
-            (false, _) => 12 * v * h,
+        let rows = (chunk_bytes as f64 / (4.0 * v).max(1.0)).floor().clamp(1.0, 65536.0).min(n_scored.max(1.0));
+        let one_chunk = n_scored <= rows;
+        let head_backward = match (one_chunk, d >= 4.0) {
+            (true, true) => 4.0 * v * h,
+            (true, false) => (4.0 + d) * v * h,
+            (false, _) => 12.0 * v * h,
         };
         Self {
-            saved_full: l * layer + n * h * d,
-            saved_checkpointed: (l + 1) * n * h * d + layer,
-            layer_backward: n * (3 * i + 3 * h + 2 * q) * d,
-            attention_workspace: attn_work,
-            head: 3 * s.n_scored * h * d + 16 * s.n_scored,
-            head_backward,
-            logprob_chunk: 2 * rows * v * d,
+            saved_full: to_bytes(l * layer + n * h * d),
+            saved_checkpointed: to_bytes((l + 1.0) * n * h * d + layer),
+            layer_backward: to_bytes(n * (3.0 * i + 3.0 * h + 2.0 * q) * d),
+            attention_workspace: to_bytes(attn_work),
+            head: to_bytes(3.0 * n_scored * h * d + 16.0 * n_scored),
+            head_backward: to_bytes(head_backward),
+            logprob_chunk: to_bytes(2.0 * rows * v * d),
         }
     }
 }
@@ -204,12 +224,9 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     let d = dtype_bytes(&cfg.model.dtype);
     let p = model.num_parameters() as u64;
     let (p_layer, p_max) = largest_params(model);
-    let seq = &cfg.data.sequence;
-    let max_pos = model.max_position_embeddings;
-    let or_max = |x: usize| if x == 0 { max_pos } else { x } as u64;
-    let (prompt, response) = (or_max(seq.max_prompt_tokens), or_max(seq.max_response_tokens));
+    let (prompt, response) = sequence_tokens(cfg, model);
     let b = cfg.train.micro_batch_size.max(1) as u64;
-    let shape = Shape { b, t: prompt + response, n_scored: b * response };
+    let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
     let act = Activations::new(model, &shape, d, inputs.attention, (cfg.model.logprob_chunk_mb.max(1) as u64) << 20);
     let mut c = Vec::new();
     let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
@@ -217,25 +234,25 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     };
     use Phase::*;
     use Place::*;
-    add("weights", p * d, Device, Resident, format!("P x {d} B"));
-    add("gradients (f32 accumulator)", 4 * p, Device, Step, "P x 4 B".into());
+    add("weights", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
+    add("gradients (f32 accumulator)", p.saturating_mul(4), Device, Step, "P x 4 B".into());
     let opt = cfg.optim.name;
     let state = if opt == OptimName::Adamw { 12 } else { 4 };
     let state_place = if cfg.optim.offload { Host } else { Device };
     let what = if opt == OptimName::Adamw { "f32 master + 2 moments" } else { "f32 master" };
     let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
-    add("optimizer state", state * p, state_place, Resident, format!("P x {state} B ({what}; {off})"));
+    add("optimizer state", p.saturating_mul(state), state_place, Resident, format!("P x {state} B ({what}; {off})"));
     let objective = cfg.objective.build();
     if objective.needs_reference() {
         if inputs.reference_cached {
-            let bytes = 4 * shape.n_scored;
+            let bytes = shape.n_scored.saturating_mul(4);
             add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch".into());
         } else {
-            add("reference model", p * d, Device, Resident, format!("P x {d} B"));
+            add("reference model", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
         }
     }
     if objective.anchor() == Some(Anchor::Snapshot) {
-        add("anchor snapshot", p * d, Device, Resident, format!("P x {d} B"));
+        add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
     }
     if inputs.on_cpu {
         add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured".into());
@@ -256,15 +273,16 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
     // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
     // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
-    let answers = (cfg.train.batch_questions * cfg.data.input.group.group_size) as u64;
+    let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
+    let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
     let shared = d == 4 && answers > 0 && answers <= b;
     let grad_store = match (ckpt, shared) {
         (_, true) => 0,
-        (true, false) => p_layer.max(p_max) * d,
-        (false, false) => p * d,
+        (true, false) => p_layer.max(p_max).saturating_mul(d),
+        (false, false) => p.saturating_mul(d),
     };
-    let layer_part = act.layer_backward + act.attention_workspace + grad_store;
-    let head_part = act.head_backward + act.logprob_chunk;
+    let layer_part = act.layer_backward.saturating_add(act.attention_workspace).saturating_add(grad_store);
+    let head_part = act.head_backward.saturating_add(act.logprob_chunk);
     let kind = match inputs.attention {
         Attention::Flash => "flash: O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
@@ -286,7 +304,11 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
         add("parameter gradients in flight", grad_store, Device, Backward, what.into());
         add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, "2 rows V d".into());
     }
-    let update = if cfg.optim.offload { (OFFLOAD_CHUNK_BYTES as u64).min(4 * p) * 6 } else { 28 * p_max };
+    let update = if cfg.optim.offload {
+        (OFFLOAD_CHUNK_BYTES as u64).min(p.saturating_mul(4)) * 6
+    } else {
+        p_max.saturating_mul(28)
+    };
     let upd_place = if cfg.optim.offload { Host } else { Device };
     let f =
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
@@ -294,6 +316,29 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     c.extend(generation_components(cfg, model, d, prompt));
     let summary = summary(cfg, model, &shape, prompt, response);
     Plan { components: c, inputs, summary }
+}
+
+/// The tokens of the longest prompt and answer of a micro-batch: `data.max_prompt_tokens` and, for
+/// answers, `data.max_response_tokens` (the model's context where either is 0: no limit), or with
+/// `[rollout]` the sampled answers' `rollout.max_new_tokens` + 1 (the EOS), and the teacher answers'
+/// limit when some are mixed in (`rollout.teacher_answers`).
+fn sequence_tokens(cfg: &TrainConfig, model: &ModelConfig) -> (u64, u64) {
+    let seq = &cfg.data.sequence;
+    let max_pos = model.max_position_embeddings;
+    let or_max = |x: usize| if x == 0 { max_pos } else { x } as u64;
+    let teacher = or_max(seq.max_response_tokens);
+    let response = match &cfg.rollout {
+        None => teacher,
+        Some(r) => {
+            let sampled = (r.max_new_tokens as u64).saturating_add(1);
+            if r.teacher_answers > 0 {
+                sampled.max(teacher)
+            } else {
+                sampled
+            }
+        }
+    };
+    (or_max(seq.max_prompt_tokens), response)
 }
 
 /// The KV caches of generation: validation's, and with `[rollout]` grpo's sampler's (a server's rollouts
@@ -308,21 +353,22 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
     // A generation's KV cache: `batch` sequences of `tokens` tokens, 2 L kv d bytes per token, counted
     // twice because the cache grows by concatenation, plus two rows of f32 logits per sequence.
     let kv_cache = |batch: usize, tokens: u64| {
-        let per_token = 2 * model.num_layers as u64 * (model.num_kv_heads * model.head_dim) as u64 * d;
-        let bytes = 2 * batch as u64 * tokens * per_token + 2 * batch as u64 * model.vocab_size as u64 * 4;
-        (bytes, format!("2 x batch {batch} x {tokens} tokens x {per_token} B + logits"))
+        let per_token = 2.0 * model.num_layers as f64 * (model.num_kv_heads * model.head_dim) as f64 * d as f64;
+        let batch_f = batch as f64;
+        let bytes = 2.0 * batch_f * tokens as f64 * per_token + 2.0 * batch_f * model.vocab_size as f64 * 4.0;
+        (to_bytes(bytes), format!("2 x batch {batch} x {tokens} tokens x {per_token} B + logits"))
     };
     if let Some(v) = &cfg.validation {
-        let (bytes, f) = kv_cache(v.batch_size, prompt + v.max_new_tokens as u64);
+        let (bytes, f) = kv_cache(v.batch_size, prompt.saturating_add(v.max_new_tokens as u64));
         add("validation KV cache", bytes, Device, Validation, f);
     }
     if let Some(r) = &cfg.rollout {
         if r.sync_every > 1 {
             let f = format!("P x {d} B (the policy of the last refresh, rollout.sync_every = {})", r.sync_every);
-            add("rollout sampling policy copy", model.num_parameters() as u64 * d, Device, Resident, f);
+            add("rollout sampling policy copy", (model.num_parameters() as u64).saturating_mul(d), Device, Resident, f);
         }
         if r.server.engine == crate::eval::EngineKind::Native {
-            let (bytes, f) = kv_cache(r.batch_size, prompt + r.max_new_tokens as u64);
+            let (bytes, f) = kv_cache(r.batch_size, prompt.saturating_add(r.max_new_tokens as u64));
             add("rollout KV cache", bytes, Device, Rollout, f);
         }
     }
@@ -352,7 +398,8 @@ fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, r
 impl Plan {
     /// The bytes of one phase in one place.
     fn sum(&self, phase: Phase, place: Place) -> u64 {
-        self.components.iter().filter(|c| c.phase == phase && self.counts_in(c.place, place)).map(|c| c.bytes).sum()
+        let parts = self.components.iter().filter(|c| c.phase == phase && self.counts_in(c.place, place));
+        parts.map(|c| c.bytes).fold(0, u64::saturating_add)
     }
 
     /// On the CPU the host is the device: host components count in its total too.
@@ -363,12 +410,13 @@ impl Plan {
     /// The expected peak in `place`: resident + the largest of a training step, validation and rollouts.
     pub fn peak(&self, place: Place) -> u64 {
         let generation = self.sum(Phase::Validation, place).max(self.sum(Phase::Rollout, place));
-        self.sum(Phase::Resident, place) + self.step_peak(place).max(generation)
+        self.sum(Phase::Resident, place).saturating_add(self.step_peak(place).max(generation))
     }
 
     /// A training step's part of the peak: the gradients and the larger of the backward and the update.
     fn step_peak(&self, place: Place) -> u64 {
-        self.sum(Phase::Step, place) + self.sum(Phase::Backward, place).max(self.sum(Phase::Update, place))
+        self.sum(Phase::Step, place)
+            .saturating_add(self.sum(Phase::Backward, place).max(self.sum(Phase::Update, place)))
     }
 
     /// Whether the device's peak fits its memory (`None`: the memory is unknown).
@@ -583,10 +631,38 @@ mod tests {
         let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
         assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
         assert_eq!(lagged.peak(Place::Device), on_policy.peak(Place::Device) + 2 * p);
-        let without = plan(&config(&[]), &m, inputs(Attention::Flash));
         let generation = on_policy.sum(Phase::Rollout, Place::Device);
-        let step = without.step_peak(Place::Device);
-        assert_eq!(on_policy.peak(Place::Device), without.peak(Place::Device) - step + step.max(generation));
+        let (resident, step) = (on_policy.sum(Phase::Resident, Place::Device), on_policy.step_peak(Place::Device));
+        assert_eq!(on_policy.peak(Place::Device), resident + step.max(generation));
+    }
+
+    #[test]
+    fn with_rollouts_answers_are_sized_by_max_new_tokens() {
+        let m = shape();
+        // data.max_response_tokens = 10, but the sampled answers have at most 3 tokens + EOS.
+        let p = plan(&config(&["rollout.max_new_tokens=3"]), &m, inputs(Attention::Flash));
+        assert!(p.summary.ends_with("micro-batch 2 x 10 tokens (6 + 4)"), "{}", p.summary);
+        assert_eq!(bytes(&p, "log-prob head inputs"), 3 * 8 * 8 * 2 + 16 * 8);
+        // Teacher answers mixed in keep the data's limit.
+        let mixed =
+            plan(&config(&["rollout.max_new_tokens=3", "rollout.teacher_answers=1"]), &m, inputs(Attention::Flash));
+        assert!(mixed.summary.ends_with("(6 + 10)"), "{}", mixed.summary);
+    }
+
+    #[test]
+    fn absurd_shapes_do_not_hang_or_wrap_around_to_fit() {
+        let start = std::time::Instant::now();
+        let deep = ModelConfig { num_layers: 1_000_000_000, ..shape() };
+        assert_eq!(plan(&config(&[]), &deep, inputs(Attention::Flash)).fits(), Some(false));
+        assert!(start.elapsed() < std::time::Duration::from_secs(1), "{:?}", start.elapsed());
+        for wide in [ModelConfig { vocab_size: usize::MAX, ..shape() }, ModelConfig { hidden_size: 1 << 40, ..shape() }]
+        {
+            let p = plan(&config(&[]), &wide, inputs(Attention::Matrix));
+            assert_eq!(p.fits(), Some(false), "{p}");
+        }
+        let long = config(&["data.max_prompt_tokens=9223372036854775807", "train.micro_batch_size=4294967296"]);
+        let p = plan(&long, &shape(), inputs(Attention::Matrix));
+        assert_eq!((p.fits(), p.peak(Place::Device)), (Some(false), u64::MAX), "{p}");
     }
 
     #[test]

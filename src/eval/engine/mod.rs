@@ -3,6 +3,8 @@
 //! llama.cpp). Both receive the same prompts, rendered by grpo with the model's chat template, and return
 //! the same per-problem samples, which the scorer consumes unchanged.
 
+#[cfg(test)]
+pub(crate) mod fake_server;
 mod native;
 mod openai;
 mod options;

@@ -9,7 +9,14 @@
 //! (servers differ on whether the stop token is included, and `usage` is a total over the choices).
 //! A server that returns fewer choices than asked (llama.cpp's ignores `n`) is asked again for the rest,
 //! with the seed of the first missing sample.
+//!
+//! What a server sends is bounded by what was asked: a response is read up to [`response_limit`] bytes
+//! (n x max_tokens x 64 plus overhead) and refused past it; an answer longer than max_tokens is cut to
+//! it, tokenising only a prefix ([`cut_to_tokens`]), and counted. A malformed 200 is retried like a
+//! 5xx. `idle_timeout_s` bounds the parts of a request outside generation (see
+//! [`EngineOptions::http_agent`]).
 
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -19,10 +26,21 @@ use serde::{Deserialize, Serialize};
 use super::{Completion, Engine, EngineOptions, Progress, PromptJob};
 use crate::eval::generate::{FinishReason, SamplingParams};
 use crate::eval::EvalError;
+use crate::model::tokenizer::TokenizerError;
 use crate::model::ChatTokenizer;
 
-/// Responses larger than this are refused (64 samples of 32k tokens are about 10 MB).
-const MAX_RESPONSE_BYTES: u64 = 1 << 30;
+/// Bytes of a response allowed per token asked for (`n x max_tokens`): a token's text is about 4 bytes of
+/// English, up to 12 as JSON-escaped UTF-16 (`\ud83d\ude00`), rarely more than 16 for the longest
+/// vocabulary entries; 64 leaves room for all of them. A longer response is refused unread.
+const RESPONSE_BYTES_PER_TOKEN: u64 = 64;
+/// Bytes of a response allowed per choice (index, finish reason, logprobs: null, ...) and per response
+/// (id, usage, ...).
+const CHOICE_OVERHEAD_BYTES: u64 = 4 << 10;
+const RESPONSE_OVERHEAD_BYTES: u64 = 64 << 10;
+/// The bytes of an error response (non-200) kept for the message.
+const ERROR_BODY_BYTES: u64 = 64 << 10;
+/// The first guess of an answer's bytes per token when cutting it to `max_tokens` (doubled until enough).
+const CUT_BYTES_PER_TOKEN: usize = 8;
 /// The first wait before a retry; it doubles with each retry, up to [`MAX_BACKOFF`].
 const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -75,21 +93,40 @@ enum RequestError {
     Status { status: u16, body: String, retry_after: Option<Duration> },
     #[error("{message}")]
     Transport { message: String, transient: bool },
+    /// A 200 whose body is not a completion (cut short, an HTML page, no choices): retried like a 5xx.
     #[error("unreadable response: {0}")]
-    BadResponse(String),
+    Malformed(String),
+    /// A response longer than what was asked allows: read no further, not retried (the same request
+    /// would get the same answer).
+    #[error(
+        "response larger than {limit} bytes for {n} answers of at most {max_tokens} tokens: read no further \
+         (does the server honour max_tokens?)"
+    )]
+    TooLarge { limit: u64, n: usize, max_tokens: usize },
+    /// A failure on this side (the request's JSON, the tokenizer).
+    #[error("{0}")]
+    Local(String),
     #[error("{last} (after {retries} retries)")]
     GaveUp { retries: usize, last: Box<RequestError> },
 }
 
 impl RequestError {
-    /// Worth trying again: connection problems, timeouts, 408 / 425 / 429 and server errors but 501.
+    /// Worth trying again: connection problems, timeouts, malformed 200s, 408 / 425 / 429 and server
+    /// errors but 501.
     fn is_transient(&self) -> bool {
         match self {
             Self::Status { status, .. } => transient_status(*status),
             Self::Transport { transient, .. } => *transient,
-            Self::BadResponse(_) => false,
+            Self::Malformed(_) => true,
+            Self::TooLarge { .. } | Self::Local(_) => false,
             Self::GaveUp { last, .. } => last.is_transient(),
         }
+    }
+}
+
+impl From<TokenizerError> for RequestError {
+    fn from(e: TokenizerError) -> Self {
+        Self::Local(e.to_string())
     }
 }
 
@@ -153,14 +190,20 @@ fn build_request<'a>(
     }
 }
 
+/// The most bytes a response of `n` answers of at most `max_tokens` tokens may take.
+fn response_limit(n: usize, max_tokens: usize) -> u64 {
+    let per_choice = (max_tokens as u64).saturating_mul(RESPONSE_BYTES_PER_TOKEN).saturating_add(CHOICE_OVERHEAD_BYTES);
+    (n as u64).saturating_mul(per_choice).saturating_add(RESPONSE_OVERHEAD_BYTES)
+}
+
 /// The choices of a response body, in index order, as (text, finish reason).
-fn parse_response(body: &str) -> Result<Vec<(String, FinishReason)>, RequestError> {
-    let mut r: CompletionResponse = serde_json::from_str(body).map_err(|e| {
-        let head: String = body.chars().take(200).collect();
-        RequestError::BadResponse(format!("{e} in {head:?}"))
+fn parse_response(body: &[u8]) -> Result<Vec<(String, FinishReason)>, RequestError> {
+    let mut r: CompletionResponse = serde_json::from_slice(body).map_err(|e| {
+        let head: String = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        RequestError::Malformed(format!("{e} in {head:?}"))
     })?;
     if r.choices.is_empty() {
-        return Err(RequestError::BadResponse("no choices".into()));
+        return Err(RequestError::Malformed("no choices".into()));
     }
     r.choices.sort_by_key(|c| c.index);
     Ok(r.choices
@@ -173,6 +216,32 @@ fn parse_response(body: &str) -> Result<Vec<(String, FinishReason)>, RequestErro
         .collect())
 }
 
+/// `text` cut to its first `max_tokens` tokens of `tok`: the kept text, its token count, and whether it
+/// was cut. Only a prefix of the text is tokenised, at most about twice the bytes of `max_tokens + 1`
+/// tokens, so an answer far longer than asked costs no more than one of the asked length.
+fn cut_to_tokens(
+    tok: &ChatTokenizer,
+    text: String,
+    max_tokens: usize,
+) -> Result<(String, usize, bool), TokenizerError> {
+    let mut window = max_tokens.saturating_add(1).saturating_mul(CUT_BYTES_PER_TOKEN);
+    loop {
+        let mut end = window.min(text.len());
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        let ids = tok.encode(&text[..end], false)?;
+        if ids.len() > max_tokens {
+            // The last token of a prefix may be part of a longer one: at least one is dropped.
+            return Ok((tok.decode(&ids[..max_tokens], false)?, max_tokens, true));
+        }
+        if end == text.len() {
+            return Ok((text, ids.len(), false));
+        }
+        window = window.saturating_mul(2);
+    }
+}
+
 /// An OpenAI-compatible server.
 pub struct OpenAi<'a> {
     agent: ureq::Agent,
@@ -183,6 +252,8 @@ pub struct OpenAi<'a> {
     max_retries: usize,
     fields_only: bool,
     tok: &'a ChatTokenizer,
+    /// Answers longer than `max_tokens` (the server ignored it), cut to it.
+    cut: AtomicUsize,
 }
 
 impl<'a> OpenAi<'a> {
@@ -190,14 +261,8 @@ impl<'a> OpenAi<'a> {
     pub fn new(options: &EngineOptions, tok: &'a ChatTokenizer) -> Result<Self, EvalError> {
         options.validate("--").map_err(EvalError::Engine)?;
         let base = options.base_url.as_deref().unwrap_or_default().trim_end_matches('/');
-        let agent = ureq::Agent::config_builder()
-            .http_status_as_error(false)
-            .timeout_global(Some(Duration::from_secs(options.request_timeout_s)))
-            .max_idle_connections_per_host(options.concurrency.max(1))
-            .build()
-            .into();
         Ok(Self {
-            agent,
+            agent: options.http_agent(),
             url: format!("{base}/completions"),
             model: options.served_model.clone().unwrap_or_default(),
             api_key: options.api_key().map_err(EvalError::Engine)?,
@@ -205,11 +270,19 @@ impl<'a> OpenAi<'a> {
             max_retries: options.max_retries,
             fields_only: options.openai_fields_only,
             tok,
+            cut: AtomicUsize::new(0),
         })
     }
 
-    /// One POST of `body`, without retries.
-    fn send(&self, body: &str) -> Result<Vec<(String, FinishReason)>, RequestError> {
+    /// How many answers so far were longer than the `max_tokens` asked for and were cut to it (their
+    /// finish reason is then `length`).
+    pub fn cut_answers(&self) -> usize {
+        self.cut.load(Ordering::Relaxed)
+    }
+
+    /// One POST of `body`, without retries, asking for `n` answers of at most `max_tokens` tokens: a
+    /// 200 response is read up to [`response_limit`] bytes, no further.
+    fn send(&self, body: &str, (n, max_tokens): (usize, usize)) -> Result<Vec<(String, FinishReason)>, RequestError> {
         let mut req = self.agent.post(&self.url).header("Content-Type", "application/json");
         if let Some(key) = &self.api_key {
             req = req.header("Authorization", format!("Bearer {key}"));
@@ -222,20 +295,31 @@ impl<'a> OpenAi<'a> {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.trim().parse::<u64>().ok())
             .map(Duration::from_secs);
-        let text =
-            resp.into_body().with_config().limit(MAX_RESPONSE_BYTES).read_to_string().map_err(transport_error)?;
         if status != 200 {
-            let body: String = text.chars().take(500).collect();
+            let mut head = Vec::new();
+            let _ = resp.into_body().into_reader().take(ERROR_BODY_BYTES).read_to_end(&mut head);
+            let body: String = String::from_utf8_lossy(&head).chars().take(500).collect();
             return Err(RequestError::Status { status, body, retry_after });
         }
-        parse_response(&text)
+        let limit = response_limit(n, max_tokens);
+        let bytes = match resp.into_body().with_config().limit(limit).read_to_vec() {
+            Ok(b) => b,
+            Err(ureq::Error::BodyExceedsLimit(_)) => return Err(RequestError::TooLarge { limit, n, max_tokens }),
+            Err(e) => return Err(transport_error(e)),
+        };
+        parse_response(&bytes)
     }
 
     /// POST `body`, retrying transient errors up to `max_retries` times; `stop` cuts the retries short.
-    fn send_with_retries(&self, body: &str, stop: &AtomicBool) -> Result<Vec<(String, FinishReason)>, RequestError> {
+    fn send_with_retries(
+        &self,
+        body: &str,
+        asked: (usize, usize),
+        stop: &AtomicBool,
+    ) -> Result<Vec<(String, FinishReason)>, RequestError> {
         let mut retry = 0;
         loop {
-            match self.send(body) {
+            match self.send(body, asked) {
                 Ok(choices) => return Ok(choices),
                 Err(e) if e.is_transient() && retry < self.max_retries && !stop.load(Ordering::Relaxed) => {
                     let retry_after = match &e {
@@ -265,10 +349,18 @@ impl<'a> OpenAi<'a> {
         while samples.len() < n {
             let sequence = job.first_sequence + samples.len() as u64;
             let fields = (self.tok.vocab_size(), self.fields_only);
-            let req = build_request(&self.model, &job.text, n - samples.len(), sampling, sequence, fields);
-            let body = serde_json::to_string(&req).map_err(|e| RequestError::BadResponse(e.to_string()))?;
-            for (text, finish) in self.send_with_retries(&body, stop)?.into_iter().take(n - samples.len()) {
-                let tokens = self.tok.encode(&text, false).map_err(|e| RequestError::BadResponse(e.to_string()))?.len();
+            let missing = n - samples.len();
+            let req = build_request(&self.model, &job.text, missing, sampling, sequence, fields);
+            let body = serde_json::to_string(&req).map_err(|e| RequestError::Local(e.to_string()))?;
+            let asked = (missing, sampling.max_new_tokens);
+            for (text, finish) in self.send_with_retries(&body, asked, stop)?.into_iter().take(missing) {
+                let (text, tokens, cut) = cut_to_tokens(self.tok, text, sampling.max_new_tokens)?;
+                let finish = if cut {
+                    self.cut.fetch_add(1, Ordering::Relaxed);
+                    FinishReason::Length
+                } else {
+                    finish
+                };
                 samples.push(Completion { text, tokens, finish });
             }
         }
@@ -289,6 +381,7 @@ impl Engine for OpenAi<'_> {
     ) -> Result<(), EvalError> {
         let next = AtomicUsize::new(0);
         let stop = AtomicBool::new(false);
+        let cut_before = self.cut_answers();
         let (tx, rx) = mpsc::channel::<JobOutcome>();
         std::thread::scope(|scope| {
             for _ in 0..self.concurrency.min(jobs.len()) {
@@ -306,7 +399,16 @@ impl Engine for OpenAi<'_> {
             }
             drop(tx);
             collect(jobs, rx, &stop, progress)
-        })
+        })?;
+        let cut = self.cut_answers() - cut_before;
+        if cut > 0 {
+            tracing::warn!(
+                "{cut} answers of the server were longer than max_tokens = {} and were cut to it (does the server \
+                 honour max_tokens?)",
+                sampling.max_new_tokens
+            );
+        }
+        Ok(())
     }
 
     fn describe(&self) -> String {
@@ -397,20 +499,22 @@ mod tests {
             {"index":1,"text":" b","finish_reason":"length","logprobs":null},
             {"index":0,"text":"a \\boxed{2}","finish_reason":"stop"}],
             "usage":{"prompt_tokens":5,"completion_tokens":9,"total_tokens":14}}"#;
-        let c = parse_response(body).unwrap();
+        let c = parse_response(body.as_bytes()).unwrap();
         assert_eq!(c, vec![("a \\boxed{2}".to_string(), FinishReason::Stop), (" b".to_string(), FinishReason::Length)]);
         // llama.cpp and older servers: no index, a null finish reason.
-        let c = parse_response(r#"{"choices":[{"text":"x","finish_reason":null}]}"#).unwrap();
+        let c = parse_response(br#"{"choices":[{"text":"x","finish_reason":null}]}"#).unwrap();
         assert_eq!(c, vec![("x".to_string(), FinishReason::Stop)]);
     }
 
     #[test]
-    fn bad_responses_are_errors_that_are_not_retried() {
+    fn malformed_responses_are_retried_and_oversized_ones_are_not() {
         for body in ["", "<html>502</html>", r#"{"choices":[]}"#, r#"{"object":"error","message":"x"}"#] {
-            let e = parse_response(body).unwrap_err();
-            assert!(matches!(e, RequestError::BadResponse(_)), "{body}: {e}");
-            assert!(!e.is_transient());
+            let e = parse_response(body.as_bytes()).unwrap_err();
+            assert!(matches!(e, RequestError::Malformed(_)), "{body}: {e}");
+            assert!(e.is_transient());
         }
+        assert!(!RequestError::TooLarge { limit: 1, n: 1, max_tokens: 1 }.is_transient());
+        assert!(!RequestError::Local("tokenizer".into()).is_transient());
     }
 
     #[test]
@@ -471,5 +575,131 @@ mod tests {
         let e = engine.complete(&jobs, 1, &sampling(), &mut Nothing).unwrap_err().to_string();
         assert!(e.starts_with("2 problems failed"), "{e}");
         assert!(e.contains("problem p-1: ") && e.contains("problem p-2: ") && e.contains("after 1 retries"), "{e}");
+    }
+
+    use super::super::fake_server::{serve, Reply};
+    use std::time::Instant;
+
+    fn tokenizer() -> ChatTokenizer {
+        ChatTokenizer::load(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("data/tokenizers/smollm2")).unwrap()
+    }
+
+    fn options(url: &str) -> EngineOptions {
+        EngineOptions {
+            engine: super::super::EngineKind::Openai,
+            base_url: Some(url.into()),
+            served_model: Some("m".into()),
+            max_retries: 0,
+            concurrency: 1,
+            ..Default::default()
+        }
+    }
+
+    fn one_job() -> Vec<PromptJob> {
+        vec![PromptJob { id: "p-1".into(), text: "q".into(), ids: vec![], first_sequence: 0 }]
+    }
+
+    /// Keeps the samples of each job.
+    #[derive(Default)]
+    struct Keep(Vec<Vec<Completion>>);
+
+    impl Progress for Keep {
+        fn tokens(&mut self, _: usize) {}
+        fn done(&mut self, _: usize, samples: Vec<Completion>) -> Result<(), EvalError> {
+            self.0.push(samples);
+            Ok(())
+        }
+    }
+
+    fn completion(texts: &[&str]) -> String {
+        let choices: Vec<_> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, t)| serde_json::json!({"index": i, "text": t, "finish_reason": "stop"}))
+            .collect();
+        serde_json::json!({ "choices": choices }).to_string()
+    }
+
+    #[test]
+    fn an_oversized_response_is_refused_after_its_limit_and_not_read_whole() {
+        let (url, server) = serve(vec![Reply::Endless(100 << 20)]);
+        let tok = tokenizer();
+        let engine = OpenAi::new(&options(&url), &tok).unwrap();
+        let start = Instant::now();
+        let e = engine.complete(&one_job(), 1, &sampling(), &mut Keep::default()).unwrap_err().to_string();
+        let elapsed = start.elapsed();
+        let written = server.join().unwrap()[0].written;
+        let limit = response_limit(1, 64);
+        assert!(e.contains(&format!("response larger than {limit} bytes")), "{e}");
+        // What the server got out before the client hung up: the limit plus the sockets' buffers, not
+        // the 100 MB it announced.
+        assert!(written < 32 << 20, "the server wrote {written} bytes");
+        assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    }
+
+    #[test]
+    fn answers_longer_than_max_tokens_are_cut_and_counted() {
+        let long = "word ".repeat(5000);
+        let (url, server) = serve(vec![Reply::Full(200, completion(&["a \\boxed{2}", &long]))]);
+        let tok = tokenizer();
+        let engine = OpenAi::new(&options(&url), &tok).unwrap();
+        let mut keep = Keep::default();
+        engine.complete(&one_job(), 2, &sampling(), &mut keep).unwrap();
+        server.join().unwrap();
+        let [short, cut] = &keep.0[0][..] else { panic!("{:?}", keep.0) };
+        assert_eq!((short.text.as_str(), short.finish), ("a \\boxed{2}", FinishReason::Stop));
+        assert_eq!((cut.tokens, cut.finish), (64, FinishReason::Length));
+        assert_eq!(tok.encode(&cut.text, false).unwrap().len(), 64);
+        assert!(long.starts_with(&cut.text) && cut.text.len() < 400, "{}", cut.text.len());
+        assert_eq!(engine.cut_answers(), 1);
+    }
+
+    #[test]
+    fn cutting_tokenises_a_prefix_of_the_asked_size() {
+        let tok = tokenizer();
+        // 64 tokens of a 50 MB answer: cut without tokenising the 50 MB (which takes minutes).
+        let huge = "word ".repeat(10 << 20);
+        let start = Instant::now();
+        let (text, tokens, cut) = cut_to_tokens(&tok, huge, 64).unwrap();
+        assert!(cut && tokens == 64 && text.len() < 400);
+        assert!(start.elapsed() < Duration::from_secs(2), "{:?}", start.elapsed());
+        // Multi-byte characters: the prefix ends on a character boundary.
+        let (text, tokens, cut) = cut_to_tokens(&tok, "é".repeat(1000), 5).unwrap();
+        assert!(cut && tokens == 5 && "é".repeat(1000).starts_with(&text), "{text}");
+        assert_eq!(cut_to_tokens(&tok, "a b".into(), 5).unwrap(), ("a b".into(), 2, false));
+    }
+
+    #[test]
+    fn a_stalled_response_fails_within_the_idle_timeout() {
+        let (url, _server) = serve(vec![Reply::Stall]);
+        let tok = tokenizer();
+        let engine = OpenAi::new(&EngineOptions { idle_timeout_s: 1, ..options(&url) }, &tok).unwrap();
+        let start = Instant::now();
+        let e = engine.complete(&one_job(), 1, &sampling(), &mut Keep::default()).unwrap_err().to_string();
+        let elapsed = start.elapsed();
+        // request_timeout_s is 1800 s: the body's idle timeout ended it.
+        assert!(e.contains("problem p-1") && e.to_lowercase().contains("timeout"), "{e}");
+        assert!(elapsed >= Duration::from_secs(1) && elapsed < Duration::from_secs(4), "{elapsed:?}");
+    }
+
+    #[test]
+    fn a_malformed_200_is_retried() {
+        let replies = vec![
+            Reply::Full(200, "<html>upstream busy</html>".into()),
+            Reply::Full(200, r#"{"choices":[]}"#.into()),
+            Reply::Full(200, completion(&["7"])),
+        ];
+        let (url, server) = serve(replies);
+        let tok = tokenizer();
+        let engine = OpenAi::new(&EngineOptions { max_retries: 2, ..options(&url) }, &tok).unwrap();
+        let mut keep = Keep::default();
+        engine.complete(&one_job(), 1, &sampling(), &mut keep).unwrap();
+        assert_eq!(server.join().unwrap().len(), 3);
+        assert_eq!(keep.0[0][0].text, "7");
+        // Without retries left, the same server is a failure naming the problem.
+        let (url, _server) = serve(vec![Reply::Full(200, "<html>upstream busy</html>".into())]);
+        let engine = OpenAi::new(&options(&url), &tok).unwrap();
+        let e = engine.complete(&one_job(), 1, &sampling(), &mut Keep::default()).unwrap_err().to_string();
+        assert!(e.contains("problem p-1: unreadable response"), "{e}");
     }
 }
