@@ -38,27 +38,40 @@ def opt(cfg, key):
         return 6e-4 if name == "gspo" else 0.2
     if key == "eps_high":
         return 8e-4 if (name == "gspo" and "eps" not in cfg) else opt(cfg, "eps")
-    if key == "std_normalize":
-        return name in ("off_grpo", "grpo")
+    if key == "scale_rewards":
+        if "std_normalize" in cfg:
+            return "group" if cfg["std_normalize"] else "none"
+        return "group" if name in ("off_grpo", "grpo", "cispo") else "none"
+    if key == "clip_ratio_c":
+        if cfg.get("dual_clip") is False:
+            return None
+        if "clip_ratio_c" in cfg:
+            return cfg["clip_ratio_c"]
+        return 3.0 if cfg.get("dual_clip") else None
     if key == "loss_agg":
         if name in ("off_grpo", "grpo", "gspo", "sft"):
             return "seq-mean-token-mean"
         return "seq-mean-token-sum" if name == "oapl" else "token-mean"
     defaults = {"bias": 0.0, "beta": 0.0, "kl_estimator": "k3", "clip_mode": "one-side",
                 "importance_weight": False, "eps_low_outer": 0.6, "eps_high_outer": 2.0, "tau": 0.1,
-                "baseline_shift": 0.1, "temperature": 1.0, "beta1": 1.0, "beta2": 1e-3,
+                "baseline_shift": 0.1, "temperature": 1.0, "beta1": 1.0, "beta2": 1e-3, "mask_truncated": False,
                 "ratio_level": "sequence" if name == "gspo" else "token"}
     return defaults[key]
 
 
 # ---- advantages ----
 
-def centred(r, std_normalize):
+def centred(r, scale, batch_std):
+    """r - mean(r), divided by the group's std (scale "group"), by `batch_std` ("batch") or not ("none")."""
     r = np.asarray(r, dtype=np.float64)
     mean = r.mean()
     std = r.std(ddof=1) if len(r) > 1 else 0.0
     a = r - mean
-    return a / (std + 1e-6) if std_normalize else a
+    if scale == "group":
+        return a / (std + 1e-6)
+    if scale == "batch":
+        return a / (batch_std + 1e-6)
+    return a
 
 
 def splitmix64(x):
@@ -80,21 +93,23 @@ def draw(seed, question, epoch, j):
     return splitmix64(k ^ j)
 
 
-def group_advantages(cfg, rewards, seed, epoch, question):
-    """Per answer: advantage and whether it is in the loss."""
+def group_advantages(cfg, rewards, seed, epoch, question, batch_std):
+    """Per answer: advantage and whether it is in the loss (`batch_std`: the std of all the batch's
+    rewards)."""
     name = cfg["name"]
     r = np.asarray(rewards, dtype=np.float64)
     include = np.ones(len(r), dtype=bool)
-    if name in ("off_grpo", "grpo", "gspo", "rec"):
-        a = centred(r, opt(cfg, "std_normalize"))
+    scale = opt(cfg, "scale_rewards")
+    if name in ("off_grpo", "grpo", "gspo", "rec", "cispo"):
+        a = centred(r, scale, batch_std)
         if np.all(r > 0) and opt(cfg, "bias") != 0:
             a = a + opt(cfg, "bias")
     elif name == "opmd":
-        a = centred(r, opt(cfg, "std_normalize"))
+        a = centred(r, scale, batch_std)
     elif name == "asymre":
         a = r - r.mean() + opt(cfg, "baseline_shift")
     elif name == "red_weight":
-        a = centred(r, opt(cfg, "std_normalize"))
+        a = centred(r, scale, batch_std)
         a = np.exp(np.clip(a / opt(cfg, "temperature"), -MAX_LOG_RATIO, MAX_LOG_RATIO)) * a
     elif name == "red_drop":
         mean = r.mean()
@@ -104,15 +119,15 @@ def group_advantages(cfg, rewards, seed, epoch, question):
         for j in sorted(neg, key=lambda j: (draw(seed, question, epoch, j), j))[:excess]:
             include[j] = False
         a = np.zeros(len(r))
-        a[include] = centred(r[include], opt(cfg, "std_normalize"))
+        a[include] = centred(r[include], scale, batch_std)
     elif name == "oapl":
         b1 = opt(cfg, "beta1")
         s = r / b1
         v = b1 * (s.max() + np.log(np.mean(np.exp(s - s.max()))))
         a = r - v
     elif name == "sft":
-        a = (r > 0).astype(np.float64)
-        include = r > 0
+        include = np.ones(len(r), dtype=bool) if cfg.get("sft_answers") == "all" else r > 0
+        a = include.astype(np.float64)
     else:
         raise ValueError(name)
     return a, include
@@ -163,19 +178,32 @@ def ratios(cfg, logp, behaviour, seq):
     return r, r * inside
 
 
-def clipped_family(cfg, logp, behaviour, seq, adv):
-    """Per-token policy loss, its gradient and the clipped count (off_grpo, grpo, gspo, rec)."""
+def clipped_family(cfg, logp, behaviour, seq, adv, stopped):
+    """Per-token policy loss, its gradient and the clipped count (off_grpo, grpo, gspo, rec, cispo).
+    `stopped`: the log-probs that cispo's gradient-stopped weight is computed from."""
     el, eh = opt(cfg, "eps"), opt(cfg, "eps_high")
     r, dr = ratios(cfg, logp, behaviour, seq)
     margin = 1e-4
     for b in (1 - el, 1 + eh):
         near(r, b, margin * b)
+    if cfg["name"] == "cispo":
+        # -sg(clip(r)) A log pi: the weight is a constant, every token keeps its gradient.
+        w = np.clip(ratios(cfg, stopped, behaviour, seq)[0], 1 - el, 1 + eh)
+        return -w * adv * logp, -w * adv, int(np.sum((r < 1 - el) | (r > 1 + eh)))
     if cfg["name"] != "rec":
         clip_r = np.clip(r, 1 - el, 1 + eh)
         use_clipped = clip_r * adv < r * adv
         value = -np.where(use_clipped, clip_r * adv, r * adv)
         grad = -np.where(use_clipped, 0.0, adv * dr)
-        return value, grad, int(use_clipped.sum())
+        c = opt(cfg, "clip_ratio_c")
+        if c is None:
+            return value, grad, int(use_clipped.sum())
+        # Dual-clip (verl): for A < 0 the loss is min(-c A, PPO's); the constant has no gradient.
+        near(r, c, margin * c)
+        dual = (adv < 0) & (value > -c * adv)
+        value = np.where(dual, -c * adv, value)
+        grad = np.where(dual, 0.0, grad)
+        return value, grad, int(use_clipped.sum() + dual.sum())
     mode = opt(cfg, "clip_mode")
     pos, neg = adv > 0, adv < 0
     band = (r >= 1 - el) & (r <= 1 + eh)
@@ -199,13 +227,15 @@ def seq_sums(x, seq):
     return np.array([x[seq == i].sum() for i in range(seq.max() + 1)])
 
 
-def loss_and_grad(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq):
-    """(loss, pg_loss, kl, clipped, d loss / d logp) of one batch of whole sequences."""
+def loss_and_grad(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq, stopped=None):
+    """(loss, pg_loss, kl, clipped, d loss / d logp) of one batch of whole sequences. `stopped`: the
+    log-probs behind gradient-stopped factors (cispo's weight), default `logp`."""
     name = cfg["name"]
     beta = opt(cfg, "beta")
     clipped = 0
-    if name in ("off_grpo", "grpo", "gspo", "rec"):
-        value, g, clipped = clipped_family(cfg, logp, behaviour, seq, adv_t)
+    if name in ("off_grpo", "grpo", "gspo", "rec", "cispo"):
+        stopped = logp if stopped is None else stopped
+        value, g, clipped = clipped_family(cfg, logp, behaviour, seq, adv_t, stopped)
         pg, grad = np.sum(w_t * value), w_t * g
     elif name in ("asymre", "red_drop", "red_weight", "sft"):
         pg, grad = np.sum(-w_t * adv_t * logp), -w_t * adv_t
@@ -235,8 +265,9 @@ def loss_and_grad(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq):
 
 def check_gradient(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq, grad):
     """Central finite differences of the loss with the behaviour log-probs held fixed (a step anchor is a
-    detached copy). Masks are piecewise constant, and a sequence ratio's token form has the exact gradient
-    because a sequence's tokens share one weight."""
+    detached copy) and gradient-stopped factors held at their value (cispo's weight). Masks are piecewise
+    constant, and a sequence ratio's token form has the exact gradient because a sequence's tokens share
+    one weight."""
     h = 1e-6
     base = loss_and_grad(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq)[0]
     if abs(base) > 1e3:
@@ -246,8 +277,8 @@ def check_gradient(cfg, logp, behaviour, ref, seq, adv_t, w_t, w_seq, grad):
         up[t] += h
         down[t] -= h
         try:
-            lu = loss_and_grad(cfg, up, behaviour, ref, seq, adv_t, w_t, w_seq)[0]
-            ld = loss_and_grad(cfg, down, behaviour, ref, seq, adv_t, w_t, w_seq)[0]
+            lu = loss_and_grad(cfg, up, behaviour, ref, seq, adv_t, w_t, w_seq, stopped=logp)[0]
+            ld = loss_and_grad(cfg, down, behaviour, ref, seq, adv_t, w_t, w_seq, stopped=logp)[0]
         except NearBoundary:
             continue
         fd = (lu - ld) / (2 * h)
@@ -277,7 +308,7 @@ def make_case(rng, name, cfg, behaviour_kind, n_groups=3, group_size=5, seed=0, 
             rewards = make_rewards(rng, group_size, few_positives)
             lengths = rng.integers(1, 7, size=group_size)
             groups.append({"question": f"q{rng.integers(0, 1 << 30)}", "rewards": rewards.tolist(),
-                           "lengths": lengths.tolist()})
+                           "lengths": lengths.tolist(), "truncated": (rng.random(group_size) < 0.25).tolist()})
         if sum(len(set(g["rewards"])) > 1 for g in groups) < 2:
             continue
         n = sum(sum(g["lengths"]) for g in groups)
@@ -288,6 +319,8 @@ def make_case(rng, name, cfg, behaviour_kind, n_groups=3, group_size=5, seed=0, 
             behaviour = logp.copy()
         elif behaviour_kind == "tiny":
             behaviour = logp + rng.normal(0, 1.5e-3, size=n)
+        elif behaviour_kind == "wide":  # ratios from about 0.2 to 5: every clip and dual-clip branch
+            behaviour = logp + rng.normal(0, 0.9, size=n)
         else:
             behaviour = logp + rng.normal(0, 0.4, size=n)
         if big_gap:
@@ -306,13 +339,17 @@ def make_case(rng, name, cfg, behaviour_kind, n_groups=3, group_size=5, seed=0, 
 def expected(case):
     cfg = case["objective"]
     advs, incs, lengths = [], [], []
+    batch_std = np.std(np.concatenate([g["rewards"] for g in case["groups"]]), ddof=1)
     for g in case["groups"]:
-        a, inc = group_advantages(cfg, g["rewards"], case["seed"], case["epoch"], g["question"])
+        a, inc = group_advantages(cfg, g["rewards"], case["seed"], case["epoch"], g["question"], batch_std)
+        if opt(cfg, "mask_truncated"):  # cut answers leave the loss, after their group's advantages
+            inc = inc & ~np.array(g["truncated"])
         advs.extend(a.tolist())
         incs.extend(inc.tolist())
         lengths.extend(g["lengths"])
     include = np.array(incs)
-    w = agg_weights(opt(cfg, "loss_agg"), lengths, include, case["norm_len"])
+    norm_len = cfg.get("loss_scale_factor", case["norm_len"])
+    w = agg_weights(opt(cfg, "loss_agg"), lengths, include, norm_len)
     logp_all = np.array(case["logp"])
     beh_all = np.zeros_like(logp_all) if case["behaviour"] is None else np.array(case["behaviour"])
     ref_all = np.array(case["ref"])
@@ -372,6 +409,30 @@ CASES = [
     ("oapl beta1 0.5 beta2 0.05, teacher probability 1",
      {"name": "oapl", "beta1": 0.5, "beta2": 0.05, "anchor": "teacher"}, "none", {}),
     ("sft k3", {"name": "sft", "beta": 0.1}, "none", {}),
+    # Options named after TRL's and verl's.
+    ("grpo dual-clip c 3 (verl), ratios far from 1", {"name": "grpo", "dual_clip": True, "anchor": "teacher"},
+     "wide", {}),
+    ("off_grpo dual-clip c 1.5, k3", {"name": "off_grpo", "clip_ratio_c": 1.5, "beta": 0.1}, "wide", {}),
+    ("gspo dual-clip c 1.2, eps 0.2", {"name": "gspo", "eps": 0.2, "clip_ratio_c": 1.2}, "wide", {}),
+    ("cispo eps 0.2 (verl), teacher log-probs", {"name": "cispo", "anchor": "teacher"}, "wide", {}),
+    ("cispo MiniMax eps 1.0 high 0.28 batch scale, k2",
+     {"name": "cispo", "eps": 0.99, "eps_high": 0.28, "scale_rewards": "batch", "beta": 0.1, "kl_estimator": "k2",
+      "anchor": "teacher"}, "wide", {}),
+    ("cispo step anchor: plain REINFORCE", {"name": "cispo"}, "step", {}),
+    ("grpo scale_rewards batch", {"name": "grpo", "scale_rewards": "batch", "anchor": "teacher"}, "near", {}),
+    ("grpo scale_rewards none", {"name": "grpo", "scale_rewards": "none", "anchor": "teacher"}, "near", {}),
+    ("rec scale_rewards group", {"name": "rec", "scale_rewards": "group"}, "near", {}),
+    ("red_weight scale_rewards batch", {"name": "red_weight", "scale_rewards": "batch"}, "none", {}),
+    ("red_drop scale_rewards batch", {"name": "red_drop", "scale_rewards": "batch"}, "none",
+     {"group_size": 7, "seed": 3, "epoch": 1, "few_positives": True}),
+    ("opmd scale_rewards batch", {"name": "opmd", "scale_rewards": "batch", "anchor": "snapshot"}, "near", {}),
+    ("dr_grpo: sum-norm with loss_scale_factor 5",
+     {"name": "grpo", "loss_agg": "seq-mean-token-sum-norm", "loss_scale_factor": 5, "scale_rewards": "none",
+      "anchor": "teacher"}, "near", {}),
+    ("mask_truncated grpo token-mean (dapo)",
+     {"name": "grpo", "mask_truncated": True, "loss_agg": "token-mean", "beta": 0.1, "anchor": "teacher"}, "near", {}),
+    ("mask_truncated off_grpo seq-mean-token-mean", {"name": "off_grpo", "mask_truncated": True}, "none", {}),
+    ("mask_truncated sft all", {"name": "sft", "mask_truncated": True, "sft_answers": "all"}, "none", {}),
     ("clamp: off_grpo teacher log-prob 40 below", {"name": "off_grpo", "beta": 0.1}, "near", {"big_gap": True}),
     ("clamp: rec IS ring, huge ratios", {"name": "rec", "clip_mode": "ring", "importance_weight": True},
      "near", {"big_gap": True}),

@@ -97,6 +97,15 @@ fn every_objective_trains_on_the_smoke_data() {
         ("red_weight", &[]),
         ("oapl", &[]),
         ("sft", &["objective.beta=0.1"]),
+        ("cispo", &["objective.eps_high=0.28", "objective.scale_rewards=\"batch\"", "objective.mask_truncated=true"]),
+        (
+            "grpo",
+            &[
+                "objective.dual_clip=true",
+                "objective.loss_agg=\"seq-mean-token-sum-norm\"",
+                "objective.loss_scale_factor=64",
+            ],
+        ),
     ];
     for (i, (name, sets)) in runs.iter().enumerate() {
         let out = dir.path().join(format!("out-{i}-{name}"));

@@ -56,6 +56,9 @@ pub enum FinishReason {
 pub struct Generation {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
+    /// The log-prob of each generated token under the model's own distribution (before temperature, top-k
+    /// and top-p), from the logits it was sampled from; one more, the stop token's, when it stopped.
+    pub logprobs: Vec<f32>,
 }
 
 /// The finite logits as `(token, logit / temperature)`, or `Err` with the greedy choice when there is
@@ -188,6 +191,13 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut
     cand[probs.len() - 1].0
 }
 
+/// The log-prob of `picks[r]` in row r of `logits` (`[rows, vocab]`), f32.
+fn picked_logprobs(logits: &candle_core::Tensor, picks: &[u32]) -> candle_core::Result<Vec<f32>> {
+    let lp = candle_nn::ops::log_softmax(&logits.to_dtype(candle_core::DType::F32)?, candle_core::D::Minus1)?;
+    let idx = candle_core::Tensor::new(picks, logits.device())?.unsqueeze(1)?;
+    lp.gather(&idx, 1)?.squeeze(1)?.to_vec1::<f32>()
+}
+
 /// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
 /// their RNG streams (pass the global sample index so that batching never changes a sample);
 /// `on_tokens(n)` is called after each step with the number of tokens produced (stop tokens excluded).
@@ -208,9 +218,11 @@ pub fn generate(
     let mut rngs: Vec<ChaCha8Rng> =
         ids.iter().map(|&i| ChaCha8Rng::seed_from_u64(params.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i)).collect();
     let mut produced: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
+    let mut produced_lp: Vec<Vec<f32>> = vec![Vec::new(); prompts.len()];
     let mut active: Vec<usize> = (0..prompts.len()).collect();
     if params.max_new_tokens == 0 {
-        return Ok(prompts.iter().map(|_| Generation { tokens: vec![], finish: FinishReason::Length }).collect());
+        let empty = Generation { tokens: vec![], finish: FinishReason::Length, logprobs: vec![] };
+        return Ok(vec![empty; prompts.len()]);
     }
     // Greedy on a GPU: take the argmax there instead of copying [rows, vocab] logits to the host.
     let device_argmax = params.temperature <= 0.0 && !model.device().is_cpu();
@@ -230,20 +242,23 @@ pub fn generate(
             }
             rows.par_iter().zip(mine.par_iter_mut()).map(|(row, rng)| sample_token(row, params, *rng)).collect()
         };
+        let picked_lp = picked_logprobs(&logits, &picks)?;
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut new_tokens = 0;
         for (r, &seq) in active.iter().enumerate() {
             let tok = picks[r];
-            if stop.contains(&tok) {
-                out[seq] = Some(Generation { tokens: std::mem::take(&mut produced[seq]), finish: FinishReason::Stop });
-                continue;
-            }
-            produced[seq].push(tok);
-            new_tokens += 1;
-            if produced[seq].len() >= params.max_new_tokens {
-                out[seq] =
-                    Some(Generation { tokens: std::mem::take(&mut produced[seq]), finish: FinishReason::Length });
+            produced_lp[seq].push(picked_lp[r]);
+            let finish = if stop.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else {
+                produced[seq].push(tok);
+                new_tokens += 1;
+                (produced[seq].len() >= params.max_new_tokens).then_some(FinishReason::Length)
+            };
+            if let Some(finish) = finish {
+                let (tokens, logprobs) = (std::mem::take(&mut produced[seq]), std::mem::take(&mut produced_lp[seq]));
+                out[seq] = Some(Generation { tokens, finish, logprobs });
                 continue;
             }
             keep.push(r);
@@ -275,18 +290,19 @@ mod tests {
         stop: &[u32],
     ) -> candle_core::Result<Generation> {
         let mut seq = prompt.to_vec();
-        let mut tokens = Vec::new();
+        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
         for _ in 0..max_new_tokens {
             let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
             let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
             let tok = last.argmax(0)?.to_scalar::<u32>()?;
+            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &[tok])?[0]);
             if stop.contains(&tok) {
-                return Ok(Generation { tokens, finish: FinishReason::Stop });
+                return Ok(Generation { tokens, finish: FinishReason::Stop, logprobs });
             }
             tokens.push(tok);
             seq.push(tok);
         }
-        Ok(Generation { tokens, finish: FinishReason::Length })
+        Ok(Generation { tokens, finish: FinishReason::Length, logprobs })
     }
 
     #[test]
@@ -306,8 +322,14 @@ mod tests {
         for (i, p) in prompts.iter().enumerate() {
             let one = single(p, i, &stop);
             let reference = greedy_reference(&model, p, 12, &stop).unwrap();
-            assert_eq!(batched[i], one, "prompt {i}: batched != single");
-            assert_eq!(one, reference, "prompt {i}: cached != full recompute");
+            let same = |a: &Generation, b: &Generation, what: &str| {
+                assert_eq!((&a.tokens, a.finish), (&b.tokens, b.finish), "prompt {i}: {what}");
+                assert_eq!(a.logprobs.len(), a.tokens.len() + usize::from(a.finish == FinishReason::Stop));
+                let d = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(d < 1e-4, "prompt {i}: {what}: log-probs differ by {d}");
+            };
+            same(&batched[i], &one, "batched != single");
+            same(&one, &reference, "cached != full recompute");
         }
         assert_eq!(batched[0].finish, FinishReason::Stop);
     }

@@ -1,4 +1,4 @@
-//! The clipped-ratio family: `off_grpo`, `grpo`, `gspo` and `rec`.
+//! The clipped-ratio family: `off_grpo`, `grpo`, `gspo`, `rec` and `cispo`.
 //!
 //! Per token t of answer i, with behaviour log-prob b_t (see [`Anchor`]) and advantage A_i (group-relative,
 //! std-normalised when `std_normalize`, plus the all-positive bias b when set):
@@ -15,6 +15,25 @@
 //! ```text
 //! l_t = -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i) + beta KL_t
 //! ```
+//!
+//! With dual-clip (`dual_clip = true` or `clip_ratio_c = c`, verl's dual-clip PPO), a token of a negative
+//! advantage is also bounded by -c A, which stops a huge ratio from giving a huge loss:
+//!
+//! ```text
+//! A_i < 0:  l_t = min(-c A_i, -min(r_t A_i, clip(r_t, 1 - eps_low, 1 + eps_high) A_i)) + beta KL_t
+//! ```
+//!
+//! (where -c A_i is the minimum the value is that constant, with no gradient, and the token counts as
+//! clipped).
+//!
+//! `cispo` (MiniMax-M1's CISPO, verl's `cispo` policy loss) weights REINFORCE by the clipped ratio with
+//! its gradient stopped, so no token loses its gradient:
+//!
+//! ```text
+//! l_t = -sg(clip(r_t, 1 - eps_low, 1 + eps_high)) A_i log pi(o_t) + beta KL_t
+//! ```
+//!
+//! (a token whose ratio lies outside the range counts as clipped).
 //!
 //! `rec` (seed 004, REC-*-IS / REC-*-NOIS) minimises a surrogate whose gradient is seed 004's
 //! g = A_i (r_t if IS else 1) M_t grad log pi(o_t):
@@ -41,8 +60,10 @@ use super::{
 /// The surrogate a clipped objective minimises.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Form {
-    /// PPO's -min(r A, clip(r) A) (off_grpo, grpo, gspo).
-    Ppo,
+    /// PPO's -min(r A, clip(r) A) (off_grpo, grpo, gspo), with the dual-clip bound c when on.
+    Ppo { clip_ratio_c: Option<f32> },
+    /// CISPO's -sg(clip(r)) A log pi.
+    Cispo,
     /// REC's masked REINFORCE, with or without the importance weight.
     Rec { mode: ClipMode, importance_weight: bool, eps_low_outer: f32, eps_high_outer: f32 },
 }
@@ -55,6 +76,7 @@ enum Form {
 /// | grpo | step (the policy at the start of the step) | token | (r - mean) / std | 0.2 / eps | seq-mean-token-mean |
 /// | gspo (seed 004 B.7) | step | sequence | r - mean | 6e-4 / 8e-4 | seq-mean-token-mean |
 /// | rec (seed 004) | teacher | token | r - mean | 0.2 / eps | token-mean |
+/// | cispo (MiniMax-M1) | step | token | (r - mean) / std | 0.2 / eps | token-mean |
 ///
 /// rec defaults to one-side NOIS (REC-OneSide-NOIS); the ring's outer bounds default to 0.6 / 2.0.
 pub struct Clipped {
@@ -64,15 +86,15 @@ pub struct Clipped {
 
 impl Clipped {
     pub fn new(cfg: &ObjectiveConfig) -> Self {
-        let form = if cfg.name == super::ObjectiveName::Rec {
-            Form::Rec {
+        let form = match cfg.name {
+            super::ObjectiveName::Rec => Form::Rec {
                 mode: cfg.clip_mode(),
                 importance_weight: cfg.importance_weight(),
                 eps_low_outer: cfg.eps_low_outer(),
                 eps_high_outer: cfg.eps_high_outer(),
-            }
-        } else {
-            Form::Ppo
+            },
+            super::ObjectiveName::Cispo => Form::Cispo,
+            _ => Form::Ppo { clip_ratio_c: cfg.clip_ratio_c() },
         };
         Self { cfg: cfg.clone(), form }
     }
@@ -91,15 +113,41 @@ impl Clipped {
 }
 
 /// PPO's `-(min(r A, clip(r, 1 - eps_low, 1 + eps_high) A))` per token, with exact gradients: where the
-/// clipped branch is the minimum, the value is that constant and the gradient is zero.
-fn ppo_surrogate(ratio: &Tensor, adv: &Tensor, eps_low: f32, eps_high: f32) -> Result<(Tensor, usize)> {
+/// clipped branch is the minimum, the value is that constant and the gradient is zero. With the
+/// dual-clip bound c, tokens with A < 0 whose loss exceeds -c A take that constant instead.
+fn ppo_surrogate(
+    ratio: &Tensor,
+    adv: &Tensor,
+    eps_low: f32,
+    eps_high: f32,
+    clip_ratio_c: Option<f32>,
+) -> Result<(Tensor, usize)> {
     let r = ratio.detach();
     let clipped = (r.clamp(1.0 - eps_low, 1.0 + eps_high)? * adv)?;
     let unclipped = (&r * adv)?;
     // The clipped branch is strictly smaller: the minimum is the constant.
     let mask = clipped.lt(&unclipped)?;
-    let value = mask.where_cond(&clipped, &(ratio * adv)?)?;
-    Ok((value.neg()?, count(&mask)?))
+    let value = mask.where_cond(&clipped, &(ratio * adv)?)?.neg()?;
+    let Some(c) = clip_ratio_c else { return Ok((value, count(&mask)?)) };
+    let bound = (adv * -(c as f64))?;
+    let dual = adv.lt(0f64)?.mul(&value.detach().gt(&bound)?)?;
+    let value = dual.where_cond(&bound, &value)?;
+    Ok((value, count(&mask)? + count(&dual)?))
+}
+
+/// CISPO's `-sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi` per token, and the number of tokens whose
+/// ratio lies outside the range.
+fn cispo_surrogate(
+    ratio: &Tensor,
+    logp: &Tensor,
+    adv: &Tensor,
+    eps_low: f32,
+    eps_high: f32,
+) -> Result<(Tensor, usize)> {
+    let r = ratio.detach();
+    let weight = r.clamp(1.0 - eps_low, 1.0 + eps_high)?;
+    let outside = r.ne(&weight)?;
+    Ok((((logp * adv)? * weight)?.neg()?, count(&outside)?))
 }
 
 /// REC's mask M_t (f32 0/1) from the detached ratio and the advantages.
@@ -134,15 +182,16 @@ impl Objective for Clipped {
     fn anchor(&self) -> Option<Anchor> {
         self.cfg.anchor()
     }
-    fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
-        group_advantages(rewards, &self.cfg.advantage())
+    fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
+        group_advantages(rewards, &self.cfg.advantage(key))
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
         let (eps_low, eps_high) = (self.cfg.eps_low(), self.cfg.eps_high());
         let ratio = exp_clamped(&self.log_ratio(logp, inputs)?)?;
         let adv = &inputs.advantages;
         let (pg, clipped) = match self.form {
-            Form::Ppo => ppo_surrogate(&ratio, adv, eps_low, eps_high)?,
+            Form::Ppo { clip_ratio_c } => ppo_surrogate(&ratio, adv, eps_low, eps_high, clip_ratio_c)?,
+            Form::Cispo => cispo_surrogate(&ratio, logp, adv, eps_low, eps_high)?,
             Form::Rec { importance_weight, .. } => {
                 let mask = rec_mask(&ratio.detach(), adv, eps_low, eps_high, self.form)?;
                 let nonzero = adv.ne(0f64)?.to_dtype(DType::F32)?;

@@ -11,7 +11,7 @@ use super::clipped::Clipped;
 use super::mask::MaskZeroStd;
 use super::oapl::Oapl;
 use super::reinforce::{AsymRe, Opmd, RedDrop, RedWeight, Sft};
-use super::{AdvantageConfig, KlEstimator, LossAgg, Objective};
+use super::{AdvantageConfig, GroupKey, KlEstimator, LossAgg, Objective};
 
 /// The objectives, by name.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -27,6 +27,7 @@ pub enum ObjectiveName {
     RedWeight,
     Oapl,
     Sft,
+    Cispo,
 }
 
 impl ObjectiveName {
@@ -43,6 +44,7 @@ impl ObjectiveName {
             ObjectiveName::RedWeight => "red_weight",
             ObjectiveName::Oapl => "oapl",
             ObjectiveName::Sft => "sft",
+            ObjectiveName::Cispo => "cispo",
         }
     }
 
@@ -53,8 +55,11 @@ impl ObjectiveName {
             ObjectiveName::OffGrpo | ObjectiveName::Grpo | ObjectiveName::Gspo => &[
                 "eps",
                 "eps_high",
+                "dual_clip",
+                "clip_ratio_c",
                 "bias",
                 "std_normalize",
+                "scale_rewards",
                 "ratio_level",
                 "anchor",
                 "anchor_every",
@@ -71,6 +76,7 @@ impl ObjectiveName {
                 "eps_high_outer",
                 "bias",
                 "std_normalize",
+                "scale_rewards",
                 "ratio_level",
                 "anchor",
                 "anchor_every",
@@ -78,10 +84,25 @@ impl ObjectiveName {
                 KL[0],
                 KL[1],
             ],
-            ObjectiveName::Opmd => &["tau", "std_normalize", "anchor", "anchor_every", "loss_agg", KL[0], KL[1]],
+            ObjectiveName::Cispo => &[
+                "eps",
+                "eps_high",
+                "bias",
+                "std_normalize",
+                "scale_rewards",
+                "ratio_level",
+                "anchor",
+                "anchor_every",
+                "loss_agg",
+                KL[0],
+                KL[1],
+            ],
+            ObjectiveName::Opmd => {
+                &["tau", "std_normalize", "scale_rewards", "anchor", "anchor_every", "loss_agg", KL[0], KL[1]]
+            }
             ObjectiveName::Asymre => &["baseline_shift", "loss_agg", KL[0], KL[1]],
-            ObjectiveName::RedDrop => &["std_normalize", "loss_agg", KL[0], KL[1]],
-            ObjectiveName::RedWeight => &["temperature", "std_normalize", "loss_agg", KL[0], KL[1]],
+            ObjectiveName::RedDrop => &["std_normalize", "scale_rewards", "loss_agg", KL[0], KL[1]],
+            ObjectiveName::RedWeight => &["temperature", "std_normalize", "scale_rewards", "loss_agg", KL[0], KL[1]],
             ObjectiveName::Oapl => &["beta1", "beta2", "anchor", "anchor_every", "loss_agg"],
             ObjectiveName::Sft => &["sft_answers", "loss_agg", KL[0], KL[1]],
         }
@@ -115,6 +136,17 @@ pub enum RatioLevel {
     Sequence,
 }
 
+/// How advantages are scaled (TRL's `scale_rewards`): the centred rewards r_i - mean(group) are divided
+/// by the group's standard deviation, by the standard deviation of every reward of the step's batch, or
+/// not at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ScaleRewards {
+    Group,
+    Batch,
+    None,
+}
+
 /// REC's clipping masks (seed 004, eq. 8, 18, 19-21).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -142,10 +174,30 @@ pub struct ObjectiveConfig {
     pub eps_high: Option<f32>,
     /// The all-positive bias b (seed 000; clipped family). 0: off.
     pub bias: f32,
-    /// Divide advantages by the group's standard deviation. Default true for off_grpo and grpo, false for
-    /// the seed-004 objectives (they use r_i - mean(r)).
+    /// Divide advantages by the group's standard deviation. Default true for off_grpo, grpo and cispo,
+    /// false for the seed-004 objectives (they use r_i - mean(r)). `scale_rewards` says the same and more.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub std_normalize: Option<bool>,
+    /// TRL's `scale_rewards`: "group" (std_normalize = true), "batch" (the std of the step's rewards,
+    /// the group mean still subtracted) or "none" (std_normalize = false). Not with `std_normalize`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scale_rewards: Option<ScaleRewards>,
+    /// Dual-clip PPO (verl): for A < 0 the token loss is also bounded by -clip_ratio_c * A. Default off;
+    /// `dual_clip = true` turns it on with clip_ratio_c = 3, setting `clip_ratio_c` turns it on too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dual_clip: Option<bool>,
+    /// The dual-clip bound (verl's `clip_ratio_c`, > 1), default 3.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub clip_ratio_c: Option<f32>,
+    /// The constant length of `loss_agg = "seq-mean-token-sum-norm"` (Dr. GRPO; TRL's
+    /// max_completion_length, verl's loss_scale_factor). Default the response-token limit of the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub loss_scale_factor: Option<usize>,
+    /// Leave the answers cut at the token limit out of the loss (TRL's mask_truncated_completions): teacher
+    /// answers truncated by data.overlong = "truncate", rollouts that hit rollout.max_new_tokens. They
+    /// still count in their group's advantages. Default false.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mask_truncated: Option<bool>,
     /// KL weight to the frozen reference; 0: no KL term (and no reference unless the anchor is it).
     pub beta: f32,
     /// Default k3.
@@ -220,6 +272,11 @@ impl Default for ObjectiveConfig {
             eps_high: None,
             bias: 0.0,
             std_normalize: None,
+            scale_rewards: None,
+            dual_clip: None,
+            clip_ratio_c: None,
+            loss_scale_factor: None,
+            mask_truncated: None,
             beta: 0.0,
             kl_estimator: None,
             loss_agg: None,
@@ -249,6 +306,9 @@ impl ObjectiveConfig {
             ("eps_high", self.eps_high.is_some()),
             ("bias", self.bias != 0.0),
             ("std_normalize", self.std_normalize.is_some()),
+            ("scale_rewards", self.scale_rewards.is_some()),
+            ("dual_clip", self.dual_clip.is_some()),
+            ("clip_ratio_c", self.clip_ratio_c.is_some()),
             ("beta", self.beta != 0.0),
             ("kl_estimator", self.kl_estimator.is_some()),
             ("loss_agg", self.loss_agg.is_some()),
@@ -284,7 +344,39 @@ impl ObjectiveConfig {
     }
 
     pub fn std_normalize(&self) -> bool {
-        self.std_normalize.unwrap_or(matches!(self.name, ObjectiveName::OffGrpo | ObjectiveName::Grpo))
+        self.scale_rewards() != ScaleRewards::None
+    }
+
+    /// How advantages are scaled: `scale_rewards`, else `std_normalize` (true: by the group's std).
+    pub fn scale_rewards(&self) -> ScaleRewards {
+        let by_group = || {
+            self.std_normalize
+                .unwrap_or(matches!(self.name, ObjectiveName::OffGrpo | ObjectiveName::Grpo | ObjectiveName::Cispo))
+        };
+        match self.scale_rewards {
+            Some(s) => s,
+            None if by_group() => ScaleRewards::Group,
+            None => ScaleRewards::None,
+        }
+    }
+
+    /// The dual-clip bound, when dual-clip is on.
+    pub fn clip_ratio_c(&self) -> Option<f32> {
+        match (self.dual_clip, self.clip_ratio_c) {
+            (Some(false), _) | (None, None) => None,
+            (_, c) => Some(c.unwrap_or(3.0)),
+        }
+    }
+
+    /// The constant of seq-mean-token-sum-norm: `loss_scale_factor`, else `default` (the run's
+    /// response-token limit).
+    pub fn loss_scale_factor(&self, default: usize) -> usize {
+        self.loss_scale_factor.unwrap_or(default)
+    }
+
+    /// Whether answers cut at the token limit are left out of the loss.
+    pub fn mask_truncated(&self) -> bool {
+        self.mask_truncated.unwrap_or(false)
     }
 
     pub fn kl_estimator(&self) -> KlEstimator {
@@ -349,7 +441,7 @@ impl ObjectiveConfig {
     pub fn anchor(&self) -> Option<Anchor> {
         let default = match self.name {
             ObjectiveName::OffGrpo | ObjectiveName::Rec => Anchor::Teacher,
-            ObjectiveName::Grpo | ObjectiveName::Gspo | ObjectiveName::Opmd => Anchor::Step,
+            ObjectiveName::Grpo | ObjectiveName::Gspo | ObjectiveName::Opmd | ObjectiveName::Cispo => Anchor::Step,
             ObjectiveName::Oapl => Anchor::Snapshot,
             _ => return None,
         };
@@ -426,11 +518,41 @@ impl ObjectiveConfig {
         if self.anchor_every() == 0 {
             return Err("objective.anchor_every must be >= 1".into());
         }
+        self.validate_peer_options()
+    }
+
+    /// The options named after TRL's and verl's.
+    fn validate_peer_options(&self) -> std::result::Result<(), String> {
+        if self.std_normalize.is_some() && self.scale_rewards.is_some() {
+            return Err("objective.std_normalize and objective.scale_rewards say the same thing: set one".into());
+        }
+        if self.dual_clip == Some(false) && self.clip_ratio_c.is_some() {
+            return Err("objective.clip_ratio_c is the dual-clip bound: not with dual_clip = false".into());
+        }
+        if let Some(c) = self.clip_ratio_c() {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(format!("objective.clip_ratio_c = {c} must be > 1"));
+            }
+        }
+        if let Some(f) = self.loss_scale_factor {
+            if self.loss_agg() != LossAgg::SeqMeanTokenSumNorm {
+                return Err("objective.loss_scale_factor applies to loss_agg = \"seq-mean-token-sum-norm\" only".into());
+            }
+            if f == 0 {
+                return Err("objective.loss_scale_factor must be >= 1".into());
+            }
+        }
         Ok(())
     }
 
-    pub(super) fn advantage(&self) -> AdvantageConfig {
-        AdvantageConfig { std_normalize: self.std_normalize(), bias: self.bias }
+    /// The advantage options of a group of `key`'s batch.
+    pub(super) fn advantage(&self, key: &GroupKey) -> AdvantageConfig {
+        let scale = self.scale_rewards();
+        AdvantageConfig {
+            std_normalize: scale != ScaleRewards::None,
+            bias: self.bias,
+            batch_std: (scale == ScaleRewards::Batch).then_some(key.batch_reward_std),
+        }
     }
 
     /// Build the objective (leaving zero-variance groups out of its loss with `mask_zero_std`).
@@ -445,9 +567,11 @@ impl ObjectiveConfig {
 
     fn build_unmasked(&self) -> Box<dyn Objective> {
         match self.name {
-            ObjectiveName::OffGrpo | ObjectiveName::Grpo | ObjectiveName::Gspo | ObjectiveName::Rec => {
-                Box::new(Clipped::new(self))
-            }
+            ObjectiveName::OffGrpo
+            | ObjectiveName::Grpo
+            | ObjectiveName::Gspo
+            | ObjectiveName::Rec
+            | ObjectiveName::Cispo => Box::new(Clipped::new(self)),
             ObjectiveName::Opmd => Box::new(Opmd(self.clone())),
             ObjectiveName::Asymre => Box::new(AsymRe(self.clone())),
             ObjectiveName::RedDrop => Box::new(RedDrop(self.clone())),

@@ -13,6 +13,7 @@
 //! | `red_weight` | 004 | REINFORCE with weights exp(A / T) | [`reinforce`] |
 //! | `sft` | 000 (baseline) | log-likelihood of the positive answers | [`reinforce`] |
 //! | `oapl` | 003 | squared regression of the sequence log-ratio onto r - V* | [`oapl`] |
+//! | `cispo` | MiniMax-M1 | REINFORCE weighted by the clipped, gradient-stopped ratio | [`clipped`] |
 //!
 //! Every per-token quantity is f32. Aggregation is expressed as one weight per token computed from the
 //! whole batch (see [`LossAgg::weights`]), so the loss is a plain weighted sum: splitting a batch into
@@ -32,7 +33,7 @@ pub mod reinforce;
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
-pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel, SftAnswers};
+pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel, ScaleRewards, SftAnswers};
 
 /// The bound of every log-ratio before `exp` (verl's clamp).
 pub const MAX_LOG_RATIO: f32 = 20.0;
@@ -119,10 +120,13 @@ impl KlEstimator {
 /// Group-relative advantage options.
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdvantageConfig {
-    /// Divide by the group's standard deviation (unbiased, + 1e-6) as GRPO does.
+    /// Divide by a standard deviation (unbiased, + 1e-6): the group's as GRPO does, or `batch_std`.
     pub std_normalize: bool,
     /// The all-positive bias b: when every reward of a group is positive, A_i + b is used.
     pub bias: f32,
+    /// With `std_normalize`, divide by this (the standard deviation of the step's rewards: TRL's
+    /// `scale_rewards = "batch"`) instead of the group's.
+    pub batch_std: Option<f64>,
 }
 
 /// Reward statistics of one group: the mean and the unbiased standard deviation (0 for one answer).
@@ -145,15 +149,17 @@ impl RewardStats {
     }
 }
 
-/// What identifies a group within a run: the source of RED-Drop's seeded random choice (so a resumed run
-/// drops the same answers).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// Where a group is within a run: what identifies it (the source of RED-Drop's seeded random choice, so a
+/// resumed run drops the same answers) and the statistics of the step's batch it belongs to.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct GroupKey<'a> {
     /// The run's seed (`train.seed`).
     pub seed: u64,
     pub epoch: usize,
     /// The question's id.
     pub question: &'a str,
+    /// The unbiased standard deviation of every reward of the step's batch (`scale_rewards = "batch"`).
+    pub batch_reward_std: f64,
 }
 
 /// The advantages of one group's answers, which answers take part in the loss, and the reward statistics
@@ -169,7 +175,8 @@ pub struct GroupAdvantages {
     pub bias_applied: bool,
 }
 
-/// Group-relative advantages of one group's rewards: `(r_i - mean) / (std + 1e-6)` (or `r_i - mean`), plus
+/// Group-relative advantages of one group's rewards: `(r_i - mean) / (std + 1e-6)` (or `r_i - mean`; std the
+/// group's, or the batch's with `cfg.batch_std`), plus
 /// the all-positive bias b when every reward is positive. Every answer is included.
 pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> GroupAdvantages {
     let stats = RewardStats::of(rewards);
@@ -177,7 +184,8 @@ pub fn group_advantages(rewards: &[f32], cfg: &AdvantageConfig) -> GroupAdvantag
         .iter()
         .map(|&r| {
             let centred = r as f64 - stats.mean;
-            (if cfg.std_normalize { centred / (stats.std + 1e-6) } else { centred }) as f32
+            let std = cfg.batch_std.unwrap_or(stats.std);
+            (if cfg.std_normalize { centred / (std + 1e-6) } else { centred }) as f32
         })
         .collect();
     let all_positive = !rewards.is_empty() && rewards.iter().all(|&r| r > 0.0);

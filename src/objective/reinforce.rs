@@ -25,9 +25,10 @@ fn reinforce(logp: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
     weighted_sum(&(logp * &inputs.advantages)?.neg()?, inputs)
 }
 
-/// The advantages r_i - mean(r) (over `rewards`), divided by std + 1e-6 when `std_normalize`.
-fn centred(rewards: &[f32], std_normalize: bool) -> GroupAdvantages {
-    group_advantages(rewards, &AdvantageConfig { std_normalize, bias: 0.0 })
+/// The advantages r_i - mean(r) (over `rewards`), divided by std + 1e-6 as `cfg.scale_rewards()` says
+/// (the group's std, or the batch's from `key`).
+fn centred(rewards: &[f32], cfg: &ObjectiveConfig, key: &GroupKey) -> GroupAdvantages {
+    group_advantages(rewards, &AdvantageConfig { bias: 0.0, ..cfg.advantage(key) })
 }
 
 /// `opmd` (Kimi's OPMD as seed 004 writes it, table 3): REINFORCE with the group-mean baseline plus
@@ -54,8 +55,8 @@ impl Objective for Opmd {
     fn anchor(&self) -> Option<Anchor> {
         self.0.anchor()
     }
-    fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
-        centred(rewards, self.0.std_normalize())
+    fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
+        centred(rewards, &self.0, key)
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
         let seq_log_ratio = inputs.seq_sum(&inputs.log_ratio(logp)?)?;
@@ -85,7 +86,7 @@ impl Objective for AsymRe {
         self.0.beta > 0.0
     }
     fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
-        let mut g = centred(rewards, false);
+        let mut g = group_advantages(rewards, &AdvantageConfig { std_normalize: false, bias: 0.0, batch_std: None });
         let shift = self.0.baseline_shift();
         g.advantages.iter_mut().for_each(|a| *a += shift);
         g
@@ -151,7 +152,7 @@ impl Objective for RedDrop {
     fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
         let include = Self::keep(rewards, key);
         let kept: Vec<f32> = rewards.iter().zip(&include).filter(|(_, &k)| k).map(|(&r, _)| r).collect();
-        let on_kept = centred(&kept, self.0.std_normalize());
+        let on_kept = centred(&kept, &self.0, key);
         let mut it = on_kept.advantages.into_iter();
         let advantages = include.iter().map(|&k| if k { it.next().unwrap_or(0.0) } else { 0.0 }).collect();
         GroupAdvantages { advantages, include, rewards: RewardStats::of(rewards), bias_applied: false }
@@ -178,8 +179,8 @@ impl Objective for RedWeight {
     fn needs_kl(&self) -> bool {
         self.0.beta > 0.0
     }
-    fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
-        let mut g = centred(rewards, self.0.std_normalize());
+    fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
+        let mut g = centred(rewards, &self.0, key);
         let t = self.0.temperature() as f64;
         for a in g.advantages.iter_mut() {
             let x = (*a as f64 / t).clamp(-MAX_LOG_RATIO as f64, MAX_LOG_RATIO as f64);

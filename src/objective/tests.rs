@@ -66,7 +66,7 @@ fn advantages(obj: &dyn Objective, rewards: &[f32]) -> GroupAdvantages {
 
 #[test]
 fn advantages_hand_computed() {
-    let c = AdvantageConfig { std_normalize: true, bias: 0.5 };
+    let c = AdvantageConfig { std_normalize: true, bias: 0.5, batch_std: None };
     let g = group_advantages(&[1.0, 0.0, 0.0, 1.0], &c);
     let (a, applied) = (g.advantages, g.bias_applied);
     assert!((g.rewards.mean - 0.5).abs() < 1e-12 && (g.rewards.std - (1.0f64 / 3.0).sqrt()).abs() < 1e-12);
@@ -81,7 +81,8 @@ fn advantages_hand_computed() {
     assert_eq!(a, vec![0.5; 4]);
     let GroupAdvantages { advantages: a, bias_applied: applied, .. } = group_advantages(&[0.0; 4], &c);
     assert!(!applied && a == vec![0.0; 4], "all-negative groups get no bias");
-    let a = group_advantages(&[1.0, 0.0], &AdvantageConfig { std_normalize: false, bias: 0.0 }).advantages;
+    let a =
+        group_advantages(&[1.0, 0.0], &AdvantageConfig { std_normalize: false, bias: 0.0, batch_std: None }).advantages;
     assert_eq!(a, vec![0.5, -0.5]);
 }
 
@@ -109,7 +110,7 @@ fn seed_004_advantages_hand_computed() {
     assert!(a[0].abs() < 1e-2 && (a[1] + 1.0).abs() < 1e-2, "{a:?}");
     // red_drop: 1 positive, 5 negatives: 4 negatives dropped, the baseline recomputed on the kept two.
     let drop = cfg(ObjectiveName::RedDrop, 0.0, 0.0).build();
-    let key = GroupKey { seed: 9, epoch: 3, question: "q" };
+    let key = GroupKey { seed: 9, epoch: 3, question: "q", ..Default::default() };
     let g = drop.advantages(&[0.0, 1.0, 0.0, 0.0, 0.0, 0.0], &key);
     assert_eq!(g.include.iter().filter(|&&k| k).count(), 2);
     assert!(g.include[1] && g.advantages[1] == 0.5);
@@ -396,6 +397,7 @@ fn loss_is_pg_plus_beta_times_kl() {
         ObjectiveName::Opmd,
         ObjectiveName::Asymre,
         ObjectiveName::Sft,
+        ObjectiveName::Cispo,
     ] {
         let obj = cfg(name, 0.0, 0.3).build();
         let case = Case { reference: Some(&reference), ..Case::tokens(&adv, &w) };
@@ -556,4 +558,94 @@ fn config_parses_and_names_unknown_keys() {
     let back: ObjectiveConfig = toml::from_str(&text).unwrap();
     back.validate().unwrap();
     assert!(!text.contains("eps"), "{text}");
+}
+
+#[test]
+fn dual_clip_and_cispo_hand_computed() {
+    // One-token answers, teacher probability 1 (behaviour log-prob 0): r = exp(logp).
+    let logp = [4f32.ln(), 4f32.ln(), 0.5f32.ln(), 2f32.ln()];
+    let adv = [-1.0f32, 1.0, -1.0, -1.0];
+    let w = [0.25f32; 4];
+    let dual = ObjectiveConfig { dual_clip: Some(true), ..cfg(ObjectiveName::OffGrpo, 0.0, 0.0) };
+    dual.validate().unwrap();
+    assert_eq!(dual.clip_ratio_c(), Some(3.0));
+    let (loss, grad, terms) = run(dual.build().as_ref(), &logp, &Case::tokens(&adv, &w));
+    // r = 4, A = -1: PPO's loss 4 exceeds -c A = 3, so it is 3 with no gradient (dual-clipped);
+    // r = 4, A = 1: clipped at 1.2 (loss -1.2, no gradient); r = 0.5, A = -1: clipped at 0.8 (loss 0.8);
+    // r = 2, A = -1: unclipped, loss r = 2 under the bound 3, gradient r.
+    assert!((loss - 0.25 * (3.0 - 1.2 + 0.8 + 2.0)).abs() < 1e-6, "{loss}");
+    assert!(grad.iter().zip([0.0, 0.0, 0.0, 0.5]).all(|(a, b)| (a - b).abs() < 1e-6), "{grad:?}");
+    assert_eq!(terms.clipped_tokens, 3);
+    // Without dual-clip the first token's loss is 4 with gradient r / 4.
+    let (loss, grad, _) = run(cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().as_ref(), &logp, &Case::tokens(&adv, &w));
+    assert!((loss - 0.25 * (4.0 - 1.2 + 0.8 + 2.0)).abs() < 1e-6 && (grad[0] - 1.0).abs() < 1e-6);
+    // CISPO: -sg(clip(r, 0.8, 1.2)) A log pi, every token keeps its gradient -w clip(r) A.
+    let cispo = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Cispo, 0.0, 0.0) };
+    let (loss, grad, terms) = run(cispo.build().as_ref(), &logp, &Case::tokens(&adv, &w));
+    let clipped = [1.2f32, 1.2, 0.8, 1.2];
+    let want: f32 = (0..4).map(|i| -0.25 * clipped[i] * adv[i] * logp[i]).sum();
+    assert!((loss - want).abs() < 1e-6, "{loss} vs {want}");
+    for i in 0..4 {
+        assert!((grad[i] + 0.25 * clipped[i] * adv[i]).abs() < 1e-6, "{grad:?}");
+    }
+    assert_eq!(terms.clipped_tokens, 4);
+}
+
+#[test]
+fn scale_rewards_group_batch_and_none() {
+    let r = [1.0f32, 0.0, 0.0, 0.0];
+    let key = GroupKey { batch_reward_std: 2.0, ..Default::default() };
+    let with = |s| ObjectiveConfig { scale_rewards: Some(s), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) }.build();
+    let group_std = 0.5f64; // unbiased std of [1, 0, 0, 0]
+    let a = with(ScaleRewards::Group).advantages(&r, &key).advantages;
+    assert!((a[0] as f64 - 0.75 / (group_std + 1e-6)).abs() < 1e-5, "{a:?}");
+    let a = with(ScaleRewards::Batch).advantages(&r, &key).advantages;
+    assert!((a[0] as f64 - 0.75 / (2.0 + 1e-6)).abs() < 1e-6 && (a[1] as f64 + 0.25 / 2.0).abs() < 1e-6, "{a:?}");
+    assert_eq!(with(ScaleRewards::None).advantages(&r, &key).advantages, vec![0.75, -0.25, -0.25, -0.25]);
+    // std_normalize is scale_rewards' older name: true is "group", false "none".
+    let old = ObjectiveConfig { std_normalize: Some(false), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) };
+    assert_eq!(old.scale_rewards(), ScaleRewards::None);
+    assert_eq!(cfg(ObjectiveName::Cispo, 0.0, 0.0).scale_rewards(), ScaleRewards::Group);
+    assert_eq!(cfg(ObjectiveName::Rec, 0.0, 0.0).scale_rewards(), ScaleRewards::None);
+}
+
+#[test]
+fn peer_options_are_checked() {
+    let c = |name| cfg(name, 0.0, 0.0);
+    let err = |o: ObjectiveConfig| o.validate().unwrap_err();
+    assert!(
+        err(ObjectiveConfig { clip_ratio_c: Some(3.0), ..c(ObjectiveName::Rec) }).contains("objective.clip_ratio_c")
+    );
+    assert!(err(ObjectiveConfig { dual_clip: Some(true), ..c(ObjectiveName::Cispo) }).contains("objective.dual_clip"));
+    assert!(err(ObjectiveConfig { clip_ratio_c: Some(1.0), ..c(ObjectiveName::Grpo) }).contains("must be > 1"));
+    let both = ObjectiveConfig { dual_clip: Some(false), clip_ratio_c: Some(2.0), ..c(ObjectiveName::Grpo) };
+    assert!(err(both).contains("dual_clip = false"));
+    let twice = ObjectiveConfig {
+        std_normalize: Some(true),
+        scale_rewards: Some(ScaleRewards::Batch),
+        ..c(ObjectiveName::Grpo)
+    };
+    assert!(err(twice).contains("set one"));
+    let asym = ObjectiveConfig { scale_rewards: Some(ScaleRewards::Batch), ..c(ObjectiveName::Asymre) };
+    assert!(err(asym).contains("objective.scale_rewards"));
+    let not_norm = ObjectiveConfig { loss_scale_factor: Some(512), ..c(ObjectiveName::Grpo) };
+    assert!(err(not_norm).contains("seq-mean-token-sum-norm"));
+    let dr_grpo = ObjectiveConfig {
+        loss_agg: Some(LossAgg::SeqMeanTokenSumNorm),
+        loss_scale_factor: Some(512),
+        scale_rewards: Some(ScaleRewards::None),
+        mask_truncated: Some(true),
+        ..c(ObjectiveName::Grpo)
+    };
+    dr_grpo.validate().unwrap();
+    assert_eq!((dr_grpo.loss_scale_factor(1024), c(ObjectiveName::Grpo).loss_scale_factor(1024)), (512, 1024));
+    let parsed: ObjectiveConfig =
+        toml::from_str("name = \"cispo\"\neps_high = 0.28\nscale_rewards = \"batch\"\nmask_truncated = true").unwrap();
+    parsed.validate().unwrap();
+    assert_eq!(
+        (parsed.name, parsed.anchor(), parsed.loss_agg()),
+        (ObjectiveName::Cispo, Some(Anchor::Step), LossAgg::TokenMean)
+    );
+    let dual: ObjectiveConfig = toml::from_str("name = \"gspo\"\nclip_ratio_c = 10.0").unwrap();
+    assert_eq!((dual.validate(), dual.clip_ratio_c()), (Ok(()), Some(10.0)));
 }

@@ -17,18 +17,25 @@ fn close(a: f64, b: f64, what: &str) {
 
 /// The case's per-answer data: lengths, advantages and inclusion from the Rust objective, checked
 /// against the fixture on the way.
-fn answers(case: &Value, obj: &dyn Objective, name: &str) -> (Vec<usize>, Vec<f32>, Vec<bool>) {
+/// The answers cut at the token limit leave the loss with `mask_truncated`, as the step's batch does.
+fn answers(case: &Value, cfg: &ObjectiveConfig, obj: &dyn Objective, name: &str) -> (Vec<usize>, Vec<f32>, Vec<bool>) {
     let (mut lengths, mut adv, mut include) = (Vec::new(), Vec::new(), Vec::new());
-    for g in case["groups"].as_array().unwrap() {
+    let groups = case["groups"].as_array().unwrap();
+    let all: Vec<f32> = groups.iter().flat_map(|g| floats(&g["rewards"])).map(|r| r as f32).collect();
+    let batch_reward_std = RewardStats::of(&all).std;
+    for g in groups {
         let rewards: Vec<f32> = floats(&g["rewards"]).iter().map(|&r| r as f32).collect();
         let key = GroupKey {
             seed: case["seed"].as_u64().unwrap(),
             epoch: case["epoch"].as_u64().unwrap() as usize,
             question: g["question"].as_str().unwrap(),
+            batch_reward_std,
         };
         let ga = obj.advantages(&rewards, &key);
         adv.extend(ga.advantages);
-        include.extend(ga.include);
+        let truncated = g["truncated"].as_array().map(|t| t.iter().map(|b| b.as_bool().unwrap()).collect());
+        let truncated: Vec<bool> = truncated.unwrap_or(vec![false; rewards.len()]);
+        include.extend(ga.include.iter().zip(truncated).map(|(&i, t)| i && !(cfg.mask_truncated() && t)));
         lengths.extend(g["lengths"].as_array().unwrap().iter().map(|l| l.as_u64().unwrap() as usize));
     }
     let e = &case["expected"];
@@ -47,9 +54,10 @@ fn check_case(case: &Value) {
     let cfg: ObjectiveConfig = serde_json::from_value(case["objective"].clone()).unwrap();
     cfg.validate().unwrap_or_else(|e| panic!("{name}: {e}"));
     let obj = cfg.build();
-    let (lengths, adv, include) = answers(case, obj.as_ref(), name);
+    let (lengths, adv, include) = answers(case, &cfg, obj.as_ref(), name);
     let e = &case["expected"];
-    let w = cfg.loss_agg().weights(&lengths, &include, case["norm_len"].as_u64().unwrap() as usize);
+    let norm_len = cfg.loss_scale_factor(case["norm_len"].as_u64().unwrap() as usize);
+    let w = cfg.loss_agg().weights(&lengths, &include, norm_len);
     for (i, (a, b)) in w.iter().zip(floats(&e["weights"])).enumerate() {
         close(*a as f64, b, &format!("{name}: weight {i}"));
     }
@@ -107,7 +115,7 @@ fn every_objective_matches_the_numpy_reference() {
         seen.insert(case["objective"]["name"].as_str().unwrap().to_string());
     }
     // Every objective is covered.
-    for n in ["off_grpo", "grpo", "gspo", "rec", "opmd", "asymre", "red_drop", "red_weight", "oapl", "sft"] {
+    for n in ["off_grpo", "grpo", "gspo", "rec", "opmd", "asymre", "red_drop", "red_weight", "oapl", "sft", "cispo"] {
         assert!(seen.contains(n), "the fixture has no {n} case");
     }
 }

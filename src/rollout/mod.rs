@@ -16,6 +16,12 @@
 //! question index, answer index), so a resumed run regenerates a step's rollouts exactly once the sampling
 //! copy is restored (checkpoints hold it when it is not the checkpoint's own weights).
 //!
+//! With `filter_groups` (DAPO's dynamic sampling) the groups whose rewards all agree are dropped and more
+//! questions are sampled, batch after batch, until the step has as many groups as questions it was given
+//! or `max_num_gen_batches` batches were sampled (see [`fill_batch`]). The refill questions come from
+//! the caller (the trainer draws them at random from the run's questions, seeded by the step and the
+//! batch), and each batch samples from its own streams.
+//!
 //! With `[rollout.server] engine = "openai"` the answers come from an OpenAI-compatible server (see
 //! [`server`]), told to load the sampling weights at each refresh; the scoring and the behaviour forward
 //! are the same.
@@ -104,19 +110,31 @@ impl Rollouts {
         self.server_synced = false;
     }
 
-    /// Step `ctx.step`: refresh the sampling copy when due, sample and score the rollouts of `questions`,
-    /// and make `updates_per_batch` updates of `policy` on them. Returns the updates' combined report and
-    /// the rollouts' metrics.
+    /// Step `ctx.step`: refresh the sampling copy when due, sample and score the rollouts of `questions`
+    /// (with `filter_groups`, refilled from `more(k)`, the k-th batch of new questions), and make
+    /// `updates_per_batch` updates of `policy` on them. Returns the updates' combined report and the
+    /// rollouts' metrics.
+    #[allow(clippy::too_many_arguments)]
     pub fn step(
         &mut self,
         policy: &Decoder,
         reference: Option<&Decoder>,
         train: &mut TrainStep,
         questions: &[Group],
+        more: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
         lr: f64,
         ctx: StepContext,
     ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
-        let (groups, mut metrics) = self.sample(policy, questions, ctx.step)?;
+        let (groups, mut metrics) = if self.options.filter_groups {
+            self.refresh(policy, ctx.step)?;
+            let max = self.options.max_num_gen_batches;
+            fill_batch(questions.len(), max, |k| {
+                let batch = if k == 0 { questions.to_vec() } else { more(k)? };
+                self.draw(policy, &batch, ctx.step, k)
+            })?
+        } else {
+            self.sample(policy, questions, ctx.step)?
+        };
         let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
         metrics.updates = reports.len();
         Ok((combine(reports), metrics))
@@ -129,6 +147,12 @@ impl Rollouts {
         questions: &[Group],
         step: usize,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+        self.refresh(policy, step)?;
+        self.draw(policy, questions, step, 0)
+    }
+
+    /// Refresh the sampling copy when step `step` is due for it.
+    fn refresh(&mut self, policy: &Decoder, step: usize) -> Result<(), RolloutError> {
         let every = self.options.refresh_every();
         if every > 1 {
             if step.is_multiple_of(every) {
@@ -145,8 +169,23 @@ impl Rollouts {
         } else {
             self.server_synced = false; // on-policy: the weights changed since the last step
         }
+        Ok(())
+    }
+
+    /// Batch `batch` (0 the step's own questions, then dynamic sampling's refills) of step `step`'s
+    /// rollouts from the sampling policy, each batch from its own streams.
+    fn draw(
+        &mut self,
+        policy: &Decoder,
+        questions: &[Group],
+        step: usize,
+        batch: usize,
+    ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
         let sampler = self.sampler.as_ref().unwrap_or(policy);
-        let params = self.options.sampling(self.seed, step);
+        let mut params = self.options.sampling(self.seed, step);
+        if batch > 0 {
+            params.seed = self.options.sampling(params.seed ^ batch as u64, step).seed;
+        }
         if !self.options.uses_server() {
             return sample_groups(sampler, &self.tok, questions, &self.options, &params, self.micro);
         }
@@ -194,6 +233,57 @@ fn sync_server(
     save_checkpoint(sampler, dir, save, |_| Ok(()))?;
     tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
     server::send_reload(&req, &options.server)
+}
+
+/// DAPO's dynamic sampling: batches `draw(0)`, `draw(1)`, ... of scored groups, keeping the groups whose
+/// rewards differ, until `target` are kept or `max_batches` were drawn. Returns the first `target` kept
+/// groups (all of them when fewer; the last batch's groups when none was kept, so that the step still
+/// trains, on zero advantages) and the merged metrics with the batches drawn and the groups dropped.
+fn fill_batch(
+    target: usize,
+    max_batches: usize,
+    mut draw: impl FnMut(usize) -> Result<(Vec<Group>, RolloutMetrics), RolloutError>,
+) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+    let mut kept = Vec::with_capacity(target);
+    let mut metrics: Option<RolloutMetrics> = None;
+    let mut last = Vec::new();
+    for k in 0..max_batches.max(1) {
+        let (groups, mut m) = draw(k)?;
+        let before = kept.len();
+        kept.extend(groups.iter().filter(|g| varied(g)).cloned());
+        m.groups_dropped = groups.len() - (kept.len() - before);
+        match &mut metrics {
+            Some(all) => all.merge(&m),
+            None => metrics = Some(m),
+        }
+        last = groups;
+        if kept.len() >= target {
+            break;
+        }
+    }
+    let metrics = metrics.unwrap_or_default();
+    if kept.is_empty() {
+        tracing::warn!(
+            "rollout.filter_groups: every group of {} batches had rewards that all agree; training on the last one",
+            metrics.gen_batches
+        );
+        return Ok((last, metrics));
+    }
+    if kept.len() < target {
+        tracing::warn!(
+            "rollout.filter_groups: {} of {target} groups with differing rewards after {} batches \
+             (rollout.max_num_gen_batches)",
+            kept.len(),
+            metrics.gen_batches
+        );
+    }
+    kept.truncate(target);
+    Ok((kept, metrics))
+}
+
+/// Whether a group's rewards differ.
+fn varied(g: &Group) -> bool {
+    g.responses.windows(2).any(|w| w[0].reward != w[1].reward)
 }
 
 /// One report for several updates on the same groups: loss terms and the gradient norm averaged, token

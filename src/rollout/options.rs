@@ -68,6 +68,23 @@ pub struct RolloutOptions {
     /// the starting weights stay the sampling policy for the whole run).
     #[arg(long = "rollout-reload", value_enum, default_value_t = Reload::None)]
     pub reload: Reload,
+    /// DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose rewards all agree are
+    /// dropped, and batches of new questions are sampled until the step has `train.batch_questions`
+    /// groups or `max_num_gen_batches` batches were sampled.
+    #[arg(long = "rollout-filter-groups")]
+    pub filter_groups: bool,
+    /// filter_groups: batches sampled per step at most (verl's `max_num_gen_batches`, here >= 1); when
+    /// they are spent the step trains on the groups kept so far.
+    #[arg(long = "rollout-max-num-gen-batches", default_value_t = 10)]
+    pub max_num_gen_batches: usize,
+    /// DAPO's soft overlong punishment (verl's `overlong_buffer.len`): an answer of L generated tokens gets
+    /// the reward penalty min(0, -(L - (max_new_tokens - len)) / len * overlong_penalty_factor), linear
+    /// over the last `len` tokens before rollout.max_new_tokens. 0: off.
+    #[arg(long = "rollout-overlong-buffer-len", default_value_t = 0)]
+    pub overlong_buffer_len: usize,
+    /// The penalty at rollout.max_new_tokens (verl's `overlong_buffer.penalty_factor`).
+    #[arg(long = "rollout-overlong-penalty-factor", default_value_t = 1.0)]
+    pub overlong_penalty_factor: f32,
 }
 
 impl Default for RolloutOptions {
@@ -87,6 +104,10 @@ impl Default for RolloutOptions {
             teacher_answers: 0,
             server: EngineOptions::default(),
             reload: Reload::None,
+            filter_groups: false,
+            max_num_gen_batches: 10,
+            overlong_buffer_len: 0,
+            overlong_penalty_factor: 1.0,
         }
     }
 }
@@ -143,6 +164,17 @@ impl RolloutOptions {
         ExtractOptions { fallbacks: self.fallbacks }
     }
 
+    /// DAPO's soft overlong penalty (<= 0) of an answer of `generated` tokens.
+    pub fn overlong_penalty(&self, generated: usize) -> f32 {
+        let buffer = self.overlong_buffer_len;
+        if buffer == 0 {
+            return 0.0;
+        }
+        let expected = self.max_new_tokens.saturating_sub(buffer) as f64;
+        let exceed = generated as f64 - expected;
+        (-exceed / buffer as f64 * self.overlong_penalty_factor as f64).min(0.0) as f32
+    }
+
     /// Check ranges, naming each value as `rollout.KEY`.
     pub fn validate(&self) -> Result<(), String> {
         for (key, v) in [
@@ -151,6 +183,7 @@ impl RolloutOptions {
             ("batch_size", self.batch_size),
             ("sync_every", self.sync_every),
             ("updates_per_batch", self.updates_per_batch),
+            ("max_num_gen_batches", self.max_num_gen_batches),
         ] {
             if v == 0 {
                 return Err(format!("rollout.{key} = 0 must be >= 1"));
@@ -160,6 +193,15 @@ impl RolloutOptions {
             return Err(format!("rollout.n = {} must be >= 2: a group needs two answers to compare", self.n));
         }
         self.sampling(0, 0).validate(|name| format!("rollout.{name}"))?;
+        if self.overlong_buffer_len >= self.max_new_tokens {
+            return Err(format!(
+                "rollout.overlong_buffer_len = {} must be < rollout.max_new_tokens = {}",
+                self.overlong_buffer_len, self.max_new_tokens
+            ));
+        }
+        if !(self.overlong_penalty_factor.is_finite() && self.overlong_penalty_factor >= 0.0) {
+            return Err(format!("rollout.overlong_penalty_factor = {} must be >= 0", self.overlong_penalty_factor));
+        }
         if self.teacher_answers >= self.n {
             return Err(format!(
                 "rollout.teacher_answers = {} must be < rollout.n = {}: a group needs at least one sampled answer",
@@ -243,6 +285,26 @@ mod tests {
         assert!(w.len() == 1 && w[0].starts_with("rollout.temperature = 0") && w[0].contains("no gradient"), "{w:?}");
         // One sampled answer beside teacher answers: greedy is a choice, not a mistake.
         assert!(ok("temperature = 0\nn = 4\nteacher_answers = 3").warnings().is_empty());
+    }
+
+    #[test]
+    fn the_overlong_penalty_is_linear_over_the_buffer() {
+        let o = RolloutOptions {
+            max_new_tokens: 100,
+            overlong_buffer_len: 20,
+            overlong_penalty_factor: 0.5,
+            ..Default::default()
+        };
+        assert_eq!(o.validate(), Ok(()));
+        // No penalty up to 80 tokens, then -0.5 * (L - 80) / 20: -0.25 at 90, -0.5 at the maximum.
+        for (len, want) in [(0, 0.0), (80, 0.0), (81, -0.025), (90, -0.25), (100, -0.5)] {
+            assert!((o.overlong_penalty(len) - want).abs() < 1e-6, "{len}: {}", o.overlong_penalty(len));
+        }
+        assert_eq!(RolloutOptions::default().overlong_penalty(1024), 0.0, "off by default");
+        let bad = |t: &str| toml::from_str::<RolloutOptions>(t).unwrap().validate().unwrap_err();
+        assert!(bad("max_new_tokens = 10\noverlong_buffer_len = 10").starts_with("rollout.overlong_buffer_len"));
+        assert!(bad("overlong_penalty_factor = -1").starts_with("rollout.overlong_penalty_factor"));
+        assert!(bad("max_num_gen_batches = 0").starts_with("rollout.max_num_gen_batches"));
     }
 
     #[test]

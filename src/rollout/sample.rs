@@ -44,6 +44,82 @@ pub struct RolloutMetrics {
     /// Optimiser updates made on these rollouts.
     #[serde(rename = "rollout/updates")]
     pub updates: usize,
+    /// Answers sampled (over every batch of the step).
+    #[serde(rename = "rollout/answers")]
+    pub answers: usize,
+    /// Mean overlong penalty of the sampled answers (rollout.overlong_buffer_len; 0 when off).
+    #[serde(rename = "rollout/overlong_penalty")]
+    pub overlong_penalty: f64,
+    /// Fraction of answers with an overlong penalty.
+    #[serde(rename = "rollout/overlong_fraction")]
+    pub overlong_fraction: f64,
+    /// Batches of questions sampled this step (more than 1 with rollout.filter_groups).
+    #[serde(rename = "rollout/gen_batches")]
+    pub gen_batches: usize,
+    /// Groups dropped by rollout.filter_groups for rewards that all agree.
+    #[serde(rename = "rollout/groups_dropped")]
+    pub groups_dropped: usize,
+    /// Mean over sampled tokens of |log p_sampler - log p_grpo|: the sampler's log-prob of each token
+    /// against grpo's forward of the same weights (the behaviour log-probs). ~0 for the native sampler
+    /// (only the KV cache's rounding); absent when the sampler reports no log-probs.
+    #[serde(rename = "rollout/sampling_logp_difference_mean", skip_serializing_if = "Option::is_none")]
+    pub logp_diff_mean: Option<f64>,
+    /// The largest such difference.
+    #[serde(rename = "rollout/sampling_logp_difference_max", skip_serializing_if = "Option::is_none")]
+    pub logp_diff_max: Option<f64>,
+}
+
+/// Mean and max of |log p_sampler - log p_grpo| over the tokens of the answers whose sampler reported
+/// log-probs (`None` when none did).
+fn logp_difference(samples: &[Sampled], behaviour: &[Vec<f32>]) -> Option<(f64, f64)> {
+    let (mut sum, mut max, mut n) = (0f64, 0f64, 0usize);
+    for (s, b) in samples.iter().zip(behaviour) {
+        for (x, y) in s.sampler_logprobs.iter().flatten().zip(b) {
+            let d = (*x as f64 - *y as f64).abs();
+            sum += d;
+            max = max.max(d);
+            n += 1;
+        }
+    }
+    (n > 0).then(|| (sum / n as f64, max))
+}
+
+impl RolloutMetrics {
+    /// The metrics of this batch of rollouts and of `o`, another batch of the same step.
+    pub fn merge(&mut self, o: &RolloutMetrics) {
+        let (a, b) = (self.answers as f64, o.answers as f64);
+        let n = (a + b).max(1.0);
+        let mean = |x: f64, y: f64| (x * a + y * b) / n;
+        let second =
+            mean(self.reward_std.powi(2) + self.reward_mean.powi(2), o.reward_std.powi(2) + o.reward_mean.powi(2));
+        let reward_mean = mean(self.reward_mean, o.reward_mean);
+        let time = self.generation_time + o.generation_time;
+        *self = RolloutMetrics {
+            reward_mean,
+            reward_std: (second - reward_mean.powi(2)).max(0.0).sqrt(),
+            mean_length: mean(self.mean_length, o.mean_length),
+            truncated_fraction: mean(self.truncated_fraction, o.truncated_fraction),
+            extract_rate: mean(self.extract_rate, o.extract_rate),
+            generation_time: time,
+            tokens_per_sec: (self.tokens_per_sec * self.generation_time + o.tokens_per_sec * o.generation_time)
+                / time.max(1e-9),
+            updates: self.updates.max(o.updates),
+            answers: self.answers + o.answers,
+            overlong_penalty: mean(self.overlong_penalty, o.overlong_penalty),
+            overlong_fraction: mean(self.overlong_fraction, o.overlong_fraction),
+            gen_batches: self.gen_batches + o.gen_batches,
+            groups_dropped: self.groups_dropped + o.groups_dropped,
+            server_cut: self.server_cut + o.server_cut,
+            logp_diff_mean: match (self.logp_diff_mean, o.logp_diff_mean) {
+                (Some(x), Some(y)) => Some(mean(x, y)),
+                (x, y) => x.or(y),
+            },
+            logp_diff_max: match (self.logp_diff_max, o.logp_diff_max) {
+                (Some(x), Some(y)) => Some(x.max(y)),
+                (x, y) => x.or(y),
+            },
+        };
+    }
 }
 
 /// The groups of `questions` with their answers replaced by `opts.sampled()` answers of `sampler` (plus
@@ -101,14 +177,17 @@ fn native_samples(
                 (FinishReason::Stop, Some(e)) => [g.tokens.as_slice(), &[e]].concat(),
                 _ => g.tokens,
             };
-            Ok(Sampled { tokens, text, finish: g.finish, generated })
+            let mut logprobs = g.logprobs;
+            logprobs.truncate(tokens.len());
+            Ok(Sampled { tokens, text, finish: g.finish, generated, sampler_logprobs: Some(logprobs) })
         })
         .collect()
 }
 
 /// The groups of `questions` with their answers replaced by `samples` (`opts.sampled()` per question, in
-/// question order; plus the first `opts.teacher_answers` teacher answers of each), scored, each sampled
-/// answer carrying the log-probs of its tokens under `sampler` (the weights that wrote it).
+/// question order; plus the first `opts.teacher_answers` teacher answers of each), scored (1 correct, 0
+/// not, plus the overlong penalty), each sampled answer carrying the log-probs of its tokens under
+/// `sampler` (the weights that wrote it).
 pub(super) fn score_groups(
     sampler: &Decoder,
     tok: &ChatTokenizer,
@@ -132,9 +211,12 @@ pub(super) fn score_groups(
         questions.iter().flat_map(|g| std::iter::repeat_n(g.prompt_tokens.clone(), k)).collect();
     let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.tokens.clone()).collect();
     let behaviour = behaviour_logprobs(sampler, &prompts, &responses, micro, tok.pad_id())?;
+    let logp_diff = logp_difference(&samples, &behaviour);
     let mut out = Vec::with_capacity(questions.len());
     let mut rewards = Vec::with_capacity(samples.len());
     let mut extracted = 0usize;
+    let penalties: Vec<f32> = samples.iter().map(|s| opts.overlong_penalty(s.generated)).collect();
+    let mut penalty = penalties.iter();
     let mut items = samples.iter().zip(behaviour);
     for q in questions {
         let mine: Vec<_> = items.by_ref().take(k).collect();
@@ -146,7 +228,7 @@ pub(super) fn score_groups(
             .zip(v.preds.into_iter().zip(v.correct))
             .map(|((s, logp), (answer, correct))| Response {
                 tokens: s.tokens.clone(),
-                reward: if correct { 1.0 } else { 0.0 },
+                reward: if correct { 1.0 } else { 0.0 } + penalty.next().copied().unwrap_or(0.0),
                 answer,
                 truncated: s.finish == FinishReason::Length,
                 teacher_logprobs: Some(logp),
@@ -168,6 +250,13 @@ pub(super) fn score_groups(
         tokens_per_sec: generated as f64 / gen_time.max(1e-9),
         server_cut: 0,
         updates: 0,
+        answers: samples.len(),
+        overlong_penalty: penalties.iter().map(|&p| p as f64).sum::<f64>() / n,
+        overlong_fraction: penalties.iter().filter(|&&p| p < 0.0).count() as f64 / n,
+        gen_batches: 1,
+        groups_dropped: 0,
+        logp_diff_mean: logp_diff.map(|d| d.0),
+        logp_diff_max: logp_diff.map(|d| d.1),
     };
     Ok((out, metrics))
 }

@@ -101,6 +101,8 @@ pub struct Sampled {
     pub text: String,
     pub finish: FinishReason,
     pub generated: usize,
+    /// The sampler's log-prob of each of `tokens`, when it reports them (the native sampler does).
+    pub sampler_logprobs: Option<Vec<f32>>,
 }
 
 /// A server's answer as a rollout sequence: the text re-tokenised with the policy's tokenizer, cut to
@@ -123,7 +125,7 @@ pub fn to_sampled(
         (FinishReason::Stop, Some(e)) => [ids.as_slice(), &[e]].concat(),
         _ => ids,
     };
-    Ok((Sampled { tokens, text, finish, generated }, cut))
+    Ok((Sampled { tokens, text, finish, generated, sampler_logprobs: None }, cut))
 }
 
 /// Collects the engine's samples per job.

@@ -87,6 +87,12 @@ fn rollouts_are_scored_and_carry_the_sampling_weights_log_probs() {
         }
     }
     assert_eq!(metrics.reward_mean, rewards.iter().sum::<f64>() / 12.0);
+    // The sampler's own log-probs (KV-cached decoding) against the training forward of the same weights:
+    // the same up to rounding.
+    let (mean, max) = (metrics.logp_diff_mean.unwrap(), metrics.logp_diff_max.unwrap());
+    assert!(mean < 1e-5 && max < 1e-4 && mean <= max, "sampler vs trainer log-probs: mean {mean}, max {max}");
+    let line = serde_json::to_value(&metrics).unwrap();
+    assert!(line["rollout/sampling_logp_difference_max"].is_number(), "{line}");
     // The same seed and step give the same rollouts; another step others.
     let (again, _) = sample_groups(&m, &tok, &qs, &opts, &p, 2).unwrap();
     assert_eq!(again, groups);
@@ -122,7 +128,7 @@ fn the_second_update_on_the_same_rollouts_has_a_real_ratio_and_clips() {
     assert_eq!(first.stats.clipped_tokens, 0);
     // Hand-computed: the ratios of the updated policy to the recorded behaviour, and PPO's clip rule.
     let (mut lo, mut hi, mut tokens) = (0usize, 0usize, 0usize);
-    let adv_cfg = AdvantageConfig { std_normalize: true, bias: 0.0 };
+    let adv_cfg = AdvantageConfig { std_normalize: true, bias: 0.0, batch_std: None };
     for g in &groups {
         let adv = group_advantages(&g.responses.iter().map(|r| r.reward).collect::<Vec<_>>(), &adv_cfg);
         for (r, a) in g.responses.iter().zip(&adv.advantages) {
@@ -284,6 +290,7 @@ fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
         })
         .collect();
     let (groups, metrics) = sample::score_groups(&m, &tok, &qs, &opts, samples, 3, std::time::Instant::now()).unwrap();
+    assert_eq!((metrics.logp_diff_mean, metrics.logp_diff_max), (None, None), "the server reported no log-probs");
     let answers: Vec<_> =
         groups.iter().flat_map(|g| g.responses.iter().zip(std::iter::repeat(&g.prompt_tokens))).collect();
     for ((r, prompt), (text, finish)) in answers.iter().zip(texts.iter().zip(finishes)) {
@@ -363,4 +370,90 @@ fn a_servers_answers_are_cut_to_max_new_tokens_and_counted() {
     let eos = tok.eos_ids().first().copied().unwrap();
     assert_eq!((samples[0].finish, samples[0].tokens.last()), (FinishReason::Stop, Some(&eos)));
     assert_eq!((samples[1].finish, samples[1].generated, samples[1].tokens.len()), (FinishReason::Length, 8, 8));
+}
+
+/// A scored batch of groups with these rewards (one group per list), as `draw` gives them.
+fn scored(rewards: &[&[f32]], first: usize) -> (Vec<Group>, RolloutMetrics) {
+    let mut qs = questions(&tokenizer(), rewards.len());
+    for (i, (g, r)) in qs.iter_mut().zip(rewards).enumerate() {
+        g.index = first + i;
+        g.responses = r
+            .iter()
+            .map(|&reward| Response { tokens: vec![3], reward, answer: None, truncated: false, teacher_logprobs: None })
+            .collect();
+    }
+    let answers = rewards.iter().map(|r| r.len()).sum();
+    let mean = rewards.iter().flat_map(|r| r.iter()).map(|&x| x as f64).sum::<f64>() / answers as f64;
+    (qs, RolloutMetrics { answers, reward_mean: mean, gen_batches: 1, ..Default::default() })
+}
+
+#[test]
+fn dynamic_sampling_refills_the_batch_with_groups_whose_rewards_differ() {
+    // Batch 0 keeps 1 of 3 groups, batch 1 keeps 1 more, batch 2 two: the first 3 kept are trained on.
+    let batches: [&[&[f32]]; 4] = [
+        &[&[1.0, 1.0], &[0.0, 1.0], &[0.0, 0.0]],
+        &[&[0.0, 0.0], &[1.0, 0.0], &[1.0, 1.0]],
+        &[&[0.5, 0.0], &[0.0, 1.0], &[1.0, 1.0]],
+        &[&[0.0, 1.0], &[0.0, 1.0], &[0.0, 1.0]],
+    ];
+    let mut asked = Vec::new();
+    let (groups, m) = fill_batch(3, 10, |k| {
+        asked.push(k);
+        Ok(scored(batches[k], 10 * k))
+    })
+    .unwrap();
+    assert_eq!(asked, vec![0, 1, 2], "sampling stops once the batch is full");
+    assert_eq!(groups.iter().map(|g| g.index).collect::<Vec<_>>(), vec![1, 11, 20]);
+    assert!(groups.iter().all(varied));
+    assert_eq!((m.gen_batches, m.groups_dropped, m.answers), (3, 5, 18));
+    // The merged reward mean is over every answer sampled: 9 of 18 rewards are 1, one is 0.5.
+    assert!((m.reward_mean - 9.5 / 18.0).abs() < 1e-12, "{}", m.reward_mean);
+}
+
+#[test]
+fn dynamic_sampling_stops_at_max_num_gen_batches() {
+    let mut calls = 0;
+    // Every group agrees: after the bound the last batch is trained on as it is.
+    let (groups, m) = fill_batch(2, 3, |k| {
+        calls += 1;
+        Ok(scored(&[&[1.0, 1.0], &[0.0, 0.0]], 10 * k))
+    })
+    .unwrap();
+    assert_eq!((calls, m.gen_batches, m.groups_dropped), (3, 3, 6));
+    assert_eq!(groups.iter().map(|g| g.index).collect::<Vec<_>>(), vec![20, 21]);
+    // One group kept in 2 batches: trained on alone.
+    let (groups, m) = fill_batch(2, 2, |k| Ok(scored(&[&[1.0, 1.0], &[k as f32, 0.0]], 10 * k))).unwrap();
+    assert_eq!((groups.len(), groups[0].index, m.gen_batches, m.groups_dropped), (1, 11, 2, 3));
+    // An error of a refill is the step's error.
+    let e =
+        fill_batch(
+            2,
+            5,
+            |k| if k == 0 { Ok(scored(&[&[1.0, 1.0]], 0)) } else { Err(RolloutError::Invalid("x".into())) },
+        );
+    assert!(e.is_err());
+}
+
+#[test]
+fn the_overlong_penalty_lowers_the_rewards_of_long_sampled_answers() {
+    let (m, tok) = (policy(3), tokenizer());
+    let qs = questions(&tok, 2);
+    let opts = RolloutOptions { overlong_buffer_len: 4, overlong_penalty_factor: 0.5, ..options(3, 6) };
+    let samples: Vec<_> = [1usize, 3, 6, 2, 5, 4]
+        .iter()
+        .map(|&n| server::Sampled {
+            tokens: vec![5; n],
+            text: "\\boxed{7}".into(),
+            finish: if n == 6 { crate::eval::FinishReason::Length } else { crate::eval::FinishReason::Stop },
+            generated: n,
+            sampler_logprobs: None,
+        })
+        .collect();
+    let (groups, metrics) = sample::score_groups(&m, &tok, &qs, &opts, samples, 3, std::time::Instant::now()).unwrap();
+    let rewards: Vec<f32> = groups.iter().flat_map(|g| g.responses.iter().map(|r| r.reward)).collect();
+    // Correct answers (1) minus 0.5 (L - 2) / 4 beyond 2 generated tokens.
+    let want = [1.0, 0.875, 0.5, 1.0, 0.625, 0.75];
+    assert!(rewards.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{rewards:?}");
+    assert!((metrics.overlong_fraction - 4.0 / 6.0).abs() < 1e-12);
+    assert!((metrics.overlong_penalty + 1.25 / 6.0).abs() < 1e-9, "{}", metrics.overlong_penalty);
 }

@@ -135,6 +135,17 @@ pub struct TrainSection {
     /// Make the frozen reference a copy of the policy every K steps, or at each epoch's end with
     /// "epoch" (seed 002). Default: never.
     pub reference_swap_every: Option<ReferenceSwap>,
+    /// Where the step metrics go besides metrics.jsonl (TRL's `report_to`): `["tensorboard"]` writes
+    /// them as TensorBoard event files under OUTPUT/tensorboard. Default: nowhere else.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub report_to: Vec<ReportTo>,
+}
+
+/// A logger the metrics are reported to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReportTo {
+    Tensorboard,
 }
 
 impl Default for TrainSection {
@@ -152,6 +163,7 @@ impl Default for TrainSection {
             save_dtype: None,
             log_every: 1,
             reference_swap_every: None,
+            report_to: Vec::new(),
         }
     }
 }

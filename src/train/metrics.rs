@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 
 use super::step::StepReport;
+use super::tensorboard::{scalars_of, EventWriter};
 use super::{io, write_atomic, TrainError, TrainerState};
 
 /// One line of metrics.jsonl.
@@ -29,6 +30,9 @@ pub struct StepMetrics {
     pub entropy: f64,
     #[serde(rename = "completions/mean_length")]
     pub mean_length: f32,
+    /// Answers left out of the loss for being cut at the token limit (objective.mask_truncated).
+    #[serde(rename = "completions/masked_truncated")]
+    pub masked_truncated: usize,
     pub num_tokens: usize,
     pub total_tokens: u64,
     /// The update was skipped (non-finite loss or gradient).
@@ -75,6 +79,7 @@ impl StepMetrics {
             clip_ratio: s.clipped_tokens as f64 / rt,
             entropy: s.entropy_sum / rt,
             mean_length: r.mean_response_length,
+            masked_truncated: r.masked_truncated,
             num_tokens: s.tokens,
             total_tokens: state.total_tokens,
             skipped: !report.applied,
@@ -115,16 +120,17 @@ impl StepMetrics {
     }
 }
 
-/// metrics.jsonl of a run, opened for appending.
+/// metrics.jsonl of a run, opened for appending, and its TensorBoard event file when reported there.
 pub struct MetricsLog {
     path: PathBuf,
     file: File,
+    tensorboard: Option<EventWriter>,
 }
 
 impl MetricsLog {
     /// Open OUTPUT/metrics.jsonl keeping the lines of steps up to `resumed_step` (those the resumed checkpoint
-    /// had seen; none for a fresh run).
-    pub fn open(out: &Path, resumed_step: Option<usize>) -> Result<Self, TrainError> {
+    /// had seen; none for a fresh run), and with `tensorboard` a new event file in OUTPUT/tensorboard.
+    pub fn open(out: &Path, resumed_step: Option<usize>, tensorboard: bool) -> Result<Self, TrainError> {
         let path = out.join("metrics.jsonl");
         let kept: String = std::fs::read_to_string(&path)
             .unwrap_or_default()
@@ -141,12 +147,20 @@ impl MetricsLog {
             .collect();
         write_atomic(&path, kept.as_bytes())?;
         let file = std::fs::OpenOptions::new().append(true).open(&path).map_err(io(&path))?;
-        Ok(Self { path, file })
+        let tb_dir = out.join("tensorboard");
+        let tensorboard =
+            if tensorboard { Some(EventWriter::create(&tb_dir, resumed_step).map_err(io(&tb_dir))?) } else { None };
+        Ok(Self { path, file, tensorboard })
     }
 
-    /// Append one line and flush it.
+    /// Append one line and flush it (and the same scalars to the event file).
     pub fn write(&mut self, m: &StepMetrics) -> Result<(), TrainError> {
-        let line = serde_json::to_string(m).map_err(|e| io(&self.path)(e.into()))?;
-        writeln!(self.file, "{line}").and_then(|()| self.file.flush()).map_err(io(&self.path))
+        let value = serde_json::to_value(m).map_err(|e| io(&self.path)(e.into()))?;
+        writeln!(self.file, "{value}").and_then(|()| self.file.flush()).map_err(io(&self.path))?;
+        if let Some(tb) = &mut self.tensorboard {
+            let path = tb.path().to_path_buf();
+            tb.scalars(m.step, &scalars_of(&value)).map_err(io(&path))?;
+        }
+        Ok(())
     }
 }

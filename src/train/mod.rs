@@ -18,6 +18,7 @@ mod resume;
 mod run_dir;
 pub mod step;
 mod summary;
+pub mod tensorboard;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -174,6 +175,25 @@ pub fn epoch_order(n: usize, seed: u64, epoch: usize, shuffle: bool) -> Vec<usiz
         order.shuffle(&mut rng);
     }
     order
+}
+
+/// Dynamic sampling's `k`-th batch of new questions at step `step` (rollout.filter_groups): `n` groups
+/// drawn at random from the whole source, a pure function of (seed, step, k), so a resumed run draws
+/// the same ones.
+fn refill(
+    dataset: &GroupSource,
+    n: usize,
+    seed: u64,
+    step: usize,
+    k: usize,
+) -> Result<Vec<data::Group>, crate::rollout::RolloutError> {
+    let mix = (step as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (k as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ mix);
+    let picks = rand::seq::index::sample(&mut rng, dataset.len(), n.min(dataset.len()));
+    picks
+        .into_iter()
+        .map(|i| dataset.group(i).map_err(|e| crate::rollout::RolloutError::Invalid(e.to_string())))
+        .collect()
 }
 
 /// The model folder to start from, creating the tiny model of the config when asked.
@@ -419,7 +439,9 @@ impl Run<'_> {
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
         let (report, rollout) = match &mut self.rollouts {
             Some(r) => {
-                let (report, m) = r.step(&self.policy, self.reference.as_ref(), &mut self.step, &groups, lr, ctx)?;
+                let mut more = |k: usize| refill(dataset, bq, cfg.train.seed, state.step, k);
+                let reference = self.reference.as_ref();
+                let (report, m) = r.step(&self.policy, reference, &mut self.step, &groups, &mut more, lr, ctx)?;
                 (report, Some(m))
             }
             None => {
@@ -784,7 +806,8 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
     };
     let resumed_from_step = resume_from.is_some().then_some(state.step);
-    let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step)?) } else { None };
+    let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
+    let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step, tensorboard)?) } else { None };
     let mut outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
     if !primary {
         return Ok(outcome);

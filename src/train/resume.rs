@@ -33,6 +33,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "train.keep_last",
     "train.max_bad_steps",
     "train.save_dtype",
+    "train.report_to",
     "validation.every_steps",
     "validation.batch_size",
 ];

@@ -16,9 +16,7 @@ use crate::objective::{Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, To
 /// live here between steps.
 pub struct TrainStep {
     objective: Box<dyn Objective>,
-    loss_agg: LossAgg,
-    /// The length normaliser of `seq-mean-token-sum-norm` (the response-token limit).
-    norm_len: usize,
+    aggregation: Aggregation,
     micro_batch: usize,
     pad: u32,
     grad_clip: f64,
@@ -87,8 +85,7 @@ impl TrainStep {
     ) -> candle_core::Result<Self> {
         Ok(Self {
             objective: objective.build(),
-            loss_agg: objective.loss_agg(),
-            norm_len,
+            aggregation: Aggregation::of(objective, norm_len),
             micro_batch: micro_batch.max(1),
             pad,
             grad_clip: optim.grad_clip,
@@ -200,7 +197,7 @@ impl TrainStep {
             }
         }
         let anchor = Anchors { reference, snapshot: self.snapshot.as_ref() };
-        let mut batch = build_batch(groups, self.objective.as_ref(), self.loss_agg, self.norm_len, ctx);
+        let mut batch = build_batch(groups, self.objective.as_ref(), self.aggregation, ctx);
         // The weights carry the global batch's normaliser: each rank keeps its groups' answers.
         batch.seqs.retain(|s| self.world.owns_group(s.origin.0));
         let (mut grads, mut stats) =
@@ -251,6 +248,8 @@ pub struct RewardSummary {
     pub frac_reward_zero_std: f32,
     pub frac_bias_applied: f32,
     pub mean_response_length: f32,
+    /// Answers left out of the loss for being cut at the token limit (`mask_truncated`).
+    pub masked_truncated: usize,
 }
 
 /// The sequences of a step and the reward statistics of its groups.
@@ -260,20 +259,35 @@ struct StepBatch {
     rewards: RewardSummary,
 }
 
-/// Turn groups into sequences with advantages and batch-wide aggregation weights.
-fn build_batch(
-    groups: &[Group],
-    objective: &dyn Objective,
+/// How a batch's per-token losses are aggregated, and which answers take part.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Aggregation {
     agg: LossAgg,
+    /// The constant of `seq-mean-token-sum-norm`.
     norm_len: usize,
-    ctx: StepContext,
-) -> StepBatch {
+    /// Answers cut at the token limit are left out of the loss.
+    mask_truncated: bool,
+}
+
+impl Aggregation {
+    /// `cfg`'s aggregation, `norm_len` the run's response-token limit (seq-mean-token-sum-norm's
+    /// constant unless `loss_scale_factor` says otherwise).
+    fn of(cfg: &ObjectiveConfig, norm_len: usize) -> Self {
+        Self { agg: cfg.loss_agg(), norm_len: cfg.loss_scale_factor(norm_len), mask_truncated: cfg.mask_truncated() }
+    }
+}
+
+/// Turn groups into sequences with advantages and batch-wide aggregation weights.
+fn build_batch(groups: &[Group], objective: &dyn Objective, aggregation: Aggregation, ctx: StepContext) -> StepBatch {
     let mut seqs = Vec::new();
     let mut include = Vec::new();
     let (mut reward_sum, mut std_sum, mut zero_std, mut biased) = (0f64, 0f64, 0usize, 0usize);
+    let all_rewards: Vec<f32> = groups.iter().flat_map(|g| g.responses.iter().map(|r| r.reward)).collect();
+    let batch_reward_std = crate::objective::RewardStats::of(&all_rewards).std;
+    let mut masked_truncated = 0usize;
     for (gi, g) in groups.iter().enumerate() {
         let rewards: Vec<f32> = g.responses.iter().map(|r| r.reward).collect();
-        let key = GroupKey { seed: ctx.seed, epoch: ctx.epoch, question: &g.question_id };
+        let key = GroupKey { seed: ctx.seed, epoch: ctx.epoch, question: &g.question_id, batch_reward_std };
         let adv = objective.advantages(&rewards, &key);
         std_sum += adv.rewards.std;
         zero_std += usize::from(adv.rewards.std == 0.0);
@@ -289,11 +303,13 @@ fn build_batch(
                 advantage: a,
                 weight: 0.0,
             });
-            include.push(i && !r.tokens.is_empty());
+            let masked = aggregation.mask_truncated && r.truncated;
+            masked_truncated += usize::from(masked);
+            include.push(i && !r.tokens.is_empty() && !masked);
         }
     }
     let lengths: Vec<usize> = seqs.iter().map(|s| s.response.len()).collect();
-    let weights = agg.weights(&lengths, &include, norm_len);
+    let weights = aggregation.agg.weights(&lengths, &include, aggregation.norm_len);
     for (s, w) in seqs.iter_mut().zip(weights) {
         s.weight = w;
     }
@@ -307,6 +323,7 @@ fn build_batch(
         frac_reward_zero_std: zero_std as f32 / q,
         frac_bias_applied: biased as f32 / q,
         mean_response_length: lengths.iter().sum::<usize>() as f32 / responses.max(1) as f32,
+        masked_truncated,
     };
     StepBatch { seqs: seqs.into_iter().zip(include).filter(|(_, i)| *i).map(|(s, _)| s).collect(), rewards }
 }
@@ -618,6 +635,13 @@ mod tests {
             ObjectiveConfig { beta2: Some(0.05), ..oc(ObjectiveName::Oapl) },
             ObjectiveConfig { anchor: Some(Anchor::Teacher), ..oc(ObjectiveName::Oapl) },
             kl(ObjectiveConfig { loss_agg: Some(LossAgg::SeqMeanTokenSumNorm), ..oc(ObjectiveName::Sft) }),
+            kl(ObjectiveConfig { anchor: Some(Anchor::Reference), ..oc(ObjectiveName::Cispo) }),
+            ObjectiveConfig {
+                anchor: Some(Anchor::Snapshot),
+                clip_ratio_c: Some(1.5),
+                scale_rewards: Some(crate::objective::ScaleRewards::Batch),
+                ..oc(ObjectiveName::Grpo)
+            },
         ]
     }
 
@@ -645,7 +669,7 @@ mod tests {
             oc.validate().unwrap();
             let obj = oc.build();
             let name = format!("{oc:?}");
-            let batch = build_batch(&groups, obj.as_ref(), oc.loss_agg(), 32, ctx);
+            let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
             let (g1, s1) = compute_gradients(&policy, anchors, obj.as_ref(), &batch, usize::MAX, 0).unwrap();
             assert!(s1.loss.is_finite() && s1.loss != 0.0, "{name}: loss {}", s1.loss);
             for micro in [1, 2, 4] {
@@ -696,7 +720,7 @@ mod tests {
         let mut checked = 0;
         for oc in every_objective().into_iter().filter(|o| o.build().needs_reference()) {
             let obj = oc.build();
-            let batch = build_batch(&groups, obj.as_ref(), oc.loss_agg(), 32, ctx);
+            let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
             for (micro, tol) in [(1, 0.0), (3, 1e-5)] {
                 let (ga, sa) = compute_gradients(&policy, on_the_fly, obj.as_ref(), &batch, micro, 0).unwrap();
                 let (gb, sb) = compute_gradients(&policy, from_cache, obj.as_ref(), &batch, micro, 0).unwrap();
@@ -718,7 +742,7 @@ mod tests {
         let short: Vec<Vec<Vec<f32>>> = vec![vec![vec![-1.0]; 4]; 2];
         let anchors = Anchors { reference: Reference::Logprobs(&short), snapshot: None };
         let kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
-        let batch = build_batch(&groups, kl.build().as_ref(), kl.loss_agg(), 32, ctx);
+        let batch = build_batch(&groups, kl.build().as_ref(), Aggregation::of(&kl, 32), ctx);
         let e = compute_gradients(&policy, anchors, kl.build().as_ref(), &batch, 2, 0).err().map(|e| e.to_string());
         assert!(e.as_ref().is_some_and(|e| e.contains("1 values for")), "{e:?}");
     }
@@ -751,6 +775,10 @@ mod tests {
         assert!(step.needs_reference());
         let report = step.run(&policy, Some(&reference), &groups, 1e-2).unwrap();
         assert!(report.applied && report.stats.kl == 0.0 && report.stats.loss > 0.0);
+    }
+
+    fn plain(agg: LossAgg) -> Aggregation {
+        Aggregation { agg, norm_len: 0, mask_truncated: false }
     }
 
     fn params(m: &Decoder) -> Vec<Vec<f32>> {
@@ -794,7 +822,7 @@ mod tests {
         let obj = oc(ObjectiveName::RedDrop).build();
         let groups = vec![group(0, &[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]), group(1, &[1.0, 1.0, 0.0, 1.0])];
         let kept = |ctx: StepContext| {
-            let b = build_batch(&groups, obj.as_ref(), LossAgg::TokenMean, 0, ctx);
+            let b = build_batch(&groups, obj.as_ref(), plain(LossAgg::TokenMean), ctx);
             b.seqs.iter().map(|s| (s.response.clone(), s.advantage)).collect::<Vec<_>>()
         };
         let a = kept(StepContext { seed: 1, epoch: 0, step: 0 });
@@ -811,11 +839,38 @@ mod tests {
     }
 
     #[test]
+    fn mask_truncated_and_batch_scaling_act_on_the_whole_batch() {
+        let mut groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0, 1.0, 1.0, 0.0])];
+        groups[0].responses[0].truncated = true;
+        groups[1].responses[3].truncated = true;
+        let cfg = ObjectiveConfig {
+            mask_truncated: Some(true),
+            scale_rewards: Some(crate::objective::ScaleRewards::Batch),
+            loss_agg: Some(LossAgg::TokenMean),
+            ..oc(ObjectiveName::Grpo)
+        };
+        let b = build_batch(&groups, cfg.build().as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
+        assert_eq!((b.seqs.len(), b.rewards.masked_truncated), (6, 2));
+        assert!(b.seqs.iter().all(|s| s.origin != (0, 0) && s.origin != (1, 3)));
+        // The cut answers still count in their group's advantages: group 1's mean is 0.75, and the std is
+        // that of all 8 rewards (5 ones, 3 zeros).
+        let batch_std = (5.0f64 * 0.375f64.powi(2) + 3.0 * 0.625f64.powi(2)) / 7.0;
+        let a = b.seqs.iter().find(|s| s.origin == (1, 0)).unwrap().advantage as f64;
+        assert!((a - 0.25 / (batch_std.sqrt() + 1e-6)).abs() < 1e-5, "{a}");
+        // Token-mean over the kept answers' tokens only.
+        let tokens: usize = b.seqs.iter().map(|s| s.response.len()).sum();
+        assert!(b.seqs.iter().all(|s| (s.weight - 1.0 / tokens as f32).abs() < 1e-9));
+        let off = ObjectiveConfig { loss_agg: Some(LossAgg::TokenMean), ..oc(ObjectiveName::Grpo) };
+        let b = build_batch(&groups, off.build().as_ref(), Aggregation::of(&off, 32), StepContext::default());
+        assert_eq!((b.seqs.len(), b.rewards.masked_truncated), (8, 0));
+    }
+
+    #[test]
     fn batch_statistics_and_weights() {
         let oc = ObjectiveConfig { bias: 0.5, ..Default::default() };
         let obj = oc.build();
         let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0; 4])];
-        let b = build_batch(&groups, obj.as_ref(), LossAgg::SeqMeanTokenMean, 0, StepContext::default());
+        let b = build_batch(&groups, obj.as_ref(), plain(LossAgg::SeqMeanTokenMean), StepContext::default());
         assert_eq!(b.seqs.len(), 8);
         assert!((b.rewards.reward_mean - 0.75).abs() < 1e-6);
         assert_eq!(b.rewards.frac_bias_applied, 0.5);
