@@ -14,6 +14,8 @@
 //! - [`eval`]: benchmarks, batched generation and their scores.
 //! - [`device`]: the device's name and its peak memory.
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`selftest`]: the fused kernels, a training step and a generation on a device against the CPU
+//!   reference (`grpo selftest`).
 //! - [`plot`]: figures (training curves of run folders).
 //! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
@@ -32,4 +34,5 @@ pub mod plot;
 pub mod progress;
 pub mod reward;
 pub mod rollout;
+pub mod selftest;
 pub mod train;

@@ -9,6 +9,7 @@ mod init_tiny;
 mod logprobs;
 mod plot;
 mod score;
+mod selftest;
 mod train;
 
 /// Off-policy GRPO post-training of open LLMs for mathematical reasoning.
@@ -48,6 +49,9 @@ pub enum Command {
     /// line per measurement.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Check a device before using it: every fused kernel, one training step and one generation of a
+    /// tiny model against the CPU reference; prints a table and fails when any check fails.
+    Selftest(selftest::Args),
 }
 
 /// Set up `tracing` output on stderr.
@@ -75,5 +79,6 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Plot(args) => plot::run(args),
+        Command::Selftest(args) => selftest::run(args),
     }
 }
