@@ -19,6 +19,11 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
+    // The kernels use bf16 arithmetic: compute capability 8.0 and up (docs/cuda.md).
+    assert!(
+        cap.parse::<u32>().is_ok_and(|c| c >= 80),
+        "CUDA_COMPUTE_CAP={cap}: the kernels need compute capability 8.0 or newer (80, 86, 89, 90, ...)"
+    );
     let nvcc = ["CUDA_HOME", "CUDA_ROOT"]
         .iter()
         .filter_map(std::env::var_os)

@@ -16,6 +16,8 @@
 //! - [`device`]: the device's name and its peak memory.
 //! - [`dist`]: data parallelism over several processes (ranks) and their collectives (MPI).
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`selftest`]: the fused kernels, a training step and a generation on a device against the CPU
+//!   reference (`grpo selftest`).
 //! - [`plot`]: figures (training curves of run folders).
 //! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
@@ -36,4 +38,5 @@ pub mod plot;
 pub mod progress;
 pub mod reward;
 pub mod rollout;
+pub mod selftest;
 pub mod train;

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements of grpo, in one invocation, on a machine with an NVIDIA GPU (builds nothing):
+#   0. `grpo selftest --device cuda:0`: every fused kernel, one training step and one generation of a tiny
+#      model against the CPU reference, as a table (what a user runs first on a new machine);
 #   1. the CUDA kernels' correctness tests against their CPU reference (tests/cuda_ops.rs), and the smoke
 #      run of the README (`grpo train` on configs/smoke.toml, then `grpo eval` of its model) on the GPU
 #      in bf16;
@@ -15,7 +17,7 @@
 #      2048 + 4096 and 2048 + 16384 tokens: the measured peak device memory beside `grpo train --plan`'s.
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: tests smoke logprob generate train seed7b (default: all but
+#   scripts/gpu/run.sh [PART...]      PART: selftest tests smoke logprob generate train seed7b (default: all but
 #                                     seed7b, which needs an 80 GB card and ~100 GB of host memory)
 #
 # env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
@@ -66,7 +68,7 @@ SEED_MEMORY=${SEED_MEMORY:-80GiB}
 DEVICE=${DEVICE:-cuda:0}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(tests smoke logprob generate train)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(selftest tests smoke logprob generate train)
 
 # The binary links cuBLAS/cuRAND/cudart 13 and finds no RUNPATH: point the loader at them.
 if [ -z "${LD_LIBRARY_PATH:-}" ] || ! ldconfig -p | grep -q libcublas.so.13; then
@@ -96,6 +98,13 @@ measure() {
 SHAPES=scripts/gpu/shapes
 for part in "${PARTS[@]}"; do
     case $part in
+    selftest)
+        log="$OUTDIR/gpu-selftest.txt"
+        if timeout "$LIMIT" "$BIN" -q selftest --device "$DEVICE" >"$log" 2>&1; then ok=true; else ok=false; fi
+        cat "$log"
+        n=$(grep -c '  pass  ' "$log")
+        echo "{\"bench\": \"correctness\", \"what\": \"grpo selftest --device $DEVICE\", \"passed\": $ok, \"tests_ok\": $n}" | tee -a "$RES"
+        ;;
     tests)
         log="$OUTDIR/gpu-tests.txt"
         # A GPU that does not open fails the tests here rather than skipping them.
@@ -194,7 +203,7 @@ PYEOF
         done
         ;;
     *)
-        echo "unknown part $part (tests smoke logprob generate train seed7b)" >&2
+        echo "unknown part $part (selftest tests smoke logprob generate train seed7b)" >&2
         exit 2
         ;;
     esac

@@ -9,6 +9,7 @@ mod init_tiny;
 mod logprobs;
 mod plot;
 mod score;
+mod selftest;
 mod train;
 
 /// Off-policy GRPO post-training of open LLMs for mathematical reasoning.
@@ -49,6 +50,9 @@ pub enum Command {
     /// line per measurement.
     #[command(subcommand)]
     Bench(bench::BenchCommand),
+    /// Check a device before using it: every fused kernel, one training step and one generation of a
+    /// tiny model against the CPU reference; prints a table and fails when any check fails.
+    Selftest(selftest::Args),
 }
 
 /// Set up `tracing` output on stderr.
@@ -107,6 +111,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Eval(args) => eval::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Plot(args) => plot::run(args),
+        Command::Selftest(args) => selftest::run(args),
     }
 }
 

@@ -11,12 +11,17 @@
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
 use super::rows::{row_grad, row_stats};
+use crate::device::CUDA_MAX_ELEMENTS;
 
 /// Default memory budget for one chunk of logits, counted as f32 (`rows = budget / (4 vocab)`).
 pub const LOGPROB_CHUNK_BYTES: usize = 64 << 20;
 
+/// Rows of one chunk: as many as `budget_bytes` of f32 logits hold, at most 65,536, and never more than
+/// candle's CUDA kernels can index in one tensor ([`CUDA_MAX_ELEMENTS`]: a budget past 16 GiB would
+/// otherwise make chunks of more than 2^32 logits, which they would silently cover only in part).
 fn chunk_rows(vocab: usize, budget_bytes: usize) -> usize {
-    (budget_bytes / (vocab.max(1) * 4)).clamp(1, 1 << 16)
+    let vocab = vocab.max(1);
+    (budget_bytes / (vocab * 4)).min(CUDA_MAX_ELEMENTS / vocab).clamp(1, 1 << 16)
 }
 
 /// Row ranges `(start, len)` of the chunks of `n` rows.
@@ -228,6 +233,24 @@ mod tests {
             let fd = (f(hidden.as_tensor(), &wp) - f(hidden.as_tensor(), &wm)) / (2.0 * eps as f64);
             assert!((fd - gw[idx] as f64).abs() < 2e-3, "d/dw[{idx}]: fd {fd} vs autograd {}", gw[idx]);
         }
+    }
+
+    #[test]
+    fn chunks_stay_within_the_cuda_element_limit() {
+        assert_eq!(chunk_rows(151_936, LOGPROB_CHUNK_BYTES), 110);
+        // 64 GiB of logits asked for: 65,536 rows of 151,936 would be 9.96e9 logits.
+        let rows = chunk_rows(151_936, 64 << 30);
+        assert!(rows * 151_936 <= CUDA_MAX_ELEMENTS && (rows + 1) * 151_936 > CUDA_MAX_ELEMENTS, "{rows}");
+        let covered: usize = chunks(70_000, 151_936, usize::MAX)
+            .map(|(s, len)| {
+                assert!(len * 151_936 <= CUDA_MAX_ELEMENTS);
+                s + len
+            })
+            .max()
+            .unwrap();
+        assert_eq!(covered, 70_000);
+        // A vocabulary past the limit still gets one row at a time.
+        assert_eq!(chunk_rows(CUDA_MAX_ELEMENTS + 1, 1 << 20), 1);
     }
 
     #[test]

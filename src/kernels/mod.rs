@@ -35,3 +35,9 @@ pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BY
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};
+
+/// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
+#[cfg(feature = "cuda")]
+pub fn ptx() -> &'static str {
+    cuda::ROWS.ptx
+}

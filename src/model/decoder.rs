@@ -306,6 +306,32 @@ pub struct Decoder {
     pub options: DecoderOptions,
 }
 
+/// The largest tensors one layer makes for `b` rows of `t` new tokens over `s` keys, with how to make
+/// them smaller: `(what, elements, hint)`. On CUDA each must stay within what candle's kernels index
+/// ([`crate::device::CUDA_MAX_ELEMENTS`]); the `[B, H, T, S]` scores exist only without flash attention.
+fn layer_sizes(
+    cfg: &ModelConfig,
+    b: usize,
+    t: usize,
+    s: usize,
+    flash: bool,
+) -> Vec<(&'static str, usize, &'static str)> {
+    let width = cfg.intermediate_size.max(cfg.hidden_size).max(cfg.num_heads * cfg.head_dim);
+    let mut out = vec![(
+        "a layer's activations [rows, tokens, intermediate]",
+        b * t * width,
+        "put fewer tokens in one forward (a smaller micro-batch, shorter sequences or fewer generated rows)",
+    )];
+    if !flash {
+        out.push((
+            "the attention scores [rows, heads, tokens, keys]",
+            b * cfg.num_heads * t * s,
+            "use flash attention (model.attention = \"flash\" with fused ops) or fewer tokens per forward",
+        ));
+    }
+    out
+}
+
 /// Names of the parameters of `cfg`, in a fixed order, with their shapes.
 pub fn parameter_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
@@ -594,6 +620,9 @@ impl Decoder {
         // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
         // cache views as they are, where flash attention would copy them into contiguous tensors.
         let flash = self.options.attention == Attention::Flash && t > 1;
+        for (what, n, hint) in layer_sizes(cfg, b, t, k.dim(2)?, fused && flash) {
+            crate::device::check_elements(&self.device, what, n, hint)?;
+        }
         let attn = match (fused, flash) {
             (true, true) => flash_attention(&q, &k, &v, ranges, scale)?,
             (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
@@ -851,6 +880,8 @@ impl Decoder {
     /// Logits of every position `[B, T, V]` (f32) without a cache: the reference that cached generation
     /// is tested against. Memory grows with T x V: meant for short inputs.
     pub fn full_logits(&self, batch: &TokenBatch) -> candle_core::Result<Tensor> {
+        let logits = batch.rows() * batch.width() * self.cfg.vocab_size;
+        crate::device::check_elements(&self.device, "the logits [rows, tokens, vocab]", logits, "score fewer tokens")?;
         let x = self.run_layers(batch, false)?;
         let h = rms_norm(&x, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         let (b, t, hs) = h.dims3()?;
@@ -907,6 +938,23 @@ mod tests {
 
     fn values(t: &Tensor) -> Vec<f32> {
         t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    #[test]
+    fn layer_sizes_flag_what_candle_cannot_index_on_cuda() {
+        use crate::device::CUDA_MAX_ELEMENTS;
+        let cfg =
+            ModelConfig::from_file(std::path::Path::new("configs/models/qwen2.5-7b-instruct.config.json")).unwrap();
+        let over = |b, t, s, flash| -> Vec<&str> {
+            layer_sizes(&cfg, b, t, s, flash).into_iter().filter(|x| x.1 > CUDA_MAX_ELEMENTS).map(|x| x.0).collect()
+        };
+        // 7B (28 heads, intermediate 18,944) at 16k tokens: flash fits; the score matrix (7.5e9) does not.
+        assert!(over(1, 16_384, 16_384, true).is_empty());
+        assert_eq!(over(1, 16_384, 16_384, false), ["the attention scores [rows, heads, tokens, keys]"]);
+        // 128 prompts of 2048 tokens in one prefill: 5e9 MLP activations.
+        assert_eq!(over(128, 2048, 2048, true), ["a layer's activations [rows, tokens, intermediate]"]);
+        // A decode step over a long cache stays small.
+        assert!(over(256, 1, 32_768, false).is_empty());
     }
 
     #[test]

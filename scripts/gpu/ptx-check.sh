@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# The project's CUDA kernels (kernels/*.cu) through nvcc and ptxas for the oldest and the newest compute
+# capability the README promises (sm_80, sm_90), as build.rs compiles them (`nvcc --ptx -O3 -std=c++17
+# -arch=compute_XX`), then `ptxas -v -arch=sm_XX` on each PTX. Fails when any function
+#   - spills registers (spill stores or loads above 0 bytes), or uses a stack frame;
+#   - uses more static shared memory than a block may have without opting in (48 KiB); the kernels that
+#     take dynamic shared memory (flash attention) get at most MAX_DYNAMIC_SMEM more from the host
+#     (src/kernels/flash_attention.rs keeps its tiles within 48 KiB), and static + dynamic must fit too;
+#   - needs more registers than a block of its largest size can have (64 Ki 32-bit registers per block:
+#     registers x threads, threads = the kernel's __launch_bounds__ (`.maxntid`) or else 1024), which a
+#     launch would refuse with "too many resources requested";
+# and when the PTX does not target the architecture asked for (`.target sm_XX`) or uses a PTX ISA newer
+# than 9.0 (what driver 580, CUDA 13.0, JIT-compiles).
+#
+#   scripts/gpu/ptx-check.sh            # nvcc from $CUDA_HOME/bin or PATH (see ../shared/scripts/cuda-toolchain.sh)
+#
+# env: ARCHS (default "80 90"), SOURCES (default kernels/*.cu), KEEP (a folder to keep the PTX and ptxas
+#      logs in).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+NVCC=${CUDA_HOME:+$CUDA_HOME/bin/}nvcc
+PTXAS=${CUDA_HOME:+$CUDA_HOME/bin/}ptxas
+ARCHS=${ARCHS:-80 90}
+SOURCES=${SOURCES:-kernels/*.cu}
+STATIC_SMEM_LIMIT=$((48 << 10))
+MAX_DYNAMIC_SMEM=$((48 << 10))
+MAX_PTX_ISA=9.0
+work=${KEEP:-$(mktemp -d)}
+mkdir -p "$work"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
+
+fail=0
+for arch in $ARCHS; do
+    for src in $SOURCES; do
+        stem=$(basename "$src" .cu)
+        ptx="$work/$stem.sm_$arch.ptx"
+        log="$work/$stem.sm_$arch.ptxas.txt"
+        "$NVCC" --ptx -O3 -std=c++17 "-arch=compute_$arch" -o "$ptx" "$src"
+        "$PTXAS" -v "-arch=sm_$arch" -o /dev/null "$ptx" >"$log" 2>&1 || { cat "$log"; fail=1; continue; }
+        target=$(sed -n 's/^\.target[[:space:]]*\([a-z0-9_]*\).*/\1/p' "$ptx")
+        if [ "$target" != "sm_$arch" ]; then
+            echo "FAIL $src: PTX targets '$target', expected sm_$arch"
+            fail=1
+        fi
+        isa=$(sed -n 's/^\.version[[:space:]]*\([0-9.]*\).*/\1/p' "$ptx")
+        if ! awk -v a="$isa" -v b="$MAX_PTX_ISA" 'BEGIN { split(a, x, "."); split(b, y, "."); exit !(x[1] < y[1] || (x[1] == y[1] && x[2] <= y[2])) }'; then
+            echo "FAIL $src: PTX ISA $isa is newer than $MAX_PTX_ISA (driver 580 cannot JIT it)"
+            fail=1
+        fi
+        # `.maxntid N` of each entry (its __launch_bounds__), else 1024.
+        maxntid=$(awk '/\.entry/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f) }
+                       /\.maxntid/ && f != "" { n = $2; gsub(/[^0-9]/, "", n); print f, n; f = "" }' "$ptx")
+        # One line per function: name spill-stores spill-loads stack registers static-smem threads.
+        awk -v arch="$arch" -v src="$src" -v smem_limit="$STATIC_SMEM_LIMIT" -v dyn="$MAX_DYNAMIC_SMEM" \
+            -v maxntid="$maxntid" -v dynsrc="$(grep -l 'extern __shared__' "$src" || true)" '
+            BEGIN { n = split(maxntid, a, /[[:space:]\n]+/); for (i = 1; i + 1 <= n; i += 2) threads[a[i]] = a[i + 1] }
+            /Function properties for/ { f = $NF; gsub(/'"'"'/, "", f) }
+            /bytes stack frame/ { stack[f] = $1; st[f] = $5; ld[f] = $9 }
+            /Used [0-9]+ registers/ {
+                match($0, /Used [0-9]+ registers/); r = substr($0, RSTART + 5, RLENGTH - 15) + 0
+                s = 0; if (match($0, /[0-9]+ bytes smem/)) s = substr($0, RSTART, RLENGTH - 11) + 0
+                regs[f] = r; smem[f] = s
+            }
+            END {
+                bad = 0
+                for (f in stack) {
+                    t = (f in threads) ? threads[f] : 1024
+                    d = (dynsrc != "") ? dyn : 0
+                    msg = ""
+                    if (st[f] + 0 > 0 || ld[f] + 0 > 0) msg = msg sprintf(" spills (%s B stores, %s B loads);", st[f], ld[f])
+                    if (stack[f] + 0 > 0) msg = msg sprintf(" stack frame of %s B;", stack[f])
+                    if (smem[f] + d > smem_limit) msg = msg sprintf(" shared memory %d B static + %d B dynamic > %d B;", smem[f], d, smem_limit)
+                    if (regs[f] * t > 65536) msg = msg sprintf(" %d registers x %d threads > 65536;", regs[f], t)
+                    if (msg != "") { printf "FAIL %s sm_%s %s:%s\n", src, arch, f, msg; bad = 1 }
+                    else printf "ok   sm_%s %-22s %3d regs x %4d threads, %5d B smem%s\n", arch, f, regs[f], t, smem[f], (d ? sprintf(" + <= %d B dynamic", d) : "")
+                }
+                exit bad
+            }' "$log" | sort -k3 || fail=1
+    done
+done
+if [ "$fail" -ne 0 ]; then
+    echo "ptx-check: FAILED"
+    exit 1
+fi
+echo "ptx-check: every kernel of kernels/*.cu fits sm_${ARCHS// /, sm_} without spills"

@@ -1,0 +1,336 @@
+//! The fused ops of [`crate::kernels`] on a device against their composite references on the CPU.
+//!
+//! Each check draws seeded inputs in f32, rounds them to the dtype under test, runs the op on the device
+//! in that dtype (forward, then the backward of `sum(y * up)`), and runs the composite reference on the
+//! CPU in f32 from the same rounded inputs: what remains is the op's own error. The shapes are those
+//! where kernels go wrong: rows that are not a multiple of a block, a real 151,936-token vocabulary,
+//! grouped-query heads, packed segments, clipped key ranges, a decode step over a cache, every head-dim
+//! tile of flash attention.
+
+use candle_core::{DType, Device, Result, Tensor, Var, D};
+use rand::{Rng, SeedableRng};
+
+use super::Part;
+use crate::kernels::{
+    flash_attention, logprobs_entropy, logprobs_entropy_reference, masked_softmax, masked_softmax_reference,
+    matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad, row_stats,
+};
+
+/// One kernel check: `run(device, dtype)` gives the error of each compared part.
+pub struct KernelCheck {
+    pub op: &'static str,
+    pub run: fn(&Device, DType) -> Result<Vec<Part>>,
+    /// The tolerance of every part in a dtype.
+    pub tolerance: fn(DType) -> f32,
+}
+
+/// Every fused op, in the order of the table.
+pub const CHECKS: &[KernelCheck] = &[
+    KernelCheck { op: "row_stats", run: row_stats_check, tolerance: exact_inputs },
+    KernelCheck { op: "row_grad", run: row_grad_check, tolerance: rounded_output },
+    KernelCheck { op: "rms_normalize", run: rms_normalize_check, tolerance: rounded_output },
+    KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
+    KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
+    KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
+    KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
+];
+
+/// Ops whose output is f32 from f32 sums (row statistics): only the order of the sums differs.
+fn exact_inputs(_: DType) -> f32 {
+    1e-5
+}
+
+/// Ops that compute in f32 and round their output (and the incoming gradient) to the dtype: a few units
+/// of its rounding error, relative to the largest value.
+fn rounded_output(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 2e-2,
+        DType::F16 => 3e-3,
+        _ => 1e-4,
+    }
+}
+
+/// The log-prob op: its logits come out of a matmul in the dtype, rounded there before the row sums.
+fn rounded_matmul(dtype: DType) -> f32 {
+    match dtype {
+        DType::BF16 => 5e-2,
+        DType::F16 => 1e-2,
+        _ => 1e-4,
+    }
+}
+
+/// Seeded uniform values in `[-scale, scale)`, f32 on the CPU.
+fn uniform(rng: &mut impl Rng, shape: &[usize], scale: f32) -> Result<Tensor> {
+    let n = shape.iter().product();
+    Tensor::from_vec((0..n).map(|_| rng.gen_range(-scale..scale)).collect::<Vec<f32>>(), shape, &Device::Cpu)
+}
+
+/// `x` rounded to `dtype` and back to f32: what the device computes from.
+fn rounded(x: &Tensor, dtype: DType) -> Result<Tensor> {
+    x.to_dtype(dtype)?.to_dtype(DType::F32)
+}
+
+/// `op` on `inputs` (as variables of `dtype` on `device`): its output and the gradients of
+/// `sum(y * up)` with respect to each input, all as f32 on the CPU.
+fn forward_backward(
+    device: &Device,
+    dtype: DType,
+    inputs: &[&Tensor],
+    up: &Tensor,
+    op: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<(Tensor, Vec<Tensor>)> {
+    let vars =
+        inputs.iter().map(|x| Var::from_tensor(&x.to_dtype(dtype)?.to_device(device)?)).collect::<Result<Vec<_>>>()?;
+    let y = op(&vars.iter().map(|v| v.as_tensor().clone()).collect::<Vec<_>>())?;
+    let loss = (y.to_dtype(DType::F32)? * up.to_device(device)?)?.sum_all()?;
+    let grads = loss.backward()?;
+    let cpu = |t: &Tensor| t.to_device(&Device::Cpu)?.to_dtype(DType::F32);
+    let g = vars
+        .iter()
+        .map(|v| match grads.get(v.as_tensor()) {
+            Some(g) => cpu(g),
+            None => candle_core::bail!("no gradient reached an input"),
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok((cpu(&y)?, g))
+}
+
+/// The op on the device in `dtype` and the reference on the CPU in f32, from the same rounded inputs
+/// and upstream gradient: `[fwd, bwd]` parts, the backward's error the largest over the inputs.
+fn fwd_bwd_parts(
+    device: &Device,
+    dtype: DType,
+    inputs: &[&Tensor],
+    up: &Tensor,
+    op: impl Fn(&[Tensor]) -> Result<Tensor>,
+    reference: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Result<Vec<Part>> {
+    let inputs = inputs.iter().map(|x| rounded(x, dtype)).collect::<Result<Vec<_>>>()?;
+    let inputs: Vec<&Tensor> = inputs.iter().collect();
+    let up = rounded(up, dtype)?;
+    let (y, g) = forward_backward(device, dtype, &inputs, &up, op)?;
+    let (y_ref, g_ref) = forward_backward(&Device::Cpu, DType::F32, &inputs, &up, reference)?;
+    let mut bwd = Part { name: "bwd", error: 0.0 };
+    for (a, b) in g.iter().zip(&g_ref) {
+        let e = Part::compare("bwd", a, b)?.error;
+        // NaN wins (f32::max would drop it).
+        if e.is_nan() || e > bwd.error {
+            bwd.error = e;
+        }
+    }
+    Ok(vec![Part::compare("fwd", &y, &y_ref)?, bwd])
+}
+
+fn rng(seed: u64) -> rand_chacha::ChaCha8Rng {
+    rand_chacha::ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// Random targets in `0..vocab`.
+fn targets(rng: &mut impl Rng, n: usize, vocab: usize) -> Result<Tensor> {
+    Tensor::from_vec((0..n).map(|_| rng.gen_range(0..vocab as u32)).collect::<Vec<_>>(), n, &Device::Cpu)
+}
+
+/// Log-prob, entropy and log-sum-exp of each row of f32 `z` from candle's log-softmax: `[n, 3]`.
+fn row_stats_reference(z: &Tensor, t: &Tensor) -> Result<Tensor> {
+    let logp_all = candle_nn::ops::log_softmax(z, D::Minus1)?;
+    let logp = logp_all.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?;
+    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
+    let lse = (z - &logp_all)?.narrow(1, 0, 1)?.squeeze(1)?;
+    Tensor::stack(&[logp, entropy, lse], 1)
+}
+
+/// Logits rows `[n, V]` of a real vocabulary width and of one that is not a multiple of any block.
+const ROW_SHAPES: [(usize, usize); 2] = [(33, 151_936), (70, 1001)];
+
+fn row_stats_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(7);
+    let mut error = 0f32;
+    for (n, v) in ROW_SHAPES {
+        let z = rounded(&uniform(&mut rng, &[n, v], 20.0)?, dtype)?;
+        let t = targets(&mut rng, n, v)?;
+        let s = row_stats(&z.to_dtype(dtype)?.to_device(device)?, &t.to_device(device)?)?;
+        error = worst(error, Part::compare("", &s, &row_stats_reference(&z, &t)?)?.error);
+    }
+    Ok(vec![Part { name: "fwd", error }])
+}
+
+fn row_grad_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(8);
+    let mut error = 0f32;
+    for (n, v) in ROW_SHAPES {
+        let z = rounded(&uniform(&mut rng, &[n, v], 20.0)?, dtype)?;
+        let t = targets(&mut rng, n, v)?;
+        let g = uniform(&mut rng, &[n], 2.0)?;
+        let lse = row_stats_reference(&z, &t)?.narrow(1, 2, 1)?.squeeze(1)?;
+        let coef = Tensor::stack(&[&lse, &g], 1)?;
+        let on = |x: &Tensor| x.to_device(device);
+        let dz = row_grad(&on(&z.to_dtype(dtype)?)?, &on(&t)?, &on(&coef)?)?;
+        // g (onehot(t) - softmax(z)).
+        let onehot = Tensor::zeros((n, v), DType::F32, &Device::Cpu)?.scatter_add(
+            &t.unsqueeze(1)?,
+            &Tensor::ones((n, 1), DType::F32, &Device::Cpu)?,
+            1,
+        )?;
+        let reference = (onehot - candle_nn::ops::softmax(&z, D::Minus1)?)?.broadcast_mul(&g.unsqueeze(1)?)?;
+        error = worst(error, Part::compare("", &dz, &reference)?.error);
+    }
+    Ok(vec![Part { name: "fwd", error }])
+}
+
+/// The larger error, NaN winning.
+fn worst(a: f32, b: f32) -> f32 {
+    if a.is_nan() || b.is_nan() {
+        f32::NAN
+    } else {
+        a.max(b)
+    }
+}
+
+/// The worse of each part over several cases.
+fn worst_parts(cases: Vec<Vec<Part>>) -> Vec<Part> {
+    let mut out: Vec<Part> = Vec::new();
+    for parts in cases {
+        for p in parts {
+            match out.iter_mut().find(|q| q.name == p.name) {
+                Some(q) => q.error = worst(q.error, p.error),
+                None => out.push(p),
+            }
+        }
+    }
+    out
+}
+
+fn rms_normalize_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(17);
+    // A real hidden size and an odd one (not a multiple of the block).
+    let cases = [(200, 896), (33, 77)]
+        .into_iter()
+        .map(|(rows, h)| {
+            let x = uniform(&mut rng, &[rows, h], 8.0)?;
+            let up = uniform(&mut rng, &[rows, h], 1.0)?;
+            fwd_bwd_parts(
+                device,
+                dtype,
+                &[&x],
+                &up,
+                |x| rms_normalize(&x[0], 1e-6),
+                |x| rms_normalize_reference(&x[0], 1e-6),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
+}
+
+fn rope_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(19);
+    let (b, t, h, d) = (2, 37, 3, 64);
+    let x = uniform(&mut rng, &[b, t, h, d], 4.0)?;
+    let half = uniform(&mut rng, &[b, 1, t, d / 2], 50.0)?;
+    let angles = Tensor::cat(&[&half, &half], 3)?;
+    let (cos, sin) = (rounded(&angles.cos()?, dtype)?, rounded(&angles.sin()?, dtype)?);
+    let up = uniform(&mut rng, &[b, h, t, d], 1.0)?;
+    let on = |c: &Tensor, x: &Tensor| c.to_dtype(x.dtype())?.to_device(x.device());
+    fwd_bwd_parts(
+        device,
+        dtype,
+        &[&x],
+        &up,
+        |x| rope(&x[0], &on(&cos, &x[0])?, &on(&sin, &x[0])?),
+        |x| rope_reference(&x[0], &cos, &sin),
+    )
+}
+
+/// Ranges `[B, T, 2]` over `past + T` keys: row 0 causal; row 1 two packed segments, a query whose
+/// range runs past the keys (clipped) and trailing padding (each padding query sees itself).
+fn ranges(b: usize, t: usize, past: usize) -> Result<Tensor> {
+    let mut r = Vec::with_capacity(b * t * 2);
+    let third = t / 3;
+    for row in 0..b {
+        for i in 0..t {
+            let q = (i + past) as u32;
+            r.extend_from_slice(&match (row, i) {
+                (0, _) => [0, q],
+                (_, i) if i < third => [0, q],
+                (_, i) if i + 3 == t => [5.min(q), 1_000_000],
+                (_, i) if i < 2 * third + 2 => [(third + past) as u32, q],
+                _ => [q, q],
+            });
+        }
+    }
+    Tensor::from_vec(r, (b, t, 2), &Device::Cpu)
+}
+
+fn masked_softmax_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(13);
+    // 3 heads x 300 queries over 301 keys (one cached).
+    let (b, h, t, s) = (2, 3, 300, 301);
+    let r = ranges(b, t, s - t)?;
+    let x = uniform(&mut rng, &[b, h, t, s], 6.0)?;
+    let up = uniform(&mut rng, &[b, h, t, s], 1.0)?;
+    let rd = r.to_device(device)?;
+    fwd_bwd_parts(
+        device,
+        dtype,
+        &[&x],
+        &up,
+        |x| masked_softmax(&x[0], &rd, 0.7),
+        |x| masked_softmax_reference(&x[0], &r, 0.7),
+    )
+}
+
+fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(23);
+    // (heads, kv heads, queries, cached keys, head dim): GQA groups of 1, 2 and 4, lengths that are not
+    // multiples of the tiles, every tile choice of head dim, a decode step over a cache.
+    let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (4, 1, 40, 17, 256), (8, 2, 1, 200, 128), (2, 1, 45, 0, 40)];
+    let scale = 0.125;
+    let parts = cases
+        .into_iter()
+        .map(|(h, kv, t, past, d)| {
+            let (b, s) = (2, t + past);
+            let q = uniform(&mut rng, &[b, h, t, d], 3.0)?;
+            let k = uniform(&mut rng, &[b, kv, s, d], 3.0)?;
+            let v = uniform(&mut rng, &[b, kv, s, d], 1.0)?;
+            let up = uniform(&mut rng, &[b, h, t, d], 1.0)?;
+            let r = ranges(b, t, past)?;
+            let rd = r.to_device(device)?;
+            fwd_bwd_parts(
+                device,
+                dtype,
+                &[&q, &k, &v],
+                &up,
+                |x| flash_attention(&x[0], &x[1], &x[2], &rd, scale),
+                |x| matrix_attention(&x[0], &x[1], &x[2], |sc| masked_softmax_reference(sc, &r, scale)),
+            )
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(parts))
+}
+
+fn logprobs_entropy_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(11);
+    let (n, h, v) = (96, 128, 32_000);
+    let hidden = uniform(&mut rng, &[n, h], 2.0)?;
+    let weight = uniform(&mut rng, &[v, h], 0.1)?;
+    let t = targets(&mut rng, n, v)?;
+    let up = uniform(&mut rng, &[n], 1.0)?;
+    let td = t.to_device(device)?;
+    // Log-probs only (the entropy column carries no gradient): `[n]`, against `up`.
+    let logp = |lp: Tensor| lp.narrow(1, 0, 1)?.squeeze(1);
+    let entropy = |lp: &Tensor| lp.narrow(1, 1, 1);
+    // 4 MiB chunks: 32 rows of 32,000 logits, three chunks.
+    let chunk = 4 << 20;
+    let mut parts = fwd_bwd_parts(
+        device,
+        dtype,
+        &[&hidden, &weight],
+        &up,
+        |x| logp(logprobs_entropy(&x[0], &x[1], &td, chunk)?),
+        |x| logp(logprobs_entropy_reference(&x[0], &x[1], &t)?),
+    )?;
+    let (hr, wr) = (rounded(&hidden, dtype)?, rounded(&weight, dtype)?);
+    let on = |x: &Tensor| x.to_dtype(dtype)?.to_device(device);
+    let e = entropy(&logprobs_entropy(&on(&hr)?, &on(&wr)?, &td, chunk)?)?;
+    parts.push(Part::compare("entropy", &e, &entropy(&logprobs_entropy_reference(&hr, &wr, &t)?)?)?);
+    Ok(parts)
+}

@@ -1,0 +1,176 @@
+//! A tiny random model (Qwen2 layout: 2 layers, hidden 64, 4 query heads over 2 key/value heads) on the
+//! device with the fused ops, against the same weights on the CPU with candle's composite ops, in f32:
+//! one off_grpo training step (loss, gradient norm), the gradients of every parameter through packed
+//! sequences, and one greedy generation with the KV cache.
+
+use candle_core::{DType, Device, Result, Tensor, D};
+use rand::{Rng, SeedableRng};
+
+use super::{max_error, Part};
+use crate::data::{Group, Response};
+use crate::eval::{generate, SamplingParams};
+use crate::model::tiny::TinyShape;
+use crate::model::{random_decoder, Arch, Decoder, ModelConfig, Targets, TokenBatch};
+use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName};
+use crate::train::optim::OptimConfig;
+use crate::train::step::TrainStep;
+
+/// One model check: `run(device)` gives the error of each compared part.
+pub struct ModelCheck {
+    pub op: &'static str,
+    pub run: fn(&Device) -> Result<Vec<Part>>,
+    pub tolerance: f32,
+}
+
+/// The model checks, in the order of the table.
+pub const CHECKS: &[ModelCheck] = &[
+    ModelCheck { op: "train step", run: train_step_check, tolerance: 1e-4 },
+    ModelCheck { op: "model", run: gradients_check, tolerance: 1e-4 },
+    ModelCheck { op: "generation", run: generation_check, tolerance: 1e-4 },
+];
+
+const VOCAB: usize = 1000;
+const SEED: u64 = 5;
+
+fn config() -> Result<ModelConfig> {
+    let shape = TinyShape { layers: 2, hidden: 64, heads: 4, kv_heads: 2, intermediate: 128 };
+    shape.config(Arch::Qwen2, VOCAB, None, None).map_err(|e| candle_core::Error::Msg(e.to_string()))
+}
+
+/// The tiny model on `device` (f32, seeded weights, the same on every device): with the fused ops, or
+/// with candle's composite ops (the reference).
+fn tiny(device: &Device, fused: bool, trainable: bool) -> Result<Decoder> {
+    let mut m = random_decoder(config()?, SEED, DType::F32, device, trainable)
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    m.options.fused_ops = fused;
+    Ok(m)
+}
+
+fn random_tokens(rng: &mut impl Rng, n: usize) -> Vec<u32> {
+    (0..n).map(|_| rng.gen_range(0..VOCAB as u32)).collect()
+}
+
+/// `|a - b| / max(|b|, 1)`: a scalar's error, relative where it is large and absolute near zero (the
+/// loss of a group whose advantages sum to zero starts at zero).
+fn scalar_error(a: f64, b: f64) -> f32 {
+    if a.is_finite() && b.is_finite() {
+        ((a - b).abs() / b.abs().max(1.0)) as f32
+    } else {
+        f32::NAN
+    }
+}
+
+/// One off_grpo step (eps 0.2, beta 0.1 with k3 to a frozen reference, AdamW) on four answers of one
+/// random question, two per micro-batch: its loss and gradient norm.
+fn train_step_check(device: &Device) -> Result<Vec<Part>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED);
+    let group = Group {
+        index: 0,
+        question_id: "selftest".into(),
+        domain: None,
+        source: None,
+        prompt_tokens: random_tokens(&mut rng, 8),
+        responses: (0..4)
+            .map(|i| Response {
+                tokens: random_tokens(&mut rng, 16 + 5 * i),
+                reward: [1.0, 0.0, 0.0, 1.0][i],
+                answer: None,
+                truncated: false,
+                teacher_logprobs: None,
+            })
+            .collect(),
+        majority: None,
+        majority_count: 0,
+        vote_margin: 0,
+    };
+    let objective = ObjectiveConfig {
+        name: ObjectiveName::OffGrpo,
+        eps: Some(0.2),
+        beta: 0.1,
+        kl_estimator: Some(KlEstimator::K3),
+        loss_agg: Some(LossAgg::SeqMeanTokenMean),
+        ..ObjectiveConfig::default()
+    };
+    let optim = OptimConfig { lr: 1e-5, ..OptimConfig::default() };
+    let step = |dev: &Device, fused: bool| -> Result<(f64, f64)> {
+        let policy = tiny(dev, fused, true)?;
+        let reference = policy.frozen_copy()?;
+        let mut step = TrainStep::new(&objective, &optim, &policy, 2, 64, 0)?;
+        let report = step.run(&policy, Some(&reference), std::slice::from_ref(&group), optim.lr)?;
+        if !report.applied {
+            candle_core::bail!("the step was skipped: loss {} gradient norm {}", report.stats.loss, report.grad_norm);
+        }
+        Ok((report.stats.loss, report.grad_norm))
+    };
+    let (loss, norm) = step(device, true)?;
+    let (loss_ref, norm_ref) = step(&Device::Cpu, false)?;
+    Ok(vec![
+        Part { name: "loss", error: scalar_error(loss, loss_ref) },
+        Part { name: "grad norm", error: scalar_error(norm, norm_ref) },
+    ])
+}
+
+/// The gradient of every parameter under `sum(w_n log p_n)` over all tokens of packed rows (two
+/// sequences in the first row, one and padding in the second): the worst parameter's error.
+fn gradients_check(device: &Device) -> Result<Vec<Part>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED + 1);
+    let rows = vec![vec![random_tokens(&mut rng, 20), random_tokens(&mut rng, 13)], vec![random_tokens(&mut rng, 25)]];
+    let batch = TokenBatch::packed(&rows, 0);
+    let mut targets = Targets::default();
+    for (r, seqs) in rows.iter().enumerate() {
+        let mut start = 0;
+        for s in seqs {
+            (start + 1..start + s.len()).for_each(|p| targets.push(r, p));
+            start += s.len();
+        }
+    }
+    let w: Vec<f32> = (0..targets.len()).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let grads = |dev: &Device, fused: bool| -> Result<Vec<Option<Tensor>>> {
+        let model = tiny(dev, fused, true)?;
+        let w = Tensor::new(w.as_slice(), dev)?;
+        let (_, g) =
+            model.forward_backward(&batch, &targets, &mut |lp| (lp.narrow(1, 0, 1)?.squeeze(1)? * &w)?.sum_all())?;
+        Ok(g.grads)
+    };
+    let (g, g_ref) = (grads(device, true)?, grads(&Device::Cpu, false)?);
+    let mut error = 0f32;
+    for (a, b) in g.iter().zip(&g_ref) {
+        let e = match (a, b) {
+            (Some(a), Some(b)) => max_error(a, b)?,
+            (None, None) => 0.0,
+            _ => f32::NAN,
+        };
+        error = if e.is_nan() || error.is_nan() { f32::NAN } else { error.max(e) };
+    }
+    Ok(vec![Part { name: "grads", error }])
+}
+
+/// Greedy generation of 12 tokens from two prompts of different lengths (left padding) on the device;
+/// the CPU model then scores what was generated: each token must be the CPU's argmax up to rounding.
+/// The error is the largest `max logit - logit of the generated token`, over the largest logit.
+fn generation_check(device: &Device) -> Result<Vec<Part>> {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED + 2);
+    let prompts = vec![random_tokens(&mut rng, 5), random_tokens(&mut rng, 11)];
+    let new_tokens = 12;
+    let params = SamplingParams { max_new_tokens: new_tokens, ..SamplingParams::default() };
+    let model = tiny(device, true, false)?;
+    let generated = generate(&model, &prompts, &[0, 1], &params, &[], 0, |_| {})?;
+    let reference = tiny(&Device::Cpu, false, false)?;
+    let (mut gap, mut scale) = (0f32, 0f32);
+    for (prompt, g) in prompts.iter().zip(&generated) {
+        if g.tokens.len() != new_tokens {
+            candle_core::bail!("generated {} tokens, expected {new_tokens}", g.tokens.len());
+        }
+        let seq: Vec<u32> = prompt.iter().chain(&g.tokens).copied().collect();
+        let logits = reference.full_logits(&TokenBatch::padded(&[seq], 0))?.squeeze(0)?;
+        // Positions prompt - 1 .. predict the generated tokens.
+        let logits = logits.narrow(0, prompt.len() - 1, new_tokens)?;
+        let chosen = Tensor::new(g.tokens.as_slice(), &Device::Cpu)?.unsqueeze(1)?;
+        let best = logits.max(D::Minus1)?;
+        let picked = logits.gather(&chosen, 1)?.squeeze(1)?;
+        gap = gap.max((best - picked)?.max(0)?.to_scalar::<f32>()?);
+        scale = scale.max(logits.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?);
+    }
+    let error = if gap.is_finite() && scale > 0.0 { gap / scale } else { f32::NAN };
+    Ok(vec![Part { name: "logit gap", error }])
+}
