@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 
 mutate=0
 [ "${1:-}" = "--mutate" ] && mutate=1
-export TSAN_OPTIONS="halt_on_error=0 exitcode=66 ${TSAN_OPTIONS:-}"
+export TSAN_OPTIONS="halt_on_error=0 exitcode=66 suppressions=$PWD/scripts/emu-tsan.supp ${TSAN_OPTIONS:-}"
 export ASAN_OPTIONS="detect_leaks=0 ${ASAN_OPTIONS:-}"
 export UBSAN_OPTIONS="print_stacktrace=1 ${UBSAN_OPTIONS:-}"
 REPORT='ThreadSanitizer|AddressSanitizer|runtime error:'
@@ -31,12 +31,22 @@ log=$(mktemp)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp" "$log"' EXIT
 
-# run SANITIZER KERNELS_DIR TEST_FILTER [test args...]: the emulated tests; sets $rc and fills $log.
+# run SANITIZER KERNELS_DIR TEST_FILTER [test args...]: builds the test binary with the sanitizer, then runs
+# the emulated tests with the sanitizer's runtime preloaded (it must come first); sets $rc and fills $log.
 run() {
-  local san=$1 kernels=$2 filter=$3
+  local san=$1 kernels=$2 filter=$3 preload="" part lib
   shift 3
-  GRPO_EMU_SANITIZE=$san GRPO_EMU_KERNELS=$kernels \
-    cargo test --quiet --lib "$filter" -- --test-threads=2 "$@" >"$log" 2>&1
+  if ! GRPO_EMU_SANITIZE=$san GRPO_EMU_KERNELS=$kernels cargo test --lib --no-run >"$log" 2>&1; then
+    rc=99
+    return
+  fi
+  local bin
+  bin=$(grep -Eo 'target/debug/deps/grpo-[0-9a-f]+' "$log" | tail -1)
+  for part in ${san//,/ }; do
+    case $part in thread) lib=tsan ;; address) lib=asan ;; undefined) lib=ubsan ;; *) continue ;; esac
+    preload="$preload${preload:+:}$(g++ -print-file-name=lib$lib.so)"
+  done
+  LD_PRELOAD=$preload "$bin" "$filter" --test-threads=2 "$@" >"$log" 2>&1
   rc=$?
 }
 

@@ -63,7 +63,19 @@ pub fn build(kernels: &Path, out: &Path) {
             if s.contains("undefined") {
                 build.flag("-fno-sanitize-recover=undefined");
             }
-            println!("cargo:rustc-link-arg=-fsanitize={s}");
+            // The runtime as a shared library (scripts/emu-sanitize.sh also preloads it, so that it comes first).
+            for part in s.split(',') {
+                let lib = match part {
+                    "thread" => "tsan",
+                    "address" => "asan",
+                    "undefined" => "ubsan",
+                    _ => continue,
+                };
+                let out = std::process::Command::new("c++").arg(format!("-print-file-name=lib{lib}.so")).output();
+                let path = PathBuf::from(String::from_utf8_lossy(&out.expect("c++ runs").stdout).trim());
+                println!("cargo:rustc-link-search=native={}", path.parent().expect("a library folder").display());
+                println!("cargo:rustc-link-lib=dylib={lib}");
+            }
         }
     }
     build.compile("grpo_emu");
