@@ -1,4 +1,5 @@
-//! With the `cuda` feature, compiles kernels/*.cu to PTX in OUT_DIR with nvcc; without it, does nothing
+//! Always compiles kernels/*.cu for the host under the CUDA emulator (kernels/emu/build_emu.rs), which
+//! the tests launch the kernels on. With the `cuda` feature, also compiles kernels/*.cu to PTX in OUT_DIR with nvcc; without it, does nothing
 //! (the default build needs no CUDA toolkit).
 //!
 //! nvcc is taken from $CUDA_HOME/bin (or $CUDA_ROOT/bin, else PATH); the PTX targets compute capability
@@ -7,16 +8,20 @@
 use std::path::PathBuf;
 use std::process::Command;
 
+#[path = "kernels/emu/build_emu.rs"]
+mod emu;
+
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-changed=kernels");
     println!("cargo:rerun-if-env-changed=CUDA_COMPUTE_CAP");
     println!("cargo:rerun-if-env-changed=CUDA_HOME");
     println!("cargo:rerun-if-env-changed=CUDA_ROOT");
+    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
+    emu::build(&PathBuf::from("kernels").canonicalize().expect("kernels/ folder"), &out);
     if std::env::var_os("CARGO_FEATURE_CUDA").is_none() {
         return;
     }
-    let out = PathBuf::from(std::env::var("OUT_DIR").expect("OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "80".into());
     let cap: String = cap.chars().filter(|c| c.is_ascii_digit()).collect();
     // The kernels use bf16 arithmetic: compute capability 8.0 and up (docs/cuda.md).

@@ -12,8 +12,12 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::cpu::{u32s, with_float, Elem, IntoStorage};
+#[cfg(any(test, feature = "cuda"))]
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
 
-/// `(rows, heads, t, s)` of scores `[B, H, T, S]` with ranges `[B, T, 2]`.
+/// `(batch, heads, t, s)` of scores `[B, H, T, S]` with ranges `[B, T, 2]`.
 fn dims(x: &Layout, ranges: &Layout) -> Result<(usize, usize, usize, usize)> {
     let (b, h, t, s) = x.shape().dims4()?;
     if ranges.shape().dims() != [b, t, 2] {
@@ -25,7 +29,7 @@ fn dims(x: &Layout, ranges: &Layout) -> Result<(usize, usize, usize, usize)> {
     if b * h * t > i32::MAX as usize {
         candle_core::bail!("{} attention rows: at most 2^31-1 (one GPU block each)", b * h * t);
     }
-    Ok((b * h * t, h, t, s))
+    Ok((b, h, t, s))
 }
 
 fn backward_shapes(y: &Layout, grad: &Layout) -> Result<()> {
@@ -105,8 +109,10 @@ impl CustomOp2 for MaskedSoftmax {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = dims(l1, l2)?;
-        Ok((cuda::forward(s1, l1, s2, l2, dims, self.scale)?, l1.shape().clone()))
+        use candle_core::backend::BackendStorage;
+        let plan = softmax_plan(s1.dtype(), dims(l1, l2)?, self.scale, false)?;
+        let y = super::cuda::run(&plan, &[(s1, l1), (s2, l2)])?.remove(0);
+        Ok((y, l1.shape().clone()))
     }
 
     fn bwd(&self, _x: &Tensor, ranges: &Tensor, y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
@@ -153,9 +159,11 @@ impl CustomOp3 for MaskedSoftmaxBwd {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let dims = dims(l1, l3)?;
+        use candle_core::backend::BackendStorage;
         backward_shapes(l1, l2)?;
-        Ok((cuda::backward(s1, l1, s2, l2, s3, l3, dims, self.scale)?, l1.shape().clone()))
+        let plan = softmax_plan(s1.dtype(), dims(l1, l3)?, self.scale, true)?;
+        let dx = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3)])?.remove(0);
+        Ok((dx, l1.shape().clone()))
     }
 }
 
@@ -187,101 +195,34 @@ pub fn masked_softmax_reference(scores: &Tensor, ranges: &Tensor, scale: f64) ->
     candle_nn::ops::softmax(&x, candle_core::D::Minus1)?.to_dtype(scores.dtype())
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
-    use candle_core::cuda_backend::CudaDevice;
-    use candle_core::{CudaStorage, Layout, Result};
-
-    use crate::kernels::cuda::{kernel_name, launch, u32_view, Float, Map1, Map2, ATTENTION};
-
-    /// The masked softmax over `rows` rows of `s` keys: forward as [`Map1`] (scores), backward as
-    /// [`Map2`] (y, grad); one block of 256 threads per row.
-    struct Softmax<'a> {
-        ranges: CudaView<'a, u32>,
-        rows: usize,
-        heads: u32,
-        t: u32,
-        s: u32,
-        scale: f32,
-    }
-
-    impl<'a> Softmax<'a> {
-        fn new(
-            r: &'a CudaStorage,
-            lr: &Layout,
-            (rows, heads, t, s): (usize, usize, usize, usize),
-            scale: f32,
-        ) -> Result<Self> {
-            let ranges = u32_view(r, lr, "attention ranges")?;
-            Ok(Self { ranges, rows, heads: heads as u32, t: t as u32, s: s as u32, scale })
-        }
-
-        fn config(&self) -> LaunchConfig {
-            LaunchConfig { grid_dim: (self.rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
-        }
-
-        fn len(&self) -> usize {
-            self.rows * self.s as usize
-        }
-    }
-
-    impl Map1 for Softmax<'_> {
-        fn f<T: Float>(&self, x: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let (name, cfg, len) = (kernel_name::<T>("attn_softmax_fwd"), self.config(), self.len());
-            Ok(launch!(
-                dev,
-                ATTENTION,
-                name,
-                cfg,
-                T,
-                len,
-                [x, &self.ranges],
-                [&self.heads, &self.t, &self.s, &self.scale]
-            ))
-        }
-    }
-
-    impl Map2 for Softmax<'_> {
-        fn f<T: Float>(&self, y: &CudaView<'_, T>, g: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let (name, cfg, len) = (kernel_name::<T>("attn_softmax_bwd"), self.config(), self.len());
-            Ok(launch!(
-                dev,
-                ATTENTION,
-                name,
-                cfg,
-                T,
-                len,
-                [y, g, &self.ranges],
-                [&self.heads, &self.t, &self.s, &self.scale]
-            ))
-        }
-    }
-
-    pub fn forward(
-        x: &CudaStorage,
-        lx: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-        dims: (usize, usize, usize, usize),
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        Map1::map(&Softmax::new(r, lr, dims, scale)?, (x, lx, "scores"))
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn backward(
-        y: &CudaStorage,
-        ly: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
-        r: &CudaStorage,
-        lr: &Layout,
-        dims: (usize, usize, usize, usize),
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        Map2::map(&Softmax::new(r, lr, dims, scale)?, (y, ly, "y"), (g, lg, "grad"))
-    }
+/// The launch of `attn_softmax_fwd` (`backward`: `attn_softmax_bwd`) over scores `[B, H, T, S]` of
+/// `dtype`: one block of 256 threads per row of S.
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn softmax_plan(
+    dtype: DType,
+    (b, h, t, s): (usize, usize, usize, usize),
+    scale: f32,
+    backward: bool,
+) -> Result<Plan> {
+    let (rows, mut p) = (b * h * t, Plan::default());
+    let mut args = match backward {
+        false => vec![p.input("scores", dtype, rows * s)],
+        true => vec![p.input("y", dtype, rows * s), p.input("grad", dtype, rows * s)],
+    };
+    args.push(p.input("attention ranges", DType::U32, b * t * 2));
+    args.push(p.output("probabilities", dtype, rows * s));
+    args.extend([Arg::U32(h as u32), Arg::U32(t as u32), Arg::U32(s as u32), Arg::F32(scale)]);
+    let base = if backward { "attn_softmax_bwd" } else { "attn_softmax_fwd" };
+    let (grid, block) = ((rows as u32, 1, 1), (256, 1, 1));
+    p.launch(Launch {
+        module: Module::Attention,
+        kernel: kernel_name(base, dtype)?,
+        grid,
+        block,
+        shared_bytes: 0,
+        args,
+    })?;
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -1,144 +1,161 @@
-//! Helpers of the CUDA implementations: the PTX modules built from kernels/*.cu, contiguous views of
-//! candle's CUDA storage, and the float-dtype dispatch.
-//!
-//! Each op's launch is written once, generic over the element type, as an implementation of [`Map1`],
-//! [`Map2`] or [`Map3`] (as candle's own cuda_backend/utils.rs does); `map` picks the dtype (f32, bf16
-//! or f16, all inputs alike) and [`kernel_name`] the kernel instance of that dtype.
+//! The GPU executor of launch plans (launch.rs): the PTX modules built from kernels/*.cu, and [`run`],
+//! which checks the inputs against the plan, allocates the outputs, and launches each kernel with the
+//! plan's arguments pushed in the plan's order. Everything an op decides (kernel, grid, block, shared
+//! memory, arguments) is in its plan, which the tests run on the host emulator (emu.rs).
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
-use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorageSlice as S};
-use candle_core::{CudaStorage, Layout, Result, WithDType};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice as S, WrapErr};
+use candle_core::{CudaStorage, DType, Layout, Result};
+use half::{bf16, f16};
 
-/// A PTX module compiled from one kernels/*.cu file by build.rs, loaded once per device under `name`.
-pub struct Module {
-    pub name: &'static str,
-    pub ptx: &'static str,
-}
+use super::launch::{Arg, Buffer, Module, Plan};
 
-/// kernels/rows.cu.
-pub const ROWS: Module = Module { name: "grpo_rows", ptx: include_str!(concat!(env!("OUT_DIR"), "/rows.ptx")) };
-/// kernels/attention.cu.
-pub const ATTENTION: Module =
-    Module { name: "grpo_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
-/// kernels/flash_attention.cu.
-pub const FLASH_ATTENTION: Module =
-    Module { name: "grpo_flash_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx")) };
-/// kernels/rope.cu.
-pub const ROPE: Module = Module { name: "grpo_rope", ptx: include_str!(concat!(env!("OUT_DIR"), "/rope.ptx")) };
-/// kernels/norm.cu.
-pub const NORM: Module = Module { name: "grpo_norm", ptx: include_str!(concat!(env!("OUT_DIR"), "/norm.ptx")) };
-
-/// An element type the kernels read and write.
-pub trait Float: WithDType + DeviceRepr + CudaDType {}
-impl<T: WithDType + DeviceRepr + CudaDType> Float for T {}
-
-/// The instance of kernel `base` for element type `T`: kernels/*.cu define each kernel once per float
-/// dtype as `{base}_f32`, `{base}_bf16` and `{base}_f16`.
-pub fn kernel_name<T: WithDType>(base: &str) -> String {
-    format!("{base}_{}", T::DTYPE.as_str())
-}
-
-/// The elements of a contiguous layout; an error naming `what` otherwise.
-pub fn view<'a, T: DeviceRepr>(s: &'a CudaSlice<T>, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(s.slice(a..b)),
-        None => candle_core::bail!("{what} must be contiguous"),
+/// The PTX of a kernels/*.cu file, compiled by build.rs, and the name it is loaded under per device.
+fn ptx(module: Module) -> (&'static str, &'static str) {
+    match module {
+        Module::Rows => ("grpo_rows", include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"))),
+        Module::Attention => ("grpo_attention", include_str!(concat!(env!("OUT_DIR"), "/attention.ptx"))),
+        Module::FlashAttention => {
+            ("grpo_flash_attention", include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx")))
+        }
+        Module::Rope => ("grpo_rope", include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"))),
+        Module::Norm => ("grpo_norm", include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"))),
     }
 }
 
-/// A contiguous u32 tensor (targets, ranges); an error naming `what` for any other dtype or layout.
-pub fn u32_view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, u32>> {
-    match &s.slice {
-        S::U32(t) => view(t, l, what),
-        _ => candle_core::bail!("{what} must be u32"),
+/// An output buffer of a plan, allocated on the device.
+enum Out {
+    F32(CudaSlice<f32>),
+    BF16(CudaSlice<bf16>),
+    F16(CudaSlice<f16>),
+    U32(CudaSlice<u32>),
+}
+
+impl Out {
+    fn alloc(dev: &CudaDevice, b: &Buffer) -> Result<Self> {
+        let n = b.alloc_len();
+        // SAFETY: the plan's kernels write every element of their outputs before anything reads them.
+        Ok(unsafe {
+            match b.dtype {
+                DType::F32 => Out::F32(dev.alloc::<f32>(n)?),
+                DType::BF16 => Out::BF16(dev.alloc::<bf16>(n)?),
+                DType::F16 => Out::F16(dev.alloc::<f16>(n)?),
+                DType::U32 => Out::U32(dev.alloc::<u32>(n)?),
+                d => candle_core::bail!("{}: no device buffer of {d:?}", b.name),
+            }
+        })
     }
-}
 
-/// A contiguous f32 tensor (coefficients); an error naming `what` for any other dtype or layout.
-pub fn f32_view<'a>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, f32>> {
-    match &s.slice {
-        S::F32(t) => view(t, l, what),
-        _ => candle_core::bail!("{what} must be f32"),
+    fn ptr<'a>(&'a mut self, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        match self {
+            Out::F32(s) => s.device_ptr_mut(stream),
+            Out::BF16(s) => s.device_ptr_mut(stream),
+            Out::F16(s) => s.device_ptr_mut(stream),
+            Out::U32(s) => s.device_ptr_mut(stream),
+        }
     }
-}
 
-/// One input of an op: its storage, layout and name (for error messages).
-pub type Arg<'a> = (&'a CudaStorage, &'a Layout, &'a str);
-
-fn dtype_error(names: &[&str]) -> candle_core::Error {
-    candle_core::Error::Msg(format!("{} must share one float dtype (f32, bf16 or f16)", names.join(", ")))
-}
-
-/// An op on one float tensor, launched by `f` for any element type.
-pub trait Map1 {
-    fn f<T: Float>(&self, x: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage>;
-
-    fn map(&self, (s, l, what): Arg) -> Result<CudaStorage> {
-        match &s.slice {
-            S::F32(x) => self.f(&view(x, l, what)?, &s.device),
-            S::BF16(x) => self.f(&view(x, l, what)?, &s.device),
-            S::F16(x) => self.f(&view(x, l, what)?, &s.device),
-            _ => Err(dtype_error(&[what])),
+    fn storage(self, dev: &CudaDevice) -> CudaStorage {
+        let dev = dev.clone();
+        match self {
+            Out::F32(s) => CudaStorage::wrap_cuda_slice(s, dev),
+            Out::BF16(s) => CudaStorage::wrap_cuda_slice(s, dev),
+            Out::F16(s) => CudaStorage::wrap_cuda_slice(s, dev),
+            Out::U32(s) => CudaStorage::wrap_cuda_slice(s, dev),
         }
     }
 }
 
-/// An op on two float tensors of one dtype, launched by `f` for any element type.
-pub trait Map2 {
-    fn f<T: Float>(&self, x: &CudaView<'_, T>, y: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage>;
-
-    fn map(&self, (s1, l1, w1): Arg, (s2, l2, w2): Arg) -> Result<CudaStorage> {
-        let d = &s1.device;
-        match (&s1.slice, &s2.slice) {
-            (S::F32(x), S::F32(y)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, d),
-            (S::BF16(x), S::BF16(y)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, d),
-            (S::F16(x), S::F16(y)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, d),
-            _ => Err(dtype_error(&[w1, w2])),
-        }
+/// The device address of input `buf`, after checking its dtype, contiguity and length against the plan.
+fn input_ptr<'a>(
+    s: &'a CudaStorage,
+    l: &Layout,
+    buf: &Buffer,
+    stream: &'a CudaStream,
+) -> Result<(u64, SyncOnDrop<'a>)> {
+    fn at<'a, T>(x: &'a CudaSlice<T>, start: usize, stream: &'a CudaStream) -> (u64, SyncOnDrop<'a>) {
+        let (p, guard) = x.device_ptr(stream);
+        (p + (start * std::mem::size_of::<T>()) as u64, guard)
     }
-}
-
-/// An op on three float tensors of one dtype, launched by `f` for any element type.
-pub trait Map3 {
-    fn f<T: Float>(
-        &self,
-        x: &CudaView<'_, T>,
-        y: &CudaView<'_, T>,
-        z: &CudaView<'_, T>,
-        dev: &CudaDevice,
-    ) -> Result<CudaStorage>;
-
-    fn map(&self, (s1, l1, w1): Arg, (s2, l2, w2): Arg, (s3, l3, w3): Arg) -> Result<CudaStorage> {
-        let d = &s1.device;
-        match (&s1.slice, &s2.slice, &s3.slice) {
-            (S::F32(x), S::F32(y), S::F32(z)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, &view(z, l3, w3)?, d),
-            (S::BF16(x), S::BF16(y), S::BF16(z)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, &view(z, l3, w3)?, d),
-            (S::F16(x), S::F16(y), S::F16(z)) => self.f(&view(x, l1, w1)?, &view(y, l2, w2)?, &view(z, l3, w3)?, d),
-            _ => Err(dtype_error(&[w1, w2, w3])),
-        }
+    let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("{} must be contiguous", buf.name) };
+    if s.dtype() != buf.dtype || b - a != buf.len {
+        candle_core::bail!(
+            "{}: {:?} x {}, the kernel expects {:?} x {}",
+            buf.name,
+            s.dtype(),
+            b - a,
+            buf.dtype,
+            buf.len
+        );
     }
+    Ok(match &s.slice {
+        S::F32(x) => at(x, a, stream),
+        S::BF16(x) => at(x, a, stream),
+        S::F16(x) => at(x, a, stream),
+        S::U32(x) => at(x, a, stream),
+        _ => candle_core::bail!("{}: no kernel takes {:?}", buf.name, s.dtype()),
+    })
 }
 
-/// Allocate `$len` elements of `$ty`, launch kernel `$name` of `$module` (a [`Module`]) with arguments
-/// `inputs..., output, scalars...` (the order every kernel of kernels/*.cu takes), and wrap the output as
-/// candle storage. Every kernel of this crate writes every element of its output.
-macro_rules! launch {
-    ($dev:expr, $module:expr, $name:expr, $cfg:expr, $ty:ty, $len:expr,
-     [$($input:expr),*], [$($scalar:expr),*]) => {{
-        use candle_core::cuda_backend::cudarc::driver::PushKernelArg;
-        use candle_core::cuda_backend::WrapErr;
-        // SAFETY: the kernel writes every element before anything reads it.
-        let out = unsafe { $dev.alloc::<$ty>($len)? };
-        if $len > 0 {
-            let f = $dev.get_or_load_custom_func(&$name, $module.name, $module.ptx)?;
-            let mut b = f.builder();
-            $(b.arg($input);)*
-            b.arg(&out);
-            $(b.arg($scalar);)*
-            // SAFETY: the argument types and order match the kernel's signature.
-            unsafe { b.launch($cfg) }.w()?;
-        }
-        candle_core::CudaStorage::wrap_cuda_slice(out, $dev.clone())
-    }};
+/// A kernel argument's value, pushed by reference.
+enum Value {
+    Ptr(u64),
+    U32(u32),
+    F32(f32),
 }
-pub(crate) use launch;
+
+/// Run `plan` on the GPU of its inputs: `inputs` are the plan's input buffers in order (each checked
+/// against the plan); returns its outputs in order.
+pub fn run(plan: &Plan, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaStorage>> {
+    let Some(dev) = inputs.first().map(|(s, _)| s.device.clone()) else { candle_core::bail!("a plan without inputs") };
+    if inputs.len() != plan.inputs().count() {
+        candle_core::bail!("{} inputs for a plan of {}", inputs.len(), plan.inputs().count());
+    }
+    let stream = dev.cuda_stream();
+    let mut outs: Vec<Out> = plan.outputs().map(|b| Out::alloc(&dev, b)).collect::<Result<_>>()?;
+    let (mut ins, mut outs_left) = (inputs.iter(), outs.iter_mut());
+    let (mut ptrs, mut guards) = (Vec::new(), Vec::new());
+    for buf in &plan.buffers {
+        let (p, guard) = match buf.output {
+            true => outs_left.next().expect("one allocation per output").ptr(&stream),
+            false => {
+                let (s, l) = ins.next().expect("inputs counted");
+                input_ptr(s, l, buf, &stream)?
+            }
+        };
+        ptrs.push(p);
+        guards.push(guard);
+    }
+    for l in &plan.launches {
+        let (module, ptx) = ptx(l.module);
+        let f = dev.get_or_load_custom_func(&l.kernel, module, ptx)?;
+        let values: Vec<Value> = l
+            .args
+            .iter()
+            .map(|a| match *a {
+                Arg::Buffer { index, offset } => {
+                    Value::Ptr(ptrs[index] + (offset * plan.buffers[index].dtype.size_in_bytes()) as u64)
+                }
+                Arg::U32(x) => Value::U32(x),
+                Arg::F32(x) => Value::F32(x),
+            })
+            .collect();
+        let mut b = f.builder();
+        for v in &values {
+            match v {
+                Value::Ptr(p) => b.arg(p),
+                Value::U32(x) => b.arg(x),
+                Value::F32(x) => b.arg(x),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: l.grid, block_dim: l.block, shared_mem_bytes: l.shared_bytes };
+        // SAFETY: the plan's arguments match the kernel's parameters in order and type (the emulator
+        // checks each plan against the kernel's signature), and every pointer is a live buffer of it.
+        unsafe { b.launch(cfg) }.w()?;
+    }
+    drop(guards);
+    Ok(outs.into_iter().map(|o| o.storage(&dev)).collect())
+}

@@ -30,17 +30,17 @@ const CPU_KEY_BLOCK: usize = 64;
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy)]
-struct Dims {
-    b: usize,
-    h: usize,
-    kv: usize,
-    t: usize,
-    s: usize,
-    d: usize,
+pub(super) struct Dims {
+    pub(super) b: usize,
+    pub(super) h: usize,
+    pub(super) kv: usize,
+    pub(super) t: usize,
+    pub(super) s: usize,
+    pub(super) d: usize,
 }
 
 impl Dims {
-    fn new(q: &Layout, k: &Layout, v: &Layout, ranges: &Layout) -> Result<Self> {
+    pub(super) fn new(q: &Layout, k: &Layout, v: &Layout, ranges: &Layout) -> Result<Self> {
         let (b, h, t, d) = q.shape().dims4()?;
         let (bk, kv, s, dk) = k.shape().dims4()?;
         if k.shape() != v.shape() || bk != b || dk != d {
@@ -374,10 +374,13 @@ impl CustomOp3 for FlashAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
-        let (out, lse) = cuda::forward([(s1, l1), (s2, l2), (s3, l3)], (cuda::storage(&rs)?, rl), dims, self.scale)?;
-        let lse = Storage::Cuda(candle_core::CudaStorage::wrap_cuda_slice(lse, s1.device.clone()));
+        let plan = forward_plan(s1.dtype(), dims, self.scale)?;
+        let mut outs = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)])?;
+        let (out, lse) = (outs.pop().expect("the plan's output"), outs.pop().expect("the plan's log-sum-exp"));
+        let lse = Storage::Cuda(lse);
         self.keep_lse(Tensor::from_storage(lse, (dims.b, dims.h, dims.t), candle_core::op::BackpropOp::none(), false));
         Ok((out, l1.shape().clone()))
     }
@@ -454,18 +457,19 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
         let (gs, gl) = self.grad.storage_and_layout();
         let (ls, ll) = self.lse.storage_and_layout();
         let (ds, dl) = self.delta.storage_and_layout();
-        let held = cuda::Held {
-            ranges: (cuda::storage(&rs)?, rl),
-            grad: (cuda::storage(&gs)?, gl),
-            lse: (cuda::storage(&ls)?, ll),
-            delta: (cuda::storage(&ds)?, dl),
-        };
-        let out = cuda::backward([(s1, l1), (s2, l2), (s3, l3)], held, dims, self.scale)?;
+        let plan = backward_plan(s1.dtype(), dims, self.scale)?;
+        let held = [(&gs, gl), (&rs, rl), (&ls, ll), (&ds, dl)];
+        let mut inputs = vec![(s1, l1), (s2, l2), (s3, l3)];
+        for (s, l) in &held {
+            inputs.push((cuda_storage(s)?, *l));
+        }
+        let out = super::cuda::run(&plan, &inputs)?.remove(0);
         Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
     }
 }
@@ -500,41 +504,27 @@ pub fn matrix_attention(
     probs.reshape((b, kv, (h / kv) * t, s))?.matmul(v)?.reshape((b, h, t, d))
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
-    use candle_core::cuda_backend::{CudaDevice, WrapErr};
-    use candle_core::{CudaStorage, Layout, Result, Storage};
+#[cfg(any(test, feature = "cuda"))]
+pub(super) use plan::{backward_plan, forward_plan, MAX_HEAD_DIM};
 
-    use super::Dims;
-    use crate::kernels::cuda::{f32_view, kernel_name, u32_view, view, Float, Map3, FLASH_ATTENTION};
+/// The GPU launches of the op (launch.rs): tiles sized to the head dim within the shared memory a block
+/// may use.
+#[cfg(any(test, feature = "cuda"))]
+mod plan {
+    use super::*;
+    use crate::kernels::launch::{kernel_name, Arg, Launch, Module, Plan, MAX_SHARED_BYTES};
 
     /// Threads per block of every kernel of kernels/flash_attention.cu.
     const THREADS: u32 = 128;
     /// Values of a `[rows, D]` tile the kernels accumulate in registers (16 per thread).
     const MAX_TILE: usize = 2048;
-    /// Shared memory a block may use without opting in.
-    const MAX_SHARED: usize = 48 << 10;
     /// Keys per block of the forward (one per lane of a warp).
     const FWD_KEYS: usize = 32;
-
-    pub fn storage<'a>(s: &'a Storage) -> Result<&'a CudaStorage> {
-        match s {
-            Storage::Cuda(s) => Ok(s),
-            _ => candle_core::bail!("flash attention: a held tensor is not on the GPU like q, k and v"),
-        }
-    }
-
-    /// The tensors the backward holds besides q, k and v.
-    pub struct Held<'a> {
-        pub ranges: (&'a CudaStorage, &'a Layout),
-        pub grad: (&'a CudaStorage, &'a Layout),
-        pub lse: (&'a CudaStorage, &'a Layout),
-        pub delta: (&'a CudaStorage, &'a Layout),
-    }
+    /// The largest head dim the kernels take.
+    pub const MAX_HEAD_DIM: usize = 256;
 
     /// The launch of one kernel: rows of queries (`bq`) and keys (`bk`) per block, and its shared memory
-    /// (f32 words, tiles of rows padded to D + 1 against bank conflicts).
+    /// in bytes (tiles of rows padded to D + 1 f32 against bank conflicts).
     #[derive(Clone, Copy)]
     struct Tiles {
         bq: usize,
@@ -542,15 +532,15 @@ mod cuda {
         shared: usize,
     }
 
-    /// The largest tiles (rows of queries, keys) whose shared memory, `words(bq, bk, d + 1)`, fits.
+    /// The largest tiles (rows of queries, keys) whose shared memory, `words(bq, bk, d + 1)` f32, fits.
     fn tiles(d: usize, options: &[(usize, usize)], words: impl Fn(usize, usize, usize) -> usize) -> Result<Tiles> {
-        if d > 256 {
-            candle_core::bail!("flash attention on the GPU: head dim {d} > 256");
+        if d > MAX_HEAD_DIM {
+            candle_core::bail!("flash attention on the GPU: head dim {d} > {MAX_HEAD_DIM}");
         }
         options
             .iter()
             .map(|&(bq, bk)| Tiles { bq, bk, shared: 4 * words(bq, bk, d + 1) })
-            .find(|t| t.shared <= MAX_SHARED)
+            .find(|t| t.shared <= MAX_SHARED_BYTES)
             .ok_or_else(|| candle_core::Error::Msg(format!("flash attention: no tile fits head dim {d}")))
     }
 
@@ -569,139 +559,78 @@ mod cuda {
         tiles(d, &[(16, bk), (8, bk), (4, bk)], |bq, bk, ld| 2 * bk * ld + 2 * bq * ld + 2 * bq * bk + 4 * bq)
     }
 
-    fn config(blocks: usize, heads: usize, t: &Tiles) -> LaunchConfig {
-        LaunchConfig {
-            grid_dim: (blocks as u32, heads as u32, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: t.shared as u32,
-        }
+    /// A launch of `base` over `blocks` x `heads` blocks of 128 threads with `tiles`' shared memory.
+    fn flash_launch(
+        base: &str,
+        dtype: DType,
+        (blocks, heads): (usize, usize),
+        tiles: Tiles,
+        args: Vec<Arg>,
+    ) -> Result<Launch> {
+        Ok(Launch {
+            module: Module::FlashAttention,
+            kernel: kernel_name(base, dtype)?,
+            grid: (blocks as u32, heads as u32, 1),
+            block: (THREADS, 1, 1),
+            shared_bytes: tiles.shared as u32,
+            args,
+        })
     }
 
-    /// The sizes every kernel takes after its pointers.
-    fn sizes(d: &Dims) -> [u32; 5] {
-        [d.h as u32, d.kv as u32, d.t as u32, d.s as u32, d.d as u32]
+    /// The sizes every kernel takes after its pointers: h, kv, t, s, d.
+    fn sizes(d: &Dims) -> [Arg; 5] {
+        [d.h, d.kv, d.t, d.s, d.d].map(|n| Arg::U32(n as u32))
     }
 
-    struct Forward<'a> {
-        ranges: CudaView<'a, u32>,
-        lse: CudaSlice<f32>,
-        dims: Dims,
-        scale: f32,
+    /// The launch of `flash_fwd` over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`. Blocks of `bq`
+    /// queries of one head.
+    pub fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let mut p = Plan::default();
+        let (q, k, v) =
+            (p.input("q", dtype, dims.q_len()), p.input("k", dtype, dims.kv_len()), p.input("v", dtype, dims.kv_len()));
+        let ranges = p.input("attention ranges", DType::U32, dims.b * dims.t * 2);
+        let lse = p.output("log-sum-exp", DType::F32, dims.b * dims.h * dims.t);
+        let out = p.output("attention", dtype, dims.q_len());
+        let tiles = forward_tiles(dims.d)?;
+        let mut args = vec![q, k, v, ranges, lse, out];
+        args.extend(sizes(&dims));
+        args.extend([Arg::U32(tiles.bq as u32), Arg::F32(scale)]);
+        p.launch(flash_launch("flash_fwd", dtype, (dims.t.div_ceil(tiles.bq), dims.b * dims.h), tiles, args)?)?;
+        Ok(p)
     }
 
-    impl Map3 for Forward<'_> {
-        fn f<T: Float>(
-            &self,
-            q: &CudaView<'_, T>,
-            k: &CudaView<'_, T>,
-            v: &CudaView<'_, T>,
-            dev: &CudaDevice,
-        ) -> Result<CudaStorage> {
-            let dims = &self.dims;
-            let tiles = forward_tiles(dims.d)?;
-            // SAFETY: the kernel writes every output element.
-            let out = unsafe { dev.alloc::<T>(dims.q_len())? };
-            let f =
-                dev.get_or_load_custom_func(&kernel_name::<T>("flash_fwd"), FLASH_ATTENTION.name, FLASH_ATTENTION.ptx)?;
-            let [h, kv, t, s, d] = sizes(dims);
-            let bq = tiles.bq as u32;
-            let mut b = f.builder();
-            b.arg(q).arg(k).arg(v).arg(&self.ranges).arg(&self.lse).arg(&out);
-            b.arg(&h).arg(&kv).arg(&t).arg(&s).arg(&d).arg(&bq).arg(&self.scale);
-            let cfg = config(dims.t.div_ceil(tiles.bq), dims.b * dims.h, &tiles);
-            // SAFETY: the argument types and order match flash_fwd's signature.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-        }
-    }
-
-    /// `(o, L)` of the forward.
-    pub fn forward(
-        [(q, lq), (k, lk), (v, lv)]: [(&CudaStorage, &Layout); 3],
-        (r, lr): (&CudaStorage, &Layout),
-        dims: Dims,
-        scale: f32,
-    ) -> Result<(CudaStorage, CudaSlice<f32>)> {
-        let ranges = u32_view(r, lr, "attention ranges")?;
-        // SAFETY: the kernel writes the log-sum-exp of every query.
-        let lse = unsafe { q.device.alloc::<f32>(dims.b * dims.h * dims.t)? };
-        let op = Forward { ranges, lse, dims, scale };
-        let out = op.map((q, lq, "q"), (k, lk, "k"), (v, lv, "v"))?;
-        Ok((out, op.lse))
-    }
-
-    struct Backward<'a> {
-        ranges: CudaView<'a, u32>,
-        grad: (&'a CudaStorage, &'a Layout),
-        lse: CudaView<'a, f32>,
-        delta: CudaView<'a, f32>,
-        dims: Dims,
-        scale: f32,
-    }
-
-    impl Backward<'_> {
-        /// Launch `{name}` with `(q, k, v, dout, ranges, lse, delta, out, sizes..., bq, bk, scale)`.
-        #[allow(clippy::too_many_arguments)]
-        fn launch<T: Float>(
-            &self,
-            name: &str,
-            [q, k, v, dout]: [&CudaView<'_, T>; 4],
-            out: &mut candle_core::cuda_backend::cudarc::driver::CudaViewMut<'_, T>,
-            tiles: Tiles,
-            cfg: LaunchConfig,
-            dev: &CudaDevice,
-        ) -> Result<()> {
-            let f = dev.get_or_load_custom_func(&kernel_name::<T>(name), FLASH_ATTENTION.name, FLASH_ATTENTION.ptx)?;
-            let [h, kv, t, s, d] = sizes(&self.dims);
-            let (bq, bk) = (tiles.bq as u32, tiles.bk as u32);
-            let mut b = f.builder();
-            b.arg(q).arg(k).arg(v).arg(dout).arg(&self.ranges).arg(&self.lse).arg(&self.delta).arg(out);
-            b.arg(&h).arg(&kv).arg(&t).arg(&s).arg(&d).arg(&bq).arg(&bk).arg(&self.scale);
-            // SAFETY: the argument types and order match the kernel's signature.
-            unsafe { b.launch(cfg) }.w()?;
-            Ok(())
-        }
-    }
-
-    impl Map3 for Backward<'_> {
-        fn f<T: Float>(
-            &self,
-            q: &CudaView<'_, T>,
-            k: &CudaView<'_, T>,
-            v: &CudaView<'_, T>,
-            dev: &CudaDevice,
-        ) -> Result<CudaStorage> {
-            let dims = &self.dims;
-            let dout = view(self.grad.0.as_cuda_slice::<T>()?, self.grad.1, "grad")?;
-            let (nq, nk) = (dims.q_len(), dims.kv_len());
-            // SAFETY: the two kernels write every element: dq, then dk and dv.
-            let mut out = unsafe { dev.alloc::<T>(nq + 2 * nk)? };
-            let tq = dq_tiles(dims.d)?;
-            let cfg = config(dims.t.div_ceil(tq.bq), dims.b * dims.h, &tq);
-            self.launch("flash_bwd_dq", [q, k, v, &dout], &mut out.slice_mut(..nq), tq, cfg, dev)?;
-            let tk = dkv_tiles(dims.d)?;
-            let cfg = config(dims.s.div_ceil(tk.bk), dims.b * dims.kv, &tk);
-            self.launch("flash_bwd_dkv", [q, k, v, &dout], &mut out.slice_mut(nq..), tk, cfg, dev)?;
-            Ok(CudaStorage::wrap_cuda_slice(out, dev.clone()))
-        }
-    }
-
-    /// dq, dk and dv one after the other.
-    pub fn backward(
-        [(q, lq), (k, lk), (v, lv)]: [(&CudaStorage, &Layout); 3],
-        held: Held,
-        dims: Dims,
-        scale: f32,
-    ) -> Result<CudaStorage> {
-        let op = Backward {
-            ranges: u32_view(held.ranges.0, held.ranges.1, "attention ranges")?,
-            grad: held.grad,
-            lse: f32_view(held.lse.0, held.lse.1, "log-sum-exp")?,
-            delta: f32_view(held.delta.0, held.delta.1, "delta")?,
-            dims,
-            scale,
+    /// The launches of `flash_bwd_dq` (blocks of queries of one head) and `flash_bwd_dkv` (blocks of keys of
+    /// one KV head) over inputs `(q, k, v, grad, ranges, L, D)`; output dq, dk and dv one after the other.
+    pub fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let (nq, nk) = (dims.q_len(), dims.kv_len());
+        let mut p = Plan::default();
+        let mut inputs = vec![p.input("q", dtype, nq), p.input("k", dtype, nk), p.input("v", dtype, nk)];
+        inputs.push(p.input("grad", dtype, nq));
+        inputs.push(p.input("attention ranges", DType::U32, dims.b * dims.t * 2));
+        inputs.push(p.input("log-sum-exp", DType::F32, dims.b * dims.h * dims.t));
+        inputs.push(p.input("delta", DType::F32, dims.b * dims.h * dims.t));
+        let Arg::Buffer { index: grads, .. } = p.output("gradients", dtype, nq + 2 * nk) else { unreachable!() };
+        let args = |offset: usize, t: &Tiles| {
+            let mut a = inputs.clone();
+            a.push(Arg::Buffer { index: grads, offset });
+            a.extend(sizes(&dims));
+            a.extend([Arg::U32(t.bq as u32), Arg::U32(t.bk as u32), Arg::F32(scale)]);
+            a
         };
-        op.map((q, lq, "q"), (k, lk, "k"), (v, lv, "v"))
+        let (tq, tk) = (dq_tiles(dims.d)?, dkv_tiles(dims.d)?);
+        let dq = flash_launch("flash_bwd_dq", dtype, (dims.t.div_ceil(tq.bq), dims.b * dims.h), tq, args(0, &tq))?;
+        let dkv = flash_launch("flash_bwd_dkv", dtype, (dims.s.div_ceil(tk.bk), dims.b * dims.kv), tk, args(nq, &tk))?;
+        p.launch(dq)?;
+        p.launch(dkv)?;
+        Ok(p)
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_storage(s: &Storage) -> Result<&candle_core::CudaStorage> {
+    match s {
+        Storage::Cuda(s) => Ok(s),
+        _ => candle_core::bail!("flash attention: a held tensor is not on the GPU like q, k and v"),
     }
 }
 

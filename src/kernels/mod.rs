@@ -1,6 +1,8 @@
 //! Fused operations with their own backward, as candle custom ops. Each `X.rs` holds an op's CPU
-//! implementation (the reference CI tests) and, with the `cuda` feature, its launches of the CUDA
-//! kernels of kernels/X.cu (compiled to PTX by build.rs):
+//! implementation (the reference CI tests) and the launch plan of its CUDA kernels of kernels/X.cu
+//! (launch.rs: kernel, grid, block, shared memory, ordered arguments, as plain data), which cuda.rs runs
+//! on a GPU (`cuda` feature; PTX compiled by build.rs) and emu.rs on the host emulator in the tests
+//! (docs/cuda-emulator.md):
 //!
 //! - [`rope`] (rope.rs): the rotary embedding fused with the head transpose, each way in one op.
 //! - [`rms_normalize`] (norm.rs): RMSNorm without its weight, in one pass with its own backward.
@@ -16,14 +18,18 @@
 //!
 //! Every kernel exists for f32, bf16 and f16, and each side dispatches on the dtype in one place: on
 //! the CPU `with_float!` (cpu.rs) binds the inputs' elements and the generic body is monomorphised per
-//! dtype; on the GPU an op implements `Map1`/`Map2`/`Map3` (cuda.rs) with one generic launch, whose
-//! kernel is `{name}_{f32,bf16,f16}`.
+//! dtype; on the GPU an op's plan names the kernel instance `{name}_{f32,bf16,f16}` of its inputs' dtype.
 
 mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+#[cfg(test)]
+mod emu;
 mod flash_attention;
+// Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
+#[cfg(any(test, feature = "cuda"))]
+mod launch;
 mod logprob;
 mod norm;
 mod rope;

@@ -10,6 +10,10 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tenso
 use rayon::prelude::*;
 
 use super::cpu::{with_float, Elem, IntoStorage};
+#[cfg(any(test, feature = "cuda"))]
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
 
 fn rows_of(l: &Layout) -> Result<(usize, usize)> {
     let h = l.shape().dims().last().copied().unwrap_or(0);
@@ -68,8 +72,10 @@ impl CustomOp1 for RmsNormalize {
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, s: &candle_core::CudaStorage, l: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (rows, h) = rows_of(l)?;
-        Ok((cuda::forward(s, l, rows, h, self.eps)?, l.shape().clone()))
+        let y = super::cuda::run(&norm_plan(s.dtype(), rows, h, self.eps, false)?, &[(s, l)])?.remove(0);
+        Ok((y, l.shape().clone()))
     }
 
     fn bwd(&self, x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -105,11 +111,14 @@ impl CustomOp2 for RmsNormalizeBwd {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (rows, h) = rows_of(l1)?;
         if l1.shape() != l2.shape() {
             candle_core::bail!("rms norm backward: grad {:?} for input {:?}", l2.shape(), l1.shape());
         }
-        Ok((cuda::backward(s1, l1, s2, l2, rows, h, self.eps)?, l1.shape().clone()))
+        let plan = norm_plan(s1.dtype(), rows, h, self.eps, true)?;
+        let dx = super::cuda::run(&plan, &[(s1, l1), (s2, l2)])?.remove(0);
+        Ok((dx, l1.shape().clone()))
     }
 }
 
@@ -127,58 +136,21 @@ pub fn rms_normalize_reference(x: &Tensor, eps: f64) -> Result<Tensor> {
     xf.broadcast_div(&rms)?.to_dtype(x.dtype())
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
-    use candle_core::cuda_backend::CudaDevice;
-    use candle_core::{CudaStorage, Layout, Result};
-
-    use crate::kernels::cuda::{kernel_name, launch, Float, Map1, Map2, NORM};
-
-    /// RMS normalisation of `rows` rows of `h`: forward as [`Map1`] (x), backward as [`Map2`] (x, grad).
-    struct Norm {
-        rows: usize,
-        h: usize,
-        eps: f32,
+/// The launch of `rms_norm_fwd` (`backward`: `rms_norm_bwd`) over `rows` rows of `h` of `dtype`: one block
+/// per row, at most 256 threads, fewer for short rows (q/k norms over a head of 64-128).
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn norm_plan(dtype: DType, rows: usize, h: usize, eps: f32, backward: bool) -> Result<Plan> {
+    let mut p = Plan::default();
+    let mut args = vec![p.input("x", dtype, rows * h)];
+    if backward {
+        args.push(p.input("grad", dtype, rows * h));
     }
-
-    impl Norm {
-        /// One block per row, at most 256 threads: fewer for short rows (q/k norms over a head of 64-128).
-        fn config(&self) -> LaunchConfig {
-            let threads = (self.h.div_ceil(32) * 32).min(256) as u32;
-            LaunchConfig { grid_dim: (self.rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
-        }
-    }
-
-    impl Map1 for Norm {
-        fn f<T: Float>(&self, x: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let (name, h) = (kernel_name::<T>("rms_norm_fwd"), self.h as u32);
-            Ok(launch!(dev, NORM, name, self.config(), T, self.rows * self.h, [x], [&h, &self.eps]))
-        }
-    }
-
-    impl Map2 for Norm {
-        fn f<T: Float>(&self, x: &CudaView<'_, T>, g: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let (name, h) = (kernel_name::<T>("rms_norm_bwd"), self.h as u32);
-            Ok(launch!(dev, NORM, name, self.config(), T, self.rows * self.h, [x, g], [&h, &self.eps]))
-        }
-    }
-
-    pub fn forward(x: &CudaStorage, lx: &Layout, rows: usize, h: usize, eps: f32) -> Result<CudaStorage> {
-        Map1::map(&Norm { rows, h, eps }, (x, lx, "x"))
-    }
-
-    pub fn backward(
-        x: &CudaStorage,
-        lx: &Layout,
-        g: &CudaStorage,
-        lg: &Layout,
-        rows: usize,
-        h: usize,
-        eps: f32,
-    ) -> Result<CudaStorage> {
-        Map2::map(&Norm { rows, h, eps }, (x, lx, "x"), (g, lg, "grad"))
-    }
+    args.extend([p.output("normalized", dtype, rows * h), Arg::U32(h as u32), Arg::F32(eps)]);
+    let threads = (h.div_ceil(32) * 32).min(256) as u32;
+    let base = if backward { "rms_norm_bwd" } else { "rms_norm_fwd" };
+    let (grid, block) = ((rows as u32, 1, 1), (threads, 1, 1));
+    p.launch(Launch { module: Module::Norm, kernel: kernel_name(base, dtype)?, grid, block, shared_bytes: 0, args })?;
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -9,6 +9,10 @@ use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::cpu::{with_float, Elem, IntoStorage};
+#[cfg(any(test, feature = "cuda"))]
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
 
 /// `(b, t, h, d)` of `x` (or of the gradient `[B, H, T, D]` when `grad`), checking cos/sin `[B, 1, T, D]`.
 fn dims(x: &Layout, c: &Layout, s: &Layout, grad: bool) -> Result<(usize, usize, usize, usize)> {
@@ -100,8 +104,11 @@ impl CustomOp3 for Rope {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let dims = dims(l1, l2, l3, self.inverse)?;
-        Ok((cuda::rope(s1, l1, s2, l2, s3, l3, dims, self.inverse)?, out_shape(dims, self.inverse)))
+        let plan = rope_plan(s1.dtype(), dims, self.inverse)?;
+        let y = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3)])?.remove(0);
+        Ok((y, out_shape(dims, self.inverse)))
     }
 
     fn bwd(
@@ -142,52 +149,27 @@ pub fn rope_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
-    use candle_core::cuda_backend::CudaDevice;
-    use candle_core::{CudaStorage, Layout, Result};
-
-    use crate::kernels::cuda::{kernel_name, launch, Float, Map3, ROPE};
-
-    /// The rotary embedding of `[b, t, h, d]` (x, cos, sin), or its inverse.
-    struct Rope {
-        dims: [u32; 4],
-        len: usize,
-        inverse: bool,
-    }
-
-    impl Map3 for Rope {
-        fn f<T: Float>(
-            &self,
-            x: &CudaView<'_, T>,
-            c: &CudaView<'_, T>,
-            s: &CudaView<'_, T>,
-            dev: &CudaDevice,
-        ) -> Result<CudaStorage> {
-            let threads = 256u32;
-            let blocks = ((self.len / 2).div_ceil(threads as usize)).clamp(1, 1 << 20) as u32;
-            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-            let name = kernel_name::<T>(if self.inverse { "rope_bwd" } else { "rope_fwd" });
-            let [b, t, h, d] = &self.dims;
-            Ok(launch!(dev, ROPE, name, cfg, T, self.len, [x, c, s], [b, t, h, d]))
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn rope(
-        x: &CudaStorage,
-        lx: &Layout,
-        c: &CudaStorage,
-        lc: &Layout,
-        s: &CudaStorage,
-        ls: &Layout,
-        (b, t, h, d): (usize, usize, usize, usize),
-        inverse: bool,
-    ) -> Result<CudaStorage> {
-        let op = Rope { dims: [b as u32, t as u32, h as u32, d as u32], len: b * t * h * d, inverse };
-        op.map((x, lx, "x"), (c, lc, "cos"), (s, ls, "sin"))
-    }
+/// The launch of `rope_fwd` (`inverse`: `rope_bwd`) over `[b, t, h, d]` of `dtype`: one thread per pair
+/// of elements, 256 per block, at most 2^20 blocks (a grid-stride loop covers the rest).
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn rope_plan(dtype: DType, (b, t, h, d): (usize, usize, usize, usize), inverse: bool) -> Result<Plan> {
+    let len = b * t * h * d;
+    let mut p = Plan::default();
+    let x = p.input(if inverse { "grad" } else { "x" }, dtype, len);
+    let (c, s) = (p.input("cos", dtype, b * t * d), p.input("sin", dtype, b * t * d));
+    let y = p.output("rotated", dtype, len);
+    let dims = [b, t, h, d].map(|n| Arg::U32(n as u32));
+    let threads = 256u32;
+    let blocks = (len / 2).div_ceil(threads as usize).min(1 << 20) as u32;
+    p.launch(Launch {
+        module: Module::Rope,
+        kernel: kernel_name(if inverse { "rope_bwd" } else { "rope_fwd" }, dtype)?,
+        grid: (blocks, 1, 1),
+        block: (threads, 1, 1),
+        shared_bytes: 0,
+        args: [x, c, s, y].into_iter().chain(dims).collect(),
+    })?;
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -12,6 +12,8 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Result, Shape
 use rayon::prelude::*;
 
 use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
+#[cfg(any(test, feature = "cuda"))]
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 
 /// Running softmax statistics relative to the running maximum `m`: `s = sum e^(z-m)`,
 /// `u = sum e^(z-m) (z-m)`; then `lse = m + ln s` and `entropy = ln s - u / s`.
@@ -128,8 +130,10 @@ impl CustomOp2 for RowStats {
         s2: &candle_core::CudaStorage,
         l2: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (n, v) = dims(l1, l2)?;
-        let out = cuda::stats(s1, l1, s2, l2, n, v)?;
+        let plan = stats_plan(s1.dtype(), n, v)?;
+        let out = super::cuda::run(&plan, &[(s1, l1), (s2, l2)])?.remove(0);
         Ok((out, Shape::from((n, 3))))
     }
 }
@@ -170,11 +174,13 @@ impl CustomOp3 for RowGrad {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
         let (n, v) = dims(l1, l2)?;
         if l3.shape().dims() != [n, 2] {
             candle_core::bail!("coefficients must be f32 [{n}, 2]");
         }
-        let out = cuda::grad(s1, l1, s2, l2, s3, l3, n, v)?;
+        let plan = grad_plan(s1.dtype(), n, v)?;
+        let out = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3)])?.remove(0);
         Ok((out, Shape::from((n, v))))
     }
 }
@@ -192,71 +198,44 @@ pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tens
     logits.detach().contiguous()?.apply_op3_no_bwd(&targets.detach().contiguous()?, &coef, &RowGrad)
 }
 
-#[cfg(feature = "cuda")]
-mod cuda {
-    use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig};
-    use candle_core::cuda_backend::CudaDevice;
-    use candle_core::{CudaStorage, Layout, Result};
+/// The launch of `lp_row_stats` over logits `[n, V]` of `dtype`: one block of 512 threads per row.
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn stats_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
+    let mut p = Plan::default();
+    let z = p.input("logits", dtype, n * v);
+    let t = p.input("targets", DType::U32, n);
+    let out = p.output("stats", DType::F32, n * 3);
+    p.launch(Launch {
+        module: Module::Rows,
+        kernel: kernel_name("lp_row_stats", dtype)?,
+        grid: (n as u32, 1, 1),
+        block: (512, 1, 1),
+        shared_bytes: 0,
+        args: vec![z, t, out, Arg::U32(v as u32)],
+    })?;
+    Ok(p)
+}
 
-    use crate::kernels::cuda::{f32_view, kernel_name, launch, u32_view, Float, Map1, ROWS};
-
-    struct Stats<'a> {
-        targets: CudaView<'a, u32>,
-        n: usize,
-        v: usize,
-    }
-
-    impl Map1 for Stats<'_> {
-        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let cfg = LaunchConfig { grid_dim: (self.n as u32, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-            let (name, v) = (kernel_name::<T>("lp_row_stats"), self.v as u32);
-            Ok(launch!(dev, ROWS, name, cfg, f32, self.n * 3, [z, &self.targets], [&v]))
-        }
-    }
-
-    pub fn stats(
-        z: &CudaStorage,
-        lz: &Layout,
-        t: &CudaStorage,
-        lt: &Layout,
-        n: usize,
-        v: usize,
-    ) -> Result<CudaStorage> {
-        Stats { targets: u32_view(t, lt, "targets")?, n, v }.map((z, lz, "logits"))
-    }
-
-    struct Grad<'a> {
-        targets: CudaView<'a, u32>,
-        coef: CudaView<'a, f32>,
-        n: usize,
-        v: usize,
-    }
-
-    impl Map1 for Grad<'_> {
-        fn f<T: Float>(&self, z: &CudaView<'_, T>, dev: &CudaDevice) -> Result<CudaStorage> {
-            let threads = 256u32;
-            let per_row = (self.v as u32).div_ceil(threads * 4).clamp(1, 65535);
-            let cfg =
-                LaunchConfig { grid_dim: (self.n as u32, per_row, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
-            let (name, v) = (kernel_name::<T>("lp_row_grad"), self.v as u32);
-            Ok(launch!(dev, ROWS, name, cfg, T, self.n * self.v, [z, &self.targets, &self.coef], [&v]))
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub fn grad(
-        z: &CudaStorage,
-        lz: &Layout,
-        t: &CudaStorage,
-        lt: &Layout,
-        c: &CudaStorage,
-        lc: &Layout,
-        n: usize,
-        v: usize,
-    ) -> Result<CudaStorage> {
-        let (targets, coef) = (u32_view(t, lt, "targets")?, f32_view(c, lc, "coefficients")?);
-        Grad { targets, coef, n, v }.map((z, lz, "logits"))
-    }
+/// The launch of `lp_row_grad` over logits `[n, V]` of `dtype`: per row, blocks of 256 threads striding
+/// over the vocabulary, about 4 elements per thread.
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn grad_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
+    let threads = 256u32;
+    let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
+    let mut p = Plan::default();
+    let z = p.input("logits", dtype, n * v);
+    let t = p.input("targets", DType::U32, n);
+    let coef = p.input("coefficients", DType::F32, n * 2);
+    let out = p.output("grad", dtype, n * v);
+    p.launch(Launch {
+        module: Module::Rows,
+        kernel: kernel_name("lp_row_grad", dtype)?,
+        grid: (n as u32, per_row, 1),
+        block: (threads, 1, 1),
+        shared_bytes: 0,
+        args: vec![z, t, coef, out, Arg::U32(v as u32)],
+    })?;
+    Ok(p)
 }
 
 #[cfg(test)]

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The emulated kernel tests (src/kernels/emu/tests.rs) under ThreadSanitizer and under
+# AddressSanitizer + UndefinedBehaviorSanitizer: the emulator and every kernels/*.cu file are compiled with
+# the sanitizer (GRPO_EMU_SANITIZE, read by kernels/emu/build_emu.rs) and its runtime is linked into the
+# test binary; stable Rust and g++ are enough. Exits non-zero on any sanitizer report or failed test.
+#
+#   scripts/emu-sanitize.sh            the two sanitizer runs on today's kernels
+#   scripts/emu-sanitize.sh --mutate   then each seeded defect, which must be caught:
+#     sync    the barrier between a block reduction's writes and reads removed (kernels/common.cuh)
+#             -> ThreadSanitizer reports a data race
+#     index   rms_norm_fwd writes one element past its row (j <= h, kernels/norm.cu)
+#             -> AddressSanitizer reports a heap-buffer-overflow on the last row
+#     shared  a launch whose dynamic shared memory is one f32 short of what flash_fwd uses
+#             (the test dynamic_shared_memory_one_element_short_is_reported)
+#             -> AddressSanitizer reports a heap-buffer-overflow in shared memory
+#     argsize rms_norm_fwd declared with a 64-bit `h` while its launch plan passes a u32
+#             -> the emulator's check of each argument against the kernel's signature fails the launch
+#
+# The mutants are copies of kernels/ in a temporary folder (GRPO_EMU_KERNELS); the tree is not touched.
+# Each configuration rebuilds the crate's test binary (the dependencies are reused): minutes, not hours.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+mutate=0
+[ "${1:-}" = "--mutate" ] && mutate=1
+export TSAN_OPTIONS="halt_on_error=0 exitcode=66 suppressions=$PWD/scripts/emu-tsan.supp ${TSAN_OPTIONS:-}"
+export ASAN_OPTIONS="detect_leaks=0 ${ASAN_OPTIONS:-}"
+export UBSAN_OPTIONS="print_stacktrace=1 ${UBSAN_OPTIONS:-}"
+REPORT='ThreadSanitizer|AddressSanitizer|runtime error:'
+log=$(mktemp)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp" "$log"' EXIT
+
+# run SANITIZER KERNELS_DIR TEST_FILTER [test args...]: builds the test binary with the sanitizer, then runs
+# the emulated tests with the sanitizer's runtime preloaded (it must come first); sets $rc and fills $log.
+run() {
+  local san=$1 kernels=$2 filter=$3 preload="" part lib
+  shift 3
+  if ! GRPO_EMU_SANITIZE=$san GRPO_EMU_KERNELS=$kernels cargo test --lib --no-run >"$log" 2>&1; then
+    rc=99
+    return
+  fi
+  local bin
+  bin=$(grep -Eo 'target/debug/deps/grpo-[0-9a-f]+' "$log" | tail -1)
+  for part in ${san//,/ }; do
+    case $part in thread) lib=tsan ;; address) lib=asan ;; undefined) lib=ubsan ;; *) continue ;; esac
+    preload="$preload${preload:+:}$(g++ -print-file-name=lib$lib.so)"
+  done
+  LD_PRELOAD=$preload "$bin" "$filter" --test-threads=2 "$@" >"$log" 2>&1
+  rc=$?
+}
+
+failures=0
+clean() {  # clean NAME SANITIZER: today's kernels must pass with no report
+  local start=$SECONDS
+  run "$2" "" kernels::emu::tests --skip dynamic_shared_memory_one_element_short
+  local reports
+  reports=$(grep -cE "$REPORT" "$log")
+  if [ "$rc" -eq 0 ] && [ "$reports" -eq 0 ]; then
+    echo "clean    $1: $(grep -E '^test result' "$log" | head -1) ($((SECONDS - start)) s)"
+  else
+    echo "clean    $1: FAILED (exit $rc, $reports sanitizer lines)"
+    grep -E "$REPORT|panicked|FAILED" "$log" | head -20
+    failures=$((failures + 1))
+  fi
+}
+
+caught() {  # caught NAME SANITIZER KERNELS FILTER PATTERN: the mutant must fail with PATTERN in its output
+  local start=$SECONDS
+  run "$2" "$3" "$4" --exact
+  local line
+  line=$(grep -m1 -E "$5" "$log")
+  if [ "$rc" -ne 0 ] && [ -n "$line" ]; then
+    echo "caught   $1 (exit $rc, $((SECONDS - start)) s): $(echo "$line" | sed 's/^ *//' | cut -c1-150)"
+  else
+    echo "MISSED   $1: exit $rc, no line matching /$5/"
+    tail -20 "$log"
+    failures=$((failures + 1))
+  fi
+}
+
+mutant() {  # mutant NAME FILE PYTHON_REPLACEMENT: a copy of kernels/ with one edit, checked to apply
+  local dir=$tmp/$1
+  mkdir -p "$dir"
+  cp kernels/*.cu kernels/*.cuh "$dir"/
+  python3 - "$dir/$2" "$3" "$4" <<'EOF' || exit 2
+import sys
+path, old, new = sys.argv[1], sys.argv[2].encode().decode('unicode_escape'), sys.argv[3].encode().decode('unicode_escape')
+text = open(path).read()
+if text.count(old) != 1:
+    sys.exit(f"mutation does not apply to {path}: {old!r} found {text.count(old)} times")
+open(path, 'w').write(text.replace(old, new))
+EOF
+  echo "$dir"
+}
+
+echo "== emulated kernel tests under sanitizers ($(g++ --version | head -1))"
+clean "ThreadSanitizer" thread
+if [ "$mutate" -eq 1 ]; then
+  dir=$(mutant sync common.cuh '    if (lane == 0) shared[warp] = v;\n    __syncthreads();' '    if (lane == 0) shared[warp] = v;')
+  caught "sync (removed __syncthreads)" thread "$dir" kernels::emu::tests::rms_norm_fwd \
+    'WARNING: ThreadSanitizer: data race'
+fi
+clean "AddressSanitizer+UBSan" address,undefined
+if [ "$mutate" -eq 1 ]; then
+  caught "shared (shared memory one f32 short)" address,undefined "" \
+    kernels::emu::tests::dynamic_shared_memory_one_element_short_is_reported 'ERROR: AddressSanitizer'
+  dir=$(mutant index norm.cu 'for (uint32_t j = threadIdx.x; j < h; j += blockDim.x) yr[j]' \
+    'for (uint32_t j = threadIdx.x; j <= h; j += blockDim.x) yr[j]')
+  caught "index (one past the end)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
+    'ERROR: AddressSanitizer'
+  dir=$(mutant argsize norm.cu 'void rms_norm_fwd_##NAME(const T *x, T *y, uint32_t h' \
+    'void rms_norm_fwd_##NAME(const T *x, T *y, uint64_t h')
+  caught "argsize (u32 passed for a 64-bit parameter)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
+    'the launch passes 4 bytes'
+fi
+[ "$failures" -eq 0 ] && echo "all clean$([ "$mutate" -eq 1 ] && echo ', every mutant caught')"
+exit "$failures"

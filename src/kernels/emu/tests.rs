@@ -1,0 +1,376 @@
+//! Every kernel of kernels/*.cu, launched by its op's plan on the host emulator, against the op's CPU
+//! implementation: forward and backward, f32/bf16/f16, with edge shapes (length 1, lengths no block size
+//! divides, GQA groups, packed segments, clipped and empty key ranges, empty batches, the largest head
+//! dim). The cases of tests/cuda_ops.rs at sizes a host runs in seconds. One test per kernel.
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use rand::{Rng, SeedableRng};
+
+use super::{run, run_with, Buf, RawArg, KIND_F32, KIND_U64};
+use crate::kernels::attention::softmax_plan;
+use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEAD_DIM};
+use crate::kernels::norm::norm_plan;
+use crate::kernels::rope::rope_plan;
+use crate::kernels::rows::{grad_plan, stats_plan};
+use crate::kernels::{flash_attention, masked_softmax, rms_normalize, rope, row_stats};
+
+const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
+
+fn random(rng: &mut impl Rng, shape: &[usize], scale: f32) -> Tensor {
+    let n = shape.iter().product();
+    let data: Vec<f32> = (0..n).map(|_| rng.gen_range(-scale..scale)).collect();
+    Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+}
+
+/// `(rtol, atol)`, atol relative to max |b|: f32 rounding differences of a different summation order;
+/// for bf16/f16 outputs one rounding of the output type either way.
+fn tol(dt: DType) -> (f32, f32) {
+    match dt {
+        DType::F32 => (1e-4, 1e-5),
+        DType::BF16 => (1.6e-2, 1e-3),
+        _ => (2e-3, 1e-4),
+    }
+}
+
+fn flat(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1().unwrap()
+}
+
+/// Every element has |a - b| <= atol max|b| + rtol |b| (NaN only where both are NaN).
+fn assert_close(what: &str, a: &Tensor, b: &Tensor, (rtol, atol): (f32, f32)) {
+    let (a, b) = (flat(a), flat(b));
+    assert_eq!(a.len(), b.len(), "{what}: {} vs {} elements", a.len(), b.len());
+    let scale = b.iter().filter(|x| x.is_finite()).fold(0f32, |m, x| m.max(x.abs()));
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        let ok = (x.is_nan() && y.is_nan()) || (x - y).abs() <= atol * scale + rtol * y.abs();
+        assert!(ok, "{what}: element {i}: emulated {x} vs cpu {y} (max |cpu| {scale}, seed {})", super::seed());
+    }
+}
+
+fn u32s(v: &[u32], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(v.to_vec(), shape, &Device::Cpu).unwrap()
+}
+
+#[test]
+fn lp_row_stats() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
+    for (n, v) in [(1, 1), (3, 1001), (2, 33)] {
+        let t = u32s(&(0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), &[n]);
+        for dt in DTYPES {
+            let z = random(&mut rng, &[n, v], 20.0).to_dtype(dt).unwrap();
+            let got = run(&stats_plan(dt, n, v).unwrap(), &[&z, &t]).unwrap().remove(0);
+            assert_close(&format!("lp_row_stats {n}x{v} {dt:?}"), &got, &row_stats(&z, &t).unwrap(), (1e-5, 1e-6));
+        }
+    }
+    // A NaN logit makes its row NaN; a target outside the vocabulary gives NaN log-probs, not a read.
+    let mut z = vec![0.5f32; 3 * 40];
+    z[17] = f32::NAN;
+    let z = Tensor::from_vec(z, (3, 40), &Device::Cpu).unwrap();
+    let got = run(&stats_plan(DType::F32, 3, 40).unwrap(), &[&z, &u32s(&[1, 2, 40], &[3])]).unwrap().remove(0);
+    let got = flat(&got);
+    assert!(got[..3].iter().all(|x| x.is_nan()) && got[3..6].iter().all(|x| x.is_finite()), "{got:?}");
+    assert!(got[6].is_nan() && got[7..].iter().all(|x| x.is_finite()), "{got:?}");
+}
+
+#[test]
+fn lp_row_grad() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
+    for (n, v) in [(1, 1), (3, 1001), (2, 2100)] {
+        let t = u32s(&(0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), &[n]);
+        for dt in DTYPES {
+            let z = random(&mut rng, &[n, v], 8.0).to_dtype(dt).unwrap();
+            let lse = row_stats(&z, &t).unwrap().narrow(1, 2, 1).unwrap().squeeze(1).unwrap();
+            let coef = Tensor::stack(&[lse, random(&mut rng, &[n], 2.0)], 1).unwrap();
+            let want = crate::kernels::row_grad(&z, &t, &coef).unwrap();
+            let got = run(&grad_plan(dt, n, v).unwrap(), &[&z, &t, &coef]).unwrap().remove(0);
+            assert_close(&format!("lp_row_grad {n}x{v} {dt:?}"), &got, &want, tol(dt));
+        }
+    }
+}
+
+/// Ranges `[B, T, 2]` over `past + T` keys: row 0 causal; later rows two packed segments, a query whose
+/// range runs past the keys (clipped), an empty one and trailing padding (each sees itself).
+fn ranges(b: usize, t: usize, past: usize) -> Tensor {
+    let mut r = Vec::new();
+    for row in 0..b {
+        for i in 0..t {
+            let q = (i + past) as u32;
+            let third = t / 3;
+            r.extend_from_slice(&match (row, i) {
+                (0, _) => [0, q],
+                (_, i) if i < third => [0, q],
+                (_, i) if i + 3 < t && i < 2 * third + 2 => [(third + past) as u32, q],
+                (_, i) if i + 3 == t => [2, 1_000_000],
+                (_, i) if i + 2 == t => [7, 3],
+                _ => [q, q],
+            });
+        }
+    }
+    u32s(&r, &[b, t, 2])
+}
+
+/// The op's output and the gradient of `sum(y * up)` with respect to `x`, on the CPU, in `x`'s dtype.
+fn cpu_forward_backward(x: &Tensor, up: &Tensor, op: impl Fn(&Tensor) -> Tensor) -> (Tensor, Tensor) {
+    let xv = Var::from_tensor(x).unwrap();
+    let y = op(xv.as_tensor());
+    let loss = (y.to_dtype(DType::F32).unwrap() * up.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap();
+    let g = loss.backward().unwrap();
+    (y, g.get(xv.as_tensor()).unwrap().clone())
+}
+
+const SOFTMAX_CASES: [(usize, usize, usize, usize); 3] = [(1, 1, 1, 1), (2, 2, 7, 9), (0, 2, 3, 4)];
+
+#[test]
+fn attn_softmax_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+    for (b, h, t, s) in SOFTMAX_CASES {
+        let r = ranges(b, t, s - t);
+        for dt in DTYPES {
+            let x = random(&mut rng, &[b, h, t, s], 6.0).to_dtype(dt).unwrap();
+            let got = run(&softmax_plan(dt, (b, h, t, s), 0.7, false).unwrap(), &[&x, &r]).unwrap().remove(0);
+            let want = masked_softmax(&x, &r, 0.7).unwrap();
+            assert_close(&format!("attn_softmax_fwd {b}x{h}x{t}x{s} {dt:?}"), &got, &want, tol(dt));
+        }
+    }
+}
+
+#[test]
+fn attn_softmax_bwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(14);
+    for (b, h, t, s) in SOFTMAX_CASES {
+        let r = ranges(b, t, s - t);
+        for dt in DTYPES {
+            let x = random(&mut rng, &[b, h, t, s], 6.0).to_dtype(dt).unwrap();
+            let up = random(&mut rng, &[b, h, t, s], 1.0).to_dtype(dt).unwrap();
+            let (y, want) = cpu_forward_backward(&x, &up, |x| masked_softmax(x, &r, 0.7).unwrap());
+            let got = run(&softmax_plan(dt, (b, h, t, s), 0.7, true).unwrap(), &[&y, &up, &r]).unwrap().remove(0);
+            assert_close(&format!("attn_softmax_bwd {b}x{h}x{t}x{s} {dt:?}"), &got, &want, tol(dt));
+        }
+    }
+}
+
+/// Rows x features: one feature, a row shorter than a warp's multiple, a row longer than the block.
+const NORM_CASES: [(usize, usize); 4] = [(1, 1), (3, 77), (2, 300), (0, 8)];
+
+#[test]
+fn rms_norm_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+    for (rows, h) in NORM_CASES {
+        for dt in DTYPES {
+            let x = random(&mut rng, &[rows, h], 8.0).to_dtype(dt).unwrap();
+            let got = run(&norm_plan(dt, rows, h, 1e-6, false).unwrap(), &[&x]).unwrap().remove(0);
+            assert_close(&format!("rms_norm_fwd {rows}x{h} {dt:?}"), &got, &rms_normalize(&x, 1e-6).unwrap(), tol(dt));
+        }
+    }
+}
+
+#[test]
+fn rms_norm_bwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(18);
+    for (rows, h) in NORM_CASES {
+        for dt in DTYPES {
+            let x = random(&mut rng, &[rows, h], 8.0).to_dtype(dt).unwrap();
+            let up = random(&mut rng, &[rows, h], 1.0).to_dtype(dt).unwrap();
+            let (_, want) = cpu_forward_backward(&x, &up, |x| rms_normalize(x, 1e-6).unwrap());
+            let got = run(&norm_plan(dt, rows, h, 1e-6, true).unwrap(), &[&x, &up]).unwrap().remove(0);
+            assert_close(&format!("rms_norm_bwd {rows}x{h} {dt:?}"), &got, &want, tol(dt));
+        }
+    }
+}
+
+/// `[B, T, H, D]`: one pair, an odd number of heads and positions, more pairs than one block's threads.
+const ROPE_CASES: [(usize, usize, usize, usize); 4] = [(1, 1, 1, 2), (2, 5, 3, 8), (1, 9, 2, 64), (0, 3, 2, 4)];
+
+/// cos and sin `[B, 1, T, D]` of random angles (both halves equal), in `dt`.
+fn cos_sin(rng: &mut impl Rng, (b, t, _, d): (usize, usize, usize, usize), dt: DType) -> (Tensor, Tensor) {
+    let half = random(rng, &[b, 1, t, d / 2], 50.0);
+    let angles = Tensor::cat(&[&half, &half], 3).unwrap();
+    (angles.cos().unwrap().to_dtype(dt).unwrap(), angles.sin().unwrap().to_dtype(dt).unwrap())
+}
+
+#[test]
+fn rope_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(19);
+    for dims @ (b, t, h, d) in ROPE_CASES {
+        for dt in DTYPES {
+            let (c, s) = cos_sin(&mut rng, dims, dt);
+            let x = random(&mut rng, &[b, t, h, d], 4.0).to_dtype(dt).unwrap();
+            let got = run(&rope_plan(dt, dims, false).unwrap(), &[&x, &c, &s]).unwrap().remove(0);
+            assert_close(&format!("rope_fwd {dims:?} {dt:?}"), &got, &rope(&x, &c, &s).unwrap(), tol(dt));
+        }
+    }
+}
+
+#[test]
+fn rope_bwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(20);
+    for dims @ (b, t, h, d) in ROPE_CASES {
+        for dt in DTYPES {
+            let (c, s) = cos_sin(&mut rng, dims, dt);
+            let x = random(&mut rng, &[b, t, h, d], 4.0).to_dtype(dt).unwrap();
+            let up = random(&mut rng, &[b, h, t, d], 1.0).to_dtype(dt).unwrap();
+            let (_, want) = cpu_forward_backward(&x, &up, |x| rope(x, &c, &s).unwrap());
+            let got = run(&rope_plan(dt, dims, true).unwrap(), &[&up, &c, &s]).unwrap().remove(0);
+            assert_close(&format!("rope_bwd {dims:?} {dt:?}"), &got, &want, tol(dt));
+        }
+    }
+}
+
+/// Flash-attention cases `(b, h, kv, t, past keys, d)`: one query, GQA groups of 2 and 4, lengths no
+/// tile divides, a decode-like step over cached keys, the largest head dim, an empty batch.
+const FLASH_CASES: [(usize, usize, usize, usize, usize, usize); 5] =
+    [(1, 2, 2, 1, 0, 8), (2, 4, 2, 19, 3, 16), (2, 4, 1, 10, 0, 40), (1, 2, 1, 9, 0, MAX_HEAD_DIM), (0, 2, 1, 4, 0, 8)];
+
+struct Flash {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    up: Tensor,
+    ranges: Tensor,
+    dims: Dims,
+}
+
+impl Flash {
+    fn new(rng: &mut impl Rng, (b, h, kv, t, past, d): (usize, usize, usize, usize, usize, usize), dt: DType) -> Self {
+        let s = t + past;
+        let mut draw = |shape: &[usize], scale| random(rng, shape, scale).to_dtype(dt).unwrap();
+        let (q, k, v) = (draw(&[b, h, t, d], 2.0), draw(&[b, kv, s, d], 2.0), draw(&[b, kv, s, d], 1.0));
+        let up = draw(&[b, h, t, d], 1.0);
+        let ranges = ranges(b, t, past);
+        let dims = Dims::new(q.layout(), k.layout(), v.layout(), ranges.layout()).unwrap();
+        Self { q, k, v, up, ranges, dims }
+    }
+
+    /// `(o, dq, dk, dv)` on the CPU, in the inputs' dtype.
+    fn cpu(&self) -> [Tensor; 4] {
+        let vars = [&self.q, &self.k, &self.v].map(|x| Var::from_tensor(x).unwrap());
+        let o =
+            flash_attention(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), &self.ranges, 0.3).unwrap();
+        let loss = (o.to_dtype(DType::F32).unwrap() * self.up.to_dtype(DType::F32).unwrap()).unwrap();
+        let g = loss.sum_all().unwrap().backward().unwrap();
+        let grad = |i: usize| g.get(vars[i].as_tensor()).unwrap().clone();
+        [o, grad(0), grad(1), grad(2)]
+    }
+
+    /// Log-sum-exp of each query's scaled scores over its keys (f64), `[B, H, T]`; -inf when none.
+    fn lse(&self) -> Tensor {
+        let Dims { b, h, kv, t, s, d } = self.dims;
+        let (q, k) = (flat(&self.q), flat(&self.k));
+        let r: Vec<u32> = self.ranges.flatten_all().unwrap().to_vec1().unwrap();
+        let mut out = Vec::with_capacity(b * h * t);
+        for (bi, hi, i) in (0..b).flat_map(|bi| (0..h).flat_map(move |hi| (0..t).map(move |i| (bi, hi, i)))) {
+            let (lo, hi_key) = (r[(bi * t + i) * 2] as usize, (r[(bi * t + i) * 2 + 1] as usize).min(s - 1));
+            let qr = &q[((bi * h + hi) * t + i) * d..][..d];
+            let kvh = bi * kv + hi / (h / kv);
+            let scores: Vec<f64> = (lo..=hi_key)
+                .map(|j| 0.3 * qr.iter().zip(&k[(kvh * s + j) * d..][..d]).map(|(a, b)| (a * b) as f64).sum::<f64>())
+                .collect();
+            let m = scores.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(x));
+            out.push((m + scores.iter().map(|x| (x - m).exp()).sum::<f64>().ln()) as f32);
+        }
+        Tensor::from_vec(out, (b, h, t), &Device::Cpu).unwrap()
+    }
+}
+
+#[test]
+fn flash_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
+    for case in FLASH_CASES {
+        for dt in [DType::F32, DType::BF16] {
+            let f = Flash::new(&mut rng, case, dt);
+            let plan = forward_plan(dt, f.dims, 0.3).unwrap();
+            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.ranges]).unwrap();
+            let [o, ..] = f.cpu();
+            let (rtol, atol) = tol(dt);
+            assert_close(&format!("flash_fwd {case:?} {dt:?} o"), &got[1], &o, (rtol, atol.max(2e-3)));
+            // The log-sum-exp of an empty range is -inf: compare where finite, and the -inf exactly.
+            let (want, lse) = (flat(&f.lse()), flat(&got[0]));
+            for (i, (a, w)) in lse.iter().zip(&want).enumerate() {
+                let ok = if w.is_finite() { (a - w).abs() <= 2e-3 * (1.0 + w.abs()) } else { a == w };
+                assert!(ok, "flash_fwd {case:?} {dt:?} lse {i}: {a} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn flash_bwd_dq_and_dkv() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(29);
+    for case in FLASH_CASES {
+        for dt in [DType::F32, DType::BF16] {
+            let f = Flash::new(&mut rng, case, dt);
+            let [o, dq, dk, dv] = f.cpu();
+            let lse = f.lse();
+            let delta =
+                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
+            let plan = backward_plan(dt, f.dims, 0.3).unwrap();
+            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta]).unwrap().remove(0);
+            let (nq, nk) = (dq.elem_count(), dk.elem_count());
+            let (rtol, atol) = tol(dt);
+            for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
+                let what = format!("flash_bwd {case:?} {dt:?} {part}");
+                assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
+            }
+        }
+    }
+}
+
+#[test]
+fn empty_inputs_launch_nothing_and_allocate_no_zero_bytes() {
+    // The emulator's "device" refuses zero-byte allocations as cuMemAlloc does; an empty output is
+    // backed by one element, and its launch (an empty grid) is left out.
+    assert!(Buf::alloc(DType::F32, 0).is_err());
+    let plan = stats_plan(DType::BF16, 0, 5).unwrap();
+    assert!(plan.launches.is_empty());
+    let z = Tensor::zeros((0, 5), DType::BF16, &Device::Cpu).unwrap();
+    let got = run(&plan, &[&z, &u32s(&[], &[0])]).unwrap();
+    assert_eq!(got[0].elem_count(), 0);
+    let plan = rope_plan(DType::F32, (0, 3, 2, 4), false).unwrap();
+    assert!(plan.launches.is_empty() && plan.outputs().all(|b| b.len == 0 && b.alloc_len() == 1));
+}
+
+/// The emulator checks each argument against the kernel's parameter: its size, kind and element type.
+#[test]
+fn arguments_are_checked_against_the_kernel_signature() {
+    let x = Tensor::ones((2, 40), DType::F32, &Device::Cpu).unwrap();
+    let plan = norm_plan(DType::F32, 2, 40, 1e-6, false).unwrap();
+    let wide = 40u64;
+    let err =
+        |edit: &dyn Fn(Vec<RawArg>) -> Vec<RawArg>| run_with(&plan, &[&x], |_, a| edit(a)).unwrap_err().to_string();
+    // h passed as 8 bytes (a usize) where the kernel takes a u32.
+    let e = err(&|mut a| {
+        a[2] = RawArg { kind: KIND_U64, elem: 0, size: 8, value: &wide as *const u64 as *const _ };
+        a
+    });
+    assert!(e.contains("argument 2: the launch passes 8 bytes"), "{e}");
+    // eps as a u32 of the same size: the kind differs.
+    let e = err(&|mut a| {
+        a.swap(2, 3);
+        a
+    });
+    assert!(e.contains("argument 2") && e.contains("f32"), "{e}");
+    let e = err(&|mut a| {
+        a.pop();
+        a
+    });
+    assert!(e.contains("takes 4 arguments, the launch passes 3"), "{e}");
+    // A bf16 buffer where the f32 kernel takes f32.
+    let e = err(&|mut a| {
+        a[0].elem = 2;
+        a
+    });
+    assert!(e.contains("argument 0") && e.contains("pointer to bf16"), "{e}");
+    assert_eq!(KIND_F32, 3);
+}
+
+/// A shared-memory formula one f32 short: the kernel's last write lands past the launch's dynamic shared
+/// memory, which the emulator reports (AddressSanitizer too: scripts/emu-sanitize.sh).
+#[test]
+fn dynamic_shared_memory_one_element_short_is_reported() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
+    let f = Flash::new(&mut rng, (1, 1, 1, 5, 0, 8), DType::F32);
+    let mut plan = forward_plan(DType::F32, f.dims, 0.3).unwrap();
+    plan.launches[0].shared_bytes -= 4;
+    let e = run(&plan, &[&f.q, &f.k, &f.v, &f.ranges]).unwrap_err().to_string();
+    assert!(e.contains("past the") && e.contains("dynamic shared memory"), "{e}");
+}
