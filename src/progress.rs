@@ -78,14 +78,7 @@ fn log_bar(len: Option<u64>, what: &str) -> ProgressBar {
 }
 
 fn styled(len: Option<u64>, what: &str, template: &str, target: ProgressDrawTarget) -> ProgressBar {
-    let bar = match len {
-        Some(n) => ProgressBar::with_draw_target(Some(n), target),
-        None => {
-            let b = ProgressBar::with_draw_target(None, target);
-            b.set_style(ProgressStyle::default_spinner());
-            b
-        }
-    };
+    let bar = ProgressBar::with_draw_target(len, target);
     bar.set_style(ProgressStyle::with_template(template).unwrap_or_else(|_| ProgressStyle::default_bar()));
     bar.set_prefix(what.to_string());
     bar

@@ -309,3 +309,26 @@ fn undecidable_equalities_are_reported_as_unknown() {
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
     assert_eq!(s["n_unknown"], 1);
 }
+
+#[test]
+fn eval_generations_and_validation_records_are_read_by_their_samples() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("generations.jsonl");
+    // The shape of `grpo eval`'s generations.jsonl (and of a run's validation records).
+    let sample = |text: &str| json!({"text": text, "pred": null, "correct": false, "tokens": 3, "finish": "stop"});
+    let lines = [
+        json!({"bench": "aime25", "id": "1", "prompt": "p", "answer": "27", "prompt_tokens": 5,
+               "samples": [sample("so \\boxed{27}"), sample("\\boxed{26}")], "majority": null, "majority_correct": false}),
+        json!({"bench": "aime25", "id": "2", "answer": "5", "samples": [{"tokens": 1}]}),
+    ];
+    std::fs::write(&input, lines.iter().map(|l| l.to_string() + "\n").collect::<String>()).unwrap();
+    let out = dir.path().join("o.jsonl");
+    let a = grpo().args(["score", "--input"]).arg(&input).arg("--output").arg(&out).assert().success();
+    let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(stderr.contains("generations.jsonl:2: samples[0] has no string \"text\""), "{stderr}");
+    let rows = read_jsonl(&out);
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["preds"], json!(["27", "26"]));
+    assert_eq!(rows[0]["correct"], json!([true, false]));
+    assert_eq!(rows[0]["id"], "1");
+}

@@ -600,7 +600,7 @@ fn spawn_with_stdout(dir: &Path, config: &Path, extra: &[&str]) -> std::process:
 #[test]
 fn every_file_of_a_run_follows_the_umask() {
     use std::os::unix::fs::PermissionsExt;
-    for (umask, file_mode) in [("022", 0o644), ("027", 0o640)] {
+    for (umask, file_mode, dir_mode) in [("022", 0o644, 0o755), ("027", 0o640, 0o750)] {
         let dir = tempfile::tempdir().unwrap();
         let cfg = small_config(dir.path());
         let script = format!("umask {umask} && exec \"$0\" \"$@\"");
@@ -625,7 +625,7 @@ fn every_file_of_a_run_follows_the_umask() {
         }
         for p in walk(&out).into_iter().chain(walk(&dir.path().join("model"))) {
             let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
-            let want = if p.is_dir() { file_mode | 0o111 } else { file_mode };
+            let want = if p.is_dir() { dir_mode } else { file_mode };
             assert_eq!(mode, want, "umask {umask}: {} is {mode:o}", p.display());
         }
     }

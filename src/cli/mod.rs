@@ -65,8 +65,14 @@ pub fn init_logging(verbose: u8, quiet: bool) {
         (false, _) => "trace",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default));
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    // Colours on a terminal only: a log file gets plain text.
+    let ansi = crate::progress::on_terminal();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .with_ansi(ansi)
+        .try_init();
 }
 
 /// An error that ends the process with its own exit status (each documented in its command's help); any

@@ -198,8 +198,8 @@ fn tick(v: f64, span: f64) -> String {
     }
 }
 
-/// The range of `values` with a margin. A flat series (all values within a millionth of their magnitude:
-/// rounding noise, not a trend) gets a range of 10% of its value around it, and an all-zero one [-1, 1],
+/// The range of `values` with a margin. A flat series (all values within 1e-4 of their magnitude: noise in
+/// the fifth digit, not a trend) gets a range of 10% of its value around it, and an all-zero one [-1, 1],
 /// so that a constant reads as a constant instead of being zoomed into its last digits.
 fn padded_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
     let (lo, hi) = values.fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), v| (lo.min(v), hi.max(v)));
@@ -207,7 +207,7 @@ fn padded_range(values: impl Iterator<Item = f64>) -> (f64, f64) {
         return (0.0, 1.0);
     }
     let magnitude = lo.abs().max(hi.abs());
-    if hi - lo > 1e-6 * magnitude {
+    if hi - lo > 1e-4 * magnitude {
         let pad = 0.05 * (hi - lo);
         return (lo - pad, hi + pad);
     }
@@ -466,6 +466,9 @@ mod tests {
         assert_eq!(t(noise, 2.0), "0");
         // A flat entropy with noise in its sixth digit is shown as flat, not zoomed into the noise.
         let (lo, hi) = padded_range([10.7912, 10.791201, 10.7911995].into_iter());
+        assert!(lo < 9.8 && hi > 11.8, "{lo} {hi}");
+        // The smoke run's entropy: 10.789943 to 10.789957.
+        let (lo, hi) = padded_range([10.789947, 10.789943, 10.789957].into_iter());
         assert!(lo < 9.8 && hi > 11.8, "{lo} {hi}");
         // A real trend, however small against the value, is still shown.
         let (lo, hi) = padded_range([10.70, 10.71].into_iter());

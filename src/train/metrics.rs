@@ -109,9 +109,10 @@ impl StepMetrics {
             self.step,
             total_steps,
             self.epoch,
-            self.loss,
+            // + 0.0 shows a loss of -0 as 0.
+            self.loss + 0.0,
             self.reward,
-            self.kl,
+            self.kl + 0.0,
             self.clip_ratio,
             self.tokens_per_sec,
             crate::progress::duration(elapsed),

@@ -163,7 +163,8 @@ impl RunSummary {
 }
 
 fn opt(v: Option<f64>, digits: usize) -> String {
-    v.map_or_else(|| "-".into(), |v| format!("{v:.digits$}"))
+    // + 0.0 shows -0 as 0.
+    v.map_or_else(|| "-".into(), |v| format!("{:.digits$}", v + 0.0))
 }
 
 impl fmt::Display for RunSummary {
@@ -195,7 +196,7 @@ impl fmt::Display for RunSummary {
             )?;
         }
         let best = |b: &Option<AtStep>, digits: usize| {
-            b.map_or_else(|| "-".into(), |b| format!("{:.digits$} (step {})", b.value, b.step))
+            b.map_or_else(|| "-".into(), |b| format!("{:.digits$} (step {})", b.value + 0.0, b.step))
         };
         writeln!(
             f,
