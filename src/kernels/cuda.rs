@@ -14,6 +14,11 @@ use half::{bf16, f16};
 use super::launch::{Arg, Buffer, Module, Plan};
 
 /// The PTX of a kernels/*.cu file, compiled by build.rs, and the name it is loaded under per device.
+/// The PTX of kernels/rows.cu (build.rs compiles every file for the same target).
+pub(super) fn rows_ptx() -> &'static str {
+    ptx(Module::Rows).1
+}
+
 fn ptx(module: Module) -> (&'static str, &'static str) {
     match module {
         Module::Rows => ("grpo_rows", include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"))),

@@ -504,8 +504,10 @@ pub fn matrix_attention(
     probs.reshape((b, kv, (h / kv) * t, s))?.matmul(v)?.reshape((b, h, t, d))
 }
 
+#[cfg(test)]
+pub(super) use plan::MAX_HEAD_DIM;
 #[cfg(any(test, feature = "cuda"))]
-pub(super) use plan::{backward_plan, forward_plan, MAX_HEAD_DIM};
+pub(super) use plan::{backward_plan, forward_plan};
 
 /// The GPU launches of the op (launch.rs): tiles sized to the head dim within the shared memory a block
 /// may use.

@@ -45,5 +45,5 @@ pub use rows::{row_grad, row_stats};
 /// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
 #[cfg(feature = "cuda")]
 pub fn ptx() -> &'static str {
-    cuda::ROWS.ptx
+    cuda::rows_ptx()
 }
