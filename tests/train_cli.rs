@@ -190,20 +190,23 @@ fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint(
     assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).is_some());
 }
 
-/// `grpo train` of `config` in the background, on the folders of `train`, with stderr captured.
-fn spawn(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Child {
-    std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
-        .current_dir(common::root())
+/// `grpo train -q` of `config` on the folders of `train` (output and model under `dir`), not started.
+fn train_command(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Command {
+    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    c.current_dir(common::root())
         .args(["-q", "train", "--config"])
         .arg(config)
         .arg("--set")
         .arg(format!("train.output_dir=\"{}\"", dir.join("out").display()))
         .arg("--set")
         .arg(format!("model.path=\"{}\"", dir.join("model").display()))
-        .args(extra)
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+        .args(extra);
+    c
+}
+
+/// `grpo train` of `config` in the background, on the folders of `train`, with stderr captured.
+fn spawn(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Child {
+    train_command(dir, config, extra).stderr(std::process::Stdio::piped()).spawn().unwrap()
 }
 
 /// Wait until metrics.jsonl has at least `lines` lines.
@@ -582,19 +585,8 @@ fn a_stopped_run_writes_its_summary() {
 
 /// Like `spawn`, with stdout captured too.
 fn spawn_with_stdout(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Child {
-    std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
-        .current_dir(common::root())
-        .args(["-q", "train", "--config"])
-        .arg(config)
-        .arg("--set")
-        .arg(format!("train.output_dir=\"{}\"", dir.join("out").display()))
-        .arg("--set")
-        .arg(format!("model.path=\"{}\"", dir.join("model").display()))
-        .args(extra)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap()
+    let mut c = train_command(dir, config, extra);
+    c.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap()
 }
 
 #[test]
