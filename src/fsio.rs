@@ -99,6 +99,25 @@ pub fn leftover(name: &str) -> Option<Leftover> {
     tmp.rsplit_once('.').map(|_| Leftover::Writing)
 }
 
+/// Remove from `dir` what interrupted atomic writes left there (`.NAME.XXXXXX.tmp` files and folders, see
+/// [`leftover`]) whose name `which` accepts; each removal's path and outcome. Call it only while no other
+/// process writes into `dir` (under the lock that guards it).
+pub fn remove_unfinished(dir: &Path, which: impl Fn(&str) -> bool) -> Vec<(PathBuf, io::Result<()>)> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            leftover(&name) == Some(Leftover::Writing) && which(&name)
+        })
+        .map(|e| {
+            let p = e.path();
+            let removed = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+            (p, removed)
+        })
+        .collect()
+}
+
 /// Give the files of `tmp` a new file's mode, sync them and swap `tmp` in as folder `target`: a previous `target` is moved aside, `tmp`
 /// renamed in, and the previous one removed. If the rename fails, the previous `target` is put back.
 pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {

@@ -206,16 +206,15 @@ fn remove_if_unread(v: &Path) {
 
 /// Remove what killed preparations left in `dir` (half-written versions). Needs the preparation lock.
 pub(crate) fn remove_leftovers(dir: &Path) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if crate::fsio::leftover(&name).is_some() || name == ".selection" {
-            let p = e.path();
-            let removed = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
-            match removed {
-                Ok(()) => tracing::warn!("removed {} (left by an interrupted preparation)", p.display()),
-                Err(e) => tracing::warn!("cannot remove {}: {e}", p.display()),
-            }
+    let mut outcomes = crate::fsio::remove_unfinished(dir, |_| true);
+    let selection = dir.join(".selection"); // of the single-version layout
+    if selection.is_dir() {
+        outcomes.push((selection.clone(), std::fs::remove_dir_all(&selection)));
+    }
+    for (p, outcome) in outcomes {
+        match outcome {
+            Ok(()) => tracing::warn!("removed {} (left by an interrupted preparation)", p.display()),
+            Err(e) => tracing::warn!("cannot remove {}: {e}", p.display()),
         }
     }
 }

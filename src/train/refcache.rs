@@ -225,14 +225,10 @@ fn say_why(path: &Path, stale: &Stale) {
 /// Remove the temporary values files that killed computations left in `dir` (needs the cache's lock).
 fn remove_temp_values(dir: &Path) {
     let prefix = format!(".{VALUES_FILE}.");
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        if name.starts_with(&prefix) && crate::fsio::leftover(&name).is_some() {
-            match std::fs::remove_file(e.path()) {
-                Ok(()) => tracing::warn!("removed {} (left by an interrupted run)", e.path().display()),
-                Err(err) => tracing::warn!("cannot remove {}: {err}", e.path().display()),
-            }
+    for (p, outcome) in crate::fsio::remove_unfinished(dir, |name| name.starts_with(&prefix)) {
+        match outcome {
+            Ok(()) => tracing::warn!("removed {} (left by an interrupted run)", p.display()),
+            Err(err) => tracing::warn!("cannot remove {}: {err}", p.display()),
         }
     }
 }

@@ -64,14 +64,9 @@ pub(super) fn lock(out: &Path) -> Result<FolderLock, TrainError> {
 pub(super) fn clean_leftovers(out: &Path) -> Result<(), TrainError> {
     let mut removed = remove_leftovers(&out.join("checkpoints"), |_| true)?;
     removed.extend(remove_leftovers(out, |_| true)?);
-    if let Ok(entries) = std::fs::read_dir(out) {
-        for e in entries.flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            if e.path().is_file() && crate::fsio::leftover(&name) == Some(crate::fsio::Leftover::Writing) {
-                std::fs::remove_file(e.path()).map_err(io(&e.path()))?;
-                removed.push(e.path());
-            }
-        }
+    for (p, outcome) in crate::fsio::remove_unfinished(out, |_| true) {
+        outcome.map_err(io(&p))?;
+        removed.push(p);
     }
     for p in removed {
         tracing::warn!("removed {} (left by an interrupted run)", p.display());
