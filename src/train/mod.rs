@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+pub mod perf_model;
 pub mod plan;
 mod ratio;
 pub mod refcache;

@@ -1,0 +1,641 @@
+//! A performance model of a training step, checkable without a GPU: for a model shape and a step's
+//! batch, the work of every op of the step counted from its own arithmetic — FLOPs on tensor cores
+//! (GEMMs) and element-wise, bytes to and from device memory, kernel launches and host syncs — and the
+//! time it predicts on an H100 SXM and an A100 80GB.
+//!
+//! ## What is counted
+//! A step is `answers` sequences of T tokens (prompt + answer, the longest the data allows: the plan's
+//! micro-batch shape, an upper bound), in micro-batches of B, N = B T tokens each, n = B x answer tokens
+//! of them scored. Per micro-batch and per layer, in the order `Decoder::layer` runs them:
+//! - GEMMs (2 m k n FLOPs; bytes: both operands read, the product written, d bytes per element): the q,
+//!   k, v and o projections and the MLP's gate, up and down. Their backward is two GEMMs of the same
+//!   size (input gradient and weight gradient): twice the FLOPs, launches and bytes.
+//! - attention, as chunked flash-style attention whose block products are cuBLAS GEMMs: query blocks of
+//!   `q_block` rows against key blocks of `k_block` keys, batched over the micro-batch's sequences and
+//!   heads (GQA reads the shared K/V, no copy), causal blocks above the diagonal skipped, a diagonal
+//!   block computed whole and masked. Forward: per block pair 2 GEMMs (S = Q K^T, then P V) and 2
+//!   element-wise kernels (the online softmax update: mask, row max, exp, row sum, rescale; and the
+//!   accumulation of P V), plus one per query block (the final 1/l and log-sum-exp). Backward with
+//!   recomputation: per block pair 5 GEMMs (S again, dP = dO V^T, dV += P^T dO, dQ += dS K,
+//!   dK += dS^T Q) and 2 element-wise kernels (P from S and the log-sum-exp; dS = P (dP - D)), plus one
+//!   per query block (D = rowsum(dO O)). FLOPs: 4 hd per computed score forward, 10 hd backward, so the
+//!   causal half of 4 T^2 hd heads forward and 2.5x that backward. Bytes: the block products leave the
+//!   GEMM through device memory — S and dP in f32 (4 B per score), P and dS in d bytes — which is what
+//!   makes this design memory-bound (see the crate README's performance section): about 8 + 2d bytes per
+//!   score forward and 16 + 4d backward, against 4 hd and 10 hd FLOPs.
+//! - element-wise ops (memory-bound; each reads its inputs and writes its output once): the two RMSNorms,
+//!   the q/k/v biases, rope on q and k, the head transposes in and out of attention, the two residual
+//!   adds, silu(gate) and its product with up; their backward twice the bytes and launches; with
+//!   `checkpoint_layers` the layer's backward also forms (y g) and its sum.
+//! - the log-prob head on the n scored tokens: per chunk of `logprob_chunk_bytes / (4 V)` rows, the
+//!   lm_head GEMM (2 n h V forward, twice backward), the fused log-softmax / entropy kernel reading the
+//!   logits twice (forward, backward), and the f32 lm_head gradient of each chunk added to its
+//!   accumulator (16 V h bytes per chunk: written, read, accumulator read and written).
+//! - gradient accumulation: every parameter's gradient added into the f32 accumulator once per
+//!   micro-batch (read d + 4 B, write 4 B per parameter).
+//! - with `checkpoint_layers`, one more forward of every layer (recomputation) per micro-batch; without a
+//!   cached reference, one forward of the reference model (layers and head, no backward).
+//! - host syncs: one read of the loss per micro-batch and one per step (the gradient norm and the
+//!   bad-step check as one device reduction).
+//! - the AdamW update once per step: on the device 34 B per parameter (master, m, v read and written,
+//!   the f32 gradient read and zeroed, the d-byte weights written); with `optim.offload` the f32
+//!   gradients go to the host and the new weights come back over PCIe, and the update runs at host
+//!   memory bandwidth.
+//!
+//! ## From counts to time
+//! Each op's time is its roofline: the largest of its FLOPs at the device's peak times the efficiency of
+//! its kind, its bytes at the memory bandwidth times the memory efficiency, and its launches times the
+//! host's launch cost (launches are issued asynchronously, so they only cost time when the kernels are
+//! shorter than the launch itself); plus its host syncs times the sync cost. The step's time is the sum
+//! over its ops. MFU is the model FLOPs (3 x the policy's forward: its forward and backward without
+//! recomputation, causal attention counted as its lower triangle) over the step's time at the peak.
+//!
+//! Not modelled: validation and rollouts (generation), the data loader, the L2 cache (every block product
+//! is counted at device memory; a blocking whose working set stays in L2 would move less), and the
+//! overlap of communication with compute across ranks.
+
+use crate::model::ModelConfig;
+
+/// The block sizes of chunked attention: query rows and keys per block product.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttentionBlocks {
+    pub query: u64,
+    pub key: u64,
+}
+
+/// The candidate block sizes [`best_blocks`] chooses from (square blocks: the backward walks the same
+/// pairs by key block).
+const BLOCK_CANDIDATES: [u64; 6] = [64, 128, 256, 512, 1024, 2048];
+
+/// What kind of work an op is, for its efficiency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    /// A dense GEMM of the projections or the lm_head (tensor cores).
+    Gemm,
+    /// The block products of attention (tensor cores, small inner dimension: the head's).
+    AttentionGemm,
+    /// Element-wise and reductions, memory-bound.
+    Elementwise,
+    /// The optimiser update in host memory (`optim.offload`): PCIe transfers and host memory bandwidth.
+    Host,
+}
+
+/// The work of one op over a whole step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct OpCost {
+    pub name: &'static str,
+    pub kind: OpKind,
+    pub flops: f64,
+    /// Bytes read from and written to device memory (for [`OpKind::Host`]: bytes over PCIe).
+    pub bytes: f64,
+    /// Bytes read and written in host memory ([`OpKind::Host`] only).
+    pub host_bytes: f64,
+    pub launches: f64,
+    pub syncs: f64,
+    /// Part of the attention (its GEMMs and the element-wise steps between them).
+    pub attention: bool,
+}
+
+/// A GPU's rates and the efficiency assumed for each kind of op.
+#[derive(Debug, Clone, Copy)]
+pub struct Gpu {
+    pub name: &'static str,
+    /// Dense bf16 tensor-core FLOP/s (no sparsity).
+    pub peak_flops: f64,
+    /// Device memory bandwidth, B/s.
+    pub memory_bandwidth: f64,
+    /// Fraction of the peak a large cuBLAS bf16 GEMM reaches.
+    pub gemm_efficiency: f64,
+    /// Fraction of the peak the attention's block GEMMs reach when compute-bound (inner dimension 128).
+    pub attention_gemm_efficiency: f64,
+    /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
+    pub memory_efficiency: f64,
+    /// Host time to launch one kernel, s.
+    pub launch_s: f64,
+    /// Time of one host sync (device drained, value copied back, next launch issued), s.
+    pub sync_s: f64,
+    /// Host-device bandwidth per direction, B/s (PCIe).
+    pub pcie_bandwidth: f64,
+    /// Bandwidth per GPU to the other GPUs of its node, per direction, B/s (NVLink through NVSwitch).
+    pub nvlink_bandwidth: f64,
+    /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
+    pub network_bandwidth: f64,
+}
+
+/// Host memory bandwidth assumed for the offloaded AdamW update (a server CPU's streaming bandwidth;
+/// an assumption, not a measurement: two sockets of DDR5 reach several times this).
+pub const HOST_MEMORY_BANDWIDTH: f64 = 100e9;
+
+/// Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth / link bandwidth).
+pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
+
+/// NVIDIA H100 SXM5 80GB. Peak dense BF16 989.4 TFLOP/s (1979 with sparsity) and HBM3 3.35 TB/s: the
+/// H100 datasheet (nvidia.com/en-us/data-center/h100). NVLink 4: 900 GB/s per GPU in total, 450 GB/s
+/// per direction through NVSwitch; one ConnectX-7 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100); PCIe
+/// Gen5 x16 64 GB/s per direction, ~50 GB/s achieved. Efficiencies (assumed, stated): cuBLAS bf16 GEMMs
+/// of LLM sizes reach 60-75% of peak on H100, taken as 0.65; the attention's K = 128 block GEMMs 0.5;
+/// streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through
+/// cudarc), a host sync 20 us.
+pub const H100_SXM: Gpu = Gpu {
+    name: "H100 SXM",
+    peak_flops: 989.4e12,
+    memory_bandwidth: 3.35e12,
+    gemm_efficiency: 0.65,
+    attention_gemm_efficiency: 0.5,
+    memory_efficiency: 0.85,
+    launch_s: 4e-6,
+    sync_s: 20e-6,
+    pcie_bandwidth: 50e9,
+    nvlink_bandwidth: 450e9,
+    network_bandwidth: 50e9,
+};
+
+/// NVIDIA A100 SXM4 80GB. Peak dense BF16 312 TFLOP/s and HBM2e 2.039 TB/s: the A100 datasheet
+/// (nvidia.com/en-us/data-center/a100). NVLink 3: 600 GB/s per GPU in total, 300 per direction; one
+/// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
+/// Efficiencies (assumed): large cuBLAS bf16 GEMMs reach ~80% of peak on A100; the attention's block
+/// GEMMs 0.6; streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
+pub const A100_80GB: Gpu = Gpu {
+    name: "A100 80GB",
+    peak_flops: 312e12,
+    memory_bandwidth: 2.039e12,
+    gemm_efficiency: 0.8,
+    attention_gemm_efficiency: 0.6,
+    memory_efficiency: 0.85,
+    launch_s: 4e-6,
+    sync_s: 20e-6,
+    pcie_bandwidth: 25e9,
+    nvlink_bandwidth: 300e9,
+    network_bandwidth: 25e9,
+};
+
+/// The GPUs the plan predicts for.
+pub const GPUS: [Gpu; 2] = [H100_SXM, A100_80GB];
+
+/// The batch of one training step, as the model needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct StepShape {
+    /// Sequences in the step.
+    pub answers: u64,
+    /// Sequences per forward/backward.
+    pub micro_batch: u64,
+    /// Tokens per sequence (prompt + answer).
+    pub seq_tokens: u64,
+    /// Scored (answer) tokens per sequence.
+    pub scored_tokens: u64,
+    /// Bytes per weight/activation element.
+    pub dtype_bytes: u64,
+    pub checkpoint_layers: bool,
+    /// A reference model's forward per micro-batch (its log-probs are not cached).
+    pub reference_forward: bool,
+    pub offload: bool,
+    pub logprob_chunk_bytes: u64,
+    pub blocks: AttentionBlocks,
+}
+
+impl StepShape {
+    fn micro_batches(&self) -> f64 {
+        self.answers.div_ceil(self.micro_batch.max(1)) as f64
+    }
+
+    /// Tokens the step trains on.
+    pub fn tokens(&self) -> f64 {
+        self.answers as f64 * self.seq_tokens as f64
+    }
+}
+
+/// The score elements the blocked causal attention computes for one sequence and one head: every
+/// query block against the key blocks up to (and including) the one holding its last row.
+fn computed_scores(t: u64, blocks: AttentionBlocks) -> (f64, f64) {
+    let (bq, bk) = (blocks.query.max(1), blocks.key.max(1));
+    let (mut scores, mut pairs) = (0f64, 0f64);
+    let mut start = 0;
+    while start < t {
+        let rows = bq.min(t - start);
+        let keys = ((start + rows).div_ceil(bk) * bk).min(t);
+        scores += rows as f64 * keys as f64;
+        pairs += (start + rows).div_ceil(bk) as f64;
+        start += rows;
+    }
+    (scores, pairs)
+}
+
+/// A collector of op costs, each multiplied by how many times it runs in the step.
+struct Ops {
+    ops: Vec<OpCost>,
+    times: f64,
+}
+
+impl Ops {
+    fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, launches: f64) {
+        let t = self.times;
+        let attention = kind == OpKind::AttentionGemm || name.starts_with("attention");
+        let (flops, bytes, launches) = (flops * t, bytes * t, launches * t);
+        self.ops.push(OpCost { name, kind, flops, bytes, host_bytes: 0.0, launches, syncs: 0.0, attention });
+    }
+
+    /// A GEMM of [m, k] x [k, n], d-byte operands and product, `count` of them.
+    fn gemm(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
+        self.push(name, OpKind::Gemm, 2.0 * m * k * n * count, (m * k + k * n + m * n) * d * count, count);
+    }
+
+    /// The backward of a GEMM: the input's gradient and the weight's, each the forward's size.
+    fn gemm_backward(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
+        self.gemm(name, m, k, n, d, 2.0 * count);
+    }
+}
+
+/// The projections and element-wise ops of one layer's forward (`backward`: their backward) on N tokens.
+fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, backward: bool) {
+    let f = |x: usize| x as f64;
+    let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
+    let q = f(m.num_heads) * f(m.head_dim);
+    let kv = f(m.num_kv_heads) * f(m.head_dim);
+    let gemm = if backward { Ops::gemm_backward } else { Ops::gemm };
+    gemm(o, "q, k, v projections", n_tokens, h, q, d, 1.0);
+    gemm(o, "q, k, v projections", n_tokens, h, kv, d, 2.0);
+    gemm(o, "o projection", n_tokens, q, h, d, 1.0);
+    gemm(o, "MLP gate and up", n_tokens, h, i, d, 2.0);
+    gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
+    // Element-wise: (elements read + written per token, launches).
+    let mut ew = vec![
+        (2.0 * 2.0 * h + 2.0 * h, 2.0), // two RMSNorms: read x and the weight row, write
+        (2.0 * (2.0 * q + 2.0 * kv), 4.0), // head transposes of q, k, v into attention and o out
+        (2.0 * (q + kv), 2.0),        // rope on q and k
+        (2.0 * 3.0 * h, 2.0),         // two residual adds
+        (2.0 * i + i + 3.0 * i, 2.0), // silu(gate), then silu * up
+    ];
+    if m.qkv_bias {
+        ew.push((2.0 * (q + 2.0 * kv), 3.0));
+    }
+    if m.o_bias || m.mlp_bias {
+        ew.push((2.0 * (h + h), 2.0));
+    }
+    if m.qk_norm {
+        ew.push((2.0 * (q + kv), 2.0));
+    }
+    let scale = if backward { 2.0 } else { 1.0 };
+    let (elements, launches) = ew.iter().fold((0.0, 0.0), |(e, l), (de, dl)| (e + de, l + dl));
+    o.push("layer element-wise", OpKind::Elementwise, 0.0, scale * elements * n_tokens * d, scale * launches);
+    if backward {
+        // (y g).sum_all() of the recomputed layer: read y and g, write the product, sum it.
+        o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * h * n_tokens * d, 2.0);
+    }
+}
+
+/// One layer's chunked attention on `b` sequences of `t` tokens (`backward`: with its recomputation).
+fn layer_attention(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, blocks: AttentionBlocks, d: f64, backward: bool) {
+    let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
+    let (scores, pairs) = computed_scores(t, blocks);
+    let q_blocks = t.div_ceil(blocks.query.max(1)) as f64;
+    let (bq, bk) = ((blocks.query.min(t)) as f64, (blocks.key.min(t)) as f64);
+    let bh = b * heads;
+    // Per score: the GEMM FLOPs and the f32 / d-byte block products through memory. Per pair: the Q
+    // (and dO, dQ) rows and K, V (and dK, dV) columns each GEMM reads or accumulates.
+    let (gemms, flops_per_score, score_bytes, row_vectors, col_vectors, ew, ew_per_qblock) = if backward {
+        (5.0, 10.0 * hd, 16.0 + 4.0 * d, 4.0 * d + 8.0, 2.0 * d + 8.0, 2.0, 1.0)
+    } else {
+        (2.0, 4.0 * hd, 8.0 + 2.0 * d, d + 8.0, 2.0 * d, 2.0, 1.0)
+    };
+    let vector_bytes = pairs * hd * (bq * row_vectors + bk * col_vectors);
+    let gemm_bytes = scores * 4.0 + vector_bytes; // S (and dP) written in f32 by the GEMMs
+    let name = if backward { "attention GEMMs (backward)" } else { "attention GEMMs (forward)" };
+    o.push(name, OpKind::AttentionGemm, bh * flops_per_score * scores, bh * gemm_bytes, gemms * pairs);
+    let ew_bytes = scores * (score_bytes - 4.0) + q_blocks * bq * hd * 2.0 * d;
+    let name = if backward { "attention element-wise (backward)" } else { "attention element-wise (forward)" };
+    o.push(name, OpKind::Elementwise, 0.0, bh * ew_bytes, ew * pairs + ew_per_qblock * q_blocks);
+}
+
+/// The log-prob head on `n` scored tokens: lm_head GEMMs, the fused log-softmax kernel, and the f32
+/// lm_head gradient of each chunk into its accumulator.
+fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward: bool) {
+    let (h, v) = (m.hidden_size as f64, m.vocab_size as f64);
+    let rows = (chunk_bytes as f64 / (4.0 * v)).floor().clamp(1.0, 65536.0).min(n.max(1.0));
+    let chunks = (n / rows).ceil();
+    let rows = n / chunks; // the chunks' mean
+    if backward {
+        o.gemm_backward("lm_head", rows, h, v, d, chunks);
+        o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
+        o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, 16.0 * v * h * chunks, chunks);
+    } else {
+        o.gemm("lm_head", rows, h, v, d, chunks);
+        o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
+    }
+    // Final RMSNorm and the gather of the scored rows.
+    o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * n * h * d, 2.0);
+}
+
+/// One forward of every layer and the head, run `times` times in the step.
+fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, with_head: bool) {
+    let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
+    let n_tokens = b * s.seq_tokens as f64;
+    let times = o.times;
+    o.times = times * m.num_layers as f64;
+    layer_dense(o, m, n_tokens, d, false);
+    layer_attention(o, m, b, s.seq_tokens, s.blocks, d, false);
+    o.times = times;
+    o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
+    if with_head {
+        head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, false);
+    }
+}
+
+/// The work of one training step of `m` on `s`, op by op (each op's total over the step).
+pub fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
+    let mut o = Ops { ops: Vec::new(), times: s.micro_batches() };
+    let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
+    let n_tokens = b * s.seq_tokens as f64;
+    let p = m.num_parameters() as f64;
+    if s.reference_forward {
+        forward(&mut o, m, s, true);
+    }
+    forward(&mut o, m, s, true);
+    if s.checkpoint_layers {
+        forward(&mut o, m, s, false); // the recomputation, layer by layer, in the backward
+    }
+    head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, true);
+    let times = o.times;
+    o.times = times * m.num_layers as f64;
+    layer_dense(&mut o, m, n_tokens, d, true);
+    layer_attention(&mut o, m, b, s.seq_tokens, s.blocks, d, true);
+    o.times = times;
+    o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
+    o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
+    o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
+    o.ops.last_mut().expect("just pushed").syncs = times;
+    o.times = 1.0;
+    if s.offload {
+        o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0);
+        o.ops.last_mut().expect("just pushed").host_bytes = 32.0 * p;
+    } else {
+        o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, 4.0);
+    }
+    o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, 2.0);
+    o.ops.last_mut().expect("just pushed").syncs = 1.0;
+    o.ops
+}
+
+/// The predicted time of one op on `gpu`: its roofline plus its syncs.
+pub fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
+    let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
+    let work = match op.kind {
+        OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
+        OpKind::AttentionGemm => (op.flops / (gpu.peak_flops * gpu.attention_gemm_efficiency)).max(op.bytes / bw),
+        OpKind::Elementwise => op.bytes / bw,
+        OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / HOST_MEMORY_BANDWIDTH,
+    };
+    work.max(op.launches * gpu.launch_s) + op.syncs * gpu.sync_s
+}
+
+/// A step's predicted time on one GPU and what it is made of.
+#[derive(Debug, Clone)]
+pub struct Prediction {
+    pub gpu: Gpu,
+    pub step_s: f64,
+    pub tokens_per_s: f64,
+    /// Model FLOPs per second over the peak (see the module's doc).
+    pub mfu: f64,
+    /// The attention's useful FLOPs per second over the peak, while it runs.
+    pub attention_of_peak: f64,
+    /// Seconds in each kind: GEMMs, attention (GEMMs and element-wise), other element-wise, host.
+    pub gemm_s: f64,
+    pub attention_s: f64,
+    pub elementwise_s: f64,
+    pub host_s: f64,
+    pub launches: f64,
+    pub syncs: f64,
+    pub flops: f64,
+    pub bytes: f64,
+}
+
+/// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
+fn model_forward_flops(m: &ModelConfig, s: &StepShape) -> (f64, f64) {
+    let f = |x: usize| x as f64;
+    let (h, i, v) = (f(m.hidden_size), f(m.intermediate_size), f(m.vocab_size));
+    let q = f(m.num_heads) * f(m.head_dim);
+    let kv = f(m.num_kv_heads) * f(m.head_dim);
+    let (t, answers) = (s.seq_tokens as f64, s.answers as f64);
+    let per_token = 2.0 * f(m.num_layers) * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i);
+    let dense = answers * (t * per_token + 2.0 * s.scored_tokens as f64 * h * v);
+    let attention = answers * f(m.num_layers) * 4.0 * q * t * (t + 1.0) / 2.0;
+    (dense, attention)
+}
+
+/// The prediction of a step of `m` on `s` for `gpu`.
+pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
+    let ops = step_costs(m, s);
+    let time = |keep: &dyn Fn(&OpCost) -> bool| ops.iter().filter(|o| keep(o)).map(|o| op_time(o, gpu)).sum::<f64>();
+    let attention_s = time(&|o| o.attention);
+    let gemm_s = time(&|o| o.kind == OpKind::Gemm);
+    let host_s = time(&|o| o.kind == OpKind::Host);
+    let elementwise_s = time(&|o| o.kind == OpKind::Elementwise && !o.attention);
+    let step_s = attention_s + gemm_s + host_s + elementwise_s;
+    let (dense, attention) = model_forward_flops(m, s);
+    // Attention's useful work: forward, backward (2.5x) and the recomputed forward.
+    let recompute = if s.checkpoint_layers { 1.0 } else { 0.0 };
+    let reference = if s.reference_forward { 1.0 } else { 0.0 };
+    let attention_useful = attention * (3.5 + recompute + reference);
+    Prediction {
+        gpu: *gpu,
+        step_s,
+        tokens_per_s: s.tokens() / step_s,
+        mfu: 3.0 * (dense + attention) / step_s / gpu.peak_flops,
+        attention_of_peak: attention_useful / attention_s.max(f64::MIN_POSITIVE) / gpu.peak_flops,
+        gemm_s,
+        attention_s,
+        elementwise_s,
+        host_s,
+        launches: ops.iter().map(|o| o.launches).sum(),
+        syncs: ops.iter().map(|o| o.syncs).sum(),
+        flops: ops.iter().map(|o| o.flops).sum(),
+        bytes: ops.iter().map(|o| o.bytes).sum(),
+    }
+}
+
+/// The square block size of [`BLOCK_CANDIDATES`] that the model predicts fastest for the attention of
+/// `m` on `s` on `gpu` (the smaller on a tie: less workspace).
+pub fn best_blocks(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> AttentionBlocks {
+    let attention_time = |size: u64| {
+        let blocks = AttentionBlocks { query: size, key: size };
+        let shape = StepShape { blocks, ..*s };
+        let mut o = Ops { ops: Vec::new(), times: 1.0 };
+        let b = shape.micro_batch.min(shape.answers).max(1) as f64;
+        layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, false);
+        layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, true);
+        o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
+    };
+    let best = BLOCK_CANDIDATES
+        .iter()
+        .copied()
+        .min_by(|a, b| attention_time(*a).total_cmp(&attention_time(*b)).then(a.cmp(b)))
+        .unwrap_or(128);
+    AttentionBlocks { query: best, key: best }
+}
+
+/// Communication of one ZeRO-1 data-parallel step on `world` ranks: the ring reduce-scatter of the f32
+/// gradients and the ring all-gather of the d-byte updated weights, each moving (N - 1) / N of the
+/// buffer through every rank's link: NVLink within one node of `gpus_per_node`, the rank's InfiniBand NIC
+/// beyond (a ring through every rank runs at its slowest link). Returns (bytes per rank, seconds).
+pub fn zero1_comms(params: u64, dtype_bytes: u64, world: u64, gpus_per_node: u64, gpu: &Gpu) -> (f64, f64) {
+    if world <= 1 {
+        return (0.0, 0.0);
+    }
+    let n = world as f64;
+    let bytes = (n - 1.0) / n * params as f64 * (4.0 + dtype_bytes as f64);
+    let link = if world <= gpus_per_node { gpu.nvlink_bandwidth } else { gpu.network_bandwidth };
+    (bytes, bytes / (link * COLLECTIVE_EFFICIENCY))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// h 8, 2 heads / 1 KV head of dim 4, i 16, V 32, 3 layers, untied, no biases.
+    fn tiny() -> ModelConfig {
+        let raw = serde_json::json!({"model_type": "llama", "vocab_size": 32, "hidden_size": 8,
+            "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "tie_word_embeddings": false});
+        ModelConfig::from_json(raw, Path::new("test")).unwrap()
+    }
+
+    fn seven_b() -> ModelConfig {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen2.5-7b-instruct.config.json");
+        ModelConfig::from_file(&p).unwrap()
+    }
+
+    fn shape(answers: u64, t: u64, scored: u64) -> StepShape {
+        StepShape {
+            answers,
+            micro_batch: 1,
+            seq_tokens: t,
+            scored_tokens: scored,
+            dtype_bytes: 2,
+            checkpoint_layers: false,
+            reference_forward: false,
+            offload: false,
+            logprob_chunk_bytes: 1 << 30,
+            blocks: AttentionBlocks { query: 4, key: 4 },
+        }
+    }
+
+    fn flops(ops: &[OpCost], keep: impl Fn(&OpCost) -> bool) -> f64 {
+        ops.iter().filter(|o| keep(o)).map(|o| o.flops).sum()
+    }
+
+    #[test]
+    fn dense_flops_are_six_times_the_matrix_parameters_per_token() {
+        let m = tiny();
+        // Layer matrices: q 8x8, k, v 8x4, o 8x8, MLP 3 x 8x16 = 64 + 64 + 64 + 384 = 576 per layer.
+        let (layer, lm_head) = (576.0, 32.0 * 8.0);
+        let s = shape(3, 16, 16);
+        let ops = step_costs(&m, &s);
+        let tokens = 3.0 * 16.0;
+        let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
+        assert_eq!(dense, 6.0 * (3.0 * layer + lm_head) * tokens);
+        // Checkpointing recomputes the layers' forward (2 flops per matrix parameter per token), not the head.
+        let ckpt = step_costs(&m, &StepShape { checkpoint_layers: true, ..s });
+        assert_eq!(flops(&ckpt, |o| o.kind == OpKind::Gemm), dense + 2.0 * 3.0 * layer * tokens);
+        // A reference forward adds one forward of everything; only 10 scored tokens shrink the head.
+        let reference = step_costs(&m, &StepShape { reference_forward: true, ..s });
+        assert_eq!(flops(&reference, |o| o.kind == OpKind::Gemm), dense + 2.0 * (3.0 * layer + lm_head) * tokens);
+        let scored = step_costs(&m, &StepShape { scored_tokens: 10, ..s });
+        assert_eq!(flops(&scored, |o| o.kind == OpKind::Gemm), dense - 6.0 * lm_head * 3.0 * 6.0);
+    }
+
+    #[test]
+    fn attention_flops_follow_the_causal_blocks() {
+        let m = tiny();
+        // T = 10, blocks of 4: query blocks of 4, 4, 2 rows see 4, 8, 10 keys: 16 + 32 + 20 = 68 scores.
+        assert_eq!(computed_scores(10, AttentionBlocks { query: 4, key: 4 }), (68.0, 6.0));
+        // Blocks of 1 compute exactly the lower triangle, T (T + 1) / 2.
+        assert_eq!(computed_scores(10, AttentionBlocks { query: 1, key: 1 }).0, 55.0);
+        // One block holding everything computes the full square.
+        assert_eq!(computed_scores(10, AttentionBlocks { query: 16, key: 16 }).0, 100.0);
+        let ops = step_costs(&m, &shape(2, 10, 10));
+        let fwd = flops(&ops, |o| o.name == "attention GEMMs (forward)");
+        let bwd = flops(&ops, |o| o.name == "attention GEMMs (backward)");
+        // 2 answers x 3 layers x 2 heads x 4 head_dim per score, 2 GEMMs of 2 flops forward.
+        assert_eq!(fwd, 2.0 * 3.0 * 2.0 * 4.0 * 4.0 * 68.0);
+        assert_eq!(bwd, 2.5 * fwd);
+    }
+
+    #[test]
+    fn the_seven_b_step_is_about_its_hand_count() {
+        let m = seven_b();
+        let s = StepShape {
+            answers: 256,
+            micro_batch: 2,
+            seq_tokens: 18432,
+            scored_tokens: 16384,
+            blocks: AttentionBlocks { query: 1024, key: 1024 },
+            checkpoint_layers: true,
+            ..shape(1, 1, 1)
+        };
+        let ops = step_costs(&m, &s);
+        // Dense GEMMs: 8 flops per matrix parameter per token with recomputation (the head: 6 per scored).
+        let p = m.num_parameters() as f64;
+        let embed = (m.vocab_size * m.hidden_size) as f64;
+        let layers = p - 2.0 * embed;
+        let tokens = 256.0 * 18432.0;
+        let expected = 8.0 * layers * tokens + 6.0 * embed * 256.0 * 16384.0;
+        let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
+        assert!((dense / expected - 1.0).abs() < 1e-3, "{dense:e} vs {expected:e}");
+        // Attention: the causal half of 4 T^2 hd heads per layer forward, x 3.5 for the backward plus 1
+        // recomputed, within the diagonal blocks' waste (half a block row per query block: ~5%).
+        let causal = 256.0 * 28.0 * 4.0 * 18432f64.powi(2) * 128.0 * 28.0 / 2.0;
+        let attention = flops(&ops, |o| o.kind == OpKind::AttentionGemm);
+        let ratio = attention / (4.5 * causal);
+        assert!((1.0..1.07).contains(&ratio), "{ratio}");
+    }
+
+    #[test]
+    fn predicted_time_grows_with_the_work_and_shrinks_with_the_gpu() {
+        let m = seven_b();
+        let base = StepShape {
+            answers: 16,
+            micro_batch: 2,
+            seq_tokens: 4096,
+            scored_tokens: 3072,
+            blocks: AttentionBlocks { query: 512, key: 512 },
+            ..shape(1, 1, 1)
+        };
+        let t = |s: &StepShape, g: &Gpu| predict(&m, s, g).step_s;
+        assert!(t(&base, &H100_SXM) < t(&base, &A100_80GB));
+        for more in [
+            StepShape { answers: 32, ..base },
+            StepShape { seq_tokens: 8192, ..base },
+            StepShape { checkpoint_layers: true, ..base },
+            StepShape { reference_forward: true, ..base },
+            StepShape { offload: true, ..base },
+            StepShape { logprob_chunk_bytes: 64 << 20, ..base },
+        ] {
+            assert!(t(&more, &H100_SXM) > t(&base, &H100_SXM), "{more:?}");
+        }
+        // Attention's share of the time grows with the length (quadratic against linear).
+        let share = |s: &StepShape| {
+            let p = predict(&m, s, &H100_SXM);
+            p.attention_s / p.step_s
+        };
+        assert!(share(&StepShape { seq_tokens: 16384, ..base }) > share(&base));
+        let p = predict(&m, &base, &H100_SXM);
+        assert!(p.mfu > 0.0 && p.mfu < 1.0 && p.attention_of_peak < 1.0, "{p:?}");
+        assert!((p.gemm_s + p.attention_s + p.elementwise_s + p.host_s - p.step_s).abs() < 1e-9);
+        assert!(p.syncs == 9.0, "one per micro-batch and one per step: {}", p.syncs);
+    }
+
+    #[test]
+    fn block_choice_and_comms() {
+        let m = seven_b();
+        let s = StepShape { answers: 2, micro_batch: 2, seq_tokens: 16384, scored_tokens: 16000, ..shape(1, 1, 1) };
+        let b = best_blocks(&m, &s, &H100_SXM);
+        assert!(BLOCK_CANDIDATES.contains(&b.query) && b.query >= 256, "{b:?}");
+        // One rank moves nothing; 8 ranks in a node move 7/8 of 6 B per parameter over NVLink.
+        assert_eq!(zero1_comms(1000, 2, 1, 8, &H100_SXM), (0.0, 0.0));
+        let (bytes, s8) = zero1_comms(8_000, 2, 8, 8, &H100_SXM);
+        assert_eq!(bytes, 7.0 / 8.0 * 8_000.0 * 6.0);
+        assert!((s8 - bytes / (450e9 * COLLECTIVE_EFFICIENCY)).abs() < 1e-18);
+        let (_, s64) = zero1_comms(8_000, 2, 64, 8, &H100_SXM);
+        assert!(s64 > 8.0 * s8, "InfiniBand is 9x slower than NVLink per GPU");
+    }
+}
