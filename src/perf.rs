@@ -217,6 +217,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     }
     let step_time = median(&times);
     let tokens = spec.answers * spec.seq_len;
+    let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, t, step_time);
     Ok(json!({
         "bench": "train_step",
         "impl": "grpo",
@@ -240,7 +241,59 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "tokens_per_s": tokens as f64 / step_time,
         "peak_mem_bytes": peak,
         "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        "predicted": predicted,
     }))
+}
+
+/// The performance model's prediction of one GPU for a step, beside the measured time when the bench
+/// ran on that GPU.
+#[derive(Debug, serde::Serialize)]
+struct PredictedStep {
+    gpu: &'static str,
+    step_time_s: f64,
+    tokens_per_s: f64,
+    mfu: f64,
+    attention_of_peak: f64,
+    launches: f64,
+    host_syncs: f64,
+    /// Measured over predicted step time, when the device is this GPU (by its CUDA name).
+    measured_over_predicted: Option<f64>,
+}
+
+/// The model's predicted step (src/train/perf_model.rs) for the bench's shape on each modelled GPU.
+fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured: f64) -> Vec<PredictedStep> {
+    use crate::train::perf_model::{best_blocks, predict, AttentionBlocks, StepShape, GPUS};
+    let mut shape = StepShape {
+        answers: spec.answers as u64,
+        micro_batch: spec.micro_batch as u64,
+        seq_tokens: spec.seq_len as u64,
+        scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
+        dtype_bytes: t.dtype.size_in_bytes() as u64,
+        checkpoint_layers: spec.checkpoint_layers,
+        reference_forward: !spec.no_reference,
+        offload: spec.offload,
+        logprob_chunk_bytes: (spec.logprob_chunk_mb.max(1) as u64) << 20,
+        optimizer_shards: 1,
+        blocks: AttentionBlocks { query: 128, key: 128 },
+    };
+    let device = device_name(&t.device);
+    GPUS.iter()
+        .map(|gpu| {
+            shape.blocks = best_blocks(cfg, &shape, gpu);
+            let p = predict(cfg, &shape, gpu);
+            let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
+            PredictedStep {
+                gpu: gpu.name,
+                step_time_s: p.step_s,
+                tokens_per_s: p.tokens_per_s,
+                mfu: p.mfu,
+                attention_of_peak: p.attention_of_peak,
+                launches: p.launches,
+                host_syncs: p.syncs,
+                measured_over_predicted: here.then(|| measured / p.step_s),
+            }
+        })
+        .collect()
 }
 
 /// The log-prob op's settings (`grpo bench logprob`).
@@ -475,6 +528,12 @@ mod tests {
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
         assert!(r["losses"].as_array().unwrap().iter().all(|l| l.as_f64().unwrap().is_finite()));
         assert!(r["peak_mem_bytes"].is_null());
+        // The model's prediction for each GPU, with no measured ratio on the CPU.
+        let predicted = r["predicted"].as_array().unwrap();
+        assert_eq!(predicted.len(), 2);
+        assert!(predicted
+            .iter()
+            .all(|p| p["step_time_s"].as_f64().unwrap() > 0.0 && p["measured_over_predicted"].is_null()));
         let lean = train_step(&TrainStepSpec { offload: true, no_reference: true, ..spec.clone() }, &cpu()).unwrap();
         assert_eq!((&lean["offload"], &lean["reference"]), (&true.into(), &false.into()));
         let bad = TrainStepSpec { prompt_len: 12, ..spec };

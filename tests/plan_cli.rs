@@ -114,6 +114,11 @@ fn plan_runs_without_weights_and_names_what_to_change() {
     let fits = plan(&["--device-memory", "72GiB"]);
     assert!(fits.contains("7.62B parameters") && fits.contains("fits"), "{fits}");
     assert!(fits.contains("optimizer state") && fits.contains("host: optim.offload"), "{fits}");
+    // Beside it, the performance model's predicted step on both GPUs it knows.
+    for gpu in ["H100 SXM", "A100 80GB"] {
+        let line = fits.lines().find(|l| l.starts_with(&format!("predicted on {gpu}: step "))).expect(gpu);
+        assert!(line.contains("tokens/s") && line.contains("MFU") && line.contains("attention at"), "{line}");
+    }
     // One that does not fit exits with the documented status 3, advising only what the config has not set.
     let a = common::grpo()
         .current_dir(&root)
@@ -234,4 +239,43 @@ fn an_absurd_model_shape_is_refused_by_name() {
         let err = String::from_utf8(out).unwrap();
         assert!(err.contains(&format!("{key}.json: field `{key}`: {value}")), "{err}");
     }
+}
+
+/// `--world-size N` (or the launcher's WORLD_SIZE, which the flag overrides): the memory per rank with
+/// the optimizer state sharded over N ranks (ZeRO-1). Without offloading the optimizer state, the seed's
+/// 7B recipe fits 8 x 80 GB: as written (2 answers per micro-batch) within an H100's 79.6 GiB
+/// (nvidia-smi's 81,559 MiB) with under 4% to spare, and with 1 answer per micro-batch within 72 GiB
+/// (10% to spare); the predicted communication is printed.
+#[test]
+fn the_seed_recipe_fits_eight_gpus_without_offload() {
+    let root = common::root();
+    let run = |extra: &[&str], env: &[(&str, &str)]| {
+        let mut cmd = common::grpo();
+        cmd.current_dir(&root).args(["train", "--config", "configs/openthinker3.toml", "--plan", "--model-config"]);
+        cmd.arg(root.join("configs/models/qwen2.5-7b-instruct.config.json"));
+        cmd.args(["--set", "optim.offload=false"]).args(extra);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap())
+    };
+    let (h100, spare) = (["--device-memory", "81559MiB"], ["--device-memory", "72GiB"]);
+    let (code, one) = run(&h100, &[]);
+    assert_eq!(code, Some(3), "one GPU without offload does not fit:\n{one}");
+    let (code, eight) = run(&[&h100[..], &["--world-size", "8"]].concat(), &[]);
+    assert_eq!(code, Some(0), "{eight}");
+    let (code, tight) = run(&[&spare[..], &["--world-size", "8"]].concat(), &[]);
+    assert_eq!(code, Some(3), "{tight}");
+    let one_answer = ["--world-size", "8", "--set", "train.micro_batch_size=1"];
+    let (code, spared) = run(&[&spare[..], &one_answer].concat(), &[]);
+    assert_eq!(code, Some(0), "{spared}");
+    assert!(eight.contains("per rank of 8") && eight.contains(" / 8 ranks (ZeRO-1)"), "{eight}");
+    assert!(eight.contains("8 ranks: ZeRO-1 reduce-scatter + all-gather") && eight.contains("over NVLink"), "{eight}");
+    // The launcher's world size is taken when the flag is absent; the flag wins over it.
+    let torchrun = [("RANK", "0"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "0")];
+    let (code, launched) = run(&h100, &torchrun);
+    assert_eq!((code, launched.contains("per rank of 8")), (Some(0), true), "{launched}");
+    let (code, flag) = run(&[&h100[..], &["--world-size", "1"]].concat(), &torchrun);
+    assert_eq!(code, Some(3), "{flag}");
 }

@@ -69,6 +69,11 @@ pub struct Args {
     /// e.g. configs/models/qwen2.5-7b-instruct.config.json.
     #[arg(long, requires = "plan", value_name = "FILE")]
     pub model_config: Option<PathBuf>,
+    /// With --plan: the memory per rank of this many data-parallel ranks sharing the optimizer state
+    /// (ZeRO-1), and the predicted communication. Default: the launcher's (WORLD_SIZE, SLURM_NTASKS,
+    /// OMPI_COMM_WORLD_SIZE), else 1.
+    #[arg(long, requires = "plan", value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub world_size: Option<u64>,
 }
 
 /// `--plan`: the memory plan of `cfg`, on the model shape of `--model-config` or of the config's model.
@@ -87,8 +92,15 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
             }
         },
     };
-    let p = plan::run_plan(cfg, &shape, memory);
+    let world = args.world_size.unwrap_or_else(|| {
+        crate::dist::launch_env(|k| std::env::var(k).ok()).map_or(1, |(_, size, _)| size.max(1) as u64)
+    });
+    let p = plan::run_plan(cfg, &shape, memory, world);
     print!("{p}");
+    let step = plan::step_shape(cfg, &shape, world);
+    let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
+    let answers = (cfg.train.batch_questions as u64).saturating_mul(group as u64);
+    print!("{}", crate::train::perf_model::report(&shape, &step, answers, world));
     if p.fits() == Some(false) {
         println!("To fit, {}.", p.advice(cfg));
         let message = "the run does not fit its device's memory (the plan above)".to_string();

@@ -725,7 +725,8 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
         Some(m) => Some(m),
         None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
     };
-    let plan = plan::run_plan(cfg, &shape, memory);
+    // Every rank keeps the whole optimiser state today: the plan of one process.
+    let plan = plan::run_plan(cfg, &shape, memory, 1);
     if plan.fits() == Some(false) {
         return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }

@@ -190,6 +190,8 @@ pub struct StepShape {
     pub reference_forward: bool,
     pub offload: bool,
     pub logprob_chunk_bytes: u64,
+    /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
+    pub optimizer_shards: u64,
     pub blocks: AttentionBlocks,
 }
 
@@ -259,11 +261,11 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, backward: bo
     gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
     // Element-wise: (elements read + written per token, launches).
     let mut ew = vec![
-        (2.0 * 2.0 * h + 2.0 * h, 2.0), // two RMSNorms: read x and the weight row, write
+        (2.0 * 2.0 * h + 2.0 * h, 2.0),    // two RMSNorms: read x and the weight row, write
         (2.0 * (2.0 * q + 2.0 * kv), 4.0), // head transposes of q, k, v into attention and o out
-        (2.0 * (q + kv), 2.0),        // rope on q and k
-        (2.0 * 3.0 * h, 2.0),         // two residual adds
-        (2.0 * i + i + 3.0 * i, 2.0), // silu(gate), then silu * up
+        (2.0 * (q + kv), 2.0),             // rope on q and k
+        (2.0 * 3.0 * h, 2.0),              // two residual adds
+        (2.0 * i + i + 3.0 * i, 2.0),      // silu(gate), then silu * up
     ];
     if m.qkv_bias {
         ew.push((2.0 * (q + 2.0 * kv), 3.0));
@@ -363,10 +365,10 @@ pub fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;
-    o.times = 1.0;
+    o.times = 1.0 / s.optimizer_shards.max(1) as f64;
     if s.offload {
         o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0);
-        o.ops.last_mut().expect("just pushed").host_bytes = 32.0 * p;
+        o.ops.last_mut().expect("just pushed").host_bytes = 32.0 * p * o.times;
     } else {
         o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, 4.0);
     }
@@ -424,7 +426,9 @@ fn model_forward_flops(m: &ModelConfig, s: &StepShape) -> (f64, f64) {
 /// The prediction of a step of `m` on `s` for `gpu`.
 pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
     let ops = step_costs(m, s);
-    let time = |keep: &dyn Fn(&OpCost) -> bool| ops.iter().filter(|o| keep(o)).map(|o| op_time(o, gpu)).sum::<f64>();
+    // (+ 0.0: an empty sum is -0.0)
+    let time =
+        |keep: &dyn Fn(&OpCost) -> bool| ops.iter().filter(|o| keep(o)).map(|o| op_time(o, gpu)).sum::<f64>() + 0.0;
     let attention_s = time(&|o| o.attention);
     let gemm_s = time(&|o| o.kind == OpKind::Gemm);
     let host_s = time(&|o| o.kind == OpKind::Host);
@@ -486,6 +490,66 @@ pub fn zero1_comms(params: u64, dtype_bytes: u64, world: u64, gpus_per_node: u64
     (bytes, bytes / (link * COLLECTIVE_EFFICIENCY))
 }
 
+/// GPUs per node in the scaling estimate (an HGX / DGX H100 or A100 node).
+pub const GPUS_PER_NODE: u64 = 8;
+
+/// The lines `grpo train --plan` prints: one rank's step `s` of a step of `global_answers` sequences on
+/// `world_size` ranks, and for each of [`GPUS`] its predicted time, throughput and efficiency.
+pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u64) -> String {
+    let world = world_size.max(1);
+    let mut out = format!(
+        "performance model (src/train/perf_model.rs): {} answers x {} tokens{}, micro-batch {}, attention in {} x {} \
+         blocks, {}, {}\n",
+        s.answers,
+        s.seq_tokens,
+        if world > 1 { " per rank" } else { "" },
+        s.micro_batch,
+        s.blocks.query,
+        s.blocks.key,
+        if s.checkpoint_layers { "layers recomputed" } else { "no recomputation" },
+        if s.reference_forward { "a reference forward" } else { "no reference forward (cached or beta 0)" },
+    );
+    let tokens = global_answers as f64 * s.seq_tokens as f64;
+    // Ranks take whole groups: past one group per rank, the others wait.
+    let busy = global_answers.div_ceil(s.answers.max(1)).clamp(1, world);
+    if busy < world {
+        out.push_str(&format!("  only {busy} of {world} ranks have a group to train on (groups are not split)\n"));
+    }
+    for gpu in &GPUS {
+        let p = predict(m, s, gpu);
+        let (bytes, comms) = zero1_comms(m.num_parameters() as u64, s.dtype_bytes, world, GPUS_PER_NODE, gpu);
+        let step = p.step_s + comms;
+        out.push_str(&format!(
+            "predicted on {}: step {:.1} s, {:.0} tokens/s{}; MFU {:.1}%, attention at {:.1}% of peak (GEMMs {:.1} s, \
+             attention {:.1} s, element-wise {:.1} s, host {:.1} s; {:.3e} launches, {:.0} host syncs)\n",
+            gpu.name,
+            step,
+            tokens / step,
+            if world > 1 { format!(" on {world} GPUs") } else { String::new() },
+            100.0 * p.mfu * p.step_s / step * busy as f64 / world as f64,
+            100.0 * p.attention_of_peak,
+            p.gemm_s,
+            p.attention_s,
+            p.elementwise_s,
+            p.host_s,
+            p.launches,
+            p.syncs,
+        ));
+        if world > 1 {
+            let link = if world <= GPUS_PER_NODE { "NVLink" } else { "InfiniBand" };
+            out.push_str(&format!(
+                "  {} ranks: ZeRO-1 reduce-scatter + all-gather {:.1} GB per rank, {:.2} s over {link}; {:.0} \
+                 tokens/s per GPU\n",
+                world,
+                bytes / 1e9,
+                comms,
+                tokens / step / world as f64
+            ));
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -515,6 +579,7 @@ mod tests {
             reference_forward: false,
             offload: false,
             logprob_chunk_bytes: 1 << 30,
+            optimizer_shards: 1,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }

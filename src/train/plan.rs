@@ -35,6 +35,7 @@ use std::fmt;
 
 use super::config::TrainConfig;
 use super::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
+use super::perf_model;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 
@@ -58,6 +59,8 @@ pub struct PlanInputs {
     pub on_cpu: bool,
     /// Bytes of device memory (`None`: unknown).
     pub device_memory: Option<u64>,
+    /// Data-parallel ranks sharing the optimiser state (ZeRO-1): each rank holds 1/N of it.
+    pub world_size: u64,
 }
 
 /// Where a component lives.
@@ -238,10 +241,15 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     add("gradients (f32 accumulator)", p.saturating_mul(4), Device, Step, "P x 4 B".into());
     let opt = cfg.optim.name;
     let state = if opt == OptimName::Adamw { 12 } else { 4 };
+    let world = inputs.world_size.max(1);
     let state_place = if cfg.optim.offload { Host } else { Device };
     let what = if opt == OptimName::Adamw { "f32 master + 2 moments" } else { "f32 master" };
     let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
-    add("optimizer state", p.saturating_mul(state), state_place, Resident, format!("P x {state} B ({what}; {off})"));
+    let (state_bytes, shard) = match world {
+        1 => (p.saturating_mul(state), String::new()),
+        n => (p.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
+    };
+    add("optimizer state", state_bytes, state_place, Resident, format!("P x {state} B{shard} ({what}; {off})"));
     let objective = cfg.objective.build();
     if objective.needs_reference() {
         if inputs.reference_cached {
@@ -314,7 +322,10 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
     c.extend(generation_components(cfg, model, d, prompt));
-    let summary = summary(cfg, model, &shape, prompt, response);
+    let mut summary = summary(cfg, model, &shape, prompt, response);
+    if world > 1 {
+        summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
+    }
     Plan { components: c, inputs, summary }
 }
 
@@ -543,16 +554,42 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((value * scale) as u64)
 }
 
-/// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device.
-pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>) -> Plan {
+/// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device, per
+/// rank of `world_size` data-parallel ranks sharding the optimizer state (1: one process).
+pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>, world_size: u64) -> Plan {
     let inputs = PlanInputs {
         // Without the fused ops, attention goes through the composite score matrix.
         attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
         reference_cached: super::refcache::reference_is_cacheable(cfg),
         on_cpu: cfg.model.device == "cpu",
         device_memory,
+        world_size,
     };
     plan(cfg, model, inputs)
+}
+
+/// The shape of one rank's training step for the performance model: its share of the step's questions
+/// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, `blocks` the
+/// attention's blocking (`None`: the model's best for the shape on an H100).
+pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, world_size: u64) -> perf_model::StepShape {
+    let (prompt, response) = sequence_tokens(cfg, model);
+    let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n) as u64;
+    let questions = (cfg.train.batch_questions as u64).div_ceil(world_size.max(1));
+    let mut shape = perf_model::StepShape {
+        answers: questions.saturating_mul(group).max(1),
+        micro_batch: cfg.train.micro_batch_size.max(1) as u64,
+        seq_tokens: prompt.saturating_add(response).max(1),
+        scored_tokens: response,
+        dtype_bytes: dtype_bytes(&cfg.model.dtype),
+        checkpoint_layers: cfg.model.checkpoint_layers,
+        reference_forward: cfg.objective.build().needs_reference() && !super::refcache::reference_is_cacheable(cfg),
+        offload: cfg.optim.offload,
+        logprob_chunk_bytes: (cfg.model.logprob_chunk_mb.max(1) as u64) << 20,
+        optimizer_shards: world_size.max(1),
+        blocks: perf_model::AttentionBlocks { query: 128, key: 128 },
+    };
+    shape.blocks = perf_model::best_blocks(model, &shape, &perf_model::H100_SXM);
+    shape
 }
 
 /// The model shape of a run without loading any weight: `model.path`'s config.json, or, for a tiny model
@@ -587,7 +624,7 @@ mod tests {
     }
 
     fn inputs(attention: Attention) -> PlanInputs {
-        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30) }
+        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30), world_size: 1 }
     }
 
     fn bytes(p: &Plan, name: &str) -> u64 {
@@ -615,6 +652,24 @@ mod tests {
         let flash = super::plan(&config(&[]), &m, inputs(Attention::Flash));
         let saved = bytes(&flash, "activations, checkpoint_layers = false");
         assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
+    }
+
+    #[test]
+    fn zero1_shards_only_the_optimizer_state() {
+        let m = shape();
+        let p = m.num_parameters() as u64;
+        let one = plan(&config(&[]), &m, inputs(Attention::Flash));
+        let four = plan(&config(&[]), &m, PlanInputs { world_size: 4, ..inputs(Attention::Flash) });
+        assert_eq!(bytes(&four, "optimizer state"), (12 * p).div_ceil(4));
+        for same in ["weights", "gradients (f32 accumulator)", "reference model"] {
+            assert_eq!(bytes(&four, same), bytes(&one, same), "{same}");
+        }
+        assert_eq!(one.peak(Place::Device) - four.peak(Place::Device), 12 * p - (12 * p).div_ceil(4));
+        assert!(four.summary.contains("per rank of 4"), "{}", four.summary);
+        // Offloaded, the shard is in host memory.
+        let off = plan(&config(&["optim.offload=true"]), &m, PlanInputs { world_size: 4, ..inputs(Attention::Flash) });
+        assert_eq!(off.components.iter().find(|c| c.name == "optimizer state").unwrap().place, Place::Host);
+        assert!(off.peak(Place::Host) >= (12 * p).div_ceil(4));
     }
 
     #[test]
