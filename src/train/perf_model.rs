@@ -343,7 +343,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, with_head: bool) {
 }
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
-pub fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
+fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
     let mut o = Ops { ops: Vec::new(), times: s.micro_batches() };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
@@ -378,7 +378,7 @@ pub fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
 }
 
 /// The predicted time of one op on `gpu`: its roofline plus its syncs.
-pub fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
+fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
     let work = match op.kind {
         OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
