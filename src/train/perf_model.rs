@@ -28,7 +28,7 @@
 //!   adds, silu(gate) and its product with up; their backward twice the bytes and launches; with
 //!   `checkpoint_layers` the layer's backward also forms (y g) and its sum.
 //! - the log-prob head on the n scored tokens: per chunk of `logprob_chunk_bytes / (4 V)` rows, the
-//!   lm_head GEMM (2 n h V forward, twice backward), the fused log-softmax / entropy kernel reading the
+//!   lm_head GEMM (2 n h V forward; backward, the logits recomputed and two gradient GEMMs), the fused log-softmax / entropy kernel reading the
 //!   logits twice (forward, backward), and the f32 lm_head gradient of each chunk added to its
 //!   accumulator (16 V h bytes per chunk: written, read, accumulator read and written).
 //! - gradient accumulation: every parameter's gradient added into the f32 accumulator once per
@@ -316,6 +316,8 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward
     let chunks = (n / rows).ceil();
     let rows = n / chunks; // the chunks' mean
     if backward {
+        // The chunk's logits again (recomputed, not kept), then the two gradient GEMMs.
+        o.gemm("lm_head", rows, h, v, d, chunks);
         o.gemm_backward("lm_head", rows, h, v, d, chunks);
         o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
         o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, 16.0 * v * h * chunks, chunks);
@@ -327,8 +329,9 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward
     o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * n * h * d, 2.0);
 }
 
-/// One forward of every layer and the head, run `times` times in the step.
-fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, with_head: bool) {
+/// One forward of every layer per micro-batch; with `whole`, of the embedding and the head too (without:
+/// the layers' recomputation from their kept inputs).
+fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let times = o.times;
@@ -336,8 +339,8 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, with_head: bool) {
     layer_dense(o, m, n_tokens, d, false);
     layer_attention(o, m, b, s.seq_tokens, s.blocks, d, false);
     o.times = times;
-    o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
-    if with_head {
+    if whole {
+        o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
         head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, false);
     }
 }
@@ -597,7 +600,8 @@ mod tests {
         let ops = step_costs(&m, &s);
         let tokens = 3.0 * 16.0;
         let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
-        assert_eq!(dense, 6.0 * (3.0 * layer + lm_head) * tokens);
+        // The head's backward recomputes the logits: 8 flops per lm_head parameter per scored token.
+        assert_eq!(dense, 6.0 * 3.0 * layer * tokens + 8.0 * lm_head * tokens);
         // Checkpointing recomputes the layers' forward (2 flops per matrix parameter per token), not the head.
         let ckpt = step_costs(&m, &StepShape { checkpoint_layers: true, ..s });
         assert_eq!(flops(&ckpt, |o| o.kind == OpKind::Gemm), dense + 2.0 * 3.0 * layer * tokens);
@@ -605,7 +609,7 @@ mod tests {
         let reference = step_costs(&m, &StepShape { reference_forward: true, ..s });
         assert_eq!(flops(&reference, |o| o.kind == OpKind::Gemm), dense + 2.0 * (3.0 * layer + lm_head) * tokens);
         let scored = step_costs(&m, &StepShape { scored_tokens: 10, ..s });
-        assert_eq!(flops(&scored, |o| o.kind == OpKind::Gemm), dense - 6.0 * lm_head * 3.0 * 6.0);
+        assert_eq!(flops(&scored, |o| o.kind == OpKind::Gemm), dense - 8.0 * lm_head * 3.0 * 6.0);
     }
 
     #[test]
@@ -638,12 +642,12 @@ mod tests {
             ..shape(1, 1, 1)
         };
         let ops = step_costs(&m, &s);
-        // Dense GEMMs: 8 flops per matrix parameter per token with recomputation (the head: 6 per scored).
+        // Dense GEMMs: 8 flops per matrix parameter per token with recomputation (the head: 8 per scored).
         let p = m.num_parameters() as f64;
         let embed = (m.vocab_size * m.hidden_size) as f64;
         let layers = p - 2.0 * embed;
         let tokens = 256.0 * 18432.0;
-        let expected = 8.0 * layers * tokens + 6.0 * embed * 256.0 * 16384.0;
+        let expected = 8.0 * layers * tokens + 8.0 * embed * 256.0 * 16384.0;
         let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
         assert!((dense / expected - 1.0).abs() < 1e-3, "{dense:e} vs {expected:e}");
         // Attention: the causal half of 4 T^2 hd heads per layer forward, x 3.5 for the backward plus 1
