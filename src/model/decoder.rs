@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    flash_attention, logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
+    embedding, embedding_grad, embedding_reference, flash_attention, logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
     rms_normalize_reference, rope_reference, LOGPROB_CHUNK_BYTES,
 };
 
@@ -639,10 +639,34 @@ impl Decoder {
     }
 
     fn embed(&self, tokens: &[Vec<u32>], graph: bool) -> candle_core::Result<Tensor> {
-        let (b, t) = (tokens.len(), tokens.first().map_or(0, Vec::len));
+        self.embed_ids(&self.token_ids(tokens)?, graph)?.reshape((tokens.len(), (), self.cfg.hidden_size))
+    }
+
+    /// The `[B x T]` ids of `tokens`, row after row, on the model's device.
+    fn token_ids(&self, tokens: &[Vec<u32>]) -> candle_core::Result<Tensor> {
         let flat: Vec<u32> = tokens.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, b * t, &self.device)?;
-        self.w(self.embed, graph).index_select(&ids, 0)?.reshape((b, t, self.cfg.hidden_size))
+        let n = flat.len();
+        Tensor::from_vec(flat, n, &self.device)
+    }
+
+    /// The embedding rows `[N, hidden]` of `ids`.
+    fn embed_ids(&self, ids: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+        let lookup = if self.options.fused_ops { embedding } else { embedding_reference };
+        lookup(&self.w(self.embed, graph), ids)
+    }
+
+    /// The embedding's gradient from `g`, the gradient of its output rows (`[B, T, hidden]`), added into
+    /// `grads` (when the embedding is trainable): each token's rows summed in f32 straight into the f32
+    /// accumulator ([`embedding_grad`]); with `fused_ops = false`, candle's `index_add` in the weight's
+    /// dtype, as its own backward does.
+    fn embed_backward(&self, ids: &Tensor, g: Option<&Tensor>, grads: &mut Grads) -> candle_core::Result<()> {
+        let (Param::Trainable(w), Some(g)) = (&self.params[self.embed], g) else { return Ok(()) };
+        let g = g.reshape((ids.dim(0)?, self.cfg.hidden_size))?;
+        let dw = match self.options.fused_ops {
+            true => embedding_grad(ids, &g, self.cfg.vocab_size)?,
+            false => w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?,
+        };
+        grads.add(self.embed, &dw)
     }
 
     /// Hidden states of the target rows' predecessors, gathered as `[N, hidden]`, after the final norm.
@@ -681,9 +705,13 @@ impl Decoder {
 
     /// The last layer's output `[B, T, hidden]` (before the final norm), without a cache.
     fn run_layers(&self, batch: &TokenBatch, graph: bool) -> candle_core::Result<Tensor> {
+        self.layers_from(batch, self.embed(&batch.tokens, graph)?, graph)
+    }
+
+    /// The layers over the embedded batch `x` (`[B, T, hidden]`).
+    fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, graph: bool) -> candle_core::Result<Tensor> {
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
-        let mut x = self.embed(&batch.tokens, graph)?;
         for l in 0..self.cfg.num_layers {
             x = self.layer(l, &x, &rope, &ranges, None, graph)?;
         }
@@ -692,7 +720,12 @@ impl Decoder {
 
     fn logprobs_checked(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         let x = self.run_layers(batch, graph)?;
-        let h = self.select_hidden(&x, targets, graph)?;
+        self.head(&x, batch, targets, graph)
+    }
+
+    /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
+    fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        let h = self.select_hidden(x, targets, graph)?;
         logprobs_entropy(
             &h,
             &self.w(self.lm_head, graph),
@@ -739,18 +772,25 @@ impl Decoder {
         if grads.grads.len() != self.params.len() {
             candle_core::bail!("{} gradients for {} parameters", grads.grads.len(), self.params.len());
         }
+        // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
+        // `embed_backward`, not by candle's index_add in the weight's dtype.
+        let ids = self.token_ids(&batch.tokens)?;
+        let shape = (batch.rows(), batch.width(), self.cfg.hidden_size);
+        let e = self.embed_ids(&ids, false)?.reshape(shape)?;
         if !self.options.checkpoint_layers {
-            let lp = self.logprobs_checked(batch, targets, true)?;
-            let loss = loss_fn(&lp)?;
+            let e = Var::from_tensor(&e)?;
+            let x = self.layers_from(batch, e.as_tensor().clone(), true)?;
+            let loss = loss_fn(&self.head(&x, batch, targets, true)?)?;
             let store = loss.backward()?;
             self.collect(&store, grads)?;
+            self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
             return loss.to_dtype(DType::F32)?.to_scalar::<f32>();
         }
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
         // Forward without a graph, keeping only each layer's input.
         let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
-        let mut x = self.embed(&batch.tokens, false)?;
+        let mut x = e;
         for l in 0..self.cfg.num_layers {
             let next = self.layer(l, &x, &rope, &ranges, None, false)?;
             inputs.push(x);
@@ -758,14 +798,7 @@ impl Decoder {
         }
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
-        let h = self.select_hidden(xv.as_tensor(), targets, true)?;
-        let lp = logprobs_entropy(
-            &h,
-            &self.w(self.lm_head, true),
-            &self.target_ids(batch, targets)?,
-            self.options.logprob_chunk_bytes,
-        )?;
-        let loss = loss_fn(&lp)?;
+        let loss = loss_fn(&self.head(xv.as_tensor(), batch, targets, true)?)?;
         let store = loss.backward()?;
         self.collect(&store, grads)?;
         let mut g = match store.get(xv.as_tensor()) {
@@ -784,11 +817,7 @@ impl Decoder {
             };
         }
         // Embedding: its gradient is the gradient of its output rows.
-        if let Param::Trainable(_) = &self.params[self.embed] {
-            let e = self.embed(&batch.tokens, true)?;
-            let store = (e * &g)?.sum_all()?.backward()?;
-            self.collect(&store, grads)?;
-        }
+        self.embed_backward(&ids, Some(&g), grads)?;
         loss.to_dtype(DType::F32)?.to_scalar::<f32>()
     }
 
