@@ -116,7 +116,13 @@ impl CustomOp2 for Lookup {
         Ok((y, Shape::from((dims.0, dims.2))))
     }
 
-    fn bwd(&self, weight: &Tensor, ids: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        weight: &Tensor,
+        ids: &Tensor,
+        _y: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let dw = embedding_grad(ids, &grad.to_dtype(weight.dtype())?, weight.dim(0)?)?;
         Ok((Some(dw.to_dtype(weight.dtype())?), None))
     }
@@ -193,7 +199,14 @@ pub(super) fn forward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> Re
     let y = p.output("rows", dtype, n * h);
     let (grid, block) = grid(n * h);
     let args = vec![w, ids, y, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
-    p.launch(Launch { module: Module::Embedding, kernel: kernel_name("emb_fwd", dtype)?, grid, block, shared_bytes: 0, args })?;
+    p.launch(Launch {
+        module: Module::Embedding,
+        kernel: kernel_name("emb_fwd", dtype)?,
+        grid,
+        block,
+        shared_bytes: 0,
+        args,
+    })?;
     Ok(p)
 }
 
@@ -209,10 +222,24 @@ pub(super) fn backward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> R
     let (zgrid, block) = grid(len);
     let (lo, hi) = (Arg::U32(len as u32), Arg::U32((len as u64 >> 32) as u32));
     let zero = vec![dw, lo, hi];
-    p.launch(Launch { module: Module::Embedding, kernel: "emb_zero_f32".into(), grid: zgrid, block, shared_bytes: 0, args: zero })?;
+    p.launch(Launch {
+        module: Module::Embedding,
+        kernel: "emb_zero_f32".into(),
+        grid: zgrid,
+        block,
+        shared_bytes: 0,
+        args: zero,
+    })?;
     let (grid, block) = grid(n * h);
     let args = vec![ids, g, dw, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
-    p.launch(Launch { module: Module::Embedding, kernel: kernel_name("emb_bwd", dtype)?, grid, block, shared_bytes: 0, args })?;
+    p.launch(Launch {
+        module: Module::Embedding,
+        kernel: kernel_name("emb_bwd", dtype)?,
+        grid,
+        block,
+        shared_bytes: 0,
+        args,
+    })?;
     Ok(p)
 }
 
@@ -262,14 +289,24 @@ mod tests {
         let up: Vec<f32> = seeded(n * h, 1.0, 3).iter().map(|x| 0.01 + x.abs()).collect();
         let up = Tensor::from_vec(up, (n, h), &Device::Cpu).unwrap().to_dtype(DType::BF16).unwrap();
         let exact: Vec<f64> = (0..h)
-            .map(|j| (0..n).filter(|&r| r != 17).map(|r| up.get(r).unwrap().get(j).unwrap().to_scalar::<bf16>().unwrap().to_f64()).sum())
+            .map(|j| {
+                (0..n)
+                    .filter(|&r| r != 17)
+                    .map(|r| up.get(r).unwrap().get(j).unwrap().to_scalar::<bf16>().unwrap().to_f64())
+                    .sum()
+            })
             .collect();
         let worst = |g: &Tensor| -> f64 {
             let row = g.get(2).unwrap().to_dtype(DType::F64).unwrap().to_vec1::<f64>().unwrap();
             row.iter().zip(&exact).map(|(a, e)| ((a - e) / e).abs()).fold(0.0, f64::max)
         };
         let grad = |y: Tensor| -> Tensor {
-            let store = (y.to_dtype(DType::F32).unwrap() * up.to_dtype(DType::F32).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            let store = (y.to_dtype(DType::F32).unwrap() * up.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
             store.get(w.as_tensor()).unwrap().clone()
         };
         let f32_sum = embedding_grad(&ids, &up, v).unwrap();

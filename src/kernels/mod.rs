@@ -26,9 +26,9 @@ mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod embedding;
 #[cfg(test)]
 mod emu;
-mod embedding;
 mod flash_attention;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]

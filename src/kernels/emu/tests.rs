@@ -341,7 +341,8 @@ fn emb_fwd() {
 fn emb_bwd() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
     for (n, v, h) in [(1, 1, 1), (37, 13, 40), (2000, 7, 5)] {
-        let ids: Vec<u32> = (0..n).map(|i| if i % 3 == 0 { 0 } else { rng.gen_range(0..v as u32 - v.min(2) as u32 + 1) }).collect();
+        let ids: Vec<u32> =
+            (0..n).map(|i| if i % 3 == 0 { 0 } else { rng.gen_range(0..v as u32 - v.min(2) as u32 + 1) }).collect();
         let ids = u32s(&ids, &[n]);
         for dt in DTYPES {
             let g = random(&mut rng, &[n, h], 1.0).to_dtype(dt).unwrap();
