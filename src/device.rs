@@ -5,7 +5,7 @@
 //! pool's high-water mark of used memory is the peak of every tensor alive at once (cuBLAS workspaces
 //! and the CUDA context are outside it, as they are outside PyTorch's `max_memory_allocated`).
 
-use candle_core::{Device, Result};
+use candle_core::{Device, Result, Tensor};
 
 /// A readable name: `cpu`, or the CUDA card's name (e.g. `NVIDIA H100 80GB HBM3`).
 pub fn device_name(device: &Device) -> String {
@@ -122,6 +122,31 @@ pub fn total_memory(device: &Device) -> Result<Option<u64>> {
         #[allow(unreachable_patterns)]
         _ => Ok(None),
     }
+}
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The values of `t` (any shape, flattened) copied to the host. On a GPU a copy to the host waits for
+/// everything queued before it (a host sync): the training step reads device values only through this
+/// function and [`to_host_scalar`], which count each read ([`host_reads`]).
+pub fn to_host<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    HOST_READS.with(|c| c.set(c.get() + 1));
+    t.flatten_all()?.to_vec1::<T>()
+}
+
+/// The value of a one-element tensor `t` copied to the host, counted as [`to_host`].
+pub fn to_host_scalar<T: candle_core::WithDType>(t: &Tensor) -> Result<T> {
+    match to_host::<T>(t)?.as_slice() {
+        [x] => Ok(*x),
+        v => candle_core::bail!("a scalar read of {} values", v.len()),
+    }
+}
+
+/// Reads of device values to the host ([`to_host`]) made so far by this thread.
+pub fn host_reads() -> u64 {
+    HOST_READS.with(|c| c.get())
 }
 
 /// `MemTotal` of /proc/meminfo's text, in bytes.

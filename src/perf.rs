@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::data::{Group, Response};
-use crate::device::{device_name, memory_bytes, reset_peak_memory};
+use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
 use crate::model::{Attention, Decoder, ModelConfig};
@@ -205,13 +205,18 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
+    let mut syncs = 0;
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
-        Ok(step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats)
+        let before = host_reads();
+        let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
+        syncs = host_reads() - before;
+        Ok(stats)
     })?;
+    let micro_batches = spec.answers.div_ceil(spec.micro_batch.max(1));
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
     }
@@ -240,6 +245,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "tokens_per_s": tokens as f64 / step_time,
         "peak_mem_bytes": peak,
         "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        "micro_batches": micro_batches,
+        "host_syncs_per_step": syncs,
+        "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
     }))
 }
 

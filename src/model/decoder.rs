@@ -784,7 +784,7 @@ impl Decoder {
             let store = loss.backward()?;
             self.collect(&store, grads)?;
             self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
-            return loss.to_dtype(DType::F32)?.to_scalar::<f32>();
+            return crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?);
         }
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
@@ -818,7 +818,7 @@ impl Decoder {
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
-        loss.to_dtype(DType::F32)?.to_scalar::<f32>()
+        crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?)
     }
 
     /// Start generation: run left-padded prompts and return the last position's logits `[B, V]` (f32)

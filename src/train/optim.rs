@@ -119,7 +119,7 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
     let mut sq = 0f64;
     for g in grads.grads.iter().flatten() {
-        sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        sq += crate::device::to_host_scalar::<f64>(&g.sqr()?.sum_all()?.to_dtype(DType::F64)?)?;
     }
     Ok(sq.sqrt())
 }
