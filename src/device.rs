@@ -124,6 +124,27 @@ pub fn total_memory(device: &Device) -> Result<Option<u64>> {
     }
 }
 
+/// Bytes of one chunk of logits (counted as f32) in the log-prob op when the configuration leaves it to
+/// the device: on a GPU an eighth of its free memory, between 1 and 8 GiB (a few large launches per
+/// micro-batch instead of thousands of small ones); on the CPU [`crate::kernels::LOGPROB_CHUNK_BYTES`]
+/// (64 MiB), which keeps a chunk near the caches.
+pub fn logprob_chunk_bytes(device: &Device) -> Result<usize> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (free, _) = d.cuda_stream().context().mem_get_info().map_err(candle_core::Error::wrap)?;
+            Ok(gpu_chunk_bytes(free as u64))
+        }
+        _ => Ok(crate::kernels::LOGPROB_CHUNK_BYTES),
+    }
+}
+
+/// The GPU's chunk for `free` bytes of free memory: `free / 8` within 1..=8 GiB.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+fn gpu_chunk_bytes(free: u64) -> usize {
+    (free / 8).clamp(1 << 30, 8 << 30) as usize
+}
+
 thread_local! {
     static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
 }
@@ -235,6 +256,14 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprob_chunks_are_device_sized() {
+        assert_eq!(logprob_chunk_bytes(&Device::Cpu).unwrap(), 64 << 20);
+        assert_eq!(gpu_chunk_bytes(2 << 30), 1 << 30);
+        assert_eq!(gpu_chunk_bytes(40 << 30), 5 << 30);
+        assert_eq!(gpu_chunk_bytes(140 << 30), 8 << 30);
+    }
 
     #[test]
     fn cpu_has_a_name_and_no_memory_counter() {

@@ -14,10 +14,12 @@
 //! An id outside the vocabulary is an error on the CPU; on the GPU it reads as a NaN row and adds nothing
 //! (no device sync to check it; the decoder checks its tokens on the host beforehand).
 
-use candle_core::{CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::cpu::{u32s, Elem, IntoStorage};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
 #[cfg(any(test, feature = "cuda"))]
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 

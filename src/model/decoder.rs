@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention, logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope_reference, LOGPROB_CHUNK_BYTES,
+    embedding, embedding_grad, embedding_reference, flash_attention, logprobs_entropy, masked_softmax,
+    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -70,7 +70,8 @@ pub enum Attention {
 pub struct DecoderOptions {
     /// Recompute each layer during the backward pass instead of keeping its activations.
     pub checkpoint_layers: bool,
-    /// Memory budget of one chunk of f32 logits in the log-prob op.
+    /// Memory budget of one chunk of f32 logits in the log-prob op; 0 sizes it from the device
+    /// ([`crate::device::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
     pub logprob_chunk_bytes: usize,
     /// Use the project's fused ops (RMSNorm, rope, attention softmax); `false` uses their composite
     /// candle references instead (slower, more memory: for checking the kernels and measuring them),
@@ -85,7 +86,7 @@ impl Default for DecoderOptions {
     fn default() -> Self {
         Self {
             checkpoint_layers: false,
-            logprob_chunk_bytes: LOGPROB_CHUNK_BYTES,
+            logprob_chunk_bytes: 0,
             fused_ops: true,
             attention: Attention::Flash,
         }
@@ -303,7 +304,21 @@ pub struct Decoder {
     norm: usize,
     lm_head: usize,
     inv_freq: Vec<f32>,
+    rope_tables: RopeTables,
     pub options: DecoderOptions,
+}
+
+/// cos and sin of positions `0..len` (`[len, D]`, both halves equal, in the model's dtype), built on the
+/// model's device at the first forward that needs them (again only for a longer position) and gathered
+/// by position id in every forward, instead of being computed on the host and copied each time. A clone
+/// starts empty (it may move to another device or dtype).
+#[derive(Default)]
+struct RopeTables(std::sync::Mutex<Option<(Tensor, Tensor)>>);
+
+impl Clone for RopeTables {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
 }
 
 /// The largest tensors one layer makes for `b` rows of `t` new tokens over `s` keys, with how to make
@@ -488,6 +503,7 @@ impl Decoder {
             norm,
             lm_head,
             inv_freq,
+            rope_tables: RopeTables::default(),
             options: DecoderOptions::default(),
         })
     }
@@ -542,6 +558,7 @@ impl Decoder {
             norm: self.norm,
             lm_head: self.lm_head,
             inv_freq: self.inv_freq.clone(),
+            rope_tables: RopeTables::default(),
             options: self.options.clone(),
         })
     }
@@ -554,29 +571,33 @@ impl Decoder {
         i.map(|i| self.params[i].get(graph))
     }
 
-    /// cos and sin tables `[B, 1, T, D]` for the given position ids.
+    /// cos and sin tables `[B, 1, T, D]` for the given position ids, gathered from [`RopeTables`].
     fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<(Tensor, Tensor)> {
         let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(b * t * half * 2);
-        let mut sin = Vec::with_capacity(b * t * half * 2);
-        for row in positions {
-            for &p in row {
-                let start = cos.len();
-                for &f in &self.inv_freq {
-                    // f32 like transformers: angle = float(pos) * inv_freq in f32.
-                    let a = p as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
-                cos.extend_from_within(start..start + half);
-                sin.extend_from_within(start..start + half);
-            }
+        let need = positions.iter().flatten().max().map_or(0, |&p| p as usize + 1);
+        let (cos, sin) = self.rope_tables(need)?;
+        let ids: Vec<u32> = positions.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(ids, b * t, &self.device)?;
+        let shape = (b, 1, t, 2 * self.inv_freq.len());
+        Ok((cos.index_select(&ids, 0)?.reshape(shape)?, sin.index_select(&ids, 0)?.reshape(shape)?))
+    }
+
+    /// The cos and sin tables of at least `len` positions: the cached ones, or new ones of the next power
+    /// of two (at least 256), computed on the device as transformers does, angle = f32(pos) * inv_freq in
+    /// f32, then cos and sin in f32, cast to the model's dtype.
+    fn rope_tables(&self, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let mut slot = self.rope_tables.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, s)) = slot.as_ref().filter(|(c, _)| c.dim(0).is_ok_and(|n| n >= len)) {
+            return Ok((c.clone(), s.clone()));
         }
-        let shape = (b, 1, t, 2 * half);
-        let cos = Tensor::from_vec(cos, shape, &self.device)?.to_dtype(self.dtype)?;
-        let sin = Tensor::from_vec(sin, shape, &self.device)?.to_dtype(self.dtype)?;
-        Ok((cos, sin))
+        let len = len.next_power_of_two().max(256);
+        let pos = Tensor::arange(0u32, len as u32, &self.device)?.to_dtype(DType::F32)?;
+        let freq = Tensor::new(self.inv_freq.as_slice(), &self.device)?;
+        let angles = pos.unsqueeze(1)?.broadcast_mul(&freq.unsqueeze(0)?)?;
+        let angles = Tensor::cat(&[&angles, &angles], 1)?;
+        let tables = (angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?);
+        *slot = Some(tables.clone());
+        Ok(tables)
     }
 
     /// One decoder layer. `cache`, when given, holds this layer's past keys/values and is extended.
@@ -726,12 +747,11 @@ impl Decoder {
     /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
     fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         let h = self.select_hidden(x, targets, graph)?;
-        logprobs_entropy(
-            &h,
-            &self.w(self.lm_head, graph),
-            &self.target_ids(batch, targets)?,
-            self.options.logprob_chunk_bytes,
-        )
+        let budget = match self.options.logprob_chunk_bytes {
+            0 => crate::device::logprob_chunk_bytes(&self.device)?,
+            b => b,
+        };
+        logprobs_entropy(&h, &self.w(self.lm_head, graph), &self.target_ids(batch, targets)?, budget)
     }
 
     fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
@@ -1148,6 +1168,34 @@ mod tests {
             let d = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "differs by {d}");
         }
+    }
+
+    /// The device-built tables give the values of the host formula they replace, bit for bit, and are
+    /// built once for the longest position seen.
+    #[test]
+    fn rope_tables_match_the_host_formula_and_are_built_once() {
+        let m = tiny(Arch::Qwen2, false, false);
+        let positions = vec![vec![0u32, 1, 2, 300], vec![5, 6, 7, 8]];
+        let (cos, sin) = m.rope(&positions).unwrap();
+        let half = m.inv_freq.len();
+        assert_eq!(cos.dims(), [2, 1, 4, 2 * half]);
+        for (r, row) in positions.iter().enumerate() {
+            for (j, &p) in row.iter().enumerate() {
+                let c: Vec<f32> = cos.get(r).unwrap().get(0).unwrap().get(j).unwrap().to_vec1().unwrap();
+                let s: Vec<f32> = sin.get(r).unwrap().get(0).unwrap().get(j).unwrap().to_vec1().unwrap();
+                for (i, &f) in m.inv_freq.iter().enumerate() {
+                    let a = p as f32 * f;
+                    assert_eq!((c[i], c[half + i], s[i], s[half + i]), (a.cos(), a.cos(), a.sin(), a.sin()));
+                }
+            }
+        }
+        let table = |m: &Decoder| m.rope_tables.0.lock().unwrap().as_ref().unwrap().0.clone();
+        let first = table(&m);
+        assert_eq!(first.dim(0).unwrap(), 512);
+        m.rope(&[vec![3, 4]]).unwrap();
+        assert_eq!(table(&m).id(), first.id());
+        m.rope(&[vec![600]]).unwrap();
+        assert_eq!(table(&m).dim(0).unwrap(), 1024);
     }
 
     #[test]
