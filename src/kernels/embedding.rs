@@ -19,9 +19,9 @@ use rayon::prelude::*;
 
 use super::cpu::{u32s, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
-use candle_core::DType;
-#[cfg(any(test, feature = "cuda"))]
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
 
 /// `(n, v, h)` of a lookup of `ids` `[N]` in a `[V, H]` table (`table` is the weight's layout, or the
 /// gradient's `[N, H]` with `vocab` given).

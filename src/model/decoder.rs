@@ -84,12 +84,7 @@ pub struct DecoderOptions {
 
 impl Default for DecoderOptions {
     fn default() -> Self {
-        Self {
-            checkpoint_layers: false,
-            logprob_chunk_bytes: 0,
-            fused_ops: true,
-            attention: Attention::Flash,
-        }
+        Self { checkpoint_layers: false, logprob_chunk_bytes: 0, fused_ops: true, attention: Attention::Flash }
     }
 }
 

@@ -120,8 +120,12 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
 /// tensors), and added there in f64. The clip factor ([`clip_scale`]) and the bad-step check (a NaN or
 /// infinite gradient anywhere gives a non-finite norm) come from this one read.
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
-    let sums: Vec<Tensor> =
-        grads.grads.iter().flatten().map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64)).collect::<candle_core::Result<_>>()?;
+    let sums: Vec<Tensor> = grads
+        .grads
+        .iter()
+        .flatten()
+        .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
+        .collect::<candle_core::Result<_>>()?;
     if sums.is_empty() {
         return Ok(0.0);
     }
@@ -484,7 +488,8 @@ mod tests {
         assert_eq!(OptimConfig { lr: 2.0, ..Default::default() }.lr_at(7, 10), 2.0);
         assert!((grad_norm(&grads(&[3.0, 4.0])).unwrap() - 5.0).abs() < 1e-9);
         // Several tensors, one of them bf16: the f64 sum of their squares, read to the host once.
-        let parts = [Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(), Tensor::new(&[[3f32], [4.0]], &Device::Cpu).unwrap()];
+        let parts =
+            [Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(), Tensor::new(&[[3f32], [4.0]], &Device::Cpu).unwrap()];
         let g = Grads { grads: vec![Some(parts[0].clone()), None, Some(parts[1].to_dtype(DType::BF16).unwrap())] };
         let reads = crate::device::host_reads();
         assert!((grad_norm(&g).unwrap() - 30f64.sqrt()).abs() < 1e-12);
