@@ -5,7 +5,7 @@
 //! pool's high-water mark of used memory is the peak of every tensor alive at once (cuBLAS workspaces
 //! and the CUDA context are outside it, as they are outside PyTorch's `max_memory_allocated`).
 
-use candle_core::{Device, Result};
+use candle_core::{Device, Result, Tensor};
 
 /// A readable name: `cpu`, or the CUDA card's name (e.g. `NVIDIA H100 80GB HBM3`).
 pub fn device_name(device: &Device) -> String {
@@ -124,6 +124,52 @@ pub fn total_memory(device: &Device) -> Result<Option<u64>> {
     }
 }
 
+/// Bytes of one chunk of logits (counted as f32) in the log-prob op when the configuration leaves it to
+/// the device: on a GPU an eighth of its free memory, between 1 and 8 GiB (a few large launches per
+/// micro-batch instead of thousands of small ones); on the CPU [`crate::kernels::LOGPROB_CHUNK_BYTES`]
+/// (64 MiB), which keeps a chunk near the caches.
+pub fn logprob_chunk_bytes(device: &Device) -> Result<usize> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(d) => {
+            let (free, _) = d.cuda_stream().context().mem_get_info().map_err(candle_core::Error::wrap)?;
+            Ok(gpu_chunk_bytes(free as u64))
+        }
+        _ => Ok(crate::kernels::LOGPROB_CHUNK_BYTES),
+    }
+}
+
+/// The GPU's chunk for `free` bytes of free memory: `free / 8` within 1..=8 GiB (also what the memory
+/// plan counts for a GPU run that leaves the chunk to the device).
+pub fn gpu_chunk_bytes(free: u64) -> usize {
+    (free / 8).clamp(1 << 30, 8 << 30) as usize
+}
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// The values of `t` (any shape, flattened) copied to the host. On a GPU a copy to the host waits for
+/// everything queued before it (a host sync): the training step reads device values only through this
+/// function and [`to_host_scalar`], which count each read ([`host_reads`]).
+pub fn to_host<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<T>> {
+    HOST_READS.with(|c| c.set(c.get() + 1));
+    t.flatten_all()?.to_vec1::<T>()
+}
+
+/// The value of a one-element tensor `t` copied to the host, counted as [`to_host`].
+pub fn to_host_scalar<T: candle_core::WithDType>(t: &Tensor) -> Result<T> {
+    match to_host::<T>(t)?.as_slice() {
+        [x] => Ok(*x),
+        v => candle_core::bail!("a scalar read of {} values", v.len()),
+    }
+}
+
+/// Reads of device values to the host ([`to_host`]) made so far by this thread.
+pub fn host_reads() -> u64 {
+    HOST_READS.with(|c| c.get())
+}
+
 /// `MemTotal` of /proc/meminfo's text, in bytes.
 fn mem_total(meminfo: &str) -> Option<u64> {
     let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
@@ -210,6 +256,14 @@ mod cuda {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn logprob_chunks_are_device_sized() {
+        assert_eq!(logprob_chunk_bytes(&Device::Cpu).unwrap(), 64 << 20);
+        assert_eq!(gpu_chunk_bytes(2 << 30), 1 << 30);
+        assert_eq!(gpu_chunk_bytes(40 << 30), 5 << 30);
+        assert_eq!(gpu_chunk_bytes(140 << 30), 8 << 30);
+    }
 
     #[test]
     fn cpu_has_a_name_and_no_memory_counter() {

@@ -19,7 +19,7 @@ use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::data::{Group, Response};
-use crate::device::{device_name, memory_bytes, reset_peak_memory};
+use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
 use crate::model::{Attention, Decoder, ModelConfig};
@@ -130,8 +130,9 @@ pub struct TrainStepSpec {
     /// Recompute layer activations in the backward (less memory, one more forward).
     #[arg(long)]
     pub checkpoint_layers: bool,
-    /// Memory budget of one chunk of logits in the log-prob op, MiB.
-    #[arg(long, default_value_t = 64)]
+    /// Memory budget of one chunk of logits in the log-prob op, MiB (0: from the device, at least 1 GiB
+    /// on a GPU, 64 MiB on the CPU).
+    #[arg(long, default_value_t = 0)]
     pub logprob_chunk_mb: usize,
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
     #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
@@ -162,7 +163,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let vocab = cfg.vocab_size;
     let mut policy = random_model(cfg, t, true)?;
     policy.options.checkpoint_layers = spec.checkpoint_layers;
-    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb.max(1) << 20;
+    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
     policy.options.fused_ops = spec.fused_ops;
     policy.options.attention = spec.attention;
     let reference = if spec.no_reference {
@@ -205,13 +206,18 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
+    let mut syncs = 0;
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
-        Ok(step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats)
+        let before = host_reads();
+        let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
+        syncs = host_reads() - before;
+        Ok(stats)
     })?;
+    let micro_batches = spec.answers.div_ceil(spec.micro_batch.max(1));
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
     }
@@ -242,6 +248,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "peak_mem_bytes": peak,
         "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
         "predicted": predicted,
+        "micro_batches": micro_batches,
+        "host_syncs_per_step": syncs,
+        "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
     }))
 }
 
@@ -538,6 +547,39 @@ mod tests {
         assert_eq!((&lean["offload"], &lean["reference"]), (&true.into(), &false.into()));
         let bad = TrainStepSpec { prompt_len: 12, ..spec };
         assert!(train_step(&bad, &cpu()).unwrap_err().to_string().contains("prompt length"));
+    }
+
+    /// The host syncs of a step do not grow with the number of layers (and so of tensors): a constant per
+    /// micro-batch and one read of the gradient norm per step.
+    #[test]
+    fn host_syncs_do_not_grow_with_the_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = tiny_shape(dir.path());
+        let syncs = |layers: usize| {
+            let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&tiny).unwrap()).unwrap();
+            raw["num_hidden_layers"] = layers.into();
+            let shape = dir.path().join(format!("layers-{layers}.json"));
+            std::fs::write(&shape, raw.to_string()).unwrap();
+            let spec = TrainStepSpec {
+                shape,
+                answers: 4,
+                seq_len: 12,
+                prompt_len: 4,
+                micro_batch: 2,
+                checkpoint_layers: false,
+                logprob_chunk_mb: 0,
+                fused_ops: true,
+                offload: false,
+                no_reference: false,
+                attention: Attention::Flash,
+            };
+            let r = train_step(&spec, &cpu()).unwrap();
+            assert_eq!(r["micro_batches"], 2);
+            r["host_syncs_per_step"].as_u64().unwrap()
+        };
+        let (two, six) = (syncs(2), syncs(6));
+        assert_eq!(two, six);
+        assert!(two <= 2 * 8 + 1, "{two} host syncs for 2 micro-batches");
     }
 
     #[test]

@@ -97,7 +97,7 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     });
     let p = plan::run_plan(cfg, &shape, memory, world);
     print!("{p}");
-    let step = plan::step_shape(cfg, &shape, world);
+    let step = plan::step_shape(cfg, &shape, &p);
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = (cfg.train.batch_questions as u64).saturating_mul(group as u64);
     print!("{}", crate::train::perf_model::report(&shape, &step, answers, world));

@@ -15,6 +15,7 @@ pub enum Module {
     FlashAttention,
     Rope,
     Norm,
+    Embedding,
 }
 
 /// One buffer of an op.

@@ -103,7 +103,7 @@ impl CustomOp3 for LogprobEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
-        let entropy_grad = grad.narrow(1, 1, 1)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+        let entropy_grad = crate::device::to_host_scalar::<f32>(&grad.narrow(1, 1, 1)?.abs()?.sum_all()?)?;
         if entropy_grad != 0.0 {
             candle_core::bail!("logprob-entropy: the entropy column has no gradient; do not put it in the loss");
         }

@@ -10,6 +10,8 @@
 //!   one pass with its own backward.
 //! - [`flash_attention`] (flash_attention.rs): attention block by block with an online softmax and its
 //!   own backward, O(T) memory per head; [`matrix_attention`] is the same through the `[T, S]` matrix.
+//! - [`embedding`] (embedding.rs): the embedding lookup, whose backward [`embedding_grad`] sums each
+//!   token's gradient rows in f32.
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
@@ -24,6 +26,7 @@ mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod embedding;
 #[cfg(test)]
 mod emu;
 mod flash_attention;
@@ -36,6 +39,7 @@ mod rope;
 mod rows;
 
 pub use attention::{masked_softmax, masked_softmax_reference};
+pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub use flash_attention::{flash_attention, matrix_attention};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};

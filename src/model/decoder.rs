@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    flash_attention, logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope_reference, LOGPROB_CHUNK_BYTES,
+    embedding, embedding_grad, embedding_reference, flash_attention, logprobs_entropy, masked_softmax,
+    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -70,7 +70,8 @@ pub enum Attention {
 pub struct DecoderOptions {
     /// Recompute each layer during the backward pass instead of keeping its activations.
     pub checkpoint_layers: bool,
-    /// Memory budget of one chunk of f32 logits in the log-prob op.
+    /// Memory budget of one chunk of f32 logits in the log-prob op; 0 sizes it from the device
+    /// ([`crate::device::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
     pub logprob_chunk_bytes: usize,
     /// Use the project's fused ops (RMSNorm, rope, attention softmax); `false` uses their composite
     /// candle references instead (slower, more memory: for checking the kernels and measuring them),
@@ -83,12 +84,7 @@ pub struct DecoderOptions {
 
 impl Default for DecoderOptions {
     fn default() -> Self {
-        Self {
-            checkpoint_layers: false,
-            logprob_chunk_bytes: LOGPROB_CHUNK_BYTES,
-            fused_ops: true,
-            attention: Attention::Flash,
-        }
+        Self { checkpoint_layers: false, logprob_chunk_bytes: 0, fused_ops: true, attention: Attention::Flash }
     }
 }
 
@@ -303,7 +299,21 @@ pub struct Decoder {
     norm: usize,
     lm_head: usize,
     inv_freq: Vec<f32>,
+    rope_tables: RopeTables,
     pub options: DecoderOptions,
+}
+
+/// cos and sin of positions `0..len` (`[len, D]`, both halves equal, in the model's dtype), built on the
+/// model's device at the first forward that needs them (again only for a longer position) and gathered
+/// by position id in every forward, instead of being computed on the host and copied each time. A clone
+/// starts empty (it may move to another device or dtype).
+#[derive(Default)]
+struct RopeTables(std::sync::Mutex<Option<(Tensor, Tensor)>>);
+
+impl Clone for RopeTables {
+    fn clone(&self) -> Self {
+        Self::default()
+    }
 }
 
 /// The largest tensors one layer makes for `b` rows of `t` new tokens over `s` keys, with how to make
@@ -488,6 +498,7 @@ impl Decoder {
             norm,
             lm_head,
             inv_freq,
+            rope_tables: RopeTables::default(),
             options: DecoderOptions::default(),
         })
     }
@@ -542,6 +553,7 @@ impl Decoder {
             norm: self.norm,
             lm_head: self.lm_head,
             inv_freq: self.inv_freq.clone(),
+            rope_tables: RopeTables::default(),
             options: self.options.clone(),
         })
     }
@@ -554,29 +566,33 @@ impl Decoder {
         i.map(|i| self.params[i].get(graph))
     }
 
-    /// cos and sin tables `[B, 1, T, D]` for the given position ids.
+    /// cos and sin tables `[B, 1, T, D]` for the given position ids, gathered from [`RopeTables`].
     fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<(Tensor, Tensor)> {
         let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(b * t * half * 2);
-        let mut sin = Vec::with_capacity(b * t * half * 2);
-        for row in positions {
-            for &p in row {
-                let start = cos.len();
-                for &f in &self.inv_freq {
-                    // f32 like transformers: angle = float(pos) * inv_freq in f32.
-                    let a = p as f32 * f;
-                    cos.push(a.cos());
-                    sin.push(a.sin());
-                }
-                cos.extend_from_within(start..start + half);
-                sin.extend_from_within(start..start + half);
-            }
+        let need = positions.iter().flatten().max().map_or(0, |&p| p as usize + 1);
+        let (cos, sin) = self.rope_tables(need)?;
+        let ids: Vec<u32> = positions.iter().flatten().copied().collect();
+        let ids = Tensor::from_vec(ids, b * t, &self.device)?;
+        let shape = (b, 1, t, 2 * self.inv_freq.len());
+        Ok((cos.index_select(&ids, 0)?.reshape(shape)?, sin.index_select(&ids, 0)?.reshape(shape)?))
+    }
+
+    /// The cos and sin tables of at least `len` positions: the cached ones, or new ones of the next power
+    /// of two (at least 256), computed on the device as transformers does, angle = f32(pos) * inv_freq in
+    /// f32, then cos and sin in f32, cast to the model's dtype.
+    fn rope_tables(&self, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        let mut slot = self.rope_tables.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((c, s)) = slot.as_ref().filter(|(c, _)| c.dim(0).is_ok_and(|n| n >= len)) {
+            return Ok((c.clone(), s.clone()));
         }
-        let shape = (b, 1, t, 2 * half);
-        let cos = Tensor::from_vec(cos, shape, &self.device)?.to_dtype(self.dtype)?;
-        let sin = Tensor::from_vec(sin, shape, &self.device)?.to_dtype(self.dtype)?;
-        Ok((cos, sin))
+        let len = len.next_power_of_two().max(256);
+        let pos = Tensor::arange(0u32, len as u32, &self.device)?.to_dtype(DType::F32)?;
+        let freq = Tensor::new(self.inv_freq.as_slice(), &self.device)?;
+        let angles = pos.unsqueeze(1)?.broadcast_mul(&freq.unsqueeze(0)?)?;
+        let angles = Tensor::cat(&[&angles, &angles], 1)?;
+        let tables = (angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?);
+        *slot = Some(tables.clone());
+        Ok(tables)
     }
 
     /// One decoder layer. `cache`, when given, holds this layer's past keys/values and is extended.
@@ -639,10 +655,34 @@ impl Decoder {
     }
 
     fn embed(&self, tokens: &[Vec<u32>], graph: bool) -> candle_core::Result<Tensor> {
-        let (b, t) = (tokens.len(), tokens.first().map_or(0, Vec::len));
+        self.embed_ids(&self.token_ids(tokens)?, graph)?.reshape((tokens.len(), (), self.cfg.hidden_size))
+    }
+
+    /// The `[B x T]` ids of `tokens`, row after row, on the model's device.
+    fn token_ids(&self, tokens: &[Vec<u32>]) -> candle_core::Result<Tensor> {
         let flat: Vec<u32> = tokens.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(flat, b * t, &self.device)?;
-        self.w(self.embed, graph).index_select(&ids, 0)?.reshape((b, t, self.cfg.hidden_size))
+        let n = flat.len();
+        Tensor::from_vec(flat, n, &self.device)
+    }
+
+    /// The embedding rows `[N, hidden]` of `ids`.
+    fn embed_ids(&self, ids: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+        let lookup = if self.options.fused_ops { embedding } else { embedding_reference };
+        lookup(&self.w(self.embed, graph), ids)
+    }
+
+    /// The embedding's gradient from `g`, the gradient of its output rows (`[B, T, hidden]`), added into
+    /// `grads` (when the embedding is trainable): each token's rows summed in f32 straight into the f32
+    /// accumulator ([`embedding_grad`]); with `fused_ops = false`, candle's `index_add` in the weight's
+    /// dtype, as its own backward does.
+    fn embed_backward(&self, ids: &Tensor, g: Option<&Tensor>, grads: &mut Grads) -> candle_core::Result<()> {
+        let (Param::Trainable(w), Some(g)) = (&self.params[self.embed], g) else { return Ok(()) };
+        let g = g.reshape((ids.dim(0)?, self.cfg.hidden_size))?;
+        let dw = match self.options.fused_ops {
+            true => embedding_grad(ids, &g, self.cfg.vocab_size)?,
+            false => w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?,
+        };
+        grads.add(self.embed, &dw)
     }
 
     /// Hidden states of the target rows' predecessors, gathered as `[N, hidden]`, after the final norm.
@@ -681,9 +721,13 @@ impl Decoder {
 
     /// The last layer's output `[B, T, hidden]` (before the final norm), without a cache.
     fn run_layers(&self, batch: &TokenBatch, graph: bool) -> candle_core::Result<Tensor> {
+        self.layers_from(batch, self.embed(&batch.tokens, graph)?, graph)
+    }
+
+    /// The layers over the embedded batch `x` (`[B, T, hidden]`).
+    fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, graph: bool) -> candle_core::Result<Tensor> {
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
-        let mut x = self.embed(&batch.tokens, graph)?;
         for l in 0..self.cfg.num_layers {
             x = self.layer(l, &x, &rope, &ranges, None, graph)?;
         }
@@ -692,13 +736,17 @@ impl Decoder {
 
     fn logprobs_checked(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         let x = self.run_layers(batch, graph)?;
-        let h = self.select_hidden(&x, targets, graph)?;
-        logprobs_entropy(
-            &h,
-            &self.w(self.lm_head, graph),
-            &self.target_ids(batch, targets)?,
-            self.options.logprob_chunk_bytes,
-        )
+        self.head(&x, batch, targets, graph)
+    }
+
+    /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
+    fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        let h = self.select_hidden(x, targets, graph)?;
+        let budget = match self.options.logprob_chunk_bytes {
+            0 => crate::device::logprob_chunk_bytes(&self.device)?,
+            b => b,
+        };
+        logprobs_entropy(&h, &self.w(self.lm_head, graph), &self.target_ids(batch, targets)?, budget)
     }
 
     fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
@@ -739,18 +787,25 @@ impl Decoder {
         if grads.grads.len() != self.params.len() {
             candle_core::bail!("{} gradients for {} parameters", grads.grads.len(), self.params.len());
         }
+        // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
+        // `embed_backward`, not by candle's index_add in the weight's dtype.
+        let ids = self.token_ids(&batch.tokens)?;
+        let shape = (batch.rows(), batch.width(), self.cfg.hidden_size);
+        let e = self.embed_ids(&ids, false)?.reshape(shape)?;
         if !self.options.checkpoint_layers {
-            let lp = self.logprobs_checked(batch, targets, true)?;
-            let loss = loss_fn(&lp)?;
+            let e = Var::from_tensor(&e)?;
+            let x = self.layers_from(batch, e.as_tensor().clone(), true)?;
+            let loss = loss_fn(&self.head(&x, batch, targets, true)?)?;
             let store = loss.backward()?;
             self.collect(&store, grads)?;
-            return loss.to_dtype(DType::F32)?.to_scalar::<f32>();
+            self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
+            return crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?);
         }
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
         // Forward without a graph, keeping only each layer's input.
         let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
-        let mut x = self.embed(&batch.tokens, false)?;
+        let mut x = e;
         for l in 0..self.cfg.num_layers {
             let next = self.layer(l, &x, &rope, &ranges, None, false)?;
             inputs.push(x);
@@ -758,14 +813,7 @@ impl Decoder {
         }
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
-        let h = self.select_hidden(xv.as_tensor(), targets, true)?;
-        let lp = logprobs_entropy(
-            &h,
-            &self.w(self.lm_head, true),
-            &self.target_ids(batch, targets)?,
-            self.options.logprob_chunk_bytes,
-        )?;
-        let loss = loss_fn(&lp)?;
+        let loss = loss_fn(&self.head(xv.as_tensor(), batch, targets, true)?)?;
         let store = loss.backward()?;
         self.collect(&store, grads)?;
         let mut g = match store.get(xv.as_tensor()) {
@@ -784,12 +832,8 @@ impl Decoder {
             };
         }
         // Embedding: its gradient is the gradient of its output rows.
-        if let Param::Trainable(_) = &self.params[self.embed] {
-            let e = self.embed(&batch.tokens, true)?;
-            let store = (e * &g)?.sum_all()?.backward()?;
-            self.collect(&store, grads)?;
-        }
-        loss.to_dtype(DType::F32)?.to_scalar::<f32>()
+        self.embed_backward(&ids, Some(&g), grads)?;
+        crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?)
     }
 
     /// Start generation: run left-padded prompts and return the last position's logits `[B, V]` (f32)
@@ -1119,6 +1163,34 @@ mod tests {
             let d = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "differs by {d}");
         }
+    }
+
+    /// The device-built tables give the values of the host formula they replace, bit for bit, and are
+    /// built once for the longest position seen.
+    #[test]
+    fn rope_tables_match_the_host_formula_and_are_built_once() {
+        let m = tiny(Arch::Qwen2, false, false);
+        let positions = vec![vec![0u32, 1, 2, 300], vec![5, 6, 7, 8]];
+        let (cos, sin) = m.rope(&positions).unwrap();
+        let half = m.inv_freq.len();
+        assert_eq!(cos.dims(), [2, 1, 4, 2 * half]);
+        for (r, row) in positions.iter().enumerate() {
+            for (j, &p) in row.iter().enumerate() {
+                let c: Vec<f32> = cos.get(r).unwrap().get(0).unwrap().get(j).unwrap().to_vec1().unwrap();
+                let s: Vec<f32> = sin.get(r).unwrap().get(0).unwrap().get(j).unwrap().to_vec1().unwrap();
+                for (i, &f) in m.inv_freq.iter().enumerate() {
+                    let a = p as f32 * f;
+                    assert_eq!((c[i], c[half + i], s[i], s[half + i]), (a.cos(), a.cos(), a.sin(), a.sin()));
+                }
+            }
+        }
+        let table = |m: &Decoder| m.rope_tables.0.lock().unwrap().as_ref().unwrap().0.clone();
+        let first = table(&m);
+        assert_eq!(first.dim(0).unwrap(), 512);
+        m.rope(&[vec![3, 4]]).unwrap();
+        assert_eq!(table(&m).id(), first.id());
+        m.rope(&[vec![600]]).unwrap();
+        assert_eq!(table(&m).dim(0).unwrap(), 1024);
     }
 
     #[test]

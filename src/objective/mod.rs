@@ -306,11 +306,11 @@ fn finish(
         Some(r) => {
             let kl = (kl_est.per_token(logp, r)? * &inputs.weights)?.sum_all()?;
             let loss = (&pg_sum + (&kl * beta as f64)?)?;
-            (loss, kl.to_scalar::<f32>()?)
+            (loss, crate::device::to_host_scalar::<f32>(&kl)?)
         }
         None => (pg_sum.clone(), 0.0),
     };
-    Ok(LossTerms { pg_loss: pg_sum.to_scalar::<f32>()?, kl, loss, clipped_tokens: clipped })
+    Ok(LossTerms { pg_loss: crate::device::to_host_scalar::<f32>(&pg_sum)?, kl, loss, clipped_tokens: clipped })
 }
 
 /// The weighted sum `sum_t w_t l_t` of per-token losses.
@@ -320,7 +320,7 @@ fn weighted_sum(per_token: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
 
 /// The number of ones in a 0/1 mask.
 fn count(mask: &Tensor) -> Result<usize> {
-    Ok(mask.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()? as usize)
+    Ok(crate::device::to_host_scalar::<f32>(&mask.to_dtype(DType::F32)?.sum_all()?)? as usize)
 }
 
 #[cfg(test)]

@@ -45,7 +45,8 @@ pub struct ModelSection {
     pub reference: Option<String>,
     /// Recompute each layer in the backward pass (less memory, about 30% more compute).
     pub checkpoint_layers: bool,
-    /// Memory budget (MiB) of one chunk of logits in the log-prob op.
+    /// Memory budget (MiB) of one chunk of logits in the log-prob op; 0 (the default) sizes it from the
+    /// device: an eighth of a GPU's free memory within 1-8 GiB, 64 MiB on the CPU.
     pub logprob_chunk_mb: usize,
     /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
     /// for checking the kernels).
@@ -65,7 +66,7 @@ impl ModelSection {
     pub fn decoder_options(&self) -> DecoderOptions {
         DecoderOptions {
             checkpoint_layers: self.checkpoint_layers,
-            logprob_chunk_bytes: self.logprob_chunk_mb.max(1) << 20,
+            logprob_chunk_bytes: self.logprob_chunk_mb << 20,
             fused_ops: self.fused_ops,
             attention: self.attention,
         }
@@ -81,7 +82,7 @@ impl Default for ModelSection {
             device: "cpu".into(),
             reference: None,
             checkpoint_layers: false,
-            logprob_chunk_mb: 64,
+            logprob_chunk_mb: 0,
             fused_ops: true,
             cache_reference: true,
             attention: Attention::Flash,

@@ -115,13 +115,22 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
     }
 }
 
-/// Global L2 norm of all gradients (f32 accumulated in f64).
+/// Global L2 norm of all gradients: each tensor's sum of squares reduced on its device (f32, as f64),
+/// the sums stacked and read to the host at once (one host sync per step, whatever the number of
+/// tensors), and added there in f64. The clip factor ([`clip_scale`]) and the bad-step check (a NaN or
+/// infinite gradient anywhere gives a non-finite norm) come from this one read.
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
-    let mut sq = 0f64;
-    for g in grads.grads.iter().flatten() {
-        sq += g.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+    let sums: Vec<Tensor> = grads
+        .grads
+        .iter()
+        .flatten()
+        .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
+        .collect::<candle_core::Result<_>>()?;
+    if sums.is_empty() {
+        return Ok(0.0);
     }
-    Ok(sq.sqrt())
+    let sums = crate::device::to_host::<f64>(&Tensor::stack(&sums, 0)?)?;
+    Ok(sums.iter().sum::<f64>().sqrt())
 }
 
 /// The gradients of the parameters updated together in host memory hold at most this many bytes (with
@@ -478,5 +487,15 @@ mod tests {
         assert!((l.lr_at(5, 10) - 0.55).abs() < 1e-12);
         assert_eq!(OptimConfig { lr: 2.0, ..Default::default() }.lr_at(7, 10), 2.0);
         assert!((grad_norm(&grads(&[3.0, 4.0])).unwrap() - 5.0).abs() < 1e-9);
+        // Several tensors, one of them bf16: the f64 sum of their squares, read to the host once.
+        let parts =
+            [Tensor::new(&[1f32, 2.0], &Device::Cpu).unwrap(), Tensor::new(&[[3f32], [4.0]], &Device::Cpu).unwrap()];
+        let g = Grads { grads: vec![Some(parts[0].clone()), None, Some(parts[1].to_dtype(DType::BF16).unwrap())] };
+        let reads = crate::device::host_reads();
+        assert!((grad_norm(&g).unwrap() - 30f64.sqrt()).abs() < 1e-12);
+        assert_eq!(crate::device::host_reads() - reads, 1);
+        assert_eq!(grad_norm(&Grads::new(3)).unwrap(), 0.0);
+        let inf = Grads { grads: vec![Some(Tensor::new(&[f32::INFINITY], &Device::Cpu).unwrap())] };
+        assert!(!grad_norm(&inf).unwrap().is_finite() && clip_scale(7.0, 1.0) < 1.0 / 7.0 + 1e-9);
     }
 }

@@ -107,6 +107,8 @@ pub struct Plan {
     pub inputs: PlanInputs,
     /// Model and micro-batch, for the heading.
     pub summary: String,
+    /// Bytes of the log-prob op's logits chunk the run uses (as the device sizes it when not set).
+    pub logprob_chunk_bytes: u64,
 }
 
 /// The activations of one micro-batch kept for (and made during) the backward, in bytes.
@@ -224,13 +226,40 @@ fn gib(bytes: u64) -> String {
 
 /// Build the plan of `cfg` for a model of shape `model`.
 pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan {
+    let first = plan_with_chunk(cfg, model, inputs, logprob_chunk_bytes(cfg, &inputs, None));
+    if cfg.model.logprob_chunk_mb > 0 || inputs.on_cpu {
+        return first;
+    }
+    // Left to the device, the chunk is an eighth of the memory free when the head runs (everything else
+    // of the step allocated), within 1..=8 GiB: sized from the plan with the smallest chunk.
+    let chunk = first.components.iter().filter(|c| c.name.starts_with("log-prob chunk")).map(|c| c.bytes).max();
+    let others = first.peak(Place::Device).saturating_sub(chunk.unwrap_or(0));
+    let free = inputs.device_memory.unwrap_or(DEFAULT_GPU_MEMORY).saturating_sub(others);
+    plan_with_chunk(cfg, model, inputs, logprob_chunk_bytes(cfg, &inputs, Some(free)))
+}
+
+/// Device memory assumed for sizing a device-sized log-prob chunk when the plan is given none (80 GB).
+const DEFAULT_GPU_MEMORY: u64 = 80_000_000_000;
+
+/// The bytes of the log-prob op's logits chunk of a run of `cfg`: `model.logprob_chunk_mb` when set;
+/// otherwise as [`crate::device::logprob_chunk_bytes`] sizes it: 64 MiB on the CPU, on a GPU an eighth of
+/// `free` (unknown: the 1 GiB minimum) within 1..=8 GiB.
+fn logprob_chunk_bytes(cfg: &TrainConfig, inputs: &PlanInputs, free: Option<u64>) -> u64 {
+    match cfg.model.logprob_chunk_mb {
+        0 if inputs.on_cpu => crate::kernels::LOGPROB_CHUNK_BYTES as u64,
+        0 => crate::device::gpu_chunk_bytes(free.unwrap_or(0)) as u64,
+        mb => (mb as u64) << 20,
+    }
+}
+
+fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, chunk_bytes: u64) -> Plan {
     let d = dtype_bytes(&cfg.model.dtype);
     let p = model.num_parameters() as u64;
     let (p_layer, p_max) = largest_params(model);
     let (prompt, response) = sequence_tokens(cfg, model);
     let b = cfg.train.micro_batch_size.max(1) as u64;
     let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
-    let act = Activations::new(model, &shape, d, inputs.attention, (cfg.model.logprob_chunk_mb.max(1) as u64) << 20);
+    let act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
     let mut c = Vec::new();
     let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
         c.push(Component { name: name.into(), bytes, place, phase, formula });
@@ -326,7 +355,7 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     if world > 1 {
         summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
     }
-    Plan { components: c, inputs, summary }
+    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes }
 }
 
 /// The tokens of the longest prompt and answer of a micro-batch: `data.max_prompt_tokens` and, for
@@ -571,7 +600,8 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
 /// The shape of one rank's training step for the performance model: its share of the step's questions
 /// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, `blocks` the
 /// attention's blocking (`None`: the model's best for the shape on an H100).
-pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, world_size: u64) -> perf_model::StepShape {
+pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_model::StepShape {
+    let world_size = plan.inputs.world_size;
     let (prompt, response) = sequence_tokens(cfg, model);
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n) as u64;
     let questions = (cfg.train.batch_questions as u64).div_ceil(world_size.max(1));
@@ -584,7 +614,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, world_size: u64) -> pe
         checkpoint_layers: cfg.model.checkpoint_layers,
         reference_forward: cfg.objective.build().needs_reference() && !super::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
-        logprob_chunk_bytes: (cfg.model.logprob_chunk_mb.max(1) as u64) << 20,
+        logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
         blocks: perf_model::AttentionBlocks { query: 128, key: 128 },
     };

@@ -14,7 +14,8 @@ pub struct RatioStats {
 impl RatioStats {
     /// Add the ratios of `log_ratio` (`[n]`, detached).
     pub(super) fn add(&mut self, log_ratio: &Tensor) -> candle_core::Result<()> {
-        let r: Vec<f32> = crate::objective::exp_clamped(log_ratio)?.to_dtype(candle_core::DType::F32)?.to_vec1()?;
+        let r: Vec<f32> =
+            crate::device::to_host(&crate::objective::exp_clamped(log_ratio)?.to_dtype(candle_core::DType::F32)?)?;
         for &x in &r {
             let x = x as f64;
             (self.min, self.max) = if self.tokens == 0 { (x, x) } else { (self.min.min(x), self.max.max(x)) };

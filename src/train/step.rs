@@ -455,7 +455,7 @@ fn compute_gradients(
         let mut ratio = RatioStats::default();
         let mut loss_fn = |lp: &Tensor| -> candle_core::Result<Tensor> {
             let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
-            ent += lp.narrow(1, 1, 1)?.sum_all()?.to_scalar::<f32>()? as f64;
+            ent += crate::device::to_host_scalar::<f32>(&lp.narrow(1, 1, 1)?.sum_all()?)? as f64;
             if anchor == Some(Anchor::Step) {
                 inputs.behaviour_logp = Some(logp.detach());
             }

@@ -8,11 +8,12 @@ use rand::{Rng, SeedableRng};
 
 use super::{run, run_with, Buf, RawArg, KIND_F32, KIND_U64};
 use crate::kernels::attention::softmax_plan;
+use crate::kernels::embedding;
 use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEAD_DIM};
 use crate::kernels::norm::norm_plan;
 use crate::kernels::rope::rope_plan;
 use crate::kernels::rows::{grad_plan, stats_plan};
-use crate::kernels::{flash_attention, masked_softmax, rms_normalize, rope, row_stats};
+use crate::kernels::{embedding_grad, flash_attention, masked_softmax, rms_normalize, rope, row_stats};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -313,6 +314,48 @@ fn flash_bwd_dq_and_dkv() {
             }
         }
     }
+}
+
+#[test]
+fn emb_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+    for (n, v, h) in [(1, 1, 1), (37, 13, 40), (300, 5, 3)] {
+        let ids = u32s(&(0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), &[n]);
+        for dt in DTYPES {
+            let w = random(&mut rng, &[v, h], 2.0).to_dtype(dt).unwrap();
+            let got = run(&embedding::forward_plan(dt, (n, v, h)).unwrap(), &[&w, &ids]).unwrap().remove(0);
+            let want = crate::kernels::embedding(&w, &ids).unwrap();
+            assert_close(&format!("emb_fwd {n}x{v}x{h} {dt:?}"), &got, &want, (0.0, 0.0));
+        }
+    }
+    // An id outside the vocabulary reads as a NaN row, not past the table.
+    let w = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
+    let got = run(&embedding::forward_plan(DType::F32, (2, 2, 3)).unwrap(), &[&w, &u32s(&[1, 2], &[2])]).unwrap();
+    let got = flat(&got[0]);
+    assert!(got[..3].iter().all(|&x| x == 1.0) && got[3..].iter().all(|x| x.is_nan()), "{got:?}");
+}
+
+/// The f32 atomics against the CPU's sorted sums: the same up to f32 rounding of the summation order,
+/// with a token repeated 2,000 times; unused tokens are zero (the accumulator is cleared first).
+#[test]
+fn emb_bwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(12);
+    for (n, v, h) in [(1, 1, 1), (37, 13, 40), (2000, 7, 5)] {
+        let ids: Vec<u32> =
+            (0..n).map(|i| if i % 3 == 0 { 0 } else { rng.gen_range(0..v as u32 - v.min(2) as u32 + 1) }).collect();
+        let ids = u32s(&ids, &[n]);
+        for dt in DTYPES {
+            let g = random(&mut rng, &[n, h], 1.0).to_dtype(dt).unwrap();
+            let got = run(&embedding::backward_plan(dt, (n, v, h)).unwrap(), &[&ids, &g]).unwrap().remove(0);
+            assert_eq!(got.dtype(), DType::F32);
+            let want = embedding_grad(&ids, &g, v).unwrap();
+            assert_close(&format!("emb_bwd {n}x{v}x{h} {dt:?}"), &got, &want, (1e-4, 1e-5));
+        }
+    }
+    // An id outside the vocabulary adds nothing.
+    let g = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
+    let got = run(&embedding::backward_plan(DType::F32, (2, 2, 3)).unwrap(), &[&u32s(&[1, 2], &[2]), &g]).unwrap();
+    assert_eq!(flat(&got[0]), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
 }
 
 #[test]
