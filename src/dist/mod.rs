@@ -6,8 +6,10 @@
 //! share of the groups (group i goes to rank i mod N: a group's statistics are never split). The
 //! gradients are summed across ranks, so the update, the gradient norm, the clip and the bad-step check are
 //! those of one process on the global batch, for every loss aggregation (the per-token weights already carry
-//! the global normaliser). Every rank keeps the whole optimiser state and applies the same update; rank 0
-//! writes checkpoints, metrics and curves. A stop request stops every rank after the same step.
+//! the global normaliser). The optimiser state is sharded (ZeRO-1, `train::zero`): the gradients are
+//! reduce-scattered, each rank updates its 1/N of the f32 master weights and moments, and the new weights are
+//! all-gathered. Rank 0 writes checkpoints, metrics and curves, each rank its optimiser shard. A stop request
+//! stops every rank after the same step.
 //!
 //! The collectives are MPI's (the `mpi` crate over Open MPI, cargo feature `mpi`); none is written by hand.
 //! Without the feature, or launched as one process, a [`World`] is a single rank and every collective is the
@@ -33,6 +35,11 @@ pub trait Collective {
     fn sum_f64(&self, buf: &mut [f64]);
     /// Element-wise maximum over the ranks, in place.
     fn max_f64(&self, buf: &mut [f64]);
+    /// Element-wise sum over the ranks of `send` (N blocks of `recv.len()`), of which this rank receives
+    /// block `rank` (a reduce-scatter).
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]);
+    /// Every rank's `send` (all of one length), in rank order (an all-gather).
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]);
     /// Wait until every rank is here.
     fn barrier(&self);
     /// End every rank of the job now with `code`.
@@ -138,6 +145,26 @@ impl World {
     pub fn max_f64(&self, buf: &mut [f64]) {
         if let Some(c) = &self.comm {
             c.max_f64(buf);
+        }
+    }
+
+    /// The sum over the ranks of `send` (`size` blocks of `recv.len()` values), block `rank` of it into
+    /// `recv`: ZeRO's gradient reduction.
+    pub fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len(), recv.len() * self.size, "reduce-scatter: {} values for {} ranks", send.len(), self.size);
+        match &self.comm {
+            Some(c) => c.reduce_scatter_sum_f32(send, recv),
+            None => recv.copy_from_slice(send),
+        }
+    }
+
+    /// Every rank's `send` (of one length on all ranks) one after the other, in rank order, into `recv`:
+    /// ZeRO's gathering of the updated weights.
+    pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(recv.len(), send.len() * self.size, "all-gather: {} values from {} ranks", recv.len(), self.size);
+        match &self.comm {
+            Some(c) => c.all_gather_f32(send, recv),
+            None => recv.copy_from_slice(send),
         }
     }
 

@@ -1,4 +1,5 @@
-//! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Barrier, MPI_Abort.
+//! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
+//! MPI_Barrier, MPI_Abort.
 
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
@@ -39,6 +40,14 @@ impl Collective for Mpi {
     fn max_f64(&self, buf: &mut [f64]) {
         let send = buf.to_vec();
         self.world.all_reduce_into(&send[..], buf, SystemOperation::max());
+    }
+
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+    }
+
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.all_gather_into(send, recv);
     }
 
     fn barrier(&self) {

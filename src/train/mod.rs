@@ -19,6 +19,7 @@ mod run_dir;
 pub mod step;
 mod summary;
 pub mod tensorboard;
+mod zero;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -599,9 +600,9 @@ impl Run<'_> {
                 }
                 let stop_now = self.world.any(stop.load(Ordering::SeqCst));
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
-                if (periodic || epoch_end || run_end || stop_now) && self.world.is_primary() {
-                    last_ckpt =
-                        Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
+                if periodic || epoch_end || run_end || stop_now {
+                    let frozen = self.frozen_to_save(&state);
+                    last_ckpt = Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
@@ -795,7 +796,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         GroupSource::Questions(_) => None,
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
-    run.step.share_with(world.clone());
+    run.step.share_with(world.clone())?;
     run.world = world;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
