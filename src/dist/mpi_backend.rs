@@ -24,6 +24,12 @@ impl Mpi {
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         Ok((Self { world, _universe: universe }, rank, size))
     }
+
+    /// Rank 0's `buf` on every rank (MPI_Bcast): how NCCL's unique id reaches the ranks under mpirun.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn broadcast_from_first(&self, buf: &mut [u8]) {
+        self.world.process_at_rank(0).broadcast_into(buf);
+    }
 }
 
 impl Collective for Mpi {

@@ -322,9 +322,10 @@ pub(super) fn restore(
         let file = file.to_string();
         move |e: candle_core::Error| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") }
     };
-    step.optimizer_mut()
-        .load_saved(ck, state.step as u64)
-        .map_err(|message| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("optimizer state: {message}") })?;
+    step.optimizer_mut().load_saved(ck, state.step as u64).map_err(|message| TrainError::Damaged {
+        ck: ck.to_path_buf(),
+        message: format!("optimizer state: {message}"),
+    })?;
     if stores_snapshot(step, state) {
         let p = ck.join(ANCHOR_FILE);
         if !p.exists() {

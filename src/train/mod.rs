@@ -738,7 +738,7 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
-    let world = Rc::new(World::from_env()?);
+    let world = Rc::new(World::from_env(cfg.model.device.starts_with("cuda"))?);
     let result = train_in(cfg, opts, stop, world.clone());
     if let Err(e) = &result {
         if e.interrupted().is_none() {

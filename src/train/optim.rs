@@ -452,8 +452,12 @@ impl Optimizer {
             p.v = read(zero::EXP_AVG_SQ)?;
             p.master = master;
             match &self.shard {
-                Some(_) => masters.extend(p.master.to_device(&Device::Cpu).and_then(|t| t.to_vec1::<f32>()).map_err(text)?),
-                None => p.var.set(&p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?).map_err(text)?,
+                Some(_) => {
+                    masters.extend(p.master.to_device(&Device::Cpu).and_then(|t| t.to_vec1::<f32>()).map_err(text)?)
+                }
+                None => {
+                    p.var.set(&p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?).map_err(text)?
+                }
             }
         }
         if let Some(shard) = &self.shard {

@@ -44,11 +44,8 @@ pub(super) fn optimizer_files(ck: &Path) -> (Vec<String>, Vec<String>) {
     if ck.join(WHOLE_FILE).is_file() {
         return (vec![WHOLE_FILE.into()], Vec::new());
     }
-    let ranks = std::fs::read_dir(ck)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .find_map(|e| ranks_of(&e.file_name().to_string_lossy()));
+    let ranks =
+        std::fs::read_dir(ck).into_iter().flatten().flatten().find_map(|e| ranks_of(&e.file_name().to_string_lossy()));
     let Some(ranks) = ranks else { return (Vec::new(), vec![WHOLE_FILE.into()]) };
     (0..ranks).map(|r| shard_file(r, ranks)).partition(|f| ck.join(f).is_file())
 }
@@ -290,7 +287,11 @@ fn f32_range(
 }
 
 /// This rank's block of the state as a shard file's tensors: the parts present, and its flat range.
-pub(super) fn shard_tensors(parts: Vec<(&str, Vec<Tensor>)>, range: Range<usize>, total: usize) -> candle_core::Result<Vec<(String, Tensor)>> {
+pub(super) fn shard_tensors(
+    parts: Vec<(&str, Vec<Tensor>)>,
+    range: Range<usize>,
+    total: usize,
+) -> candle_core::Result<Vec<(String, Tensor)>> {
     let mut out = Vec::new();
     for (name, pieces) in parts {
         let flat = if pieces.is_empty() {
@@ -321,10 +322,7 @@ mod tests {
         let ranges: Vec<_> = (0..3).map(|r| l.range(r, 3)).collect();
         assert_eq!(ranges, [0..5, 5..10, 10..13]);
         assert_eq!(l.pieces(0..5), [Piece { param: 0, offset: 0, len: 5 }]);
-        assert_eq!(
-            l.pieces(5..10),
-            [Piece { param: 0, offset: 5, len: 1 }, Piece { param: 1, offset: 0, len: 4 }]
-        );
+        assert_eq!(l.pieces(5..10), [Piece { param: 0, offset: 5, len: 1 }, Piece { param: 1, offset: 0, len: 4 }]);
         assert_eq!(l.pieces(10..13), [Piece { param: 2, offset: 0, len: 3 }]);
         // More ranks than values: the last ranks own nothing.
         let tiny = Layout::new(&["x".into()], vec![vec![2]]);
