@@ -29,7 +29,7 @@ pub mod rendezvous;
 use std::fmt;
 use std::time::Duration;
 
-pub use launch::{first_node, Launch, LaunchError, Launcher, Master, DEFAULT_PORT};
+pub use launch::{Launch, LaunchError, Launcher, Master};
 
 /// Why the processes of a run cannot work together.
 #[derive(Debug, thiserror::Error)]
