@@ -1,5 +1,6 @@
-//! Data parallelism over MPI: `mpirun -np 2 grpo train` equals one process on the same global batch, a
-//! run resumes at another world size, and a rank that dies stops the other. Built with `--features mpi`
+//! Data parallelism over MPI: `mpirun -np 2 grpo train` (optimiser state sharded, ZeRO-1) equals one
+//! process on the same global batch, a run resumes at another world size (re-sharding the optimiser state),
+//! and a rank that dies stops the other. Built with `--features mpi`
 //! (needs Open MPI); .ci/run runs `cargo test --features mpi --test dist_mpi`. Without mpirun on the PATH
 //! each test says so and returns.
 #![cfg(feature = "mpi")]
@@ -89,6 +90,33 @@ fn step_dir(out: &Path, step: usize) -> PathBuf {
     out.join(format!("out/checkpoints/step-{step:08}"))
 }
 
+/// The optimiser state of checkpoint `ck` is sharded over `ranks` (ZeRO-1): one file per rank, each rank's
+/// block of the flat f32 master weights and moments, the blocks in order covering the model's parameters,
+/// whose concatenation is the model's weights (an f32 model).
+fn check_shards(ck: &Path, ranks: usize) {
+    assert!(!ck.join("optimizer.safetensors").exists(), "{}: a whole optimizer state", ck.display());
+    let flat: Vec<f32> = weights_in_order(ck);
+    let mut master = Vec::new();
+    for r in 0..ranks {
+        let f = ck.join(format!("optimizer-{r:05}-of-{ranks:05}.safetensors"));
+        let t = candle_core::safetensors::load(&f, &Device::Cpu).unwrap_or_else(|e| panic!("{}: {e}", f.display()));
+        let range = t["flat_range"].to_vec1::<i64>().unwrap();
+        assert_eq!(range, [master.len() as i64, (master.len() + t["master"].elem_count()) as i64, flat.len() as i64]);
+        for part in ["exp_avg", "exp_avg_sq"] {
+            assert_eq!(t[part].elem_count(), t["master"].elem_count(), "{part} of rank {r}");
+        }
+        assert!(t["master"].elem_count() <= flat.len().div_ceil(ranks));
+        master.extend(t["master"].to_vec1::<f32>().unwrap());
+    }
+    assert_eq!(master, flat, "the shards' master weights are the model's weights");
+}
+
+/// The model's trainable weights flattened and concatenated in parameter order (the optimiser's flat order).
+fn weights_in_order(ck: &Path) -> Vec<f32> {
+    let model = grpo::model::load_decoder(ck, candle_core::DType::F32, &Device::Cpu, true).unwrap();
+    model.vars().iter().flat_map(|v| v.flatten_all().unwrap().to_vec1::<f32>().unwrap()).collect()
+}
+
 const OBJECTIVES: &[(&str, &str)] = &[
     ("off_grpo", "name = \"off_grpo\"\nbias = 0.5\nbeta = 0.1\nloss_agg = \"token-mean\""),
     ("gspo", "name = \"gspo\"\nloss_agg = \"seq-mean-token-mean\""),
@@ -109,6 +137,7 @@ fn two_ranks_equal_one_process_on_the_same_global_batch() {
         let diff = max_diff(&weights(&step_dir(&one, 3)), &weights(&step_dir(&two, 3)));
         eprintln!("{name}: max |w1 - w2| after 3 AdamW steps = {diff:e}");
         assert!(diff <= 1e-5, "{name}: {diff}");
+        check_shards(&step_dir(&two, 3), 2);
         let (m1, m2) =
             (common::read_jsonl(&one.join("out/metrics.jsonl")), common::read_jsonl(&two.join("out/metrics.jsonl")));
         assert_eq!(m1.len(), 3);
@@ -136,6 +165,9 @@ fn a_run_resumes_exactly_at_another_world_size() {
         let dir = d.path().join(format!("{first}-then-{then}"));
         std::fs::create_dir_all(&dir).unwrap();
         train(first, &config(&dir, &model, objective, 2), &[]);
+        if first == 2 {
+            check_shards(&step_dir(&dir, 2), 2);
+        }
         train(then, &config(&dir, &model, objective, 4), &["--resume", "auto"]);
         let diff = max_diff(&reference, &weights(&step_dir(&dir, 4)));
         eprintln!("{first} then {then} ranks: max |w - w_uninterrupted| = {diff:e}");

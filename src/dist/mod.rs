@@ -6,23 +6,48 @@
 //! share of the groups (group i goes to rank i mod N: a group's statistics are never split). The
 //! gradients are summed across ranks, so the update, the gradient norm, the clip and the bad-step check are
 //! those of one process on the global batch, for every loss aggregation (the per-token weights already carry
-//! the global normaliser). Every rank keeps the whole optimiser state and applies the same update; rank 0
-//! writes checkpoints, metrics and curves. A stop request stops every rank after the same step.
+//! the global normaliser). The optimiser state is sharded (ZeRO-1, `train::zero`): the gradients are
+//! reduce-scattered, each rank updates its 1/N of the f32 master weights and moments, and the new weights are
+//! all-gathered. Rank 0 writes checkpoints, metrics and curves, each rank its optimiser shard. A stop request
+//! stops every rank after the same step.
 //!
-//! The collectives are MPI's (the `mpi` crate over Open MPI, cargo feature `mpi`); none is written by hand.
-//! Without the feature, or launched as one process, a [`World`] is a single rank and every collective is the
-//! identity.
+//! The launcher is recognised from its environment ([`Launch`]: mpirun, srun or torchrun). Ranks on GPUs
+//! use NCCL (cudarc's bindings, cargo feature `cuda`), whose unique id reaches every rank through MPI's
+//! broadcast under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
+//! MASTER_ADDR:MASTER_PORT ([`rendezvous`]); ranks on CPUs use MPI (the `mpi` crate over Open MPI, cargo
+//! feature `mpi`). No collective is written by hand. Every NCCL wait is bounded (GRPO_DIST_TIMEOUT_S, and
+//! NCCL's asynchronous errors are polled), and a rank that fails ends every rank. Launched as one process, a
+//! [`World`] is a single rank and every collective is the identity.
 
+mod launch;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
+#[cfg(feature = "cuda")]
+mod nccl_backend;
+pub mod rendezvous;
 
 use std::fmt;
+use std::time::Duration;
+
+pub use launch::{Launch, LaunchError, Launcher, Master};
 
 /// Why the processes of a run cannot work together.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
     #[error("{0}")]
     Launch(String),
+    #[error("the launcher's environment: {0}")]
+    Env(#[from] LaunchError),
+    #[error(transparent)]
+    Rendezvous(#[from] rendezvous::RendezvousError),
+}
+
+/// How long a rank waits for a collective (NCCL) or the rendezvous before it gives up and stops every rank:
+/// GRPO_DIST_TIMEOUT_S seconds, 1800 by default (a checkpoint of a large model is written while the other
+/// ranks wait).
+pub fn collective_timeout() -> Duration {
+    let secs = std::env::var("GRPO_DIST_TIMEOUT_S").ok().and_then(|v| v.trim().parse::<u64>().ok());
+    Duration::from_secs(secs.unwrap_or(1800))
 }
 
 /// The collective operations a data-parallel step needs, provided by a communication library.
@@ -33,6 +58,11 @@ pub trait Collective {
     fn sum_f64(&self, buf: &mut [f64]);
     /// Element-wise maximum over the ranks, in place.
     fn max_f64(&self, buf: &mut [f64]);
+    /// Element-wise sum over the ranks of `send` (N blocks of `recv.len()`), of which this rank receives
+    /// block `rank` (a reduce-scatter).
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]);
+    /// Every rank's `send` (all of one length), in rank order (an all-gather).
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]);
     /// Wait until every rank is here.
     fn barrier(&self);
     /// End every rank of the job now with `code`.
@@ -53,51 +83,21 @@ impl fmt::Debug for World {
     }
 }
 
-/// What the launcher says about this process: (rank, world size, local rank), from the variables of
-/// Open MPI's mpirun, SLURM's srun or torchrun, in that order.
-pub fn launch_env(var: impl Fn(&str) -> Option<String>) -> Option<(usize, usize, usize)> {
-    let num = |k: &str| var(k).and_then(|v| v.trim().parse::<usize>().ok());
-    let triples = [
-        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ];
-    triples.iter().find_map(|(r, s, l)| Some((num(r)?, num(s)?, num(l).unwrap_or(0))))
-}
-
 impl World {
     /// One process: rank 0 of 1.
     pub fn single() -> Self {
         Self { rank: 0, size: 1, local_rank: 0, comm: None }
     }
 
-    /// The world the launcher started this process in: MPI's when launched by mpirun or srun with more
-    /// than one process, else a single process.
-    pub fn from_env() -> Result<Self, DistError> {
-        let Some((_, size, _)) = launch_env(|k| std::env::var(k).ok()) else { return Ok(Self::single()) };
-        if size <= 1 {
+    /// The world the launcher started this process in (a single process when none did): NCCL between the
+    /// GPUs when `gpu`, else MPI.
+    pub fn from_env(gpu: bool) -> Result<Self, DistError> {
+        let Some(launch) = Launch::from_vars(|k| std::env::var(k).ok())? else { return Ok(Self::single()) };
+        if launch.size <= 1 {
             return Ok(Self::single());
         }
-        Self::multi(size)
-    }
-
-    #[cfg(feature = "mpi")]
-    fn multi(size: usize) -> Result<Self, DistError> {
-        let (comm, rank, world) = mpi_backend::Mpi::init()?;
-        if world != size {
-            return Err(DistError::Launch(format!("the launcher says {size} processes, MPI has {world}")));
-        }
-        let local_rank = launch_env(|k| std::env::var(k).ok()).map_or(0, |(_, _, l)| l);
-        Ok(Self { rank, size, local_rank, comm: Some(Box::new(comm)) })
-    }
-
-    #[cfg(not(feature = "mpi"))]
-    fn multi(size: usize) -> Result<Self, DistError> {
-        Err(DistError::Launch(format!(
-            "launched as {size} processes, but this grpo was built without MPI: build it with `--features mpi` \
-             (needs Open MPI, e.g. Debian's libopenmpi-dev) and launch with mpirun or srun"
-        )))
+        let comm = if gpu { nccl(&launch)? } else { mpi(&launch)? };
+        Ok(Self { rank: launch.rank, size: launch.size, local_rank: launch.local_rank, comm: Some(comm) })
     }
 
     pub fn rank(&self) -> usize {
@@ -141,6 +141,26 @@ impl World {
         }
     }
 
+    /// The sum over the ranks of `send` (`size` blocks of `recv.len()` values), block `rank` of it into
+    /// `recv`: ZeRO's gradient reduction.
+    pub fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(send.len(), recv.len() * self.size, "reduce-scatter: {} values for {} ranks", send.len(), self.size);
+        match &self.comm {
+            Some(c) => c.reduce_scatter_sum_f32(send, recv),
+            None => recv.copy_from_slice(send),
+        }
+    }
+
+    /// Every rank's `send` (of one length on all ranks) one after the other, in rank order, into `recv`:
+    /// ZeRO's gathering of the updated weights.
+    pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        assert_eq!(recv.len(), send.len() * self.size, "all-gather: {} values from {} ranks", recv.len(), self.size);
+        match &self.comm {
+            Some(c) => c.all_gather_f32(send, recv),
+            None => recv.copy_from_slice(send),
+        }
+    }
+
     /// Whether `flag` is set on any rank (a stop request must stop every rank after the same step).
     pub fn any(&self, flag: bool) -> bool {
         let mut b = [f64::from(u8::from(flag))];
@@ -175,28 +195,87 @@ impl World {
     }
 }
 
+/// MPI's world as the collectives of the ranks.
+#[cfg(feature = "mpi")]
+fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
+    Ok(Box::new(mpi_init(launch)?))
+}
+
+/// MPI, initialised and checked against the launcher's numbering.
+#[cfg(feature = "mpi")]
+fn mpi_init(launch: &Launch) -> Result<mpi_backend::Mpi, DistError> {
+    let (comm, rank, size) = mpi_backend::Mpi::init()?;
+    if (rank, size) != (launch.rank, launch.size) {
+        return Err(DistError::Launch(format!(
+            "the launcher says rank {} of {}, MPI says rank {rank} of {size} (launch with mpirun or srun)",
+            launch.rank, launch.size
+        )));
+    }
+    Ok(comm)
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
+    Err(DistError::Launch(format!(
+        "launched as {} processes on CPUs, but this grpo was built without MPI: build it with `--features mpi` \
+         (needs Open MPI, e.g. Debian's libopenmpi-dev) and launch with mpirun or srun",
+        launch.size
+    )))
+}
+
+/// NCCL's communicator among the GPUs, each rank on the GPU of its local rank.
+#[cfg(feature = "cuda")]
+fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
+    let timeout = collective_timeout();
+    let (id, keep) = share_nccl_id(launch, timeout)?;
+    let comm = nccl_backend::Nccl::init(launch.local_rank, launch.rank, launch.size, id, timeout, keep)?;
+    Ok(Box::new(comm))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
+    Err(DistError::Launch(format!(
+        "launched as {} processes on GPUs, but this grpo was built without CUDA: build it with `--features cuda`",
+        launch.size
+    )))
+}
+
+/// NCCL's unique id, made by rank 0, on every rank: MPI's broadcast when the launcher started MPI (the MPI
+/// environment is returned to live as long as the communicator), else the TCP rendezvous at rank 0's
+/// MASTER_ADDR:MASTER_PORT.
+#[cfg(feature = "cuda")]
+fn share_nccl_id(
+    launch: &Launch,
+    timeout: Duration,
+) -> Result<([u8; nccl_backend::ID_BYTES], Option<Box<dyn std::any::Any>>), DistError> {
+    let new_id = || if launch.rank == 0 { nccl_backend::new_id() } else { Ok([0; nccl_backend::ID_BYTES]) };
+    #[cfg(feature = "mpi")]
+    if launch.launcher.provides_mpi() {
+        let mpi = mpi_init(launch)?;
+        let mut id = new_id()?;
+        mpi.broadcast_from_first(&mut id);
+        return Ok((id, Some(Box::new(mpi))));
+    }
+    let master = launch.master.clone().ok_or_else(|| {
+        DistError::Launch(format!(
+            "rank {}: the NCCL id needs rank 0's address: set MASTER_ADDR and MASTER_PORT (torchrun sets them)",
+            launch.rank
+        ))
+    })?;
+    if launch.rank == 0 {
+        let id = new_id()?;
+        rendezvous::serve(master.port, &id, launch.size, timeout)?;
+        return Ok((id, None));
+    }
+    let bytes = rendezvous::fetch(&master.addr, master.port, launch.rank, nccl_backend::ID_BYTES, timeout)?;
+    let mut id = [0; nccl_backend::ID_BYTES];
+    id.copy_from_slice(&bytes);
+    Ok((id, None))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn env<'a>(pairs: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
-        move |k| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
-    }
-
-    #[test]
-    fn each_launcher_names_rank_size_and_local_rank() {
-        assert_eq!(launch_env(env(&[])), None);
-        let mpirun =
-            [("OMPI_COMM_WORLD_RANK", "3"), ("OMPI_COMM_WORLD_SIZE", "8"), ("OMPI_COMM_WORLD_LOCAL_RANK", "1")];
-        assert_eq!(launch_env(env(&mpirun)), Some((3, 8, 1)));
-        let srun = [("SLURM_PROCID", "9"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1")];
-        assert_eq!(launch_env(env(&srun)), Some((9, 16, 1)));
-        let torchrun = [("RANK", "5"), ("WORLD_SIZE", "16"), ("LOCAL_RANK", "5")];
-        assert_eq!(launch_env(env(&torchrun)), Some((5, 16, 5)));
-        // mpirun inside a SLURM allocation: MPI's own numbering wins.
-        let both = [srun.as_slice(), mpirun.as_slice()].concat();
-        assert_eq!(launch_env(env(&both)), Some((3, 8, 1)));
-    }
 
     #[test]
     fn a_single_world_is_the_identity() {

@@ -1,4 +1,5 @@
-//! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Barrier, MPI_Abort.
+//! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
+//! MPI_Barrier, MPI_Abort.
 
 use mpi::collective::SystemOperation;
 use mpi::environment::Universe;
@@ -23,6 +24,12 @@ impl Mpi {
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         Ok((Self { world, _universe: universe }, rank, size))
     }
+
+    /// Rank 0's `buf` on every rank (MPI_Bcast): how NCCL's unique id reaches the ranks under mpirun.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) fn broadcast_from_first(&self, buf: &mut [u8]) {
+        self.world.process_at_rank(0).broadcast_into(buf);
+    }
 }
 
 impl Collective for Mpi {
@@ -39,6 +46,14 @@ impl Collective for Mpi {
     fn max_f64(&self, buf: &mut [f64]) {
         let send = buf.to_vec();
         self.world.all_reduce_into(&send[..], buf, SystemOperation::max());
+    }
+
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.reduce_scatter_block_into(send, recv, SystemOperation::sum());
+    }
+
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        self.world.all_gather_into(send, recv);
     }
 
     fn barrier(&self) {

@@ -1,6 +1,11 @@
 //! Checkpoints of a run: OUTPUT/checkpoints/step-N (the HF model, `optimizer.safetensors`,
 //! `trainer_state.json`, and `anchor.safetensors` when the objective's anchor snapshot is not the
 //! checkpoint itself), the `latest` pointer, keep-last pruning, and reading them back to resume.
+//!
+//! With N ranks the optimiser state is sharded ([`super::zero`]): each rank writes its
+//! `optimizer-RRRRR-of-NNNNN.safetensors` atomically into a staging folder, and after a barrier rank 0 moves
+//! them all into the checkpoint it writes (the folder appears under its name, with `checksums.json` covering
+//! every shard, only once every shard is written).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -9,7 +14,8 @@ use candle_core::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
 use super::step::TrainStep;
-use super::{io, write_atomic, TrainError, TrainerState};
+use super::{io, write_atomic, zero, TrainError, TrainerState};
+use crate::dist::World;
 use crate::model::checkpoint::{remove_checkpoint, SaveOptions};
 use crate::model::{save_checkpoint, Decoder, ModelError};
 
@@ -70,8 +76,9 @@ pub(super) fn check_complete(ck: &Path) -> Result<(), TrainError> {
     if !ck.is_dir() {
         return damaged("the folder does not exist".into());
     }
-    let mut files: Vec<String> =
-        ["config.json", "trainer_state.json", "optimizer.safetensors"].iter().map(|f| f.to_string()).collect();
+    let mut files: Vec<String> = ["config.json", "trainer_state.json"].iter().map(|f| f.to_string()).collect();
+    let (optimizer, missing_shards) = zero::optimizer_files(ck);
+    files.extend(optimizer.into_iter().chain(missing_shards));
     let index = ck.join("model.safetensors.index.json");
     if index.exists() {
         let v: serde_json::Value =
@@ -111,9 +118,11 @@ impl Checkpointer {
     }
 
     /// Write checkpoints/step-N for `state` (with the frozen models of `frozen` as `(file, model)`), point
-    /// `latest` at it and prune to the newest `keep_last`.
+    /// `latest` at it and prune to the newest `keep_last`. Every rank of `world` calls it: each writes its
+    /// optimiser shard when the state is sharded, rank 0 the rest.
     pub fn save(
         &self,
+        world: &World,
         policy: &Decoder,
         step: &TrainStep,
         state: &TrainerState,
@@ -122,8 +131,27 @@ impl Checkpointer {
         let dir = self.output_dir.join("checkpoints");
         let name = format!("step-{:08}", state.step);
         let path = dir.join(&name);
+        let staging = dir.join(format!(".{name}.shards.tmp"));
+        if step.optimizer().is_sharded() {
+            std::fs::create_dir_all(&staging).map_err(io(&staging))?;
+            let file = staging.join(zero::shard_file(world.rank(), world.size()));
+            let tmp = crate::fsio::temp_file(&file).map_err(io(&file))?;
+            write_tensors(tmp.path(), step.optimizer().state_tensors()?)?;
+            crate::fsio::persist(tmp, &file).map_err(io(&file))?;
+            world.barrier();
+        }
+        if !world.is_primary() {
+            return Ok(path);
+        }
         save_checkpoint(policy, &path, &self.options(), |tmp| {
             write_trainer_files(tmp, step, state)?;
+            if step.optimizer().is_sharded() {
+                for rank in 0..world.size() {
+                    let f = zero::shard_file(rank, world.size());
+                    std::fs::rename(staging.join(&f), tmp.join(&f))
+                        .map_err(|source| ModelError::Io { path: staging.join(&f), source })?;
+                }
+            }
             for (file, model) in frozen {
                 write_tensors(&tmp.join(file), model.named_tensors())?;
             }
@@ -131,6 +159,9 @@ impl Checkpointer {
             std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c.clone(), source })?;
             write_checksums(tmp)
         })?;
+        if staging.exists() {
+            std::fs::remove_dir(&staging).map_err(io(&staging))?;
+        }
         write_atomic(&dir.join("latest"), name.as_bytes())?;
         prune(&dir, &state.run_id, self.keep_last, state.step)?;
         Ok(path)
@@ -184,7 +215,9 @@ fn stores_snapshot(step: &TrainStep, state: &TrainerState) -> bool {
 /// The optimiser state, the trainer state and (when [`stores_snapshot`]) the anchor snapshot, written into
 /// a checkpoint's temporary folder.
 fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Result<(), ModelError> {
-    write_tensors(&tmp.join("optimizer.safetensors"), step.optimizer().state_tensors())?;
+    if !step.optimizer().is_sharded() {
+        write_tensors(&tmp.join(zero::WHOLE_FILE), step.optimizer().state_tensors()?)?;
+    }
     if stores_snapshot(step, state) {
         let snapshot = step.snapshot().ok_or_else(|| ModelError::Invalid("no anchor snapshot to save".into()))?;
         // In the model's own dtype, so that the resumed anchor is exactly the one the run used.
@@ -289,11 +322,10 @@ pub(super) fn restore(
         let file = file.to_string();
         move |e: candle_core::Error| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") }
     };
-    let st = candle_core::safetensors::load(ck.join("optimizer.safetensors"), &Device::Cpu)
-        .map_err(damaged("optimizer.safetensors"))?;
-    step.optimizer_mut()
-        .load_state(|n| st.get(n).cloned(), state.step as u64)
-        .map_err(damaged("optimizer.safetensors"))?;
+    step.optimizer_mut().load_saved(ck, state.step as u64).map_err(|message| TrainError::Damaged {
+        ck: ck.to_path_buf(),
+        message: format!("optimizer state: {message}"),
+    })?;
     if stores_snapshot(step, state) {
         let p = ck.join(ANCHOR_FILE);
         if !p.exists() {

@@ -20,6 +20,7 @@ mod run_dir;
 pub mod step;
 mod summary;
 pub mod tensorboard;
+mod zero;
 
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
@@ -600,9 +601,9 @@ impl Run<'_> {
                 }
                 let stop_now = self.world.any(stop.load(Ordering::SeqCst));
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
-                if (periodic || epoch_end || run_end || stop_now) && self.world.is_primary() {
-                    last_ckpt =
-                        Some(self.checkpoints.save(&self.policy, &self.step, &state, &self.frozen_to_save(&state))?);
+                if periodic || epoch_end || run_end || stop_now {
+                    let frozen = self.frozen_to_save(&state);
+                    last_ckpt = Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
@@ -739,7 +740,7 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
-    let world = Rc::new(World::from_env()?);
+    let world = Rc::new(World::from_env(cfg.model.device.starts_with("cuda"))?);
     let result = train_in(cfg, opts, stop, world.clone());
     if let Err(e) = &result {
         if e.interrupted().is_none() {
@@ -797,7 +798,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         GroupSource::Questions(_) => None,
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
-    run.step.share_with(world.clone());
+    run.step.share_with(world.clone())?;
     run.world = world;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {

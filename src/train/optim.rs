@@ -8,10 +8,15 @@
 //! parameters (rayon) and only the new weights, in the model's dtype, go back to the device. The update is
 //! the same candle operations in both places, so on the CPU device the two are bitwise identical.
 
+use std::path::Path;
+use std::rc::Rc;
+
 use candle_core::{DType, Device, Tensor, Var};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::zero::{self, Layout, Saved, Shard};
+use crate::dist::World;
 use crate::model::Grads;
 
 /// Which optimiser.
@@ -139,9 +144,12 @@ pub const OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
 
 struct ParamState {
     index: usize,
+    /// Where this state starts in the flattened parameter (0 unless the state is sharded, [`zero`]).
+    offset: usize,
     var: Var,
     decay: bool,
-    /// f32 master copy (the weights the update is applied to), on the state's device.
+    /// f32 master copy (the weights the update is applied to), on the state's device: the parameter's
+    /// shape, or a flat part of it when the state is sharded.
     master: Tensor,
     m: Option<Tensor>,
     v: Option<Tensor>,
@@ -202,10 +210,20 @@ impl ParamState {
 /// The optimiser over a model's trainable parameters.
 pub struct Optimizer {
     cfg: OptimConfig,
+    /// The state of each parameter, or, when sharded, of each part of a parameter in this rank's block.
     params: Vec<ParamState>,
     names: Vec<String>,
+    /// The ranks the state is sharded over (ZeRO-1), when there are several.
+    shard: Option<Shard>,
     /// Number of updates applied.
     pub steps: u64,
+}
+
+/// A step's gradients, reduced over the ranks: the whole gradient (one process), or the sum over the
+/// ranks of this rank's block of the flat gradient (sharded state).
+pub enum Reduced {
+    Whole(Grads),
+    Shard(Vec<f32>),
 }
 
 impl Optimizer {
@@ -218,6 +236,7 @@ impl Optimizer {
             let state_device = if cfg.offload { Device::Cpu } else { t.device().clone() };
             params.push(ParamState {
                 index: i,
+                offset: 0,
                 var: (*v).clone(),
                 decay: t.rank() >= 2,
                 master: t.detach().to_dtype(DType::F32)?.to_device(&state_device)?.copy()?,
@@ -225,7 +244,102 @@ impl Optimizer {
                 v: None,
             });
         }
-        Ok(Self { cfg, params, names: names.to_vec(), steps: 0 })
+        Ok(Self { cfg, params, names: names.to_vec(), shard: None, steps: 0 })
+    }
+
+    /// Shard the state over the ranks of `world` (ZeRO-1, [`zero`]): this rank keeps the state of its block
+    /// of the flat parameters only. Before the first update; nothing changes for a single process.
+    pub fn shard_over(&mut self, world: Rc<World>) -> candle_core::Result<()> {
+        if world.size() <= 1 || self.shard.is_some() {
+            return Ok(());
+        }
+        if self.steps > 0 {
+            candle_core::bail!("the optimizer state can only be sharded before the first update");
+        }
+        let vars: Vec<Var> = self.params.iter().map(|p| p.var.clone()).collect();
+        let shard = Shard::new(world, &self.names, &vars);
+        let mut params = Vec::new();
+        for piece in shard.layout().pieces(shard.range()) {
+            let var = &vars[piece.param];
+            let flat = var.as_tensor().detach().flatten_all()?.narrow(0, piece.offset, piece.len)?;
+            params.push(ParamState {
+                index: piece.param,
+                offset: piece.offset,
+                var: var.clone(),
+                decay: var.rank() >= 2,
+                master: flat.to_dtype(DType::F32)?.to_device(&self.state_device(var))?.copy()?,
+                m: None,
+                v: None,
+            });
+        }
+        self.params = params;
+        self.shard = Some(shard);
+        Ok(())
+    }
+
+    /// Whether each rank keeps only its block of the state.
+    pub fn is_sharded(&self) -> bool {
+        self.shard.is_some()
+    }
+
+    /// The gradients reduced over the ranks (a reduce-scatter when sharded; `grads` already hold the
+    /// global batch's gradient otherwise) and their global norm.
+    pub fn reduce(&self, grads: Grads) -> candle_core::Result<(Reduced, f64)> {
+        match &self.shard {
+            None => {
+                let norm = grad_norm(&grads)?;
+                Ok((Reduced::Whole(grads), norm))
+            }
+            Some(shard) => {
+                let (mine, norm) = shard.reduce(&grads)?;
+                Ok((Reduced::Shard(mine), norm))
+            }
+        }
+    }
+
+    /// Apply one update with the reduced gradients (see [`Optimizer::step`]); when sharded, every rank's
+    /// new weights are then gathered into every rank's model.
+    pub fn update(&mut self, grads: &Reduced, lr: f64, scale: f64) -> candle_core::Result<()> {
+        match grads {
+            Reduced::Whole(g) => self.step(g, lr, scale),
+            Reduced::Shard(g) => self.step_shard(g, lr, scale),
+        }
+    }
+
+    /// The hyper-parameters of the next update.
+    fn next_update(&mut self, lr: f64, scale: f64) -> Update {
+        self.steps += 1;
+        Update {
+            name: self.cfg.name,
+            lr,
+            scale,
+            betas: self.cfg.betas,
+            eps: self.cfg.eps,
+            weight_decay: self.cfg.weight_decay,
+            t: self.steps as i32,
+        }
+    }
+
+    /// The update of this rank's block with its gradient `g` (the reduced flat block), then the all-gather
+    /// of the new weights.
+    fn step_shard(&mut self, g: &[f32], lr: f64, scale: f64) -> candle_core::Result<()> {
+        let u = self.next_update(lr, scale);
+        let Some(shard) = &self.shard else { candle_core::bail!("the optimizer state is not sharded") };
+        let (layout, first) = (shard.layout(), shard.range().start);
+        let offload = self.cfg.offload;
+        let work = |p: &mut ParamState| -> candle_core::Result<Vec<f32>> {
+            let a = layout.start(p.index) + p.offset - first;
+            let n = p.master.elem_count();
+            let device = if offload { Device::Cpu } else { p.var.device().clone() };
+            p.update(&Tensor::from_slice(&g[a..a + n], n, &device)?, &u)?;
+            p.master.to_device(&Device::Cpu)?.to_vec1::<f32>()
+        };
+        let new: Vec<Vec<f32>> = if offload {
+            self.params.par_iter_mut().map(work).collect::<candle_core::Result<_>>()?
+        } else {
+            self.params.iter_mut().map(work).collect::<candle_core::Result<_>>()?
+        };
+        shard.gather(&new.concat())
     }
 
     /// Where the state lives: host memory (`optim.offload`) or the model's device.
@@ -239,16 +353,10 @@ impl Optimizer {
 
     /// Apply one update with learning rate `lr`, scaling gradients by `scale` first (clipping).
     pub fn step(&mut self, grads: &Grads, lr: f64, scale: f64) -> candle_core::Result<()> {
-        self.steps += 1;
-        let u = Update {
-            name: self.cfg.name,
-            lr,
-            scale,
-            betas: self.cfg.betas,
-            eps: self.cfg.eps,
-            weight_decay: self.cfg.weight_decay,
-            t: self.steps as i32,
-        };
+        if self.shard.is_some() {
+            candle_core::bail!("a sharded optimizer updates with its block of the reduced gradient");
+        }
+        let u = self.next_update(lr, scale);
         if self.cfg.offload {
             return self.step_on_host(grads, &u);
         }
@@ -297,37 +405,72 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The optimiser state as named f32 tensors (master weights and moments) for a checkpoint. The same
-    /// tensors wherever the state lives, so a run may resume with `optim.offload` switched.
-    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+    /// The optimiser state as named f32 tensors (master weights and moments) for a checkpoint: a tensor
+    /// per parameter and part (the same wherever the state lives, so a run may resume with `optim.offload`
+    /// switched), or, when sharded, this rank's block ([`zero::shard_tensors`]).
+    pub fn state_tensors(&self) -> candle_core::Result<Vec<(String, Tensor)>> {
+        if let Some(shard) = &self.shard {
+            let part = |f: fn(&ParamState) -> Option<&Tensor>| -> Option<Vec<Tensor>> {
+                self.params.iter().map(|p| f(p).cloned()).collect()
+            };
+            let mut parts = vec![(zero::MASTER, self.params.iter().map(|p| p.master.clone()).collect())];
+            if self.steps > 0 {
+                parts.extend(part(|p| p.m.as_ref()).map(|m| (zero::EXP_AVG, m)));
+                parts.extend(part(|p| p.v.as_ref()).map(|v| (zero::EXP_AVG_SQ, v)));
+            }
+            return zero::shard_tensors(parts, shard.range(), shard.layout().total());
+        }
         let mut out = Vec::new();
         for p in &self.params {
             let name = &self.names[p.index];
-            out.push((format!("master.{name}"), p.master.clone()));
+            out.push((format!("{}.{name}", zero::MASTER), p.master.clone()));
             if let Some(m) = &p.m {
-                out.push((format!("exp_avg.{name}"), m.clone()));
+                out.push((format!("{}.{name}", zero::EXP_AVG), m.clone()));
             }
             if let Some(v) = &p.v {
-                out.push((format!("exp_avg_sq.{name}"), v.clone()));
+                out.push((format!("{}.{name}", zero::EXP_AVG_SQ), v.clone()));
             }
         }
-        out
+        Ok(out)
     }
 
-    /// Restore the state written by [`Optimizer::state_tensors`] (placed on the device or in host memory
-    /// as `optim.offload` now says); the model weights are set from the master copies so that a bf16
-    /// model resumes from its exact f32 weights.
-    pub fn load_state(&mut self, mut get: impl FnMut(&str) -> Option<Tensor>, steps: u64) -> candle_core::Result<()> {
-        let devices: Vec<Device> = self.params.iter().map(|p| self.state_device(&p.var)).collect();
-        for (p, device) in self.params.iter_mut().zip(devices) {
-            let name = &self.names[p.index];
-            let master = get(&format!("master.{name}"))
-                .ok_or_else(|| candle_core::Error::Msg(format!("optimizer state has no master.{name}")))?;
-            let f32_on = |t: Tensor| t.to_dtype(DType::F32)?.to_device(&device);
-            p.master = f32_on(master)?;
-            p.m = get(&format!("exp_avg.{name}")).map(f32_on).transpose()?;
-            p.v = get(&format!("exp_avg_sq.{name}")).map(f32_on).transpose()?;
-            p.var.set(&p.weights()?.to_device(p.var.device())?)?;
+    /// Restore the state that checkpoint `ck` holds, written by any number of ranks (re-sharded to this
+    /// optimizer's block), placed on the device or in host memory as `optim.offload` now says; the model
+    /// weights are set from the master copies, so that a bf16 model resumes from its exact f32 weights.
+    pub(super) fn load_saved(&mut self, ck: &Path, steps: u64) -> Result<(), String> {
+        let whole;
+        let layout = match &self.shard {
+            Some(s) => s.layout(),
+            None => {
+                whole = Layout::new(&self.names, self.params.iter().map(|p| p.var.dims().to_vec()).collect());
+                &whole
+            }
+        };
+        let saved = Saved::open(ck, layout)?;
+        let text = |e: candle_core::Error| e.to_string();
+        let mut masters = Vec::new();
+        for p in &mut self.params {
+            let (start, shape) = (layout.start(p.index) + p.offset, p.master.dims().to_vec());
+            let device = if self.cfg.offload { Device::Cpu } else { p.var.device().clone() };
+            let read = |part: &str| -> Result<Option<Tensor>, String> {
+                let values = saved.read(layout, part, start..start + p.master.elem_count())?;
+                values.map(|v| Tensor::from_vec(v, shape.as_slice(), &device).map_err(text)).transpose()
+            };
+            let master = read(zero::MASTER)?.ok_or_else(|| format!("no master weights for {}", self.names[p.index]))?;
+            p.m = read(zero::EXP_AVG)?;
+            p.v = read(zero::EXP_AVG_SQ)?;
+            p.master = master;
+            match &self.shard {
+                Some(_) => {
+                    masters.extend(p.master.to_device(&Device::Cpu).and_then(|t| t.to_vec1::<f32>()).map_err(text)?)
+                }
+                None => {
+                    p.var.set(&p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?).map_err(text)?
+                }
+            }
+        }
+        if let Some(shard) = &self.shard {
+            shard.gather(&masters).map_err(text)?;
         }
         self.steps = steps;
         Ok(())
@@ -384,7 +527,7 @@ mod tests {
         for _ in 0..100 {
             opt.step(&grads(&[1.0]), 1e-4, 1.0).unwrap();
         }
-        let state = opt.state_tensors();
+        let state = opt.state_tensors().unwrap();
         let master = state[0].1.to_vec1::<f32>().unwrap()[0];
         assert!((master - 0.99).abs() < 1e-5, "{master}");
         let w = var.to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap()[0];
@@ -434,7 +577,7 @@ mod tests {
                     for (i, g) in grads.iter().enumerate() {
                         opt.step(g, 0.01 * (i + 1) as f64, if i == 2 { 0.5 } else { 1.0 }).unwrap();
                     }
-                    let state: Vec<Vec<u32>> = opt.state_tensors().iter().map(|(_, t)| bits(t)).collect();
+                    let state: Vec<Vec<u32>> = opt.state_tensors().unwrap().iter().map(|(_, t)| bits(t)).collect();
                     (state, vars.iter().map(|v| bits(v.as_tensor())).collect::<Vec<_>>())
                 };
                 let (on, off) = (run(true), run(false));
@@ -460,15 +603,21 @@ mod tests {
             let mut first = Optimizer::new(cfg(true), &names, &[&vars2[0], &vars2[1]]).unwrap();
             first.step(&grads[0], 0.01, 1.0).unwrap();
             first.step(&grads[1], 0.01, 1.0).unwrap();
-            let saved: std::collections::HashMap<String, Tensor> = first.state_tensors().into_iter().collect();
+            let dir = tempfile::tempdir().unwrap();
+            let save = |o: &Optimizer| {
+                let t = o.state_tensors().unwrap();
+                let p = dir.path().join(zero::WHOLE_FILE);
+                safetensors::serialize_to_file(t.iter().map(|(n, t)| (n.as_str(), t)), None, &p).unwrap();
+            };
+            save(&first);
             let mut second = Optimizer::new(cfg(false), &names, &[&vars2[0], &vars2[1]]).unwrap();
-            second.load_state(|n| saved.get(n).cloned(), 2).unwrap();
+            second.load_saved(dir.path(), 2).unwrap();
             second.step(&grads[2], 0.01, 1.0).unwrap();
-            let saved: std::collections::HashMap<String, Tensor> = second.state_tensors().into_iter().collect();
+            save(&second);
             let mut third = Optimizer::new(cfg(true), &names, &[&vars2[0], &vars2[1]]).unwrap();
-            third.load_state(|n| saved.get(n).cloned(), 3).unwrap();
+            third.load_saved(dir.path(), 3).unwrap();
             third.step(&grads[3], 0.01, 1.0).unwrap();
-            let state = |o: &Optimizer| o.state_tensors().iter().map(|(_, t)| bits(t)).collect::<Vec<_>>();
+            let state = |o: &Optimizer| o.state_tensors().unwrap().iter().map(|(_, t)| bits(t)).collect::<Vec<_>>();
             assert_eq!(state(&straight), state(&third), "{dtype:?}");
             for (a, b) in vars.iter().zip(&vars2) {
                 assert_eq!(bits(a.as_tensor()), bits(b.as_tensor()), "{dtype:?}");

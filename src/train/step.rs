@@ -5,7 +5,7 @@
 
 use candle_core::Tensor;
 
-use super::optim::{clip_scale, grad_norm, OptimConfig, Optimizer};
+use super::optim::{clip_scale, OptimConfig, Optimizer};
 pub use super::ratio::RatioStats;
 use crate::data::Group;
 use crate::dist::World;
@@ -98,9 +98,12 @@ impl TrainStep {
     }
 
     /// Share each step's batch with the other ranks of `world`: this rank trains on its groups, the
-    /// gradients and statistics are summed over the ranks (see [`crate::dist`]).
-    pub fn share_with(&mut self, world: std::rc::Rc<World>) {
+    /// gradients and statistics are summed over the ranks and the optimiser state is sharded over them
+    /// (see [`crate::dist`]). Before the first step.
+    pub fn share_with(&mut self, world: std::rc::Rc<World>) -> candle_core::Result<()> {
+        self.optimizer.shard_over(world.clone())?;
         self.world = world;
+        Ok(())
     }
 
     /// The objective's name.
@@ -200,15 +203,16 @@ impl TrainStep {
         let mut batch = build_batch(groups, self.objective.as_ref(), self.aggregation, ctx);
         // The weights carry the global batch's normaliser: each rank keeps its groups' answers.
         batch.seqs.retain(|s| self.world.owns_group(s.origin.0));
-        let (mut grads, mut stats) =
+        let (grads, mut stats) =
             compute_gradients(policy, anchor, self.objective.as_ref(), &batch, self.micro_batch, self.pad)?;
         if self.world.size() > 1 {
-            sum_over_ranks(&self.world, policy, &mut grads, &mut stats)?;
+            sum_stats_over_ranks(&self.world, &mut stats);
         }
-        let norm = grad_norm(&grads)?;
+        // Summed over the ranks (reduce-scatter when the state is sharded): the norm is the global one.
+        let (grads, norm) = self.optimizer.reduce(grads)?;
         let applied = stats.loss.is_finite() && norm.is_finite();
         if applied {
-            self.optimizer.step(&grads, lr, clip_scale(norm, self.grad_clip))?;
+            self.optimizer.update(&grads, lr, clip_scale(norm, self.grad_clip))?;
         }
         self.next_step = ctx.step + 1;
         Ok(StepReport { rewards: batch.rewards, stats, grad_norm: norm, applied })
@@ -482,40 +486,8 @@ fn compute_gradients(
     Ok((total, stats))
 }
 
-/// Sum the gradients (a parameter without one on a rank counts as zeros) and the statistics of every rank,
-/// so that each rank holds those of the global batch.
-fn sum_over_ranks(
-    world: &World,
-    policy: &Decoder,
-    grads: &mut Grads,
-    stats: &mut StepStats,
-) -> candle_core::Result<()> {
-    // The shapes of the trainable parameters (frozen ones have no gradient on any rank).
-    let shapes: Vec<Option<Vec<usize>>> = policy
-        .params()
-        .iter()
-        .map(|p| match p {
-            crate::model::Param::Trainable(v) => Some(v.dims().to_vec()),
-            crate::model::Param::Frozen(_) => None,
-        })
-        .collect();
-    let mut flat = Vec::new();
-    for (g, shape) in grads.grads.iter().zip(&shapes) {
-        match (g, shape) {
-            (Some(g), _) => flat.extend(g.flatten_all()?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?),
-            (None, Some(shape)) => flat.resize(flat.len() + shape.iter().product::<usize>(), 0.0),
-            (None, None) => {}
-        }
-    }
-    world.sum_f32(&mut flat);
-    let device = policy.device();
-    let mut at = 0;
-    for (g, shape) in grads.grads.iter_mut().zip(&shapes) {
-        let Some(shape) = shape else { continue };
-        let n: usize = shape.iter().product();
-        *g = Some(Tensor::from_slice(&flat[at..at + n], shape.as_slice(), device)?);
-        at += n;
-    }
+/// Sum the statistics of every rank, so that each rank holds those of the global batch.
+fn sum_stats_over_ranks(world: &World, stats: &mut StepStats) {
     let r = &stats.ratio;
     let mut sums = [
         stats.loss,
@@ -545,7 +517,6 @@ fn sum_over_ranks(
     if stats.ratio.tokens == 0 {
         stats.ratio = RatioStats::default();
     }
-    Ok(())
 }
 
 #[cfg(test)]

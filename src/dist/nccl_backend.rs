@@ -1,0 +1,187 @@
+//! The [`Collective`] of NCCL (cudarc's bindings) for ranks that each drive one GPU: ncclAllReduce,
+//! ncclReduceScatter and ncclAllGather on the rank's GPU (the host buffers of the shared code are copied
+//! in and out). Every wait is bounded: the rank polls the collective's completion and NCCL's asynchronous
+//! error (`ncclCommGetAsyncError`), and past `timeout` or on an error it aborts the communicator and
+//! exits, naming itself and the cause; the other ranks' collectives then fail or time out the same way.
+
+use std::ffi::{c_char, c_void};
+use std::mem::MaybeUninit;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
+use cudarc::nccl::{result, sys};
+
+use super::{Collective, DistError};
+
+/// The length of NCCL's unique id, which rank 0 makes and every rank needs to join.
+pub(super) const ID_BYTES: usize = 128;
+
+/// A new NCCL unique id (rank 0).
+pub(super) fn new_id() -> Result<[u8; ID_BYTES], DistError> {
+    let id = result::get_uniqueid().map_err(|e| DistError::Launch(format!("ncclGetUniqueId: {e:?}")))?;
+    Ok(id.internal.map(|c| c as u8))
+}
+
+/// One rank's NCCL communicator on its GPU.
+pub(super) struct Nccl {
+    comm: sys::ncclComm_t,
+    stream: Arc<CudaStream>,
+    rank: usize,
+    timeout: Duration,
+    /// What must live as long as the communicator (MPI, when it carried the id).
+    _keep: Option<Box<dyn std::any::Any>>,
+}
+
+/// The element types the collectives carry.
+trait Element: DeviceRepr + ValidAsZeroBits + Copy {
+    const TYPE: sys::ncclDataType_t;
+}
+
+impl Element for f32 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+}
+
+impl Element for f64 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat64;
+}
+
+impl Nccl {
+    /// Join the communicator of `size` ranks with id `id` as rank `rank`, on GPU `ordinal`.
+    pub(super) fn init(
+        ordinal: usize,
+        rank: usize,
+        size: usize,
+        id: [u8; ID_BYTES],
+        timeout: Duration,
+        keep: Option<Box<dyn std::any::Any>>,
+    ) -> Result<Self, DistError> {
+        let launch = |what: &str, e: String| DistError::Launch(format!("rank {rank}: {what}: {e}"));
+        let ctx = CudaContext::new(ordinal).map_err(|e| launch(&format!("CUDA device {ordinal}"), e.to_string()))?;
+        let stream = ctx.new_stream().map_err(|e| launch("a CUDA stream", e.to_string()))?;
+        let id = sys::ncclUniqueId { internal: id.map(|b| b as c_char) };
+        let mut comm = MaybeUninit::uninit();
+        // SAFETY: `comm` is written by ncclCommInitRank before it is read.
+        let comm = unsafe {
+            result::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
+                .map_err(|e| launch("ncclCommInitRank", format!("{e:?}")))?;
+            comm.assume_init()
+        };
+        Ok(Self { comm, stream, rank, timeout, _keep: keep })
+    }
+
+    /// End this rank after a failed or stuck collective: abort the communicator (so that no collective of
+    /// this process waits on), say why, and exit.
+    fn fail(&self, message: String) -> ! {
+        eprintln!("error: rank {}: {message}; stopping every rank", self.rank);
+        // SAFETY: the communicator is valid until this process exits.
+        let _ = unsafe { result::comm_abort(self.comm) };
+        std::process::exit(1)
+    }
+
+    /// Wait for the work queued on the stream, polling NCCL's asynchronous error, at most `timeout`.
+    fn wait(&self, what: &str) -> Result<(), String> {
+        let done = self.stream.record_event(None).map_err(|e| format!("{what}: {e}"))?;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if done.try_is_complete().map_err(|e| format!("{what}: {e}"))? {
+                return Ok(());
+            }
+            let mut error = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a valid communicator and a pointer to a local.
+            unsafe { sys::ncclCommGetAsyncError(self.comm, &mut error) };
+            if error != sys::ncclResult_t::ncclSuccess {
+                return Err(format!("{what}: NCCL reports {error:?} (another rank failed or the network broke)"));
+            }
+            if Instant::now() >= deadline {
+                return Err(format!(
+                    "{what} did not finish within {:?} (a rank stopped or hangs; GRPO_DIST_TIMEOUT_S sets the limit)",
+                    self.timeout
+                ));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    /// Copy `send` to the GPU, run the collective `op` (send and receive device pointers), wait for it and
+    /// copy the result into `recv`.
+    fn run<T: Element>(
+        &self,
+        what: &str,
+        send: &[T],
+        recv: &mut [T],
+        op: impl FnOnce(*const c_void, *mut c_void) -> Result<result::NcclStatus, result::NcclError>,
+    ) {
+        let outcome = (|| -> Result<(), String> {
+            let dsend = self.stream.clone_htod(send).map_err(|e| e.to_string())?;
+            let mut drecv = self.stream.alloc_zeros::<T>(recv.len()).map_err(|e| e.to_string())?;
+            {
+                let (s, _s) = dsend.device_ptr(&self.stream);
+                let (r, _r) = drecv.device_ptr_mut(&self.stream);
+                op(s as *const c_void, r as *mut c_void).map_err(|e| format!("{what}: {e:?}"))?;
+            }
+            self.wait(what)?;
+            self.stream.memcpy_dtoh(&drecv, recv).map_err(|e| e.to_string())
+        })();
+        if let Err(message) = outcome {
+            self.fail(message);
+        }
+    }
+
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: sys::ncclRedOp_t) {
+        let send = buf.to_vec();
+        let (comm, stream) = (self.comm, self.stream.cu_stream());
+        // SAFETY: device buffers of `send.len()` elements of T, valid during the call and the wait.
+        self.run("ncclAllReduce", &send, buf, |s, r| unsafe {
+            result::all_reduce(s, r, send.len(), T::TYPE, op, comm, stream as _)
+        });
+    }
+}
+
+impl Collective for Nccl {
+    fn sum_f32(&self, buf: &mut [f32]) {
+        self.all_reduce(buf, sys::ncclRedOp_t::ncclSum);
+    }
+
+    fn sum_f64(&self, buf: &mut [f64]) {
+        self.all_reduce(buf, sys::ncclRedOp_t::ncclSum);
+    }
+
+    fn max_f64(&self, buf: &mut [f64]) {
+        self.all_reduce(buf, sys::ncclRedOp_t::ncclMax);
+    }
+
+    fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+        let (comm, stream, n) = (self.comm, self.stream.cu_stream(), recv.len());
+        // SAFETY: a send buffer of N * n and a receive buffer of n f32 on the device, valid during the call.
+        self.run("ncclReduceScatter", send, recv, |s, r| unsafe {
+            result::reduce_scatter(s, r, n, f32::TYPE, sys::ncclRedOp_t::ncclSum, comm, stream as _)
+        });
+    }
+
+    fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+        let (comm, stream, n) = (self.comm, self.stream.cu_stream(), send.len());
+        // SAFETY: a send buffer of n and a receive buffer of N * n f32 on the device, valid during the call.
+        self.run("ncclAllGather", send, recv, |s, r| unsafe {
+            result::all_gather(s, r, n, f32::TYPE, comm, stream as _)
+        });
+    }
+
+    fn barrier(&self) {
+        // NCCL has no barrier: a one-value all-reduce waits for every rank.
+        self.sum_f32(&mut [0.0]);
+    }
+
+    fn abort(&self, code: i32) -> ! {
+        // SAFETY: the communicator is valid until this process exits.
+        let _ = unsafe { result::comm_abort(self.comm) };
+        std::process::exit(code)
+    }
+}
+
+impl Drop for Nccl {
+    fn drop(&mut self) {
+        // SAFETY: the communicator is destroyed once, after its last use.
+        let _ = unsafe { result::comm_destroy(self.comm) };
+    }
+}
