@@ -720,14 +720,14 @@ fn load_run<'a>(
 }
 
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
-fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>) -> Result<(), TrainError> {
+fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, ranks: u64) -> Result<(), TrainError> {
     let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
     let memory = match device_memory {
         Some(m) => Some(m),
         None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
     };
-    // Every rank keeps the whole optimiser state today: the plan of one process.
-    let plan = plan::run_plan(cfg, &shape, memory, 1);
+    // Each of the `ranks` processes keeps 1/ranks of the optimiser state (ZeRO-1).
+    let plan = plan::run_plan(cfg, &shape, memory, ranks);
     if plan.fits() == Some(false) {
         return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }
@@ -788,7 +788,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
-    check_plan(cfg, &model_dir, opts.device_memory)?;
+    check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
