@@ -211,6 +211,11 @@ pub struct TokenInputs {
     /// `[n]` behaviour (anchor) log-probs, as the objective's [`Anchor`] says; `None` is the teacher's
     /// probability 1 (log-prob 0).
     pub behaviour_logp: Option<Tensor>,
+    /// `[n]` f32: the sampler correction's weight of each token's policy term (TIS / MIS, see
+    /// `rollout.importance_sampling_correction`), a constant; `None`: 1. It multiplies the per-token
+    /// policy losses summed by every objective (not the KL term, nor OPMD's and OAPL's squared
+    /// sequence terms).
+    pub is_weights: Option<Tensor>,
 }
 
 impl TokenInputs {
@@ -233,6 +238,7 @@ impl TokenInputs {
             seq_lengths: Tensor::from_vec(lengths.iter().map(|&l| l as f32).collect::<Vec<_>>(), m, device)?,
             ref_logp: None,
             behaviour_logp: None,
+            is_weights: None,
         })
     }
 
@@ -313,9 +319,14 @@ fn finish(
     Ok(LossTerms { pg_loss: pg_sum.to_scalar::<f32>()?, kl, loss, clipped_tokens: clipped })
 }
 
-/// The weighted sum `sum_t w_t l_t` of per-token losses.
+/// The weighted sum `sum_t w_t c_t l_t` of per-token policy losses (`c_t` the sampler correction's
+/// weight, 1 without one).
 fn weighted_sum(per_token: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
-    (per_token * &inputs.weights)?.sum_all()
+    let weighted = (per_token * &inputs.weights)?;
+    match &inputs.is_weights {
+        Some(c) => (weighted * c)?.sum_all(),
+        None => weighted.sum_all(),
+    }
 }
 
 /// The number of ones in a 0/1 mask.

@@ -232,6 +232,8 @@ struct Sequence {
     /// (group in the step, answer in the group): where its cached reference log-probs are.
     origin: (usize, usize),
     teacher_logprobs: Option<Vec<f32>>,
+    /// The sampler correction's weight of each token (rollouts with importance_sampling_correction).
+    is_weights: Option<Vec<f32>>,
     advantage: f32,
     /// Aggregation weight of each of its tokens.
     weight: f32,
@@ -300,6 +302,7 @@ fn build_batch(groups: &[Group], objective: &dyn Objective, aggregation: Aggrega
                 response: r.tokens.clone(),
                 origin: (gi, j),
                 teacher_logprobs: r.teacher_logprobs.clone(),
+                is_weights: r.is_weights.clone(),
                 advantage: a,
                 weight: 0.0,
             });
@@ -368,19 +371,23 @@ fn micro_inputs(
     let full: Vec<Vec<u32>> = chunk.iter().map(|s| [s.prompt.as_slice(), &s.response].concat()).collect();
     let tb = TokenBatch::padded(&full, pad);
     let mut targets = Targets::default();
-    let mut teacher = Vec::new();
+    let (mut teacher, mut correction) = (Vec::new(), Vec::new());
     for (r, s) in chunk.iter().enumerate() {
         let p = s.prompt.len();
         for j in 0..s.response.len() {
             targets.push(r, p + j);
             // Rows without teacher log-probs keep the probability-1 assumption (log-prob 0).
             teacher.push(s.teacher_logprobs.as_ref().and_then(|t| t.get(j).copied()).unwrap_or(0.0));
+            correction.push(s.is_weights.as_ref().and_then(|c| c.get(j).copied()).unwrap_or(1.0));
         }
     }
     let lengths: Vec<usize> = chunk.iter().map(|s| s.response.len()).collect();
     let adv: Vec<f32> = chunk.iter().map(|s| s.advantage).collect();
     let w: Vec<f32> = chunk.iter().map(|s| s.weight).collect();
-    let inputs = TokenInputs::for_sequences(&lengths, &adv, &w, device)?;
+    let mut inputs = TokenInputs::for_sequences(&lengths, &adv, &w, device)?;
+    if chunk.iter().any(|s| s.is_weights.is_some()) {
+        inputs.is_weights = Some(Tensor::from_vec(correction, targets.len(), device)?);
+    }
     let any_teacher = chunk.iter().any(|s| s.teacher_logprobs.is_some());
     let teacher = if any_teacher { Some(Tensor::from_vec(teacher, targets.len(), device)?) } else { None };
     Ok((tb, targets, inputs, teacher))
@@ -573,6 +580,7 @@ mod tests {
                     answer: None,
                     truncated: false,
                     teacher_logprobs: None,
+                    is_weights: None,
                 })
                 .collect(),
             majority: None,
