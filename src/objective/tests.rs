@@ -689,3 +689,38 @@ fn sampler_correction_weights_scale_the_policy_term_only() {
         }
     }
 }
+
+/// The entropy bonus: -c sum_t w_t H_t, its gradient -c w_t on each token's entropy; negative
+/// coefficients are refused.
+#[test]
+fn entropy_bonus_hand_computed() {
+    let h = Var::from_slice(&[1.5f32, 0.2, 3.0], 3, &Device::Cpu).unwrap();
+    let inputs = TokenInputs::for_sequences(&[2, 1], &[1.0, -1.0], &[0.25, 0.5], &Device::Cpu).unwrap();
+    let bonus = entropy_bonus(h.as_tensor(), &inputs, 0.1).unwrap();
+    assert!(near(bonus.to_scalar::<f32>().unwrap(), -0.1 * (0.25 * 1.5 + 0.25 * 0.2 + 0.5 * 3.0)));
+    let g = vals(bonus.backward().unwrap().get(h.as_tensor()).unwrap());
+    assert_all_near(&g, &[-0.025, -0.025, -0.05], "d bonus / d H");
+    let bad = ObjectiveConfig { entropy_coeff: -0.1, ..Default::default() }.validate().unwrap_err();
+    assert!(bad.starts_with("objective.entropy_coeff = -0.1"), "{bad}");
+    let cfg: ObjectiveConfig = toml::from_str("name = \"oapl\"\nentropy_coeff = 0.01").unwrap();
+    assert_eq!((cfg.validate(), cfg.entropy_coeff()), (Ok(()), 0.01));
+}
+
+/// The high-entropy mask per answer, against torch.quantile's linear interpolation by hand: answer 0
+/// has entropies [0.5, 2.0, 1.0, 3.0] (sorted 0.5, 1.0, 2.0, 3.0); with q = 0.5 the 0.5 quantile sits at
+/// position 1.5, threshold 1.5, so 2.0 and 3.0 are kept; q = 0.2: position 2.4, threshold 2.4, 3.0 kept.
+/// Answer 1 ([0.7]) keeps its one token; q = 1 keeps every token; ties at the threshold are kept.
+#[test]
+fn top_entropy_mask_hand_computed() {
+    let h = [0.5f32, 2.0, 1.0, 3.0, 0.7];
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 0.5), [0.0, 1.0, 0.0, 1.0, 1.0]);
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 0.2), [0.0, 0.0, 0.0, 1.0, 1.0]);
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 1.0), [1.0; 5]);
+    assert_eq!(top_entropy_mask(&[1.0, 1.0, 2.0], &[3], 0.1), [0.0, 0.0, 1.0]);
+    assert_eq!(top_entropy_mask(&[1.0, 1.0, 1.0], &[3], 0.1), [1.0; 3]);
+    assert_eq!(top_entropy_mask(&[], &[0], 0.5), Vec::<f32>::new());
+    for q in [0.0f32, 1.5, f32::NAN] {
+        let bad = ObjectiveConfig { top_entropy_quantile: Some(q), ..Default::default() }.validate().unwrap_err();
+        assert!(bad.starts_with("objective.top_entropy_quantile"), "{bad}");
+    }
+}
