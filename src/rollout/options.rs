@@ -334,6 +334,21 @@ mod tests {
     }
 
     #[test]
+    fn importance_sampling_options_take_trls_names_and_a_cap_of_at_least_one() {
+        let trl: RolloutOptions = toml::from_str(
+            "vllm_importance_sampling_correction = true\nvllm_importance_sampling_mode = \"sequence_mask\"\n\
+             vllm_importance_sampling_cap = 2.5",
+        )
+        .unwrap();
+        assert!(trl.importance_sampling_correction);
+        assert_eq!((trl.importance_sampling_mode, trl.importance_sampling_cap), (IsMode::SequenceMask, 2.5));
+        let cli = Cli::parse_from(["x", "--rollout-importance-sampling-mode", "token_mask"]).options;
+        assert_eq!(cli.importance_sampling_mode, IsMode::TokenMask);
+        let bad = toml::from_str::<RolloutOptions>("importance_sampling_cap = 0.5").unwrap().validate().unwrap_err();
+        assert!(bad.starts_with("rollout.importance_sampling_cap = 0.5"), "{bad}");
+    }
+
+    #[test]
     fn each_step_samples_with_its_own_seed() {
         let o = RolloutOptions::default();
         assert_eq!(o.sampling(3, 5), o.sampling(3, 5));
