@@ -2,8 +2,9 @@
 //
 // lp_row_stats_<T>: for each row z of a [n, V] logits chunk and its target t, in one pass over the row with
 //   an online log-sum-exp, writes [log p(t), entropy, lse] (f32) to out[row * 3 ..].
-// lp_row_grad_<T>: dz[r, v] = g_r * (onehot(t_r)[v] - exp(z[r, v] - lse_r)), written in T, from
-//   coef[r] = (lse_r, g_r).
+// lp_row_grad_<T>: dz[r, v] = g_r * (onehot(t_r)[v] - p) - e_r * p * (z[r, v] - lse_r + H_r), written in T,
+//   p = exp(z[r, v] - lse_r), from coef[r] = (lse_r, g_r) (cols = 2: no entropy term) or
+//   (lse_r, g_r, H_r, e_r) (cols = 4: the gradient of g_r log p(t_r) + e_r H_r).
 //
 // Each term is computed in f32 whatever T is; the sums are f64 (see Acc). A target outside [0, V) gives
 // NaN log-probs (the trainer's non-finite guard then skips the step) rather than reading out of bounds.
@@ -99,15 +100,18 @@ __device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restri
 // grid.x = rows, grid.y * blockDim.x threads stride over the vocabulary.
 template <typename T>
 __device__ void row_grad(const T *__restrict__ logits, const uint32_t *__restrict__ targets,
-                         const float *__restrict__ coef, T *__restrict__ out, uint32_t vocab) {
+                         const float *__restrict__ coef, T *__restrict__ out, uint32_t vocab, uint32_t cols) {
     const size_t row = blockIdx.x;
-    const float lse = coef[row * 2], g = coef[row * 2 + 1];
+    const float *c = coef + row * (size_t)cols;
+    const float lse = c[0], g = c[1];
+    const float h = cols == 4 ? c[2] : 0.f, e = cols == 4 ? c[3] : 0.f;
     const uint32_t t = targets[row];
     const T *z = logits + row * (size_t)vocab;
     T *dz = out + row * (size_t)vocab;
     for (uint32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vocab; v += gridDim.y * blockDim.x) {
-        const float p = expf(to_f32(z[v]) - lse);
-        dz[v] = from_f32<T>(g * ((v == t ? 1.f : 0.f) - p));
+        const float d = to_f32(z[v]) - lse;
+        const float p = expf(d);
+        dz[v] = from_f32<T>((v == t ? g : 0.f) - p * (g + e * (d + h)));
     }
 }
 
@@ -117,8 +121,8 @@ __device__ void row_grad(const T *__restrict__ logits, const uint32_t *__restric
         row_stats<T>(logits, targets, out, vocab);                                                            \
     }                                                                                                         \
     extern "C" __global__ void lp_row_grad_##NAME(const T *logits, const uint32_t *targets, const float *coef, \
-                                                  T *out, uint32_t vocab) {                                   \
-        row_grad<T>(logits, targets, coef, out, vocab);                                                       \
+                                                  T *out, uint32_t vocab, uint32_t cols) {                    \
+        row_grad<T>(logits, targets, coef, out, vocab, cols);                                                 \
     }
 
 LP_KERNELS(f32, float)

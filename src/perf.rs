@@ -195,6 +195,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
                 answer: None,
                 truncated: true,
                 teacher_logprobs: None,
+                is_weights: None,
             })
             .collect(),
         majority: None,

@@ -62,21 +62,28 @@ fn row_kernels_match_the_cpu_reference() {
             assert!(ok, "row_stats {dt:?} V={v}: worst {worst}");
 
             let g = random(&mut rng, (n, 1), 2.0).squeeze(1).unwrap();
-            let coef = Tensor::stack(&[s_cpu.narrow(1, 2, 1).unwrap().squeeze(1).unwrap(), g], 1).unwrap();
-            let d_cpu = row_grad(&z, &t, &coef).unwrap();
-            let d_gpu =
-                row_grad(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap(), &coef.to_device(&gpu).unwrap())
-                    .unwrap();
-            // Both round the same f32 value to the output dtype; expf differs by a few ulp, which can
-            // flip one rounding of the output type.
-            let (rtol, atol) = match dt {
-                DType::F32 => (1e-4, 1e-6),
-                DType::BF16 => (1.6e-2, 1e-4),
-                _ => (2e-3, 1e-5),
-            };
-            let (ok, worst) = close(&d_gpu.to_device(&Device::Cpu).unwrap(), &d_cpu, rtol, atol);
-            println!("row_grad  n={n} V={v} {dt:?}: worst |a-b|/(atol max|b| + rtol|b|) {worst:.2e}");
-            assert!(ok, "row_grad {dt:?} V={v}: worst {worst}");
+            let e = random(&mut rng, (n, 1), 2.0).squeeze(1).unwrap();
+            let col = |i| s_cpu.narrow(1, i, 1).unwrap().squeeze(1).unwrap();
+            // (lse, g), and (lse, g, H, e) with the entropy's gradient.
+            for coef in
+                [Tensor::stack(&[col(2), g.clone()], 1).unwrap(), Tensor::stack(&[col(2), g, col(1), e], 1).unwrap()]
+            {
+                let cols = coef.dims()[1];
+                let d_cpu = row_grad(&z, &t, &coef).unwrap();
+                let d_gpu =
+                    row_grad(&z.to_device(&gpu).unwrap(), &t.to_device(&gpu).unwrap(), &coef.to_device(&gpu).unwrap())
+                        .unwrap();
+                // Both round the same f32 value to the output dtype; expf differs by a few ulp, which can
+                // flip one rounding of the output type.
+                let (rtol, atol) = match dt {
+                    DType::F32 => (1e-4, 1e-6),
+                    DType::BF16 => (1.6e-2, 1e-4),
+                    _ => (2e-3, 1e-5),
+                };
+                let (ok, worst) = close(&d_gpu.to_device(&Device::Cpu).unwrap(), &d_cpu, rtol, atol);
+                println!("row_grad  n={n} V={v} {dt:?} cols {cols}: worst |a-b|/(atol max|b| + rtol|b|) {worst:.2e}");
+                assert!(ok, "row_grad {dt:?} V={v} cols {cols}: worst {worst}");
+            }
         }
     }
 }

@@ -74,7 +74,7 @@ impl Server {
 
 /// Start llama.cpp's server on a free loopback port and wait until it answers (None, with the reason
 /// printed, when it does not start).
-fn start_server(py: &str, gguf: &Path, dir: &Path) -> Option<Server> {
+fn start_server(py: &str, gguf: &Path, dir: &Path, extra: &[&str]) -> Option<Server> {
     let port = TcpListener::bind("127.0.0.1:0").ok()?.local_addr().ok()?.port();
     let log = dir.join("server.log");
     let out = std::fs::File::create(&log).ok()?;
@@ -83,6 +83,7 @@ fn start_server(py: &str, gguf: &Path, dir: &Path) -> Option<Server> {
         .arg(gguf)
         .args(["--model_alias", SERVED, "--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
+        .args(extra)
         .stdout(out.try_clone().ok()?)
         .stderr(out)
         .spawn();
@@ -130,7 +131,7 @@ fn all_samples(gens: &[Value]) -> Vec<&Value> {
 fn math500_through_llama_cpp_server_is_scored_resumed_and_failures_are_named() {
     let (Some(model), Some(gguf), Some(py)) = (common::smollm2(), gguf(), server_python()) else { return };
     let dir = tempfile::tempdir().unwrap();
-    let Some(server) = start_server(&py, &gguf, dir.path()) else { return };
+    let Some(server) = start_server(&py, &gguf, dir.path(), &[]) else { return };
     let out = dir.path().join("eval");
     let a = eval_openai(&model, &server.base_url(), &out, &[]).success();
     let stdout = String::from_utf8_lossy(&a.get_output().stdout).to_string();
@@ -199,16 +200,11 @@ fn openai_without_base_url_is_refused_naming_the_flag() {
     assert!(stderr.contains("--base-url is required with --engine openai"), "{stderr}");
 }
 
-/// `grpo train` with `[rollout.server] engine = "openai"` on llama.cpp's server (which cannot reload:
-/// `reload = "none"`): two steps of a tiny model sharing SmolLM2's tokenizer, whose answers come from the
-/// server, re-tokenised, scored and trained on, with rollout metrics written. (The served weights are not
-/// the tiny model's, so only the plumbing is checked here, not the ratio.)
-#[test]
-fn training_rollouts_come_from_llama_cpp_server() {
-    let (Some(gguf), Some(py)) = (gguf(), server_python()) else { return };
-    let dir = tempfile::tempdir().unwrap();
-    let Some(server) = start_server(&py, &gguf, dir.path()) else { return };
-    let model = dir.path().join("model");
+/// A tiny model sharing SmolLM2's tokenizer (init-tiny), two questions, and a training config whose
+/// rollouts come from the server at `url` (plus the `[rollout]` keys of `rollout_extra`); returns the
+/// config's path and the run's output folder.
+fn server_rollout_run(dir: &Path, gguf: &Path, url: &str, rollout_extra: &str) -> (PathBuf, PathBuf) {
+    let model = dir.join("model");
     common::grpo()
         .args(["init-tiny", "--arch", "llama", "--tokenizer"])
         .arg(gguf.parent().unwrap())
@@ -217,13 +213,13 @@ fn training_rollouts_come_from_llama_cpp_server() {
         .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
         .assert()
         .success();
-    let questions = dir.path().join("questions.jsonl");
+    let questions = dir.join("questions.jsonl");
     std::fs::write(
         &questions,
         "{\"problem\": \"What is 3 + 4?\", \"answer\": \"7\"}\n{\"problem\": \"What is 2 + 2?\", \"answer\": \"4\"}\n",
     )
     .unwrap();
-    let out = dir.path().join("out");
+    let out = dir.join("out");
     let cfg = format!(
         r#"[model]
 path = "{model}"
@@ -251,6 +247,7 @@ n = 2
 max_new_tokens = 8
 questions = "{questions}"
 fallbacks = true
+{rollout_extra}
 
 [rollout.server]
 engine = "openai"
@@ -261,10 +258,22 @@ concurrency = 2
         model = model.display(),
         out = out.display(),
         questions = questions.display(),
-        url = server.base_url(),
     );
-    let path = dir.path().join("config.toml");
+    let path = dir.join("config.toml");
     std::fs::write(&path, cfg).unwrap();
+    (path, out)
+}
+
+/// `grpo train` with `[rollout.server] engine = "openai"` on llama.cpp's server (which cannot reload:
+/// `reload = "none"`): two steps of a tiny model sharing SmolLM2's tokenizer, whose answers come from the
+/// server, re-tokenised, scored and trained on, with rollout metrics written. (The served weights are not
+/// the tiny model's, so only the plumbing is checked here, not the ratio.)
+#[test]
+fn training_rollouts_come_from_llama_cpp_server() {
+    let (Some(gguf), Some(py)) = (gguf(), server_python()) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = start_server(&py, &gguf, dir.path(), &[]) else { return };
+    let (path, out) = server_rollout_run(dir.path(), &gguf, &server.base_url(), "");
     common::grpo().args(["-q", "train", "--config"]).arg(&path).assert().success();
     let m = common::read_jsonl(&out.join("metrics.jsonl"));
     assert_eq!(m.len(), 2, "{m:?}");
@@ -276,4 +285,35 @@ concurrency = 2
     }
     assert!(server.completions_served() >= 2, "the answers came from the server");
     assert!(!out.join("rollout-policy").exists(), "reload = \"none\" saves nothing for the server");
+}
+
+/// `importance_sampling_correction` with llama.cpp's server (started with `--logits_all` so that it
+/// reports log-probs; it names tokens by text): the server's tokens align with grpo's tokenisation of
+/// its answers (SmolLM2's tokenizer on both sides), and metrics.jsonl logs the mismatch between the
+/// served SmolLM2 and the tiny policy's forward, the ratios and the fraction truncated.
+#[test]
+fn llama_cpp_servers_log_probs_give_the_importance_sampling_correction() {
+    let (Some(gguf), Some(py)) = (gguf(), server_python()) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let Some(server) = start_server(&py, &gguf, dir.path(), &["--logits_all", "true"]) else { return };
+    let extra = "importance_sampling_correction = true\nimportance_sampling_mode = \"token_truncate\"\n\
+                 importance_sampling_cap = 2.0";
+    let (path, out) = server_rollout_run(dir.path(), &gguf, &server.base_url(), extra);
+    common::grpo().args(["-q", "train", "--config"]).arg(&path).assert().success();
+    let m = common::read_jsonl(&out.join("metrics.jsonl"));
+    assert_eq!(m.len(), 2, "{m:?}");
+    for row in &m {
+        let get = |k: &str| row[format!("rollout/{k}")].as_f64().unwrap_or_else(|| panic!("no rollout/{k}: {row}"));
+        assert_eq!(get("server_logprobs_unaligned"), 0.0, "{row}");
+        let (mean, max) = (get("sampling_logp_difference_mean"), get("sampling_logp_difference_max"));
+        assert!(mean > 0.0 && mean <= max && max.is_finite(), "{row}");
+        let (lo, avg, hi) = (
+            get("importance_sampling_ratio_min"),
+            get("importance_sampling_ratio_mean"),
+            get("importance_sampling_ratio_max"),
+        );
+        assert!(0.0 < lo && lo <= avg && avg <= hi, "{row}");
+        let capped = get("importance_sampling_capped_fraction");
+        assert!((0.0..=1.0).contains(&capped) && (capped > 0.0) == (hi > 2.0), "{row}");
+    }
 }

@@ -92,9 +92,12 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
             }
         },
     };
-    let world = args.world_size.unwrap_or_else(|| {
-        crate::dist::launch_env(|k| std::env::var(k).ok()).map_or(1, |(_, size, _)| size.max(1) as u64)
-    });
+    let world = match args.world_size {
+        Some(n) => n,
+        None => crate::dist::Launch::from_vars(|k| std::env::var(k).ok())
+            .context("the launcher's environment (or give --world-size)")?
+            .map_or(1, |l| l.size.max(1) as u64),
+    };
     let p = plan::run_plan(cfg, &shape, memory, world);
     print!("{p}");
     let step = plan::step_shape(cfg, &shape, &p);

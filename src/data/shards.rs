@@ -53,6 +53,9 @@ pub struct Response {
     pub truncated: bool,
     /// Teacher log-prob of each token of `tokens`, when the data had them.
     pub teacher_logprobs: Option<Vec<f32>>,
+    /// A sampled answer's importance-sampling correction (`rollout.importance_sampling_correction`):
+    /// the weight of each token's policy loss. Never stored in shards.
+    pub is_weights: Option<Vec<f32>>,
 }
 
 /// One prepared group: the rendered prompt and the chosen answers with their labels.
@@ -398,6 +401,7 @@ impl PreparedDataset {
                 answer: meta.answers.get(j).cloned().flatten(),
                 truncated: flags & FLAG_TRUNCATED != 0,
                 teacher_logprobs,
+                is_weights: None,
             });
         }
         Ok(Group {

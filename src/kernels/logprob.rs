@@ -4,9 +4,9 @@
 //!
 //! For rows `h_n` (hidden states), weight `W` (`[vocab, hidden]`) and targets `t_n`:
 //!   z_n = W h_n,  lse_n = log sum_v exp z_nv,  logp_n = z_{n,t_n} - lse_n,  H_n = lse_n - sum_v p_nv z_nv
-//! and for an upstream gradient g_n on logp_n:
-//!   dz_n = g_n (onehot(t_n) - p_n),  dh_n = W^T dz_n,  dW = sum_n dz_n h_n^T.
-//! The entropy column is a metric and carries no gradient (a non-zero gradient on it is an error).
+//! and for upstream gradients g_n on logp_n and e_n on H_n (d H / d z = -p (log p + H)):
+//!   dz_n = g_n (onehot(t_n) - p_n) - e_n p_n (log p_n + H_n),  dh_n = W^T dz_n,  dW = sum_n dz_n h_n^T.
+//! When no row has an entropy gradient the entropy term is left out of the kernel's work.
 
 use candle_core::{CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
 
@@ -103,12 +103,15 @@ impl CustomOp3 for LogprobEntropy {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
-        let entropy_grad = crate::device::to_host_scalar::<f32>(&grad.narrow(1, 1, 1)?.abs()?.sum_all()?)?;
-        if entropy_grad != 0.0 {
-            candle_core::bail!("logprob-entropy: the entropy column has no gradient; do not put it in the loss");
+        let entropy_grad = grad.narrow(1, 1, 1)?.squeeze(1)?;
+        let has_entropy_grad = crate::device::to_host_scalar::<f32>(&entropy_grad.abs()?.sum_all()?)? != 0.0;
+        // (lse, g) per row, plus (H, e) with an entropy gradient: all the backward needs besides the
+        // recomputed logits.
+        let mut coef = vec![self.lse.clone(), grad.narrow(1, 0, 1)?.squeeze(1)?];
+        if has_entropy_grad {
+            coef.extend([self.values.narrow(1, 1, 1)?.squeeze(1)?, entropy_grad]);
         }
-        // (lse, g) per row: all the backward needs besides the recomputed logits.
-        let coef = Tensor::stack(&[self.lse.clone(), grad.narrow(1, 0, 1)?.squeeze(1)?], 1)?;
+        let coef = Tensor::stack(&coef, 1)?;
         let (n, _) = hidden.dims2()?;
         let (vocab, _) = weight.dims2()?;
         let wt = weight.t()?;
@@ -134,7 +137,8 @@ impl CustomOp3 for LogprobEntropy {
 }
 
 /// Per-token `[log p(target), entropy]` (`[n, 2]`, f32) of `hidden` (`[n, hidden]`) under
-/// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward.
+/// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward
+/// (both columns differentiable).
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
     let stats = forward_values(hidden, weight, targets, budget_bytes)?;
     // A fresh buffer of exactly [n, 2] (not a view into `stats`): the custom op hands its storage out
@@ -153,7 +157,7 @@ pub fn logprobs_entropy_reference(hidden: &Tensor, weight: &Tensor, targets: &Te
     let logits = hidden.matmul(&weight.t()?)?.to_dtype(DType::F32)?;
     let logp_all = candle_nn::ops::log_softmax(&logits, D::Minus1)?;
     let logp = logp_all.gather(&targets.unsqueeze(1)?, 1)?.squeeze(1)?;
-    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?.detach();
+    let entropy = (logp_all.exp()? * &logp_all)?.sum(D::Minus1)?.neg()?;
     Tensor::stack(&[logp, entropy], 1)
 }
 
@@ -253,10 +257,60 @@ mod tests {
         assert_eq!(chunk_rows(CUDA_MAX_ELEMENTS + 1, 1 << 20), 1);
     }
 
+    /// `sum_n g_n log p_n + e_n H_n` of the op's output, `e` the entropy's upstream gradient.
+    fn both_columns(out: &Tensor, up: &Tensor, e: &Tensor) -> Tensor {
+        let col = |i| out.narrow(1, i, 1).unwrap().squeeze(1).unwrap();
+        (col(0).mul(up).unwrap().sum_all().unwrap() + col(1).mul(e).unwrap().sum_all().unwrap()).unwrap()
+    }
+
     #[test]
-    fn entropy_is_not_differentiable() {
-        let (hidden, weight, targets, _) = setup(3, 4, 5);
-        let lp = logprobs_entropy(&hidden, &weight, &targets, 1 << 20).unwrap();
-        assert!(lp.sum_all().unwrap().backward().is_err());
+    fn the_entropy_gradient_matches_the_reference_across_chunkings() {
+        let (hidden, weight, targets, up) = setup(23, 8, 40);
+        let e = (up.sin().unwrap() * 1.3).unwrap();
+        let reference = logprobs_entropy_reference(&hidden, &weight, &targets).unwrap();
+        let g_ref = both_columns(&reference, &up, &e).backward().unwrap();
+        // The entropy alone (g = 0) and both columns together.
+        let g_ent_ref = both_columns(&reference, &up.zeros_like().unwrap(), &e).backward().unwrap();
+        for budget in [1usize, 5 * 40 * 4, 1 << 30] {
+            let fused = logprobs_entropy(&hidden, &weight, &targets, budget).unwrap();
+            let g = both_columns(&fused, &up, &e).backward().unwrap();
+            let g_ent = both_columns(&fused, &up.zeros_like().unwrap(), &e).backward().unwrap();
+            for var in [&hidden, &weight] {
+                let (a, b) = (g.get(var.as_tensor()).unwrap(), g_ref.get(var.as_tensor()).unwrap());
+                assert!(max_diff(a, b) < 1e-5, "gradient differs at budget {budget}: {}", max_diff(a, b));
+                let (a, b) = (g_ent.get(var.as_tensor()).unwrap(), g_ent_ref.get(var.as_tensor()).unwrap());
+                assert!(max_diff(a, b) < 1e-5, "entropy gradient differs at budget {budget}: {}", max_diff(a, b));
+            }
+        }
+    }
+
+    #[test]
+    fn the_entropy_gradient_agrees_with_finite_differences() {
+        let (hidden, weight, targets, up) = setup(5, 4, 11);
+        let e = Tensor::new(&[0.7f32, -1.1, 0.4, 2.0, -0.3], &Device::Cpu).unwrap();
+        let up = (up * 0.0).unwrap();
+        let f = |h: &Tensor, w: &Tensor| -> f64 {
+            both_columns(&logprobs_entropy(h, w, &targets, 16).unwrap(), &up, &e).to_scalar::<f32>().unwrap() as f64
+        };
+        let out = logprobs_entropy(&hidden, &weight, &targets, 16).unwrap();
+        let grads = both_columns(&out, &up, &e).backward().unwrap();
+        let eps = 1e-2f32;
+        for (var, shape) in [(&weight, (11, 4)), (&hidden, (5, 4))] {
+            let g = grads.get(var.as_tensor()).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let x0 = var.as_tensor().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for idx in [0usize, 7, 13, 19] {
+                let moved = |d: f32| {
+                    let mut x = x0.clone();
+                    x[idx] += d;
+                    Tensor::from_vec(x, shape, &Device::Cpu).unwrap()
+                };
+                let fd = if shape.0 == 11 {
+                    (f(hidden.as_tensor(), &moved(eps)) - f(hidden.as_tensor(), &moved(-eps))) / (2.0 * eps as f64)
+                } else {
+                    (f(&moved(eps), weight.as_tensor()) - f(&moved(-eps), weight.as_tensor())) / (2.0 * eps as f64)
+                };
+                assert!((fd - g[idx] as f64).abs() < 2e-3, "d/d[{idx}] of {shape:?}: fd {fd} vs backward {}", g[idx]);
+            }
+        }
     }
 }

@@ -2,7 +2,9 @@
 //!
 //! - [`row_stats`]: for each row `z` of a `[n, V]` logits chunk and its target `t`, one pass with an online
 //!   log-sum-exp gives `[log p(t), entropy, lse]` (f32);
-//! - [`row_grad`]: `dz[r, v] = g_r (onehot(t_r)[v] - exp(z[r, v] - lse_r))` in the logits' dtype.
+//! - [`row_grad`]: `dz[r, v] = g_r (onehot(t_r)[v] - p[r, v]) - e_r p[r, v] (z[r, v] - lse_r + H_r)` in the
+//!   logits' dtype, `p = exp(z - lse)`: the gradient of `g_r log p(t_r) + e_r H_r` (the entropy term only
+//!   when its coefficients are given).
 //!
 //! The CPU implementations here (rayon over rows; f32 terms, f64 sums, see [`Acc`]) are the reference;
 //! with the `cuda` feature the same functions run as kernels/rows.cu on the GPU. A target outside `[0, V)` is an
@@ -92,20 +94,33 @@ fn cpu_stats<T: Elem>(z: &[T], t: &[u32], v: usize) -> Result<Vec<f32>> {
     Ok(out)
 }
 
-fn cpu_grad<T: Elem>(z: &[T], t: &[u32], coef: &[f32], v: usize) -> Result<Vec<T>> {
+/// `cols` coefficients per row: `(lse, g)`, or `(lse, g, H, e)` with the entropy term.
+fn cpu_grad<T: Elem>(z: &[T], t: &[u32], coef: &[f32], v: usize, cols: usize) -> Result<Vec<T>> {
     let mut out = vec![T::of(0.0); z.len()];
     out.par_chunks_mut(v.max(1)).zip(z.par_chunks(v.max(1))).enumerate().try_for_each(|(r, (o, row))| {
-        let (lse, g, t) = (coef[2 * r], coef[2 * r + 1], t[r] as usize);
+        let c = &coef[cols * r..cols * (r + 1)];
+        let (lse, g, t) = (c[0], c[1], t[r] as usize);
+        let (h, e) = if cols == 4 { (c[2], c[3]) } else { (0.0, 0.0) };
         if t >= v {
             candle_core::bail!("target {t} is outside the vocabulary of {v}");
         }
         for (o, &x) in o.iter_mut().zip(row) {
-            *o = T::of(-g * (x.f32() - lse).exp());
+            let d = x.f32() - lse;
+            *o = T::of(-d.exp() * (g + e * (d + h)));
         }
-        o[t] = T::of(g * (1.0 - (row[t].f32() - lse).exp()));
+        let d = row[t].f32() - lse;
+        o[t] = T::of(g - d.exp() * (g + e * (d + h)));
         Ok(())
     })?;
     Ok(out)
+}
+
+/// The coefficients per row of a `[n, cols]` coefficient layout: 2 or 4.
+fn coef_cols(n: usize, l: &Layout) -> Result<usize> {
+    match l.shape().dims() {
+        [m, c @ (2 | 4)] if *m == n => Ok(*c),
+        d => candle_core::bail!("coefficients must be f32 [{n}, 2] or [{n}, 4], not {d:?}"),
+    }
 }
 
 struct RowStats;
@@ -156,11 +171,12 @@ impl CustomOp3 for RowGrad {
     ) -> Result<(CpuStorage, Shape)> {
         let (n, v) = dims(l1, l2)?;
         let t = u32s(s2, l2, "targets")?;
+        let cols = coef_cols(n, l3)?;
         let coef = match s3 {
-            CpuStorage::F32(c) if l3.shape().dims() == [n, 2] => contiguous(c, l3, "coefficients")?,
-            _ => candle_core::bail!("coefficients must be f32 [{n}, 2]"),
+            CpuStorage::F32(c) => contiguous(c, l3, "coefficients")?,
+            _ => candle_core::bail!("coefficients must be f32"),
         };
-        let out = with_float!((s1, l1, "logits") => |z| IntoStorage::storage(cpu_grad(z, t, coef, v)?));
+        let out = with_float!((s1, l1, "logits") => |z| IntoStorage::storage(cpu_grad(z, t, coef, v, cols)?));
         Ok((out, Shape::from((n, v))))
     }
 
@@ -176,10 +192,8 @@ impl CustomOp3 for RowGrad {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
         let (n, v) = dims(l1, l2)?;
-        if l3.shape().dims() != [n, 2] {
-            candle_core::bail!("coefficients must be f32 [{n}, 2]");
-        }
-        let plan = grad_plan(s1.dtype(), n, v)?;
+        let cols = coef_cols(n, l3)?;
+        let plan = grad_plan(s1.dtype(), n, v, cols)?;
         let out = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3)])?.remove(0);
         Ok((out, Shape::from((n, v))))
     }
@@ -191,8 +205,9 @@ pub fn row_stats(logits: &Tensor, targets: &Tensor) -> Result<Tensor> {
     logits.detach().contiguous()?.apply_op2_no_bwd(&targets.detach().contiguous()?, &RowStats)
 }
 
-/// `dz = g (onehot(t) - softmax(z))` (`[n, V]`, dtype of `logits`), with the softmax from the row's
-/// log-sum-exp: `coef` is `[n, 2]` f32 of `(lse, g)`. No gradient.
+/// `dz = g (onehot(t) - p) - e p (log p + H)` (`[n, V]`, dtype of `logits`, `p = softmax(z)` from the
+/// row's log-sum-exp): `coef` is `[n, 2]` f32 of `(lse, g)` (no entropy term), or `[n, 4]` of
+/// `(lse, g, H, e)` with the row's entropy H and its upstream gradient e. No gradient.
 pub fn row_grad(logits: &Tensor, targets: &Tensor, coef: &Tensor) -> Result<Tensor> {
     let coef = coef.detach().to_dtype(DType::F32)?.contiguous()?;
     logits.detach().contiguous()?.apply_op3_no_bwd(&targets.detach().contiguous()?, &coef, &RowGrad)
@@ -216,16 +231,16 @@ pub(super) fn stats_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
     Ok(p)
 }
 
-/// The launch of `lp_row_grad` over logits `[n, V]` of `dtype`: per row, blocks of 256 threads striding
-/// over the vocabulary, about 4 elements per thread.
+/// The launch of `lp_row_grad` over logits `[n, V]` of `dtype` with `cols` (2 or 4) coefficients per
+/// row: per row, blocks of 256 threads striding over the vocabulary, about 4 elements per thread.
 #[cfg(any(test, feature = "cuda"))]
-pub(super) fn grad_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
+pub(super) fn grad_plan(dtype: DType, n: usize, v: usize, cols: usize) -> Result<Plan> {
     let threads = 256u32;
     let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
     let mut p = Plan::default();
     let z = p.input("logits", dtype, n * v);
     let t = p.input("targets", DType::U32, n);
-    let coef = p.input("coefficients", DType::F32, n * 2);
+    let coef = p.input("coefficients", DType::F32, n * cols);
     let out = p.output("grad", dtype, n * v);
     p.launch(Launch {
         module: Module::Rows,
@@ -233,7 +248,7 @@ pub(super) fn grad_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
         grid: (n as u32, per_row, 1),
         block: (threads, 1, 1),
         shared_bytes: 0,
-        args: vec![z, t, coef, out, Arg::U32(v as u32)],
+        args: vec![z, t, coef, out, Arg::U32(v as u32), Arg::U32(cols as u32)],
     })?;
     Ok(p)
 }

@@ -251,6 +251,15 @@ pub struct ObjectiveConfig {
     /// (seed 002). Default false; not with `bias`, which exists for exactly those groups.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mask_zero_std: Option<bool>,
+    /// Entropy bonus (verl's `actor.entropy_coeff`): the loss is the objective's minus entropy_coeff
+    /// times the policy's token entropy aggregated as the objective aggregates its tokens (loss_agg).
+    /// Any objective; 0: off.
+    pub entropy_coeff: f32,
+    /// Only each answer's tokens whose entropy is at or above its (1 - q) quantile enter the policy
+    /// loss (TRL's `top_entropy_quantile`, here per answer; the KL term keeps every token). In (0, 1];
+    /// default 1: every token.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub top_entropy_quantile: Option<f32>,
 }
 
 /// Which answers `sft` trains on. Seed 000 describes its SFT baseline both as "only positive samples" and
@@ -294,6 +303,8 @@ impl Default for ObjectiveConfig {
             anchor_every: None,
             sft_answers: None,
             mask_zero_std: None,
+            entropy_coeff: 0.0,
+            top_entropy_quantile: None,
         }
     }
 }
@@ -521,8 +532,25 @@ impl ObjectiveConfig {
         self.validate_peer_options()
     }
 
+    /// The entropy bonus's coefficient (0: off).
+    pub fn entropy_coeff(&self) -> f32 {
+        self.entropy_coeff
+    }
+
+    /// The fraction of each answer's highest-entropy tokens kept in the policy loss (1: all).
+    pub fn top_entropy_quantile(&self) -> f32 {
+        self.top_entropy_quantile.unwrap_or(1.0)
+    }
+
     /// The options named after TRL's and verl's.
     fn validate_peer_options(&self) -> std::result::Result<(), String> {
+        if !(self.entropy_coeff.is_finite() && self.entropy_coeff >= 0.0) {
+            return Err(format!("objective.entropy_coeff = {} must be >= 0", self.entropy_coeff));
+        }
+        let q = self.top_entropy_quantile();
+        if !(q > 0.0 && q <= 1.0) {
+            return Err(format!("objective.top_entropy_quantile = {q} must be in (0, 1]"));
+        }
         if self.std_normalize.is_some() && self.scale_rewards.is_some() {
             return Err("objective.std_normalize and objective.scale_rewards say the same thing: set one".into());
         }

@@ -211,6 +211,11 @@ pub struct TokenInputs {
     /// `[n]` behaviour (anchor) log-probs, as the objective's [`Anchor`] says; `None` is the teacher's
     /// probability 1 (log-prob 0).
     pub behaviour_logp: Option<Tensor>,
+    /// `[n]` f32: the sampler correction's weight of each token's policy term (TIS / MIS, see
+    /// `rollout.importance_sampling_correction`), a constant; `None`: 1. It multiplies the per-token
+    /// policy losses summed by every objective (not the KL term, nor OPMD's and OAPL's squared
+    /// sequence terms).
+    pub is_weights: Option<Tensor>,
 }
 
 impl TokenInputs {
@@ -233,6 +238,7 @@ impl TokenInputs {
             seq_lengths: Tensor::from_vec(lengths.iter().map(|&l| l as f32).collect::<Vec<_>>(), m, device)?,
             ref_logp: None,
             behaviour_logp: None,
+            is_weights: None,
         })
     }
 
@@ -313,9 +319,44 @@ fn finish(
     Ok(LossTerms { pg_loss: crate::device::to_host_scalar::<f32>(&pg_sum)?, kl, loss, clipped_tokens: clipped })
 }
 
-/// The weighted sum `sum_t w_t l_t` of per-token losses.
+/// The entropy bonus `-coeff sum_t w_t H_t` of the per-token entropies `entropy` (`[n]`, with a graph):
+/// the objective's aggregation of the entropy, to add to its loss (verl's `entropy_coeff`).
+pub fn entropy_bonus(entropy: &Tensor, inputs: &TokenInputs, coeff: f32) -> Result<Tensor> {
+    (entropy * &inputs.weights)?.sum_all()? * -(coeff as f64)
+}
+
+/// TRL's high-entropy token mask, per answer: 1 for the tokens of each answer (`lengths[i]` consecutive
+/// values of `entropy`) whose entropy is at or above the answer's `1 - q` quantile (linear interpolation
+/// between order statistics, as torch.quantile), 0 for the others. `q = 1` keeps every token.
+pub fn top_entropy_mask(entropy: &[f32], lengths: &[usize], q: f32) -> Vec<f32> {
+    let mut out = Vec::with_capacity(entropy.len());
+    let mut at = 0;
+    for &len in lengths {
+        let answer = &entropy[at..at + len];
+        at += len;
+        let mut sorted = answer.to_vec();
+        sorted.sort_by(f32::total_cmp);
+        let threshold = match sorted.len() {
+            0 => 0.0,
+            n => {
+                let pos = (1.0 - q as f64).clamp(0.0, 1.0) * (n - 1) as f64;
+                let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+                sorted[lo] as f64 + (sorted[hi] as f64 - sorted[lo] as f64) * (pos - lo as f64)
+            }
+        };
+        out.extend(answer.iter().map(|&h| if h as f64 >= threshold { 1.0 } else { 0.0 }));
+    }
+    out
+}
+
+/// The weighted sum `sum_t w_t c_t l_t` of per-token policy losses (`c_t` the sampler correction's
+/// weight, 1 without one).
 fn weighted_sum(per_token: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
-    (per_token * &inputs.weights)?.sum_all()
+    let weighted = (per_token * &inputs.weights)?;
+    match &inputs.is_weights {
+        Some(c) => (weighted * c)?.sum_all(),
+        None => weighted.sum_all(),
+    }
 }
 
 /// The number of ones in a 0/1 mask.

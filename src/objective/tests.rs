@@ -649,3 +649,78 @@ fn peer_options_are_checked() {
     let dual: ObjectiveConfig = toml::from_str("name = \"gspo\"\nclip_ratio_c = 10.0").unwrap();
     assert_eq!((dual.validate(), dual.clip_ratio_c()), (Ok(()), Some(10.0)));
 }
+
+/// The sampler correction's weights c_t multiply each token's policy term, as if its aggregation weight
+/// were w_t c_t, and leave the KL term alone.
+#[test]
+fn sampler_correction_weights_scale_the_policy_term_only() {
+    let logp = [-0.5f32, -3.0, -1.0];
+    let reference = [-1.0f32, -1.0, -1.2];
+    let (w, adv, c) = ([0.2f32, 0.3, 0.5], [1.0f32, -1.0, 0.5], [0.5f32, 2.0, 0.0]);
+    let wc: Vec<f32> = w.iter().zip(c).map(|(w, c)| w * c).collect();
+    let run_with = |obj: &dyn Objective, weights: &[f32], correction: Option<&[f32]>| {
+        let lp = Var::from_slice(&logp, 3, &Device::Cpu).unwrap();
+        let mut inputs = TokenInputs::for_sequences(&[1, 1, 1], &adv, weights, &Device::Cpu).unwrap();
+        inputs.ref_logp = Some(t(&reference));
+        inputs.behaviour_logp = Some(t(&[-0.7, -2.5, -1.1]));
+        inputs.is_weights = correction.map(t);
+        let terms = obj.loss(lp.as_tensor(), &inputs).unwrap();
+        let grad = vals(terms.loss.backward().unwrap().get(lp.as_tensor()).unwrap());
+        (terms.pg_loss, terms.kl, grad)
+    };
+    for name in [ObjectiveName::Grpo, ObjectiveName::Rec, ObjectiveName::Asymre, ObjectiveName::Cispo] {
+        let obj = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(name, 0.0, 0.3) };
+        let obj = if name == ObjectiveName::Asymre { cfg(name, 0.0, 0.3) } else { obj }.build();
+        let (pg, kl, grad) = run_with(obj.as_ref(), &w, Some(&c));
+        let (pg_want, _, _) = run_with(obj.as_ref(), &wc, None);
+        let (_, kl_want, _) = run_with(obj.as_ref(), &w, None);
+        assert!(near(pg, pg_want) && near(kl, kl_want), "{name:?}: pg {pg} vs {pg_want}, kl {kl} vs {kl_want}");
+        // Gradient: the policy part as with weights w c, plus the unchanged KL part beta w (1 - p_ref / p).
+        let obj_pg = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(name, 0.0, 0.0) };
+        let obj_pg = if name == ObjectiveName::Asymre { cfg(name, 0.0, 0.0) } else { obj_pg }.build();
+        let lp = Var::from_slice(&logp, 3, &Device::Cpu).unwrap();
+        let mut inputs = TokenInputs::for_sequences(&[1, 1, 1], &adv, &wc, &Device::Cpu).unwrap();
+        inputs.behaviour_logp = Some(t(&[-0.7, -2.5, -1.1]));
+        let pg_grad =
+            vals(obj_pg.loss(lp.as_tensor(), &inputs).unwrap().loss.backward().unwrap().get(lp.as_tensor()).unwrap());
+        for i in 0..3 {
+            let want = pg_grad[i] + 0.3 * w[i] * (1.0 - (reference[i] - logp[i]).exp());
+            assert!(near(grad[i], want), "{name:?} token {i}: {} vs {want}", grad[i]);
+        }
+    }
+}
+
+/// The entropy bonus: -c sum_t w_t H_t, its gradient -c w_t on each token's entropy; negative
+/// coefficients are refused.
+#[test]
+fn entropy_bonus_hand_computed() {
+    let h = Var::from_slice(&[1.5f32, 0.2, 3.0], 3, &Device::Cpu).unwrap();
+    let inputs = TokenInputs::for_sequences(&[2, 1], &[1.0, -1.0], &[0.25, 0.5], &Device::Cpu).unwrap();
+    let bonus = entropy_bonus(h.as_tensor(), &inputs, 0.1).unwrap();
+    assert!(near(bonus.to_scalar::<f32>().unwrap(), -0.1 * (0.25 * 1.5 + 0.25 * 0.2 + 0.5 * 3.0)));
+    let g = vals(bonus.backward().unwrap().get(h.as_tensor()).unwrap());
+    assert_all_near(&g, &[-0.025, -0.025, -0.05], "d bonus / d H");
+    let bad = ObjectiveConfig { entropy_coeff: -0.1, ..Default::default() }.validate().unwrap_err();
+    assert!(bad.starts_with("objective.entropy_coeff = -0.1"), "{bad}");
+    let cfg: ObjectiveConfig = toml::from_str("name = \"oapl\"\nentropy_coeff = 0.01").unwrap();
+    assert_eq!((cfg.validate(), cfg.entropy_coeff()), (Ok(()), 0.01));
+}
+
+/// The high-entropy mask per answer, against torch.quantile's linear interpolation by hand: answer 0
+/// has entropies [0.5, 2.0, 1.0, 3.0] (sorted 0.5, 1.0, 2.0, 3.0); with q = 0.5 the 0.5 quantile sits at
+/// position 1.5, threshold 1.5, so 2.0 and 3.0 are kept; q = 0.2: position 2.4, threshold 2.4, 3.0 kept.
+/// Answer 1 ([0.7]) keeps its one token; q = 1 keeps every token; ties at the threshold are kept.
+#[test]
+fn top_entropy_mask_hand_computed() {
+    let h = [0.5f32, 2.0, 1.0, 3.0, 0.7];
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 0.5), [0.0, 1.0, 0.0, 1.0, 1.0]);
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 0.2), [0.0, 0.0, 0.0, 1.0, 1.0]);
+    assert_eq!(top_entropy_mask(&h, &[4, 1], 1.0), [1.0; 5]);
+    assert_eq!(top_entropy_mask(&[1.0, 1.0, 2.0], &[3], 0.1), [0.0, 0.0, 1.0]);
+    assert_eq!(top_entropy_mask(&[1.0, 1.0, 1.0], &[3], 0.1), [1.0; 3]);
+    assert_eq!(top_entropy_mask(&[], &[0], 0.5), Vec::<f32>::new());
+    for q in [0.0f32, 1.5, f32::NAN] {
+        let bad = ObjectiveConfig { top_entropy_quantile: Some(q), ..Default::default() }.validate().unwrap_err();
+        assert!(bad.starts_with("objective.top_entropy_quantile"), "{bad}");
+    }
+}

@@ -25,12 +25,18 @@
 //! With `[rollout.server] engine = "openai"` the answers come from an OpenAI-compatible server (see
 //! [`server`]), told to load the sampling weights at each refresh; the scoring and the behaviour forward
 //! are the same.
+//!
+//! With `importance_sampling_correction` the sampler's own log-prob of each token (the server's, or the
+//! KV-cache sampler's) is compared with the behaviour forward's, and each sampled token's policy loss
+//! is weighted by the truncated or masked ratio (TIS / MIS, see [`correction`]).
 
+mod correction;
 mod options;
 mod questions;
 mod sample;
 mod server;
 
+pub use correction::IsMode;
 pub use options::RolloutOptions;
 pub use questions::{load_questions, GroupSource};
 pub use sample::{behaviour_logprobs, sample_groups, RolloutMetrics};
@@ -198,12 +204,13 @@ impl Rollouts {
         let start = Instant::now();
         let bar = crate::progress::progress_bar(None, "rollout");
         bar.set_message("tokens generated (server)");
-        let counts = (self.options.sampled(), self.options.n);
-        let (samples, cut) = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
+        let counts = (self.options.sampled(), self.options.n, self.options.importance_sampling_correction);
+        let batch = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
         bar.finish_and_clear();
         let (groups, mut metrics) =
-            sample::score_groups(sampler, &self.tok, questions, &self.options, samples, self.micro, start)?;
-        metrics.server_cut = cut;
+            sample::score_groups(sampler, &self.tok, questions, &self.options, batch.samples, self.micro, start)?;
+        metrics.server_cut = batch.cut;
+        metrics.server_unaligned = batch.unaligned;
         Ok((groups, metrics))
     }
 

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
+use super::correction::IsMode;
 use super::server::Reload;
 use crate::eval::benchmarks::BOXED_FIRST_TEMPLATE;
 use crate::eval::{EngineKind, EngineOptions, SamplingParams};
@@ -85,6 +86,22 @@ pub struct RolloutOptions {
     /// The penalty at rollout.max_new_tokens (verl's `overlong_buffer.penalty_factor`).
     #[arg(long = "rollout-overlong-penalty-factor", default_value_t = 1.0)]
     pub overlong_penalty_factor: f32,
+    /// Correct the mismatch between the sampler's log-probs and grpo's forward of the same weights
+    /// (TRL's `vllm_importance_sampling_correction`): each sampled token's policy loss is weighted by the
+    /// ratio exp(log p_grpo - log p_sampler), truncated or masked at `importance_sampling_cap` (see
+    /// [`super::correction`]). The server is asked for its token log-probs (OpenAI `logprobs`).
+    #[serde(alias = "vllm_importance_sampling_correction")]
+    #[arg(long = "rollout-importance-sampling-correction")]
+    pub importance_sampling_correction: bool,
+    /// TRL's `vllm_importance_sampling_mode`: token_truncate (TIS), token_mask (MIS), sequence_truncate,
+    /// sequence_mask.
+    #[serde(alias = "vllm_importance_sampling_mode")]
+    #[arg(long = "rollout-importance-sampling-mode", value_enum, default_value_t = IsMode::TokenTruncate)]
+    pub importance_sampling_mode: IsMode,
+    /// The cap C (TRL's `vllm_importance_sampling_cap`, verl's `rollout_is_threshold`), >= 1.
+    #[serde(alias = "vllm_importance_sampling_cap")]
+    #[arg(long = "rollout-importance-sampling-cap", default_value_t = 3.0)]
+    pub importance_sampling_cap: f32,
 }
 
 impl Default for RolloutOptions {
@@ -108,6 +125,9 @@ impl Default for RolloutOptions {
             max_num_gen_batches: 10,
             overlong_buffer_len: 0,
             overlong_penalty_factor: 1.0,
+            importance_sampling_correction: false,
+            importance_sampling_mode: IsMode::TokenTruncate,
+            importance_sampling_cap: 3.0,
         }
     }
 }
@@ -201,6 +221,12 @@ impl RolloutOptions {
         }
         if !(self.overlong_penalty_factor.is_finite() && self.overlong_penalty_factor >= 0.0) {
             return Err(format!("rollout.overlong_penalty_factor = {} must be >= 0", self.overlong_penalty_factor));
+        }
+        if !(self.importance_sampling_cap.is_finite() && self.importance_sampling_cap >= 1.0) {
+            return Err(format!(
+                "rollout.importance_sampling_cap = {} must be >= 1 (a ratio of 1, no mismatch, keeps its weight)",
+                self.importance_sampling_cap
+            ));
         }
         if self.teacher_answers >= self.n {
             return Err(format!(
@@ -305,6 +331,21 @@ mod tests {
         assert!(bad("max_new_tokens = 10\noverlong_buffer_len = 10").starts_with("rollout.overlong_buffer_len"));
         assert!(bad("overlong_penalty_factor = -1").starts_with("rollout.overlong_penalty_factor"));
         assert!(bad("max_num_gen_batches = 0").starts_with("rollout.max_num_gen_batches"));
+    }
+
+    #[test]
+    fn importance_sampling_options_take_trls_names_and_a_cap_of_at_least_one() {
+        let trl: RolloutOptions = toml::from_str(
+            "vllm_importance_sampling_correction = true\nvllm_importance_sampling_mode = \"sequence_mask\"\n\
+             vllm_importance_sampling_cap = 2.5",
+        )
+        .unwrap();
+        assert!(trl.importance_sampling_correction);
+        assert_eq!((trl.importance_sampling_mode, trl.importance_sampling_cap), (IsMode::SequenceMask, 2.5));
+        let cli = Cli::parse_from(["x", "--rollout-importance-sampling-mode", "token_mask"]).options;
+        assert_eq!(cli.importance_sampling_mode, IsMode::TokenMask);
+        let bad = toml::from_str::<RolloutOptions>("importance_sampling_cap = 0.5").unwrap().validate().unwrap_err();
+        assert!(bad.starts_with("rollout.importance_sampling_cap = 0.5"), "{bad}");
     }
 
     #[test]

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use super::correction::{answer_correction, summarise, AnswerCorrection, RatioSummary};
 use super::server::Sampled;
 use super::{RolloutError, RolloutOptions};
 use crate::data::{Group, Response};
@@ -67,6 +68,30 @@ pub struct RolloutMetrics {
     /// The largest such difference.
     #[serde(rename = "rollout/sampling_logp_difference_max", skip_serializing_if = "Option::is_none")]
     pub logp_diff_max: Option<f64>,
+    /// Server answers whose log-probs did not match grpo's tokens (trained on without correction).
+    #[serde(rename = "rollout/server_logprobs_unaligned")]
+    pub server_unaligned: usize,
+    /// rollout.importance_sampling_correction: the smallest ratio exp(log p_grpo - log p_sampler) (per
+    /// token, or per answer at sequence level) before the cap.
+    #[serde(rename = "rollout/importance_sampling_ratio_min", skip_serializing_if = "Option::is_none")]
+    pub is_ratio_min: Option<f64>,
+    /// Their mean.
+    #[serde(rename = "rollout/importance_sampling_ratio_mean", skip_serializing_if = "Option::is_none")]
+    pub is_ratio_mean: Option<f64>,
+    /// Their largest.
+    #[serde(rename = "rollout/importance_sampling_ratio_max", skip_serializing_if = "Option::is_none")]
+    pub is_ratio_max: Option<f64>,
+    /// The fraction of them above the cap: truncated to it (`*_truncate`) or masked (`*_mask`).
+    #[serde(rename = "rollout/importance_sampling_capped_fraction", skip_serializing_if = "Option::is_none")]
+    pub is_capped_fraction: Option<f64>,
+}
+
+/// Two batches' values of an optional metric: `f` of both, or the one present.
+fn either(x: Option<f64>, y: Option<f64>, f: impl Fn(f64, f64) -> f64) -> Option<f64> {
+    match (x, y) {
+        (Some(x), Some(y)) => Some(f(x, y)),
+        (x, y) => x.or(y),
+    }
 }
 
 /// Mean and max of |log p_sampler - log p_grpo| over the tokens of the answers whose sampler reported
@@ -110,14 +135,13 @@ impl RolloutMetrics {
             gen_batches: self.gen_batches + o.gen_batches,
             groups_dropped: self.groups_dropped + o.groups_dropped,
             server_cut: self.server_cut + o.server_cut,
-            logp_diff_mean: match (self.logp_diff_mean, o.logp_diff_mean) {
-                (Some(x), Some(y)) => Some(mean(x, y)),
-                (x, y) => x.or(y),
-            },
-            logp_diff_max: match (self.logp_diff_max, o.logp_diff_max) {
-                (Some(x), Some(y)) => Some(x.max(y)),
-                (x, y) => x.or(y),
-            },
+            logp_diff_mean: either(self.logp_diff_mean, o.logp_diff_mean, mean),
+            logp_diff_max: either(self.logp_diff_max, o.logp_diff_max, f64::max),
+            server_unaligned: self.server_unaligned + o.server_unaligned,
+            is_ratio_min: either(self.is_ratio_min, o.is_ratio_min, f64::min),
+            is_ratio_mean: either(self.is_ratio_mean, o.is_ratio_mean, mean),
+            is_ratio_max: either(self.is_ratio_max, o.is_ratio_max, f64::max),
+            is_capped_fraction: either(self.is_capped_fraction, o.is_capped_fraction, mean),
         };
     }
 }
@@ -212,6 +236,7 @@ pub(super) fn score_groups(
     let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.tokens.clone()).collect();
     let behaviour = behaviour_logprobs(sampler, &prompts, &responses, micro, tok.pad_id())?;
     let logp_diff = logp_difference(&samples, &behaviour);
+    let (mut is_weights, ratios) = corrections(opts, &samples, &behaviour);
     let mut out = Vec::with_capacity(questions.len());
     let mut rewards = Vec::with_capacity(samples.len());
     let mut extracted = 0usize;
@@ -232,6 +257,7 @@ pub(super) fn score_groups(
                 answer,
                 truncated: s.finish == FinishReason::Length,
                 teacher_logprobs: Some(logp),
+                is_weights: is_weights.next().flatten(),
             })
             .collect();
         rewards.extend(answers.iter().map(|r| r.reward as f64));
@@ -257,8 +283,33 @@ pub(super) fn score_groups(
         groups_dropped: 0,
         logp_diff_mean: logp_diff.map(|d| d.0),
         logp_diff_max: logp_diff.map(|d| d.1),
+        server_unaligned: 0,
+        is_ratio_min: ratios.map(|r| r.min),
+        is_ratio_mean: ratios.map(|r| r.mean),
+        is_ratio_max: ratios.map(|r| r.max),
+        is_capped_fraction: ratios.map(|r| r.capped_fraction),
     };
     Ok((out, metrics))
+}
+
+/// With `opts.importance_sampling_correction`, the weights of each sampled answer's tokens (`None` for
+/// an answer whose sampler reported no log-probs: no correction) and the summary of their ratios.
+fn corrections(
+    opts: &RolloutOptions,
+    samples: &[Sampled],
+    behaviour: &[Vec<f32>],
+) -> (std::vec::IntoIter<Option<Vec<f32>>>, Option<RatioSummary>) {
+    if !opts.importance_sampling_correction {
+        return (vec![None; samples.len()].into_iter(), None);
+    }
+    let (mode, cap) = (opts.importance_sampling_mode, opts.importance_sampling_cap);
+    let each: Vec<Option<AnswerCorrection>> = samples
+        .iter()
+        .zip(behaviour)
+        .map(|(s, b)| s.sampler_logprobs.as_ref().map(|lp| answer_correction(b, lp, mode, cap)))
+        .collect();
+    let summary = summarise(&each.iter().flatten().cloned().collect::<Vec<_>>());
+    (each.into_iter().map(|c| c.map(|c| c.weights)).collect::<Vec<_>>().into_iter(), summary)
 }
 
 /// The f32 log-prob of each response token under `model` (no graph), `micro` sequences per forward.

@@ -16,6 +16,16 @@
 //!   sampling policy for the whole run.
 //!
 //! ROOT is `base_url` without its trailing `/v1`.
+//!
+//! With `rollout.importance_sampling_correction` the server is asked for each sampled token's log-prob
+//! (OpenAI `logprobs`; vLLM names the tokens by id with `return_tokens_as_token_ids`). They are aligned
+//! with grpo's re-tokenisation of the text token by token: a server token matches when its id equals
+//! grpo's (vLLM), or else when its text equals grpo's decoding of that one token (llama.cpp, SGLang). An
+//! answer whose first tokens do not all match, or that has fewer server tokens than grpo's, is
+//! *unaligned*: it is trained on without correction (weight 1), its log-probs are left out of the
+//! mismatch metrics, and it is counted (`rollout/server_logprobs_unaligned`, with a warning). The stop
+//! token's log-prob, when the server reports it after the text, goes to the EOS grpo appends; without
+//! it the EOS has no sampler log-prob (ratio 1).
 
 use std::io::Read;
 use std::path::Path;
@@ -24,7 +34,7 @@ use serde::{Deserialize, Serialize};
 
 use super::RolloutError;
 use crate::data::Group;
-use crate::eval::engine::{Completion, Engine, OpenAi, Progress, PromptJob};
+use crate::eval::engine::{Completion, Engine, OpenAi, Progress, PromptJob, ServerToken};
 use crate::eval::{EngineOptions, EvalError, FinishReason, SamplingParams};
 use crate::model::ChatTokenizer;
 
@@ -105,14 +115,24 @@ pub struct Sampled {
     pub sampler_logprobs: Option<Vec<f32>>,
 }
 
+/// How a server's answer became a rollout sequence.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Conversion {
+    /// It was longer than `max_new_tokens` and was cut to it.
+    pub cut: bool,
+    /// It had log-probs that do not match grpo's tokens (they are dropped).
+    pub unaligned: bool,
+}
+
 /// A server's answer as a rollout sequence: the text re-tokenised with the policy's tokenizer, cut to
-/// `max_new_tokens` tokens (then it did not stop), plus `eos` when it stopped. Also whether it was cut.
+/// `max_new_tokens` tokens (then it did not stop), plus `eos` when it stopped, with the server's
+/// log-probs aligned to those tokens when it sent them (see the module documentation).
 pub fn to_sampled(
     c: Completion,
     tok: &ChatTokenizer,
     eos: Option<u32>,
     max_new_tokens: usize,
-) -> Result<(Sampled, bool), RolloutError> {
+) -> Result<(Sampled, Conversion), RolloutError> {
     let mut ids = tok.encode(&c.text, false)?;
     let (text, finish, cut) = if ids.len() > max_new_tokens {
         ids.truncate(max_new_tokens);
@@ -121,11 +141,54 @@ pub fn to_sampled(
         (c.text, c.finish, false)
     };
     let generated = ids.len();
-    let tokens = match (finish, eos) {
-        (FinishReason::Stop, Some(e)) => [ids.as_slice(), &[e]].concat(),
-        _ => ids,
+    let appended = match (finish, eos) {
+        (FinishReason::Stop, Some(e)) => Some(e),
+        _ => None,
     };
-    Ok((Sampled { tokens, text, finish, generated, sampler_logprobs: None }, cut))
+    let sampler_logprobs = match &c.logprobs {
+        Some(server) => align(&ids, appended, server, tok)?,
+        None => None,
+    };
+    let unaligned = c.logprobs.is_some() && sampler_logprobs.is_none();
+    let tokens = match appended {
+        Some(e) => [ids.as_slice(), &[e]].concat(),
+        None => ids,
+    };
+    Ok((Sampled { tokens, text, finish, generated, sampler_logprobs }, Conversion { cut, unaligned }))
+}
+
+/// The server's log-prob of each of grpo's tokens `ids` (then of the appended EOS `eos` when the server
+/// reports its stop token after them), or `None` when the server's first tokens are not `ids`.
+fn align(
+    ids: &[u32],
+    eos: Option<u32>,
+    server: &[ServerToken],
+    tok: &ChatTokenizer,
+) -> Result<Option<Vec<f32>>, RolloutError> {
+    if server.len() < ids.len() {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(ids.len() + 1);
+    for (&id, s) in ids.iter().zip(server) {
+        let same = match s.id {
+            Some(sid) => sid == id,
+            None => s.text == tok.decode(&[id], false)?,
+        };
+        match (same, s.logprob) {
+            (true, Some(lp)) => out.push(lp),
+            _ => return Ok(None),
+        }
+    }
+    if let (Some(e), Some(s)) = (eos, server.get(ids.len())) {
+        let stop = match s.id {
+            Some(sid) => sid == e,
+            None => s.text.is_empty() || s.text == tok.decode(&[e], false)?,
+        };
+        if let (true, Some(lp)) = (stop, s.logprob) {
+            out.push(lp);
+        }
+    }
+    Ok(Some(out))
 }
 
 /// Collects the engine's samples per job.
@@ -146,18 +209,30 @@ impl Progress for Sink<'_> {
     }
 }
 
+/// A batch of the server's answers.
+#[derive(Debug)]
+pub struct ServerBatch {
+    /// In question order.
+    pub samples: Vec<Sampled>,
+    /// Answers longer than asked (a server ignoring max_tokens), cut to it.
+    pub cut: usize,
+    /// Answers whose log-probs did not match grpo's tokens.
+    pub unaligned: usize,
+}
+
 /// `k` answers to each question from the server, answer j of group `g` seeded from sequence
-/// `g.index * n + j` of `params.seed`, in question order, each at most `params.max_new_tokens` tokens;
-/// also how many were longer (a server ignoring max_tokens) and were cut to it.
+/// `g.index * n + j` of `params.seed`, in question order, each at most `params.max_new_tokens` tokens,
+/// with their tokens' log-probs when `logprobs`.
 pub fn server_samples(
     options: &EngineOptions,
     tok: &ChatTokenizer,
     questions: &[Group],
-    (k, n): (usize, usize),
+    (k, n, logprobs): (usize, usize, bool),
     params: &SamplingParams,
     bar: &indicatif::ProgressBar,
-) -> Result<(Vec<Sampled>, usize), RolloutError> {
+) -> Result<ServerBatch, RolloutError> {
     let engine = OpenAi::new(options, tok)?;
+    let engine = if logprobs { engine.with_logprobs() } else { engine };
     let jobs: Vec<PromptJob> = questions
         .iter()
         .map(|g| {
@@ -173,16 +248,31 @@ pub fn server_samples(
     engine.complete(&jobs, k, params, &mut sink)?;
     let eos = tok.eos_ids().first().copied();
     let mut out = Vec::with_capacity(jobs.len() * k);
-    let mut cut = engine.cut_answers();
+    let (mut cut, mut unaligned) = (engine.cut_answers(), 0);
     for samples in sink.out {
         let samples = samples.ok_or_else(|| RolloutError::Invalid("the server left a question unanswered".into()))?;
         for c in samples.into_iter().take(k) {
-            let (sampled, was_cut) = to_sampled(c, tok, eos, params.max_new_tokens)?;
+            if logprobs && c.logprobs.is_none() {
+                return Err(RolloutError::Invalid(format!(
+                    "rollout.importance_sampling_correction: the server at {} sent no `logprobs` for an answer \
+                     (does it support them on /completions?)",
+                    options.base_url.as_deref().unwrap_or_default()
+                )));
+            }
+            let (sampled, how) = to_sampled(c, tok, eos, params.max_new_tokens)?;
             out.push(sampled);
-            cut += usize::from(was_cut);
+            cut += usize::from(how.cut);
+            unaligned += usize::from(how.unaligned);
         }
     }
-    Ok((out, cut))
+    if unaligned > 0 {
+        tracing::warn!(
+            "{unaligned} of {} server answers have tokens that differ from grpo's tokenisation of their text: \
+             trained on without the importance-sampling correction",
+            out.len()
+        );
+    }
+    Ok(ServerBatch { samples: out, cut, unaligned })
 }
 
 #[cfg(test)]
@@ -235,20 +325,69 @@ mod tests {
         assert!(Path::new(path).is_absolute() && Path::new(path).ends_with("src/rollout"), "{got}");
     }
 
+    /// Server log-probs follow grpo's tokens: matched by id or by text, the stop token's given to the
+    /// appended EOS, and refused (unaligned) when the tokens differ or are too few.
+    #[test]
+    fn server_log_probs_are_aligned_with_grpos_tokens() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/digits");
+        let tok = ChatTokenizer::load(&dir).unwrap();
+        let eos = tok.eos_ids().first().copied();
+        let ids = tok.encode("1 2 3", false).unwrap();
+        assert!(ids.len() >= 3, "{ids:?}");
+        let lps: Vec<f32> = (0..=ids.len()).map(|i| -0.25 * (i + 1) as f32).collect();
+        let by_id = |ids: &[u32]| -> Vec<ServerToken> {
+            ids.iter()
+                .zip(&lps)
+                .map(|(&i, &lp)| ServerToken { text: format!("token_id:{i}"), id: Some(i), logprob: Some(lp) })
+                .collect()
+        };
+        let by_text = |ids: &[u32]| -> Vec<ServerToken> {
+            ids.iter()
+                .zip(&lps)
+                .map(|(&i, &lp)| ServerToken { text: tok.decode(&[i], false).unwrap(), id: None, logprob: Some(lp) })
+                .collect()
+        };
+        let answer =
+            |finish, logprobs| Completion { text: "1 2 3".into(), tokens: 0, finish, logprobs: Some(logprobs) };
+        let n = ids.len();
+        // The stop token after the text: its log-prob goes to the EOS.
+        let with_stop = [ids.clone(), vec![eos.unwrap()]].concat();
+        for server in [by_id(&with_stop), by_text(&with_stop)] {
+            let (s, how) = to_sampled(answer(FinishReason::Stop, server), &tok, eos, 8).unwrap();
+            assert_eq!((s.sampler_logprobs.as_deref(), how.unaligned), (Some(&lps[..n + 1]), false));
+        }
+        // No stop token reported: the EOS has none; a cut answer keeps the log-probs of its kept tokens.
+        let (s, _) = to_sampled(answer(FinishReason::Stop, by_id(&ids)), &tok, eos, 8).unwrap();
+        assert_eq!((s.tokens.len(), s.sampler_logprobs.as_deref()), (n + 1, Some(&lps[..n])));
+        let (s, how) = to_sampled(answer(FinishReason::Stop, by_id(&with_stop)), &tok, eos, 2).unwrap();
+        assert!(how.cut && !how.unaligned);
+        assert_eq!(s.sampler_logprobs.as_deref(), Some(&lps[..2]));
+        // Another token, a missing log-prob or too few tokens: unaligned, no log-probs.
+        let mut other = ids.clone();
+        other[1] += 1;
+        let mut no_lp = by_text(&ids);
+        no_lp[0].logprob = None;
+        for server in [by_id(&other), by_text(&other), no_lp, by_id(&ids[..n - 1])] {
+            let (s, how) = to_sampled(answer(FinishReason::Length, server), &tok, eos, 8).unwrap();
+            assert_eq!((s.sampler_logprobs, how.unaligned), (None, true));
+        }
+    }
+
     #[test]
     fn answers_past_max_new_tokens_are_cut_to_it() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/digits");
         let tok = ChatTokenizer::load(&dir).unwrap();
         let eos = tok.eos_ids().first().copied();
-        let long = Completion { text: "1 2 3 4 5 6 7 8 9 ".repeat(50), tokens: 0, finish: FinishReason::Stop };
-        let (s, cut) = to_sampled(long.clone(), &tok, eos, 8).unwrap();
-        assert!(cut);
+        let long =
+            Completion { text: "1 2 3 4 5 6 7 8 9 ".repeat(50), tokens: 0, finish: FinishReason::Stop, logprobs: None };
+        let (s, how) = to_sampled(long.clone(), &tok, eos, 8).unwrap();
+        assert!(how.cut && !how.unaligned);
         assert_eq!((s.tokens.len(), s.generated, s.finish), (8, 8, FinishReason::Length));
         assert_eq!(tok.encode(&s.text, false).unwrap(), s.tokens);
         assert!(long.text.starts_with(s.text.trim_end()), "{}", s.text);
-        let short = Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop };
-        let (s, cut) = to_sampled(short, &tok, eos, 8).unwrap();
-        assert!(!cut && s.finish == FinishReason::Stop && s.generated == 1);
+        let short = Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop, logprobs: None };
+        let (s, how) = to_sampled(short, &tok, eos, 8).unwrap();
+        assert!(!how.cut && s.finish == FinishReason::Stop && s.generated == 1);
         assert_eq!(s.tokens.last().copied(), eos);
     }
 }

@@ -32,6 +32,7 @@ fn questions(tok: &ChatTokenizer, n: usize) -> Vec<Group> {
                     answer: None,
                     truncated: false,
                     teacher_logprobs: None,
+                    is_weights: None,
                 })
                 .collect(),
             majority: Some("7".into()),
@@ -285,7 +286,7 @@ fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
         .iter()
         .zip(finishes)
         .map(|(t, finish)| {
-            let c = Completion { text: t.to_string(), tokens: 0, finish };
+            let c = Completion { text: t.to_string(), tokens: 0, finish, logprobs: None };
             server::to_sampled(c, &tok, eos, 8).unwrap().0
         })
         .collect();
@@ -311,9 +312,14 @@ fn server_answers_are_retokenised_and_carry_the_sampling_weights_log_probs() {
     assert_eq!(metrics.truncated_fraction, 0.5);
     // One answer too few is refused.
     let short = vec![
-        server::to_sampled(Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop }, &tok, eos, 8)
-            .unwrap()
-            .0,
+        server::to_sampled(
+            Completion { text: "7".into(), tokens: 0, finish: FinishReason::Stop, logprobs: None },
+            &tok,
+            eos,
+            8,
+        )
+        .unwrap()
+        .0,
     ];
     assert!(sample::score_groups(&m, &tok, &qs, &opts, short, 3, std::time::Instant::now()).is_err());
 }
@@ -364,9 +370,10 @@ fn a_servers_answers_are_cut_to_max_new_tokens_and_counted() {
     };
     let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 };
     let bar = indicatif::ProgressBar::hidden();
-    let (samples, cut) = server::server_samples(&options, &tok, &questions(&tok, 1), (2, 2), &params, &bar).unwrap();
+    let batch = server::server_samples(&options, &tok, &questions(&tok, 1), (2, 2, false), &params, &bar).unwrap();
     server.join().unwrap();
-    assert_eq!(cut, 1);
+    let samples = batch.samples;
+    assert_eq!((batch.cut, batch.unaligned), (1, 0));
     let eos = tok.eos_ids().first().copied().unwrap();
     assert_eq!((samples[0].finish, samples[0].tokens.last()), (FinishReason::Stop, Some(&eos)));
     assert_eq!((samples[1].finish, samples[1].generated, samples[1].tokens.len()), (FinishReason::Length, 8, 8));
@@ -379,7 +386,14 @@ fn scored(rewards: &[&[f32]], first: usize) -> (Vec<Group>, RolloutMetrics) {
         g.index = first + i;
         g.responses = r
             .iter()
-            .map(|&reward| Response { tokens: vec![3], reward, answer: None, truncated: false, teacher_logprobs: None })
+            .map(|&reward| Response {
+                tokens: vec![3],
+                reward,
+                answer: None,
+                truncated: false,
+                teacher_logprobs: None,
+                is_weights: None,
+            })
             .collect();
     }
     let answers = rewards.iter().map(|r| r.len()).sum();
@@ -456,4 +470,107 @@ fn the_overlong_penalty_lowers_the_rewards_of_long_sampled_answers() {
     assert!(rewards.iter().zip(want).all(|(a, b)| (a - b).abs() < 1e-6), "{rewards:?}");
     assert!((metrics.overlong_fraction - 4.0 / 6.0).abs() < 1e-12);
     assert!((metrics.overlong_penalty + 1.25 / 6.0).abs() < 1e-9, "{}", metrics.overlong_penalty);
+}
+
+/// A server that reports its tokens' log-probs (by id, as vLLM does): each sampled token's policy loss
+/// gets the truncated ratio exp(b - s) of grpo's behaviour log-prob b and the server's s, and the
+/// mismatch metrics are those of these log-probs.
+#[test]
+fn server_log_probs_give_the_importance_sampling_correction_and_its_metrics() {
+    use crate::eval::engine::fake_server::{serve, Reply};
+    use crate::eval::SamplingParams;
+    let (tok, m) = (tokenizer(), policy(6));
+    let qs = questions(&tok, 1);
+    let texts = ["7", "1 2"];
+    // The server's log-prob of token t of answer i: -3 - 0.9 t - i (the last answer also names its
+    // stop token).
+    let server_lp = |i: usize, t: usize| -3.0 - 0.9 * t as f32 - i as f32;
+    let eos = tok.eos_ids()[0];
+    let choice = |i: usize| {
+        let mut ids = tok.encode(texts[i], false).unwrap();
+        if i == 1 {
+            ids.push(eos);
+        }
+        let names: Vec<String> = ids.iter().map(|id| format!("token_id:{id}")).collect();
+        let lps: Vec<f32> = (0..ids.len()).map(|t| server_lp(i, t)).collect();
+        serde_json::json!({"index": i, "text": texts[i], "finish_reason": "stop",
+            "logprobs": {"tokens": names, "token_logprobs": lps}})
+    };
+    let body = serde_json::json!({"choices": [choice(0), choice(1)]});
+    let (url, server) = serve(vec![Reply::Full(200, body.to_string())]);
+    let mut opts = options(2, 8);
+    opts.importance_sampling_correction = true;
+    opts.importance_sampling_cap = 1.5;
+    opts.server = crate::eval::EngineOptions {
+        engine: crate::eval::EngineKind::Openai,
+        base_url: Some(url),
+        served_model: Some("m".into()),
+        max_retries: 0,
+        concurrency: 1,
+        ..Default::default()
+    };
+    let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 };
+    let bar = indicatif::ProgressBar::hidden();
+    let batch = server::server_samples(&opts.server, &tok, &qs, (2, 2, true), &params, &bar).unwrap();
+    let request: serde_json::Value = serde_json::from_str(&server.join().unwrap()[0].request).unwrap();
+    assert_eq!((request["logprobs"].as_u64(), request["return_tokens_as_token_ids"].as_bool()), (Some(1), Some(true)));
+    assert_eq!(batch.unaligned, 0);
+    let (groups, metrics) =
+        sample::score_groups(&m, &tok, &qs, &opts, batch.samples, 3, std::time::Instant::now()).unwrap();
+    let (mut diffs, mut ratios, mut capped) = (Vec::new(), Vec::new(), 0);
+    for (i, r) in groups[0].responses.iter().enumerate() {
+        let b = single_logprobs(&m, &qs[0].prompt_tokens, &r.tokens);
+        let w = r.is_weights.as_ref().unwrap();
+        assert_eq!(w.len(), r.tokens.len());
+        // Answer 0's EOS has no server log-prob (the server did not report its stop token): weight 1.
+        let reported = if i == 0 { r.tokens.len() - 1 } else { r.tokens.len() };
+        for t in 0..r.tokens.len() {
+            let want = if t < reported {
+                let rho = ((b[t] - server_lp(i, t)) as f64).exp();
+                diffs.push((b[t] - server_lp(i, t)).abs() as f64);
+                ratios.push(rho);
+                capped += usize::from(rho > 1.5);
+                rho.min(1.5)
+            } else {
+                1.0
+            };
+            assert!((w[t] as f64 - want).abs() < 1e-4 * want.max(1.0), "answer {i} token {t}: {} vs {want}", w[t]);
+        }
+    }
+    assert!(capped > 0 && capped < ratios.len(), "both branches: {ratios:?}");
+    let n = ratios.len() as f64;
+    let close = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-4 * b.abs().max(1.0);
+    assert!(close(metrics.logp_diff_mean, diffs.iter().sum::<f64>() / n), "{metrics:?}");
+    assert!(close(metrics.logp_diff_max, diffs.iter().copied().fold(0.0, f64::max)));
+    assert!(close(metrics.is_ratio_mean, ratios.iter().sum::<f64>() / n));
+    assert!(close(metrics.is_ratio_min, ratios.iter().copied().fold(f64::INFINITY, f64::min)));
+    assert!(close(metrics.is_ratio_max, ratios.iter().copied().fold(0.0, f64::max)));
+    assert!(close(metrics.is_capped_fraction, capped as f64 / n));
+    let row = serde_json::to_value(&metrics).unwrap();
+    for key in ["importance_sampling_ratio_mean", "importance_sampling_capped_fraction", "server_logprobs_unaligned"] {
+        assert!(row.get(format!("rollout/{key}")).is_some(), "{row}");
+    }
+}
+
+/// A server that sends no log-probs when they were asked for is refused with a clear error.
+#[test]
+fn a_server_without_log_probs_is_refused_when_they_are_needed() {
+    use crate::eval::engine::fake_server::{serve, Reply};
+    use crate::eval::SamplingParams;
+    let tok = tokenizer();
+    let body = serde_json::json!({"choices": [{"index": 0, "text": "7", "finish_reason": "stop"}]});
+    let (url, server) = serve(vec![Reply::Full(200, body.to_string())]);
+    let options = crate::eval::EngineOptions {
+        engine: crate::eval::EngineKind::Openai,
+        base_url: Some(url),
+        served_model: Some("m".into()),
+        max_retries: 0,
+        concurrency: 1,
+        ..Default::default()
+    };
+    let params = SamplingParams { temperature: 1.0, top_p: 1.0, top_k: 0, max_new_tokens: 8, seed: 0 };
+    let bar = indicatif::ProgressBar::hidden();
+    let e = server::server_samples(&options, &tok, &questions(&tok, 1), (1, 2, true), &params, &bar).unwrap_err();
+    server.join().unwrap();
+    assert!(e.to_string().contains("sent no `logprobs`"), "{e}");
 }

@@ -315,7 +315,8 @@ fn logprobs_entropy_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let t = targets(&mut rng, n, v)?;
     let up = uniform(&mut rng, &[n], 1.0)?;
     let td = t.to_device(device)?;
-    // Log-probs only (the entropy column carries no gradient): `[n]`, against `up`.
+    // Log-probs only (the entropy's gradient is checked by tests/cuda_ops.rs and the unit tests): `[n]`,
+    // against `up`.
     let logp = |lp: Tensor| lp.narrow(1, 0, 1)?.squeeze(1);
     let entropy = |lp: &Tensor| lp.narrow(1, 1, 1);
     // 4 MiB chunks: 32 rows of 32,000 logits, three chunks.

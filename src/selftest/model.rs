@@ -77,6 +77,7 @@ fn train_step_check(device: &Device) -> Result<Vec<Part>> {
                 answer: None,
                 truncated: false,
                 teacher_logprobs: None,
+                is_weights: None,
             })
             .collect(),
         majority: None,

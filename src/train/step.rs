@@ -10,13 +10,17 @@ pub use super::ratio::RatioStats;
 use crate::data::Group;
 use crate::dist::World;
 use crate::model::{Decoder, Grads, Targets, TokenBatch};
-use crate::objective::{Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, TokenInputs};
+use crate::objective::{
+    entropy_bonus, top_entropy_mask, Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, TokenInputs,
+};
 
 /// One training step's objective, batching and optimiser; the optimiser state and the anchor snapshot
 /// live here between steps.
 pub struct TrainStep {
     objective: Box<dyn Objective>,
     aggregation: Aggregation,
+    /// The entropy bonus and the high-entropy token mask.
+    entropy: EntropyTerms,
     micro_batch: usize,
     pad: u32,
     grad_clip: f64,
@@ -86,6 +90,7 @@ impl TrainStep {
         Ok(Self {
             objective: objective.build(),
             aggregation: Aggregation::of(objective, norm_len),
+            entropy: EntropyTerms::of(objective),
             micro_batch: micro_batch.max(1),
             pad,
             grad_clip: optim.grad_clip,
@@ -203,8 +208,14 @@ impl TrainStep {
         let mut batch = build_batch(groups, self.objective.as_ref(), self.aggregation, ctx);
         // The weights carry the global batch's normaliser: each rank keeps its groups' answers.
         batch.seqs.retain(|s| self.world.owns_group(s.origin.0));
-        let (grads, mut stats) =
-            compute_gradients(policy, anchor, self.objective.as_ref(), &batch, self.micro_batch, self.pad)?;
+        let (grads, mut stats) = compute_gradients(
+            policy,
+            anchor,
+            self.objective.as_ref(),
+            self.entropy,
+            &batch,
+            (self.micro_batch, self.pad),
+        )?;
         if self.world.size() > 1 {
             sum_stats_over_ranks(&self.world, &mut stats);
         }
@@ -216,6 +227,38 @@ impl TrainStep {
         }
         self.next_step = ctx.step + 1;
         Ok(StepReport { rewards: batch.rewards, stats, grad_norm: norm, applied })
+    }
+}
+
+/// The objective's uses of the policy's token entropy besides the metric.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct EntropyTerms {
+    /// `objective.entropy_coeff` (0: no bonus).
+    coeff: f32,
+    /// `objective.top_entropy_quantile` (1: every token in the policy loss).
+    top_quantile: f32,
+}
+
+impl EntropyTerms {
+    fn of(cfg: &ObjectiveConfig) -> Self {
+        Self { coeff: cfg.entropy_coeff(), top_quantile: cfg.top_entropy_quantile() }
+    }
+
+    #[cfg(test)]
+    const NONE: EntropyTerms = EntropyTerms { coeff: 0.0, top_quantile: 1.0 };
+
+    /// With `top_quantile < 1`, the micro-batch's policy-term weights: `base` (the sampler correction's,
+    /// 1 without) times each answer's high-entropy mask from the detached entropies `h`.
+    fn mask(&self, h: &Tensor, lengths: &[usize], base: Option<&Tensor>) -> candle_core::Result<Option<Tensor>> {
+        if self.top_quantile >= 1.0 {
+            return Ok(base.cloned());
+        }
+        let mask = top_entropy_mask(&crate::device::to_host::<f32>(h)?, lengths, self.top_quantile);
+        let mask = Tensor::from_vec(mask, h.dims1()?, h.device())?;
+        Ok(Some(match base {
+            Some(c) => (c * mask)?,
+            None => mask,
+        }))
     }
 }
 
@@ -236,6 +279,8 @@ struct Sequence {
     /// (group in the step, answer in the group): where its cached reference log-probs are.
     origin: (usize, usize),
     teacher_logprobs: Option<Vec<f32>>,
+    /// The sampler correction's weight of each token (rollouts with importance_sampling_correction).
+    is_weights: Option<Vec<f32>>,
     advantage: f32,
     /// Aggregation weight of each of its tokens.
     weight: f32,
@@ -304,6 +349,7 @@ fn build_batch(groups: &[Group], objective: &dyn Objective, aggregation: Aggrega
                 response: r.tokens.clone(),
                 origin: (gi, j),
                 teacher_logprobs: r.teacher_logprobs.clone(),
+                is_weights: r.is_weights.clone(),
                 advantage: a,
                 weight: 0.0,
             });
@@ -372,19 +418,23 @@ fn micro_inputs(
     let full: Vec<Vec<u32>> = chunk.iter().map(|s| [s.prompt.as_slice(), &s.response].concat()).collect();
     let tb = TokenBatch::padded(&full, pad);
     let mut targets = Targets::default();
-    let mut teacher = Vec::new();
+    let (mut teacher, mut correction) = (Vec::new(), Vec::new());
     for (r, s) in chunk.iter().enumerate() {
         let p = s.prompt.len();
         for j in 0..s.response.len() {
             targets.push(r, p + j);
             // Rows without teacher log-probs keep the probability-1 assumption (log-prob 0).
             teacher.push(s.teacher_logprobs.as_ref().and_then(|t| t.get(j).copied()).unwrap_or(0.0));
+            correction.push(s.is_weights.as_ref().and_then(|c| c.get(j).copied()).unwrap_or(1.0));
         }
     }
     let lengths: Vec<usize> = chunk.iter().map(|s| s.response.len()).collect();
     let adv: Vec<f32> = chunk.iter().map(|s| s.advantage).collect();
     let w: Vec<f32> = chunk.iter().map(|s| s.weight).collect();
-    let inputs = TokenInputs::for_sequences(&lengths, &adv, &w, device)?;
+    let mut inputs = TokenInputs::for_sequences(&lengths, &adv, &w, device)?;
+    if chunk.iter().any(|s| s.is_weights.is_some()) {
+        inputs.is_weights = Some(Tensor::from_vec(correction, targets.len(), device)?);
+    }
     let any_teacher = chunk.iter().any(|s| s.teacher_logprobs.is_some());
     let teacher = if any_teacher { Some(Tensor::from_vec(teacher, targets.len(), device)?) } else { None };
     Ok((tb, targets, inputs, teacher))
@@ -428,9 +478,9 @@ fn compute_gradients(
     policy: &Decoder,
     anchors: Anchors,
     objective: &dyn Objective,
+    entropy: EntropyTerms,
     batch: &StepBatch,
-    micro: usize,
-    pad: u32,
+    (micro, pad): (usize, u32),
 ) -> candle_core::Result<(Grads, StepStats)> {
     let device = policy.device().clone();
     // One f32 accumulator: each micro-batch's gradients are added into it as they are collected.
@@ -457,9 +507,13 @@ fn compute_gradients(
         inputs.ref_logp = if objective.needs_kl() { ref_logp } else { None };
         let (mut pg, mut kl, mut clipped, mut ent) = (0f64, 0f64, 0usize, 0f64);
         let mut ratio = RatioStats::default();
+        let lengths: Vec<usize> = chunk.iter().map(|s| s.response.len()).collect();
+        let base_weights = inputs.is_weights.clone();
         let mut loss_fn = |lp: &Tensor| -> candle_core::Result<Tensor> {
             let logp = lp.narrow(1, 0, 1)?.squeeze(1)?;
-            ent += crate::device::to_host_scalar::<f32>(&lp.narrow(1, 1, 1)?.sum_all()?)? as f64;
+            let h = lp.narrow(1, 1, 1)?.squeeze(1)?;
+            ent += crate::device::to_host_scalar::<f32>(&h.sum_all()?)? as f64;
+            inputs.is_weights = entropy.mask(&h.detach(), &lengths, base_weights.as_ref())?;
             if anchor == Some(Anchor::Step) {
                 inputs.behaviour_logp = Some(logp.detach());
             }
@@ -469,7 +523,10 @@ fn compute_gradients(
                 (None, Some(Anchor::Teacher)) => ratio.add(&logp.detach())?,
                 _ => {}
             }
-            let terms = objective.loss(&logp, &inputs)?;
+            let mut terms = objective.loss(&logp, &inputs)?;
+            if entropy.coeff != 0.0 {
+                terms.loss = (terms.loss + entropy_bonus(&h, &inputs, entropy.coeff)?)?;
+            }
             pg += terms.pg_loss as f64;
             kl += terms.kl as f64;
             clipped += terms.clipped_tokens;
@@ -544,6 +601,7 @@ mod tests {
                     answer: None,
                     truncated: false,
                     teacher_logprobs: None,
+                    is_weights: None,
                 })
                 .collect(),
             majority: None,
@@ -641,10 +699,12 @@ mod tests {
             let obj = oc.build();
             let name = format!("{oc:?}");
             let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
-            let (g1, s1) = compute_gradients(&policy, anchors, obj.as_ref(), &batch, usize::MAX, 0).unwrap();
+            let (g1, s1) =
+                compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (usize::MAX, 0)).unwrap();
             assert!(s1.loss.is_finite() && s1.loss != 0.0, "{name}: loss {}", s1.loss);
             for micro in [1, 2, 4] {
-                let (g, s) = compute_gradients(&policy, anchors, obj.as_ref(), &batch, micro, 0).unwrap();
+                let (g, s) =
+                    compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0)).unwrap();
                 assert!(
                     (s.loss - s1.loss).abs() < 1e-5 * s1.loss.abs().max(1.0),
                     "{name} micro {micro}: loss {} vs {}",
@@ -693,8 +753,12 @@ mod tests {
             let obj = oc.build();
             let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
             for (micro, tol) in [(1, 0.0), (3, 1e-5)] {
-                let (ga, sa) = compute_gradients(&policy, on_the_fly, obj.as_ref(), &batch, micro, 0).unwrap();
-                let (gb, sb) = compute_gradients(&policy, from_cache, obj.as_ref(), &batch, micro, 0).unwrap();
+                let (ga, sa) =
+                    compute_gradients(&policy, on_the_fly, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0))
+                        .unwrap();
+                let (gb, sb) =
+                    compute_gradients(&policy, from_cache, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0))
+                        .unwrap();
                 let name = format!("{oc:?} micro {micro}");
                 let close = |a: f64, b: f64| (a - b).abs() <= tol * a.abs().max(1.0);
                 assert!(close(sa.loss, sb.loss) && close(sa.kl, sb.kl), "{name}: {sa:?} vs {sb:?}");
@@ -714,7 +778,9 @@ mod tests {
         let anchors = Anchors { reference: Reference::Logprobs(&short), snapshot: None };
         let kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
         let batch = build_batch(&groups, kl.build().as_ref(), Aggregation::of(&kl, 32), ctx);
-        let e = compute_gradients(&policy, anchors, kl.build().as_ref(), &batch, 2, 0).err().map(|e| e.to_string());
+        let e = compute_gradients(&policy, anchors, kl.build().as_ref(), EntropyTerms::NONE, &batch, (2, 0))
+            .err()
+            .map(|e| e.to_string());
         assert!(e.as_ref().is_some_and(|e| e.contains("1 values for")), "{e:?}");
     }
 
@@ -746,6 +812,90 @@ mod tests {
         assert!(step.needs_reference());
         let report = step.run(&policy, Some(&reference), &groups, 1e-2).unwrap();
         assert!(report.applied && report.stats.kl == 0.0 && report.stats.loss > 0.0);
+    }
+
+    /// The entropy bonus's gradient, -coeff d/dtheta sum_t w_t H_t, against central finite differences
+    /// of the aggregated entropy on a tiny model (through the fused log-prob op's entropy backward).
+    #[test]
+    fn the_entropy_bonus_gradient_agrees_with_finite_differences() {
+        let [policy, _, _] = tiny_models();
+        let groups = vec![group(0, &[1.0, 0.0, 1.0]), group(1, &[0.0, 1.0])];
+        let cfg = ObjectiveConfig { entropy_coeff: 0.5, ..oc(ObjectiveName::Grpo) };
+        assert_eq!(cfg.validate(), Ok(()));
+        let obj = cfg.build();
+        let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
+        let none = Anchors { reference: Reference::None, snapshot: None };
+        let (g0, s0) = compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::NONE, &batch, (2, 0)).unwrap();
+        let (g1, s1) = compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::of(&cfg), &batch, (2, 0)).unwrap();
+        // The aggregated entropy sum_t w_t H_t of the batch.
+        let aggregated = || -> f64 {
+            let mut total = 0f64;
+            for chunk in batch.seqs.chunks(2) {
+                let (tb, targets, inputs, _) = micro_inputs(chunk, 0, &Device::Cpu).unwrap();
+                let lp = policy.token_logprobs(&tb, &targets, false).unwrap();
+                let h = lp.narrow(1, 1, 1).unwrap().squeeze(1).unwrap();
+                total += (h * &inputs.weights).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
+            }
+            total
+        };
+        assert!((s1.loss - (s0.loss - 0.5 * aggregated())).abs() < 1e-5, "{} vs {}", s1.loss, s0.loss);
+        let eps = 1e-2f32;
+        let mut checked = 0;
+        for (pi, param) in policy.params().iter().enumerate() {
+            let crate::model::Param::Trainable(var) = param else { continue };
+            let diff = values(&(g1.grads[pi].as_ref().unwrap() - g0.grads[pi].as_ref().unwrap()).unwrap());
+            let x0 = values(var.as_tensor());
+            let idx = (pi * 7) % x0.len();
+            let at = |d: f32| {
+                let mut x = x0.clone();
+                x[idx] += d;
+                var.set(&Tensor::from_vec(x, var.shape(), &Device::Cpu).unwrap()).unwrap();
+                aggregated()
+            };
+            let fd = (at(eps) - at(-eps)) / (2.0 * eps as f64);
+            var.set(&Tensor::from_vec(x0, var.shape(), &Device::Cpu).unwrap()).unwrap();
+            let want = -0.5 * fd;
+            assert!(
+                (diff[idx] as f64 - want).abs() < 2e-3 * want.abs().max(0.05),
+                "parameter {pi}[{idx}]: backward {} vs finite differences {want}",
+                diff[idx]
+            );
+            checked += usize::from(want.abs() > 1e-4);
+        }
+        assert!(checked >= 3, "only {checked} parameters had a measurable entropy gradient");
+    }
+
+    /// top_entropy_quantile: the step's gradient is that of the same batch whose answers carry, as their
+    /// policy-term weights, each answer's high-entropy mask from the policy's own entropies.
+    #[test]
+    fn the_high_entropy_mask_keeps_each_answers_top_tokens_in_the_policy_loss() {
+        let [policy, reference, _] = tiny_models();
+        let groups = vec![group(0, &[1.0, 0.0, 1.0]), group(1, &[0.0, 1.0])];
+        let cfg = ObjectiveConfig { top_entropy_quantile: Some(0.3), beta: 0.1, ..oc(ObjectiveName::Grpo) };
+        let obj = cfg.build();
+        let mut batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
+        let anchors = Anchors { reference: Reference::Model(&reference), snapshot: None };
+        let (g, s) = compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::of(&cfg), &batch, (2, 0)).unwrap();
+        let mut kept = 0f32;
+        for seq in batch.seqs.iter_mut() {
+            let (tb, targets, _, _) = micro_inputs(std::slice::from_ref(seq), 0, &Device::Cpu).unwrap();
+            let lp = policy.token_logprobs(&tb, &targets, false).unwrap();
+            let h = values(&lp.narrow(1, 1, 1).unwrap().squeeze(1).unwrap());
+            let mask = crate::objective::top_entropy_mask(&h, &[h.len()], 0.3);
+            kept += mask.iter().sum::<f32>();
+            seq.is_weights = Some(mask);
+        }
+        let total: usize = batch.seqs.iter().map(|s| s.response.len()).sum();
+        assert!(kept > 0.0 && (kept as usize) < total / 2, "{kept} of {total} tokens kept");
+        let (g_ref, s_ref) =
+            compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (3, 0)).unwrap();
+        assert!((s.loss - s_ref.loss).abs() < 1e-6 && (s.kl - s_ref.kl).abs() < 1e-7, "{s:?} vs {s_ref:?}");
+        for (a, b) in g.grads.iter().zip(&g_ref.grads) {
+            if let (Some(a), Some(b)) = (a, b) {
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(d < 1e-6, "gradient differs by {d}");
+            }
+        }
     }
 
     fn plain(agg: LossAgg) -> Aggregation {

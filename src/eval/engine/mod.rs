@@ -34,6 +34,18 @@ pub struct Completion {
     pub text: String,
     pub tokens: usize,
     pub finish: FinishReason,
+    /// The server's tokens with their log-probs, when they were asked for and sent (not cut to the
+    /// text: an answer cut to max_tokens keeps them all).
+    pub logprobs: Option<Vec<ServerToken>>,
+}
+
+/// One token of a server's answer as its `logprobs` report it: its text (or `token_id:N`), its id when
+/// the server names it so, and its log-prob.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerToken {
+    pub text: String,
+    pub id: Option<u32>,
+    pub logprob: Option<f32>,
 }
 
 /// What an engine reports while it works.

@@ -40,7 +40,7 @@ impl Engine for Native<'_> {
                     .iter()
                     .map(|g| {
                         let text = self.tok.decode(&g.tokens, true)?;
-                        Ok(Completion { text, tokens: g.tokens.len(), finish: g.finish })
+                        Ok(Completion { text, tokens: g.tokens.len(), finish: g.finish, logprobs: None })
                     })
                     .collect::<Result<Vec<_>, EvalError>>()?;
                 progress.done(c * per_batch + j, samples)?;

@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Completion, Engine, EngineOptions, Progress, PromptJob};
+use super::{Completion, Engine, EngineOptions, Progress, PromptJob, ServerToken};
 use crate::eval::generate::{FinishReason, SamplingParams};
 use crate::eval::EvalError;
 use crate::model::tokenizer::TokenizerError;
@@ -36,6 +36,9 @@ const RESPONSE_BYTES_PER_TOKEN: u64 = 64;
 /// Bytes of a response allowed per choice (index, finish reason, logprobs: null, ...) and per response
 /// (id, usage, ...).
 const CHOICE_OVERHEAD_BYTES: u64 = 4 << 10;
+/// Bytes per token added by the log-probs of a token (`logprobs: 1`): its text or `token_id:N` twice
+/// (tokens, top_logprobs), two numbers and an offset.
+const LOGPROB_BYTES_PER_TOKEN: u64 = 256;
 const RESPONSE_OVERHEAD_BYTES: u64 = 64 << 10;
 /// The bytes of an error response (non-200) kept for the message.
 const ERROR_BODY_BYTES: u64 = 64 << 10;
@@ -69,6 +72,13 @@ struct CompletionRequest<'a> {
     repeat_penalty: Option<f32>,
     seed: u64,
     stream: bool,
+    /// The log-prob of each sampled token (and of the most likely one): asked for by the rollouts'
+    /// importance-sampling correction.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<usize>,
+    /// vLLM's extension: the tokens of `logprobs` as `token_id:N`, so they are compared by id.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    return_tokens_as_token_ids: Option<bool>,
 }
 
 /// One choice of a response.
@@ -79,6 +89,31 @@ struct Choice {
     text: String,
     #[serde(default)]
     finish_reason: Option<String>,
+    #[serde(default)]
+    logprobs: Option<ChoiceLogprobs>,
+}
+
+/// The legacy completions' `logprobs` of a choice: each sampled token (its text, or `token_id:N`) and
+/// its log-prob.
+#[derive(Debug, Deserialize)]
+struct ChoiceLogprobs {
+    #[serde(default)]
+    tokens: Vec<String>,
+    #[serde(default)]
+    token_logprobs: Vec<Option<f32>>,
+}
+
+impl ChoiceLogprobs {
+    fn into_tokens(self) -> Vec<ServerToken> {
+        self.tokens
+            .into_iter()
+            .zip(self.token_logprobs.into_iter().chain(std::iter::repeat(None)))
+            .map(|(text, logprob)| {
+                let id = text.strip_prefix("token_id:").and_then(|n| n.parse().ok());
+                ServerToken { text, id, logprob }
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -172,7 +207,7 @@ fn build_request<'a>(
     n: usize,
     sampling: &SamplingParams,
     sequence: u64,
-    (vocab, fields_only): (usize, bool),
+    (vocab, fields_only, logprobs): (usize, bool, bool),
 ) -> CompletionRequest<'a> {
     let top_k = if sampling.top_k == 0 { vocab } else { sampling.top_k };
     CompletionRequest {
@@ -187,17 +222,24 @@ fn build_request<'a>(
         repeat_penalty: (!fields_only).then_some(1.0),
         seed: request_seed(sampling.seed, sequence),
         stream: false,
+        logprobs: logprobs.then_some(1),
+        return_tokens_as_token_ids: (logprobs && !fields_only).then_some(true),
     }
 }
 
-/// The most bytes a response of `n` answers of at most `max_tokens` tokens may take.
-fn response_limit(n: usize, max_tokens: usize) -> u64 {
-    let per_choice = (max_tokens as u64).saturating_mul(RESPONSE_BYTES_PER_TOKEN).saturating_add(CHOICE_OVERHEAD_BYTES);
+/// The most bytes a response of `n` answers of at most `max_tokens` tokens (with their log-probs when
+/// `logprobs`) may take.
+fn response_limit(n: usize, max_tokens: usize, logprobs: bool) -> u64 {
+    let per_token = RESPONSE_BYTES_PER_TOKEN + if logprobs { LOGPROB_BYTES_PER_TOKEN } else { 0 };
+    let per_choice = (max_tokens as u64).saturating_mul(per_token).saturating_add(CHOICE_OVERHEAD_BYTES);
     (n as u64).saturating_mul(per_choice).saturating_add(RESPONSE_OVERHEAD_BYTES)
 }
 
-/// The choices of a response body, in index order, as (text, finish reason).
-fn parse_response(body: &[u8]) -> Result<Vec<(String, FinishReason)>, RequestError> {
+/// One choice as read: its text, why it stopped, and its tokens' log-probs when it has them.
+type Answer = (String, FinishReason, Option<Vec<ServerToken>>);
+
+/// The choices of a response body, in index order.
+fn parse_response(body: &[u8]) -> Result<Vec<Answer>, RequestError> {
     let mut r: CompletionResponse = serde_json::from_slice(body).map_err(|e| {
         let head: String = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
         RequestError::Malformed(format!("{e} in {head:?}"))
@@ -211,7 +253,7 @@ fn parse_response(body: &[u8]) -> Result<Vec<(String, FinishReason)>, RequestErr
         .map(|c| {
             let finish =
                 if c.finish_reason.as_deref() == Some("length") { FinishReason::Length } else { FinishReason::Stop };
-            (c.text, finish)
+            (c.text, finish, c.logprobs.map(ChoiceLogprobs::into_tokens))
         })
         .collect())
 }
@@ -251,6 +293,8 @@ pub struct OpenAi<'a> {
     concurrency: usize,
     max_retries: usize,
     fields_only: bool,
+    /// Ask for each sampled token's log-prob.
+    logprobs: bool,
     tok: &'a ChatTokenizer,
     /// Answers longer than `max_tokens` (the server ignored it), cut to it.
     cut: AtomicUsize,
@@ -269,9 +313,17 @@ impl<'a> OpenAi<'a> {
             concurrency: options.concurrency.max(1),
             max_retries: options.max_retries,
             fields_only: options.openai_fields_only,
+            logprobs: false,
             tok,
             cut: AtomicUsize::new(0),
         })
+    }
+
+    /// Ask the server for the log-prob of each sampled token (OpenAI `logprobs`, with vLLM's
+    /// `return_tokens_as_token_ids` unless `openai_fields_only`): each [`Completion`] carries them.
+    pub fn with_logprobs(mut self) -> Self {
+        self.logprobs = true;
+        self
     }
 
     /// How many answers so far were longer than the `max_tokens` asked for and were cut to it (their
@@ -282,7 +334,7 @@ impl<'a> OpenAi<'a> {
 
     /// One POST of `body`, without retries, asking for `n` answers of at most `max_tokens` tokens: a
     /// 200 response is read up to [`response_limit`] bytes, no further.
-    fn send(&self, body: &str, (n, max_tokens): (usize, usize)) -> Result<Vec<(String, FinishReason)>, RequestError> {
+    fn send(&self, body: &str, (n, max_tokens): (usize, usize)) -> Result<Vec<Answer>, RequestError> {
         let mut req = self.agent.post(&self.url).header("Content-Type", "application/json");
         if let Some(key) = &self.api_key {
             req = req.header("Authorization", format!("Bearer {key}"));
@@ -301,7 +353,7 @@ impl<'a> OpenAi<'a> {
             let body: String = String::from_utf8_lossy(&head).chars().take(500).collect();
             return Err(RequestError::Status { status, body, retry_after });
         }
-        let limit = response_limit(n, max_tokens);
+        let limit = response_limit(n, max_tokens, self.logprobs);
         let bytes = match resp.into_body().with_config().limit(limit).read_to_vec() {
             Ok(b) => b,
             Err(ureq::Error::BodyExceedsLimit(_)) => return Err(RequestError::TooLarge { limit, n, max_tokens }),
@@ -316,7 +368,7 @@ impl<'a> OpenAi<'a> {
         body: &str,
         asked: (usize, usize),
         stop: &AtomicBool,
-    ) -> Result<Vec<(String, FinishReason)>, RequestError> {
+    ) -> Result<Vec<Answer>, RequestError> {
         let mut retry = 0;
         loop {
             match self.send(body, asked) {
@@ -348,12 +400,12 @@ impl<'a> OpenAi<'a> {
         let mut samples = Vec::with_capacity(n);
         while samples.len() < n {
             let sequence = job.first_sequence + samples.len() as u64;
-            let fields = (self.tok.vocab_size(), self.fields_only);
+            let fields = (self.tok.vocab_size(), self.fields_only, self.logprobs);
             let missing = n - samples.len();
             let req = build_request(&self.model, &job.text, missing, sampling, sequence, fields);
             let body = serde_json::to_string(&req).map_err(|e| RequestError::Local(e.to_string()))?;
             let asked = (missing, sampling.max_new_tokens);
-            for (text, finish) in self.send_with_retries(&body, asked, stop)?.into_iter().take(missing) {
+            for (text, finish, logprobs) in self.send_with_retries(&body, asked, stop)?.into_iter().take(missing) {
                 let (text, tokens, cut) = cut_to_tokens(self.tok, text, sampling.max_new_tokens)?;
                 let finish = if cut {
                     self.cut.fetch_add(1, Ordering::Relaxed);
@@ -361,7 +413,7 @@ impl<'a> OpenAi<'a> {
                 } else {
                     finish
                 };
-                samples.push(Completion { text, tokens, finish });
+                samples.push(Completion { text, tokens, finish, logprobs });
             }
         }
         Ok(samples)
@@ -466,7 +518,7 @@ mod tests {
 
     #[test]
     fn requests_carry_the_sampling_settings() {
-        let r = build_request("smol", "<|im_start|>user\nhi", 4, &sampling(), 12, (49152, false));
+        let r = build_request("smol", "<|im_start|>user\nhi", 4, &sampling(), 12, (49152, false, false));
         let v = serde_json::to_value(&r).unwrap();
         assert_eq!(v["model"], "smol");
         assert_eq!(v["prompt"], "<|im_start|>user\nhi");
@@ -477,11 +529,17 @@ mod tests {
         assert_eq!((v["min_p"].as_f64(), v["repeat_penalty"].as_f64()), (Some(0.0), Some(1.0)));
         assert_eq!(v["stream"], false);
         assert_eq!(v["seed"].as_u64(), Some(request_seed(3, 12)));
-        let k = build_request("smol", "p", 1, &SamplingParams { top_k: 20, ..sampling() }, 0, (49152, false));
+        let k = build_request("smol", "p", 1, &SamplingParams { top_k: 20, ..sampling() }, 0, (49152, false, false));
         assert_eq!(k.top_k, Some(20));
-        let plain = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, (49152, true))).unwrap();
+        let plain = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, (49152, true, false))).unwrap();
         let keys: Vec<&String> = plain.as_object().unwrap().keys().collect();
         assert_eq!(keys, ["model", "prompt", "n", "max_tokens", "temperature", "top_p", "seed", "stream"]);
+        // Log-probs asked for: by id from vLLM, plain `logprobs` alone with openai_fields_only.
+        let lp = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, (49152, false, true))).unwrap();
+        assert_eq!((lp["logprobs"].as_u64(), lp["return_tokens_as_token_ids"].as_bool()), (Some(1), Some(true)));
+        let lp = serde_json::to_value(build_request("smol", "p", 1, &sampling(), 0, (49152, true, true))).unwrap();
+        assert_eq!((lp["logprobs"].as_u64(), lp.get("return_tokens_as_token_ids")), (Some(1), None));
+        assert!(response_limit(2, 64, true) > response_limit(2, 64, false) + 2 * 64 * 200);
     }
 
     #[test]
@@ -500,10 +558,35 @@ mod tests {
             {"index":0,"text":"a \\boxed{2}","finish_reason":"stop"}],
             "usage":{"prompt_tokens":5,"completion_tokens":9,"total_tokens":14}}"#;
         let c = parse_response(body.as_bytes()).unwrap();
-        assert_eq!(c, vec![("a \\boxed{2}".to_string(), FinishReason::Stop), (" b".to_string(), FinishReason::Length)]);
+        assert_eq!(
+            c,
+            vec![
+                ("a \\boxed{2}".to_string(), FinishReason::Stop, None),
+                (" b".to_string(), FinishReason::Length, None)
+            ]
+        );
         // llama.cpp and older servers: no index, a null finish reason.
         let c = parse_response(br#"{"choices":[{"text":"x","finish_reason":null}]}"#).unwrap();
-        assert_eq!(c, vec![("x".to_string(), FinishReason::Stop)]);
+        assert_eq!(c, vec![("x".to_string(), FinishReason::Stop, None)]);
+    }
+
+    #[test]
+    fn token_log_probs_are_read_by_id_or_by_text() {
+        let body = r#"{"choices":[{"index":0,"text":"a b","finish_reason":"stop","logprobs":{
+            "tokens":["token_id:12","token_id:7","token_id:0"],"token_logprobs":[-0.5,-1.25,null],
+            "top_logprobs":[{"token_id:12":-0.5}],"text_offset":[0,1,3]}},
+            {"index":1,"text":"x","finish_reason":"stop","logprobs":{"tokens":["x"],"token_logprobs":[-2.0]}}]}"#;
+        let c = parse_response(body.as_bytes()).unwrap();
+        let t = |text: &str, id, logprob| ServerToken { text: text.into(), id, logprob };
+        assert_eq!(
+            c[0].2.as_deref().unwrap(),
+            [
+                t("token_id:12", Some(12), Some(-0.5)),
+                t("token_id:7", Some(7), Some(-1.25)),
+                t("token_id:0", Some(0), None)
+            ]
+        );
+        assert_eq!(c[1].2.as_deref().unwrap(), [t("x", None, Some(-2.0))]);
     }
 
     #[test]
@@ -629,7 +712,7 @@ mod tests {
         let e = engine.complete(&one_job(), 1, &sampling(), &mut Keep::default()).unwrap_err().to_string();
         let elapsed = start.elapsed();
         let written = server.join().unwrap()[0].written;
-        let limit = response_limit(1, 64);
+        let limit = response_limit(1, 64, false);
         assert!(e.contains(&format!("response larger than {limit} bytes")), "{e}");
         // What the server got out before the client hung up: the limit plus the sockets' buffers, not
         // the 100 MB it announced.

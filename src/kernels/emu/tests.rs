@@ -81,10 +81,17 @@ fn lp_row_grad() {
         for dt in DTYPES {
             let z = random(&mut rng, &[n, v], 8.0).to_dtype(dt).unwrap();
             let lse = row_stats(&z, &t).unwrap().narrow(1, 2, 1).unwrap().squeeze(1).unwrap();
-            let coef = Tensor::stack(&[lse, random(&mut rng, &[n], 2.0)], 1).unwrap();
-            let want = crate::kernels::row_grad(&z, &t, &coef).unwrap();
-            let got = run(&grad_plan(dt, n, v).unwrap(), &[&z, &t, &coef]).unwrap().remove(0);
-            assert_close(&format!("lp_row_grad {n}x{v} {dt:?}"), &got, &want, tol(dt));
+            let ent = row_stats(&z, &t).unwrap().narrow(1, 1, 1).unwrap().squeeze(1).unwrap();
+            let g = random(&mut rng, &[n], 2.0);
+            // Without and with the entropy term.
+            let coef2 = Tensor::stack(&[&lse, &g], 1).unwrap();
+            let coef4 = Tensor::stack(&[&lse, &g, &ent, &random(&mut rng, &[n], 2.0)], 1).unwrap();
+            for coef in [coef2, coef4] {
+                let cols = coef.dims()[1];
+                let want = crate::kernels::row_grad(&z, &t, &coef).unwrap();
+                let got = run(&grad_plan(dt, n, v, cols).unwrap(), &[&z, &t, &coef]).unwrap().remove(0);
+                assert_close(&format!("lp_row_grad {n}x{v} {dt:?} cols {cols}"), &got, &want, tol(dt));
+            }
         }
     }
 }
