@@ -4,8 +4,10 @@
 split OUT_DIR: split the bundled 50-question dev trajectories (data/trajectories/ot3_math_x8_dev.jsonl,
   8 answers a question) into the questions trained on and the held-out questions no arm trains on.
   Writes OUT_DIR/train.jsonl (OT3 rows, the trainer's input) and OUT_DIR/heldout.jsonl ({"prompt",
-  "response", "question", "majority"} rows, the input of `grpo logprobs`). An answer's vote is its last
-  \\boxed{...}; the majority answers are those with the most common one.
+  "response", "question", "majority"} rows, the input of `grpo logprobs`; each response cut to its first
+  HELDOUT_CHARS characters, about as many tokens as training keeps, to bound the scoring's cost on 2 CPU
+  cores). An answer's vote is the last \\boxed{...} of the whole answer; the majority answers are those
+  with the most common one.
 measure SCORED STEP OUT: from `grpo logprobs`'s output SCORED on heldout.jsonl, append one line
   {"step", "heldout/margin", "heldout/majority_logprob", ...} to OUT (a per-step metrics JSONL that
   `grpo plot --metrics-file` reads). Per answer the mean log-prob per response token; the margin is,
@@ -23,9 +25,10 @@ GROUP = 8
 # Held out: three of the six questions whose answers disagree without a tie (their margin is defined),
 # the shortest ones (scoring cost). No arm trains on them.
 HELDOUT = [35, 36, 49]
-# Trained on: the other three disagreeing questions (the only groups with a nonzero advantage when b = 0)
-# and three unanimous ones of typical length; the same questions in every arm and seed.
-TRAIN = [3, 27, 46, 0, 1, 2]
+# Trained on: two of the other disagreeing questions (the only groups with a nonzero advantage when b = 0)
+# and two unanimous ones of typical length; the same questions in every arm and seed.
+TRAIN = [3, 46, 0, 1]
+HELDOUT_CHARS = 300
 
 
 def last_boxed(text):
@@ -65,7 +68,7 @@ def split(out_dir):
         if rest and rest[0][1] == n:
             sys.exit(f"held-out question {q}: tied vote")
         for a, v in zip(answers, votes):
-            items.append({"question": q, "majority": v == top, "prompt": prompt, "response": a})
+            items.append({"question": q, "majority": v == top, "prompt": prompt, "response": a[:HELDOUT_CHARS]})
     # Similar lengths together: `grpo logprobs` pads each batch to its longest line.
     items.sort(key=lambda x: len(x["response"]))
     with open(os.path.join(out_dir, "heldout.jsonl"), "w") as f:
@@ -110,7 +113,9 @@ def run_row(run):
     with open(path) as f:
         lines = [json.loads(line) for line in f if line.strip()]
     vdir = os.path.join(run, "validation")
-    records = sorted(n for n in os.listdir(vdir) if n.startswith("step-"))
+    records = sorted(n for n in os.listdir(vdir) if n.startswith("step-")) if os.path.isdir(vdir) else []
+    if not records:
+        return lines[0], lines[-1], None, None
     acc = [accuracy(os.path.join(vdir, n)) for n in (records[0], records[-1])]
     return lines[0], lines[-1], acc, int(records[-1].split("-")[1])
 
@@ -132,6 +137,9 @@ def report(out_dir):
                 d = last[k] - first[k]
                 changes.setdefault((arm, k), []).append(d)
                 cells += f"  {first[k]:+.4f} -> {last[k]:+.4f} ({d:+.4f})"
+            if acc is None:
+                print(f"{arm:<16} {seed:<6} {cells}   not measured (step {last['step']})")
+                continue
             (a0, n), (a1, _) = acc
             print(f"{arm:<16} {seed:<6} {cells}   {a0:.2f} -> {a1:.2f} (n={n}, step {last['step']}/{vstep})")
     print("\nchange from step 0 to the last step: mean over seeds, and the spread (max - min) between seeds")

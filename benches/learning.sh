@@ -7,35 +7,39 @@
 #
 # What it measures (benches/learning.py has the split and the measure):
 # - held-out (3 questions of the bundled dev trajectories whose 8 answers disagree): per answer the mean
-#   log-prob per response token (`grpo logprobs`); the margin = mean over questions of (mean over its
+#   log-prob per response token of its first 300 characters (`grpo logprobs`); the margin = mean over questions of (mean over its
 #   majority answers - mean over its minority answers), and the mean over the majority answers. Before
 #   training (step 0) and at each checkpoint (every SAVE_EVERY steps);
 # - greedy accuracy on the first EVAL_LIMIT MATH-500 problems with EVAL_TOKENS new tokens at most: `grpo
 #   eval` before training, the run's own [validation] (every VALIDATE_EVERY steps and at the end) after.
-# Training: 6 questions (3 with disagreeing answers, 3 unanimous; the same in every arm and seed), one
-# question a step, one epoch, answers truncated to MAX_RESPONSE tokens, lr LR (the seed's 1e-7 for 7B
-# moves nothing in 6 steps), the seed configs' objective, KL beta 0.1 and rollout settings otherwise.
+# Training: 4 questions (2 with disagreeing answers, 2 unanimous; the same in every arm and seed), one
+# question a step, one epoch (4 steps), answers truncated to MAX_RESPONSE tokens, lr LR (the seed's 1e-7 for 7B
+# moves nothing in 4 steps), the seed configs' objective, KL beta 0.1 and rollout settings otherwise.
 #
-# Environment: GRPO (binary, default target/release/grpo), OUT (default runs/learning), SEEDS, ARMS, LR,
+# Environment: GRPO (binary, default target/release/grpo, else target/debug/grpo), OUT (default runs/learning), SEEDS, ARMS, LR,
 # MAX_RESPONSE, ROLLOUT_TOKENS, EVAL_LIMIT, EVAL_TOKENS, SAVE_EVERY, VALIDATE_EVERY. Runs under nice.
 # The model: tests/fixtures/models/smollm2-135m (scripts/make-smollm2.sh makes it from ../shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-GRPO=${GRPO:-target/release/grpo}
+# The release binary when built; else the dev one (its dependencies, which do the arithmetic, are
+# compiled at opt-level 3 in Cargo.toml's dev profile too).
+GRPO=${GRPO:-$( [ -x target/release/grpo ] && echo target/release/grpo || echo target/debug/grpo )}
 OUT=${OUT:-runs/learning}
 MODEL=${MODEL:-tests/fixtures/models/smollm2-135m}
 SEEDS=${SEEDS:-"1 2"}
 ARMS=${ARMS:-"sft off_policy off_policy_bias on_policy"}
 LR=${LR:-2e-5}
-MAX_RESPONSE=${MAX_RESPONSE:-256}
-ROLLOUT_TOKENS=${ROLLOUT_TOKENS:-128}
-EVAL_LIMIT=${EVAL_LIMIT:-20}
-EVAL_TOKENS=${EVAL_TOKENS:-128}
-SAVE_EVERY=${SAVE_EVERY:-3}
+MAX_RESPONSE=${MAX_RESPONSE:-96}
+ROLLOUT_TOKENS=${ROLLOUT_TOKENS:-64}
+EVAL_LIMIT=${EVAL_LIMIT:-8}
+EVAL_TOKENS=${EVAL_TOKENS:-64}
+SAVE_EVERY=${SAVE_EVERY:-2}
 VALIDATE_EVERY=${VALIDATE_EVERY:-0}
 NICE="nice -n 10"
+# EVAL_LIMIT=0: no greedy accuracy (the runs' validation is never due).
+[ "$EVAL_LIMIT" -gt 0 ] || VALIDATE_EVERY=1000000000
 
-[ -x "$GRPO" ] || { echo "no $GRPO: cargo build --release" >&2; exit 1; }
+[ -x "$GRPO" ] || { echo "no $GRPO: cargo build --release --bin grpo" >&2; exit 1; }
 [ -f "$MODEL/model.safetensors" ] || scripts/make-smollm2.sh
 mkdir -p "$OUT"
 python3 benches/learning.py split "$OUT"
@@ -53,7 +57,7 @@ if [ ! -s "$OUT/base-heldout.jsonl" ]; then
   log "base model: held-out log-probs"
   measure "$MODEL" 0 "$OUT/base-heldout.jsonl"
 fi
-if [ ! -s "$OUT/base-eval/report.json" ]; then
+if [ "$EVAL_LIMIT" -gt 0 ] && [ ! -s "$OUT/base-eval/report.json" ]; then
   log "base model: greedy MATH-500[:$EVAL_LIMIT]"
   $NICE "$GRPO" eval --bench math500 --model "$MODEL" --limit "$EVAL_LIMIT" --n 1 --temperature 0 \
     --max-new-tokens "$EVAL_TOKENS" --batch-size "$EVAL_LIMIT" --out "$OUT/base-eval" >/dev/null
@@ -62,6 +66,7 @@ fi
 for seed in $SEEDS; do
   for arm in $ARMS; do
     run="$OUT/seed$seed/$arm"
+    mkdir -p "$OUT/seed$seed"
     [ -s "$run/heldout.jsonl" ] && [ -s "$run/summary.json" ] && { log "$run: done before"; continue; }
     extra=()
     [ "$arm" = on_policy ] && extra=(--set "rollout.max_new_tokens=$ROLLOUT_TOKENS" --set rollout.batch_size=8)
@@ -69,16 +74,17 @@ for seed in $SEEDS; do
     start=$(date +%s)
     $NICE "$GRPO" train --config "configs/seed000/$arm.toml" --overwrite \
       --set "model.path=\"$MODEL\"" --set model.dtype=f32 --set model.device=cpu \
-      --set model.checkpoint_layers=false --set optim.offload=false --set "optim.lr=$LR" \
+      --set model.checkpoint_layers=false --set model.attention=matrix --set optim.offload=false --set "optim.lr=$LR" \
       --set "data.inputs=[\"$OUT/train.jsonl\"]" --set data.max_questions=0 \
       --set "data.prepared_dir=\"$OUT/prepared\"" \
-      --set "data.max_response_tokens=$MAX_RESPONSE" --set data.overlong=truncate \
+      --set data.max_prompt_tokens=512 --set "data.max_response_tokens=$MAX_RESPONSE" --set data.overlong=truncate \
       --set train.batch_questions=1 --set train.micro_batch_size=4 --set train.epochs=1 \
       --set "train.seed=$seed" --set "train.save_every=$SAVE_EVERY" --set train.keep_last=0 \
       --set 'train.save_dtype="f32"' --set "train.output_dir=\"$run\"" \
-      --set 'validation.bench="math500"' --set "validation.limit=$EVAL_LIMIT" --set validation.n=1 \
+      --set 'validation.bench="math500"' --set "validation.limit=$(( EVAL_LIMIT > 0 ? EVAL_LIMIT : 1 ))" --set validation.n=1 \
       --set validation.temperature=0 --set "validation.max_new_tokens=$EVAL_TOKENS" \
-      --set "validation.batch_size=$EVAL_LIMIT" --set "validation.every_steps=$VALIDATE_EVERY" \
+      --set "validation.batch_size=$(( EVAL_LIMIT > 0 ? EVAL_LIMIT : 1 ))" \
+      --set "validation.every_steps=$VALIDATE_EVERY" \
       "${extra[@]}" 2>"$run.log" || { log "$run: training failed, see $run.log"; tail -5 "$run.log"; exit 1; }
     log "$run: trained in $(( $(date +%s) - start )) s"
     # Step 0 is the base model's (the same weights); then each checkpoint's, whose weights are deleted
@@ -86,8 +92,10 @@ for seed in $SEEDS; do
     # are prepared once, in $OUT/prepared, for every run.
     rm -f "$run/heldout.jsonl"
     cp "$OUT/base-heldout.jsonl" "$run/heldout.jsonl"
-    mkdir -p "$run/validation"
-    cp "$OUT/base-eval/generations.jsonl" "$run/validation/step-00000000-math500.jsonl"
+    if [ "$EVAL_LIMIT" -gt 0 ]; then
+      mkdir -p "$run/validation"
+      cp "$OUT/base-eval/generations.jsonl" "$run/validation/step-00000000-math500.jsonl"
+    fi
     for ck in "$run"/checkpoints/step-*/; do
       step=$((10#$(basename "$ck" | sed 's/^step-//')))
       measure "$ck" "$step" "$run/heldout.jsonl"
