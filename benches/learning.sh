@@ -17,7 +17,8 @@
 # moves nothing in 4 steps), the seed configs' objective, KL beta 0.1 and rollout settings otherwise.
 #
 # Environment: GRPO (binary, default target/release/grpo, else target/debug/grpo), OUT (default runs/learning), SEEDS, ARMS, LR,
-# MAX_RESPONSE, ROLLOUT_TOKENS, EVAL_LIMIT, EVAL_TOKENS, SAVE_EVERY, VALIDATE_EVERY. Runs under nice.
+# MAX_RESPONSE, ROLLOUT_TOKENS, EVAL_LIMIT (0: no greedy accuracy), EVAL_TOKENS, SAVE_EVERY, VALIDATE_EVERY,
+# MAX_STEPS (0: the epoch's 4), SETS (more --set overrides). Runs under nice.
 # The model: tests/fixtures/models/smollm2-135m (scripts/make-smollm2.sh makes it from ../shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -35,6 +36,8 @@ EVAL_LIMIT=${EVAL_LIMIT:-8}
 EVAL_TOKENS=${EVAL_TOKENS:-64}
 SAVE_EVERY=${SAVE_EVERY:-2}
 VALIDATE_EVERY=${VALIDATE_EVERY:-0}
+MAX_STEPS=${MAX_STEPS:-0}
+SETS=${SETS:-}   # more overrides for every run, space-separated section.key=value
 NICE="nice -n 10"
 # EVAL_LIMIT=0: no greedy accuracy (the runs' validation is never due).
 [ "$EVAL_LIMIT" -gt 0 ] || VALIDATE_EVERY=1000000000
@@ -70,6 +73,7 @@ for seed in $SEEDS; do
     [ -s "$run/heldout.jsonl" ] && [ -s "$run/summary.json" ] && { log "$run: done before"; continue; }
     extra=()
     [ "$arm" = on_policy ] && extra=(--set "rollout.max_new_tokens=$ROLLOUT_TOKENS" --set rollout.batch_size=8)
+    for s in $SETS; do extra+=(--set "$s"); done
     log "$run: training"
     start=$(date +%s)
     $NICE "$GRPO" train --config "configs/seed000/$arm.toml" --overwrite \
@@ -79,6 +83,7 @@ for seed in $SEEDS; do
       --set "data.prepared_dir=\"$OUT/prepared\"" \
       --set data.max_prompt_tokens=512 --set "data.max_response_tokens=$MAX_RESPONSE" --set data.overlong=truncate \
       --set train.batch_questions=1 --set train.micro_batch_size=4 --set train.epochs=1 \
+      --set "train.max_steps=$MAX_STEPS" \
       --set "train.seed=$seed" --set "train.save_every=$SAVE_EVERY" --set train.keep_last=0 \
       --set 'train.save_dtype="f32"' --set "train.output_dir=\"$run\"" \
       --set 'validation.bench="math500"' --set "validation.limit=$(( EVAL_LIMIT > 0 ? EVAL_LIMIT : 1 ))" --set validation.n=1 \
