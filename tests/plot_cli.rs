@@ -54,3 +54,41 @@ fn two_runs_on_one_figure_and_one_run_into_its_folder() {
     let err = String::from_utf8_lossy(&e.get_output().stderr).to_string();
     assert!(err.contains("nothing: no such run folder") && !err.contains("metrics.jsonl"), "{err}");
 }
+
+#[test]
+fn chosen_panels_from_a_metrics_file_beside_the_trainers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("sft"), dir.path().join("off-grpo"));
+    fake_run(&a, 4, 0.02);
+    fake_run(&b, 4, 0.05);
+    // A script's per-step held-out measure in one run folder (from step 0), none in the other.
+    let heldout = "{\"step\":0,\"heldout/margin\":0.1}\n{\"step\":2,\"heldout/margin\":0.3}\n{\"step\":4,\"heldout/margin\":0.2}\n";
+    std::fs::write(a.join("heldout.jsonl"), heldout).unwrap();
+    let out = dir.path().join("seed.png");
+    let plot = |panels: &str| {
+        let mut c = common::grpo();
+        c.arg("plot").arg(&a).arg(&b).args(["--metrics-file", "heldout.jsonl", "--panels", panels]).arg("-o").arg(&out);
+        c
+    };
+    // Two metric panels and the validation's: one row of three.
+    plot("heldout/margin,loss").assert().success();
+    assert_eq!(png_size(&out), (1500, 460));
+    // Four and the validation's: two rows.
+    plot("heldout/margin,loss,reward,kl").assert().success();
+    assert_eq!(png_size(&out), (1500, 860));
+    // The default panels are the eight of metrics.jsonl.
+    common::grpo()
+        .arg("plot")
+        .arg(&a)
+        .arg(&b)
+        .args(["--metrics-file", "heldout.jsonl", "-o"])
+        .arg(&out)
+        .assert()
+        .success();
+    assert_eq!(png_size(&out), (1500, 1260));
+    // A folder with only the added file is drawn: it has per-step metrics.
+    let c = dir.path().join("only-heldout");
+    std::fs::create_dir(&c).unwrap();
+    std::fs::write(c.join("heldout.jsonl"), heldout).unwrap();
+    plot("heldout/margin").arg(&c).assert().success();
+}

@@ -13,6 +13,8 @@ pub struct Args {
     /// The PNG to write (default: RUN_DIR/curves.png for one run; required for several).
     #[arg(short, long)]
     pub out: Option<PathBuf>,
+    #[command(flatten)]
+    pub curves: crate::plot::CurveOptions,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -21,7 +23,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         (None, [one]) => one.join("curves.png"),
         (None, _) => anyhow::bail!("{} run folders: give the figure's file with -o FILE.png", args.runs.len()),
     };
-    crate::plot::draw_curves(&args.runs, &out).with_context(|| format!("drawing {}", out.display()))?;
+    crate::plot::draw_curves(&args.runs, &out, &args.curves).with_context(|| format!("drawing {}", out.display()))?;
     println!("wrote {}", out.display());
     Ok(())
 }

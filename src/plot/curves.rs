@@ -1,7 +1,8 @@
 //! Training curves: the metrics a run writes (`metrics.jsonl`, one line per step) and its validation
 //! records (`validation/step-NNNNNNNN-BENCH.jsonl`, one scored problem per line) drawn against the step,
 //! one panel per metric, one colour per run folder, so that the arms of an experiment can be compared
-//! on one figure.
+//! on one figure. [`CurveOptions`] chooses the panels and adds per-step metrics files written beside the
+//! trainer's (a held-out measure computed from the run's checkpoints, say).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -25,7 +26,7 @@ pub enum PlotError {
     Draw { path: PathBuf, message: String },
 }
 
-/// The panels drawn from metrics.jsonl: (key in metrics.jsonl, title).
+/// The panels drawn by default: (key in metrics.jsonl, title).
 const METRIC_PANELS: [(&str, &str); 8] = [
     ("loss", "loss"),
     ("reward", "reward (mean over answers)"),
@@ -40,11 +41,41 @@ const METRIC_PANELS: [(&str, &str); 8] = [
 /// The key of the trainer's validation score in metrics.jsonl (used when there are no validation records).
 const VALIDATION_KEY: &str = "validation/score";
 
-/// Figure size: three panels a row, three rows, under a legend strip.
+/// Figure size: three panels a row, as many rows as the panels need, under a legend strip.
 const PANEL: (u32, u32) = (500, 400);
+const COLUMNS: u32 = 3;
 const LEGEND_HEIGHT: u32 = 60;
-/// The size of the figure [`draw_curves`] writes.
-pub const FIGURE_SIZE: (u32, u32) = (3 * PANEL.0, LEGEND_HEIGHT + 3 * PANEL.1);
+
+/// The size of the figure [`draw_curves`] writes with `metric_panels` metric panels (and the validation's).
+fn figure_size(metric_panels: usize) -> (u32, u32) {
+    let rows = (metric_panels as u32 + 1).div_ceil(COLUMNS);
+    (COLUMNS * PANEL.0, LEGEND_HEIGHT + rows * PANEL.1)
+}
+
+/// What `grpo plot` draws: the flags of `grpo plot`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Deserialize, clap::Args)]
+#[serde(deny_unknown_fields, default)]
+pub struct CurveOptions {
+    /// The metric panels, in order: keys of the per-step metrics files (default: loss, reward, kl,
+    /// clip_ratio, entropy, grad_norm, tokens_per_sec, learning_rate). The validation panel comes last.
+    #[arg(long, value_delimiter = ',')]
+    pub panels: Vec<String>,
+    /// More per-step metrics files in each run folder, read beside metrics.jsonl: JSONL with a `step`
+    /// and numeric values (a run folder without one is drawn without them).
+    #[arg(long = "metrics-file")]
+    pub metrics_files: Vec<String>,
+}
+
+impl CurveOptions {
+    /// The metric panels: (key, title).
+    fn panels(&self) -> Vec<(String, String)> {
+        if self.panels.is_empty() {
+            return METRIC_PANELS.iter().map(|(k, t)| (k.to_string(), t.to_string())).collect();
+        }
+        let title = |k: &str| METRIC_PANELS.iter().find(|p| p.0 == k).map_or(k, |p| p.1).to_string();
+        self.panels.iter().map(|k| (k.clone(), title(k))).collect()
+    }
+}
 
 /// One colour per run (the first ten of matplotlib's tab10, then plotters' palette).
 const COLOURS: [RGBColor; 10] = [
@@ -74,15 +105,16 @@ type Series = Vec<(f64, f64)>;
 #[derive(Debug, Default)]
 struct RunCurves {
     name: String,
-    /// By metrics.jsonl key: the finite values, by step.
-    metrics: BTreeMap<&'static str, Series>,
+    /// By metrics key: the finite values, by step.
+    metrics: BTreeMap<String, Series>,
     /// By benchmark: the validation avg@n, by step.
     validation: BTreeMap<String, Series>,
 }
 
-/// Read `dir/metrics.jsonl` (lines that do not parse, such as a torn last line, are skipped).
-fn read_metrics(dir: &Path, run: &mut RunCurves) -> Result<bool, PlotError> {
-    let path = dir.join("metrics.jsonl");
+/// Read the values of `keys` from the per-step metrics file `dir/file` (lines that do not parse, such as
+/// a torn last line, are skipped); false when there is no such file.
+fn read_metrics(dir: &Path, file: &str, keys: &[&str], run: &mut RunCurves) -> Result<bool, PlotError> {
+    let path = dir.join(file);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(false),
@@ -94,10 +126,9 @@ fn read_metrics(dir: &Path, run: &mut RunCurves) -> Result<bool, PlotError> {
             continue;
         };
         let Some(step) = v.get("step").and_then(|s| s.as_f64()) else { continue };
-        let keys = METRIC_PANELS.iter().map(|p| p.0).chain([VALIDATION_KEY]);
-        for key in keys {
+        for &key in keys {
             if let Some(x) = v.get(key).and_then(|x| x.as_f64()).filter(|x| x.is_finite()) {
-                run.metrics.entry(key).or_default().push((step, x));
+                run.metrics.entry(key.to_string()).or_default().push((step, x));
             }
         }
     }
@@ -144,12 +175,17 @@ fn read_validation(dir: &Path, run: &mut RunCurves) -> Result<(), PlotError> {
 }
 
 /// Everything plotted of one run folder, named `name`.
-fn read_run(dir: &Path, name: String) -> Result<RunCurves, PlotError> {
+fn read_run(dir: &Path, name: String, options: &CurveOptions) -> Result<RunCurves, PlotError> {
     if !dir.is_dir() {
         return Err(PlotError::Missing(dir.to_path_buf()));
     }
     let mut run = RunCurves { name, ..Default::default() };
-    let has_metrics = read_metrics(dir, &mut run)?;
+    let panels = options.panels();
+    let keys: Vec<&str> = panels.iter().map(|p| p.0.as_str()).chain([VALIDATION_KEY]).collect();
+    let mut has_metrics = read_metrics(dir, "metrics.jsonl", &keys, &mut run)?;
+    for file in &options.metrics_files {
+        has_metrics |= read_metrics(dir, file, &keys, &mut run)?;
+    }
     read_validation(dir, &mut run)?;
     if !has_metrics && run.validation.is_empty() {
         return Err(PlotError::NotARun(dir.to_path_buf()));
@@ -302,20 +338,24 @@ fn draw_legend(area: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     Ok(())
 }
 
-/// Draw the runs' curves into `area`.
-fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves]) -> Result<(), String> {
+/// Draw the runs' curves into `area`: the metric `panels` (key, title), then the validation.
+fn draw_figure(
+    root: &DrawingArea<BitMapBackend<'_>, Shift>,
+    runs: &[RunCurves],
+    panels: &[(String, String)],
+) -> Result<(), String> {
     let e = |e: &dyn std::fmt::Display| e.to_string();
     root.fill(&WHITE).map_err(|x| e(&x))?;
     let (legend, grid) = root.split_vertically(LEGEND_HEIGHT);
     draw_legend(&legend, runs)?;
-    let panels = grid.split_evenly((3, 3));
+    let areas = grid.split_evenly(((panels.len() + 1).div_ceil(COLUMNS as usize), COLUMNS as usize));
     let all_steps =
         runs.iter().flat_map(|r| r.metrics.values().chain(r.validation.values())).flat_map(|s| s.iter().map(|p| p.0));
     let steps = step_range(all_steps);
-    for (panel, (key, title)) in panels.iter().zip(METRIC_PANELS) {
+    for (area, (key, title)) in areas.iter().zip(panels) {
         let series: Vec<(usize, &Series)> =
             runs.iter().enumerate().filter_map(|(i, r)| r.metrics.get(key).map(|s| (i, s))).collect();
-        draw_panel(panel, title, &format!("no `{key}` in metrics.jsonl"), &series, steps, None)?;
+        draw_panel(area, title, &format!("no `{key}` in the metrics"), &series, steps, None)?;
     }
     let series: Vec<(usize, &Series)> =
         runs.iter().enumerate().flat_map(|(i, r)| r.validation.values().map(move |s| (i, s))).collect();
@@ -330,19 +370,20 @@ fn draw_figure(root: &DrawingArea<BitMapBackend<'_>, Shift>, runs: &[RunCurves])
     } else {
         format!("validation avg@n ({})", benches.join(", "))
     };
-    draw_panel(&panels[8], &title, "no validation records", &series, steps, Some((-0.05, 1.05)))?;
+    draw_panel(&areas[panels.len()], &title, "no validation records", &series, steps, Some((-0.05, 1.05)))?;
     root.present().map_err(|x| e(&x))
 }
 
-/// Draw the curves of the run folders `dirs` on one figure, written as a PNG to `out`
-/// ([`FIGURE_SIZE`] pixels): loss, reward, KL, clip ratio, entropy, gradient norm, tokens/s, learning
-/// rate and validation avg@n against the step. A panel whose metric no run has says so.
-pub fn draw_curves(dirs: &[PathBuf], out: &Path) -> Result<(), PlotError> {
+/// Draw the curves of the run folders `dirs` on one figure, written as a PNG to `out`, three panels a
+/// row: by default loss, reward, KL, clip ratio, entropy, gradient norm, tokens/s, learning rate, then
+/// validation avg@n, against the step. A panel whose metric no run has says so.
+pub fn draw_curves(dirs: &[PathBuf], out: &Path, options: &CurveOptions) -> Result<(), PlotError> {
     if dirs.is_empty() {
         return Err(PlotError::NoRuns);
     }
     let runs: Vec<RunCurves> =
-        dirs.iter().zip(run_names(dirs)).map(|(d, name)| read_run(d, name)).collect::<Result<_, _>>()?;
+        dirs.iter().zip(run_names(dirs)).map(|(d, name)| read_run(d, name, options)).collect::<Result<_, _>>()?;
+    let panels = options.panels();
     let draw = |message: String| PlotError::Draw { path: out.to_path_buf(), message };
     super::register_font().map_err(draw)?;
     // Drawn to a temporary file in the same folder, then renamed: a reader never sees half a PNG.
@@ -353,8 +394,8 @@ pub fn draw_curves(dirs: &[PathBuf], out: &Path) -> Result<(), PlotError> {
         .tempfile_in(folder)
         .map_err(|source| PlotError::Io { path: folder.to_path_buf(), source })?;
     {
-        let root = BitMapBackend::new(tmp.path(), FIGURE_SIZE).into_drawing_area();
-        draw_figure(&root, &runs).map_err(draw)?;
+        let root = BitMapBackend::new(tmp.path(), figure_size(panels.len())).into_drawing_area();
+        draw_figure(&root, &runs, &panels).map_err(draw)?;
     }
     // persist gives it a new file's mode under the umask (a temporary file is owner-only).
     crate::fsio::persist(tmp, out).map_err(|source| PlotError::Io { path: out.to_path_buf(), source })?;
@@ -365,7 +406,7 @@ pub fn draw_curves(dirs: &[PathBuf], out: &Path) -> Result<(), PlotError> {
 /// its end).
 pub fn draw_run_curves(dir: &Path) -> Result<PathBuf, PlotError> {
     let out = dir.join("curves.png");
-    draw_curves(&[dir.to_path_buf()], &out)?;
+    draw_curves(&[dir.to_path_buf()], &out, &CurveOptions::default())?;
     Ok(out)
 }
 
@@ -409,8 +450,9 @@ mod tests {
         std::fs::write(run.join("validation/step-00000006-aime24.jsonl"), problem(true)).unwrap();
         let out = draw_run_curves(&run).unwrap();
         assert_eq!(out, run.join("curves.png"));
-        assert_eq!(png_size(&std::fs::read(&out).unwrap()), FIGURE_SIZE);
-        let read = read_run(&run, "a".into()).unwrap();
+        assert_eq!(png_size(&std::fs::read(&out).unwrap()), figure_size(8));
+        assert_eq!(figure_size(8), (1500, 1260));
+        let read = read_run(&run, "a".into(), &CurveOptions::default()).unwrap();
         assert_eq!(read.metrics["loss"].len(), 6);
         assert_eq!(read.validation["aime24"], vec![(3.0, 0.25), (6.0, 0.5)]);
         assert!(!read.metrics.contains_key("max_memory_allocated_gb"));
@@ -426,17 +468,18 @@ mod tests {
             "{\"step\":1,\"loss\":null}\n{\"step\":2,\"loss\":0.5,\"validation/score\":0.1}\n",
         )
         .unwrap();
-        let read = read_run(&run, "r".into()).unwrap();
+        let read = read_run(&run, "r".into(), &CurveOptions::default()).unwrap();
         assert_eq!(read.metrics["loss"], vec![(2.0, 0.5)]);
         assert!(!read.metrics.contains_key("kl"));
         assert_eq!(read.validation["validation"], vec![(2.0, 0.1)]);
-        draw_curves(std::slice::from_ref(&run), &dir.path().join("c.png")).unwrap();
+        let defaults = CurveOptions::default();
+        draw_curves(std::slice::from_ref(&run), &dir.path().join("c.png"), &defaults).unwrap();
         let empty = dir.path().join("empty");
         std::fs::create_dir_all(&empty).unwrap();
-        let e = draw_curves(&[run.clone(), empty.clone()], &dir.path().join("d.png")).unwrap_err();
+        let e = draw_curves(&[run.clone(), empty.clone()], &dir.path().join("d.png"), &defaults).unwrap_err();
         assert!(matches!(e, PlotError::NotARun(p) if p == empty));
         let missing = dir.path().join("missing");
-        let e = draw_curves(&[run, missing.clone()], &dir.path().join("d.png")).unwrap_err();
+        let e = draw_curves(&[run, missing.clone()], &dir.path().join("d.png"), &defaults).unwrap_err();
         assert!(matches!(&e, PlotError::Missing(p) if *p == missing), "{e}");
     }
 

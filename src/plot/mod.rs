@@ -3,7 +3,7 @@
 
 pub mod curves;
 
-pub use curves::{draw_curves, draw_run_curves, refresh_run_curves, PlotError};
+pub use curves::{draw_curves, draw_run_curves, refresh_run_curves, CurveOptions, PlotError};
 
 /// DejaVu Sans (data/fonts, free licence), bundled so that plots work on machines without fonts.
 const BUNDLED_FONT: &[u8] = include_bytes!("../../data/fonts/DejaVuSans.ttf");
