@@ -23,8 +23,38 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, S
 use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
 use driver::{Blocks, Visits};
 
+/// `$body` with `be` the GPU backend of `$s`'s dtype.
+#[cfg(feature = "cuda")]
+macro_rules! gpu_dispatch {
+    ($s:expr, |$be:ident| $body:expr) => {{
+        use candle_core::backend::BackendStorage;
+        let (dev, dtype) = ($s.device.clone(), $s.dtype());
+        match dtype {
+            DType::F32 => {
+                let $be = gpu::GpuBackend::<f32>::new(dev, dtype);
+                $body?
+            }
+            DType::BF16 => {
+                let $be = gpu::GpuBackend::<half::bf16>::new(dev, dtype);
+                $body?
+            }
+            DType::F16 => {
+                let $be = gpu::GpuBackend::<half::f16>::new(dev, dtype);
+                $body?
+            }
+            d => candle_core::bail!("flash attention: no kernel for {d:?} (f32, bf16 or f16)"),
+        }
+    }};
+}
+
 mod cpu;
 pub(crate) mod driver;
+#[cfg(test)]
+mod emu_tests;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(any(test, feature = "cuda"))]
+mod launches;
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -164,12 +194,13 @@ impl CustomOp3 for FlashAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
+        let dims = Dims::new(l1, l2, l3, self.ranges.layout())?;
+        // One host read per call: the block pairs to visit come from the ranges.
+        let host: Vec<u32> = self.ranges.flatten_all()?.to_vec1()?;
+        let visits = self.visits(dims, driver::Device::Gpu, &host);
         let (rs, rl) = self.ranges.storage_and_layout();
-        let dims = Dims::new(l1, l2, l3, rl)?;
-        let plan = forward_plan(s1.dtype(), dims, self.scale)?;
-        let mut outs = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)])?;
-        let (out, lse) = (outs.pop().expect("the plan's output"), outs.pop().expect("the plan's log-sum-exp"));
+        let ins = [(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)];
+        let (out, lse) = gpu_dispatch!(s1, |be| gpu_forward(&be, visits, self.scale, ins));
         let lse = Storage::Cuda(lse);
         self.keep_lse(Tensor::from_storage(lse, (dims.b, dims.h, dims.t), candle_core::op::BackpropOp::none(), false));
         Ok((out, l1.shape().clone()))
@@ -183,12 +214,14 @@ impl CustomOp3 for FlashAttention {
         out: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (Some(lse), Some(visits)) = (self.lse.get(), self.visits.get()) else {
-            candle_core::bail!("flash attention backward before its forward")
-        };
+        let Some(lse) = self.lse.get() else { candle_core::bail!("flash attention backward before its forward") };
+        // The block pairs of the CPU driver (the GPU's kernels walk the ranges themselves).
+        let visits = self.visits.get();
         let grad = grad.to_dtype(out.dtype())?.contiguous()?;
         let delta = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
-        let op = FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse, delta: &delta, scale: self.scale, visits };
+        let lse_delta = Tensor::cat(&[lse.flatten_all()?, delta.flatten_all()?], 0)?;
+        let op =
+            FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse_delta: &lse_delta, scale: self.scale, visits };
         let grads = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let dq = grads.narrow(0, 0, nq)?.reshape(q.shape())?;
@@ -203,10 +236,10 @@ impl CustomOp3 for FlashAttention {
 struct FlashAttentionBwd<'a> {
     ranges: &'a Tensor,
     grad: &'a Tensor,
-    lse: &'a Tensor,
-    delta: &'a Tensor,
+    /// L then D, `[2 B H T]` f32.
+    lse_delta: &'a Tensor,
     scale: f32,
-    visits: &'a Visits,
+    visits: Option<&'a Visits>,
 }
 
 impl CustomOp3 for FlashAttentionBwd<'_> {
@@ -227,17 +260,16 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         let dims = Dims::new(l1, l2, l3, rl)?;
         let ranges = u32s(cpu_storage(&rs, "ranges")?, rl, "attention ranges")?;
         let (gs, gl) = self.grad.storage_and_layout();
-        let (ls, ll) = self.lse.storage_and_layout();
-        let (ds, dl) = self.delta.storage_and_layout();
-        let mut lse_delta = f32s(cpu_storage(&ls, "log-sum-exp")?, ll, "log-sum-exp")?.to_vec();
-        lse_delta.extend_from_slice(f32s(cpu_storage(&ds, "delta")?, dl, "delta")?);
+        let (ls, ll) = self.lse_delta.storage_and_layout();
+        let lse_delta = f32s(cpu_storage(&ls, "log-sum-exp")?, ll, "log-sum-exp")?.to_vec();
         let gs = cpu_storage(&gs, "grad")?;
         let ranges = ranges.to_vec();
+        let Some(visits) = self.visits else { candle_core::bail!("flash attention backward before its CPU forward") };
         let out = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v"), (gs, gl, "grad") => |qt, kt, vt, gt| {
             let (q, k, v, dout) = (f32_vec(qt), f32_vec(kt), f32_vec(vt), f32_vec(gt));
             let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale: self.scale };
             let up = driver::Upstream { dout: &dout, lse_delta: &lse_delta };
-            IntoStorage::storage(from_f32(qt, &driver::backward(&cpu::CpuBackend, self.visits, &x, &up)?))
+            IntoStorage::storage(from_f32(qt, &driver::backward(&cpu::CpuBackend, visits, &x, &up)?))
         });
         Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
     }
@@ -252,19 +284,14 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
+        let Some(visits) = self.visits else { candle_core::bail!("flash attention backward before its forward") };
         let (gs, gl) = self.grad.storage_and_layout();
-        let (ls, ll) = self.lse.storage_and_layout();
-        let (ds, dl) = self.delta.storage_and_layout();
-        let plan = backward_plan(s1.dtype(), dims, self.scale)?;
-        let held = [(&gs, gl), (&rs, rl), (&ls, ll), (&ds, dl)];
-        let mut inputs = vec![(s1, l1), (s2, l2), (s3, l3)];
-        for (s, l) in &held {
-            inputs.push((cuda_storage(s)?, *l));
-        }
-        let out = super::cuda::run(&plan, &inputs)?.remove(0);
+        let (ls, ll) = self.lse_delta.storage_and_layout();
+        let ins = [(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&gs)?, gl)];
+        let held = (cuda_storage(&rs)?, rl, cuda_storage(&ls)?, ll);
+        let out = gpu_dispatch!(s1, |be| gpu_backward(&be, visits, self.scale, ins, held));
         Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
     }
 }
@@ -287,6 +314,21 @@ fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64, block
         visits: OnceLock::new(),
     };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// Block sizes and the work (GEMM FLOPs, element-wise bytes, launches) of the forward and the backward of
+/// causal attention over `t` new queries and `s` keys (`s - t` cached), `b` rows, `h` query heads, `kv`
+/// key/value heads of dim `d`, GEMM operands of `in_bytes` bytes, with [`driver::block_sizes`] of `device`:
+/// what the driver would run, counted without running it (performance model and benchmarks).
+pub(crate) fn causal_work(
+    (b, h, kv, t, s, d): (usize, usize, usize, usize, usize, usize),
+    device: driver::Device,
+    in_bytes: usize,
+) -> (Blocks, driver::Work, driver::Work) {
+    let dims = Dims { b, h, kv, t, s, d };
+    let blocks = driver::block_sizes(&dims, device);
+    let (f, w) = driver::cost(&Visits::causal(dims, blocks), in_bytes);
+    (blocks, f, w)
 }
 
 /// The same through the attention matrix: `softmax` of the `[B, H, T, S]` scores `q k^T` (unscaled:
@@ -312,12 +354,13 @@ pub fn matrix_attention(
 
 #[cfg(test)]
 pub(super) use plan::MAX_HEAD_DIM;
-#[cfg(any(test, feature = "cuda"))]
+#[cfg(test)]
 pub(super) use plan::{backward_plan, forward_plan};
 
-/// The GPU launches of the op (launch.rs): tiles sized to the head dim within the shared memory a block
-/// may use.
-#[cfg(any(test, feature = "cuda"))]
+/// The launches of the scalar kernels `flash_fwd`, `flash_bwd_dq` and `flash_bwd_dkv` (launch.rs): tiles
+/// sized to the head dim within the shared memory a block may use. The op runs the chunked driver on
+/// every device; these kernels remain for the emulator's own tests (dynamic shared memory checks).
+#[cfg(test)]
 mod plan {
     use super::*;
     use crate::kernels::launch::{kernel_name, Arg, Launch, Module, Plan, MAX_SHARED_BYTES};
@@ -432,6 +475,51 @@ mod plan {
         p.launch(dkv)?;
         Ok(p)
     }
+}
+
+#[cfg(feature = "cuda")]
+type CudaIn<'a> = (&'a candle_core::CudaStorage, &'a Layout);
+
+/// The driver's forward on the GPU: `(o, L)`.
+#[cfg(feature = "cuda")]
+fn gpu_forward<T>(
+    be: &gpu::GpuBackend<T>,
+    visits: &Visits,
+    scale: f32,
+    [q, k, v, r]: [CudaIn; 4],
+) -> Result<(candle_core::CudaStorage, candle_core::CudaStorage)>
+where
+    T: candle_core::cuda_backend::CudaDType
+        + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+        + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+{
+    let (q, k, v) = (be.input(q.0, q.1)?, be.input(k.0, k.1)?, be.input(v.0, v.1)?);
+    let ranges = gpu::input::<u32>(&be.dev, r.0, r.1)?;
+    let (o, lse) = driver::forward(be, visits, &driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale })?;
+    let dev = be.dev.clone();
+    Ok((candle_core::CudaStorage::wrap_cuda_slice(o, dev.clone()), candle_core::CudaStorage::wrap_cuda_slice(lse, dev)))
+}
+
+/// The driver's backward on the GPU: dq|dk|dv.
+#[cfg(feature = "cuda")]
+fn gpu_backward<T>(
+    be: &gpu::GpuBackend<T>,
+    visits: &Visits,
+    scale: f32,
+    [q, k, v, g]: [CudaIn; 4],
+    (rs, rl, ls, ll): (&candle_core::CudaStorage, &Layout, &candle_core::CudaStorage, &Layout),
+) -> Result<candle_core::CudaStorage>
+where
+    T: candle_core::cuda_backend::CudaDType
+        + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+        + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+{
+    let (q, k, v, dout) = (be.input(q.0, q.1)?, be.input(k.0, k.1)?, be.input(v.0, v.1)?, be.input(g.0, g.1)?);
+    let ranges = gpu::input::<u32>(&be.dev, rs, rl)?;
+    let lse_delta = gpu::input::<f32>(&be.dev, ls, ll)?;
+    let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale };
+    let grads = driver::backward(be, visits, &x, &driver::Upstream { dout: &dout, lse_delta: &lse_delta })?;
+    Ok(candle_core::CudaStorage::wrap_cuda_slice(grads, be.dev.clone()))
 }
 
 #[cfg(feature = "cuda")]
