@@ -188,8 +188,8 @@ pub(crate) enum Device {
 /// probabilities, and in the backward their gradient).
 /// - GPU: every block pair is ~5 (forward) or ~8 (backward) launches, so blocks are large: M = G bq of
 ///   about 1k rows (bq = 1024 / G, at least 64) and bk = 2048 keys, which makes each GEMM several
-///   GFLOP at D = 128 (tensor cores saturate from ~1k x 1k x 128 tiles per batch) and a 16k-token
-///   causal forward about (16 x 8 / 2) pairs x 5 = ~350 launches. Scores cost N x 1k x 2k x 4 bytes
+///   GFLOP at D = 128 (tensor cores saturate from ~1k x 1k x 128 tiles per batch); a 16k-token causal
+///   layer with G = 4 is ~290 block pairs: ~1,000 launches forward and ~1,900 backward ([`cost`]). Scores cost N x 1k x 2k x 4 bytes
 ///   = 8 MiB per KV head and batch row: bounded whatever T.
 /// - CPU: the `gemm` crate reaches its speed from ~128-row operands, while the scores block should
 ///   stay in the L2 cache between the GEMM that writes it and the element-wise pass and GEMM that read

@@ -139,6 +139,13 @@ impl Backend for EmuBackend {
     }
 }
 
+/// How a backend's buffers come back to the host and `L|D` goes to it.
+struct Host<I, F, L> {
+    input: I,
+    f32: F,
+    lse_delta: L,
+}
+
 /// Forward output, L, and the backward's dq|dk|dv of the driver on `be`, all in f32.
 fn drive<B: Backend>(
     be: &B,
@@ -146,15 +153,13 @@ fn drive<B: Backend>(
     x: &driver::Inputs<B>,
     dout: &B::In,
     delta: &[f32],
-    host: impl Fn(&B::In) -> Vec<f32>,
-    host_f32: impl Fn(&B::F32) -> Vec<f32>,
-    lse_delta: impl Fn(Vec<f32>) -> B::F32,
+    host: Host<impl Fn(&B::In) -> Vec<f32>, impl Fn(&B::F32) -> Vec<f32>, impl Fn(Vec<f32>) -> B::F32>,
 ) -> [Vec<f32>; 3] {
     let (o, lse) = driver::forward(be, visits, x).unwrap();
-    let lse = host_f32(&lse);
-    let ld = lse_delta(lse.iter().chain(delta).copied().collect());
+    let lse = (host.f32)(&lse);
+    let ld = (host.lse_delta)(lse.iter().chain(delta).copied().collect());
     let grads = driver::backward(be, visits, x, &driver::Upstream { dout, lse_delta: &ld }).unwrap();
-    [host(&o), lse, host(&grads)]
+    [(host.input)(&o), lse, (host.input)(&grads)]
 }
 
 fn close(what: &str, got: &[f32], want: &[f32], tol: f32) {
@@ -201,13 +206,14 @@ fn emulated_kernels_match_the_cpu_backend() {
             let r = |x: &[f32]| f32s(&t_(x));
             let (qc, kc, vc, gc) = (r(&q), r(&k), r(&v), r(&g));
             let xc = driver::Inputs { q: &qc, k: &kc, v: &vc, ranges: &ranges, scale: 0.4 };
-            let want = drive(&CpuBackend, &visits, &xc, &gc, &delta, |x| x.clone(), |x| x.clone(), |x| x);
+            let cpu_host = Host { input: |x: &Vec<f32>| x.clone(), f32: |x: &Vec<f32>| x.clone(), lse_delta: |x| x };
+            let want = drive(&CpuBackend, &visits, &xc, &gc, &delta, cpu_host);
             let emu_be = EmuBackend { dtype };
             let rt = Tensor::from_vec(ranges.clone(), ranges.len(), &Device::Cpu).unwrap();
             let (qt, kt, vt, gt) = (t_(&q), t_(&k), t_(&v), t_(&g));
             let xe = driver::Inputs { q: &qt, k: &kt, v: &vt, ranges: &rt, scale: 0.4 };
             let lse_delta = |x: Vec<f32>| Tensor::from_vec(x.clone(), x.len(), &Device::Cpu).unwrap();
-            let got = drive(&emu_be, &visits, &xe, &gt, &delta, f32s, f32s, lse_delta);
+            let got = drive(&emu_be, &visits, &xe, &gt, &delta, Host { input: f32s, f32: f32s, lse_delta });
             for (what, (a, w)) in ["out", "lse", "dq|dk|dv"].iter().zip(got.iter().zip(&want)) {
                 close(&format!("case {ci} {dtype:?} {what}"), a, w, tol);
             }
