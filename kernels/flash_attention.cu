@@ -337,3 +337,151 @@ __device__ void flash_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, 
 FLASH_KERNELS(f32, float)
 FLASH_KERNELS(bf16, __nv_bfloat16)
 FLASH_KERNELS(f16, __half)
+
+// ---------------------------------------------------------------------------------------------------------
+// Element-wise steps of the chunked attention (src/kernels/flash_attention/driver.rs): its matrix products
+// are batched GEMMs (cuBLAS), these kernels do the rest. A step works on query rows i0.. i0 + n of every
+// head, stacked per KV head: batch entry e = b KV + kv (blockIdx.y), stacked row = g n + r (blockIdx.x) is
+// query head kv G + g, query i0 + r. One block per stacked row; scores blocks are [N, M, nk] f32 (M = G n),
+// stats are m [N, M] then l [N, M] (l = 0: no key seen yet).
+
+struct Row {
+    uint32_t e, row, bht, b, i;
+};
+
+__device__ __forceinline__ Row stacked_row(uint32_t h, uint32_t kv, uint32_t t, uint32_t i0, uint32_t n) {
+    Row x;
+    x.e = blockIdx.y;
+    x.row = blockIdx.x;
+    const uint32_t group = h / kv, g = x.row / n, r = x.row % n;
+    x.b = x.e / kv;
+    x.i = i0 + r;
+    x.bht = (x.b * h + (x.e % kv) * group + g) * t + x.i;
+    return x;
+}
+
+// The keys of block j0.. j0 + nk the row sees, as a.. z within the block; false when none.
+__device__ __forceinline__ bool visible(const uint32_t *ranges, const Row &x, uint32_t t, uint32_t s, uint32_t j0,
+                                        uint32_t nk, uint32_t &a, uint32_t &z) {
+    uint32_t lo, hi;
+    if (!key_range(ranges, x.b, x.i, t, s, lo, hi)) return false;
+    a = lo > j0 ? lo - j0 : 0;
+    z = hi + 1 < j0 + nk ? hi + 1 - j0 : nk;
+    return hi >= j0 && a < z;
+}
+
+template <typename T>
+__device__ void fa_gather(const T *src, T *dst, uint32_t h, uint32_t kv, uint32_t t, uint32_t d, uint32_t i0,
+                          uint32_t n) {
+    const Row x = stacked_row(h, kv, t, i0, n);
+    const size_t to = ((size_t)x.e * gridDim.x + x.row) * d, from = (size_t)x.bht * d;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) dst[to + c] = src[from + c];
+}
+
+template <typename T>
+__device__ void fa_scatter(const float *acc, T *dst, uint32_t h, uint32_t kv, uint32_t t, uint32_t d, uint32_t i0,
+                           uint32_t n) {
+    const Row x = stacked_row(h, kv, t, i0, n);
+    const size_t from = ((size_t)x.e * gridDim.x + x.row) * d, to = (size_t)x.bht * d;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) dst[to + c] = from_f32<T>(acc[from + c]);
+}
+
+template <typename T> __device__ void fa_cast(const float *src, T *dst, uint32_t len) {
+    for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < len; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = from_f32<T>(src[i]);
+}
+
+template <typename T>
+__device__ void fa_fwd_scores(const float *sc, T *p, float *stats, float *acc, const uint32_t *ranges, uint32_t h,
+                              uint32_t kv, uint32_t t, uint32_t s, uint32_t d, uint32_t i0, uint32_t n, uint32_t j0,
+                              uint32_t nk, float scale) {
+    __shared__ float red[32];
+    const Row x = stacked_row(h, kv, t, i0, n);
+    const size_t row = (size_t)x.e * gridDim.x + x.row, rows = (size_t)gridDim.x * gridDim.y;
+    const float *srow = sc + row * nk;
+    T *prow = p + row * nk;
+    uint32_t a, z;
+    if (!visible(ranges, x, t, s, j0, nk, a, z)) {
+        for (uint32_t j = threadIdx.x; j < nk; j += blockDim.x) prow[j] = from_f32<T>(0.f);
+        return;
+    }
+    float mx = -INFINITY;
+    for (uint32_t j = a + threadIdx.x; j < z; j += blockDim.x) mx = fmaxf(mx, scale * srow[j]);
+    mx = block_reduce<true>(mx, red);
+    const float l_old = stats[rows + row];
+    const float m_old = l_old > 0.f ? stats[row] : -INFINITY;
+    const float m_new = fmaxf(m_old, mx);
+    float sum = 0.f;
+    for (uint32_t j = threadIdx.x; j < nk; j += blockDim.x) {
+        const T v = from_f32<T>(j >= a && j < z ? __expf(scale * srow[j] - m_new) : 0.f);
+        prow[j] = v;
+        sum += to_f32(v);  // the sum of the probabilities the GEMM multiplies
+    }
+    sum = block_reduce<false>(sum, red);
+    const float alpha = l_old > 0.f ? __expf(m_old - m_new) : 0.f;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) acc[row * d + c] *= alpha;
+    if (threadIdx.x == 0) {
+        stats[row] = m_new;
+        stats[rows + row] = l_old * alpha + sum;
+    }
+}
+
+template <typename T>
+__device__ void fa_fwd_finish(const float *stats, const float *acc, T *out, float *lse, uint32_t h, uint32_t kv,
+                              uint32_t t, uint32_t d, uint32_t i0, uint32_t n) {
+    const Row x = stacked_row(h, kv, t, i0, n);
+    const size_t row = (size_t)x.e * gridDim.x + x.row, rows = (size_t)gridDim.x * gridDim.y;
+    const float m = stats[row], l = stats[rows + row];
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (uint32_t c = threadIdx.x; c < d; c += blockDim.x) out[(size_t)x.bht * d + c] = from_f32<T>(acc[row * d + c] * inv);
+    if (threadIdx.x == 0) lse[x.bht] = l > 0.f ? m + logf(l) : -INFINITY;
+}
+
+template <typename T>
+__device__ void fa_bwd_scores(const float *sc, const float *dp, const float *lse_delta, const uint32_t *ranges, T *p,
+                              T *ds, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t i0, uint32_t n,
+                              uint32_t j0, uint32_t nk, float scale, uint32_t rows_total) {
+    const Row x = stacked_row(h, kv, t, i0, n);
+    const size_t row = (size_t)x.e * gridDim.x + x.row;
+    uint32_t a = 0, z = 0;
+    const bool any = visible(ranges, x, t, s, j0, nk, a, z);
+    const float lse = lse_delta[x.bht], delta = lse_delta[rows_total + x.bht];
+    for (uint32_t j = threadIdx.x; j < nk; j += blockDim.x) {
+        const size_t at = row * nk + j;
+        const float pj = any && j >= a && j < z ? __expf(scale * sc[at] - lse) : 0.f;
+        p[at] = from_f32<T>(pj);
+        ds[at] = from_f32<T>(pj * (dp[at] - delta));
+    }
+}
+
+#define CHUNKED_KERNELS(NAME, T)                                                                                  \
+    extern "C" __global__ void fa_gather_##NAME(const T *src, T *dst, uint32_t h, uint32_t kv, uint32_t t,        \
+                                                uint32_t d, uint32_t i0, uint32_t n) {                            \
+        fa_gather<T>(src, dst, h, kv, t, d, i0, n);                                                               \
+    }                                                                                                             \
+    extern "C" __global__ void fa_scatter_##NAME(const float *acc, T *dst, uint32_t h, uint32_t kv, uint32_t t,   \
+                                                 uint32_t d, uint32_t i0, uint32_t n) {                           \
+        fa_scatter<T>(acc, dst, h, kv, t, d, i0, n);                                                              \
+    }                                                                                                             \
+    extern "C" __global__ void fa_cast_##NAME(const float *src, T *dst, uint32_t len) { fa_cast<T>(src, dst, len); } \
+    extern "C" __global__ void fa_fwd_scores_##NAME(const float *sc, T *p, float *stats, float *acc,              \
+                                                    const uint32_t *ranges, uint32_t h, uint32_t kv, uint32_t t,  \
+                                                    uint32_t s, uint32_t d, uint32_t i0, uint32_t n, uint32_t j0, \
+                                                    uint32_t nk, float scale) {                                   \
+        fa_fwd_scores<T>(sc, p, stats, acc, ranges, h, kv, t, s, d, i0, n, j0, nk, scale);                        \
+    }                                                                                                             \
+    extern "C" __global__ void fa_fwd_finish_##NAME(const float *stats, const float *acc, T *out, float *lse,     \
+                                                    uint32_t h, uint32_t kv, uint32_t t, uint32_t d, uint32_t i0, \
+                                                    uint32_t n) {                                                 \
+        fa_fwd_finish<T>(stats, acc, out, lse, h, kv, t, d, i0, n);                                               \
+    }                                                                                                             \
+    extern "C" __global__ void fa_bwd_scores_##NAME(const float *sc, const float *dp, const float *lse_delta,     \
+                                                    const uint32_t *ranges, T *p, T *ds, uint32_t h, uint32_t kv, \
+                                                    uint32_t t, uint32_t s, uint32_t i0, uint32_t n, uint32_t j0, \
+                                                    uint32_t nk, float scale, uint32_t rows_total) {              \
+        fa_bwd_scores<T>(sc, dp, lse_delta, ranges, p, ds, h, kv, t, s, i0, n, j0, nk, scale, rows_total);        \
+    }
+
+CHUNKED_KERNELS(f32, float)
+CHUNKED_KERNELS(bf16, __nv_bfloat16)
+CHUNKED_KERNELS(f16, __half)

@@ -7,6 +7,7 @@
 //! - [`logprob`]: the fused log-prob op alone (optionally with the off_grpo loss on top), and candle's
 //!   naive whole-vocabulary log-softmax for comparison;
 //! - [`generate`]: greedy generation with the KV cache, never stopping early;
+//! - [`attention`]: forward and backward of one layer's chunked attention against a plain f32 matmul;
 //! - [`sample`]: picking the next token (temperature, top-k, top-p) against the full-sort reference.
 //!
 //! Times are medians of the timed repetitions after warm-up, with the device synchronised around each.
@@ -497,6 +498,105 @@ pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
     }))
 }
 
+/// One layer's attention (`grpo bench attention`): causal, one row, random inputs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AttentionSpec {
+    /// Tokens (queries and keys).
+    #[arg(long, default_value_t = 4096)]
+    pub len: usize,
+    /// Query heads (Qwen2.5-7B: 28 of 128; the default keeps its head dim and a 4-head group).
+    #[arg(long, default_value_t = 16)]
+    pub heads: usize,
+    #[arg(long, default_value_t = 4)]
+    pub kv_heads: usize,
+    #[arg(long, default_value_t = 128)]
+    pub head_dim: usize,
+    /// Side of the square f32 matmul measured as the reference rate.
+    #[arg(long, default_value_t = 2048)]
+    pub matmul: usize,
+}
+
+/// What `grpo bench attention` prints.
+#[derive(Debug, serde::Serialize)]
+struct AttentionRecord {
+    bench: &'static str,
+    device: String,
+    dtype: &'static str,
+    len: usize,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    /// Query rows and keys per block on this device.
+    block_q: usize,
+    block_k: usize,
+    /// Forward + backward, median.
+    seconds: f64,
+    /// The causal attention's useful FLOPs (4 + 10 per query-key pair and head dim, masked halves of
+    /// diagonal blocks not counted) over the time.
+    gflops: f64,
+    /// FLOPs the GEMMs ran (diagonal blocks whole).
+    gemm_gflop_run: f64,
+    matmul_size: usize,
+    matmul_gflops: f64,
+    /// gflops / matmul_gflops.
+    ratio: f64,
+    /// The GPU's blocks and launches for the same shape (forward, backward).
+    gpu_block_q: usize,
+    gpu_block_k: usize,
+    gpu_launches: (usize, usize),
+}
+
+/// Forward and backward of causal attention over `--len` tokens (flash path) against a square f32 matmul
+/// of `--matmul`, both on the device, in the same run.
+pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
+    use crate::kernels::{causal_work, flash_attention, AttentionDevice};
+    let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
+    let dev = &t.device;
+    let var = |heads| -> Result<Var> {
+        Ok(Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, heads, n, d), dev)?.to_dtype(t.dtype)?)?)
+    };
+    let (q, k, v) = (var(h)?, var(kv)?, var(kv)?);
+    let ranges: Vec<u32> = (0..n as u32).flat_map(|i| [0, i]).collect();
+    let ranges = Tensor::from_vec(ranges, (1, n, 2), dev)?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let (times, _) = time_runs(t, || {
+        let o = flash_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
+        Ok(o.backward()?)
+    })?;
+    let seconds = median(&times);
+    let m = spec.matmul;
+    let a = Tensor::randn(0f32, 1.0, (m, m), dev)?;
+    let (mm, _) = time_runs(t, || Ok(a.matmul(&a)?))?;
+    let matmul_gflops = 2.0 * (m * m * m) as f64 / median(&mm) / 1e9;
+    let useful = 14.0 * (h * d) as f64 * (n * (n + 1) / 2) as f64;
+    let bytes = t.dtype.size_in_bytes();
+    let cpu = if dev.is_cpu() { AttentionDevice::Cpu } else { AttentionDevice::Gpu };
+    let (blocks, fwd, bwd) = causal_work((1, h, kv, n, n, d), cpu, bytes);
+    let (gpu, gf, gb) = causal_work((1, h, kv, n, n, d), AttentionDevice::Gpu, bytes);
+    let gflops = useful / seconds / 1e9;
+    let record = AttentionRecord {
+        bench: "attention",
+        device: device_name(dev),
+        dtype: dtype_name(t.dtype),
+        len: n,
+        heads: h,
+        kv_heads: kv,
+        head_dim: d,
+        block_q: blocks.bq,
+        block_k: blocks.bk,
+        seconds,
+        gflops,
+        gemm_gflop_run: (fwd.gemm_flops + bwd.gemm_flops) / 1e9,
+        matmul_size: m,
+        matmul_gflops,
+        ratio: gflops / matmul_gflops,
+        gpu_block_q: gpu.bq,
+        gpu_block_k: gpu.bk,
+        gpu_launches: (gf.launches, gb.launches),
+    };
+    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -511,6 +611,19 @@ mod tests {
 
     fn cpu() -> Timing {
         Timing { device: Device::Cpu, dtype: DType::F32, warmup: 1, repeats: 2 }
+    }
+
+    #[test]
+    fn attention_reports_its_rate_against_a_matmul() {
+        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64 };
+        let r = attention(&spec, &cpu()).unwrap();
+        assert_eq!(
+            (r["bench"].as_str(), r["len"].as_u64(), r["block_q"].as_u64()),
+            (Some("attention"), Some(70), Some(70))
+        );
+        let (g, m, ratio) =
+            (r["gflops"].as_f64().unwrap(), r["matmul_gflops"].as_f64().unwrap(), r["ratio"].as_f64().unwrap());
+        assert!(g > 0.0 && m > 0.0 && (ratio - g / m).abs() < 1e-9, "{r}");
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use anyhow::Context;
 
 use crate::model::{parse_device, parse_dtype};
-use crate::perf::{self, GenerateSpec, LogprobSpec, SampleSpec, Timing, TrainStepSpec};
+use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, SampleSpec, Timing, TrainStepSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
@@ -46,6 +46,14 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// Forward and backward of one layer's causal attention (chunked, GEMM products) on random data, and
+    /// a plain f32 matmul measured in the same run: achieved GFLOP/s and their ratio.
+    Attention {
+        #[command(flatten)]
+        spec: AttentionSpec,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Picking the next token (temperature, top-k, top-p) from random logits: ours vs the full-sort
     /// reference.
     Sample {
@@ -72,6 +80,9 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::Logprob { spec, common } => {
             perf::logprob(&spec, &timing(&common)?).context("logprob benchmark")?
+        }
+        BenchCommand::Attention { spec, common } => {
+            perf::attention(&spec, &timing(&common)?).context("attention benchmark")?
         }
         BenchCommand::Sample { spec, common } => perf::sample(&spec, &timing(&common)?).context("sample benchmark")?,
         BenchCommand::Generate { spec, common } => {

@@ -19,6 +19,11 @@ pub(super) fn rows_ptx() -> &'static str {
     ptx(Module::Rows).1
 }
 
+/// The PTX of kernels/flash_attention.cu (its chunked attention launches its own steps).
+pub(super) fn flash_ptx() -> &'static str {
+    ptx(Module::FlashAttention).1
+}
+
 fn ptx(module: Module) -> (&'static str, &'static str) {
     match module {
         Module::Rows => ("grpo_rows", include_str!(concat!(env!("OUT_DIR"), "/rows.ptx"))),

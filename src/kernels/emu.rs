@@ -128,12 +128,26 @@ pub fn run(plan: &Plan, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     run_with(plan, inputs, |_, args| args)
 }
 
+/// [`run`] for kernels that also update their inputs in place: every buffer of the plan after the
+/// launches (inputs and outputs, in the plan's order).
+pub fn run_in_place(plan: &Plan, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let bufs = execute(plan, inputs, |_, args| args)?;
+    plan.buffers.iter().zip(bufs).map(|(b, buf)| buf.tensor(b.len)).collect()
+}
+
 /// [`run`], with the arguments of launch `i` passed through `edit` first (to test the emulator's checks).
 pub fn run_with(
     plan: &Plan,
     inputs: &[&Tensor],
     edit: impl Fn(usize, Vec<RawArg>) -> Vec<RawArg>,
 ) -> Result<Vec<Tensor>> {
+    let bufs = execute(plan, inputs, edit)?;
+    let outs = plan.buffers.iter().zip(bufs).filter(|(b, _)| b.output);
+    outs.map(|(b, buf)| buf.tensor(b.len)).collect()
+}
+
+/// The buffers of `plan` after its launches on `inputs`.
+fn execute(plan: &Plan, inputs: &[&Tensor], edit: impl Fn(usize, Vec<RawArg>) -> Vec<RawArg>) -> Result<Vec<Buf>> {
     if inputs.len() != plan.inputs().count() {
         candle_core::bail!("{} inputs for a plan of {}", inputs.len(), plan.inputs().count());
     }
@@ -188,8 +202,7 @@ pub fn run_with(
             .collect();
         launch(l, &edit(i, args), seed() ^ i as u64)?;
     }
-    let outs = plan.buffers.iter().zip(bufs).filter(|(b, _)| b.output);
-    outs.map(|(b, buf)| buf.tensor(b.len)).collect()
+    Ok(bufs)
 }
 
 /// One launch on the emulator (values of 4 bytes are read from the start of their 8-byte slot:

@@ -19,14 +19,42 @@
 use std::sync::OnceLock;
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
-use rayon::prelude::*;
 
 use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
+use driver::{Blocks, Visits};
 
-/// Query rows per block of the CPU path.
-const CPU_QUERY_BLOCK: usize = 32;
-/// Keys per block of the CPU path.
-const CPU_KEY_BLOCK: usize = 64;
+/// `$body` with `be` the GPU backend of `$s`'s dtype.
+#[cfg(feature = "cuda")]
+macro_rules! gpu_dispatch {
+    ($s:expr, |$be:ident| $body:expr) => {{
+        use candle_core::backend::BackendStorage;
+        let (dev, dtype) = ($s.device.clone(), $s.dtype());
+        match dtype {
+            DType::F32 => {
+                let $be = gpu::GpuBackend::<f32>::new(dev, dtype);
+                $body?
+            }
+            DType::BF16 => {
+                let $be = gpu::GpuBackend::<half::bf16>::new(dev, dtype);
+                $body?
+            }
+            DType::F16 => {
+                let $be = gpu::GpuBackend::<half::f16>::new(dev, dtype);
+                $body?
+            }
+            d => candle_core::bail!("flash attention: no kernel for {d:?} (f32, bf16 or f16)"),
+        }
+    }};
+}
+
+mod cpu;
+pub(crate) mod driver;
+#[cfg(test)]
+mod emu_tests;
+#[cfg(feature = "cuda")]
+mod gpu;
+#[cfg(any(test, feature = "cuda"))]
+mod launches;
 
 /// The sizes of one attention call.
 #[derive(Debug, Clone, Copy)]
@@ -83,236 +111,6 @@ fn key_range(ranges: &[u32], dims: &Dims, b: usize, i: usize) -> Option<(usize, 
     (lo <= hi).then_some((lo, hi))
 }
 
-/// Dot product in f32 over 8 independent lanes (vectorised; the order differs from a plain sum).
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    let mut acc = [0f32; 8];
-    for (x, y) in ca.zip(cb) {
-        for ((a, x), y) in acc.iter_mut().zip(x).zip(y) {
-            *a += x * y;
-        }
-    }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// `y += a x`.
-fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
-    for (y, x) in y.iter_mut().zip(x) {
-        *y += a * x;
-    }
-}
-
-fn to_f32<T: Elem>(x: &[T], out: &mut Vec<f32>) {
-    out.clear();
-    out.extend(x.iter().map(|v| v.f32()));
-}
-
-/// The inputs of one call on the CPU.
-struct Inputs<'a, T> {
-    q: &'a [T],
-    k: &'a [T],
-    v: &'a [T],
-    ranges: &'a [u32],
-    dims: Dims,
-    scale: f32,
-}
-
-/// What the backward adds: the output's gradient (inputs' dtype), and per query `L` and `D` (f32).
-struct Upstream<'a, T> {
-    dout: &'a [T],
-    lse: &'a [f32],
-    delta: &'a [f32],
-}
-
-/// A block of query rows `i0..i0 + n` of head `bh` (= b H + h): their queries in f32, key ranges, and
-/// the span of keys any of them sees.
-struct QueryBlock {
-    q: Vec<f32>,
-    ranges: Vec<Option<(usize, usize)>>,
-    span: Option<(usize, usize)>,
-    /// Offset of the head's keys and values.
-    kv_base: usize,
-}
-
-impl<T: Elem> Inputs<'_, T> {
-    fn query_block(&self, bh: usize, i0: usize, n: usize) -> QueryBlock {
-        let Dims { h, t, s, d, .. } = self.dims;
-        let (b, head) = (bh / h, bh % h);
-        let mut q = Vec::with_capacity(n * d);
-        to_f32(&self.q[(bh * t + i0) * d..(bh * t + i0 + n) * d], &mut q);
-        let ranges: Vec<_> = (0..n).map(|r| key_range(self.ranges, &self.dims, b, i0 + r)).collect();
-        let span = ranges.iter().flatten().fold(None, |acc: Option<(usize, usize)>, &(lo, hi)| match acc {
-            None => Some((lo, hi)),
-            Some((a, z)) => Some((a.min(lo), z.max(hi))),
-        });
-        let kv_base = (b * self.dims.kv + head / self.dims.group()) * s * d;
-        QueryBlock { q, ranges, span, kv_base }
-    }
-
-    /// Keys and values `j0..j1` of the head at `base`, in f32.
-    fn key_block(&self, base: usize, j0: usize, j1: usize, k: &mut Vec<f32>, v: &mut Vec<f32>) {
-        let d = self.dims.d;
-        to_f32(&self.k[base + j0 * d..base + j1 * d], k);
-        to_f32(&self.v[base + j0 * d..base + j1 * d], v);
-    }
-
-    /// Output rows and log-sum-exps of the `lse.len()` queries from `i0` of head `bh`.
-    fn forward_block(&self, bh: usize, i0: usize, out: &mut [T], lse: &mut [f32]) {
-        let d = self.dims.d;
-        let n = lse.len();
-        let qb = self.query_block(bh, i0, n);
-        let (mut m, mut l, mut acc) = (vec![f32::NEG_INFINITY; n], vec![0f32; n], vec![0f32; n * d]);
-        let (mut kf, mut vf, mut sc) = (Vec::new(), Vec::new(), vec![0f32; CPU_KEY_BLOCK]);
-        if let Some((kmin, kmax)) = qb.span {
-            for j0 in (kmin..=kmax).step_by(CPU_KEY_BLOCK) {
-                let j1 = (j0 + CPU_KEY_BLOCK).min(kmax + 1);
-                self.key_block(qb.kv_base, j0, j1, &mut kf, &mut vf);
-                for (r, range) in qb.ranges.iter().enumerate() {
-                    let Some((lo, hi)) = *range else { continue };
-                    let (a, z) = (lo.max(j0), hi.min(j1 - 1));
-                    if a > z {
-                        continue;
-                    }
-                    let qr = &qb.q[r * d..(r + 1) * d];
-                    let mut mx = f32::NEG_INFINITY;
-                    for j in a..=z {
-                        let x = self.scale * dot(qr, &kf[(j - j0) * d..(j - j0 + 1) * d]);
-                        sc[j - a] = x;
-                        mx = mx.max(x);
-                    }
-                    let m_new = m[r].max(mx);
-                    let alpha = (m[r] - m_new).exp();
-                    let ar = &mut acc[r * d..(r + 1) * d];
-                    ar.iter_mut().for_each(|x| *x *= alpha);
-                    let mut sum = 0f32;
-                    for j in a..=z {
-                        let p = (sc[j - a] - m_new).exp();
-                        sum += p;
-                        axpy(ar, p, &vf[(j - j0) * d..(j - j0 + 1) * d]);
-                    }
-                    l[r] = l[r] * alpha + sum;
-                    m[r] = m_new;
-                }
-            }
-        }
-        for r in 0..n {
-            let (inv, lr) = if l[r] > 0.0 { (1.0 / l[r], m[r] + l[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
-            for (o, a) in out[r * d..(r + 1) * d].iter_mut().zip(&acc[r * d..(r + 1) * d]) {
-                *o = T::of(a * inv);
-            }
-            lse[r] = lr;
-        }
-    }
-
-    /// `(o, L)`: `[B, H, T, D]` in `T`, `[B, H, T]` f32.
-    fn forward(&self) -> (Vec<T>, Vec<f32>) {
-        let Dims { t, d, .. } = self.dims;
-        let mut out = vec![T::of(0.0); self.dims.q_len()];
-        let mut lse = vec![0f32; self.dims.b * self.dims.h * t];
-        out.par_chunks_mut(t * d).zip(lse.par_chunks_mut(t)).enumerate().for_each(|(bh, (oh, lh))| {
-            oh.par_chunks_mut(CPU_QUERY_BLOCK * d)
-                .zip(lh.par_chunks_mut(CPU_QUERY_BLOCK))
-                .enumerate()
-                .for_each(|(blk, (o, l))| self.forward_block(bh, blk * CPU_QUERY_BLOCK, o, l));
-        });
-        (out, lse)
-    }
-
-    /// dq of the `dq.len() / D` queries from `i0` of head `bh`.
-    fn dq_block(&self, up: &Upstream<T>, bh: usize, i0: usize, dq: &mut [T]) {
-        let Dims { t, d, .. } = self.dims;
-        let n = dq.len() / d;
-        let qb = self.query_block(bh, i0, n);
-        let mut g = Vec::with_capacity(n * d);
-        to_f32(&up.dout[(bh * t + i0) * d..(bh * t + i0 + n) * d], &mut g);
-        let mut acc = vec![0f32; n * d];
-        let (mut kf, mut vf) = (Vec::new(), Vec::new());
-        if let Some((kmin, kmax)) = qb.span {
-            for j0 in (kmin..=kmax).step_by(CPU_KEY_BLOCK) {
-                let j1 = (j0 + CPU_KEY_BLOCK).min(kmax + 1);
-                self.key_block(qb.kv_base, j0, j1, &mut kf, &mut vf);
-                for (r, range) in qb.ranges.iter().enumerate() {
-                    let Some((lo, hi)) = *range else { continue };
-                    let (qr, gr) = (&qb.q[r * d..(r + 1) * d], &g[r * d..(r + 1) * d]);
-                    let (lse, delta) = (up.lse[bh * t + i0 + r], up.delta[bh * t + i0 + r]);
-                    for j in lo.max(j0)..=hi.min(j1 - 1) {
-                        let (kj, vj) = (&kf[(j - j0) * d..(j - j0 + 1) * d], &vf[(j - j0) * d..(j - j0 + 1) * d]);
-                        let p = (self.scale * dot(qr, kj) - lse).exp();
-                        let ds = p * (dot(gr, vj) - delta);
-                        axpy(&mut acc[r * d..(r + 1) * d], ds, kj);
-                    }
-                }
-            }
-        }
-        for (o, a) in dq.iter_mut().zip(&acc) {
-            *o = T::of(self.scale * a);
-        }
-    }
-
-    /// dk and dv of the `dk.len() / D` keys from `j0` of KV head `bkv` (= b KV + kv head), summed over
-    /// the queries of every head of its group that see them.
-    fn dkv_block(&self, up: &Upstream<T>, bkv: usize, j0: usize, dk: &mut [T], dv: &mut [T]) {
-        let Dims { h, kv, t, s, d, .. } = self.dims;
-        let n = dk.len() / d;
-        let j1 = j0 + n;
-        let (b, head) = (bkv / kv, bkv % kv);
-        let (mut kf, mut vf) = (Vec::new(), Vec::new());
-        self.key_block(bkv * s * d, j0, j1, &mut kf, &mut vf);
-        let (mut dka, mut dva) = (vec![0f32; n * d], vec![0f32; n * d]);
-        let (mut qf, mut gf) = (Vec::with_capacity(d), Vec::with_capacity(d));
-        let group = self.dims.group();
-        for hq in head * group..(head + 1) * group {
-            let bh = b * h + hq;
-            for i in 0..t {
-                let Some((lo, hi)) = key_range(self.ranges, &self.dims, b, i) else { continue };
-                let (a, z) = (lo.max(j0), hi.min(j1 - 1));
-                if a > z {
-                    continue;
-                }
-                let row = (bh * t + i) * d;
-                to_f32(&self.q[row..row + d], &mut qf);
-                to_f32(&up.dout[row..row + d], &mut gf);
-                let (lse, delta) = (up.lse[bh * t + i], up.delta[bh * t + i]);
-                for j in a..=z {
-                    let c = (j - j0) * d;
-                    let p = (self.scale * dot(&qf, &kf[c..c + d]) - lse).exp();
-                    axpy(&mut dva[c..c + d], p, &gf);
-                    let ds = p * (dot(&gf, &vf[c..c + d]) - delta);
-                    axpy(&mut dka[c..c + d], ds, &qf);
-                }
-            }
-        }
-        for (o, a) in dk.iter_mut().zip(&dka) {
-            *o = T::of(self.scale * a);
-        }
-        for (o, a) in dv.iter_mut().zip(&dva) {
-            *o = T::of(*a);
-        }
-    }
-
-    /// dq, dk and dv one after the other in one vector.
-    fn backward(&self, up: &Upstream<T>) -> Vec<T> {
-        let Dims { t, s, d, .. } = self.dims;
-        let (nq, nk) = (self.dims.q_len(), self.dims.kv_len());
-        let mut grads = vec![T::of(0.0); nq + 2 * nk];
-        let (dq, dkv) = grads.split_at_mut(nq);
-        let (dk, dv) = dkv.split_at_mut(nk);
-        dq.par_chunks_mut(t * d).enumerate().for_each(|(bh, dqh)| {
-            dqh.par_chunks_mut(CPU_QUERY_BLOCK * d)
-                .enumerate()
-                .for_each(|(blk, dq)| self.dq_block(up, bh, blk * CPU_QUERY_BLOCK, dq));
-        });
-        dk.par_chunks_mut(s * d).zip(dv.par_chunks_mut(s * d)).enumerate().for_each(|(bkv, (dkh, dvh))| {
-            dkh.par_chunks_mut(CPU_KEY_BLOCK * d)
-                .zip(dvh.par_chunks_mut(CPU_KEY_BLOCK * d))
-                .enumerate()
-                .for_each(|(blk, (dk, dv))| self.dkv_block(up, bkv, blk * CPU_KEY_BLOCK, dk, dv));
-        });
-        grads
-    }
-}
-
 fn cpu_storage<'a>(s: &'a Storage, what: &str) -> Result<&'a CpuStorage> {
     match s {
         Storage::Cpu(s) => Ok(s),
@@ -324,11 +122,14 @@ fn f32s<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<&'a [f32]> {
     contiguous(s.as_slice::<f32>()?, l, what)
 }
 
-/// The forward op over `(q, k, v)`; the ranges are held, and the forward leaves `L` here for the backward.
+/// The forward op over `(q, k, v)`; the ranges are held, and the forward leaves `L` and the block
+/// pairs it visited here for the backward. `blocks`: block sizes, or `None` for [`driver::block_sizes`].
 struct FlashAttention {
     ranges: Tensor,
     scale: f32,
+    blocks: Option<Blocks>,
     lse: OnceLock<Tensor>,
+    visits: OnceLock<Visits>,
 }
 
 impl FlashAttention {
@@ -336,6 +137,22 @@ impl FlashAttention {
         // One op instance runs one forward: the value is set once.
         let _ = self.lse.set(lse);
     }
+
+    /// The block pairs of the forward (computed once, from the ranges on the host).
+    fn visits(&self, dims: Dims, device: driver::Device, ranges: &[u32]) -> &Visits {
+        let blocks = self.blocks.unwrap_or_else(|| driver::block_sizes(&dims, device));
+        self.visits.get_or_init(|| Visits::new(dims, blocks, ranges))
+    }
+}
+
+/// `x` in f32.
+fn f32_vec<T: Elem>(x: &[T]) -> Vec<f32> {
+    x.iter().map(|v| v.f32()).collect()
+}
+
+/// `x` in the element type of `_like`.
+fn from_f32<T: Elem>(_like: &[T], x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::of(v)).collect()
 }
 
 impl CustomOp3 for FlashAttention {
@@ -355,10 +172,13 @@ impl CustomOp3 for FlashAttention {
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
         let ranges = u32s(cpu_storage(&rs, "ranges")?, rl, "attention ranges")?;
-        let scale = self.scale;
-        let (out, lse) = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v") => |q, k, v| {
-            let (o, lse) = Inputs { q, k, v, ranges, dims, scale }.forward();
-            (IntoStorage::storage(o), lse)
+        let visits = self.visits(dims, driver::Device::Cpu, ranges);
+        let ranges = ranges.to_vec();
+        let (out, lse) = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v") => |qt, kt, vt| {
+            let (q, k, v) = (f32_vec(qt), f32_vec(kt), f32_vec(vt));
+            let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale: self.scale };
+            let (o, lse) = driver::forward(&cpu::CpuBackend, visits, &x)?;
+            (IntoStorage::storage(from_f32(qt, &o)), lse)
         });
         self.keep_lse(Tensor::from_vec(lse, (dims.b, dims.h, dims.t), &Device::Cpu)?);
         Ok((out, l1.shape().clone()))
@@ -374,12 +194,13 @@ impl CustomOp3 for FlashAttention {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
+        let dims = Dims::new(l1, l2, l3, self.ranges.layout())?;
+        // One host read per call: the block pairs to visit come from the ranges.
+        let host: Vec<u32> = self.ranges.flatten_all()?.to_vec1()?;
+        let visits = self.visits(dims, driver::Device::Gpu, &host);
         let (rs, rl) = self.ranges.storage_and_layout();
-        let dims = Dims::new(l1, l2, l3, rl)?;
-        let plan = forward_plan(s1.dtype(), dims, self.scale)?;
-        let mut outs = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)])?;
-        let (out, lse) = (outs.pop().expect("the plan's output"), outs.pop().expect("the plan's log-sum-exp"));
+        let ins = [(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)];
+        let (out, lse) = gpu_dispatch!(s1, |be| gpu_forward(&be, visits, self.scale, ins));
         let lse = Storage::Cuda(lse);
         self.keep_lse(Tensor::from_storage(lse, (dims.b, dims.h, dims.t), candle_core::op::BackpropOp::none(), false));
         Ok((out, l1.shape().clone()))
@@ -394,9 +215,13 @@ impl CustomOp3 for FlashAttention {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let Some(lse) = self.lse.get() else { candle_core::bail!("flash attention backward before its forward") };
+        // The block pairs of the CPU driver (the GPU's kernels walk the ranges themselves).
+        let visits = self.visits.get();
         let grad = grad.to_dtype(out.dtype())?.contiguous()?;
         let delta = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
-        let op = FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse, delta: &delta, scale: self.scale };
+        let lse_delta = Tensor::cat(&[lse.flatten_all()?, delta.flatten_all()?], 0)?;
+        let op =
+            FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse_delta: &lse_delta, scale: self.scale, visits };
         let grads = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let dq = grads.narrow(0, 0, nq)?.reshape(q.shape())?;
@@ -411,9 +236,10 @@ impl CustomOp3 for FlashAttention {
 struct FlashAttentionBwd<'a> {
     ranges: &'a Tensor,
     grad: &'a Tensor,
-    lse: &'a Tensor,
-    delta: &'a Tensor,
+    /// L then D, `[2 B H T]` f32.
+    lse_delta: &'a Tensor,
     scale: f32,
+    visits: Option<&'a Visits>,
 }
 
 impl CustomOp3 for FlashAttentionBwd<'_> {
@@ -434,15 +260,16 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         let dims = Dims::new(l1, l2, l3, rl)?;
         let ranges = u32s(cpu_storage(&rs, "ranges")?, rl, "attention ranges")?;
         let (gs, gl) = self.grad.storage_and_layout();
-        let (ls, ll) = self.lse.storage_and_layout();
-        let (ds, dl) = self.delta.storage_and_layout();
-        let lse = f32s(cpu_storage(&ls, "log-sum-exp")?, ll, "log-sum-exp")?;
-        let delta = f32s(cpu_storage(&ds, "delta")?, dl, "delta")?;
+        let (ls, ll) = self.lse_delta.storage_and_layout();
+        let lse_delta = f32s(cpu_storage(&ls, "log-sum-exp")?, ll, "log-sum-exp")?.to_vec();
         let gs = cpu_storage(&gs, "grad")?;
-        let scale = self.scale;
-        let out = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v"), (gs, gl, "grad") => |q, k, v, dout| {
-            let up = Upstream { dout, lse, delta };
-            IntoStorage::storage(Inputs { q, k, v, ranges, dims, scale }.backward(&up))
+        let ranges = ranges.to_vec();
+        let Some(visits) = self.visits else { candle_core::bail!("flash attention backward before its CPU forward") };
+        let out = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v"), (gs, gl, "grad") => |qt, kt, vt, gt| {
+            let (q, k, v, dout) = (f32_vec(qt), f32_vec(kt), f32_vec(vt), f32_vec(gt));
+            let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale: self.scale };
+            let up = driver::Upstream { dout: &dout, lse_delta: &lse_delta };
+            IntoStorage::storage(from_f32(qt, &driver::backward(&cpu::CpuBackend, visits, &x, &up)?))
         });
         Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
     }
@@ -457,19 +284,14 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
+        let Some(visits) = self.visits else { candle_core::bail!("flash attention backward before its forward") };
         let (gs, gl) = self.grad.storage_and_layout();
-        let (ls, ll) = self.lse.storage_and_layout();
-        let (ds, dl) = self.delta.storage_and_layout();
-        let plan = backward_plan(s1.dtype(), dims, self.scale)?;
-        let held = [(&gs, gl), (&rs, rl), (&ls, ll), (&ds, dl)];
-        let mut inputs = vec![(s1, l1), (s2, l2), (s3, l3)];
-        for (s, l) in &held {
-            inputs.push((cuda_storage(s)?, *l));
-        }
-        let out = super::cuda::run(&plan, &inputs)?.remove(0);
+        let (ls, ll) = self.lse_delta.storage_and_layout();
+        let ins = [(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&gs)?, gl)];
+        let held = (cuda_storage(&rs)?, rl, cuda_storage(&ls)?, ll);
+        let out = gpu_dispatch!(s1, |be| gpu_backward(&be, visits, self.scale, ins, held));
         Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
     }
 }
@@ -479,8 +301,34 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
 /// `[B, H, T, D]` in the inputs' dtype (f32, bf16 or f16), with a backward to q, k and v. Computed
 /// block by block in O(T) memory per head.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    let op = FlashAttention { ranges: ranges.contiguous()?, scale: scale as f32, lse: OnceLock::new() };
+    attend(q, k, v, ranges, scale, None)
+}
+
+/// [`flash_attention`] with the given block sizes (`None`: [`driver::block_sizes`] of the device).
+fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64, blocks: Option<Blocks>) -> Result<Tensor> {
+    let op = FlashAttention {
+        ranges: ranges.contiguous()?,
+        scale: scale as f32,
+        blocks,
+        lse: OnceLock::new(),
+        visits: OnceLock::new(),
+    };
     q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+}
+
+/// Block sizes and the work (GEMM FLOPs, element-wise bytes, launches) of the forward and the backward of
+/// causal attention over `t` new queries and `s` keys (`s - t` cached), `b` rows, `h` query heads, `kv`
+/// key/value heads of dim `d`, GEMM operands of `in_bytes` bytes, with [`driver::block_sizes`] of `device`:
+/// what the driver would run, counted without running it (performance model and benchmarks).
+pub(crate) fn causal_work(
+    (b, h, kv, t, s, d): (usize, usize, usize, usize, usize, usize),
+    device: driver::Device,
+    in_bytes: usize,
+) -> (Blocks, driver::Work, driver::Work) {
+    let dims = Dims { b, h, kv, t, s, d };
+    let blocks = driver::block_sizes(&dims, device);
+    let (f, w) = driver::cost(&Visits::causal(dims, blocks), in_bytes);
+    (blocks, f, w)
 }
 
 /// The same through the attention matrix: `softmax` of the `[B, H, T, S]` scores `q k^T` (unscaled:
@@ -506,12 +354,13 @@ pub fn matrix_attention(
 
 #[cfg(test)]
 pub(super) use plan::MAX_HEAD_DIM;
-#[cfg(any(test, feature = "cuda"))]
+#[cfg(test)]
 pub(super) use plan::{backward_plan, forward_plan};
 
-/// The GPU launches of the op (launch.rs): tiles sized to the head dim within the shared memory a block
-/// may use.
-#[cfg(any(test, feature = "cuda"))]
+/// The launches of the scalar kernels `flash_fwd`, `flash_bwd_dq` and `flash_bwd_dkv` (launch.rs): tiles
+/// sized to the head dim within the shared memory a block may use. The op runs the chunked driver on
+/// every device; these kernels remain for the emulator's own tests (dynamic shared memory checks).
+#[cfg(test)]
 mod plan {
     use super::*;
     use crate::kernels::launch::{kernel_name, Arg, Launch, Module, Plan, MAX_SHARED_BYTES};
@@ -626,6 +475,51 @@ mod plan {
         p.launch(dkv)?;
         Ok(p)
     }
+}
+
+#[cfg(feature = "cuda")]
+type CudaIn<'a> = (&'a candle_core::CudaStorage, &'a Layout);
+
+/// The driver's forward on the GPU: `(o, L)`.
+#[cfg(feature = "cuda")]
+fn gpu_forward<T>(
+    be: &gpu::GpuBackend<T>,
+    visits: &Visits,
+    scale: f32,
+    [q, k, v, r]: [CudaIn; 4],
+) -> Result<(candle_core::CudaStorage, candle_core::CudaStorage)>
+where
+    T: candle_core::cuda_backend::CudaDType
+        + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+        + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+{
+    let (q, k, v) = (be.input(q.0, q.1)?, be.input(k.0, k.1)?, be.input(v.0, v.1)?);
+    let ranges = gpu::input::<u32>(&be.dev, r.0, r.1)?;
+    let (o, lse) = driver::forward(be, visits, &driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale })?;
+    let dev = be.dev.clone();
+    Ok((candle_core::CudaStorage::wrap_cuda_slice(o, dev.clone()), candle_core::CudaStorage::wrap_cuda_slice(lse, dev)))
+}
+
+/// The driver's backward on the GPU: dq|dk|dv.
+#[cfg(feature = "cuda")]
+fn gpu_backward<T>(
+    be: &gpu::GpuBackend<T>,
+    visits: &Visits,
+    scale: f32,
+    [q, k, v, g]: [CudaIn; 4],
+    (rs, rl, ls, ll): (&candle_core::CudaStorage, &Layout, &candle_core::CudaStorage, &Layout),
+) -> Result<candle_core::CudaStorage>
+where
+    T: candle_core::cuda_backend::CudaDType
+        + candle_core::cuda_backend::cudarc::driver::DeviceRepr
+        + candle_core::cuda_backend::cudarc::driver::ValidAsZeroBits,
+{
+    let (q, k, v, dout) = (be.input(q.0, q.1)?, be.input(k.0, k.1)?, be.input(v.0, v.1)?, be.input(g.0, g.1)?);
+    let ranges = gpu::input::<u32>(&be.dev, rs, rl)?;
+    let lse_delta = gpu::input::<f32>(&be.dev, ls, ll)?;
+    let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale };
+    let grads = driver::backward(be, visits, &x, &driver::Upstream { dout: &dout, lse_delta: &lse_delta })?;
+    Ok(candle_core::CudaStorage::wrap_cuda_slice(grads, be.dev.clone()))
 }
 
 #[cfg(feature = "cuda")]

@@ -1,7 +1,8 @@
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
-use super::{flash_attention, matrix_attention};
+use super::driver::{self, Backend, Blocks, Gemm, KeyBlock, QueryBlock, Visits};
+use super::{attend, flash_attention, matrix_attention, Dims};
 use crate::kernels::masked_softmax;
 
 const SCALE: f64 = 0.29;
@@ -83,6 +84,13 @@ fn flash(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
     move |q, k, v| flash_attention(q, k, v, ranges, SCALE).unwrap()
 }
 
+/// Small blocks, so that the cases run many block pairs, partial blocks and skipped pairs.
+const SMALL: [Blocks; 3] = [Blocks { bq: 1, bk: 1 }, Blocks { bq: 16, bk: 24 }, Blocks { bq: 7, bk: 64 }];
+
+fn flash_blocks(ranges: &Tensor, blocks: Blocks) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
+    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks)).unwrap()
+}
+
 fn matrix(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
     move |q, k, v| matrix_attention(q, k, v, |x| masked_softmax(x, ranges, SCALE)).unwrap()
 }
@@ -108,7 +116,44 @@ fn cases() -> Vec<(&'static str, Case)> {
             Case { b: 2, h, kv, t, s: t, d: 16, ranges: ranges(&[packed(t), causal(t, 0)]) },
         ));
     }
+    out.push(("length 1", Case { b: 1, h: 4, kv: 2, t: 1, s: 1, d: 8, ranges: ranges(&[causal(1, 0)]) }));
+    out.push((
+        "one new query",
+        Case { b: 2, h: 4, kv: 1, t: 1, s: 30, d: 8, ranges: ranges(&[causal(1, 29), causal(1, 29)]) },
+    ));
     out
+}
+
+#[test]
+fn small_blocks_match_the_matrix_path_in_values_and_gradients() {
+    for blocks in SMALL {
+        for (i, (name, case)) in cases().iter().enumerate() {
+            let (q, k, v, up) = case.inputs(i as u64, DType::F32);
+            let got = run(&q, &k, &v, &up, flash_blocks(&case.ranges, blocks));
+            let want = run(&q, &k, &v, &up, matrix(&case.ranges));
+            for (what, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+                let d = rel_diff(a, b);
+                assert!(d < 2e-5, "{name} {blocks:?} h={} kv={}: {what} differs by {d}", case.h, case.kv);
+            }
+        }
+    }
+}
+
+#[test]
+fn causal_and_packed_block_pairs_are_skipped() {
+    let dims = |t| Dims { b: 1, h: 4, kv: 2, t, s: t, d: 8 };
+    let blocks = Blocks { bq: 16, bk: 16 };
+    let flat = |rows: &[Vec<(u32, u32)>]| ranges(rows).flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    // Causal over 64: query block q visits key blocks 0..=q, 10 pairs of 16.
+    let v = Visits::new(dims(64), blocks, &flat(&[causal(64, 0)]));
+    assert_eq!(v.spans, vec![(0, 1), (0, 2), (0, 3), (0, 4)]);
+    assert_eq!(v.spans, Visits::causal(dims(64), blocks).spans);
+    // Packed segments 0..21, 21..43, then padding: the last query blocks skip the first key blocks.
+    let v = Visits::new(dims(64), blocks, &flat(&[packed(64)]));
+    assert_eq!(v.spans, vec![(0, 1), (0, 2), (1, 3), (3, 4)]);
+    // A query block that sees no key visits nothing.
+    let v = Visits::new(dims(2), Blocks { bq: 1, bk: 1 }, &flat(&[vec![(1, 0), (0, 1)]]));
+    assert_eq!(v.spans, vec![(0, 0), (0, 2)]);
 }
 
 #[test]
@@ -204,4 +249,141 @@ fn bad_shapes_are_errors() {
     assert!(err(&z(&[1, 3, 3, 4]), &z(&[1, 2, 3, 4]), &r).contains("not a multiple"));
     assert!(err(&z(&[1, 2, 3, 4]), &z(&[1, 2, 3, 5]), &r).contains("expected [B, H, T, D]"));
     assert!(err(&z(&[1, 2, 4, 4]), &z(&[1, 2, 4, 4]), &r).contains("ranges have shape"));
+}
+
+/// The CPU backend, counting what it is asked to do: GEMM calls and their FLOPs, and the other calls.
+#[derive(Default)]
+struct Recording {
+    gemms: std::cell::Cell<usize>,
+    flops: std::cell::Cell<f64>,
+    others: std::cell::Cell<usize>,
+}
+
+impl Recording {
+    fn other(&self) {
+        self.others.set(self.others.get() + 1);
+    }
+}
+
+impl Backend for Recording {
+    type In = Vec<f32>;
+    type F32 = Vec<f32>;
+    type U32 = Vec<u32>;
+
+    fn alloc_in(&self, len: usize) -> candle_core::Result<Vec<f32>> {
+        super::cpu::CpuBackend.alloc_in(len)
+    }
+    fn zeros_f32(&self, len: usize) -> candle_core::Result<Vec<f32>> {
+        super::cpu::CpuBackend.zeros_f32(len)
+    }
+    fn gemm(&self, g: &Gemm, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> candle_core::Result<()> {
+        self.gemms.set(self.gemms.get() + 1);
+        self.flops.set(self.flops.get() + g.flops());
+        super::cpu::CpuBackend.gemm(g, a, b, c)
+    }
+    fn gather(&self, blk: &QueryBlock, src: &Vec<f32>, dst: &mut Vec<f32>) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.gather(blk, src, dst)
+    }
+    fn fwd_scores(
+        &self,
+        blk: &QueryBlock,
+        kb: &KeyBlock,
+        scale: f32,
+        ranges: &Vec<u32>,
+        s: &Vec<f32>,
+        p: &mut Vec<f32>,
+        stats: &mut Vec<f32>,
+        acc: &mut Vec<f32>,
+    ) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.fwd_scores(blk, kb, scale, ranges, s, p, stats, acc)
+    }
+    fn fwd_finish(
+        &self,
+        blk: &QueryBlock,
+        stats: &Vec<f32>,
+        acc: &Vec<f32>,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.fwd_finish(blk, stats, acc, out, lse)
+    }
+    fn bwd_scores(
+        &self,
+        blk: &QueryBlock,
+        kb: &KeyBlock,
+        scale: f32,
+        ranges: &Vec<u32>,
+        lse_delta: &Vec<f32>,
+        s: &Vec<f32>,
+        dp: &Vec<f32>,
+        p: &mut Vec<f32>,
+        ds: &mut Vec<f32>,
+    ) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.bwd_scores(blk, kb, scale, ranges, lse_delta, s, dp, p, ds)
+    }
+    fn scatter(&self, blk: &QueryBlock, acc: &Vec<f32>, dst: &mut Vec<f32>, offset: usize) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.scatter(blk, acc, dst, offset)
+    }
+    fn cast(&self, src: &Vec<f32>, len: usize, dst: &mut Vec<f32>, offset: usize) -> candle_core::Result<()> {
+        self.other();
+        super::cpu::CpuBackend.cast(src, len, dst, offset)
+    }
+}
+
+fn host(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// Every product of the driver is a GEMM call: over full (non-causal) ranges the GEMMs' FLOPs are the
+/// attention's whole 4 B H T S D forward and 10 B H T S D backward (2 and 5 products), and the calls
+/// and launches are those [`driver::cost`] predicts, one GEMM per product per block pair.
+#[test]
+fn every_product_is_a_gemm_call_as_the_cost_model_counts() {
+    let (b, h, kv, t, d) = (2, 4, 2, 40, 8);
+    let dims = Dims { b, h, kv, t, s: t, d };
+    let full: Vec<(u32, u32)> = (0..t).map(|_| (0, t as u32 - 1)).collect();
+    let r = ranges(&[full.clone(), full]);
+    let case = Case { b, h, kv, t, s: t, d, ranges: r.clone() };
+    let (q, k, vv, up) = case.inputs(5, DType::F32);
+    let blocks = Blocks { bq: 16, bk: 16 };
+    let visits = Visits::new(dims, blocks, &r.flatten_all().unwrap().to_vec1::<u32>().unwrap());
+    let (qh, kh, vh) = (host(q.as_tensor()), host(k.as_tensor()), host(vv.as_tensor()));
+    let rh = r.flatten_all().unwrap().to_vec1::<u32>().unwrap();
+    let x = driver::Inputs { q: &qh, k: &kh, v: &vh, ranges: &rh, scale: SCALE as f32 };
+    let rec = Recording::default();
+    let (o, lse) = driver::forward(&rec, &visits, &x).unwrap();
+    let (fwd, bwd) = driver::cost(&visits, 4);
+    let nominal = (b * h * t * t * d) as f64;
+    assert_eq!((rec.flops.get(), fwd.gemm_flops), (4.0 * nominal, 4.0 * nominal));
+    let pairs = 3 * 3;
+    assert_eq!(rec.gemms.get(), 2 * pairs);
+    assert_eq!(rec.gemms.get() + rec.others.get(), fwd.launches);
+    let want = run(&q, &k, &vv, &up, matrix(&r));
+    assert!(rel_diff(&Tensor::from_vec(o, (b, h, t, d), &Device::Cpu).unwrap(), &want[0]) < 2e-5);
+
+    let delta: Vec<f32> = host(&(want[0].clone() * &up).unwrap().sum(3).unwrap());
+    let lse_delta: Vec<f32> = lse.iter().chain(&delta).copied().collect();
+    let dout = host(&up);
+    let rec = Recording::default();
+    let grads = driver::backward(&rec, &visits, &x, &driver::Upstream { dout: &dout, lse_delta: &lse_delta }).unwrap();
+    assert_eq!((rec.flops.get(), bwd.gemm_flops), (10.0 * nominal, 10.0 * nominal));
+    assert_eq!(rec.gemms.get(), 5 * pairs);
+    assert_eq!(rec.gemms.get() + rec.others.get(), bwd.launches);
+    let nq = b * h * t * d;
+    let dq = Tensor::from_vec(grads[..nq].to_vec(), (b, h, t, d), &Device::Cpu).unwrap();
+    assert!(rel_diff(&dq, &want[1]) < 2e-5);
+}
+
+#[test]
+fn the_vectorised_exp_is_within_two_ulp() {
+    for i in -8700..8800 {
+        let x = i as f32 / 100.0 + 0.003;
+        let (got, want) = (super::cpu::exp(x), (x as f64).exp());
+        assert!(((got as f64 - want) / want).abs() < 2.5e-7, "exp({x}) = {got}, want {want}");
+    }
 }
