@@ -273,8 +273,12 @@ struct PredictedStep {
 
 /// The model's predicted step (src/train/perf_model.rs) for the bench's shape on each modelled GPU.
 fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured: f64) -> Vec<PredictedStep> {
-    use crate::train::perf_model::{best_blocks, predict, AttentionBlocks, StepShape, GPUS};
-    let mut shape = StepShape {
+    use crate::train::perf_model::{driver_blocks, predict, StepShape, GPUS};
+    let chunk = match spec.logprob_chunk_mb {
+        0 => crate::device::logprob_chunk_bytes(&t.device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES) as u64,
+        mb => (mb as u64) << 20,
+    };
+    let shape = StepShape {
         answers: spec.answers as u64,
         micro_batch: spec.micro_batch as u64,
         seq_tokens: spec.seq_len as u64,
@@ -283,14 +287,13 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         checkpoint_layers: spec.checkpoint_layers,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
-        logprob_chunk_bytes: (spec.logprob_chunk_mb.max(1) as u64) << 20,
+        logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
-        blocks: AttentionBlocks { query: 128, key: 128 },
+        blocks: driver_blocks(cfg, spec.seq_len as u64),
     };
     let device = device_name(&t.device);
     GPUS.iter()
         .map(|gpu| {
-            shape.blocks = best_blocks(cfg, &shape, gpu);
             let p = predict(cfg, &shape, gpu);
             let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
             PredictedStep {

@@ -293,13 +293,15 @@ fn layer_attention(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, blocks: Attenti
     let (bq, bk) = ((blocks.query.min(t)) as f64, (blocks.key.min(t)) as f64);
     let bh = b * heads;
     // Per score: the GEMM FLOPs and the f32 / d-byte block products through memory. Per pair: the Q
-    // (and dO, dQ) rows and K, V (and dK, dV) columns each GEMM reads or accumulates.
+    // (and dO, dQ) rows and K, V (and dK, dV) columns each GEMM reads or accumulates (per head).
     let (gemms, flops_per_score, score_bytes, row_vectors, col_vectors, ew, ew_per_qblock) = if backward {
         (5.0, 10.0 * hd, 16.0 + 4.0 * d, 4.0 * d + 8.0, 2.0 * d + 8.0, 2.0, 1.0)
     } else {
         (2.0, 4.0 * hd, 8.0 + 2.0 * d, d + 8.0, 2.0 * d, 2.0, 1.0)
     };
-    let vector_bytes = pairs * hd * (bq * row_vectors + bk * col_vectors);
+    // The G query heads of a KV group are stacked in one GEMM's rows: K, V (dK, dV) move once per group.
+    let group = (m.num_heads / m.num_kv_heads.max(1)).max(1) as f64;
+    let vector_bytes = pairs * hd * (bq * row_vectors + bk * col_vectors / group);
     let gemm_bytes = scores * 4.0 + vector_bytes; // S (and dP) written in f32 by the GEMMs
     let name = if backward { "attention GEMMs (backward)" } else { "attention GEMMs (forward)" };
     o.push(name, OpKind::AttentionGemm, bh * flops_per_score * scores, bh * gemm_bytes, gemms * pairs);
@@ -459,24 +461,36 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
     }
 }
 
+/// The predicted time of the attention (forward and backward of every layer's block products and
+/// element-wise steps, one micro-batch) of `m` on `s` with `blocks` on `gpu`.
+fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: &Gpu) -> f64 {
+    let shape = StepShape { blocks, ..*s };
+    let mut o = Ops { ops: Vec::new(), times: 1.0 };
+    let b = shape.micro_batch.min(shape.answers).max(1) as f64;
+    layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, false);
+    layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, true);
+    o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
+}
+
 /// The square block size of [`BLOCK_CANDIDATES`] that the model predicts fastest for the attention of
 /// `m` on `s` on `gpu` (the smaller on a tie: less workspace).
 pub fn best_blocks(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> AttentionBlocks {
-    let attention_time = |size: u64| {
-        let blocks = AttentionBlocks { query: size, key: size };
-        let shape = StepShape { blocks, ..*s };
-        let mut o = Ops { ops: Vec::new(), times: 1.0 };
-        let b = shape.micro_batch.min(shape.answers).max(1) as f64;
-        layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, false);
-        layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, true);
-        o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
-    };
+    let time = |size: u64| attention_time(m, s, AttentionBlocks { query: size, key: size }, gpu);
     let best = BLOCK_CANDIDATES
         .iter()
         .copied()
-        .min_by(|a, b| attention_time(*a).total_cmp(&attention_time(*b)).then(a.cmp(b)))
+        .min_by(|a, b| time(*a).total_cmp(&time(*b)).then(a.cmp(b)))
         .unwrap_or(128);
     AttentionBlocks { query: best, key: best }
+}
+
+/// The blocks the attention op runs with on a GPU for `m` at `t` tokens (`kernels::causal_work`, the
+/// driver's own choice): what the predictions use.
+pub fn driver_blocks(m: &ModelConfig, t: u64) -> AttentionBlocks {
+    let t = t.clamp(1, u32::MAX as u64) as usize;
+    let dims = (1, m.num_heads, m.num_kv_heads, t, t, m.head_dim);
+    let (blocks, _, _) = crate::kernels::causal_work(dims, crate::kernels::AttentionDevice::Gpu, 2);
+    AttentionBlocks { query: blocks.bq as u64, key: blocks.bk as u64 }
 }
 
 /// Communication of one ZeRO-1 data-parallel step on `world` ranks: the ring reduce-scatter of the f32
@@ -699,6 +713,10 @@ mod tests {
         let s = StepShape { answers: 2, micro_batch: 2, seq_tokens: 16384, scored_tokens: 16000, ..shape(1, 1, 1) };
         let b = best_blocks(&m, &s, &H100_SXM);
         assert!(BLOCK_CANDIDATES.contains(&b.query) && b.query >= 256, "{b:?}");
+        // The op's own GPU blocks are within 10% of the model's best square blocks at the seed's shape.
+        let driver = driver_blocks(&m, s.seq_tokens);
+        let (ours, best) = (attention_time(&m, &s, driver, &H100_SXM), attention_time(&m, &s, b, &H100_SXM));
+        assert!(ours <= 1.1 * best, "driver {driver:?}: {ours} s, model's best {b:?}: {best} s");
         // One rank moves nothing; 8 ranks in a node move 7/8 of 6 B per parameter over NVLink.
         assert_eq!(zero1_comms(1000, 2, 1, 8, &H100_SXM), (0.0, 0.0));
         let (bytes, s8) = zero1_comms(8_000, 2, 8, 8, &H100_SXM);

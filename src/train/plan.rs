@@ -599,16 +599,17 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
 
 /// The shape of one rank's training step for the performance model: its share of the step's questions
 /// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, `blocks` the
-/// attention's blocking (`None`: the model's best for the shape on an H100).
+/// attention's blocking the op's own (GPU) choice.
 pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_model::StepShape {
     let world_size = plan.inputs.world_size;
     let (prompt, response) = sequence_tokens(cfg, model);
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n) as u64;
     let questions = (cfg.train.batch_questions as u64).div_ceil(world_size.max(1));
-    let mut shape = perf_model::StepShape {
+    let seq_tokens = prompt.saturating_add(response).max(1);
+    perf_model::StepShape {
         answers: questions.saturating_mul(group).max(1),
         micro_batch: cfg.train.micro_batch_size.max(1) as u64,
-        seq_tokens: prompt.saturating_add(response).max(1),
+        seq_tokens,
         scored_tokens: response,
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
         checkpoint_layers: cfg.model.checkpoint_layers,
@@ -616,10 +617,8 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_m
         offload: cfg.optim.offload,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
-        blocks: perf_model::AttentionBlocks { query: 128, key: 128 },
-    };
-    shape.blocks = perf_model::best_blocks(model, &shape, &perf_model::H100_SXM);
-    shape
+        blocks: perf_model::driver_blocks(model, seq_tokens),
+    }
 }
 
 /// The model shape of a run without loading any weight: `model.path`'s config.json, or, for a tiny model
