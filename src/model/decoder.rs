@@ -1102,7 +1102,9 @@ mod tests {
                 for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
                     let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
                     let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-                    assert!(d < 1e-5, "{arch:?} {name}: fused gradient differs by {d}");
+                    // f32 sums in different orders (the embedding gradient's per-token sums, the
+                    // attention's GEMM blocking): a few units in the fifth decimal.
+                    assert!(d < 5e-5, "{arch:?} {name}: fused gradient differs by {d}");
                 }
             }
         }
