@@ -2,11 +2,10 @@
 //! finished sequences leave the batch so the rest keeps going. Each sequence draws from its own RNG,
 //! seeded from (seed, sequence index), so results do not depend on batch composition.
 
+use super::sampler::sample_rows;
+use crate::model::Decoder;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use rayon::prelude::*;
-
-use crate::model::Decoder;
 
 /// Sampling settings.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -80,81 +79,11 @@ fn candidates(logits: &[f32], params: &SamplingParams) -> Result<Vec<(u32, f32)>
     Ok(cand)
 }
 
-/// Pick the next token from one row of f32 logits.
+/// The choice that [`sample_rows`] makes on the device, on the host by sorting every candidate: the
+/// reference it is tested and benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
 ///
-/// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
-/// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
-/// selection of a growing candidate set, so a 150k vocabulary costs a linear pass, not a sort.
-pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
-    let mut cand = match candidates(logits, params) {
-        Ok(c) => c,
-        Err(token) => return token,
-    };
-    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
-    // Move the `k` first candidates (in `order`) to the front, sorted.
-    let front = |cand: &mut [(u32, f32)], k: usize| {
-        if k < cand.len() {
-            cand.select_nth_unstable_by(k, order);
-        }
-        let k = k.min(cand.len());
-        cand[..k].sort_unstable_by(order);
-    };
-    if params.top_k > 0 && params.top_k < cand.len() {
-        front(&mut cand[..], params.top_k);
-        cand.truncate(params.top_k);
-    }
-    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
-    let weight = |l: f32| ((l - max) as f64).exp();
-    let total: f64 = cand.iter().map(|c| weight(c.1)).sum();
-    let mut keep = cand.len();
-    if params.top_p < 1.0 {
-        let target = params.top_p as f64 * total;
-        // Search first among the candidates within e^30 of the top: the others hold under 1e-8 of the mass
-        // at any vocabulary size, so they enter a nucleus only when nothing else reaches p.
-        let mut limit = 0;
-        for i in 0..cand.len() {
-            if cand[i].1 >= max - 30.0 {
-                cand.swap(i, limit);
-                limit += 1;
-            }
-        }
-        let mut k = 64.min(limit);
-        loop {
-            front(&mut cand[..limit], k);
-            let mut acc = 0.0;
-            let reached = cand[..k].iter().position(|c| {
-                acc += weight(c.1);
-                acc >= target
-            });
-            if let Some(i) = reached {
-                keep = i + 1;
-                break;
-            }
-            if k == cand.len() {
-                break;
-            }
-            if k == limit {
-                limit = cand.len();
-            }
-            k = (k * 4).min(limit);
-        }
-    }
-    let kept = &cand[..keep];
-    let mass: f64 = if keep == cand.len() { total } else { kept.iter().map(|c| weight(c.1)).sum() };
-    let mut u: f64 = rng.gen::<f64>() * mass;
-    for c in kept {
-        let w = weight(c.1);
-        if u < w {
-            return c.0;
-        }
-        u -= w;
-    }
-    kept[keep - 1].0
-}
-
-/// The same choice as [`sample_token`] by sorting every candidate: the reference it is tested and
-/// benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
-pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+/// `u` (in [0, 1)) is the draw's uniform; with temperature 0 (or no finite logit) the pick is the argmax.
+pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
     let mut cand = match candidates(logits, params) {
         Ok(c) => c,
         Err(token) => return token,
@@ -181,7 +110,7 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
     }
-    let mut u: f64 = rng.gen();
+    let mut u = u;
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
             return cand[i].0;
@@ -191,11 +120,31 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut
     cand[probs.len() - 1].0
 }
 
-/// The log-prob of `picks[r]` in row r of `logits` (`[rows, vocab]`), f32.
-fn picked_logprobs(logits: &candle_core::Tensor, picks: &[u32]) -> candle_core::Result<Vec<f32>> {
+/// The log-prob (f32 `[rows]`) of `picks[r]` (u32 `[rows]`) in row r of `logits` (`[rows, vocab]`).
+fn picked_logprobs(
+    logits: &candle_core::Tensor,
+    picks: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
     let lp = candle_nn::ops::log_softmax(&logits.to_dtype(candle_core::DType::F32)?, candle_core::D::Minus1)?;
-    let idx = candle_core::Tensor::new(picks, logits.device())?.unsqueeze(1)?;
-    lp.gather(&idx, 1)?.squeeze(1)?.to_vec1::<f32>()
+    lp.gather(&picks.unsqueeze(1)?, 1)?.squeeze(1)
+}
+
+/// The next token of each row of `logits` and its log-prob, chosen on the logits' device (one uniform of
+/// `rngs[r]`, the row's sequence stream, per row when sampling) and copied to the host in one read.
+fn pick(
+    logits: &candle_core::Tensor,
+    params: &SamplingParams,
+    rngs: &mut [&mut ChaCha8Rng],
+) -> candle_core::Result<(Vec<u32>, Vec<f32>)> {
+    let uniforms: Vec<f32> =
+        if params.temperature > 0.0 { rngs.iter_mut().map(|r| r.gen::<f64>() as f32).collect() } else { vec![] };
+    let picks = sample_rows(logits, params, &uniforms)?;
+    let lp = picked_logprobs(logits, &picks)?;
+    // Ids below 2^24 are exact in f32: ids and log-probs travel together.
+    let both =
+        crate::device::to_host::<f32>(&candle_core::Tensor::cat(&[picks.to_dtype(candle_core::DType::F32)?, lp], 0)?)?;
+    let (ids, lps) = both.split_at(both.len() / 2);
+    Ok((ids.iter().map(|&i| i as u32).collect(), lps.to_vec()))
 }
 
 /// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
@@ -224,25 +173,17 @@ pub fn generate(
         let empty = Generation { tokens: vec![], finish: FinishReason::Length, logprobs: vec![] };
         return Ok(vec![empty; prompts.len()]);
     }
-    // Greedy on a GPU: take the argmax there instead of copying [rows, vocab] logits to the host.
-    let device_argmax = params.temperature <= 0.0 && !model.device().is_cpu();
     let (mut logits, mut cache) = model.prefill(prompts, pad)?;
     loop {
-        let picks: Vec<u32> = if device_argmax {
-            logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?
-        } else {
-            let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
-            // Rows sample in parallel, each with its own sequence's RNG (`active` is increasing).
-            let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
-            let mut wanted = active.iter().peekable();
-            for (seq, rng) in rngs.iter_mut().enumerate() {
-                if wanted.next_if(|&&a| a == seq).is_some() {
-                    mine.push(rng);
-                }
+        // The streams of the active sequences, in row order (`active` is increasing).
+        let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
+        let mut wanted = active.iter().peekable();
+        for (seq, rng) in rngs.iter_mut().enumerate() {
+            if wanted.next_if(|&&a| a == seq).is_some() {
+                mine.push(rng);
             }
-            rows.par_iter().zip(mine.par_iter_mut()).map(|(row, rng)| sample_token(row, params, *rng)).collect()
-        };
-        let picked_lp = picked_logprobs(&logits, &picks)?;
+        }
+        let (picks, picked_lp) = pick(&logits, params, &mut mine)?;
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut new_tokens = 0;
@@ -295,7 +236,8 @@ mod tests {
             let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
             let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
             let tok = last.argmax(0)?.to_scalar::<u32>()?;
-            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &[tok])?[0]);
+            let idx = Tensor::new(&[tok], last.device())?;
+            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &idx)?.to_vec1::<f32>()?[0]);
             if stop.contains(&tok) {
                 return Ok(Generation { tokens, finish: FinishReason::Stop, logprobs });
             }
@@ -334,74 +276,28 @@ mod tests {
         assert_eq!(batched[0].finish, FinishReason::Stop);
     }
 
+    /// Sampled generation reads the device once per step for the whole batch (the ids and their
+    /// log-probs), and a sequence's tokens depend on its seed and id only, not on its batch.
     #[test]
-    fn sampling_respects_top_k_top_p_and_seed() {
-        let logits = vec![0.0f32, 3.0, 2.9, -1.0, f32::NEG_INFINITY];
-        let greedy = SamplingParams::default();
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample_token(&logits, &greedy, &mut rng), 1);
-        let k2 = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..200 {
-            seen.insert(sample_token(&logits, &k2, &mut rng));
+    fn sampled_generation_reads_once_per_step_and_keeps_its_streams() {
+        let shape = crate::model::tiny::TinyShape { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64 };
+        let cfg = shape.config(Arch::Qwen3, 64, None, None).unwrap();
+        let model = random_decoder(cfg, 3, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
+        let prompts: Vec<Vec<u32>> = vec![vec![1, 5, 9], vec![2, 7], vec![3, 4, 6, 8]];
+        let params = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 40, max_new_tokens: 9, seed: 11 };
+        let before = crate::device::host_reads();
+        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();
+        assert_eq!(crate::device::host_reads() - before, 9, "one read per step of 9");
+        for (i, p) in prompts.iter().enumerate() {
+            let one = generate(&model, std::slice::from_ref(p), &[i as u64], &params, &[], 0, |_| {}).unwrap();
+            assert_eq!(one[0].tokens, batched[i].tokens, "prompt {i}: batched != single");
+            assert_eq!(one[0].logprobs.len(), 9);
         }
-        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![1, 2]);
-        let p = SamplingParams { temperature: 1.0, top_p: 0.3, ..Default::default() };
-        for _ in 0..50 {
-            assert_eq!(sample_token(&logits, &p, &mut rng), 1);
-        }
-        let hot = SamplingParams { temperature: 1.0, ..Default::default() };
-        let draw = |seed| {
-            let mut r = ChaCha8Rng::seed_from_u64(seed);
-            (0..20).map(|_| sample_token(&logits, &hot, &mut r)).collect::<Vec<_>>()
-        };
-        assert_eq!(draw(5), draw(5));
-        assert_ne!(draw(5), draw(6));
-    }
-
-    /// With top-k or top-p the kept candidates are walked in the same order as the full sort walks them,
-    /// so the same random draw picks the same token.
-    #[test]
-    fn the_same_tokens_as_the_full_sort_reference() {
-        let mut rng = ChaCha8Rng::seed_from_u64(2);
-        let logits: Vec<f32> = (0..5000).map(|_| rng.gen_range(-6.0f32..6.0)).collect();
-        for params in [
-            SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() },
-            SamplingParams { temperature: 1.0, top_p: 0.5, top_k: 100, ..Default::default() },
-            SamplingParams { temperature: 0.8, top_k: 20, ..Default::default() },
-        ] {
-            let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
-            for i in 0..200 {
-                let (x, y) = (sample_token(&logits, &params, &mut a), sample_token_reference(&logits, &params, &mut b));
-                assert_eq!(x, y, "draw {i} with {params:?}");
-            }
-        }
-    }
-
-    /// The nucleus found by partial selection is the one a full sort gives, at vocabulary size.
-    #[test]
-    fn top_p_over_a_large_vocabulary_keeps_exactly_the_nucleus() {
-        let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let logits: Vec<f32> = (0..151_936).map(|_| rng.gen_range(-8.0f32..8.0)).collect();
-        let p = SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() };
-        // The nucleus by a full sort.
-        let mut sorted: Vec<(usize, f64)> = logits.iter().map(|&l| (l / 0.6) as f64).enumerate().collect();
-        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let max = sorted[0].1;
-        let total: f64 = sorted.iter().map(|c| (c.1 - max).exp()).sum();
-        let mut acc = 0.0;
-        let n = sorted.iter().position(|c| {
-            acc += (c.1 - max).exp();
-            acc >= 0.95 * total
-        });
-        let nucleus: std::collections::HashSet<u32> = sorted[..n.unwrap() + 1].iter().map(|c| c.0 as u32).collect();
-        assert!(nucleus.len() > 1000, "the test needs a nucleus larger than the first selection");
-        let mut seen = std::collections::HashSet::new();
-        for _ in 0..100 {
-            let t = sample_token(&logits, &p, &mut rng);
-            assert!(nucleus.contains(&t), "token {t} is outside the nucleus");
-            seen.insert(t);
-        }
-        assert!(seen.len() > 50, "samples spread over the nucleus: {}", seen.len());
+        let other = SamplingParams { seed: 12, ..params.clone() };
+        let reseeded = generate(&model, &prompts, &[0, 1, 2], &other, &[], 0, |_| {}).unwrap();
+        assert_ne!(
+            reseeded.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
+            batched.iter().map(|g| &g.tokens).collect::<Vec<_>>()
+        );
     }
 }
