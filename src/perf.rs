@@ -7,7 +7,8 @@
 //! - [`logprob`]: the fused log-prob op alone (optionally with the off_grpo loss on top), and candle's
 //!   naive whole-vocabulary log-softmax for comparison;
 //! - [`generate`]: greedy generation with the KV cache, never stopping early;
-//! - [`sample`]: picking the next token (temperature, top-k, top-p) against the full-sort reference.
+//! - [`sample`]: picking the next token (temperature, top-k, top-p) on the device against the full-sort
+//!   reference on the host.
 //!
 //! Times are medians of the timed repetitions after warm-up, with the device synchronised around each.
 

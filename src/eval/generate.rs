@@ -2,6 +2,8 @@
 //! finished sequences leave the batch so the rest keeps going. Each sequence draws from its own RNG,
 //! seeded from (seed, sequence index), so results do not depend on batch composition.
 
+use rayon::prelude::*;
+
 use super::sampler::sample_rows;
 use crate::model::Decoder;
 use rand::{Rng, SeedableRng};
@@ -79,6 +81,79 @@ fn candidates(logits: &[f32], params: &SamplingParams) -> Result<Vec<(u32, f32)>
     Ok(cand)
 }
 
+/// Pick the next token from one row of f32 logits on the host: what generation on the CPU device uses,
+/// where the logits are already in host memory (on a GPU, [`sample_rows`] picks without copying them).
+///
+/// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
+/// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
+/// selection of a growing candidate set, so a 150k vocabulary costs a linear pass, not a sort.
+pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+    let mut cand = match candidates(logits, params) {
+        Ok(c) => c,
+        Err(token) => return token,
+    };
+    let order = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    // Move the `k` first candidates (in `order`) to the front, sorted.
+    let front = |cand: &mut [(u32, f32)], k: usize| {
+        if k < cand.len() {
+            cand.select_nth_unstable_by(k, order);
+        }
+        let k = k.min(cand.len());
+        cand[..k].sort_unstable_by(order);
+    };
+    if params.top_k > 0 && params.top_k < cand.len() {
+        front(&mut cand[..], params.top_k);
+        cand.truncate(params.top_k);
+    }
+    let max = cand.iter().map(|c| c.1).fold(f32::NEG_INFINITY, f32::max);
+    let weight = |l: f32| ((l - max) as f64).exp();
+    let total: f64 = cand.iter().map(|c| weight(c.1)).sum();
+    let mut keep = cand.len();
+    if params.top_p < 1.0 {
+        let target = params.top_p as f64 * total;
+        // Search first among the candidates within e^30 of the top: the others hold under 1e-8 of the mass
+        // at any vocabulary size, so they enter a nucleus only when nothing else reaches p.
+        let mut limit = 0;
+        for i in 0..cand.len() {
+            if cand[i].1 >= max - 30.0 {
+                cand.swap(i, limit);
+                limit += 1;
+            }
+        }
+        let mut k = 64.min(limit);
+        loop {
+            front(&mut cand[..limit], k);
+            let mut acc = 0.0;
+            let reached = cand[..k].iter().position(|c| {
+                acc += weight(c.1);
+                acc >= target
+            });
+            if let Some(i) = reached {
+                keep = i + 1;
+                break;
+            }
+            if k == cand.len() {
+                break;
+            }
+            if k == limit {
+                limit = cand.len();
+            }
+            k = (k * 4).min(limit);
+        }
+    }
+    let kept = &cand[..keep];
+    let mass: f64 = if keep == cand.len() { total } else { kept.iter().map(|c| weight(c.1)).sum() };
+    let mut u: f64 = rng.gen::<f64>() * mass;
+    for c in kept {
+        let w = weight(c.1);
+        if u < w {
+            return c.0;
+        }
+        u -= w;
+    }
+    kept[keep - 1].0
+}
+
 /// The choice that [`sample_rows`] makes on the device, on the host by sorting every candidate: the
 /// reference it is tested and benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
 ///
@@ -129,13 +204,28 @@ fn picked_logprobs(
     lp.gather(&picks.unsqueeze(1)?, 1)?.squeeze(1)
 }
 
-/// The next token of each row of `logits` and its log-prob, chosen on the logits' device (one uniform of
-/// `rngs[r]`, the row's sequence stream, per row when sampling) and copied to the host in one read.
+/// The next token of each row of `logits` and its log-prob, copied to the host in one read. Each row
+/// draws one uniform of `rngs[r]`, its sequence's stream, when sampling. `on_device`: chosen on the
+/// logits' device ([`sample_rows`], only the ids and log-probs come back); else on the host from the
+/// copied logits ([`sample_token`], the faster choice when the device is the CPU).
 fn pick(
     logits: &candle_core::Tensor,
     params: &SamplingParams,
     rngs: &mut [&mut ChaCha8Rng],
+    on_device: bool,
 ) -> candle_core::Result<(Vec<u32>, Vec<f32>)> {
+    if !on_device && params.temperature > 0.0 {
+        let vocab = logits.dim(1)?;
+        let flat = crate::device::to_host::<f32>(&logits.to_dtype(candle_core::DType::F32)?)?;
+        return Ok(flat
+            .par_chunks(vocab.max(1))
+            .zip(rngs.par_iter_mut())
+            .map(|(row, rng)| {
+                let tok = sample_token(row, params, *rng);
+                (tok, host_logprob(row, tok))
+            })
+            .unzip());
+    }
     let uniforms: Vec<f32> =
         if params.temperature > 0.0 { rngs.iter_mut().map(|r| r.gen::<f64>() as f32).collect() } else { vec![] };
     let picks = sample_rows(logits, params, &uniforms)?;
@@ -145,6 +235,13 @@ fn pick(
         crate::device::to_host::<f32>(&candle_core::Tensor::cat(&[picks.to_dtype(candle_core::DType::F32)?, lp], 0)?)?;
     let (ids, lps) = both.split_at(both.len() / 2);
     Ok((ids.iter().map(|&i| i as u32).collect(), lps.to_vec()))
+}
+
+/// The log-softmax of `row` at `tok`, in f64 rounded to f32.
+fn host_logprob(row: &[f32], tok: u32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+    (row[tok as usize] as f64 - max - sum.ln()) as f32
 }
 
 /// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
@@ -157,7 +254,21 @@ pub fn generate(
     params: &SamplingParams,
     stop: &[u32],
     pad: u32,
+    on_tokens: impl FnMut(usize),
+) -> candle_core::Result<Vec<Generation>> {
+    let on_device = !model.device().is_cpu();
+    generate_on(model, prompts, ids, params, (stop, pad), on_tokens, on_device)
+}
+
+/// [`generate`], choosing the tokens on the device or on the host ([`pick`]).
+fn generate_on(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    ids: &[u64],
+    params: &SamplingParams,
+    (stop, pad): (&[u32], u32),
     mut on_tokens: impl FnMut(usize),
+    on_device: bool,
 ) -> candle_core::Result<Vec<Generation>> {
     assert_eq!(prompts.len(), ids.len(), "one id per prompt");
     let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
@@ -183,7 +294,7 @@ pub fn generate(
                 mine.push(rng);
             }
         }
-        let (picks, picked_lp) = pick(&logits, params, &mut mine)?;
+        let (picks, picked_lp) = pick(&logits, params, &mut mine, on_device)?;
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut new_tokens = 0;
@@ -286,8 +397,15 @@ mod tests {
         let prompts: Vec<Vec<u32>> = vec![vec![1, 5, 9], vec![2, 7], vec![3, 4, 6, 8]];
         let params = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 40, max_new_tokens: 9, seed: 11 };
         let before = crate::device::host_reads();
-        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();
+        let on_device = generate_on(&model, &prompts, &[0, 1, 2], &params, (&[], 0), |_| {}, true).unwrap();
         assert_eq!(crate::device::host_reads() - before, 9, "one read per step of 9");
+        // The host sampler (used on the CPU device) picks the same tokens from the same streams.
+        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();
+        for (d, h) in on_device.iter().zip(&batched) {
+            assert_eq!(d.tokens, h.tokens);
+            let diff = d.logprobs.iter().zip(&h.logprobs).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-4, "log-probs differ by {diff}");
+        }
         for (i, p) in prompts.iter().enumerate() {
             let one = generate(&model, std::slice::from_ref(p), &[i as u64], &params, &[], 0, |_| {}).unwrap();
             assert_eq!(one[0].tokens, batched[i].tokens, "prompt {i}: batched != single");
@@ -299,5 +417,26 @@ mod tests {
             reseeded.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
             batched.iter().map(|g| &g.tokens).collect::<Vec<_>>()
         );
+    }
+
+    /// With top-k or top-p the host sampler walks the kept candidates in the same order as the full sort,
+    /// so the same uniform picks the same token.
+    #[test]
+    fn the_host_sampler_picks_the_tokens_of_the_full_sort_reference() {
+        let mut rng = ChaCha8Rng::seed_from_u64(2);
+        let logits: Vec<f32> = (0..5000).map(|_| rng.gen_range(-6.0f32..6.0)).collect();
+        for params in [
+            SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_p: 0.5, top_k: 100, ..Default::default() },
+            SamplingParams { temperature: 0.8, top_k: 20, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() },
+        ] {
+            let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
+            for i in 0..200 {
+                let (x, y) =
+                    (sample_token(&logits, &params, &mut a), sample_token_reference(&logits, &params, b.gen()));
+                assert_eq!(x, y, "draw {i} with {params:?}");
+            }
+        }
     }
 }
