@@ -54,8 +54,8 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Picking the next token (temperature, top-k, top-p) from random logits: ours vs the full-sort
-    /// reference.
+    /// Picking the next token (temperature, top-k, top-p) from a batch of random logits: on the device,
+    /// copying back the ids, vs copying the logits to the host for the full-sort reference.
     Sample {
         #[command(flatten)]
         spec: SampleSpec,

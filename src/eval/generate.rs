@@ -2,11 +2,12 @@
 //! finished sequences leave the batch so the rest keeps going. Each sequence draws from its own RNG,
 //! seeded from (seed, sequence index), so results do not depend on batch composition.
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use rayon::prelude::*;
 
+use super::sampler::sample_rows;
 use crate::model::Decoder;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 /// Sampling settings.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
@@ -80,7 +81,8 @@ fn candidates(logits: &[f32], params: &SamplingParams) -> Result<Vec<(u32, f32)>
     Ok(cand)
 }
 
-/// Pick the next token from one row of f32 logits.
+/// Pick the next token from one row of f32 logits on the host: what generation on the CPU device uses,
+/// where the logits are already in host memory (on a GPU, [`sample_rows`] picks without copying them).
 ///
 /// Candidates are ordered by probability, ties by token id; top-k keeps the k first, top-p the shortest
 /// prefix whose mass reaches p (after top-k). Only that prefix is ever sorted: it is found by partial
@@ -152,9 +154,11 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng)
     kept[keep - 1].0
 }
 
-/// The same choice as [`sample_token`] by sorting every candidate: the reference it is tested and
-/// benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
-pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut impl Rng) -> u32 {
+/// The choice that [`sample_rows`] makes on the device, on the host by sorting every candidate: the
+/// reference it is tested and benchmarked (`grpo bench sample`) against. Slow on large vocabularies.
+///
+/// `u` (in [0, 1)) is the draw's uniform; with temperature 0 (or no finite logit) the pick is the argmax.
+pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, u: f64) -> u32 {
     let mut cand = match candidates(logits, params) {
         Ok(c) => c,
         Err(token) => return token,
@@ -181,7 +185,7 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut
         let total: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|p| *p /= total);
     }
-    let mut u: f64 = rng.gen();
+    let mut u = u;
     for (i, p) in probs.iter().enumerate() {
         if u < *p {
             return cand[i].0;
@@ -191,11 +195,53 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, rng: &mut
     cand[probs.len() - 1].0
 }
 
-/// The log-prob of `picks[r]` in row r of `logits` (`[rows, vocab]`), f32.
-fn picked_logprobs(logits: &candle_core::Tensor, picks: &[u32]) -> candle_core::Result<Vec<f32>> {
+/// The log-prob (f32 `[rows]`) of `picks[r]` (u32 `[rows]`) in row r of `logits` (`[rows, vocab]`).
+fn picked_logprobs(
+    logits: &candle_core::Tensor,
+    picks: &candle_core::Tensor,
+) -> candle_core::Result<candle_core::Tensor> {
     let lp = candle_nn::ops::log_softmax(&logits.to_dtype(candle_core::DType::F32)?, candle_core::D::Minus1)?;
-    let idx = candle_core::Tensor::new(picks, logits.device())?.unsqueeze(1)?;
-    lp.gather(&idx, 1)?.squeeze(1)?.to_vec1::<f32>()
+    lp.gather(&picks.unsqueeze(1)?, 1)?.squeeze(1)
+}
+
+/// The next token of each row of `logits` and its log-prob, copied to the host in one read. Each row
+/// draws one uniform of `rngs[r]`, its sequence's stream, when sampling. `on_device`: chosen on the
+/// logits' device ([`sample_rows`], only the ids and log-probs come back); else on the host from the
+/// copied logits ([`sample_token`], the faster choice when the device is the CPU).
+fn pick(
+    logits: &candle_core::Tensor,
+    params: &SamplingParams,
+    rngs: &mut [&mut ChaCha8Rng],
+    on_device: bool,
+) -> candle_core::Result<(Vec<u32>, Vec<f32>)> {
+    if !on_device && params.temperature > 0.0 {
+        let vocab = logits.dim(1)?;
+        let flat = crate::device::to_host::<f32>(&logits.to_dtype(candle_core::DType::F32)?)?;
+        return Ok(flat
+            .par_chunks(vocab.max(1))
+            .zip(rngs.par_iter_mut())
+            .map(|(row, rng)| {
+                let tok = sample_token(row, params, *rng);
+                (tok, host_logprob(row, tok))
+            })
+            .unzip());
+    }
+    let uniforms: Vec<f32> =
+        if params.temperature > 0.0 { rngs.iter_mut().map(|r| r.gen::<f64>() as f32).collect() } else { vec![] };
+    let picks = sample_rows(logits, params, &uniforms)?;
+    let lp = picked_logprobs(logits, &picks)?;
+    // Ids below 2^24 are exact in f32: ids and log-probs travel together.
+    let both =
+        crate::device::to_host::<f32>(&candle_core::Tensor::cat(&[picks.to_dtype(candle_core::DType::F32)?, lp], 0)?)?;
+    let (ids, lps) = both.split_at(both.len() / 2);
+    Ok((ids.iter().map(|&i| i as u32).collect(), lps.to_vec()))
+}
+
+/// The log-softmax of `row` at `tok`, in f64 rounded to f32.
+fn host_logprob(row: &[f32], tok: u32) -> f32 {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let sum: f64 = row.iter().map(|&l| (l as f64 - max).exp()).sum();
+    (row[tok as usize] as f64 - max - sum.ln()) as f32
 }
 
 /// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
@@ -208,7 +254,21 @@ pub fn generate(
     params: &SamplingParams,
     stop: &[u32],
     pad: u32,
+    on_tokens: impl FnMut(usize),
+) -> candle_core::Result<Vec<Generation>> {
+    let on_device = !model.device().is_cpu();
+    generate_on(model, prompts, ids, params, (stop, pad), on_tokens, on_device)
+}
+
+/// [`generate`], choosing the tokens on the device or on the host ([`pick`]).
+fn generate_on(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    ids: &[u64],
+    params: &SamplingParams,
+    (stop, pad): (&[u32], u32),
     mut on_tokens: impl FnMut(usize),
+    on_device: bool,
 ) -> candle_core::Result<Vec<Generation>> {
     assert_eq!(prompts.len(), ids.len(), "one id per prompt");
     let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
@@ -224,25 +284,17 @@ pub fn generate(
         let empty = Generation { tokens: vec![], finish: FinishReason::Length, logprobs: vec![] };
         return Ok(vec![empty; prompts.len()]);
     }
-    // Greedy on a GPU: take the argmax there instead of copying [rows, vocab] logits to the host.
-    let device_argmax = params.temperature <= 0.0 && !model.device().is_cpu();
     let (mut logits, mut cache) = model.prefill(prompts, pad)?;
     loop {
-        let picks: Vec<u32> = if device_argmax {
-            logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?
-        } else {
-            let rows: Vec<Vec<f32>> = logits.to_vec2::<f32>()?;
-            // Rows sample in parallel, each with its own sequence's RNG (`active` is increasing).
-            let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
-            let mut wanted = active.iter().peekable();
-            for (seq, rng) in rngs.iter_mut().enumerate() {
-                if wanted.next_if(|&&a| a == seq).is_some() {
-                    mine.push(rng);
-                }
+        // The streams of the active sequences, in row order (`active` is increasing).
+        let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
+        let mut wanted = active.iter().peekable();
+        for (seq, rng) in rngs.iter_mut().enumerate() {
+            if wanted.next_if(|&&a| a == seq).is_some() {
+                mine.push(rng);
             }
-            rows.par_iter().zip(mine.par_iter_mut()).map(|(row, rng)| sample_token(row, params, *rng)).collect()
-        };
-        let picked_lp = picked_logprobs(&logits, &picks)?;
+        }
+        let (picks, picked_lp) = pick(&logits, params, &mut mine, on_device)?;
         let mut next = Vec::with_capacity(active.len());
         let mut keep = Vec::with_capacity(active.len());
         let mut new_tokens = 0;
@@ -295,7 +347,8 @@ mod tests {
             let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
             let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
             let tok = last.argmax(0)?.to_scalar::<u32>()?;
-            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &[tok])?[0]);
+            let idx = Tensor::new(&[tok], last.device())?;
+            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &idx)?.to_vec1::<f32>()?[0]);
             if stop.contains(&tok) {
                 return Ok(Generation { tokens, finish: FinishReason::Stop, logprobs });
             }
@@ -334,74 +387,56 @@ mod tests {
         assert_eq!(batched[0].finish, FinishReason::Stop);
     }
 
+    /// Sampled generation reads the device once per step for the whole batch (the ids and their
+    /// log-probs), and a sequence's tokens depend on its seed and id only, not on its batch.
     #[test]
-    fn sampling_respects_top_k_top_p_and_seed() {
-        let logits = vec![0.0f32, 3.0, 2.9, -1.0, f32::NEG_INFINITY];
-        let greedy = SamplingParams::default();
-        let mut rng = ChaCha8Rng::seed_from_u64(0);
-        assert_eq!(sample_token(&logits, &greedy, &mut rng), 1);
-        let k2 = SamplingParams { temperature: 1.0, top_k: 2, ..Default::default() };
-        let mut seen = std::collections::BTreeSet::new();
-        for _ in 0..200 {
-            seen.insert(sample_token(&logits, &k2, &mut rng));
+    fn sampled_generation_reads_once_per_step_and_keeps_its_streams() {
+        let shape = crate::model::tiny::TinyShape { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64 };
+        let cfg = shape.config(Arch::Qwen3, 64, None, None).unwrap();
+        let model = random_decoder(cfg, 3, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
+        let prompts: Vec<Vec<u32>> = vec![vec![1, 5, 9], vec![2, 7], vec![3, 4, 6, 8]];
+        let params = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 40, max_new_tokens: 9, seed: 11 };
+        let before = crate::device::host_reads();
+        let on_device = generate_on(&model, &prompts, &[0, 1, 2], &params, (&[], 0), |_| {}, true).unwrap();
+        assert_eq!(crate::device::host_reads() - before, 9, "one read per step of 9");
+        // The host sampler (used on the CPU device) picks the same tokens from the same streams.
+        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();
+        for (d, h) in on_device.iter().zip(&batched) {
+            assert_eq!(d.tokens, h.tokens);
+            let diff = d.logprobs.iter().zip(&h.logprobs).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(diff < 1e-4, "log-probs differ by {diff}");
         }
-        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![1, 2]);
-        let p = SamplingParams { temperature: 1.0, top_p: 0.3, ..Default::default() };
-        for _ in 0..50 {
-            assert_eq!(sample_token(&logits, &p, &mut rng), 1);
+        for (i, p) in prompts.iter().enumerate() {
+            let one = generate(&model, std::slice::from_ref(p), &[i as u64], &params, &[], 0, |_| {}).unwrap();
+            assert_eq!(one[0].tokens, batched[i].tokens, "prompt {i}: batched != single");
+            assert_eq!(one[0].logprobs.len(), 9);
         }
-        let hot = SamplingParams { temperature: 1.0, ..Default::default() };
-        let draw = |seed| {
-            let mut r = ChaCha8Rng::seed_from_u64(seed);
-            (0..20).map(|_| sample_token(&logits, &hot, &mut r)).collect::<Vec<_>>()
-        };
-        assert_eq!(draw(5), draw(5));
-        assert_ne!(draw(5), draw(6));
+        let other = SamplingParams { seed: 12, ..params.clone() };
+        let reseeded = generate(&model, &prompts, &[0, 1, 2], &other, &[], 0, |_| {}).unwrap();
+        assert_ne!(
+            reseeded.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
+            batched.iter().map(|g| &g.tokens).collect::<Vec<_>>()
+        );
     }
 
-    /// With top-k or top-p the kept candidates are walked in the same order as the full sort walks them,
-    /// so the same random draw picks the same token.
+    /// With top-k or top-p the host sampler walks the kept candidates in the same order as the full sort,
+    /// so the same uniform picks the same token.
     #[test]
-    fn the_same_tokens_as_the_full_sort_reference() {
+    fn the_host_sampler_picks_the_tokens_of_the_full_sort_reference() {
         let mut rng = ChaCha8Rng::seed_from_u64(2);
         let logits: Vec<f32> = (0..5000).map(|_| rng.gen_range(-6.0f32..6.0)).collect();
         for params in [
             SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() },
             SamplingParams { temperature: 1.0, top_p: 0.5, top_k: 100, ..Default::default() },
             SamplingParams { temperature: 0.8, top_k: 20, ..Default::default() },
+            SamplingParams { temperature: 1.0, top_k: 1, ..Default::default() },
         ] {
             let (mut a, mut b) = (ChaCha8Rng::seed_from_u64(3), ChaCha8Rng::seed_from_u64(3));
             for i in 0..200 {
-                let (x, y) = (sample_token(&logits, &params, &mut a), sample_token_reference(&logits, &params, &mut b));
+                let (x, y) =
+                    (sample_token(&logits, &params, &mut a), sample_token_reference(&logits, &params, b.gen()));
                 assert_eq!(x, y, "draw {i} with {params:?}");
             }
         }
-    }
-
-    /// The nucleus found by partial selection is the one a full sort gives, at vocabulary size.
-    #[test]
-    fn top_p_over_a_large_vocabulary_keeps_exactly_the_nucleus() {
-        let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let logits: Vec<f32> = (0..151_936).map(|_| rng.gen_range(-8.0f32..8.0)).collect();
-        let p = SamplingParams { temperature: 0.6, top_p: 0.95, ..Default::default() };
-        // The nucleus by a full sort.
-        let mut sorted: Vec<(usize, f64)> = logits.iter().map(|&l| (l / 0.6) as f64).enumerate().collect();
-        sorted.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-        let max = sorted[0].1;
-        let total: f64 = sorted.iter().map(|c| (c.1 - max).exp()).sum();
-        let mut acc = 0.0;
-        let n = sorted.iter().position(|c| {
-            acc += (c.1 - max).exp();
-            acc >= 0.95 * total
-        });
-        let nucleus: std::collections::HashSet<u32> = sorted[..n.unwrap() + 1].iter().map(|c| c.0 as u32).collect();
-        assert!(nucleus.len() > 1000, "the test needs a nucleus larger than the first selection");
-        let mut seen = std::collections::HashSet::new();
-        for _ in 0..100 {
-            let t = sample_token(&logits, &p, &mut rng);
-            assert!(nucleus.contains(&t), "token {t} is outside the nucleus");
-            seen.insert(t);
-        }
-        assert!(seen.len() > 50, "samples spread over the nucleus: {}", seen.len());
     }
 }

@@ -7,11 +7,13 @@ pub mod engine;
 pub mod generate;
 mod options;
 pub mod run;
+mod sampler;
 
 pub use engine::{Engine, EngineKind, EngineOptions};
-pub use generate::{generate, sample_token, sample_token_reference, FinishReason, Generation, SamplingParams};
+pub use generate::{generate, sample_token_reference, FinishReason, Generation, SamplingParams};
 pub use options::EvalOptions;
 pub use run::{evaluate, evaluate_with, BenchReport, EvalProgress, ProblemResult};
+pub use sampler::sample_rows;
 
 /// Errors of evaluation.
 #[derive(Debug, thiserror::Error)]
