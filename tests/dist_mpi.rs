@@ -47,8 +47,8 @@ fn grpo_bin() -> PathBuf {
     assert_cmd::cargo::cargo_bin("grpo")
 }
 
-/// `grpo train` on `np` processes (1: without mpirun).
-fn train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
+/// `grpo` on `np` processes (1: without mpirun).
+fn grpo(np: usize) -> std::process::Command {
     let mut c = if np == 1 {
         std::process::Command::new(grpo_bin())
     } else {
@@ -56,7 +56,14 @@ fn train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
         c.args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()]).arg(grpo_bin());
         c
     };
-    c.env("OMPI_MCA_btl", "self,vader,tcp").args(["-q", "train", "--config"]).arg(cfg).args(extra);
+    c.env("OMPI_MCA_btl", "self,vader,tcp");
+    c
+}
+
+/// `grpo train` on `np` processes (1: without mpirun).
+fn train(np: usize, cfg: &Path, extra: &[&str]) -> std::process::Output {
+    let mut c = grpo(np);
+    c.args(["-q", "train", "--config"]).arg(cfg).args(extra);
     let o = c.output().unwrap();
     assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
     o
@@ -217,4 +224,42 @@ fn a_rank_killed_mid_run_stops_the_other_within_a_minute() {
     };
     assert!(!status.success(), "the job ended successfully after a rank was killed");
     eprintln!("stopped {:?} after a rank was killed", killed.elapsed());
+}
+
+/// `grpo eval` on 2 ranks (problem i on rank i mod 2, the results gathered by rank 0) writes the
+/// generations.jsonl and the report of one process: sampled answers (seeded per problem), two benchmarks,
+/// an odd number of problems each. One problem per batch (`--batch-size` = n) in both runs: batches of
+/// other sizes pad the prompts differently, whose rounding can change a sampled token.
+#[test]
+fn eval_on_two_ranks_writes_what_one_process_writes() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let eval = |np: usize, out: &str| {
+        let out = d.path().join(out);
+        let mut c = grpo(np);
+        c.args(["-q", "eval", "--bench", "aime25,aime24", "--limit", "5", "--n", "3", "--temperature", "1.0"])
+            .args(["--max-new-tokens", "8", "--seed", "7", "--batch-size", "3", "--model"])
+            .arg(&model)
+            .arg("--out")
+            .arg(&out);
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
+        let report: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("report.json")).unwrap()).unwrap();
+        let mut benches = report["benchmarks"].as_object().unwrap().clone();
+        for r in benches.values_mut() {
+            let r = r.as_object_mut().unwrap();
+            for timing in ["duration_s", "tokens_per_sec"] {
+                r.remove(timing).unwrap();
+            }
+        }
+        (std::fs::read_to_string(out.join("generations.jsonl")).unwrap(), benches, String::from_utf8(o.stdout).unwrap())
+    };
+    let (gens_one, report_one, _) = eval(1, "one");
+    let (gens_two, report_two, stdout_two) = eval(2, "two");
+    assert_eq!(gens_one.lines().count(), 10);
+    assert_eq!(gens_two, gens_one, "generations.jsonl");
+    assert_eq!(report_two, report_one, "report.json");
+    assert_eq!(stdout_two.matches("avg@n").count(), 1, "one table, from rank 0: {stdout_two}");
 }

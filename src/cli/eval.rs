@@ -6,8 +6,9 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 
+use crate::dist::World;
 use crate::eval::engine::{Engine, Native, OpenAi};
-use crate::eval::{benchmarks, run, EngineKind, EngineOptions, EvalOptions, ProblemResult};
+use crate::eval::{benchmarks, run, EngineKind, EngineOptions, EvalOptions, ProblemResult, Share, ShareResults};
 use crate::jsonl::Lines;
 use crate::model::{self, ChatTokenizer};
 
@@ -72,17 +73,21 @@ type Finished = HashMap<(String, String), ProblemResult>;
 
 /// Open generations.jsonl for appending: emptied, or with `resume` keeping the readable results of an
 /// earlier run (an interrupted run may have left a torn last line), which are returned by (bench, id).
-fn open_generations(path: &std::path::Path, resume: bool) -> anyhow::Result<(Finished, std::fs::File)> {
+/// The earlier results are also returned in file order.
+fn open_generations(
+    path: &std::path::Path,
+    resume: bool,
+) -> anyhow::Result<(Finished, std::fs::File, Vec<ProblemResult>)> {
     let previous = if resume { read_done(path)? } else { Vec::new() };
     let mut kept = crate::jsonl::AtomicFile::create(Some(path))?;
     for r in &previous {
         kept.write_json(r)?;
     }
     kept.commit()?;
-    let done = previous.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
+    let done = previous.iter().map(|r| ((r.bench.clone(), r.id.clone()), r.clone())).collect();
     let file =
         std::fs::OpenOptions::new().append(true).open(path).with_context(|| format!("opening {}", path.display()))?;
-    Ok((done, file))
+    Ok((done, file, previous))
 }
 
 /// Check the options, then load the selected benchmarks.
@@ -128,13 +133,43 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    let gpu = args.engine.engine == EngineKind::Native && args.device.starts_with("cuda");
+    let world = World::from_env(gpu)?;
+    let result = run_in(args, &world);
+    if let Err(e) = &result {
+        world.abort_on_error(&format!("{e:#}"));
+    }
+    result
+}
+
+/// The engine `args` select: the native sampler on `decoder`, or the OpenAI-compatible server.
+fn engine<'a>(
+    args: &Args,
+    decoder: Option<&'a model::Decoder>,
+    tok: &'a ChatTokenizer,
+) -> anyhow::Result<Box<dyn Engine + 'a>> {
+    Ok(match decoder {
+        Some(model) => Box::new(Native { model, tok, batch_size: args.options.batch_size }),
+        None => Box::new(OpenAi::new(&args.engine, tok)?),
+    })
+}
+
+/// Evaluate as rank `world.rank()` of `world.size()`: each rank generates its share of every benchmark's
+/// problems (problem i on rank i mod N, a native engine on the GPU of its local rank); the shares are
+/// gathered after each benchmark, and rank 0 writes generations.jsonl and report.json as one process would.
+fn run_in(args: Args, world: &World) -> anyhow::Result<()> {
     let selected = checked_benchmarks(&args)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let decoder = match args.engine.engine {
         EngineKind::Native => {
-            let device = model::parse_device(&args.device)?;
+            let name = if world.size() > 1 && args.device == "cuda" {
+                format!("cuda:{}", world.local_rank())
+            } else {
+                args.device.clone()
+            };
+            let device = model::parse_device(&name)?;
             let dtype = model::parse_dtype(&args.dtype)?;
             Some(
                 model::load_decoder(&dir, dtype, &device, false)
@@ -143,58 +178,153 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         EngineKind::Openai => None,
     };
-    let engine: Box<dyn Engine> = match &decoder {
-        Some(model) => Box::new(Native { model, tok: &tok, batch_size: args.options.batch_size }),
-        None => Box::new(OpenAi::new(&args.engine, &tok)?),
-    };
-    tracing::info!("engine: {}", engine.describe());
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let engine = engine(&args, decoder.as_ref(), &tok)?;
+    if world.is_primary() {
+        tracing::info!("engine: {}", engine.describe());
+    }
     let gen_path = args.out.join("generations.jsonl");
-    let (done, mut gen_file) = open_generations(&gen_path, args.resume)?;
+    let mut gens = Generations::open(&args.out, args.resume, world)?;
     let options = args.options.clone();
     let started = std::time::Instant::now();
+    let share = Share { index: world.rank(), of: world.size() };
     let mut reports = Vec::new();
     for b in &selected {
         let done_b: HashMap<String, ProblemResult> =
-            done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
-        state_budget(b, &options, &done_b);
+            gens.done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
+        if world.is_primary() {
+            state_budget(b, &options, &done_b);
+        }
         let bar = crate::progress::progress_bar(Some(0), &b.name);
+        if !world.is_primary() {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
         let t0 = std::time::Instant::now();
-        let (report, _) = run::evaluate_with(
+        let part = run::evaluate_share(
             engine.as_ref(),
             &tok,
             b,
             &options,
             &done_b,
-            |r| {
-                serde_json::to_writer(&mut gen_file, r)
-                    .map_err(std::io::Error::from)
-                    .and_then(|()| gen_file.write_all(b"\n"))
-                    .and_then(|()| gen_file.flush())
-                    .map_err(|source| crate::eval::EvalError::Io { path: gen_path.clone(), source })
-            },
+            share,
+            |r| gens.append(r),
             |p| p.show(&bar, t0),
         )?;
         bar.finish_and_clear();
+        let parts = gather_shares(world, &part)?;
+        let (report, results) = run::merge_shares(b, &options, parts, t0.elapsed().as_secs_f64());
+        if world.size() > 1 {
+            gens.settle(results.into_iter().filter(|r| !done_b.contains_key(&r.id)))?;
+        }
         reports.push(report);
     }
     if reports.iter().all(|r| r.n_problems == 0) {
         anyhow::bail!("nothing was evaluated: no problem in the selected benchmarks");
     }
-    let report = serde_json::json!({
-        "model": model_name,
-        "model_dir": dir,
-        "engine": engine.describe(),
-        "sampling": options.sampling(),
-        "n": options.n,
-        "limit": (options.limit > 0).then_some(options.limit),
-        "duration_s": started.elapsed().as_secs_f64(),
-        "benchmarks": reports.iter().map(|r| (r.bench.clone(), serde_json::to_value(r).unwrap_or_default())).collect::<serde_json::Map<_, _>>(),
-    });
+    if !world.is_primary() {
+        return Ok(());
+    }
+    let report = EvalReport {
+        model: model_name,
+        model_dir: dir,
+        engine: engine.describe(),
+        sampling: options.sampling(),
+        n: options.n,
+        limit: (options.limit > 0).then_some(options.limit),
+        duration_s: started.elapsed().as_secs_f64(),
+        benchmarks: reports.iter().map(|r| (r.bench.clone(), r.clone())).collect(),
+    };
     let mut out = crate::jsonl::AtomicFile::create(Some(&args.out.join("report.json")))?;
     out.write_all(serde_json::to_string_pretty(&report)?.as_bytes())?;
     out.commit()?;
     print!("{}", run::table(&reports));
     tracing::info!("wrote {} and {}", gen_path.display(), args.out.join("report.json").display());
     Ok(())
+}
+
+/// report.json.
+#[derive(serde::Serialize)]
+struct EvalReport {
+    model: String,
+    model_dir: PathBuf,
+    engine: String,
+    sampling: crate::eval::SamplingParams,
+    n: usize,
+    limit: Option<usize>,
+    duration_s: f64,
+    benchmarks: std::collections::BTreeMap<String, run::BenchReport>,
+}
+
+/// Every rank's share of a benchmark, in rank order, on every rank (serialised for the all-gather).
+fn gather_shares(world: &World, part: &ShareResults) -> anyhow::Result<Vec<ShareResults>> {
+    if world.size() == 1 {
+        return Ok(vec![part.clone()]);
+    }
+    let bytes = serde_json::to_vec(part)?;
+    world
+        .all_gather_bytes(&bytes)
+        .iter()
+        .enumerate()
+        .map(|(rank, b)| serde_json::from_slice(b).with_context(|| format!("reading the results of rank {rank}")))
+        .collect()
+}
+
+/// OUT/generations.jsonl, which rank 0 alone writes: each of its problems appended as it finishes (so an
+/// interrupted run keeps them), and with several ranks rewritten in benchmark order once a benchmark's
+/// shares are gathered, so that the file is the one a single process writes.
+struct Generations {
+    path: PathBuf,
+    /// The earlier run's results by (bench, id) (with `--resume`; every rank reads them).
+    done: Finished,
+    /// Rank 0's file, open for appending.
+    file: Option<std::fs::File>,
+    /// What the file holds once the finished benchmarks are settled, in order.
+    settled: Vec<ProblemResult>,
+}
+
+impl Generations {
+    fn open(out: &std::path::Path, resume: bool, world: &World) -> anyhow::Result<Self> {
+        let path = out.join("generations.jsonl");
+        if !world.is_primary() {
+            let done = if resume { read_done(&path)? } else { Vec::new() };
+            let done = done.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
+            return Ok(Self { path, done, file: None, settled: Vec::new() });
+        }
+        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+        let (done, file, previous) = open_generations(&path, resume)?;
+        Ok(Self { path, done, file: Some(file), settled: previous })
+    }
+
+    /// Append `r` (rank 0; the others write nothing).
+    fn append(&mut self, r: &ProblemResult) -> Result<(), crate::eval::EvalError> {
+        let Some(file) = &mut self.file else { return Ok(()) };
+        serde_json::to_writer(&mut *file, r)
+            .map_err(std::io::Error::from)
+            .and_then(|()| {
+                file.write_all(
+                    b"
+",
+                )
+            })
+            .and_then(|()| file.flush())
+            .map_err(|source| crate::eval::EvalError::Io { path: self.path.clone(), source })
+    }
+
+    /// Rewrite the file as the settled results and then `new`, a benchmark's new results in its order.
+    fn settle(&mut self, new: impl Iterator<Item = ProblemResult>) -> anyhow::Result<()> {
+        self.settled.extend(new);
+        if self.file.is_none() {
+            return Ok(());
+        }
+        let mut out = crate::jsonl::AtomicFile::create(Some(&self.path))?;
+        for r in &self.settled {
+            out.write_json(r)?;
+        }
+        out.commit()?;
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.path)
+            .with_context(|| format!("opening {}", self.path.display()))?;
+        self.file = Some(file);
+        Ok(())
+    }
 }

@@ -63,6 +63,9 @@ pub trait Collective {
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]);
     /// Every rank's `send` (all of one length), in rank order (an all-gather).
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]);
+    /// Every rank's `send` (of any length), in rank order, on every rank (an all-gather of variable
+    /// size): how the ranks that each evaluated a share of the problems hand over their results.
+    fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>>;
     /// Wait until every rank is here.
     fn barrier(&self);
     /// End every rank of the job now with `code`.
@@ -158,6 +161,15 @@ impl World {
         match &self.comm {
             Some(c) => c.all_gather_f32(send, recv),
             None => recv.copy_from_slice(send),
+        }
+    }
+
+    /// Every rank's `send` bytes (their lengths may differ), in rank order, on every rank: how `grpo eval`
+    /// merges the results of the ranks' shares of the problems (serialised records).
+    pub fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
+        match &self.comm {
+            Some(c) => c.all_gather_bytes(send),
+            None => vec![send.to_vec()],
         }
     }
 
@@ -285,6 +297,7 @@ mod tests {
         assert_eq!(b, [1.5, -2.0]);
         assert!(w.any(true) && !w.any(false) && w.is_primary());
         assert_eq!(w.from_primary(Some(0.25)), Some(0.25));
+        assert_eq!(w.all_gather_bytes(b"abc"), vec![b"abc".to_vec()]);
         assert!((0..5).all(|i| w.owns_group(i)));
     }
 }

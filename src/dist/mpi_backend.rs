@@ -1,7 +1,8 @@
 //! The [`Collective`] of MPI (rsmpi over Open MPI): MPI_Allreduce, MPI_Reduce_scatter_block, MPI_Allgather,
-//! MPI_Barrier, MPI_Abort.
+//! MPI_Allgatherv, MPI_Barrier, MPI_Abort.
 
 use mpi::collective::SystemOperation;
+use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
 use mpi::topology::SimpleCommunicator;
 use mpi::traits::*;
@@ -54,6 +55,27 @@ impl Collective for Mpi {
 
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
         self.world.all_gather_into(send, recv);
+    }
+
+    fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
+        let count = mpi::Count::try_from(send.len()).expect("an all-gather sends under 2 GiB from a rank");
+        let mut counts = vec![0 as mpi::Count; self.world.size() as usize];
+        self.world.all_gather_into(&count, &mut counts[..]);
+        let sizes: Vec<usize> = counts.iter().map(|&c| c as usize).collect();
+        let total = mpi::Count::try_from(sizes.iter().sum::<usize>()).expect("an all-gather receives under 2 GiB");
+        let displs: Vec<mpi::Count> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let mut all = vec![0u8; total as usize];
+        let mut parts = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
+        self.world.all_gather_varcount_into(send, &mut parts);
+        let mut rest = &all[..];
+        sizes
+            .iter()
+            .map(|&n| {
+                let (part, tail) = rest.split_at(n);
+                rest = tail;
+                part.to_vec()
+            })
+            .collect()
     }
 
     fn barrier(&self) {

@@ -1,6 +1,7 @@
 //! The [`Collective`] of NCCL (cudarc's bindings) for ranks that each drive one GPU: ncclAllReduce,
 //! ncclReduceScatter and ncclAllGather on the rank's GPU (the host buffers of the shared code are copied
-//! in and out). Every wait is bounded: the rank polls the collective's completion and NCCL's asynchronous
+//! in and out). Byte strings of different lengths are gathered as blocks padded to the longest, after an
+//! all-reduce of the lengths. Every wait is bounded: the rank polls the collective's completion and NCCL's asynchronous
 //! error (`ncclCommGetAsyncError`), and past `timeout` or on an error it aborts the communicator and
 //! exits, naming itself and the cause; the other ranks' collectives then fail or time out the same way.
 
@@ -28,6 +29,7 @@ pub(super) struct Nccl {
     comm: sys::ncclComm_t,
     stream: Arc<CudaStream>,
     rank: usize,
+    size: usize,
     timeout: Duration,
     /// What must live as long as the communicator (MPI, when it carried the id).
     _keep: Option<Box<dyn std::any::Any>>,
@@ -40,6 +42,10 @@ trait Element: DeviceRepr + ValidAsZeroBits + Copy {
 
 impl Element for f32 {
     const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+}
+
+impl Element for u8 {
+    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
 }
 
 impl Element for f64 {
@@ -67,7 +73,7 @@ impl Nccl {
                 .map_err(|e| launch("ncclCommInitRank", format!("{e:?}")))?;
             comm.assume_init()
         };
-        Ok(Self { comm, stream, rank, timeout, _keep: keep })
+        Ok(Self { comm, stream, rank, size, timeout, _keep: keep })
     }
 
     /// End this rank after a failed or stuck collective: abort the communicator (so that no collective of
@@ -165,6 +171,25 @@ impl Collective for Nccl {
         self.run("ncclAllGather", send, recv, |s, r| unsafe {
             result::all_gather(s, r, n, f32::TYPE, comm, stream as _)
         });
+    }
+
+    fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
+        // Each rank's length in its slot (exact in f64 below 2^53), then blocks padded to the longest.
+        let size = self.size;
+        let mut lengths = vec![0f64; size];
+        lengths[self.rank] = send.len() as f64;
+        self.sum_f64(&mut lengths);
+        let lengths: Vec<usize> = lengths.iter().map(|&l| l as usize).collect();
+        let block = lengths.iter().copied().max().unwrap_or(0).max(1);
+        let mut padded = send.to_vec();
+        padded.resize(block, 0);
+        let mut all = vec![0u8; block * size];
+        let (comm, stream) = (self.comm, self.stream.cu_stream());
+        // SAFETY: a send buffer of `block` and a receive buffer of N * `block` bytes on the device.
+        self.run("ncclAllGather", &padded, &mut all, |s, r| unsafe {
+            result::all_gather(s, r, block, u8::TYPE, comm, stream as _)
+        });
+        all.chunks(block).zip(lengths).map(|(b, n)| b[..n].to_vec()).collect()
     }
 
     fn barrier(&self) {

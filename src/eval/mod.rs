@@ -12,7 +12,10 @@ mod sampler;
 pub use engine::{Engine, EngineKind, EngineOptions};
 pub use generate::{generate, sample_token_reference, FinishReason, Generation, SamplingParams};
 pub use options::EvalOptions;
-pub use run::{evaluate, evaluate_with, BenchReport, EvalProgress, ProblemResult};
+pub use run::{
+    evaluate, evaluate_share, evaluate_with, merge_shares, BenchReport, EvalProgress, ProblemResult, Share,
+    ShareResults,
+};
 pub use sampler::sample_rows;
 
 /// Errors of evaluation.

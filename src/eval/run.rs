@@ -239,6 +239,32 @@ where
     }
 }
 
+/// The problems of a benchmark one of several processes generates: problem i when i mod `of` is `index`.
+/// Each sample's random stream is seeded from the problem's index in the benchmark, so a problem's answers
+/// do not depend on which process drew them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl Share {
+    /// Every problem: one process.
+    pub const WHOLE: Share = Share { index: 0, of: 1 };
+
+    fn holds(&self, problem: usize) -> bool {
+        problem % self.of == self.index
+    }
+}
+
+/// What one share of a benchmark's problems gave: its problems' results in benchmark order (those resumed
+/// from an earlier run included), and the tokens it generated.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ShareResults {
+    pub results: Vec<ProblemResult>,
+    pub generated_tokens: usize,
+}
+
 /// Evaluate on `bench`, drawing the samples from `engine`; prompts are rendered with `tok`'s chat template
 /// and scored by the reward module. Problems found in `done` (by id) are not generated again (resume);
 /// `on_result` receives each newly finished problem (to append it to generations.jsonl);
@@ -253,15 +279,38 @@ pub fn evaluate_with(
     on_progress: impl FnMut(&EvalProgress),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
     let start = Instant::now();
+    let part = evaluate_share(engine, tok, bench, options, done, Share::WHOLE, on_result, on_progress)?;
+    Ok(merge_shares(bench, options, vec![part], start.elapsed().as_secs_f64()))
+}
+
+/// As [`evaluate_with`], for the problems of `share` only: their results, to be merged with the other
+/// shares' by [`merge_shares`].
+#[allow(clippy::too_many_arguments)]
+pub fn evaluate_share(
+    engine: &dyn Engine,
+    tok: &ChatTokenizer,
+    bench: &Benchmark,
+    options: &EvalOptions,
+    done: &HashMap<String, ProblemResult>,
+    share: Share,
+    on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
+    on_progress: impl FnMut(&EvalProgress),
+) -> Result<ShareResults, EvalError> {
     let n = options.n.max(1);
-    let problems: Vec<&Problem> = bench.problems.iter().take(options.problem_count(bench.problems.len())).collect();
-    let results: Vec<Option<ProblemResult>> = problems.iter().map(|p| done.get(&p.id).cloned()).collect();
+    let problems: Vec<(usize, &Problem)> = bench
+        .problems
+        .iter()
+        .take(options.problem_count(bench.problems.len()))
+        .enumerate()
+        .filter(|(i, _)| share.holds(*i))
+        .collect();
+    let results: Vec<Option<ProblemResult>> = problems.iter().map(|(_, p)| done.get(&p.id).cloned()).collect();
     let mut jobs = Vec::new();
     let mut prompts = Vec::new();
-    for (i, p) in problems.iter().enumerate().filter(|(i, _)| results[*i].is_none()) {
+    for (slot, (i, p)) in problems.iter().enumerate().filter(|(slot, _)| results[*slot].is_none()) {
         let text = tok.render_prompt(options.system_prompt.as_deref(), &bench.prompt(p))?;
         let ids = tok.encode(&text, false)?;
-        jobs.push((i, *p, text.clone(), ids.len()));
+        jobs.push((slot, *p, text.clone(), ids.len()));
         prompts.push(PromptJob { id: p.id.clone(), text, ids, first_sequence: (i * n) as u64 });
     }
     let per_problem = (n * options.max_new_tokens) as u64;
@@ -271,8 +320,25 @@ pub fn evaluate_with(
     scorer.report_progress();
     engine.complete(&prompts, n, &options.sampling(), &mut scorer)?;
     let results: Vec<ProblemResult> = scorer.results.into_iter().map(|r| r.expect("every problem evaluated")).collect();
-    let rep = report(&bench.name, &results, options, start.elapsed().as_secs_f64(), scorer.progress.tokens);
-    Ok((rep, results))
+    Ok(ShareResults { results, generated_tokens: scorer.progress.tokens })
+}
+
+/// The report and the results, in benchmark order, of the shares of `bench` (share k of N in `parts[k]`)
+/// that together took `duration_s`: what one process evaluating every problem gives.
+pub fn merge_shares(
+    bench: &Benchmark,
+    options: &EvalOptions,
+    parts: Vec<ShareResults>,
+    duration_s: f64,
+) -> (BenchReport, Vec<ProblemResult>) {
+    let generated: usize = parts.iter().map(|p| p.generated_tokens).sum();
+    let total: usize = parts.iter().map(|p| p.results.len()).sum();
+    let mut shares: Vec<std::vec::IntoIter<ProblemResult>> = parts.into_iter().map(|p| p.results.into_iter()).collect();
+    let of = shares.len();
+    let results: Vec<ProblemResult> =
+        (0..total).map(|i| shares[i % of].next().expect("share k holds problems k, k + N, ...")).collect();
+    let rep = report(&bench.name, &results, options, duration_s, generated);
+    (rep, results)
 }
 
 /// A fixed-width table of reports.
