@@ -476,11 +476,8 @@ fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: 
 /// `m` on `s` on `gpu` (the smaller on a tie: less workspace).
 pub fn best_blocks(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> AttentionBlocks {
     let time = |size: u64| attention_time(m, s, AttentionBlocks { query: size, key: size }, gpu);
-    let best = BLOCK_CANDIDATES
-        .iter()
-        .copied()
-        .min_by(|a, b| time(*a).total_cmp(&time(*b)).then(a.cmp(b)))
-        .unwrap_or(128);
+    let best =
+        BLOCK_CANDIDATES.iter().copied().min_by(|a, b| time(*a).total_cmp(&time(*b)).then(a.cmp(b))).unwrap_or(128);
     AttentionBlocks { query: best, key: best }
 }
 
