@@ -11,7 +11,7 @@ use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice as S, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 use half::{bf16, f16};
 
-use super::launch::{Arg, Buffer, Module, Plan};
+use super::launch::{Arg, Buffer, Launch, Module, Plan};
 
 /// The PTX of a kernels/*.cu file, compiled by build.rs, and the name it is loaded under per device.
 /// The PTX of kernels/rows.cu (build.rs compiles every file for the same target).
@@ -118,6 +118,40 @@ enum Value {
     F32(f32),
 }
 
+/// Launch `l` of PTX `module` with its arguments, a buffer argument's device address given by `address`
+/// (buffer index, element offset).
+pub(crate) fn launch(
+    dev: &CudaDevice,
+    l: &Launch,
+    module: &str,
+    ptx: &'static str,
+    address: impl Fn(usize, usize) -> u64,
+) -> Result<()> {
+    let f = dev.get_or_load_custom_func(&l.kernel, module, ptx)?;
+    let values: Vec<Value> = l
+        .args
+        .iter()
+        .map(|a| match *a {
+            Arg::Buffer { index, offset } => Value::Ptr(address(index, offset)),
+            Arg::U32(x) => Value::U32(x),
+            Arg::F32(x) => Value::F32(x),
+        })
+        .collect();
+    let mut b = f.builder();
+    for v in &values {
+        match v {
+            Value::Ptr(p) => b.arg(p),
+            Value::U32(x) => b.arg(x),
+            Value::F32(x) => b.arg(x),
+        };
+    }
+    let cfg = LaunchConfig { grid_dim: l.grid, block_dim: l.block, shared_mem_bytes: l.shared_bytes };
+    // SAFETY: the plan's arguments match the kernel's parameters in order and type (the emulator checks
+    // each plan against the kernel's signature), and every address is inside a live buffer of the caller.
+    unsafe { b.launch(cfg) }.w()?;
+    Ok(())
+}
+
 /// Run `plan` on the GPU of its inputs: `inputs` are the plan's input buffers in order (each checked
 /// against the plan); returns its outputs in order.
 pub fn run(plan: &Plan, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaStorage>> {
@@ -142,30 +176,9 @@ pub fn run(plan: &Plan, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaSt
     }
     for l in &plan.launches {
         let (module, ptx) = ptx(l.module);
-        let f = dev.get_or_load_custom_func(&l.kernel, module, ptx)?;
-        let values: Vec<Value> = l
-            .args
-            .iter()
-            .map(|a| match *a {
-                Arg::Buffer { index, offset } => {
-                    Value::Ptr(ptrs[index] + (offset * plan.buffers[index].dtype.size_in_bytes()) as u64)
-                }
-                Arg::U32(x) => Value::U32(x),
-                Arg::F32(x) => Value::F32(x),
-            })
-            .collect();
-        let mut b = f.builder();
-        for v in &values {
-            match v {
-                Value::Ptr(p) => b.arg(p),
-                Value::U32(x) => b.arg(x),
-                Value::F32(x) => b.arg(x),
-            };
-        }
-        let cfg = LaunchConfig { grid_dim: l.grid, block_dim: l.block, shared_mem_bytes: l.shared_bytes };
-        // SAFETY: the plan's arguments match the kernel's parameters in order and type (the emulator
-        // checks each plan against the kernel's signature), and every pointer is a live buffer of it.
-        unsafe { b.launch(cfg) }.w()?;
+        launch(&dev, l, module, ptx, |index, offset| {
+            ptrs[index] + (offset * plan.buffers[index].dtype.size_in_bytes()) as u64
+        })?;
     }
     drop(guards);
     Ok(outs.into_iter().map(|o| o.storage(&dev)).collect())

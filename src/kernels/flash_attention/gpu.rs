@@ -5,15 +5,14 @@
 
 use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys};
 use candle_core::cuda_backend::cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits,
 };
 use candle_core::cuda_backend::{CudaDType, CudaDevice, WrapErr};
 use candle_core::{CudaStorage, DType, Layout, Result};
 
 use super::driver::{Backend, Gemm, KeyBlock, Operand, QueryBlock};
 use super::launches::{self, Step};
-use crate::kernels::cuda::flash_ptx;
-use crate::kernels::launch::Arg;
+use crate::kernels::cuda::{flash_ptx, launch};
 
 /// The GPU backend for GEMM dtype `T` (f32, bf16 or f16).
 pub(crate) struct GpuBackend<T> {
@@ -45,30 +44,10 @@ impl<T: CudaDType + DeviceRepr + ValidAsZeroBits> GpuBackend<T> {
         let bufs: Vec<_> = ptrs.iter().map(|(_, dt, len)| ("buffer", *dt, *len)).collect();
         let plan = step.plan(self.dtype, &bufs)?;
         for l in &plan.launches {
-            let f = self.dev.get_or_load_custom_func(&l.kernel, "grpo_flash_attention", flash_ptx())?;
-            let mut values = vec![];
-            for a in &l.args {
-                values.push(match *a {
-                    Arg::Buffer { index, offset } => {
-                        let Ptr(p, size) = ptrs[index].0;
-                        Value::Ptr(p + (offset * size) as u64)
-                    }
-                    Arg::U32(x) => Value::U32(x),
-                    Arg::F32(x) => Value::F32(x),
-                });
-            }
-            let mut b = f.builder();
-            for v in &values {
-                match v {
-                    Value::Ptr(p) => b.arg(p),
-                    Value::U32(x) => b.arg(x),
-                    Value::F32(x) => b.arg(x),
-                };
-            }
-            let cfg = LaunchConfig { grid_dim: l.grid, block_dim: l.block, shared_mem_bytes: l.shared_bytes };
-            // SAFETY: the plan's arguments match the kernel's parameters (checked on the emulator) and
-            // every pointer is a live buffer of the driver at least as long as the plan says.
-            unsafe { b.launch(cfg) }.w()?;
+            launch(&self.dev, l, "grpo_flash_attention", flash_ptx(), |index, offset| {
+                let Ptr(p, size) = ptrs[index].0;
+                p + (offset * size) as u64
+            })?;
         }
         Ok(())
     }
@@ -78,12 +57,6 @@ impl<T: CudaDType + DeviceRepr + ValidAsZeroBits> GpuBackend<T> {
 pub(crate) fn input<U: CudaDType + DeviceRepr>(dev: &CudaDevice, s: &CudaStorage, l: &Layout) -> Result<CudaSlice<U>> {
     let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("flash attention: input not contiguous") };
     dev.cuda_stream().clone_dtod(&s.as_cuda_slice::<U>()?.slice(a..b)).w()
-}
-
-enum Value {
-    Ptr(u64),
-    U32(u32),
-    F32(f32),
 }
 
 fn ptr_in<T: DeviceRepr>(s: &CudaSlice<T>, stream: &CudaStream, dtype: DType) -> (Ptr, DType, usize) {
