@@ -17,7 +17,7 @@
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{u32s, Elem, IntoStorage};
+use super::cpu::{u32s, with_float, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 #[cfg(any(test, feature = "cuda"))]
@@ -91,15 +91,9 @@ impl CustomOp2 for Lookup {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        use super::cpu::contiguous;
         let dims = dims(l2, l1, None)?;
         let ids = u32s(s2, l2, "ids")?;
-        let out = match s1 {
-            CpuStorage::F32(w) => CpuStorage::F32(cpu_lookup(contiguous(w, l1, "weight")?, ids, dims)?),
-            CpuStorage::BF16(w) => CpuStorage::BF16(cpu_lookup(contiguous(w, l1, "weight")?, ids, dims)?),
-            CpuStorage::F16(w) => CpuStorage::F16(cpu_lookup(contiguous(w, l1, "weight")?, ids, dims)?),
-            _ => candle_core::bail!("embedding weight must be f32, bf16 or f16"),
-        };
+        let out = with_float!((s1, l1, "embedding weight") => |w| IntoStorage::storage(cpu_lookup(w, ids, dims)?));
         Ok((out, Shape::from((dims.0, dims.2))))
     }
 
@@ -140,15 +134,9 @@ impl CustomOp2 for Grad {
     }
 
     fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout, s2: &CpuStorage, l2: &Layout) -> Result<(CpuStorage, Shape)> {
-        use super::cpu::contiguous;
         let dims = dims(l1, l2, Some(self.vocab))?;
         let ids = u32s(s1, l1, "ids")?;
-        let out = match s2 {
-            CpuStorage::F32(g) => cpu_grad(ids, contiguous(g, l2, "grad")?, dims)?,
-            CpuStorage::BF16(g) => cpu_grad(ids, contiguous(g, l2, "grad")?, dims)?,
-            CpuStorage::F16(g) => cpu_grad(ids, contiguous(g, l2, "grad")?, dims)?,
-            _ => candle_core::bail!("embedding gradient must be f32, bf16 or f16"),
-        };
+        let out = with_float!((s2, l2, "embedding gradient") => |g| cpu_grad(ids, g, dims)?);
         Ok((f32::storage(out), Shape::from((dims.1, dims.2))))
     }
 
