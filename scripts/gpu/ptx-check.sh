@@ -4,8 +4,9 @@
 # -arch=compute_XX`), then `ptxas -v -arch=sm_XX` on each PTX. Fails when any function
 #   - spills registers (spill stores or loads above 0 bytes), or uses a stack frame;
 #   - uses more static shared memory than a block may have without opting in (48 KiB); the kernels that
-#     take dynamic shared memory (flash attention) get at most MAX_DYNAMIC_SMEM more from the host
-#     (src/kernels/flash_attention.rs keeps its tiles within 48 KiB), and static + dynamic must fit too;
+#     take dynamic shared memory get at most MAX_DYNAMIC_SMEM more from the host, and static + dynamic must
+#     fit too. Which kernels take it is read from the PTX: an entry whose body names an `.extern .shared`
+#     array (its `extern __shared__`); a file whose non-inlined `.func`s name one counts all its entries;
 #   - needs more registers than a block of its largest size can have (64 Ki 32-bit registers per block:
 #     registers x threads, threads = the kernel's __launch_bounds__ (`.maxntid`) or else 1024), which a
 #     launch would refuse with "too many resources requested";
@@ -50,10 +51,24 @@ for arch in $ARCHS; do
         # `.maxntid N` of each entry (its __launch_bounds__), else 1024.
         maxntid=$(awk '/\.entry/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f) }
                        /\.maxntid/ && f != "" { n = $2; gsub(/[^0-9]/, "", n); print f, n; f = "" }' "$ptx")
+        # The entries that name a dynamic shared-memory array (`.extern .shared ... NAME[]`) in their body.
+        dynentries=$(awk '
+            /^\.extern[[:space:]]+\.shared/ { s = $NF; sub(/\[\];?$/, "", s); ext[s] = 1; next }
+            /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); infunc = 0; next }
+            /\.func[[:space:]]/ { infunc = 1; f = ""; next }
+            {
+                for (s in ext) if (index($0, s) && match($0, "[^A-Za-z0-9_]" s "([^A-Za-z0-9_]|$)")) {
+                    if (infunc) all = 1; else if (f != "") uses[f] = 1
+                }
+            }
+            END { if (all) print "*"; else for (f in uses) print f }' "$ptx")
         # One line per function: name spill-stores spill-loads stack registers static-smem threads.
         awk -v arch="$arch" -v src="$src" -v smem_limit="$STATIC_SMEM_LIMIT" -v dyn="$MAX_DYNAMIC_SMEM" \
-            -v maxntid="$maxntid" -v dynsrc="$(grep -l 'extern __shared__' "$src" || true)" '
-            BEGIN { n = split(maxntid, a, /[[:space:]\n]+/); for (i = 1; i + 1 <= n; i += 2) threads[a[i]] = a[i + 1] }
+            -v maxntid="$maxntid" -v dynentries="$dynentries" '
+            BEGIN {
+                n = split(maxntid, a, /[[:space:]\n]+/); for (i = 1; i + 1 <= n; i += 2) threads[a[i]] = a[i + 1]
+                n = split(dynentries, a, /[[:space:]\n]+/); for (i = 1; i <= n; i++) if (a[i] != "") takes_dyn[a[i]] = 1
+            }
             /Function properties for/ { f = $NF; gsub(/'"'"'/, "", f) }
             /bytes stack frame/ { stack[f] = $1; st[f] = $5; ld[f] = $9 }
             /Used [0-9]+ registers/ {
@@ -65,7 +80,7 @@ for arch in $ARCHS; do
                 bad = 0
                 for (f in stack) {
                     t = (f in threads) ? threads[f] : 1024
-                    d = (dynsrc != "") ? dyn : 0
+                    d = (("*" in takes_dyn) || (f in takes_dyn)) ? dyn : 0
                     msg = ""
                     if (st[f] + 0 > 0 || ld[f] + 0 > 0) msg = msg sprintf(" spills (%s B stores, %s B loads);", st[f], ld[f])
                     if (stack[f] + 0 > 0) msg = msg sprintf(" stack frame of %s B;", stack[f])
