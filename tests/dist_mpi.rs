@@ -263,3 +263,198 @@ fn eval_on_two_ranks_writes_what_one_process_writes() {
     assert_eq!(report_two, report_one, "report.json");
     assert_eq!(stdout_two.matches("avg@n").count(), 1, "one table, from rank 0: {stdout_two}");
 }
+
+/// A tiny model on the 64-token digits tokenizer and 8 questions whose gold answer is 7 (as
+/// tests/train_rollout.rs).
+fn rollout_setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let model = dir.join("digits-model");
+    common::grpo()
+        .args(["init-tiny", "--arch", "llama", "--tokenizer"])
+        .arg(common::root().join("tests/fixtures/tokenizers/digits"))
+        .arg("--out")
+        .arg(&model)
+        .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
+        .args(["--seed", "1"])
+        .assert()
+        .success();
+    let questions = dir.join("questions.jsonl");
+    let words = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8])
+        })
+        .collect();
+    std::fs::write(&questions, lines.join("\n") + "\n").unwrap();
+    (model, questions)
+}
+
+/// On-policy GRPO with rollouts: 4 questions x 8 sampled answers of at most 3 tokens per step, one
+/// question per generation batch and per behaviour forward (so that one process and each rank pad alike),
+/// `extra` more TOML lines of `[rollout]`.
+fn rollout_config(dir: &Path, model: &Path, questions: &Path, steps: usize, extra: &str) -> PathBuf {
+    let text = format!(
+        "[model]\npath = \"{model}\"\n[data]\nmax_prompt_tokens = 64\n\
+         [objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n\
+         [optim]\nname = \"adamw\"\nlr = 1e-4\ngrad_clip = 0.5\n\
+         [train]\noutput_dir = \"{out}\"\nbatch_questions = 4\nmicro_batch_size = 8\nepochs = 0\nmax_steps = {steps}\n\
+         seed = 3\nkeep_last = 0\n\
+         [rollout]\nn = 8\nmax_new_tokens = 3\ntemperature = 1.0\nbatch_size = 8\nquestions = \"{questions}\"\n\
+         prompt_template = \"{{problem}}\"\nfallbacks = true\n{extra}\n",
+        model = model.display(),
+        out = dir.join("out").display(),
+        questions = questions.display(),
+    );
+    let p = dir.join("train.toml");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Each rank samples only its share of a batch's questions (question i on rank i mod N), and the run equals
+/// one process: the same answers (streams seeded by the question, not the rank), so the same weights, and
+/// the whole batch's rollout metrics. Plain, and with dynamic sampling's refills.
+#[test]
+fn rollouts_are_split_across_ranks_and_equal_one_process() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = rollout_setup(d.path());
+    for (name, extra) in [("plain", ""), ("filter_groups", "filter_groups = true\nmax_num_gen_batches = 3")] {
+        let (one, two) = (d.path().join(format!("{name}-1")), d.path().join(format!("{name}-2")));
+        for (dir, np) in [(&one, 1), (&two, 2)] {
+            std::fs::create_dir_all(dir).unwrap();
+            let o = grpo(np)
+                .args(["-v", "train", "--config"])
+                .arg(rollout_config(dir, &model, &questions, 3, extra))
+                .output()
+                .unwrap();
+            let log = String::from_utf8_lossy(&o.stderr);
+            assert!(o.status.success(), "{name} np {np}: {log}");
+            for rank in 0..np {
+                let line = format!("rollout: rank {rank} samples {} of the batch's 4 questions", 4 / np);
+                assert!(log.contains(&line), "{name} np {np}: no `{line}` in\n{log}");
+            }
+        }
+        let diff = max_diff(&weights(&step_dir(&one, 3)), &weights(&step_dir(&two, 3)));
+        eprintln!("{name}: max |w1 - w2| after 3 on-policy steps = {diff:e}");
+        assert!(diff <= 1e-5, "{name}: {diff}");
+        let (m1, m2) =
+            (common::read_jsonl(&one.join("out/metrics.jsonl")), common::read_jsonl(&two.join("out/metrics.jsonl")));
+        assert_eq!((m1.len(), m2.len()), (3, 3));
+        for (a, b) in m1.iter().zip(&m2) {
+            for k in ["loss", "rollout/reward_mean", "rollout/reward_std", "rollout/mean_length", "rollout/gen_batches"]
+            {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{name} {k}: 1 process {x}, 2 ranks {y}");
+            }
+            assert_eq!(a["rollout/answers"], b["rollout/answers"], "{name}");
+            assert_eq!(a["rollout/groups_dropped"], b["rollout/groups_dropped"], "{name}");
+        }
+    }
+}
+
+/// An OpenAI-compatible server in Python's standard library: `/v1/completions` answers each of the `n`
+/// choices with "7" or "3" (by the prompt's hash and the choice's index) and `/update_weights_from_disk`
+/// (SGLang's reload) answers 200; every request's prompt or model_path goes to the log file (argv[1]),
+/// one line each; the port is printed first.
+const SCRIPTED_SERVER: &str = r#"
+import http.server, json, sys, zlib
+log = open(sys.argv[1], "a", buffering=1)
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if self.path.endswith("/completions"):
+            log.write("prompt " + json.dumps(body["prompt"]) + "\n")
+            h = zlib.crc32(body["prompt"].encode())
+            choices = [{"index": i, "text": "7" if (h + i) % 3 else "3", "finish_reason": "stop"} for i in range(body["n"])]
+            out = {"choices": choices}
+        else:
+            log.write("reload " + body.get("model_path", "") + "\n")
+            out = {"success": True}
+        data = json.dumps(out).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *a):
+        pass
+s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+print(s.server_address[1], flush=True)
+s.serve_forever()
+"#;
+
+/// A running scripted server, killed when dropped.
+struct Scripted {
+    child: std::process::Child,
+    port: u16,
+    log: PathBuf,
+}
+
+impl Drop for Scripted {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Scripted {
+    fn start(dir: &Path, name: &str) -> Option<Scripted> {
+        use std::io::BufRead;
+        let script = dir.join("server.py");
+        std::fs::write(&script, SCRIPTED_SERVER).unwrap();
+        let log = dir.join(format!("{name}.log"));
+        let child = std::process::Command::new("python3")
+            .arg(&script)
+            .arg(&log)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .map_err(|e| eprintln!("SKIPPED: python3 for the scripted server: {e}"))
+            .ok()?;
+        let mut server = Scripted { child, port: 0, log };
+        let mut line = String::new();
+        std::io::BufReader::new(server.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        server.port = line.trim().parse().expect("the scripted server's port");
+        Some(server)
+    }
+
+    fn lines(&self) -> Vec<String> {
+        std::fs::read_to_string(&self.log).unwrap_or_default().lines().map(String::from).collect()
+    }
+}
+
+/// `[rollout.server]` on 2 ranks with one server each (base_url lists two): each server receives only its
+/// rank's share of every batch's questions, the shares together are each batch's questions once, and each
+/// server is told to reload the sampling weights that rank 0 saved, once per refresh.
+#[test]
+fn each_rank_samples_its_questions_from_its_own_server() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = rollout_setup(d.path());
+    let (Some(a), Some(b)) = (Scripted::start(d.path(), "a"), Scripted::start(d.path(), "b")) else { return };
+    let server = format!(
+        "reload = \"sglang\"\n[rollout.server]\nengine = \"openai\"\nserved_model = \"m\"\n\
+         base_url = \"http://127.0.0.1:{}/v1,http://127.0.0.1:{}/v1\"",
+        a.port, b.port
+    );
+    let run = d.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    train(2, &rollout_config(&run, &model, &questions, 2, &server), &[]);
+    let policy = run.join("out/rollout-policy");
+    for (name, s) in [("a", &a), ("b", &b)] {
+        let lines = s.lines();
+        let reloads: Vec<&String> = lines.iter().filter(|l| l.starts_with("reload ")).collect();
+        assert_eq!(reloads.len(), 2, "server {name}: one reload per step: {lines:?}");
+        assert!(reloads.iter().all(|l| Path::new(&l["reload ".len()..]) == policy), "server {name}: {reloads:?}");
+        assert_eq!(lines.len(), 2 + 2 * 2, "server {name}: 2 reloads and 2 questions per step: {lines:?}");
+    }
+    let prompts = |s: &Scripted| -> std::collections::BTreeSet<String> {
+        s.lines().into_iter().filter(|l| l.starts_with("prompt ")).collect()
+    };
+    let (pa, pb) = (prompts(&a), prompts(&b));
+    assert!(pa.is_disjoint(&pb), "a question went to both servers: {pa:?} {pb:?}");
+    assert_eq!(pa.len() + pb.len(), 8, "the 8 questions of 2 steps, each asked once: {pa:?} {pb:?}");
+    let m = common::read_jsonl(&run.join("out/metrics.jsonl"));
+    assert_eq!(m.len(), 2);
+    for step in &m {
+        assert_eq!(step["rollout/answers"].as_u64(), Some(32), "{step}");
+    }
+}

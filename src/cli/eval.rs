@@ -157,7 +157,9 @@ fn engine<'a>(
 /// Evaluate as rank `world.rank()` of `world.size()`: each rank generates its share of every benchmark's
 /// problems (problem i on rank i mod N, a native engine on the GPU of its local rank); the shares are
 /// gathered after each benchmark, and rank 0 writes generations.jsonl and report.json as one process would.
-fn run_in(args: Args, world: &World) -> anyhow::Result<()> {
+/// With several servers in --base-url, rank r sends its requests to the (r mod k)-th.
+fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
+    args.engine = args.engine.for_rank(world.rank());
     let selected = checked_benchmarks(&args)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;

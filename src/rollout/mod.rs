@@ -35,6 +35,7 @@ mod options;
 mod questions;
 mod sample;
 mod server;
+mod share;
 
 pub use correction::IsMode;
 pub use options::RolloutOptions;
@@ -43,9 +44,11 @@ pub use sample::{behaviour_logprobs, sample_groups, RolloutMetrics};
 pub use server::Reload;
 
 use std::path::PathBuf;
+use std::rc::Rc;
 use std::time::Instant;
 
 use crate::data::Group;
+use crate::dist::World;
 use crate::model::checkpoint::SaveOptions;
 use crate::model::{save_checkpoint, ChatTokenizer, Decoder, ModelError};
 use crate::train::step::{StepContext, StepReport, TrainStep};
@@ -79,13 +82,22 @@ pub struct Rollouts {
     serving: Option<(PathBuf, SaveOptions)>,
     /// Whether the server was told to load the current sampling weights.
     server_synced: bool,
+    /// The ranks that share each batch's questions (see [`share`]).
+    world: Rc<World>,
 }
 
 impl Rollouts {
     /// Rollouts of a run seeded `seed` with the policy's tokenizer `tok`, `micro` sequences per behaviour
     /// forward.
     pub fn new(options: RolloutOptions, tok: ChatTokenizer, seed: u64, micro: usize) -> Self {
-        Self { options, tok, seed, micro: micro.max(1), sampler: None, serving: None, server_synced: false }
+        let world = Rc::new(World::single());
+        Self { options, tok, seed, micro: micro.max(1), sampler: None, serving: None, server_synced: false, world }
+    }
+
+    /// Sample as one rank of `world`: this rank's share of each batch's questions, from its own server
+    /// (the `world.rank() mod k`-th of rollout.server.base_url's k servers), the answers then gathered.
+    pub fn share_with(&mut self, world: Rc<World>) {
+        self.world = world;
     }
 
     /// Save the sampling weights to `dir` (with `save`) for the server to reload at each refresh; used
@@ -179,7 +191,8 @@ impl Rollouts {
     }
 
     /// Batch `batch` (0 the step's own questions, then dynamic sampling's refills) of step `step`'s
-    /// rollouts from the sampling policy, each batch from its own streams.
+    /// rollouts from the sampling policy, each batch from its own streams: this rank's share of the
+    /// questions sampled here, every rank's answers gathered.
     fn draw(
         &mut self,
         policy: &Decoder,
@@ -187,31 +200,75 @@ impl Rollouts {
         step: usize,
         batch: usize,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
-        let sampler = self.sampler.as_ref().unwrap_or(policy);
         let mut params = self.options.sampling(self.seed, step);
         if batch > 0 {
             params.seed = self.options.sampling(params.seed ^ batch as u64, step).seed;
         }
-        if !self.options.uses_server() {
-            return sample_groups(sampler, &self.tok, questions, &self.options, &params, self.micro);
+        if self.options.uses_server() && !self.server_synced {
+            self.sync_server(policy)?;
         }
-        if !self.server_synced {
-            if let Some((dir, save)) = &self.serving {
-                sync_server(&self.options, sampler, dir, save)?;
-            }
-            self.server_synced = true;
+        let mine = share::mine(&self.world, questions);
+        tracing::debug!(
+            "rollout: rank {} samples {} of the batch's {} questions",
+            self.world.rank(),
+            mine.len(),
+            questions.len()
+        );
+        let (groups, metrics) = if mine.is_empty() {
+            (Vec::new(), RolloutMetrics::default())
+        } else {
+            self.sample_share(policy, &mine, &params)?
+        };
+        share::gather(&self.world, questions, groups, metrics)
+    }
+
+    /// This rank's questions' rollouts, from the native sampler or the server.
+    fn sample_share(
+        &self,
+        policy: &Decoder,
+        questions: &[Group],
+        params: &crate::eval::SamplingParams,
+    ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+        let sampler = self.sampler.as_ref().unwrap_or(policy);
+        if !self.options.uses_server() {
+            return sample_groups(sampler, &self.tok, questions, &self.options, params, self.micro);
         }
         let start = Instant::now();
         let bar = crate::progress::progress_bar(None, "rollout");
         bar.set_message("tokens generated (server)");
         let counts = (self.options.sampled(), self.options.n, self.options.importance_sampling_correction);
-        let batch = server::server_samples(&self.options.server, &self.tok, questions, counts, &params, &bar)?;
+        let server = self.options.server.for_rank(self.world.rank());
+        let batch = server::server_samples(&server, &self.tok, questions, counts, params, &bar)?;
         bar.finish_and_clear();
         let (groups, mut metrics) =
             sample::score_groups(sampler, &self.tok, questions, &self.options, batch.samples, self.micro, start)?;
         metrics.server_cut = batch.cut;
         metrics.server_unaligned = batch.unaligned;
         Ok((groups, metrics))
+    }
+
+    /// Tell the servers to load the current sampling weights (when they can): rank 0 saves them to
+    /// OUTPUT/rollout-policy, then each server's first rank (rank i for the i-th server) sends the reload,
+    /// and no rank samples before every server has the new weights.
+    fn sync_server(&mut self, policy: &Decoder) -> Result<(), RolloutError> {
+        let sampler = self.sampler.as_ref().unwrap_or(policy);
+        if let Some((dir, save)) = &self.serving {
+            let server = self.options.server.for_rank(self.world.rank());
+            let base = server.base_url.as_deref().unwrap_or_default();
+            if let Some(req) = server::reload_request(self.options.reload, base, dir) {
+                if self.world.is_primary() {
+                    save_checkpoint(sampler, dir, save, |_| Ok(()))?;
+                }
+                self.world.barrier();
+                if self.world.rank() < self.options.server.base_urls().len() {
+                    tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
+                    server::send_reload(&req, &server)?;
+                }
+                self.world.barrier();
+            }
+        }
+        self.server_synced = true;
+        Ok(())
     }
 
     /// `updates_per_batch` updates of `policy` on the same groups and behaviour log-probs.
@@ -226,20 +283,6 @@ impl Rollouts {
     ) -> candle_core::Result<Vec<StepReport>> {
         (0..self.options.updates_per_batch).map(|_| train.run_at(policy, reference, groups, lr, ctx)).collect()
     }
-}
-
-/// Save `sampler` to `dir` and tell the server to load it.
-fn sync_server(
-    options: &RolloutOptions,
-    sampler: &Decoder,
-    dir: &std::path::Path,
-    save: &SaveOptions,
-) -> Result<(), RolloutError> {
-    let base = options.server.base_url.as_deref().unwrap_or_default();
-    let Some(req) = server::reload_request(options.reload, base, dir) else { return Ok(()) };
-    save_checkpoint(sampler, dir, save, |_| Ok(()))?;
-    tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
-    server::send_reload(&req, &options.server)
 }
 
 /// DAPO's dynamic sampling: batches `draw(0)`, `draw(1)`, ... of scored groups, keeping the groups whose

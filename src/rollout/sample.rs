@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use super::correction::{answer_correction, summarise, AnswerCorrection, RatioSummary};
 use super::server::Sampled;
@@ -15,7 +15,7 @@ use crate::model::{ChatTokenizer, Decoder, Targets, TokenBatch};
 use crate::reward::judge;
 
 /// What a batch of rollouts was like (the `rollout/*` fields of metrics.jsonl).
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct RolloutMetrics {
     /// Mean reward of the sampled answers.
     #[serde(rename = "rollout/reward_mean")]
@@ -143,6 +143,28 @@ impl RolloutMetrics {
             is_ratio_max: either(self.is_ratio_max, o.is_ratio_max, f64::max),
             is_capped_fraction: either(self.is_capped_fraction, o.is_capped_fraction, mean),
         };
+    }
+
+    /// The metrics of one batch whose questions were shared among ranks, from each rank's metrics of its
+    /// share: as [`Self::merge`] of the shares, but the ranks sampled at the same time, so the batch took
+    /// the slowest rank's time, the throughputs add up, and it is one batch.
+    pub(super) fn over_ranks<'a>(ranks: impl Iterator<Item = &'a RolloutMetrics>) -> RolloutMetrics {
+        let mut all: Option<RolloutMetrics> = None;
+        let (mut time, mut rate, mut batches) = (0f64, 0f64, 0usize);
+        for m in ranks {
+            time = time.max(m.generation_time);
+            rate += m.tokens_per_sec;
+            batches = batches.max(m.gen_batches);
+            match &mut all {
+                Some(a) => a.merge(m),
+                None => all = Some(m.clone()),
+            }
+        }
+        let mut all = all.unwrap_or_default();
+        all.generation_time = time;
+        all.tokens_per_sec = rate;
+        all.gen_batches = batches;
+        all
     }
 }
 

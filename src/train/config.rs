@@ -391,7 +391,7 @@ impl TrainConfig {
     }
 
     /// This configuration as rank `world.rank()` of a data-parallel run runs it: `model.device = "cuda"`
-    /// becomes the GPU of the rank's local rank. What cannot be shared among ranks yet is refused.
+    /// becomes the GPU of the rank's local rank.
     pub fn for_rank(&self, world: &crate::dist::World) -> Result<TrainConfig, ConfigError> {
         let mut cfg = self.clone();
         if world.size() == 1 {
@@ -399,13 +399,6 @@ impl TrainConfig {
         }
         if cfg.model.device == "cuda" {
             cfg.model.device = format!("cuda:{}", world.local_rank());
-        }
-        if cfg.rollout.as_ref().is_some_and(|r| r.server.base_url.is_some()) {
-            return Err(ConfigError::Invalid(format!(
-                "[rollout.server] with {} processes: sampling through a server is for one process (each rank would \
-                 send the whole batch's requests and reload the server's weights)",
-                world.size()
-            )));
         }
         Ok(cfg)
     }

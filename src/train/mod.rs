@@ -799,6 +799,9 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
     run.step.share_with(world.clone())?;
+    if let Some(r) = &mut run.rollouts {
+        r.share_with(world.clone());
+    }
     run.world = world;
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {

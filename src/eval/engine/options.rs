@@ -24,7 +24,9 @@ pub struct EngineOptions {
     /// OpenAI-compatible server; the model folder then only gives the tokenizer and chat template).
     #[arg(long, value_enum, default_value_t = EngineKind::Native)]
     pub engine: EngineKind,
-    /// openai: the API root, e.g. http://127.0.0.1:8000/v1 (requests go to BASE_URL/completions).
+    /// openai: the API root, e.g. http://127.0.0.1:8000/v1 (requests go to BASE_URL/completions). Several
+    /// servers, comma-separated, for a run on several processes: rank r sends its share of the requests
+    /// to the (r mod k)-th of the k servers (e.g. one server per node or per GPU).
     #[arg(long)]
     pub base_url: Option<String>,
     /// openai: the environment variable holding the API key, sent as a bearer token (default: no key).
@@ -71,6 +73,22 @@ impl Default for EngineOptions {
 }
 
 impl EngineOptions {
+    /// The servers of `base_url`: its comma-separated URLs, in order (none when unset).
+    pub fn base_urls(&self) -> Vec<&str> {
+        self.base_url
+            .as_deref()
+            .map(|u| u.split(',').map(str::trim).filter(|u| !u.is_empty()).collect())
+            .unwrap_or_default()
+    }
+
+    /// These options as rank `rank` of a run on several processes uses them: `base_url` is the
+    /// (rank mod k)-th of its k servers.
+    pub fn for_rank(&self, rank: usize) -> EngineOptions {
+        let urls = self.base_urls();
+        let base_url = (!urls.is_empty()).then(|| urls[rank % urls.len()].to_string());
+        EngineOptions { base_url, ..self.clone() }
+    }
+
     /// Check the options, naming each as `{prefix}{name}` (`--` for flags, `section.` for config keys).
     pub fn validate(&self, prefix: &str) -> Result<(), String> {
         let name = |n: &str| if prefix == "--" { format!("--{}", n.replace('_', "-")) } else { format!("{prefix}{n}") };
@@ -78,13 +96,15 @@ impl EngineOptions {
             if prefix == "--" { "--engine openai".to_string() } else { format!("{prefix}engine = \"openai\"") };
         match self.engine {
             EngineKind::Openai => {
-                let Some(url) = &self.base_url else {
+                if self.base_urls().is_empty() {
                     return Err(format!(
                         "{} is required with {engine} (e.g. http://127.0.0.1:8000/v1)",
                         name("base_url")
                     ));
-                };
-                if !(url.starts_with("http://") || url.starts_with("https://")) {
+                }
+                if let Some(url) =
+                    self.base_urls().into_iter().find(|u| !(u.starts_with("http://") || u.starts_with("https://")))
+                {
                     return Err(format!("{} = {url:?} must start with http:// or https://", name("base_url")));
                 }
                 if self.served_model.as_deref().is_none_or(str::is_empty) {
@@ -172,6 +192,24 @@ mod tests {
         assert_eq!(cli, toml);
         assert_eq!(cli.validate("--"), Ok(()));
         assert!(toml::from_str::<EngineOptions>("engine = \"vllm\"").is_err());
+    }
+
+    #[test]
+    fn each_rank_takes_its_server_of_a_list() {
+        let o = parse(&["--engine", "openai", "--base-url", "http://a:1/v1, http://b:2/v1,", "--served-model", "m"]);
+        assert_eq!(o.validate("--"), Ok(()));
+        assert_eq!(o.base_urls(), ["http://a:1/v1", "http://b:2/v1"]);
+        let url = |r| o.for_rank(r).base_url.unwrap();
+        assert_eq!(
+            [url(0), url(1), url(2), url(3)],
+            ["http://a:1/v1", "http://b:2/v1", "http://a:1/v1", "http://b:2/v1"]
+        );
+        assert_eq!(o.for_rank(1).served_model, o.served_model);
+        let bad = parse(&["--engine", "openai", "--base-url", "http://a/v1,b:2/v1", "--served-model", "m"]);
+        assert_eq!(bad.validate("--").unwrap_err(), "--base-url = \"b:2/v1\" must start with http:// or https://");
+        let none = parse(&["--engine", "openai", "--base-url", " , ", "--served-model", "m"]);
+        assert!(none.validate("--").unwrap_err().starts_with("--base-url is required"));
+        assert_eq!(EngineOptions::default().for_rank(3), EngineOptions::default());
     }
 
     #[test]
