@@ -458,3 +458,44 @@ fn each_rank_samples_its_questions_from_its_own_server() {
         assert_eq!(step["rollout/answers"].as_u64(), Some(32), "{step}");
     }
 }
+
+/// The reference log-probs cache of a 2-rank run is computed by both ranks together, each its share of
+/// the groups written in place into one file, and holds the values one process computes.
+#[test]
+fn the_reference_cache_is_computed_by_every_rank_its_share() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let values = |dir: &Path| -> Vec<f32> {
+        let found: Vec<PathBuf> = glob::glob(&format!("{}/prepared/**/reference-logprobs.f32", dir.display()))
+            .unwrap()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(found.len(), 1, "{found:?}");
+        std::fs::read(&found[0]).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    };
+    let mut caches = Vec::new();
+    for np in [1, 2] {
+        let dir = d.path().join(format!("np{np}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let o =
+            grpo(np).args(["-v", "train", "--config"]).arg(config(&dir, &model, OBJECTIVES[0].1, 1)).output().unwrap();
+        let log = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success(), "np {np}: {log}");
+        if np == 2 {
+            let count = |pattern: &str| -> usize {
+                let re = regex::Regex::new(pattern).unwrap();
+                re.captures(&log).unwrap_or_else(|| panic!("no `{pattern}` in\n{log}"))[1].parse().unwrap()
+            };
+            let answers = [0, 1].map(|r| count(&format!(r"rank {r}: reference log-probs of (\d+) answers written")));
+            assert!(answers.iter().all(|&a| a > 0), "each rank scored a share: {answers:?}");
+            let total = count(r"reference log-probs of (\d+) answers \(\d+ tokens\) written to");
+            assert_eq!(answers[0] + answers[1], total, "the shares make the whole: {answers:?}\n{log}");
+        }
+        caches.push(values(&dir));
+    }
+    assert_eq!(caches[0].len(), caches[1].len());
+    let diff = caches[0].iter().zip(&caches[1]).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+    eprintln!("reference cache, 2 ranks against 1: max |difference| = {diff:e}");
+    assert!(diff <= 1e-5, "{diff}");
+}

@@ -181,10 +181,11 @@ fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path, stop: &Ato
         batch: a.micro_batch_size,
         decoder: Default::default(),
     };
-    let (cache, computed) = match ReferenceCache::ensure(&dataset, &dir, &opts, Some(stop)) {
-        Err(TrainError::Interrupted(what)) => exit_stopped(&what),
-        r => r.context("reference log-probs")?,
-    };
+    let (cache, computed) =
+        match ReferenceCache::ensure(&dataset, &dir, &opts, Some(stop), &crate::dist::World::single()) {
+            Err(TrainError::Interrupted(what)) => exit_stopped(&what),
+            r => r.context("reference log-probs")?,
+        };
     let what = if computed { "written to" } else { "up to date in" };
     println!("reference log-probs of {} {what} {}", dir.display(), cache.path().display());
     Ok(())

@@ -794,7 +794,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     }
     let dataset = open_groups(cfg, &model_dir, stop)?;
     let ref_cache = match &dataset {
-        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop)?,
+        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop, &world)?,
         GroupSource::Questions(_) => None,
     };
     let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;

@@ -13,7 +13,6 @@
 //! a step looks up the answers of its groups by (group index, answer index), so shuffling, epochs, resume
 //! and micro-batching read the same values, and an answer cut shorter reads the first of them.
 
-use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -24,8 +23,9 @@ use memmap2::Mmap;
 use serde::{Deserialize, Serialize};
 
 use super::{io, TrainConfig, TrainError};
-use crate::checksum::{self, hash_bytes, ChunkedHash};
+use crate::checksum::{self, hash_bytes};
 use crate::data::{Group, PreparedDataset};
+use crate::dist::World;
 use crate::model::{self, Decoder, DecoderOptions, Targets, TokenBatch};
 
 /// The values file, in the prepared folder.
@@ -233,22 +233,6 @@ fn remove_temp_values(dir: &Path) {
     }
 }
 
-/// Appends values to the temporary values file, hashing them.
-struct ValueWriter {
-    file: BufWriter<tempfile::NamedTempFile>,
-    hash: ChunkedHash,
-    values: usize,
-}
-
-impl ValueWriter {
-    fn push(&mut self, values: &[f32], path: &Path) -> Result<(), TrainError> {
-        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
-        self.hash.update(&bytes);
-        self.values += values.len();
-        self.file.write_all(&bytes).map_err(io(path))
-    }
-}
-
 /// The reference's log-prob of each answer token of `seqs` (prompt, answer), in order.
 fn score(model: &Decoder, seqs: &[(Arc<Vec<u32>>, Vec<u32>)]) -> Result<Vec<f32>, TrainError> {
     let full: Vec<Vec<u32>> = seqs.iter().map(|(p, r)| [p.as_slice(), r].concat()).collect();
@@ -263,42 +247,73 @@ fn score(model: &Decoder, seqs: &[(Arc<Vec<u32>>, Vec<u32>)]) -> Result<Vec<f32>
     Ok(lp.narrow(1, 0, 1)?.squeeze(1)?.to_vec1::<f32>()?)
 }
 
-/// Score every answer of `dataset` with `model` into `out`, `batch` sequences per forward.
-fn score_all(
+/// Groups each rank scores per round of the shared pass.
+fn groups_per_round(batch: usize) -> usize {
+    batch.max(1)
+}
+
+/// Score `world`'s rank's share of the answers of `dataset` with `model`, `batch` sequences per forward,
+/// writing each group's values where `layout` puts them in `file` (the values file being written, at
+/// `path`). The groups go in rounds: in round k rank r scores the [`groups_per_round`] groups from
+/// (k N + r) G, and the ranks agree at the end of each round whether a stop was requested, so that they
+/// stop together. Returns the answers this rank scored.
+#[allow(clippy::too_many_arguments)]
+fn score_share(
     model: &Decoder,
     dataset: &PreparedDataset,
+    layout: &Layout,
     batch: usize,
-    out: &mut ValueWriter,
+    file: &std::fs::File,
     path: &Path,
-    answers: usize,
+    world: &World,
     stop: Option<&AtomicBool>,
-) -> Result<(), TrainError> {
-    let bar = crate::progress::progress_bar(Some(answers as u64), "reference log-probs");
+) -> Result<usize, TrainError> {
+    use std::os::unix::fs::FileExt;
+    let (n, rank, per) = (world.size(), world.rank(), groups_per_round(batch));
+    let mine = |round: usize| {
+        let lo = (round * n + rank) * per;
+        lo.min(dataset.len())..(lo + per).min(dataset.len())
+    };
+    let rounds = dataset.len().div_ceil(n * per);
+    let total: usize = (0..rounds).map(&mine).map(|r| layout.first[r.end] - layout.first[r.start]).sum();
+    let bar = crate::progress::progress_bar(Some(total as u64), "reference log-probs");
+    if !world.is_primary() {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
     let stopped = || stop.is_some_and(|s| s.load(Ordering::SeqCst));
-    let interrupted =
-        || TrainError::Interrupted(format!("while computing the reference log-probs into {}", path.display()));
-    let mut pending: Vec<(Arc<Vec<u32>>, Vec<u32>)> = Vec::with_capacity(batch);
-    for g in 0..dataset.len() {
-        let group = dataset.group(g)?;
-        let prompt = Arc::new(group.prompt_tokens);
-        for r in group.responses {
-            pending.push((prompt.clone(), r.tokens));
-            if pending.len() >= batch {
-                if stopped() {
-                    return Err(interrupted());
-                }
-                out.push(&score(model, &pending)?, path)?;
-                bar.inc(pending.len() as u64);
-                pending.clear();
-            }
+    for round in 0..rounds {
+        if world.any(stopped()) {
+            let what = format!("while computing the reference log-probs into {}", path.display());
+            return Err(TrainError::Interrupted(what));
         }
+        let groups = mine(round);
+        if groups.is_empty() {
+            continue;
+        }
+        let mut seqs: Vec<(Arc<Vec<u32>>, Vec<u32>)> = Vec::new();
+        for g in groups.clone() {
+            let group = dataset.group(g)?;
+            let prompt = Arc::new(group.prompt_tokens);
+            seqs.extend(group.responses.into_iter().map(|r| (prompt.clone(), r.tokens)));
+        }
+        let mut values = Vec::new();
+        for chunk in seqs.chunks(batch.max(1)) {
+            values.extend(score(model, chunk)?);
+        }
+        let (first, end) = (layout.first[groups.start], layout.first[groups.end]);
+        let start = layout.answers.get(first).map_or(layout.values, |a| a.0);
+        let expected = layout.answers[first..end].iter().map(|a| a.1).sum::<usize>();
+        if values.len() != expected {
+            let message =
+                format!("groups {groups:?}: {} values computed, the prepared data has {expected}", values.len());
+            return Err(TrainError::ReferenceCache { path: path.to_path_buf(), message });
+        }
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        file.write_all_at(&bytes, start as u64 * 4).map_err(io(path))?;
+        bar.inc((end - first) as u64);
     }
-    if stopped() {
-        return Err(interrupted());
-    }
-    out.push(&score(model, &pending)?, path)?;
     bar.finish_and_clear();
-    Ok(())
+    Ok(total)
 }
 
 impl ReferenceCache {
@@ -312,32 +327,46 @@ impl ReferenceCache {
         reference: &Path,
         opts: &ComputeOptions,
         stop: Option<&AtomicBool>,
+        world: &World,
     ) -> Result<(Self, bool), TrainError> {
         let dir = dataset.dir();
         let key = Key::of(dir, reference, opts.dtype)?;
         let layout = Layout::of(dataset)?;
         let path = dir.join(VALUES_FILE);
-        if let Ok(map) = check(dir, &key, &layout) {
+        let fresh = check(dir, &key, &layout).ok();
+        if !world.any(fresh.is_none()) {
             tracing::info!("reference log-probs in {} are up to date", path.display());
-            return Ok((Self { path, map, layout }, false));
+            return Ok((Self { path, map: fresh.flatten(), layout }, false));
         }
+        // Rank 0 holds the lock for the ranks (other runs wait on it) and checks again under it.
         let what = format!("computing the reference log-probs in {}", dir.display());
-        let _lock =
-            crate::data::versions::lock_exclusive(&dir.join(crate::data::versions::REFERENCE_LOCK), &what, stop)?;
-        remove_temp_values(dir);
-        match check(dir, &key, &layout) {
-            Ok(map) => {
-                tracing::info!("reference log-probs in {} were computed by another process", path.display());
-                return Ok((Self { path, map, layout }, false));
+        let lock_path = dir.join(crate::data::versions::REFERENCE_LOCK);
+        let _lock = if world.is_primary() {
+            Some(crate::data::versions::lock_exclusive(&lock_path, &what, stop)?)
+        } else {
+            None
+        };
+        let done_elsewhere = world.is_primary() && {
+            remove_temp_values(dir);
+            match check(dir, &key, &layout) {
+                Ok(_) => true,
+                Err(stale) => {
+                    say_why(&path, &stale);
+                    false
+                }
             }
-            Err(stale) => say_why(&path, &stale),
+        };
+        let done_elsewhere = world.any(done_elsewhere);
+        if done_elsewhere {
+            tracing::info!("reference log-probs in {} were computed by another process", path.display());
+        } else {
+            compute(dataset, reference, opts, &key, &layout, stop, world)?;
         }
-        compute(dataset, reference, opts, &key, &layout, stop)?;
         let map = check(dir, &key, &layout).map_err(|_| TrainError::ReferenceCache {
             path: path.clone(),
             message: "changed while being written".into(),
         })?;
-        Ok((Self { path, map, layout }, true))
+        Ok((Self { path, map, layout }, !done_elsewhere))
     }
 
     /// The values file.
@@ -377,7 +406,10 @@ impl ReferenceCache {
     }
 }
 
-/// Compute the values of `key` into the prepared folder: the values file, then the manifest.
+/// Compute the values of `key` into the prepared folder, `world`'s ranks together (each its share of the
+/// groups, [`score_share`]): rank 0 makes the temporary values file at its full size and names it to the
+/// others, each rank writes its groups' values in place, and once every rank has written (and synced)
+/// rank 0 hashes the file, moves it into place and writes the manifest last.
 fn compute(
     dataset: &PreparedDataset,
     reference: &Path,
@@ -385,49 +417,80 @@ fn compute(
     key: &Key,
     layout: &Layout,
     stop: Option<&AtomicBool>,
+    world: &World,
 ) -> Result<(), TrainError> {
     let dir = dataset.dir();
+    let (vpath, mpath) = (dir.join(VALUES_FILE), dir.join(MANIFEST_FILE));
+    let tmp = if world.is_primary() { Some(start_values(&vpath, &mpath, layout)?) } else { None };
+    let name = tmp.as_ref().and_then(|t| t.path().file_name()).map(|n| n.to_string_lossy().into_owned());
+    let name = String::from_utf8_lossy(&world.all_gather_bytes(name.unwrap_or_default().as_bytes())[0]).into_owned();
+    let tpath = dir.join(&name);
+    let file = match &tmp {
+        Some(t) => t.as_file().try_clone().map_err(io(&tpath))?,
+        None => std::fs::OpenOptions::new().write(true).open(&tpath).map_err(io(&tpath))?,
+    };
     let mut model = model::load_decoder(reference, opts.dtype, &opts.device, false)?;
     model.options = DecoderOptions { checkpoint_layers: false, ..opts.decoder.clone() };
-    let (vpath, mpath) = (dir.join(VALUES_FILE), dir.join(MANIFEST_FILE));
-    // The old manifest goes first: an interrupted computation never leaves a manifest over other values.
-    if let Err(e) = std::fs::remove_file(&mpath) {
+    let started = std::time::Instant::now();
+    let answers = score_share(&model, dataset, layout, opts.batch, &file, &tpath, world, stop)?;
+    file.sync_all().map_err(io(&tpath))?;
+    if world.size() > 1 {
+        tracing::info!("rank {}: reference log-probs of {answers} answers written", world.rank());
+    }
+    world.barrier();
+    if let Some(tmp) = tmp {
+        finish_values(tmp, &vpath, &mpath, reference, key, layout, dataset.len())?;
+        tracing::info!(
+            "reference log-probs of {} answers ({} tokens) written to {} in {:.1} s",
+            layout.answers.len(),
+            layout.values,
+            vpath.display(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    world.barrier();
+    Ok(())
+}
+
+/// Rank 0's start of a computation: the old manifest removed first (an interrupted computation never
+/// leaves a manifest over other values), then a temporary values file of the full size.
+fn start_values(vpath: &Path, mpath: &Path, layout: &Layout) -> Result<tempfile::NamedTempFile, TrainError> {
+    if let Err(e) = std::fs::remove_file(mpath) {
         if e.kind() != std::io::ErrorKind::NotFound {
-            return Err(io(&mpath)(e));
+            return Err(io(mpath)(e));
         }
     }
-    let tmp = crate::fsio::temp_file(&vpath).map_err(io(&vpath))?;
-    let mut out = ValueWriter { file: BufWriter::with_capacity(1 << 20, tmp), hash: ChunkedHash::default(), values: 0 };
-    let started = std::time::Instant::now();
-    score_all(&model, dataset, opts.batch.max(1), &mut out, &vpath, layout.answers.len(), stop)?;
-    if out.values != layout.values {
-        let message = format!("computed {} values, the prepared data has {} answer tokens", out.values, layout.values);
-        return Err(TrainError::ReferenceCache { path: vpath, message });
-    }
-    let tmp = out.file.into_inner().map_err(|e| io(&vpath)(e.into_error()))?;
-    crate::fsio::persist(tmp, &vpath).map_err(io(&vpath))?;
+    let tmp = crate::fsio::temp_file(vpath).map_err(io(vpath))?;
+    tmp.as_file().set_len(layout.values as u64 * 4).map_err(io(tmp.path()))?;
+    Ok(tmp)
+}
+
+/// Rank 0's end of a computation: the written values hashed, moved into place, and the manifest written.
+fn finish_values(
+    tmp: tempfile::NamedTempFile,
+    vpath: &Path,
+    mpath: &Path,
+    reference: &Path,
+    key: &Key,
+    layout: &Layout,
+    groups: usize,
+) -> Result<(), TrainError> {
+    let values_sha256 = checksum::hash_file(tmp.path()).map_err(io(vpath))?;
+    crate::fsio::persist(tmp, vpath).map_err(io(vpath))?;
     let manifest = Manifest {
         format: FORMAT.into(),
         reference: reference.display().to_string(),
         reference_sha256: key.reference_sha256.clone(),
         data_sha256: key.data_sha256.clone(),
         dtype: key.dtype.clone(),
-        groups: dataset.len() as u64,
+        groups: groups as u64,
         responses: layout.answers.len() as u64,
         values: layout.values as u64,
-        values_sha256: out.hash.finish(),
+        values_sha256,
         created_by: format!("grpo {}", env!("CARGO_PKG_VERSION")),
     };
     let text = serde_json::to_string_pretty(&manifest).unwrap_or_default();
-    crate::fsio::write_atomic(&mpath, text.as_bytes()).map_err(io(&mpath))?;
-    tracing::info!(
-        "reference log-probs of {} answers ({} tokens) written to {} in {:.1} s",
-        layout.answers.len(),
-        layout.values,
-        vpath.display(),
-        started.elapsed().as_secs_f64()
-    );
-    Ok(())
+    crate::fsio::write_atomic(mpath, text.as_bytes()).map_err(io(mpath))
 }
 
 /// The frozen reference's folder: `model.reference`, else the policy's initial weights (`model_dir`).
@@ -438,13 +501,14 @@ pub fn reference_dir(cfg: &TrainConfig, model_dir: &Path) -> Result<PathBuf, Tra
     }
 }
 
-/// The reference cache of a run (computed when missing or stale), or `None` when the run reads no
-/// reference or scores it on the fly ([`reference_is_cacheable`]).
+/// The reference cache of a run (computed when missing or stale, by `world`'s ranks together), or `None`
+/// when the run reads no reference or scores it on the fly ([`reference_is_cacheable`]).
 pub fn for_run(
     cfg: &TrainConfig,
     model_dir: &Path,
     dataset: &PreparedDataset,
     stop: &AtomicBool,
+    world: &World,
 ) -> Result<Option<ReferenceCache>, TrainError> {
     if !cfg.objective.build().needs_reference() || !reference_is_cacheable(cfg) {
         return Ok(None);
@@ -455,7 +519,7 @@ pub fn for_run(
         batch: cfg.train.micro_batch_size,
         decoder: DecoderOptions { checkpoint_layers: false, ..cfg.model.decoder_options() },
     };
-    let (cache, _) = ReferenceCache::ensure(dataset, &reference_dir(cfg, model_dir)?, &opts, Some(stop))?;
+    let (cache, _) = ReferenceCache::ensure(dataset, &reference_dir(cfg, model_dir)?, &opts, Some(stop), world)?;
     tracing::info!("reference log-probs from {}: no reference model loaded", cache.path().display());
     Ok(Some(cache))
 }
@@ -513,7 +577,7 @@ mod tests {
         tiny(&m, 3);
         tiny(&r, 5);
         let ds = prepared(&m, &p, 24);
-        let (cache, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None).unwrap();
+        let (cache, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None, &World::single()).unwrap();
         assert!(computed && ds.len() == 4);
         let reference = model::load_decoder(&r, DType::F32, &Device::Cpu, false).unwrap();
         let groups = all_groups(&ds);
@@ -555,19 +619,19 @@ mod tests {
         tiny(&r, 5);
         let ds = prepared(&m, &p, 24);
         let first = |c: &ReferenceCache, ds: &PreparedDataset| c.logprobs(&all_groups(ds)).unwrap();
-        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None, &World::single()).unwrap();
         assert!(computed);
         let before = first(&c, &ds);
         // Batched (3 per forward) or one at a time: the same values up to rounding.
         let manifest = std::fs::read_to_string(ds.dir().join(MANIFEST_FILE)).unwrap();
-        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(1), None, &World::single()).unwrap();
         assert!(!computed, "an up-to-date cache was recomputed");
         assert_eq!(std::fs::read_to_string(ds.dir().join(MANIFEST_FILE)).unwrap(), manifest);
         assert_eq!(first(&c, &ds), before);
         drop(c);
         // Other reference weights (same folder, same config).
         tiny(&r, 6);
-        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None, &World::single()).unwrap();
         assert!(computed, "new reference weights did not recompute the cache");
         let other = first(&c, &ds);
         assert_ne!(other, before);
@@ -577,7 +641,7 @@ mod tests {
         drop(c);
         // Other data: answers cut at 12 tokens instead of 24.
         let ds = prepared(&m, &p, 12);
-        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &r, &opts(3), None, &World::single()).unwrap();
         assert!(computed, "new data did not recompute the cache");
         let cut = first(&c, &ds);
         assert!(cut.iter().flatten().all(|a| a.len() <= 12) && cut.iter().flatten().any(|a| a.len() == 12));
@@ -587,8 +651,8 @@ mod tests {
         drop(c);
         // Another dtype.
         let bf16 = ComputeOptions { dtype: DType::BF16, ..opts(3) };
-        assert!(ReferenceCache::ensure(&ds, &r, &bf16, None).unwrap().1);
-        assert!(!ReferenceCache::ensure(&ds, &r, &bf16, None).unwrap().1);
+        assert!(ReferenceCache::ensure(&ds, &r, &bf16, None, &World::single()).unwrap().1);
+        assert!(!ReferenceCache::ensure(&ds, &r, &bf16, None, &World::single()).unwrap().1);
     }
 
     #[test]
@@ -597,7 +661,7 @@ mod tests {
         let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
         tiny(&m, 3);
         let ds = prepared(&m, &p, 16);
-        let (c, _) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
+        let (c, _) = ReferenceCache::ensure(&ds, &m, &opts(4), None, &World::single()).unwrap();
         let good = c.logprobs(&all_groups(&ds)).unwrap();
         drop(c);
         let key = Key::of(ds.dir(), &m, DType::F32).unwrap();
@@ -616,13 +680,13 @@ mod tests {
         flipped[10] ^= 0x40;
         std::fs::write(&vpath, &flipped).unwrap();
         damaged("SHA-256");
-        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None, &World::single()).unwrap();
         assert!(computed);
         assert_eq!(c.logprobs(&all_groups(&ds)).unwrap(), good);
         // An unreadable manifest.
         std::fs::write(ds.dir().join(MANIFEST_FILE), "{ not json").unwrap();
         damaged(MANIFEST_FILE);
-        assert!(ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap().1);
+        assert!(ReferenceCache::ensure(&ds, &m, &opts(4), None, &World::single()).unwrap().1);
         // A group the cache does not have is an error naming the file.
         let mut g = ds.group(0).unwrap();
         g.index = 99;
@@ -640,10 +704,10 @@ mod tests {
         let leftover = ds.dir().join(format!(".{VALUES_FILE}.abc123.tmp"));
         std::fs::write(&leftover, [0u8; 64]).unwrap();
         let stop = AtomicBool::new(true);
-        let err = ReferenceCache::ensure(&ds, &m, &opts(4), Some(&stop)).unwrap_err();
+        let err = ReferenceCache::ensure(&ds, &m, &opts(4), Some(&stop), &World::single()).unwrap_err();
         assert!(matches!(err, TrainError::Interrupted(_)), "{err}");
         assert!(!ds.dir().join(MANIFEST_FILE).exists(), "an interrupted pass left a manifest");
-        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None).unwrap();
+        let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None, &World::single()).unwrap();
         assert!(computed && c.logprobs(&all_groups(&ds)).is_ok());
         assert!(!leftover.exists(), "the leftover of a killed computation was not removed");
         let tmp: Vec<_> = std::fs::read_dir(ds.dir())
