@@ -3,7 +3,7 @@
 # CPU scale on the real SmolLM2-135M-Instruct, on the same train questions and seed, measured on held-out
 # questions that no arm trains on, and seed 000's figure (the arms' curves on one figure, `grpo plot`).
 #
-#   benches/learning.sh            # everything (SEEDS="1 2", the four arms); prints the numbers
+#   benches/learning.sh            # everything (SEEDS="1 3", the four arms); prints the numbers
 #
 # What it measures (benches/learning.py has the split and the measure):
 # - held-out (3 questions of the bundled dev trajectories whose 8 answers disagree): per answer the mean
@@ -13,12 +13,12 @@
 # - greedy accuracy on the first EVAL_LIMIT MATH-500 problems with EVAL_TOKENS new tokens at most: `grpo
 #   eval` before training, the run's own [validation] (every VALIDATE_EVERY steps and at the end) after.
 # Training: 4 questions (2 with disagreeing answers, 2 unanimous; the same in every arm and seed), one
-# question a step, one epoch (4 steps), answers truncated to MAX_RESPONSE tokens, lr LR (the seed's 1e-7 for 7B
+# question a step, EPOCHS epochs (4 steps each), answers truncated to MAX_RESPONSE tokens, lr LR (the seed's 1e-7 for 7B
 # moves nothing in 4 steps), the seed configs' objective, KL beta 0.1 and rollout settings otherwise.
 #
 # Environment: GRPO (binary, default target/release/grpo, else target/debug/grpo), OUT (default runs/learning), SEEDS, ARMS, LR,
 # MAX_RESPONSE, ROLLOUT_TOKENS, EVAL_LIMIT (0: no greedy accuracy), EVAL_TOKENS, SAVE_EVERY, VALIDATE_EVERY,
-# MAX_STEPS (0: the epoch's 4), SETS (more --set overrides). Runs under nice.
+# EPOCHS (default 1), MAX_STEPS (0: EPOCHS x 4), SETS (more --set overrides). Runs under nice.
 # The model: tests/fixtures/models/smollm2-135m (scripts/make-smollm2.sh makes it from ../shared).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +27,9 @@ cd "$(dirname "$0")/.."
 GRPO=${GRPO:-$( [ -x target/release/grpo ] && echo target/release/grpo || echo target/debug/grpo )}
 OUT=${OUT:-runs/learning}
 MODEL=${MODEL:-tests/fixtures/models/smollm2-135m}
-SEEDS=${SEEDS:-"1 2"}
+# Seeds 1 and 2 happen to shuffle the 4 questions into the same order (ChaCha8, train.seed), which makes
+# their runs identical; 1 and 3 give different orders.
+SEEDS=${SEEDS:-"1 3"}
 ARMS=${ARMS:-"sft off_policy off_policy_bias on_policy"}
 LR=${LR:-2e-5}
 MAX_RESPONSE=${MAX_RESPONSE:-96}
@@ -36,6 +38,7 @@ EVAL_LIMIT=${EVAL_LIMIT:-8}
 EVAL_TOKENS=${EVAL_TOKENS:-64}
 SAVE_EVERY=${SAVE_EVERY:-2}
 VALIDATE_EVERY=${VALIDATE_EVERY:-0}
+EPOCHS=${EPOCHS:-1}
 MAX_STEPS=${MAX_STEPS:-0}
 SETS=${SETS:-}   # more overrides for every run, space-separated section.key=value
 NICE="nice -n 10"
@@ -82,7 +85,7 @@ for seed in $SEEDS; do
       --set "data.inputs=[\"$OUT/train.jsonl\"]" --set data.max_questions=0 \
       --set "data.prepared_dir=\"$OUT/prepared\"" \
       --set data.max_prompt_tokens=512 --set "data.max_response_tokens=$MAX_RESPONSE" --set data.overlong=truncate \
-      --set train.batch_questions=1 --set train.micro_batch_size=4 --set train.epochs=1 \
+      --set train.batch_questions=1 --set train.micro_batch_size=4 --set "train.epochs=$EPOCHS" \
       --set "train.max_steps=$MAX_STEPS" \
       --set "train.seed=$seed" --set "train.save_every=$SAVE_EVERY" --set train.keep_last=0 \
       --set 'train.save_dtype="f32"' --set "train.output_dir=\"$run\"" \
