@@ -264,27 +264,10 @@ fn eval_on_two_ranks_writes_what_one_process_writes() {
     assert_eq!(stdout_two.matches("avg@n").count(), 1, "one table, from rank 0: {stdout_two}");
 }
 
-/// A tiny model on the 64-token digits tokenizer and 8 questions whose gold answer is 7 (as
-/// tests/train_rollout.rs).
+/// A tiny model on the 64-token digits tokenizer and 8 questions whose gold answer is 7.
 fn rollout_setup(dir: &Path) -> (PathBuf, PathBuf) {
     let model = dir.join("digits-model");
-    common::grpo()
-        .args(["init-tiny", "--arch", "llama", "--tokenizer"])
-        .arg(common::root().join("tests/fixtures/tokenizers/digits"))
-        .arg("--out")
-        .arg(&model)
-        .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
-        .args(["--seed", "1"])
-        .assert()
-        .success();
-    let questions = dir.join("questions.jsonl");
-    let words = ["a", "b", "c", "d", "e", "f", "g", "h"];
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8])
-        })
-        .collect();
-    std::fs::write(&questions, lines.join("\n") + "\n").unwrap();
+    let questions = common::digits_model_and_questions(dir, &model);
     (model, questions)
 }
 

@@ -10,23 +10,7 @@ use serde_json::Value;
 /// A tiny model on the 64-token digits tokenizer and a questions file whose gold answer is always 7.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
     let model = dir.join("model");
-    common::grpo()
-        .args(["init-tiny", "--arch", "llama", "--tokenizer"])
-        .arg(common::root().join("tests/fixtures/tokenizers/digits"))
-        .arg("--out")
-        .arg(&model)
-        .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
-        .args(["--seed", "1"])
-        .assert()
-        .success();
-    let questions = dir.join("questions.jsonl");
-    let words = ["a", "b", "c", "d", "e", "f", "g", "h"];
-    let lines: Vec<String> = (0..8)
-        .map(|i| {
-            format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8])
-        })
-        .collect();
-    std::fs::write(&questions, lines.join("\n") + "\n").unwrap();
+    let questions = common::digits_model_and_questions(dir, &model);
     (model, questions)
 }
 

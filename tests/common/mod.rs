@@ -50,6 +50,29 @@ pub fn init_tiny(arch: &str, tokenizer: &str, out: &Path) {
         .success();
 }
 
+/// The rollout tests' fixture: a tiny model on the 64-token digits tokenizer at `model`, and in `dir` a
+/// questions file (`questions.jsonl`) of 8 questions whose gold answer is always 7. Returns its path.
+pub fn digits_model_and_questions(dir: &Path, model: &Path) -> PathBuf {
+    grpo()
+        .args(["init-tiny", "--arch", "llama", "--tokenizer"])
+        .arg(root().join("tests/fixtures/tokenizers/digits"))
+        .arg("--out")
+        .arg(model)
+        .args(["--layers", "1", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--intermediate", "64"])
+        .args(["--seed", "1"])
+        .assert()
+        .success();
+    let questions = dir.join("questions.jsonl");
+    let words = ["a", "b", "c", "d", "e", "f", "g", "h"];
+    let lines: Vec<String> = (0..8)
+        .map(|i| {
+            format!(r#"{{"problem": "{} {} {}", "answer": "7"}}"#, words[i], words[(i + 3) % 8], words[(i + 5) % 8])
+        })
+        .collect();
+    std::fs::write(&questions, lines.join("\n") + "\n").unwrap();
+    questions
+}
+
 pub fn read_jsonl(path: &Path) -> Vec<serde_json::Value> {
     std::fs::read_to_string(path)
         .unwrap()
