@@ -85,6 +85,18 @@ fn capability_mismatch(name: &str, device: u32, target: u32) -> Option<String> {
     })
 }
 
+/// The GPUs this process sees (CUDA_VISIBLE_DEVICES applied); 0 in a build without CUDA or without a
+/// driver.
+pub fn visible_gpus() -> usize {
+    #[cfg(feature = "cuda")]
+    {
+        use candle_core::cuda_backend::cudarc::driver::CudaContext;
+        CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+    }
+    #[cfg(not(feature = "cuda"))]
+    0
+}
+
 /// Start a new peak: the high-water mark restarts from the memory in use now. `Ok(false)` where the
 /// device has no such counter (the CPU).
 pub fn reset_peak_memory(device: &Device) -> Result<bool> {

@@ -482,3 +482,32 @@ fn the_reference_cache_is_computed_by_every_rank_its_share() {
     eprintln!("reference cache, 2 ranks against 1: max |difference| = {diff:e}");
     assert!(diff <= 1e-5, "{diff}");
 }
+
+/// The README's smoke job on 2 ranks: `mpirun -np 2 grpo train --config configs/smoke.toml` (rank 0 makes
+/// the tiny model, the others wait for it; validation on rank 0) completes and ends with the weights of
+/// one process.
+#[test]
+fn the_smoke_job_runs_on_two_ranks_as_on_one() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let mut last = Vec::new();
+    for np in [1, 2] {
+        let out = d.path().join(format!("smoke-np{np}"));
+        let o = grpo(np)
+            .current_dir(common::root())
+            .args(["-q", "train", "--config", "configs/smoke.toml", "--set"])
+            .arg(format!("train.output_dir=\"{}\"", out.display()))
+            .arg("--set")
+            .arg(format!("model.path=\"{}\"", out.join("tiny-llama").display()))
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+        assert_eq!(summary["status"], "complete", "np {np}: {summary}");
+        last.push(weights(&out.join("checkpoints/step-00000004")));
+    }
+    let diff = max_diff(&last[0], &last[1]);
+    eprintln!("smoke job: max |w1 - w2| after 4 steps = {diff:e}");
+    assert!(diff <= 1e-5, "{diff}");
+}

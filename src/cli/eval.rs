@@ -166,12 +166,7 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let decoder = match args.engine.engine {
         EngineKind::Native => {
-            let name = if world.size() > 1 && args.device == "cuda" {
-                format!("cuda:{}", world.local_rank())
-            } else {
-                args.device.clone()
-            };
-            let device = model::parse_device(&name)?;
+            let device = model::parse_device(&world.rank_device(&args.device)?)?;
             let dtype = model::parse_dtype(&args.dtype)?;
             Some(
                 model::load_decoder(&dir, dtype, &device, false)

@@ -111,9 +111,27 @@ impl World {
         self.size
     }
 
-    /// The rank among the processes of this node (which GPU this process takes).
+    /// The rank among the processes of this node.
     pub fn local_rank(&self) -> usize {
         self.local_rank
+    }
+
+    /// The device `configured` (`model.device`, `--device`) means on this rank: on several ranks, `cuda`
+    /// and `cuda:N` are the rank's own GPU ([`local_gpu`]), as every rank of torchrun or DeepSpeed takes
+    /// its local GPU whatever the script says (an explicit N that differs is said once); one process and
+    /// the CPU keep it.
+    pub fn rank_device(&self, configured: &str) -> Result<String, DistError> {
+        if self.size == 1 || !(configured == "cuda" || configured.starts_with("cuda:")) {
+            return Ok(configured.to_string());
+        }
+        let mine = format!("cuda:{}", local_gpu(self.local_rank, crate::device::visible_gpus())?);
+        if configured != "cuda" && configured != mine && self.is_primary() {
+            tracing::warn!(
+                "device {configured} on {} ranks: each rank takes its own GPU ({mine} on rank 0)",
+                self.size
+            );
+        }
+        Ok(mine)
     }
 
     /// Rank 0: the one that writes the run's files.
@@ -207,6 +225,24 @@ impl World {
     }
 }
 
+/// The GPU (ordinal) of the rank with local rank `local_rank`, among the `visible` GPUs its process sees:
+/// its local rank when it sees several (torchrun, mpirun, `srun --gpus-per-node`: every rank of a node
+/// sees the node's GPUs), the one it sees when the launcher bound one GPU to it (`srun --gpus-per-task=1`,
+/// a CUDA_VISIBLE_DEVICES per rank).
+pub fn local_gpu(local_rank: usize, visible: usize) -> Result<usize, DistError> {
+    let devices =
+        std::env::var("CUDA_VISIBLE_DEVICES").map(|v| format!(" (CUDA_VISIBLE_DEVICES={v})")).unwrap_or_default();
+    match visible {
+        0 => Err(DistError::Launch(format!("local rank {local_rank}: this process sees no GPU{devices}"))),
+        1 => Ok(0),
+        n if local_rank < n => Ok(local_rank),
+        n => Err(DistError::Launch(format!(
+            "local rank {local_rank}, but this process sees {n} GPUs{devices}: launch at most {n} processes per \
+             node, or bind one GPU to each"
+        ))),
+    }
+}
+
 /// MPI's world as the collectives of the ranks.
 #[cfg(feature = "mpi")]
 fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
@@ -235,12 +271,13 @@ fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
     )))
 }
 
-/// NCCL's communicator among the GPUs, each rank on the GPU of its local rank.
+/// NCCL's communicator among the GPUs, each rank on its GPU ([`local_gpu`]).
 #[cfg(feature = "cuda")]
 fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
     let timeout = collective_timeout();
     let (id, keep) = share_nccl_id(launch, timeout)?;
-    let comm = nccl_backend::Nccl::init(launch.local_rank, launch.rank, launch.size, id, timeout, keep)?;
+    let gpu = local_gpu(launch.local_rank, crate::device::visible_gpus())?;
+    let comm = nccl_backend::Nccl::init(gpu, launch.rank, launch.size, id, timeout, keep)?;
     Ok(Box::new(comm))
 }
 
@@ -299,5 +336,17 @@ mod tests {
         assert_eq!(w.from_primary(Some(0.25)), Some(0.25));
         assert_eq!(w.all_gather_bytes(b"abc"), vec![b"abc".to_vec()]);
         assert!((0..5).all(|i| w.owns_group(i)));
+        assert_eq!(w.rank_device("cuda:3").unwrap(), "cuda:3", "one process keeps its device");
+        assert_eq!(w.rank_device("cpu").unwrap(), "cpu");
+    }
+
+    #[test]
+    fn each_rank_takes_its_local_gpu_or_the_one_bound_to_it() {
+        assert_eq!(local_gpu(3, 8).unwrap(), 3, "torchrun: 8 GPUs visible to every rank of the node");
+        assert_eq!(local_gpu(3, 1).unwrap(), 0, "srun --gpus-per-task=1: the one GPU of the task");
+        assert_eq!(local_gpu(0, 1).unwrap(), 0);
+        let e = local_gpu(4, 2).unwrap_err().to_string();
+        assert!(e.contains("local rank 4, but this process sees 2 GPUs"), "{e}");
+        assert!(local_gpu(0, 0).unwrap_err().to_string().contains("sees no GPU"));
     }
 }

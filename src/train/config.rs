@@ -390,16 +390,14 @@ impl TrainConfig {
         Ok(())
     }
 
-    /// This configuration as rank `world.rank()` of a data-parallel run runs it: `model.device = "cuda"`
-    /// becomes the GPU of the rank's local rank.
+    /// This configuration as rank `world.rank()` of a data-parallel run runs it: a CUDA `model.device`
+    /// becomes the rank's GPU ([`crate::dist::World::rank_device`]).
     pub fn for_rank(&self, world: &crate::dist::World) -> Result<TrainConfig, ConfigError> {
         let mut cfg = self.clone();
         if world.size() == 1 {
             return Ok(cfg);
         }
-        if cfg.model.device == "cuda" {
-            cfg.model.device = format!("cuda:{}", world.local_rank());
-        }
+        cfg.model.device = world.rank_device(&cfg.model.device).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(cfg)
     }
 
