@@ -9,14 +9,20 @@
 //! that every rank trains on the same numbers) and each rank's rollout metrics; the questions themselves
 //! are already on every rank.
 
+use std::borrow::Cow;
+
 use serde::{Deserialize, Serialize};
 
 use super::{RolloutError, RolloutMetrics};
 use crate::data::{Group, Response};
 use crate::dist::World;
 
-/// The questions of `questions` that `world`'s rank samples: position i when i mod N is its rank.
-pub(super) fn mine(world: &World, questions: &[Group]) -> Vec<Group> {
+/// The questions of `questions` that `world`'s rank samples: position i when i mod N is its rank (all of
+/// them, borrowed, for one process).
+pub(super) fn mine<'a>(world: &World, questions: &'a [Group]) -> Cow<'a, [Group]> {
+    if world.size() == 1 {
+        return Cow::Borrowed(questions);
+    }
     questions.iter().enumerate().filter(|(i, _)| world.owns_group(*i)).map(|(_, g)| g.clone()).collect()
 }
 

@@ -394,9 +394,6 @@ impl TrainConfig {
     /// becomes the rank's GPU ([`crate::dist::World::rank_device`]).
     pub fn for_rank(&self, world: &crate::dist::World) -> Result<TrainConfig, ConfigError> {
         let mut cfg = self.clone();
-        if world.size() == 1 {
-            return Ok(cfg);
-        }
         cfg.model.device = world.rank_device(&cfg.model.device).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(cfg)
     }
