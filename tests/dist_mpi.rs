@@ -511,3 +511,47 @@ fn the_smoke_job_runs_on_two_ranks_as_on_one() {
     eprintln!("smoke job: max |w1 - w2| after 4 steps = {diff:e}");
     assert!(diff <= 1e-5, "{diff}");
 }
+
+/// SIGTERM to the job (as SLURM sends before the time limit; mpirun passes it to every rank): the ranks agree
+/// to stop after the same step, the checkpoint of that step is written whole (every rank's optimiser shard),
+/// the summary says stopped, and the job ends within a minute.
+#[test]
+fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    let cfg = config(d.path(), &model, OBJECTIVES[0].1, 1000);
+    let mut job = grpo(2)
+        .args(["-q", "train", "--config"])
+        .arg(&cfg)
+        .args(["--set", "train.max_steps=0", "--set", "train.epochs=100", "--set", "train.save_every=0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = d.path().join("out/metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() < 1) {
+        assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::process::Command::new("kill").args(["-TERM", &job.id().to_string()]).status().unwrap();
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(s) = job.try_wait().unwrap() {
+            break s;
+        }
+        if sent.elapsed() > Duration::from_secs(60) {
+            let _ = job.kill();
+            panic!("the job still runs 60 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    eprintln!("stopped {:?} after SIGTERM, status {status:?}", sent.elapsed());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(d.path().join("out/summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["status"], "stopped", "{summary}");
+    let steps = common::read_jsonl(&metrics).len();
+    let latest = std::fs::read_to_string(d.path().join("out/checkpoints/latest")).unwrap();
+    assert_eq!(latest.trim(), format!("step-{steps:08}"), "the checkpoint of the last step every rank made");
+    check_shards(&step_dir(d.path(), steps), 2);
+}
