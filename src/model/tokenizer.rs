@@ -42,6 +42,9 @@ pub struct ChatTokenizer {
     eos_ids: Vec<u32>,
     pad_id: Option<u32>,
     dir: PathBuf,
+    /// Each token's decoded text and its id, `None` where several tokens decode to the same text; built
+    /// on first use by [`Self::piece_id`].
+    pieces: std::sync::OnceLock<std::collections::HashMap<String, Option<u32>>>,
 }
 
 fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
@@ -113,7 +116,16 @@ impl ChatTokenizer {
             }
         }
         let pad_id = token_string(cfg.get("pad_token")).and_then(|p| tokenizer.token_to_id(&p));
-        Ok(Self { tokenizer, template, bos_token, eos_token, eos_ids, pad_id, dir: dir.to_path_buf() })
+        Ok(Self {
+            tokenizer,
+            template,
+            bos_token,
+            eos_token,
+            eos_ids,
+            pad_id,
+            dir: dir.to_path_buf(),
+            pieces: Default::default(),
+        })
     }
 
     /// The underlying `tokenizers` tokenizer.
@@ -189,6 +201,21 @@ impl ChatTokenizer {
     /// Decode ids to text, skipping special tokens when asked.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, TokenizerError> {
         self.tokenizer.decode(ids, skip_special_tokens).map_err(|e| TokenizerError::Encode(e.to_string()))
+    }
+
+    /// The id of the one token whose decoded text is `piece` (how servers that name sampled tokens by
+    /// their text, llama.cpp's and SGLang's, identify them), or `None` when no token or several decode to it.
+    pub fn piece_id(&self, piece: &str) -> Option<u32> {
+        let pieces = self.pieces.get_or_init(|| {
+            let mut map = std::collections::HashMap::new();
+            for id in 0..self.vocab_size() as u32 {
+                if let Ok(text) = self.decode(&[id], false) {
+                    map.entry(text).and_modify(|v| *v = None).or_insert(Some(id));
+                }
+            }
+            map
+        });
+        pieces.get(piece).copied().flatten()
     }
 
     /// A short fingerprint of the tokenizer files (for manifests that must notice a changed tokenizer).

@@ -1,7 +1,8 @@
 //! Rollouts from an OpenAI-compatible server (`[rollout.server] engine = "openai"`): the prompts go to
 //! the server's `/completions` endpoint through the eval engine, each returned text is re-tokenised with
-//! the policy's tokenizer (the token ids trained on are those of the re-tokenised text, with the EOS
-//! appended to a stopped answer as the native sampler does), and the behaviour log-probs are computed by
+//! the policy's tokenizer (the token ids trained on are those of the re-tokenised text, or the server's
+//! own tokens when it reports them, see below, with the EOS appended to a stopped answer as the native
+//! sampler does), and the behaviour log-probs are computed by
 //! grpo's forward of the sampling weights, the copy the server was told to load, so the ratio is exact
 //! with respect to those weights.
 //!
@@ -18,13 +19,17 @@
 //! ROOT is `base_url` without its trailing `/v1`.
 //!
 //! With `rollout.importance_sampling_correction` the server is asked for each sampled token's log-prob
-//! (OpenAI `logprobs`; vLLM names the tokens by id with `return_tokens_as_token_ids`). They are aligned
-//! with grpo's re-tokenisation of the text token by token: a server token matches when its id equals
-//! grpo's (vLLM), or else when its text equals grpo's decoding of that one token (llama.cpp, SGLang). An
-//! answer whose first tokens do not all match, or that has fewer server tokens than grpo's, is
-//! *unaligned*: it is trained on without correction (weight 1), its log-probs are left out of the
-//! mismatch metrics, and it is counted (`rollout/server_logprobs_unaligned`, with a warning). The stop
-//! token's log-prob, when the server reports it after the text, goes to the EOS grpo appends; without
+//! (OpenAI `logprobs`; vLLM names the tokens by id with `return_tokens_as_token_ids`, llama.cpp and SGLang
+//! by their text). The tokens trained on are then the ones the server sampled, when it names each one
+//! (by id, or by a text that exactly one token of the policy's tokenizer decodes to) and they decode to
+//! the answer's text: a sampler may pick a split that re-tokenisation would merge (" a" then "y", where
+//! the tokenizer has " ay"), and the ratio is only exact on the sampled tokens. Otherwise the text is
+//! re-tokenised and the log-probs are aligned with grpo's tokens one by one: a server token matches when
+//! its id equals grpo's, or else when its text equals grpo's decoding of that one token. An answer
+//! whose first tokens do not all match, or that has fewer server tokens than grpo's, is *unaligned*: it
+//! is trained on without correction (weight 1), its log-probs are left out of the mismatch metrics, and
+//! it is counted (`rollout/server_logprobs_unaligned`, with a warning). The stop token's log-prob, when
+//! the server reports it after the text, goes to the EOS grpo appends; without
 //! it the EOS has no sampler log-prob (ratio 1).
 
 use std::io::Read;
@@ -133,7 +138,14 @@ pub fn to_sampled(
     eos: Option<u32>,
     max_new_tokens: usize,
 ) -> Result<(Sampled, Conversion), RolloutError> {
-    let mut ids = tok.encode(&c.text, false)?;
+    let sampled = match &c.logprobs {
+        Some(server) => sampled_ids(server, &c.text, tok)?,
+        None => None,
+    };
+    let mut ids = match sampled {
+        Some(ids) => ids,
+        None => tok.encode(&c.text, false)?,
+    };
     let (text, finish, cut) = if ids.len() > max_new_tokens {
         ids.truncate(max_new_tokens);
         (tok.decode(&ids, false)?, FinishReason::Length, true)
@@ -157,6 +169,21 @@ pub fn to_sampled(
     Ok((Sampled { tokens, text, finish, generated, sampler_logprobs }, Conversion { cut, unaligned }))
 }
 
+/// The ids of the tokens the server sampled for `text`, when it names them all (by id, or by a text only
+/// one token decodes to) and they decode to `text`: either every reported token is the text's, or the
+/// last one is the stop token after it. `None` otherwise (the text is then re-tokenised).
+fn sampled_ids(server: &[ServerToken], text: &str, tok: &ChatTokenizer) -> Result<Option<Vec<u32>>, RolloutError> {
+    for k in [server.len(), server.len().saturating_sub(1)] {
+        let ids: Option<Vec<u32>> = server[..k].iter().map(|s| s.id.or_else(|| tok.piece_id(&s.text))).collect();
+        if let Some(ids) = ids {
+            if tok.decode(&ids, false)? == text {
+                return Ok(Some(ids));
+            }
+        }
+    }
+    Ok(None)
+}
+
 /// The server's log-prob of each of grpo's tokens `ids` (then of the appended EOS `eos` when the server
 /// reports its stop token after them), or `None` when the server's first tokens are not `ids`.
 fn align(
@@ -176,7 +203,16 @@ fn align(
         };
         match (same, s.logprob) {
             (true, Some(lp)) => out.push(lp),
-            _ => return Ok(None),
+            _ => {
+                tracing::debug!(
+                    "server log-probs unaligned at token {}: the server's {:?} (log-prob {:?}), grpo's {:?} (id {id})",
+                    out.len(),
+                    s.text,
+                    s.logprob,
+                    tok.decode(&[id], false)?
+                );
+                return Ok(None);
+            }
         }
     }
     if let (Some(e), Some(s)) = (eos, server.get(ids.len())) {
@@ -370,6 +406,76 @@ mod tests {
         for server in [by_id(&other), by_text(&other), no_lp, by_id(&ids[..n - 1])] {
             let (s, how) = to_sampled(answer(FinishReason::Length, server), &tok, eos, 8).unwrap();
             assert_eq!((s.sampler_logprobs, how.unaligned), (None, true));
+        }
+    }
+
+    /// A BPE tokenizer that merges "a" "y" into "ay", EOS 0.
+    fn merging_tokenizer() -> (tempfile::TempDir, ChatTokenizer) {
+        let dir = tempfile::tempdir().unwrap();
+        let json = serde_json::json!({
+            "version": "1.0",
+            "added_tokens": [{"id": 0, "content": "<eos>", "single_word": false, "lstrip": false,
+                              "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Fuse"},
+            "model": {"type": "BPE", "vocab": {"<eos>": 0, "a": 1, "y": 2, "ay": 3, "b": 4},
+                      "merges": ["a y"]}
+        });
+        std::fs::write(dir.path().join("tokenizer.json"), json.to_string()).unwrap();
+        std::fs::write(dir.path().join("tokenizer_config.json"), r#"{"eos_token": "<eos>"}"#).unwrap();
+        let tok = ChatTokenizer::load(dir.path()).unwrap();
+        (dir, tok)
+    }
+
+    /// A split the tokenizer would merge (" a" then "y" where it has " ay") is trained on as the server
+    /// sampled it, named by id or by text, with its log-probs; when a text names no single token, the
+    /// answer is re-tokenised and its log-probs are refused.
+    #[test]
+    fn the_servers_own_tokens_are_trained_on_when_it_names_them() {
+        let (_dir, tok) = merging_tokenizer();
+        assert_eq!(tok.encode("ay", false).unwrap(), vec![3]);
+        assert_eq!((tok.piece_id("a"), tok.piece_id("ay"), tok.piece_id("zz")), (Some(1), Some(3), None));
+        let lps = [-0.5f32, -1.5, -2.5];
+        let server = |named: &[(&str, Option<u32>)]| -> Vec<ServerToken> {
+            named
+                .iter()
+                .zip(lps)
+                .map(|(&(text, id), lp)| ServerToken { text: text.into(), id, logprob: Some(lp) })
+                .collect()
+        };
+        let answer = |text: &str, finish, logprobs| Completion {
+            text: text.into(),
+            tokens: 0,
+            finish,
+            logprobs: Some(logprobs),
+        };
+        for split in [server(&[("a", None), ("y", None)]), server(&[("token_id:1", Some(1)), ("token_id:2", Some(2))])]
+        {
+            let (s, how) = to_sampled(answer("ay", FinishReason::Length, split), &tok, Some(0), 8).unwrap();
+            assert_eq!(
+                (s.tokens.as_slice(), s.sampler_logprobs.as_deref(), how.unaligned),
+                (&[1, 2][..], Some(&lps[..2]), false)
+            );
+            assert_eq!(s.generated, 2);
+        }
+        // The stop token after the text (named by its text, or empty): its log-prob goes to the EOS.
+        for stop in ["<eos>", ""] {
+            let split = server(&[("a", None), ("y", None), (stop, None)]);
+            let (s, how) = to_sampled(answer("ay", FinishReason::Stop, split), &tok, Some(0), 8).unwrap();
+            assert_eq!(
+                (s.tokens.as_slice(), s.sampler_logprobs.as_deref(), how.unaligned),
+                (&[1, 2, 0][..], Some(&lps[..]), false)
+            );
+        }
+        // Cut to max_new_tokens on the server's tokens.
+        let (s, how) =
+            to_sampled(answer("ay", FinishReason::Length, server(&[("a", None), ("y", None)])), &tok, Some(0), 1)
+                .unwrap();
+        assert_eq!((s.tokens.as_slice(), s.text.as_str(), how.cut), (&[1][..], "a", true));
+        // Pieces that do not spell the text, or a piece no single token decodes to: re-tokenised, refused.
+        for split in [server(&[("a", None), ("b", None)]), server(&[("a", None), ("yy", None)])] {
+            let (s, how) = to_sampled(answer("ay", FinishReason::Length, split), &tok, Some(0), 8).unwrap();
+            assert_eq!((s.tokens.as_slice(), s.sampler_logprobs, how.unaligned), (&[3][..], None, true));
         }
     }
 
