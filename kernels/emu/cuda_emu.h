@@ -9,10 +9,16 @@
 //   - __syncthreads and __syncthreads_{or,and,count} as barriers across the block's live threads;
 //   - warp shuffles (__shfl_sync, _up, _down, _xor), votes (__ballot_sync, __any_sync, __all_sync),
 //     __activemask, __syncwarp, all over the 32 lanes of a warp with a full mask;
+//   - the warp-wide matrix multiply-accumulate of mma.cuh (mma.sync m16n8k16, bf16 and f16 in, f32
+//     accumulators) from the fragment layouts of the PTX ISA, every lane's registers gathered at once;
 //   - atomics (atomicAdd, atomicSub, atomicMax, atomicMin, atomicExch, atomicCAS) on host atomics;
 //   - __nv_bfloat16 and __half with round-to-nearest-even conversions;
 //   - the math functions and intrinsics the kernels call (expf, __expf, rsqrtf, fmaxf, fmaf, ...).
 #pragma once
+
+// Kernels and headers test this to choose the emulator's spelling of what has no host equivalent
+// (the inline PTX of mma.cuh).
+#define GRPO_CUDA_EMU 1
 
 #include <cmath>
 #include <cstddef>
@@ -52,6 +58,10 @@ int sync_block(int kind, int pred);  // kind: 0 plain, 1 or, 2 and, 3 count
 void sync_warp(uint32_t mask);
 uint64_t warp_exchange(uint32_t mask, uint64_t value, int src_lane, int mode, int width);
 uint32_t warp_vote(uint32_t mask, int pred);
+// Every lane's first n (<= WARP_GATHER_WORDS) registers of `mine`, as all[lane][i], for the warp-wide
+// matrix instructions (mma.h): one barrier of the warp.
+constexpr uint32_t WARP_GATHER_WORDS = 8;
+void warp_gather(uint32_t mask, const uint32_t *mine, uint32_t n, uint32_t (*all)[WARP_GATHER_WORDS]);
 void report(const char *what);
 // The launch's dynamic shared memory (exactly its bytes; build.rs spells `extern __shared__ T name[];`
 // as `T *name = (T *)emu::dynamic_shared();`, since C++ has no block-scope extern static).
@@ -158,6 +168,8 @@ inline __half __float2half(float f) {  // the compiler's conversion rounds to ne
     std::memcpy(&h.bits, &x, 2);
     return h;
 }
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
+inline unsigned short __half_as_ushort(__half h) { return h.bits; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __float2bfloat16(f); }
 inline __half __float2half_rn(float f) { return __float2half(f); }
 

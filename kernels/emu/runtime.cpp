@@ -99,6 +99,7 @@ struct Warp {
     Barrier bar;
     uint32_t lanes = 32;  // lanes that exist (a block of n threads ends with a partial warp when 32 ∤ n)
     uint64_t slot[2][32] = {};  // values of a collective, double-buffered by operation parity
+    uint32_t words[2][32][WARP_GATHER_WORDS] = {};  // the same for warp_gather's registers
 };
 
 // The launch in progress (launches are serialized by `launch_mutex`).
@@ -252,6 +253,21 @@ uint64_t warp_exchange(uint32_t mask, uint64_t value, int src, int mode, int wid
         default: s = (lane ^ src) < base + width ? (lane ^ src) : lane; break;
     }
     return w.slot[p][s];
+}
+
+void warp_gather(uint32_t mask, const uint32_t *mine, uint32_t n, uint32_t (*all)[WARP_GATHER_WORDS]) {
+    if (!check_warp(mask, "a warp-wide matrix instruction")) return;
+    if (n > WARP_GATHER_WORDS) {
+        report("a warp gather of more registers than the emulator holds");
+        return;
+    }
+    Warp &w = my_warp();
+    const int lane = (int)(tls.tid % 32), p = (int)(tls.warp_ops++ & 1);
+    std::memcpy(w.words[p][lane], mine, n * 4);
+    uint32_t lanes = 0;
+    w.bar.arrive(0, 0, "a warp-wide matrix instruction", &lanes);
+    if (lanes != 32) report("a warp-wide matrix instruction after a lane of the warp exited");
+    std::memcpy(all, w.words[p], sizeof(w.words[p]));
 }
 
 uint32_t warp_vote(uint32_t mask, int pred) {

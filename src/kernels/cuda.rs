@@ -31,6 +31,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::FlashAttention => {
             ("grpo_flash_attention", include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx")))
         }
+        Module::FlashMma => ("grpo_flash_mma", include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"))),
         Module::Rope => ("grpo_rope", include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"))),
         Module::Norm => ("grpo_norm", include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"))),
         Module::Embedding => ("grpo_embedding", include_str!(concat!(env!("OUT_DIR"), "/embedding.ptx"))),

@@ -95,11 +95,11 @@ impl Dims {
         self.h / self.kv
     }
 
-    fn q_len(&self) -> usize {
+    pub(super) fn q_len(&self) -> usize {
         self.b * self.h * self.t * self.d
     }
 
-    fn kv_len(&self) -> usize {
+    pub(super) fn kv_len(&self) -> usize {
         self.b * self.kv * self.s * self.d
     }
 }

@@ -13,6 +13,7 @@ pub enum Module {
     Rows,
     Attention,
     FlashAttention,
+    FlashMma,
     Rope,
     Norm,
     Embedding,

@@ -30,6 +30,8 @@ mod embedding;
 #[cfg(test)]
 mod emu;
 mod flash_attention;
+#[cfg(any(test, feature = "cuda"))]
+mod flash_mma;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;

@@ -10,6 +10,7 @@ use super::{run, run_with, Buf, RawArg, KIND_F32, KIND_U64};
 use crate::kernels::attention::softmax_plan;
 use crate::kernels::embedding;
 use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEAD_DIM};
+use crate::kernels::flash_mma;
 use crate::kernels::norm::norm_plan;
 use crate::kernels::rope::rope_plan;
 use crate::kernels::rows::{grad_plan, stats_plan};
@@ -317,6 +318,54 @@ fn flash_bwd_dq_and_dkv() {
             let (rtol, atol) = tol(dt);
             for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
                 let what = format!("flash_bwd {case:?} {dt:?} {part}");
+                assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
+            }
+        }
+    }
+}
+
+/// Tensor-core flash-attention cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2,
+/// lengths no block (64 queries, 64 or 32 keys) divides with packed, clipped and empty ranges, one query
+/// over cached keys,
+/// an empty batch.
+const MMA_CASES: [(usize, usize, usize, usize, usize, usize); 4] =
+    [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64)];
+
+#[test]
+fn flash_mma_fwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
+    for case in MMA_CASES {
+        for dt in [DType::BF16, DType::F16] {
+            let f = Flash::new(&mut rng, case, dt);
+            let got = run(&flash_mma::forward_plan(dt, f.dims, 0.3).unwrap(), &[&f.q, &f.k, &f.v, &f.ranges]).unwrap();
+            let [o, ..] = f.cpu();
+            let (rtol, atol) = tol(dt);
+            assert_close(&format!("flash_mma_fwd {case:?} {dt:?} o"), &got[1], &o, (rtol, atol.max(2e-3)));
+            let (want, lse) = (flat(&f.lse()), flat(&got[0]));
+            for (i, (a, w)) in lse.iter().zip(&want).enumerate() {
+                let ok = if w.is_finite() { (a - w).abs() <= 2e-3 * (1.0 + w.abs()) } else { a == w };
+                assert!(ok, "flash_mma_fwd {case:?} {dt:?} lse {i}: {a} vs {w}");
+            }
+        }
+    }
+}
+
+#[test]
+fn flash_mma_bwd() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(37);
+    for case in MMA_CASES {
+        for dt in [DType::BF16, DType::F16] {
+            let f = Flash::new(&mut rng, case, dt);
+            let [o, dq, dk, dv] = f.cpu();
+            let lse = f.lse();
+            let delta =
+                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
+            let plan = flash_mma::backward_plan(dt, f.dims, 0.3).unwrap();
+            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta]).unwrap().remove(0);
+            let (nq, nk) = (dq.elem_count(), dk.elem_count());
+            let (rtol, atol) = tol(dt);
+            for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
+                let what = format!("flash_mma_bwd {case:?} {dt:?} {part}");
                 assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
             }
         }

@@ -1,0 +1,400 @@
+// Attention block by block on the tensor cores (FlashAttention-2's algorithm with mma.sync, mma.cuh):
+// the same inputs, outputs and arithmetic as flash_attention.cu's flash_fwd / flash_bwd_dq /
+// flash_bwd_dkv (src/kernels/flash_attention.rs has the definitions and the CPU reference), for bf16 and
+// f16 and a head dim D of 64 or 128 (one kernel per D: the fragments live in registers).
+//
+// q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
+// ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
+//   flash_mma_fwd_dD_<T>:    64 queries of one head per block (grid: query blocks x B*H), 16 per warp;
+//                            keys in blocks of 64 staged in shared memory (K, and V transposed); S = Q K^T
+//                            and O += P V on the tensor cores, P fed from S's accumulators (registers).
+//   flash_mma_bwd_dq_dD_<T>: 64 queries per block, keys in blocks of 32: S = Q K^T, dP = dO V^T,
+//                            dS = P (dP - delta), dQ += dS K.
+//   flash_mma_bwd_dkv_dD_<T>: 64 keys of one KV head per block (grid: key blocks x B*KV), 16 per warp,
+//                            over the queries of every head of its group in blocks of 16 that see one of
+//                            its keys: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
+//                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)].
+// 128 threads (4 warps) per block; f32 accumulators; tiles in shared memory as T with a row stride of
+// D + 8 (16-byte rows, no bank conflicts between the 8 rows a fragment load reads). Shared memory per
+// kernel: see the host (src/kernels/flash_mma.rs).
+
+#include "common.cuh"
+#include "mma.cuh"
+
+#define MMA_THREADS 128
+#define FWD_BQ 64
+#define FWD_BK 64
+#define DQ_BQ 64
+#define DQ_BK 32
+#define DKV_BK 64
+#define DKV_BQ 16
+
+// Rows r0.. r0 + n of a [rows, D] matrix into a shared tile (row stride ld); rows >= limit are 0.
+template <typename T>
+__device__ void stage_rows(T *dst, const T *src, uint32_t r0, uint32_t n, uint32_t limit, uint32_t d, uint32_t ld) {
+    for (uint32_t e = threadIdx.x; e < n * d; e += MMA_THREADS) {
+        const uint32_t r = e / d, x = e % d;
+        dst[r * ld + x] = (r0 + r < limit) ? src[(size_t)(r0 + r) * d + x] : from_f32<T>(0.f);
+    }
+}
+
+// The same rows transposed: dst[x * ld + r].
+template <typename T>
+__device__ void stage_cols(T *dst, const T *src, uint32_t r0, uint32_t n, uint32_t limit, uint32_t d, uint32_t ld) {
+    for (uint32_t e = threadIdx.x; e < n * d; e += MMA_THREADS) {
+        const uint32_t r = e / d, x = e % d;
+        dst[x * ld + r] = (r0 + r < limit) ? src[(size_t)(r0 + r) * d + x] : from_f32<T>(0.f);
+    }
+}
+
+// The key range of query i of batch row b (clipped to the keys; empty: lo = 1, hi = 0, also past t).
+__device__ __forceinline__ void mma_range(const uint32_t *ranges, uint32_t b, uint32_t i, uint32_t t, uint32_t s,
+                                          uint32_t &lo, uint32_t &hi) {
+    lo = 1, hi = 0;
+    if (i >= t) return;
+    lo = ranges[((size_t)b * t + i) * 2];
+    hi = min(ranges[((size_t)b * t + i) * 2 + 1], s - 1);
+    if (lo > hi) lo = 1, hi = 0;
+}
+
+// Ranges of rows i0.. i0 + n into shared memory and the span of keys any of them sees (kmin > kmax when
+// none). Ends with a barrier.
+__device__ void mma_row_ranges(const uint32_t *ranges, uint32_t b, uint32_t i0, uint32_t n, uint32_t t, uint32_t s,
+                               uint32_t *los, uint32_t *his, uint32_t &kmin, uint32_t &kmax) {
+    for (uint32_t r = threadIdx.x; r < n; r += MMA_THREADS) mma_range(ranges, b, i0 + r, t, s, los[r], his[r]);
+    __syncthreads();
+    kmin = 0xffffffffu;
+    kmax = 0;
+    for (uint32_t r = 0; r < n; ++r) {
+        if (los[r] <= his[r]) {
+            kmin = min(kmin, los[r]);
+            kmax = max(kmax, his[r]);
+        }
+    }
+}
+
+// The A fragments of rows m0..m0+15 of a [rows, D] matrix in device memory (rows >= limit are 0).
+template <typename T, int D>
+__device__ void global_frags(uint32_t f[D / 16][4], const T *src, uint32_t m0, uint32_t limit) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t r = m0 + g + 8 * (i % 2), x = 16 * kk + 2 * c + 8 * (i / 2);
+            f[kk][i] = r < limit ? pair(src[(size_t)r * D + x], src[(size_t)r * D + x + 1]) : 0u;
+        }
+    }
+}
+
+// Sum over the 4 lanes that hold one row of an accumulator.
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+template <typename T, int D>
+__device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                              const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
+                              uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+    extern __shared__ uint32_t mma_smem[];
+    const uint32_t ld = D + 8, ldt = FWD_BK + 8;
+    T *ks = (T *)mma_smem;                          // [FWD_BK][ld] keys
+    T *vt = ks + FWD_BK * ld;                       // [D][ldt] values, transposed
+    uint32_t *los = (uint32_t *)(vt + D * ldt);     // [FWD_BQ]
+    uint32_t *his = los + FWD_BQ;                   // [FWD_BQ]
+    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * FWD_BQ;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t m0 = 16 * warp;
+    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
+    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+
+    uint32_t qf[D / 16][4];
+    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    uint32_t kmin, kmax;
+    mma_row_ranges(ranges, b, i0, FWD_BQ, t, s, los, his, kmin, kmax);
+    uint32_t lo[2], hi[2];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int r = 0; r < 2; ++r) lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+
+    for (uint32_t j0 = kmin; kmin <= kmax && j0 <= kmax; j0 += FWD_BK) {
+        __syncthreads();
+        stage_rows(ks, kh, j0, FWD_BK, s, D, ld);
+        stage_cols(vt, vh, j0, FWD_BK, s, D, ldt);
+        __syncthreads();
+        float sc[FWD_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < FWD_BK / 8; ++n) {
+            for (int i = 0; i < 4; ++i) sc[n][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t bf[2];
+                frag_bt(bf, ks, ld, 8 * n, 16 * kk);
+                mma_16816<T>(sc[n], qf[kk], bf);
+            }
+        }
+        // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < FWD_BK / 8; ++n)
+            for (int i = 0; i < 4; ++i) {
+                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+                sc[n][i] = (j >= lo[r] && j <= hi[r]) ? scale * sc[n][i] : -INFINITY;
+                mx[r] = fmaxf(mx[r], sc[n][i]);
+            }
+        float alpha[2], base[2], sum[2] = {0.f, 0.f};
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], quad_max(mx[r]));
+            base[r] = m_new == -INFINITY ? 0.f : m_new;
+            alpha[r] = expf(m[r] - base[r]);
+            m[r] = m_new;
+        }
+#pragma unroll
+        for (int n = 0; n < FWD_BK / 8; ++n)
+            for (int i = 0; i < 4; ++i) {
+                sc[n][i] = expf(sc[n][i] - base[i / 2]);
+                sum[i / 2] += sc[n][i];
+            }
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+#pragma unroll
+        for (int kk = 0; kk < FWD_BK / 16; ++kk) {
+            uint32_t pf[4];
+            frag_from_acc<T>(pf, sc[2 * kk], sc[2 * kk + 1]);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                uint32_t bf[2];
+                frag_bt(bf, vt, ldt, 8 * n, 16 * kk);
+                mma_16816<T>(o[n], pf, bf);
+            }
+        }
+    }
+    T *oh = out + (size_t)bh * t * D;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + m0 + g + 8 * r;
+        if (i >= t) continue;
+        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            oh[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(o[n][2 * r] * inv);
+            oh[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(o[n][2 * r + 1] * inv);
+        }
+        if (c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+template <typename T, int D>
+__device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                 const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
+                                 const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,
+                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+    extern __shared__ uint32_t mma_smem[];
+    const uint32_t ld = D + 8, ldt = DQ_BK + 8;
+    T *ks = (T *)mma_smem;                          // [DQ_BK][ld] keys
+    T *vs = ks + DQ_BK * ld;                        // [DQ_BK][ld] values
+    T *kt = vs + DQ_BK * ld;                        // [D][ldt] keys, transposed
+    uint32_t *los = (uint32_t *)(kt + D * ldt);     // [DQ_BQ]
+    uint32_t *his = los + DQ_BQ;                    // [DQ_BQ]
+    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * DQ_BQ;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t m0 = 16 * warp;
+    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
+    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+
+    uint32_t qf[D / 16][4], gf[D / 16][4];
+    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    uint32_t kmin, kmax;
+    mma_row_ranges(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
+    uint32_t lo[2], hi[2];
+    float rl[2], rd[2];
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + m0 + g + 8 * r;
+        lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
+        rl[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;
+        rd[r] = i < t ? delta[(size_t)bh * t + i] : 0.f;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+
+    for (uint32_t j0 = kmin; kmin <= kmax && j0 <= kmax; j0 += DQ_BK) {
+        __syncthreads();
+        stage_rows(ks, kh, j0, DQ_BK, s, D, ld);
+        stage_rows(vs, vh, j0, DQ_BK, s, D, ld);
+        stage_cols(kt, kh, j0, DQ_BK, s, D, ldt);
+        __syncthreads();
+        float sc[DQ_BK / 8][4], dp[DQ_BK / 8][4];
+#pragma unroll
+        for (int n = 0; n < DQ_BK / 8; ++n) {
+            for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t bf[2];
+                frag_bt(bf, ks, ld, 8 * n, 16 * kk);
+                mma_16816<T>(sc[n], qf[kk], bf);
+                frag_bt(bf, vs, ld, 8 * n, 16 * kk);
+                mma_16816<T>(dp[n], gf[kk], bf);
+            }
+            // sc becomes dS = P (dP - delta), P = exp(scale S - L) on the query's keys.
+            for (int i = 0; i < 4; ++i) {
+                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+                const float p = (j >= lo[r] && j <= hi[r]) ? expf(scale * sc[n][i] - rl[r]) : 0.f;
+                sc[n][i] = p * (dp[n][i] - rd[r]);
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < DQ_BK / 16; ++kk) {
+            uint32_t af[4];
+            frag_from_acc<T>(af, sc[2 * kk], sc[2 * kk + 1]);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                uint32_t bf[2];
+                frag_bt(bf, kt, ldt, 8 * n, 16 * kk);
+                mma_16816<T>(acc[n], af, bf);
+            }
+        }
+    }
+    T *dqh = dq + (size_t)bh * t * D;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + m0 + g + 8 * r;
+        if (i >= t) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            dqh[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(scale * acc[n][2 * r]);
+            dqh[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(scale * acc[n][2 * r + 1]);
+        }
+    }
+}
+
+template <typename T, int D>
+__device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                  const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
+                                  const float *__restrict__ lse, const float *__restrict__ delta,
+                                  T *__restrict__ dkv, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+    extern __shared__ uint32_t mma_smem[];
+    const uint32_t ld = D + 8;
+    T *ks = (T *)mma_smem;                          // [DKV_BK][ld] keys
+    T *vs = ks + DKV_BK * ld;                       // [DKV_BK][ld] values
+    T *qs = vs + DKV_BK * ld;                       // [DKV_BQ][ld] queries
+    T *gs = qs + DKV_BQ * ld;                       // [DKV_BQ][ld] output gradients
+    float *rls = (float *)(gs + DKV_BQ * ld);       // [DKV_BQ] log-sum-exp
+    float *rds = rls + DKV_BQ;                      // [DKV_BQ] delta
+    uint32_t *los = (uint32_t *)(rds + DKV_BQ);     // [DKV_BQ]
+    uint32_t *his = los + DKV_BQ;                   // [DKV_BQ]
+    const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * DKV_BK, group = h / kv;
+    const uint32_t j_last = min(j0 + DKV_BK, s) - 1;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t m0 = 16 * warp;
+    stage_rows(ks, k + (size_t)bkv * s * D, j0, DKV_BK, s, D, ld);
+    stage_rows(vs, v + (size_t)bkv * s * D, j0, DKV_BK, s, D, ld);
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+
+    for (uint32_t hq = kvh * group; hq < (kvh + 1) * group; ++hq) {
+        const uint32_t bh = b * h + hq;
+        for (uint32_t i0 = 0; i0 < t; i0 += DKV_BQ) {
+            __syncthreads();
+            // Only query blocks with a row that sees a key of this block.
+            int any = 0;
+            for (uint32_t r = threadIdx.x; r < DKV_BQ; r += MMA_THREADS) {
+                uint32_t rlo, rhi;
+                mma_range(ranges, b, i0 + r, t, s, rlo, rhi);
+                los[r] = rlo, his[r] = rhi;
+                any |= rlo <= rhi && rlo <= j_last && rhi >= j0;
+                const bool in = i0 + r < t;
+                rls[r] = in ? lse[(size_t)bh * t + i0 + r] : 0.f;
+                rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
+            }
+            if (!__syncthreads_or(any)) continue;
+            stage_rows(qs, q + (size_t)bh * t * D, i0, DKV_BQ, t, D, ld);
+            stage_rows(gs, dout + (size_t)bh * t * D, i0, DKV_BQ, t, D, ld);
+            __syncthreads();
+            // Rows: this warp's 16 keys; columns: the block's 16 queries (two n-tiles).
+            float sc[DKV_BQ / 8][4], dp[DKV_BQ / 8][4];
+#pragma unroll
+            for (int n = 0; n < DKV_BQ / 8; ++n) {
+                for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
+#pragma unroll
+                for (int kk = 0; kk < D / 16; ++kk) {
+                    uint32_t af[4], bf[2];
+                    frag_a(af, ks, ld, m0, 16 * kk);
+                    frag_bt(bf, qs, ld, 8 * n, 16 * kk);
+                    mma_16816<T>(sc[n], af, bf);
+                    frag_a(af, vs, ld, m0, 16 * kk);
+                    frag_bt(bf, gs, ld, 8 * n, 16 * kk);
+                    mma_16816<T>(dp[n], af, bf);
+                }
+                // sc becomes P^T, dp becomes dS^T.
+                for (int i = 0; i < 4; ++i) {
+                    const uint32_t j = j0 + m0 + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
+                    const float p = (j >= los[r] && j <= his[r]) ? expf(scale * sc[n][i] - rls[r]) : 0.f;
+                    sc[n][i] = p;
+                    dp[n][i] = p * (dp[n][i] - rds[r]);
+                }
+            }
+            uint32_t pf[4], df[4];
+            frag_from_acc<T>(pf, sc[0], sc[1]);
+            frag_from_acc<T>(df, dp[0], dp[1]);
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                uint32_t bf[2];
+                frag_b(bf, gs, ld, 8 * n, 0);
+                mma_16816<T>(dv[n], pf, bf);
+                frag_b(bf, qs, ld, 8 * n, 0);
+                mma_16816<T>(dk[n], df, bf);
+            }
+        }
+    }
+    const size_t nk = (size_t)gridDim.y * s * D;
+    T *dkh = dkv + (size_t)bkv * s * D;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t j = j0 + m0 + g + 8 * r;
+        if (j >= s) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            for (int x = 0; x < 2; ++x) {
+                const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
+                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
+                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
+            }
+    }
+}
+
+#define FLASH_MMA_KERNELS(NAME, T, D)                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_fwd_##NAME(const T *q, const T *k, const T *v, const uint32_t *ranges, float *lse, T *out,     \
+                             uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {                     \
+        flash_mma_fwd<T, D>(q, k, v, ranges, lse, out, h, kv, t, s, scale);                                      \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_dq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,       \
+                                const float *lse, const float *delta, T *dq, uint32_t h, uint32_t kv,            \
+                                uint32_t t, uint32_t s, float scale) {                                           \
+        flash_mma_bwd_dq<T, D>(q, k, v, dout, ranges, lse, delta, dq, h, kv, t, s, scale);                       \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,      \
+                                 const float *lse, const float *delta, T *dkv, uint32_t h, uint32_t kv,          \
+                                 uint32_t t, uint32_t s, float scale) {                                          \
+        flash_mma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, h, kv, t, s, scale);                     \
+    }
+
+FLASH_MMA_KERNELS(d64_bf16, __nv_bfloat16, 64)
+FLASH_MMA_KERNELS(d128_bf16, __nv_bfloat16, 128)
+FLASH_MMA_KERNELS(d64_f16, __half, 64)
+FLASH_MMA_KERNELS(d128_f16, __half, 128)

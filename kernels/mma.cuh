@@ -1,0 +1,108 @@
+// The tensor cores' warp-wide matrix multiply-accumulate, mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32
+// for T = bf16 or f16 (compute capability 8.0+): D = A B + C, A 16x16, B 16x8, C and D 16x8 in f32.
+// Each of the warp's 32 lanes holds a fragment; with g = lane / 4 and c = lane % 4 (PTX ISA, "Matrix
+// Fragments for mma.m16n8k16 with floating point type"):
+//   a[0] = A[g][2c..2c+1]   a[1] = A[g+8][2c..2c+1]   a[2] = A[g][2c+8..2c+9]   a[3] = A[g+8][2c+8..2c+9]
+//   b[0] = B[2c..2c+1][g]   b[1] = B[2c+8..2c+9][g]
+//   d[0], d[1] = D[g][2c], D[g][2c+1]                 d[2], d[3] = D[g+8][2c], D[g+8][2c+1]
+// A register holds two 16-bit values, the lower column of A (row of B) in its low half. Under the host
+// emulator (GRPO_CUDA_EMU) the same layout is computed from every lane's registers, gathered at once.
+#pragma once
+
+#include "common.cuh"
+
+__device__ __forceinline__ uint32_t bits_of(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ __forceinline__ uint32_t bits_of(__half x) { return __half_as_ushort(x); }
+
+// Two values as one register of a fragment: `lo` in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+    return bits_of(from_f32<T>(lo)) | (bits_of(from_f32<T>(hi)) << 16);
+}
+
+// Two stored values as one register: `lo` in the low half.
+template <typename T> __device__ __forceinline__ uint32_t pair(T lo, T hi) { return bits_of(lo) | (bits_of(hi) << 16); }
+
+#ifdef GRPO_CUDA_EMU
+template <typename T> inline float half_of(uint32_t r, int high) {
+    T x;
+    x.bits = (uint16_t)(high ? r >> 16 : r & 0xffffu);
+    return to_f32(x);
+}
+
+// d += A B from the fragments of every lane (a[0..3], b[0..1] gathered as words 0..5).
+template <typename T> inline void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    const uint32_t mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
+    uint32_t all[32][emu::WARP_GATHER_WORDS];
+    emu::warp_gather(0xffffffffu, mine, 6, all);
+    const uint32_t lane = emu::tls.tid % 32, g = lane / 4, c = lane % 4;
+    // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2.
+    auto A = [&](uint32_t r, uint32_t k) {
+        return half_of<T>(all[(r % 8) * 4 + (k % 8) / 2][(r >= 8) + 2 * (k >= 8)], k % 2);
+    };
+    // B[k][n]: lane n * 4 + (k % 8) / 2, register 4 + (k >= 8), half k % 2.
+    auto B = [&](uint32_t k, uint32_t n) { return half_of<T>(all[n * 4 + (k % 8) / 2][4 + (k >= 8)], k % 2); };
+    for (uint32_t i = 0; i < 4; ++i) {
+        const uint32_t r = g + 8 * (i / 2), n = 2 * c + i % 2;
+        float acc = d[i];
+        for (uint32_t k = 0; k < 16; ++k) acc = fmaf(A(r, k), B(k, n), acc);
+        d[i] = acc;
+    }
+}
+#else
+template <typename T> __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], const uint32_t b[2]);
+
+template <> __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+template <> __device__ __forceinline__ void mma_16816<__half>(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// The A fragment of rows m0..m0+15, columns k0..k0+15 of a row-major tile X (row stride ld elements,
+// even, and X 4-byte aligned); also the B fragment's source when B = Y^T: see frag_bt.
+template <typename T> __device__ __forceinline__ void frag_a(uint32_t a[4], const T *x, uint32_t ld, uint32_t m0,
+                                                             uint32_t k0) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const T *p = x + (size_t)(m0 + g) * ld + k0 + 2 * c;
+    a[0] = *(const uint32_t *)p;
+    a[1] = *(const uint32_t *)(p + 8 * ld);
+    a[2] = *(const uint32_t *)(p + 8);
+    a[3] = *(const uint32_t *)(p + 8 * ld + 8);
+}
+
+// The B fragment of B = Y^T, k0..k0+15 by n0..n0+7, from a row-major tile Y (rows are B's columns).
+template <typename T> __device__ __forceinline__ void frag_bt(uint32_t b[2], const T *y, uint32_t ld, uint32_t n0,
+                                                              uint32_t k0) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const T *p = y + (size_t)(n0 + g) * ld + k0 + 2 * c;
+    b[0] = *(const uint32_t *)p;
+    b[1] = *(const uint32_t *)(p + 8);
+}
+
+// The B fragment of B itself, k0..k0+15 by n0..n0+7, from a row-major tile Y (rows are B's rows).
+template <typename T> __device__ __forceinline__ void frag_b(uint32_t b[2], const T *y, uint32_t ld, uint32_t n0,
+                                                             uint32_t k0) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const T *p = y + (size_t)(k0 + 2 * c) * ld + n0 + g;
+    b[0] = pair(p[0], p[ld]);
+    b[1] = pair(p[8 * ld], p[9 * ld]);
+}
+
+// The A fragment of a 16x16 block whose values are the accumulators of two 16x8 products (n-tiles
+// `lo` for columns 0..7 and `hi` for 8..15): how a product's result feeds the next product.
+template <typename T> __device__ __forceinline__ void frag_from_acc(uint32_t a[4], const float lo[4], const float hi[4]) {
+    a[0] = pack2<T>(lo[0], lo[1]);
+    a[1] = pack2<T>(lo[2], lo[3]);
+    a[2] = pack2<T>(hi[0], hi[1]);
+    a[3] = pack2<T>(hi[2], hi[3]);
+}

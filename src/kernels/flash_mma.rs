@@ -1,0 +1,103 @@
+//! Flash attention on the tensor cores: the launch plans of kernels/flash_mma.cu, whose block products
+//! are warp-wide `mma.sync` instructions (m16n8k16, bf16/f16 in, f32 accumulators; kernels/mma.cuh) with
+//! the scores, probabilities and their gradients kept in registers, never in device memory. The same
+//! inputs, outputs and arithmetic as [`flash_attention`](super::flash_attention)'s op (whose CPU
+//! implementation is their reference), for bf16 and f16 and a head dim in [`HEAD_DIMS`]; the op takes
+//! this path on a GPU with `attention = "mma"` where it applies, and the chunked GEMM path otherwise.
+
+use candle_core::{DType, Result};
+
+use super::flash_attention::Dims;
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+
+/// Head dims the kernels are compiled for (each its own kernel: the fragments live in registers).
+pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Threads per block: four warps, each 16 rows (queries, or keys in the dk/dv kernel).
+const THREADS: u32 = 128;
+/// Queries per block of the forward and the dq kernel, keys per block of the dk/dv kernel.
+const ROWS: usize = 64;
+/// Keys per step of the forward and the dq kernel, queries per step of the dk/dv kernel.
+const FWD_KEYS: usize = 64;
+const DQ_KEYS: usize = 32;
+const DKV_QUERIES: usize = 16;
+
+/// Whether the tensor-core kernels take inputs of `dtype` with head dim `d`.
+pub(crate) fn supports(dtype: DType, d: usize) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16) && HEAD_DIMS.contains(&d)
+}
+
+/// Shared memory of each kernel, as kernels/flash_mma.cu lays it out: tiles of 16-bit values with a row
+/// stride of D + 8 (transposed tiles: the tile's rows + 8), then the rows' key ranges and statistics.
+fn shared_bytes(kernel: &str, d: usize) -> usize {
+    let ld = d + 8;
+    match kernel {
+        "fwd" => 2 * (FWD_KEYS * ld + d * (FWD_KEYS + 8)) + 2 * 4 * ROWS,
+        "bwd_dq" => 2 * (2 * DQ_KEYS * ld + d * (DQ_KEYS + 8)) + 2 * 4 * ROWS,
+        _ => 2 * (2 * ROWS * ld + 2 * DKV_QUERIES * ld) + 4 * 4 * DKV_QUERIES,
+    }
+}
+
+/// The launch of kernel `flash_mma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
+fn mma_launch(
+    kernel: &str,
+    dims: &Dims,
+    dtype: DType,
+    (blocks, heads): (usize, usize),
+    args: Vec<Arg>,
+) -> Result<Launch> {
+    if !supports(dtype, dims.d) {
+        candle_core::bail!(
+            "flash attention on tensor cores: {dtype:?} with head dim {} (bf16 or f16, head dim 64 or 128)",
+            dims.d
+        );
+    }
+    Ok(Launch {
+        module: Module::FlashMma,
+        kernel: kernel_name(&format!("flash_mma_{kernel}_d{}", dims.d), dtype)?,
+        grid: (blocks as u32, heads as u32, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: shared_bytes(kernel, dims.d) as u32,
+        args,
+    })
+}
+
+/// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
+fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
+    [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
+}
+
+/// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
+pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let mut p = Plan::default();
+    let (q, k, v) =
+        (p.input("q", dtype, dims.q_len()), p.input("k", dtype, dims.kv_len()), p.input("v", dtype, dims.kv_len()));
+    let ranges = p.input("attention ranges", DType::U32, dims.b * dims.t * 2);
+    let lse = p.output("log-sum-exp", DType::F32, dims.b * dims.h * dims.t);
+    let out = p.output("attention", dtype, dims.q_len());
+    let mut args = vec![q, k, v, ranges, lse, out];
+    args.extend(sizes(&dims, scale));
+    p.launch(mma_launch("fwd", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args)?)?;
+    Ok(p)
+}
+
+/// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
+/// dv (key blocks of one KV head, over its group's query heads), one output after the other.
+pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let (nq, nk) = (dims.q_len(), dims.kv_len());
+    let mut p = Plan::default();
+    let mut inputs = vec![p.input("q", dtype, nq), p.input("k", dtype, nk), p.input("v", dtype, nk)];
+    inputs.push(p.input("grad", dtype, nq));
+    inputs.push(p.input("attention ranges", DType::U32, dims.b * dims.t * 2));
+    inputs.push(p.input("log-sum-exp", DType::F32, dims.b * dims.h * dims.t));
+    inputs.push(p.input("delta", DType::F32, dims.b * dims.h * dims.t));
+    let Arg::Buffer { index: grads, .. } = p.output("gradients", dtype, nq + 2 * nk) else { unreachable!() };
+    let args = |offset: usize| {
+        let mut a = inputs.clone();
+        a.push(Arg::Buffer { index: grads, offset });
+        a.extend(sizes(&dims, scale));
+        a
+    };
+    p.launch(mma_launch("bwd_dq", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args(0))?)?;
+    p.launch(mma_launch("bwd_dkv", &dims, dtype, (dims.s.div_ceil(ROWS), dims.b * dims.kv), args(nq))?)?;
+    Ok(p)
+}
