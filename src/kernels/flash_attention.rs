@@ -21,6 +21,10 @@ use std::sync::OnceLock;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
 
 use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
+#[cfg(feature = "cuda")]
+use super::flash_mma;
+#[cfg(feature = "cuda")]
+use candle_core::backend::BackendStorage;
 use driver::{Blocks, Visits};
 
 /// `$body` with `be` the GPU backend of `$s`'s dtype.
@@ -128,6 +132,8 @@ struct FlashAttention {
     ranges: Tensor,
     scale: f32,
     blocks: Option<Blocks>,
+    /// On a GPU, the tensor-core kernels of kernels/flash_mma.cu where they apply ([`flash_mma::supports`]).
+    tensor_cores: bool,
     lse: OnceLock<Tensor>,
     visits: OnceLock<Visits>,
 }
@@ -195,6 +201,22 @@ impl CustomOp3 for FlashAttention {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = Dims::new(l1, l2, l3, self.ranges.layout())?;
+        if self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d) {
+            let (rs, rl) = self.ranges.storage_and_layout();
+            let plan = flash_mma::forward_plan(s1.dtype(), dims, self.scale)?;
+            let [lse, out]: [candle_core::CudaStorage; 2] =
+                super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)])?
+                    .try_into()
+                    .map_err(|_| candle_core::Error::Msg("flash attention: two outputs expected".into()))?;
+            let lse = Storage::Cuda(lse);
+            self.keep_lse(Tensor::from_storage(
+                lse,
+                (dims.b, dims.h, dims.t),
+                candle_core::op::BackpropOp::none(),
+                false,
+            ));
+            return Ok((out, l1.shape().clone()));
+        }
         // One host read per call: the block pairs to visit come from the ranges.
         let host: Vec<u32> = self.ranges.flatten_all()?.to_vec1()?;
         let visits = self.visits(dims, driver::Device::Gpu, &host);
@@ -220,8 +242,14 @@ impl CustomOp3 for FlashAttention {
         let grad = grad.to_dtype(out.dtype())?.contiguous()?;
         let delta = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
         let lse_delta = Tensor::cat(&[lse.flatten_all()?, delta.flatten_all()?], 0)?;
-        let op =
-            FlashAttentionBwd { ranges: &self.ranges, grad: &grad, lse_delta: &lse_delta, scale: self.scale, visits };
+        let op = FlashAttentionBwd {
+            ranges: &self.ranges,
+            grad: &grad,
+            lse_delta: &lse_delta,
+            scale: self.scale,
+            visits,
+            tensor_cores: self.tensor_cores,
+        };
         let grads = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
         let dq = grads.narrow(0, 0, nq)?.reshape(q.shape())?;
@@ -240,6 +268,9 @@ struct FlashAttentionBwd<'a> {
     lse_delta: &'a Tensor,
     scale: f32,
     visits: Option<&'a Visits>,
+    /// As [`FlashAttention`]'s (read on the GPU only).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    tensor_cores: bool,
 }
 
 impl CustomOp3 for FlashAttentionBwd<'_> {
@@ -286,6 +317,16 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
+        if self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d) {
+            return mma_backward(
+                dims,
+                self.scale,
+                [(s1, l1), (s2, l2), (s3, l3)],
+                self.grad,
+                (&rs, rl),
+                self.lse_delta,
+            );
+        }
         let Some(visits) = self.visits else { candle_core::bail!("flash attention backward before its forward") };
         let (gs, gl) = self.grad.storage_and_layout();
         let (ls, ll) = self.lse_delta.storage_and_layout();
@@ -301,15 +342,32 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
 /// `[B, H, T, D]` in the inputs' dtype (f32, bf16 or f16), with a backward to q, k and v. Computed
 /// block by block in O(T) memory per head.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None)
+    attend(q, k, v, ranges, scale, None, false)
 }
 
-/// [`flash_attention`] with the given block sizes (`None`: [`driver::block_sizes`] of the device).
-fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64, blocks: Option<Blocks>) -> Result<Tensor> {
+/// [`flash_attention`] whose GPU path, for bf16 and f16 with a head dim of 64 or 128, is the tensor-core
+/// kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products, scores and
+/// probabilities in registers) instead of the chunked GEMMs; elsewhere the same as [`flash_attention`].
+pub fn flash_attention_mma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
+    attend(q, k, v, ranges, scale, None, true)
+}
+
+/// [`flash_attention`] with the given block sizes (`None`: [`driver::block_sizes`] of the device), on a GPU
+/// through the tensor-core kernels where they apply when `tensor_cores`.
+fn attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &Tensor,
+    scale: f64,
+    blocks: Option<Blocks>,
+    tensor_cores: bool,
+) -> Result<Tensor> {
     let op = FlashAttention {
         ranges: ranges.contiguous()?,
         scale: scale as f32,
         blocks,
+        tensor_cores,
         lse: OnceLock::new(),
         visits: OnceLock::new(),
     };
@@ -520,6 +578,28 @@ where
     let x = driver::Inputs { q: &q, k: &k, v: &v, ranges: &ranges, scale };
     let grads = driver::backward(be, visits, &x, &driver::Upstream { dout: &dout, lse_delta: &lse_delta })?;
     Ok(candle_core::CudaStorage::wrap_cuda_slice(grads, be.dev.clone()))
+}
+
+/// The tensor-core kernels' backward on the GPU (kernels/flash_mma.cu): dq|dk|dv.
+#[cfg(feature = "cuda")]
+fn mma_backward(
+    dims: Dims,
+    scale: f32,
+    [q, k, v]: [CudaIn; 3],
+    grad: &Tensor,
+    (rs, rl): (&Storage, &Layout),
+    lse_delta: &Tensor,
+) -> Result<(candle_core::CudaStorage, Shape)> {
+    let n = dims.b * dims.h * dims.t;
+    let (lse, delta) = (lse_delta.narrow(0, 0, n)?, lse_delta.narrow(0, n, n)?);
+    let ((gs, gl), (ls, ll), (ds, dl)) =
+        (grad.storage_and_layout(), lse.storage_and_layout(), delta.storage_and_layout());
+    let plan = flash_mma::backward_plan(q.0.dtype(), dims, scale)?;
+    let held = [(cuda_storage(&gs)?, gl), (cuda_storage(rs)?, rl), (cuda_storage(&ls)?, ll), (cuda_storage(&ds)?, dl)];
+    let ins = [q, k, v, held[0], held[1], held[2], held[3]];
+    let out = super::cuda::run(&plan, &ins)?.pop();
+    let out = out.ok_or_else(|| candle_core::Error::Msg("flash attention backward: no output".into()))?;
+    Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
 }
 
 #[cfg(feature = "cuda")]

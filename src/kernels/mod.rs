@@ -10,6 +10,8 @@
 //!   one pass with its own backward.
 //! - [`flash_attention`] (flash_attention.rs): attention block by block with an online softmax and its
 //!   own backward, O(T) memory per head; [`matrix_attention`] is the same through the `[T, S]` matrix.
+//!   Its GPU path runs the block products as cuBLAS GEMMs, or, through [`flash_attention_mma`], as the
+//!   tensor-core instructions of kernels/flash_mma.cu (flash_mma.rs: their launch plans).
 //! - [`embedding`] (embedding.rs): the embedding lookup, whose backward [`embedding_grad`] sums each
 //!   token's gradient rows in f32.
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
@@ -43,7 +45,7 @@ mod rows;
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
-pub use flash_attention::{flash_attention, matrix_attention};
+pub use flash_attention::{flash_attention, flash_attention_mma, matrix_attention};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};

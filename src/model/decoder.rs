@@ -9,8 +9,8 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention, logprobs_entropy, masked_softmax,
-    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
+    embedding, embedding_grad, embedding_reference, flash_attention, flash_attention_mma, logprobs_entropy,
+    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -63,6 +63,11 @@ pub enum Attention {
     Flash,
     /// Through the `[T, S]` score matrix of each head and the fused masked softmax: O(T x S) memory.
     Matrix,
+    /// As `flash`, but on a GPU, for bf16 and f16 weights with a head dim of 64 or 128, through the
+    /// tensor-core kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products
+    /// with the scores in registers) instead of cuBLAS GEMMs over blocks in device memory. Tested on the
+    /// host emulator, not yet on a GPU; elsewhere the same as `flash`.
+    Mma,
 }
 
 /// Options that change how (not what) the decoder computes.
@@ -635,11 +640,12 @@ impl Decoder {
         let scale = 1.0 / (hd as f64).sqrt();
         // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
         // cache views as they are, where flash attention would copy them into contiguous tensors.
-        let flash = self.options.attention == Attention::Flash && t > 1;
+        let flash = self.options.attention != Attention::Matrix && t > 1;
         for (what, n, hint) in layer_sizes(cfg, b, t, k.dim(2)?, fused && flash) {
             crate::device::check_elements(&self.device, what, n, hint)?;
         }
         let attn = match (fused, flash) {
+            (true, true) if self.options.attention == Attention::Mma => flash_attention_mma(&q, &k, &v, ranges, scale)?,
             (true, true) => flash_attention(&q, &k, &v, ranges, scale)?,
             (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,

@@ -12,8 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, logprobs_entropy, logprobs_entropy_reference, masked_softmax, masked_softmax_reference,
-    matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad, row_stats,
+    flash_attention, flash_attention_mma, logprobs_entropy, logprobs_entropy_reference, masked_softmax,
+    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad,
+    row_stats,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -32,6 +33,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
+    KernelCheck { op: "flash_attention_mma", run: flash_attention_mma_check, tolerance: rounded_output },
     KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
 ];
 
@@ -279,14 +281,33 @@ fn masked_softmax_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
 }
 
 fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    let mut rng = rng(23);
     // (heads, kv heads, queries, cached keys, head dim): GQA groups of 1, 2 and 4, lengths that are not
     // multiples of the tiles, every tile choice of head dim, a decode step over a cache.
     let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (4, 1, 40, 17, 256), (8, 2, 1, 200, 128), (2, 1, 45, 0, 40)];
+    attention_check(device, dtype, &cases, flash_attention)
+}
+
+/// The tensor-core kernels (bf16 and f16; f32 takes the chunked path) at both head dims they take.
+fn flash_attention_mma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64)];
+    attention_check(device, dtype, &cases, flash_attention_mma)
+}
+
+type AttentionFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
+
+/// `attend` against the matrix reference on `cases` (heads, kv heads, queries, cached keys, head dim)
+/// of two rows with packed segments.
+fn attention_check(
+    device: &Device,
+    dtype: DType,
+    cases: &[(usize, usize, usize, usize, usize)],
+    attend: AttentionFn,
+) -> Result<Vec<Part>> {
+    let mut rng = rng(23);
     let scale = 0.125;
     let parts = cases
-        .into_iter()
-        .map(|(h, kv, t, past, d)| {
+        .iter()
+        .map(|&(h, kv, t, past, d)| {
             let (b, s) = (2, t + past);
             let q = uniform(&mut rng, &[b, h, t, d], 3.0)?;
             let k = uniform(&mut rng, &[b, kv, s, d], 3.0)?;
@@ -299,7 +320,7 @@ fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
                 dtype,
                 &[&q, &k, &v],
                 &up,
-                |x| flash_attention(&x[0], &x[1], &x[2], &rd, scale),
+                |x| attend(&x[0], &x[1], &x[2], &rd, scale),
                 |x| matrix_attention(&x[0], &x[1], &x[2], |sc| masked_softmax_reference(sc, &r, scale)),
             )
         })

@@ -198,7 +198,7 @@ impl Activations {
         let matrix = 2.0 * b * heads * t * t * d;
         let (attn_saved, attn_work) = match attention {
             Attention::Matrix => (matrix, matrix),
-            Attention::Flash => (4.0 * b * heads * t, 8.0 * b * heads * t),
+            Attention::Flash | Attention::Mma => (4.0 * b * heads * t, 8.0 * b * heads * t),
         };
         let layer = n * width * d + attn_saved;
         let rows = (chunk_bytes as f64 / (4.0 * v).max(1.0)).floor().clamp(1.0, 65536.0).min(n_scored.max(1.0));
@@ -322,6 +322,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let head_part = act.head_backward.saturating_add(act.logprob_chunk);
     let kind = match inputs.attention {
         Attention::Flash => "flash: O(T)",
+        Attention::Mma => "mma: O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {
@@ -477,7 +478,7 @@ impl Plan {
         if !cfg.optim.offload && !self.inputs.on_cpu {
             ways.push("optim.offload = true (optimizer state in host memory)".into());
         }
-        if self.inputs.attention != Attention::Flash {
+        if self.inputs.attention == Attention::Matrix {
             ways.push("flash attention (model.fused_ops = true, model.attention = \"flash\")".into());
         }
         if cfg.objective.build().needs_reference() && !self.inputs.reference_cached {

@@ -88,7 +88,7 @@ fn flash(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
 const SMALL: [Blocks; 3] = [Blocks { bq: 1, bk: 1 }, Blocks { bq: 16, bk: 24 }, Blocks { bq: 7, bk: 64 }];
 
 fn flash_blocks(ranges: &Tensor, blocks: Blocks) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
-    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks)).unwrap()
+    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks), false).unwrap()
 }
 
 fn matrix(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
