@@ -145,7 +145,8 @@ pub struct TrainStepSpec {
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
-    /// How attention is computed with fused ops: flash (block by block) or matrix (score matrix).
+    /// How attention is computed with fused ops: flash (block by block), mma (flash on the tensor cores,
+    /// on a GPU) or matrix (score matrix).
     #[arg(long, value_enum, default_value_t = Attention::Flash)]
     pub attention: Attention,
 }
@@ -291,6 +292,9 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
+        tensor_cores: spec.fused_ops
+            && spec.attention == Attention::Mma
+            && crate::kernels::tensor_core_attention(t.dtype, cfg.head_dim),
     };
     let device = device_name(&t.device);
     GPUS.iter()

@@ -10,6 +10,7 @@
 #   - needs more registers than a block of its largest size can have (64 Ki 32-bit registers per block:
 #     registers x threads, threads = the kernel's __launch_bounds__ (`.maxntid`) or else 1024), which a
 #     launch would refuse with "too many resources requested";
+# when an entry of kernels/flash_mma.cu has no tensor-core mma.sync instruction (its block products);
 # and when the PTX does not target the architecture asked for (`.target sm_XX`) or uses a PTX ISA newer
 # than 9.0 (what driver 580, CUDA 13.0, JIT-compiles).
 #
@@ -91,6 +92,21 @@ for arch in $ARCHS; do
                 }
                 exit bad
             }' "$log" | sort -k3 || fail=1
+        # The tensor-core kernels' block products are mma instructions, not scalar loops: every entry of
+        # flash_mma.cu has them (and its PTX no f32 fma loop over a head dim in their place).
+        if [ "$stem" = flash_mma ]; then
+            awk -v arch="$arch" '
+                /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
+                /mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)/ && f != "" { n[f]++ }
+                END {
+                    bad = 0
+                    for (f in n) {
+                        if (n[f] == 0) { printf "FAIL sm_%s %s: no mma.sync instruction\n", arch, f; bad = 1 }
+                        else printf "ok   sm_%s %-26s %4d mma.sync m16n8k16 instructions\n", arch, f, n[f]
+                    }
+                    exit bad
+                }' "$ptx" | sort -k3 || fail=1
+        fi
     done
 done
 if [ "$fail" -ne 0 ]; then

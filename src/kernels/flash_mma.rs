@@ -2,7 +2,7 @@
 //! are warp-wide `mma.sync` instructions (m16n8k16, bf16/f16 in, f32 accumulators; kernels/mma.cuh) with
 //! the scores, probabilities and their gradients kept in registers, never in device memory. The same
 //! inputs, outputs and arithmetic as [`flash_attention`](super::flash_attention)'s op (whose CPU
-//! implementation is their reference), for bf16 and f16 and a head dim in [`HEAD_DIMS`]; the op takes
+//! implementation is their reference), for bf16 and f16 and a head dim in [`TENSOR_CORE_HEAD_DIMS`](super::TENSOR_CORE_HEAD_DIMS); the op takes
 //! this path on a GPU with `attention = "mma"` where it applies, and the chunked GEMM path otherwise.
 
 use candle_core::{DType, Result};
@@ -10,8 +10,6 @@ use candle_core::{DType, Result};
 use super::flash_attention::Dims;
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 
-/// Head dims the kernels are compiled for (each its own kernel: the fragments live in registers).
-pub(crate) const HEAD_DIMS: [usize; 2] = [64, 128];
 /// Threads per block: four warps, each 16 rows (queries, or keys in the dk/dv kernel).
 const THREADS: u32 = 128;
 /// Queries per block of the forward and the dq kernel, keys per block of the dk/dv kernel.
@@ -21,9 +19,10 @@ const FWD_KEYS: usize = 64;
 const DQ_KEYS: usize = 32;
 const DKV_QUERIES: usize = 16;
 
-/// Whether the tensor-core kernels take inputs of `dtype` with head dim `d`.
+/// Whether the tensor-core kernels take inputs of `dtype` with head dim `d` (each head dim its own
+/// kernel: the fragments live in registers).
 pub(crate) fn supports(dtype: DType, d: usize) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16) && HEAD_DIMS.contains(&d)
+    super::tensor_core_attention(dtype, d)
 }
 
 /// Shared memory of each kernel, as kernels/flash_mma.cu lays it out: tiles of 16-bit values with a row

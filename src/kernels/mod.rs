@@ -51,6 +51,15 @@ pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};
 
+/// Head dims the tensor-core attention kernels (kernels/flash_mma.cu) are compiled for.
+pub const TENSOR_CORE_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// Whether [`flash_attention_mma`] runs the tensor-core kernels on a GPU for inputs of `dtype` with head
+/// dim `head_dim` (bf16 or f16 at a head dim of [`TENSOR_CORE_HEAD_DIMS`]; otherwise the chunked path).
+pub fn tensor_core_attention(dtype: candle_core::DType, head_dim: usize) -> bool {
+    matches!(dtype, candle_core::DType::BF16 | candle_core::DType::F16) && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
+}
+
 /// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
 #[cfg(feature = "cuda")]
 pub fn ptx() -> &'static str {

@@ -56,7 +56,9 @@ pub struct ModelSection {
     /// training; false computes them on the fly each step.
     pub cache_reference: bool,
     /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
-    /// the default) or "matrix" (through each head's [T, T] score matrix: quadratic memory).
+    /// the default), "mma" (flash on a GPU's tensor cores with the scores in registers, for bf16/f16 at
+    /// head dim 64 or 128; elsewhere flash) or "matrix" (through each head's [T, T] score matrix:
+    /// quadratic memory).
     pub attention: Attention,
 }
 
@@ -505,6 +507,8 @@ mod tests {
         assert_eq!(c.model.attention, Attention::Flash);
         let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=matrix".into()]).unwrap();
         assert_eq!(c.model.attention, Attention::Matrix);
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=mma".into()]).unwrap();
+        assert_eq!(c.model.attention, Attention::Mma);
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=sparse".into()]).unwrap_err();
         assert!(e.to_string().contains("sparse") && e.to_string().contains("`flash`"), "{e}");
     }

@@ -74,6 +74,8 @@ pub enum OpKind {
     Gemm,
     /// The block products of attention (tensor cores, small inner dimension: the head's).
     AttentionGemm,
+    /// The tensor-core attention kernels (kernels/flash_mma.cu): block products and softmax on chip.
+    AttentionMma,
     /// Element-wise and reductions, memory-bound.
     Elementwise,
     /// The optimiser update in host memory (`optim.offload`): PCIe transfers and host memory bandwidth.
@@ -108,6 +110,8 @@ pub struct Gpu {
     pub gemm_efficiency: f64,
     /// Fraction of the peak the attention's block GEMMs reach when compute-bound (inner dimension 128).
     pub attention_gemm_efficiency: f64,
+    /// Fraction of the peak the tensor-core attention kernels' `mma.sync` products reach.
+    pub mma_attention_efficiency: f64,
     /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
     pub memory_efficiency: f64,
     /// Host time to launch one kernel, s.
@@ -134,14 +138,17 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 /// per direction through NVSwitch; one ConnectX-7 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100); PCIe
 /// Gen5 x16 64 GB/s per direction, ~50 GB/s achieved. Efficiencies (assumed, stated): cuBLAS bf16 GEMMs
 /// of LLM sizes reach 60-75% of peak on H100, taken as 0.65; the attention's K = 128 block GEMMs 0.5;
-/// streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through
-/// cudarc), a host sync 20 us.
+/// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
+/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels lack its asynchronous
+/// copies and ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
+/// 4 us (cuLaunchKernel through cudarc), a host sync 20 us.
 pub const H100_SXM: Gpu = Gpu {
     name: "H100 SXM",
     peak_flops: 989.4e12,
     memory_bandwidth: 3.35e12,
     gemm_efficiency: 0.65,
     attention_gemm_efficiency: 0.5,
+    mma_attention_efficiency: 0.30,
     memory_efficiency: 0.85,
     launch_s: 4e-6,
     sync_s: 20e-6,
@@ -154,13 +161,15 @@ pub const H100_SXM: Gpu = Gpu {
 /// (nvidia.com/en-us/data-center/a100). NVLink 3: 600 GB/s per GPU in total, 300 per direction; one
 /// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
 /// Efficiencies (assumed): large cuBLAS bf16 GEMMs reach ~80% of peak on A100; the attention's block
-/// GEMMs 0.6; streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
+/// GEMMs 0.6; the tensor-core attention kernels 0.45 (FlashAttention-2 reaches 50-73% of the A100's peak;
+/// these kernels lack its asynchronous copies and ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
 pub const A100_80GB: Gpu = Gpu {
     name: "A100 80GB",
     peak_flops: 312e12,
     memory_bandwidth: 2.039e12,
     gemm_efficiency: 0.8,
     attention_gemm_efficiency: 0.6,
+    mma_attention_efficiency: 0.45,
     memory_efficiency: 0.85,
     launch_s: 4e-6,
     sync_s: 20e-6,
@@ -193,6 +202,9 @@ pub struct StepShape {
     /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
     pub optimizer_shards: u64,
     pub blocks: AttentionBlocks,
+    /// Attention runs on the tensor-core kernels (`model.attention = "mma"` where they apply) rather than
+    /// as chunked GEMMs in `blocks`.
+    pub tensor_cores: bool,
 }
 
 impl StepShape {
@@ -231,7 +243,7 @@ struct Ops {
 impl Ops {
     fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, launches: f64) {
         let t = self.times;
-        let attention = kind == OpKind::AttentionGemm || name.starts_with("attention");
+        let attention = matches!(kind, OpKind::AttentionGemm | OpKind::AttentionMma) || name.starts_with("attention");
         let (flops, bytes, launches) = (flops * t, bytes * t, launches * t);
         self.ops.push(OpCost { name, kind, flops, bytes, host_bytes: 0.0, launches, syncs: 0.0, attention });
     }
@@ -285,8 +297,65 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, backward: bo
     }
 }
 
-/// One layer's chunked attention on `b` sequences of `t` tokens (`backward`: with its recomputation).
-fn layer_attention(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, blocks: AttentionBlocks, d: f64, backward: bool) {
+/// The (query, key) score elements and block pairs the dk/dv kernel of kernels/flash_mma.cu computes for
+/// one causal sequence and one query head: each block of `bk` keys against the blocks of `bq` queries
+/// from the one holding its first key on.
+fn computed_scores_by_keys(t: u64, bk: u64, bq: u64) -> (f64, f64) {
+    let (mut scores, mut pairs) = (0f64, 0f64);
+    let mut j0 = 0;
+    while j0 < t {
+        let keys = bk.min(t - j0);
+        let first = j0 / bq * bq;
+        scores += keys as f64 * (t - first) as f64;
+        pairs += (t - first).div_ceil(bq) as f64;
+        j0 += keys;
+    }
+    (scores, pairs)
+}
+
+/// One layer's attention on the tensor-core kernels (kernels/flash_mma.cu) on `b` sequences of `t`
+/// tokens. Forward: 64 queries against blocks of 64 keys, S = Q K^T and O += P V (4 hd FLOPs per score),
+/// K and V read per block pair, Q read and O written once. Backward: the dq kernel (64 queries, blocks
+/// of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv kernel (64 keys, blocks of 16 queries of
+/// each head of the group: S^T, dP^T, dV and dK, 8 hd per score; it reads every query block's ranges
+/// to find those that see its keys), after `D = rowsum(dO O)` by candle's element-wise ops.
+fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, backward: bool) {
+    let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
+    let bh = b * heads;
+    let tokens = t as f64;
+    let row_stats = 4.0 + 8.0; // a query's log-sum-exp (or delta) and its key range
+    if !backward {
+        let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 64 });
+        let bytes = tokens * (2.0 * hd * d + row_stats) + pairs * 2.0 * 64.0 * hd * d;
+        o.push("attention kernels (forward)", OpKind::AttentionMma, bh * 4.0 * hd * scores, bh * bytes, 1.0);
+        return;
+    }
+    o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
+    let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
+    let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + pairs * 2.0 * 32.0 * hd * d;
+    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
+    let key_blocks = t.div_ceil(64) as f64;
+    let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
+        + kv_pairs * 16.0 * (2.0 * hd * d + 2.0 * row_stats)
+        + key_blocks * tokens * 8.0;
+    let flops = bh * (6.0 * hd * scores + 8.0 * hd * kv_scores);
+    o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bh * (dq_bytes + kv_bytes), 2.0);
+}
+
+/// One layer's attention on `b` sequences of `t` tokens (`backward`: with its recomputation): chunked
+/// GEMMs in `blocks`, or the tensor-core kernels with `tensor_cores`.
+fn layer_attention(
+    o: &mut Ops,
+    m: &ModelConfig,
+    b: f64,
+    t: u64,
+    (blocks, tensor_cores): (AttentionBlocks, bool),
+    d: f64,
+    backward: bool,
+) {
+    if tensor_cores {
+        return layer_attention_mma(o, m, b, t, d, backward);
+    }
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let (scores, pairs) = computed_scores(t, blocks);
     let q_blocks = t.div_ceil(blocks.query.max(1)) as f64;
@@ -339,7 +408,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(o, m, n_tokens, d, false);
-    layer_attention(o, m, b, s.seq_tokens, s.blocks, d, false);
+    layer_attention(o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, false);
     o.times = times;
     if whole {
         o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
@@ -364,7 +433,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(&mut o, m, n_tokens, d, true);
-    layer_attention(&mut o, m, b, s.seq_tokens, s.blocks, d, true);
+    layer_attention(&mut o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, true);
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
@@ -388,6 +457,7 @@ fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let work = match op.kind {
         OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
         OpKind::AttentionGemm => (op.flops / (gpu.peak_flops * gpu.attention_gemm_efficiency)).max(op.bytes / bw),
+        OpKind::AttentionMma => (op.flops / (gpu.peak_flops * gpu.mma_attention_efficiency)).max(op.bytes / bw),
         OpKind::Elementwise => op.bytes / bw,
         OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / HOST_MEMORY_BANDWIDTH,
     };
@@ -467,8 +537,8 @@ fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: 
     let shape = StepShape { blocks, ..*s };
     let mut o = Ops { ops: Vec::new(), times: 1.0 };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
-    layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, false);
-    layer_attention(&mut o, m, b, shape.seq_tokens, blocks, shape.dtype_bytes as f64, true);
+    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, false), shape.dtype_bytes as f64, false);
+    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, false), shape.dtype_bytes as f64, true);
     o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
 }
 
@@ -511,15 +581,16 @@ pub const GPUS_PER_NODE: u64 = 8;
 /// `world_size` ranks, and for each of [`GPUS`] its predicted time, throughput and efficiency.
 pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u64) -> String {
     let world = world_size.max(1);
+    let attention = match s.tensor_cores {
+        true => "attention on the tensor-core kernels".to_string(),
+        false => format!("attention in {} x {} blocks", s.blocks.query, s.blocks.key),
+    };
     let mut out = format!(
-        "performance model (src/train/perf_model.rs): {} answers x {} tokens{}, micro-batch {}, attention in {} x {} \
-         blocks, {}, {}\n",
+        "performance model (src/train/perf_model.rs): {} answers x {} tokens{}, micro-batch {}, {attention}, {}, {}\n",
         s.answers,
         s.seq_tokens,
         if world > 1 { " per rank" } else { "" },
         s.micro_batch,
-        s.blocks.query,
-        s.blocks.key,
         if s.checkpoint_layers { "layers recomputed" } else { "no recomputation" },
         if s.reference_forward { "a reference forward" } else { "no reference forward (cached or beta 0)" },
     );
@@ -594,6 +665,7 @@ mod tests {
             offload: false,
             logprob_chunk_bytes: 1 << 30,
             optimizer_shards: 1,
+            tensor_cores: false,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }
@@ -638,6 +710,44 @@ mod tests {
         // 2 answers x 3 layers x 2 heads x 4 head_dim per score, 2 GEMMs of 2 flops forward.
         assert_eq!(fwd, 2.0 * 3.0 * 2.0 * 4.0 * 4.0 * 68.0);
         assert_eq!(bwd, 2.5 * fwd);
+    }
+
+    /// The tensor-core kernels' counts: 4 hd FLOPs per score of the forward's 64 x 64 causal blocks, 6 hd
+    /// per score of the dq kernel's 64 x 32 blocks and 8 hd per score of the dk/dv kernel's 64-key blocks
+    /// against the 16-query blocks from their first key on; one launch forward, two backward (plus
+    /// delta's element-wise ops), and on the 7B recipe a shorter attention than the chunked GEMMs'.
+    #[test]
+    fn tensor_core_attention_follows_its_kernels() {
+        let m = tiny();
+        // T = 100, 64-key blocks from query blocks of 16: keys 0..63 see queries 0..99 (7 blocks), keys
+        // 64..99 queries 64..99 (3 blocks).
+        assert_eq!(computed_scores_by_keys(100, 64, 16), (64.0 * 100.0 + 36.0 * 36.0, 10.0));
+        let s = StepShape { tensor_cores: true, ..shape(2, 100, 100) };
+        let ops = step_costs(&m, &s);
+        let (fwd_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 64 });
+        let (dq_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 32 });
+        let bh = 2.0 * 2.0 * 3.0; // answers x heads x layers
+        assert_eq!(flops(&ops, |o| o.name == "attention kernels (forward)"), bh * 4.0 * 4.0 * fwd_scores);
+        let bwd = bh * 4.0 * (6.0 * dq_scores + 8.0 * (64.0 * 100.0 + 36.0 * 36.0));
+        assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
+        let launches =
+            |ops: &[OpCost]| ops.iter().filter(|o| o.kind == OpKind::AttentionMma).map(|o| o.launches).sum::<f64>();
+        assert_eq!(launches(&ops), 2.0 * 3.0 * 3.0);
+        assert!(ops.iter().all(|o| o.kind != OpKind::AttentionGemm));
+        let seven = StepShape {
+            answers: 16,
+            micro_batch: 2,
+            seq_tokens: 18432,
+            scored_tokens: 16384,
+            blocks: driver_blocks(&seven_b(), 18432),
+            ..shape(1, 1, 1)
+        };
+        for gpu in &GPUS {
+            let chunked = predict(&seven_b(), &seven, gpu);
+            let mma = predict(&seven_b(), &StepShape { tensor_cores: true, ..seven }, gpu);
+            assert!(mma.attention_s < 0.7 * chunked.attention_s, "{}: {mma:?} vs {chunked:?}", gpu.name);
+            assert!(mma.launches < chunked.launches / 10.0, "{}", gpu.name);
+        }
     }
 
     #[test]
