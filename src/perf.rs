@@ -525,6 +525,10 @@ pub struct AttentionSpec {
     /// Side of the square f32 matmul measured as the reference rate.
     #[arg(long, default_value_t = 2048)]
     pub matmul: usize,
+    /// The tensor-core kernels (`model.attention = "mma"`; on a GPU in bf16/f16 at head dim 64 or 128,
+    /// elsewhere the chunked path) instead of the chunked GEMMs.
+    #[arg(long)]
+    pub mma: bool,
 }
 
 /// What `grpo bench attention` prints.
@@ -533,6 +537,8 @@ struct AttentionRecord {
     bench: &'static str,
     device: String,
     dtype: &'static str,
+    /// Which path ran: "mma" (the tensor-core kernels) or "chunked" (block products as GEMMs).
+    kernel: &'static str,
     len: usize,
     heads: usize,
     kv_heads: usize,
@@ -560,7 +566,7 @@ struct AttentionRecord {
 /// Forward and backward of causal attention over `--len` tokens (flash path) against a square f32 matmul
 /// of `--matmul`, both on the device, in the same run.
 pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
-    use crate::kernels::{causal_work, flash_attention, AttentionDevice};
+    use crate::kernels::{causal_work, flash_attention, flash_attention_mma, AttentionDevice};
     let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
     let dev = &t.device;
     let var = |heads| -> Result<Var> {
@@ -570,8 +576,10 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
     let ranges: Vec<u32> = (0..n as u32).flat_map(|i| [0, i]).collect();
     let ranges = Tensor::from_vec(ranges, (1, n, 2), dev)?;
     let scale = 1.0 / (d as f64).sqrt();
+    let mma = spec.mma && !dev.is_cpu() && crate::kernels::tensor_core_attention(t.dtype, d);
+    let attend = if spec.mma { flash_attention_mma } else { flash_attention };
     let (times, _) = time_runs(t, || {
-        let o = flash_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
+        let o = attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
         Ok(o.backward()?)
     })?;
     let seconds = median(&times);
@@ -589,6 +597,7 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         bench: "attention",
         device: device_name(dev),
         dtype: dtype_name(t.dtype),
+        kernel: if mma { "mma" } else { "chunked" },
         len: n,
         heads: h,
         kv_heads: kv,

@@ -6,7 +6,8 @@ Usage:
 RESULTS.jsonl holds the JSON lines of both sides; anything that is not a JSON object is ignored.
 Ours are "impl": "grpo" (train_step, generate) or "grpo_fused" / "grpo_naive" (logprob); the
 reference is "torch" or "torch_naive". A line {"bench": "error", "what", "message"} is kept and shown.
-Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape) are printed as they are.
+Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape) and {"bench": "attention", ...}
+(one layer's attention, chunked GEMMs or tensor-core kernels) are printed as they are.
 Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
 run) are shown too.
 Pairs are made on (shape, answers, seq_len) for train_step, (tokens, hidden, vocab, with_loss)
@@ -228,6 +229,9 @@ def main():
               f"{gib(t.get('plan_train_peak_bytes'))}, measured {gib(t.get('pool_peak_plus_context_bytes'))} "
               f"(pool + context), nvidia-smi {gib(t.get('nvidia_smi_max_used_bytes'))}; "
               f"plan / measured {t.get('plan_over_measured')}")
+    for t in (r for r in records if r.get("bench") == "attention"):
+        print(f"\nattention {t.get('kernel')} {t.get('dtype')} len {t.get('len')}: {t.get('seconds', 0):.4f} s, "
+              f"{t.get('gflops', 0) / 1e3:.1f} TFLOP/s useful (f32 matmul {t.get('matmul_gflops', 0) / 1e3:.1f})")
     for err in (r for r in records if r.get("bench") == "error"):
         print(f"\nERROR in {err.get('what')}: {err.get('message')}")
     Path(sys.argv[2]).write_text(json.dumps(report, indent=1) + "\n")

@@ -10,14 +10,17 @@
 #   3. greedy generation at batch 1 and 32, grpo vs transformers' generate;
 #   4. one training step at Qwen2.5-0.5B and 1.5B shapes, 8 answers of 1024, 4096 and 8192 tokens,
 #      grpo vs PyTorch eager (transformers, SDPA, autocast bf16);
-#   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops);
+#   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops),
+#   and 4 with the tensor-core attention kernels (--attention mma);
+#   attention: one layer's attention at 4k and 16k tokens, chunked GEMMs and tensor-core kernels
+#      (`grpo bench attention [--mma]`, ATTENTION_LENS);
 #   5. (part seed7b, not in the default list) one training step at the Qwen2.5-7B shape with random bf16
 #      weights and the seed's memory settings (configs/openthinker3.toml: layer recomputation, optimiser
 #      state in host memory, no reference model in memory, 2 answers per forward/backward), 8 answers of
 #      2048 + 4096 and 2048 + 16384 tokens: the measured peak device memory beside `grpo train --plan`'s.
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: selftest tests smoke logprob generate train seed7b (default: all but
+#   scripts/gpu/run.sh [PART...]      PART: selftest tests smoke logprob generate attention train seed7b (default: all but
 #                                     seed7b, which needs an 80 GB card and ~100 GB of host memory)
 #
 # env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
@@ -68,7 +71,8 @@ SEED_MEMORY=${SEED_MEMORY:-80GiB}
 DEVICE=${DEVICE:-cuda:0}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(selftest tests smoke logprob generate train)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(selftest tests smoke logprob generate attention train)
+ATTENTION_LENS=${ATTENTION_LENS:-4096 16384}
 
 # The binary links cuBLAS/cuRAND/cudart 13 and finds no RUNPATH: point the loader at them.
 if [ -z "${LD_LIBRARY_PATH:-}" ] || ! ldconfig -p | grep -q libcublas.so.13; then
@@ -171,11 +175,25 @@ PYEOF
                     --logprob-chunk-mb 1024 --device "$DEVICE" --warmup 1 --repeats 2
                 measure "train-step torch $shape $len" "$PY" scripts/gpu/torch_ref.py train-step "${common[@]}" \
                     --device "$TORCH_DEVICE" --warmup 1 --steps 2
-                # The fused kernels against candle's composite ops, on the first shape.
+                # The fused kernels against candle's composite ops, and the tensor-core attention
+                # kernels against the chunked GEMMs, on the first shape.
                 if [ "$shape" = "${TRAIN_SHAPES%% *}" ]; then
+                    measure "train-step grpo mma $shape $len" "$BIN" -q bench train-step "${common[@]}" \
+                        "${ckpt[@]}" --logprob-chunk-mb 1024 --attention mma --device "$DEVICE" --warmup 1 --repeats 2
                     measure "train-step grpo composite $shape $len" "$BIN" -q bench train-step "${common[@]}" \
                         "${ckpt[@]}" --logprob-chunk-mb 1024 --composite-ops --device "$DEVICE" --warmup 1 --repeats 2
                 fi
+            done
+        done
+        ;;
+    attention)
+        # One layer's attention forward + backward at the 7B's head dim (16 heads of 128, groups of 4):
+        # the chunked GEMMs against the tensor-core kernels, each beside an f32 matmul.
+        for len in $ATTENTION_LENS; do
+            for kernel in chunked mma; do
+                flag=(); [ "$kernel" = mma ] && flag=(--mma)
+                measure "attention $kernel $len" "$BIN" -q bench attention --len "$len" --dtype bf16 "${flag[@]}" \
+                    --device "$DEVICE" --warmup 1 --repeats 3
             done
         done
         ;;
