@@ -635,7 +635,7 @@ mod tests {
 
     #[test]
     fn attention_reports_its_rate_against_a_matmul() {
-        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64 };
+        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64, mma: false };
         let r = attention(&spec, &cpu()).unwrap();
         assert_eq!(
             (r["bench"].as_str(), r["len"].as_u64(), r["block_q"].as_u64()),
