@@ -313,31 +313,43 @@ fn computed_scores_by_keys(t: u64, bk: u64, bq: u64) -> (f64, f64) {
     (scores, pairs)
 }
 
+/// The bytes of one head's K and V (or Q and dO) the tensor-core kernels may stream from the L2 cache
+/// rather than device memory: under half the L2 of an A100 (40 MB) or an H100 (50 MB).
+const L2_RESIDENT_BYTES: f64 = 20e6;
+
 /// One layer's attention on the tensor-core kernels (kernels/flash_mma.cu) on `b` sequences of `t`
-/// tokens. Forward: 64 queries against blocks of 64 keys, S = Q K^T and O += P V (4 hd FLOPs per score),
-/// K and V read per block pair, Q read and O written once. Backward: the dq kernel (64 queries, blocks
-/// of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv kernel (64 keys, blocks of 16 queries of
-/// each head of the group: S^T, dP^T, dV and dK, 8 hd per score; it reads every query block's ranges
-/// to find those that see its keys), after `D = rowsum(dO O)` by candle's element-wise ops.
+/// tokens. Forward: 64 queries against blocks of 64 keys, S = Q K^T and O += P V (4 hd FLOPs per score).
+/// Backward: the dq kernel (64 queries, blocks of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv
+/// kernel (64 keys, blocks of 16 queries of each head of the group: S^T, dP^T, dV and dK, 8 hd per score;
+/// it reads every query block's ranges to find those that see its keys), after `D = rowsum(dO O)` by
+/// candle's element-wise ops. Device-memory bytes: each block's own rows once (Q and O; Q, dO and dQ; K,
+/// V, dK and dV) and the streamed operand (K and V; Q and dO) once per head when one head's fits in
+/// [`L2_RESIDENT_BYTES`] (the blocks of a head run together and re-read it from L2), else once per
+/// block pair.
 fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, backward: bool) {
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let bh = b * heads;
     let tokens = t as f64;
     let row_stats = 4.0 + 8.0; // a query's log-sum-exp (or delta) and its key range
+    let resident = 2.0 * tokens * hd * d <= L2_RESIDENT_BYTES;
+    // The streamed pair of [rows, hd] operands: once per head, or `rows` per block pair.
+    let streamed = |pairs: f64, rows: f64| if resident { 2.0 * tokens * hd * d } else { pairs * 2.0 * rows * hd * d };
     if !backward {
         let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 64 });
-        let bytes = tokens * (2.0 * hd * d + row_stats) + pairs * 2.0 * 64.0 * hd * d;
+        let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, 64.0);
         o.push("attention kernels (forward)", OpKind::AttentionMma, bh * 4.0 * hd * scores, bh * bytes, 1.0);
         return;
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
     let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
-    let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + pairs * 2.0 * 32.0 * hd * d;
+    let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, 32.0);
     let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
     let key_blocks = t.div_ceil(64) as f64;
+    let ranges_scan = if resident { tokens * 8.0 } else { key_blocks * tokens * 8.0 };
     let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
-        + kv_pairs * 16.0 * (2.0 * hd * d + 2.0 * row_stats)
-        + key_blocks * tokens * 8.0;
+        + streamed(kv_pairs, 16.0)
+        + kv_pairs * 16.0 * 2.0 * row_stats
+        + ranges_scan;
     let flops = bh * (6.0 * hd * scores + 8.0 * hd * kv_scores);
     o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bh * (dq_bytes + kv_bytes), 2.0);
 }
