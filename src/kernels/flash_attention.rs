@@ -511,14 +511,9 @@ mod plan {
     /// The launches of `flash_bwd_dq` (blocks of queries of one head) and `flash_bwd_dkv` (blocks of keys of
     /// one KV head) over inputs `(q, k, v, grad, ranges, L, D)`; output dq, dk and dv one after the other.
     pub fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-        let (nq, nk) = (dims.q_len(), dims.kv_len());
+        let nq = dims.q_len();
         let mut p = Plan::default();
-        let mut inputs = vec![p.input("q", dtype, nq), p.input("k", dtype, nk), p.input("v", dtype, nk)];
-        inputs.push(p.input("grad", dtype, nq));
-        inputs.push(p.input("attention ranges", DType::U32, dims.b * dims.t * 2));
-        inputs.push(p.input("log-sum-exp", DType::F32, dims.b * dims.h * dims.t));
-        inputs.push(p.input("delta", DType::F32, dims.b * dims.h * dims.t));
-        let Arg::Buffer { index: grads, .. } = p.output("gradients", dtype, nq + 2 * nk) else { unreachable!() };
+        let (inputs, grads) = crate::kernels::flash_mma::backward_buffers(&mut p, dtype, &dims);
         let args = |offset: usize, t: &Tiles| {
             let mut a = inputs.clone();
             a.push(Arg::Buffer { index: grads, offset });

@@ -79,17 +79,26 @@ pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan>
     Ok(p)
 }
 
-/// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
-/// dv (key blocks of one KV head, over its group's query heads), one output after the other.
-pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+/// The buffers of an attention backward's plan, as both kernels' (this file's and the scalar ones of
+/// flash_attention.cu) take them: the inputs `(q, k, v, grad, ranges, L, D)` as arguments, and the index
+/// of the output dq|dk|dv.
+pub(crate) fn backward_buffers(p: &mut Plan, dtype: DType, dims: &Dims) -> (Vec<Arg>, usize) {
     let (nq, nk) = (dims.q_len(), dims.kv_len());
-    let mut p = Plan::default();
     let mut inputs = vec![p.input("q", dtype, nq), p.input("k", dtype, nk), p.input("v", dtype, nk)];
     inputs.push(p.input("grad", dtype, nq));
     inputs.push(p.input("attention ranges", DType::U32, dims.b * dims.t * 2));
     inputs.push(p.input("log-sum-exp", DType::F32, dims.b * dims.h * dims.t));
     inputs.push(p.input("delta", DType::F32, dims.b * dims.h * dims.t));
     let Arg::Buffer { index: grads, .. } = p.output("gradients", dtype, nq + 2 * nk) else { unreachable!() };
+    (inputs, grads)
+}
+
+/// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
+/// dv (key blocks of one KV head, over its group's query heads), one output after the other.
+pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let nq = dims.q_len();
+    let mut p = Plan::default();
+    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
     let args = |offset: usize| {
         let mut a = inputs.clone();
         a.push(Arg::Buffer { index: grads, offset });

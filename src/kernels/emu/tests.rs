@@ -227,7 +227,7 @@ fn rope_bwd() {
 
 /// Flash-attention cases `(b, h, kv, t, past keys, d)`: one query, GQA groups of 2 and 4, lengths no
 /// tile divides, a decode-like step over cached keys, the largest head dim, an empty batch.
-const FLASH_CASES: [(usize, usize, usize, usize, usize, usize); 5] =
+const FLASH_CASES: [FlashCase; 5] =
     [(1, 2, 2, 1, 0, 8), (2, 4, 2, 19, 3, 16), (2, 4, 1, 10, 0, 40), (1, 2, 1, 9, 0, MAX_HEAD_DIM), (0, 2, 1, 4, 0, 8)];
 
 struct Flash {
@@ -281,95 +281,75 @@ impl Flash {
     }
 }
 
-#[test]
-fn flash_fwd() {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(23);
-    for case in FLASH_CASES {
-        for dt in [DType::F32, DType::BF16] {
+type FlashPlan = fn(DType, Dims, f32) -> candle_core::Result<crate::kernels::launch::Plan>;
+type FlashCase = (usize, usize, usize, usize, usize, usize);
+
+/// The forward `plan` (outputs L, o) of each case and dtype, emulated, against the CPU op: o within the
+/// dtype's tolerance, L where finite within 2e-3 and -inf (an empty range) exactly.
+fn check_flash_forward(name: &str, plan: FlashPlan, cases: &[FlashCase], dtypes: [DType; 2], seed: u64) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for &case in cases {
+        for dt in dtypes {
             let f = Flash::new(&mut rng, case, dt);
-            let plan = forward_plan(dt, f.dims, 0.3).unwrap();
-            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.ranges]).unwrap();
+            let got = run(&plan(dt, f.dims, 0.3).unwrap(), &[&f.q, &f.k, &f.v, &f.ranges]).unwrap();
             let [o, ..] = f.cpu();
             let (rtol, atol) = tol(dt);
-            assert_close(&format!("flash_fwd {case:?} {dt:?} o"), &got[1], &o, (rtol, atol.max(2e-3)));
-            // The log-sum-exp of an empty range is -inf: compare where finite, and the -inf exactly.
+            assert_close(&format!("{name} {case:?} {dt:?} o"), &got[1], &o, (rtol, atol.max(2e-3)));
             let (want, lse) = (flat(&f.lse()), flat(&got[0]));
             for (i, (a, w)) in lse.iter().zip(&want).enumerate() {
                 let ok = if w.is_finite() { (a - w).abs() <= 2e-3 * (1.0 + w.abs()) } else { a == w };
-                assert!(ok, "flash_fwd {case:?} {dt:?} lse {i}: {a} vs {w}");
+                assert!(ok, "{name} {case:?} {dt:?} lse {i}: {a} vs {w}");
             }
         }
     }
+}
+
+/// The backward `plan` (output dq|dk|dv) of each case and dtype, emulated, against the CPU op's gradients.
+fn check_flash_backward(name: &str, plan: FlashPlan, cases: &[FlashCase], dtypes: [DType; 2], seed: u64) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for &case in cases {
+        for dt in dtypes {
+            let f = Flash::new(&mut rng, case, dt);
+            let [o, dq, dk, dv] = f.cpu();
+            let lse = f.lse();
+            let delta =
+                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
+            let plan = plan(dt, f.dims, 0.3).unwrap();
+            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta]).unwrap().remove(0);
+            let (nq, nk) = (dq.elem_count(), dk.elem_count());
+            let (rtol, atol) = tol(dt);
+            for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
+                let what = format!("{name} {case:?} {dt:?} {part}");
+                assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
+            }
+        }
+    }
+}
+
+#[test]
+fn flash_fwd() {
+    check_flash_forward("flash_fwd", forward_plan, &FLASH_CASES, [DType::F32, DType::BF16], 23);
 }
 
 #[test]
 fn flash_bwd_dq_and_dkv() {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(29);
-    for case in FLASH_CASES {
-        for dt in [DType::F32, DType::BF16] {
-            let f = Flash::new(&mut rng, case, dt);
-            let [o, dq, dk, dv] = f.cpu();
-            let lse = f.lse();
-            let delta =
-                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
-            let plan = backward_plan(dt, f.dims, 0.3).unwrap();
-            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta]).unwrap().remove(0);
-            let (nq, nk) = (dq.elem_count(), dk.elem_count());
-            let (rtol, atol) = tol(dt);
-            for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
-                let what = format!("flash_bwd {case:?} {dt:?} {part}");
-                assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
-            }
-        }
-    }
+    check_flash_backward("flash_bwd", backward_plan, &FLASH_CASES, [DType::F32, DType::BF16], 29);
 }
 
 /// Tensor-core flash-attention cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2,
 /// lengths no block (64 queries, 64 or 32 keys) divides with packed, clipped and empty ranges, one query
-/// over cached keys,
-/// an empty batch.
-const MMA_CASES: [(usize, usize, usize, usize, usize, usize); 4] =
+/// over cached keys, an empty batch.
+const MMA_CASES: [FlashCase; 4] =
     [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64)];
 
 #[test]
 fn flash_mma_fwd() {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(31);
-    for case in MMA_CASES {
-        for dt in [DType::BF16, DType::F16] {
-            let f = Flash::new(&mut rng, case, dt);
-            let got = run(&flash_mma::forward_plan(dt, f.dims, 0.3).unwrap(), &[&f.q, &f.k, &f.v, &f.ranges]).unwrap();
-            let [o, ..] = f.cpu();
-            let (rtol, atol) = tol(dt);
-            assert_close(&format!("flash_mma_fwd {case:?} {dt:?} o"), &got[1], &o, (rtol, atol.max(2e-3)));
-            let (want, lse) = (flat(&f.lse()), flat(&got[0]));
-            for (i, (a, w)) in lse.iter().zip(&want).enumerate() {
-                let ok = if w.is_finite() { (a - w).abs() <= 2e-3 * (1.0 + w.abs()) } else { a == w };
-                assert!(ok, "flash_mma_fwd {case:?} {dt:?} lse {i}: {a} vs {w}");
-            }
-        }
-    }
+    check_flash_forward("flash_mma_fwd", flash_mma::forward_plan, &MMA_CASES, [DType::BF16, DType::F16], 31);
 }
 
 #[test]
 fn flash_mma_bwd() {
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(37);
-    for case in MMA_CASES {
-        for dt in [DType::BF16, DType::F16] {
-            let f = Flash::new(&mut rng, case, dt);
-            let [o, dq, dk, dv] = f.cpu();
-            let lse = f.lse();
-            let delta =
-                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
-            let plan = flash_mma::backward_plan(dt, f.dims, 0.3).unwrap();
-            let got = run(&plan, &[&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta]).unwrap().remove(0);
-            let (nq, nk) = (dq.elem_count(), dk.elem_count());
-            let (rtol, atol) = tol(dt);
-            for (part, off, len, want) in [("dq", 0, nq, &dq), ("dk", nq, nk, &dk), ("dv", nq + nk, nk, &dv)] {
-                let what = format!("flash_mma_bwd {case:?} {dt:?} {part}");
-                assert_close(&what, &got.narrow(0, off, len).unwrap(), want, (rtol, atol.max(2e-3)));
-            }
-        }
-    }
+    check_flash_backward("flash_mma_bwd", flash_mma::backward_plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
 }
 
 #[test]
