@@ -98,6 +98,41 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// acc[16, D] += A B: A the [16, KB] block of this warp's accumulators `a` (as the next product's
+// fragments), B = Y^T from a shared tile Y of D rows (row stride ld) whose columns are A's KB columns.
+template <typename T, int KB, int D>
+__device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float a[KB / 8][4], const T *y,
+                                                uint32_t ld) {
+#pragma unroll
+    for (int kk = 0; kk < KB / 16; ++kk) {
+        uint32_t af[4];
+        frag_from_acc<T>(af, a[2 * kk], a[2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            uint32_t bf[2];
+            frag_bt(bf, y, ld, 8 * n, 16 * kk);
+            mma_16816<T>(acc[n], af, bf);
+        }
+    }
+}
+
+// Rows g and g + 8 of this warp's [16, D] accumulator tile, row r times scale[r], to rows row0 + g + 8 r
+// of a [rows, D] matrix (rows >= limit skipped).
+template <typename T, int D>
+__device__ __forceinline__ void store_acc(T *dst, const float acc[D / 8][4], const float scale[2], uint32_t row0,
+                                          uint32_t limit) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = row0 + g + 8 * r;
+        if (i >= limit) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            dst[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(acc[n][2 * r] * scale[r]);
+            dst[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(acc[n][2 * r + 1] * scale[r]);
+        }
+    }
+}
+
 template <typename T, int D>
 __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                               const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
@@ -168,29 +203,13 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
-#pragma unroll
-        for (int kk = 0; kk < FWD_BK / 16; ++kk) {
-            uint32_t pf[4];
-            frag_from_acc<T>(pf, sc[2 * kk], sc[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                uint32_t bf[2];
-                frag_bt(bf, vt, ldt, 8 * n, 16 * kk);
-                mma_16816<T>(o[n], pf, bf);
-            }
-        }
+        mma_acc_by_tile<T, FWD_BK, D>(o, sc, vt, ldt);
     }
-    T *oh = out + (size_t)bh * t * D;
+    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+    store_acc<T, D>(out + (size_t)bh * t * D, o, inv, i0 + m0, t);
     for (int r = 0; r < 2; ++r) {
         const uint32_t i = i0 + m0 + g + 8 * r;
-        if (i >= t) continue;
-        const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            oh[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(o[n][2 * r] * inv);
-            oh[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(o[n][2 * r + 1] * inv);
-        }
-        if (c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+        if (i < t && c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
     }
 }
 
@@ -255,28 +274,10 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
                 sc[n][i] = p * (dp[n][i] - rd[r]);
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < DQ_BK / 16; ++kk) {
-            uint32_t af[4];
-            frag_from_acc<T>(af, sc[2 * kk], sc[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                uint32_t bf[2];
-                frag_bt(bf, kt, ldt, 8 * n, 16 * kk);
-                mma_16816<T>(acc[n], af, bf);
-            }
-        }
+        mma_acc_by_tile<T, DQ_BK, D>(acc, sc, kt, ldt);
     }
-    T *dqh = dq + (size_t)bh * t * D;
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + m0 + g + 8 * r;
-        if (i >= t) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            dqh[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(scale * acc[n][2 * r]);
-            dqh[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(scale * acc[n][2 * r + 1]);
-        }
-    }
+    const float scales[2] = {scale, scale};
+    store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
 }
 
 template <typename T, int D>
