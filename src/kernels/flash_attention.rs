@@ -25,6 +25,7 @@ use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
 use super::flash_mma;
 #[cfg(feature = "cuda")]
 use candle_core::backend::BackendStorage;
+pub(super) use dims::Dims;
 use driver::{Blocks, Visits};
 
 /// `$body` with `be` the GPU backend of `$s`'s dtype.
@@ -52,6 +53,7 @@ macro_rules! gpu_dispatch {
 }
 
 mod cpu;
+pub(super) mod dims;
 pub(crate) mod driver;
 #[cfg(test)]
 mod emu_tests;
@@ -59,54 +61,6 @@ mod emu_tests;
 mod gpu;
 #[cfg(any(test, feature = "cuda"))]
 mod launches;
-
-/// The sizes of one attention call.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Dims {
-    pub(super) b: usize,
-    pub(super) h: usize,
-    pub(super) kv: usize,
-    pub(super) t: usize,
-    pub(super) s: usize,
-    pub(super) d: usize,
-}
-
-impl Dims {
-    pub(super) fn new(q: &Layout, k: &Layout, v: &Layout, ranges: &Layout) -> Result<Self> {
-        let (b, h, t, d) = q.shape().dims4()?;
-        let (bk, kv, s, dk) = k.shape().dims4()?;
-        if k.shape() != v.shape() || bk != b || dk != d {
-            candle_core::bail!(
-                "flash attention: q {:?}, k {:?}, v {:?}: expected [B, H, T, D] and two [B, KV, S, D]",
-                q.shape().dims(),
-                k.shape().dims(),
-                v.shape().dims()
-            );
-        }
-        if kv == 0 || h % kv != 0 {
-            candle_core::bail!("flash attention: {h} query heads are not a multiple of {kv} key/value heads");
-        }
-        if ranges.shape().dims() != [b, t, 2] {
-            candle_core::bail!("attention ranges have shape {:?}, expected [{b}, {t}, 2]", ranges.shape().dims());
-        }
-        if t == 0 || s == 0 || d == 0 || s.max(t) > i32::MAX as usize || (b * h).max(b * kv) > u16::MAX as usize {
-            candle_core::bail!("flash attention over {t} queries, {s} keys, {b}x{h} heads of {d}: out of range");
-        }
-        Ok(Self { b, h, kv, t, s, d })
-    }
-
-    fn group(&self) -> usize {
-        self.h / self.kv
-    }
-
-    pub(super) fn q_len(&self) -> usize {
-        self.b * self.h * self.t * self.d
-    }
-
-    pub(super) fn kv_len(&self) -> usize {
-        self.b * self.kv * self.s * self.d
-    }
-}
 
 /// The keys query `i` of batch row `b` attends to, clipped to the keys; `None` when empty.
 fn key_range(ranges: &[u32], dims: &Dims, b: usize, i: usize) -> Option<(usize, usize)> {

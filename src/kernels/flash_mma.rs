@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Result};
 
-use super::flash_attention::Dims;
+use super::flash_attention::dims::Dims;
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 
 /// Threads per block: four warps, each 16 rows (queries, or keys in the dk/dv kernel).
