@@ -5,25 +5,28 @@
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
-//   flash_mma_fwd_dD_<T>:    64 queries of one head per block (grid: query blocks x B*H), 16 per warp;
-//                            keys in blocks of 64 staged in shared memory (K, and V transposed); S = Q K^T
-//                            and O += P V on the tensor cores, P fed from S's accumulators (registers).
-//   flash_mma_bwd_dq_dD_<T>: 64 queries per block, keys in blocks of 32: S = Q K^T, dP = dO V^T,
-//                            dS = P (dP - delta), dQ += dS K.
+//   flash_mma_fwd_dD_<T>:    64 queries of one head per block (grid: query blocks x B*H), 16 per warp
+//                            (their fragments in registers); keys in blocks of 32 through two stages of
+//                            shared memory, the next block's K and V copied in (cp.async, cp_async.cuh)
+//                            while this one's S = Q K^T and O += P V run on the tensor cores, P fed
+//                            from S's accumulators (registers).
+//   flash_mma_bwd_dq_dD_<T>: 64 queries per block, keys in blocks of 32 through two stages: S = Q K^T,
+//                            dP = dO V^T, dS = P (dP - delta), dQ += dS K.
 //   flash_mma_bwd_dkv_dD_<T>: 64 keys of one KV head per block (grid: key blocks x B*KV), 16 per warp,
 //                            over the queries of every head of its group in blocks of 16 that see one of
 //                            its keys: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
-//                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)].
+//                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)]. One stage (two would pass 48 KiB).
 // 128 threads (4 warps) per block; f32 accumulators; tiles in shared memory as T with a row stride of
 // D + 8 (16-byte rows, no bank conflicts between the 8 rows a fragment load reads). Shared memory per
 // kernel: see the host (src/kernels/flash_mma.rs).
 
 #include "common.cuh"
+#include "cp_async.cuh"
 #include "mma.cuh"
 
 #define MMA_THREADS 128
 #define FWD_BQ 64
-#define FWD_BK 64
+#define FWD_BK 32
 #define DQ_BQ 64
 #define DQ_BK 32
 #define DKV_BK 64
@@ -38,12 +41,19 @@ __device__ void stage_rows(T *dst, const T *src, uint32_t r0, uint32_t n, uint32
     }
 }
 
-// The same rows transposed: dst[x * ld + r].
-template <typename T>
-__device__ void stage_cols(T *dst, const T *src, uint32_t r0, uint32_t n, uint32_t limit, uint32_t d, uint32_t ld) {
-    for (uint32_t e = threadIdx.x; e < n * d; e += MMA_THREADS) {
-        const uint32_t r = e / d, x = e % d;
-        dst[x * ld + r] = (r0 + r < limit) ? src[(size_t)(r0 + r) * d + x] : from_f32<T>(0.f);
+// stage_rows by asynchronous 16-byte copies when `src` is 16-byte aligned (the caller commits and waits;
+// rows >= limit are zero-filled), else at once. The tile's rows (stride ld) are 16-byte aligned.
+template <typename T, int D>
+__device__ void stage_rows_async(T *dst, const T *src, uint32_t r0, uint32_t n, uint32_t limit, uint32_t ld) {
+    constexpr uint32_t V = 16 / sizeof(T), CHUNKS = D / V;  // elements per copy, copies per row
+    if (((uintptr_t)src & 15) != 0) {
+        stage_rows(dst, src, r0, n, limit, D, ld);
+        return;
+    }
+    for (uint32_t e = threadIdx.x; e < n * CHUNKS; e += MMA_THREADS) {
+        const uint32_t r = e / CHUNKS, x = (e % CHUNKS) * V;
+        const bool in = r0 + r < limit;
+        cp_async16(dst + r * ld + x, in ? src + (size_t)(r0 + r) * D + x : src, in ? 16u : 0u);
     }
 }
 
@@ -99,9 +109,9 @@ __device__ __forceinline__ float quad_max(float v) {
 }
 
 // acc[16, D] += A B: A the [16, KB] block of this warp's accumulators `a` (as the next product's
-// fragments), B = Y^T from a shared tile Y of D rows (row stride ld) whose columns are A's KB columns.
+// fragments), B [KB, D] a row-major shared tile (row stride ld).
 template <typename T, int KB, int D>
-__device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float a[KB / 8][4], const T *y,
+__device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float a[KB / 8][4], const T *b,
                                                 uint32_t ld) {
 #pragma unroll
     for (int kk = 0; kk < KB / 16; ++kk) {
@@ -110,7 +120,7 @@ __device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float
 #pragma unroll
         for (int n = 0; n < D / 8; ++n) {
             uint32_t bf[2];
-            frag_bt(bf, y, ld, 8 * n, 16 * kk);
+            frag_b(bf, b, ld, 8 * n, 16 * kk);
             mma_16816<T>(acc[n], af, bf);
         }
     }
@@ -138,10 +148,9 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
                               const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
                               uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t mma_smem[];
-    const uint32_t ld = D + 8, ldt = FWD_BK + 8;
-    T *ks = (T *)mma_smem;                          // [FWD_BK][ld] keys
-    T *vt = ks + FWD_BK * ld;                       // [D][ldt] values, transposed
-    uint32_t *los = (uint32_t *)(vt + D * ldt);     // [FWD_BQ]
+    const uint32_t ld = D + 8;
+    T *tiles = (T *)mma_smem;                       // [2 stages][keys, values][FWD_BK][ld]
+    uint32_t *los = (uint32_t *)(tiles + 4 * FWD_BK * ld);  // [FWD_BQ]
     uint32_t *his = los + FWD_BQ;                   // [FWD_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * FWD_BQ;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -161,11 +170,22 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     for (int n = 0; n < D / 8; ++n)
         for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
 
-    for (uint32_t j0 = kmin; kmin <= kmax && j0 <= kmax; j0 += FWD_BK) {
+    // Key blocks through two stages: block j + 1 is copied in while block j is computed on.
+    const auto stage = [&](uint32_t j0, uint32_t st) {
+        stage_rows_async<T, D>(tiles + 2 * st * FWD_BK * ld, kh, j0, FWD_BK, s, ld);
+        stage_rows_async<T, D>(tiles + (2 * st + 1) * FWD_BK * ld, vh, j0, FWD_BK, s, ld);
+        cp_async_commit();
+    };
+    if (kmin <= kmax) stage(kmin, 0);
+    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += FWD_BK, st ^= 1) {
+        if (kmax - j0 >= FWD_BK) {
+            stage(j0 + FWD_BK, st ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        stage_rows(ks, kh, j0, FWD_BK, s, D, ld);
-        stage_cols(vt, vh, j0, FWD_BK, s, D, ldt);
-        __syncthreads();
+        const T *ks = tiles + 2 * st * FWD_BK * ld, *vs = ks + FWD_BK * ld;
         float sc[FWD_BK / 8][4];
 #pragma unroll
         for (int n = 0; n < FWD_BK / 8; ++n) {
@@ -203,7 +223,8 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
             for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
-        mma_acc_by_tile<T, FWD_BK, D>(o, sc, vt, ldt);
+        mma_acc_by_tile<T, FWD_BK, D>(o, sc, vs, ld);
+        __syncthreads();  // every warp is done with this stage before it is filled again
     }
     const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
     store_acc<T, D>(out + (size_t)bh * t * D, o, inv, i0 + m0, t);
@@ -219,11 +240,9 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
                                  const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,
                                  uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t mma_smem[];
-    const uint32_t ld = D + 8, ldt = DQ_BK + 8;
-    T *ks = (T *)mma_smem;                          // [DQ_BK][ld] keys
-    T *vs = ks + DQ_BK * ld;                        // [DQ_BK][ld] values
-    T *kt = vs + DQ_BK * ld;                        // [D][ldt] keys, transposed
-    uint32_t *los = (uint32_t *)(kt + D * ldt);     // [DQ_BQ]
+    const uint32_t ld = D + 8;
+    T *tiles = (T *)mma_smem;                       // [2 stages][keys, values][DQ_BK][ld]
+    uint32_t *los = (uint32_t *)(tiles + 4 * DQ_BK * ld);  // [DQ_BQ]
     uint32_t *his = los + DQ_BQ;                    // [DQ_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * DQ_BQ;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -249,12 +268,22 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     for (int n = 0; n < D / 8; ++n)
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
 
-    for (uint32_t j0 = kmin; kmin <= kmax && j0 <= kmax; j0 += DQ_BK) {
+    // Key blocks through two stages, as in the forward.
+    const auto stage = [&](uint32_t j0, uint32_t st) {
+        stage_rows_async<T, D>(tiles + 2 * st * DQ_BK * ld, kh, j0, DQ_BK, s, ld);
+        stage_rows_async<T, D>(tiles + (2 * st + 1) * DQ_BK * ld, vh, j0, DQ_BK, s, ld);
+        cp_async_commit();
+    };
+    if (kmin <= kmax) stage(kmin, 0);
+    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += DQ_BK, st ^= 1) {
+        if (kmax - j0 >= DQ_BK) {
+            stage(j0 + DQ_BK, st ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
-        stage_rows(ks, kh, j0, DQ_BK, s, D, ld);
-        stage_rows(vs, vh, j0, DQ_BK, s, D, ld);
-        stage_cols(kt, kh, j0, DQ_BK, s, D, ldt);
-        __syncthreads();
+        const T *ks = tiles + 2 * st * DQ_BK * ld, *vs = ks + DQ_BK * ld;
         float sc[DQ_BK / 8][4], dp[DQ_BK / 8][4];
 #pragma unroll
         for (int n = 0; n < DQ_BK / 8; ++n) {
@@ -274,7 +303,8 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
                 sc[n][i] = p * (dp[n][i] - rd[r]);
             }
         }
-        mma_acc_by_tile<T, DQ_BK, D>(acc, sc, kt, ldt);
+        mma_acc_by_tile<T, DQ_BK, D>(acc, sc, ks, ld);
+        __syncthreads();  // every warp is done with this stage before it is filled again
     }
     const float scales[2] = {scale, scale};
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
@@ -299,8 +329,9 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     const uint32_t j_last = min(j0 + DKV_BK, s) - 1;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
     const uint32_t m0 = 16 * warp;
-    stage_rows(ks, k + (size_t)bkv * s * D, j0, DKV_BK, s, D, ld);
-    stage_rows(vs, v + (size_t)bkv * s * D, j0, DKV_BK, s, D, ld);
+    stage_rows_async<T, D>(ks, k + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
+    stage_rows_async<T, D>(vs, v + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
+    cp_async_commit();
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -322,8 +353,10 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
                 rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
             }
             if (!__syncthreads_or(any)) continue;
-            stage_rows(qs, q + (size_t)bh * t * D, i0, DKV_BQ, t, D, ld);
-            stage_rows(gs, dout + (size_t)bh * t * D, i0, DKV_BQ, t, D, ld);
+            stage_rows_async<T, D>(qs, q + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
+            stage_rows_async<T, D>(gs, dout + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
+            cp_async_commit();
+            cp_async_wait<0>();
             __syncthreads();
             // Rows: this warp's 16 keys; columns: the block's 16 queries (two n-tiles).
             float sc[DKV_BQ / 8][4], dp[DKV_BQ / 8][4];
@@ -361,6 +394,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
             }
         }
     }
+    cp_async_wait<0>();  // the key and value tiles, when no query block saw them
     const size_t nk = (size_t)gridDim.y * s * D;
     T *dkh = dkv + (size_t)bkv * s * D;
     for (int r = 0; r < 2; ++r) {

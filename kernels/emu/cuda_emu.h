@@ -9,6 +9,7 @@
 //   - __syncthreads and __syncthreads_{or,and,count} as barriers across the block's live threads;
 //   - warp shuffles (__shfl_sync, _up, _down, _xor), votes (__ballot_sync, __any_sync, __all_sync),
 //     __activemask, __syncwarp, all over the 32 lanes of a warp with a full mask;
+//   - cp.async (cp_async.cuh) as copies deferred to the wait that retires their group;
 //   - the warp-wide matrix multiply-accumulate of mma.cuh (mma.sync m16n8k16, bf16 and f16 in, f32
 //     accumulators) from the fragment layouts of the PTX ISA, every lane's registers gathered at once;
 //   - atomics (atomicAdd, atomicSub, atomicMax, atomicMin, atomicExch, atomicCAS) on host atomics;
@@ -27,6 +28,7 @@
 #include <cstring>
 #include <utility>
 #include <type_traits>
+#include <vector>
 
 // ---------------------------------------------------------------- qualifiers
 #define __global__
@@ -45,13 +47,25 @@ struct dim3 {
     uint32_t x = 1, y = 1, z = 1;
 };
 
+// One asynchronous copy (cp_async.cuh): 16 bytes to dst, the first n of them from src, the rest zero.
+struct AsyncCopy {
+    unsigned char *dst;
+    const unsigned char *src;
+    uint32_t n;
+};
+
 // The launch state of the calling host thread (set by runtime.cpp).
 struct ThreadState {
     dim3 thread_idx, block_idx, block_dim, grid_dim;
     uint32_t tid = 0;   // linear thread index in the block
     uint32_t warp_ops = 0;  // warp-collective operations done in this block (double-buffer parity)
+    std::vector<AsyncCopy> async_open;  // copies issued since the last commit
+    std::vector<std::vector<AsyncCopy>> async_groups;  // committed groups, oldest first, not yet waited for
 };
 extern thread_local ThreadState tls;
+
+// Performs this thread's oldest committed groups of copies until at most `pending` remain.
+void retire_async_copies(int pending);
 
 // Barriers and warp collectives (runtime.cpp).
 int sync_block(int kind, int pred);  // kind: 0 plain, 1 or, 2 and, 3 count

@@ -185,6 +185,11 @@ void thread_main(uint32_t t, dim3 grid, dim3 block, const std::vector<uint64_t> 
         tls.block_idx = unflatten(b, grid);
         tls.warp_ops = 0;
         body(ctx);
+        if (!tls.async_open.empty() || !tls.async_groups.empty()) {
+            report("the kernel ended with cp.async copies it never waited for");
+            tls.async_open.clear();
+            tls.async_groups.clear();
+        }
         l.block.drop();
         my_warp().bar.drop();
         l.gate.arrive(0, 0, "block end");
@@ -253,6 +258,18 @@ uint64_t warp_exchange(uint32_t mask, uint64_t value, int src, int mode, int wid
         default: s = (lane ^ src) < base + width ? (lane ^ src) : lane; break;
     }
     return w.slot[p][s];
+}
+
+void retire_async_copies(int pending) {
+    while ((int)tls.async_groups.size() > (pending < 0 ? 0 : pending)) {
+        for (const AsyncCopy &c : tls.async_groups.front()) {
+            if (c.n > 16) report("a cp.async of more than 16 source bytes");
+            const uint32_t n = c.n > 16 ? 16 : c.n;
+            std::memcpy(c.dst, c.src, n);
+            std::memset(c.dst + n, 0, 16 - n);
+        }
+        tls.async_groups.erase(tls.async_groups.begin());
+    }
 }
 
 void warp_gather(uint32_t mask, const uint32_t *mine, uint32_t n, uint32_t (*all)[WARP_GATHER_WORDS]) {

@@ -15,7 +15,7 @@ const THREADS: u32 = 128;
 /// Queries per block of the forward and the dq kernel, keys per block of the dk/dv kernel.
 const ROWS: usize = 64;
 /// Keys per step of the forward and the dq kernel, queries per step of the dk/dv kernel.
-const FWD_KEYS: usize = 64;
+const FWD_KEYS: usize = 32;
 const DQ_KEYS: usize = 32;
 const DKV_QUERIES: usize = 16;
 
@@ -26,12 +26,13 @@ pub(crate) fn supports(dtype: DType, d: usize) -> bool {
 }
 
 /// Shared memory of each kernel, as kernels/flash_mma.cu lays it out: tiles of 16-bit values with a row
-/// stride of D + 8 (transposed tiles: the tile's rows + 8), then the rows' key ranges and statistics.
+/// stride of D + 8 (two stages of K and V in the forward and the dq kernel), then the rows' key ranges
+/// and statistics.
 fn shared_bytes(kernel: &str, d: usize) -> usize {
     let ld = d + 8;
     match kernel {
-        "fwd" => 2 * (FWD_KEYS * ld + d * (FWD_KEYS + 8)) + 2 * 4 * ROWS,
-        "bwd_dq" => 2 * (2 * DQ_KEYS * ld + d * (DQ_KEYS + 8)) + 2 * 4 * ROWS,
+        "fwd" => 2 * (4 * FWD_KEYS * ld) + 2 * 4 * ROWS,
+        "bwd_dq" => 2 * (4 * DQ_KEYS * ld) + 2 * 4 * ROWS,
         _ => 2 * (2 * ROWS * ld + 2 * DKV_QUERIES * ld) + 4 * 4 * DKV_QUERIES,
     }
 }

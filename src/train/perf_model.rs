@@ -139,8 +139,8 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 /// Gen5 x16 64 GB/s per direction, ~50 GB/s achieved. Efficiencies (assumed, stated): cuBLAS bf16 GEMMs
 /// of LLM sizes reach 60-75% of peak on H100, taken as 0.65; the attention's K = 128 block GEMMs 0.5;
 /// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
-/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels lack its asynchronous
-/// copies and ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
+/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its two-stage
+/// asynchronous copies but not its ldmatrix loads, and recompute S in the backward); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
 /// 4 us (cuLaunchKernel through cudarc), a host sync 20 us.
 pub const H100_SXM: Gpu = Gpu {
     name: "H100 SXM",
@@ -162,7 +162,7 @@ pub const H100_SXM: Gpu = Gpu {
 /// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
 /// Efficiencies (assumed): large cuBLAS bf16 GEMMs reach ~80% of peak on A100; the attention's block
 /// GEMMs 0.6; the tensor-core attention kernels 0.45 (FlashAttention-2 reaches 50-73% of the A100's peak;
-/// these kernels lack its asynchronous copies and ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
+/// these kernels lack its ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
 pub const A100_80GB: Gpu = Gpu {
     name: "A100 80GB",
     peak_flops: 312e12,
@@ -318,7 +318,7 @@ fn computed_scores_by_keys(t: u64, bk: u64, bq: u64) -> (f64, f64) {
 const L2_RESIDENT_BYTES: f64 = 20e6;
 
 /// One layer's attention on the tensor-core kernels (kernels/flash_mma.cu) on `b` sequences of `t`
-/// tokens. Forward: 64 queries against blocks of 64 keys, S = Q K^T and O += P V (4 hd FLOPs per score).
+/// tokens. Forward: 64 queries against blocks of 32 keys, S = Q K^T and O += P V (4 hd FLOPs per score).
 /// Backward: the dq kernel (64 queries, blocks of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv
 /// kernel (64 keys, blocks of 16 queries of each head of the group: S^T, dP^T, dV and dK, 8 hd per score;
 /// it reads every query block's ranges to find those that see its keys), after `D = rowsum(dO O)` by
@@ -335,8 +335,8 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, bac
     // The streamed pair of [rows, hd] operands: once per head, or `rows` per block pair.
     let streamed = |pairs: f64, rows: f64| if resident { 2.0 * tokens * hd * d } else { pairs * 2.0 * rows * hd * d };
     if !backward {
-        let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 64 });
-        let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, 64.0);
+        let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
+        let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, 32.0);
         o.push("attention kernels (forward)", OpKind::AttentionMma, bh * 4.0 * hd * scores, bh * bytes, 1.0);
         return;
     }
@@ -724,7 +724,7 @@ mod tests {
         assert_eq!(bwd, 2.5 * fwd);
     }
 
-    /// The tensor-core kernels' counts: 4 hd FLOPs per score of the forward's 64 x 64 causal blocks, 6 hd
+    /// The tensor-core kernels' counts: 4 hd FLOPs per score of the forward's 64 x 32 causal blocks, 6 hd
     /// per score of the dq kernel's 64 x 32 blocks and 8 hd per score of the dk/dv kernel's 64-key blocks
     /// against the 16-query blocks from their first key on; one launch forward, two backward (plus
     /// delta's element-wise ops), and on the 7B recipe a shorter attention than the chunked GEMMs'.
@@ -736,7 +736,7 @@ mod tests {
         assert_eq!(computed_scores_by_keys(100, 64, 16), (64.0 * 100.0 + 36.0 * 36.0, 10.0));
         let s = StepShape { tensor_cores: true, ..shape(2, 100, 100) };
         let ops = step_costs(&m, &s);
-        let (fwd_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 64 });
+        let (fwd_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 32 });
         let (dq_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 32 });
         let bh = 2.0 * 2.0 * 3.0; // answers x heads x layers
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (forward)"), bh * 4.0 * 4.0 * fwd_scores);
