@@ -5,14 +5,16 @@
 //   cp_async_commit()        closes this thread's group of copies issued since the last commit;
 //   cp_async_wait<N>()       waits until at most the N newest of this thread's groups are pending.
 // A thread sees its own completed copies; other threads' after a __syncthreads that follows their wait.
-// Under the host emulator (GRPO_CUDA_EMU) a copy happens when a wait retires its group, not before, so a
-// tile read before its wait (or without the barrier) holds stale data there as it may on the device.
+// Under the host emulator (GRPO_CUDA_EMU) the destination turns to NaN bytes when the copy is issued and
+// gets its data when a wait retires the copy's group: a tile read before its wait, or refilled while
+// another warp still reads it, holds NaNs there (where the device would read stale or torn data).
 #pragma once
 
 #include <stdint.h>
 
 #ifdef GRPO_CUDA_EMU
 inline void cp_async16(void *dst, const void *src, uint32_t n) {
+    std::memset(dst, 0xff, 16);  // in flight: undefined (NaN in bf16, f16 and f32) until its wait
     emu::tls.async_open.push_back(emu::AsyncCopy{(unsigned char *)dst, (const unsigned char *)src, n});
 }
 inline void cp_async_commit() {
