@@ -674,6 +674,17 @@ fn load_run<'a>(
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
     let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
     policy.options = cfg.model.decoder_options();
+    if policy.options.attention == model::Attention::Mma
+        && !(device.is_cuda() && crate::kernels::tensor_core_attention(dtype, policy.config().head_dim))
+    {
+        tracing::info!(
+            "model.attention = \"mma\": the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \
+             this run ({:?}, head dim {}, {}) uses flash attention's chunked path",
+            dtype,
+            policy.config().head_dim,
+            if device.is_cuda() { "GPU" } else { "CPU" }
+        );
+    }
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
     let step = TrainStep::new(
         &cfg.objective,
