@@ -108,6 +108,25 @@ __device__ __forceinline__ float quad_max(float v) {
     return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+// s[16, KB] = A Y^T: A this warp's [16, D] fragments `af` (registers), Y a row-major shared tile of KB rows
+// (row stride ld): the scores of 16 queries against KB keys (or dO against V).
+template <typename T, int KB, int D>
+__device__ __forceinline__ void scores(float s[KB / 8][4], const uint32_t af[D / 16][4], const T *y, uint32_t ld) {
+#pragma unroll
+    for (int n = 0; n < KB / 8; ++n)
+        for (int i = 0; i < 4; ++i) s[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+        for (int n = 0; n < KB / 8; n += 2) {
+            uint32_t bf[2][2];
+            frag_bt2(bf, y, ld, 8 * n, 16 * kk);
+            mma_16816<T>(s[n], af[kk], bf[0]);
+            mma_16816<T>(s[n + 1], af[kk], bf[1]);
+        }
+    }
+}
+
 // acc[16, D] += A B: A the [16, KB] block of this warp's accumulators `a` (as the next product's
 // fragments), B [KB, D] a row-major shared tile (row stride ld).
 template <typename T, int KB, int D>
@@ -118,10 +137,11 @@ __device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float
         uint32_t af[4];
         frag_from_acc<T>(af, a[2 * kk], a[2 * kk + 1]);
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            uint32_t bf[2];
-            frag_b(bf, b, ld, 8 * n, 16 * kk);
-            mma_16816<T>(acc[n], af, bf);
+        for (int n = 0; n < D / 8; n += 2) {
+            uint32_t bf[2][2];
+            frag_b2(bf, b, ld, 8 * n, 16 * kk);
+            mma_16816<T>(acc[n], af, bf[0]);
+            mma_16816<T>(acc[n + 1], af, bf[1]);
         }
     }
 }
@@ -187,16 +207,7 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
         __syncthreads();
         const T *ks = tiles + 2 * st * FWD_BK * ld, *vs = ks + FWD_BK * ld;
         float sc[FWD_BK / 8][4];
-#pragma unroll
-        for (int n = 0; n < FWD_BK / 8; ++n) {
-            for (int i = 0; i < 4; ++i) sc[n][i] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t bf[2];
-                frag_bt(bf, ks, ld, 8 * n, 16 * kk);
-                mma_16816<T>(sc[n], qf[kk], bf);
-            }
-        }
+        scores<T, FWD_BK, D>(sc, qf, ks, ld);
         // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -285,17 +296,10 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
         __syncthreads();
         const T *ks = tiles + 2 * st * DQ_BK * ld, *vs = ks + DQ_BK * ld;
         float sc[DQ_BK / 8][4], dp[DQ_BK / 8][4];
+        scores<T, DQ_BK, D>(sc, qf, ks, ld);
+        scores<T, DQ_BK, D>(dp, gf, vs, ld);
 #pragma unroll
         for (int n = 0; n < DQ_BK / 8; ++n) {
-            for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                uint32_t bf[2];
-                frag_bt(bf, ks, ld, 8 * n, 16 * kk);
-                mma_16816<T>(sc[n], qf[kk], bf);
-                frag_bt(bf, vs, ld, 8 * n, 16 * kk);
-                mma_16816<T>(dp[n], gf[kk], bf);
-            }
             // sc becomes dS = P (dP - delta), P = exp(scale S - L) on the query's keys.
             for (int i = 0; i < 4; ++i) {
                 const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
@@ -361,18 +365,22 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
             // Rows: this warp's 16 keys; columns: the block's 16 queries (two n-tiles).
             float sc[DKV_BQ / 8][4], dp[DKV_BQ / 8][4];
 #pragma unroll
-            for (int n = 0; n < DKV_BQ / 8; ++n) {
+            for (int n = 0; n < DKV_BQ / 8; ++n)
                 for (int i = 0; i < 4; ++i) sc[n][i] = dp[n][i] = 0.f;
 #pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    uint32_t af[4], bf[2];
-                    frag_a(af, ks, ld, m0, 16 * kk);
-                    frag_bt(bf, qs, ld, 8 * n, 16 * kk);
-                    mma_16816<T>(sc[n], af, bf);
-                    frag_a(af, vs, ld, m0, 16 * kk);
-                    frag_bt(bf, gs, ld, 8 * n, 16 * kk);
-                    mma_16816<T>(dp[n], af, bf);
-                }
+            for (int kk = 0; kk < D / 16; ++kk) {
+                uint32_t af[4], bf[2][2];
+                frag_a(af, ks, ld, m0, 16 * kk);
+                frag_bt2(bf, qs, ld, 0, 16 * kk);
+                mma_16816<T>(sc[0], af, bf[0]);
+                mma_16816<T>(sc[1], af, bf[1]);
+                frag_a(af, vs, ld, m0, 16 * kk);
+                frag_bt2(bf, gs, ld, 0, 16 * kk);
+                mma_16816<T>(dp[0], af, bf[0]);
+                mma_16816<T>(dp[1], af, bf[1]);
+            }
+#pragma unroll
+            for (int n = 0; n < DKV_BQ / 8; ++n) {
                 // sc becomes P^T, dp becomes dS^T.
                 for (int i = 0; i < 4; ++i) {
                     const uint32_t j = j0 + m0 + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
@@ -385,12 +393,14 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
             frag_from_acc<T>(pf, sc[0], sc[1]);
             frag_from_acc<T>(df, dp[0], dp[1]);
 #pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                uint32_t bf[2];
-                frag_b(bf, gs, ld, 8 * n, 0);
-                mma_16816<T>(dv[n], pf, bf);
-                frag_b(bf, qs, ld, 8 * n, 0);
-                mma_16816<T>(dk[n], df, bf);
+            for (int n = 0; n < D / 8; n += 2) {
+                uint32_t bf[2][2];
+                frag_b2(bf, gs, ld, 8 * n, 0);
+                mma_16816<T>(dv[n], pf, bf[0]);
+                mma_16816<T>(dv[n + 1], pf, bf[1]);
+                frag_b2(bf, qs, ld, 8 * n, 0);
+                mma_16816<T>(dk[n], df, bf[0]);
+                mma_16816<T>(dk[n + 1], df, bf[1]);
             }
         }
     }

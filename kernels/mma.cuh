@@ -68,34 +68,72 @@ template <> __device__ __forceinline__ void mma_16816<__half>(float d[4], const 
 }
 #endif
 
-// The A fragment of rows m0..m0+15, columns k0..k0+15 of a row-major tile X (row stride ld elements,
-// even, and X 4-byte aligned); also the B fragment's source when B = Y^T: see frag_bt.
+// Four 8x8 matrices of 16-bit values from shared memory, one warp (ldmatrix.sync.aligned.m8n8.x4,
+// optionally .trans): lane i gives the address of row i % 8 of matrix i / 8 (rows 16-byte aligned), and
+// r[j] gets, of matrix j, row i / 4 at columns 2 (i % 4) and 2 (i % 4) + 1 (TRANS: column i / 4 at rows
+// 2 (i % 4) and 2 (i % 4) + 1): an A or B fragment's registers, without a transposed copy of the tile.
+#ifdef GRPO_CUDA_EMU
+template <bool TRANS> inline void ldmatrix_x4(uint32_t r[4], const void *row) {
+    const uint64_t p = (uint64_t)(uintptr_t)row;
+    if (p & 15) emu::report("ldmatrix with a row address that is not 16-byte aligned");
+    const uint32_t mine[2] = {(uint32_t)p, (uint32_t)(p >> 32)};
+    uint32_t all[32][emu::WARP_GATHER_WORDS];
+    emu::warp_gather(0xffffffffu, mine, 2, all);
+    const auto at = [&](uint32_t lane) {
+        return (const uint16_t *)(uintptr_t)(((uint64_t)all[lane][1] << 32) | all[lane][0]);
+    };
+    const uint32_t i = emu::tls.tid % 32;
+    for (uint32_t j = 0; j < 4; ++j) {
+        if (TRANS) {
+            r[j] = (uint32_t)at(8 * j + 2 * (i % 4))[i / 4] | ((uint32_t)at(8 * j + 2 * (i % 4) + 1)[i / 4] << 16);
+        } else {
+            const uint16_t *q = at(8 * j + i / 4);
+            r[j] = (uint32_t)q[2 * (i % 4)] | ((uint32_t)q[2 * (i % 4) + 1] << 16);
+        }
+    }
+}
+#else
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void *row) {
+    const uint32_t s = (uint32_t)__cvta_generic_to_shared(row);
+    if (TRANS) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(s));
+    }
+}
+#endif
+
+// The A fragment of rows m0..m0+15, columns k0..k0+15 of a row-major shared tile X (row stride ld, rows
+// 16-byte aligned, k0 a multiple of 8): matrices (m0, k0), (m0 + 8, k0), (m0, k0 + 8), (m0 + 8, k0 + 8).
 template <typename T> __device__ __forceinline__ void frag_a(uint32_t a[4], const T *x, uint32_t ld, uint32_t m0,
                                                              uint32_t k0) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const T *p = x + (size_t)(m0 + g) * ld + k0 + 2 * c;
-    a[0] = *(const uint32_t *)p;
-    a[1] = *(const uint32_t *)(p + 8 * ld);
-    a[2] = *(const uint32_t *)(p + 8);
-    a[3] = *(const uint32_t *)(p + 8 * ld + 8);
+    const uint32_t i = threadIdx.x % 32, j = i / 8;
+    ldmatrix_x4<false>(a, x + (size_t)(m0 + i % 8 + 8 * (j % 2)) * ld + k0 + 8 * (j / 2));
 }
 
-// The B fragment of B = Y^T, k0..k0+15 by n0..n0+7, from a row-major tile Y (rows are B's columns).
-template <typename T> __device__ __forceinline__ void frag_bt(uint32_t b[2], const T *y, uint32_t ld, uint32_t n0,
-                                                              uint32_t k0) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const T *p = y + (size_t)(n0 + g) * ld + k0 + 2 * c;
-    b[0] = *(const uint32_t *)p;
-    b[1] = *(const uint32_t *)(p + 8);
+// The B fragments of two n-tiles (n0..n0+7 in b[0], n0+8..n0+15 in b[1]), k0..k0+15, of B = Y^T for a
+// row-major shared tile Y whose rows are B's columns: matrices (n0, k0), (n0, k0 + 8), (n0 + 8, k0),
+// (n0 + 8, k0 + 8) of Y.
+template <typename T> __device__ __forceinline__ void frag_bt2(uint32_t b[2][2], const T *y, uint32_t ld,
+                                                               uint32_t n0, uint32_t k0) {
+    const uint32_t i = threadIdx.x % 32, j = i / 8;
+    uint32_t r[4];
+    ldmatrix_x4<false>(r, y + (size_t)(n0 + i % 8 + 8 * (j / 2)) * ld + k0 + 8 * (j % 2));
+    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
 }
 
-// The B fragment of B itself, k0..k0+15 by n0..n0+7, from a row-major tile Y (rows are B's rows).
-template <typename T> __device__ __forceinline__ void frag_b(uint32_t b[2], const T *y, uint32_t ld, uint32_t n0,
-                                                             uint32_t k0) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    const T *p = y + (size_t)(k0 + 2 * c) * ld + n0 + g;
-    b[0] = pair(p[0], p[ld]);
-    b[1] = pair(p[8 * ld], p[9 * ld]);
+// The same of B itself for a row-major shared tile Y whose rows are B's rows (Y[k][n]): transposed
+// matrices (k0, n0), (k0 + 8, n0), (k0, n0 + 8), (k0 + 8, n0 + 8) of Y.
+template <typename T> __device__ __forceinline__ void frag_b2(uint32_t b[2][2], const T *y, uint32_t ld,
+                                                              uint32_t n0, uint32_t k0) {
+    const uint32_t i = threadIdx.x % 32, j = i / 8;
+    uint32_t r[4];
+    ldmatrix_x4<true>(r, y + (size_t)(k0 + i % 8 + 8 * (j % 2)) * ld + n0 + 8 * (j / 2));
+    b[0][0] = r[0], b[0][1] = r[1], b[1][0] = r[2], b[1][1] = r[3];
 }
 
 // The A fragment of a 16x16 block whose values are the accumulators of two 16x8 products (n-tiles

@@ -139,8 +139,9 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 /// Gen5 x16 64 GB/s per direction, ~50 GB/s achieved. Efficiencies (assumed, stated): cuBLAS bf16 GEMMs
 /// of LLM sizes reach 60-75% of peak on H100, taken as 0.65; the attention's K = 128 block GEMMs 0.5;
 /// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
-/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its two-stage
-/// asynchronous copies but not its ldmatrix loads, and recompute S in the backward); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
+/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its ldmatrix loads
+/// and two-stage asynchronous copies, but smaller blocks within 48 KiB of shared memory and S recomputed
+/// in the backward); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
 /// 4 us (cuLaunchKernel through cudarc), a host sync 20 us.
 pub const H100_SXM: Gpu = Gpu {
     name: "H100 SXM",
@@ -162,7 +163,7 @@ pub const H100_SXM: Gpu = Gpu {
 /// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
 /// Efficiencies (assumed): large cuBLAS bf16 GEMMs reach ~80% of peak on A100; the attention's block
 /// GEMMs 0.6; the tensor-core attention kernels 0.45 (FlashAttention-2 reaches 50-73% of the A100's peak;
-/// these kernels lack its ldmatrix loads); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
+/// these kernels' blocks are smaller); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
 pub const A100_80GB: Gpu = Gpu {
     name: "A100 80GB",
     peak_flops: 312e12,
