@@ -11,10 +11,11 @@
 //                            while this one's S = Q K^T and O += P V run on the tensor cores, P fed
 //                            from S's accumulators (registers).
 //   flash_mma_bwd_dq_dD_<T>: 64 queries per block, keys in blocks of 32 through two stages: S = Q K^T,
-//                            dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+//                            dP = dO V^T, dS = P (dP - delta), dQ += dS K; also the span of keys each 16
+//                            queries see (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
 //   flash_mma_bwd_dkv_dD_<T>: 64 keys of one KV head per block (grid: key blocks x B*KV), 16 per warp,
 //                            over the queries of every head of its group in blocks of 16 that see one of
-//                            its keys: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
+//                            its keys (by spans): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
 //                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)]. One stage (two would pass 48 KiB).
 // 128 threads (4 warps) per block; f32 accumulators; tiles in shared memory as T with a row stride of
 // D + 8 (16-byte rows, no bank conflicts between the 8 rows a fragment load reads). Shared memory per
@@ -81,6 +82,25 @@ __device__ void mma_row_ranges(const uint32_t *ranges, uint32_t b, uint32_t i0, 
             kmax = max(kmax, his[r]);
         }
     }
+}
+
+// The span of keys (least lo, greatest hi; empty: 0xffffffff, 0) of each 16 rows i0 + 16 u.. of the 64 whose
+// ranges are in los, his, at spans[(b * ceil(t / 16) + i0 / 16 + u) * 2]: the dk/dv kernel's test of which
+// query blocks to visit.
+__device__ void write_spans(uint32_t *spans, const uint32_t *los, const uint32_t *his, uint32_t b, uint32_t i0,
+                           uint32_t t) {
+    const uint32_t u = threadIdx.x;
+    if (u >= DQ_BQ / 16 || i0 + 16 * u >= t) return;
+    uint32_t lo = 0xffffffffu, hi = 0;
+    for (uint32_t r = 16 * u; r < 16 * u + 16; ++r) {
+        if (los[r] <= his[r]) {
+            lo = min(lo, los[r]);
+            hi = max(hi, his[r]);
+        }
+    }
+    uint32_t *out = spans + ((size_t)b * ((t + 15) / 16) + i0 / 16 + u) * 2;
+    out[0] = lo;
+    out[1] = hi;
 }
 
 // The A fragments of rows m0..m0+15 of a [rows, D] matrix in device memory (rows >= limit are 0).
@@ -249,7 +269,8 @@ template <typename T, int D>
 __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                  const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                  const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,
-                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+                                 uint32_t *__restrict__ spans, uint32_t h, uint32_t kv, uint32_t t, uint32_t s,
+                                 float scale) {
     extern __shared__ uint32_t mma_smem[];
     const uint32_t ld = D + 8;
     T *tiles = (T *)mma_smem;                       // [2 stages][keys, values][DQ_BK][ld]
@@ -266,6 +287,7 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     uint32_t kmin, kmax;
     mma_row_ranges(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
+    if (bh % h == 0) write_spans(spans, los, his, b, i0, t);
     uint32_t lo[2], hi[2];
     float rl[2], rd[2];
     for (int r = 0; r < 2; ++r) {
@@ -318,7 +340,8 @@ template <typename T, int D>
 __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                   const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                   const float *__restrict__ lse, const float *__restrict__ delta,
-                                  T *__restrict__ dkv, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+                                  T *__restrict__ dkv, const uint32_t *__restrict__ spans, uint32_t h, uint32_t kv,
+                                  uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t mma_smem[];
     const uint32_t ld = D + 8;
     T *ks = (T *)mma_smem;                          // [DKV_BK][ld] keys
@@ -344,19 +367,18 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     for (uint32_t hq = kvh * group; hq < (kvh + 1) * group; ++hq) {
         const uint32_t bh = b * h + hq;
         for (uint32_t i0 = 0; i0 < t; i0 += DKV_BQ) {
+            // Only query blocks whose keys' span meets this block's (the same test in every thread).
+            const uint32_t *span = spans + ((size_t)b * ((t + 15) / 16) + i0 / 16) * 2;
+            if (span[0] > j_last || span[1] < j0) continue;
             __syncthreads();
-            // Only query blocks with a row that sees a key of this block.
-            int any = 0;
             for (uint32_t r = threadIdx.x; r < DKV_BQ; r += MMA_THREADS) {
                 uint32_t rlo, rhi;
                 mma_range(ranges, b, i0 + r, t, s, rlo, rhi);
                 los[r] = rlo, his[r] = rhi;
-                any |= rlo <= rhi && rlo <= j_last && rhi >= j0;
                 const bool in = i0 + r < t;
                 rls[r] = in ? lse[(size_t)bh * t + i0 + r] : 0.f;
                 rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
             }
-            if (!__syncthreads_or(any)) continue;
             stage_rows_async<T, D>(qs, q + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
             stage_rows_async<T, D>(gs, dout + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
             cp_async_commit();
@@ -428,15 +450,15 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_dq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,       \
-                                const float *lse, const float *delta, T *dq, uint32_t h, uint32_t kv,            \
-                                uint32_t t, uint32_t s, float scale) {                                           \
-        flash_mma_bwd_dq<T, D>(q, k, v, dout, ranges, lse, delta, dq, h, kv, t, s, scale);                       \
+                                const float *lse, const float *delta, T *dq, uint32_t *spans, uint32_t h,        \
+                                uint32_t kv, uint32_t t, uint32_t s, float scale) {                              \
+        flash_mma_bwd_dq<T, D>(q, k, v, dout, ranges, lse, delta, dq, spans, h, kv, t, s, scale);                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,      \
-                                 const float *lse, const float *delta, T *dkv, uint32_t h, uint32_t kv,          \
-                                 uint32_t t, uint32_t s, float scale) {                                          \
-        flash_mma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, h, kv, t, s, scale);                     \
+                                 const float *lse, const float *delta, T *dkv, const uint32_t *spans, uint32_t h, \
+                                 uint32_t kv, uint32_t t, uint32_t s, float scale) {                             \
+        flash_mma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, spans, h, kv, t, s, scale);              \
     }
 
 FLASH_MMA_KERNELS(d64_bf16, __nv_bfloat16, 64)

@@ -546,7 +546,8 @@ fn mma_backward(
     let plan = flash_mma::backward_plan(q.0.dtype(), dims, scale)?;
     let held = [(cuda_storage(&gs)?, gl), (cuda_storage(rs)?, rl), (cuda_storage(&ls)?, ll), (cuda_storage(&ds)?, dl)];
     let ins = [q, k, v, held[0], held[1], held[2], held[3]];
-    let out = super::cuda::run(&plan, &ins)?.pop();
+    // The first output is dq|dk|dv (the second, the query blocks' key spans, is the kernels' own).
+    let out = super::cuda::run(&plan, &ins)?.into_iter().next();
     let out = out.ok_or_else(|| candle_core::Error::Msg("flash attention backward: no output".into()))?;
     Ok((out, Shape::from(dims.q_len() + 2 * dims.kv_len())))
 }

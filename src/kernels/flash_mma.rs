@@ -95,14 +95,17 @@ pub(crate) fn backward_buffers(p: &mut Plan, dtype: DType, dims: &Dims) -> (Vec<
 }
 
 /// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
-/// dv (key blocks of one KV head, over its group's query heads), one output after the other.
+/// dv (key blocks of one KV head, over its group's query heads), one output after the other; a second
+/// output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by the dq kernel
+/// for the dk/dv kernel to skip the query blocks that see none of its keys.
 pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     let nq = dims.q_len();
     let mut p = Plan::default();
     let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
+    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
     let args = |offset: usize| {
         let mut a = inputs.clone();
-        a.push(Arg::Buffer { index: grads, offset });
+        a.extend([Arg::Buffer { index: grads, offset }, spans]);
         a.extend(sizes(&dims, scale));
         a
     };

@@ -322,7 +322,8 @@ const L2_RESIDENT_BYTES: f64 = 20e6;
 /// tokens. Forward: 64 queries against blocks of 32 keys, S = Q K^T and O += P V (4 hd FLOPs per score).
 /// Backward: the dq kernel (64 queries, blocks of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv
 /// kernel (64 keys, blocks of 16 queries of each head of the group: S^T, dP^T, dV and dK, 8 hd per score;
-/// it reads every query block's ranges to find those that see its keys), after `D = rowsum(dO O)` by
+/// it reads every query block's key span, written by the dq kernel, to find those that see its keys),
+/// after `D = rowsum(dO O)` by
 /// candle's element-wise ops. Device-memory bytes: each block's own rows once (Q and O; Q, dO and dQ; K,
 /// V, dK and dV) and the streamed operand (K and V; Q and dO) once per head when one head's fits in
 /// [`L2_RESIDENT_BYTES`] (the blocks of a head run together and re-read it from L2), else once per
@@ -346,7 +347,8 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, bac
     let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, 32.0);
     let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
     let key_blocks = t.div_ceil(64) as f64;
-    let ranges_scan = if resident { tokens * 8.0 } else { key_blocks * tokens * 8.0 };
+    let spans = tokens.div_euclid(16.0).max(1.0) * 8.0; // each 16 queries' key span, read per key block
+    let ranges_scan = tokens * 8.0 + if resident { spans } else { key_blocks * spans };
     let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
         + streamed(kv_pairs, 16.0)
         + kv_pairs * 16.0 * 2.0 * row_stats

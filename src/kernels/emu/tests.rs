@@ -338,9 +338,9 @@ fn flash_bwd_dq_and_dkv() {
 
 /// Tensor-core flash-attention cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2,
 /// lengths no block (64 queries, 64 or 32 keys) divides with packed, clipped and empty ranges, one query
-/// over cached keys, an empty batch.
-const MMA_CASES: [FlashCase; 4] =
-    [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64)];
+/// over cached keys, an empty batch, and queries 48..63 whose last key (64) is a key block's first.
+const MMA_CASES: [FlashCase; 5] =
+    [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64), (1, 2, 1, 70, 1, 64)];
 
 #[test]
 fn flash_mma_fwd() {
