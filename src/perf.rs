@@ -522,7 +522,7 @@ pub struct AttentionSpec {
     pub kv_heads: usize,
     #[arg(long, default_value_t = 128)]
     pub head_dim: usize,
-    /// Side of the square f32 matmul measured as the reference rate.
+    /// Side of the square matmul (in the bench's dtype) measured as the reference rate.
     #[arg(long, default_value_t = 2048)]
     pub matmul: usize,
     /// The tensor-core kernels (`model.attention = "mma"`; on a GPU in bf16/f16 at head dim 64 or 128,
@@ -563,8 +563,8 @@ struct AttentionRecord {
     gpu_launches: (usize, usize),
 }
 
-/// Forward and backward of causal attention over `--len` tokens (flash path) against a square f32 matmul
-/// of `--matmul`, both on the device, in the same run.
+/// Forward and backward of causal attention over `--len` tokens (flash path) against a square matmul of
+/// `--matmul` in the same dtype, both on the device, in the same run.
 pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
     use crate::kernels::{causal_work, flash_attention, flash_attention_mma, AttentionDevice};
     let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
@@ -584,7 +584,9 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
     })?;
     let seconds = median(&times);
     let m = spec.matmul;
-    let a = Tensor::randn(0f32, 1.0, (m, m), dev)?;
+    // In the bench's dtype: f32 on the CPU as the README quotes it; bf16/f16 on a GPU, the tensor cores'
+    // rate the attention's products run at.
+    let a = Tensor::randn(0f32, 1.0, (m, m), dev)?.to_dtype(t.dtype)?;
     let (mm, _) = time_runs(t, || Ok(a.matmul(&a)?))?;
     let matmul_gflops = 2.0 * (m * m * m) as f64 / median(&mm) / 1e9;
     let useful = 14.0 * (h * d) as f64 * (n * (n + 1) / 2) as f64;

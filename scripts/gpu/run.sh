@@ -188,7 +188,7 @@ PYEOF
         ;;
     attention)
         # One layer's attention forward + backward at the 7B's head dim (16 heads of 128, groups of 4):
-        # the chunked GEMMs against the tensor-core kernels, each beside an f32 matmul.
+        # the chunked GEMMs against the tensor-core kernels, each beside a bf16 matmul (the tensor cores' rate).
         for len in $ATTENTION_LENS; do
             for kernel in chunked mma; do
                 flag=(); [ "$kernel" = mma ] && flag=(--mma)
