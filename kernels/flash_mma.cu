@@ -58,6 +58,32 @@ __device__ void stage_rows_async(T *dst, const T *src, uint32_t r0, uint32_t n, 
     }
 }
 
+// Block j0's keys and values (BK rows each) into stage st of `tiles` ([2 stages][K, V][BK][ld]), as one
+// group of asynchronous copies.
+template <typename T, int D, int BK>
+__device__ __forceinline__ void stage_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t st, uint32_t s,
+                                         uint32_t ld) {
+    stage_rows_async<T, D>(tiles + 2 * st * BK * ld, kh, j0, BK, s, ld);
+    stage_rows_async<T, D>(tiles + (2 * st + 1) * BK * ld, vh, j0, BK, s, ld);
+    cp_async_commit();
+}
+
+// Before computing on key block j0 (in stage st, its copies issued): issue block j0 + BK's into the other
+// stage when there is one (<= kmax), wait for block j0's, and make every thread's copies visible. Returns
+// the stage's K tile; its V tile follows at + BK * ld.
+template <typename T, int D, int BK>
+__device__ __forceinline__ const T *next_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t kmax,
+                                            uint32_t st, uint32_t s, uint32_t ld) {
+    if (kmax - j0 >= BK) {
+        stage_kv<T, D, BK>(tiles, kh, vh, j0 + BK, st ^ 1, s, ld);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    return tiles + 2 * st * BK * ld;
+}
+
 // The key range of query i of batch row b (clipped to the keys; empty: lo = 1, hi = 0, also past t).
 __device__ __forceinline__ void mma_range(const uint32_t *ranges, uint32_t b, uint32_t i, uint32_t t, uint32_t s,
                                           uint32_t &lo, uint32_t &hi) {
@@ -211,21 +237,9 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
         for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
 
     // Key blocks through two stages: block j + 1 is copied in while block j is computed on.
-    const auto stage = [&](uint32_t j0, uint32_t st) {
-        stage_rows_async<T, D>(tiles + 2 * st * FWD_BK * ld, kh, j0, FWD_BK, s, ld);
-        stage_rows_async<T, D>(tiles + (2 * st + 1) * FWD_BK * ld, vh, j0, FWD_BK, s, ld);
-        cp_async_commit();
-    };
-    if (kmin <= kmax) stage(kmin, 0);
+    if (kmin <= kmax) stage_kv<T, D, FWD_BK>(tiles, kh, vh, kmin, 0, s, ld);
     for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += FWD_BK, st ^= 1) {
-        if (kmax - j0 >= FWD_BK) {
-            stage(j0 + FWD_BK, st ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const T *ks = tiles + 2 * st * FWD_BK * ld, *vs = ks + FWD_BK * ld;
+        const T *ks = next_kv<T, D, FWD_BK>(tiles, kh, vh, j0, kmax, st, s, ld), *vs = ks + FWD_BK * ld;
         float sc[FWD_BK / 8][4];
         scores<T, FWD_BK, D>(sc, qf, ks, ld);
         // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
@@ -302,21 +316,9 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
         for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
 
     // Key blocks through two stages, as in the forward.
-    const auto stage = [&](uint32_t j0, uint32_t st) {
-        stage_rows_async<T, D>(tiles + 2 * st * DQ_BK * ld, kh, j0, DQ_BK, s, ld);
-        stage_rows_async<T, D>(tiles + (2 * st + 1) * DQ_BK * ld, vh, j0, DQ_BK, s, ld);
-        cp_async_commit();
-    };
-    if (kmin <= kmax) stage(kmin, 0);
+    if (kmin <= kmax) stage_kv<T, D, DQ_BK>(tiles, kh, vh, kmin, 0, s, ld);
     for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += DQ_BK, st ^= 1) {
-        if (kmax - j0 >= DQ_BK) {
-            stage(j0 + DQ_BK, st ^ 1);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        const T *ks = tiles + 2 * st * DQ_BK * ld, *vs = ks + DQ_BK * ld;
+        const T *ks = next_kv<T, D, DQ_BK>(tiles, kh, vh, j0, kmax, st, s, ld), *vs = ks + DQ_BK * ld;
         float sc[DQ_BK / 8][4], dp[DQ_BK / 8][4];
         scores<T, DQ_BK, D>(sc, qf, ks, ld);
         scores<T, DQ_BK, D>(dp, gf, vs, ld);

@@ -449,13 +449,8 @@ mod plan {
     /// queries of one head.
     pub fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
         let mut p = Plan::default();
-        let (q, k, v) =
-            (p.input("q", dtype, dims.q_len()), p.input("k", dtype, dims.kv_len()), p.input("v", dtype, dims.kv_len()));
-        let ranges = p.input("attention ranges", DType::U32, dims.b * dims.t * 2);
-        let lse = p.output("log-sum-exp", DType::F32, dims.b * dims.h * dims.t);
-        let out = p.output("attention", dtype, dims.q_len());
+        let mut args = crate::kernels::flash_mma::forward_buffers(&mut p, dtype, &dims);
         let tiles = forward_tiles(dims.d)?;
-        let mut args = vec![q, k, v, ranges, lse, out];
         args.extend(sizes(&dims));
         args.extend([Arg::U32(tiles.bq as u32), Arg::F32(scale)]);
         p.launch(flash_launch("flash_fwd", dtype, (dims.t.div_ceil(tiles.bq), dims.b * dims.h), tiles, args)?)?;

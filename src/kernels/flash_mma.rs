@@ -66,15 +66,21 @@ fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
     [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
 }
 
-/// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
-pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let mut p = Plan::default();
+/// The buffers of an attention forward's plan, as both kernels' (this file's and the scalar one of
+/// flash_attention.cu) take them: inputs `(q, k, v, ranges)`, outputs `(L, o)`, as arguments in that order.
+pub(crate) fn forward_buffers(p: &mut Plan, dtype: DType, dims: &Dims) -> Vec<Arg> {
     let (q, k, v) =
         (p.input("q", dtype, dims.q_len()), p.input("k", dtype, dims.kv_len()), p.input("v", dtype, dims.kv_len()));
     let ranges = p.input("attention ranges", DType::U32, dims.b * dims.t * 2);
     let lse = p.output("log-sum-exp", DType::F32, dims.b * dims.h * dims.t);
     let out = p.output("attention", dtype, dims.q_len());
-    let mut args = vec![q, k, v, ranges, lse, out];
+    vec![q, k, v, ranges, lse, out]
+}
+
+/// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
+pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let mut p = Plan::default();
+    let mut args = forward_buffers(&mut p, dtype, &dims);
     args.extend(sizes(&dims, scale));
     p.launch(mma_launch("fwd", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args)?)?;
     Ok(p)
