@@ -163,21 +163,22 @@ impl World {
     }
 
     /// The sum over the ranks of `send` (`size` blocks of `recv.len()` values), block `rank` of it into
-    /// `recv`: ZeRO's gradient reduction.
+    /// `recv`: ZeRO's gradient reduction. Run in pieces of at most [`COLLECTIVE_CHUNK_VALUES`] values sent
+    /// per rank, so that a GPU backend's device buffers stay that small whatever the model's size.
     pub fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         assert_eq!(send.len(), recv.len() * self.size, "reduce-scatter: {} values for {} ranks", send.len(), self.size);
         match &self.comm {
-            Some(c) => c.reduce_scatter_sum_f32(send, recv),
+            Some(c) => reduce_scatter_chunked(c.as_ref(), self.size, send, recv, COLLECTIVE_CHUNK_VALUES),
             None => recv.copy_from_slice(send),
         }
     }
 
     /// Every rank's `send` (of one length on all ranks) one after the other, in rank order, into `recv`:
-    /// ZeRO's gathering of the updated weights.
+    /// ZeRO's gathering of the updated weights. In pieces, as [`Self::reduce_scatter_sum_f32`].
     pub fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
         assert_eq!(recv.len(), send.len() * self.size, "all-gather: {} values from {} ranks", recv.len(), self.size);
         match &self.comm {
-            Some(c) => c.all_gather_f32(send, recv),
+            Some(c) => all_gather_chunked(c.as_ref(), self.size, send, recv, COLLECTIVE_CHUNK_VALUES),
             None => recv.copy_from_slice(send),
         }
     }
@@ -221,6 +222,43 @@ impl World {
         if let Some(c) = &self.comm {
             eprintln!("error: rank {} of {}: {error}; stopping every rank", self.rank, self.size);
             c.abort(1);
+        }
+    }
+}
+
+/// The most values one rank sends (reduce-scatter) or receives (all-gather) in one piece of the collective
+/// (64 Mi f32, 256 MiB): a GPU backend's device buffers for a piece hold at most that plus one rank's
+/// share of it.
+pub const COLLECTIVE_CHUNK_VALUES: usize = 64 << 20;
+
+/// [`Collective::reduce_scatter_sum_f32`] of `send` (`size` blocks of `recv.len()`) in pieces: piece
+/// `a..b` of every block, sent together (at most `chunk` values), reduces into `recv[a..b]`.
+fn reduce_scatter_chunked(c: &dyn Collective, size: usize, send: &[f32], recv: &mut [f32], chunk: usize) {
+    let block = recv.len();
+    let step = (chunk / size.max(1)).max(1);
+    let mut piece = Vec::new();
+    for a in (0..block).step_by(step) {
+        let b = (a + step).min(block);
+        piece.clear();
+        for r in 0..size {
+            piece.extend_from_slice(&send[r * block + a..r * block + b]);
+        }
+        c.reduce_scatter_sum_f32(&piece, &mut recv[a..b]);
+    }
+}
+
+/// [`Collective::all_gather_f32`] of `send` in pieces: piece `a..b` of every rank's `send` (at most `chunk`
+/// values gathered at once) lands at `a..b` of that rank's block of `recv`.
+fn all_gather_chunked(c: &dyn Collective, size: usize, send: &[f32], recv: &mut [f32], chunk: usize) {
+    let block = send.len();
+    let step = (chunk / size.max(1)).max(1);
+    let mut piece = Vec::new();
+    for a in (0..block).step_by(step) {
+        let b = (a + step).min(block);
+        piece.resize(size * (b - a), 0.0);
+        c.all_gather_f32(&send[a..b], &mut piece);
+        for r in 0..size {
+            recv[r * block + a..r * block + b].copy_from_slice(&piece[r * (b - a)..(r + 1) * (b - a)]);
         }
     }
 }
@@ -338,6 +376,69 @@ mod tests {
         assert!((0..5).all(|i| w.owns_group(i)));
         assert_eq!(w.rank_device("cuda:3").unwrap(), "cuda:3", "one process keeps its device");
         assert_eq!(w.rank_device("cpu").unwrap(), "cpu");
+    }
+
+    /// Rank `rank` of `size` ranks, rank k having sent `send + k` (every value): what real collectives
+    /// return to it, and how many calls it took.
+    struct Shifted {
+        rank: usize,
+        size: usize,
+        calls: std::cell::Cell<usize>,
+    }
+
+    impl Collective for Shifted {
+        fn sum_f32(&self, _: &mut [f32]) {
+            unreachable!()
+        }
+        fn sum_f64(&self, _: &mut [f64]) {
+            unreachable!()
+        }
+        fn max_f64(&self, _: &mut [f64]) {
+            unreachable!()
+        }
+        fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
+            self.calls.set(self.calls.get() + 1);
+            let n = recv.len();
+            for (i, r) in recv.iter_mut().enumerate() {
+                *r = (0..self.size).map(|k| send[self.rank * n + i] + k as f32).sum();
+            }
+        }
+        fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
+            self.calls.set(self.calls.get() + 1);
+            for k in 0..self.size {
+                for (i, x) in send.iter().enumerate() {
+                    recv[k * send.len() + i] = x + k as f32;
+                }
+            }
+        }
+        fn all_gather_bytes(&self, _: &[u8]) -> Vec<Vec<u8>> {
+            unreachable!()
+        }
+        fn barrier(&self) {}
+        fn abort(&self, _: i32) -> ! {
+            unreachable!()
+        }
+    }
+
+    /// In pieces (a block of 10 values, pieces of 2 or 3, or one piece), the collectives return what one
+    /// call over the whole buffers returns.
+    #[test]
+    fn collectives_in_pieces_equal_one_whole_call() {
+        let (size, block) = (3, 10);
+        let send: Vec<f32> = (0..size * block).map(|i| i as f32 * 0.5).collect();
+        for (chunk, pieces) in [(7, 5), (9, 4), (1 << 20, 1)] {
+            let c = Shifted { rank: 1, size, calls: Default::default() };
+            let (mut whole, mut chunked) = (vec![0f32; block], vec![0f32; block]);
+            c.reduce_scatter_sum_f32(&send, &mut whole);
+            c.calls.set(0);
+            reduce_scatter_chunked(&c, size, &send, &mut chunked, chunk);
+            assert_eq!((chunked.as_slice(), c.calls.get()), (whole.as_slice(), pieces), "chunk {chunk}");
+            let (mut whole, mut chunked) = (vec![0f32; size * block], vec![0f32; size * block]);
+            c.all_gather_f32(&send[..block], &mut whole);
+            c.calls.set(0);
+            all_gather_chunked(&c, size, &send[..block], &mut chunked, chunk);
+            assert_eq!((chunked.as_slice(), c.calls.get()), (whole.as_slice(), pieces), "chunk {chunk}");
+        }
     }
 
     #[test]

@@ -575,18 +575,43 @@ pub fn driver_blocks(m: &ModelConfig, t: u64) -> AttentionBlocks {
     AttentionBlocks { query: blocks.bq as u64, key: blocks.bk as u64 }
 }
 
-/// Communication of one ZeRO-1 data-parallel step on `world` ranks: the ring reduce-scatter of the f32
-/// gradients and the ring all-gather of the d-byte updated weights, each moving (N - 1) / N of the
-/// buffer through every rank's link: NVLink within one node of `gpus_per_node`, the rank's InfiniBand NIC
-/// beyond (a ring through every rank runs at its slowest link). Returns (bytes per rank, seconds).
-pub fn zero1_comms(params: u64, dtype_bytes: u64, world: u64, gpus_per_node: u64, gpu: &Gpu) -> (f64, f64) {
-    if world <= 1 {
-        return (0.0, 0.0);
+/// Communication of one ZeRO-1 data-parallel step on `world` ranks, as src/train/zero.rs and the NCCL
+/// backend run it: the ring reduce-scatter of the f32 gradients and the ring all-gather of the updated f32
+/// weights, each moving (N - 1) / N of the buffer through every rank's link (NVLink within one node of
+/// `gpus_per_node`, the rank's InfiniBand NIC beyond: a ring through every rank runs at its slowest link),
+/// and the copies through host memory around them over PCIe: the f32 gradients to the host (flattened)
+/// and to the collective's device buffers, the rank's block back and its new weights out, the gathered
+/// f32 weights to the host and into the model (4 (4 + 2 / N) B per parameter).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Zero1Comms {
+    /// Bytes through the rank's link.
+    pub link_bytes: f64,
+    pub link_s: f64,
+    /// Bytes between the rank's GPU and host memory.
+    pub pcie_bytes: f64,
+    pub pcie_s: f64,
+}
+
+impl Zero1Comms {
+    pub fn seconds(&self) -> f64 {
+        self.link_s + self.pcie_s
     }
-    let n = world as f64;
-    let bytes = (n - 1.0) / n * params as f64 * (4.0 + dtype_bytes as f64);
+}
+
+pub fn zero1_comms(params: u64, world: u64, gpus_per_node: u64, gpu: &Gpu) -> Zero1Comms {
+    if world <= 1 {
+        return Zero1Comms { link_bytes: 0.0, link_s: 0.0, pcie_bytes: 0.0, pcie_s: 0.0 };
+    }
+    let (n, p) = (world as f64, params as f64);
+    let link_bytes = (n - 1.0) / n * p * 8.0;
     let link = if world <= gpus_per_node { gpu.nvlink_bandwidth } else { gpu.network_bandwidth };
-    (bytes, bytes / (link * COLLECTIVE_EFFICIENCY))
+    let pcie_bytes = p * 4.0 * (4.0 + 2.0 / n);
+    Zero1Comms {
+        link_bytes,
+        link_s: link_bytes / (link * COLLECTIVE_EFFICIENCY),
+        pcie_bytes,
+        pcie_s: pcie_bytes / gpu.pcie_bandwidth,
+    }
 }
 
 /// GPUs per node in the scaling estimate (an HGX / DGX H100 or A100 node).
@@ -617,8 +642,8 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
     }
     for gpu in &GPUS {
         let p = predict(m, s, gpu);
-        let (bytes, comms) = zero1_comms(m.num_parameters() as u64, s.dtype_bytes, world, GPUS_PER_NODE, gpu);
-        let step = p.step_s + comms;
+        let comms = zero1_comms(m.num_parameters() as u64, world, GPUS_PER_NODE, gpu);
+        let step = p.step_s + comms.seconds();
         out.push_str(&format!(
             "predicted on {}: step {:.1} s, {:.0} tokens/s{}; MFU {:.1}%, attention at {:.1}% of peak (GEMMs {:.1} s, \
              attention {:.1} s, element-wise {:.1} s, host {:.1} s; {:.3e} launches, {:.0} host syncs)\n",
@@ -638,11 +663,13 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         if world > 1 {
             let link = if world <= GPUS_PER_NODE { "NVLink" } else { "InfiniBand" };
             out.push_str(&format!(
-                "  {} ranks: ZeRO-1 reduce-scatter + all-gather {:.1} GB per rank, {:.2} s over {link}; {:.0} \
-                 tokens/s per GPU\n",
+                "  {} ranks: ZeRO-1 reduce-scatter + all-gather {:.1} GB per rank, {:.2} s over {link}, and {:.1} GB \
+                 through host memory, {:.2} s over PCIe; {:.0} tokens/s per GPU\n",
                 world,
-                bytes / 1e9,
-                comms,
+                comms.link_bytes / 1e9,
+                comms.link_s,
+                comms.pcie_bytes / 1e9,
+                comms.pcie_s,
                 tokens / step / world as f64
             ));
         }
@@ -839,12 +866,14 @@ mod tests {
         let driver = driver_blocks(&m, s.seq_tokens);
         let (ours, best) = (attention_time(&m, &s, driver, &H100_SXM), attention_time(&m, &s, b, &H100_SXM));
         assert!(ours <= 1.1 * best, "driver {driver:?}: {ours} s, model's best {b:?}: {best} s");
-        // One rank moves nothing; 8 ranks in a node move 7/8 of 6 B per parameter over NVLink.
-        assert_eq!(zero1_comms(1000, 2, 1, 8, &H100_SXM), (0.0, 0.0));
-        let (bytes, s8) = zero1_comms(8_000, 2, 8, 8, &H100_SXM);
-        assert_eq!(bytes, 7.0 / 8.0 * 8_000.0 * 6.0);
-        assert!((s8 - bytes / (450e9 * COLLECTIVE_EFFICIENCY)).abs() < 1e-18);
-        let (_, s64) = zero1_comms(8_000, 2, 64, 8, &H100_SXM);
-        assert!(s64 > 8.0 * s8, "InfiniBand is 9x slower than NVLink per GPU");
+        // One rank moves nothing; 8 ranks in a node move 7/8 of 8 B per parameter (f32 gradients, f32
+        // weights) over NVLink, and 4 (4 + 2 / 8) B per parameter over PCIe.
+        assert_eq!(zero1_comms(1000, 1, 8, &H100_SXM).seconds(), 0.0);
+        let c8 = zero1_comms(8_000, 8, 8, &H100_SXM);
+        assert_eq!((c8.link_bytes, c8.pcie_bytes), (7.0 / 8.0 * 8_000.0 * 8.0, 8_000.0 * 17.0));
+        assert!((c8.link_s - c8.link_bytes / (450e9 * COLLECTIVE_EFFICIENCY)).abs() < 1e-18);
+        assert!((c8.pcie_s - c8.pcie_bytes / 50e9).abs() < 1e-18);
+        let c64 = zero1_comms(8_000, 64, 8, &H100_SXM);
+        assert!(c64.link_s > 8.0 * c8.link_s, "InfiniBand is 9x slower than NVLink per GPU");
     }
 }

@@ -351,6 +351,13 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let f =
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
+    if world > 1 && !inputs.on_cpu {
+        // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
+        // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
+        let values = crate::dist::COLLECTIVE_CHUNK_VALUES as u64;
+        let bytes = 4 * (values + values / world);
+        add("collective buffers (NCCL, per piece)", bytes, Device, Update, "256 MiB + a rank's share".into());
+    }
     c.extend(generation_components(cfg, model, d, prompt));
     let mut summary = summary(cfg, model, &shape, prompt, response);
     if world > 1 {
