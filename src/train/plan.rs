@@ -351,12 +351,19 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let f =
         if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
+    if world > 1 {
+        // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
+        // block of their sum, then the gathered f32 weights (one after the other).
+        let staging = p.saturating_mul(4).saturating_add(p.saturating_mul(4) / world);
+        let place = if inputs.on_cpu { Device } else { Host };
+        add("collective staging (f32 gradients / weights)", staging, place, Update, "P x 4 B (1 + 1/N)".into());
+    }
     if world > 1 && !inputs.on_cpu {
         // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
         // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
-        let values = crate::dist::COLLECTIVE_CHUNK_VALUES as u64;
+        let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p);
         let bytes = 4 * (values + values / world);
-        add("collective buffers (NCCL, per piece)", bytes, Device, Update, "256 MiB + a rank's share".into());
+        add("collective buffers (NCCL, per piece)", bytes, Device, Update, "<= 256 MiB + a rank's share".into());
     }
     c.extend(generation_components(cfg, model, d, prompt));
     let mut summary = summary(cfg, model, &shape, prompt, response);
@@ -705,7 +712,15 @@ mod tests {
         for same in ["weights", "gradients (f32 accumulator)", "reference model"] {
             assert_eq!(bytes(&four, same), bytes(&one, same), "{same}");
         }
-        assert_eq!(one.peak(Place::Device) - four.peak(Place::Device), 12 * p - (12 * p).div_ceil(4));
+        // The peak drops by the state's three quarters, less the collectives' device buffers when the
+        // update phase is the peak; the collectives' host staging is the flat gradients and a block.
+        let (saved, buffers) = (12 * p - (12 * p).div_ceil(4), bytes(&four, "collective buffers (NCCL, per piece)"));
+        let drop = one.peak(Place::Device) - four.peak(Place::Device);
+        assert!(drop <= saved && drop + buffers >= saved, "{drop} {saved} {buffers}");
+        assert_eq!(buffers, 4 * (p + p / 4));
+        let staging = four.components.iter().find(|c| c.name == "collective staging (f32 gradients / weights)");
+        assert_eq!(staging.map(|c| (c.bytes, c.place)), Some((4 * p + 4 * p / 4, Place::Host)));
+        assert!(one.components.iter().all(|c| !c.name.starts_with("collective")));
         assert!(four.summary.contains("per rank of 4"), "{}", four.summary);
         // Offloaded, the shard is in host memory.
         let off = plan(&config(&["optim.offload=true"]), &m, PlanInputs { world_size: 4, ..inputs(Attention::Flash) });
