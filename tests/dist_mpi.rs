@@ -512,9 +512,10 @@ fn the_smoke_job_runs_on_two_ranks_as_on_one() {
     assert!(diff <= 1e-5, "{diff}");
 }
 
-/// SIGTERM to the job (as SLURM sends before the time limit; mpirun passes it to every rank): the ranks agree
+/// SIGTERM to every rank (as SLURM's `scancel --signal=TERM` and srun send it; Open MPI's mpirun, signalled
+/// itself, kills the ranks 1 s after passing it on, before a step can finish under load): the ranks agree
 /// to stop after the same step, the checkpoint of that step is written whole (every rank's optimiser shard),
-/// the summary says stopped, and the job ends within a minute.
+/// the summary says stopped, and mpirun ends within a minute with the ranks' stop status, 75.
 #[test]
 fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
     let Some(_) = mpirun() else { return };
@@ -534,7 +535,10 @@ fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
         assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::process::Command::new("kill").args(["-TERM", &job.id().to_string()]).status().unwrap();
+    let ranks = std::process::Command::new("pgrep").args(["-P", &job.id().to_string()]).output().unwrap();
+    let ranks: Vec<String> = String::from_utf8(ranks.stdout).unwrap().split_whitespace().map(String::from).collect();
+    assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
+    std::process::Command::new("kill").arg("-TERM").args(&ranks).status().unwrap();
     let sent = Instant::now();
     let status = loop {
         if let Some(s) = job.try_wait().unwrap() {
@@ -547,6 +551,7 @@ fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
         std::thread::sleep(Duration::from_millis(100));
     };
     eprintln!("stopped {:?} after SIGTERM, status {status:?}", sent.elapsed());
+    assert_eq!(status.code(), Some(75), "mpirun passes on the ranks' stop status");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(d.path().join("out/summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "stopped", "{summary}");

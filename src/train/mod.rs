@@ -826,14 +826,29 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
     let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step, tensorboard)?) } else { None };
     let mut outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
-    if !primary {
-        return Ok(outcome);
+    if primary {
+        outcome.summary = Some(write_summary(cfg, &outcome, dataset.len(), started, resumed_from_step)?);
     }
+    // No rank ends before rank 0 has written the summary: under mpirun the first rank to exit with a stop
+    // status ends the job, and would kill rank 0 while it writes.
+    run.world.barrier();
+    Ok(outcome)
+}
+
+/// Rank 0's end of a run: the curves, and the summary written (OUTPUT/summary.json).
+fn write_summary(
+    cfg: &TrainConfig,
+    outcome: &Outcome,
+    groups: usize,
+    started: Instant,
+    resumed_from_step: Option<usize>,
+) -> Result<RunSummary, TrainError> {
+    let out = Path::new(&cfg.train.output_dir);
     crate::plot::refresh_run_curves(out);
-    let plan = StepPlan::new(cfg, dataset.len());
+    let plan = StepPlan::new(cfg, groups);
     let end = summary::RunEnd {
         out,
-        outcome: &outcome,
+        outcome,
         total_steps: plan.total_steps,
         steps_per_epoch: plan.steps_per_epoch,
         wall_time_s: started.elapsed().as_secs_f64(),
@@ -841,6 +856,5 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     };
     let summary = RunSummary::new(&end);
     summary.write()?;
-    outcome.summary = Some(summary);
-    Ok(outcome)
+    Ok(summary)
 }
