@@ -24,7 +24,7 @@ use crate::data::{Group, Response};
 use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
-use crate::model::{Attention, Decoder, ModelConfig};
+use crate::model::{Attention, Decoder, DecoderOptions, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
 use crate::train::optim::OptimConfig;
 use crate::train::step::TrainStep;
@@ -292,9 +292,8 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
-        tensor_cores: spec.fused_ops
-            && spec.attention == Attention::Mma
-            && crate::kernels::tensor_core_attention(t.dtype, cfg.head_dim),
+        tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
+            .tensor_core_attention(t.dtype, cfg.head_dim),
     };
     let device = device_name(&t.device);
     GPUS.iter()

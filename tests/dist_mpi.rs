@@ -188,42 +188,53 @@ fn a_rank_killed_mid_run_stops_the_other_within_a_minute() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny(d.path());
     let cfg = config(d.path(), &model, OBJECTIVES[0].1, 1000);
-    let mut job = std::process::Command::new("mpirun")
-        .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
-        .arg(grpo_bin())
+    let (mut job, _) = long_job(d.path(), &cfg);
+    let victim = ranks(&job).into_iter().next().expect("a rank process");
+    std::process::Command::new("kill").args(["-KILL", &victim]).status().unwrap();
+    let killed = Instant::now();
+    let status = end_within_a_minute(&mut job, "after a rank was killed");
+    assert!(!status.success(), "the job ended successfully after a rank was killed");
+    eprintln!("stopped {:?} after a rank was killed", killed.elapsed());
+}
+
+/// A 2-rank training job of `cfg` that would run for hours, once its first step is done: the job (mpirun)
+/// and its metrics.jsonl.
+fn long_job(dir: &Path, cfg: &Path) -> (std::process::Child, PathBuf) {
+    let job = grpo(2)
         .args(["-q", "train", "--config"])
-        .arg(&cfg)
+        .arg(cfg)
         .args(["--set", "train.max_steps=0", "--set", "train.epochs=100", "--set", "train.save_every=0"])
-        .env("OMPI_MCA_btl", "self,vader,tcp")
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let metrics = d.path().join("out/metrics.jsonl");
+    let metrics = dir.join("out/metrics.jsonl");
     let t0 = Instant::now();
     while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() < 1) {
         assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
         std::thread::sleep(Duration::from_millis(100));
     }
-    // The ranks are grpo processes below mpirun; kill one of them.
-    let ranks = String::from_utf8(
-        std::process::Command::new("pgrep").args(["-f", "-P", &job.id().to_string(), "grpo"]).output().unwrap().stdout,
-    )
-    .unwrap();
-    let victim = ranks.split_whitespace().next().expect("a rank process");
-    std::process::Command::new("kill").args(["-KILL", victim]).status().unwrap();
-    let killed = Instant::now();
-    let status = loop {
+    (job, metrics)
+}
+
+/// The pids of the job's ranks: the grpo processes mpirun started.
+fn ranks(job: &std::process::Child) -> Vec<String> {
+    let out = std::process::Command::new("pgrep").args(["-P", &job.id().to_string()]).output().unwrap();
+    String::from_utf8(out.stdout).unwrap().split_whitespace().map(String::from).collect()
+}
+
+/// The job's exit status, failing the test (and killing the job) when it still runs a minute on.
+fn end_within_a_minute(job: &mut std::process::Child, what: &str) -> std::process::ExitStatus {
+    let t0 = Instant::now();
+    loop {
         if let Some(s) = job.try_wait().unwrap() {
-            break s;
+            return s;
         }
-        if killed.elapsed() > Duration::from_secs(60) {
+        if t0.elapsed() > Duration::from_secs(60) {
             let _ = job.kill();
-            panic!("the job still runs 60 s after a rank was killed");
+            panic!("the job still runs 60 s {what}");
         }
         std::thread::sleep(Duration::from_millis(100));
-    };
-    assert!(!status.success(), "the job ended successfully after a rank was killed");
-    eprintln!("stopped {:?} after a rank was killed", killed.elapsed());
+    }
 }
 
 /// `grpo eval` on 2 ranks (problem i on rank i mod 2, the results gathered by rank 0) writes the
@@ -522,34 +533,12 @@ fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
     let d = tempfile::tempdir().unwrap();
     let model = tiny(d.path());
     let cfg = config(d.path(), &model, OBJECTIVES[0].1, 1000);
-    let mut job = grpo(2)
-        .args(["-q", "train", "--config"])
-        .arg(&cfg)
-        .args(["--set", "train.max_steps=0", "--set", "train.epochs=100", "--set", "train.save_every=0"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let metrics = d.path().join("out/metrics.jsonl");
-    let t0 = Instant::now();
-    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() < 1) {
-        assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let ranks = std::process::Command::new("pgrep").args(["-P", &job.id().to_string()]).output().unwrap();
-    let ranks: Vec<String> = String::from_utf8(ranks.stdout).unwrap().split_whitespace().map(String::from).collect();
+    let (mut job, metrics) = long_job(d.path(), &cfg);
+    let ranks = ranks(&job);
     assert_eq!(ranks.len(), 2, "mpirun's children: {ranks:?}");
     std::process::Command::new("kill").arg("-TERM").args(&ranks).status().unwrap();
     let sent = Instant::now();
-    let status = loop {
-        if let Some(s) = job.try_wait().unwrap() {
-            break s;
-        }
-        if sent.elapsed() > Duration::from_secs(60) {
-            let _ = job.kill();
-            panic!("the job still runs 60 s after SIGTERM");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = end_within_a_minute(&mut job, "after SIGTERM");
     eprintln!("stopped {:?} after SIGTERM, status {status:?}", sent.elapsed());
     assert_eq!(status.code(), Some(75), "mpirun passes on the ranks' stop status");
     let summary: serde_json::Value =

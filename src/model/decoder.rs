@@ -87,6 +87,14 @@ pub struct DecoderOptions {
     pub attention: Attention,
 }
 
+impl DecoderOptions {
+    /// Whether attention runs on the tensor-core kernels (kernels/flash_mma.cu) on a GPU for weights of
+    /// `dtype` with head dim `head_dim`: `attention = "mma"` with fused ops, where the kernels apply.
+    pub fn tensor_core_attention(&self, dtype: DType, head_dim: usize) -> bool {
+        self.fused_ops && self.attention == Attention::Mma && crate::kernels::tensor_core_attention(dtype, head_dim)
+    }
+}
+
 impl Default for DecoderOptions {
     fn default() -> Self {
         Self { checkpoint_layers: false, logprob_chunk_bytes: 0, fused_ops: true, attention: Attention::Flash }

@@ -675,7 +675,7 @@ fn load_run<'a>(
     let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
     policy.options = cfg.model.decoder_options();
     if policy.options.attention == model::Attention::Mma
-        && !(device.is_cuda() && crate::kernels::tensor_core_attention(dtype, policy.config().head_dim))
+        && !(device.is_cuda() && policy.options.tensor_core_attention(dtype, policy.config().head_dim))
     {
         tracing::info!(
             "model.attention = \"mma\": the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \

@@ -633,10 +633,8 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_m
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
         blocks: perf_model::driver_blocks(model, seq_tokens),
-        tensor_cores: cfg.model.fused_ops
-            && cfg.model.attention == Attention::Mma
-            && crate::model::parse_dtype(&cfg.model.dtype)
-                .is_ok_and(|d| crate::kernels::tensor_core_attention(d, model.head_dim)),
+        tensor_cores: crate::model::parse_dtype(&cfg.model.dtype)
+            .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
     }
 }
 
