@@ -132,6 +132,10 @@ pub struct TrainStepSpec {
     /// Recompute layer activations in the backward (less memory, one more forward).
     #[arg(long)]
     pub checkpoint_layers: bool,
+    /// With --checkpoint-layers: keep each layer's attention output and log-sum-exp and skip the
+    /// attention's forward in the recomputation (`model.recompute_attention = false`).
+    #[arg(long)]
+    pub keep_attention: bool,
     /// Memory budget of one chunk of logits in the log-prob op, MiB (0: from the device, at least 1 GiB
     /// on a GPU, 64 MiB on the CPU).
     #[arg(long, default_value_t = 0)]
@@ -166,6 +170,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let vocab = cfg.vocab_size;
     let mut policy = random_model(cfg, t, true)?;
     policy.options.checkpoint_layers = spec.checkpoint_layers;
+    policy.options.recompute_attention = !spec.keep_attention;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
     policy.options.fused_ops = spec.fused_ops;
     policy.options.attention = spec.attention;
@@ -239,6 +244,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "device": device_name(&t.device),
         "micro_batch": spec.micro_batch,
         "checkpoint_layers": spec.checkpoint_layers,
+        "keep_attention": spec.keep_attention,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
@@ -287,6 +293,7 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
         dtype_bytes: t.dtype.size_in_bytes() as u64,
         checkpoint_layers: spec.checkpoint_layers,
+        recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
         logprob_chunk_bytes: chunk,
@@ -657,6 +664,7 @@ mod tests {
             prompt_len: 4,
             micro_batch: 2,
             checkpoint_layers: true,
+            keep_attention: false,
             logprob_chunk_mb: 1,
             fused_ops: true,
             offload: false,
@@ -702,6 +710,7 @@ mod tests {
                 prompt_len: 4,
                 micro_batch: 2,
                 checkpoint_layers: false,
+                keep_attention: false,
                 logprob_chunk_mb: 0,
                 fused_ops: true,
                 offload: false,

@@ -16,7 +16,7 @@
 //! CPU reference here (rayon over query blocks and key blocks); CUDA kernels in
 //! kernels/flash_attention.cu.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
 
@@ -88,7 +88,11 @@ struct FlashAttention {
     blocks: Option<Blocks>,
     /// On a GPU, the tensor-core kernels of kernels/flash_mma.cu where they apply ([`flash_mma::supports`]).
     tensor_cores: bool,
-    lse: OnceLock<Tensor>,
+    /// The output and log-sum-exp of an earlier forward of the same inputs: the forward copies the output
+    /// instead of computing it.
+    replay: Option<AttentionRecord>,
+    /// Shared with [`attend`], which reads it back to record the forward.
+    lse: Arc<OnceLock<Tensor>>,
     visits: OnceLock<Visits>,
 }
 
@@ -96,6 +100,20 @@ impl FlashAttention {
     fn keep_lse(&self, lse: Tensor) {
         // One op instance runs one forward: the value is set once.
         let _ = self.lse.set(lse);
+    }
+
+    /// The replayed forward's output, a copy of the record's (its log-sum-exp kept for the backward).
+    fn replayed(&self, record: &AttentionRecord, q: &Layout) -> Result<Storage> {
+        if record.out.dims() != q.dims() || record.lse.elem_count() * q.dims()[3] != q.shape().elem_count() {
+            candle_core::bail!(
+                "flash attention: a recorded output of shape {:?} replayed for queries of shape {:?}",
+                record.out.dims(),
+                q.dims()
+            );
+        }
+        self.keep_lse(record.lse.clone());
+        let (s, l) = record.out.storage_and_layout();
+        s.try_clone(l)
     }
 
     /// The block pairs of the forward (computed once, from the ranges on the host).
@@ -133,6 +151,12 @@ impl CustomOp3 for FlashAttention {
         let dims = Dims::new(l1, l2, l3, rl)?;
         let ranges = u32s(cpu_storage(&rs, "ranges")?, rl, "attention ranges")?;
         let visits = self.visits(dims, driver::Device::Cpu, ranges);
+        if let Some(record) = &self.replay {
+            return match self.replayed(record, l1)? {
+                Storage::Cpu(out) => Ok((out, l1.shape().clone())),
+                _ => candle_core::bail!("flash attention: a recorded output replayed on another device"),
+            };
+        }
         let ranges = ranges.to_vec();
         let (out, lse) = with_float!((s1, l1, "q"), (s2, l2, "k"), (s3, l3, "v") => |qt, kt, vt| {
             let (q, k, v) = (f32_vec(qt), f32_vec(kt), f32_vec(vt));
@@ -155,7 +179,19 @@ impl CustomOp3 for FlashAttention {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = Dims::new(l1, l2, l3, self.ranges.layout())?;
-        if self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d) {
+        let tensor_cores = self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d);
+        if let Some(record) = &self.replay {
+            if !tensor_cores {
+                // The chunked backward walks the forward's block pairs.
+                let host: Vec<u32> = self.ranges.flatten_all()?.to_vec1()?;
+                self.visits(dims, driver::Device::Gpu, &host);
+            }
+            return match self.replayed(record, l1)? {
+                Storage::Cuda(out) => Ok((out, l1.shape().clone())),
+                _ => candle_core::bail!("flash attention: a recorded output replayed on another device"),
+            };
+        }
+        if tensor_cores {
             let (rs, rl) = self.ranges.storage_and_layout();
             let plan = flash_mma::forward_plan(s1.dtype(), dims, self.scale)?;
             let [lse, out]: [candle_core::CudaStorage; 2] =
@@ -296,18 +332,59 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
 /// `[B, H, T, D]` in the inputs' dtype (f32, bf16 or f16), with a backward to q, k and v. Computed
 /// block by block in O(T) memory per head.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, false)
+    attend(q, k, v, ranges, scale, None, false, None)
 }
 
 /// [`flash_attention`] whose GPU path, for bf16 and f16 with a head dim of 64 or 128, is the tensor-core
 /// kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products, scores and
 /// probabilities in registers) instead of the chunked GEMMs; elsewhere the same as [`flash_attention`].
 pub fn flash_attention_mma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, true)
+    attend(q, k, v, ranges, scale, None, true, None)
+}
+
+/// The output and the per-query log-sum-exp of one flash-attention forward, kept so that the same
+/// attention, run again on the same inputs (a layer recomputed in the backward), skips its forward and
+/// still has its backward.
+#[derive(Debug, Clone)]
+pub struct AttentionRecord {
+    out: Tensor,
+    lse: Tensor,
+}
+
+impl AttentionRecord {
+    /// The bytes it holds.
+    pub fn bytes(&self) -> usize {
+        self.out.elem_count() * self.out.dtype().size_in_bytes() + self.lse.elem_count() * 4
+    }
+}
+
+/// What [`flash_attention_recorded`] does with a record of the forward.
+pub enum Replay<'a> {
+    /// Compute the forward and keep its output and log-sum-exp in the slot.
+    Record(&'a mut Option<AttentionRecord>),
+    /// Compute no forward: the output is a copy of the record's, which must have been made from the same
+    /// q, k, v, ranges and scale; the backward is the usual one, from the record's log-sum-exp.
+    From(&'a AttentionRecord),
+}
+
+/// [`flash_attention`] (with `tensor_cores`, [`flash_attention_mma`]) that records its forward or replays
+/// a recorded one.
+pub fn flash_attention_recorded(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ranges: &Tensor,
+    scale: f64,
+    tensor_cores: bool,
+    replay: Replay,
+) -> Result<Tensor> {
+    attend(q, k, v, ranges, scale, None, tensor_cores, Some(replay))
 }
 
 /// [`flash_attention`] with the given block sizes (`None`: [`driver::block_sizes`] of the device), on a GPU
-/// through the tensor-core kernels where they apply when `tensor_cores`.
+/// through the tensor-core kernels where they apply when `tensor_cores`, recording or replaying its
+/// forward as `replay` says.
+#[allow(clippy::too_many_arguments)]
 fn attend(
     q: &Tensor,
     k: &Tensor,
@@ -316,16 +393,27 @@ fn attend(
     scale: f64,
     blocks: Option<Blocks>,
     tensor_cores: bool,
+    replay: Option<Replay>,
 ) -> Result<Tensor> {
+    let lse = Arc::new(OnceLock::new());
     let op = FlashAttention {
         ranges: ranges.contiguous()?,
         scale: scale as f32,
         blocks,
         tensor_cores,
-        lse: OnceLock::new(),
+        replay: match &replay {
+            Some(Replay::From(record)) => Some((*record).clone()),
+            _ => None,
+        },
+        lse: lse.clone(),
         visits: OnceLock::new(),
     };
-    q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)
+    let out = q.contiguous()?.apply_op3(&k.contiguous()?, &v.contiguous()?, op)?;
+    if let Some(Replay::Record(slot)) = replay {
+        let Some(lse) = lse.get() else { candle_core::bail!("flash attention: the forward kept no log-sum-exp") };
+        *slot = Some(AttentionRecord { out: out.detach(), lse: lse.clone() });
+    }
+    Ok(out)
 }
 
 /// Block sizes and the work (GEMM FLOPs, element-wise bytes, launches) of the forward and the backward of

@@ -9,8 +9,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention, flash_attention_mma, logprobs_entropy,
-    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
+    embedding, embedding_grad, embedding_reference, flash_attention, flash_attention_mma, flash_attention_recorded,
+    logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
+    rms_normalize_reference, rope_reference, AttentionRecord, Replay,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -75,6 +76,10 @@ pub enum Attention {
 pub struct DecoderOptions {
     /// Recompute each layer during the backward pass instead of keeping its activations.
     pub checkpoint_layers: bool,
+    /// With `checkpoint_layers` and flash-kind attention: `false` keeps each layer's attention output and
+    /// log-sum-exp from the forward ([B, H, T, D] + 4 B H T bytes a layer), and the recomputation runs the
+    /// attention's backward without its forward (`true`: the attention is recomputed with the layer).
+    pub recompute_attention: bool,
     /// Memory budget of one chunk of f32 logits in the log-prob op; 0 sizes it from the device
     /// ([`crate::device::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
     pub logprob_chunk_bytes: usize,
@@ -97,8 +102,23 @@ impl DecoderOptions {
 
 impl Default for DecoderOptions {
     fn default() -> Self {
-        Self { checkpoint_layers: false, logprob_chunk_bytes: 0, fused_ops: true, attention: Attention::Flash }
+        Self {
+            checkpoint_layers: false,
+            recompute_attention: true,
+            logprob_chunk_bytes: 0,
+            fused_ops: true,
+            attention: Attention::Flash,
+        }
     }
+}
+
+/// What a layer keeps across calls.
+enum LayerState<'a> {
+    None,
+    /// Generation: this layer's past keys and values, extended by the call.
+    Cache(&'a mut Option<LayerCache>),
+    /// Training with recomputation: the attention's forward recorded, or replayed from its record.
+    Attention(Replay<'a>),
 }
 
 /// A batch of token rows for the training / scoring forward.
@@ -608,14 +628,14 @@ impl Decoder {
         Ok(tables)
     }
 
-    /// One decoder layer. `cache`, when given, holds this layer's past keys/values and is extended.
+    /// One decoder layer, keeping what `state` says.
     fn layer(
         &self,
         l: usize,
         x: &Tensor,
         rope: &(Tensor, Tensor),
         ranges: &Tensor,
-        cache: Option<&mut Option<LayerCache>>,
+        state: LayerState,
         graph: bool,
     ) -> candle_core::Result<Tensor> {
         let li = self.layers[l];
@@ -641,9 +661,14 @@ impl Decoder {
         let q = rotate(&q, cos, sin)?;
         let mut k = rotate(&k, cos, sin)?;
         let mut v = v.transpose(1, 2)?.contiguous()?;
-        if let Some(cache) = cache {
-            (k, v) = LayerCache::append(cache, &k, &v)?;
-        }
+        let replay = match state {
+            LayerState::Cache(cache) => {
+                (k, v) = LayerCache::append(cache, &k, &v)?;
+                None
+            }
+            LayerState::Attention(replay) => Some(replay),
+            LayerState::None => None,
+        };
         // Grouped-query attention without repeating K/V (both paths read KV head h / (H / KV)).
         let scale = 1.0 / (hd as f64).sqrt();
         // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
@@ -652,11 +677,13 @@ impl Decoder {
         for (what, n, hint) in layer_sizes(cfg, b, t, k.dim(2)?, fused && flash) {
             crate::device::check_elements(&self.device, what, n, hint)?;
         }
-        let attn = match (fused, flash) {
-            (true, true) if self.options.attention == Attention::Mma => flash_attention_mma(&q, &k, &v, ranges, scale)?,
-            (true, true) => flash_attention(&q, &k, &v, ranges, scale)?,
-            (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
-            (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
+        let mma = self.options.attention == Attention::Mma;
+        let attn = match (fused, flash, replay) {
+            (true, true, Some(replay)) => flash_attention_recorded(&q, &k, &v, ranges, scale, mma, replay)?,
+            (true, true, None) if mma => flash_attention_mma(&q, &k, &v, ranges, scale)?,
+            (true, true, None) => flash_attention(&q, &k, &v, ranges, scale)?,
+            (true, false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
+            (false, _, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
@@ -743,7 +770,7 @@ impl Decoder {
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, None, graph)?;
+            x = self.layer(l, &x, &rope, &ranges, LayerState::None, graph)?;
         }
         Ok(x)
     }
@@ -817,12 +844,18 @@ impl Decoder {
         }
         let rope = self.rope(&batch.positions)?;
         let ranges = batch.ranges(&self.device)?;
-        // Forward without a graph, keeping only each layer's input.
+        // Forward without a graph, keeping only each layer's input (and, unless the attention is
+        // recomputed, its attention's output and log-sum-exp).
+        let keep = !self.options.recompute_attention;
         let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
+        let mut records: Vec<Option<AttentionRecord>> = Vec::with_capacity(self.cfg.num_layers);
         let mut x = e;
         for l in 0..self.cfg.num_layers {
-            let next = self.layer(l, &x, &rope, &ranges, None, false)?;
+            let mut record = None;
+            let state = if keep { LayerState::Attention(Replay::Record(&mut record)) } else { LayerState::None };
+            let next = self.layer(l, &x, &rope, &ranges, state, false)?;
             inputs.push(x);
+            records.push(record);
             x = next;
         }
         // Head: gradient of the loss with respect to the last hidden state.
@@ -837,7 +870,10 @@ impl Decoder {
         // Layers in reverse: recompute with a graph, backprop the incoming gradient.
         for l in (0..self.cfg.num_layers).rev() {
             let xin = Var::from_tensor(&inputs[l])?;
-            let y = self.layer(l, xin.as_tensor(), &rope, &ranges, None, true)?;
+            // This layer's record is released with its backward.
+            let record = records.pop().flatten();
+            let state = record.as_ref().map_or(LayerState::None, |r| LayerState::Attention(Replay::From(r)));
+            let y = self.layer(l, xin.as_tensor(), &rope, &ranges, state, true)?;
             let store = (y * &g)?.sum_all()?.backward()?;
             self.collect(&store, grads)?;
             g = match store.get(xin.as_tensor()) {
@@ -928,7 +964,7 @@ impl Decoder {
         let rope = self.rope(&positions)?;
         let mut x = self.embed(tokens, false)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, Some(&mut cache.layers[l]), false)?;
+            x = self.layer(l, &x, &rope, &ranges, LayerState::Cache(&mut cache.layers[l]), false)?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
         let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
@@ -1093,6 +1129,13 @@ mod tests {
             let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "{name}: recomputed gradient differs by {d}");
         }
+        // The attention's forward kept rather than recomputed: the same arithmetic, the same gradients.
+        m.options.recompute_attention = false;
+        let (l3, g3) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+        assert_eq!(l2, l3);
+        for (name, (a, b)) in m.names().iter().zip(g2.grads.iter().zip(&g3.grads)) {
+            assert_eq!(values(a.as_ref().unwrap()), values(b.as_ref().unwrap()), "{name}");
+        }
     }
 
     /// The fused kernels and their composite references give the same loss and gradients, padded and
@@ -1137,8 +1180,9 @@ mod tests {
                 pt.push(r, p);
             }
             for (batch, targets) in [(&b, &t), (&packed, &pt)] {
-                for checkpoint in [false, true] {
+                for (checkpoint, recompute_attention) in [(false, true), (true, true), (true, false)] {
                     m.options.checkpoint_layers = checkpoint;
+                    m.options.recompute_attention = recompute_attention;
                     m.options.attention = Attention::Flash;
                     let (l1, g1) = m.forward_backward(batch, targets, &mut weighted_loss).unwrap();
                     m.options.attention = Attention::Matrix;

@@ -45,6 +45,11 @@ pub struct ModelSection {
     pub reference: Option<String>,
     /// Recompute each layer in the backward pass (less memory, about 30% more compute).
     pub checkpoint_layers: bool,
+    /// With `checkpoint_layers` and flash or mma attention: `false` keeps each layer's attention output
+    /// and log-sum-exp from the forward (L x ([N, heads x head_dim] + 4 B heads N) more memory) and the
+    /// recomputation skips the attention's forward, the costliest part of a long sequence's layer; `true`
+    /// (the default) recomputes it with the layer.
+    pub recompute_attention: bool,
     /// Memory budget (MiB) of one chunk of logits in the log-prob op; 0 (the default) sizes it from the
     /// device: an eighth of a GPU's free memory within 1-8 GiB, 64 MiB on the CPU.
     pub logprob_chunk_mb: usize,
@@ -68,6 +73,7 @@ impl ModelSection {
     pub fn decoder_options(&self) -> DecoderOptions {
         DecoderOptions {
             checkpoint_layers: self.checkpoint_layers,
+            recompute_attention: self.recompute_attention,
             logprob_chunk_bytes: self.logprob_chunk_mb << 20,
             fused_ops: self.fused_ops,
             attention: self.attention,
@@ -84,6 +90,7 @@ impl Default for ModelSection {
             device: "cpu".into(),
             reference: None,
             checkpoint_layers: false,
+            recompute_attention: true,
             logprob_chunk_mb: 0,
             fused_ops: true,
             cache_reference: true,

@@ -196,6 +196,9 @@ pub struct StepShape {
     /// Bytes per weight/activation element.
     pub dtype_bytes: u64,
     pub checkpoint_layers: bool,
+    /// With `checkpoint_layers`, the recomputation runs the attention's forward again (`false`: its output
+    /// was kept, and is copied instead).
+    pub recompute_attention: bool,
     /// A reference model's forward per micro-batch (its log-probs are not cached).
     pub reference_forward: bool,
     pub offload: bool,
@@ -423,7 +426,12 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(o, m, n_tokens, d, false);
-    layer_attention(o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, false);
+    if whole || s.recompute_attention {
+        layer_attention(o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, false);
+    } else {
+        let q = (m.num_heads * m.head_dim) as f64;
+        o.push("attention output copy (kept, not recomputed)", OpKind::Elementwise, 0.0, 2.0 * n_tokens * q * d, 1.0);
+    }
     o.times = times;
     if whole {
         o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
@@ -526,7 +534,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
     let step_s = attention_s + gemm_s + host_s + elementwise_s;
     let (dense, attention) = model_forward_flops(m, s);
     // Attention's useful work: forward, backward (2.5x) and the recomputed forward.
-    let recompute = if s.checkpoint_layers { 1.0 } else { 0.0 };
+    let recompute = if s.checkpoint_layers && s.recompute_attention { 1.0 } else { 0.0 };
     let reference = if s.reference_forward { 1.0 } else { 0.0 };
     let attention_useful = attention * (3.5 + recompute + reference);
     Prediction {
@@ -703,6 +711,7 @@ mod tests {
             scored_tokens: scored,
             dtype_bytes: 2,
             checkpoint_layers: false,
+            recompute_attention: true,
             reference_forward: false,
             offload: false,
             logprob_chunk_bytes: 1 << 30,
@@ -752,6 +761,20 @@ mod tests {
         // 2 answers x 3 layers x 2 heads x 4 head_dim per score, 2 GEMMs of 2 flops forward.
         assert_eq!(fwd, 2.0 * 3.0 * 2.0 * 4.0 * 4.0 * 68.0);
         assert_eq!(bwd, 2.5 * fwd);
+        // Recomputed layers run the attention's forward twice; with its output kept, once, and copy the
+        // kept output ([N, heads x head_dim] read and written, 2 B each) once per layer and micro-batch
+        // instead (2 micro-batches x 3 layers).
+        let ckpt = StepShape { checkpoint_layers: true, ..shape(2, 10, 10) };
+        let fwd_of = |s: StepShape| flops(&step_costs(&m, &s), |o| o.name == "attention GEMMs (forward)");
+        assert_eq!(fwd_of(ckpt), 2.0 * fwd);
+        let kept = StepShape { recompute_attention: false, ..ckpt };
+        assert_eq!(fwd_of(kept), fwd);
+        let copy = step_costs(&m, &kept);
+        let copy = copy.iter().find(|o| o.name.starts_with("attention output copy")).expect("the copy");
+        assert_eq!((copy.bytes, copy.launches, copy.attention), (6.0 * 2.0 * 10.0 * 8.0 * 2.0, 6.0, true));
+        // Useful attention work no longer counts a recomputation.
+        let (with, without) = (predict(&m, &ckpt, &H100_SXM), predict(&m, &kept, &H100_SXM));
+        assert!(without.step_s < with.step_s && without.mfu > with.mfu, "{without:?} vs {with:?}");
     }
 
     /// The tensor-core kernels' counts: 4 hd FLOPs per score of the forward's 64 x 32 causal blocks, 6 hd
@@ -802,6 +825,7 @@ mod tests {
             scored_tokens: 16384,
             blocks: AttentionBlocks { query: 1024, key: 1024 },
             checkpoint_layers: true,
+            recompute_attention: true,
             ..shape(1, 1, 1)
         };
         let ops = step_costs(&m, &s);

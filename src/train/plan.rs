@@ -138,6 +138,9 @@ pub struct Activations {
     pub saved_checkpointed: u64,
     pub layer_backward: u64,
     pub attention_workspace: u64,
+    /// With `checkpoint_layers` and `recompute_attention = false`: every layer's attention output and
+    /// log-sum-exp (flash kinds).
+    pub kept_attention: u64,
     pub head: u64,
     pub head_backward: u64,
     pub logprob_chunk: u64,
@@ -213,6 +216,10 @@ impl Activations {
             saved_checkpointed: to_bytes((l + 1.0) * n * h * d + layer),
             layer_backward: to_bytes(n * (3.0 * i + 3.0 * h + 2.0 * q) * d),
             attention_workspace: to_bytes(attn_work),
+            kept_attention: match attention {
+                Attention::Matrix => 0,
+                Attention::Flash | Attention::Mma => to_bytes(l * (n * q * d + 4.0 * b * heads * t)),
+            },
             head: to_bytes(3.0 * n_scored * h * d + 16.0 * n_scored),
             head_backward: to_bytes(head_backward),
             logprob_chunk: to_bytes(2.0 * rows * v * d),
@@ -306,6 +313,11 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         "(L+1) [N,h] + one layer".into(),
     );
     add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]".into());
+    if ckpt && act.kept_attention > 0 {
+        let when = if cfg.model.recompute_attention { Alternative } else { Backward };
+        let formula = "L ([N,q] d + 4 B heads T)".into();
+        add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
+    }
     add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
     // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
     // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
@@ -484,6 +496,8 @@ impl Plan {
         let mut ways = Vec::new();
         if !cfg.model.checkpoint_layers {
             ways.push("model.checkpoint_layers = true".to_string());
+        } else if !cfg.model.recompute_attention && self.inputs.attention != Attention::Matrix {
+            ways.push("model.recompute_attention = true".to_string());
         }
         if cfg.train.micro_batch_size > 1 {
             ways.push(format!("a train.micro_batch_size under {}", cfg.train.micro_batch_size));
@@ -628,6 +642,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_m
         scored_tokens: response,
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
         checkpoint_layers: cfg.model.checkpoint_layers,
+        recompute_attention: cfg.model.recompute_attention,
         reference_forward: cfg.objective.build().needs_reference() && !super::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
@@ -698,6 +713,18 @@ mod tests {
         let flash = super::plan(&config(&[]), &m, inputs(Attention::Flash));
         let saved = bytes(&flash, "activations, checkpoint_layers = false");
         assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
+        // Kept attention outputs: per layer [N, q = 8] in bf16 and 4 B x 2 rows x 2 heads x 16 tokens; counted
+        // in the backward only when the attention is not recomputed.
+        let kept = "attention outputs kept (recompute_attention = false)";
+        let recomputed = super::plan(&config(&["model.checkpoint_layers=true"]), &m, inputs(Attention::Flash));
+        let keeping = &config(&["model.checkpoint_layers=true", "model.recompute_attention=false"]);
+        let kept_plan = super::plan(keeping, &m, inputs(Attention::Flash));
+        assert_eq!(bytes(&kept_plan, kept), 3 * (32 * 8 * 2 + 4 * 2 * 2 * 16));
+        assert_eq!(bytes(&recomputed, kept), bytes(&kept_plan, kept));
+        let extra = kept_plan.peak(Place::Device) - recomputed.peak(Place::Device);
+        assert_eq!(extra, bytes(&kept_plan, kept), "{kept_plan}");
+        assert!(kept_plan.advice(keeping).contains("model.recompute_attention = true"));
+        assert!(!recomputed.advice(&config(&["model.checkpoint_layers=true"])).contains("recompute_attention"));
     }
 
     #[test]

@@ -18,6 +18,7 @@ use crate::model::{ModelConfig, ModelError};
 pub const RESUMABLE_KEYS: &[&str] = &[
     "model.device",
     "model.checkpoint_layers",
+    "model.recompute_attention",
     "model.logprob_chunk_mb",
     "model.fused_ops",
     "model.cache_reference",

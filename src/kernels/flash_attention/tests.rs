@@ -88,7 +88,7 @@ fn flash(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
 const SMALL: [Blocks; 3] = [Blocks { bq: 1, bk: 1 }, Blocks { bq: 16, bk: 24 }, Blocks { bq: 7, bk: 64 }];
 
 fn flash_blocks(ranges: &Tensor, blocks: Blocks) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
-    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks), false).unwrap()
+    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks), false, None).unwrap()
 }
 
 fn matrix(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
@@ -385,5 +385,38 @@ fn the_vectorised_exp_is_within_two_ulp() {
         let x = i as f32 / 100.0 + 0.003;
         let (got, want) = (super::cpu::exp(x), (x as f64).exp());
         assert!(((got as f64 - want) / want).abs() < 2.5e-7, "exp({x}) = {got}, want {want}");
+    }
+}
+
+/// A replayed forward (a recomputed layer whose attention output was recorded) gives the recorded output
+/// and the same gradients as computing it, without running the forward: a record of other inputs is
+/// replayed as it is, which shows no forward ran. A record of another shape is refused.
+#[test]
+fn a_recorded_forward_replays_with_the_same_output_and_gradients() {
+    use super::{flash_attention_recorded, Replay};
+    for (i, (name, case)) in cases().iter().enumerate() {
+        let (q, k, v, up) = case.inputs(i as u64, DType::F32);
+        let mut slot = None;
+        let (q0, k0, v0) = (q.as_tensor().detach(), k.as_tensor().detach(), v.as_tensor().detach());
+        let first =
+            flash_attention_recorded(&q0, &k0, &v0, &case.ranges, SCALE, false, Replay::Record(&mut slot)).unwrap();
+        let record = slot.take().expect("the forward was recorded");
+        assert!(record.bytes() >= first.elem_count() * 4, "{name}");
+        let replayed = |q: &Tensor, k: &Tensor, v: &Tensor| {
+            flash_attention_recorded(q, k, v, &case.ranges, SCALE, false, Replay::From(&record)).unwrap()
+        };
+        let got = run(&q, &k, &v, &up, replayed);
+        let want = run(&q, &k, &v, &up, flash(&case.ranges));
+        for (what, (a, b)) in ["out", "dq", "dk", "dv"].iter().zip(got.iter().zip(&want)) {
+            assert_eq!(rel_diff(a, b), 0.0, "{name}: {what}");
+        }
+        // Other queries: the output is still the record's (no forward ran).
+        let other = (q.as_tensor() * 0.5).unwrap();
+        let out = replayed(&other, k.as_tensor(), v.as_tensor());
+        assert_eq!(rel_diff(&out, &first), 0.0, "{name}");
+        let longer = Tensor::cat(&[q.as_tensor(), q.as_tensor()], 3).unwrap();
+        let err =
+            flash_attention_recorded(&longer, &longer, &longer, &case.ranges, SCALE, false, Replay::From(&record));
+        assert!(err.is_err(), "{name}: a record of another shape was replayed");
     }
 }
