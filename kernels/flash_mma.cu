@@ -17,6 +17,13 @@
 //                            over the queries of every head of its group in blocks of 16 that see one of
 //                            its keys (by spans): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
 //                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)]. One stage (two would pass 48 KiB).
+// The backward without the dq kernel (FlashAttention-2's: S and dP computed once per score, dQ summed by
+// f32 atomics, so not bitwise reproducible):
+//   flash_mma_bwd_prep_dD_<T>: per 64 queries of one head, zeroes their rows of dq_acc ([B, H, T, D] f32)
+//                            and (first head) writes their spans, as the dq kernel does.
+//   flash_mma_bwd_dkvq_dD_<T>: the dk/dv kernel that also adds dQ = dS K of each 16 queries against its 64
+//                            keys into dq_acc (dS through shared memory; each warp a quarter of D).
+//   flash_mma_bwd_dq_out_dD_<T>: dq = scale dq_acc in T.
 // 128 threads (4 warps) per block; f32 accumulators; tiles in shared memory as T with a row stride of
 // D + 8 (16-byte rows, no bank conflicts between the 8 rows a fragment load reads). Shared memory per
 // kernel: see the host (src/kernels/flash_mma.rs).
@@ -338,12 +345,50 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
 }
 
+// dq_acc[rows i0.., 16 queries] += dS K for this block's 64 keys: dS^T (this warp's 16 keys against the 16
+// queries, accumulators `ds`) through the shared tile dss ([DKV_BQ][DKV_BK + 8]), then each warp the
+// product for a quarter of D's columns, added by f32 atomics (rows >= t skipped).
 template <typename T, int D>
+__device__ __forceinline__ void add_dq(float *dq_acc, T *dss, const float ds[DKV_BQ / 8][4], const T *ks,
+                                       uint32_t ld, uint32_t i0, uint32_t t) {
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t lds = DKV_BK + 8, m0 = 16 * warp, n0 = warp * (D / 4);
+#pragma unroll
+    for (int n = 0; n < DKV_BQ / 8; ++n)
+        for (int i = 0; i < 4; ++i) dss[(8 * n + 2 * c + i % 2) * lds + m0 + g + 8 * (i / 2)] = from_f32<T>(ds[n][i]);
+    __syncthreads();
+    float acc[D / 32][4];
+#pragma unroll
+    for (int n = 0; n < D / 32; ++n)
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < DKV_BK / 16; ++kk) {
+        uint32_t af[4];
+        frag_a(af, dss, lds, 0, 16 * kk);
+#pragma unroll
+        for (int n = 0; n < D / 32; n += 2) {
+            uint32_t bf[2][2];
+            frag_b2(bf, ks, ld, n0 + 8 * n, 16 * kk);
+            mma_16816<T>(acc[n], af, bf[0]);
+            mma_16816<T>(acc[n + 1], af, bf[1]);
+        }
+    }
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + g + 8 * r;
+        if (i >= t) continue;
+#pragma unroll
+        for (int n = 0; n < D / 32; ++n)
+            for (int x = 0; x < 2; ++x) atomicAdd(&dq_acc[(size_t)i * D + n0 + 8 * n + 2 * c + x], acc[n][2 * r + x]);
+    }
+}
+
+// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by add_dq.
+template <typename T, int D, bool DQ>
 __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                   const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                   const float *__restrict__ lse, const float *__restrict__ delta,
-                                  T *__restrict__ dkv, const uint32_t *__restrict__ spans, uint32_t h, uint32_t kv,
-                                  uint32_t t, uint32_t s, float scale) {
+                                  T *__restrict__ dkv, const uint32_t *__restrict__ spans, float *dq_acc, uint32_t h,
+                                  uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t mma_smem[];
     const uint32_t ld = D + 8;
     T *ks = (T *)mma_smem;                          // [DKV_BK][ld] keys
@@ -354,6 +399,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     float *rds = rls + DKV_BQ;                      // [DKV_BQ] delta
     uint32_t *los = (uint32_t *)(rds + DKV_BQ);     // [DKV_BQ]
     uint32_t *his = los + DKV_BQ;                   // [DKV_BQ]
+    T *dss = (T *)(his + DKV_BQ);                   // with DQ: [DKV_BQ][DKV_BK + 8] dS
     const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * DKV_BK, group = h / kv;
     const uint32_t j_last = min(j0 + DKV_BK, s) - 1;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -426,6 +472,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
                 mma_16816<T>(dk[n], df, bf[0]);
                 mma_16816<T>(dk[n + 1], df, bf[1]);
             }
+            if (DQ) add_dq<T, D>(dq_acc + (size_t)bh * t * D, dss, dp, ks, ld, i0, t);
         }
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
@@ -444,6 +491,28 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     }
 }
 
+// Rows i0.. i0 + 64 of head bh of dq_acc zeroed; the first head's block also writes their spans.
+template <int D>
+__device__ void flash_mma_bwd_prep(const uint32_t *__restrict__ ranges, uint32_t *__restrict__ spans,
+                                   float *__restrict__ dq_acc, uint32_t h, uint32_t t, uint32_t s) {
+    __shared__ uint32_t los[DQ_BQ], his[DQ_BQ];
+    const uint32_t bh = blockIdx.y, b = bh / h, i0 = blockIdx.x * DQ_BQ, rows = min(DQ_BQ, t - i0);
+    float *acc = dq_acc + ((size_t)bh * t + i0) * D;
+    for (uint32_t e = threadIdx.x; e < rows * D; e += MMA_THREADS) acc[e] = 0.f;
+    if (bh % h != 0) return;  // the same test in every thread of the block
+    uint32_t kmin, kmax;
+    mma_row_ranges(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
+    write_spans(spans, los, his, b, i0, t);
+}
+
+// dq = scale dq_acc, rows i0.. i0 + 64 of head bh.
+template <typename T, int D>
+__device__ void flash_mma_bwd_dq_out(const float *__restrict__ dq_acc, T *__restrict__ dq, uint32_t t, float scale) {
+    const uint32_t bh = blockIdx.y, i0 = blockIdx.x * DQ_BQ, rows = min(DQ_BQ, t - i0);
+    const size_t base = ((size_t)bh * t + i0) * D;
+    for (uint32_t e = threadIdx.x; e < rows * D; e += MMA_THREADS) dq[base + e] = from_f32<T>(scale * dq_acc[base + e]);
+}
+
 #define FLASH_MMA_KERNELS(NAME, T, D)                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_fwd_##NAME(const T *q, const T *k, const T *v, const uint32_t *ranges, float *lse, T *out,     \
@@ -460,7 +529,22 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
         flash_mma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,      \
                                  const float *lse, const float *delta, T *dkv, const uint32_t *spans, uint32_t h, \
                                  uint32_t kv, uint32_t t, uint32_t s, float scale) {                             \
-        flash_mma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, spans, h, kv, t, s, scale);              \
+        flash_mma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, dkv, spans, nullptr, h, kv, t, s, scale); \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_prep_##NAME(const uint32_t *ranges, uint32_t *spans, float *dq_acc, uint32_t h, uint32_t t, \
+                                  uint32_t s) {                                                                  \
+        flash_mma_bwd_prep<D>(ranges, spans, dq_acc, h, t, s);                                                   \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_dkvq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,     \
+                                  const float *lse, const float *delta, T *dkv, const uint32_t *spans,           \
+                                  float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) { \
+        flash_mma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, dkv, spans, dq_acc, h, kv, t, s, scale); \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_dq_out_##NAME(const float *dq_acc, T *dq, uint32_t t, float scale) {                       \
+        flash_mma_bwd_dq_out<T, D>(dq_acc, dq, t, scale);                                                        \
     }
 
 FLASH_MMA_KERNELS(d64_bf16, __nv_bfloat16, 64)

@@ -30,10 +30,14 @@ pub(crate) fn supports(dtype: DType, d: usize) -> bool {
 /// and statistics.
 fn shared_bytes(kernel: &str, d: usize) -> usize {
     let ld = d + 8;
+    let dkv = 2 * (2 * ROWS * ld + 2 * DKV_QUERIES * ld) + 4 * 4 * DKV_QUERIES;
     match kernel {
         "fwd" => 2 * (4 * FWD_KEYS * ld) + 2 * 4 * ROWS,
         "bwd_dq" => 2 * (4 * DQ_KEYS * ld) + 2 * 4 * ROWS,
-        _ => 2 * (2 * ROWS * ld + 2 * DKV_QUERIES * ld) + 4 * 4 * DKV_QUERIES,
+        "bwd_dkv" => dkv,
+        // and the tile of dS, [16 queries][64 keys + 8]
+        "bwd_dkvq" => dkv + 2 * DKV_QUERIES * (ROWS + 8),
+        _ => 0, // bwd_prep (static shared memory), bwd_dq_out
     }
 }
 
@@ -117,5 +121,29 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
     };
     p.launch(mma_launch("bwd_dq", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args(0))?)?;
     p.launch(mma_launch("bwd_dkv", &dims, dtype, (dims.s.div_ceil(ROWS), dims.b * dims.kv), args(nq))?)?;
+    Ok(p)
+}
+
+/// The backward over the same inputs and output as [`backward_plan`] without the dq kernel
+/// (FlashAttention-2's): one kernel zeroes an f32 accumulator of dq and writes the query blocks' key spans;
+/// the dk/dv kernel also adds each block pair's dQ = dS K into the accumulator by f32 atomics (S and dP
+/// computed once per score: 10 hd FLOPs against 14, but the sums' order, and so their rounding, varies from
+/// run to run); the last kernel writes dq = scale x accumulator. Second and third outputs: the spans and
+/// the accumulator (`[B, H, T, D]` f32), the kernels' own.
+pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let nq = dims.q_len();
+    let mut p = Plan::default();
+    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
+    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
+    let acc = p.output("dq accumulator", DType::F32, nq);
+    let (query_blocks, heads) = (dims.t.div_ceil(ROWS), dims.b * dims.h);
+    let (h, t, s) = (Arg::U32(dims.h as u32), Arg::U32(dims.t as u32), Arg::U32(dims.s as u32));
+    p.launch(mma_launch("bwd_prep", &dims, dtype, (query_blocks, heads), vec![inputs[4], spans, acc, h, t, s])?)?;
+    let mut args = inputs.clone();
+    args.extend([Arg::Buffer { index: grads, offset: nq }, spans, acc]);
+    args.extend(sizes(&dims, scale));
+    p.launch(mma_launch("bwd_dkvq", &dims, dtype, (dims.s.div_ceil(ROWS), dims.b * dims.kv), args)?)?;
+    let out = vec![acc, Arg::Buffer { index: grads, offset: 0 }, t, Arg::F32(scale)];
+    p.launch(mma_launch("bwd_dq_out", &dims, dtype, (query_blocks, heads), out)?)?;
     Ok(p)
 }

@@ -352,6 +352,34 @@ fn flash_mma_bwd() {
     check_flash_backward("flash_mma_bwd", flash_mma::backward_plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
 }
 
+/// The backward whose dq is summed by f32 atomics in the dk/dv kernel: against the CPU op's gradients, and
+/// against the two-kernel backward on the same inputs: the same dk and dv bit for bit, and dq, the same
+/// products summed in another order, within one rounding of the output dtype.
+#[test]
+fn flash_mma_bwd_atomic_dq() {
+    let plan = flash_mma::backward_plan_atomic;
+    check_flash_backward("flash_mma_bwd_atomic", plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(43);
+    for &case in &MMA_CASES {
+        for dt in [DType::BF16, DType::F16] {
+            let f = Flash::new(&mut rng, case, dt);
+            let [o, ..] = f.cpu();
+            let delta =
+                (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
+            let lse = f.lse();
+            let ins = [&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta];
+            let atomic = run(&plan(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
+            let two = run(&flash_mma::backward_plan(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
+            let nq = f.q.elem_count();
+            let rest = |g: &Tensor| flat(&g.narrow(0, nq, g.elem_count() - nq).unwrap());
+            assert_eq!(rest(&atomic), rest(&two), "{case:?} {dt:?}: dk, dv");
+            let ulp = if dt == DType::BF16 { 1.0 / 128.0 } else { 1.0 / 1024.0 };
+            let dq = |g: &Tensor| g.narrow(0, 0, nq).unwrap();
+            assert_close(&format!("{case:?} {dt:?}: dq"), &dq(&atomic), &dq(&two), (ulp, 1e-6));
+        }
+    }
+}
+
 #[test]
 fn emb_fwd() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
