@@ -153,6 +153,10 @@ pub struct TrainStepSpec {
     /// on a GPU) or matrix (score matrix).
     #[arg(long, value_enum, default_value_t = Attention::Flash)]
     pub attention: Attention,
+    /// With --attention mma on a GPU: sum dq by atomics in the dk/dv kernel
+    /// (`model.deterministic_attention = false`).
+    #[arg(long)]
+    pub atomic_dq: bool,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -174,6 +178,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
     policy.options.fused_ops = spec.fused_ops;
     policy.options.attention = spec.attention;
+    policy.options.deterministic_attention = !spec.atomic_dq;
     let reference = if spec.no_reference {
         None
     } else {
@@ -245,6 +250,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "micro_batch": spec.micro_batch,
         "checkpoint_layers": spec.checkpoint_layers,
         "keep_attention": spec.keep_attention,
+        "atomic_dq": spec.atomic_dq,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
@@ -301,6 +307,7 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         blocks: driver_blocks(cfg, spec.seq_len as u64),
         tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
             .tensor_core_attention(t.dtype, cfg.head_dim),
+        atomic_dq: spec.atomic_dq,
     };
     let device = device_name(&t.device);
     GPUS.iter()
@@ -670,6 +677,7 @@ mod tests {
             offload: false,
             no_reference: false,
             attention: Attention::Matrix,
+            atomic_dq: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["attention"], "matrix");
@@ -716,6 +724,7 @@ mod tests {
                 offload: false,
                 no_reference: false,
                 attention: Attention::Flash,
+                atomic_dq: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();
             assert_eq!(r["micro_batches"], 2);

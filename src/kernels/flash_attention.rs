@@ -86,8 +86,8 @@ struct FlashAttention {
     ranges: Tensor,
     scale: f32,
     blocks: Option<Blocks>,
-    /// On a GPU, the tensor-core kernels of kernels/flash_mma.cu where they apply ([`flash_mma::supports`]).
-    tensor_cores: bool,
+    /// The kernels it runs on a GPU.
+    kernels: GpuKernels,
     /// The output and log-sum-exp of an earlier forward of the same inputs: the forward copies the output
     /// instead of computing it.
     replay: Option<AttentionRecord>,
@@ -179,7 +179,7 @@ impl CustomOp3 for FlashAttention {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let dims = Dims::new(l1, l2, l3, self.ranges.layout())?;
-        let tensor_cores = self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d);
+        let tensor_cores = self.kernels.tensor_cores() && flash_mma::supports(s1.dtype(), dims.d);
         if let Some(record) = &self.replay {
             if !tensor_cores {
                 // The chunked backward walks the forward's block pairs.
@@ -238,7 +238,7 @@ impl CustomOp3 for FlashAttention {
             lse_delta: &lse_delta,
             scale: self.scale,
             visits,
-            tensor_cores: self.tensor_cores,
+            kernels: self.kernels,
         };
         let grads = q.apply_op3_no_bwd(k, v, &op)?;
         let (nq, nk) = (q.elem_count(), k.elem_count());
@@ -260,7 +260,7 @@ struct FlashAttentionBwd<'a> {
     visits: Option<&'a Visits>,
     /// As [`FlashAttention`]'s (read on the GPU only).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    tensor_cores: bool,
+    kernels: GpuKernels,
 }
 
 impl CustomOp3 for FlashAttentionBwd<'_> {
@@ -307,10 +307,9 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
-        if self.tensor_cores && flash_mma::supports(s1.dtype(), dims.d) {
+        if let (GpuKernels::TensorCores { atomic_dq }, true) = (self.kernels, flash_mma::supports(s1.dtype(), dims.d)) {
             return mma_backward(
-                dims,
-                self.scale,
+                (dims, self.scale, atomic_dq),
                 [(s1, l1), (s2, l2), (s3, l3)],
                 self.grad,
                 (&rs, rl),
@@ -332,14 +331,34 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
 /// `[B, H, T, D]` in the inputs' dtype (f32, bf16 or f16), with a backward to q, k and v. Computed
 /// block by block in O(T) memory per head.
 pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, false, None)
+    attend(q, k, v, ranges, scale, None, GpuKernels::Chunked, None)
 }
 
 /// [`flash_attention`] whose GPU path, for bf16 and f16 with a head dim of 64 or 128, is the tensor-core
 /// kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products, scores and
 /// probabilities in registers) instead of the chunked GEMMs; elsewhere the same as [`flash_attention`].
 pub fn flash_attention_mma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, true, None)
+    attend(q, k, v, ranges, scale, None, GpuKernels::TensorCores { atomic_dq: false }, None)
+}
+
+/// The kernels flash attention runs on a GPU (the CPU runs its one implementation whatever this says).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum GpuKernels {
+    /// The block products as cuBLAS GEMMs over blocks in device memory (chunked).
+    #[default]
+    Chunked,
+    /// The tensor-core kernels of kernels/flash_mma.cu where they apply (bf16/f16 at a head dim of
+    /// [`TENSOR_CORE_HEAD_DIMS`](super::TENSOR_CORE_HEAD_DIMS)), chunked elsewhere. `atomic_dq`: the
+    /// backward sums dq by f32 atomics in the dk/dv kernel (FlashAttention-2's: 10 hd FLOPs per score
+    /// against 14, its rounding varying from run to run) instead of a dq kernel of its own (reproducible).
+    TensorCores { atomic_dq: bool },
+}
+
+impl GpuKernels {
+    #[cfg(feature = "cuda")]
+    fn tensor_cores(self) -> bool {
+        matches!(self, GpuKernels::TensorCores { .. })
+    }
 }
 
 /// The output and the per-query log-sum-exp of one flash-attention forward, kept so that the same
@@ -367,22 +386,21 @@ pub enum Replay<'a> {
     From(&'a AttentionRecord),
 }
 
-/// [`flash_attention`] (with `tensor_cores`, [`flash_attention_mma`]) that records its forward or replays
-/// a recorded one.
+/// [`flash_attention`] on `kernels` on a GPU, recording its forward or replaying a recorded one.
 pub fn flash_attention_recorded(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     ranges: &Tensor,
     scale: f64,
-    tensor_cores: bool,
-    replay: Replay,
+    kernels: GpuKernels,
+    replay: Option<Replay>,
 ) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, tensor_cores, Some(replay))
+    attend(q, k, v, ranges, scale, None, kernels, replay)
 }
 
 /// [`flash_attention`] with the given block sizes (`None`: [`driver::block_sizes`] of the device), on a GPU
-/// through the tensor-core kernels where they apply when `tensor_cores`, recording or replaying its
+/// through `kernels`, recording or replaying its
 /// forward as `replay` says.
 #[allow(clippy::too_many_arguments)]
 fn attend(
@@ -392,7 +410,7 @@ fn attend(
     ranges: &Tensor,
     scale: f64,
     blocks: Option<Blocks>,
-    tensor_cores: bool,
+    kernels: GpuKernels,
     replay: Option<Replay>,
 ) -> Result<Tensor> {
     let lse = Arc::new(OnceLock::new());
@@ -400,7 +418,7 @@ fn attend(
         ranges: ranges.contiguous()?,
         scale: scale as f32,
         blocks,
-        tensor_cores,
+        kernels,
         replay: match &replay {
             Some(Replay::From(record)) => Some((*record).clone()),
             _ => None,
@@ -615,8 +633,7 @@ where
 /// The tensor-core kernels' backward on the GPU (kernels/flash_mma.cu): dq|dk|dv.
 #[cfg(feature = "cuda")]
 fn mma_backward(
-    dims: Dims,
-    scale: f32,
+    (dims, scale, atomic_dq): (Dims, f32, bool),
     [q, k, v]: [CudaIn; 3],
     grad: &Tensor,
     (rs, rl): (&Storage, &Layout),
@@ -626,7 +643,10 @@ fn mma_backward(
     let (lse, delta) = (lse_delta.narrow(0, 0, n)?, lse_delta.narrow(0, n, n)?);
     let ((gs, gl), (ls, ll), (ds, dl)) =
         (grad.storage_and_layout(), lse.storage_and_layout(), delta.storage_and_layout());
-    let plan = flash_mma::backward_plan(q.0.dtype(), dims, scale)?;
+    let plan = match atomic_dq {
+        true => flash_mma::backward_plan_atomic(q.0.dtype(), dims, scale)?,
+        false => flash_mma::backward_plan(q.0.dtype(), dims, scale)?,
+    };
     let held = [(cuda_storage(&gs)?, gl), (cuda_storage(rs)?, rl), (cuda_storage(&ls)?, ll), (cuda_storage(&ds)?, dl)];
     let ins = [q, k, v, held[0], held[1], held[2], held[3]];
     // The first output is dq|dk|dv (the second, the query blocks' key spans, is the kernels' own).

@@ -9,9 +9,9 @@ use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention, flash_attention_mma, flash_attention_recorded,
-    logprobs_entropy, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope_reference, AttentionRecord, Replay,
+    embedding, embedding_grad, embedding_reference, flash_attention_recorded, logprobs_entropy, masked_softmax,
+    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
+    AttentionRecord, GpuKernels, Replay,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -90,6 +90,10 @@ pub struct DecoderOptions {
     /// How attention is computed (with `fused_ops`; generation's one-token steps, whose scores are
     /// linear in the cache, always go through the score matrix).
     pub attention: Attention,
+    /// With `attention = "mma"` on a GPU: `false` sums the backward's dq by f32 atomics (FlashAttention-2's
+    /// backward, fewer FLOPs, its rounding varying from run to run); `true` computes it in a kernel of its own,
+    /// the same bits every run.
+    pub deterministic_attention: bool,
 }
 
 impl DecoderOptions {
@@ -97,6 +101,14 @@ impl DecoderOptions {
     /// `dtype` with head dim `head_dim`: `attention = "mma"` with fused ops, where the kernels apply.
     pub fn tensor_core_attention(&self, dtype: DType, head_dim: usize) -> bool {
         self.fused_ops && self.attention == Attention::Mma && crate::kernels::tensor_core_attention(dtype, head_dim)
+    }
+
+    /// The kernels flash attention runs on a GPU.
+    pub fn gpu_kernels(&self) -> GpuKernels {
+        match self.attention {
+            Attention::Mma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention },
+            Attention::Flash | Attention::Matrix => GpuKernels::Chunked,
+        }
     }
 }
 
@@ -108,6 +120,7 @@ impl Default for DecoderOptions {
             logprob_chunk_bytes: 0,
             fused_ops: true,
             attention: Attention::Flash,
+            deterministic_attention: true,
         }
     }
 }
@@ -677,13 +690,11 @@ impl Decoder {
         for (what, n, hint) in layer_sizes(cfg, b, t, k.dim(2)?, fused && flash) {
             crate::device::check_elements(&self.device, what, n, hint)?;
         }
-        let mma = self.options.attention == Attention::Mma;
-        let attn = match (fused, flash, replay) {
-            (true, true, Some(replay)) => flash_attention_recorded(&q, &k, &v, ranges, scale, mma, replay)?,
-            (true, true, None) if mma => flash_attention_mma(&q, &k, &v, ranges, scale)?,
-            (true, true, None) => flash_attention(&q, &k, &v, ranges, scale)?,
-            (true, false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
-            (false, _, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
+        let kernels = self.options.gpu_kernels();
+        let attn = match (fused, flash) {
+            (true, true) => flash_attention_recorded(&q, &k, &v, ranges, scale, kernels, replay)?,
+            (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
+            (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
         let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;

@@ -65,6 +65,10 @@ pub struct ModelSection {
     /// head dim 64 or 128; elsewhere flash) or "matrix" (through each head's [T, T] score matrix:
     /// quadratic memory).
     pub attention: Attention,
+    /// With `attention = "mma"` on a GPU: true (the default) computes the backward's dq in a kernel of its
+    /// own, the same bits every run; false sums it by f32 atomics in the dk/dv kernel, FlashAttention-2's
+    /// backward: 10 instead of 14 head-dim FLOPs per score, its rounding varying from run to run.
+    pub deterministic_attention: bool,
 }
 
 impl ModelSection {
@@ -77,6 +81,7 @@ impl ModelSection {
             logprob_chunk_bytes: self.logprob_chunk_mb << 20,
             fused_ops: self.fused_ops,
             attention: self.attention,
+            deterministic_attention: self.deterministic_attention,
         }
     }
 }
@@ -95,6 +100,7 @@ impl Default for ModelSection {
             fused_ops: true,
             cache_reference: true,
             attention: Attention::Flash,
+            deterministic_attention: true,
         }
     }
 }

@@ -209,9 +209,17 @@ pub struct StepShape {
     /// Attention runs on the tensor-core kernels (`model.attention = "mma"` where they apply) rather than
     /// as chunked GEMMs in `blocks`.
     pub tensor_cores: bool,
+    /// With `tensor_cores`, the backward sums dq by atomics in the dk/dv kernel
+    /// (`model.deterministic_attention = false`) rather than in a dq kernel.
+    pub atomic_dq: bool,
 }
 
 impl StepShape {
+    /// The attention's blocks, and with the tensor-core kernels whether dq is summed by atomics.
+    fn attention_kernels(&self) -> (AttentionBlocks, Option<bool>) {
+        (self.blocks, self.tensor_cores.then_some(self.atomic_dq))
+    }
+
     fn micro_batches(&self) -> f64 {
         self.answers.div_ceil(self.micro_batch.max(1)) as f64
     }
@@ -331,7 +339,7 @@ const L2_RESIDENT_BYTES: f64 = 20e6;
 /// V, dK and dV) and the streamed operand (K and V; Q and dO) once per head when one head's fits in
 /// [`L2_RESIDENT_BYTES`] (the blocks of a head run together and re-read it from L2), else once per
 /// block pair.
-fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, backward: bool) {
+fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, (backward, atomic_dq): (bool, bool)) {
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let bh = b * heads;
     let tokens = t as f64;
@@ -346,6 +354,9 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, bac
         return;
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
+    if atomic_dq {
+        return layer_attention_mma_atomic(o, m, b, t, d);
+    }
     let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
     let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, 32.0);
     let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
@@ -360,6 +371,34 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, bac
     o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bh * (dq_bytes + kv_bytes), 2.0);
 }
 
+/// The backward of [`layer_attention_mma`] with dq summed by atomics (kernels/flash_mma.cu's
+/// `bwd_prep`, `bwd_dkvq`, `bwd_dq_out`): the dk/dv kernel's S^T, dP^T, dV, dK and dQ, 10 hd FLOPs per score
+/// of its 64-key blocks against 16-query blocks; each pair adds its [16, hd] dQ into the f32 accumulator.
+/// Device-memory bytes: the dk/dv kernel's as in the two-kernel backward; the accumulator zeroed and read
+/// once; and the atomics, absorbed by the L2 cache while one head's accumulator fits in
+/// [`L2_RESIDENT_BYTES`] (their rate there is not modelled), else 8 B each at device memory.
+fn layer_attention_mma_atomic(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64) {
+    let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
+    let (bh, tokens) = (b * heads, t as f64);
+    let row_stats = 4.0 + 8.0;
+    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
+    let resident = 2.0 * tokens * hd * d <= L2_RESIDENT_BYTES;
+    let streamed = if resident { 2.0 * tokens * hd * d } else { kv_pairs * 2.0 * 16.0 * hd * d };
+    let accumulator = tokens * hd * 4.0;
+    let atomics = if accumulator <= L2_RESIDENT_BYTES { 0.0 } else { kv_pairs * 16.0 * hd * 8.0 };
+    let spans = tokens.div_euclid(16.0).max(1.0) * 8.0;
+    let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
+        + streamed
+        + kv_pairs * 16.0 * 2.0 * row_stats
+        + tokens * 8.0
+        + if resident { spans } else { t.div_ceil(64) as f64 * spans };
+    // Zeroed (prep), read and written as dq (dq_out).
+    let accumulator_bytes = accumulator * 2.0 + tokens * hd * d + tokens * 8.0;
+    let flops = bh * 10.0 * hd * kv_scores;
+    let bytes = bh * (kv_bytes + atomics + accumulator_bytes);
+    o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bytes, 3.0);
+}
+
 /// One layer's attention on `b` sequences of `t` tokens (`backward`: with its recomputation): chunked
 /// GEMMs in `blocks`, or the tensor-core kernels with `tensor_cores`.
 fn layer_attention(
@@ -367,12 +406,12 @@ fn layer_attention(
     m: &ModelConfig,
     b: f64,
     t: u64,
-    (blocks, tensor_cores): (AttentionBlocks, bool),
+    (blocks, tensor_cores): (AttentionBlocks, Option<bool>),
     d: f64,
     backward: bool,
 ) {
-    if tensor_cores {
-        return layer_attention_mma(o, m, b, t, d, backward);
+    if let Some(atomic_dq) = tensor_cores {
+        return layer_attention_mma(o, m, b, t, d, (backward, atomic_dq));
     }
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let (scores, pairs) = computed_scores(t, blocks);
@@ -427,7 +466,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
     o.times = times * m.num_layers as f64;
     layer_dense(o, m, n_tokens, d, false);
     if whole || s.recompute_attention {
-        layer_attention(o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, false);
+        layer_attention(o, m, b, s.seq_tokens, s.attention_kernels(), d, false);
     } else {
         let q = (m.num_heads * m.head_dim) as f64;
         o.push("attention output copy (kept, not recomputed)", OpKind::Elementwise, 0.0, 2.0 * n_tokens * q * d, 1.0);
@@ -456,7 +495,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(&mut o, m, n_tokens, d, true);
-    layer_attention(&mut o, m, b, s.seq_tokens, (s.blocks, s.tensor_cores), d, true);
+    layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(), d, true);
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
@@ -560,8 +599,8 @@ fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: 
     let shape = StepShape { blocks, ..*s };
     let mut o = Ops { ops: Vec::new(), times: 1.0 };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
-    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, false), shape.dtype_bytes as f64, false);
-    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, false), shape.dtype_bytes as f64, true);
+    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, false);
+    layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, true);
     o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
 }
 
@@ -717,6 +756,7 @@ mod tests {
             logprob_chunk_bytes: 1 << 30,
             optimizer_shards: 1,
             tensor_cores: false,
+            atomic_dq: false,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }
@@ -807,9 +847,16 @@ mod tests {
             blocks: driver_blocks(&seven_b(), 18432),
             ..shape(1, 1, 1)
         };
+        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score, three launches.
+        let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s });
+        let bwd = bh * 4.0 * 10.0 * (64.0 * 100.0 + 36.0 * 36.0);
+        assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bwd);
+        assert_eq!(launches(&atomic), 2.0 * 3.0 * 4.0);
         for gpu in &GPUS {
             let chunked = predict(&seven_b(), &seven, gpu);
             let mma = predict(&seven_b(), &StepShape { tensor_cores: true, ..seven }, gpu);
+            let atomic = predict(&seven_b(), &StepShape { tensor_cores: true, atomic_dq: true, ..seven }, gpu);
+            assert!(atomic.attention_s < 0.85 * mma.attention_s, "{}: {atomic:?} vs {mma:?}", gpu.name);
             assert!(mma.attention_s < 0.7 * chunked.attention_s, "{}: {mma:?} vs {chunked:?}", gpu.name);
             assert!(mma.launches < chunked.launches / 10.0, "{}", gpu.name);
         }

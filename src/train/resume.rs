@@ -24,6 +24,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "model.cache_reference",
     "optim.offload",
     "model.attention",
+    "model.deterministic_attention",
     "data.prepared_dir",
     "train.output_dir",
     "train.epochs",

@@ -2,7 +2,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 
 use super::driver::{self, Backend, Blocks, Gemm, KeyBlock, QueryBlock, Visits};
-use super::{attend, flash_attention, matrix_attention, Dims};
+use super::{attend, flash_attention, matrix_attention, Dims, GpuKernels};
 use crate::kernels::masked_softmax;
 
 const SCALE: f64 = 0.29;
@@ -88,7 +88,7 @@ fn flash(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
 const SMALL: [Blocks; 3] = [Blocks { bq: 1, bk: 1 }, Blocks { bq: 16, bk: 24 }, Blocks { bq: 7, bk: 64 }];
 
 fn flash_blocks(ranges: &Tensor, blocks: Blocks) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
-    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks), false, None).unwrap()
+    move |q, k, v| attend(q, k, v, ranges, SCALE, Some(blocks), GpuKernels::Chunked, None).unwrap()
 }
 
 fn matrix(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ {
@@ -398,12 +398,21 @@ fn a_recorded_forward_replays_with_the_same_output_and_gradients() {
         let (q, k, v, up) = case.inputs(i as u64, DType::F32);
         let mut slot = None;
         let (q0, k0, v0) = (q.as_tensor().detach(), k.as_tensor().detach(), v.as_tensor().detach());
-        let first =
-            flash_attention_recorded(&q0, &k0, &v0, &case.ranges, SCALE, false, Replay::Record(&mut slot)).unwrap();
+        let first = flash_attention_recorded(
+            &q0,
+            &k0,
+            &v0,
+            &case.ranges,
+            SCALE,
+            GpuKernels::Chunked,
+            Some(Replay::Record(&mut slot)),
+        )
+        .unwrap();
         let record = slot.take().expect("the forward was recorded");
         assert!(record.bytes() >= first.elem_count() * 4, "{name}");
         let replayed = |q: &Tensor, k: &Tensor, v: &Tensor| {
-            flash_attention_recorded(q, k, v, &case.ranges, SCALE, false, Replay::From(&record)).unwrap()
+            flash_attention_recorded(q, k, v, &case.ranges, SCALE, GpuKernels::Chunked, Some(Replay::From(&record)))
+                .unwrap()
         };
         let got = run(&q, &k, &v, &up, replayed);
         let want = run(&q, &k, &v, &up, flash(&case.ranges));
@@ -415,8 +424,15 @@ fn a_recorded_forward_replays_with_the_same_output_and_gradients() {
         let out = replayed(&other, k.as_tensor(), v.as_tensor());
         assert_eq!(rel_diff(&out, &first), 0.0, "{name}");
         let longer = Tensor::cat(&[q.as_tensor(), q.as_tensor()], 3).unwrap();
-        let err =
-            flash_attention_recorded(&longer, &longer, &longer, &case.ranges, SCALE, false, Replay::From(&record));
+        let err = flash_attention_recorded(
+            &longer,
+            &longer,
+            &longer,
+            &case.ranges,
+            SCALE,
+            GpuKernels::Chunked,
+            Some(Replay::From(&record)),
+        );
         assert!(err.is_err(), "{name}: a record of another shape was replayed");
     }
 }
