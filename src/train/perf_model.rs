@@ -668,9 +668,15 @@ pub const GPUS_PER_NODE: u64 = 8;
 /// `world_size` ranks, and for each of [`GPUS`] its predicted time, throughput and efficiency.
 pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u64) -> String {
     let world = world_size.max(1);
-    let attention = match s.tensor_cores {
-        true => "attention on the tensor-core kernels".to_string(),
-        false => format!("attention in {} x {} blocks", s.blocks.query, s.blocks.key),
+    let attention = match (s.tensor_cores, s.atomic_dq) {
+        (true, true) => "attention on the tensor-core kernels (dq by atomics)".to_string(),
+        (true, false) => "attention on the tensor-core kernels".to_string(),
+        (false, _) => format!("attention in {} x {} blocks", s.blocks.query, s.blocks.key),
+    };
+    let recompute = match (s.checkpoint_layers, s.recompute_attention) {
+        (true, true) => "layers recomputed",
+        (true, false) => "layers recomputed but their attention's forward (kept)",
+        (false, _) => "no recomputation",
     };
     let mut out = format!(
         "performance model (src/train/perf_model.rs): {} answers x {} tokens{}, micro-batch {}, {attention}, {}, {}\n",
@@ -678,7 +684,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         s.seq_tokens,
         if world > 1 { " per rank" } else { "" },
         s.micro_batch,
-        if s.checkpoint_layers { "layers recomputed" } else { "no recomputation" },
+        recompute,
         if s.reference_forward { "a reference forward" } else { "no reference forward (cached or beta 0)" },
     );
     let tokens = global_answers as f64 * s.seq_tokens as f64;

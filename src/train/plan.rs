@@ -266,7 +266,14 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let (prompt, response) = sequence_tokens(cfg, model);
     let b = cfg.train.micro_batch_size.max(1) as u64;
     let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
-    let act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
+    let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
+    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
+    let atomic_dq = inputs.attention == Attention::Mma && !cfg.model.deterministic_attention && !inputs.on_cpu;
+    if atomic_dq {
+        let q = (model.num_heads as u64).saturating_mul(model.head_dim as u64);
+        let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
+        act.attention_workspace = act.attention_workspace.saturating_add(accumulator);
+    }
     let mut c = Vec::new();
     let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
         c.push(Component { name: name.into(), bytes, place, phase, formula });
@@ -334,6 +341,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let head_part = act.head_backward.saturating_add(act.logprob_chunk);
     let kind = match inputs.attention {
         Attention::Flash => "flash: O(T)",
+        Attention::Mma if atomic_dq => "mma: O(T) + [N,q] 4 B dq accumulator",
         Attention::Mma => "mma: O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
@@ -726,6 +734,11 @@ mod tests {
         assert_eq!(extra, bytes(&kept_plan, kept), "{kept_plan}");
         assert!(kept_plan.advice(keeping).contains("model.recompute_attention = true"));
         assert!(!recomputed.advice(&config(&["model.checkpoint_layers=true"])).contains("recompute_attention"));
+        // dq by atomics: an f32 accumulator of [N, q] in the attention workspace.
+        let mma = super::plan(&config(&[]), &m, inputs(Attention::Mma));
+        let atomic = super::plan(&config(&["model.deterministic_attention=false"]), &m, inputs(Attention::Mma));
+        let workspace = |p: &Plan| bytes(p, "attention workspace");
+        assert_eq!(workspace(&atomic) - workspace(&mma), 32 * 8 * 4);
     }
 
     #[test]
