@@ -30,6 +30,7 @@
 
 #include "common.cuh"
 #include "cp_async.cuh"
+#include "flash_rows.cuh"
 #include "mma.cuh"
 
 #define MMA_THREADS 128
@@ -91,76 +92,6 @@ __device__ __forceinline__ const T *next_kv(T *tiles, const T *kh, const T *vh, 
     return tiles + 2 * st * BK * ld;
 }
 
-// The key range of query i of batch row b (clipped to the keys; empty: lo = 1, hi = 0, also past t).
-__device__ __forceinline__ void mma_range(const uint32_t *ranges, uint32_t b, uint32_t i, uint32_t t, uint32_t s,
-                                          uint32_t &lo, uint32_t &hi) {
-    lo = 1, hi = 0;
-    if (i >= t) return;
-    lo = ranges[((size_t)b * t + i) * 2];
-    hi = min(ranges[((size_t)b * t + i) * 2 + 1], s - 1);
-    if (lo > hi) lo = 1, hi = 0;
-}
-
-// Ranges of rows i0.. i0 + n into shared memory and the span of keys any of them sees (kmin > kmax when
-// none). Ends with a barrier.
-__device__ void mma_row_ranges(const uint32_t *ranges, uint32_t b, uint32_t i0, uint32_t n, uint32_t t, uint32_t s,
-                               uint32_t *los, uint32_t *his, uint32_t &kmin, uint32_t &kmax) {
-    for (uint32_t r = threadIdx.x; r < n; r += MMA_THREADS) mma_range(ranges, b, i0 + r, t, s, los[r], his[r]);
-    __syncthreads();
-    kmin = 0xffffffffu;
-    kmax = 0;
-    for (uint32_t r = 0; r < n; ++r) {
-        if (los[r] <= his[r]) {
-            kmin = min(kmin, los[r]);
-            kmax = max(kmax, his[r]);
-        }
-    }
-}
-
-// The span of keys (least lo, greatest hi; empty: 0xffffffff, 0) of each 16 rows i0 + 16 u.. of the 64 whose
-// ranges are in los, his, at spans[(b * ceil(t / 16) + i0 / 16 + u) * 2]: the dk/dv kernel's test of which
-// query blocks to visit.
-__device__ void write_spans(uint32_t *spans, const uint32_t *los, const uint32_t *his, uint32_t b, uint32_t i0,
-                           uint32_t t) {
-    const uint32_t u = threadIdx.x;
-    if (u >= DQ_BQ / 16 || i0 + 16 * u >= t) return;
-    uint32_t lo = 0xffffffffu, hi = 0;
-    for (uint32_t r = 16 * u; r < 16 * u + 16; ++r) {
-        if (los[r] <= his[r]) {
-            lo = min(lo, los[r]);
-            hi = max(hi, his[r]);
-        }
-    }
-    uint32_t *out = spans + ((size_t)b * ((t + 15) / 16) + i0 / 16 + u) * 2;
-    out[0] = lo;
-    out[1] = hi;
-}
-
-// The A fragments of rows m0..m0+15 of a [rows, D] matrix in device memory (rows >= limit are 0).
-template <typename T, int D>
-__device__ void global_frags(uint32_t f[D / 16][4], const T *src, uint32_t m0, uint32_t limit) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t r = m0 + g + 8 * (i % 2), x = 16 * kk + 2 * c + 8 * (i / 2);
-            f[kk][i] = r < limit ? pair(src[(size_t)r * D + x], src[(size_t)r * D + x + 1]) : 0u;
-        }
-    }
-}
-
-// Sum over the 4 lanes that hold one row of an accumulator.
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
 // s[16, KB] = A Y^T: A this warp's [16, D] fragments `af` (registers), Y a row-major shared tile of KB rows
 // (row stride ld): the scores of 16 queries against KB keys (or dO against V).
 template <typename T, int KB, int D>
@@ -199,23 +130,6 @@ __device__ __forceinline__ void mma_acc_by_tile(float acc[D / 8][4], const float
     }
 }
 
-// Rows g and g + 8 of this warp's [16, D] accumulator tile, row r times scale[r], to rows row0 + g + 8 r
-// of a [rows, D] matrix (rows >= limit skipped).
-template <typename T, int D>
-__device__ __forceinline__ void store_acc(T *dst, const float acc[D / 8][4], const float scale[2], uint32_t row0,
-                                          uint32_t limit) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = row0 + g + 8 * r;
-        if (i >= limit) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            dst[(size_t)i * D + 8 * n + 2 * c] = from_f32<T>(acc[n][2 * r] * scale[r]);
-            dst[(size_t)i * D + 8 * n + 2 * c + 1] = from_f32<T>(acc[n][2 * r + 1] * scale[r]);
-        }
-    }
-}
-
 template <typename T, int D>
 __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                               const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
@@ -234,7 +148,7 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     uint32_t qf[D / 16][4];
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     uint32_t kmin, kmax;
-    mma_row_ranges(ranges, b, i0, FWD_BQ, t, s, los, his, kmin, kmax);
+    mma_row_ranges<MMA_THREADS>(ranges, b, i0, FWD_BQ, t, s, los, his, kmin, kmax);
     uint32_t lo[2], hi[2];
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int r = 0; r < 2; ++r) lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
@@ -307,8 +221,8 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     uint32_t kmin, kmax;
-    mma_row_ranges(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
-    if (bh % h == 0) write_spans(spans, los, his, b, i0, t);
+    mma_row_ranges<MMA_THREADS>(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
+    if (bh % h == 0) write_spans<DQ_BQ>(spans, los, his, b, i0, t);
     uint32_t lo[2], hi[2];
     float rl[2], rd[2];
     for (int r = 0; r < 2; ++r) {
@@ -501,8 +415,8 @@ __device__ void flash_mma_bwd_prep(const uint32_t *__restrict__ ranges, uint32_t
     for (uint32_t e = threadIdx.x; e < rows * D; e += MMA_THREADS) acc[e] = 0.f;
     if (bh % h != 0) return;  // the same test in every thread of the block
     uint32_t kmin, kmax;
-    mma_row_ranges(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
-    write_spans(spans, los, his, b, i0, t);
+    mma_row_ranges<MMA_THREADS>(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
+    write_spans<DQ_BQ>(spans, los, his, b, i0, t);
 }
 
 // dq = scale dq_acc, rows i0.. i0 + 64 of head bh.

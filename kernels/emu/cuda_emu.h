@@ -12,6 +12,9 @@
 //   - cp.async (cp_async.cuh) as copies deferred to the wait that retires their group;
 //   - the warp-wide matrix multiply-accumulate of mma.cuh (mma.sync m16n8k16, bf16 and f16 in, f32
 //     accumulators) from the fragment layouts of the PTX ISA, every lane's registers gathered at once;
+//   - the warpgroup-wide asynchronous one of wgmma.cuh (wgmma.mma_async m64nNk16 with shared-memory
+//     matrix descriptors in the 128-byte swizzle), deferred to the wait that retires its group, and the
+//     async-proxy fence its shared-memory operands need after cp.async writes them;
 //   - atomics (atomicAdd, atomicSub, atomicMax, atomicMin, atomicExch, atomicCAS) on host atomics;
 //   - __nv_bfloat16 and __half with round-to-nearest-even conversions;
 //   - the math functions and intrinsics the kernels call (expf, __expf, rsqrtf, fmaxf, fmaf, ...).
@@ -54,6 +57,18 @@ struct AsyncCopy {
     uint32_t n;
 };
 
+// One wgmma.mma_async of a thread (wgmma.cuh): its accumulators d (n / 8 x 4), performed when a wait
+// retires its group. A is the thread's two rows (16 w + g, + 8) gathered from its warp's registers at the
+// issue (a_regs), or read through a_desc at the retirement, as B is through b_desc.
+struct WgOp {
+    float *d;
+    uint32_t n, elem;  // elem: E_BF16 or E_F16
+    bool a_regs;
+    float a[2][16];
+    uint64_t a_desc, b_desc;
+    int trans_b, scale_d;
+};
+
 // The launch state of the calling host thread (set by runtime.cpp).
 struct ThreadState {
     dim3 thread_idx, block_idx, block_dim, grid_dim;
@@ -61,11 +76,23 @@ struct ThreadState {
     uint32_t warp_ops = 0;  // warp-collective operations done in this block (double-buffer parity)
     std::vector<AsyncCopy> async_open;  // copies issued since the last commit
     std::vector<std::vector<AsyncCopy>> async_groups;  // committed groups, oldest first, not yet waited for
+    bool async_unfenced = false;  // copies retired since this thread's last fence.proxy.async
+    bool wg_fenced = false;       // a wgmma.fence since the last wgmma wait (or the block's start)
+    std::vector<WgOp> wg_open;    // wgmma issued since the last commit
+    std::vector<std::vector<WgOp>> wg_groups;  // committed wgmma groups, oldest first
 };
 extern thread_local ThreadState tls;
 
 // Performs this thread's oldest committed groups of copies until at most `pending` remain.
 void retire_async_copies(int pending);
+// fence.proxy.async: this thread's retired copies become visible to the async proxy (wgmma's operands).
+void fence_async_proxy();
+// Reports a wgmma issued while a thread of the block has copies retired and not fenced since.
+void check_async_proxy();
+// Performs this thread's oldest committed groups of wgmma until at most `pending` remain.
+void retire_wgmma(int pending);
+// The offset of p in the launch's dynamic shared memory (__cvta_generic_to_shared; reported if outside).
+uint32_t shared_offset(const void *p);
 
 // Barriers and warp collectives (runtime.cpp).
 int sync_block(int kind, int pred);  // kind: 0 plain, 1 or, 2 and, 3 count
@@ -98,6 +125,7 @@ inline int __syncthreads_count(int p) { return emu::sync_block(3, p); }
 inline void __syncwarp(uint32_t mask = 0xffffffffu) { emu::sync_warp(mask); }
 inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+inline size_t __cvta_generic_to_shared(const void *p) { return emu::shared_offset(p); }
 
 namespace emu {
 template <typename T>
@@ -260,12 +288,13 @@ bool check_arg(const char *kernel, size_t i, const Arg &a, uint32_t kind, uint32
 
 // Runs body() once per CUDA thread of each block of the grid (runtime.cpp).
 typedef void (*Body)(const void *ctx);
-bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint64_t seed, Body body, const void *ctx,
-              char *err, size_t errlen);
+// `max_shared`: the dynamic shared memory the kernel may have (48 KiB unless it opts in to more).
+bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint32_t max_shared, uint64_t seed, Body body,
+              const void *ctx, char *err, size_t errlen);
 
 // One kernel of a .cu file: its name and its launcher.
-typedef bool (*Launcher)(const char *name, dim3 grid, dim3 block, uint32_t shared, const Arg *args, size_t n,
-                         uint64_t seed, char *err, size_t errlen);
+typedef bool (*Launcher)(const char *name, dim3 grid, dim3 block, uint32_t shared, uint32_t max_shared,
+                         const Arg *args, size_t n, uint64_t seed, char *err, size_t errlen);
 struct Entry {
     const char *name;
     Launcher launch;
@@ -277,8 +306,8 @@ template <typename... P, void (*F)(P...)> struct Bound<void (*)(P...), F> {
     template <size_t... I> static void call(const Arg *a, std::index_sequence<I...>) {
         F(*static_cast<const P *>(a[I].value)...);
     }
-    static bool launch(const char *name, dim3 grid, dim3 block, uint32_t shared, const Arg *args, size_t n,
-                       uint64_t seed, char *err, size_t errlen) {
+    static bool launch(const char *name, dim3 grid, dim3 block, uint32_t shared, uint32_t max_shared, const Arg *args,
+                       size_t n, uint64_t seed, char *err, size_t errlen) {
         if (n != sizeof...(P)) {
             snprintf(err, errlen, "%s takes %zu arguments, the launch passes %zu", name, sizeof...(P), n);
             return false;
@@ -289,7 +318,7 @@ template <typename... P, void (*F)(P...)> struct Bound<void (*)(P...), F> {
          ...);
         if (!ok) return false;
         auto body = [](const void *c) { call(static_cast<const Arg *>(c), std::index_sequence_for<P...>{}); };
-        return run_grid(name, grid, block, shared, seed, body, args, err, errlen);
+        return run_grid(name, grid, block, shared, max_shared, seed, body, args, err, errlen);
     }
 };
 

@@ -2,6 +2,7 @@
 // a block, blocks one after another in a seeded random order; barriers, warp collectives, launch checks.
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -26,9 +27,9 @@ const Entry *find_kernel(const char *name);
 
 namespace {
 
-// Limits of a launch on compute capability 8.0 and up without opting in to more shared memory.
+// Limits of a launch on compute capability 8.0 and up; the dynamic shared memory a launch may have is
+// the caller's (48 KiB, or what a kernel opts in to).
 constexpr uint32_t MAX_THREADS = 1024;
-constexpr uint32_t MAX_SHARED = 48 << 10;
 // Bytes after the dynamic shared memory checked for stray writes (without AddressSanitizer).
 constexpr uint32_t CANARY = 256;
 // A barrier not completed in this time is a deadlock (threads of a block diverged around it).
@@ -110,6 +111,7 @@ struct Launch {
     Barrier block, gate;
     std::vector<Warp> warps;
     unsigned char *dyn = nullptr;
+    std::atomic<int> unfenced{0};  // threads with retired copies not fenced for the async proxy
     std::mutex err_m;
     std::string error;
 };
@@ -142,6 +144,7 @@ bool check_warp(uint32_t mask, const char *what) {
 void prepare_block() {
     Launch &l = *current;
     l.block.reset(l.threads);
+    l.unfenced = 0;
     for (auto &w : l.warps) w.bar.reset(w.lanes);
     // Shared memory starts as NaN bytes, so a read of a value no thread wrote shows.
     std::memset(l.dyn, 0xff, l.shared);
@@ -184,11 +187,17 @@ void thread_main(uint32_t t, dim3 grid, dim3 block, const std::vector<uint64_t> 
         l.gate.arrive(0, 0, "block start");
         tls.block_idx = unflatten(b, grid);
         tls.warp_ops = 0;
+        tls.async_unfenced = tls.wg_fenced = false;
         body(ctx);
         if (!tls.async_open.empty() || !tls.async_groups.empty()) {
             report("the kernel ended with cp.async copies it never waited for");
             tls.async_open.clear();
             tls.async_groups.clear();
+        }
+        if (!tls.wg_open.empty() || !tls.wg_groups.empty()) {
+            report("the kernel ended with wgmma operations it never waited for");
+            tls.wg_open.clear();
+            tls.wg_groups.clear();
         }
         l.block.drop();
         my_warp().bar.drop();
@@ -197,7 +206,7 @@ void thread_main(uint32_t t, dim3 grid, dim3 block, const std::vector<uint64_t> 
     }
 }
 
-std::string check_config(dim3 grid, dim3 block, uint32_t shared) {
+std::string check_config(dim3 grid, dim3 block, uint32_t shared, uint32_t max_shared) {
     char msg[200];
     const uint64_t threads = (uint64_t)block.x * block.y * block.z;
     if (threads == 0 || threads > MAX_THREADS || block.z > 64) {
@@ -209,9 +218,8 @@ std::string check_config(dim3 grid, dim3 block, uint32_t shared) {
         snprintf(msg, sizeof msg, "grid (%u, %u, %u): x in 1..2^31-1, y and z in 1..65535", grid.x, grid.y, grid.z);
         return msg;
     }
-    if (shared > MAX_SHARED) {
-        snprintf(msg, sizeof msg, "%u bytes of dynamic shared memory: at most %u without opting in", shared,
-                 MAX_SHARED);
+    if (shared > max_shared) {
+        snprintf(msg, sizeof msg, "%u bytes of dynamic shared memory: at most %u for this kernel", shared, max_shared);
         return msg;
     }
     return "";
@@ -262,6 +270,10 @@ uint64_t warp_exchange(uint32_t mask, uint64_t value, int src, int mode, int wid
 
 void retire_async_copies(int pending) {
     while ((int)tls.async_groups.size() > (pending < 0 ? 0 : pending)) {
+        if (!tls.async_groups.front().empty() && !tls.async_unfenced) {
+            tls.async_unfenced = true;
+            ++current->unfenced;
+        }
         for (const AsyncCopy &c : tls.async_groups.front()) {
             if (c.n > 16) report("a cp.async of more than 16 source bytes");
             const uint32_t n = c.n > 16 ? 16 : c.n;
@@ -269,6 +281,91 @@ void retire_async_copies(int pending) {
             std::memset(c.dst + n, 0, 16 - n);
         }
         tls.async_groups.erase(tls.async_groups.begin());
+    }
+}
+
+uint32_t shared_offset(const void *p) {
+    const unsigned char *c = static_cast<const unsigned char *>(p);
+    if (c < current->dyn || c >= current->dyn + current->shared) {
+        report("a shared-memory address outside the launch's dynamic shared memory");
+        return 0;
+    }
+    return (uint32_t)(c - current->dyn);
+}
+
+void fence_async_proxy() {
+    if (tls.async_unfenced) {
+        tls.async_unfenced = false;
+        --current->unfenced;
+    }
+}
+
+void check_async_proxy() {
+    if (current->unfenced > 0)
+        report("a wgmma while a thread's cp.async copies into shared memory have no fence.proxy.async after them");
+}
+
+namespace {
+
+// The byte of 16-bit element (mn, k) of a wgmma operand through its descriptor (wgmma.cuh): 128-byte
+// swizzle only; K-major (trans 0) or MN-major (trans 1).
+const unsigned char *operand_at(uint64_t desc, uint32_t mn, uint32_t k, int trans) {
+    const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, lbo = (uint32_t)((desc >> 16) & 0x3fff) << 4,
+                   sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+    if ((desc >> 62) != 1 || ((desc >> 49) & 7) != 0) {
+        report("a wgmma descriptor other than the 128-byte swizzle with base offset 0");
+        return current->dyn;
+    }
+    if (!trans && lbo != 16) {
+        report("a K-major wgmma descriptor whose leading byte offset is not 16 (unused, assumed 1)");
+        return current->dyn;
+    }
+    if (!trans && (start & 127) > 96) {
+        report("a K-major wgmma descriptor whose 16 columns cross a 128-byte row");
+        return current->dyn;
+    }
+    uint32_t off = trans ? start + (mn / 64) * lbo + 2 * (mn % 64) + 128 * (k % 8) + (k / 8) * sbo
+                         : start + (mn / 8) * sbo + 128 * (mn % 8) + 2 * k;
+    off ^= ((off >> 7) & 7) << 4;
+    if (off + 2 > current->shared) {
+        report("a wgmma operand past the dynamic shared memory");
+        return current->dyn;
+    }
+    return current->dyn + off;
+}
+
+float operand(uint64_t desc, uint32_t mn, uint32_t k, int trans, uint32_t elem) {
+    uint16_t bits;
+    std::memcpy(&bits, operand_at(desc, mn, k, trans), 2);
+    return elem == E_BF16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
+}
+
+// This thread's accumulators of one wgmma: rows 16 w + g (+ 8), columns 8 j + 2 c (+ 1).
+void perform(const WgOp &op) {
+    const uint32_t w = (tls.tid % 128) / 32, lane = tls.tid % 32, g = lane / 4, c = lane % 4;
+    float b[16][256];
+    for (uint32_t k = 0; k < 16; ++k)
+        for (uint32_t n = 0; n < op.n; ++n) b[k][n] = operand(op.b_desc, n, k, op.trans_b, op.elem);
+    for (uint32_t j = 0; j < op.n / 8; ++j) {
+        for (uint32_t i = 0; i < 4; ++i) {
+            const uint32_t r = i / 2, n = 8 * j + 2 * c + i % 2;
+            float acc = op.scale_d ? op.d[4 * j + i] : 0.f;
+            for (uint32_t k = 0; k < 16; ++k) {
+                const float a = op.a_regs ? op.a[r][k] : operand(op.a_desc, 16 * w + g + 8 * r, k, 0, op.elem);
+                acc = fmaf(a, b[k][n], acc);
+            }
+            op.d[4 * j + i] = acc;
+        }
+    }
+}
+
+}  // namespace
+
+void retire_wgmma(int pending) {
+    tls.wg_fenced = false;  // the accumulators change here: the next wgmma needs a wgmma.fence first
+    while ((int)tls.wg_groups.size() > (pending < 0 ? 0 : pending)) {
+        for (const WgOp &op : tls.wg_groups.front()) perform(op);
+        tls.wg_groups.erase(tls.wg_groups.begin());
     }
 }
 
@@ -314,9 +411,9 @@ bool check_arg(const char *kernel, size_t i, const Arg &a, uint32_t kind, uint32
     return true;
 }
 
-bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint64_t seed, Body body, const void *ctx,
-              char *err, size_t errlen) {
-    const std::string bad = check_config(grid, block, shared);
+bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint32_t max_shared, uint64_t seed, Body body,
+              const void *ctx, char *err, size_t errlen) {
+    const std::string bad = check_config(grid, block, shared, max_shared);
     if (!bad.empty()) {
         snprintf(err, errlen, "%s: %s", kernel, bad.c_str());
         return false;
@@ -358,15 +455,16 @@ bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint64
 }  // namespace emu
 
 // Launches kernel `name` (any kernels/*.cu kernel) over grid x block with `shared` bytes of dynamic shared
-// memory and arguments `args` (checked against the kernel's parameters); 0 on success, else -1 with the
-// reason in err.
+// memory (at most `max_shared`) and arguments `args` (checked against the kernel's parameters); 0 on
+// success, else -1 with the reason in err.
 extern "C" int grpo_emu_launch(const char *name, const uint32_t *grid, const uint32_t *block, uint32_t shared,
-                               const emu::Arg *args, size_t n, uint64_t seed, char *err, size_t errlen) {
+                               uint32_t max_shared, const emu::Arg *args, size_t n, uint64_t seed, char *err,
+                               size_t errlen) {
     const emu::Entry *e = emu::find_kernel(name);
     if (!e) {
         snprintf(err, errlen, "no kernel named %s in kernels/*.cu", name);
         return -1;
     }
     const emu::dim3 g{grid[0], grid[1], grid[2]}, b{block[0], block[1], block[2]};
-    return e->launch(name, g, b, shared, args, n, seed, err, errlen) ? 0 : -1;
+    return e->launch(name, g, b, shared, max_shared, args, n, seed, err, errlen) ? 0 : -1;
 }

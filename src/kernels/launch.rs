@@ -14,6 +14,7 @@ pub enum Module {
     Attention,
     FlashAttention,
     FlashMma,
+    FlashWgmma,
     Rope,
     Norm,
     Embedding,
@@ -71,6 +72,20 @@ pub struct Plan {
 
 /// Shared memory a block may use without opting in (compute capability 7.0 and up).
 pub const MAX_SHARED_BYTES: usize = 48 << 10;
+/// Shared memory a block may opt in to on compute capability 9.0 (227 KiB).
+pub const MAX_SHARED_BYTES_OPT_IN_SM90: usize = 227 << 10;
+
+impl Module {
+    /// The dynamic shared memory a launch of this module's kernels may take: kernels/flash_wgmma.cu's opt
+    /// in to compute capability 9.0's maximum (the executor sets each one's attribute), the rest take no
+    /// more than any block may without opting in.
+    pub fn max_shared_bytes(self) -> usize {
+        match self {
+            Module::FlashWgmma => MAX_SHARED_BYTES_OPT_IN_SM90,
+            _ => MAX_SHARED_BYTES,
+        }
+    }
+}
 
 /// The instance of kernel `base` for float dtype `dtype`: kernels/*.cu define each kernel once per float
 /// dtype as `{base}_f32`, `{base}_bf16` and `{base}_f16`.
@@ -108,8 +123,9 @@ impl Plan {
         if threads == 0 || threads > 1024 || b.2 > 64 || g.0 > i32::MAX as u32 || g.1 > 65535 || g.2 > 65535 {
             candle_core::bail!("{}: grid {g:?} x block {b:?} is outside CUDA's limits", l.kernel);
         }
-        if l.shared_bytes as usize > MAX_SHARED_BYTES {
-            candle_core::bail!("{}: {} bytes of shared memory, at most {MAX_SHARED_BYTES}", l.kernel, l.shared_bytes);
+        let max_shared = l.module.max_shared_bytes();
+        if l.shared_bytes as usize > max_shared {
+            candle_core::bail!("{}: {} bytes of shared memory, at most {max_shared}", l.kernel, l.shared_bytes);
         }
         for a in &l.args {
             if let Arg::Buffer { index, offset } = *a {

@@ -34,6 +34,8 @@ mod emu;
 mod flash_attention;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_mma;
+#[cfg(any(test, feature = "cuda"))]
+mod flash_wgmma;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;

@@ -10,11 +10,11 @@ use super::{run, run_with, Buf, RawArg, KIND_F32, KIND_U64};
 use crate::kernels::attention::softmax_plan;
 use crate::kernels::embedding;
 use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEAD_DIM};
-use crate::kernels::flash_mma;
 use crate::kernels::norm::norm_plan;
 use crate::kernels::rope::rope_plan;
 use crate::kernels::rows::{grad_plan, stats_plan};
 use crate::kernels::{embedding_grad, flash_attention, masked_softmax, rms_normalize, rope, row_stats};
+use crate::kernels::{flash_mma, flash_wgmma};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
 
@@ -350,6 +350,25 @@ fn flash_mma_fwd() {
 #[test]
 fn flash_mma_bwd() {
     check_flash_backward("flash_mma_bwd", flash_mma::backward_plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
+}
+
+/// Warpgroup tensor-core cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2, lengths
+/// no block (128 queries or keys, 64 keys or queries per step) divides with packed, clipped and empty
+/// ranges, one query over cached keys, an empty batch, and a length past two query blocks whose keys
+/// span three key steps of the forward and two query steps of the dk/dv kernel.
+const WGMMA_CASES: [FlashCase; 5] =
+    [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64), (1, 2, 1, 150, 2, 128)];
+
+#[test]
+fn flash_wgmma_fwd() {
+    let plan = flash_wgmma::forward_plan;
+    check_flash_forward("flash_wgmma_fwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 41);
+}
+
+#[test]
+fn flash_wgmma_bwd() {
+    let plan = flash_wgmma::backward_plan;
+    check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 47);
 }
 
 /// The backward whose dq is summed by f32 atomics in the dk/dv kernel: against the CPU op's gradients, and

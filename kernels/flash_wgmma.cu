@@ -1,0 +1,408 @@
+// Attention block by block on Hopper's warpgroup tensor cores (wgmma.mma_async, wgmma.cuh; compiled for
+// sm_90a only): the same inputs, outputs and arithmetic as flash_mma.cu's kernels (src/kernels/
+// flash_attention.rs has the definitions and the CPU reference), for bf16 and f16 and a head dim D of 64
+// or 128, with each block product one warpgroup-wide m64 instruction on 64 x 64 (or 64 x D) tiles
+// instead of mma.sync's 16 x 8. 256 threads (two warpgroups) per block; tiles in shared memory in the
+// 128-byte swizzle, filled by cp.async through two stages; more than 48 KiB of shared memory (the host
+// opts each kernel in).
+//
+// q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
+// ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
+//   flash_wgmma_fwd_dD_<T>:    128 queries of one head per block (64 per warpgroup, 16 per warp, their
+//                              fragments in registers), keys in blocks of 64: S = Q K^T (A: Q's registers,
+//                              B: the K tile, K-major), then O += P V (A: P from S's accumulators, B: the V
+//                              tile, MN-major).
+//   flash_wgmma_bwd_dq_dD_<T>: 128 queries per block, keys in blocks of 64: S = Q K^T, dP = dO V^T,
+//                              dS = P (dP - delta), dQ += dS K; also the span of keys each 16 queries see
+//                              (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
+//   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup), over the queries of
+//                              every head of its group in blocks of 64 that see one of its keys (by spans):
+//                              S^T = K Q^T and dP^T = V dO^T (A and B from shared tiles), dV += P^T dO,
+//                              dK += dS^T Q (A from registers); dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)].
+// Shared memory per kernel: see the host (src/kernels/flash_wgmma.rs).
+
+#include "common.cuh"
+#include "cp_async.cuh"
+#include "flash_rows.cuh"
+#include "wgmma.cuh"
+
+#define WG_THREADS 256
+#define WG_BQ 128    // queries per block of the forward and the dq kernel
+#define WG_BK 64     // keys per step of the forward and the dq kernel
+#define WG_DKV_BK 128  // keys per block of the dk/dv kernel
+#define WG_DKV_BQ 64   // queries per step of the dk/dv kernel
+
+// The first 1024-byte aligned address of the dynamic shared memory (the swizzle's alignment).
+template <typename T> __device__ __forceinline__ T *wg_aligned(void *smem) {
+    const uint32_t a = (uint32_t)__cvta_generic_to_shared(smem);
+    return (T *)((unsigned char *)smem + ((1024u - (a & 1023u)) & 1023u));
+}
+
+// Rows r0.. r0 + R of a [rows, D] matrix into the swizzled tile dst (R rows; rows >= limit are 0), by
+// asynchronous 16-byte copies when src is 16-byte aligned (the caller commits and waits), else at once.
+template <typename T, int D, int R>
+__device__ void stage_swizzled(T *dst, const T *src, uint32_t r0, uint32_t limit) {
+    constexpr uint32_t CHUNKS = D / 8;  // 16-byte copies per row
+    const bool aligned = ((uintptr_t)src & 15) == 0;
+    for (uint32_t e = threadIdx.x; e < R * CHUNKS; e += WG_THREADS) {
+        const uint32_t r = e / CHUNKS, x = (e % CHUNKS) * 8;
+        const bool in = r0 + r < limit;
+        T *to = dst + wg_at<R>(r, x);
+        if (aligned) {
+            cp_async16(to, in ? src + (size_t)(r0 + r) * D + x : src, in ? 16u : 0u);
+        } else {
+            for (uint32_t i = 0; i < 8; ++i) to[i] = in ? src[(size_t)(r0 + r) * D + x + i] : from_f32<T>(0.f);
+        }
+    }
+}
+
+// After this thread's copies into a stage are waited for: makes every thread's writes visible to the
+// tensor cores' reads (fence.proxy.async, then a barrier).
+__device__ __forceinline__ void wg_publish() {
+    wg_fence_proxy();
+    __syncthreads();
+}
+
+// Block j0's keys and values into stage st of `tiles` ([2 stages][K, V][BK x D swizzled]), one group of
+// copies.
+template <typename T, int D>
+__device__ __forceinline__ void wg_stage_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t st, uint32_t s) {
+    stage_swizzled<T, D, WG_BK>(tiles + 2 * st * WG_BK * D, kh, j0, s);
+    stage_swizzled<T, D, WG_BK>(tiles + (2 * st + 1) * WG_BK * D, vh, j0, s);
+    cp_async_commit();
+}
+
+// Before computing on key block j0 (stage st, its copies issued): block j0 + BK's copies into the other
+// stage when there is one (<= kmax), the wait for block j0's, and their publication. Returns the stage's
+// K tile; its V tile follows at + BK * D.
+template <typename T, int D>
+__device__ __forceinline__ const T *wg_next_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t kmax,
+                                               uint32_t st, uint32_t s) {
+    if (kmax - j0 >= WG_BK) {
+        wg_stage_kv<T, D>(tiles, kh, vh, j0 + WG_BK, st ^ 1, s);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    wg_publish();
+    return tiles + 2 * st * WG_BK * D;
+}
+
+// acc[64 rows, N] (+)= A Y^T for this warpgroup: A its [64, D] rows as fragments `af` (registers), Y a
+// swizzled tile of N rows (K-major: the product's k is Y's columns).
+template <typename T, int N, int D>
+__device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], const T *y) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        wgmma_rs<T, N>(acc, af[kk], wg_desc(y + (kk / 4) * N * 64 + (kk % 4) * 16, 16), 0, kk > 0);
+}
+
+// acc[64 rows, D] += A Y for this warpgroup: A the [64, KB] block of its accumulators `a` (as the next
+// product's fragments, into `af`), Y a swizzled tile of KB rows (MN-major: the product's k is Y's rows).
+template <typename T, int KB, int D>
+__device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], uint32_t (&af)[KB / 16][4],
+                                               const float (&a)[KB / 8][4], const T *y) {
+#pragma unroll
+    for (int kk = 0; kk < KB / 16; ++kk) frag_from_acc<T>(af[kk], a[2 * kk], a[2 * kk + 1]);
+#pragma unroll
+    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1, 1);
+}
+
+template <typename T, int D>
+__device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
+                                uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
+    extern __shared__ uint32_t wg_smem[];
+    T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
+    uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
+    uint32_t *his = los + WG_BQ;                           // [WG_BQ]
+    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t m0 = 16 * warp;
+    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
+    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+
+    uint32_t qf[D / 16][4];
+    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    uint32_t kmin, kmax;
+    mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
+    uint32_t lo[2], hi[2];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    for (int r = 0; r < 2; ++r) lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
+    float o[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+
+    if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
+    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
+        const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
+        float sc[WG_BK / 8][4];
+        wg_begin(sc);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
+        wg_end<0>(sc);
+        // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
+        float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; ++n)
+            for (int i = 0; i < 4; ++i) {
+                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+                sc[n][i] = (j >= lo[r] && j <= hi[r]) ? scale * sc[n][i] : -INFINITY;
+                mx[r] = fmaxf(mx[r], sc[n][i]);
+            }
+        float alpha[2], base[2], sum[2] = {0.f, 0.f};
+        for (int r = 0; r < 2; ++r) {
+            const float m_new = fmaxf(m[r], quad_max(mx[r]));
+            base[r] = m_new == -INFINITY ? 0.f : m_new;
+            alpha[r] = expf(m[r] - base[r]);
+            m[r] = m_new;
+        }
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; ++n)
+            for (int i = 0; i < 4; ++i) {
+                sc[n][i] = expf(sc[n][i] - base[i / 2]);
+                sum[i / 2] += sc[n][i];
+            }
+        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+        uint32_t pf[WG_BK / 16][4];
+        wg_begin(o);
+        wg_acc_by_tile<T, WG_BK, D>(o, pf, sc, vs);
+        wg_end<0>(o);
+        wg_keep(pf);
+        __syncthreads();  // every warp is done with this stage before it is filled again
+    }
+    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+    store_acc<T, D>(out + (size_t)bh * t * D, o, inv, i0 + m0, t);
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + m0 + g + 8 * r;
+        if (i < t && c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+template <typename T, int D>
+__device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                   const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
+                                   const float *__restrict__ lse, const float *__restrict__ delta, T *__restrict__ dq,
+                                   uint32_t *__restrict__ spans, uint32_t h, uint32_t kv, uint32_t t, uint32_t s,
+                                   float scale) {
+    extern __shared__ uint32_t wg_smem[];
+    T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
+    uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
+    uint32_t *his = los + WG_BQ;                           // [WG_BQ]
+    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t m0 = 16 * warp;
+    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
+    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+
+    uint32_t qf[D / 16][4], gf[D / 16][4];
+    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    uint32_t kmin, kmax;
+    mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
+    if (bh % h == 0) write_spans<WG_BQ>(spans, los, his, b, i0, t);
+    uint32_t lo[2], hi[2];
+    float rl[2], rd[2];
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + m0 + g + 8 * r;
+        lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
+        rl[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;
+        rd[r] = i < t ? delta[(size_t)bh * t + i] : 0.f;
+    }
+    float acc[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+
+    if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
+    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
+        const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
+        float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
+        wg_begin(sc, dp);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
+        wg_rows_by_tile<T, WG_BK, D>(dp, gf, vs);
+        wg_end<0>(sc, dp);
+#pragma unroll
+        for (int n = 0; n < WG_BK / 8; ++n) {
+            // sc becomes dS = P (dP - delta), P = exp(scale S - L) on the query's keys.
+            for (int i = 0; i < 4; ++i) {
+                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+                const float p = (j >= lo[r] && j <= hi[r]) ? expf(scale * sc[n][i] - rl[r]) : 0.f;
+                sc[n][i] = p * (dp[n][i] - rd[r]);
+            }
+        }
+        uint32_t df[WG_BK / 16][4];
+        wg_begin(acc);
+        wg_acc_by_tile<T, WG_BK, D>(acc, df, sc, ks);
+        wg_end<0>(acc);
+        wg_keep(df);
+        __syncthreads();  // every warp is done with this stage before it is filled again
+    }
+    const float scales[2] = {scale, scale};
+    store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
+}
+
+// The dk/dv kernel's stage: the queries and output gradients of query block i0 of head bh (swizzled, as
+// one group of copies) and, per query, its key range, log-sum-exp and delta.
+struct WgQueryStage {
+    float *rls, *rds;
+    uint32_t *los, *his;
+};
+
+template <typename T, int D>
+__device__ void wg_stage_queries(T *qs, T *gs, const WgQueryStage &x, const T *q, const T *dout,
+                                 const uint32_t *ranges, const float *lse, const float *delta, uint32_t b, uint32_t bh,
+                                 uint32_t i0, uint32_t t, uint32_t s) {
+    stage_swizzled<T, D, WG_DKV_BQ>(qs, q + (size_t)bh * t * D, i0, t);
+    stage_swizzled<T, D, WG_DKV_BQ>(gs, dout + (size_t)bh * t * D, i0, t);
+    cp_async_commit();
+    for (uint32_t r = threadIdx.x; r < WG_DKV_BQ; r += WG_THREADS) {
+        uint32_t rlo, rhi;
+        mma_range(ranges, b, i0 + r, t, s, rlo, rhi);
+        x.los[r] = rlo, x.his[r] = rhi;
+        const bool in = i0 + r < t;
+        x.rls[r] = in ? lse[(size_t)bh * t + i0 + r] : 0.f;
+        x.rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
+    }
+}
+
+// The query block after (hq, i0) of KV head kvh's group (heads kvh * group..) that sees one of keys
+// j0..j_last by the spans (the same answer in every thread); false when none is left.
+__device__ __forceinline__ bool wg_next_query_block(const uint32_t *spans, uint32_t b, uint32_t t, uint32_t j0,
+                                                   uint32_t j_last, uint32_t hq_end, uint32_t &hq, uint32_t &i0) {
+    for (;;) {
+        i0 += WG_DKV_BQ;
+        if (i0 >= t) i0 = 0, ++hq;
+        if (hq >= hq_end) return false;
+        const uint32_t *span = spans + ((size_t)b * ((t + 15) / 16) + i0 / 16) * 2;
+        for (uint32_t u = 0; u < WG_DKV_BQ / 16 && i0 + 16 * u < t; ++u)
+            if (span[2 * u] <= j_last && span[2 * u + 1] >= j0) return true;
+    }
+}
+
+// This warpgroup's P^T and dS^T (rows: its 64 keys from key j; columns: the stage's 64 queries) from
+// S^T in sc and dP^T in dp.
+__device__ __forceinline__ void wg_probs_t(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4],
+                                           const WgQueryStage &x, uint32_t j, float scale) {
+    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+#pragma unroll
+    for (int n = 0; n < WG_DKV_BQ / 8; ++n) {
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t jj = j + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
+            const float p = (jj >= x.los[r] && jj <= x.his[r]) ? expf(scale * sc[n][i] - x.rls[r]) : 0.f;
+            sc[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - x.rds[r]);
+        }
+    }
+}
+
+template <typename T, int D>
+__device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
+                                    const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
+                                    const float *__restrict__ lse, const float *__restrict__ delta,
+                                    T *__restrict__ dkv, const uint32_t *__restrict__ spans, uint32_t h, uint32_t kv,
+                                    uint32_t t, uint32_t s, float scale) {
+    extern __shared__ uint32_t wg_smem[];
+    T *ks = wg_aligned<T>(wg_smem);            // [WG_DKV_BK x D] keys
+    T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
+    T *qs = vs + WG_DKV_BK * D;                // [2 stages][WG_DKV_BQ x D] queries
+    T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
+    float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
+    WgQueryStage stage[2];
+    for (int st = 0; st < 2; ++st) {
+        float *x = stats + st * 4 * WG_DKV_BQ;
+        stage[st] = WgQueryStage{x, x + WG_DKV_BQ, (uint32_t *)(x + 2 * WG_DKV_BQ), (uint32_t *)(x + 3 * WG_DKV_BQ)};
+    }
+    const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * WG_DKV_BK, group = h / kv;
+    const uint32_t j_last = min(j0 + WG_DKV_BK, s) - 1, hq_end = (kvh + 1) * group;
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t wg = warp / 4, m0 = 16 * warp;
+    stage_swizzled<T, D, WG_DKV_BK>(ks, k + (size_t)bkv * s * D, j0, s);
+    stage_swizzled<T, D, WG_DKV_BK>(vs, v + (size_t)bkv * s * D, j0, s);
+    cp_async_commit();
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+
+    // Query blocks that see one of this block's keys, through two stages.
+    uint32_t hq = kvh * group, i0 = 0u - WG_DKV_BQ;
+    bool more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hq, i0);
+    if (more) wg_stage_queries<T, D>(qs, gs, stage[0], q, dout, ranges, lse, delta, b, b * h + hq, i0, t, s);
+    for (uint32_t st = 0; more; st ^= 1) {
+        uint32_t hn = hq, in = i0;
+        more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hn, in);
+        if (more) {
+            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, stage[st ^ 1], q,
+                                   dout, ranges, lse, delta, b, b * h + hn, in, t, s);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wg_publish();
+        const T *qt = qs + st * WG_DKV_BQ * D, *gt = gs + st * WG_DKV_BQ * D;
+        // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
+        float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
+        wg_begin(sc, dp);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            const uint32_t part = (kk / 4) * 64, col = (kk % 4) * 16;
+            const uint64_t bq = wg_desc(qt + part * WG_DKV_BQ + col, 16), bg = wg_desc(gt + part * WG_DKV_BQ + col, 16);
+            const uint32_t rows = part * WG_DKV_BK + 64 * wg * 64 + col;
+            wgmma_ss<T, WG_DKV_BQ>(sc, wg_desc(ks + rows, 16), bq, kk > 0);
+            wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
+        }
+        wg_end<0>(sc, dp);
+        wg_probs_t(sc, dp, stage[st], j0 + m0, scale);
+        uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+        wg_begin(dv, dk);
+        wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, sc, gt);
+        wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, dp, qt);
+        wg_end<0>(dv, dk);
+        wg_keep(pf);
+        wg_keep(df);
+        __syncthreads();  // every warp is done with this stage before it is filled again
+        hq = hn, i0 = in;
+    }
+    cp_async_wait<0>();  // the key and value tiles, when no query block saw them
+    const size_t nk = (size_t)gridDim.y * s * D;
+    T *dkh = dkv + (size_t)bkv * s * D;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t j = j0 + m0 + g + 8 * r;
+        if (j >= s) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            for (int x = 0; x < 2; ++x) {
+                const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
+                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
+                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
+            }
+    }
+}
+
+#define FLASH_WGMMA_KERNELS(NAME, T, D)                                                                          \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
+        flash_wgmma_fwd_##NAME(const T *q, const T *k, const T *v, const uint32_t *ranges, float *lse, T *out,   \
+                               uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {                   \
+        flash_wgmma_fwd<T, D>(q, k, v, ranges, lse, out, h, kv, t, s, scale);                                    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
+        flash_wgmma_bwd_dq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,     \
+                                  const float *lse, const float *delta, T *dq, uint32_t *spans, uint32_t h,      \
+                                  uint32_t kv, uint32_t t, uint32_t s, float scale) {                            \
+        flash_wgmma_bwd_dq<T, D>(q, k, v, dout, ranges, lse, delta, dq, spans, h, kv, t, s, scale);              \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
+        flash_wgmma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,    \
+                                   const float *lse, const float *delta, T *dkv, const uint32_t *spans,          \
+                                   uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {               \
+        flash_wgmma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, spans, h, kv, t, s, scale);            \
+    }
+
+FLASH_WGMMA_KERNELS(d64_bf16, __nv_bfloat16, 64)
+FLASH_WGMMA_KERNELS(d128_bf16, __nv_bfloat16, 128)
+FLASH_WGMMA_KERNELS(d64_f16, __half, 64)
+FLASH_WGMMA_KERNELS(d128_f16, __half, 128)

@@ -1,0 +1,93 @@
+//! Flash attention on Hopper's warpgroup tensor cores: the launch plans of kernels/flash_wgmma.cu, whose
+//! block products are `wgmma.mma_async` instructions (m64nNk16, bf16/f16 in, f32 accumulators;
+//! kernels/wgmma.cuh) on shared tiles in the 128-byte swizzle, compiled for sm_90a only (H100, H200). The
+//! same inputs, outputs and arithmetic as [`flash_mma`](super::flash_mma)'s kernels and their plans'
+//! buffers (whose CPU reference is the [`flash_attention`](super::flash_attention) op), for bf16 and f16
+//! and a head dim in [`TENSOR_CORE_HEAD_DIMS`](super::TENSOR_CORE_HEAD_DIMS); the op takes this path with
+//! `attention = "wgmma"` on a GPU of compute capability 9.0.
+
+use candle_core::{DType, Result};
+
+use super::flash_attention::dims::Dims;
+use super::flash_mma::{backward_buffers, forward_buffers};
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+
+/// Threads per block: two warpgroups of four warps.
+const THREADS: u32 = 256;
+/// Queries per block of the forward and the dq kernel (64 per warpgroup), keys per step.
+const QUERIES: usize = 128;
+const KEYS: usize = 64;
+/// Keys per block of the dk/dv kernel (64 per warpgroup), queries per step.
+const DKV_KEYS: usize = 128;
+const DKV_QUERIES: usize = 64;
+/// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
+const ALIGN: usize = 1024;
+
+/// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
+/// (two stages of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and
+/// statistics.
+fn shared_bytes(kernel: &str, d: usize) -> usize {
+    match kernel {
+        "fwd" | "bwd_dq" => ALIGN + 2 * (4 * KEYS * d) + 2 * 4 * QUERIES,
+        _ => ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES,
+    }
+}
+
+/// The launch of kernel `flash_wgmma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
+fn wgmma_launch(
+    kernel: &str,
+    dims: &Dims,
+    dtype: DType,
+    (blocks, heads): (usize, usize),
+    args: Vec<Arg>,
+) -> Result<Launch> {
+    if !super::tensor_core_attention(dtype, dims.d) {
+        candle_core::bail!(
+            "flash attention on warpgroup tensor cores: {dtype:?} with head dim {} (bf16 or f16, head dim 64 or 128)",
+            dims.d
+        );
+    }
+    Ok(Launch {
+        module: Module::FlashWgmma,
+        kernel: kernel_name(&format!("flash_wgmma_{kernel}_d{}", dims.d), dtype)?,
+        grid: (blocks as u32, heads as u32, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: shared_bytes(kernel, dims.d) as u32,
+        args,
+    })
+}
+
+/// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
+fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
+    [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
+}
+
+/// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
+pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let mut p = Plan::default();
+    let mut args = forward_buffers(&mut p, dtype, &dims);
+    args.extend(sizes(&dims, scale));
+    p.launch(wgmma_launch("fwd", &dims, dtype, (dims.t.div_ceil(QUERIES), dims.b * dims.h), args)?)?;
+    Ok(p)
+}
+
+/// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
+/// dv (key blocks of one KV head, over its group's query heads), one output after the other; a second
+/// output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by the dq kernel
+/// for the dk/dv kernel to skip the query blocks that see none of its keys. Deterministic: every sum in
+/// a fixed order.
+pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    let nq = dims.q_len();
+    let mut p = Plan::default();
+    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
+    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
+    let args = |offset: usize| {
+        let mut a = inputs.clone();
+        a.extend([Arg::Buffer { index: grads, offset }, spans]);
+        a.extend(sizes(&dims, scale));
+        a
+    };
+    p.launch(wgmma_launch("bwd_dq", &dims, dtype, (dims.t.div_ceil(QUERIES), dims.b * dims.h), args(0))?)?;
+    p.launch(wgmma_launch("bwd_dkv", &dims, dtype, (dims.s.div_ceil(DKV_KEYS), dims.b * dims.kv), args(nq))?)?;
+    Ok(p)
+}
