@@ -97,13 +97,18 @@ __device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const ui
         wgmma_rs<T, N>(acc, af[kk], wg_desc(y + (kk / 4) * N * 64 + (kk % 4) * 16, 16), 0, kk > 0);
 }
 
-// acc[64 rows, D] += A Y for this warpgroup: A the [64, KB] block of its accumulators `a` (as the next
-// product's fragments, into `af`), Y a swizzled tile of KB rows (MN-major: the product's k is Y's rows).
-template <typename T, int KB, int D>
-__device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], uint32_t (&af)[KB / 16][4],
-                                               const float (&a)[KB / 8][4], const T *y) {
+// The [64, KB] block of this warpgroup's accumulators `a` as A fragments of the next product (before
+// its wg_begin: registers written after a wgmma.fence would need another).
+template <typename T, int KB>
+__device__ __forceinline__ void wg_frags(uint32_t (&af)[KB / 16][4], const float (&a)[KB / 8][4]) {
 #pragma unroll
     for (int kk = 0; kk < KB / 16; ++kk) frag_from_acc<T>(af[kk], a[2 * kk], a[2 * kk + 1]);
+}
+
+// acc[64 rows, D] += A Y for this warpgroup: A [64, KB] as fragments `af` (wg_frags), Y a swizzled tile of
+// KB rows (MN-major: the product's k is Y's rows).
+template <typename T, int KB, int D>
+__device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], const T *y) {
 #pragma unroll
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1, 1);
 }
@@ -168,8 +173,9 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         for (int n = 0; n < D / 8; ++n)
             for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
         uint32_t pf[WG_BK / 16][4];
+        wg_frags<T, WG_BK>(pf, sc);
         wg_begin(o);
-        wg_acc_by_tile<T, WG_BK, D>(o, pf, sc, vs);
+        wg_acc_by_tile<T, WG_BK, D>(o, pf, vs);
         wg_end<0>(o);
         wg_keep(pf);
         __syncthreads();  // every warp is done with this stage before it is filled again
@@ -235,8 +241,9 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
             }
         }
         uint32_t df[WG_BK / 16][4];
+        wg_frags<T, WG_BK>(df, sc);
         wg_begin(acc);
-        wg_acc_by_tile<T, WG_BK, D>(acc, df, sc, ks);
+        wg_acc_by_tile<T, WG_BK, D>(acc, df, ks);
         wg_end<0>(acc);
         wg_keep(df);
         __syncthreads();  // every warp is done with this stage before it is filled again
@@ -251,6 +258,12 @@ struct WgQueryStage {
     float *rls, *rds;
     uint32_t *los, *his;
 };
+
+// Stage st's statistics in `stats` ([2 stages][L, delta, lo, hi][WG_DKV_BQ]).
+__device__ __forceinline__ WgQueryStage wg_query_stage(float *stats, uint32_t st) {
+    float *x = stats + st * 4 * WG_DKV_BQ;
+    return WgQueryStage{x, x + WG_DKV_BQ, (uint32_t *)(x + 2 * WG_DKV_BQ), (uint32_t *)(x + 3 * WG_DKV_BQ)};
+}
 
 template <typename T, int D>
 __device__ void wg_stage_queries(T *qs, T *gs, const WgQueryStage &x, const T *q, const T *dout,
@@ -311,11 +324,6 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     T *qs = vs + WG_DKV_BK * D;                // [2 stages][WG_DKV_BQ x D] queries
     T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
     float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
-    WgQueryStage stage[2];
-    for (int st = 0; st < 2; ++st) {
-        float *x = stats + st * 4 * WG_DKV_BQ;
-        stage[st] = WgQueryStage{x, x + WG_DKV_BQ, (uint32_t *)(x + 2 * WG_DKV_BQ), (uint32_t *)(x + 3 * WG_DKV_BQ)};
-    }
     const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * WG_DKV_BK, group = h / kv;
     const uint32_t j_last = min(j0 + WG_DKV_BK, s) - 1, hq_end = (kvh + 1) * group;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
@@ -331,12 +339,12 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     // Query blocks that see one of this block's keys, through two stages.
     uint32_t hq = kvh * group, i0 = 0u - WG_DKV_BQ;
     bool more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hq, i0);
-    if (more) wg_stage_queries<T, D>(qs, gs, stage[0], q, dout, ranges, lse, delta, b, b * h + hq, i0, t, s);
+    if (more) wg_stage_queries<T, D>(qs, gs, wg_query_stage(stats, 0), q, dout, ranges, lse, delta, b, b * h + hq, i0, t, s);
     for (uint32_t st = 0; more; st ^= 1) {
         uint32_t hn = hq, in = i0;
         more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hn, in);
         if (more) {
-            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, stage[st ^ 1], q,
+            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, wg_query_stage(stats, st ^ 1), q,
                                    dout, ranges, lse, delta, b, b * h + hn, in, t, s);
             cp_async_wait<1>();
         } else {
@@ -356,11 +364,13 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
             wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
         }
         wg_end<0>(sc, dp);
-        wg_probs_t(sc, dp, stage[st], j0 + m0, scale);
+        wg_probs_t(sc, dp, wg_query_stage(stats, st), j0 + m0, scale);
         uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+        wg_frags<T, WG_DKV_BQ>(pf, sc);
+        wg_frags<T, WG_DKV_BQ>(df, dp);
         wg_begin(dv, dk);
-        wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, sc, gt);
-        wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, dp, qt);
+        wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, gt);
+        wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, qt);
         wg_end<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
