@@ -3,7 +3,8 @@
 //! (the default build needs no CUDA toolkit).
 //!
 //! nvcc is taken from $CUDA_HOME/bin (or $CUDA_ROOT/bin, else PATH); the PTX targets compute capability
-//! $CUDA_COMPUTE_CAP (default 80: PTX for 8.0 is JIT-compiled by the driver on 8.x and 9.x cards).
+//! $CUDA_COMPUTE_CAP (default 80: PTX for 8.0 is JIT-compiled by the driver on 8.x and 9.x cards), but
+//! kernels/flash_wgmma.cu's targets sm_90a (its wgmma exists there only; loaded on 9.0 cards only).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -44,8 +45,10 @@ fn main() {
     for src in sources {
         let stem = src.file_stem().unwrap().to_string_lossy().into_owned();
         let ptx = out.join(format!("{stem}.ptx"));
+        // The warpgroup kernels' wgmma exists on sm_90a only: their PTX targets it whatever the rest's.
+        let arch = if stem == "flash_wgmma" { "90a".to_string() } else { cap.clone() };
         let status = Command::new(&nvcc)
-            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{cap}"), "-o"])
+            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=compute_{arch}"), "-o"])
             .arg(&ptx)
             .arg(&src)
             .status()

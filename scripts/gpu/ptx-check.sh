@@ -10,7 +10,9 @@
 #   - needs more registers than a block of its largest size can have (64 Ki 32-bit registers per block:
 #     registers x threads, threads = the kernel's __launch_bounds__ (`.maxntid`) or else 1024), which a
 #     launch would refuse with "too many resources requested";
-# when an entry of kernels/flash_mma.cu has no tensor-core mma.sync instruction (its block products);
+# when an entry of kernels/flash_mma.cu has no tensor-core mma.sync instruction (its block products), or
+# one of kernels/flash_wgmma.cu no wgmma.mma_async; kernels/flash_wgmma.cu is compiled for sm_90a only (as
+# build.rs does: wgmma exists only there) and its kernels opt in to 227 KiB of dynamic shared memory;
 # and when the PTX does not target the architecture asked for (`.target sm_XX`) or uses a PTX ISA newer
 # than 9.0 (what driver 580, CUDA 13.0, JIT-compiles).
 #
@@ -35,13 +37,23 @@ fail=0
 for arch in $ARCHS; do
     for src in $SOURCES; do
         stem=$(basename "$src" .cu)
-        ptx="$work/$stem.sm_$arch.ptx"
-        log="$work/$stem.sm_$arch.ptxas.txt"
-        "$NVCC" --ptx -O3 -std=c++17 "-arch=compute_$arch" -o "$ptx" "$src"
-        "$PTXAS" -v "-arch=sm_$arch" -o /dev/null "$ptx" >"$log" 2>&1 || { cat "$log"; fail=1; continue; }
+        tarch=$arch dyn_max=$MAX_DYNAMIC_SMEM
+        if [ "$stem" = flash_wgmma ]; then
+            [ "$arch" = 90 ] || continue
+            tarch=90a dyn_max=$((227 << 10))
+        fi
+        ptx="$work/$stem.sm_$tarch.ptx"
+        log="$work/$stem.sm_$tarch.ptxas.txt"
+        "$NVCC" --ptx -O3 -std=c++17 "-arch=compute_$tarch" -o "$ptx" "$src"
+        "$PTXAS" -v "-arch=sm_$tarch" -o /dev/null "$ptx" >"$log" 2>&1 || { cat "$log"; fail=1; continue; }
+        if grep -q "C7519" "$log"; then
+            grep "C7519" "$log"
+            echo "FAIL $src: ptxas serialised wgmma (registers touched inside an asynchronous product)"
+            fail=1
+        fi
         target=$(sed -n 's/^\.target[[:space:]]*\([a-z0-9_]*\).*/\1/p' "$ptx")
-        if [ "$target" != "sm_$arch" ]; then
-            echo "FAIL $src: PTX targets '$target', expected sm_$arch"
+        if [ "$target" != "sm_$tarch" ]; then
+            echo "FAIL $src: PTX targets '$target', expected sm_$tarch"
             fail=1
         fi
         isa=$(sed -n 's/^\.version[[:space:]]*\([0-9.]*\).*/\1/p' "$ptx")
@@ -64,7 +76,7 @@ for arch in $ARCHS; do
             }
             END { if (all) print "*"; else for (f in uses) print f }' "$ptx")
         # One line per function: name spill-stores spill-loads stack registers static-smem threads.
-        awk -v arch="$arch" -v src="$src" -v smem_limit="$STATIC_SMEM_LIMIT" -v dyn="$MAX_DYNAMIC_SMEM" \
+        awk -v arch="$tarch" -v src="$src" -v smem_limit="$STATIC_SMEM_LIMIT" -v dyn="$dyn_max" \
             -v maxntid="$maxntid" -v dynentries="$dynentries" '
             BEGIN {
                 n = split(maxntid, a, /[[:space:]\n]+/); for (i = 1; i + 1 <= n; i += 2) threads[a[i]] = a[i + 1]
@@ -85,7 +97,7 @@ for arch in $ARCHS; do
                     msg = ""
                     if (st[f] + 0 > 0 || ld[f] + 0 > 0) msg = msg sprintf(" spills (%s B stores, %s B loads);", st[f], ld[f])
                     if (stack[f] + 0 > 0) msg = msg sprintf(" stack frame of %s B;", stack[f])
-                    if (smem[f] + d > smem_limit) msg = msg sprintf(" shared memory %d B static + %d B dynamic > %d B;", smem[f], d, smem_limit)
+                    if (smem[f] > smem_limit || smem[f] + d > (d > smem_limit ? d : smem_limit)) msg = msg sprintf(" shared memory %d B static + %d B dynamic > %d B;", smem[f], d, smem_limit)
                     if (regs[f] * t > 65536) msg = msg sprintf(" %d registers x %d threads > 65536;", regs[f], t)
                     if (msg != "") { printf "FAIL %s sm_%s %s:%s\n", src, arch, f, msg; bad = 1 }
                     else printf "ok   sm_%s %-22s %3d regs x %4d threads, %5d B smem%s\n", arch, f, regs[f], t, smem[f], (d ? sprintf(" + <= %d B dynamic", d) : "")
@@ -105,6 +117,19 @@ for arch in $ARCHS; do
                         if (f ~ /^flash_mma_bwd_(prep|dq_out)_/) { printf "ok   sm_%s %-26s (no block products)\n", arch, f; continue }
                         if (n[f] == 0) { printf "FAIL sm_%s %s: no mma.sync instruction\n", arch, f; bad = 1 }
                         else printf "ok   sm_%s %-26s %4d mma.sync m16n8k16 instructions\n", arch, f, n[f]
+                    }
+                    exit bad
+                }' "$ptx" | sort -k3 || fail=1
+        fi
+        if [ "$stem" = flash_wgmma ]; then
+            awk -v arch="$tarch" '
+                /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
+                /wgmma\.mma_async\.sync\.aligned\.m64n(64|128)k16\.f32\.(bf16|f16)/ && f != "" { n[f]++ }
+                END {
+                    bad = 0
+                    for (f in n) {
+                        if (n[f] == 0) { printf "FAIL sm_%s %s: no wgmma.mma_async instruction\n", arch, f; bad = 1 }
+                        else printf "ok   sm_%s %-26s %4d wgmma.mma_async m64nNk16 instructions\n", arch, f, n[f]
                     }
                     exit bad
                 }' "$ptx" | sort -k3 || fail=1

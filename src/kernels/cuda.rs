@@ -32,10 +32,17 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
             ("grpo_flash_attention", include_str!(concat!(env!("OUT_DIR"), "/flash_attention.ptx")))
         }
         Module::FlashMma => ("grpo_flash_mma", include_str!(concat!(env!("OUT_DIR"), "/flash_mma.ptx"))),
+        // Compiled for sm_90a (build.rs): loads on compute capability 9.0 only.
+        Module::FlashWgmma => ("grpo_flash_wgmma", include_str!(concat!(env!("OUT_DIR"), "/flash_wgmma.ptx"))),
         Module::Rope => ("grpo_rope", include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"))),
         Module::Norm => ("grpo_norm", include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"))),
         Module::Embedding => ("grpo_embedding", include_str!(concat!(env!("OUT_DIR"), "/embedding.ptx"))),
     }
+}
+
+/// The compute capability (major, minor) of `dev`.
+pub(crate) fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
+    dev.cuda_stream().context().compute_capability().w()
 }
 
 /// An output buffer of a plan, allocated on the device.
@@ -129,6 +136,12 @@ pub(crate) fn launch(
     address: impl Fn(usize, usize) -> u64,
 ) -> Result<()> {
     let f = dev.get_or_load_custom_func(&l.kernel, module, ptx)?;
+    if l.shared_bytes as usize > super::launch::MAX_SHARED_BYTES {
+        // The kernel opts in to more dynamic shared memory than a block gets by default (its module's
+        // limit, checked by the plan).
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, l.shared_bytes as i32).w()?;
+    }
     let values: Vec<Value> = l
         .args
         .iter()

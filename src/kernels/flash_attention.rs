@@ -193,7 +193,10 @@ impl CustomOp3 for FlashAttention {
         }
         if tensor_cores {
             let (rs, rl) = self.ranges.storage_and_layout();
-            let plan = flash_mma::forward_plan(s1.dtype(), dims, self.scale)?;
+            let plan = match self.kernels.warpgroup_on(&s1.device)? {
+                true => super::flash_wgmma::forward_plan(s1.dtype(), dims, self.scale)?,
+                false => flash_mma::forward_plan(s1.dtype(), dims, self.scale)?,
+            };
             let [lse, out]: [candle_core::CudaStorage; 2] =
                 super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3), (cuda_storage(&rs)?, rl)])?
                     .try_into()
@@ -307,9 +310,16 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (rs, rl) = self.ranges.storage_and_layout();
         let dims = Dims::new(l1, l2, l3, rl)?;
-        if let (GpuKernels::TensorCores { atomic_dq }, true) = (self.kernels, flash_mma::supports(s1.dtype(), dims.d)) {
+        if let (GpuKernels::TensorCores { atomic_dq, .. }, true) =
+            (self.kernels, flash_mma::supports(s1.dtype(), dims.d))
+        {
+            let kernels = match self.kernels.warpgroup_on(&s1.device)? {
+                true => MmaBackward::Warpgroup,
+                false if atomic_dq => MmaBackward::AtomicDq,
+                false => MmaBackward::TwoKernels,
+            };
             return mma_backward(
-                (dims, self.scale, atomic_dq),
+                (dims, self.scale, kernels),
                 [(s1, l1), (s2, l2), (s3, l3)],
                 self.grad,
                 (&rs, rl),
@@ -338,7 +348,7 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scal
 /// kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products, scores and
 /// probabilities in registers) instead of the chunked GEMMs; elsewhere the same as [`flash_attention`].
 pub fn flash_attention_mma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, GpuKernels::TensorCores { atomic_dq: false }, None)
+    attend(q, k, v, ranges, scale, None, GpuKernels::TensorCores { atomic_dq: false, warpgroup: false }, None)
 }
 
 /// The kernels flash attention runs on a GPU (the CPU runs its one implementation whatever this says).
@@ -351,13 +361,23 @@ pub enum GpuKernels {
     /// [`TENSOR_CORE_HEAD_DIMS`](super::TENSOR_CORE_HEAD_DIMS)), chunked elsewhere. `atomic_dq`: the
     /// backward sums dq by f32 atomics in the dk/dv kernel (FlashAttention-2's: 10 hd FLOPs per score
     /// against 14, its rounding varying from run to run) instead of a dq kernel of its own (reproducible).
-    TensorCores { atomic_dq: bool },
+    /// `warpgroup`: on a GPU of compute capability 9.0, the warpgroup kernels of kernels/flash_wgmma.cu
+    /// (whose backward is the reproducible one, `atomic_dq` or not) instead.
+    TensorCores { atomic_dq: bool, warpgroup: bool },
 }
 
 impl GpuKernels {
     #[cfg(feature = "cuda")]
     fn tensor_cores(self) -> bool {
         matches!(self, GpuKernels::TensorCores { .. })
+    }
+
+    /// Whether the tensor-core kernels on `dev` are the warpgroup ones (asked for, and the GPU is of
+    /// compute capability 9.0, the only one wgmma exists on).
+    #[cfg(feature = "cuda")]
+    fn warpgroup_on(self, dev: &candle_core::CudaDevice) -> Result<bool> {
+        Ok(matches!(self, GpuKernels::TensorCores { warpgroup: true, .. })
+            && super::cuda::compute_capability(dev)?.0 == 9)
     }
 }
 
@@ -630,10 +650,21 @@ where
     Ok(candle_core::CudaStorage::wrap_cuda_slice(grads, be.dev.clone()))
 }
 
-/// The tensor-core kernels' backward on the GPU (kernels/flash_mma.cu): dq|dk|dv.
+/// Which tensor-core backward runs.
+#[cfg(feature = "cuda")]
+enum MmaBackward {
+    /// kernels/flash_mma.cu's dq kernel, then its dk/dv kernel.
+    TwoKernels,
+    /// kernels/flash_mma.cu's dk/dv kernel summing dq by f32 atomics.
+    AtomicDq,
+    /// kernels/flash_wgmma.cu's dq kernel, then its dk/dv kernel.
+    Warpgroup,
+}
+
+/// The tensor-core kernels' backward on the GPU (kernels/flash_mma.cu or flash_wgmma.cu): dq|dk|dv.
 #[cfg(feature = "cuda")]
 fn mma_backward(
-    (dims, scale, atomic_dq): (Dims, f32, bool),
+    (dims, scale, kernels): (Dims, f32, MmaBackward),
     [q, k, v]: [CudaIn; 3],
     grad: &Tensor,
     (rs, rl): (&Storage, &Layout),
@@ -643,9 +674,10 @@ fn mma_backward(
     let (lse, delta) = (lse_delta.narrow(0, 0, n)?, lse_delta.narrow(0, n, n)?);
     let ((gs, gl), (ls, ll), (ds, dl)) =
         (grad.storage_and_layout(), lse.storage_and_layout(), delta.storage_and_layout());
-    let plan = match atomic_dq {
-        true => flash_mma::backward_plan_atomic(q.0.dtype(), dims, scale)?,
-        false => flash_mma::backward_plan(q.0.dtype(), dims, scale)?,
+    let plan = match kernels {
+        MmaBackward::TwoKernels => flash_mma::backward_plan(q.0.dtype(), dims, scale)?,
+        MmaBackward::AtomicDq => flash_mma::backward_plan_atomic(q.0.dtype(), dims, scale)?,
+        MmaBackward::Warpgroup => super::flash_wgmma::backward_plan(q.0.dtype(), dims, scale)?,
     };
     let held = [(cuda_storage(&gs)?, gl), (cuda_storage(rs)?, rl), (cuda_storage(&ls)?, ll), (cuda_storage(&ds)?, dl)];
     let ins = [q, k, v, held[0], held[1], held[2], held[3]];

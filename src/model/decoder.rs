@@ -69,6 +69,11 @@ pub enum Attention {
     /// with the scores in registers) instead of cuBLAS GEMMs over blocks in device memory. Tested on the
     /// host emulator, not yet on a GPU; elsewhere the same as `flash`.
     Mma,
+    /// As `mma`, but on a GPU of compute capability 9.0 (H100, H200) through the warpgroup tensor-core
+    /// kernels of kernels/flash_wgmma.cu (`wgmma.mma_async` on 64-row tiles in swizzled shared memory; a
+    /// deterministic backward whatever `deterministic_attention` says); on other GPUs the same as `mma`.
+    /// Tested on the host emulator, not yet on a GPU.
+    Wgmma,
 }
 
 /// Options that change how (not what) the decoder computes.
@@ -98,15 +103,19 @@ pub struct DecoderOptions {
 
 impl DecoderOptions {
     /// Whether attention runs on the tensor-core kernels (kernels/flash_mma.cu) on a GPU for weights of
-    /// `dtype` with head dim `head_dim`: `attention = "mma"` with fused ops, where the kernels apply.
+    /// `dtype` with head dim `head_dim`: `attention = "mma"` or `"wgmma"` with fused ops, where the kernels
+    /// apply.
     pub fn tensor_core_attention(&self, dtype: DType, head_dim: usize) -> bool {
-        self.fused_ops && self.attention == Attention::Mma && crate::kernels::tensor_core_attention(dtype, head_dim)
+        self.fused_ops
+            && matches!(self.attention, Attention::Mma | Attention::Wgmma)
+            && crate::kernels::tensor_core_attention(dtype, head_dim)
     }
 
     /// The kernels flash attention runs on a GPU.
     pub fn gpu_kernels(&self) -> GpuKernels {
         match self.attention {
-            Attention::Mma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention },
+            Attention::Mma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention, warpgroup: false },
+            Attention::Wgmma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention, warpgroup: true },
             Attention::Flash | Attention::Matrix => GpuKernels::Chunked,
         }
     }

@@ -62,10 +62,11 @@ pub struct ModelSection {
     pub cache_reference: bool,
     /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
     /// the default), "mma" (flash on a GPU's tensor cores with the scores in registers, for bf16/f16 at
-    /// head dim 64 or 128; elsewhere flash) or "matrix" (through each head's [T, T] score matrix:
-    /// quadratic memory).
+    /// head dim 64 or 128; elsewhere flash), "wgmma" (as mma, through Hopper's warpgroup wgmma kernels
+    /// on an H100/H200, compute capability 9.0; elsewhere mma) or "matrix" (through each head's [T, T]
+    /// score matrix: quadratic memory).
     pub attention: Attention,
-    /// With `attention = "mma"` on a GPU: true (the default) computes the backward's dq in a kernel of its
+    /// With `attention = "mma"` on a GPU (or "wgmma" on one without wgmma): true (the default) computes the backward's dq in a kernel of its
     /// own, the same bits every run; false sums it by f32 atomics in the dk/dv kernel, FlashAttention-2's
     /// backward: 10 instead of 14 head-dim FLOPs per score, its rounding varying from run to run.
     pub deterministic_attention: bool,
@@ -522,6 +523,8 @@ mod tests {
         assert_eq!(c.model.attention, Attention::Matrix);
         let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=mma".into()]).unwrap();
         assert_eq!(c.model.attention, Attention::Mma);
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=wgmma".into()]).unwrap();
+        assert_eq!(c.model.attention, Attention::Wgmma);
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=sparse".into()]).unwrap_err();
         assert!(e.to_string().contains("sparse") && e.to_string().contains("`flash`"), "{e}");
     }

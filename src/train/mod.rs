@@ -674,12 +674,13 @@ fn load_run<'a>(
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
     let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
     policy.options = cfg.model.decoder_options();
-    if policy.options.attention == model::Attention::Mma
+    if matches!(policy.options.attention, model::Attention::Mma | model::Attention::Wgmma)
         && !(device.is_cuda() && policy.options.tensor_core_attention(dtype, policy.config().head_dim))
     {
         tracing::info!(
-            "model.attention = \"mma\": the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \
+            "model.attention = {:?}: the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \
              this run ({:?}, head dim {}, {}) uses flash attention's chunked path",
+            policy.options.attention,
             dtype,
             policy.config().head_dim,
             if device.is_cuda() { "GPU" } else { "CPU" }

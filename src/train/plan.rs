@@ -201,7 +201,7 @@ impl Activations {
         let matrix = 2.0 * b * heads * t * t * d;
         let (attn_saved, attn_work) = match attention {
             Attention::Matrix => (matrix, matrix),
-            Attention::Flash | Attention::Mma => (4.0 * b * heads * t, 8.0 * b * heads * t),
+            Attention::Flash | Attention::Mma | Attention::Wgmma => (4.0 * b * heads * t, 8.0 * b * heads * t),
         };
         let layer = n * width * d + attn_saved;
         let rows = (chunk_bytes as f64 / (4.0 * v).max(1.0)).floor().clamp(1.0, 65536.0).min(n_scored.max(1.0));
@@ -218,7 +218,7 @@ impl Activations {
             attention_workspace: to_bytes(attn_work),
             kept_attention: match attention {
                 Attention::Matrix => 0,
-                Attention::Flash | Attention::Mma => to_bytes(l * (n * q * d + 4.0 * b * heads * t)),
+                Attention::Flash | Attention::Mma | Attention::Wgmma => to_bytes(l * (n * q * d + 4.0 * b * heads * t)),
             },
             head: to_bytes(3.0 * n_scored * h * d + 16.0 * n_scored),
             head_backward: to_bytes(head_backward),
@@ -267,8 +267,11 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let b = cfg.train.micro_batch_size.max(1) as u64;
     let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
-    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
-    let atomic_dq = inputs.attention == Attention::Mma && !cfg.model.deterministic_attention && !inputs.on_cpu;
+    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32 (with wgmma,
+    // on the GPUs without it, where the mma kernels run instead).
+    let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma)
+        && !cfg.model.deterministic_attention
+        && !inputs.on_cpu;
     if atomic_dq {
         let q = (model.num_heads as u64).saturating_mul(model.head_dim as u64);
         let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
@@ -343,6 +346,8 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         Attention::Flash => "flash: O(T)",
         Attention::Mma if atomic_dq => "mma: O(T) + [N,q] 4 B dq accumulator",
         Attention::Mma => "mma: O(T)",
+        Attention::Wgmma if atomic_dq => "wgmma: O(T) (+ [N,q] 4 B dq accumulator on GPUs without wgmma)",
+        Attention::Wgmma => "wgmma: O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {
