@@ -150,7 +150,7 @@ pub struct TrainStepSpec {
     #[arg(long)]
     pub no_reference: bool,
     /// How attention is computed with fused ops: flash (block by block), mma (flash on the tensor cores,
-    /// on a GPU) or matrix (score matrix).
+    /// on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or matrix (score matrix).
     #[arg(long, value_enum, default_value_t = Attention::Flash)]
     pub attention: Attention,
     /// With --attention mma on a GPU: sum dq by atomics in the dk/dv kernel
@@ -308,6 +308,7 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
             .tensor_core_attention(t.dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
+        warpgroup: spec.attention == Attention::Wgmma,
     };
     let device = device_name(&t.device);
     GPUS.iter()

@@ -76,6 +76,8 @@ pub enum OpKind {
     AttentionGemm,
     /// The tensor-core attention kernels (kernels/flash_mma.cu): block products and softmax on chip.
     AttentionMma,
+    /// The warpgroup tensor-core attention kernels (kernels/flash_wgmma.cu, compute capability 9.0).
+    AttentionWgmma,
     /// Element-wise and reductions, memory-bound.
     Elementwise,
     /// The optimiser update in host memory (`optim.offload`): PCIe transfers and host memory bandwidth.
@@ -112,6 +114,9 @@ pub struct Gpu {
     pub attention_gemm_efficiency: f64,
     /// Fraction of the peak the tensor-core attention kernels' `mma.sync` products reach.
     pub mma_attention_efficiency: f64,
+    /// Fraction of the peak the warpgroup attention kernels' `wgmma` products reach; `None` where the
+    /// GPU has no wgmma (the `mma` kernels run instead).
+    pub wgmma_attention_efficiency: Option<f64>,
     /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
     pub memory_efficiency: f64,
     /// Host time to launch one kernel, s.
@@ -141,8 +146,12 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 /// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
 /// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its ldmatrix loads
 /// and two-stage asynchronous copies, but smaller blocks within 48 KiB of shared memory and S recomputed
-/// in the backward); streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host
-/// 4 us (cuLaunchKernel through cudarc), a host sync 20 us.
+/// in the backward); the warpgroup kernels 0.40 (FlashAttention-3's wgmma kernels reach 60-75% of the
+/// peak forward and 45-55% backward at head dim 128; these share its wgmma products on swizzled 64-row
+/// tiles beyond 48 KiB of shared memory, but not its TMA loads, warp specialisation or ping-pong
+/// scheduling of softmax against the products, and recompute S in the backward's dq kernel); streaming
+/// kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through cudarc), a
+/// host sync 20 us.
 pub const H100_SXM: Gpu = Gpu {
     name: "H100 SXM",
     peak_flops: 989.4e12,
@@ -150,6 +159,7 @@ pub const H100_SXM: Gpu = Gpu {
     gemm_efficiency: 0.65,
     attention_gemm_efficiency: 0.5,
     mma_attention_efficiency: 0.30,
+    wgmma_attention_efficiency: Some(0.40),
     memory_efficiency: 0.85,
     launch_s: 4e-6,
     sync_s: 20e-6,
@@ -171,6 +181,7 @@ pub const A100_80GB: Gpu = Gpu {
     gemm_efficiency: 0.8,
     attention_gemm_efficiency: 0.6,
     mma_attention_efficiency: 0.45,
+    wgmma_attention_efficiency: None,
     memory_efficiency: 0.85,
     launch_s: 4e-6,
     sync_s: 20e-6,
@@ -212,12 +223,28 @@ pub struct StepShape {
     /// With `tensor_cores`, the backward sums dq by atomics in the dk/dv kernel
     /// (`model.deterministic_attention = false`) rather than in a dq kernel.
     pub atomic_dq: bool,
+    /// With `tensor_cores`, the warpgroup kernels (`model.attention = "wgmma"`) on the GPUs that have
+    /// wgmma ([`Gpu::wgmma_attention_efficiency`]), whose backward is the two-kernel one.
+    pub warpgroup: bool,
+}
+
+/// Which tensor-core attention kernels a step runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TensorCoreKernels {
+    /// kernels/flash_mma.cu; `true`: dq summed by atomics.
+    Mma(bool),
+    /// kernels/flash_wgmma.cu.
+    Wgmma,
 }
 
 impl StepShape {
-    /// The attention's blocks, and with the tensor-core kernels whether dq is summed by atomics.
-    fn attention_kernels(&self) -> (AttentionBlocks, Option<bool>) {
-        (self.blocks, self.tensor_cores.then_some(self.atomic_dq))
+    /// The attention's blocks, and the tensor-core kernels it runs on `gpu`, if any.
+    fn attention_kernels(&self, gpu: &Gpu) -> (AttentionBlocks, Option<TensorCoreKernels>) {
+        let kernels = match (self.warpgroup && gpu.wgmma_attention_efficiency.is_some(), self.atomic_dq) {
+            (true, _) => TensorCoreKernels::Wgmma,
+            (false, atomic) => TensorCoreKernels::Mma(atomic),
+        };
+        (self.blocks, self.tensor_cores.then_some(kernels))
     }
 
     fn micro_batches(&self) -> f64 {
@@ -255,7 +282,8 @@ struct Ops {
 impl Ops {
     fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, launches: f64) {
         let t = self.times;
-        let attention = matches!(kind, OpKind::AttentionGemm | OpKind::AttentionMma) || name.starts_with("attention");
+        let attention = matches!(kind, OpKind::AttentionGemm | OpKind::AttentionMma | OpKind::AttentionWgmma)
+            || name.starts_with("attention");
         let (flops, bytes, launches) = (flops * t, bytes * t, launches * t);
         self.ops.push(OpCost { name, kind, flops, bytes, host_bytes: 0.0, launches, syncs: 0.0, attention });
     }
@@ -340,6 +368,34 @@ const L2_RESIDENT_BYTES: f64 = 20e6;
 /// [`L2_RESIDENT_BYTES`] (the blocks of a head run together and re-read it from L2), else once per
 /// block pair.
 fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, (backward, atomic_dq): (bool, bool)) {
+    layer_attention_tiles(o, m, (b, t, d), &MMA_TILES, (backward, atomic_dq));
+}
+
+/// The blocks of the tensor-core attention kernels and the kind of their ops.
+struct Tiles {
+    kind: OpKind,
+    /// Queries per block and keys per step of the forward and the dq kernel.
+    rows: u64,
+    keys: u64,
+    /// Keys per block and queries per step of the dk/dv kernel.
+    dkv_keys: u64,
+    dkv_queries: u64,
+}
+
+/// kernels/flash_mma.cu's.
+const MMA_TILES: Tiles = Tiles { kind: OpKind::AttentionMma, rows: 64, keys: 32, dkv_keys: 64, dkv_queries: 16 };
+/// kernels/flash_wgmma.cu's: 128-row blocks (two warpgroups of 64), 64-row steps.
+const WGMMA_TILES: Tiles = Tiles { kind: OpKind::AttentionWgmma, rows: 128, keys: 64, dkv_keys: 128, dkv_queries: 64 };
+
+/// [`layer_attention_mma`] for the blocks of `tiles`: the same products, bytes and launches per block
+/// (the warpgroup kernels, kernels/flash_wgmma.cu, have the same three kernels and two-kernel backward).
+fn layer_attention_tiles(
+    o: &mut Ops,
+    m: &ModelConfig,
+    (b, t, d): (f64, u64, f64),
+    tiles: &Tiles,
+    (backward, atomic_dq): (bool, bool),
+) {
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let bh = b * heads;
     let tokens = t as f64;
@@ -347,28 +403,31 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, (ba
     let resident = 2.0 * tokens * hd * d <= L2_RESIDENT_BYTES;
     // The streamed pair of [rows, hd] operands: once per head, or `rows` per block pair.
     let streamed = |pairs: f64, rows: f64| if resident { 2.0 * tokens * hd * d } else { pairs * 2.0 * rows * hd * d };
+    let blocks = AttentionBlocks { query: tiles.rows, key: tiles.keys };
+    let step_keys = tiles.keys as f64;
     if !backward {
-        let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
-        let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, 32.0);
-        o.push("attention kernels (forward)", OpKind::AttentionMma, bh * 4.0 * hd * scores, bh * bytes, 1.0);
+        let (scores, pairs) = computed_scores(t, blocks);
+        let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, step_keys);
+        o.push("attention kernels (forward)", tiles.kind, bh * 4.0 * hd * scores, bh * bytes, 1.0);
         return;
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
     if atomic_dq {
         return layer_attention_mma_atomic(o, m, b, t, d);
     }
-    let (scores, pairs) = computed_scores(t, AttentionBlocks { query: 64, key: 32 });
-    let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, 32.0);
-    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
-    let key_blocks = t.div_ceil(64) as f64;
+    let (scores, pairs) = computed_scores(t, blocks);
+    let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, step_keys);
+    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, tiles.dkv_keys, tiles.dkv_queries);
+    let step_queries = tiles.dkv_queries as f64;
+    let key_blocks = t.div_ceil(tiles.dkv_keys) as f64;
     let spans = tokens.div_euclid(16.0).max(1.0) * 8.0; // each 16 queries' key span, read per key block
     let ranges_scan = tokens * 8.0 + if resident { spans } else { key_blocks * spans };
     let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
-        + streamed(kv_pairs, 16.0)
-        + kv_pairs * 16.0 * 2.0 * row_stats
+        + streamed(kv_pairs, step_queries)
+        + kv_pairs * step_queries * 2.0 * row_stats
         + ranges_scan;
     let flops = bh * (6.0 * hd * scores + 8.0 * hd * kv_scores);
-    o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bh * (dq_bytes + kv_bytes), 2.0);
+    o.push("attention kernels (backward)", tiles.kind, flops, bh * (dq_bytes + kv_bytes), 2.0);
 }
 
 /// The backward of [`layer_attention_mma`] with dq summed by atomics (kernels/flash_mma.cu's
@@ -406,12 +465,16 @@ fn layer_attention(
     m: &ModelConfig,
     b: f64,
     t: u64,
-    (blocks, tensor_cores): (AttentionBlocks, Option<bool>),
+    (blocks, tensor_cores): (AttentionBlocks, Option<TensorCoreKernels>),
     d: f64,
     backward: bool,
 ) {
-    if let Some(atomic_dq) = tensor_cores {
-        return layer_attention_mma(o, m, b, t, d, (backward, atomic_dq));
+    match tensor_cores {
+        Some(TensorCoreKernels::Mma(atomic_dq)) => return layer_attention_mma(o, m, b, t, d, (backward, atomic_dq)),
+        Some(TensorCoreKernels::Wgmma) => {
+            return layer_attention_tiles(o, m, (b, t, d), &WGMMA_TILES, (backward, false))
+        }
+        None => {}
     }
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let (scores, pairs) = computed_scores(t, blocks);
@@ -459,14 +522,14 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward
 
 /// One forward of every layer per micro-batch; with `whole`, of the embedding and the head too (without:
 /// the layers' recomputation from their kept inputs).
-fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
+fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, whole: bool) {
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(o, m, n_tokens, d, false);
     if whole || s.recompute_attention {
-        layer_attention(o, m, b, s.seq_tokens, s.attention_kernels(), d, false);
+        layer_attention(o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, false);
     } else {
         let q = (m.num_heads * m.head_dim) as f64;
         o.push("attention output copy (kept, not recomputed)", OpKind::Elementwise, 0.0, 2.0 * n_tokens * q * d, 1.0);
@@ -479,23 +542,23 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, whole: bool) {
 }
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
-fn step_costs(m: &ModelConfig, s: &StepShape) -> Vec<OpCost> {
+fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     let mut o = Ops { ops: Vec::new(), times: s.micro_batches() };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let p = m.num_parameters() as f64;
     if s.reference_forward {
-        forward(&mut o, m, s, true);
+        forward(&mut o, m, s, gpu, true);
     }
-    forward(&mut o, m, s, true);
+    forward(&mut o, m, s, gpu, true);
     if s.checkpoint_layers {
-        forward(&mut o, m, s, false); // the recomputation, layer by layer, in the backward
+        forward(&mut o, m, s, gpu, false); // the recomputation, layer by layer, in the backward
     }
     head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, true);
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(&mut o, m, n_tokens, d, true);
-    layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(), d, true);
+    layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, true);
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
@@ -520,6 +583,10 @@ fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
         OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
         OpKind::AttentionGemm => (op.flops / (gpu.peak_flops * gpu.attention_gemm_efficiency)).max(op.bytes / bw),
         OpKind::AttentionMma => (op.flops / (gpu.peak_flops * gpu.mma_attention_efficiency)).max(op.bytes / bw),
+        OpKind::AttentionWgmma => {
+            let efficiency = gpu.wgmma_attention_efficiency.unwrap_or(gpu.mma_attention_efficiency);
+            (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw)
+        }
         OpKind::Elementwise => op.bytes / bw,
         OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / HOST_MEMORY_BANDWIDTH,
     };
@@ -562,7 +629,7 @@ fn model_forward_flops(m: &ModelConfig, s: &StepShape) -> (f64, f64) {
 
 /// The prediction of a step of `m` on `s` for `gpu`.
 pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
-    let ops = step_costs(m, s);
+    let ops = step_costs(m, s, gpu);
     // (+ 0.0: an empty sum is -0.0)
     let time =
         |keep: &dyn Fn(&OpCost) -> bool| ops.iter().filter(|o| keep(o)).map(|o| op_time(o, gpu)).sum::<f64>() + 0.0;
@@ -668,10 +735,12 @@ pub const GPUS_PER_NODE: u64 = 8;
 /// `world_size` ranks, and for each of [`GPUS`] its predicted time, throughput and efficiency.
 pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u64) -> String {
     let world = world_size.max(1);
-    let attention = match (s.tensor_cores, s.atomic_dq) {
-        (true, true) => "attention on the tensor-core kernels (dq by atomics)".to_string(),
-        (true, false) => "attention on the tensor-core kernels".to_string(),
-        (false, _) => format!("attention in {} x {} blocks", s.blocks.query, s.blocks.key),
+    let attention = match (s.tensor_cores, s.warpgroup, s.atomic_dq) {
+        (true, true, true) => "attention on the warpgroup kernels (elsewhere tensor-core, dq by atomics)".to_string(),
+        (true, true, false) => "attention on the warpgroup kernels (elsewhere tensor-core)".to_string(),
+        (true, false, true) => "attention on the tensor-core kernels (dq by atomics)".to_string(),
+        (true, false, false) => "attention on the tensor-core kernels".to_string(),
+        (false, ..) => format!("attention in {} x {} blocks", s.blocks.query, s.blocks.key),
     };
     let recompute = match (s.checkpoint_layers, s.recompute_attention) {
         (true, true) => "layers recomputed",
@@ -763,6 +832,7 @@ mod tests {
             optimizer_shards: 1,
             tensor_cores: false,
             atomic_dq: false,
+            warpgroup: false,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }
@@ -777,18 +847,18 @@ mod tests {
         // Layer matrices: q 8x8, k, v 8x4, o 8x8, MLP 3 x 8x16 = 64 + 64 + 64 + 384 = 576 per layer.
         let (layer, lm_head) = (576.0, 32.0 * 8.0);
         let s = shape(3, 16, 16);
-        let ops = step_costs(&m, &s);
+        let ops = step_costs(&m, &s, &H100_SXM);
         let tokens = 3.0 * 16.0;
         let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
         // The head's backward recomputes the logits: 8 flops per lm_head parameter per scored token.
         assert_eq!(dense, 6.0 * 3.0 * layer * tokens + 8.0 * lm_head * tokens);
         // Checkpointing recomputes the layers' forward (2 flops per matrix parameter per token), not the head.
-        let ckpt = step_costs(&m, &StepShape { checkpoint_layers: true, ..s });
+        let ckpt = step_costs(&m, &StepShape { checkpoint_layers: true, ..s }, &H100_SXM);
         assert_eq!(flops(&ckpt, |o| o.kind == OpKind::Gemm), dense + 2.0 * 3.0 * layer * tokens);
         // A reference forward adds one forward of everything; only 10 scored tokens shrink the head.
-        let reference = step_costs(&m, &StepShape { reference_forward: true, ..s });
+        let reference = step_costs(&m, &StepShape { reference_forward: true, ..s }, &H100_SXM);
         assert_eq!(flops(&reference, |o| o.kind == OpKind::Gemm), dense + 2.0 * (3.0 * layer + lm_head) * tokens);
-        let scored = step_costs(&m, &StepShape { scored_tokens: 10, ..s });
+        let scored = step_costs(&m, &StepShape { scored_tokens: 10, ..s }, &H100_SXM);
         assert_eq!(flops(&scored, |o| o.kind == OpKind::Gemm), dense - 8.0 * lm_head * 3.0 * 6.0);
     }
 
@@ -801,7 +871,7 @@ mod tests {
         assert_eq!(computed_scores(10, AttentionBlocks { query: 1, key: 1 }).0, 55.0);
         // One block holding everything computes the full square.
         assert_eq!(computed_scores(10, AttentionBlocks { query: 16, key: 16 }).0, 100.0);
-        let ops = step_costs(&m, &shape(2, 10, 10));
+        let ops = step_costs(&m, &shape(2, 10, 10), &H100_SXM);
         let fwd = flops(&ops, |o| o.name == "attention GEMMs (forward)");
         let bwd = flops(&ops, |o| o.name == "attention GEMMs (backward)");
         // 2 answers x 3 layers x 2 heads x 4 head_dim per score, 2 GEMMs of 2 flops forward.
@@ -811,11 +881,11 @@ mod tests {
         // kept output ([N, heads x head_dim] read and written, 2 B each) once per layer and micro-batch
         // instead (2 micro-batches x 3 layers).
         let ckpt = StepShape { checkpoint_layers: true, ..shape(2, 10, 10) };
-        let fwd_of = |s: StepShape| flops(&step_costs(&m, &s), |o| o.name == "attention GEMMs (forward)");
+        let fwd_of = |s: StepShape| flops(&step_costs(&m, &s, &H100_SXM), |o| o.name == "attention GEMMs (forward)");
         assert_eq!(fwd_of(ckpt), 2.0 * fwd);
         let kept = StepShape { recompute_attention: false, ..ckpt };
         assert_eq!(fwd_of(kept), fwd);
-        let copy = step_costs(&m, &kept);
+        let copy = step_costs(&m, &kept, &H100_SXM);
         let copy = copy.iter().find(|o| o.name.starts_with("attention output copy")).expect("the copy");
         assert_eq!((copy.bytes, copy.launches, copy.attention), (6.0 * 2.0 * 10.0 * 8.0 * 2.0, 6.0, true));
         // Useful attention work no longer counts a recomputation.
@@ -834,7 +904,7 @@ mod tests {
         // 64..99 queries 64..99 (3 blocks).
         assert_eq!(computed_scores_by_keys(100, 64, 16), (64.0 * 100.0 + 36.0 * 36.0, 10.0));
         let s = StepShape { tensor_cores: true, ..shape(2, 100, 100) };
-        let ops = step_costs(&m, &s);
+        let ops = step_costs(&m, &s, &H100_SXM);
         let (fwd_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 32 });
         let (dq_scores, _) = computed_scores(100, AttentionBlocks { query: 64, key: 32 });
         let bh = 2.0 * 2.0 * 3.0; // answers x heads x layers
@@ -854,7 +924,7 @@ mod tests {
             ..shape(1, 1, 1)
         };
         // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score, three launches.
-        let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s });
+        let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
         let bwd = bh * 4.0 * 10.0 * (64.0 * 100.0 + 36.0 * 36.0);
         assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bwd);
         assert_eq!(launches(&atomic), 2.0 * 3.0 * 4.0);
@@ -866,6 +936,39 @@ mod tests {
             assert!(mma.attention_s < 0.7 * chunked.attention_s, "{}: {mma:?} vs {chunked:?}", gpu.name);
             assert!(mma.launches < chunked.launches / 10.0, "{}", gpu.name);
         }
+    }
+
+    /// The warpgroup kernels' counts: the same products per score as the two-kernel backward over their
+    /// 128 x 64 blocks (forward and dq kernel) and 128-key blocks against 64-query steps (dk/dv kernel),
+    /// at their own efficiency on the H100; on the A100, which has no wgmma, the tensor-core kernels'
+    /// prediction exactly.
+    #[test]
+    fn warpgroup_attention_follows_its_kernels_where_the_gpu_has_wgmma() {
+        let m = tiny();
+        let s = StepShape { tensor_cores: true, warpgroup: true, ..shape(2, 100, 100) };
+        let ops = step_costs(&m, &s, &H100_SXM);
+        let (scores, _) = computed_scores(100, AttentionBlocks { query: 128, key: 64 });
+        // T = 100 in one 128-key block against query steps of 64: keys 0..99 see queries 0..99 (2 steps).
+        assert_eq!(computed_scores_by_keys(100, 128, 64), (100.0 * 100.0, 2.0));
+        let bh = 2.0 * 2.0 * 3.0; // answers x heads x layers
+        assert_eq!(flops(&ops, |o| o.name == "attention kernels (forward)"), bh * 4.0 * 4.0 * scores);
+        let bwd = bh * 4.0 * (6.0 * scores + 8.0 * 100.0 * 100.0);
+        assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
+        assert!(ops.iter().any(|o| o.kind == OpKind::AttentionWgmma));
+        assert!(ops.iter().all(|o| o.kind != OpKind::AttentionMma && o.kind != OpKind::AttentionGemm));
+        let seven = StepShape {
+            answers: 16,
+            micro_batch: 2,
+            seq_tokens: 18432,
+            scored_tokens: 16384,
+            tensor_cores: true,
+            ..shape(1, 1, 1)
+        };
+        let wgmma = StepShape { warpgroup: true, ..seven };
+        let (h_mma, h_wg) = (predict(&seven_b(), &seven, &H100_SXM), predict(&seven_b(), &wgmma, &H100_SXM));
+        assert!(h_wg.attention_s < 0.8 * h_mma.attention_s, "{h_wg:?} vs {h_mma:?}");
+        let (a_mma, a_wg) = (predict(&seven_b(), &seven, &A100_80GB), predict(&seven_b(), &wgmma, &A100_80GB));
+        assert_eq!((a_wg.step_s, a_wg.flops, a_wg.launches), (a_mma.step_s, a_mma.flops, a_mma.launches));
     }
 
     #[test]
@@ -881,7 +984,7 @@ mod tests {
             recompute_attention: true,
             ..shape(1, 1, 1)
         };
-        let ops = step_costs(&m, &s);
+        let ops = step_costs(&m, &s, &H100_SXM);
         // Dense GEMMs: 8 flops per matrix parameter per token with recomputation (the head: 8 per scored).
         let p = m.num_parameters() as f64;
         let embed = (m.vocab_size * m.hidden_size) as f64;

@@ -664,6 +664,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_m
         tensor_cores: crate::model::parse_dtype(&cfg.model.dtype)
             .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
         atomic_dq: !cfg.model.deterministic_attention,
+        warpgroup: cfg.model.attention == Attention::Wgmma,
     }
 }
 
