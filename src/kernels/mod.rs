@@ -48,8 +48,8 @@ pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use flash_attention::{
-    flash_attention, flash_attention_mma, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels,
-    Replay,
+    flash_attention, flash_attention_mma, flash_attention_recorded, flash_attention_wgmma, matrix_attention,
+    AttentionRecord, GpuKernels, Replay,
 };
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};

@@ -12,9 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, flash_attention_mma, logprobs_entropy, logprobs_entropy_reference, masked_softmax,
-    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad,
-    row_stats,
+    flash_attention, flash_attention_mma, flash_attention_wgmma, logprobs_entropy, logprobs_entropy_reference,
+    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope,
+    rope_reference, row_grad, row_stats,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -34,6 +34,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention_mma", run: flash_attention_mma_check, tolerance: rounded_output },
+    KernelCheck { op: "flash_attention_wgmma", run: flash_attention_wgmma_check, tolerance: rounded_output },
     KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
 ];
 
@@ -291,6 +292,13 @@ fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
 fn flash_attention_mma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64)];
     attention_check(device, dtype, &cases, flash_attention_mma)
+}
+
+/// The warpgroup kernels (on compute capability 9.0; the tensor-core kernels elsewhere), with lengths
+/// past their 128-query and 128-key blocks.
+fn flash_attention_wgmma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 300, 3, 128)];
+    attention_check(device, dtype, &cases, flash_attention_wgmma)
 }
 
 type AttentionFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
