@@ -140,7 +140,7 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     uint32_t *los = (uint32_t *)(tiles + 4 * FWD_BK * ld);  // [FWD_BQ]
     uint32_t *his = los + FWD_BQ;                   // [FWD_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * FWD_BQ;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     const T *kh = k + ((size_t)b * kv + kvh) * s * D;
     const T *vh = v + ((size_t)b * kv + kvh) * s * D;
@@ -149,9 +149,8 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     uint32_t kmin, kmax;
     mma_row_ranges<MMA_THREADS>(ranges, b, i0, FWD_BQ, t, s, los, his, kmin, kmax);
-    uint32_t lo[2], hi[2];
+    const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    for (int r = 0; r < 2; ++r) lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -163,41 +162,11 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
         const T *ks = next_kv<T, D, FWD_BK>(tiles, kh, vh, j0, kmax, st, s, ld), *vs = ks + FWD_BK * ld;
         float sc[FWD_BK / 8][4];
         scores<T, FWD_BK, D>(sc, qf, ks, ld);
-        // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < FWD_BK / 8; ++n)
-            for (int i = 0; i < 4; ++i) {
-                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-                sc[n][i] = (j >= lo[r] && j <= hi[r]) ? scale * sc[n][i] : -INFINITY;
-                mx[r] = fmaxf(mx[r], sc[n][i]);
-            }
-        float alpha[2], base[2], sum[2] = {0.f, 0.f};
-        for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m[r], quad_max(mx[r]));
-            base[r] = m_new == -INFINITY ? 0.f : m_new;
-            alpha[r] = expf(m[r] - base[r]);
-            m[r] = m_new;
-        }
-#pragma unroll
-        for (int n = 0; n < FWD_BK / 8; ++n)
-            for (int i = 0; i < 4; ++i) {
-                sc[n][i] = expf(sc[n][i] - base[i / 2]);
-                sum[i / 2] += sc[n][i];
-            }
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+        online_softmax<FWD_BK, D>(sc, o, m, l, rows, j0, scale);
         mma_acc_by_tile<T, FWD_BK, D>(o, sc, vs, ld);
         __syncthreads();  // every warp is done with this stage before it is filled again
     }
-    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
-    store_acc<T, D>(out + (size_t)bh * t * D, o, inv, i0 + m0, t);
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + m0 + g + 8 * r;
-        if (i < t && c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
-    }
+    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }
 
 template <typename T, int D>
@@ -212,7 +181,7 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     uint32_t *los = (uint32_t *)(tiles + 4 * DQ_BK * ld);  // [DQ_BQ]
     uint32_t *his = los + DQ_BQ;                    // [DQ_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * DQ_BQ;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     const T *kh = k + ((size_t)b * kv + kvh) * s * D;
     const T *vh = v + ((size_t)b * kv + kvh) * s * D;
@@ -223,14 +192,7 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     uint32_t kmin, kmax;
     mma_row_ranges<MMA_THREADS>(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
     if (bh % h == 0) write_spans<DQ_BQ>(spans, los, his, b, i0, t);
-    uint32_t lo[2], hi[2];
-    float rl[2], rd[2];
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + m0 + g + 8 * r;
-        lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
-        rl[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;
-        rd[r] = i < t ? delta[(size_t)bh * t + i] : 0.f;
-    }
+    const QueryRows rows = query_rows(los, his, lse, delta, bh, t, i0, m0);
     float acc[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -243,15 +205,7 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
         float sc[DQ_BK / 8][4], dp[DQ_BK / 8][4];
         scores<T, DQ_BK, D>(sc, qf, ks, ld);
         scores<T, DQ_BK, D>(dp, gf, vs, ld);
-#pragma unroll
-        for (int n = 0; n < DQ_BK / 8; ++n) {
-            // sc becomes dS = P (dP - delta), P = exp(scale S - L) on the query's keys.
-            for (int i = 0; i < 4; ++i) {
-                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-                const float p = (j >= lo[r] && j <= hi[r]) ? expf(scale * sc[n][i] - rl[r]) : 0.f;
-                sc[n][i] = p * (dp[n][i] - rd[r]);
-            }
-        }
+        score_grads<DQ_BK>(sc, dp, rows, j0, scale);  // sc becomes dS
         mma_acc_by_tile<T, DQ_BK, D>(acc, sc, ks, ld);
         __syncthreads();  // every warp is done with this stage before it is filled again
     }
@@ -316,7 +270,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     T *dss = (T *)(his + DKV_BQ);                   // with DQ: [DKV_BQ][DKV_BK + 8] dS
     const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * DKV_BK, group = h / kv;
     const uint32_t j_last = min(j0 + DKV_BK, s) - 1;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     stage_rows_async<T, D>(ks, k + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
     stage_rows_async<T, D>(vs, v + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
@@ -363,16 +317,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
                 mma_16816<T>(dp[0], af, bf[0]);
                 mma_16816<T>(dp[1], af, bf[1]);
             }
-#pragma unroll
-            for (int n = 0; n < DKV_BQ / 8; ++n) {
-                // sc becomes P^T, dp becomes dS^T.
-                for (int i = 0; i < 4; ++i) {
-                    const uint32_t j = j0 + m0 + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
-                    const float p = (j >= los[r] && j <= his[r]) ? expf(scale * sc[n][i] - rls[r]) : 0.f;
-                    sc[n][i] = p;
-                    dp[n][i] = p * (dp[n][i] - rds[r]);
-                }
-            }
+            probs_t<DKV_BQ>(sc, dp, los, his, rls, rds, j0 + m0, scale);  // P^T and dS^T
             uint32_t pf[4], df[4];
             frag_from_acc<T>(pf, sc[0], sc[1]);
             frag_from_acc<T>(df, dp[0], dp[1]);
@@ -390,19 +335,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
         }
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
-    const size_t nk = (size_t)gridDim.y * s * D;
-    T *dkh = dkv + (size_t)bkv * s * D;
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t j = j0 + m0 + g + 8 * r;
-        if (j >= s) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            for (int x = 0; x < 2; ++x) {
-                const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
-                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
-                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
-            }
-    }
+    store_dkv<T, D>(dkv, dk, dv, bkv, j0 + m0, s, (size_t)gridDim.y * s * D, scale);
 }
 
 // Rows i0.. i0 + 64 of head bh of dq_acc zeroed; the first head's block also writes their spans.

@@ -96,3 +96,124 @@ __device__ __forceinline__ void store_acc(T *dst, const float acc[D / 8][4], con
     }
 }
 
+
+// This thread's two rows (g and g + 8 of its warp's 16 from m0; the accumulators' i / 2) of a block of
+// queries from i0 of head bh: their key ranges (los, his: the block's, from mma_row_ranges) and, with
+// the backward's lse and delta, their log-sum-exp and delta (0 past t).
+struct QueryRows {
+    uint32_t lo[2], hi[2];
+    float lse[2], delta[2];
+};
+
+__device__ __forceinline__ QueryRows query_rows(const uint32_t *los, const uint32_t *his, const float *lse,
+                                                const float *delta, uint32_t bh, uint32_t t, uint32_t i0,
+                                                uint32_t m0) {
+    const uint32_t g = (threadIdx.x % 32) / 4;
+    QueryRows x;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t row = m0 + g + 8 * r, i = i0 + row;
+        x.lo[r] = los[row], x.hi[r] = his[row];
+        x.lse[r] = lse && i < t ? lse[(size_t)bh * t + i] : 0.f;
+        x.delta[r] = delta && i < t ? delta[(size_t)bh * t + i] : 0.f;
+    }
+    return x;
+}
+
+// One key block's step of the online softmax over this thread's rows (scores s of keys j0 + 8 n + 2 c +
+// i % 2, in the accumulators' layout): s masked to each row's keys and scaled, the running max m and sum
+// l updated, s turned into P = exp(s - m), the output accumulators o rescaled.
+template <int KB, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                               float (&l)[2], const QueryRows &x, uint32_t j0, float scale) {
+    const uint32_t c = threadIdx.x % 4;
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < KB / 8; ++n)
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+            s[n][i] = (j >= x.lo[r] && j <= x.hi[r]) ? scale * s[n][i] : -INFINITY;
+            mx[r] = fmaxf(mx[r], s[n][i]);
+        }
+    float alpha[2], base[2], sum[2] = {0.f, 0.f};
+    for (int r = 0; r < 2; ++r) {
+        const float m_new = fmaxf(m[r], quad_max(mx[r]));
+        base[r] = m_new == -INFINITY ? 0.f : m_new;
+        alpha[r] = expf(m[r] - base[r]);
+        m[r] = m_new;
+    }
+#pragma unroll
+    for (int n = 0; n < KB / 8; ++n)
+        for (int i = 0; i < 4; ++i) {
+            s[n][i] = expf(s[n][i] - base[i / 2]);
+            sum[i / 2] += s[n][i];
+        }
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+        for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+}
+
+// The forward's end for this thread's rows: o / l to rows i0 + m0 + g (+ 8) of out ([t, D] of one head)
+// and their log-sum-exp m + log l (-inf when a row sees no key) to lse.
+template <typename T, int D>
+__device__ __forceinline__ void store_forward(T *out, float *lse, const float (&o)[D / 8][4], const float (&m)[2],
+                                              const float (&l)[2], uint32_t row0, uint32_t t) {
+    const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
+    store_acc<T, D>(out, o, inv, row0, t);
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = row0 + g + 8 * r;
+        if (i < t && c == 0) lse[i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+    }
+}
+
+// dS = P (dP - delta) in s, P = exp(scale S - L) on each row's keys (keys j0 + 8 n + 2 c + i % 2).
+template <int KB>
+__device__ __forceinline__ void score_grads(float (&s)[KB / 8][4], const float (&dp)[KB / 8][4], const QueryRows &x,
+                                            uint32_t j0, float scale) {
+    const uint32_t c = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < KB / 8; ++n)
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
+            const float p = (j >= x.lo[r] && j <= x.hi[r]) ? expf(scale * s[n][i] - x.lse[r]) : 0.f;
+            s[n][i] = p * (dp[n][i] - x.delta[r]);
+        }
+}
+
+// dk (times scale) and dv of this thread's keys j0 + g (+ 8) (its warp's 16 from j0) into dkv (dk of
+// KV head bkv: [s, D] at bkv s D, dv nk elements after).
+template <typename T, int D>
+__device__ __forceinline__ void store_dkv(T *dkv, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4],
+                                          uint32_t bkv, uint32_t j0, uint32_t s, size_t nk, float scale) {
+    const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+    T *dkh = dkv + (size_t)bkv * s * D;
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t j = j0 + g + 8 * r;
+        if (j >= s) continue;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n)
+            for (int x = 0; x < 2; ++x) {
+                const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
+                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
+                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
+            }
+    }
+}
+
+// P^T and dS^T of a dk/dv kernel (rows: this thread's keys j + g (+ 8); columns: queries 8 n + 2 c + i % 2
+// of a step whose key ranges, log-sum-exp and delta are los, his, lse, delta) from S^T in s and dP^T in dp.
+template <int BQ>
+__device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
+                                        const uint32_t *his, const float *lse, const float *delta, uint32_t j,
+                                        float scale) {
+    const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n)
+        for (int i = 0; i < 4; ++i) {
+            const uint32_t key = j + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
+            const float p = (key >= los[r] && key <= his[r]) ? expf(scale * s[n][i] - lse[r]) : 0.f;
+            s[n][i] = p;
+            dp[n][i] = p * (dp[n][i] - delta[r]);
+        }
+}

@@ -122,7 +122,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
     uint32_t *his = los + WG_BQ;                           // [WG_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     const T *kh = k + ((size_t)b * kv + kvh) * s * D;
     const T *vh = v + ((size_t)b * kv + kvh) * s * D;
@@ -131,9 +131,8 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
-    uint32_t lo[2], hi[2];
+    const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    for (int r = 0; r < 2; ++r) lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
     float o[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -146,32 +145,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         wg_begin(sc);
         wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
         wg_end<0>(sc);
-        // Online softmax of rows g (i = 0, 1) and g + 8 (i = 2, 3).
-        float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < WG_BK / 8; ++n)
-            for (int i = 0; i < 4; ++i) {
-                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-                sc[n][i] = (j >= lo[r] && j <= hi[r]) ? scale * sc[n][i] : -INFINITY;
-                mx[r] = fmaxf(mx[r], sc[n][i]);
-            }
-        float alpha[2], base[2], sum[2] = {0.f, 0.f};
-        for (int r = 0; r < 2; ++r) {
-            const float m_new = fmaxf(m[r], quad_max(mx[r]));
-            base[r] = m_new == -INFINITY ? 0.f : m_new;
-            alpha[r] = expf(m[r] - base[r]);
-            m[r] = m_new;
-        }
-#pragma unroll
-        for (int n = 0; n < WG_BK / 8; ++n)
-            for (int i = 0; i < 4; ++i) {
-                sc[n][i] = expf(sc[n][i] - base[i / 2]);
-                sum[i / 2] += sc[n][i];
-            }
-        for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+        online_softmax<WG_BK, D>(sc, o, m, l, rows, j0, scale);
         uint32_t pf[WG_BK / 16][4];
         wg_frags<T, WG_BK>(pf, sc);
         wg_begin(o);
@@ -180,12 +154,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         wg_keep(pf);
         __syncthreads();  // every warp is done with this stage before it is filled again
     }
-    const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
-    store_acc<T, D>(out + (size_t)bh * t * D, o, inv, i0 + m0, t);
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + m0 + g + 8 * r;
-        if (i < t && c == 0) lse[(size_t)bh * t + i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
-    }
+    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }
 
 template <typename T, int D>
@@ -199,7 +168,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
     uint32_t *his = los + WG_BQ;                           // [WG_BQ]
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     const T *kh = k + ((size_t)b * kv + kvh) * s * D;
     const T *vh = v + ((size_t)b * kv + kvh) * s * D;
@@ -210,14 +179,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
     if (bh % h == 0) write_spans<WG_BQ>(spans, los, his, b, i0, t);
-    uint32_t lo[2], hi[2];
-    float rl[2], rd[2];
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t i = i0 + m0 + g + 8 * r;
-        lo[r] = los[m0 + g + 8 * r], hi[r] = his[m0 + g + 8 * r];
-        rl[r] = i < t ? lse[(size_t)bh * t + i] : 0.f;
-        rd[r] = i < t ? delta[(size_t)bh * t + i] : 0.f;
-    }
+    const QueryRows rows = query_rows(los, his, lse, delta, bh, t, i0, m0);
     float acc[D / 8][4];
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
@@ -231,15 +193,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
         wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
         wg_rows_by_tile<T, WG_BK, D>(dp, gf, vs);
         wg_end<0>(sc, dp);
-#pragma unroll
-        for (int n = 0; n < WG_BK / 8; ++n) {
-            // sc becomes dS = P (dP - delta), P = exp(scale S - L) on the query's keys.
-            for (int i = 0; i < 4; ++i) {
-                const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-                const float p = (j >= lo[r] && j <= hi[r]) ? expf(scale * sc[n][i] - rl[r]) : 0.f;
-                sc[n][i] = p * (dp[n][i] - rd[r]);
-            }
-        }
+        score_grads<WG_BK>(sc, dp, rows, j0, scale);  // sc becomes dS
         uint32_t df[WG_BK / 16][4];
         wg_frags<T, WG_BK>(df, sc);
         wg_begin(acc);
@@ -296,22 +250,6 @@ __device__ __forceinline__ bool wg_next_query_block(const uint32_t *spans, uint3
     }
 }
 
-// This warpgroup's P^T and dS^T (rows: its 64 keys from key j; columns: the stage's 64 queries) from
-// S^T in sc and dP^T in dp.
-__device__ __forceinline__ void wg_probs_t(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4],
-                                           const WgQueryStage &x, uint32_t j, float scale) {
-    const uint32_t lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
-#pragma unroll
-    for (int n = 0; n < WG_DKV_BQ / 8; ++n) {
-        for (int i = 0; i < 4; ++i) {
-            const uint32_t jj = j + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
-            const float p = (jj >= x.los[r] && jj <= x.his[r]) ? expf(scale * sc[n][i] - x.rls[r]) : 0.f;
-            sc[n][i] = p;
-            dp[n][i] = p * (dp[n][i] - x.rds[r]);
-        }
-    }
-}
-
 template <typename T, int D>
 __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                     const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
@@ -326,7 +264,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
     const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * WG_DKV_BK, group = h / kv;
     const uint32_t j_last = min(j0 + WG_DKV_BK, s) - 1, hq_end = (kvh + 1) * group;
-    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, c = lane % 4;
+    const uint32_t warp = threadIdx.x / 32;
     const uint32_t wg = warp / 4, m0 = 16 * warp;
     stage_swizzled<T, D, WG_DKV_BK>(ks, k + (size_t)bkv * s * D, j0, s);
     stage_swizzled<T, D, WG_DKV_BK>(vs, v + (size_t)bkv * s * D, j0, s);
@@ -364,7 +302,8 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
             wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
         }
         wg_end<0>(sc, dp);
-        wg_probs_t(sc, dp, wg_query_stage(stats, st), j0 + m0, scale);
+        const WgQueryStage x = wg_query_stage(stats, st);
+        probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
         uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
@@ -378,19 +317,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         hq = hn, i0 = in;
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
-    const size_t nk = (size_t)gridDim.y * s * D;
-    T *dkh = dkv + (size_t)bkv * s * D;
-    for (int r = 0; r < 2; ++r) {
-        const uint32_t j = j0 + m0 + g + 8 * r;
-        if (j >= s) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            for (int x = 0; x < 2; ++x) {
-                const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
-                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
-                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
-            }
-    }
+    store_dkv<T, D>(dkv, dk, dv, bkv, j0 + m0, s, (size_t)gridDim.y * s * D, scale);
 }
 
 #define FLASH_WGMMA_KERNELS(NAME, T, D)                                                                          \
