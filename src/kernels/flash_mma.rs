@@ -41,32 +41,53 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
     }
 }
 
-/// The launch of kernel `flash_mma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
-fn mma_launch(
-    kernel: &str,
-    dims: &Dims,
-    dtype: DType,
-    (blocks, heads): (usize, usize),
-    args: Vec<Arg>,
-) -> Result<Launch> {
-    if !supports(dtype, dims.d) {
-        candle_core::bail!(
-            "flash attention on tensor cores: {dtype:?} with head dim {} (bf16 or f16, head dim 64 or 128)",
-            dims.d
-        );
+/// A file of tensor-core attention kernels, each `{prefix}_{kernel}_d{D}_{dtype}`: its module, threads
+/// per block and shared memory per kernel and head dim.
+pub(crate) struct KernelFile {
+    pub module: Module,
+    pub prefix: &'static str,
+    pub threads: u32,
+    pub shared_bytes: fn(&str, usize) -> usize,
+}
+
+/// kernels/flash_mma.cu.
+const MMA: KernelFile = KernelFile { module: Module::FlashMma, prefix: "flash_mma", threads: THREADS, shared_bytes };
+
+impl KernelFile {
+    /// The launch of `kernel` over `blocks` x `heads` blocks.
+    pub fn launch(
+        &self,
+        kernel: &str,
+        dims: &Dims,
+        dtype: DType,
+        (blocks, heads): (usize, usize),
+        args: Vec<Arg>,
+    ) -> Result<Launch> {
+        if !supports(dtype, dims.d) {
+            candle_core::bail!(
+                "{}: {dtype:?} with head dim {} (tensor-core attention takes bf16 or f16, head dim 64 or 128)",
+                self.prefix,
+                dims.d
+            );
+        }
+        Ok(Launch {
+            module: self.module,
+            kernel: kernel_name(&format!("{}_{kernel}_d{}", self.prefix, dims.d), dtype)?,
+            grid: (blocks as u32, heads as u32, 1),
+            block: (self.threads, 1, 1),
+            shared_bytes: (self.shared_bytes)(kernel, dims.d) as u32,
+            args,
+        })
     }
-    Ok(Launch {
-        module: Module::FlashMma,
-        kernel: kernel_name(&format!("flash_mma_{kernel}_d{}", dims.d), dtype)?,
-        grid: (blocks as u32, heads as u32, 1),
-        block: (THREADS, 1, 1),
-        shared_bytes: shared_bytes(kernel, dims.d) as u32,
-        args,
-    })
+}
+
+/// The launch of kernel `flash_mma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
+fn mma_launch(kernel: &str, dims: &Dims, dtype: DType, grid: (usize, usize), args: Vec<Arg>) -> Result<Launch> {
+    MMA.launch(kernel, dims, dtype, grid, args)
 }
 
 /// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
-fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
+pub(crate) fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
     [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
 }
 

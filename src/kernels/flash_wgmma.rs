@@ -9,8 +9,8 @@
 use candle_core::{DType, Result};
 
 use super::flash_attention::dims::Dims;
-use super::flash_mma::{backward_buffers, forward_buffers};
-use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+use super::flash_mma::{backward_buffers, forward_buffers, sizes, KernelFile};
+use super::launch::{Arg, Launch, Module, Plan};
 
 /// Threads per block: two warpgroups of four warps.
 const THREADS: u32 = 256;
@@ -33,33 +33,13 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
     }
 }
 
-/// The launch of kernel `flash_wgmma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
-fn wgmma_launch(
-    kernel: &str,
-    dims: &Dims,
-    dtype: DType,
-    (blocks, heads): (usize, usize),
-    args: Vec<Arg>,
-) -> Result<Launch> {
-    if !super::tensor_core_attention(dtype, dims.d) {
-        candle_core::bail!(
-            "flash attention on warpgroup tensor cores: {dtype:?} with head dim {} (bf16 or f16, head dim 64 or 128)",
-            dims.d
-        );
-    }
-    Ok(Launch {
-        module: Module::FlashWgmma,
-        kernel: kernel_name(&format!("flash_wgmma_{kernel}_d{}", dims.d), dtype)?,
-        grid: (blocks as u32, heads as u32, 1),
-        block: (THREADS, 1, 1),
-        shared_bytes: shared_bytes(kernel, dims.d) as u32,
-        args,
-    })
-}
+/// kernels/flash_wgmma.cu.
+const WGMMA: KernelFile =
+    KernelFile { module: Module::FlashWgmma, prefix: "flash_wgmma", threads: THREADS, shared_bytes };
 
-/// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
-fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
-    [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
+/// The launch of kernel `flash_wgmma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
+fn wgmma_launch(kernel: &str, dims: &Dims, dtype: DType, grid: (usize, usize), args: Vec<Arg>) -> Result<Launch> {
+    WGMMA.launch(kernel, dims, dtype, grid, args)
 }
 
 /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
