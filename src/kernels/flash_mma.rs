@@ -41,17 +41,27 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
     }
 }
 
-/// A file of tensor-core attention kernels, each `{prefix}_{kernel}_d{D}_{dtype}`: its module, threads
-/// per block and shared memory per kernel and head dim.
+/// A file of tensor-core attention kernels, each `{prefix}_{kernel}_d{D}_{dtype}` (`fwd`, `bwd_dq`,
+/// `bwd_dkv`): its module, threads per block, queries per block of the forward and the dq kernel, keys per
+/// block of the dk/dv kernel, and shared memory per kernel and head dim.
 pub(crate) struct KernelFile {
     pub module: Module,
     pub prefix: &'static str,
     pub threads: u32,
+    pub rows: usize,
+    pub dkv_keys: usize,
     pub shared_bytes: fn(&str, usize) -> usize,
 }
 
 /// kernels/flash_mma.cu.
-const MMA: KernelFile = KernelFile { module: Module::FlashMma, prefix: "flash_mma", threads: THREADS, shared_bytes };
+const MMA: KernelFile = KernelFile {
+    module: Module::FlashMma,
+    prefix: "flash_mma",
+    threads: THREADS,
+    rows: ROWS,
+    dkv_keys: ROWS,
+    shared_bytes,
+};
 
 impl KernelFile {
     /// The launch of `kernel` over `blocks` x `heads` blocks.
@@ -81,13 +91,45 @@ impl KernelFile {
     }
 }
 
+impl KernelFile {
+    /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
+    pub fn forward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let mut p = Plan::default();
+        let mut args = forward_buffers(&mut p, dtype, &dims);
+        args.extend(sizes(&dims, scale));
+        p.launch(self.launch("fwd", &dims, dtype, (dims.t.div_ceil(self.rows), dims.b * dims.h), args)?)?;
+        Ok(p)
+    }
+
+    /// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk
+    /// and dv (key blocks of one KV head, over its group's query heads), one output after the other; a
+    /// second output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by
+    /// the dq kernel for the dk/dv kernel to skip the query blocks that see none of its keys.
+    pub fn backward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let nq = dims.q_len();
+        let mut p = Plan::default();
+        let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
+        let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
+        let args = |offset: usize| {
+            let mut a = inputs.clone();
+            a.extend([Arg::Buffer { index: grads, offset }, spans]);
+            a.extend(sizes(&dims, scale));
+            a
+        };
+        let (query_blocks, key_blocks) = (dims.t.div_ceil(self.rows), dims.s.div_ceil(self.dkv_keys));
+        p.launch(self.launch("bwd_dq", &dims, dtype, (query_blocks, dims.b * dims.h), args(0))?)?;
+        p.launch(self.launch("bwd_dkv", &dims, dtype, (key_blocks, dims.b * dims.kv), args(nq))?)?;
+        Ok(p)
+    }
+}
+
 /// The launch of kernel `flash_mma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
 fn mma_launch(kernel: &str, dims: &Dims, dtype: DType, grid: (usize, usize), args: Vec<Arg>) -> Result<Launch> {
     MMA.launch(kernel, dims, dtype, grid, args)
 }
 
 /// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
-pub(crate) fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
+fn sizes(d: &Dims, scale: f32) -> [Arg; 5] {
     [Arg::U32(d.h as u32), Arg::U32(d.kv as u32), Arg::U32(d.t as u32), Arg::U32(d.s as u32), Arg::F32(scale)]
 }
 
@@ -104,11 +146,7 @@ pub(crate) fn forward_buffers(p: &mut Plan, dtype: DType, dims: &Dims) -> Vec<Ar
 
 /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
 pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let mut p = Plan::default();
-    let mut args = forward_buffers(&mut p, dtype, &dims);
-    args.extend(sizes(&dims, scale));
-    p.launch(mma_launch("fwd", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args)?)?;
-    Ok(p)
+    MMA.forward_plan(dtype, dims, scale)
 }
 
 /// The buffers of an attention backward's plan, as both kernels' (this file's and the scalar ones of
@@ -125,24 +163,9 @@ pub(crate) fn backward_buffers(p: &mut Plan, dtype: DType, dims: &Dims) -> (Vec<
     (inputs, grads)
 }
 
-/// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
-/// dv (key blocks of one KV head, over its group's query heads), one output after the other; a second
-/// output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by the dq kernel
-/// for the dk/dv kernel to skip the query blocks that see none of its keys.
+/// The backward over inputs `(q, k, v, grad, ranges, L, D)`, two kernels ([`KernelFile::backward_plan`]).
 pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let nq = dims.q_len();
-    let mut p = Plan::default();
-    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
-    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
-    let args = |offset: usize| {
-        let mut a = inputs.clone();
-        a.extend([Arg::Buffer { index: grads, offset }, spans]);
-        a.extend(sizes(&dims, scale));
-        a
-    };
-    p.launch(mma_launch("bwd_dq", &dims, dtype, (dims.t.div_ceil(ROWS), dims.b * dims.h), args(0))?)?;
-    p.launch(mma_launch("bwd_dkv", &dims, dtype, (dims.s.div_ceil(ROWS), dims.b * dims.kv), args(nq))?)?;
-    Ok(p)
+    MMA.backward_plan(dtype, dims, scale)
 }
 
 /// The backward over the same inputs and output as [`backward_plan`] without the dq kernel

@@ -9,8 +9,8 @@
 use candle_core::{DType, Result};
 
 use super::flash_attention::dims::Dims;
-use super::flash_mma::{backward_buffers, forward_buffers, sizes, KernelFile};
-use super::launch::{Arg, Launch, Module, Plan};
+use super::flash_mma::KernelFile;
+use super::launch::{Module, Plan};
 
 /// Threads per block: two warpgroups of four warps.
 const THREADS: u32 = 256;
@@ -34,40 +34,24 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
 }
 
 /// kernels/flash_wgmma.cu.
-const WGMMA: KernelFile =
-    KernelFile { module: Module::FlashWgmma, prefix: "flash_wgmma", threads: THREADS, shared_bytes };
-
-/// The launch of kernel `flash_wgmma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
-fn wgmma_launch(kernel: &str, dims: &Dims, dtype: DType, grid: (usize, usize), args: Vec<Arg>) -> Result<Launch> {
-    WGMMA.launch(kernel, dims, dtype, grid, args)
-}
+const WGMMA: KernelFile = KernelFile {
+    module: Module::FlashWgmma,
+    prefix: "flash_wgmma",
+    threads: THREADS,
+    rows: QUERIES,
+    dkv_keys: DKV_KEYS,
+    shared_bytes,
+};
 
 /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
 pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let mut p = Plan::default();
-    let mut args = forward_buffers(&mut p, dtype, &dims);
-    args.extend(sizes(&dims, scale));
-    p.launch(wgmma_launch("fwd", &dims, dtype, (dims.t.div_ceil(QUERIES), dims.b * dims.h), args)?)?;
-    Ok(p)
+    WGMMA.forward_plan(dtype, dims, scale)
 }
 
 /// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
-/// dv (key blocks of one KV head, over its group's query heads), one output after the other; a second
-/// output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by the dq kernel
-/// for the dk/dv kernel to skip the query blocks that see none of its keys. Deterministic: every sum in
+/// dv (key blocks of one KV head, over its group's query heads), one output after the other, and the
+/// query blocks' key spans, the kernels' own ([`KernelFile::backward_plan`]). Deterministic: every sum in
 /// a fixed order.
 pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let nq = dims.q_len();
-    let mut p = Plan::default();
-    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
-    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
-    let args = |offset: usize| {
-        let mut a = inputs.clone();
-        a.extend([Arg::Buffer { index: grads, offset }, spans]);
-        a.extend(sizes(&dims, scale));
-        a
-    };
-    p.launch(wgmma_launch("bwd_dq", &dims, dtype, (dims.t.div_ceil(QUERIES), dims.b * dims.h), args(0))?)?;
-    p.launch(wgmma_launch("bwd_dkv", &dims, dtype, (dims.s.div_ceil(DKV_KEYS), dims.b * dims.kv), args(nq))?)?;
-    Ok(p)
+    WGMMA.backward_plan(dtype, dims, scale)
 }
