@@ -139,11 +139,7 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     T *tiles = (T *)mma_smem;                       // [2 stages][keys, values][FWD_BK][ld]
     uint32_t *los = (uint32_t *)(tiles + 4 * FWD_BK * ld);  // [FWD_BQ]
     uint32_t *his = los + FWD_BQ;                   // [FWD_BQ]
-    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * FWD_BQ;
-    const uint32_t warp = threadIdx.x / 32;
-    const uint32_t m0 = 16 * warp;
-    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
-    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+    const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, FWD_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
@@ -180,11 +176,7 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     T *tiles = (T *)mma_smem;                       // [2 stages][keys, values][DQ_BK][ld]
     uint32_t *los = (uint32_t *)(tiles + 4 * DQ_BK * ld);  // [DQ_BQ]
     uint32_t *his = los + DQ_BQ;                    // [DQ_BQ]
-    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * DQ_BQ;
-    const uint32_t warp = threadIdx.x / 32;
-    const uint32_t m0 = 16 * warp;
-    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
-    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+    const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, DQ_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4], gf[D / 16][4];
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);

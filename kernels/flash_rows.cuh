@@ -7,6 +7,22 @@
 #include "common.cuh"
 #include "mma.cuh"
 
+// A block of BQ queries of one head (blockIdx.x: the query block; blockIdx.y: batch row x head, of h
+// heads over kv KV heads of s keys) as this thread sees it: the head bh, the batch row b, the block's
+// first query i0, this thread's warp's first row m0 (16 per warp), and the K and V rows of the head's KV
+// head.
+template <typename T> struct QueryBlock {
+    uint32_t bh, b, i0, m0;
+    const T *kh, *vh;
+};
+
+template <typename T, int D, int BQ>
+__device__ __forceinline__ QueryBlock<T> query_block(const T *k, const T *v, uint32_t h, uint32_t kv, uint32_t s) {
+    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv);
+    const size_t rows = ((size_t)b * kv + kvh) * s * D;
+    return QueryBlock<T>{bh, b, blockIdx.x * BQ, 16 * (threadIdx.x / 32), k + rows, v + rows};
+}
+
 // The key range of query i of batch row b (clipped to the keys; empty: lo = 1, hi = 0, also past t).
 __device__ __forceinline__ void mma_range(const uint32_t *ranges, uint32_t b, uint32_t i, uint32_t t, uint32_t s,
                                           uint32_t &lo, uint32_t &hi) {

@@ -121,11 +121,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
     uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
     uint32_t *his = los + WG_BQ;                           // [WG_BQ]
-    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
-    const uint32_t warp = threadIdx.x / 32;
-    const uint32_t m0 = 16 * warp;
-    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
-    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+    const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
@@ -167,11 +163,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
     uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
     uint32_t *his = los + WG_BQ;                           // [WG_BQ]
-    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv), i0 = blockIdx.x * WG_BQ;
-    const uint32_t warp = threadIdx.x / 32;
-    const uint32_t m0 = 16 * warp;
-    const T *kh = k + ((size_t)b * kv + kvh) * s * D;
-    const T *vh = v + ((size_t)b * kv + kvh) * s * D;
+    const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4], gf[D / 16][4];
     global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
