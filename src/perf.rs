@@ -541,8 +541,12 @@ pub struct AttentionSpec {
     pub matmul: usize,
     /// The tensor-core kernels (`model.attention = "mma"`; on a GPU in bf16/f16 at head dim 64 or 128,
     /// elsewhere the chunked path) instead of the chunked GEMMs.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "wgmma")]
     pub mma: bool,
+    /// The warpgroup kernels (`model.attention = "wgmma"`; on an H100/H200, compute capability 9.0, in
+    /// bf16/f16 at head dim 64 or 128; elsewhere as --mma).
+    #[arg(long)]
+    pub wgmma: bool,
 }
 
 /// What `grpo bench attention` prints.
@@ -551,7 +555,8 @@ struct AttentionRecord {
     bench: &'static str,
     device: String,
     dtype: &'static str,
-    /// Which path ran: "mma" (the tensor-core kernels) or "chunked" (block products as GEMMs).
+    /// Which path ran: "wgmma" (the warpgroup kernels), "mma" (the tensor-core kernels) or "chunked"
+    /// (block products as GEMMs).
     kernel: &'static str,
     len: usize,
     heads: usize,
@@ -580,7 +585,7 @@ struct AttentionRecord {
 /// Forward and backward of causal attention over `--len` tokens (flash path) against a square matmul of
 /// `--matmul` in the same dtype, both on the device, in the same run.
 pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
-    use crate::kernels::{causal_work, flash_attention, flash_attention_mma, AttentionDevice};
+    use crate::kernels::{causal_work, flash_attention, flash_attention_mma, flash_attention_wgmma, AttentionDevice};
     let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
     let dev = &t.device;
     let var = |heads| -> Result<Var> {
@@ -590,8 +595,17 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
     let ranges: Vec<u32> = (0..n as u32).flat_map(|i| [0, i]).collect();
     let ranges = Tensor::from_vec(ranges, (1, n, 2), dev)?;
     let scale = 1.0 / (d as f64).sqrt();
-    let mma = spec.mma && !dev.is_cpu() && crate::kernels::tensor_core_attention(t.dtype, d);
-    let attend = if spec.mma { flash_attention_mma } else { flash_attention };
+    let tensor_cores = (spec.mma || spec.wgmma) && !dev.is_cpu() && crate::kernels::tensor_core_attention(t.dtype, d);
+    let kernel = match (tensor_cores, spec.wgmma && crate::kernels::warpgroup_attention(dev)?) {
+        (true, true) => "wgmma",
+        (true, false) => "mma",
+        (false, _) => "chunked",
+    };
+    let attend = match (spec.wgmma, spec.mma) {
+        (true, _) => flash_attention_wgmma,
+        (false, true) => flash_attention_mma,
+        (false, false) => flash_attention,
+    };
     let (times, _) = time_runs(t, || {
         let o = attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
         Ok(o.backward()?)
@@ -613,7 +627,7 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         bench: "attention",
         device: device_name(dev),
         dtype: dtype_name(t.dtype),
-        kernel: if mma { "mma" } else { "chunked" },
+        kernel,
         len: n,
         heads: h,
         kv_heads: kv,
@@ -651,12 +665,17 @@ mod tests {
 
     #[test]
     fn attention_reports_its_rate_against_a_matmul() {
-        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64, mma: false };
+        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64, mma: false, wgmma: false };
         let r = attention(&spec, &cpu()).unwrap();
         assert_eq!(
             (r["bench"].as_str(), r["len"].as_u64(), r["block_q"].as_u64()),
             (Some("attention"), Some(70), Some(70))
         );
+        // The CPU has one attention: asked for the GPU's kernels, it says it ran the chunked path.
+        for (mma, wgmma) in [(true, false), (false, true)] {
+            let r = attention(&AttentionSpec { mma, wgmma, ..spec }, &cpu()).unwrap();
+            assert_eq!(r["kernel"].as_str(), Some("chunked"), "{r}");
+        }
         let (g, m, ratio) =
             (r["gflops"].as_f64().unwrap(), r["matmul_gflops"].as_f64().unwrap(), r["ratio"].as_f64().unwrap());
         assert!(g > 0.0 && m > 0.0 && (ratio - g / m).abs() < 1e-9, "{r}");

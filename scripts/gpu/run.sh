@@ -13,8 +13,8 @@
 #   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops),
 #   and 4 with the tensor-core attention kernels (--attention mma, and with --atomic-dq --keep-attention),
 #   and the warpgroup kernels (--attention wgmma --keep-attention; on an H100/H200, mma elsewhere);
-#   attention: one layer's attention at 4k and 16k tokens, chunked GEMMs and tensor-core kernels
-#      (`grpo bench attention [--mma]`, ATTENTION_LENS);
+#   attention: one layer's attention at 4k and 16k tokens, chunked GEMMs, tensor-core and warpgroup kernels
+#      (`grpo bench attention [--mma | --wgmma]`, ATTENTION_LENS);
 #   5. (part seed7b, not in the default list) one training step at the Qwen2.5-7B shape with random bf16
 #      weights and the seed's memory settings (configs/openthinker3.toml: layer recomputation, optimiser
 #      state in host memory, no reference model in memory, 2 answers per forward/backward), 8 answers of
@@ -197,10 +197,11 @@ PYEOF
         ;;
     attention)
         # One layer's attention forward + backward at the 7B's head dim (16 heads of 128, groups of 4):
-        # the chunked GEMMs against the tensor-core kernels, each beside a bf16 matmul (the tensor cores' rate).
+        # the chunked GEMMs against the tensor-core and the warpgroup kernels (the JSON's `kernel` says which
+        # ran), each beside a bf16 matmul (the tensor cores' rate).
         for len in $ATTENTION_LENS; do
-            for kernel in chunked mma; do
-                flag=(); [ "$kernel" = mma ] && flag=(--mma)
+            for kernel in chunked mma wgmma; do
+                flag=(); [ "$kernel" != chunked ] && flag=("--$kernel")
                 measure "attention $kernel $len" "$BIN" -q bench attention --len "$len" --dtype bf16 "${flag[@]}" \
                     --device "$DEVICE" --warmup 1 --repeats 3
             done

@@ -65,6 +65,17 @@ pub fn tensor_core_attention(dtype: candle_core::DType, head_dim: usize) -> bool
     matches!(dtype, candle_core::DType::BF16 | candle_core::DType::F16) && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
 }
 
+/// Whether [`flash_attention_wgmma`] runs the warpgroup kernels (kernels/flash_wgmma.cu) on `device`:
+/// a GPU of compute capability 9.0 (the only one with wgmma), for the inputs [`tensor_core_attention`]
+/// takes; elsewhere the tensor-core kernels or the chunked path.
+pub fn warpgroup_attention(device: &candle_core::Device) -> candle_core::Result<bool> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(dev) => Ok(cuda::compute_capability(dev)?.0 == 9),
+        _ => Ok(false),
+    }
+}
+
 /// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
 #[cfg(feature = "cuda")]
 pub fn ptx() -> &'static str {
