@@ -242,18 +242,56 @@ __device__ __forceinline__ bool wg_next_query_block(const uint32_t *spans, uint3
     }
 }
 
+// dq_acc[rows i0.., 64 queries] += dS K for this block's 128 keys (the atomic backward): dS^T (each
+// warpgroup's 64 keys against the step's 64 queries, accumulators ds) through the swizzled shared tile dss
+// ([128 keys][64 queries]: the product's A, MN-major), then each warpgroup the product for 64 of D's
+// columns over all 128 keys (D = 128) or for all 64 columns over its own 64 keys (D = 64), added by f32
+// atomics (rows >= t skipped).
 template <typename T, int D>
+__device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&ds)[WG_DKV_BQ / 8][4], const T *ks,
+                                          uint32_t i0, uint32_t t) {
+    const uint32_t warp = threadIdx.x / 32, wg = warp / 4, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int n = 0; n < WG_DKV_BQ / 8; ++n)
+        for (int r = 0; r < 2; ++r)
+            *(uint32_t *)(dss + wg_at<WG_DKV_BK>(16 * warp + g + 8 * r, 8 * n + 2 * c)) =
+                pack2<T>(ds[n][2 * r], ds[n][2 * r + 1]);
+    wg_publish();
+    constexpr uint32_t KEYS = D == 128 ? WG_DKV_BK : 64;
+    const uint32_t n0 = D == 128 ? 64 * wg : 0, k0 = D == 128 ? 0 : 64 * wg;
+    const T *kcols = ks + (n0 / 64) * WG_DKV_BK * 64;
+    float acc[8][4];
+    wg_begin(acc);
+#pragma unroll
+    for (uint32_t kk = 0; kk < KEYS / 16; ++kk) {
+        const uint32_t key = k0 + 16 * kk;
+        const uint64_t a = wg_desc(dss + key * 64, WG_DKV_BK * 128), b = wg_desc(kcols + key * 64, WG_DKV_BK * 128);
+        wgmma_ss<T, 64, 1, 1>(acc, a, b, kk > 0);
+    }
+    wg_end<0>(acc);
+    for (int r = 0; r < 2; ++r) {
+        const uint32_t i = i0 + 16 * (warp % 4) + g + 8 * r;
+        if (i >= t) continue;
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+            for (int x = 0; x < 2; ++x) atomicAdd(&dq_acc[(size_t)i * D + n0 + 8 * j + 2 * c + x], acc[j][2 * r + x]);
+    }
+}
+
+// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by wg_add_dq.
+template <typename T, int D, bool DQ>
 __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                     const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                     const float *__restrict__ lse, const float *__restrict__ delta,
-                                    T *__restrict__ dkv, const uint32_t *__restrict__ spans, uint32_t h, uint32_t kv,
-                                    uint32_t t, uint32_t s, float scale) {
+                                    T *__restrict__ dkv, const uint32_t *__restrict__ spans, float *dq_acc, uint32_t h,
+                                    uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t wg_smem[];
     T *ks = wg_aligned<T>(wg_smem);            // [WG_DKV_BK x D] keys
     T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
     T *qs = vs + WG_DKV_BK * D;                // [2 stages][WG_DKV_BQ x D] queries
     T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
     float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
+    T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);          // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
     const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * WG_DKV_BK, group = h / kv;
     const uint32_t j_last = min(j0 + WG_DKV_BK, s) - 1, hq_end = (kvh + 1) * group;
     const uint32_t warp = threadIdx.x / 32;
@@ -305,6 +343,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         wg_end<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
+        if (DQ) wg_add_dq<T, D>(dq_acc + (size_t)(b * h + hq) * t * D, dss, dp, ks, i0, t);
         __syncthreads();  // every warp is done with this stage before it is filled again
         hq = hn, i0 = in;
     }
@@ -328,7 +367,15 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         flash_wgmma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,    \
                                    const float *lse, const float *delta, T *dkv, const uint32_t *spans,          \
                                    uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {               \
-        flash_wgmma_bwd_dkv<T, D>(q, k, v, dout, ranges, lse, delta, dkv, spans, h, kv, t, s, scale);            \
+        flash_wgmma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, dkv, spans, nullptr, h, kv, t, s,    \
+                                         scale);                                                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
+        flash_wgmma_bwd_dkvq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,   \
+                                    const float *lse, const float *delta, T *dkv, const uint32_t *spans,         \
+                                    float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) { \
+        flash_wgmma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, dkv, spans, dq_acc, h, kv, t, s,      \
+                                        scale);                                                                  \
     }
 
 FLASH_WGMMA_KERNELS(d64_bf16, __nv_bfloat16, 64)

@@ -2,7 +2,7 @@
 // only): D[64, N] (+)= A[64, 16] B[16, N], bf16 or f16 in, f32 accumulators, by the 128 threads of a
 // warpgroup (four consecutive warps, the first a multiple of 4). A comes from registers (wgmma_rs: warp w
 // of the warpgroup holds rows 16 w.. 16 w + 15 in the layout of mma.sync's A fragment, mma.cuh) or from
-// shared memory (wgmma_ss), B from shared memory, each described by a matrix descriptor. The accumulators
+// shared memory (wgmma_ss; K-major or, with TA = 1, MN-major), B from shared memory, each described by a matrix descriptor. The accumulators
 // of warp w, lane (g = lane / 4, c = lane % 4) (PTX ISA, "Register Fragments ... wgmma .m64nNk16"):
 //   d[j][0], d[j][1] = D[16 w + g][8 j + 2 c], D[16 w + g][8 j + 2 c + 1]
 //   d[j][2], d[j][3] = D[16 w + g + 8][8 j + 2 c], D[16 w + g + 8][8 j + 2 c + 1]
@@ -17,7 +17,7 @@
 //   K-major (the k along a part's columns; trans 0): (mn, k) at start + SBO (mn / 8) + 128 (mn % 8) + 2 k,
 //     SBO = 1024, LBO unused (16 by convention: "assumed to be 1"); start = the part + 128 mn0 + 32 (k0 % 64) / 16: a product's k0 picks the part and
 //     moves the start within its first row (the XOR then finds the swizzled columns);
-//   MN-major (the k along the rows, the mn along the columns; trans 1, B only here): (mn, k) at start +
+//   MN-major (the k along the rows, the mn along the columns; trans 1): (mn, k) at start +
 //     LBO (mn / 64) + 2 (mn % 64) + 128 (k % 8) + SBO (k / 8), LBO = the bytes of a part, SBO = 1024;
 //     start = the tile + 128 k0;
 // then the swizzle (cute's canonical GMMA layouts, Swizzle<3,4,3> o ((8,m),(T,2)):((8T,SBO),(1,T)) K-major
@@ -35,6 +35,8 @@
 // wgmma without a wgmma.fence since the last wait, or after cp.async writes no fence.proxy.async followed,
 // is reported.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 #include "mma.cuh"
@@ -77,15 +79,16 @@ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int 
     uint32_t all[32][emu::WARP_GATHER_WORDS];
     emu::warp_gather(0xffffffffu, a, 4, all);
     const uint32_t g = (emu::tls.tid % 32) / 4;
-    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, trans_b, scale_d};
+    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, 0, trans_b, scale_d};
     // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2 (mma.cuh).
     for (uint32_t r = 0; r < 2; ++r)
         for (uint32_t k = 0; k < 16; ++k) op.a[r][k] = half_of<T>(all[g * 4 + (k % 8) / 2][r + 2 * (k >= 8)], k % 2);
     emu::wg_issue(op);
 }
 
-template <typename T, int N> inline void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int scale_d) {
-    emu::wg_issue(emu::WgOp{&d[0][0], N, emu::ElemOf<T>::v, false, {}, a, b, 0, scale_d});
+template <typename T, int N, int TA = 0, int TB = 0>
+inline void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int scale_d) {
+    emu::wg_issue(emu::WgOp{&d[0][0], N, emu::ElemOf<T>::v, false, {}, a, b, TA, TB, scale_d});
 }
 #else
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -165,20 +168,20 @@ __device__ __forceinline__ void wgmma_rs<__half, 128>(float (&d)[16][4], const u
     WG_RS(128, "f16", WG_D64, "{%64, %65, %66, %67}", "68", "69", WG_ACC128)
 }
 
-// One wgmma with A and B from descriptors, both K-major: m64n64k16.
+// One wgmma with A and B from descriptors: m64n64k16, trans-a TA and trans-b TB immediates (1: MN-major).
 #define WG_SS64(TY)                                                                                       \
     asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\nwgmma.mma_async.sync.aligned.m64n64k16.f32." TY \
-                 "." TY " " WG_D32 ", %32, %33, p, 1, 1, 0, 0;\n}\n"                                     \
+                 "." TY " " WG_D32 ", %32, %33, p, 1, 1, %35, %36;\n}\n"                                 \
                  : WG_ACC64                                                                               \
-                 : "l"(a), "l"(b), "r"(scale_d));
+                 : "l"(a), "l"(b), "r"(scale_d), "n"(TA), "n"(TB));
 
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int scale_d);
-template <>
-__device__ __forceinline__ void wgmma_ss<__nv_bfloat16, 64>(float (&d)[8][4], uint64_t a, uint64_t b, int scale_d) {
-    WG_SS64("bf16")
-}
-template <> __device__ __forceinline__ void wgmma_ss<__half, 64>(float (&d)[8][4], uint64_t a, uint64_t b, int scale_d) {
-    WG_SS64("f16")
+template <typename T, int N, int TA = 0, int TB = 0>
+__device__ __forceinline__ void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int scale_d) {
+    static_assert(N == 64, "wgmma_ss: m64n64k16 only");
+    if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+        WG_SS64("bf16")
+    } else {
+        WG_SS64("f16")
+    }
 }
 #endif

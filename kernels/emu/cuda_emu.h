@@ -66,7 +66,7 @@ struct WgOp {
     bool a_regs;
     float a[2][16];
     uint64_t a_desc, b_desc;
-    int trans_b, scale_d;
+    int trans_a, trans_b, scale_d;  // trans_a: A (from a_desc) MN-major
 };
 
 // The launch state of the calling host thread (set by runtime.cpp).

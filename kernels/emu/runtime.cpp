@@ -351,7 +351,8 @@ void perform(const WgOp &op) {
             const uint32_t r = i / 2, n = 8 * j + 2 * c + i % 2;
             float acc = op.scale_d ? op.d[4 * j + i] : 0.f;
             for (uint32_t k = 0; k < 16; ++k) {
-                const float a = op.a_regs ? op.a[r][k] : operand(op.a_desc, 16 * w + g + 8 * r, k, 0, op.elem);
+                const float a =
+                    op.a_regs ? op.a[r][k] : operand(op.a_desc, 16 * w + g + 8 * r, k, op.trans_a, op.elem);
                 acc = fmaf(a, b[k][n], acc);
             }
             op.d[4 * j + i] = acc;

@@ -313,10 +313,11 @@ impl CustomOp3 for FlashAttentionBwd<'_> {
         if let (GpuKernels::TensorCores { atomic_dq, .. }, true) =
             (self.kernels, flash_mma::supports(s1.dtype(), dims.d))
         {
-            let kernels = match self.kernels.warpgroup_on(&s1.device)? {
-                true => MmaBackward::Warpgroup,
-                false if atomic_dq => MmaBackward::AtomicDq,
-                false => MmaBackward::TwoKernels,
+            let kernels = match (self.kernels.warpgroup_on(&s1.device)?, atomic_dq) {
+                (true, true) => MmaBackward::WarpgroupAtomicDq,
+                (true, false) => MmaBackward::Warpgroup,
+                (false, true) => MmaBackward::AtomicDq,
+                (false, false) => MmaBackward::TwoKernels,
             };
             return mma_backward(
                 (dims, self.scale, kernels),
@@ -369,7 +370,7 @@ pub enum GpuKernels {
     /// backward sums dq by f32 atomics in the dk/dv kernel (FlashAttention-2's: 10 hd FLOPs per score
     /// against 14, its rounding varying from run to run) instead of a dq kernel of its own (reproducible).
     /// `warpgroup`: on a GPU of compute capability 9.0, the warpgroup kernels of kernels/flash_wgmma.cu
-    /// (whose backward is the reproducible one, `atomic_dq` or not) instead.
+    /// instead (with the same two backwards).
     TensorCores { atomic_dq: bool, warpgroup: bool },
 }
 
@@ -666,6 +667,8 @@ enum MmaBackward {
     AtomicDq,
     /// kernels/flash_wgmma.cu's dq kernel, then its dk/dv kernel.
     Warpgroup,
+    /// kernels/flash_wgmma.cu's dk/dv kernel summing dq by f32 atomics.
+    WarpgroupAtomicDq,
 }
 
 /// The tensor-core kernels' backward on the GPU (kernels/flash_mma.cu or flash_wgmma.cu): dq|dk|dv.
@@ -685,6 +688,7 @@ fn mma_backward(
         MmaBackward::TwoKernels => flash_mma::backward_plan(q.0.dtype(), dims, scale)?,
         MmaBackward::AtomicDq => flash_mma::backward_plan_atomic(q.0.dtype(), dims, scale)?,
         MmaBackward::Warpgroup => super::flash_wgmma::backward_plan(q.0.dtype(), dims, scale)?,
+        MmaBackward::WarpgroupAtomicDq => super::flash_wgmma::backward_plan_atomic(q.0.dtype(), dims, scale)?,
     };
     let held = [(cuda_storage(&gs)?, gl), (cuda_storage(rs)?, rl), (cuda_storage(&ls)?, ll), (cuda_storage(&ds)?, dl)];
     let ins = [q, k, v, held[0], held[1], held[2], held[3]];

@@ -92,6 +92,29 @@ impl KernelFile {
 }
 
 impl KernelFile {
+    /// The backward without the dq kernel ([`backward_plan_atomic`]): kernels/flash_mma.cu's `bwd_prep`
+    /// (zeroes the f32 dq accumulator, writes the query blocks' key spans), this file's `bwd_dkvq` (dk, dv,
+    /// and dQ added into the accumulator by f32 atomics), kernels/flash_mma.cu's `bwd_dq_out`.
+    pub fn backward_plan_atomic(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let nq = dims.q_len();
+        let mut p = Plan::default();
+        let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
+        let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
+        let acc = p.output("dq accumulator", DType::F32, nq);
+        let (query_blocks, heads) = (dims.t.div_ceil(ROWS), dims.b * dims.h);
+        let (h, t, s) = (Arg::U32(dims.h as u32), Arg::U32(dims.t as u32), Arg::U32(dims.s as u32));
+        let prep = vec![inputs[4], spans, acc, h, t, s];
+        p.launch(MMA.launch("bwd_prep", &dims, dtype, (query_blocks, heads), prep)?)?;
+        let mut args = inputs.clone();
+        args.extend([Arg::Buffer { index: grads, offset: nq }, spans, acc]);
+        args.extend(sizes(&dims, scale));
+        let key_blocks = dims.s.div_ceil(self.dkv_keys);
+        p.launch(self.launch("bwd_dkvq", &dims, dtype, (key_blocks, dims.b * dims.kv), args)?)?;
+        let out = vec![acc, Arg::Buffer { index: grads, offset: 0 }, t, Arg::F32(scale)];
+        p.launch(MMA.launch("bwd_dq_out", &dims, dtype, (query_blocks, heads), out)?)?;
+        Ok(p)
+    }
+
     /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
     pub fn forward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
         let mut p = Plan::default();
@@ -121,11 +144,6 @@ impl KernelFile {
         p.launch(self.launch("bwd_dkv", &dims, dtype, (key_blocks, dims.b * dims.kv), args(nq))?)?;
         Ok(p)
     }
-}
-
-/// The launch of kernel `flash_mma_{kernel}_d{D}_{dtype}` over `blocks` x `heads` blocks.
-fn mma_launch(kernel: &str, dims: &Dims, dtype: DType, grid: (usize, usize), args: Vec<Arg>) -> Result<Launch> {
-    MMA.launch(kernel, dims, dtype, grid, args)
 }
 
 /// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
@@ -175,19 +193,5 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
 /// run to run); the last kernel writes dq = scale x accumulator. Second and third outputs: the spans and
 /// the accumulator (`[B, H, T, D]` f32), the kernels' own.
 pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-    let nq = dims.q_len();
-    let mut p = Plan::default();
-    let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
-    let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
-    let acc = p.output("dq accumulator", DType::F32, nq);
-    let (query_blocks, heads) = (dims.t.div_ceil(ROWS), dims.b * dims.h);
-    let (h, t, s) = (Arg::U32(dims.h as u32), Arg::U32(dims.t as u32), Arg::U32(dims.s as u32));
-    p.launch(mma_launch("bwd_prep", &dims, dtype, (query_blocks, heads), vec![inputs[4], spans, acc, h, t, s])?)?;
-    let mut args = inputs.clone();
-    args.extend([Arg::Buffer { index: grads, offset: nq }, spans, acc]);
-    args.extend(sizes(&dims, scale));
-    p.launch(mma_launch("bwd_dkvq", &dims, dtype, (dims.s.div_ceil(ROWS), dims.b * dims.kv), args)?)?;
-    let out = vec![acc, Arg::Buffer { index: grads, offset: 0 }, t, Arg::F32(scale)];
-    p.launch(mma_launch("bwd_dq_out", &dims, dtype, (query_blocks, heads), out)?)?;
-    Ok(p)
+    MMA.backward_plan_atomic(dtype, dims, scale)
 }

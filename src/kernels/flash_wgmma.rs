@@ -27,9 +27,12 @@ const ALIGN: usize = 1024;
 /// (two stages of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and
 /// statistics.
 fn shared_bytes(kernel: &str, d: usize) -> usize {
+    let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES;
     match kernel {
         "fwd" | "bwd_dq" => ALIGN + 2 * (4 * KEYS * d) + 2 * 4 * QUERIES,
-        _ => ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES,
+        "bwd_dkv" => dkv,
+        // and the tile of dS^T, [128 keys][64 queries]
+        _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,
     }
 }
 
@@ -54,4 +57,12 @@ pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan>
 /// a fixed order.
 pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     WGMMA.backward_plan(dtype, dims, scale)
+}
+
+/// The backward with dq summed by f32 atomics in this file's dk/dv kernel (`bwd_dkvq`: each 64-query step's
+/// dS^T through shared memory, then dQ = dS K as a warpgroup product), between kernels/flash_mma.cu's
+/// `bwd_prep` and `bwd_dq_out` ([`KernelFile::backward_plan_atomic`]): 10 hd FLOPs per score against 14,
+/// dq's rounding varying from run to run.
+pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+    WGMMA.backward_plan_atomic(dtype, dims, scale)
 }

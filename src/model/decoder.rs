@@ -70,8 +70,8 @@ pub enum Attention {
     /// host emulator, not yet on a GPU; elsewhere the same as `flash`.
     Mma,
     /// As `mma`, but on a GPU of compute capability 9.0 (H100, H200) through the warpgroup tensor-core
-    /// kernels of kernels/flash_wgmma.cu (`wgmma.mma_async` on 64-row tiles in swizzled shared memory; a
-    /// deterministic backward whatever `deterministic_attention` says); on other GPUs the same as `mma`.
+    /// kernels of kernels/flash_wgmma.cu (`wgmma.mma_async` on 64-row tiles in swizzled shared memory,
+    /// `deterministic_attention` as with `mma`); on other GPUs the same as `mma`.
     /// Tested on the host emulator, not yet on a GPU.
     Wgmma,
 }

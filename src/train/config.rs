@@ -66,7 +66,7 @@ pub struct ModelSection {
     /// on an H100/H200, compute capability 9.0; elsewhere mma) or "matrix" (through each head's [T, T]
     /// score matrix: quadratic memory).
     pub attention: Attention,
-    /// With `attention = "mma"` on a GPU (or "wgmma" on one without wgmma): true (the default) computes the backward's dq in a kernel of its
+    /// With `attention = "mma"` or "wgmma" on a GPU: true (the default) computes the backward's dq in a kernel of its
     /// own, the same bits every run; false sums it by f32 atomics in the dk/dv kernel, FlashAttention-2's
     /// backward: 10 instead of 14 head-dim FLOPs per score, its rounding varying from run to run.
     pub deterministic_attention: bool,

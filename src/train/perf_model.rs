@@ -224,7 +224,7 @@ pub struct StepShape {
     /// (`model.deterministic_attention = false`) rather than in a dq kernel.
     pub atomic_dq: bool,
     /// With `tensor_cores`, the warpgroup kernels (`model.attention = "wgmma"`) on the GPUs that have
-    /// wgmma ([`Gpu::wgmma_attention_efficiency`]), whose backward is the two-kernel one.
+    /// wgmma ([`Gpu::wgmma_attention_efficiency`]).
     pub warpgroup: bool,
 }
 
@@ -233,16 +233,16 @@ pub struct StepShape {
 enum TensorCoreKernels {
     /// kernels/flash_mma.cu; `true`: dq summed by atomics.
     Mma(bool),
-    /// kernels/flash_wgmma.cu.
-    Wgmma,
+    /// kernels/flash_wgmma.cu; `true`: dq summed by atomics.
+    Wgmma(bool),
 }
 
 impl StepShape {
     /// The attention's blocks, and the tensor-core kernels it runs on `gpu`, if any.
     fn attention_kernels(&self, gpu: &Gpu) -> (AttentionBlocks, Option<TensorCoreKernels>) {
-        let kernels = match (self.warpgroup && gpu.wgmma_attention_efficiency.is_some(), self.atomic_dq) {
-            (true, _) => TensorCoreKernels::Wgmma,
-            (false, atomic) => TensorCoreKernels::Mma(atomic),
+        let kernels = match self.warpgroup && gpu.wgmma_attention_efficiency.is_some() {
+            true => TensorCoreKernels::Wgmma(self.atomic_dq),
+            false => TensorCoreKernels::Mma(self.atomic_dq),
         };
         (self.blocks, self.tensor_cores.then_some(kernels))
     }
@@ -388,7 +388,7 @@ const MMA_TILES: Tiles = Tiles { kind: OpKind::AttentionMma, rows: 64, keys: 32,
 const WGMMA_TILES: Tiles = Tiles { kind: OpKind::AttentionWgmma, rows: 128, keys: 64, dkv_keys: 128, dkv_queries: 64 };
 
 /// [`layer_attention_mma`] for the blocks of `tiles`: the same products, bytes and launches per block
-/// (the warpgroup kernels, kernels/flash_wgmma.cu, have the same three kernels and two-kernel backward).
+/// (the warpgroup kernels, kernels/flash_wgmma.cu, have the same kernels and both backwards).
 fn layer_attention_tiles(
     o: &mut Ops,
     m: &ModelConfig,
@@ -413,7 +413,7 @@ fn layer_attention_tiles(
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
     if atomic_dq {
-        return layer_attention_mma_atomic(o, m, b, t, d);
+        return layer_attention_atomic(o, m, (b, t, d), tiles);
     }
     let (scores, pairs) = computed_scores(t, blocks);
     let dq_bytes = tokens * (3.0 * hd * d + 2.0 * row_stats) + streamed(pairs, step_keys);
@@ -430,32 +430,34 @@ fn layer_attention_tiles(
     o.push("attention kernels (backward)", tiles.kind, flops, bh * (dq_bytes + kv_bytes), 2.0);
 }
 
-/// The backward of [`layer_attention_mma`] with dq summed by atomics (kernels/flash_mma.cu's
-/// `bwd_prep`, `bwd_dkvq`, `bwd_dq_out`): the dk/dv kernel's S^T, dP^T, dV, dK and dQ, 10 hd FLOPs per score
-/// of its 64-key blocks against 16-query blocks; each pair adds its [16, hd] dQ into the f32 accumulator.
+/// The backward of [`layer_attention_tiles`] with dq summed by atomics (kernels/flash_mma.cu's
+/// `bwd_prep` and `bwd_dq_out` around the file's `bwd_dkvq`): the dk/dv kernel's S^T, dP^T, dV, dK and dQ,
+/// 10 hd FLOPs per score of its key blocks against its query steps; each pair adds its [step, hd] dQ into
+/// the f32 accumulator.
 /// Device-memory bytes: the dk/dv kernel's as in the two-kernel backward; the accumulator zeroed and read
 /// once; and the atomics, absorbed by the L2 cache while one head's accumulator fits in
 /// [`L2_RESIDENT_BYTES`] (their rate there is not modelled), else 8 B each at device memory.
-fn layer_attention_mma_atomic(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64) {
+fn layer_attention_atomic(o: &mut Ops, m: &ModelConfig, (b, t, d): (f64, u64, f64), tiles: &Tiles) {
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let (bh, tokens) = (b * heads, t as f64);
     let row_stats = 4.0 + 8.0;
-    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, 64, 16);
+    let step = tiles.dkv_queries as f64;
+    let (kv_scores, kv_pairs) = computed_scores_by_keys(t, tiles.dkv_keys, tiles.dkv_queries);
     let resident = 2.0 * tokens * hd * d <= L2_RESIDENT_BYTES;
-    let streamed = if resident { 2.0 * tokens * hd * d } else { kv_pairs * 2.0 * 16.0 * hd * d };
+    let streamed = if resident { 2.0 * tokens * hd * d } else { kv_pairs * 2.0 * step * hd * d };
     let accumulator = tokens * hd * 4.0;
-    let atomics = if accumulator <= L2_RESIDENT_BYTES { 0.0 } else { kv_pairs * 16.0 * hd * 8.0 };
+    let atomics = if accumulator <= L2_RESIDENT_BYTES { 0.0 } else { kv_pairs * step * hd * 8.0 };
     let spans = tokens.div_euclid(16.0).max(1.0) * 8.0;
     let kv_bytes = tokens * 4.0 * hd * d / heads * m.num_kv_heads as f64
         + streamed
-        + kv_pairs * 16.0 * 2.0 * row_stats
+        + kv_pairs * step * 2.0 * row_stats
         + tokens * 8.0
-        + if resident { spans } else { t.div_ceil(64) as f64 * spans };
+        + if resident { spans } else { t.div_ceil(tiles.dkv_keys) as f64 * spans };
     // Zeroed (prep), read and written as dq (dq_out).
     let accumulator_bytes = accumulator * 2.0 + tokens * hd * d + tokens * 8.0;
     let flops = bh * 10.0 * hd * kv_scores;
     let bytes = bh * (kv_bytes + atomics + accumulator_bytes);
-    o.push("attention kernels (backward)", OpKind::AttentionMma, flops, bytes, 3.0);
+    o.push("attention kernels (backward)", tiles.kind, flops, bytes, 3.0);
 }
 
 /// One layer's attention on `b` sequences of `t` tokens (`backward`: with its recomputation): chunked
@@ -471,8 +473,8 @@ fn layer_attention(
 ) {
     match tensor_cores {
         Some(TensorCoreKernels::Mma(atomic_dq)) => return layer_attention_mma(o, m, b, t, d, (backward, atomic_dq)),
-        Some(TensorCoreKernels::Wgmma) => {
-            return layer_attention_tiles(o, m, (b, t, d), &WGMMA_TILES, (backward, false))
+        Some(TensorCoreKernels::Wgmma(atomic_dq)) => {
+            return layer_attention_tiles(o, m, (b, t, d), &WGMMA_TILES, (backward, atomic_dq))
         }
         None => {}
     }
@@ -938,10 +940,10 @@ mod tests {
         }
     }
 
-    /// The warpgroup kernels' counts: the same products per score as the two-kernel backward over their
+    /// The warpgroup kernels' counts: the same products per score as the tensor-core kernels' over their
     /// 128 x 64 blocks (forward and dq kernel) and 128-key blocks against 64-query steps (dk/dv kernel),
-    /// at their own efficiency on the H100; on the A100, which has no wgmma, the tensor-core kernels'
-    /// prediction exactly.
+    /// both backwards, at their own efficiency on the H100; on the A100, which has no wgmma, the
+    /// tensor-core kernels' prediction exactly.
     #[test]
     fn warpgroup_attention_follows_its_kernels_where_the_gpu_has_wgmma() {
         let m = tiny();
@@ -956,6 +958,12 @@ mod tests {
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
         assert!(ops.iter().any(|o| o.kind == OpKind::AttentionWgmma));
         assert!(ops.iter().all(|o| o.kind != OpKind::AttentionMma && o.kind != OpKind::AttentionGemm));
+        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score of its 128-key blocks, three launches.
+        let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
+        assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bh * 4.0 * 10.0 * 100.0 * 100.0);
+        let launches =
+            |ops: &[OpCost]| ops.iter().filter(|o| o.kind == OpKind::AttentionWgmma).map(|o| o.launches).sum::<f64>();
+        assert_eq!((launches(&ops), launches(&atomic)), (2.0 * 3.0 * 3.0, 2.0 * 3.0 * 4.0));
         let seven = StepShape {
             answers: 16,
             micro_batch: 2,
@@ -969,6 +977,8 @@ mod tests {
         assert!(h_wg.attention_s < 0.8 * h_mma.attention_s, "{h_wg:?} vs {h_mma:?}");
         let (a_mma, a_wg) = (predict(&seven_b(), &seven, &A100_80GB), predict(&seven_b(), &wgmma, &A100_80GB));
         assert_eq!((a_wg.step_s, a_wg.flops, a_wg.launches), (a_mma.step_s, a_mma.flops, a_mma.launches));
+        let atomic = predict(&seven_b(), &StepShape { atomic_dq: true, ..wgmma }, &H100_SXM);
+        assert!(atomic.attention_s < 0.85 * h_wg.attention_s, "{atomic:?} vs {h_wg:?}");
     }
 
     #[test]

@@ -267,8 +267,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let b = cfg.train.micro_batch_size.max(1) as u64;
     let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
-    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32 (with wgmma,
-    // on the GPUs without it, where the mma kernels run instead).
+    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
     let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma)
         && !cfg.model.deterministic_attention
         && !inputs.on_cpu;
@@ -346,7 +345,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         Attention::Flash => "flash: O(T)",
         Attention::Mma if atomic_dq => "mma: O(T) + [N,q] 4 B dq accumulator",
         Attention::Mma => "mma: O(T)",
-        Attention::Wgmma if atomic_dq => "wgmma: O(T) (+ [N,q] 4 B dq accumulator on GPUs without wgmma)",
+        Attention::Wgmma if atomic_dq => "wgmma: O(T) + [N,q] 4 B dq accumulator",
         Attention::Wgmma => "wgmma: O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };

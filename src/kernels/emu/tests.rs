@@ -371,6 +371,15 @@ fn flash_wgmma_bwd() {
     check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 47);
 }
 
+/// The warpgroup backward with dq by f32 atomics: against the CPU op's gradients, and against the
+/// two-kernel warpgroup backward on the same inputs (dk and dv bit for bit, dq within one rounding).
+#[test]
+fn flash_wgmma_bwd_atomic_dq() {
+    let plan = flash_wgmma::backward_plan_atomic;
+    check_flash_backward("flash_wgmma_bwd_atomic", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 53);
+    check_atomic_against_two_kernels(plan, flash_wgmma::backward_plan, &WGMMA_CASES, 59);
+}
+
 /// The backward whose dq is summed by f32 atomics in the dk/dv kernel: against the CPU op's gradients, and
 /// against the two-kernel backward on the same inputs: the same dk and dv bit for bit, and dq, the same
 /// products summed in another order, within one rounding of the output dtype.
@@ -378,8 +387,14 @@ fn flash_wgmma_bwd() {
 fn flash_mma_bwd_atomic_dq() {
     let plan = flash_mma::backward_plan_atomic;
     check_flash_backward("flash_mma_bwd_atomic", plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(43);
-    for &case in &MMA_CASES {
+    check_atomic_against_two_kernels(plan, flash_mma::backward_plan, &MMA_CASES, 43);
+}
+
+/// The backward `atomic` (dq summed by f32 atomics) against `two` (a dq kernel of its own) on the same
+/// inputs of each case, bf16 and f16: dk and dv bit for bit, dq within one rounding of the output dtype.
+fn check_atomic_against_two_kernels(atomic: FlashPlan, two: FlashPlan, cases: &[FlashCase], seed: u64) {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+    for &case in cases {
         for dt in [DType::BF16, DType::F16] {
             let f = Flash::new(&mut rng, case, dt);
             let [o, ..] = f.cpu();
@@ -387,14 +402,14 @@ fn flash_mma_bwd_atomic_dq() {
                 (f.up.to_dtype(DType::F32).unwrap() * o.to_dtype(DType::F32).unwrap()).unwrap().sum(D::Minus1).unwrap();
             let lse = f.lse();
             let ins = [&f.q, &f.k, &f.v, &f.up, &f.ranges, &lse, &delta];
-            let atomic = run(&plan(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
-            let two = run(&flash_mma::backward_plan(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
+            let a = run(&atomic(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
+            let b = run(&two(dt, f.dims, 0.3).unwrap(), &ins).unwrap().remove(0);
             let nq = f.q.elem_count();
             let rest = |g: &Tensor| flat(&g.narrow(0, nq, g.elem_count() - nq).unwrap());
-            assert_eq!(rest(&atomic), rest(&two), "{case:?} {dt:?}: dk, dv");
+            assert_eq!(rest(&a), rest(&b), "{case:?} {dt:?}: dk, dv");
             let ulp = if dt == DType::BF16 { 1.0 / 128.0 } else { 1.0 / 1024.0 };
             let dq = |g: &Tensor| g.narrow(0, 0, nq).unwrap();
-            assert_close(&format!("{case:?} {dt:?}: dq"), &dq(&atomic), &dq(&two), (ulp, 1e-6));
+            assert_close(&format!("{case:?} {dt:?}: dq"), &dq(&a), &dq(&b), (ulp, 1e-6));
         }
     }
 }
