@@ -19,6 +19,10 @@
 //                              every head of its group in blocks of 64 that see one of its keys (by spans):
 //                              S^T = K Q^T and dP^T = V dO^T (A and B from shared tiles), dV += P^T dO,
 //                              dK += dS^T Q (A from registers); dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)].
+//   flash_wgmma_bwd_dkvq_dD_<T>: the dk/dv kernel that also adds dQ = dS K of each 64-query step against its
+//                              128 keys into dq_acc ([B, H, T, D] f32, zeroed by flash_mma.cu's bwd_prep,
+//                              scaled out by its bwd_dq_out): dS^T through a swizzled shared tile, then a
+//                              warpgroup product per 64 of D's columns (or of the keys), f32 atomics.
 // Shared memory per kernel: see the host (src/kernels/flash_wgmma.rs).
 
 #include "common.cuh"
