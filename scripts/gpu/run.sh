@@ -12,7 +12,8 @@
 #      grpo vs PyTorch eager (transformers, SDPA, autocast bf16);
 #   with 3 and 4 also ours with candle's composite ops instead of the fused kernels (--composite-ops),
 #   and 4 with the tensor-core attention kernels (--attention mma, and with --atomic-dq --keep-attention),
-#   and the warpgroup kernels (--attention wgmma --keep-attention; on an H100/H200, mma elsewhere);
+#   and the warpgroup kernels (--attention wgmma --keep-attention, and with --atomic-dq; on an H100/H200,
+#   mma elsewhere);
 #   attention: one layer's attention at 4k and 16k tokens, chunked GEMMs, tensor-core and warpgroup kernels
 #      (`grpo bench attention [--mma | --wgmma]`, ATTENTION_LENS);
 #   5. (part seed7b, not in the default list) one training step at the Qwen2.5-7B shape with random bf16
@@ -189,6 +190,9 @@ PYEOF
                     measure "train-step grpo wgmma-kept $shape $len" "$BIN" -q bench train-step "${common[@]}" \
                         "${ckpt[@]}" --logprob-chunk-mb 1024 --attention wgmma --keep-attention \
                         --device "$DEVICE" --warmup 1 --repeats 2
+                    measure "train-step grpo wgmma-atomic-kept $shape $len" "$BIN" -q bench train-step \
+                        "${common[@]}" "${ckpt[@]}" --logprob-chunk-mb 1024 --attention wgmma --atomic-dq \
+                        --keep-attention --device "$DEVICE" --warmup 1 --repeats 2
                     measure "train-step grpo composite $shape $len" "$BIN" -q bench train-step "${common[@]}" \
                         "${ckpt[@]}" --logprob-chunk-mb 1024 --composite-ops --device "$DEVICE" --warmup 1 --repeats 2
                 fi

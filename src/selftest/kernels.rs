@@ -12,9 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, flash_attention_mma, flash_attention_wgmma, logprobs_entropy, logprobs_entropy_reference,
-    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope,
-    rope_reference, row_grad, row_stats,
+    flash_attention, flash_attention_mma, flash_attention_recorded, flash_attention_wgmma, logprobs_entropy,
+    logprobs_entropy_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
+    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -34,7 +34,17 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention_mma", run: flash_attention_mma_check, tolerance: rounded_output },
+    KernelCheck {
+        op: "flash_attention_mma_atomic_dq",
+        run: flash_attention_mma_atomic_check,
+        tolerance: rounded_output,
+    },
     KernelCheck { op: "flash_attention_wgmma", run: flash_attention_wgmma_check, tolerance: rounded_output },
+    KernelCheck {
+        op: "flash_attention_wgmma_atomic_dq",
+        run: flash_attention_wgmma_atomic_check,
+        tolerance: rounded_output,
+    },
     KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
 ];
 
@@ -288,20 +298,36 @@ fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     attention_check(device, dtype, &cases, flash_attention)
 }
 
+/// The tensor-core kernels' cases: both head dims they take, lengths past their blocks (64 rows; the
+/// warpgroup kernels' 128), a decode step over a cache.
+const TENSOR_CORE_CASES: [(usize, usize, usize, usize, usize); 5] =
+    [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64), (4, 1, 300, 3, 128)];
+
 /// The tensor-core kernels (bf16 and f16; f32 takes the chunked path) at both head dims they take.
 fn flash_attention_mma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64)];
-    attention_check(device, dtype, &cases, flash_attention_mma)
+    attention_check(device, dtype, &TENSOR_CORE_CASES, flash_attention_mma)
 }
 
-/// The warpgroup kernels (on compute capability 9.0; the tensor-core kernels elsewhere), with lengths
-/// past their 128-query and 128-key blocks.
+/// The tensor-core kernels' backward with dq by f32 atomics (`deterministic_attention = false`).
+fn flash_attention_mma_atomic_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let kernels = GpuKernels::TensorCores { atomic_dq: true, warpgroup: false };
+    attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
+        flash_attention_recorded(q, k, v, r, s, kernels, None)
+    })
+}
+
+/// The warpgroup kernels (on compute capability 9.0; the tensor-core kernels elsewhere).
 fn flash_attention_wgmma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    let cases = [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 300, 3, 128)];
-    attention_check(device, dtype, &cases, flash_attention_wgmma)
+    attention_check(device, dtype, &TENSOR_CORE_CASES, flash_attention_wgmma)
 }
 
-type AttentionFn = fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>;
+/// The warpgroup kernels' backward with dq by f32 atomics.
+fn flash_attention_wgmma_atomic_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let kernels = GpuKernels::TensorCores { atomic_dq: true, warpgroup: true };
+    attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
+        flash_attention_recorded(q, k, v, r, s, kernels, None)
+    })
+}
 
 /// `attend` against the matrix reference on `cases` (heads, kv heads, queries, cached keys, head dim)
 /// of two rows with packed segments.
@@ -309,7 +335,7 @@ fn attention_check(
     device: &Device,
     dtype: DType,
     cases: &[(usize, usize, usize, usize, usize)],
-    attend: AttentionFn,
+    attend: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor, f64) -> Result<Tensor>,
 ) -> Result<Vec<Part>> {
     let mut rng = rng(23);
     let scale = 0.125;
