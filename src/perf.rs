@@ -153,7 +153,7 @@ pub struct TrainStepSpec {
     /// on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or matrix (score matrix).
     #[arg(long, value_enum, default_value_t = Attention::Flash)]
     pub attention: Attention,
-    /// With --attention mma on a GPU: sum dq by atomics in the dk/dv kernel
+    /// With --attention mma or wgmma on a GPU: sum dq by atomics in the dk/dv kernel
     /// (`model.deterministic_attention = false`).
     #[arg(long)]
     pub atomic_dq: bool,
