@@ -98,7 +98,7 @@ template <typename T, int N, int D>
 __device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], const T *y) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, N>(acc, af[kk], wg_desc(y + (kk / 4) * N * 64 + (kk % 4) * 16, 16), 0, kk > 0);
+        wgmma_rs<T, N, 0>(acc, af[kk], wg_desc(y + (kk / 4) * N * 64 + (kk % 4) * 16, 16), kk > 0);
 }
 
 // The [64, KB] block of this warpgroup's accumulators `a` as A fragments of the next product (before
@@ -114,7 +114,7 @@ __device__ __forceinline__ void wg_frags(uint32_t (&af)[KB / 16][4], const float
 template <typename T, int KB, int D>
 __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], const T *y) {
 #pragma unroll
-    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1, 1);
+    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1);
 }
 
 template <typename T, int D>

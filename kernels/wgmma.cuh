@@ -74,12 +74,12 @@ inline void wg_issue(WgOp op) {
 }
 }  // namespace emu
 
-template <typename T, int N>
-inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int trans_b, int scale_d) {
+template <typename T, int N, int TB>
+inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int scale_d) {
     uint32_t all[32][emu::WARP_GATHER_WORDS];
     emu::warp_gather(0xffffffffu, a, 4, all);
     const uint32_t g = (emu::tls.tid % 32) / 4;
-    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, 0, trans_b, scale_d};
+    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, 0, TB, scale_d};
     // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2 (mma.cuh).
     for (uint32_t r = 0; r < 2; ++r)
         for (uint32_t k = 0; k < 16; ++k) op.a[r][k] = half_of<T>(all[g * 4 + (k % 8) / 2][r + 2 * (k >= 8)], k % 2);
@@ -130,42 +130,26 @@ template <int K> __device__ __forceinline__ void wg_keep(uint32_t (&a)[K][4]) {
     "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 
 // One wgmma with A in registers: shape m64n<N>k16, type <TY>, accumulator registers <DREGS> (operands 0..),
-// then A's 4 registers <AREGS>, B's descriptor <B> and scale-d <S>; trans-b an immediate.
-#define WG_RS(N, TY, DREGS, AREGS, B, S, ACC)                                                                     \
-    if (trans_b) {                                                                                            \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N      \
-                     "k16.f32." TY "." TY " " DREGS ", " AREGS ", %" B ", p, 1, 1, 1;\n}\n"             \
-                     : ACC                                                                                    \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));                     \
-    } else {                                                                                                  \
-        asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N      \
-                     "k16.f32." TY "." TY " " DREGS ", " AREGS ", %" B ", p, 1, 1, 0;\n}\n"             \
-                     : ACC                                                                                    \
-                     : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d));                     \
-    }
+// then A's 4 registers <AREGS>, B's descriptor <B>, scale-d <S> and the trans-b immediate TB <TBOP>.
+#define WG_RS(N, TY, DREGS, AREGS, B, S, TBOP, ACC)                                                        \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" S ", 0;\nwgmma.mma_async.sync.aligned.m64n" #N         \
+                 "k16.f32." TY "." TY " " DREGS ", " AREGS ", %" B ", p, 1, 1, %" TBOP ";\n}\n"              \
+                 : ACC                                                                                       \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(scale_d), "n"(TB));
 
-template <typename T, int N>
-__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int trans_b,
-                                         int scale_d);
-template <>
-__device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 64>(float (&d)[8][4], const uint32_t a[4], uint64_t b,
-                                                            int trans_b, int scale_d) {
-    WG_RS(64, "bf16", WG_D32, "{%32, %33, %34, %35}", "36", "37", WG_ACC64)
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<__half, 64>(float (&d)[8][4], const uint32_t a[4], uint64_t b, int trans_b,
-                                                     int scale_d) {
-    WG_RS(64, "f16", WG_D32, "{%32, %33, %34, %35}", "36", "37", WG_ACC64)
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<__nv_bfloat16, 128>(float (&d)[16][4], const uint32_t a[4], uint64_t b,
-                                                             int trans_b, int scale_d) {
-    WG_RS(128, "bf16", WG_D64, "{%64, %65, %66, %67}", "68", "69", WG_ACC128)
-}
-template <>
-__device__ __forceinline__ void wgmma_rs<__half, 128>(float (&d)[16][4], const uint32_t a[4], uint64_t b, int trans_b,
-                                                      int scale_d) {
-    WG_RS(128, "f16", WG_D64, "{%64, %65, %66, %67}", "68", "69", WG_ACC128)
+template <typename T, int N, int TB>
+__device__ __forceinline__ void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int scale_d) {
+    static_assert(N == 64 || N == 128, "wgmma_rs: m64n64k16 or m64n128k16");
+    constexpr bool BF16 = std::is_same<T, __nv_bfloat16>::value;
+    if constexpr (N == 64 && BF16) {
+        WG_RS(64, "bf16", WG_D32, "{%32, %33, %34, %35}", "36", "37", "38", WG_ACC64)
+    } else if constexpr (N == 64) {
+        WG_RS(64, "f16", WG_D32, "{%32, %33, %34, %35}", "36", "37", "38", WG_ACC64)
+    } else if constexpr (BF16) {
+        WG_RS(128, "bf16", WG_D64, "{%64, %65, %66, %67}", "68", "69", "70", WG_ACC128)
+    } else {
+        WG_RS(128, "f16", WG_D64, "{%64, %65, %66, %67}", "68", "69", "70", WG_ACC128)
+    }
 }
 
 // One wgmma with A and B from descriptors: m64n64k16, trans-a TA and trans-b TB immediates (1: MN-major).
