@@ -355,6 +355,52 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     store_dkv<T, D>(dkv, dk, dv, bkv, j0 + m0, s, (size_t)gridDim.y * s * D, scale);
 }
 
+// The four operand layouts the attention kernels use, one product each, for `grpo selftest` to check on
+// a GPU first: D = A B for A [64, 16] (a) and B [16, 64] (b), both row-major, as
+//   out[0]: A from registers, B K-major (a tile of B^T's rows);  out[1]: A from registers, B MN-major;
+//   out[2]: A and B K-major from shared tiles;  out[3]: A and B MN-major from shared tiles;
+// out: [4][64][64] f32. One warpgroup (128 threads); 21 KiB of shared memory (src/kernels/flash_wgmma.rs).
+template <typename T> __device__ void wgmma_layouts(const T *__restrict__ a, const T *__restrict__ b, float *out) {
+    extern __shared__ uint32_t wg_smem[];
+    T *ak = wg_aligned<T>(wg_smem);  // A K-major: 64 rows (m) x 64 columns (k; 16 used), swizzled
+    T *bk = ak + 64 * 64;            // B K-major: 64 rows (n) x 64 columns (k; 16 used)
+    T *am = bk + 64 * 64;            // A MN-major: 16 rows (k) x 64 columns (m)
+    T *bm = am + 16 * 64;            // B MN-major: 16 rows (k) x 64 columns (n)
+    for (uint32_t e = threadIdx.x; e < 64 * 64; e += blockDim.x) {
+        const uint32_t r = e / 64, x = e % 64;
+        ak[wg_at<64>(r, x)] = x < 16 ? a[r * 16 + x] : from_f32<T>(0.f);
+        bk[wg_at<64>(r, x)] = x < 16 ? b[x * 64 + r] : from_f32<T>(0.f);
+    }
+    for (uint32_t e = threadIdx.x; e < 16 * 64; e += blockDim.x) {
+        const uint32_t r = e / 64, x = e % 64;
+        am[wg_at<16>(r, x)] = a[x * 16 + r];
+        bm[wg_at<16>(r, x)] = b[r * 64 + x];
+    }
+    wg_publish();
+    uint32_t af[1][4];
+    global_frags<T, 16>(af, a, 16 * (threadIdx.x / 32), 64);
+    float d[4][8][4];
+    wg_begin(d[0], d[1], d[2], d[3]);
+    wgmma_rs<T, 64, 0>(d[0], af[0], wg_desc(bk, 16), 0);
+    wgmma_rs<T, 64, 1>(d[1], af[0], wg_desc(bm, 16 * 128), 0);
+    wgmma_ss<T, 64, 0, 0>(d[2], wg_desc(ak, 16), wg_desc(bk, 16), 0);
+    wgmma_ss<T, 64, 1, 1>(d[3], wg_desc(am, 16 * 128), wg_desc(bm, 16 * 128), 0);
+    wg_end<0>(d[0], d[1], d[2], d[3]);
+    wg_keep(af);
+    const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4, row = 16 * (threadIdx.x / 32) + g;
+    for (int v = 0; v < 4; ++v)
+        for (int j = 0; j < 8; ++j)
+            for (int i = 0; i < 4; ++i) out[v * 64 * 64 + (row + 8 * (i / 2)) * 64 + 8 * j + 2 * c + i % 2] = d[v][j][i];
+}
+
+#define WGMMA_LAYOUTS(NAME, T)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) wgmma_layouts_##NAME(const T *a, const T *b, float *out) { \
+        wgmma_layouts<T>(a, b, out);                                                                            \
+    }
+
+WGMMA_LAYOUTS(bf16, __nv_bfloat16)
+WGMMA_LAYOUTS(f16, __half)
+
 #define FLASH_WGMMA_KERNELS(NAME, T, D)                                                                          \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
         flash_wgmma_fwd_##NAME(const T *q, const T *k, const T *v, const uint32_t *ranges, float *lse, T *out,   \

@@ -10,7 +10,7 @@ use candle_core::{DType, Result};
 
 use super::flash_attention::dims::Dims;
 use super::flash_mma::KernelFile;
-use super::launch::{Module, Plan};
+use super::launch::{kernel_name, Launch, Module, Plan};
 
 /// Threads per block: two warpgroups of four warps.
 const THREADS: u32 = 256;
@@ -65,4 +65,41 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
 /// dq's rounding varying from run to run.
 pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     WGMMA.backward_plan_atomic(dtype, dims, scale)
+}
+
+/// Shared memory of `wgmma_layouts`: A and B each as a K-major 64 x 64 tile and an MN-major 16 x 64 tile.
+const LAYOUTS_SHARED: usize = ALIGN + 2 * (2 * 64 * 64 + 2 * 16 * 64);
+
+/// The plan of `wgmma_layouts_{dtype}`: inputs A `[64, 16]` and B `[16, 64]` (row-major, bf16 or f16);
+/// output `[4, 64, 64]` f32, A B by each operand layout the attention kernels use (registers x K-major,
+/// registers x MN-major, K-major x K-major, MN-major x MN-major; see the kernel).
+pub(crate) fn layouts_plan(dtype: DType) -> Result<Plan> {
+    if !matches!(dtype, DType::BF16 | DType::F16) {
+        candle_core::bail!("wgmma_layouts: {dtype:?} (bf16 or f16)");
+    }
+    let mut p = Plan::default();
+    let (a, b) = (p.input("a", dtype, 64 * 16), p.input("b", dtype, 16 * 64));
+    let out = p.output("products", DType::F32, 4 * 64 * 64);
+    p.launch(Launch {
+        module: Module::FlashWgmma,
+        kernel: kernel_name("wgmma_layouts", dtype)?,
+        grid: (1, 1, 1),
+        block: (128, 1, 1),
+        shared_bytes: LAYOUTS_SHARED as u32,
+        args: vec![a, b, out],
+    })?;
+    Ok(p)
+}
+
+/// [`layouts_plan`] on the GPU of `a` and `b` (contiguous): `[4, 64, 64]` f32.
+#[cfg(feature = "cuda")]
+pub(crate) fn layouts(a: &candle_core::Tensor, b: &candle_core::Tensor) -> Result<candle_core::Tensor> {
+    use candle_core::Storage;
+    let plan = layouts_plan(a.dtype())?;
+    let ((sa, la), (sb, lb)) = (a.storage_and_layout(), b.storage_and_layout());
+    let (Storage::Cuda(sa), Storage::Cuda(sb)) = (&*sa, &*sb) else {
+        candle_core::bail!("wgmma_layouts: the inputs are not on the GPU")
+    };
+    let out = super::cuda::run(&plan, &[(sa, la), (sb, lb)])?.remove(0);
+    Ok(candle_core::Tensor::from_storage(Storage::Cuda(out), (4, 64, 64), candle_core::op::BackpropOp::none(), false))
 }

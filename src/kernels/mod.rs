@@ -76,6 +76,24 @@ pub fn warpgroup_attention(device: &candle_core::Device) -> candle_core::Result<
     }
 }
 
+/// `A B` for `a` `[64, 16]` and `b` `[16, 64]` (bf16 or f16, row-major) by each operand layout the warpgroup
+/// attention kernels give `wgmma`: A from registers with B K-major, and with B MN-major; A and B K-major
+/// from shared tiles; both MN-major. `[4, 64, 64]` f32 on a GPU of compute capability 9.0 (kernels/
+/// flash_wgmma.cu's `wgmma_layouts`), `None` on other devices (no wgmma there): for `grpo selftest`, where a
+/// wrong layout shows by name before it shows in attention.
+pub fn wgmma_layouts(
+    a: &candle_core::Tensor,
+    b: &candle_core::Tensor,
+) -> candle_core::Result<Option<candle_core::Tensor>> {
+    #[cfg(feature = "cuda")]
+    if warpgroup_attention(a.device())? {
+        return flash_wgmma::layouts(&a.contiguous()?, &b.contiguous()?).map(Some);
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = (a, b); // a build without CUDA has no device with wgmma
+    Ok(None)
+}
+
 /// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
 #[cfg(feature = "cuda")]
 pub fn ptx() -> &'static str {

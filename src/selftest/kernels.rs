@@ -14,7 +14,7 @@ use super::Part;
 use crate::kernels::{
     flash_attention, flash_attention_mma, flash_attention_recorded, flash_attention_wgmma, logprobs_entropy,
     logprobs_entropy_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, GpuKernels,
+    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, wgmma_layouts, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -45,6 +45,7 @@ pub const CHECKS: &[KernelCheck] = &[
         run: flash_attention_wgmma_atomic_check,
         tolerance: rounded_output,
     },
+    KernelCheck { op: "wgmma_layouts", run: wgmma_layouts_check, tolerance: rounded_output },
     KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
 ];
 
@@ -327,6 +328,22 @@ fn flash_attention_wgmma_atomic_check(device: &Device, dtype: DType) -> Result<V
     attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
         flash_attention_recorded(q, k, v, r, s, kernels, None)
     })
+}
+
+/// Each operand layout the warpgroup attention kernels give `wgmma` (one product each) against the
+/// matmul of the same rounded inputs: rows only on a GPU with wgmma (compute capability 9.0), in bf16
+/// and f16; none elsewhere.
+fn wgmma_layouts_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    if dtype == DType::F32 {
+        return Ok(Vec::new());
+    }
+    let mut rng = rng(29);
+    let (a, b) =
+        (uniform(&mut rng, &[64, 16], 2.0)?.to_dtype(dtype)?, uniform(&mut rng, &[16, 64], 2.0)?.to_dtype(dtype)?);
+    let Some(got) = wgmma_layouts(&a.to_device(device)?, &b.to_device(device)?)? else { return Ok(Vec::new()) };
+    let want = a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)?;
+    let names = ["registers x K-major", "registers x MN-major", "K-major x K-major", "MN-major x MN-major"];
+    names.iter().enumerate().map(|(v, name)| Part::compare(name, &got.get(v)?, &want)).collect()
 }
 
 /// `attend` against the matrix reference on `cases` (heads, kv heads, queries, cached keys, head dim)

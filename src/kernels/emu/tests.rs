@@ -371,6 +371,28 @@ fn flash_wgmma_bwd() {
     check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 47);
 }
 
+/// The probe of the wgmma operand layouts: each of its four products equals A B (f32 sums of the same
+/// products, in another order).
+#[test]
+fn wgmma_layouts() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(61);
+    for dt in [DType::BF16, DType::F16] {
+        let (a, b) = (
+            random(&mut rng, &[64, 16], 2.0).to_dtype(dt).unwrap(),
+            random(&mut rng, &[16, 64], 2.0).to_dtype(dt).unwrap(),
+        );
+        let want = a.to_dtype(DType::F32).unwrap().matmul(&b.to_dtype(DType::F32).unwrap()).unwrap();
+        let got = run(&flash_wgmma::layouts_plan(dt).unwrap(), &[&a.flatten_all().unwrap(), &b.flatten_all().unwrap()])
+            .unwrap()
+            .remove(0)
+            .reshape((4, 64, 64))
+            .unwrap();
+        for v in 0..4 {
+            assert_close(&format!("{dt:?} layout {v}"), &got.get(v).unwrap(), &want, (1e-5, 1e-5));
+        }
+    }
+}
+
 /// The warpgroup backward with dq by f32 atomics: against the CPU op's gradients, and against the
 /// two-kernel warpgroup backward on the same inputs (dk and dv bit for bit, dq within one rounding).
 #[test]
