@@ -142,15 +142,13 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, FWD_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
-    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    query_frags<T, D>(qf, q, bh, i0, m0, t);
     uint32_t kmin, kmax;
     mma_row_ranges<MMA_THREADS>(ranges, b, i0, FWD_BQ, t, s, los, his, kmin, kmax);
     const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+    zero_acc(o);
 
     // Key blocks through two stages: block j + 1 is copied in while block j is computed on.
     if (kmin <= kmax) stage_kv<T, D, FWD_BK>(tiles, kh, vh, kmin, 0, s, ld);
@@ -179,16 +177,14 @@ __device__ void flash_mma_bwd_dq(const T *__restrict__ q, const T *__restrict__ 
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, DQ_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4], gf[D / 16][4];
-    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
-    global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    query_frags<T, D>(qf, q, bh, i0, m0, t);
+    query_frags<T, D>(gf, dout, bh, i0, m0, t);
     uint32_t kmin, kmax;
     mma_row_ranges<MMA_THREADS>(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
     if (bh % h == 0) write_spans<DQ_BQ>(spans, los, his, b, i0, t);
     const QueryRows rows = query_rows(los, his, lse, delta, bh, t, i0, m0);
     float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+    zero_acc(acc);
 
     // Key blocks through two stages, as in the forward.
     if (kmin <= kmax) stage_kv<T, D, DQ_BK>(tiles, kh, vh, kmin, 0, s, ld);
@@ -268,9 +264,8 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     stage_rows_async<T, D>(vs, v + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
     cp_async_commit();
     float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+    zero_acc(dk);
+    zero_acc(dv);
 
     for (uint32_t hq = kvh * group; hq < (kvh + 1) * group; ++hq) {
         const uint32_t bh = b * h + hq;

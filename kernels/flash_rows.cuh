@@ -16,6 +16,13 @@ template <typename T> struct QueryBlock {
     const T *kh, *vh;
 };
 
+// Accumulators (the layout of mma.sync's C and each warp's part of wgmma's D) set to zero.
+template <int N> __device__ __forceinline__ void zero_acc(float (&a)[N][4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+        for (int i = 0; i < 4; ++i) a[n][i] = 0.f;
+}
+
 template <typename T, int D, int BQ>
 __device__ __forceinline__ QueryBlock<T> query_block(const T *k, const T *v, uint32_t h, uint32_t kv, uint32_t s) {
     const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv);
@@ -82,6 +89,13 @@ __device__ void global_frags(uint32_t f[D / 16][4], const T *src, uint32_t m0, u
             f[kk][i] = r < limit ? pair(src[(size_t)r * D + x], src[(size_t)r * D + x + 1]) : 0u;
         }
     }
+}
+
+// The A fragments of this warp's 16 rows from m0 of the query block from i0 of head bh of x ([B, H, t, D]).
+template <typename T, int D>
+__device__ __forceinline__ void query_frags(uint32_t f[D / 16][4], const T *x, uint32_t bh, uint32_t i0, uint32_t m0,
+                                            uint32_t t) {
+    global_frags<T, D>(f, x + ((size_t)bh * t + i0) * D, m0, t - i0);
 }
 
 // Sum over the 4 lanes that hold one row of an accumulator.

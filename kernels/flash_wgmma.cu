@@ -128,15 +128,13 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
-    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    query_frags<T, D>(qf, q, bh, i0, m0, t);
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
     const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     float o[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) o[n][i] = 0.f;
+    zero_acc(o);
 
     if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
     for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
@@ -170,16 +168,14 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4], gf[D / 16][4];
-    global_frags<T, D>(qf, q + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
-    global_frags<T, D>(gf, dout + (size_t)bh * t * D + (size_t)i0 * D, m0, t - i0);
+    query_frags<T, D>(qf, q, bh, i0, m0, t);
+    query_frags<T, D>(gf, dout, bh, i0, m0, t);
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
     if (bh % h == 0) write_spans<WG_BQ>(spans, los, his, b, i0, t);
     const QueryRows rows = query_rows(los, his, lse, delta, bh, t, i0, m0);
     float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
+    zero_acc(acc);
 
     if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
     for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
@@ -304,9 +300,8 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     stage_swizzled<T, D, WG_DKV_BK>(vs, v + (size_t)bkv * s * D, j0, s);
     cp_async_commit();
     float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-        for (int i = 0; i < 4; ++i) dk[n][i] = dv[n][i] = 0.f;
+    zero_acc(dk);
+    zero_acc(dv);
 
     // Query blocks that see one of this block's keys, through two stages.
     uint32_t hq = kvh * group, i0 = 0u - WG_DKV_BQ;

@@ -12,9 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, flash_attention_mma, flash_attention_recorded, flash_attention_wgmma, logprobs_entropy,
-    logprobs_entropy_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, wgmma_layouts, GpuKernels,
+    flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, masked_softmax,
+    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad,
+    row_stats, wgmma_layouts, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -304,30 +304,32 @@ fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
 const TENSOR_CORE_CASES: [(usize, usize, usize, usize, usize); 5] =
     [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64), (4, 1, 300, 3, 128)];
 
-/// The tensor-core kernels (bf16 and f16; f32 takes the chunked path) at both head dims they take.
+/// The tensor-core attention `kernels` (bf16 and f16; f32 takes the chunked path) on the cases above.
+fn tensor_core_check(device: &Device, dtype: DType, kernels: GpuKernels) -> Result<Vec<Part>> {
+    attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
+        flash_attention_recorded(q, k, v, r, s, kernels, None)
+    })
+}
+
+/// The tensor-core kernels (`flash_attention_mma`).
 fn flash_attention_mma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    attention_check(device, dtype, &TENSOR_CORE_CASES, flash_attention_mma)
+    tensor_core_check(device, dtype, GpuKernels::TensorCores { atomic_dq: false, warpgroup: false })
 }
 
-/// The tensor-core kernels' backward with dq by f32 atomics (`deterministic_attention = false`).
+/// Their backward with dq by f32 atomics (`deterministic_attention = false`).
 fn flash_attention_mma_atomic_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    let kernels = GpuKernels::TensorCores { atomic_dq: true, warpgroup: false };
-    attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
-        flash_attention_recorded(q, k, v, r, s, kernels, None)
-    })
+    tensor_core_check(device, dtype, GpuKernels::TensorCores { atomic_dq: true, warpgroup: false })
 }
 
-/// The warpgroup kernels (on compute capability 9.0; the tensor-core kernels elsewhere).
+/// The warpgroup kernels (`flash_attention_wgmma`: on compute capability 9.0; the tensor-core kernels
+/// elsewhere).
 fn flash_attention_wgmma_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    attention_check(device, dtype, &TENSOR_CORE_CASES, flash_attention_wgmma)
+    tensor_core_check(device, dtype, GpuKernels::TensorCores { atomic_dq: false, warpgroup: true })
 }
 
-/// The warpgroup kernels' backward with dq by f32 atomics.
+/// Their backward with dq by f32 atomics.
 fn flash_attention_wgmma_atomic_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
-    let kernels = GpuKernels::TensorCores { atomic_dq: true, warpgroup: true };
-    attention_check(device, dtype, &TENSOR_CORE_CASES, |q, k, v, r, s| {
-        flash_attention_recorded(q, k, v, r, s, kernels, None)
-    })
+    tensor_core_check(device, dtype, GpuKernels::TensorCores { atomic_dq: true, warpgroup: true })
 }
 
 /// Each operand layout the warpgroup attention kernels give `wgmma` (one product each) against the
