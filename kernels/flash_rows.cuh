@@ -151,10 +151,11 @@ __device__ __forceinline__ QueryRows query_rows(const uint32_t *los, const uint3
 
 // One key block's step of the online softmax over this thread's rows (scores s of keys j0 + 8 n + 2 c +
 // i % 2, in the accumulators' layout): s masked to each row's keys and scaled, the running max m and sum
-// l updated, s turned into P = exp(s - m), the output accumulators o rescaled.
-template <int KB, int D>
-__device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)[D / 8][4], float (&m)[2],
-                                               float (&l)[2], const QueryRows &x, uint32_t j0, float scale) {
+// l updated, s turned into P = exp(s - m); alpha = exp(m_old - m_new), the factor the output
+// accumulators take (rescale_rows) before P's product is added.
+template <int KB>
+__device__ __forceinline__ void softmax_step(float (&s)[KB / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             const QueryRows &x, uint32_t j0, float scale) {
     const uint32_t c = threadIdx.x % 4;
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -164,7 +165,7 @@ __device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)
             s[n][i] = (j >= x.lo[r] && j <= x.hi[r]) ? scale * s[n][i] : -INFINITY;
             mx[r] = fmaxf(mx[r], s[n][i]);
         }
-    float alpha[2], base[2], sum[2] = {0.f, 0.f};
+    float base[2], sum[2] = {0.f, 0.f};
     for (int r = 0; r < 2; ++r) {
         const float m_new = fmaxf(m[r], quad_max(mx[r]));
         base[r] = m_new == -INFINITY ? 0.f : m_new;
@@ -178,9 +179,22 @@ __device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)
             sum[i / 2] += s[n][i];
         }
     for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
+}
+
+// Accumulators of this thread's two rows times the rows' factors.
+template <int D> __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&alpha)[2]) {
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
         for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];
+}
+
+// softmax_step, then the output accumulators o rescaled.
+template <int KB, int D>
+__device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)[D / 8][4], float (&m)[2],
+                                               float (&l)[2], const QueryRows &x, uint32_t j0, float scale) {
+    float alpha[2];
+    softmax_step<KB>(s, m, l, alpha, x, j0, scale);
+    rescale_rows<D>(o, alpha);
 }
 
 // The forward's end for this thread's rows: o / l to rows i0 + m0 + g (+ 8) of out ([t, D] of one head)

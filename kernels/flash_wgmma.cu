@@ -117,12 +117,27 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1);
 }
 
+// Key block j0's keys into K slot sk (when j0 <= kmax) and block v0's values into V slot sv of `tiles`
+// ([2 slots][K, V][BK x D swizzled]), one group of copies.
+template <typename T, int D>
+__device__ __forceinline__ void wg_stage_k_v(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t kmax, uint32_t sk,
+                                             uint32_t v0, uint32_t sv, uint32_t s) {
+    if (j0 <= kmax) stage_swizzled<T, D, WG_BK>(tiles + 2 * sk * WG_BK * D, kh, j0, s);
+    stage_swizzled<T, D, WG_BK>(tiles + (2 * sv + 1) * WG_BK * D, vh, v0, s);
+    cp_async_commit();
+}
+
+// The forward, its products pipelined with the softmax (FlashAttention-3's intra-warpgroup overlap): step
+// j issues S_j = Q K_j^T, rescales O to block j - 1's running max while it runs, issues O += P_{j-1}
+// V_{j-1}, and computes block j's softmax while that product runs (after waiting for S_j only). Block j's
+// keys and values sit in slot j % 2: K_{j+1} and V_j are copied in during step j, when their slots' last
+// readers (S_{j-1}, P_{j-2} V_{j-2}) have retired in every warp (the step's barrier).
 template <typename T, int D>
 __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                 const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t wg_smem[];
-    T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
+    T *tiles = wg_aligned<T>(wg_smem);                     // [2 slots][keys, values][WG_BK x D]
     uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
     uint32_t *his = los + WG_BQ;                           // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
@@ -132,25 +147,48 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
     const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
     float o[D / 8][4];
     zero_acc(o);
-
-    if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
-    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
-        const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
+    if (kmin <= kmax) {
+        const auto k_slot = [&](uint32_t st) { return tiles + 2 * st * WG_BK * D; };
+        stage_swizzled<T, D, WG_BK>(k_slot(0), kh, kmin, s);
+        cp_async_commit();
+        cp_async_wait<0>();
+        wg_publish();
+        wg_stage_k_v<T, D>(tiles, kh, vh, kmin + WG_BK, kmax, 1, kmin, 0, s);
         float sc[WG_BK / 8][4];
-        wg_begin(sc);
-        wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
-        wg_end<0>(sc);
-        online_softmax<WG_BK, D>(sc, o, m, l, rows, j0, scale);
         uint32_t pf[WG_BK / 16][4];
+        wg_begin(sc);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, k_slot(0));
+        wg_end<0>(sc);
+        softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin, scale);  // o is zero: nothing to rescale
         wg_frags<T, WG_BK>(pf, sc);
+        uint32_t st = 1;
+        for (uint32_t j0 = kmin + WG_BK; j0 <= kmax; j0 += WG_BK, st ^= 1) {
+            cp_async_wait<0>();
+            wg_publish();  // K_j and V_{j-1} are in; every warp is past step j - 1
+            wg_stage_k_v<T, D>(tiles, kh, vh, j0 + WG_BK, kmax, st ^ 1, j0, st, s);
+            wg_begin(sc);
+            wg_rows_by_tile<T, WG_BK, D>(sc, qf, k_slot(st));
+            wg_commit();
+            rescale_rows<D>(o, alpha);
+            wg_begin(o);
+            wg_acc_by_tile<T, WG_BK, D>(o, pf, k_slot(st ^ 1) + WG_BK * D);
+            wg_commit();
+            wg_wait<1>(sc);
+            softmax_step<WG_BK>(sc, m, l, alpha, rows, j0, scale);
+            wg_wait<0>(o);
+            wg_keep(pf);
+            wg_frags<T, WG_BK>(pf, sc);
+        }
+        cp_async_wait<0>();
+        wg_publish();
+        rescale_rows<D>(o, alpha);
         wg_begin(o);
-        wg_acc_by_tile<T, WG_BK, D>(o, pf, vs);
+        wg_acc_by_tile<T, WG_BK, D>(o, pf, k_slot(st ^ 1) + WG_BK * D);
         wg_end<0>(o);
         wg_keep(pf);
-        __syncthreads();  // every warp is done with this stage before it is filled again
     }
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }

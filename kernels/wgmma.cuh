@@ -28,7 +28,9 @@
 //   writing threads, then a barrier;
 //   wg_begin(accs...): wgmma.fence, after which no register of the accumulators or of an A fragment is
 //   touched until wg_end<N>(accs...) (wgmma.commit_group, wgmma.wait_group N) has retired the products; wg_keep(frags)
-//   after it keeps the compiler from reusing the A fragments' registers before.
+//   after it keeps the compiler from reusing the A fragments' registers before. wg_commit() closes a group
+//   and wg_wait<N>(accs...) waits until at most N groups are pending, so that a thread can compute on one
+//   group's accumulators (named in the wait) while the next group's products run.
 // Under the host emulator (GRPO_CUDA_EMU) each wgmma is recorded when issued (A's registers gathered from
 // the warp) and performed, shared operands read through the descriptors, when a wait retires its group:
 // accumulators read before the wait hold their old values, a tile refilled before it the new ones; a
@@ -59,17 +61,23 @@ inline void wg_fence_proxy() { emu::fence_async_proxy(); }
 template <typename... A> inline void wg_begin(A &...) { emu::tls.wg_fenced = true; }
 template <int K> inline void wg_keep(uint32_t (&)[K][4]) {}
 
-template <int P, typename... A> inline void wg_end(A &...) {
+inline void wg_commit() {
     emu::tls.wg_groups.push_back(std::move(emu::tls.wg_open));
     emu::tls.wg_open.clear();
-    emu::retire_wgmma(P);
+}
+template <int P, typename... A> inline void wg_wait(A &...) { emu::retire_wgmma(P); }
+template <int P, typename... A> inline void wg_end(A &...d) {
+    wg_commit();
+    wg_wait<P>(d...);
 }
 
 namespace emu {
 inline void wg_issue(WgOp op) {
     if (tls.block_dim.x * tls.block_dim.y * tls.block_dim.z % 128 != 0) report("wgmma in a block of partial warpgroups");
     if (!tls.wg_fenced) report("a wgmma with no wgmma.fence since the accumulators were last written");
-    check_async_proxy();
+    check_async_proxy(op);
+    std::memcpy(op.d_issued, op.d, op.n / 2 * sizeof(float));
+    if (op.a_regs) std::memcpy(op.a_issued, op.a_src, sizeof op.a_issued);
     tls.wg_open.push_back(op);
 }
 }  // namespace emu
@@ -79,7 +87,7 @@ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int 
     uint32_t all[32][emu::WARP_GATHER_WORDS];
     emu::warp_gather(0xffffffffu, a, 4, all);
     const uint32_t g = (emu::tls.tid % 32) / 4;
-    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, 0, TB, scale_d};
+    emu::WgOp op{&d[0][0], N, emu::ElemOf<T>::v, true, {}, 0, b, 0, TB, scale_d, {}, a, {}};
     // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 (k >= 8), half k % 2 (mma.cuh).
     for (uint32_t r = 0; r < 2; ++r)
         for (uint32_t k = 0; k < 16; ++k) op.a[r][k] = half_of<T>(all[g * 4 + (k % 8) / 2][r + 2 * (k >= 8)], k % 2);
@@ -88,7 +96,7 @@ inline void wgmma_rs(float (&d)[N / 8][4], const uint32_t a[4], uint64_t b, int 
 
 template <typename T, int N, int TA = 0, int TB = 0>
 inline void wgmma_ss(float (&d)[N / 8][4], uint64_t a, uint64_t b, int scale_d) {
-    emu::wg_issue(emu::WgOp{&d[0][0], N, emu::ElemOf<T>::v, false, {}, a, b, TA, TB, scale_d});
+    emu::wg_issue(emu::WgOp{&d[0][0], N, emu::ElemOf<T>::v, false, {}, a, b, TA, TB, scale_d, {}, nullptr, {}});
 }
 #else
 __device__ __forceinline__ void wg_fence_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
@@ -105,10 +113,16 @@ template <typename... A> __device__ __forceinline__ void wg_begin(A &...d) {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
 
-template <int P, typename... A> __device__ __forceinline__ void wg_end(A &...d) {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+
+template <int P, typename... A> __device__ __forceinline__ void wg_wait(A &...d) {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(P) : "memory");
     (wg_fence_acc(d), ...);
+}
+
+template <int P, typename... A> __device__ __forceinline__ void wg_end(A &...d) {
+    wg_commit();
+    wg_wait<P>(d...);
 }
 
 // Keeps A fragments' registers alive (unchanged) until here: after the wg_end that retires their products.

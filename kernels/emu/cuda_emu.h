@@ -59,7 +59,9 @@ struct AsyncCopy {
 
 // One wgmma.mma_async of a thread (wgmma.cuh): its accumulators d (n / 8 x 4), performed when a wait
 // retires its group. A is the thread's two rows (16 w + g, + 8) gathered from its warp's registers at the
-// issue (a_regs), or read through a_desc at the retirement, as B is through b_desc.
+// issue (a_regs), or read through a_desc at the retirement, as B is through b_desc. The thread's
+// accumulators and A registers as they were at the issue (d_issued, a_src / a_issued): the wait that
+// retires the product reports them written in between (undefined on the device).
 struct WgOp {
     float *d;
     uint32_t n, elem;  // elem: E_BF16 or E_F16
@@ -67,6 +69,9 @@ struct WgOp {
     float a[2][16];
     uint64_t a_desc, b_desc;
     int trans_a, trans_b, scale_d;  // trans_a: A (from a_desc) MN-major
+    float d_issued[64];
+    const uint32_t *a_src;
+    uint32_t a_issued[4];
 };
 
 // The launch state of the calling host thread (set by runtime.cpp).
@@ -76,7 +81,7 @@ struct ThreadState {
     uint32_t warp_ops = 0;  // warp-collective operations done in this block (double-buffer parity)
     std::vector<AsyncCopy> async_open;  // copies issued since the last commit
     std::vector<std::vector<AsyncCopy>> async_groups;  // committed groups, oldest first, not yet waited for
-    bool async_unfenced = false;  // copies retired since this thread's last fence.proxy.async
+    std::vector<uint32_t> unfenced;  // 16-byte chunks of dynamic shared memory its retired copies wrote, not fenced since
     bool wg_fenced = false;       // a wgmma.fence since the last wgmma wait (or the block's start)
     std::vector<WgOp> wg_open;    // wgmma issued since the last commit
     std::vector<std::vector<WgOp>> wg_groups;  // committed wgmma groups, oldest first
@@ -87,8 +92,9 @@ extern thread_local ThreadState tls;
 void retire_async_copies(int pending);
 // fence.proxy.async: this thread's retired copies become visible to the async proxy (wgmma's operands).
 void fence_async_proxy();
-// Reports a wgmma issued while a thread of the block has copies retired and not fenced since.
-void check_async_proxy();
+// Reports a wgmma whose shared operands hold bytes a thread's retired copies wrote with no
+// fence.proxy.async by that thread since.
+void check_async_proxy(const WgOp &op);
 // Performs this thread's oldest committed groups of wgmma until at most `pending` remain.
 void retire_wgmma(int pending);
 // The offset of p in the launch's dynamic shared memory (__cvta_generic_to_shared; reported if outside).

@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -111,7 +112,9 @@ struct Launch {
     Barrier block, gate;
     std::vector<Warp> warps;
     unsigned char *dyn = nullptr;
-    std::atomic<int> unfenced{0};  // threads with retired copies not fenced for the async proxy
+    // Per 16-byte chunk of the dynamic shared memory: the thread whose retired copy wrote it and has not
+    // fenced it for the async proxy since, or -1.
+    std::unique_ptr<std::atomic<int32_t>[]> unfenced;
     std::mutex err_m;
     std::string error;
 };
@@ -144,7 +147,7 @@ bool check_warp(uint32_t mask, const char *what) {
 void prepare_block() {
     Launch &l = *current;
     l.block.reset(l.threads);
-    l.unfenced = 0;
+    for (uint32_t c = 0; c < (l.shared + 15) / 16; ++c) l.unfenced[c].store(-1, std::memory_order_relaxed);
     for (auto &w : l.warps) w.bar.reset(w.lanes);
     // Shared memory starts as NaN bytes, so a read of a value no thread wrote shows.
     std::memset(l.dyn, 0xff, l.shared);
@@ -187,7 +190,8 @@ void thread_main(uint32_t t, dim3 grid, dim3 block, const std::vector<uint64_t> 
         l.gate.arrive(0, 0, "block start");
         tls.block_idx = unflatten(b, grid);
         tls.warp_ops = 0;
-        tls.async_unfenced = tls.wg_fenced = false;
+        tls.wg_fenced = false;
+        tls.unfenced.clear();
         body(ctx);
         if (!tls.async_open.empty() || !tls.async_groups.empty()) {
             report("the kernel ended with cp.async copies it never waited for");
@@ -270,15 +274,16 @@ uint64_t warp_exchange(uint32_t mask, uint64_t value, int src, int mode, int wid
 
 void retire_async_copies(int pending) {
     while ((int)tls.async_groups.size() > (pending < 0 ? 0 : pending)) {
-        if (!tls.async_groups.front().empty() && !tls.async_unfenced) {
-            tls.async_unfenced = true;
-            ++current->unfenced;
-        }
         for (const AsyncCopy &c : tls.async_groups.front()) {
             if (c.n > 16) report("a cp.async of more than 16 source bytes");
             const uint32_t n = c.n > 16 ? 16 : c.n;
             std::memcpy(c.dst, c.src, n);
             std::memset(c.dst + n, 0, 16 - n);
+            if (c.dst >= current->dyn && c.dst < current->dyn + current->shared) {
+                const uint32_t chunk = (uint32_t)(c.dst - current->dyn) / 16;
+                current->unfenced[chunk].store((int32_t)tls.tid, std::memory_order_relaxed);
+                tls.unfenced.push_back(chunk);
+            }
         }
         tls.async_groups.erase(tls.async_groups.begin());
     }
@@ -294,15 +299,11 @@ uint32_t shared_offset(const void *p) {
 }
 
 void fence_async_proxy() {
-    if (tls.async_unfenced) {
-        tls.async_unfenced = false;
-        --current->unfenced;
+    for (uint32_t chunk : tls.unfenced) {
+        int32_t mine = (int32_t)tls.tid;
+        current->unfenced[chunk].compare_exchange_strong(mine, -1, std::memory_order_relaxed);
     }
-}
-
-void check_async_proxy() {
-    if (current->unfenced > 0)
-        report("a wgmma while a thread's cp.async copies into shared memory have no fence.proxy.async after them");
+    tls.unfenced.clear();
 }
 
 namespace {
@@ -360,14 +361,51 @@ void perform(const WgOp &op) {
     }
 }
 
+// Reports the first element of a wgmma operand (through `desc`, rows 0..rows, 16 k) in a chunk of an
+// unfenced copy.
+bool check_unfenced(uint64_t desc, uint32_t rows, int trans) {
+    for (uint32_t mn = 0; mn < rows; ++mn)
+        for (uint32_t k = 0; k < 16; ++k) {
+            const int32_t writer =
+                current->unfenced[(operand_at(desc, mn, k, trans) - current->dyn) / 16].load(std::memory_order_relaxed);
+            if (writer >= 0) {
+                char msg[200];
+                snprintf(msg, sizeof msg,
+                         "a wgmma reads shared memory that thread %d's cp.async wrote with no fence.proxy.async by "
+                         "that thread since",
+                         writer);
+                report(msg);
+                return false;
+            }
+        }
+    return true;
+}
+
 }  // namespace
+
+void check_async_proxy(const WgOp &op) {
+    if (check_unfenced(op.b_desc, op.n, op.trans_b) && !op.a_regs) check_unfenced(op.a_desc, 64, op.trans_a);
+}
 
 void retire_wgmma(int pending) {
     tls.wg_fenced = false;  // the accumulators change here: the next wgmma needs a wgmma.fence first
-    while ((int)tls.wg_groups.size() > (pending < 0 ? 0 : pending)) {
-        for (const WgOp &op : tls.wg_groups.front()) perform(op);
-        tls.wg_groups.erase(tls.wg_groups.begin());
-    }
+    const size_t retired = tls.wg_groups.size() - std::min(tls.wg_groups.size(), (size_t)(pending < 0 ? 0 : pending));
+    for (size_t g = 0; g < retired; ++g)
+        for (const WgOp &op : tls.wg_groups[g]) {
+            if (std::memcmp(op.d, op.d_issued, op.n / 2 * sizeof(float)) != 0)
+                report("a thread wrote a wgmma's accumulators between its issue and the wait that retires it");
+            if (op.a_regs && std::memcmp(op.a_src, op.a_issued, sizeof op.a_issued) != 0)
+                report("a thread wrote a wgmma's A registers between its issue and the wait that retires it");
+        }
+    for (size_t g = 0; g < retired; ++g)
+        for (const WgOp &op : tls.wg_groups[g]) {
+            perform(op);
+            // A later group's product on the same accumulators starts from these values.
+            for (size_t later = g + 1; later < tls.wg_groups.size(); ++later)
+                for (WgOp &next : tls.wg_groups[later])
+                    if (next.d == op.d) std::memcpy(next.d_issued, op.d, op.n / 2 * sizeof(float));
+        }
+    tls.wg_groups.erase(tls.wg_groups.begin(), tls.wg_groups.begin() + (long)retired);
 }
 
 void warp_gather(uint32_t mask, const uint32_t *mine, uint32_t n, uint32_t (*all)[WARP_GATHER_WORDS]) {
@@ -427,6 +465,7 @@ bool run_grid(const char *kernel, dim3 grid, dim3 block, uint32_t shared, uint32
     l.gate.reset(l.threads);
     l.warps = std::vector<Warp>((l.threads + 31) / 32);
     for (size_t w = 0; w < l.warps.size(); ++w) l.warps[w].lanes = std::min<uint32_t>(32, l.threads - 32 * (uint32_t)w);
+    l.unfenced.reset(new std::atomic<int32_t>[(shared + 15) / 16]);
 #ifdef EMU_ASAN
     l.dyn = static_cast<unsigned char *>(malloc(shared));  // exactly: AddressSanitizer sees any byte past it
 #else
