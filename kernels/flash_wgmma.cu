@@ -25,6 +25,7 @@
 //                              warpgroup product per 64 of D's columns (or of the keys), f32 atomics.
 // Shared memory per kernel: see the host (src/kernels/flash_wgmma.rs).
 
+#include "barrier.cuh"
 #include "common.cuh"
 #include "cp_async.cuh"
 #include "flash_rows.cuh"
@@ -33,6 +34,7 @@
 #define WG_THREADS 256
 #define WG_BQ 128    // queries per block of the forward and the dq kernel
 #define WG_BK 64     // keys per step of the forward and the dq kernel
+#define WG_FWD_SLOTS 3  // K and V tiles the forward holds: the two it computes on, one being filled
 #define WG_DKV_BK 128  // keys per block of the dk/dv kernel
 #define WG_DKV_BQ 64   // queries per step of the dk/dv kernel
 
@@ -42,14 +44,16 @@ template <typename T> __device__ __forceinline__ T *wg_aligned(void *smem) {
     return (T *)((unsigned char *)smem + ((1024u - (a & 1023u)) & 1023u));
 }
 
-// Rows r0.. r0 + R of a [rows, D] matrix into the swizzled tile dst (R rows; rows >= limit are 0), by
-// asynchronous 16-byte copies when src is 16-byte aligned (the caller commits and waits), else at once.
+// Rows first.. first + count of the swizzled tile dst (R rows), from rows r0 + first.. of a [rows, D]
+// matrix (rows >= limit are 0), by threads tid of `threads`: asynchronous 16-byte copies when src is
+// 16-byte aligned (the caller commits and waits), else at once.
 template <typename T, int D, int R>
-__device__ void stage_swizzled(T *dst, const T *src, uint32_t r0, uint32_t limit) {
+__device__ void stage_rows(T *dst, const T *src, uint32_t r0, uint32_t limit, uint32_t first, uint32_t count,
+                           uint32_t tid, uint32_t threads) {
     constexpr uint32_t CHUNKS = D / 8;  // 16-byte copies per row
     const bool aligned = ((uintptr_t)src & 15) == 0;
-    for (uint32_t e = threadIdx.x; e < R * CHUNKS; e += WG_THREADS) {
-        const uint32_t r = e / CHUNKS, x = (e % CHUNKS) * 8;
+    for (uint32_t e = tid; e < count * CHUNKS; e += threads) {
+        const uint32_t r = first + e / CHUNKS, x = (e % CHUNKS) * 8;
         const bool in = r0 + r < limit;
         T *to = dst + wg_at<R>(r, x);
         if (aligned) {
@@ -58,6 +62,12 @@ __device__ void stage_swizzled(T *dst, const T *src, uint32_t r0, uint32_t limit
             for (uint32_t i = 0; i < 8; ++i) to[i] = in ? src[(size_t)(r0 + r) * D + x + i] : from_f32<T>(0.f);
         }
     }
+}
+
+// Rows r0.. r0 + R of a [rows, D] matrix into the swizzled tile dst by the whole block.
+template <typename T, int D, int R>
+__device__ void stage_swizzled(T *dst, const T *src, uint32_t r0, uint32_t limit) {
+    stage_rows<T, D, R>(dst, src, r0, limit, 0, R, threadIdx.x, WG_THREADS);
 }
 
 // After this thread's copies into a stage are waited for: makes every thread's writes visible to the
@@ -117,29 +127,55 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1);
 }
 
-// Key block j0's keys into K slot sk (when j0 <= kmax) and block v0's values into V slot sv of `tiles`
-// ([2 slots][K, V][BK x D swizzled]), one group of copies.
+// The forward's named barriers (barrier.cuh) for warpgroup w and key slot st (ids 1..14):
+//   wg_full(w, st):  w's half of the slot's tiles is in (w arrives; the other warpgroup syncs);
+//   wg_empty(w, st): w has retired its products on the slot (w arrives; the other syncs before refilling
+//                    it);
+//   wg_turn(w):      w may issue its products (the other arrives when it has issued its own).
+__device__ __forceinline__ uint32_t wg_full(uint32_t w, uint32_t st) { return 1 + 2 * st + w; }
+__device__ __forceinline__ uint32_t wg_empty(uint32_t w, uint32_t st) { return 7 + 2 * st + w; }
+__device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 13 + w; }
+
+// Warpgroup w's half (rows 32 w.. 32 w + 31) of key block j0's K and V tiles into `slot` ([K, V][BK x D]
+// swizzled), one group of copies.
 template <typename T, int D>
-__device__ __forceinline__ void wg_stage_k_v(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t kmax, uint32_t sk,
-                                             uint32_t v0, uint32_t sv, uint32_t s) {
-    if (j0 <= kmax) stage_swizzled<T, D, WG_BK>(tiles + 2 * sk * WG_BK * D, kh, j0, s);
-    stage_swizzled<T, D, WG_BK>(tiles + (2 * sv + 1) * WG_BK * D, vh, v0, s);
+__device__ __forceinline__ void wg_stage_half(T *slot, const T *kh, const T *vh, uint32_t j0, uint32_t s, uint32_t w) {
+    constexpr uint32_t HALF = WG_BK / 2;
+    stage_rows<T, D, WG_BK>(slot, kh, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+    stage_rows<T, D, WG_BK>(slot + WG_BK * D, vh, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
     cp_async_commit();
 }
 
-// The forward, its products pipelined with the softmax (FlashAttention-3's intra-warpgroup overlap): step
-// j issues S_j = Q K_j^T, rescales O to block j - 1's running max while it runs, issues O += P_{j-1}
-// V_{j-1}, and computes block j's softmax while that product runs (after waiting for S_j only). Block j's
-// keys and values sit in slot j % 2: K_{j+1} and V_j are copied in during step j, when their slots' last
-// readers (S_{j-1}, P_{j-2} V_{j-2}) have retired in every warp (the step's barrier).
+// Before warpgroup w's products on slot st: this thread's copies into it waited for (`newer`: the next
+// slot's group may stay pending) and fenced for the tensor cores, w's half announced, the other's awaited.
+__device__ __forceinline__ void wg_acquire(uint32_t w, uint32_t st, bool newer) {
+    if (newer) {
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    wg_fence_proxy();
+    bar_arrive(wg_full(w, st), WG_THREADS);
+    bar_sync(wg_full(w ^ 1, st), WG_THREADS);
+}
+
+// The forward, FlashAttention-3's schedule without its producer warpgroup:
+// - pipelined within a warpgroup: step j issues S_j = Q K_j^T, rescales O to block j - 1's running max
+//   while it runs, issues O += P_{j-1} V_{j-1}, and computes block j's softmax while that product runs
+//   (after waiting for S_j only); step 0 has no P V, and a last step issues block n - 1's;
+// - ping-pong between the two warpgroups: each issues its products only after the other has issued its
+//   own (wg_turn), so that one warpgroup's softmax runs while the other's products do;
+// - no block-wide barrier in the loop: each warpgroup copies half of every K and V tile, two blocks
+//   ahead, into three slots; named barriers tell the other warpgroup when its half is in (wg_full) and
+//   when a slot's products have retired (wg_empty), so the warpgroups drift apart by up to a step.
 template <typename T, int D>
 __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                 const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t wg_smem[];
-    T *tiles = wg_aligned<T>(wg_smem);                     // [2 slots][keys, values][WG_BK x D]
-    uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
-    uint32_t *his = los + WG_BQ;                           // [WG_BQ]
+    T *tiles = wg_aligned<T>(wg_smem);                              // [slots][keys, values][WG_BK x D]
+    uint32_t *los = (uint32_t *)(tiles + 2 * WG_FWD_SLOTS * WG_BK * D);  // [WG_BQ]
+    uint32_t *his = los + WG_BQ;                                    // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
@@ -147,48 +183,56 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     uint32_t kmin, kmax;
     mma_row_ranges<WG_THREADS>(ranges, b, i0, WG_BQ, t, s, los, his, kmin, kmax);
     const QueryRows rows = query_rows(los, his, nullptr, nullptr, bh, t, i0, m0);
-    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2];
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f}, alpha[2] = {0.f, 0.f};
     float o[D / 8][4];
     zero_acc(o);
-    if (kmin <= kmax) {
-        const auto k_slot = [&](uint32_t st) { return tiles + 2 * st * WG_BK * D; };
-        stage_swizzled<T, D, WG_BK>(k_slot(0), kh, kmin, s);
-        cp_async_commit();
-        cp_async_wait<0>();
-        wg_publish();
-        wg_stage_k_v<T, D>(tiles, kh, vh, kmin + WG_BK, kmax, 1, kmin, 0, s);
+
+    const uint32_t w = threadIdx.x / 128, n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
+    const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
+    if (n > 0) {  // every product outside a branch within the loop: ptxas serialises wgmma in divergent paths
         float sc[WG_BK / 8][4];
         uint32_t pf[WG_BK / 16][4];
+        for (uint32_t j = 0; j < 2 && j < n; ++j) wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w);
+        if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
+        wg_acquire(w, 0, n > 1);
+        bar_sync(wg_turn(w), WG_THREADS);
         wg_begin(sc);
-        wg_rows_by_tile<T, WG_BK, D>(sc, qf, k_slot(0));
-        wg_end<0>(sc);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(0));
+        wg_commit();
+        bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+        wg_wait<0>(sc);
         softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin, scale);  // o is zero: nothing to rescale
         wg_frags<T, WG_BK>(pf, sc);
-        uint32_t st = 1;
-        for (uint32_t j0 = kmin + WG_BK; j0 <= kmax; j0 += WG_BK, st ^= 1) {
-            cp_async_wait<0>();
-            wg_publish();  // K_j and V_{j-1} are in; every warp is past step j - 1
-            wg_stage_k_v<T, D>(tiles, kh, vh, j0 + WG_BK, kmax, st ^ 1, j0, st, s);
+        if (n > 2) wg_stage_half<T, D>(slot(2), kh, vh, kmin + 2 * WG_BK, s, w);
+        for (uint32_t j = 1; j < n; ++j) {
+            wg_acquire(w, j % WG_FWD_SLOTS, j + 1 < n);
+            bar_sync(wg_turn(w), WG_THREADS);
             wg_begin(sc);
-            wg_rows_by_tile<T, WG_BK, D>(sc, qf, k_slot(st));
+            wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(j));
             wg_commit();
             rescale_rows<D>(o, alpha);
             wg_begin(o);
-            wg_acc_by_tile<T, WG_BK, D>(o, pf, k_slot(st ^ 1) + WG_BK * D);
+            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);
             wg_commit();
+            bar_arrive(wg_turn(w ^ 1), WG_THREADS);
             wg_wait<1>(sc);
-            softmax_step<WG_BK>(sc, m, l, alpha, rows, j0, scale);
+            softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin + j * WG_BK, scale);
             wg_wait<0>(o);
             wg_keep(pf);
             wg_frags<T, WG_BK>(pf, sc);
+            if (j + 2 < n) {  // block j + 2 into block j - 1's slot, once both warpgroups are done with it
+                bar_arrive(wg_empty(w, (j - 1) % WG_FWD_SLOTS), WG_THREADS);
+                bar_sync(wg_empty(w ^ 1, (j - 1) % WG_FWD_SLOTS), WG_THREADS);
+                wg_stage_half<T, D>(slot(j + 2), kh, vh, kmin + (j + 2) * WG_BK, s, w);
+            }
         }
-        cp_async_wait<0>();
-        wg_publish();
+        bar_sync(wg_turn(w), WG_THREADS);
         rescale_rows<D>(o, alpha);
         wg_begin(o);
-        wg_acc_by_tile<T, WG_BK, D>(o, pf, k_slot(st ^ 1) + WG_BK * D);
+        wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(n - 1) + WG_BK * D);
         wg_end<0>(o);
         wg_keep(pf);
+        if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
     }
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }

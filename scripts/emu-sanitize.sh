@@ -15,6 +15,13 @@
 #             -> AddressSanitizer reports a heap-buffer-overflow in shared memory
 #     argsize rms_norm_fwd declared with a 64-bit `h` while its launch plan passes a u32
 #             -> the emulator's check of each argument against the kernel's signature fails the launch
+#   and the warpgroup forward's schedule (kernels/flash_wgmma.cu), each caught by the emulator:
+#     wgslot  a K/V slot refilled without waiting for the other warpgroup's products on it (wg_empty)
+#             -> ThreadSanitizer reports the refill racing with the emulated wgmma's read (or wrong values)
+#     wgproxy the fence.proxy.async before a slot is announced left out -> a wgmma reads unfenced copies
+#     wgacc   O rescaled after its product is issued -> accumulators written while the wgmma runs
+#     wgareg  P's A registers rebuilt before the product that reads them has retired
+#     wgturn  warpgroup 1 takes one turn too many -> a named barrier left incomplete at the block's end
 #
 # The mutants are copies of kernels/ in a temporary folder (GRPO_EMU_KERNELS); the tree is not touched.
 # Each configuration rebuilds the crate's test binary (the dependencies are reused): minutes, not hours.
@@ -100,6 +107,10 @@ if [ "$mutate" -eq 1 ]; then
   dir=$(mutant sync common.cuh '    if (lane == 0) shared[warp] = v;\n    __syncthreads();' '    if (lane == 0) shared[warp] = v;')
   caught "sync (removed __syncthreads)" thread "$dir" kernels::emu::tests::rms_norm_fwd \
     'WARNING: ThreadSanitizer: data race'
+  dir=$(mutant wgslot flash_wgmma.cu \
+    '                bar_arrive(wg_empty(w, (j - 1) % WG_FWD_SLOTS), WG_THREADS);\n                bar_sync(wg_empty(w ^ 1, (j - 1) % WG_FWD_SLOTS), WG_THREADS);\n' '')
+  caught "wgslot (a slot refilled while the other warpgroup reads it)" thread "$dir" \
+    kernels::emu::tests::flash_wgmma_fwd 'ThreadSanitizer: data race|emulated .* vs cpu'
 fi
 clean "AddressSanitizer+UBSan" address,undefined
 if [ "$mutate" -eq 1 ]; then
@@ -113,6 +124,19 @@ if [ "$mutate" -eq 1 ]; then
     'void rms_norm_fwd_##NAME(const T *x, T *y, uint64_t h')
   caught "argsize (u32 passed for a 64-bit parameter)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
     'the launch passes 4 bytes'
+  fwd=kernels::emu::tests::flash_wgmma_fwd
+  dir=$(mutant wgproxy flash_wgmma.cu '    wg_fence_proxy();\n    bar_arrive(wg_full' '    bar_arrive(wg_full')
+  caught "wgproxy (no fence.proxy.async)" address,undefined "$dir" $fwd 'no fence.proxy.async by that thread'
+  dir=$(mutant wgacc flash_wgmma.cu \
+    '            rescale_rows<D>(o, alpha);\n            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();' \
+    '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);')
+  caught "wgacc (accumulators written in flight)" address,undefined "$dir" $fwd "wrote a wgmma's accumulators"
+  dir=$(mutant wgareg flash_wgmma.cu \
+    '            wg_wait<0>(o);\n            wg_keep(pf);\n            wg_frags<T, WG_BK>(pf, sc);' \
+    '            wg_frags<T, WG_BK>(pf, sc);\n            wg_wait<0>(o);\n            wg_keep(pf);')
+  caught "wgareg (A registers written in flight)" address,undefined "$dir" $fwd "wrote a wgmma's A registers"
+  dir=$(mutant wgturn flash_wgmma.cu '        if (w == 0) bar_arrive(wg_turn(1)' '        bar_arrive(wg_turn(w ^ 1)')
+  caught "wgturn (an extra turn)" address,undefined "$dir" $fwd 'left with 128 arrivals'
 fi
 [ "$failures" -eq 0 ] && echo "all clean$([ "$mutate" -eq 1 ] && echo ', every mutant caught')"
 exit "$failures"

@@ -102,6 +102,9 @@ uint32_t shared_offset(const void *p);
 
 // Barriers and warp collectives (runtime.cpp).
 int sync_block(int kind, int pred);  // kind: 0 plain, 1 or, 2 and, 3 count
+// Named barriers 1..15 (barrier.cuh): bar.sync (wait) or bar.arrive for `count` threads.
+constexpr uint32_t NAMED_BARRIERS = 16;
+void named_barrier(uint32_t id, uint32_t count, bool wait);
 void sync_warp(uint32_t mask);
 uint64_t warp_exchange(uint32_t mask, uint64_t value, int src_lane, int mode, int width);
 uint32_t warp_vote(uint32_t mask, int pred);

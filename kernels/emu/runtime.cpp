@@ -97,6 +97,60 @@ class Barrier {
     int acc_or_ = 0, acc_and_ = 1, acc_count_ = 0, res_or_ = 0, res_and_ = 1, res_count_ = 0;
 };
 
+// A named barrier (bar.sync / bar.arrive with an id and a thread count, barrier.cuh): a phase completes
+// when `count` threads have arrived; a thread that syncs waits for the completion, one that arrives does
+// not. A thread arriving twice in one phase, a phase's count changing, or a phase left incomplete at the
+// block's end is reported (on the device the second arrival would complete the phase early).
+class NamedBarrier {
+  public:
+    void reset(uint32_t threads) {
+        std::lock_guard<std::mutex> g(m_);
+        arrived_ = count_ = 0;
+        by_.assign(threads, false);
+    }
+
+    void arrive(uint32_t id, uint32_t count, bool wait, uint32_t tid) {
+        std::unique_lock<std::mutex> g(m_);
+        char msg[160];
+        if (arrived_ > 0 && count != count_) {
+            snprintf(msg, sizeof msg, "named barrier %u: a thread arrives for %u threads in a phase of %u", id, count,
+                     count_);
+            report(msg);
+        }
+        if (by_[tid]) {
+            snprintf(msg, sizeof msg, "named barrier %u: a thread arrived twice before the phase completed", id);
+            report(msg);
+        }
+        count_ = count;
+        by_[tid] = true;
+        const uint64_t gen = gen_;
+        if (++arrived_ == count_) {
+            arrived_ = 0;
+            by_.assign(by_.size(), false);
+            ++gen_;
+            cv_.notify_all();
+            return;
+        }
+        if (wait && !cv_.wait_for(g, DEADLOCK, [&] { return gen_ != gen; })) {
+            fprintf(stderr, "cuda emulator: deadlock at named barrier %u (%u of %u threads arrived)\n", id, arrived_,
+                    count_);
+            abort();
+        }
+    }
+
+    uint32_t pending() {
+        std::lock_guard<std::mutex> g(m_);
+        return arrived_;
+    }
+
+  private:
+    std::mutex m_;
+    std::condition_variable cv_;
+    uint32_t arrived_ = 0, count_ = 0;
+    uint64_t gen_ = 0;
+    std::vector<bool> by_;
+};
+
 struct Warp {
     Barrier bar;
     uint32_t lanes = 32;  // lanes that exist (a block of n threads ends with a partial warp when 32 ∤ n)
@@ -111,6 +165,7 @@ struct Launch {
     uint32_t shared = 0;
     Barrier block, gate;
     std::vector<Warp> warps;
+    NamedBarrier named[NAMED_BARRIERS];
     unsigned char *dyn = nullptr;
     // Per 16-byte chunk of the dynamic shared memory: the thread whose retired copy wrote it and has not
     // fenced it for the async proxy since, or -1.
@@ -149,6 +204,7 @@ void prepare_block() {
     l.block.reset(l.threads);
     for (uint32_t c = 0; c < (l.shared + 15) / 16; ++c) l.unfenced[c].store(-1, std::memory_order_relaxed);
     for (auto &w : l.warps) w.bar.reset(w.lanes);
+    for (auto &n : l.named) n.reset(l.threads);
     // Shared memory starts as NaN bytes, so a read of a value no thread wrote shows.
     std::memset(l.dyn, 0xff, l.shared);
 #ifndef EMU_ASAN
@@ -157,8 +213,16 @@ void prepare_block() {
 }
 
 void check_block() {
-#ifndef EMU_ASAN
     Launch &l = *current;
+    for (uint32_t id = 1; id < NAMED_BARRIERS; ++id) {
+        if (const uint32_t n = l.named[id].pending()) {
+            char msg[120];
+            snprintf(msg, sizeof msg, "named barrier %u left with %u arrivals of an incomplete phase at the block's end",
+                     id, n);
+            report(msg);
+        }
+    }
+#ifndef EMU_ASAN
     for (uint32_t i = 0; i < CANARY; ++i) {
         if (l.dyn[l.shared + i] != 0xa5) {
             char msg[160];
@@ -244,6 +308,14 @@ void report(const char *what) {
 void *dynamic_shared() { return current->dyn; }
 
 int sync_block(int kind, int pred) { return current->block.arrive(kind, pred, "__syncthreads"); }
+
+void named_barrier(uint32_t id, uint32_t count, bool wait) {
+    if (id == 0 || id >= NAMED_BARRIERS || count == 0 || count % 32 != 0 || count > current->threads) {
+        report("a named barrier other than 1-15 or a thread count not a multiple of 32 up to the block's");
+        return;
+    }
+    current->named[id].arrive(id, count, wait, tls.tid);
+}
 
 void sync_warp(uint32_t mask) {
     if (check_warp(mask, "__syncwarp")) my_warp().bar.arrive(0, 0, "__syncwarp");

@@ -23,13 +23,17 @@ const DKV_QUERIES: usize = 64;
 /// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
 const ALIGN: usize = 1024;
 
+/// Key tiles of K and V the forward holds (two computed on, one being filled); the dq kernel's stages.
+const FWD_SLOTS: usize = 3;
+const DQ_STAGES: usize = 2;
+
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
-/// (two stages of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and
-/// statistics.
+/// (slots of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and statistics.
 fn shared_bytes(kernel: &str, d: usize) -> usize {
     let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES;
     match kernel {
-        "fwd" | "bwd_dq" => ALIGN + 2 * (4 * KEYS * d) + 2 * 4 * QUERIES,
+        "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
+        "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dkv" => dkv,
         // and the tile of dS^T, [128 keys][64 queries]
         _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,

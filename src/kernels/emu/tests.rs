@@ -359,10 +359,15 @@ fn flash_mma_bwd() {
 const WGMMA_CASES: [FlashCase; 5] =
     [(2, 4, 2, 70, 3, 64), (1, 2, 1, 1, 5, 64), (2, 2, 2, 19, 2, 128), (0, 2, 1, 4, 0, 64), (1, 2, 1, 150, 2, 128)];
 
+/// A length whose last query block's keys span six key steps of the forward: every slot of its K and V
+/// ring refilled, so that its named barriers (and the warpgroups' drift) are exercised.
+const WGMMA_LONG: [FlashCase; 1] = [(1, 2, 1, 300, 40, 64)];
+
 #[test]
 fn flash_wgmma_fwd() {
     let plan = flash_wgmma::forward_plan;
     check_flash_forward("flash_wgmma_fwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 41);
+    check_flash_forward("flash_wgmma_fwd", plan, &WGMMA_LONG, [DType::BF16, DType::F16], 43);
 }
 
 #[test]
