@@ -76,8 +76,12 @@ pub enum OpKind {
     AttentionGemm,
     /// The tensor-core attention kernels (kernels/flash_mma.cu): block products and softmax on chip.
     AttentionMma,
-    /// The warpgroup tensor-core attention kernels (kernels/flash_wgmma.cu, compute capability 9.0).
+    /// The warpgroup tensor-core attention kernels (kernels/flash_wgmma.cu, compute capability 9.0): the
+    /// backward's.
     AttentionWgmma,
+    /// The warpgroup kernels' forward, whose two warpgroups take turns (ping-pong) and pipeline the
+    /// softmax with the products.
+    AttentionWgmmaForward,
     /// Element-wise and reductions, memory-bound.
     Elementwise,
     /// The optimiser update in host memory (`optim.offload`): PCIe transfers and host memory bandwidth.
@@ -116,7 +120,7 @@ pub struct Gpu {
     pub mma_attention_efficiency: f64,
     /// Fraction of the peak the warpgroup attention kernels' `wgmma` products reach; `None` where the
     /// GPU has no wgmma (the `mma` kernels run instead).
-    pub wgmma_attention_efficiency: Option<f64>,
+    pub wgmma_attention_efficiency: Option<WgmmaEfficiency>,
     /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
     pub memory_efficiency: f64,
     /// Host time to launch one kernel, s.
@@ -129,6 +133,15 @@ pub struct Gpu {
     pub nvlink_bandwidth: f64,
     /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
     pub network_bandwidth: f64,
+}
+
+/// The efficiencies of the warpgroup attention kernels (kernels/flash_wgmma.cu).
+#[derive(Debug, Clone, Copy)]
+pub struct WgmmaEfficiency {
+    /// The forward: FlashAttention-3's ping-pong and softmax pipelining, loads by cp.async.
+    pub forward: f64,
+    /// The dq and dk/dv kernels: one barrier-synchronised step after another.
+    pub backward: f64,
 }
 
 /// Host memory bandwidth assumed for the offloaded AdamW update (a server CPU's streaming bandwidth;
@@ -146,12 +159,17 @@ pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 /// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
 /// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its ldmatrix loads
 /// and two-stage asynchronous copies, but smaller blocks within 48 KiB of shared memory and S recomputed
-/// in the backward); the warpgroup kernels 0.40 (FlashAttention-3's wgmma kernels reach 60-75% of the
-/// peak forward and 45-55% backward at head dim 128; these share its wgmma products on swizzled 64-row
-/// tiles beyond 48 KiB of shared memory, but not its TMA loads, warp specialisation or ping-pong
-/// scheduling of softmax against the products, and recompute S in the backward's dq kernel); streaming
-/// kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through cudarc), a
-/// host sync 20 us.
+/// in the backward); the warpgroup kernels 0.50 forward and 0.40 backward. FlashAttention-3 (wgmma on
+/// swizzled tiles, TMA loads by a producer warpgroup, ping-pong between two computing warpgroups, the
+/// softmax pipelined with the products) reaches 661 TFLOP/s forward at head dim 128, 582 without the
+/// pipelining and 570 without the warp specialisation (its ablation: 67%, 59%, 58% of the peak), and
+/// 45-55% backward. The forward here has its wgmma products, ping-pong and pipelining (ptxas waits for
+/// P V before the exponentials, so within a warpgroup only the masking and row max overlap it; the other
+/// warpgroup's products cover the rest) but loads by cp.async from the computing warpgroups, no
+/// producer: 0.50, below both ablation rows. The backward kernels have wgmma but neither schedule and
+/// recompute S in the dq kernel: 0.40, between FlashAttention-2's 35% and FlashAttention-3's 45-55%.
+/// Streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through
+/// cudarc), a host sync 20 us.
 pub const H100_SXM: Gpu = Gpu {
     name: "H100 SXM",
     peak_flops: 989.4e12,
@@ -159,7 +177,7 @@ pub const H100_SXM: Gpu = Gpu {
     gemm_efficiency: 0.65,
     attention_gemm_efficiency: 0.5,
     mma_attention_efficiency: 0.30,
-    wgmma_attention_efficiency: Some(0.40),
+    wgmma_attention_efficiency: Some(WgmmaEfficiency { forward: 0.50, backward: 0.40 }),
     memory_efficiency: 0.85,
     launch_s: 4e-6,
     sync_s: 20e-6,
@@ -282,8 +300,10 @@ struct Ops {
 impl Ops {
     fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, launches: f64) {
         let t = self.times;
-        let attention = matches!(kind, OpKind::AttentionGemm | OpKind::AttentionMma | OpKind::AttentionWgmma)
-            || name.starts_with("attention");
+        let attention = matches!(
+            kind,
+            OpKind::AttentionGemm | OpKind::AttentionMma | OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward
+        ) || name.starts_with("attention");
         let (flops, bytes, launches) = (flops * t, bytes * t, launches * t);
         self.ops.push(OpCost { name, kind, flops, bytes, host_bytes: 0.0, launches, syncs: 0.0, attention });
     }
@@ -371,8 +391,10 @@ fn layer_attention_mma(o: &mut Ops, m: &ModelConfig, b: f64, t: u64, d: f64, (ba
     layer_attention_tiles(o, m, (b, t, d), &MMA_TILES, (backward, atomic_dq));
 }
 
-/// The blocks of the tensor-core attention kernels and the kind of their ops.
+/// The blocks of the tensor-core attention kernels and the kinds of their ops.
 struct Tiles {
+    /// The forward's kind, and the backward's.
+    forward: OpKind,
     kind: OpKind,
     /// Queries per block and keys per step of the forward and the dq kernel.
     rows: u64,
@@ -383,9 +405,23 @@ struct Tiles {
 }
 
 /// kernels/flash_mma.cu's.
-const MMA_TILES: Tiles = Tiles { kind: OpKind::AttentionMma, rows: 64, keys: 32, dkv_keys: 64, dkv_queries: 16 };
+const MMA_TILES: Tiles = Tiles {
+    forward: OpKind::AttentionMma,
+    kind: OpKind::AttentionMma,
+    rows: 64,
+    keys: 32,
+    dkv_keys: 64,
+    dkv_queries: 16,
+};
 /// kernels/flash_wgmma.cu's: 128-row blocks (two warpgroups of 64), 64-row steps.
-const WGMMA_TILES: Tiles = Tiles { kind: OpKind::AttentionWgmma, rows: 128, keys: 64, dkv_keys: 128, dkv_queries: 64 };
+const WGMMA_TILES: Tiles = Tiles {
+    forward: OpKind::AttentionWgmmaForward,
+    kind: OpKind::AttentionWgmma,
+    rows: 128,
+    keys: 64,
+    dkv_keys: 128,
+    dkv_queries: 64,
+};
 
 /// [`layer_attention_mma`] for the blocks of `tiles`: the same products, bytes and launches per block
 /// (the warpgroup kernels, kernels/flash_wgmma.cu, have the same kernels and both backwards).
@@ -408,7 +444,7 @@ fn layer_attention_tiles(
     if !backward {
         let (scores, pairs) = computed_scores(t, blocks);
         let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, step_keys);
-        o.push("attention kernels (forward)", tiles.kind, bh * 4.0 * hd * scores, bh * bytes, 1.0);
+        o.push("attention kernels (forward)", tiles.forward, bh * 4.0 * hd * scores, bh * bytes, 1.0);
         return;
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
@@ -585,8 +621,14 @@ fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
         OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
         OpKind::AttentionGemm => (op.flops / (gpu.peak_flops * gpu.attention_gemm_efficiency)).max(op.bytes / bw),
         OpKind::AttentionMma => (op.flops / (gpu.peak_flops * gpu.mma_attention_efficiency)).max(op.bytes / bw),
-        OpKind::AttentionWgmma => {
-            let efficiency = gpu.wgmma_attention_efficiency.unwrap_or(gpu.mma_attention_efficiency);
+        OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward => {
+            let efficiency = gpu.wgmma_attention_efficiency.map_or(gpu.mma_attention_efficiency, |e| {
+                if op.kind == OpKind::AttentionWgmmaForward {
+                    e.forward
+                } else {
+                    e.backward
+                }
+            });
             (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw)
         }
         OpKind::Elementwise => op.bytes / bw,
@@ -956,13 +998,16 @@ mod tests {
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (forward)"), bh * 4.0 * 4.0 * scores);
         let bwd = bh * 4.0 * (6.0 * scores + 8.0 * 100.0 * 100.0);
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
-        assert!(ops.iter().any(|o| o.kind == OpKind::AttentionWgmma));
+        // The forward at its own efficiency (ping-pong and pipelining), the backward at the backward's.
+        let kinds = |name: &str| ops.iter().filter(|o| o.name == name).map(|o| o.kind).collect::<Vec<_>>();
+        assert!(kinds("attention kernels (forward)").iter().all(|k| *k == OpKind::AttentionWgmmaForward));
+        assert!(kinds("attention kernels (backward)").iter().all(|k| *k == OpKind::AttentionWgmma));
         assert!(ops.iter().all(|o| o.kind != OpKind::AttentionMma && o.kind != OpKind::AttentionGemm));
         // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score of its 128-key blocks, three launches.
         let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
         assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bh * 4.0 * 10.0 * 100.0 * 100.0);
-        let launches =
-            |ops: &[OpCost]| ops.iter().filter(|o| o.kind == OpKind::AttentionWgmma).map(|o| o.launches).sum::<f64>();
+        let wgmma = |k: OpKind| matches!(k, OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward);
+        let launches = |ops: &[OpCost]| ops.iter().filter(|o| wgmma(o.kind)).map(|o| o.launches).sum::<f64>();
         assert_eq!((launches(&ops), launches(&atomic)), (2.0 * 3.0 * 3.0, 2.0 * 3.0 * 4.0));
         let seven = StepShape {
             answers: 16,
