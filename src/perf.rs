@@ -576,6 +576,15 @@ struct AttentionRecord {
     matmul_gflops: f64,
     /// gflops / matmul_gflops.
     ratio: f64,
+    /// The forward alone, median, and its useful FLOPs (4 per query-key pair and head dim) over that time;
+    /// the backward's 10 over the rest of `seconds` (null when the forward alone timed no faster). On a GPU
+    /// their ratios to the matmul's rate are what the performance model assumes per kernel
+    /// (docs/performance-model.md).
+    forward_seconds: f64,
+    forward_gflops: f64,
+    forward_ratio: f64,
+    backward_gflops: Option<f64>,
+    backward_ratio: Option<f64>,
     /// The GPU's blocks and launches for the same shape (forward, backward).
     gpu_block_q: usize,
     gpu_block_k: usize,
@@ -611,13 +620,18 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         Ok(o.backward()?)
     })?;
     let seconds = median(&times);
+    let (forward_times, _) = time_runs(t, || Ok(attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?))?;
+    let forward_seconds = median(&forward_times);
     let m = spec.matmul;
     // In the bench's dtype: f32 on the CPU as the README quotes it; bf16/f16 on a GPU, the tensor cores'
     // rate the attention's products run at.
     let a = Tensor::randn(0f32, 1.0, (m, m), dev)?.to_dtype(t.dtype)?;
     let (mm, _) = time_runs(t, || Ok(a.matmul(&a)?))?;
     let matmul_gflops = 2.0 * (m * m * m) as f64 / median(&mm) / 1e9;
-    let useful = 14.0 * (h * d) as f64 * (n * (n + 1) / 2) as f64;
+    let per_flop = (h * d) as f64 * (n * (n + 1) / 2) as f64; // query-key pairs x head dims
+    let useful = 14.0 * per_flop;
+    let forward_gflops = 4.0 * per_flop / forward_seconds / 1e9;
+    let backward_gflops = (seconds > forward_seconds).then(|| 10.0 * per_flop / (seconds - forward_seconds) / 1e9);
     let bytes = t.dtype.size_in_bytes();
     let cpu = if dev.is_cpu() { AttentionDevice::Cpu } else { AttentionDevice::Gpu };
     let (blocks, fwd, bwd) = causal_work((1, h, kv, n, n, d), cpu, bytes);
@@ -640,6 +654,11 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         matmul_size: m,
         matmul_gflops,
         ratio: gflops / matmul_gflops,
+        forward_seconds,
+        forward_gflops,
+        forward_ratio: forward_gflops / matmul_gflops,
+        backward_gflops,
+        backward_ratio: backward_gflops.map(|g| g / matmul_gflops),
         gpu_block_q: gpu.bq,
         gpu_block_k: gpu.bk,
         gpu_launches: (gf.launches, gb.launches),
@@ -679,6 +698,16 @@ mod tests {
         let (g, m, ratio) =
             (r["gflops"].as_f64().unwrap(), r["matmul_gflops"].as_f64().unwrap(), r["ratio"].as_f64().unwrap());
         assert!(g > 0.0 && m > 0.0 && (ratio - g / m).abs() < 1e-9, "{r}");
+        // The forward timed alone; the backward's rate over the rest of the time, where there is some.
+        let (fs, fg) = (r["forward_seconds"].as_f64().unwrap(), r["forward_gflops"].as_f64().unwrap());
+        let pairs = 4.0 * 16.0 * (70.0 * 71.0 / 2.0);
+        assert!((fg - 4.0 * pairs / fs / 1e9).abs() <= 1e-9 * fg, "{r}");
+        assert!((r["forward_ratio"].as_f64().unwrap() - fg / m).abs() < 1e-9, "{r}");
+        let total = r["seconds"].as_f64().unwrap();
+        match r["backward_gflops"].as_f64() {
+            Some(bg) => assert!((bg - 10.0 * pairs / (total - fs) / 1e9).abs() <= 1e-9 * bg, "{r}"),
+            None => assert!(total <= fs && r["backward_ratio"].is_null(), "{r}"),
+        }
     }
 
     #[test]
