@@ -232,7 +232,9 @@ def main():
     for t in (r for r in records if r.get("bench") == "attention"):
         print(f"\nattention {t.get('kernel')} {t.get('dtype')} len {t.get('len')}: {t.get('seconds', 0):.4f} s, "
               f"{t.get('gflops', 0) / 1e3:.1f} TFLOP/s useful ({t.get('dtype')} matmul {t.get('matmul_gflops', 0) / 1e3:.1f}, "
-              f"ratio {t.get('ratio', 0):.2f})")
+              f"ratio {t.get('ratio', 0):.2f}); forward {t.get('forward_gflops', 0) / 1e3:.1f} TFLOP/s "
+              f"(ratio {t.get('forward_ratio', 0):.2f}), backward {(t.get('backward_gflops') or 0) / 1e3:.1f} "
+              f"(ratio {(t.get('backward_ratio') or 0):.2f})")
     for err in (r for r in records if r.get("bench") == "error"):
         print(f"\nERROR in {err.get('what')}: {err.get('message')}")
     Path(sys.argv[2]).write_text(json.dumps(report, indent=1) + "\n")
