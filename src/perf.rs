@@ -547,6 +547,10 @@ pub struct AttentionSpec {
     /// bf16/f16 at head dim 64 or 128; elsewhere as --mma).
     #[arg(long)]
     pub wgmma: bool,
+    /// With --mma or --wgmma, the backward that sums dq by f32 atomics
+    /// (`model.deterministic_attention = false`).
+    #[arg(long)]
+    pub atomic_dq: bool,
 }
 
 /// What `grpo bench attention` prints.
@@ -558,6 +562,8 @@ struct AttentionRecord {
     /// Which path ran: "wgmma" (the warpgroup kernels), "mma" (the tensor-core kernels) or "chunked"
     /// (block products as GEMMs).
     kernel: &'static str,
+    /// The tensor-core kernels' backward summed dq by atomics.
+    atomic_dq: bool,
     len: usize,
     heads: usize,
     kv_heads: usize,
@@ -594,7 +600,7 @@ struct AttentionRecord {
 /// Forward and backward of causal attention over `--len` tokens (flash path) against a square matmul of
 /// `--matmul` in the same dtype, both on the device, in the same run.
 pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
-    use crate::kernels::{causal_work, flash_attention, flash_attention_mma, flash_attention_wgmma, AttentionDevice};
+    use crate::kernels::{causal_work, flash_attention_recorded, AttentionDevice, GpuKernels};
     let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
     let dev = &t.device;
     let var = |heads| -> Result<Var> {
@@ -610,10 +616,12 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         (true, false) => "mma",
         (false, _) => "chunked",
     };
-    let attend = match (spec.wgmma, spec.mma) {
-        (true, _) => flash_attention_wgmma,
-        (false, true) => flash_attention_mma,
-        (false, false) => flash_attention,
+    let kernels = match spec.mma || spec.wgmma {
+        true => GpuKernels::TensorCores { atomic_dq: spec.atomic_dq, warpgroup: spec.wgmma },
+        false => GpuKernels::Chunked,
+    };
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64| {
+        flash_attention_recorded(q, k, v, ranges, scale, kernels, None)
     };
     let (times, _) = time_runs(t, || {
         let o = attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
@@ -642,6 +650,7 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         device: device_name(dev),
         dtype: dtype_name(t.dtype),
         kernel,
+        atomic_dq: tensor_cores && spec.atomic_dq,
         len: n,
         heads: h,
         kv_heads: kv,
@@ -684,7 +693,16 @@ mod tests {
 
     #[test]
     fn attention_reports_its_rate_against_a_matmul() {
-        let spec = AttentionSpec { len: 70, heads: 4, kv_heads: 2, head_dim: 16, matmul: 64, mma: false, wgmma: false };
+        let spec = AttentionSpec {
+            len: 70,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            matmul: 64,
+            mma: false,
+            wgmma: false,
+            atomic_dq: false,
+        };
         let r = attention(&spec, &cpu()).unwrap();
         assert_eq!(
             (r["bench"].as_str(), r["len"].as_u64(), r["block_q"].as_u64()),
@@ -692,8 +710,8 @@ mod tests {
         );
         // The CPU has one attention: asked for the GPU's kernels, it says it ran the chunked path.
         for (mma, wgmma) in [(true, false), (false, true)] {
-            let r = attention(&AttentionSpec { mma, wgmma, ..spec }, &cpu()).unwrap();
-            assert_eq!(r["kernel"].as_str(), Some("chunked"), "{r}");
+            let r = attention(&AttentionSpec { mma, wgmma, atomic_dq: true, ..spec }, &cpu()).unwrap();
+            assert_eq!((r["kernel"].as_str(), r["atomic_dq"].as_bool()), (Some("chunked"), Some(false)), "{r}");
         }
         let (g, m, ratio) =
             (r["gflops"].as_f64().unwrap(), r["matmul_gflops"].as_f64().unwrap(), r["ratio"].as_f64().unwrap());

@@ -15,7 +15,7 @@
 #   and the warpgroup kernels (--attention wgmma --keep-attention, and with --atomic-dq; on an H100/H200,
 #   mma elsewhere);
 #   attention: one layer's attention at 4k and 16k tokens, chunked GEMMs, tensor-core and warpgroup kernels
-#      (`grpo bench attention [--mma | --wgmma]`, ATTENTION_LENS);
+#      (`grpo bench attention [--mma | --wgmma [--atomic-dq]]`, ATTENTION_LENS);
 #   5. (part seed7b, not in the default list) one training step at the Qwen2.5-7B shape with random bf16
 #      weights and the seed's memory settings (configs/openthinker3.toml: layer recomputation, optimiser
 #      state in host memory, no reference model in memory, 2 answers per forward/backward), 8 answers of
@@ -201,11 +201,13 @@ PYEOF
         ;;
     attention)
         # One layer's attention forward + backward at the 7B's head dim (16 heads of 128, groups of 4):
-        # the chunked GEMMs against the tensor-core and the warpgroup kernels (the JSON's `kernel` says which
-        # ran), each beside a bf16 matmul (the tensor cores' rate).
+        # the chunked GEMMs against the tensor-core and the warpgroup kernels (the latter also with dq by
+        # atomics; the JSON's `kernel` and `atomic_dq` say what ran), each beside a bf16 matmul (the tensor
+        # cores' rate), forward and backward also apart (the performance model's two wgmma efficiencies).
         for len in $ATTENTION_LENS; do
-            for kernel in chunked mma wgmma; do
-                flag=(); [ "$kernel" != chunked ] && flag=("--$kernel")
+            for kernel in chunked mma wgmma wgmma-atomic; do
+                flag=(); [ "$kernel" != chunked ] && flag=("--${kernel%-atomic}")
+                [ "$kernel" = wgmma-atomic ] && flag+=(--atomic-dq)
                 measure "attention $kernel $len" "$BIN" -q bench attention --len "$len" --dtype bf16 "${flag[@]}" \
                     --device "$DEVICE" --warmup 1 --repeats 3
             done

@@ -345,20 +345,6 @@ pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scal
     attend(q, k, v, ranges, scale, None, GpuKernels::Chunked, None)
 }
 
-/// [`flash_attention`] whose GPU path, for bf16 and f16 with a head dim of 64 or 128, is the tensor-core
-/// kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products, scores and
-/// probabilities in registers) instead of the chunked GEMMs; elsewhere the same as [`flash_attention`].
-pub fn flash_attention_mma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, GpuKernels::TensorCores { atomic_dq: false, warpgroup: false }, None)
-}
-
-/// [`flash_attention_mma`] whose GPU path, on a GPU of compute capability 9.0 (H100, H200), is the
-/// warpgroup kernels of kernels/flash_wgmma.cu (`wgmma.mma_async` block products on swizzled shared tiles);
-/// elsewhere the same as [`flash_attention_mma`].
-pub fn flash_attention_wgmma(q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64) -> Result<Tensor> {
-    attend(q, k, v, ranges, scale, None, GpuKernels::TensorCores { atomic_dq: false, warpgroup: true }, None)
-}
-
 /// The kernels flash attention runs on a GPU (the CPU runs its one implementation whatever this says).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum GpuKernels {

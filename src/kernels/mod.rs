@@ -10,8 +10,9 @@
 //!   one pass with its own backward.
 //! - [`flash_attention`] (flash_attention.rs): attention block by block with an online softmax and its
 //!   own backward, O(T) memory per head; [`matrix_attention`] is the same through the `[T, S]` matrix.
-//!   Its GPU path runs the block products as cuBLAS GEMMs, or, through [`flash_attention_mma`], as the
-//!   tensor-core instructions of kernels/flash_mma.cu (flash_mma.rs: their launch plans).
+//!   Its GPU path runs the block products as cuBLAS GEMMs, or, with [`GpuKernels::TensorCores`]
+//!   ([`flash_attention_recorded`]), as the tensor-core instructions of kernels/flash_mma.cu (flash_mma.rs:
+//!   their launch plans) or, on an H100/H200, the warpgroup ones of kernels/flash_wgmma.cu (flash_wgmma.rs).
 //! - [`embedding`] (embedding.rs): the embedding lookup, whose backward [`embedding_grad`] sums each
 //!   token's gradient rows in f32.
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
@@ -48,8 +49,7 @@ pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use flash_attention::{
-    flash_attention, flash_attention_mma, flash_attention_recorded, flash_attention_wgmma, matrix_attention,
-    AttentionRecord, GpuKernels, Replay,
+    flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
@@ -59,13 +59,13 @@ pub use rows::{row_grad, row_stats};
 /// Head dims the tensor-core attention kernels (kernels/flash_mma.cu) are compiled for.
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 2] = [64, 128];
 
-/// Whether [`flash_attention_mma`] runs the tensor-core kernels on a GPU for inputs of `dtype` with head
+/// Whether [`GpuKernels::TensorCores`] runs the tensor-core kernels on a GPU for inputs of `dtype` with head
 /// dim `head_dim` (bf16 or f16 at a head dim of [`TENSOR_CORE_HEAD_DIMS`]; otherwise the chunked path).
 pub fn tensor_core_attention(dtype: candle_core::DType, head_dim: usize) -> bool {
     matches!(dtype, candle_core::DType::BF16 | candle_core::DType::F16) && TENSOR_CORE_HEAD_DIMS.contains(&head_dim)
 }
 
-/// Whether [`flash_attention_wgmma`] runs the warpgroup kernels (kernels/flash_wgmma.cu) on `device`:
+/// Whether [`GpuKernels::TensorCores`] with `warpgroup` runs the warpgroup kernels (kernels/flash_wgmma.cu) on `device`:
 /// a GPU of compute capability 9.0 (the only one with wgmma), for the inputs [`tensor_core_attention`]
 /// takes; elsewhere the tensor-core kernels or the chunked path.
 pub fn warpgroup_attention(device: &candle_core::Device) -> candle_core::Result<bool> {
