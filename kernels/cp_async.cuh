@@ -15,6 +15,7 @@
 #ifdef GRPO_CUDA_EMU
 inline void cp_async16(void *dst, const void *src, uint32_t n) {
     std::memset(dst, 0xff, 16);  // in flight: undefined (NaN in bf16, f16 and f32) until its wait
+    emu::async_copy_issued(dst);
     emu::tls.async_open.push_back(emu::AsyncCopy{(unsigned char *)dst, (const unsigned char *)src, n});
 }
 inline void cp_async_commit() {

@@ -3,8 +3,8 @@
 // flash_attention.rs has the definitions and the CPU reference), for bf16 and f16 and a head dim D of 64
 // or 128, with each block product one warpgroup-wide m64 instruction on 64 x 64 (or 64 x D) tiles
 // instead of mma.sync's 16 x 8. 256 threads (two warpgroups) per block; tiles in shared memory in the
-// 128-byte swizzle, filled by cp.async through two stages; more than 48 KiB of shared memory (the host
-// opts each kernel in).
+// 128-byte swizzle, filled by cp.async (the forward: a ring of five K/V slots; the backward's kernels: two
+// stages); more than 48 KiB of shared memory (the host opts each kernel in).
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
@@ -34,7 +34,7 @@
 #define WG_THREADS 256
 #define WG_BQ 128    // queries per block of the forward and the dq kernel
 #define WG_BK 64     // keys per step of the forward and the dq kernel
-#define WG_FWD_SLOTS 3  // K and V tiles the forward holds: the two it computes on, one being filled
+#define WG_FWD_SLOTS 5  // K and V tiles the forward holds: being read (2), published, being filled, retiring
 #define WG_DKV_BK 128  // keys per block of the dk/dv kernel
 #define WG_DKV_BQ 64   // queries per step of the dk/dv kernel
 
@@ -127,14 +127,12 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1);
 }
 
-// The forward's named barriers (barrier.cuh) for warpgroup w and key slot st (ids 1..14):
-//   wg_full(w, st):  w's half of the slot's tiles is in (w arrives; the other warpgroup syncs);
-//   wg_empty(w, st): w has retired its products on the slot (w arrives; the other syncs before refilling
-//                    it);
-//   wg_turn(w):      w may issue its products (the other arrives when it has issued its own).
+// The forward's named barriers (barrier.cuh) for warpgroup w (ids 1..12):
+//   wg_full(w, st): w's half of the K and V tiles in slot st is in and fenced (w arrives; the other
+//                   warpgroup syncs before its products on the slot);
+//   wg_turn(w):     w may issue its products (the other arrives when it has issued its own).
 __device__ __forceinline__ uint32_t wg_full(uint32_t w, uint32_t st) { return 1 + 2 * st + w; }
-__device__ __forceinline__ uint32_t wg_empty(uint32_t w, uint32_t st) { return 7 + 2 * st + w; }
-__device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 13 + w; }
+__device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + w; }
 
 // Warpgroup w's half (rows 32 w.. 32 w + 31) of key block j0's K and V tiles into `slot` ([K, V][BK x D]
 // swizzled), one group of copies.
@@ -146,9 +144,9 @@ __device__ __forceinline__ void wg_stage_half(T *slot, const T *kh, const T *vh,
     cp_async_commit();
 }
 
-// Before warpgroup w's products on slot st: this thread's copies into it waited for (`newer`: the next
-// slot's group may stay pending) and fenced for the tensor cores, w's half announced, the other's awaited.
-__device__ __forceinline__ void wg_acquire(uint32_t w, uint32_t st, bool newer) {
+// Warpgroup w's half of slot st published: this thread's copies into it waited for (`newer`: the group
+// after it may stay pending), fenced for the tensor cores, and announced to the other warpgroup.
+__device__ __forceinline__ void wg_publish_half(uint32_t w, uint32_t st, bool newer) {
     if (newer) {
         cp_async_wait<1>();
     } else {
@@ -156,26 +154,27 @@ __device__ __forceinline__ void wg_acquire(uint32_t w, uint32_t st, bool newer) 
     }
     wg_fence_proxy();
     bar_arrive(wg_full(w, st), WG_THREADS);
-    bar_sync(wg_full(w ^ 1, st), WG_THREADS);
 }
 
 // The forward, FlashAttention-3's schedule without its producer warpgroup:
-// - pipelined within a warpgroup: step j issues S_j = Q K_j^T, rescales O to block j - 1's running max
-//   while it runs, issues O += P_{j-1} V_{j-1}, and computes block j's softmax while that product runs
-//   (after waiting for S_j only); step 0 has no P V, and a last step issues block n - 1's;
 // - ping-pong between the two warpgroups: each issues its products only after the other has issued its
 //   own (wg_turn), so that one warpgroup's softmax runs while the other's products do;
-// - no block-wide barrier in the loop: each warpgroup copies half of every K and V tile, two blocks
-//   ahead, into three slots; named barriers tell the other warpgroup when its half is in (wg_full) and
-//   when a slot's products have retired (wg_empty), so the warpgroups drift apart by up to a step.
+// - pipelined within a warpgroup: step j issues S_j = Q K_j^T, rescales O to block j - 1's running max
+//   while it runs, issues O += P_{j-1} V_{j-1}, and computes block j's softmax while that product runs
+//   (after waiting for S_j only); step 0 has no P V, and a last turn issues block n - 1's;
+// - no block-wide barrier in the loop: each warpgroup copies half of every K and V tile into a ring of
+//   five slots, block j + 2 at the start of step j, and publishes its half of block j + 1 right after
+//   issuing step j's products (wg_full), so that neither warpgroup waits for the other's softmax. Syncing
+//   on the other's half of block j also tells a warpgroup that the other has retired its products on block
+//   j - 3, whose slot block j + 2 refills.
 template <typename T, int D>
 __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                 const uint32_t *__restrict__ ranges, float *__restrict__ lse, T *__restrict__ out,
                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {
     extern __shared__ uint32_t wg_smem[];
-    T *tiles = wg_aligned<T>(wg_smem);                              // [slots][keys, values][WG_BK x D]
+    T *tiles = wg_aligned<T>(wg_smem);                                    // [slots][keys, values][WG_BK x D]
     uint32_t *los = (uint32_t *)(tiles + 2 * WG_FWD_SLOTS * WG_BK * D);  // [WG_BQ]
-    uint32_t *his = los + WG_BQ;                                    // [WG_BQ]
+    uint32_t *his = los + WG_BQ;                                          // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4];
@@ -189,23 +188,28 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
 
     const uint32_t w = threadIdx.x / 128, n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
     const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
+    const auto stage = [&](uint32_t j) { wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w); };
     if (n > 0) {  // every product outside a branch within the loop: ptxas serialises wgmma in divergent paths
         float sc[WG_BK / 8][4];
         uint32_t pf[WG_BK / 16][4];
-        for (uint32_t j = 0; j < 2 && j < n; ++j) wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w);
+        stage(0);
+        if (n > 1) stage(1);
+        wg_publish_half(w, 0, n > 1);
         if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
-        wg_acquire(w, 0, n > 1);
+        bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
+        if (n > 2) stage(2);
         bar_sync(wg_turn(w), WG_THREADS);
         wg_begin(sc);
         wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(0));
         wg_commit();
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+        if (n > 1) wg_publish_half(w, 1, n > 2);
         wg_wait<0>(sc);
         softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin, scale);  // o is zero: nothing to rescale
         wg_frags<T, WG_BK>(pf, sc);
-        if (n > 2) wg_stage_half<T, D>(slot(2), kh, vh, kmin + 2 * WG_BK, s, w);
         for (uint32_t j = 1; j < n; ++j) {
-            wg_acquire(w, j % WG_FWD_SLOTS, j + 1 < n);
+            bar_sync(wg_full(w ^ 1, j % WG_FWD_SLOTS), WG_THREADS);
+            if (j + 2 < n) stage(j + 2);
             bar_sync(wg_turn(w), WG_THREADS);
             wg_begin(sc);
             wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(j));
@@ -215,24 +219,21 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
             wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);
             wg_commit();
             bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+            if (j + 1 < n) wg_publish_half(w, (j + 1) % WG_FWD_SLOTS, j + 2 < n);
             wg_wait<1>(sc);
             softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin + j * WG_BK, scale);
             wg_wait<0>(o);
             wg_keep(pf);
             wg_frags<T, WG_BK>(pf, sc);
-            if (j + 2 < n) {  // block j + 2 into block j - 1's slot, once both warpgroups are done with it
-                bar_arrive(wg_empty(w, (j - 1) % WG_FWD_SLOTS), WG_THREADS);
-                bar_sync(wg_empty(w ^ 1, (j - 1) % WG_FWD_SLOTS), WG_THREADS);
-                wg_stage_half<T, D>(slot(j + 2), kh, vh, kmin + (j + 2) * WG_BK, s, w);
-            }
         }
         bar_sync(wg_turn(w), WG_THREADS);
         rescale_rows<D>(o, alpha);
         wg_begin(o);
         wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(n - 1) + WG_BK * D);
-        wg_end<0>(o);
-        wg_keep(pf);
+        wg_commit();
         if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
+        wg_wait<0>(o);
+        wg_keep(pf);
     }
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }

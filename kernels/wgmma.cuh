@@ -34,8 +34,9 @@
 // Under the host emulator (GRPO_CUDA_EMU) each wgmma is recorded when issued (A's registers gathered from
 // the warp) and performed, shared operands read through the descriptors, when a wait retires its group:
 // accumulators read before the wait hold their old values, a tile refilled before it the new ones; a
-// wgmma without a wgmma.fence since the last wait, or after cp.async writes no fence.proxy.async followed,
-// is reported.
+// wgmma on accumulators no wgmma.fence since the last wait named (wg_begin), or written after it, or
+// reading cp.async writes still in flight or with no fence.proxy.async after them, is reported; so are
+// its accumulators or A registers written before the wait that retires it.
 #pragma once
 
 #include <type_traits>
@@ -58,7 +59,10 @@ template <int R> __device__ __forceinline__ uint32_t wg_at(uint32_t r, uint32_t 
 #ifdef GRPO_CUDA_EMU
 inline void wg_fence_proxy() { emu::fence_async_proxy(); }
 
-template <typename... A> inline void wg_begin(A &...) { emu::tls.wg_fenced = true; }
+template <typename... A> inline void wg_begin(A &...d) {
+    (emu::tls.wg_fenced.emplace_back(&d[0][0], std::vector<float>(&d[0][0], &d[0][0] + sizeof(d) / sizeof(float))),
+     ...);
+}
 template <int K> inline void wg_keep(uint32_t (&)[K][4]) {}
 
 inline void wg_commit() {
@@ -74,7 +78,12 @@ template <int P, typename... A> inline void wg_end(A &...d) {
 namespace emu {
 inline void wg_issue(WgOp op) {
     if (tls.block_dim.x * tls.block_dim.y * tls.block_dim.z % 128 != 0) report("wgmma in a block of partial warpgroups");
-    if (!tls.wg_fenced) report("a wgmma with no wgmma.fence since the accumulators were last written");
+    const auto fenced = std::find_if(tls.wg_fenced.begin(), tls.wg_fenced.end(), [&](const auto &f) { return f.first == op.d; });
+    if (fenced == tls.wg_fenced.end()) {
+        report("a wgmma on accumulators no wgmma.fence since the last wait named");
+    } else if (std::memcmp(fenced->second.data(), op.d, op.n / 2 * sizeof(float)) != 0) {
+        report("a wgmma on accumulators written after their wgmma.fence");
+    }
     check_async_proxy(op);
     std::memcpy(op.d_issued, op.d, op.n / 2 * sizeof(float));
     if (op.a_regs) std::memcpy(op.a_issued, op.a_src, sizeof op.a_issued);

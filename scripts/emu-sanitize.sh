@@ -16,12 +16,13 @@
 #     argsize rms_norm_fwd declared with a 64-bit `h` while its launch plan passes a u32
 #             -> the emulator's check of each argument against the kernel's signature fails the launch
 #   and the warpgroup forward's schedule (kernels/flash_wgmma.cu), each caught by the emulator:
-#     wgslot  a K/V slot refilled without waiting for the other warpgroup's products on it (wg_empty)
-#             -> ThreadSanitizer reports the refill racing with the emulated wgmma's read (or wrong values)
-#     wgproxy the fence.proxy.async before a slot is announced left out -> a wgmma reads unfenced copies
-#     wgacc   O rescaled after its product is issued -> accumulators written while the wgmma runs
-#     wgareg  P's A registers rebuilt before the product that reads them has retired
-#     wgturn  warpgroup 1 takes one turn too many -> a named barrier left incomplete at the block's end
+#     wgslot    block j + 2 copied into the slot P_{j-1} V_{j-1} is about to read -> a wgmma reads copies in flight
+#     wgpublish a warpgroup's half announced before its copies have landed -> the same, in the other warpgroup
+#     wgproxy   the fence.proxy.async before a half is announced left out -> a wgmma reads unfenced copies
+#     wgfence   no wgmma.fence naming O before its product -> reported at the product
+#     wgacc     O rescaled after its product is issued -> accumulators written while the wgmma runs
+#     wgareg    P's A registers rebuilt before the product that reads them has retired
+#     wgturn    warpgroup 1 takes one turn too many -> a named barrier left incomplete at the block's end
 #
 # The mutants are copies of kernels/ in a temporary folder (GRPO_EMU_KERNELS); the tree is not touched.
 # Each configuration rebuilds the crate's test binary (the dependencies are reused): minutes, not hours.
@@ -107,10 +108,6 @@ if [ "$mutate" -eq 1 ]; then
   dir=$(mutant sync common.cuh '    if (lane == 0) shared[warp] = v;\n    __syncthreads();' '    if (lane == 0) shared[warp] = v;')
   caught "sync (removed __syncthreads)" thread "$dir" kernels::emu::tests::rms_norm_fwd \
     'WARNING: ThreadSanitizer: data race'
-  dir=$(mutant wgslot flash_wgmma.cu \
-    '                bar_arrive(wg_empty(w, (j - 1) % WG_FWD_SLOTS), WG_THREADS);\n                bar_sync(wg_empty(w ^ 1, (j - 1) % WG_FWD_SLOTS), WG_THREADS);\n' '')
-  caught "wgslot (a slot refilled while the other warpgroup reads it)" thread "$dir" \
-    kernels::emu::tests::flash_wgmma_fwd 'ThreadSanitizer: data race|emulated .* vs cpu'
 fi
 clean "AddressSanitizer+UBSan" address,undefined
 if [ "$mutate" -eq 1 ]; then
@@ -125,8 +122,18 @@ if [ "$mutate" -eq 1 ]; then
   caught "argsize (u32 passed for a 64-bit parameter)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
     'the launch passes 4 bytes'
   fwd=kernels::emu::tests::flash_wgmma_fwd
+  dir=$(mutant wgslot flash_wgmma.cu '            if (j + 2 < n) stage(j + 2);' \
+    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), kh, vh, kmin + (j + 2) * WG_BK, s, w);')
+  caught "wgslot (a slot refilled before its last product)" address,undefined "$dir" $fwd 'is still writing'
+  dir=$(mutant wgpublish flash_wgmma.cu \
+    '    if (newer) {\n        cp_async_wait<1>();\n    } else {\n        cp_async_wait<0>();\n    }\n    wg_fence_proxy();' \
+    '    wg_fence_proxy();')
+  caught "wgpublish (a half announced before its copies land)" address,undefined "$dir" $fwd 'is still writing'
   dir=$(mutant wgproxy flash_wgmma.cu '    wg_fence_proxy();\n    bar_arrive(wg_full' '    bar_arrive(wg_full')
   caught "wgproxy (no fence.proxy.async)" address,undefined "$dir" $fwd 'no fence.proxy.async by that thread'
+  dir=$(mutant wgfence flash_wgmma.cu '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' \
+    '            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)')
+  caught "wgfence (no wgmma.fence for O)" address,undefined "$dir" $fwd 'no wgmma.fence since the last wait named'
   dir=$(mutant wgacc flash_wgmma.cu \
     '            rescale_rows<D>(o, alpha);\n            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();' \
     '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);')

@@ -24,6 +24,7 @@
 // (the inline PTX of mma.cuh).
 #define GRPO_CUDA_EMU 1
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -82,7 +83,8 @@ struct ThreadState {
     std::vector<AsyncCopy> async_open;  // copies issued since the last commit
     std::vector<std::vector<AsyncCopy>> async_groups;  // committed groups, oldest first, not yet waited for
     std::vector<uint32_t> unfenced;  // 16-byte chunks of dynamic shared memory its retired copies wrote, not fenced since
-    bool wg_fenced = false;       // a wgmma.fence since the last wgmma wait (or the block's start)
+    // The accumulators each wgmma.fence since the last wgmma wait named, with their values at the fence.
+    std::vector<std::pair<float *, std::vector<float>>> wg_fenced;
     std::vector<WgOp> wg_open;    // wgmma issued since the last commit
     std::vector<std::vector<WgOp>> wg_groups;  // committed wgmma groups, oldest first
 };
@@ -90,9 +92,11 @@ extern thread_local ThreadState tls;
 
 // Performs this thread's oldest committed groups of copies until at most `pending` remain.
 void retire_async_copies(int pending);
+// A cp.async into dst issued (its chunk in flight until its group retires).
+void async_copy_issued(const void *dst);
 // fence.proxy.async: this thread's retired copies become visible to the async proxy (wgmma's operands).
 void fence_async_proxy();
-// Reports a wgmma whose shared operands hold bytes a thread's retired copies wrote with no
+// Reports a wgmma whose shared operands hold bytes a thread's copies are still writing, or wrote with no
 // fence.proxy.async by that thread since.
 void check_async_proxy(const WgOp &op);
 // Performs this thread's oldest committed groups of wgmma until at most `pending` remain.

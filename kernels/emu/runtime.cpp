@@ -254,7 +254,7 @@ void thread_main(uint32_t t, dim3 grid, dim3 block, const std::vector<uint64_t> 
         l.gate.arrive(0, 0, "block start");
         tls.block_idx = unflatten(b, grid);
         tls.warp_ops = 0;
-        tls.wg_fenced = false;
+        tls.wg_fenced.clear();
         tls.unfenced.clear();
         body(ctx);
         if (!tls.async_open.empty() || !tls.async_groups.empty()) {
@@ -370,6 +370,15 @@ uint32_t shared_offset(const void *p) {
     return (uint32_t)(c - current->dyn);
 }
 
+// A chunk's writer with this bit: its copy is still in flight.
+constexpr int32_t IN_FLIGHT = 1 << 20;
+
+void async_copy_issued(const void *dst) {
+    const unsigned char *c = static_cast<const unsigned char *>(dst);
+    if (c >= current->dyn && c < current->dyn + current->shared)
+        current->unfenced[(c - current->dyn) / 16].store((int32_t)tls.tid | IN_FLIGHT, std::memory_order_relaxed);
+}
+
 void fence_async_proxy() {
     for (uint32_t chunk : tls.unfenced) {
         int32_t mine = (int32_t)tls.tid;
@@ -442,10 +451,16 @@ bool check_unfenced(uint64_t desc, uint32_t rows, int trans) {
                 current->unfenced[(operand_at(desc, mn, k, trans) - current->dyn) / 16].load(std::memory_order_relaxed);
             if (writer >= 0) {
                 char msg[200];
-                snprintf(msg, sizeof msg,
-                         "a wgmma reads shared memory that thread %d's cp.async wrote with no fence.proxy.async by "
-                         "that thread since",
-                         writer);
+                if (writer & IN_FLIGHT) {
+                    snprintf(msg, sizeof msg,
+                             "a wgmma reads shared memory that thread %d's cp.async is still writing (not waited for)",
+                             writer & (IN_FLIGHT - 1));
+                } else {
+                    snprintf(msg, sizeof msg,
+                             "a wgmma reads shared memory that thread %d's cp.async wrote with no fence.proxy.async by "
+                             "that thread since",
+                             writer);
+                }
                 report(msg);
                 return false;
             }
@@ -460,7 +475,7 @@ void check_async_proxy(const WgOp &op) {
 }
 
 void retire_wgmma(int pending) {
-    tls.wg_fenced = false;  // the accumulators change here: the next wgmma needs a wgmma.fence first
+    tls.wg_fenced.clear();  // the accumulators change here: the next wgmma needs a wgmma.fence first
     const size_t retired = tls.wg_groups.size() - std::min(tls.wg_groups.size(), (size_t)(pending < 0 ? 0 : pending));
     for (size_t g = 0; g < retired; ++g)
         for (const WgOp &op : tls.wg_groups[g]) {

@@ -23,8 +23,8 @@ const DKV_QUERIES: usize = 64;
 /// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
 const ALIGN: usize = 1024;
 
-/// Key tiles of K and V the forward holds (two computed on, one being filled); the dq kernel's stages.
-const FWD_SLOTS: usize = 3;
+/// Key tiles of K and V the forward holds (kernels/flash_wgmma.cu's WG_FWD_SLOTS); the dq kernel's stages.
+const FWD_SLOTS: usize = 5;
 const DQ_STAGES: usize = 2;
 
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
