@@ -188,7 +188,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
 
     const uint32_t w = threadIdx.x / 128, n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
     const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
-    const auto stage = [&](uint32_t j) { wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w); };
+    const auto stage = [&, kh = kh, vh = vh](uint32_t j) { wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w); };
     if (n > 0) {  // every product outside a branch within the loop: ptxas serialises wgmma in divergent paths
         float sc[WG_BK / 8][4];
         uint32_t pf[WG_BK / 16][4];
