@@ -121,29 +121,27 @@ if [ "$mutate" -eq 1 ]; then
     'void rms_norm_fwd_##NAME(const T *x, T *y, uint64_t h')
   caught "argsize (u32 passed for a 64-bit parameter)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
     'the launch passes 4 bytes'
-  fwd=kernels::emu::tests::flash_wgmma_fwd
-  dir=$(mutant wgslot flash_wgmma.cu '            if (j + 2 < n) stage(j + 2);' \
-    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), kh, vh, kmin + (j + 2) * WG_BK, s, w);')
-  caught "wgslot (a slot refilled before its last product)" address,undefined "$dir" $fwd 'is still writing'
-  dir=$(mutant wgpublish flash_wgmma.cu \
+  # wg NAME WHAT OLD NEW PATTERN: a mutant of the warpgroup forward, caught by flash_wgmma_fwd under ASan
+  wg() { caught "$1 ($2)" address,undefined "$(mutant "$1" flash_wgmma.cu "$3" "$4")" \
+    kernels::emu::tests::flash_wgmma_fwd "$5"; }
+  wg wgslot "a slot refilled before its last product" '            if (j + 2 < n) stage(j + 2);' \
+    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), kh, vh, kmin + (j + 2) * WG_BK, s, w);' 'is still writing'
+  wg wgpublish "a half announced before its copies land" \
     '    if (newer) {\n        cp_async_wait<1>();\n    } else {\n        cp_async_wait<0>();\n    }\n    wg_fence_proxy();' \
-    '    wg_fence_proxy();')
-  caught "wgpublish (a half announced before its copies land)" address,undefined "$dir" $fwd 'is still writing'
-  dir=$(mutant wgproxy flash_wgmma.cu '    wg_fence_proxy();\n    bar_arrive(wg_full' '    bar_arrive(wg_full')
-  caught "wgproxy (no fence.proxy.async)" address,undefined "$dir" $fwd 'no fence.proxy.async by that thread'
-  dir=$(mutant wgfence flash_wgmma.cu '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' \
-    '            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)')
-  caught "wgfence (no wgmma.fence for O)" address,undefined "$dir" $fwd 'no wgmma.fence since the last wait named'
-  dir=$(mutant wgacc flash_wgmma.cu \
+    '    wg_fence_proxy();' 'is still writing'
+  wg wgproxy "no fence.proxy.async" '    wg_fence_proxy();\n    bar_arrive(wg_full' '    bar_arrive(wg_full' \
+    'no fence.proxy.async by that thread'
+  wg wgfence "no wgmma.fence for O" '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' \
+    '            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' 'no wgmma.fence since the last wait named'
+  wg wgacc "accumulators written in flight" \
     '            rescale_rows<D>(o, alpha);\n            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();' \
-    '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);')
-  caught "wgacc (accumulators written in flight)" address,undefined "$dir" $fwd "wrote a wgmma's accumulators"
-  dir=$(mutant wgareg flash_wgmma.cu \
+    '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);' \
+    "wrote a wgmma's accumulators"
+  wg wgareg "A registers written in flight" \
     '            wg_wait<0>(o);\n            wg_keep(pf);\n            wg_frags<T, WG_BK>(pf, sc);' \
-    '            wg_frags<T, WG_BK>(pf, sc);\n            wg_wait<0>(o);\n            wg_keep(pf);')
-  caught "wgareg (A registers written in flight)" address,undefined "$dir" $fwd "wrote a wgmma's A registers"
-  dir=$(mutant wgturn flash_wgmma.cu '        if (w == 0) bar_arrive(wg_turn(1)' '        bar_arrive(wg_turn(w ^ 1)')
-  caught "wgturn (an extra turn)" address,undefined "$dir" $fwd 'left with 128 arrivals'
+    '            wg_frags<T, WG_BK>(pf, sc);\n            wg_wait<0>(o);\n            wg_keep(pf);' "wrote a wgmma's A registers"
+  wg wgturn "an extra turn" '        if (w == 0) bar_arrive(wg_turn(1)' '        bar_arrive(wg_turn(w ^ 1)' \
+    'left with 128 arrivals'
 fi
 [ "$failures" -eq 0 ] && echo "all clean$([ "$mutate" -eq 1 ] && echo ', every mutant caught')"
 exit "$failures"
