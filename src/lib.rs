@@ -13,6 +13,8 @@
 //! - [`rollout`]: sampling, scoring and behaviour log-probs of the policy's own answers during training.
 //! - [`train`]: the training loop, optimiser, checkpoints and resume.
 //! - [`eval`]: benchmarks, batched generation and their scores.
+//! - [`cost`]: what a training step costs on a device: its memory plan and its predicted time,
+//!   calibrated on measured steps.
 //! - [`device`]: the device's name and its peak memory.
 //! - [`dist`]: data parallelism over several processes (ranks) and their collectives (MPI).
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
@@ -24,6 +26,7 @@
 
 pub mod checksum;
 pub mod cli;
+pub mod cost;
 pub mod data;
 pub mod device;
 pub mod dist;

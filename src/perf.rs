@@ -285,9 +285,9 @@ struct PredictedStep {
     measured_over_predicted: Option<f64>,
 }
 
-/// The model's predicted step (src/train/perf_model.rs) for the bench's shape on each modelled GPU.
+/// The model's predicted step (src/cost/time.rs) for the bench's shape on each modelled GPU.
 fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured: f64) -> Vec<PredictedStep> {
-    use crate::train::perf_model::{driver_blocks, predict, StepShape, GPUS};
+    use crate::cost::time::{driver_blocks, predict, StepShape, GPUS};
     let chunk = match spec.logprob_chunk_mb {
         0 => crate::device::logprob_chunk_bytes(&t.device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES) as u64,
         mb => (mb as u64) << 20,

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 GIB = 1 << 30
-CONTEXT = GIB  # src/train/plan.rs CUDA_CONTEXT_BYTES
+CONTEXT = GIB  # src/cost/memory.rs CUDA_CONTEXT_BYTES
 
 
 def plan_numbers(text):

@@ -8,7 +8,8 @@ use anyhow::Context;
 
 use super::Exit;
 use crate::model::ModelConfig;
-use crate::train::{plan, train, Resume, RunOptions, TrainConfig, TrainError};
+use crate::cost::memory as plan;
+use crate::train::{train, Resume, RunOptions, TrainConfig, TrainError};
 
 /// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:
 /// EX_TEMPFAIL, "try again later", so a scheduler or script can tell it from a failure (1) and requeue with
@@ -63,7 +64,7 @@ pub struct Args {
     pub plan: bool,
     /// The device's memory for the plan (and the check a run makes before loading weights), e.g. 80GiB,
     /// 80GB, 512MiB. Default: the device's total (the machine's RAM for cpu).
-    #[arg(long, value_name = "SIZE", value_parser = crate::train::plan::parse_bytes)]
+    #[arg(long, value_name = "SIZE", value_parser = crate::cost::memory::parse_bytes)]
     pub device_memory: Option<u64>,
     /// With --plan: the model shape from this config.json instead of model.path's (no weights needed),
     /// e.g. configs/models/qwen2.5-7b-instruct.config.json.
@@ -103,7 +104,7 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     let step = plan::step_shape(cfg, &shape, &p);
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = (cfg.train.batch_questions as u64).saturating_mul(group as u64);
-    print!("{}", crate::train::perf_model::report(&shape, &step, answers, world));
+    print!("{}", crate::cost::time::report(&shape, &step, answers, world));
     if p.fits() == Some(false) {
         println!("To fit, {}.", p.advice(cfg));
         let message = "the run does not fit its device's memory (the plan above)".to_string();

@@ -10,8 +10,6 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
-pub mod perf_model;
-pub mod plan;
 mod ratio;
 pub mod refcache;
 mod reference_swap;
@@ -739,11 +737,11 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, r
         None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
     };
     // Each of the `ranks` processes keeps 1/ranks of the optimiser state (ZeRO-1).
-    let plan = plan::run_plan(cfg, &shape, memory, ranks);
+    let plan = crate::cost::memory::run_plan(cfg, &shape, memory, ranks);
     if plan.fits() == Some(false) {
         return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }
-    tracing::info!("memory plan: peak {:.2} GiB", plan.peak(plan::Place::Device) as f64 / (1u64 << 30) as f64);
+    tracing::info!("memory plan: peak {:.2} GiB", plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64);
     Ok(())
 }
 

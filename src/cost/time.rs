@@ -792,7 +792,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         (false, _) => "no recomputation",
     };
     let mut out = format!(
-        "performance model (src/train/perf_model.rs): {} answers x {} tokens{}, micro-batch {}, {attention}, {}, {}\n",
+        "performance model (src/cost/time.rs): {} answers x {} tokens{}, micro-batch {}, {attention}, {}, {}\n",
         s.answers,
         s.seq_tokens,
         if world > 1 { " per rank" } else { "" },

@@ -33,9 +33,9 @@
 
 use std::fmt;
 
-use super::config::TrainConfig;
-use super::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
-use super::perf_model;
+use crate::train::config::TrainConfig;
+use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
+use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 
@@ -630,7 +630,7 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
     let inputs = PlanInputs {
         // Without the fused ops, attention goes through the composite score matrix.
         attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
-        reference_cached: super::refcache::reference_is_cacheable(cfg),
+        reference_cached: crate::train::refcache::reference_is_cacheable(cfg),
         on_cpu: cfg.model.device == "cpu",
         device_memory,
         world_size,
@@ -641,13 +641,13 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
 /// The shape of one rank's training step for the performance model: its share of the step's questions
 /// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, `blocks` the
 /// attention's blocking the op's own (GPU) choice.
-pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_model::StepShape {
+pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::StepShape {
     let world_size = plan.inputs.world_size;
     let (prompt, response) = sequence_tokens(cfg, model);
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n) as u64;
     let questions = (cfg.train.batch_questions as u64).div_ceil(world_size.max(1));
     let seq_tokens = prompt.saturating_add(response).max(1);
-    perf_model::StepShape {
+    time::StepShape {
         answers: questions.saturating_mul(group).max(1),
         micro_batch: cfg.train.micro_batch_size.max(1) as u64,
         seq_tokens,
@@ -655,11 +655,11 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> perf_m
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
         checkpoint_layers: cfg.model.checkpoint_layers,
         recompute_attention: cfg.model.recompute_attention,
-        reference_forward: cfg.objective.build().needs_reference() && !super::refcache::reference_is_cacheable(cfg),
+        reference_forward: cfg.objective.build().needs_reference() && !crate::train::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
-        blocks: perf_model::driver_blocks(model, seq_tokens),
+        blocks: time::driver_blocks(model, seq_tokens),
         tensor_cores: crate::model::parse_dtype(&cfg.model.dtype)
             .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
         atomic_dq: !cfg.model.deterministic_attention,
