@@ -39,6 +39,8 @@ import sys
 from pathlib import Path
 
 SHAPES = Path(__file__).resolve().parent / "shapes"
+# Shapes named after a model config of the project (configs/models/NAME.json), as the 7B bench names it.
+MODEL_CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "models"
 KEYS = {
     "train_step": ("shape", "answers", "seq_len"),
     "logprob": ("tokens", "hidden", "vocab", "with_loss"),
@@ -46,7 +48,8 @@ KEYS = {
 }
 OURS = {"grpo", "grpo_fused", "grpo_naive"}
 # Settings of our lines that tell apart several runs on one key.
-VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb", "fused_ops")
+VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb", "fused_ops", "attention", "atomic_dq",
+            "keep_attention", "offload", "reference")
 TORCH = {"torch", "torch_naive"}
 GIB = 2**30
 
@@ -78,7 +81,8 @@ def peak_flops(device):
 
 
 def train_step_flops(shape, answers, seq_len):
-    cfg = json.loads((SHAPES / f"{shape}.json").read_text())
+    path = SHAPES / f"{shape}.json"
+    cfg = json.loads((path if path.exists() else MODEL_CONFIGS / f"{shape}.json").read_text())
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or h // heads

@@ -22,7 +22,8 @@ CONTEXT = GIB  # src/cost/memory.rs CUDA_CONTEXT_BYTES
 
 def plan_numbers(text):
     m = re.search(r"device peak: [\d.]+ GiB \((\d+) bytes\) = resident ([\d.]+) GiB \+ max\(step ([\d.]+) GiB"
-                  r" \+ max\(backward ([\d.]+) GiB, update ([\d.]+) GiB\), validation ([\d.]+) GiB\)", text)
+                  r" \+ max\(backward ([\d.]+) GiB, update ([\d.]+) GiB\), validation ([\d.]+) GiB(?:, rollouts [\d.]+ GiB)?\)",
+                  text)
     if not m:
         return None
     peak = int(m.group(1))
