@@ -159,7 +159,8 @@ pub struct RunOptions {
     /// [`RESUMABLE_KEYS`].
     pub allow_config_change: bool,
     /// Resume on data other than the checkpoint's (another prepared version): the checkpoint's epoch
-    /// restarts at its first batch of the new data (without it, the resume is refused).
+    /// restarts at its first batch of the new data (without it, or `allow_config_change`, the resume is
+    /// refused).
     pub allow_data_change: bool,
     /// The device's memory for the plan's check (default: the device's total).
     pub device_memory: Option<u64>,
@@ -856,7 +857,9 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let steps_per_epoch = StepPlan::new(cfg, dataset.len()).steps_per_epoch;
     let resumed = match resumed {
         Some((ck, state)) => {
-            let state = resume::check_data(&ck, state, &dataset, steps_per_epoch, opts.allow_data_change)?;
+            // A changed config may change the data (data.*, train.seed): allowed, it allows that too.
+            let allow = opts.allow_data_change || opts.allow_config_change;
+            let state = resume::check_data(&ck, state, &dataset, steps_per_epoch, allow)?;
             Some((ck, state))
         }
         None => None,
