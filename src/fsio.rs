@@ -59,7 +59,18 @@ pub fn persist(tmp: NamedTempFile, target: &Path) -> io::Result<()> {
     tmp.as_file().set_permissions(Permissions::from_mode(file_mode()))?;
     tmp.as_file().sync_all()?;
     tmp.persist(target)?;
+    sync_parent(target);
     Ok(())
+}
+
+/// Sync the folder that holds `target`, so that a rename into it survives a crash of the machine (the
+/// rename is in the folder's data, which a file's sync does not write). Best effort: some filesystems
+/// cannot sync a folder.
+fn sync_parent(target: &Path) {
+    let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if let Err(e) = std::fs::File::open(parent).and_then(|d| d.sync_all()) {
+        tracing::debug!("cannot sync the folder {}: {e}", parent.display());
+    }
 }
 
 /// Write `bytes` to `path` atomically (see the module documentation).
@@ -143,10 +154,30 @@ pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
     }
     // Renamed away: nothing is left for the TempDir to remove.
     let _ = tmp.keep();
-    if replaced {
-        std::fs::remove_dir_all(&aside)?;
-    }
+    sync_parent(target);
+    // `target` is in place: removing what was set aside (this one, and those earlier swaps could not
+    // remove) is cleanup, whose failure (ENOTEMPTY from NFS's `.nfsXXXX` files while a reader has a file open)
+    // is a warning; the next swap of `target` tries again.
+    remove_set_aside(target);
     Ok(())
+}
+
+/// Remove the previous versions of folder `target` that swaps set aside (`.NAME.XXXXXX.tmp.old`), warning
+/// about those that cannot be removed yet.
+fn remove_set_aside(target: &Path) {
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else { return };
+    let name = name.to_string_lossy();
+    let parent = if parent.as_os_str().is_empty() { Path::new(".") } else { parent };
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    for e in entries.flatten() {
+        let aside = leftover(&e.file_name().to_string_lossy())
+            .is_some_and(|l| l == Leftover::Aside { target: name.to_string() });
+        if aside {
+            if let Err(err) = std::fs::remove_dir_all(e.path()) {
+                tracing::warn!("cannot remove {} yet (retried at the next save): {err}", e.path().display());
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -218,6 +249,14 @@ mod tests {
         assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
         assert_eq!(mode(&out), dir_mode());
         assert_eq!(mode(&out.join("weights")), file_mode());
+        assert_eq!(names(dir.path()), ["ckpt"]);
+        // A previous version that an earlier swap could not remove (NFS's `.nfsXXXX` files) goes at the next.
+        let stale = dir.path().join(".ckpt.Qw12Er.tmp.old");
+        std::fs::create_dir_all(&stale).unwrap();
+        std::fs::write(stale.join(".nfs000123"), "x").unwrap();
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "second").unwrap();
+        persist_dir(tmp, &out).unwrap();
         assert_eq!(names(dir.path()), ["ckpt"]);
         let tmp = temp_dir(&out).unwrap();
         std::fs::write(tmp.path().join("weights"), "third").unwrap();

@@ -576,3 +576,41 @@ fn stats_of_a_file_without_rows_is_an_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("no rows in") && err.contains("empty.jsonl"), "{err}");
 }
+
+/// The version folder `CURRENT` names in the prepared folder `out`.
+fn current_version(out: &Path) -> PathBuf {
+    out.join(std::fs::read_to_string(out.join("CURRENT")).unwrap().trim())
+}
+
+#[test]
+fn a_damaged_version_is_named_and_prepared_again_never_up_to_date() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    std::fs::copy(fixture(), &input).unwrap();
+    let out = dir.path().join("prepared");
+    prepare(&[&input], &out, &[]);
+    let v = current_version(&out);
+    // A flipped byte in a table: the error says how to prepare it again, and a preparation does.
+    let g = v.join("groups.jsonl");
+    let mut bytes = std::fs::read(&g).unwrap();
+    bytes[10] ^= 1;
+    std::fs::write(&g, &bytes).unwrap();
+    let e = PreparedDataset::open(&out).unwrap_err().to_string();
+    assert!(e.contains("groups.jsonl") && e.contains("--force"), "{e}");
+    let again = prepare(&[&input], &out, &[]);
+    assert!(!again.contains("up to date") && again.contains("damaged"), "{again}");
+    assert!(!PreparedDataset::open(&out).unwrap().is_empty());
+    // A damaged manifest is named by its checksum; without one (an older version), absurd counts are an
+    // error, not a panic.
+    let v = current_version(&out);
+    let m = v.join("manifest.json");
+    let text = std::fs::read_to_string(&m).unwrap();
+    let mut manifest: Value = serde_json::from_str(&text).unwrap();
+    manifest["groups"] = Value::from(u64::MAX / 2);
+    std::fs::write(&m, serde_json::to_string(&manifest).unwrap()).unwrap();
+    let e = PreparedDataset::open(&out).unwrap_err().to_string();
+    assert!(e.contains("manifest.json changed"), "{e}");
+    std::fs::remove_file(v.join("manifest.sha256")).unwrap();
+    let e = PreparedDataset::open(&out).unwrap_err().to_string();
+    assert!(e.contains("do not match the manifest"), "{e}");
+}

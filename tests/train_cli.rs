@@ -636,3 +636,131 @@ fn messages_name_their_cause_once() {
     let err = stderr_of(&a.failure());
     assert!(err.contains("--set train.batch_questions=-2: ") && !err.contains("smoke.toml"), "{err}");
 }
+
+/// The first `lines` lines of the fixture (its answers come grouped by question, 8 to a question), written to
+/// `path`.
+fn fixture_head(path: &Path, lines: usize) {
+    let text = std::fs::read_to_string(common::root().join("data/trajectories/ot3_math_x8_dev.jsonl")).unwrap();
+    let head: Vec<&str> = text.lines().take(lines).collect();
+    std::fs::write(path, head.join("\n") + "\n").unwrap();
+}
+
+/// [`small_config`] on the input file `input` instead of the whole fixture.
+fn small_config_on(dir: &Path, input: &Path) -> std::path::PathBuf {
+    let p = small_config(dir);
+    let fixture = common::root().join("data/trajectories/ot3_math_x8_dev.jsonl");
+    let text =
+        std::fs::read_to_string(&p).unwrap().replace(&fixture.display().to_string(), &input.display().to_string());
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// Run `cmd` to its end, failing the test when it takes longer than `limit` (killing it).
+fn output_within(mut cmd: std::process::Command, limit: std::time::Duration) -> std::process::Output {
+    let child = cmd.stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().unwrap();
+    let id = child.id();
+    let (done, wait) = std::sync::mpsc::channel();
+    std::thread::spawn(move || done.send(child.wait_with_output().unwrap()));
+    match wait.recv_timeout(limit) {
+        Ok(out) => out,
+        Err(_) => {
+            std::process::Command::new("kill").args(["-KILL", &id.to_string()]).status().unwrap();
+            panic!("the run did not end within {limit:?}");
+        }
+    }
+}
+
+#[test]
+fn a_resume_on_smaller_data_is_refused_within_seconds_or_restarts_the_epoch_when_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    fixture_head(&input, 80); // 10 questions: 5 steps per epoch
+    let cfg = small_config_on(dir.path(), &input);
+    train(dir.path(), &cfg, &["--set", "train.epochs=2"]).success();
+    let out = dir.path().join("out");
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("checkpoints/step-00000004/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((state["epoch"].as_u64(), state["batch_in_epoch"].as_u64()), (Some(0), Some(4)));
+    assert!(state["data"].as_str().is_some_and(|d| !d.is_empty()), "no data fingerprint: {state}");
+    // The inputs shrink to 6 questions (3 steps per epoch, fewer than the checkpoint's 4 batches).
+    fixture_head(&input, 48);
+    let more = ["--resume", "auto", "--set", "train.epochs=2", "--set", "train.max_steps=10"];
+    let o = output_within(train_command(dir.path(), &cfg, &more), std::time::Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(
+        err.contains("other data") && err.contains("--allow-data-change") && err.contains("step-00000004"),
+        "{err}"
+    );
+    // Allowed: epoch 0 restarts on the new data, and the run ends (2 epochs of 3 steps).
+    let allowed: Vec<&str> = more.iter().copied().chain(["--allow-data-change"]).collect();
+    let o = output_within(train_command(dir.path(), &cfg, &allowed), std::time::Duration::from_secs(120));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let ck = grpo::train::latest_checkpoint(&out).unwrap();
+    assert!(ck.ends_with("step-00000006"), "{}", ck.display());
+}
+
+#[test]
+fn a_resume_after_skipped_steps_continues_exactly() {
+    // A huge all-positive bias makes every step whose question has only correct answers non-finite (skipped);
+    // in the unshuffled order of the fixture, step 5 and step 13 are the first two applied updates. Adam's
+    // bias correction counts applied updates: 1 at the step-6 checkpoint, 2 after step 13.
+    let opts = [
+        "--set",
+        "objective.bias=3e38",
+        "--set",
+        "train.batch_questions=1",
+        "--set",
+        "data.shuffle=false",
+        "--set",
+        "train.max_steps=13",
+        "--set",
+        "train.save_every=6",
+        "--set",
+        "train.max_bad_steps=100",
+    ];
+    let a = tempfile::tempdir().unwrap();
+    train(a.path(), &small_config(a.path()), &opts).success();
+    let c = tempfile::tempdir().unwrap();
+    let cfg_c = small_config(c.path());
+    train(c.path(), &cfg_c, &opts).success();
+    let out_c = c.path().join("out");
+    let skipped: String = common::read_jsonl(&out_c.join("metrics.jsonl"))
+        .iter()
+        .map(|m| if m["skipped"] == true { 'S' } else { '.' })
+        .collect();
+    assert_eq!(skipped, "SSSS.SSSSSSS.", "the fixture's order changed: pick the steps again");
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(out_c.join("checkpoints/step-00000006/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!((state["optimizer_updates"].as_u64(), state["bad_in_row"].as_u64()), (Some(1), Some(1)), "{state}");
+    // As if the run had died after its step-6 checkpoint.
+    for s in ["step-00000012", "step-00000013"] {
+        std::fs::remove_dir_all(out_c.join("checkpoints").join(s)).unwrap();
+    }
+    std::fs::write(out_c.join("checkpoints/latest"), "step-00000006").unwrap();
+    let lines: Vec<String> =
+        std::fs::read_to_string(out_c.join("metrics.jsonl")).unwrap().lines().map(String::from).collect();
+    std::fs::write(out_c.join("metrics.jsonl"), lines[..6].join("\n") + "\n").unwrap();
+    let resume: Vec<&str> = opts.iter().copied().chain(["--resume", "auto"]).collect();
+    train(c.path(), &cfg_c, &resume).success();
+    for f in ["model.safetensors", "optimizer.safetensors", "trainer_state.json"] {
+        let fa = std::fs::read(a.path().join("out/checkpoints/step-00000013").join(f)).unwrap();
+        let fc = std::fs::read(out_c.join("checkpoints/step-00000013").join(f)).unwrap();
+        if f == "trainer_state.json" {
+            let (mut sa, mut sc): (Value, Value) =
+                (serde_json::from_slice(&fa).unwrap(), serde_json::from_slice(&fc).unwrap());
+            sa["run_id"] = Value::Null;
+            sc["run_id"] = Value::Null;
+            assert_eq!(sa, sc);
+        } else {
+            assert!(fa == fc, "resumed {f} differs from the uninterrupted run's");
+        }
+    }
+    let ma: Vec<Value> = common::read_jsonl(&a.path().join("out/metrics.jsonl")).iter().map(strip_timing).collect();
+    let mc: Vec<Value> = common::read_jsonl(&out_c.join("metrics.jsonl")).iter().map(strip_timing).collect();
+    assert_eq!(ma, mc);
+}

@@ -48,6 +48,11 @@ pub struct Args {
     /// Resume even though the training config differs from the checkpoint's (the changed keys are logged).
     #[arg(long, requires = "resume")]
     pub allow_config_change: bool,
+    /// Resume on data other than the checkpoint's (another prepared version: edited inputs, other
+    /// preparation options or data.prepared_dir): the checkpoint's epoch restarts at its first batch of the
+    /// new data; the step count, schedule and optimiser state go on.
+    #[arg(long, requires = "resume")]
+    pub allow_data_change: bool,
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
     #[arg(long)]
     pub device: Option<String>,
@@ -149,6 +154,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         resume,
         overwrite: args.overwrite,
         allow_config_change: args.allow_config_change,
+        allow_data_change: args.allow_data_change,
         device_memory: args.device_memory,
     };
     let stop = Arc::new(AtomicBool::new(false));

@@ -302,6 +302,7 @@ pub fn prepare_with(
     names.extend(counts.shards);
     manifest.checksums = crate::checksum::hash_files(tmp.path(), &names)?;
     write_json(&tmp.path().join("manifest.json"), &manifest)?;
+    super::shards::write_manifest_sum(tmp.path())?;
     versions::create_readers_lock(tmp.path())?;
     crate::fsio::persist_dir(tmp, &target).map_err(io_err(&target))?;
     versions::switch_to(out, &name)?;
@@ -379,6 +380,13 @@ fn check_manifest(dir: &Path, manifest: &Manifest, force: bool) -> Result<Freshn
     match serde_json::from_str::<Manifest>(&text) {
         Ok(old) => {
             reasons = differences(&old, manifest);
+            if reasons.is_empty() {
+                // The same preparation, but damaged since (a changed file, a damaged manifest): prepare it again.
+                if let Err(e) = super::shards::verify_version(dir) {
+                    tracing::warn!("{} is damaged ({e}): preparing it again", dir.display());
+                    reasons.push(format!("damaged ({e})"));
+                }
+            }
             if reasons.is_empty() && !force {
                 let spath = dir.join("stats.json");
                 let stats: Stats = std::fs::read_to_string(&spath)

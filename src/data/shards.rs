@@ -245,12 +245,55 @@ pub(crate) struct ManifestHead {
     pub checksums: std::collections::BTreeMap<String, String>,
 }
 
+/// The checksum of a version's `manifest.json` (which records the checksums of the other files).
+pub(crate) const MANIFEST_SUM: &str = "manifest.sha256";
+
+/// Write the checksum of the manifest of the version being written in `dir`.
+pub(crate) fn write_manifest_sum(dir: &Path) -> Result<(), DataError> {
+    let m = dir.join("manifest.json");
+    let sum = crate::checksum::hash_file(&m).map_err(io_err(&m))?;
+    let p = dir.join(MANIFEST_SUM);
+    crate::fsio::write_atomic(&p, format!("{sum}\n").as_bytes()).map_err(io_err(&p))
+}
+
+/// Check the version in `dir`: its manifest against its checksum (versions written before it had one are
+/// read as they are), then every file against the manifest's checksums. Its manifest.
+pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
+    let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
+    let mpath = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
+    match std::fs::read_to_string(dir.join(MANIFEST_SUM)) {
+        Ok(sum) if sum.trim() != crate::checksum::hash_bytes(text.as_bytes()) => {
+            return Err(bad(format!("manifest.json changed since it was written (not its {MANIFEST_SUM})")))
+        }
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_err(&dir.join(MANIFEST_SUM))(e)),
+    }
+    let head: ManifestHead = serde_json::from_str(&text).map_err(|e| bad(format!("manifest.json: {e}")))?;
+    if head.format != FORMAT {
+        return Err(bad(format!(
+            "format {:?}, expected {FORMAT:?}: prepare it again (grpo data prepare, or a training run)",
+            head.format
+        )));
+    }
+    let mut expected: Vec<&str> = vec!["groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"];
+    expected.extend(head.token_shards.iter().map(String::as_str));
+    if let Some(f) = expected.iter().find(|f| !head.checksums.contains_key(**f)) {
+        return Err(bad(format!("manifest.json records no checksum of {f}")));
+    }
+    crate::checksum::verify(dir, &head.checksums, "manifest.json").map_err(|e| bad(e.to_string()))?;
+    Ok(head)
+}
+
 /// A prepared folder, memory-mapped: random access to groups by index.
 pub struct PreparedDataset {
     /// The version's folder.
     dir: PathBuf,
     /// Keeps the version from being removed by a later preparation while it is read.
     _hold: super::versions::ReaderLock,
+    /// The data's fingerprint: the checksum of the checksums that the manifest records of its data files.
+    fingerprint: String,
     groups: Vec<GroupMeta>,
     prompts: Map,
     responses: Map,
@@ -280,25 +323,35 @@ impl PreparedDataset {
     /// preparation), a file's checksum is not the manifest's, or the tables do not match it.
     pub fn open(folder: &Path) -> Result<Self, DataError> {
         let (version, hold) = super::versions::open_current(folder)?;
-        let dir = version.as_path();
+        Self::read(&version, hold)
+    }
+
+    /// Open the version folder `version` of a prepared folder (`PREPARED/v-...`, the [`super::PrepareOutcome`]'s
+    /// `out`), whatever `CURRENT` names now: how every rank of a run reads the version rank 0 chose.
+    pub fn open_version(version: &Path) -> Result<Self, DataError> {
+        if version.join(super::versions::CURRENT).exists() || !version.join(super::versions::READERS_LOCK).exists() {
+            return Self::open(version); // the prepared folder itself (its single-version layout)
+        }
+        let hold = super::versions::hold_version(version)?;
+        Self::read(version, hold)
+    }
+
+    /// Read the version `dir`, held by `hold`.
+    fn read(dir: &Path, hold: super::versions::ReaderLock) -> Result<Self, DataError> {
+        let head = verify_version(dir).map_err(|e| match e {
+            DataError::Format { path, message } => DataError::Format {
+                path,
+                message: format!(
+                    "{message}; the prepared version is damaged: `grpo data prepare --force` (or the next training \
+                     run, which notices it) prepares it again"
+                ),
+            },
+            e => e,
+        })?;
         let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
-        let mpath = dir.join("manifest.json");
-        let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
-        let head: ManifestHead = serde_json::from_str(&text).map_err(|e| bad(format!("manifest.json: {e}")))?;
-        if head.format != FORMAT {
-            return Err(bad(format!(
-                "format {:?}, expected {FORMAT:?}: prepare it again (grpo data prepare, or a training run)",
-                head.format
-            )));
-        }
-        let mut expected: Vec<&str> = vec!["groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"];
-        expected.extend(head.token_shards.iter().map(String::as_str));
-        if let Some(f) = expected.iter().find(|f| !head.checksums.contains_key(**f)) {
-            return Err(bad(format!("manifest.json records no checksum of {f}")));
-        }
-        crate::checksum::verify(dir, &head.checksums, "manifest.json")?;
         let gpath = dir.join("groups.jsonl");
-        let mut groups = Vec::with_capacity(head.groups as usize);
+        // Not sized from the manifest's counts before they are checked against the tables below.
+        let mut groups = Vec::new();
         for line in crate::jsonl::Lines::open(&gpath)? {
             let line = line?;
             let g: GroupMeta = line.json().map_err(|e| bad(format!("groups.jsonl line {}: {e}", line.number)))?;
@@ -307,8 +360,8 @@ impl PreparedDataset {
         let prompts = Map::open(&dir.join("prompts.bin"))?;
         let responses = Map::open(&dir.join("responses.bin"))?;
         if groups.len() as u64 != head.groups
-            || prompts.bytes().len() as u64 != head.groups * PROMPT_REC as u64
-            || responses.bytes().len() as u64 != head.responses * RESP_REC as u64
+            || Some(prompts.bytes().len() as u64) != head.groups.checked_mul(PROMPT_REC as u64)
+            || Some(responses.bytes().len() as u64) != head.responses.checked_mul(RESP_REC as u64)
         {
             return Err(bad(format!(
                 "tables do not match the manifest ({} groups, {} responses)",
@@ -321,12 +374,23 @@ impl PreparedDataset {
         }
         let shards = head.token_shards.iter().map(|s| Map::open(&dir.join(s))).collect::<Result<Vec<_>, _>>()?;
         let logprobs = Map::open(&dir.join("logprobs.f32"))?;
-        Ok(Self { dir: dir.to_path_buf(), _hold: hold, groups, prompts, responses, shards, logprobs })
+        // The data's checksums only (not the paths and versions the manifest also records): two preparations
+        // of the same data anywhere have the same fingerprint.
+        let mut data = head.checksums.clone();
+        data.remove("stats.json");
+        let fingerprint = crate::checksum::hash_bytes(&serde_json::to_vec(&data).unwrap_or_default());
+        Ok(Self { dir: dir.to_path_buf(), _hold: hold, fingerprint, groups, prompts, responses, shards, logprobs })
     }
 
     /// The folder of the version read (its manifest, tables and the reference log-prob cache).
     pub fn dir(&self) -> &Path {
         &self.dir
+    }
+
+    /// A fingerprint of the data read: the checksum of the checksums the version's manifest records of its
+    /// data files (tables and token shards), equal for two versions only when they hold the same data.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
     }
 
     /// Number of groups.

@@ -25,7 +25,7 @@ use super::{io_err, DataError};
 /// The file naming the current version.
 pub(crate) const CURRENT: &str = "CURRENT";
 const PREPARE_LOCK: &str = ".prepare.lock";
-const READERS_LOCK: &str = ".readers";
+pub(crate) const READERS_LOCK: &str = ".readers";
 /// The lock of a version's reference log-prob cache while it is being computed.
 pub const REFERENCE_LOCK: &str = ".reference.lock";
 /// How often a process waiting for a lock checks for a stop request, and how often it says it waits.
@@ -140,6 +140,20 @@ pub(crate) fn open_current(dir: &Path) -> Result<(PathBuf, ReaderLock), DataErro
     })
 }
 
+/// A hold on the version folder `version` (one that a preparation returned, or that another rank chose),
+/// whatever `CURRENT` names now: an error when it was removed meanwhile.
+pub(crate) fn hold_version(version: &Path) -> Result<ReaderLock, DataError> {
+    let lock = version.join(READERS_LOCK);
+    let file = File::open(&lock).map_err(io_err(&lock))?;
+    if let Err(e) = file.lock_shared() {
+        tracing::warn!("cannot lock {}: {e}; a new preparation could remove it while it is read", lock.display());
+    }
+    if !version.join("manifest.json").is_file() {
+        return Err(DataError::Format { path: version.to_path_buf(), message: "removed by a preparation".into() });
+    }
+    Ok(ReaderLock { _file: Some(file) })
+}
+
 /// Make `name` the current version of `dir` (atomically), then remove what is no longer needed: the files
 /// of the single-version layout and the versions that are not current and that no reader holds.
 pub(crate) fn switch_to(dir: &Path, name: &str) -> Result<(), DataError> {
@@ -182,19 +196,62 @@ fn versions(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
-/// Remove the version `v` unless a reader holds it.
+/// What the exclusive try-lock of a version's `.readers` says about its readers.
+#[derive(Debug)]
+enum Readers {
+    /// The lock was taken: nobody reads the version.
+    None,
+    /// A reader holds it.
+    Some,
+    /// The lock cannot be taken on this filesystem (NFS without a writable descriptor, Lustre without
+    /// flock): whether anybody reads the version is unknown.
+    Unknown(std::io::Error),
+}
+
+/// The readers of a version from the outcome of its exclusive try-lock: only a lock taken means none.
+fn readers_of(attempt: Result<(), std::fs::TryLockError>) -> Readers {
+    match attempt {
+        Ok(()) => Readers::None,
+        Err(std::fs::TryLockError::WouldBlock) => Readers::Some,
+        Err(std::fs::TryLockError::Error(e)) => Readers::Unknown(e),
+    }
+}
+
+/// Say once per process that replaced versions are kept because their readers cannot be known.
+fn warn_unlockable(lock: &Path, e: &dyn std::fmt::Display) {
+    static SAID: AtomicBool = AtomicBool::new(false);
+    if !SAID.swap(true, Ordering::SeqCst) {
+        tracing::warn!(
+            "cannot lock {} ({e}): this filesystem does not lock files, so a running trainer may still read the \
+             replaced preparation; it is kept (and so are the others this process cannot check). Remove replaced \
+             v-* folders by hand once no run uses them",
+            lock.display()
+        );
+    }
+}
+
+/// Remove the version `v` unless a reader holds it, or the hold cannot be checked (a lock error keeps it).
 fn remove_if_unread(v: &Path) {
     let lock = v.join(READERS_LOCK);
-    let held = match File::open(&lock) {
-        Ok(f) => match f.try_lock() {
-            Ok(()) => Some(f),
-            Err(std::fs::TryLockError::WouldBlock) => {
+    // Read-write: over NFS, flock is emulated with POSIX locks, and an exclusive one needs a writable descriptor.
+    let held = match OpenOptions::new().read(true).write(true).open(&lock) {
+        Ok(f) => match readers_of(f.try_lock()) {
+            Readers::None => Some(f),
+            Readers::Some => {
                 tracing::debug!("{} is still read: kept", v.display());
                 return;
             }
-            Err(std::fs::TryLockError::Error(_)) => None,
+            Readers::Unknown(e) => {
+                warn_unlockable(&lock, &e);
+                return;
+            }
         },
-        Err(_) => None,
+        // A version without the lock file is one that was never complete: nobody can hold it.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            warn_unlockable(&lock, &e);
+            return;
+        }
     };
     // Removed while the lock is held: a reader waiting for it then finds the version gone and re-reads CURRENT.
     match std::fs::remove_dir_all(v) {
@@ -241,6 +298,27 @@ mod tests {
         remove_unused(dir.path(), Some("v-3"));
         assert!(!dir.path().join("v-1").exists());
         assert_eq!(open_current(dir.path()).unwrap().0, dir.path().join("v-3"));
+    }
+
+    #[test]
+    fn a_version_whose_readers_cannot_be_checked_is_kept() {
+        // Only a taken lock means no reader; an error (EBADF on NFS, ENOSYS on Lustre without flock) does not.
+        for errno in [libc::EBADF, libc::ENOSYS, libc::ENOLCK] {
+            let e = std::fs::TryLockError::Error(std::io::Error::from_raw_os_error(errno));
+            assert!(matches!(readers_of(Err(e)), Readers::Unknown(_)), "errno {errno}");
+        }
+        assert!(matches!(readers_of(Err(std::fs::TryLockError::WouldBlock)), Readers::Some));
+        assert!(matches!(readers_of(Ok(())), Readers::None));
+        // A `.readers` that cannot be opened for locking (here a folder) keeps its version too.
+        let dir = tempfile::tempdir().unwrap();
+        for v in ["v-1", "v-2"] {
+            std::fs::create_dir_all(dir.path().join(v)).unwrap();
+            std::fs::write(dir.path().join(v).join("manifest.json"), "{}").unwrap();
+        }
+        std::fs::create_dir(dir.path().join("v-1").join(READERS_LOCK)).unwrap();
+        create_readers_lock(&dir.path().join("v-2")).unwrap();
+        switch_to(dir.path(), "v-2").unwrap();
+        assert!(dir.path().join("v-1/manifest.json").is_file(), "a version that cannot be checked was removed");
     }
 
     #[test]

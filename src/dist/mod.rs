@@ -187,7 +187,7 @@ impl World {
     /// merges the results of the ranks' shares of the problems (serialised records).
     pub fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
         match &self.comm {
-            Some(c) => c.all_gather_bytes(send),
+            Some(c) => all_gather_bytes_chunked(c.as_ref(), self.size, send, COLLECTIVE_CHUNK_BYTES),
             None => vec![send.to_vec()],
         }
     }
@@ -230,6 +230,30 @@ impl World {
 /// (64 Mi f32, 256 MiB): a GPU backend's device buffers for a piece hold at most that plus one rank's
 /// share of it.
 pub const COLLECTIVE_CHUNK_VALUES: usize = 64 << 20;
+
+/// The most bytes one all-gather of bytes receives in one piece (1 GiB): MPI counts and displacements are
+/// 32-bit, so a piece stays under 2 GiB however much the ranks send.
+pub const COLLECTIVE_CHUNK_BYTES: usize = 1 << 30;
+
+/// [`Collective::all_gather_bytes`] of `send` in pieces: the lengths first, then rounds in which each rank
+/// sends its next at most `chunk / size` bytes (nothing once it has sent all), appended to its part.
+fn all_gather_bytes_chunked(c: &dyn Collective, size: usize, send: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+    let lens: Vec<usize> = c
+        .all_gather_bytes(&(send.len() as u64).to_le_bytes())
+        .iter()
+        .map(|b| b.get(..8).and_then(|b| b.try_into().ok()).map_or(0, u64::from_le_bytes) as usize)
+        .collect();
+    let step = (chunk / size.max(1)).max(1);
+    let rounds = lens.iter().map(|n| n.div_ceil(step)).max().unwrap_or(0);
+    let mut out: Vec<Vec<u8>> = lens.iter().map(|&n| Vec::with_capacity(n)).collect();
+    for k in 0..rounds {
+        let (a, b) = ((k * step).min(send.len()), ((k + 1) * step).min(send.len()));
+        for (part, piece) in out.iter_mut().zip(c.all_gather_bytes(&send[a..b])) {
+            part.extend_from_slice(&piece);
+        }
+    }
+    out
+}
 
 /// [`Collective::reduce_scatter_sum_f32`] of `send` (`size` blocks of `recv.len()`) in pieces: piece
 /// `a..b` of every block, sent together (at most `chunk` values), reduces into `recv[a..b]`.
@@ -439,6 +463,55 @@ mod tests {
             all_gather_chunked(&c, size, &send[..block], &mut chunked, chunk);
             assert_eq!((chunked.as_slice(), c.calls.get()), (whole.as_slice(), pieces), "chunk {chunk}");
         }
+    }
+
+    /// Ranks holding `data[k]` each: what an all-gather of bytes returns, call after call (the lengths, then
+    /// the pieces of `step` bytes), checking that no call gathers more than `limit` bytes.
+    struct Pieces {
+        data: Vec<Vec<u8>>,
+        step: usize,
+        limit: usize,
+        calls: std::cell::Cell<usize>,
+    }
+
+    impl Collective for Pieces {
+        fn sum_f32(&self, _: &mut [f32]) {}
+        fn sum_f64(&self, _: &mut [f64]) {}
+        fn max_f64(&self, _: &mut [f64]) {}
+        fn reduce_scatter_sum_f32(&self, _: &[f32], _: &mut [f32]) {}
+        fn all_gather_f32(&self, _: &[f32], _: &mut [f32]) {}
+        fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
+            let call = self.calls.replace(self.calls.get() + 1);
+            let out: Vec<Vec<u8>> = if call == 0 {
+                self.data.iter().map(|d| (d.len() as u64).to_le_bytes().to_vec()).collect()
+            } else {
+                let at = (call - 1) * self.step;
+                self.data.iter().map(|d| d[at.min(d.len())..(at + self.step).min(d.len())].to_vec()).collect()
+            };
+            assert_eq!(send, out[0].as_slice(), "rank 0 sent another piece than expected");
+            assert!(out.iter().map(Vec::len).sum::<usize>() <= self.limit, "call {call} gathers too much");
+            out
+        }
+        fn barrier(&self) {}
+        fn abort(&self, _: i32) -> ! {
+            unreachable!()
+        }
+    }
+
+    /// Past the chunk (MPI's 32-bit counts: 2 GiB), bytes are gathered in pieces that each stay under it,
+    /// and every rank's part arrives whole, whatever its length.
+    #[test]
+    fn a_byte_gather_past_the_chunk_goes_in_pieces() {
+        let data: Vec<Vec<u8>> = [1000usize, 0, 2345]
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| (0..n).map(|i| (i * 7 + k) as u8).collect())
+            .collect();
+        let (chunk, size) = (300, 3);
+        let c = Pieces { data: data.clone(), step: chunk / size, limit: chunk, calls: Default::default() };
+        let parts = all_gather_bytes_chunked(&c, size, &data[0], chunk);
+        assert_eq!(parts, data);
+        assert_eq!(c.calls.get(), 1 + 2345usize.div_ceil(100));
     }
 
     #[test]

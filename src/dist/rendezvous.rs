@@ -27,27 +27,42 @@ pub fn serve(port: u16, payload: &[u8], size: usize, timeout: Duration) -> Resul
     serve_on(&listener, payload, size, timeout)
 }
 
-/// [`serve`] on a bound listener.
+/// How long rank 0 waits for a connected rank to say which it is: a connection silent for longer (a port
+/// scanner, a health check, a stray client) is dropped, and never holds up the ranks behind it.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// [`serve`] on a bound listener. Each connection is answered on its own thread, bounded by
+/// [`HELLO_TIMEOUT`], so a silent connection stalls nothing.
 fn serve_on(listener: &TcpListener, payload: &[u8], size: usize, timeout: Duration) -> Result<(), RendezvousError> {
     let port = listener.local_addr().map_or(0, |a| a.port());
     let io = |source| RendezvousError::Io { addr: format!("port {port}"), source };
     listener.set_nonblocking(true).map_err(io)?;
     let deadline = Instant::now() + timeout;
     let mut waiting: BTreeSet<usize> = (1..size).collect();
+    let (served, answers) = std::sync::mpsc::channel::<usize>();
     while !waiting.is_empty() {
+        while let Ok(rank) = answers.try_recv() {
+            waiting.remove(&rank);
+        }
         match listener.accept() {
-            Ok((mut stream, _)) => {
-                stream.set_nonblocking(false).map_err(io)?;
-                stream
-                    .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(ONE_MS)))
-                    .map_err(io)?;
-                let mut rank = [0u8; 8];
-                stream.read_exact(&mut rank).map_err(io)?;
-                stream.write_all(payload).map_err(io)?;
-                waiting.remove(&(u64::from_le_bytes(rank) as usize));
+            Ok((stream, peer)) => {
+                let (served, payload) = (served.clone(), payload.to_vec());
+                let hello = HELLO_TIMEOUT.min(deadline.saturating_duration_since(Instant::now())).max(ONE_MS);
+                std::thread::spawn(move || match answer(stream, &payload, hello) {
+                    Ok(rank) => {
+                        let _ = served.send(rank);
+                    }
+                    Err(e) => tracing::warn!("rendezvous: ignored a connection from {peer}: {e}"),
+                });
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
+                    while let Ok(rank) = answers.try_recv() {
+                        waiting.remove(&rank);
+                    }
+                    if waiting.is_empty() {
+                        break;
+                    }
                     return Err(RendezvousError::Missing { port, missing: waiting.into_iter().collect(), timeout });
                 }
                 std::thread::sleep(Duration::from_millis(10));
@@ -56,6 +71,17 @@ fn serve_on(listener: &TcpListener, payload: &[u8], size: usize, timeout: Durati
         }
     }
     Ok(())
+}
+
+/// Read a connected rank's number (within `hello`) and send it the payload.
+fn answer(mut stream: TcpStream, payload: &[u8], hello: Duration) -> std::io::Result<usize> {
+    stream.set_nonblocking(false)?;
+    stream.set_read_timeout(Some(hello))?;
+    stream.set_write_timeout(Some(hello))?;
+    let mut rank = [0u8; 8];
+    stream.read_exact(&mut rank)?;
+    stream.write_all(payload)?;
+    Ok(u64::from_le_bytes(rank) as usize)
 }
 
 const ONE_MS: Duration = Duration::from_millis(1);
@@ -102,6 +128,22 @@ mod tests {
         for r in ranks {
             assert_eq!(r.join().unwrap(), id);
         }
+    }
+
+    #[test]
+    fn a_silent_connection_does_not_stall_the_ranks_behind_it() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        // A client that connects and says nothing (a port scanner, a health check), before the rank.
+        let _stray = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let one = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(200));
+            fetch("127.0.0.1", port, 1, 4, Duration::from_secs(30)).unwrap()
+        });
+        let t = Instant::now();
+        serve_on(&listener, b"abcd", 2, Duration::from_secs(30)).unwrap();
+        assert!(t.elapsed() < Duration::from_secs(5), "served after {:?}", t.elapsed());
+        assert_eq!(one.join().unwrap(), b"abcd");
     }
 
     #[test]

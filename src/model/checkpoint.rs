@@ -82,20 +82,22 @@ pub fn remove_checkpoint(dir: &Path) -> Result<(), ModelError> {
     std::fs::remove_dir_all(&doomed).map_err(io(&doomed))
 }
 
-/// Clean the temporary folders that a killed [`save_checkpoint`] or [`remove_checkpoint`] left in `parent`
-/// (those whose name `which` accepts), returning what was removed. A checkpoint whose swap was cut short
-/// (its name missing, its previous version still moved aside) gets the previous version back. Call it only while no other process writes
-/// checkpoints into `parent`.
+/// Clean the temporary files and folders that a killed [`save_checkpoint`], [`remove_checkpoint`] or atomic
+/// write ([`fsio::leftover`]: `latest`'s, a staging folder's) left in `parent` (those whose name `which`
+/// accepts), returning what was removed. A checkpoint whose swap was cut short (its name missing, its
+/// previous version still moved aside) gets the previous version back. Call it only while no other process
+/// writes checkpoints into `parent`.
 pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>, ModelError> {
     let Ok(entries) = std::fs::read_dir(parent) else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
     for entry in entries {
         let p = entry.map_err(io(parent))?.path();
         let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if !p.is_dir() || !is_temp_name(&name) || !which(&name) {
+        if !is_temp_name(&name) || !which(&name) {
             continue;
         }
-        if let Some(fsio::Leftover::Aside { target }) = fsio::leftover(&name) {
+        let is_dir = p.is_dir();
+        if let (true, Some(fsio::Leftover::Aside { target })) = (is_dir, fsio::leftover(&name)) {
             let target = parent.join(target);
             if !target.exists() {
                 std::fs::rename(&p, &target).map_err(io(&p))?;
@@ -103,7 +105,11 @@ pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<V
                 continue;
             }
         }
-        std::fs::remove_dir_all(&p).map_err(io(&p))?;
+        if is_dir {
+            std::fs::remove_dir_all(&p).map_err(io(&p))?;
+        } else {
+            std::fs::remove_file(&p).map_err(io(&p))?;
+        }
         removed.push(p);
     }
     Ok(removed)

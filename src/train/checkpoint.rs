@@ -159,10 +159,9 @@ impl Checkpointer {
             std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c.clone(), source })?;
             write_checksums(tmp)
         })?;
-        if staging.exists() {
-            std::fs::remove_dir(&staging).map_err(io(&staging))?;
-        }
         write_atomic(&dir.join("latest"), name.as_bytes())?;
+        // The checkpoint is in place: what follows is cleanup, whose failures are warnings.
+        remove_temporaries(&dir);
         prune(&dir, &state.run_id, self.keep_last, state.step)?;
         Ok(path)
     }
@@ -193,9 +192,28 @@ fn prune(dir: &Path, run: &str, keep: usize, upto: usize) -> Result<(), TrainErr
         .filter(|p| step_of(p).is_some_and(|s| s <= upto) && run_of(p).as_deref() == Some(run))
         .collect();
     for old in &mine[..mine.len().saturating_sub(keep)] {
-        remove_checkpoint(old)?;
+        if let Err(e) = remove_checkpoint(old) {
+            tracing::warn!("cannot remove the old checkpoint {} yet (retried at the next save): {e}", old.display());
+        }
     }
     Ok(())
+}
+
+/// Remove, after a save, the staging folders of sharded optimiser states and the checkpoints half-deleted by
+/// earlier prunes (`.step-N.del-PID`): warnings when they cannot go yet (ENOTEMPTY from NFS's `.nfsXXXX`
+/// files while a reader has a file open), tried again at the next save. Only rank 0 writes into `dir` now.
+fn remove_temporaries(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for e in entries.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let staging = name.starts_with('.') && name.ends_with(".shards.tmp");
+        if !(staging || (crate::model::checkpoint::is_temp_name(&name) && name.contains(".del-"))) {
+            continue;
+        }
+        if let Err(err) = std::fs::remove_dir_all(e.path()) {
+            tracing::warn!("cannot remove {} yet (retried at the next save): {err}", e.path().display());
+        }
+    }
 }
 
 /// Write named tensors (moved to the CPU) as one safetensors file.
@@ -223,8 +241,10 @@ fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Re
         // In the model's own dtype, so that the resumed anchor is exactly the one the run used.
         write_tensors(&tmp.join(ANCHOR_FILE), snapshot.named_tensors())?;
     }
+    // With the optimiser's own count of updates: fewer than the steps once a non-finite step was skipped.
+    let state = TrainerState { optimizer_updates: Some(step.optimizer().steps), ..state.clone() };
     let s = tmp.join("trainer_state.json");
-    std::fs::write(&s, serde_json::to_vec_pretty(state).unwrap_or_default())
+    std::fs::write(&s, serde_json::to_vec_pretty(&state).unwrap_or_default())
         .map_err(|source| ModelError::Io { path: s, source })
 }
 
@@ -322,7 +342,9 @@ pub(super) fn restore(
         let file = file.to_string();
         move |e: candle_core::Error| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") }
     };
-    step.optimizer_mut().load_saved(ck, state.step as u64).map_err(|message| TrainError::Damaged {
+    // Older checkpoints did not record the count: one update per step is what they assumed.
+    let updates = state.optimizer_updates.unwrap_or(state.step as u64);
+    step.optimizer_mut().load_saved(ck, updates).map_err(|message| TrainError::Damaged {
         ck: ck.to_path_buf(),
         message: format!("optimizer state: {message}"),
     })?;
@@ -382,6 +404,31 @@ mod tests {
         fake(dir.path(), 12, "a");
         prune(dir.path(), "a", 0, 12).unwrap();
         assert_eq!(step_dirs(dir.path()).unwrap().len(), 5);
+    }
+
+    #[test]
+    fn a_cleanup_that_fails_after_a_save_is_a_warning_and_is_retried() {
+        let dir = tempfile::tempdir().unwrap();
+        for step in [2, 4, 6] {
+            fake(dir.path(), step, "a");
+        }
+        // The rename that starts step 2's removal fails (its `.del-` name is taken by a folder that is not
+        // empty, as NFS's `.nfsXXXX` files keep a folder from going).
+        let blocker = dir.path().join(format!(".step-00000002.del-{}", std::process::id()));
+        std::fs::create_dir_all(&blocker).unwrap();
+        std::fs::write(blocker.join(".nfs0000000000123"), "x").unwrap();
+        // So does the staging folder of a sharded save.
+        let staging = dir.path().join(".step-00000006.shards.tmp");
+        std::fs::create_dir_all(&staging).unwrap();
+        prune(dir.path(), "a", 1, 6).unwrap();
+        assert!(dir.path().join("step-00000002").is_dir() && !dir.path().join("step-00000004").exists());
+        // The next save removes what is left.
+        remove_temporaries(dir.path());
+        assert!(!blocker.exists() && !staging.exists());
+        prune(dir.path(), "a", 1, 6).unwrap();
+        let names: Vec<String> =
+            std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+        assert_eq!(names, ["step-00000006"]);
     }
 
     #[test]

@@ -133,8 +133,13 @@ impl MetricsLog {
     /// had seen; none for a fresh run), and with `tensorboard` a new event file in OUTPUT/tensorboard.
     pub fn open(out: &Path, resumed_step: Option<usize>, tensorboard: bool) -> Result<Self, TrainError> {
         let path = out.join("metrics.jsonl");
-        let kept: String = std::fs::read_to_string(&path)
-            .unwrap_or_default()
+        // Missing: nothing to keep. Unreadable (or not UTF-8): an error, never an emptied file.
+        let text = match std::fs::read_to_string(&path) {
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+            Err(e) => return Err(io(&path)(e)),
+        };
+        let kept: String = text
             .lines()
             .filter(|l| {
                 resumed_step.is_some_and(|step| {
@@ -163,5 +168,25 @@ impl MetricsLog {
             tb.scalars(m.step, &scalars_of(&value)).map_err(io(&path))?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unreadable_metrics_file_is_an_error_and_left_as_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("metrics.jsonl");
+        let bytes = b"{\"step\": 1}\n{\"step\": 2, \"note\": \"\xff\xfe\"}\n".to_vec();
+        std::fs::write(&path, &bytes).unwrap();
+        let e = MetricsLog::open(dir.path(), Some(2), false).err().expect("an error").to_string();
+        assert!(e.contains("metrics.jsonl"), "{e}");
+        assert_eq!(std::fs::read(&path).unwrap(), bytes, "the metrics were changed");
+        // Readable, the lines past the resumed step go.
+        std::fs::write(&path, "{\"step\": 1}\n{\"step\": 2}\n{\"step\": 3}\n").unwrap();
+        drop(MetricsLog::open(dir.path(), Some(2), false).unwrap());
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "{\"step\": 1}\n{\"step\": 2}\n");
     }
 }

@@ -121,6 +121,18 @@ pub struct TrainerState {
     /// checkpoint holds it, and a resume without it is refused.
     #[serde(default)]
     pub reference_swapped: bool,
+    /// A fingerprint of the data trained on ([`PreparedDataset::fingerprint`]): a resume on other data
+    /// is refused, or restarts the epoch with [`RunOptions::allow_data_change`]. None: not recorded
+    /// (questions of `rollout.questions`, or an older checkpoint).
+    #[serde(default)]
+    pub data: Option<String>,
+    /// Updates the optimiser applied (Adam's bias correction counts them): fewer than the steps when a
+    /// non-finite step was skipped, more with several updates per batch. None in older checkpoints.
+    #[serde(default)]
+    pub optimizer_updates: Option<u64>,
+    /// Non-finite (skipped) steps in a row up to this one, against train.max_bad_steps.
+    #[serde(default)]
+    pub bad_in_row: usize,
 }
 
 /// How to start.
@@ -144,6 +156,10 @@ pub struct RunOptions {
     /// Resume even when the training config differs from the checkpoint's in keys outside
     /// [`RESUMABLE_KEYS`].
     pub allow_config_change: bool,
+    /// Resume on data other than the checkpoint's (another prepared version): the checkpoint's epoch
+    /// restarts at its first batch of the new data (without it, or `allow_config_change`, the resume is
+    /// refused).
+    pub allow_data_change: bool,
     /// The device's memory for the plan's check (default: the device's total).
     pub device_memory: Option<u64>,
 }
@@ -217,8 +233,28 @@ fn prepared_dir(cfg: &TrainConfig) -> PathBuf {
     cfg.data.prepared_dir.clone().unwrap_or_else(|| cfg.train.output_dir.join("prepared"))
 }
 
+/// Open, on every rank of `world`, the prepared version that rank 0 prepared or found up to date (`version`
+/// on rank 0), whatever `CURRENT` names by the time a rank reads it: the ranks of a run never read different
+/// versions.
+fn open_chosen(prepared_dir: &Path, version: &Path, world: &World) -> Result<PreparedDataset, TrainError> {
+    let mine = if world.is_primary() { Some(PreparedDataset::open_version(version)?) } else { None };
+    // Its name in the prepared folder ("" for the folder itself, in the single-version layout).
+    let name = mine.as_ref().and_then(|d| d.dir().strip_prefix(prepared_dir).ok()).map(|p| p.to_path_buf());
+    let name = name.unwrap_or_default().to_string_lossy().into_owned();
+    let chosen = String::from_utf8_lossy(&world.all_gather_bytes(name.as_bytes())[0]).into_owned();
+    match mine {
+        Some(d) => Ok(d),
+        None => Ok(PreparedDataset::open_version(&prepared_dir.join(chosen))?),
+    }
+}
+
 /// Prepare the config's data (once: re-used while inputs, tokenizer and options are unchanged) and open it.
-fn prepare_data(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result<PreparedDataset, TrainError> {
+fn prepare_data(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    stop: &AtomicBool,
+    world: &World,
+) -> Result<PreparedDataset, TrainError> {
     let prepared_dir = prepared_dir(cfg);
     let mut input = cfg.data.input.clone();
     input.group.seed = cfg.train.seed;
@@ -233,7 +269,7 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Resul
     if outcome.skipped {
         tracing::info!("data in {} is up to date", prepared_dir.display());
     }
-    let dataset = PreparedDataset::open(&prepared_dir)?;
+    let dataset = open_chosen(&prepared_dir, &outcome.out, world)?;
     // An up-to-date folder's counts are in its stats.json (the message only: unreadable is no error).
     let stats = if outcome.skipped { dataset.stats().ok() } else { Some(outcome.stats) };
     let group = &cfg.data.input.group;
@@ -261,7 +297,12 @@ fn prepare_data(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Resul
 
 /// The groups the run's batches come from: the prepared teacher data, or the questions of
 /// `rollout.questions`.
-fn open_groups(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result<GroupSource, TrainError> {
+fn open_groups(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    stop: &AtomicBool,
+    world: &World,
+) -> Result<GroupSource, TrainError> {
     match cfg.rollout.as_ref().and_then(|r| r.questions.as_ref().map(|q| (r, q))) {
         Some((r, path)) => {
             let tok = ChatTokenizer::load(model_dir).map_err(ModelError::from)?;
@@ -271,7 +312,7 @@ fn open_groups(cfg: &TrainConfig, model_dir: &Path, stop: &AtomicBool) -> Result
                 crate::rollout::load_questions(path, &r.prompt_template, &tok, system, seq.max_prompt_tokens)?;
             Ok(GroupSource::Questions(questions))
         }
-        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir, stop)?)),
+        None => Ok(GroupSource::Prepared(prepare_data(cfg, model_dir, stop, world)?)),
     }
 }
 
@@ -555,8 +596,14 @@ impl Run<'_> {
         bar.set_position(state.step as u64);
         let log_lines = !crate::progress::on_terminal();
         let segment = (Instant::now(), state.step);
-        let mut bad_in_row = 0usize;
         while state.step < plan.total_steps && state.epoch < plan.epochs {
+            if state.batch_in_epoch >= plan.steps_per_epoch {
+                // Only a state from other data can be past its epoch's end (refused by the resume's check).
+                return Err(TrainError::Stopped(format!(
+                    "batch {} of epoch {} is past the data's {} steps per epoch",
+                    state.batch_in_epoch, state.epoch, plan.steps_per_epoch
+                )));
+            }
             let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
             while state.batch_in_epoch < plan.steps_per_epoch && state.step < plan.total_steps {
                 if self.world.any(stop.load(Ordering::SeqCst)) {
@@ -565,20 +612,21 @@ impl Run<'_> {
                     return Ok(Outcome::new(state, last_ckpt, true));
                 }
                 let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
-                bad_in_row = if m.skipped { bad_in_row + 1 } else { 0 };
+                state.bad_in_row = if m.skipped { state.bad_in_row + 1 } else { 0 };
                 bar.set_position(state.step as u64);
                 bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", m.loss, m.reward, m.tokens_per_sec));
                 let last = state.step >= plan.total_steps;
                 if log_lines && (last || state.step.is_multiple_of(cfg.train.log_every.max(1))) {
                     tracing::info!("{}", m.log_line(plan.total_steps, segment));
                 }
-                if bad_in_row > cfg.train.max_bad_steps {
+                if state.bad_in_row > cfg.train.max_bad_steps {
                     bar.abandon();
                     let last = latest_checkpoint(&cfg.train.output_dir)
                         .map(|p| p.display().to_string())
                         .unwrap_or_else(|| "none".into());
                     return Err(TrainError::Stopped(format!(
-                        "{bad_in_row} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
+                        "{} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
+                        state.bad_in_row,
                         cfg.train.max_bad_steps
                     )));
                 }
@@ -638,8 +686,9 @@ impl Run<'_> {
             }
             None => {}
         }
-        if let Some(r) = &self.rollouts {
-            // Each step made updates_per_batch optimiser updates: Adam's bias correction counts them all.
+        if let (Some(r), None) = (&self.rollouts, state.optimizer_updates) {
+            // An older checkpoint: each step made updates_per_batch optimiser updates (Adam's bias correction
+            // counts them all).
             self.step.optimizer_mut().steps = (state.step * r.options().updates_per_batch) as u64;
         }
         if let Some(rollouts) = self.rollouts.as_mut().filter(|r| r.stores_sampler(state.step)) {
@@ -802,7 +851,17 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
-    let dataset = open_groups(cfg, &model_dir, stop)?;
+    let dataset = open_groups(cfg, &model_dir, stop, &world)?;
+    let steps_per_epoch = StepPlan::new(cfg, dataset.len()).steps_per_epoch;
+    let resumed = match resumed {
+        Some((ck, state)) => {
+            // A changed config may change the data (data.*, train.seed): allowed, it allows that too.
+            let allow = opts.allow_data_change || opts.allow_config_change;
+            let state = resume::check_data(&ck, state, &dataset, steps_per_epoch, allow)?;
+            Some((ck, state))
+        }
+        None => None,
+    };
     let ref_cache = match &dataset {
         GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop, &world)?,
         GroupSource::Questions(_) => None,
@@ -819,7 +878,10 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
             run.restore_frozen(&ck, &state)?;
             (Some(ck), state)
         }
-        None => (None, TrainerState { run_id: new_run_id(), ..Default::default() }),
+        None => (
+            None,
+            TrainerState { run_id: new_run_id(), data: resume::data_fingerprint(&dataset), ..Default::default() },
+        ),
     };
     let resumed_from_step = resume_from.is_some().then_some(state.step);
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);

@@ -222,10 +222,11 @@ fn say_why(path: &Path, stale: &Stale) {
     }
 }
 
-/// Remove the temporary values files that killed computations left in `dir` (needs the cache's lock).
+/// Remove the temporary files that killed computations left in `dir`, the values' and the manifest's alike
+/// (every atomic write's temporary name, [`crate::fsio::leftover`]; the version's own files are written once,
+/// before it is renamed into place, so under the cache's lock nothing else writes there).
 fn remove_temp_values(dir: &Path) {
-    let prefix = format!(".{VALUES_FILE}.");
-    for (p, outcome) in crate::fsio::remove_unfinished(dir, |name| name.starts_with(&prefix)) {
+    for (p, outcome) in crate::fsio::remove_unfinished(dir, |_| true) {
         match outcome {
             Ok(()) => tracing::warn!("removed {} (left by an interrupted run)", p.display()),
             Err(err) => tracing::warn!("cannot remove {}: {err}", p.display()),
@@ -703,6 +704,8 @@ mod tests {
         // What a killed computation leaves.
         let leftover = ds.dir().join(format!(".{VALUES_FILE}.abc123.tmp"));
         std::fs::write(&leftover, [0u8; 64]).unwrap();
+        let manifest_leftover = ds.dir().join(format!(".{MANIFEST_FILE}.def456.tmp"));
+        std::fs::write(&manifest_leftover, b"{").unwrap();
         let stop = AtomicBool::new(true);
         let err = ReferenceCache::ensure(&ds, &m, &opts(4), Some(&stop), &World::single()).unwrap_err();
         assert!(matches!(err, TrainError::Interrupted(_)), "{err}");
@@ -710,6 +713,7 @@ mod tests {
         let (c, computed) = ReferenceCache::ensure(&ds, &m, &opts(4), None, &World::single()).unwrap();
         assert!(computed && c.logprobs(&all_groups(&ds)).is_ok());
         assert!(!leftover.exists(), "the leftover of a killed computation was not removed");
+        assert!(!manifest_leftover.exists(), "the manifest's leftover of a killed computation was not removed");
         let tmp: Vec<_> = std::fs::read_dir(ds.dir())
             .unwrap()
             .filter_map(|e| e.ok())

@@ -5,8 +5,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use super::checkpoint::CONFIG_FILE;
-use super::{TrainConfig, TrainError};
+use super::{TrainConfig, TrainError, TrainerState};
 use crate::model::{ModelConfig, ModelError};
+use crate::rollout::GroupSource;
 
 /// Configuration keys that may differ from the checkpoint's without `--allow-config-change`: the run's length
 /// (a longer or shorter run; the learning-rate schedule follows the new length), where and how often it
@@ -112,6 +113,75 @@ pub(super) fn check_config(ck: &Path, cfg: &TrainConfig, allow_change: bool) -> 
         tracing::info!("resuming with a new {line}");
     }
     Ok(())
+}
+
+/// The fingerprint of the data a run trains on ([`crate::data::PreparedDataset::fingerprint`]: from the
+/// checksums its prepared version's manifest records); None for the questions of `rollout.questions`.
+pub(super) fn data_fingerprint(source: &GroupSource) -> Option<String> {
+    match source {
+        GroupSource::Prepared(p) => Some(p.fingerprint().to_string()),
+        GroupSource::Questions(_) => None,
+    }
+}
+
+/// The trainer state to resume from checkpoint `ck` (whose state is `state`) on `source`, whose epochs have
+/// `steps_per_epoch` steps. A checkpoint of other data (another prepared version, or a position past the end
+/// of this data's epoch) is refused, or with `allow_change` restarts its epoch at the first batch of the new
+/// data (the step count, learning-rate schedule and optimiser state go on).
+pub(super) fn check_data(
+    ck: &Path,
+    mut state: TrainerState,
+    source: &GroupSource,
+    steps_per_epoch: usize,
+    allow_change: bool,
+) -> Result<TrainerState, TrainError> {
+    let now = data_fingerprint(source);
+    let mut changes = Vec::new();
+    if let (Some(old), Some(new)) = (&state.data, &now) {
+        if old != new {
+            let dir = match source {
+                GroupSource::Prepared(p) => p.dir().display().to_string(),
+                GroupSource::Questions(_) => String::new(),
+            };
+            changes.push(format!(
+                "it was trained on other data (prepared version {}, now {} in {dir}: the inputs, their preparation or \
+                 data.prepared_dir changed)",
+                short(old),
+                short(new)
+            ));
+        }
+    }
+    if state.batch_in_epoch >= steps_per_epoch {
+        changes.push(format!(
+            "it stopped at batch {} of epoch {}, and the run's data has {steps_per_epoch} steps per epoch",
+            state.batch_in_epoch, state.epoch
+        ));
+    }
+    if !changes.is_empty() && !allow_change {
+        let message = format!(
+            "{}; resume on the checkpoint's data, or pass --allow-data-change to restart epoch {} at its first batch \
+             of the new data",
+            changes.join("; "),
+            state.epoch
+        );
+        return Err(TrainError::Incompatible { ck: ck.to_path_buf(), message });
+    }
+    if !changes.is_empty() {
+        tracing::warn!(
+            "--allow-data-change: {}; epoch {} restarts at its first batch of the new data (at step {})",
+            changes.join("; "),
+            state.epoch,
+            state.step
+        );
+        state.batch_in_epoch = 0;
+    }
+    state.data = now;
+    Ok(state)
+}
+
+/// The first characters of a fingerprint, enough to tell two apart in a message.
+fn short(fingerprint: &str) -> &str {
+    fingerprint.get(..12).unwrap_or(fingerprint)
 }
 
 /// The hyper-parameters that make two models the same network, as `(HF name, value)`.

@@ -57,17 +57,14 @@ pub(super) fn lock(out: &Path) -> Result<FolderLock, TrainError> {
     Ok(FolderLock { _file: file })
 }
 
-/// Remove what a killed run left half-written or half-deleted: temporary checkpoint folders in
-/// OUTPUT/checkpoints, and in OUTPUT every temporary file or folder of an atomic write (`best/`, the rollout
-/// policy served to a sampling server, `curves.png`, an interrupted `--overwrite`...). The folder is this
+/// Remove what a killed run left half-written or half-deleted, by one rule ([`remove_leftovers`]): in
+/// OUTPUT/checkpoints and in OUTPUT every temporary file or folder of an atomic write (a checkpoint, its
+/// staging folder, `latest`, `best/`, the rollout policy served to a sampling server, `curves.png`, an
+/// interrupted `--overwrite`...). The folder is this
 /// run's (it holds the lock), so nothing else is writing them. Needs the lock.
 pub(super) fn clean_leftovers(out: &Path) -> Result<(), TrainError> {
     let mut removed = remove_leftovers(&out.join("checkpoints"), |_| true)?;
     removed.extend(remove_leftovers(out, |_| true)?);
-    for (p, outcome) in crate::fsio::remove_unfinished(out, |_| true) {
-        outcome.map_err(io(&p))?;
-        removed.push(p);
-    }
     for p in removed {
         tracing::warn!("removed {} (left by an interrupted run)", p.display());
     }
@@ -138,8 +135,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let out = dir.path();
         let keep = ["best/model.safetensors", "rollout-policy/model.safetensors", "metrics.jsonl", "prepared/CURRENT"];
-        let gone =
-            [".rollout-policy.Ab12Cd.tmp/model.safetensors", ".best.x1y2z3.tmp/config.json", ".curves.png.q9w8e7.tmp"];
+        let gone = [
+            ".rollout-policy.Ab12Cd.tmp/model.safetensors",
+            ".best.x1y2z3.tmp/config.json",
+            ".curves.png.q9w8e7.tmp",
+            "checkpoints/.latest.Zx81Qa.tmp",
+            "checkpoints/.step-00000004.shards.tmp/optimizer-00000-of-00002.safetensors",
+        ];
         for f in keep.iter().chain(&gone) {
             let p = out.join(f);
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -150,8 +152,12 @@ mod tests {
             assert!(out.join(f).exists(), "{f} was removed");
         }
         for f in gone {
-            let top = f.split('/').next().unwrap();
-            assert!(!out.join(top).exists(), "{top} was kept");
+            let top = if f.starts_with("checkpoints/") {
+                f.split('/').take(2).collect::<Vec<_>>().join("/")
+            } else {
+                f.split('/').next().unwrap().to_string()
+            };
+            assert!(!out.join(&top).exists(), "{top} was kept");
         }
     }
 }
