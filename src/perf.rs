@@ -157,6 +157,31 @@ pub struct TrainStepSpec {
     /// (`model.deterministic_attention = false`).
     #[arg(long)]
     pub atomic_dq: bool,
+    /// Print the performance model's prediction of this step on each modelled GPU (its calibration's card
+    /// and date) without running it: a GPU's step predicted on any machine.
+    #[arg(long)]
+    pub predict_only: bool,
+}
+
+/// The tensors candle has made in this process so far: every op's output and every view gets the next
+/// of candle's tensor ids, which is read here from the id of a new scalar (`TensorId` shows its number
+/// only through `Debug`).
+fn tensors_made() -> Result<u64> {
+    let probe = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    let id = format!("{:?}", probe.id());
+    let digits: String = id.chars().filter(char::is_ascii_digit).collect();
+    digits.parse().map_err(|_| PerfError::Invalid(format!("candle's tensor id `{id}` has no number")))
+}
+
+/// The prompt must leave room for an answer.
+fn check_lengths(spec: &TrainStepSpec) -> Result<()> {
+    if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
+        return Err(PerfError::Invalid(format!(
+            "prompt length {} must be in 1..{} (the sequence length)",
+            spec.prompt_len, spec.seq_len
+        )));
+    }
+    Ok(())
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -164,12 +189,7 @@ pub struct TrainStepSpec {
 /// reference (beta 0 and no reference with `no_reference`), seq-mean-token-mean, AdamW at lr 1e-6 with
 /// f32 master weights and moments (in host memory with `offload`).
 pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
-    if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
-        return Err(PerfError::Invalid(format!(
-            "prompt length {} must be in 1..{} (the sequence length)",
-            spec.prompt_len, spec.seq_len
-        )));
-    }
+    check_lengths(spec)?;
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
     let mut policy = random_model(cfg, t, true)?;
@@ -220,15 +240,17 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
-    let mut syncs = 0;
+    let (mut syncs, mut tensor_ops) = (0, 0);
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
-        let before = host_reads();
+        let (before, made) = (host_reads(), tensors_made()?);
         let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
         syncs = host_reads() - before;
+        // (less the probe's own tensor)
+        tensor_ops = tensors_made()? - made - 1;
         Ok(stats)
     })?;
     let micro_batches = spec.answers.div_ceil(spec.micro_batch.max(1));
@@ -237,7 +259,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     }
     let step_time = median(&times);
     let tokens = spec.answers * spec.seq_len;
-    let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, t, step_time);
+    let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, (&t.device, t.dtype), Some(step_time));
     Ok(json!({
         "bench": "train_step",
         "impl": "grpo",
@@ -267,6 +289,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "micro_batches": micro_batches,
         "host_syncs_per_step": syncs,
         "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
+        "tensor_ops_per_step": tensor_ops,
     }))
 }
 
@@ -275,29 +298,38 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
 #[derive(Debug, serde::Serialize)]
 struct PredictedStep {
     gpu: &'static str,
+    /// The card and date the GPU's rates were measured on; `null`: its rates are assumptions.
+    calibrated_on: Option<String>,
     step_time_s: f64,
     tokens_per_s: f64,
     mfu: f64,
     attention_of_peak: f64,
+    /// The device's seconds per kind, the time it waits for the host, and the host syncs: they add up to
+    /// the step.
+    gemm_s: f64,
+    attention_s: f64,
+    elementwise_s: f64,
+    host_s: f64,
+    sync_s: f64,
     launches: f64,
     host_syncs: f64,
+    /// The rates the windows' times are at (scripts/calibrate.py refits them).
+    memory_efficiency: f64,
+    kernel_launch_s: f64,
+    windows: Vec<crate::cost::time::WindowCost>,
     /// Measured over predicted step time, when the device is this GPU (by its CUDA name).
     measured_over_predicted: Option<f64>,
 }
 
-/// The model's predicted step (src/cost/time.rs) for the bench's shape on each modelled GPU.
-fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured: f64) -> Vec<PredictedStep> {
-    use crate::cost::time::{driver_blocks, predict, StepShape, GPUS};
-    let chunk = match spec.logprob_chunk_mb {
-        0 => crate::device::logprob_chunk_bytes(&t.device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES) as u64,
-        mb => (mb as u64) << 20,
-    };
-    let shape = StepShape {
+/// The model's step shape of the bench's settings; `chunk` the log-prob op's logits chunk in bytes.
+fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64) -> crate::cost::time::StepShape {
+    use crate::cost::time::{driver_blocks, StepShape};
+    StepShape {
         answers: spec.answers as u64,
         micro_batch: spec.micro_batch as u64,
         seq_tokens: spec.seq_len as u64,
         scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
-        dtype_bytes: t.dtype.size_in_bytes() as u64,
+        dtype_bytes: dtype.size_in_bytes() as u64,
         checkpoint_layers: spec.checkpoint_layers,
         recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
@@ -306,27 +338,98 @@ fn predicted_steps(cfg: &ModelConfig, spec: &TrainStepSpec, t: &Timing, measured
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
         tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
-            .tensor_core_attention(t.dtype, cfg.head_dim),
+            .tensor_core_attention(dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
         warpgroup: spec.attention == Attention::Wgmma,
+    }
+}
+
+/// The model's predicted step (src/cost/time.rs) for the bench's shape on each modelled GPU; `measured`
+/// the step's time on `device` (`None`: not run). A chunk left to the device is its size on `device`, or
+/// on a GPU's the 1 GiB least when the step is only predicted.
+fn predicted_steps(
+    cfg: &ModelConfig,
+    spec: &TrainStepSpec,
+    (device, dtype): (&Device, DType),
+    measured: Option<f64>,
+) -> Vec<PredictedStep> {
+    use crate::cost::time::{predict, GPUS};
+    let chunk = match (spec.logprob_chunk_mb, measured) {
+        (0, Some(_)) => crate::device::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
+        (0, None) => crate::device::gpu_chunk_bytes(0),
+        (mb, _) => mb << 20,
     };
-    let device = device_name(&t.device);
+    let shape = step_shape(cfg, spec, dtype, chunk as u64);
+    let device = device_name(device);
     GPUS.iter()
         .map(|gpu| {
             let p = predict(cfg, &shape, gpu);
             let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
             PredictedStep {
                 gpu: gpu.name,
+                calibrated_on: gpu.calibration.map(|c| format!("{}, {}", c.card, c.date)),
                 step_time_s: p.step_s,
                 tokens_per_s: p.tokens_per_s,
                 mfu: p.mfu,
                 attention_of_peak: p.attention_of_peak,
+                gemm_s: p.gemm_s,
+                attention_s: p.attention_s,
+                elementwise_s: p.elementwise_s,
+                host_s: p.host_s,
+                sync_s: p.sync_s,
                 launches: p.launches,
                 host_syncs: p.syncs,
-                measured_over_predicted: here.then(|| measured / p.step_s),
+                memory_efficiency: gpu.memory_efficiency,
+                kernel_launch_s: gpu.kernel_launch_s,
+                windows: p.windows,
+                measured_over_predicted: measured.filter(|_| here).map(|m| m / p.step_s),
             }
         })
         .collect()
+}
+
+/// What `grpo bench train-step --predict-only` prints: the model's prediction of the bench's step on
+/// each modelled GPU, without running it.
+#[derive(Debug, serde::Serialize)]
+struct PredictedRecord {
+    bench: &'static str,
+    shape: String,
+    answers: usize,
+    seq_len: usize,
+    prompt_len: usize,
+    dtype: &'static str,
+    micro_batch: usize,
+    checkpoint_layers: bool,
+    keep_attention: bool,
+    atomic_dq: bool,
+    offload: bool,
+    reference: bool,
+    attention: Attention,
+    predicted: Vec<PredictedStep>,
+}
+
+/// The model's prediction of `spec`'s step in `dtype`, without running it (so a GPU's step is predicted
+/// on a CPU).
+pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
+    check_lengths(spec)?;
+    let cfg = load_shape(&spec.shape)?;
+    let record = PredictedRecord {
+        bench: "train_step_prediction",
+        shape: shape_name(&spec.shape),
+        answers: spec.answers,
+        seq_len: spec.seq_len,
+        prompt_len: spec.prompt_len,
+        dtype: dtype_name(dtype),
+        micro_batch: spec.micro_batch,
+        checkpoint_layers: spec.checkpoint_layers,
+        keep_attention: spec.keep_attention,
+        atomic_dq: spec.atomic_dq,
+        offload: spec.offload,
+        reference: !spec.no_reference,
+        attention: spec.attention,
+        predicted: predicted_steps(&cfg, spec, (&Device::Cpu, dtype), None),
+    };
+    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
 }
 
 /// The log-prob op's settings (`grpo bench logprob`).
@@ -745,6 +848,7 @@ mod tests {
             no_reference: false,
             attention: Attention::Matrix,
             atomic_dq: false,
+            predict_only: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["attention"], "matrix");
@@ -792,6 +896,7 @@ mod tests {
                 no_reference: false,
                 attention: Attention::Flash,
                 atomic_dq: false,
+                predict_only: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();
             assert_eq!(r["micro_batches"], 2);

@@ -229,10 +229,10 @@ def main():
         print(f"\nsmoke {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'}; losses {t.get('losses')}")
     for t in (r for r in records if r.get("bench") == "seed7b"):
         gib = lambda b: f"{b / 2**30:.1f} GiB" if b else "n/a"
-        print(f"\nseed7b {t.get('what')}: {'ran' if t.get('passed') else 'FAILED'}; planned "
-              f"{gib(t.get('plan_train_peak_bytes'))}, measured {gib(t.get('pool_peak_plus_context_bytes'))} "
-              f"(pool + context), nvidia-smi {gib(t.get('nvidia_smi_max_used_bytes'))}; "
-              f"plan / measured {t.get('plan_over_measured')}")
+        print(f"\nseed7b {t.get('what')}: {'ran' if t.get('passed') else 'FAILED'}; plan's device peak "
+              f"{gib(t.get('plan_peak_bytes'))}, nvidia-smi {gib(t.get('nvidia_smi_max_used_bytes'))} "
+              f"(plan / smi {t.get('plan_over_smi')}); plan's tensors {gib(t.get('plan_tensor_train_peak_bytes'))}, "
+              f"pool in use {gib(t.get('pool_peak_bytes'))} (plan / pool {t.get('plan_tensors_over_pool')})")
     for t in (r for r in records if r.get("bench") == "attention"):
         print(f"\nattention {t.get('kernel')} {t.get('dtype')} len {t.get('len')}: {t.get('seconds', 0):.4f} s, "
               f"{t.get('gflops', 0) / 1e3:.1f} TFLOP/s useful ({t.get('dtype')} matmul {t.get('matmul_gflops', 0) / 1e3:.1f}, "

@@ -6,10 +6,10 @@
 WORKDIR holds plan.txt (the plan's output), bench.txt / bench.err (`grpo bench train-step`, exit status RC)
 and, on a GPU, smi.txt (nvidia-smi's memory.used in MiB, one sample per line).
 
-The plan's training peak is resident + step + max(backward, update) (its validation phase is not run by
-the bench); it includes the CUDA context (1 GiB), which the bench's peak (candle's pool high-water mark)
-does not, so `pool_peak_plus_context_bytes` is the number to put beside it; nvidia-smi's highest
-memory.used also counts memory the pool keeps in reserve.
+The plan's device peak (its tensors with the memory pool's overheads, and the CUDA context) is put
+beside nvidia-smi's highest memory.used (`plan_over_smi`), and its tensors' training peak (resident + step
++ max(backward, update); the bench runs no validation) beside the pool's peak in use, the bench's
+`peak_mem_bytes` (`plan_tensors_over_pool`).
 """
 import json
 import re
@@ -17,18 +17,17 @@ import sys
 from pathlib import Path
 
 GIB = 1 << 30
-CONTEXT = GIB  # src/cost/memory.rs CUDA_CONTEXT_BYTES
 
 
 def plan_numbers(text):
-    m = re.search(r"device peak: [\d.]+ GiB \((\d+) bytes\) = resident ([\d.]+) GiB \+ max\(step ([\d.]+) GiB"
-                  r" \+ max\(backward ([\d.]+) GiB, update ([\d.]+) GiB\), validation ([\d.]+) GiB(?:, rollouts [\d.]+ GiB)?\)",
-                  text)
-    if not m:
+    """The plan's peaks: on a GPU its device peak (pool + context) and its tensors' peak by phase."""
+    peak = re.search(r"device peak: [\d.]+ GiB \((\d+) bytes\)", text)
+    m = re.search(r"(?:tensors' peak|device peak): [\d.]+ GiB.*?= resident ([\d.]+) GiB \+ max\(step ([\d.]+) GiB"
+                  r" \+ max\(backward ([\d.]+) GiB, update ([\d.]+) GiB\), validation ([\d.]+) GiB", text)
+    if not (peak and m):
         return None
-    peak = int(m.group(1))
-    resident, step, backward, update, validation = (float(m.group(i)) * GIB for i in range(2, 7))
-    return {"plan_peak_bytes": peak, "plan_train_peak_bytes": int(resident + step + max(backward, update)),
+    resident, step, backward, update, validation = (float(m.group(i)) * GIB for i in range(1, 6))
+    return {"plan_peak_bytes": int(peak.group(1)), "plan_tensor_train_peak_bytes": int(resident + step + max(backward, update)),
             "plan_validation_bytes": int(validation)}
 
 
@@ -48,15 +47,16 @@ def main():
         b = json.loads(bench[-1])
         rec.update({"passed": True, "step_time_s": b.get("step_time_s"), "losses": b.get("losses"),
                     "pool_peak_bytes": b.get("peak_mem_bytes")})
-        if b.get("peak_mem_bytes") is not None:
-            rec["pool_peak_plus_context_bytes"] = b["peak_mem_bytes"] + CONTEXT
     smi = work / "smi.txt"
     if smi.exists():
         used = [int(l) for l in smi.read_text().split() if l.strip().isdigit()]
         rec["nvidia_smi_max_used_bytes"] = max(used) * (1 << 20) if used else None
-    measured = rec.get("pool_peak_plus_context_bytes") or rec.get("nvidia_smi_max_used_bytes")
-    if measured and rec.get("plan_train_peak_bytes"):
-        rec["plan_over_measured"] = round(rec["plan_train_peak_bytes"] / measured, 3)
+    # The plan's device peak is what nvidia-smi sees (tensors, the pool's overheads, the context); its
+    # tensors' training peak is what the pool has in use at once.
+    if rec.get("nvidia_smi_max_used_bytes") and rec.get("plan_peak_bytes"):
+        rec["plan_over_smi"] = round(rec["plan_peak_bytes"] / rec["nvidia_smi_max_used_bytes"], 3)
+    if rec.get("pool_peak_bytes") and rec.get("plan_tensor_train_peak_bytes"):
+        rec["plan_tensors_over_pool"] = round(rec["plan_tensor_train_peak_bytes"] / rec["pool_peak_bytes"], 3)
     print(json.dumps(rec))
 
 

@@ -75,6 +75,10 @@ fn timing(c: &Common) -> anyhow::Result<Timing> {
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     let record = match cmd {
+        BenchCommand::TrainStep { spec, common } if spec.predict_only => {
+            let dtype = parse_dtype(&common.dtype).with_context(|| format!("--dtype {}", common.dtype))?;
+            perf::predict_train_step(&spec, dtype).context("train-step prediction")?
+        }
         BenchCommand::TrainStep { spec, common } => {
             perf::train_step(&spec, &timing(&common)?).context("train-step benchmark")?
         }

@@ -33,11 +33,11 @@
 
 use std::fmt;
 
-use crate::train::config::TrainConfig;
-use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
 use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
+use crate::train::config::TrainConfig;
+use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
@@ -45,9 +45,39 @@ use crate::objective::Anchor;
 /// above its tensors.
 pub const CPU_PROCESS_BYTES: u64 = 64 << 20;
 
-/// Device memory outside the tensors on a GPU: the CUDA context, cuBLAS's workspaces and the kernels'
-/// modules (outside candle's allocation pool).
-pub const CUDA_CONTEXT_BYTES: u64 = 1 << 30;
+/// Device memory outside candle's allocation pool on a GPU: the CUDA context, the kernels' modules and
+/// cuBLAS's workspaces. Assumed (a CUDA 13 context on an H100 holds about half a GiB before any module is
+/// loaded); the pool's own overheads are measured ([`POOL_OVERHEAD`]).
+pub const CUDA_CONTEXT_BYTES: u64 = 768 << 20;
+
+/// What candle's memory pool holds on a GPU beyond the tensors the plan itemises, as fractions.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PoolOverhead {
+    /// The pool's peak of memory in use over the plan's tensors: what the plan does not itemise (a
+    /// candle op's temporaries, its gradients' copies).
+    pub unitemised: f64,
+    /// The pool's reserve over its peak in use: memory it keeps for reuse (`cuMemPoolTrimTo` returns
+    /// it) and loses to fragmentation, which nvidia-smi counts as used.
+    pub reserve: f64,
+    /// Where it was measured.
+    pub measured: &'static str,
+}
+
+/// Measured at the seed's 7B step (8 x (2,048 + 16,384) tokens, micro-batch 1, layers recomputed,
+/// optimiser offloaded) on the H100 of benches/results/gpu-2026-11-26-h100.*: the plan's tensors 59.62
+/// GiB, the pool's peak in use 62.51 GiB (x 1.0485), nvidia-smi's peak 71.33 GiB, of which 0.75 GiB
+/// context ([`CUDA_CONTEXT_BYTES`]): the pool held 70.58 GiB, 1.1290 x its peak in use. At micro-batch 2
+/// the plan with these fractions is 79.8 GiB of the card's 79.65 (81,559 MiB), and the run ran out of
+/// memory with nvidia-smi at 79.17 GiB.
+pub const POOL_OVERHEAD: PoolOverhead =
+    PoolOverhead { unitemised: 0.0485, reserve: 0.1290, measured: "H100 80GB HBM3, 2026-11-26" };
+
+impl PoolOverhead {
+    /// The pool's size when its tensors reach `tensors` bytes of the plan.
+    pub fn pooled(&self, tensors: u64) -> u64 {
+        to_bytes(tensors as f64 * (1.0 + self.unitemised) * (1.0 + self.reserve))
+    }
+}
 
 /// What the plan needs besides the two configurations.
 #[derive(Debug, Clone, Copy)]
@@ -239,8 +269,10 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     }
     // Left to the device, the chunk is an eighth of the memory free when the head runs (everything else
     // of the step allocated), within 1..=8 GiB: sized from the plan with the smallest chunk.
+    // The pool holds the other tensors with its overheads, beside the context (as the device's free
+    // memory, which the run sizes the chunk from, sees them).
     let chunk = first.components.iter().filter(|c| c.name.starts_with("log-prob chunk")).map(|c| c.bytes).max();
-    let others = first.peak(Place::Device).saturating_sub(chunk.unwrap_or(0));
+    let others = first.peak(Place::Device).saturating_sub(POOL_OVERHEAD.pooled(chunk.unwrap_or(0)));
     let free = inputs.device_memory.unwrap_or(DEFAULT_GPU_MEMORY).saturating_sub(others);
     plan_with_chunk(cfg, model, inputs, logprob_chunk_bytes(cfg, &inputs, Some(free)))
 }
@@ -310,7 +342,13 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     if inputs.on_cpu {
         add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured".into());
     } else {
-        add("CUDA context and cuBLAS workspaces", CUDA_CONTEXT_BYTES, Device, Resident, "fixed".into());
+        add(
+            "CUDA context, modules and cuBLAS workspaces",
+            CUDA_CONTEXT_BYTES,
+            Device,
+            Resident,
+            "outside the pool".into(),
+        );
     }
     let ckpt = cfg.model.checkpoint_layers;
     let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
@@ -486,10 +524,28 @@ impl Plan {
         of == place || (self.inputs.on_cpu && place == Place::Device)
     }
 
-    /// The expected peak in `place`: resident + the largest of a training step, validation and rollouts.
+    /// The expected peak in `place`: resident + the largest of a training step, validation and rollouts
+    /// (the pool is trimmed between them: their peaks do not add up), on a GPU's device memory with the
+    /// pool's overheads ([`POOL_OVERHEAD`]) on the tensors and the context beside them.
     pub fn peak(&self, place: Place) -> u64 {
+        let tensors = self.tensor_peak(place);
+        match self.gpu_device(place) {
+            true => POOL_OVERHEAD.pooled(tensors).saturating_add(CUDA_CONTEXT_BYTES),
+            false => tensors,
+        }
+    }
+
+    /// The peak of the plan's own components in `place` (the context not counted on a GPU).
+    fn tensor_peak(&self, place: Place) -> u64 {
         let generation = self.sum(Phase::Validation, place).max(self.sum(Phase::Rollout, place));
-        self.sum(Phase::Resident, place).saturating_add(self.step_peak(place).max(generation))
+        let resident = self.sum(Phase::Resident, place);
+        let resident = if self.gpu_device(place) { resident.saturating_sub(CUDA_CONTEXT_BYTES) } else { resident };
+        resident.saturating_add(self.step_peak(place).max(generation))
+    }
+
+    /// Whether `place` is a GPU's device memory (where the pool's overheads apply).
+    fn gpu_device(&self, place: Place) -> bool {
+        place == Place::Device && !self.inputs.on_cpu
     }
 
     /// A training step's part of the peak: the gradients and the larger of the backward and the update.
@@ -544,6 +600,42 @@ impl Plan {
     }
 }
 
+impl Plan {
+    /// The device peak's lines: the tensors' peak by phase and, on a GPU, the pool's overheads and the
+    /// context beside it.
+    fn fmt_device_peak(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let phase = |ph| gib(self.sum(ph, Place::Device));
+        let resident = match self.gpu_device(Place::Device) {
+            true => gib(self.sum(Phase::Resident, Place::Device).saturating_sub(CUDA_CONTEXT_BYTES)),
+            false => phase(Phase::Resident),
+        };
+        let tensors = self.tensor_peak(Place::Device);
+        let by_phase = format!(
+            "resident {resident} + max(step {} + max(backward {}, update {}), validation {}, rollouts {})",
+            phase(Phase::Step),
+            phase(Phase::Backward),
+            phase(Phase::Update),
+            phase(Phase::Validation),
+            phase(Phase::Rollout)
+        );
+        let peak = self.peak(Place::Device);
+        if !self.gpu_device(Place::Device) {
+            return writeln!(f, "device peak: {} ({peak} bytes) = {by_phase}", gib(peak));
+        }
+        let o = POOL_OVERHEAD;
+        writeln!(f, "tensors' peak: {} = {by_phase}", gib(tensors))?;
+        writeln!(
+            f,
+            "memory pool: {} = tensors x {:.4} (not itemised) x {:.4} (the pool's reserve), measured on {}",
+            gib(o.pooled(tensors)),
+            1.0 + o.unitemised,
+            1.0 + o.reserve,
+            o.measured
+        )?;
+        writeln!(f, "device peak: {} ({peak} bytes) = memory pool + context {}", gib(peak), gib(CUDA_CONTEXT_BYTES))
+    }
+}
+
 impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "memory plan: {}", self.summary)?;
@@ -567,20 +659,7 @@ impl fmt::Display for Plan {
             };
             writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  {}", c.name, gib(c.bytes), place, phase, c.formula)?;
         }
-        let phase = |ph| gib(self.sum(ph, Place::Device));
-        writeln!(
-            f,
-            "device peak: {} ({} bytes) = resident {} + max(step {} + max(backward {}, update {}), validation {}, \
-             rollouts {})",
-            gib(self.peak(Place::Device)),
-            self.peak(Place::Device),
-            phase(Phase::Resident),
-            phase(Phase::Step),
-            phase(Phase::Backward),
-            phase(Phase::Update),
-            phase(Phase::Validation),
-            phase(Phase::Rollout)
-        )?;
+        self.fmt_device_peak(f)?;
         if !self.inputs.on_cpu {
             writeln!(f, "host peak (optimizer state and update): {}", gib(self.peak(Place::Host)))?;
         }
@@ -655,7 +734,8 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
         checkpoint_layers: cfg.model.checkpoint_layers,
         recompute_attention: cfg.model.recompute_attention,
-        reference_forward: cfg.objective.build().needs_reference() && !crate::train::refcache::reference_is_cacheable(cfg),
+        reference_forward: cfg.objective.build().needs_reference()
+            && !crate::train::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
@@ -735,7 +815,7 @@ mod tests {
         let kept_plan = super::plan(keeping, &m, inputs(Attention::Flash));
         assert_eq!(bytes(&kept_plan, kept), 3 * (32 * 8 * 2 + 4 * 2 * 2 * 16));
         assert_eq!(bytes(&recomputed, kept), bytes(&kept_plan, kept));
-        let extra = kept_plan.peak(Place::Device) - recomputed.peak(Place::Device);
+        let extra = kept_plan.tensor_peak(Place::Device) - recomputed.tensor_peak(Place::Device);
         assert_eq!(extra, bytes(&kept_plan, kept), "{kept_plan}");
         assert!(kept_plan.advice(keeping).contains("model.recompute_attention = true"));
         assert!(!recomputed.advice(&config(&["model.checkpoint_layers=true"])).contains("recompute_attention"));
@@ -744,6 +824,35 @@ mod tests {
         let atomic = super::plan(&config(&["model.deterministic_attention=false"]), &m, inputs(Attention::Mma));
         let workspace = |p: &Plan| bytes(p, "attention workspace");
         assert_eq!(workspace(&atomic) - workspace(&mma), 32 * 8 * 4);
+    }
+
+    /// On a GPU the device's peak is what nvidia-smi sees: the pool holding the plan's tensors with its
+    /// measured overheads, and the context outside it; on the CPU the tensors alone. A chunk left to the
+    /// device is sized from the memory the pool and the context leave free, as the run sizes it.
+    #[test]
+    fn the_gpu_peak_is_the_pool_with_its_overheads_beside_the_context() {
+        let m = shape();
+        let gpu = plan(&config(&[]), &m, inputs(Attention::Flash));
+        let tensors = gpu.tensor_peak(Place::Device);
+        let pooled = (tensors as f64 * (1.0 + POOL_OVERHEAD.unitemised) * (1.0 + POOL_OVERHEAD.reserve)) as u64;
+        assert_eq!(gpu.peak(Place::Device), pooled + CUDA_CONTEXT_BYTES);
+        assert!(gpu.to_string().contains("memory pool:"), "{gpu}");
+        let cpu = plan(&config(&[]), &m, PlanInputs { on_cpu: true, ..inputs(Attention::Flash) });
+        assert_eq!(cpu.peak(Place::Device), cpu.tensor_peak(Place::Device));
+        assert!(!cpu.to_string().contains("memory pool:"), "{cpu}");
+        // Sized as the run sizes it: an eighth of what the pool's other tensors and the context leave free.
+        let device = CUDA_CONTEXT_BYTES + POOL_OVERHEAD.pooled(tensors) + (24u64 << 30);
+        let sized =
+            super::plan(&config(&[]), &m, PlanInputs { device_memory: Some(device), ..inputs(Attention::Flash) });
+        let chunk = sized.components.iter().find(|c| c.name.starts_with("log-prob chunk")).unwrap().bytes;
+        let others = sized.peak(Place::Device) - POOL_OVERHEAD.pooled(chunk);
+        let expected = crate::device::gpu_chunk_bytes(device - others) as u64;
+        assert!(
+            sized.logprob_chunk_bytes.abs_diff(expected) <= expected / 100,
+            "{} vs {expected}",
+            sized.logprob_chunk_bytes
+        );
+        assert!(sized.logprob_chunk_bytes > 2 << 30, "{}", sized.logprob_chunk_bytes);
     }
 
     #[test]
@@ -759,7 +868,7 @@ mod tests {
         // The peak drops by the state's three quarters, less the collectives' device buffers when the
         // update phase is the peak; the collectives' host staging is the flat gradients and a block.
         let (saved, buffers) = (12 * p - (12 * p).div_ceil(4), bytes(&four, "collective buffers (NCCL, per piece)"));
-        let drop = one.peak(Place::Device) - four.peak(Place::Device);
+        let drop = one.tensor_peak(Place::Device) - four.tensor_peak(Place::Device);
         assert!(drop <= saved && drop + buffers >= saved, "{drop} {saved} {buffers}");
         assert_eq!(buffers, 4 * (p + p / 4));
         let staging = four.components.iter().find(|c| c.name == "collective staging (f32 gradients / weights)");
@@ -785,10 +894,10 @@ mod tests {
         assert_eq!(bytes(&on_policy, "rollout KV cache"), kv);
         let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
         assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
-        assert_eq!(lagged.peak(Place::Device), on_policy.peak(Place::Device) + 2 * p);
+        assert_eq!(lagged.tensor_peak(Place::Device), on_policy.tensor_peak(Place::Device) + 2 * p);
         let generation = on_policy.sum(Phase::Rollout, Place::Device);
         let (resident, step) = (on_policy.sum(Phase::Resident, Place::Device), on_policy.step_peak(Place::Device));
-        assert_eq!(on_policy.peak(Place::Device), resident + step.max(generation));
+        assert_eq!(on_policy.tensor_peak(Place::Device) + CUDA_CONTEXT_BYTES, resident + step.max(generation));
     }
 
     #[test]
@@ -832,7 +941,10 @@ mod tests {
         let cached = PlanInputs { reference_cached: true, ..inputs(Attention::Matrix) };
         let with_cache = plan(&config(&[]), &m, cached);
         // The reference's weights (2 P) leave; its log-probs (4 B for each of the 20 scored tokens) come in.
-        assert_eq!(base.peak(Place::Device) - with_cache.peak(Place::Device), 2 * m.num_parameters() as u64 - 80);
+        assert_eq!(
+            base.tensor_peak(Place::Device) - with_cache.tensor_peak(Place::Device),
+            2 * m.num_parameters() as u64 - 80
+        );
         let no_ref = plan(&config(&["objective.beta=0"]), &m, inputs(Attention::Matrix));
         assert!(!no_ref.components.iter().any(|c| c.name.starts_with("reference")));
         // On the CPU the host is the device: offload changes nothing there.

@@ -6,5 +6,6 @@
 //! Read by `grpo train --plan` and the check a run makes before loading weights, and by `grpo bench`,
 //! which prints the prediction beside what it measured.
 
+pub mod calibration;
 pub mod memory;
 pub mod time;

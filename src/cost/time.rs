@@ -74,7 +74,9 @@ pub enum OpKind {
     Gemm,
     /// The block products of attention (tensor cores, small inner dimension: the head's).
     AttentionGemm,
-    /// The tensor-core attention kernels (kernels/flash_mma.cu): block products and softmax on chip.
+    /// The tensor-core attention kernels (kernels/flash_mma.cu): block products and softmax on chip; the
+    /// forward's and the backward's.
+    AttentionMmaForward,
     AttentionMma,
     /// The warpgroup tensor-core attention kernels (kernels/flash_wgmma.cu, compute capability 9.0): the
     /// backward's.
@@ -82,10 +84,23 @@ pub enum OpKind {
     /// The warpgroup kernels' forward, whose two warpgroups take turns (ping-pong) and pipeline the
     /// softmax with the products.
     AttentionWgmmaForward,
+    /// The warpgroup kernels' backward with dq summed by atomics in the dk/dv kernel.
+    AttentionWgmmaAtomic,
     /// Element-wise and reductions, memory-bound.
     Elementwise,
     /// The optimiser update in host memory (`optim.offload`): PCIe transfers and host memory bandwidth.
     Host,
+}
+
+impl OpKind {
+    /// The tensor-core attention kernels (their time is their useful FLOPs at a measured rate).
+    pub fn tensor_core_attention(self) -> bool {
+        use OpKind::*;
+        matches!(
+            self,
+            AttentionMmaForward | AttentionMma | AttentionWgmmaForward | AttentionWgmma | AttentionWgmmaAtomic
+        )
+    }
 }
 
 /// The work of one op over a whole step.
@@ -98,13 +113,49 @@ pub struct OpCost {
     pub bytes: f64,
     /// Bytes read and written in host memory ([`OpKind::Host`] only).
     pub host_bytes: f64,
+    /// Ops the host issues for it: kernel launches, and for candle's element-wise work every tensor op
+    /// (see [`TensorOps`]).
     pub launches: f64,
     pub syncs: f64,
     /// Part of the attention (its GEMMs and the element-wise steps between them).
     pub attention: bool,
+    /// The tensor-core attention kernels: the causal attention's useful FLOPs (4 per query-key pair and
+    /// head dim forward, 10 backward), which their measured rates are quoted in.
+    pub useful_flops: f64,
+    /// Tokens per sequence and head dim (the attention kernels' rates depend on them).
+    pub seq_tokens: u64,
+    pub head_dim: u64,
+    pub window: Window,
 }
 
-/// A GPU's rates and the efficiency assumed for each kind of op.
+/// The stretch of the step an op runs in. Within one, the host issues ops while the device runs those
+/// issued before (kernel launches are asynchronous), so a window lasts the longer of the host's time and
+/// the device's; the host syncs between windows (the loss read, the gradient norm) end the overlap.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Window {
+    /// The frozen reference model's forward (no gradient).
+    Reference,
+    /// The policy's forward, with the log-prob head.
+    Forward,
+    /// The log-prob head's backward, the layers' backward (and their recomputation), the embedding's
+    /// gradient and the gradients' accumulation.
+    Backward,
+    /// The gradient norm and the optimiser update.
+    Update,
+}
+
+impl Window {
+    fn name(self) -> &'static str {
+        match self {
+            Window::Reference => "reference",
+            Window::Forward => "forward",
+            Window::Backward => "backward",
+            Window::Update => "update",
+        }
+    }
+}
+
+/// A GPU's rates and the efficiency of each kind of op on it, measured ([`Gpu::calibration`]) or assumed.
 #[derive(Debug, Clone, Copy)]
 pub struct Gpu {
     pub name: &'static str,
@@ -112,100 +163,108 @@ pub struct Gpu {
     pub peak_flops: f64,
     /// Device memory bandwidth, B/s.
     pub memory_bandwidth: f64,
-    /// Fraction of the peak a large cuBLAS bf16 GEMM reaches.
+    /// Fraction of the peak a cuBLAS bf16 GEMM reaches through candle.
     pub gemm_efficiency: f64,
-    /// Fraction of the peak the attention's block GEMMs reach when compute-bound (inner dimension 128).
+    /// Fraction of the peak the chunked attention's block GEMMs reach when compute-bound.
     pub attention_gemm_efficiency: f64,
-    /// Fraction of the peak the tensor-core attention kernels' `mma.sync` products reach.
-    pub mma_attention_efficiency: f64,
-    /// Fraction of the peak the warpgroup attention kernels' `wgmma` products reach; `None` where the
-    /// GPU has no wgmma (the `mma` kernels run instead).
-    pub wgmma_attention_efficiency: Option<WgmmaEfficiency>,
+    /// The tensor-core attention kernels (kernels/flash_mma.cu), as fractions of the peak in the causal
+    /// attention's useful FLOPs.
+    pub mma: KernelRates,
+    /// The warpgroup kernels (kernels/flash_wgmma.cu): two-kernel backward, and dq by atomics; `None`
+    /// where the GPU has no wgmma (the `mma` kernels run instead).
+    pub wgmma: Option<KernelRates>,
+    pub wgmma_atomic: Option<KernelRates>,
     /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
     pub memory_efficiency: f64,
-    /// Host time to launch one kernel, s.
+    /// Host time per op the host issues: candle's bookkeeping of a tensor op (its output's allocation
+    /// from the memory pool, its layout copied to the device for a strided input, the graph's record)
+    /// and the kernel launch, s.
     pub launch_s: f64,
+    /// Host time per kernel launch of the project's own code (the attention's kernels and cuBLAS calls:
+    /// no candle tensor made), s.
+    pub kernel_launch_s: f64,
     /// Time of one host sync (device drained, value copied back, next launch issued), s.
     pub sync_s: f64,
     /// Host-device bandwidth per direction, B/s (PCIe).
     pub pcie_bandwidth: f64,
+    /// Bytes per second the offloaded AdamW update (`optim.offload`) moves through host memory, counted
+    /// as 32 B per parameter (the f32 master weights and two moments read and written).
+    pub host_update_bandwidth: f64,
     /// Bandwidth per GPU to the other GPUs of its node, per direction, B/s (NVLink through NVSwitch).
     pub nvlink_bandwidth: f64,
     /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
     pub network_bandwidth: f64,
+    /// Where the rates were measured (`None`: every rate is an assumption).
+    pub calibration: Option<super::calibration::Calibration>,
 }
 
-/// The efficiencies of the warpgroup attention kernels (kernels/flash_wgmma.cu).
+/// A tensor-core attention kernel's rate at two measured lengths, forward and backward as fractions of
+/// the peak in useful FLOPs; between them interpolated in log length, outside them the nearer one.
 #[derive(Debug, Clone, Copy)]
-pub struct WgmmaEfficiency {
-    /// The forward: FlashAttention-3's ping-pong and softmax pipelining, loads by cp.async.
+pub struct KernelRates {
+    pub short: RateAt,
+    pub long: RateAt,
+}
+
+/// A kernel's forward and backward rate at `tokens` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct RateAt {
+    pub tokens: u64,
     pub forward: f64,
-    /// The dq and dk/dv kernels: one barrier-synchronised step after another.
     pub backward: f64,
 }
 
-/// Host memory bandwidth assumed for the offloaded AdamW update (a server CPU's streaming bandwidth;
-/// an assumption, not a measurement: two sockets of DDR5 reach several times this).
-pub const HOST_MEMORY_BANDWIDTH: f64 = 100e9;
+impl KernelRates {
+    /// The same rates at every length.
+    pub const fn flat(forward: f64, backward: f64) -> Self {
+        let at = RateAt { tokens: 1, forward, backward };
+        Self { short: at, long: at }
+    }
+
+    /// The fraction of the peak at `tokens` tokens, forward or backward.
+    pub fn efficiency(&self, tokens: u64, backward: bool) -> f64 {
+        let pick = |r: &RateAt| if backward { r.backward } else { r.forward };
+        let (a, b) = (self.short, self.long);
+        if tokens <= a.tokens || a.tokens >= b.tokens {
+            return pick(&a);
+        }
+        if tokens >= b.tokens {
+            return pick(&b);
+        }
+        let x = (tokens as f64 / a.tokens as f64).ln() / (b.tokens as f64 / a.tokens as f64).ln();
+        pick(&a) + x * (pick(&b) - pick(&a))
+    }
+}
+
+/// The head dim [`KernelRates`] are measured at.
+pub const RATES_HEAD_DIM: f64 = 128.0;
 
 /// Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth / link bandwidth).
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
 
-/// NVIDIA H100 SXM5 80GB. Peak dense BF16 989.4 TFLOP/s (1979 with sparsity) and HBM3 3.35 TB/s: the
-/// H100 datasheet (nvidia.com/en-us/data-center/h100). NVLink 4: 900 GB/s per GPU in total, 450 GB/s
-/// per direction through NVSwitch; one ConnectX-7 400 Gb/s NDR InfiniBand NIC per GPU (DGX H100); PCIe
-/// Gen5 x16 64 GB/s per direction, ~50 GB/s achieved. Efficiencies (assumed, stated): cuBLAS bf16 GEMMs
-/// of LLM sizes reach 60-75% of peak on H100, taken as 0.65; the attention's K = 128 block GEMMs 0.5;
-/// the tensor-core attention kernels 0.30 (FlashAttention-2, whose design they follow, reaches about 35%
-/// of the H100's peak forward, its `mma.sync` below the wgmma rate; these kernels have its ldmatrix loads
-/// and two-stage asynchronous copies, but smaller blocks within 48 KiB of shared memory and S recomputed
-/// in the backward); the warpgroup kernels 0.50 forward and 0.40 backward. FlashAttention-3 (wgmma on
-/// swizzled tiles, TMA loads by a producer warpgroup, ping-pong between two computing warpgroups, the
-/// softmax pipelined with the products) reaches 661 TFLOP/s forward at head dim 128, 582 without the
-/// pipelining and 570 without the warp specialisation (its ablation: 67%, 59%, 58% of the peak), and
-/// 45-55% backward. The forward here has its wgmma products, ping-pong and pipelining (ptxas waits for
-/// P V before the exponentials, so within a warpgroup only the masking and row max overlap it; the other
-/// warpgroup's products cover the rest) but loads by cp.async from the computing warpgroups, no
-/// producer: 0.50, below both ablation rows. The backward kernels have wgmma but neither schedule and
-/// recompute S in the dq kernel: 0.40, between FlashAttention-2's 35% and FlashAttention-3's 45-55%.
-/// Streaming kernels 0.85 of HBM bandwidth; a kernel launch from the host 4 us (cuLaunchKernel through
-/// cudarc), a host sync 20 us.
-pub const H100_SXM: Gpu = Gpu {
-    name: "H100 SXM",
-    peak_flops: 989.4e12,
-    memory_bandwidth: 3.35e12,
-    gemm_efficiency: 0.65,
-    attention_gemm_efficiency: 0.5,
-    mma_attention_efficiency: 0.30,
-    wgmma_attention_efficiency: Some(WgmmaEfficiency { forward: 0.50, backward: 0.40 }),
-    memory_efficiency: 0.85,
-    launch_s: 4e-6,
-    sync_s: 20e-6,
-    pcie_bandwidth: 50e9,
-    nvlink_bandwidth: 450e9,
-    network_bandwidth: 50e9,
-};
+/// NVIDIA H100 SXM5 80GB, calibrated on the first GPU run ([`super::calibration::H100`]).
+pub const H100_SXM: Gpu = super::calibration::H100;
 
 /// NVIDIA A100 SXM4 80GB. Peak dense BF16 312 TFLOP/s and HBM2e 2.039 TB/s: the A100 datasheet
 /// (nvidia.com/en-us/data-center/a100). NVLink 3: 600 GB/s per GPU in total, 300 per direction; one
 /// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
-/// Efficiencies (assumed): large cuBLAS bf16 GEMMs reach ~80% of peak on A100; the attention's block
-/// GEMMs 0.6; the tensor-core attention kernels 0.45 (FlashAttention-2 reaches 50-73% of the A100's peak;
-/// these kernels' blocks are smaller); streaming kernels 0.85 of HBM bandwidth; launch 4 us, sync 20 us.
+/// No A100 has run grpo: its rates are the H100's measured efficiencies where the two cards' hardware is
+/// alike (candle's host cost per op, element-wise kernels, the offloaded update's host), and assumptions
+/// where it is not: GEMMs at the H100's measured 0.37 of the peak (the A100's lower peak is easier to
+/// reach: an underestimate), the tensor-core attention kernels at 0.35 of the peak forward and backward
+/// (FlashAttention-2 reaches 50-73% of the A100's peak; these kernels' blocks are smaller).
 pub const A100_80GB: Gpu = Gpu {
     name: "A100 80GB",
     peak_flops: 312e12,
     memory_bandwidth: 2.039e12,
-    gemm_efficiency: 0.8,
-    attention_gemm_efficiency: 0.6,
-    mma_attention_efficiency: 0.45,
-    wgmma_attention_efficiency: None,
-    memory_efficiency: 0.85,
-    launch_s: 4e-6,
-    sync_s: 20e-6,
+    mma: KernelRates::flat(0.35, 0.35),
+    wgmma: None,
+    wgmma_atomic: None,
     pcie_bandwidth: 25e9,
     nvlink_bandwidth: 300e9,
     network_bandwidth: 25e9,
+    calibration: None,
+    ..H100_SXM
 };
 
 /// The GPUs the plan predicts for.
@@ -258,7 +317,7 @@ enum TensorCoreKernels {
 impl StepShape {
     /// The attention's blocks, and the tensor-core kernels it runs on `gpu`, if any.
     fn attention_kernels(&self, gpu: &Gpu) -> (AttentionBlocks, Option<TensorCoreKernels>) {
-        let kernels = match self.warpgroup && gpu.wgmma_attention_efficiency.is_some() {
+        let kernels = match self.warpgroup && gpu.wgmma.is_some() {
             true => TensorCoreKernels::Wgmma(self.atomic_dq),
             false => TensorCoreKernels::Mma(self.atomic_dq),
         };
@@ -291,21 +350,49 @@ fn computed_scores(t: u64, blocks: AttentionBlocks) -> (f64, f64) {
     (scores, pairs)
 }
 
+/// The query-key pairs of causal attention over `t` tokens, T (T + 1) / 2: the useful work per head dim.
+fn causal_pairs(t: u64) -> f64 {
+    t as f64 * (t as f64 + 1.0) / 2.0
+}
+
 /// A collector of op costs, each multiplied by how many times it runs in the step.
 struct Ops {
     ops: Vec<OpCost>,
     times: f64,
+    window: Window,
 }
 
 impl Ops {
     fn push(&mut self, name: &'static str, kind: OpKind, flops: f64, bytes: f64, launches: f64) {
         let t = self.times;
-        let attention = matches!(
-            kind,
-            OpKind::AttentionGemm | OpKind::AttentionMma | OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward
-        ) || name.starts_with("attention");
+        let attention = kind == OpKind::AttentionGemm || kind.tensor_core_attention() || name.starts_with("attention");
         let (flops, bytes, launches) = (flops * t, bytes * t, launches * t);
-        self.ops.push(OpCost { name, kind, flops, bytes, host_bytes: 0.0, launches, syncs: 0.0, attention });
+        let window = self.window;
+        let (useful_flops, seq_tokens, head_dim) = (0.0, 0, 0);
+        let op = OpCost {
+            name,
+            kind,
+            flops,
+            bytes,
+            host_bytes: 0.0,
+            launches,
+            syncs: 0.0,
+            attention,
+            useful_flops,
+            seq_tokens,
+            head_dim,
+            window,
+        };
+        self.ops.push(op);
+    }
+
+    /// A tensor-core attention kernel's op: `useful` FLOPs of causal attention over `t` tokens.
+    /// `work` is (FLOPs computed, useful FLOPs), `io` (device bytes, launches), `at` (tokens, head dim).
+    fn attention_kernel(&mut self, name: &'static str, kind: OpKind, work: (f64, f64), io: (f64, f64), at: (u64, u64)) {
+        self.push(name, kind, work.0, io.0, io.1);
+        let op = self.ops.last_mut().expect("just pushed");
+        op.useful_flops = work.1 * self.times;
+        (op.seq_tokens, op.head_dim) = at;
     }
 
     /// A GEMM of [m, k] x [k, n], d-byte operands and product, `count` of them.
@@ -319,8 +406,67 @@ impl Ops {
     }
 }
 
-/// The projections and element-wise ops of one layer's forward (`backward`: their backward) on N tokens.
-fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, backward: bool) {
+/// Which pass over the layers an op belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    /// The frozen reference's forward, without a graph.
+    Reference,
+    /// The policy's forward, recording its graph.
+    Policy,
+    /// The layers' forward again in the backward (`checkpoint_layers`).
+    Recompute,
+    Backward,
+}
+
+/// The tensors candle makes per unit of a step's work, counted on the CPU (where the graph of ops is the
+/// GPU's): each costs the host its bookkeeping, and most a kernel launch and an allocation from the pool
+/// on a GPU (views, a reshape or a transpose, cost less and launch nothing: [`Gpu::launch_s`] is the mean
+/// over both). The attention is one op here: its GPU launches are counted by its kernels' own plan.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorOps {
+    /// One layer's forward without a graph (the reference's), with its graph (the policy's), again in
+    /// the backward (`checkpoint_layers`), and its backward.
+    pub layer_reference: f64,
+    pub layer_policy: f64,
+    pub layer_recompute: f64,
+    pub layer_backward: f64,
+    /// Per micro-batch beyond the layers: the policy's embedding, log-prob head, loss and their
+    /// backward; the reference's embedding and head.
+    pub micro_batch: f64,
+    pub micro_batch_reference: f64,
+    /// Per step beyond the parameters' updates.
+    pub step: f64,
+    /// Per parameter tensor: adding its gradient into the f32 accumulator (per micro-batch), its part of
+    /// the gradient norm and its AdamW update (per step).
+    pub accumulate_per_tensor: f64,
+    pub norm_per_tensor: f64,
+    pub update_per_tensor: f64,
+}
+
+/// The tensors candle makes in a step of `m` on `s` by [`TENSOR_OPS`]: what `grpo bench train-step`
+/// counts on the CPU (`tensor_ops_per_step`).
+pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
+    let t = TENSOR_OPS;
+    let layers = m.num_layers as f64;
+    let tensors = parameter_tensors(m);
+    let mut per_micro_batch = layers * (t.layer_policy + t.layer_backward) + t.micro_batch;
+    per_micro_batch += tensors * t.accumulate_per_tensor;
+    if s.reference_forward {
+        per_micro_batch += layers * t.layer_reference + t.micro_batch_reference;
+    }
+    if s.checkpoint_layers {
+        per_micro_batch += layers * t.layer_recompute;
+    }
+    let per_step = t.step + tensors * (t.norm_per_tensor + t.update_per_tensor);
+    s.micro_batches() * per_micro_batch + per_step
+}
+
+/// Counted on the CPU (see [`TensorOps`]).
+pub const TENSOR_OPS: TensorOps = super::calibration::COUNTED_TENSOR_OPS;
+
+/// The projections and element-wise ops of one layer in `pass` on N tokens.
+fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, pass: Pass) {
+    let backward = pass == Pass::Backward;
     let f = |x: usize| x as f64;
     let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
     let q = f(m.num_heads) * f(m.head_dim);
@@ -349,11 +495,24 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, backward: bo
         ew.push((2.0 * (q + kv), 2.0));
     }
     let scale = if backward { 2.0 } else { 1.0 };
-    let (elements, launches) = ew.iter().fold((0.0, 0.0), |(e, l), (de, dl)| (e + de, l + dl));
-    o.push("layer element-wise", OpKind::Elementwise, 0.0, scale * elements * n_tokens * d, scale * launches);
+    let elements = ew.iter().map(|(e, _)| e).sum::<f64>();
+    // The pass's tensor ops but its GEMMs (7 forward, 14 backward) and the attention op.
+    let counted = match pass {
+        Pass::Reference => TENSOR_OPS.layer_reference,
+        Pass::Policy => TENSOR_OPS.layer_policy,
+        Pass::Recompute => TENSOR_OPS.layer_recompute,
+        Pass::Backward => TENSOR_OPS.layer_backward,
+    };
+    let launches = (counted - 7.0 * scale - 1.0).max(0.0);
+    // The named ops above are the layer's arithmetic; candle runs it as `launches` tensor ops (casts,
+    // copies into contiguous layouts, broadcasts, the backward's gradient sums), each moving about the
+    // named ops' mean bytes.
+    let named = scale * ew.iter().map(|(_, l)| l).sum::<f64>();
+    let bytes = scale * elements * n_tokens * d * (launches / named).max(1.0);
+    o.push("layer element-wise", OpKind::Elementwise, 0.0, bytes, launches);
     if backward {
         // (y g).sum_all() of the recomputed layer: read y and g, write the product, sum it.
-        o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * h * n_tokens * d, 2.0);
+        o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * h * n_tokens * d, 0.0);
     }
 }
 
@@ -406,7 +565,7 @@ struct Tiles {
 
 /// kernels/flash_mma.cu's.
 const MMA_TILES: Tiles = Tiles {
-    forward: OpKind::AttentionMma,
+    forward: OpKind::AttentionMmaForward,
     kind: OpKind::AttentionMma,
     rows: 64,
     keys: 32,
@@ -444,7 +603,14 @@ fn layer_attention_tiles(
     if !backward {
         let (scores, pairs) = computed_scores(t, blocks);
         let bytes = tokens * (2.0 * hd * d + row_stats) + streamed(pairs, step_keys);
-        o.push("attention kernels (forward)", tiles.forward, bh * 4.0 * hd * scores, bh * bytes, 1.0);
+        let work = (bh * 4.0 * hd * scores, bh * 4.0 * hd * causal_pairs(t));
+        o.attention_kernel(
+            "attention kernels (forward)",
+            tiles.forward,
+            work,
+            (bh * bytes, 1.0),
+            (t, m.head_dim as u64),
+        );
         return;
     }
     o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
@@ -462,8 +628,9 @@ fn layer_attention_tiles(
         + streamed(kv_pairs, step_queries)
         + kv_pairs * step_queries * 2.0 * row_stats
         + ranges_scan;
-    let flops = bh * (6.0 * hd * scores + 8.0 * hd * kv_scores);
-    o.push("attention kernels (backward)", tiles.kind, flops, bh * (dq_bytes + kv_bytes), 2.0);
+    let work = (bh * (6.0 * hd * scores + 8.0 * hd * kv_scores), bh * 10.0 * hd * causal_pairs(t));
+    let io = (bh * (dq_bytes + kv_bytes), 2.0);
+    o.attention_kernel("attention kernels (backward)", tiles.kind, work, io, (t, m.head_dim as u64));
 }
 
 /// The backward of [`layer_attention_tiles`] with dq summed by atomics (kernels/flash_mma.cu's
@@ -491,9 +658,10 @@ fn layer_attention_atomic(o: &mut Ops, m: &ModelConfig, (b, t, d): (f64, u64, f6
         + if resident { spans } else { t.div_ceil(tiles.dkv_keys) as f64 * spans };
     // Zeroed (prep), read and written as dq (dq_out).
     let accumulator_bytes = accumulator * 2.0 + tokens * hd * d + tokens * 8.0;
-    let flops = bh * 10.0 * hd * kv_scores;
+    let work = (bh * 10.0 * hd * kv_scores, bh * 10.0 * hd * causal_pairs(t));
     let bytes = bh * (kv_bytes + atomics + accumulator_bytes);
-    o.push("attention kernels (backward)", tiles.kind, flops, bytes, 3.0);
+    let kind = if tiles.kind == OpKind::AttentionWgmma { OpKind::AttentionWgmmaAtomic } else { tiles.kind };
+    o.attention_kernel("attention kernels (backward)", kind, work, (bytes, 3.0), (t, m.head_dim as u64));
 }
 
 /// One layer's attention on `b` sequences of `t` tokens (`backward`: with its recomputation): chunked
@@ -558,14 +726,15 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward
     o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * n * h * d, 2.0);
 }
 
-/// One forward of every layer per micro-batch; with `whole`, of the embedding and the head too (without:
-/// the layers' recomputation from their kept inputs).
-fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, whole: bool) {
+/// One forward of every layer per micro-batch in `pass`; the reference's and the policy's with the
+/// embedding and the head (the recomputation starts from the layers' kept inputs).
+fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
+    let whole = pass != Pass::Recompute;
     let times = o.times;
     o.times = times * m.num_layers as f64;
-    layer_dense(o, m, n_tokens, d, false);
+    layer_dense(o, m, n_tokens, d, pass);
     if whole || s.recompute_attention {
         layer_attention(o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, false);
     } else {
@@ -574,70 +743,104 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, whole: bool) 
     }
     o.times = times;
     if whole {
-        o.push("embedding gather", OpKind::Elementwise, 0.0, 2.0 * n_tokens * m.hidden_size as f64 * d, 1.0);
+        let ops = if pass == Pass::Reference { TENSOR_OPS.micro_batch_reference } else { TENSOR_OPS.micro_batch };
+        let bytes = 2.0 * n_tokens * m.hidden_size as f64 * d;
+        o.push("embedding, log-prob head and loss (tensor ops)", OpKind::Elementwise, 0.0, bytes, ops);
         head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, false);
     }
 }
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
 fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
-    let mut o = Ops { ops: Vec::new(), times: s.micro_batches() };
+    let mut o = Ops { ops: Vec::new(), times: s.micro_batches(), window: Window::Reference };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let p = m.num_parameters() as f64;
     if s.reference_forward {
-        forward(&mut o, m, s, gpu, true);
+        forward(&mut o, m, s, gpu, Pass::Reference);
     }
-    forward(&mut o, m, s, gpu, true);
+    o.window = Window::Forward;
+    forward(&mut o, m, s, gpu, Pass::Policy);
+    o.window = Window::Backward;
     if s.checkpoint_layers {
-        forward(&mut o, m, s, gpu, false); // the recomputation, layer by layer, in the backward
+        forward(&mut o, m, s, gpu, Pass::Recompute); // the recomputation, layer by layer, in the backward
     }
     head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, true);
     let times = o.times;
     o.times = times * m.num_layers as f64;
-    layer_dense(&mut o, m, n_tokens, d, true);
+    layer_dense(&mut o, m, n_tokens, d, Pass::Backward);
     layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, true);
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
-    o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, m.num_layers as f64 * 12.0 + 3.0);
+    let tensors = parameter_tensors(m);
+    let accumulate = TENSOR_OPS.accumulate_per_tensor * tensors;
+    o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, accumulate);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;
+    o.window = Window::Update;
     o.times = 1.0 / s.optimizer_shards.max(1) as f64;
     if s.offload {
-        o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0);
+        o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0 * tensors);
         o.ops.last_mut().expect("just pushed").host_bytes = 32.0 * p * o.times;
     } else {
-        o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, 4.0);
+        let update = TENSOR_OPS.update_per_tensor * tensors;
+        o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, update);
     }
-    o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, 2.0);
+    let norm = TENSOR_OPS.norm_per_tensor * tensors + TENSOR_OPS.step;
+    o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, norm);
     o.ops.last_mut().expect("just pushed").syncs = 1.0;
     o.ops
 }
 
-/// The predicted time of one op on `gpu`: its roofline plus its syncs.
-fn op_time(op: &OpCost, gpu: &Gpu) -> f64 {
-    let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
-    let work = match op.kind {
-        OpKind::Gemm => (op.flops / (gpu.peak_flops * gpu.gemm_efficiency)).max(op.bytes / bw),
-        OpKind::AttentionGemm => (op.flops / (gpu.peak_flops * gpu.attention_gemm_efficiency)).max(op.bytes / bw),
-        OpKind::AttentionMma => (op.flops / (gpu.peak_flops * gpu.mma_attention_efficiency)).max(op.bytes / bw),
-        OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward => {
-            let efficiency = gpu.wgmma_attention_efficiency.map_or(gpu.mma_attention_efficiency, |e| {
-                if op.kind == OpKind::AttentionWgmmaForward {
-                    e.forward
-                } else {
-                    e.backward
-                }
-            });
-            (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw)
-        }
-        OpKind::Elementwise => op.bytes / bw,
-        OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / HOST_MEMORY_BANDWIDTH,
-    };
-    work.max(op.launches * gpu.launch_s) + op.syncs * gpu.sync_s
+/// The model's parameter tensors (each has its own gradient and update ops).
+fn parameter_tensors(m: &ModelConfig) -> f64 {
+    let one_layer = ModelConfig { num_layers: 1, ..m.clone() };
+    let per_layer = crate::model::decoder::parameter_shapes(&one_layer).len() as f64;
+    let all = crate::model::decoder::parameter_shapes(&ModelConfig { num_layers: 2, ..m.clone() }).len() as f64;
+    let layer = all - per_layer;
+    per_layer - layer + layer * m.num_layers as f64
 }
 
-/// A step's predicted time on one GPU and what it is made of.
+/// The device's time for one op on `gpu`: its roofline (the tensor-core attention kernels: their useful
+/// FLOPs at the kernel's rate at this length, which includes their memory traffic); 0 for the host's
+/// own work ([`OpKind::Host`]).
+fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
+    let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
+    let roofline = |efficiency: f64| (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw);
+    // Measured at head dim 128: a smaller head does less tensor-core work per score but the same
+    // softmax and bookkeeping, so the rate in FLOPs falls with it (the time per score kept).
+    let head = (op.head_dim as f64 / RATES_HEAD_DIM).min(1.0);
+    let kernel = |rates: Option<KernelRates>, backward: bool| {
+        let efficiency = rates.unwrap_or(gpu.mma).efficiency(op.seq_tokens, backward) * head;
+        op.useful_flops / (gpu.peak_flops * efficiency)
+    };
+    match op.kind {
+        OpKind::Gemm => roofline(gpu.gemm_efficiency),
+        OpKind::AttentionGemm => roofline(gpu.attention_gemm_efficiency),
+        OpKind::AttentionMmaForward => kernel(None, false),
+        OpKind::AttentionMma => kernel(None, true),
+        OpKind::AttentionWgmmaForward => kernel(gpu.wgmma, false),
+        OpKind::AttentionWgmma => kernel(gpu.wgmma, true),
+        OpKind::AttentionWgmmaAtomic => kernel(gpu.wgmma_atomic.or(gpu.wgmma), true),
+        OpKind::Elementwise => op.bytes / bw,
+        OpKind::Host => 0.0,
+    }
+}
+
+/// The host's time for one op on `gpu`: issuing its launches, and the offloaded update's transfers and
+/// host work.
+fn host_time(op: &OpCost, gpu: &Gpu) -> f64 {
+    let own = match op.kind {
+        OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / gpu.host_update_bandwidth,
+        _ => 0.0,
+    };
+    let per_launch = if op.attention { gpu.kernel_launch_s } else { gpu.launch_s };
+    op.launches * per_launch + own
+}
+
+/// A step's predicted time on one GPU and what it is made of: the device's time per kind of op, the time
+/// the device waits for the host (a window whose ops take the host longer to issue than the device to
+/// run), and the host syncs; they add up to the step.
 #[derive(Debug, Clone)]
 pub struct Prediction {
     pub gpu: Gpu,
@@ -647,15 +850,41 @@ pub struct Prediction {
     pub mfu: f64,
     /// The attention's useful FLOPs per second over the peak, while it runs.
     pub attention_of_peak: f64,
-    /// Seconds in each kind: GEMMs, attention (GEMMs and element-wise), other element-wise, host.
+    /// The device's seconds in each kind: GEMMs, attention (GEMMs, kernels and element-wise), other
+    /// element-wise.
     pub gemm_s: f64,
     pub attention_s: f64,
     pub elementwise_s: f64,
+    /// Seconds the device waits for the host beyond its own work: the host issuing ops (at
+    /// [`Gpu::launch_s`] each) and, with `optim.offload`, the update in host memory.
     pub host_s: f64,
+    /// The host syncs' time.
+    pub sync_s: f64,
+    /// Of `host_s`'s window, the offloaded update's own time (its transfers and host work).
+    pub offload_update_s: f64,
+    /// Ops the host issues (kernel launches and candle's tensor ops).
     pub launches: f64,
     pub syncs: f64,
     pub flops: f64,
     pub bytes: f64,
+    /// Each window's work (what scripts/calibrate.py fits the host's constants on).
+    pub windows: Vec<WindowCost>,
+}
+
+/// One window's work: the device's time, and what the host does in it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct WindowCost {
+    pub window: &'static str,
+    pub device_s: f64,
+    /// Of `device_s`, the streaming element-wise kernels' (at [`Gpu::memory_efficiency`]).
+    pub elementwise_s: f64,
+    /// Tensor ops the host issues through candle, and the attention kernels' launches (straight from the
+    /// project's own code: no tensor is made).
+    pub launches: f64,
+    pub kernel_launches: f64,
+    /// The offloaded update's bytes over PCIe and through host memory.
+    pub pcie_bytes: f64,
+    pub host_bytes: f64,
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -675,13 +904,32 @@ fn model_forward_flops(m: &ModelConfig, s: &StepShape) -> (f64, f64) {
 pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
     let ops = step_costs(m, s, gpu);
     // (+ 0.0: an empty sum is -0.0)
-    let time =
-        |keep: &dyn Fn(&OpCost) -> bool| ops.iter().filter(|o| keep(o)).map(|o| op_time(o, gpu)).sum::<f64>() + 0.0;
-    let attention_s = time(&|o| o.attention);
-    let gemm_s = time(&|o| o.kind == OpKind::Gemm);
-    let host_s = time(&|o| o.kind == OpKind::Host);
-    let elementwise_s = time(&|o| o.kind == OpKind::Elementwise && !o.attention);
-    let step_s = attention_s + gemm_s + host_s + elementwise_s;
+    let sum = |f: &dyn Fn(&OpCost) -> f64, keep: &dyn Fn(&OpCost) -> bool| {
+        ops.iter().filter(|o| keep(o)).map(f).sum::<f64>() + 0.0
+    };
+    let device = |keep: &dyn Fn(&OpCost) -> bool| sum(&|o| device_time(o, gpu), keep);
+    let attention_s = device(&|o| o.attention);
+    let gemm_s = device(&|o| o.kind == OpKind::Gemm);
+    let elementwise_s = device(&|o| o.kind == OpKind::Elementwise && !o.attention);
+    let windows: Vec<WindowCost> = [Window::Reference, Window::Forward, Window::Backward, Window::Update]
+        .into_iter()
+        .map(|w| {
+            let host = |o: &OpCost| o.window == w && o.kind == OpKind::Host;
+            let ew = |o: &OpCost| o.window == w && o.kind == OpKind::Elementwise;
+            WindowCost {
+                window: w.name(),
+                device_s: sum(&|o| device_time(o, gpu), &|o| o.window == w),
+                elementwise_s: sum(&|o| device_time(o, gpu), &ew),
+                launches: sum(&|o| o.launches, &|o| o.window == w && !o.attention),
+                kernel_launches: sum(&|o| o.launches, &|o| o.window == w && o.attention),
+                pcie_bytes: sum(&|o| o.bytes, &host),
+                host_bytes: sum(&|o| o.host_bytes, &host),
+            }
+        })
+        .collect();
+    let host_s = windows.iter().map(|w| (w.host_s(gpu) - w.device_s).max(0.0)).sum::<f64>();
+    let syncs = sum(&|o| o.syncs, &|_| true);
+    let step_s = attention_s + gemm_s + elementwise_s + host_s + syncs * gpu.sync_s;
     let (dense, attention) = model_forward_flops(m, s);
     // Attention's useful work: forward, backward (2.5x) and the recomputed forward.
     let recompute = if s.checkpoint_layers && s.recompute_attention { 1.0 } else { 0.0 };
@@ -697,10 +945,23 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
         attention_s,
         elementwise_s,
         host_s,
-        launches: ops.iter().map(|o| o.launches).sum(),
-        syncs: ops.iter().map(|o| o.syncs).sum(),
-        flops: ops.iter().map(|o| o.flops).sum(),
-        bytes: ops.iter().map(|o| o.bytes).sum(),
+        sync_s: syncs * gpu.sync_s,
+        offload_update_s: sum(&|o| host_time(o, gpu), &|o| o.kind == OpKind::Host),
+        launches: sum(&|o| o.launches, &|_| true),
+        syncs,
+        flops: sum(&|o| o.flops, &|_| true),
+        bytes: sum(&|o| o.bytes, &|_| true),
+        windows,
+    }
+}
+
+impl WindowCost {
+    /// The host's time in the window on `gpu`.
+    fn host_s(&self, gpu: &Gpu) -> f64 {
+        self.launches * gpu.launch_s
+            + self.kernel_launches * gpu.kernel_launch_s
+            + self.pcie_bytes / gpu.pcie_bandwidth
+            + self.host_bytes / gpu.host_update_bandwidth
     }
 }
 
@@ -708,11 +969,11 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
 /// element-wise steps, one micro-batch) of `m` on `s` with `blocks` on `gpu`.
 fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: &Gpu) -> f64 {
     let shape = StepShape { blocks, ..*s };
-    let mut o = Ops { ops: Vec::new(), times: 1.0 };
+    let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, false);
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, true);
-    o.ops.iter().map(|op| op_time(op, gpu)).sum::<f64>()
+    o.ops.iter().map(|op| device_time(op, gpu).max(host_time(op, gpu))).sum::<f64>()
 }
 
 /// The square block size of [`BLOCK_CANDIDATES`] that the model predicts fastest for the attention of
@@ -956,7 +1217,7 @@ mod tests {
         let bwd = bh * 4.0 * (6.0 * dq_scores + 8.0 * (64.0 * 100.0 + 36.0 * 36.0));
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
         let launches =
-            |ops: &[OpCost]| ops.iter().filter(|o| o.kind == OpKind::AttentionMma).map(|o| o.launches).sum::<f64>();
+            |ops: &[OpCost]| ops.iter().filter(|o| o.kind.tensor_core_attention()).map(|o| o.launches).sum::<f64>();
         assert_eq!(launches(&ops), 2.0 * 3.0 * 3.0);
         assert!(ops.iter().all(|o| o.kind != OpKind::AttentionGemm));
         let seven = StepShape {
@@ -976,7 +1237,8 @@ mod tests {
             let chunked = predict(&seven_b(), &seven, gpu);
             let mma = predict(&seven_b(), &StepShape { tensor_cores: true, ..seven }, gpu);
             let atomic = predict(&seven_b(), &StepShape { tensor_cores: true, atomic_dq: true, ..seven }, gpu);
-            assert!(atomic.attention_s < 0.85 * mma.attention_s, "{}: {atomic:?} vs {mma:?}", gpu.name);
+            // The mma kernels' atomic backward was not measured: it stands at their two-kernel rate.
+            assert!((atomic.attention_s - mma.attention_s).abs() < 1e-9 * mma.attention_s, "{}", gpu.name);
             assert!(mma.attention_s < 0.7 * chunked.attention_s, "{}: {mma:?} vs {chunked:?}", gpu.name);
             assert!(mma.launches < chunked.launches / 10.0, "{}", gpu.name);
         }
@@ -1006,7 +1268,7 @@ mod tests {
         // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score of its 128-key blocks, three launches.
         let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
         assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bh * 4.0 * 10.0 * 100.0 * 100.0);
-        let wgmma = |k: OpKind| matches!(k, OpKind::AttentionWgmma | OpKind::AttentionWgmmaForward);
+        let wgmma = |k: OpKind| k.tensor_core_attention();
         let launches = |ops: &[OpCost]| ops.iter().filter(|o| wgmma(o.kind)).map(|o| o.launches).sum::<f64>();
         assert_eq!((launches(&ops), launches(&atomic)), (2.0 * 3.0 * 3.0, 2.0 * 3.0 * 4.0));
         let seven = StepShape {
@@ -1022,8 +1284,10 @@ mod tests {
         assert!(h_wg.attention_s < 0.8 * h_mma.attention_s, "{h_wg:?} vs {h_mma:?}");
         let (a_mma, a_wg) = (predict(&seven_b(), &seven, &A100_80GB), predict(&seven_b(), &wgmma, &A100_80GB));
         assert_eq!((a_wg.step_s, a_wg.flops, a_wg.launches), (a_mma.step_s, a_mma.flops, a_mma.launches));
+        // Measured on the H100: dq by atomics 5% faster than the two-kernel backward at 16k tokens, 5%
+        // slower at 4k.
         let atomic = predict(&seven_b(), &StepShape { atomic_dq: true, ..wgmma }, &H100_SXM);
-        assert!(atomic.attention_s < 0.85 * h_wg.attention_s, "{atomic:?} vs {h_wg:?}");
+        assert!((atomic.attention_s / h_wg.attention_s - 0.96).abs() < 0.03, "{atomic:?} vs {h_wg:?}");
     }
 
     #[test]
@@ -1087,7 +1351,7 @@ mod tests {
         assert!(share(&StepShape { seq_tokens: 16384, ..base }) > share(&base));
         let p = predict(&m, &base, &H100_SXM);
         assert!(p.mfu > 0.0 && p.mfu < 1.0 && p.attention_of_peak < 1.0, "{p:?}");
-        assert!((p.gemm_s + p.attention_s + p.elementwise_s + p.host_s - p.step_s).abs() < 1e-9);
+        assert!((p.gemm_s + p.attention_s + p.elementwise_s + p.host_s + p.sync_s - p.step_s).abs() < 1e-9);
         assert!(p.syncs == 9.0, "one per micro-batch and one per step: {}", p.syncs);
     }
 
@@ -1097,10 +1361,12 @@ mod tests {
         let s = StepShape { answers: 2, micro_batch: 2, seq_tokens: 16384, scored_tokens: 16000, ..shape(1, 1, 1) };
         let b = best_blocks(&m, &s, &H100_SXM);
         assert!(BLOCK_CANDIDATES.contains(&b.query) && b.query >= 256, "{b:?}");
-        // The op's own GPU blocks are within 10% of the model's best square blocks at the seed's shape.
+        // The op's own GPU blocks are within 15% of the model's best square blocks at the seed's shape (the
+        // calibrated launch cost favours larger blocks than the driver's 146 x 2048: 12% slower than
+        // 1024 x 1024 in the model).
         let driver = driver_blocks(&m, s.seq_tokens);
         let (ours, best) = (attention_time(&m, &s, driver, &H100_SXM), attention_time(&m, &s, b, &H100_SXM));
-        assert!(ours <= 1.1 * best, "driver {driver:?}: {ours} s, model's best {b:?}: {best} s");
+        assert!(ours <= 1.15 * best, "driver {driver:?}: {ours} s, model's best {b:?}: {best} s");
         // One rank moves nothing; 8 ranks in a node move 7/8 of 8 B per parameter (f32 gradients, f32
         // weights) over NVLink, and 4 (4 + 2 / 8) B per parameter over PCIe.
         assert_eq!(zero1_comms(1000, 1, 8, &H100_SXM).seconds(), 0.0);

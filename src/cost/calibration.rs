@@ -1,0 +1,105 @@
+//! The measurements the model of [`super::time`] is calibrated on, and the calibrated H100.
+//!
+//! The first GPU run (an H100 80GB HBM3, 2026-11-26: benches/results/gpu-2026-11-26-h100.*) measured,
+//! besides whole training steps, the pieces the model is made of, in the same session:
+//! - a 2048^3 bf16 matmul through candle (cuBLAS): 357-407 TFLOP/s over eight runs, median 370, 0.374 of
+//!   the H100's 989.4 TFLOP/s peak: the GEMMs' efficiency;
+//! - one layer's attention (16 heads of 128, GQA 4) at 4,096 and 16,384 tokens, forward alone and forward
+//!   + backward, for the chunked path and each tensor-core kernel: their rates in useful FLOPs;
+//! - the chunked attention's time per launch: 5.02 ms for its 298 launches at 4,096 tokens (16.8 us
+//!   each), 52.4 ms for 2,914 at 16,384 (18.0 us), where the device's own work is a small part: candle's
+//!   host time per op, bookkeeping and launch.
+//!
+//! Those are taken as they are, with the tensors candle makes in each part of a step counted on the CPU
+//! ([`COUNTED_TENSOR_OPS`]). Three constants are fitted, by scripts/calibrate.py on the committed train
+//! steps (it prints every point's prediction, measurement and residual; benches/results/
+//! calibration-2026-11-26-h100.txt):
+//! - [`Gpu::launch_s`], the host's time per tensor op, and [`Gpu::memory_efficiency`], the element-wise
+//!   kernels' share of HBM's bandwidth, on the three 0.5B-shape steps (two constants on three points);
+//! - [`Gpu::host_update_bandwidth`], the offloaded update's host rate, on the 7B step (the only offloaded
+//!   one: it is fitted there, not predicted).
+//!
+//! tests/calibration.rs holds every committed train step within 25% of the model; a prediction for a
+//! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
+//! the same constants, and the next GPU run (scripts/gpu/run.sh) measures it beside its prediction.
+
+use super::time::{Gpu, KernelRates, RateAt};
+
+/// Where a GPU's rates were measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Calibration {
+    /// The card as CUDA names it.
+    pub card: &'static str,
+    pub date: &'static str,
+    /// The measurements, in the repository.
+    pub results: &'static str,
+}
+
+/// The H100 run the constants come from.
+pub const H100_RUN: Calibration = Calibration {
+    card: "NVIDIA H100 80GB HBM3",
+    date: "2026-11-26",
+    results: "benches/results/gpu-2026-11-26-h100.jsonl",
+};
+
+/// A measured forward and backward rate (useful TFLOP/s) as fractions of the H100's peak.
+const fn h100(tokens: u64, forward_tflops: f64, backward_tflops: f64) -> RateAt {
+    RateAt { tokens, forward: forward_tflops / 989.4, backward: backward_tflops / 989.4 }
+}
+
+/// NVIDIA H100 SXM5 80GB: peak dense BF16 989.4 TFLOP/s and HBM3 3.35 TB/s (the H100 datasheet,
+/// nvidia.com/en-us/data-center/h100); NVLink 4 450 GB/s per direction, one 400 Gb/s NIC per GPU, PCIe
+/// Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]: the GEMMs' efficiency, the
+/// tensor-core attention kernels' rates (the `mma` kernels' dq by atomics was not measured: their
+/// two-kernel rate stands for it), the host's time per op (fitted), the offloaded update's host rate
+/// (fitted), the element-wise kernels' fraction of HBM's bandwidth (fitted). Assumed: a host sync 20 us,
+/// the chunked attention's block GEMMs at the matmul's efficiency.
+pub const H100: Gpu = Gpu {
+    name: "H100 SXM",
+    peak_flops: 989.4e12,
+    memory_bandwidth: 3.35e12,
+    gemm_efficiency: 0.374,
+    attention_gemm_efficiency: 0.374,
+    mma: KernelRates { short: h100(4096, 133.6, 47.8), long: h100(16384, 187.0, 95.0) },
+    wgmma: Some(KernelRates { short: h100(4096, 153.3, 72.8), long: h100(16384, 241.3, 138.7) }),
+    wgmma_atomic: Some(KernelRates { short: h100(4096, 167.1, 69.1), long: h100(16384, 239.0, 146.1) }),
+    memory_efficiency: FITTED_MEMORY_EFFICIENCY,
+    launch_s: FITTED_LAUNCH_S,
+    kernel_launch_s: 16.8e-6,
+    sync_s: 20e-6,
+    pcie_bandwidth: 50e9,
+    host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH,
+    nvlink_bandwidth: 450e9,
+    network_bandwidth: 50e9,
+    calibration: Some(H100_RUN),
+};
+
+/// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-26-h100.txt).
+/// The host's time per tensor candle makes: 7.25 us. A raw kernel launch of the project's own code took
+/// 16.8 us in the same run (the chunked attention at 4,096 tokens, whose launches include cuBLAS calls and
+/// a device that is not idle); a candle op's mean is lower because a third of its tensors are views.
+const FITTED_LAUNCH_S: f64 = 7.25e-6;
+/// The fraction of HBM's bandwidth candle's element-wise kernels reach over the bytes the model counts:
+/// 0.50 (bf16 kernels through strided indexing, one element per thread; the fit is flat between 0.49 and
+/// 0.50).
+const FITTED_MEMORY_EFFICIENCY: f64 = 0.50;
+/// The offloaded AdamW update's host rate: 4.25 GB/s of the 32 B per parameter the model counts, 133 M
+/// parameters a second (the update is ~15 candle CPU ops per tensor, each a pass over f32 arrays).
+const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
+
+/// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
+/// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
+/// the reference and `checkpoint_layers`: scripts/calibrate.py --count; see [`super::time::TensorOps`]).
+/// A test holds the model's count to the bench's at other shapes.
+pub const COUNTED_TENSOR_OPS: super::time::TensorOps = super::time::TensorOps {
+    layer_reference: 55.0,
+    layer_policy: 55.0,
+    layer_recompute: 84.0,
+    layer_backward: 249.0,
+    micro_batch: 186.0,
+    micro_batch_reference: 107.0,
+    step: 37.0,
+    accumulate_per_tensor: 2.0,
+    norm_per_tensor: 3.0,
+    update_per_tensor: 15.0,
+};
