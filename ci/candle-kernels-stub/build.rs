@@ -5,7 +5,7 @@
 //! - each PTX constant is an empty string (a kernel loaded from it fails on a GPU);
 //! - the statically compiled kernels (`moe_*`, `mmq_*`, `mmvq_gguf`: the functions src/ffi.rs declares)
 //!   are C functions that say they are stubs and abort, in a static library `moe` as candle-kernels'
-//!   own, and like the host code nvcc makes for those kernels they call the CUDA runtime, so that the
+//!   own, and like the host code nvcc makes for those kernels they refer to the CUDA runtime, so that the
 //!   binary links the same libraries as a real build (`cudart` and `stdc++`, as candle-kernels asks).
 //!
 //! Enough to type-check and to link the `cuda` build and to start it on the CPU; never ship or run on a
@@ -61,14 +61,18 @@ fn ffi_functions() -> Vec<String> {
     names
 }
 
-/// `libmoe.a` in `out`: one aborting C function per name of [`ffi_functions`].
+/// `libmoe.a` in `out`: one aborting C function per name of [`ffi_functions`], and a constructor that
+/// takes the address of a CUDA runtime function (without calling it), as nvcc's host code registers its
+/// kernels with the runtime when the program starts: the binary needs `libcudart` as a real build does.
 fn build_static_stubs(out: &Path) {
     let mut c = String::from(
         "#include <stdio.h>\n#include <stdlib.h>\nextern int cudaGetLastError(void);\n\
+         void *volatile candle_kernels_stub_runtime;\n\
+         __attribute__((constructor)) static void candle_kernels_stub_init(void) {\n\
+         \x20 candle_kernels_stub_runtime = (void *)&cudaGetLastError;\n}\n\
          static void stub(const char *name) {\n\
          \x20 fprintf(stderr, \"candle-kernels stub: %s called; this binary was built for CI's link check \
-         (scripts/gpu/link-check.sh) and has no CUDA kernels\\n\", name);\n\
-         \x20 (void)cudaGetLastError();\n  abort();\n}\n",
+         (scripts/gpu/link-check.sh) and has no CUDA kernels\\n\", name);\n  abort();\n}\n",
     );
     for name in ffi_functions() {
         writeln!(c, "void {name}(void) {{ stub(\"{name}\"); }}").unwrap();
