@@ -171,9 +171,7 @@ impl Collective for Nccl {
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
         let (comm, stream, n) = (self.comm, self.stream.cu_stream(), send.len());
         // SAFETY: a send buffer of n and a receive buffer of N * n f32 on the device, valid during the call.
-        self.run("ncclAllGather", send, recv, |s, r| unsafe {
-            sys::all_gather(s, r, n, f32::TYPE, comm, stream as _)
-        });
+        self.run("ncclAllGather", send, recv, |s, r| unsafe { sys::all_gather(s, r, n, f32::TYPE, comm, stream as _) });
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {

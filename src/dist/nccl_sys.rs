@@ -61,17 +61,26 @@ pub(super) enum NcclError {
     Call { call: &'static str, code: c_int, message: String },
 }
 
+// The C signatures of nccl.h.
+type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> c_int;
+type CommInitRank = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int;
+type Reduce = unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, RedOp, Comm, Stream) -> c_int;
+type Gather = unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> c_int;
+type CommGetAsyncError = unsafe extern "C" fn(Comm, *mut c_int) -> c_int;
+type CommEnd = unsafe extern "C" fn(Comm) -> c_int;
+type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
+
 /// The functions resolved from the library. The handle is never closed: the functions live as long as the process.
 struct Api {
-    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> c_int,
-    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int,
-    all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, RedOp, Comm, Stream) -> c_int,
-    reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, RedOp, Comm, Stream) -> c_int,
-    all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, DataType, Comm, Stream) -> c_int,
-    comm_get_async_error: unsafe extern "C" fn(Comm, *mut c_int) -> c_int,
-    comm_abort: unsafe extern "C" fn(Comm) -> c_int,
-    comm_destroy: unsafe extern "C" fn(Comm) -> c_int,
-    get_error_string: unsafe extern "C" fn(c_int) -> *const c_char,
+    get_unique_id: GetUniqueId,
+    comm_init_rank: CommInitRank,
+    all_reduce: Reduce,
+    reduce_scatter: Reduce,
+    all_gather: Gather,
+    comm_get_async_error: CommGetAsyncError,
+    comm_abort: CommEnd,
+    comm_destroy: CommEnd,
+    get_error_string: GetErrorString,
 }
 
 // SAFETY: plain function pointers into a library that stays loaded.
@@ -115,7 +124,10 @@ fn open(names: &[&CStr]) -> Result<Api, NcclError> {
         // SAFETY: a handle from dlopen and a NUL-terminated name.
         let p = unsafe { libc::dlsym(handle, c.as_ptr()) };
         if p.is_null() {
-            Err(NcclError::Load(format!("{lib} has no {s} ({}): is it NCCL 2.4 or newer? {INSTALL}", dl_error("not found"))))
+            Err(NcclError::Load(format!(
+                "{lib} has no {s} ({}): is it NCCL 2.4 or newer? {INSTALL}",
+                dl_error("not found")
+            )))
         } else {
             Ok(p)
         }
@@ -123,15 +135,17 @@ fn open(names: &[&CStr]) -> Result<Api, NcclError> {
     // SAFETY: each symbol is the NCCL function of that name, whose C signature (nccl.h) the field's type spells.
     unsafe {
         Ok(Api {
-            get_unique_id: std::mem::transmute::<*mut c_void, _>(symbol("ncclGetUniqueId")?),
-            comm_init_rank: std::mem::transmute::<*mut c_void, _>(symbol("ncclCommInitRank")?),
-            all_reduce: std::mem::transmute::<*mut c_void, _>(symbol("ncclAllReduce")?),
-            reduce_scatter: std::mem::transmute::<*mut c_void, _>(symbol("ncclReduceScatter")?),
-            all_gather: std::mem::transmute::<*mut c_void, _>(symbol("ncclAllGather")?),
-            comm_get_async_error: std::mem::transmute::<*mut c_void, _>(symbol("ncclCommGetAsyncError")?),
-            comm_abort: std::mem::transmute::<*mut c_void, _>(symbol("ncclCommAbort")?),
-            comm_destroy: std::mem::transmute::<*mut c_void, _>(symbol("ncclCommDestroy")?),
-            get_error_string: std::mem::transmute::<*mut c_void, _>(symbol("ncclGetErrorString")?),
+            get_unique_id: std::mem::transmute::<*mut c_void, GetUniqueId>(symbol("ncclGetUniqueId")?),
+            comm_init_rank: std::mem::transmute::<*mut c_void, CommInitRank>(symbol("ncclCommInitRank")?),
+            all_reduce: std::mem::transmute::<*mut c_void, Reduce>(symbol("ncclAllReduce")?),
+            reduce_scatter: std::mem::transmute::<*mut c_void, Reduce>(symbol("ncclReduceScatter")?),
+            all_gather: std::mem::transmute::<*mut c_void, Gather>(symbol("ncclAllGather")?),
+            comm_get_async_error: std::mem::transmute::<*mut c_void, CommGetAsyncError>(symbol(
+                "ncclCommGetAsyncError",
+            )?),
+            comm_abort: std::mem::transmute::<*mut c_void, CommEnd>(symbol("ncclCommAbort")?),
+            comm_destroy: std::mem::transmute::<*mut c_void, CommEnd>(symbol("ncclCommDestroy")?),
+            get_error_string: std::mem::transmute::<*mut c_void, GetErrorString>(symbol("ncclGetErrorString")?),
         })
     }
 }
@@ -176,7 +190,12 @@ pub(super) fn get_unique_id() -> Result<UniqueId, NcclError> {
 ///
 /// # Safety
 /// `comm` points to writable memory for a communicator.
-pub(super) unsafe fn comm_init_rank(comm: *mut Comm, nranks: c_int, id: UniqueId, rank: c_int) -> Result<(), NcclError> {
+pub(super) unsafe fn comm_init_rank(
+    comm: *mut Comm,
+    nranks: c_int,
+    id: UniqueId,
+    rank: c_int,
+) -> Result<(), NcclError> {
     let api = api()?;
     check(api, "ncclCommInitRank", (api.comm_init_rank)(comm, nranks, id, rank))
 }
