@@ -10,8 +10,9 @@
 #    call the CUDA runtime as the real ones do (so the libraries linked are the real build's). Cargo.lock,
 #    which the patch rewrites, is put back at the end. The binary has no CUDA kernels: never ship it
 #    (scripts/gpu/pack.sh builds the real one, release profile, in target/release).
-# 2. `readelf -d` (NEEDED) and `ldd` of it, with LD_LIBRARY_PATH = the toolchain's lib folder (CUDA 13's
-#    cuBLAS, cuRAND, NVRTC, runtime). Fails when it needs libnccl (loaded at run time by
+# 2. The libraries the build scripts put on the link line (cargo's build-script-executed messages), then
+#    `readelf -d` (NEEDED) and `ldd` of it, with LD_LIBRARY_PATH = the toolchain's lib folder (CUDA 13's
+#    cuBLAS, cuRAND, NVRTC, runtime). Fails when the link asks for libnccl or the binary needs it (loaded at run time by
 #    src/dist/nccl_sys.rs, only by a run on several GPUs), when a library other than the driver's
 #    libcuda.so.1 is not found, or when one resolves to the toolchain's lib/stubs.
 # 3. The binary needs the driver's libcuda.so.1 to start at all (candle-core links the driver API;
@@ -46,6 +47,20 @@ for l in open(sys.argv[1]):
 echo "link-check: linked $bin ($(du -h "$bin" | cut -f1))"
 
 fail=0
+# What the build scripts put on the link line. The toolchain has a libnccl.so, so a `-lnccl` would link
+# here and still fail on a build machine without NCCL (as the first GPU build did), even when the linker
+# then drops it from NEEDED: no build script may ask for it.
+linked=$(python3 -c 'import json, sys
+for l in open(sys.argv[1]):
+    m = json.loads(l)
+    if m.get("reason") == "build-script-executed" and m["linked_libs"]:
+        print(m["package_id"].split("#")[-1].split(" ")[0], " ".join(m["linked_libs"]))' "$work/build.json")
+echo "libraries the build scripts link:"
+sed 's/^/  /' <<<"$linked"
+if grep -qi nccl <<<"$linked"; then
+    echo "link-check: FAIL: the build links libnccl (cudarc's \`nccl\` feature?); NCCL must be loaded at run time"
+    fail=1
+fi
 needed=$(readelf -d "$bin" | sed -n 's/.*(NEEDED).*\[\(.*\)\]/\1/p')
 echo "NEEDED: $(echo "$needed" | tr '\n' ' ')"
 libs=$CUDA_HOME/lib
