@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Type-checks the Rust side of the `cuda` feature (`cargo check --features cuda --all-targets`) in
 # minutes rather than the 43 of a cold build: candle-kernels' build script compiles all of candle's
-# kernels to PTX with nvcc, which a type-check does not need. This script copies candle-kernels' own
-# sources (the version of Cargo.lock, from cargo's registry) to target/candle-kernels-stub, puts
-# ci/candle-kernels-stub/build.rs in place of its build script (empty PTX strings, no static library),
-# and patches it in for this check alone (`--config patch.crates-io...`; Cargo.toml is left as it is,
-# and Cargo.lock, which the patch rewrites, is put back when the check ends). Its public items are candle-kernels' own, so candle-core's CUDA backend and
-# this crate type-check against the real interface.
+# kernels with nvcc, which a type-check does not need. The stand-in of scripts/gpu/candle-kernels-stub.sh
+# (candle-kernels' own sources, ci/candle-kernels-stub/build.rs as build script) is patched in for this
+# check alone (`--config patch.crates-io...`; Cargo.toml is left as it is, and Cargo.lock, which the patch
+# rewrites, is put back when the check ends). Its public items are candle-kernels' own, so candle-core's
+# CUDA backend and this crate type-check against the real interface.
 #
 # It then checks that build.rs compiled the project's kernels to PTX for compute capability 8.0 when
 # CUDA_COMPUTE_CAP is unset (the README's promise: every GPU from 8.0 on), but kernels/flash_wgmma.cu's
@@ -17,19 +16,7 @@
 #   scripts/gpu/cuda-typecheck.sh [extra cargo check arguments]
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-version=$(awk '/^name = "candle-kernels"$/ { getline; gsub(/[^0-9.]/, ""); print; exit }' Cargo.lock)
-[ -n "$version" ] || { echo "cuda-typecheck: candle-kernels is not in Cargo.lock" >&2; exit 1; }
-cargo fetch --quiet
-src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/"candle-kernels-$version" 2>/dev/null | head -n 1)
-[ -n "$src" ] || { echo "cuda-typecheck: candle-kernels-$version not in cargo's registry" >&2; exit 1; }
-stub=$PWD/target/candle-kernels-stub
-rm -rf "$stub"
-mkdir -p "$stub"
-cp -r "$src/src" "$stub/src"
-# Its manifest without the build dependency (cudaforge) and pointing at the stand-in build script.
-awk '/^\[build-dependencies/ { skip = 1; next } /^\[/ { skip = 0 } !skip' "$src/Cargo.toml" \
-    | sed 's/^build = .*/build = "build.rs"/' >"$stub/Cargo.toml"
-cp ci/candle-kernels-stub/build.rs "$stub/build.rs"
+stub=$(scripts/gpu/candle-kernels-stub.sh)
 
 log=$(mktemp)
 cp Cargo.lock "$stub/Cargo.lock.orig"

@@ -12,7 +12,7 @@
 //! stops every rank after the same step.
 //!
 //! The launcher is recognised from its environment ([`Launch`]: mpirun, srun or torchrun). Ranks on GPUs
-//! use NCCL (cudarc's bindings, cargo feature `cuda`), whose unique id reaches every rank through MPI's
+//! use NCCL (libnccl loaded at run time, cargo feature `cuda`), whose unique id reaches every rank through MPI's
 //! broadcast under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
 //! MASTER_ADDR:MASTER_PORT ([`rendezvous`]); ranks on CPUs use MPI (the `mpi` crate over Open MPI, cargo
 //! feature `mpi`). No collective is written by hand. Every NCCL wait is bounded (GRPO_DIST_TIMEOUT_S, and
@@ -24,6 +24,10 @@ mod launch;
 mod mpi_backend;
 #[cfg(feature = "cuda")]
 mod nccl_backend;
+// The NCCL binding, loaded at run time; its tests (loading and its errors) need no GPU.
+#[cfg(any(feature = "cuda", test))]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod nccl_sys;
 pub mod rendezvous;
 
 use std::fmt;
@@ -336,6 +340,7 @@ fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
 /// NCCL's communicator among the GPUs, each rank on its GPU ([`local_gpu`]).
 #[cfg(feature = "cuda")]
 fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
+    nccl_backend::load()?;
     let timeout = collective_timeout();
     let (id, keep) = share_nccl_id(launch, timeout)?;
     let gpu = local_gpu(launch.local_rank, crate::device::visible_gpus())?;

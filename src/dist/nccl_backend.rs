@@ -1,4 +1,4 @@
-//! The [`Collective`] of NCCL (cudarc's bindings) for ranks that each drive one GPU: ncclAllReduce,
+//! The [`Collective`] of NCCL (loaded at run time by `nccl_sys`) for ranks that each drive one GPU: ncclAllReduce,
 //! ncclReduceScatter and ncclAllGather on the rank's GPU (the host buffers of the shared code are copied
 //! in and out). Byte strings of different lengths are gathered as blocks padded to the longest, after an
 //! all-reduce of the lengths. Every wait is bounded: the rank polls the collective's completion and NCCL's asynchronous
@@ -11,22 +11,27 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
-use cudarc::nccl::{result, sys};
 
+use super::nccl_sys::{self as sys, DataType, NcclError, RedOp};
 use super::{Collective, DistError};
 
 /// The length of NCCL's unique id, which rank 0 makes and every rank needs to join.
-pub(super) const ID_BYTES: usize = 128;
+pub(super) const ID_BYTES: usize = sys::ID_BYTES;
+
+/// Load NCCL (every rank, before the id is shared): without libnccl a run on several GPUs stops here.
+pub(super) fn load() -> Result<(), DistError> {
+    sys::load().map_err(|e| DistError::Launch(e.to_string()))
+}
 
 /// A new NCCL unique id (rank 0).
 pub(super) fn new_id() -> Result<[u8; ID_BYTES], DistError> {
-    let id = result::get_uniqueid().map_err(|e| DistError::Launch(format!("ncclGetUniqueId: {e:?}")))?;
+    let id = sys::get_unique_id().map_err(|e| DistError::Launch(e.to_string()))?;
     Ok(id.internal.map(|c| c as u8))
 }
 
 /// One rank's NCCL communicator on its GPU.
 pub(super) struct Nccl {
-    comm: sys::ncclComm_t,
+    comm: sys::Comm,
     stream: Arc<CudaStream>,
     rank: usize,
     size: usize,
@@ -37,19 +42,19 @@ pub(super) struct Nccl {
 
 /// The element types the collectives carry.
 trait Element: DeviceRepr + ValidAsZeroBits + Copy {
-    const TYPE: sys::ncclDataType_t;
+    const TYPE: DataType;
 }
 
 impl Element for f32 {
-    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+    const TYPE: DataType = DataType::FLOAT32;
 }
 
 impl Element for u8 {
-    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclUint8;
+    const TYPE: DataType = DataType::UINT8;
 }
 
 impl Element for f64 {
-    const TYPE: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat64;
+    const TYPE: DataType = DataType::FLOAT64;
 }
 
 impl Nccl {
@@ -65,12 +70,12 @@ impl Nccl {
         let launch = |what: &str, e: String| DistError::Launch(format!("rank {rank}: {what}: {e}"));
         let ctx = CudaContext::new(ordinal).map_err(|e| launch(&format!("CUDA device {ordinal}"), e.to_string()))?;
         let stream = ctx.new_stream().map_err(|e| launch("a CUDA stream", e.to_string()))?;
-        let id = sys::ncclUniqueId { internal: id.map(|b| b as c_char) };
+        let id = sys::UniqueId { internal: id.map(|b| b as c_char) };
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` is written by ncclCommInitRank before it is read.
         let comm = unsafe {
-            result::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
-                .map_err(|e| launch("ncclCommInitRank", format!("{e:?}")))?;
+            sys::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
+                .map_err(|e| DistError::Launch(format!("rank {rank}: {e}")))?;
             comm.assume_init()
         };
         Ok(Self { comm, stream, rank, size, timeout, _keep: keep })
@@ -81,7 +86,7 @@ impl Nccl {
     fn fail(&self, message: String) -> ! {
         eprintln!("error: rank {}: {message}; stopping every rank", self.rank);
         // SAFETY: the communicator is valid until this process exits.
-        let _ = unsafe { result::comm_abort(self.comm) };
+        let _ = unsafe { sys::comm_abort(self.comm) };
         std::process::exit(1)
     }
 
@@ -93,11 +98,9 @@ impl Nccl {
             if done.try_is_complete().map_err(|e| format!("{what}: {e}"))? {
                 return Ok(());
             }
-            let mut error = sys::ncclResult_t::ncclSuccess;
-            // SAFETY: a valid communicator and a pointer to a local.
-            unsafe { sys::ncclCommGetAsyncError(self.comm, &mut error) };
-            if error != sys::ncclResult_t::ncclSuccess {
-                return Err(format!("{what}: NCCL reports {error:?} (another rank failed or the network broke)"));
+            // SAFETY: a valid communicator.
+            if let Err(error) = unsafe { sys::comm_get_async_error(self.comm) } {
+                return Err(format!("{what}: NCCL reports {error} (another rank failed or the network broke)"));
             }
             if Instant::now() >= deadline {
                 return Err(format!(
@@ -116,7 +119,7 @@ impl Nccl {
         what: &str,
         send: &[T],
         recv: &mut [T],
-        op: impl FnOnce(*const c_void, *mut c_void) -> Result<result::NcclStatus, result::NcclError>,
+        op: impl FnOnce(*const c_void, *mut c_void) -> Result<(), NcclError>,
     ) {
         let outcome = (|| -> Result<(), String> {
             let dsend = self.stream.clone_htod(send).map_err(|e| e.to_string())?;
@@ -124,7 +127,7 @@ impl Nccl {
             {
                 let (s, _s) = dsend.device_ptr(&self.stream);
                 let (r, _r) = drecv.device_ptr_mut(&self.stream);
-                op(s as *const c_void, r as *mut c_void).map_err(|e| format!("{what}: {e:?}"))?;
+                op(s as *const c_void, r as *mut c_void).map_err(|e| e.to_string())?;
             }
             self.wait(what)?;
             self.stream.memcpy_dtoh(&drecv, recv).map_err(|e| e.to_string())
@@ -134,43 +137,41 @@ impl Nccl {
         }
     }
 
-    fn all_reduce<T: Element>(&self, buf: &mut [T], op: sys::ncclRedOp_t) {
+    fn all_reduce<T: Element>(&self, buf: &mut [T], op: RedOp) {
         let send = buf.to_vec();
         let (comm, stream) = (self.comm, self.stream.cu_stream());
         // SAFETY: device buffers of `send.len()` elements of T, valid during the call and the wait.
         self.run("ncclAllReduce", &send, buf, |s, r| unsafe {
-            result::all_reduce(s, r, send.len(), T::TYPE, op, comm, stream as _)
+            sys::all_reduce(s, r, send.len(), T::TYPE, op, comm, stream as _)
         });
     }
 }
 
 impl Collective for Nccl {
     fn sum_f32(&self, buf: &mut [f32]) {
-        self.all_reduce(buf, sys::ncclRedOp_t::ncclSum);
+        self.all_reduce(buf, RedOp::SUM);
     }
 
     fn sum_f64(&self, buf: &mut [f64]) {
-        self.all_reduce(buf, sys::ncclRedOp_t::ncclSum);
+        self.all_reduce(buf, RedOp::SUM);
     }
 
     fn max_f64(&self, buf: &mut [f64]) {
-        self.all_reduce(buf, sys::ncclRedOp_t::ncclMax);
+        self.all_reduce(buf, RedOp::MAX);
     }
 
     fn reduce_scatter_sum_f32(&self, send: &[f32], recv: &mut [f32]) {
         let (comm, stream, n) = (self.comm, self.stream.cu_stream(), recv.len());
         // SAFETY: a send buffer of N * n and a receive buffer of n f32 on the device, valid during the call.
         self.run("ncclReduceScatter", send, recv, |s, r| unsafe {
-            result::reduce_scatter(s, r, n, f32::TYPE, sys::ncclRedOp_t::ncclSum, comm, stream as _)
+            sys::reduce_scatter(s, r, n, f32::TYPE, RedOp::SUM, comm, stream as _)
         });
     }
 
     fn all_gather_f32(&self, send: &[f32], recv: &mut [f32]) {
         let (comm, stream, n) = (self.comm, self.stream.cu_stream(), send.len());
         // SAFETY: a send buffer of n and a receive buffer of N * n f32 on the device, valid during the call.
-        self.run("ncclAllGather", send, recv, |s, r| unsafe {
-            result::all_gather(s, r, n, f32::TYPE, comm, stream as _)
-        });
+        self.run("ncclAllGather", send, recv, |s, r| unsafe { sys::all_gather(s, r, n, f32::TYPE, comm, stream as _) });
     }
 
     fn all_gather_bytes(&self, send: &[u8]) -> Vec<Vec<u8>> {
@@ -187,7 +188,7 @@ impl Collective for Nccl {
         let (comm, stream) = (self.comm, self.stream.cu_stream());
         // SAFETY: a send buffer of `block` and a receive buffer of N * `block` bytes on the device.
         self.run("ncclAllGather", &padded, &mut all, |s, r| unsafe {
-            result::all_gather(s, r, block, u8::TYPE, comm, stream as _)
+            sys::all_gather(s, r, block, u8::TYPE, comm, stream as _)
         });
         all.chunks(block).zip(lengths).map(|(b, n)| b[..n].to_vec()).collect()
     }
@@ -199,7 +200,7 @@ impl Collective for Nccl {
 
     fn abort(&self, code: i32) -> ! {
         // SAFETY: the communicator is valid until this process exits.
-        let _ = unsafe { result::comm_abort(self.comm) };
+        let _ = unsafe { sys::comm_abort(self.comm) };
         std::process::exit(code)
     }
 }
@@ -207,6 +208,6 @@ impl Collective for Nccl {
 impl Drop for Nccl {
     fn drop(&mut self) {
         // SAFETY: the communicator is destroyed once, after its last use.
-        let _ = unsafe { result::comm_destroy(self.comm) };
+        let _ = unsafe { sys::comm_destroy(self.comm) };
     }
 }
