@@ -157,6 +157,10 @@ pub struct TrainStepSpec {
     /// (`model.deterministic_attention = false`).
     #[arg(long)]
     pub atomic_dq: bool,
+    /// Profile the timed steps phase by phase (src/profile.rs): a table on stderr and the mean step's
+    /// phases in the record's `profile`.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
@@ -221,13 +225,24 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let mut peak = None;
     let mut step_no = 0usize;
     let mut syncs = 0;
+    let mut profile: Option<crate::profile::Profile> = None;
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
         let before = host_reads();
+        let profiler = (spec.profile && step_no > t.warmup)
+            .then(|| crate::profile::Profiler::start(&t.device))
+            .transpose()
+            .map_err(|e| PerfError::Invalid(e.to_string()))?;
         let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
+        if let Some(p) = profiler.map(crate::profile::Profiler::finish) {
+            match &mut profile {
+                Some(all) => all.merge(&p),
+                None => profile = Some(p),
+            }
+        }
         syncs = host_reads() - before;
         Ok(stats)
     })?;
@@ -267,6 +282,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "micro_batches": micro_batches,
         "host_syncs_per_step": syncs,
         "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
+        "profile": profile.map(|p| p.report()),
     }))
 }
 
@@ -745,6 +761,7 @@ mod tests {
             no_reference: false,
             attention: Attention::Matrix,
             atomic_dq: false,
+            profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["attention"], "matrix");
@@ -792,6 +809,7 @@ mod tests {
                 no_reference: false,
                 attention: Attention::Flash,
                 atomic_dq: false,
+                profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();
             assert_eq!(r["micro_batches"], 2);
