@@ -606,3 +606,95 @@ impl PhaseCounts {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::thread::sleep;
+
+    fn find<'a>(r: &'a ProfileReport, path: &str) -> &'a PhaseReport {
+        r.phases.iter().find(|p| p.path == path).unwrap_or_else(|| panic!("no phase {path}: {r:?}"))
+    }
+
+    /// Three calls of a phase with a sub-phase, inside a coarse phase: calls add up per path, self time
+    /// is total time less the sub-phases', and the self times and "other" add up to the step.
+    fn profiled_step() -> Profile {
+        let profiler = Profiler::start(&Device::Cpu).unwrap();
+        assert!(matches!(Profiler::start(&Device::Cpu), Err(ProfileError::AlreadyRunning)));
+        {
+            let _forward = coarse("forward");
+            for _ in 0..3 {
+                let _attention = phase("attention");
+                sleep(Duration::from_millis(2));
+                let _norm = phase("norm");
+                sleep(Duration::from_millis(1));
+            }
+            let x = candle_core::Tensor::new(&[1f32, 2.0, 3.0], &Device::Cpu).unwrap();
+            assert_eq!(crate::device::to_host::<f32>(&x).unwrap().len(), 3);
+        }
+        sleep(Duration::from_millis(1));
+        profiler.finish()
+    }
+
+    #[test]
+    fn phases_nest_and_self_times_add_up_to_the_step() {
+        let r = profiled_step().report();
+        let paths: Vec<&str> = r.phases.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["forward", "forward/attention", "forward/attention/norm"]);
+        let (forward, attention, norm) =
+            (find(&r, "forward"), find(&r, "forward/attention"), find(&r, "forward/attention/norm"));
+        assert_eq!((forward.calls, attention.calls, norm.calls), (1.0, 3.0, 3.0));
+        assert_eq!((forward.depth, attention.depth, norm.depth), (1, 2, 3));
+        assert!(norm.total_s >= 0.003 && attention.total_s >= 0.009, "{r:?}");
+        assert!((attention.self_s - (attention.total_s - norm.total_s)).abs() < 1e-9);
+        assert!((forward.self_s - (forward.total_s - attention.total_s)).abs() < 1e-9);
+        assert!(r.other_s >= 0.001, "{r:?}");
+        let sum = r.phases.iter().map(|p| p.self_s).sum::<f64>() + r.other_s;
+        assert!((sum - r.step_s).abs() < 1e-9, "{sum} vs {}", r.step_s);
+        // The read of three f32 is a host sync and a device-to-host copy of 12 bytes, in the forward's
+        // own time.
+        assert_eq!((forward.self_counts.host_syncs, forward.self_counts.d2h_bytes), (1.0, 12.0));
+        assert_eq!((attention.total_counts.host_syncs, r.other.host_syncs), (0.0, 0.0));
+        let table = r.table();
+        for row in ["forward", "    attention", "      norm", "other (outside every phase)", "step (mean of 1)"] {
+            assert!(table.lines().any(|l| l.starts_with(row)), "{row} missing:\n{table}");
+        }
+    }
+
+    #[test]
+    fn merged_steps_report_their_mean() {
+        let (a, b) = (profiled_step(), profiled_step());
+        let (ra, rb) = (a.report(), b.report());
+        let mut both = a.clone();
+        both.merge(&b);
+        let r = both.report();
+        assert_eq!(r.steps, 2);
+        assert!((r.step_s - (ra.step_s + rb.step_s) / 2.0).abs() < 1e-9);
+        let attention = find(&r, "forward/attention");
+        assert_eq!(attention.calls, 3.0);
+        let mean = (find(&ra, "forward/attention").self_s + find(&rb, "forward/attention").self_s) / 2.0;
+        assert!((attention.self_s - mean).abs() < 1e-9);
+        // The report survives its JSON form (the bench's record is read back to print the table).
+        let back: ProfileReport = serde_json::from_str(&serde_json::to_string(&r).unwrap()).unwrap();
+        assert_eq!(back, r);
+    }
+
+    #[test]
+    fn the_coarse_phase_is_kept_without_a_profile() {
+        assert_eq!(current_phase(), None);
+        {
+            let _outer = coarse("backward");
+            let _fine = phase("attention");
+            assert_eq!(current_phase(), Some("backward"));
+            {
+                let _inner = coarse("log-prob head");
+                assert_eq!(current_phase(), Some("log-prob head"));
+            }
+            assert_eq!(current_phase(), Some("backward"));
+        }
+        assert_eq!(current_phase(), None);
+        // Nothing was recorded: a profile started now holds only what happens in it.
+        let r = Profiler::start(&Device::Cpu).unwrap().finish().report();
+        assert!(r.phases.is_empty());
+    }
+}
