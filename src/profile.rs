@@ -67,7 +67,8 @@ pub struct Phase {
 /// Open the phase `name` (closed when the guard drops). Recorded only while a [`Profiler`] runs on
 /// this thread.
 pub fn phase(name: &'static str) -> Phase {
-    let recorded = ACTIVE.with(Cell::get) && RECORDER.with(|r| r.borrow_mut().as_mut().map(|r| r.enter(name)).is_some());
+    let recorded =
+        ACTIVE.with(Cell::get) && RECORDER.with(|r| r.borrow_mut().as_mut().map(|r| r.enter(name)).is_some());
     Phase { restore: None, recorded }
 }
 
@@ -262,13 +263,8 @@ struct Recorder {
 
 impl Recorder {
     fn new(device: Device, root: &'static str) -> Self {
-        let root = Node {
-            name: root,
-            children: Vec::new(),
-            calls: 0,
-            total: Duration::ZERO,
-            counts: Counts::default(),
-        };
+        let root =
+            Node { name: root, children: Vec::new(), calls: 0, total: Duration::ZERO, counts: Counts::default() };
         let mut r = Self { device, nodes: vec![root], open: Vec::new(), sync_failed: false };
         r.open_node(0);
         r
@@ -384,7 +380,13 @@ impl Profile {
             let name = other.nodes[oc].name;
             let found = self.nodes[mine].children.iter().copied().find(|&c| self.nodes[c].name == name);
             let child = found.unwrap_or_else(|| {
-                self.nodes.push(Node { calls: 0, total: Duration::ZERO, counts: Counts::default(), children: vec![], ..other.nodes[oc].clone() });
+                self.nodes.push(Node {
+                    calls: 0,
+                    total: Duration::ZERO,
+                    counts: Counts::default(),
+                    children: vec![],
+                    ..other.nodes[oc].clone()
+                });
                 let id = self.nodes.len() - 1;
                 self.nodes[mine].children.push(id);
                 id
@@ -419,7 +421,12 @@ impl Profile {
             child_time += self.nodes[c].total;
             child_counts = child_counts.zip(self.nodes[c].counts, u64::wrapping_add);
         }
-        let path = if parent.is_empty() { n.name.to_string() } else { format!("{parent}/{}", n.name) };
+        // The step's phases are named from it down: `forward/attention`.
+        let path = match (depth, parent.is_empty()) {
+            (0, _) => String::new(),
+            (_, true) => n.name.to_string(),
+            (_, false) => format!("{parent}/{}", n.name),
+        };
         out.push(PhaseReport {
             path: path.clone(),
             name: n.name.to_string(),
@@ -514,7 +521,7 @@ impl PhaseCounts {
 /// One phase of a [`ProfileReport`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PhaseReport {
-    /// The phases from the step down to this one, e.g. `step/forward/attention`.
+    /// The phases from the step's down to this one, e.g. `forward/attention`.
     pub path: String,
     pub name: String,
     /// 1 for the step's phases, 2 for theirs, ...
@@ -550,8 +557,21 @@ impl ProfileReport {
     pub fn table(&self) -> String {
         let mut s = format!(
             "{:<42} {:>6} {:>10} {:>10} {:>6} {:>8} {:>8} {:>8} {:>8} {:>9} {:>5} {:>9} {:>5} {:>9} {:>5}\n",
-            "phase", "calls", "self ms", "total ms", "self%", "launches", "buffers", "allocs", "frees", "alloc MB",
-            "H2D", "H2D MB", "D2H", "D2H MB", "syncs"
+            "phase",
+            "calls",
+            "self ms",
+            "total ms",
+            "self%",
+            "launches",
+            "buffers",
+            "allocs",
+            "frees",
+            "alloc MB",
+            "H2D",
+            "H2D MB",
+            "D2H",
+            "D2H MB",
+            "syncs"
         );
         let row = |name: String, calls: Option<f64>, self_s: f64, total_s: f64, c: &PhaseCounts| {
             let calls = calls.map_or(String::new(), |c| format!("{c:.0}"));
@@ -656,7 +676,7 @@ mod tests {
         assert_eq!((forward.self_counts.host_syncs, forward.self_counts.d2h_bytes), (1.0, 12.0));
         assert_eq!((attention.total_counts.host_syncs, r.other.host_syncs), (0.0, 0.0));
         let table = r.table();
-        for row in ["forward", "    attention", "      norm", "other (outside every phase)", "step (mean of 1)"] {
+        for row in ["forward", "  attention", "    norm", "other (outside every phase)", "step (mean of 1)"] {
             assert!(table.lines().any(|l| l.starts_with(row)), "{row} missing:\n{table}");
         }
     }

@@ -144,7 +144,7 @@ fn check_profile(r: &Value, stderr: &str, paths: &[&str]) {
     assert!(phase(p, "inputs")["self_counts"]["h2d"].as_f64().unwrap() > 0.0, "{p}");
     assert!(phase(p, "forward/mlp")["self_counts"]["buffers"].as_f64().unwrap() > 0.0, "{p}");
     assert_eq!(phase(p, "forward/attention")["calls"], 4.0, "2 layers x 2 micro-batches: {p}");
-    for row in ["forward", "    attention", "other (outside every phase)", "step (mean of 2)", "buffers: "] {
+    for row in ["forward", "  attention", "other (outside every phase)", "step (mean of 2)", "buffers: "] {
         assert!(stderr.lines().any(|l| l.starts_with(row)), "{row} missing from the table:\n{stderr}");
     }
 }
@@ -191,6 +191,18 @@ fn train_step_profile_covers_the_phases_and_adds_up_to_the_step() {
     assert!(to_host["d2h_bytes"].as_f64().unwrap() > 0.0 && to_host["host_syncs"] == 0.0, "{p}");
     assert_eq!(to_device["h2d_bytes"], to_host["d2h_bytes"], "f32 weights back as gradients went: {p}");
     // Without --profile, no profile.
-    let plain = bench(&["train-step", "--shape", "scripts/gpu/shapes/tiny.json", "--answers", "2", "--seq-len", "24", "--prompt-len", "8", "--repeats", "1"]);
+    let plain = bench(&[
+        "train-step",
+        "--shape",
+        "scripts/gpu/shapes/tiny.json",
+        "--answers",
+        "2",
+        "--seq-len",
+        "24",
+        "--prompt-len",
+        "8",
+        "--repeats",
+        "1",
+    ]);
     assert!(plain["profile"].is_null());
 }

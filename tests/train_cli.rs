@@ -652,8 +652,8 @@ fn profile_steps_write_a_profile_of_exactly_those_steps() {
         for want in ["forward/attention", "backward", "reference", "optimizer/gradient norm and clip"] {
             assert!(paths.contains(&want), "{want} missing: {paths:?}");
         }
-        let sum: f64 =
-            l["phases"].as_array().unwrap().iter().map(|p| p["self_s"].as_f64().unwrap()).sum::<f64>() + l["other_s"].as_f64().unwrap();
+        let sum: f64 = l["phases"].as_array().unwrap().iter().map(|p| p["self_s"].as_f64().unwrap()).sum::<f64>()
+            + l["other_s"].as_f64().unwrap();
         assert!((sum - l["step_s"].as_f64().unwrap()).abs() < 1e-6, "{l}");
     }
     let bad = train(dir.path(), &cfg, &["--set", "train.profile_steps=[0]", "--check"]).failure();

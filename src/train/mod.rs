@@ -747,7 +747,10 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, r
     if plan.fits() == Some(false) {
         return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }
-    tracing::info!("memory plan: peak {:.2} GiB", plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64);
+    tracing::info!(
+        "memory plan: peak {:.2} GiB",
+        plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64
+    );
     Ok(())
 }
 
