@@ -982,11 +982,13 @@ impl Decoder {
         let mid_in = Var::from_tensor(&mid.detach())?;
         let y = self.mlp_block(l, mid_in.as_tensor(), true)?;
         drop(recompute);
-        let mlp = crate::profile::phase("mlp");
-        let store = (y * g)?.sum_all()?.backward()?;
-        self.collect(&store, grads)?;
-        let g_mid = grad_of(&store, &mid_in)?;
-        drop(mlp);
+        let g_mid = {
+            // The MLP's graph and gradients are released before the attention's backward.
+            let _mlp = crate::profile::phase("mlp");
+            let store = (y * g)?.sum_all()?.backward()?;
+            self.collect(&store, grads)?;
+            grad_of(&store, &mid_in)?
+        };
         let _attention = crate::profile::phase("attention");
         let store = (mid * g_mid)?.sum_all()?.backward()?;
         self.collect(&store, grads)?;
