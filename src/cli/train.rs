@@ -7,8 +7,8 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use super::Exit;
-use crate::cost::memory as plan;
 use crate::model::ModelConfig;
+use crate::cost::memory as plan;
 use crate::train::{train, Resume, RunOptions, TrainConfig, TrainError};
 
 /// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:

@@ -33,11 +33,11 @@
 
 use std::fmt;
 
+use crate::train::config::TrainConfig;
+use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
 use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
-use crate::train::config::TrainConfig;
-use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
@@ -655,8 +655,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
         checkpoint_layers: cfg.model.checkpoint_layers,
         recompute_attention: cfg.model.recompute_attention,
-        reference_forward: cfg.objective.build().needs_reference()
-            && !crate::train::refcache::reference_is_cacheable(cfg),
+        reference_forward: cfg.objective.build().needs_reference() && !crate::train::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
