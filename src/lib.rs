@@ -18,6 +18,7 @@
 //! - [`device`]: the device's name and its peak memory.
 //! - [`dist`]: data parallelism over several processes (ranks) and their collectives (MPI).
 //! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`profile`]: where a step's time goes, phase by phase, and the phase a thread is in.
 //! - [`selftest`]: the fused kernels, a training step and a generation on a device against the CPU
 //!   reference (`grpo selftest`).
 //! - [`plot`]: figures (training curves of run folders).
@@ -38,6 +39,7 @@ pub mod model;
 pub mod objective;
 pub mod perf;
 pub mod plot;
+pub mod profile;
 pub mod progress;
 pub mod reward;
 pub mod rollout;

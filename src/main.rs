@@ -1,5 +1,10 @@
 use clap::Parser;
 
+/// Counts allocations while a profile is recorded (`grpo bench train-step --profile`,
+/// `train.profile_steps`); otherwise the system allocator behind one relaxed atomic load.
+#[global_allocator]
+static ALLOCATOR: grpo::profile::CountingAlloc = grpo::profile::CountingAlloc;
+
 /// A training step frees and allocates tensors of tens of megabytes by the hundred. glibc serves large
 /// blocks with fresh mmaps and hands freed memory back at once, so every step pays millions of page
 /// faults to get it again; keep blocks up to 32 MiB in the heap and the heap's free memory for reuse.

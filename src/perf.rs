@@ -161,6 +161,10 @@ pub struct TrainStepSpec {
     /// and date) without running it: a GPU's step predicted on any machine.
     #[arg(long)]
     pub predict_only: bool,
+    /// Profile the timed steps phase by phase (src/profile.rs): a table on stderr and the mean step's
+    /// phases in the record's `profile`.
+    #[arg(long)]
+    pub profile: bool,
 }
 
 /// The tensors candle has made in this process so far: every op's output and every view gets the next
@@ -241,13 +245,24 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let mut peak = None;
     let mut step_no = 0usize;
     let (mut syncs, mut tensor_ops) = (0, 0);
+    let mut profile: Option<crate::profile::Profile> = None;
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
         let (before, made) = (host_reads(), tensors_made()?);
+        let profiler = (spec.profile && step_no > t.warmup)
+            .then(|| crate::profile::Profiler::start(&t.device))
+            .transpose()
+            .map_err(|e| PerfError::Invalid(e.to_string()))?;
         let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
+        if let Some(p) = profiler.map(crate::profile::Profiler::finish) {
+            match &mut profile {
+                Some(all) => all.merge(&p),
+                None => profile = Some(p),
+            }
+        }
         syncs = host_reads() - before;
         // (less the probe's own tensor)
         tensor_ops = tensors_made()? - made - 1;
@@ -290,6 +305,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "host_syncs_per_step": syncs,
         "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
         "tensor_ops_per_step": tensor_ops,
+        "profile": profile.map(|p| p.report()),
     }))
 }
 
@@ -849,6 +865,7 @@ mod tests {
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
+            profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["attention"], "matrix");
@@ -897,6 +914,7 @@ mod tests {
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
+                profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();
             assert_eq!(r["micro_batches"], 2);

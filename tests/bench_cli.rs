@@ -82,3 +82,127 @@ fn train_device_and_dtype_flags_override_the_config() {
     let text = String::from_utf8(out.get_output().stdout.clone()).unwrap();
     assert!(text.contains("device = \"cuda:0\"") && text.contains("dtype = \"bf16\""), "{text}");
 }
+
+/// `grpo bench train-step --profile`: the table on stderr and the mean step's phases in the record,
+/// every phase the issue names present, their self times and "other" adding up to the measured step.
+fn profiled_step(extra: &[&str]) -> (Value, String) {
+    let mut args = vec![
+        "-q",
+        "bench",
+        "train-step",
+        "--shape",
+        "scripts/gpu/shapes/tiny.json",
+        "--answers",
+        "4",
+        "--micro-batch",
+        "2",
+        "--seq-len",
+        "24",
+        "--prompt-len",
+        "8",
+        "--repeats",
+        "2",
+        "--profile",
+    ];
+    args.extend_from_slice(extra);
+    let out = common::grpo().current_dir(common::root()).args(&args).assert().success();
+    let stdout = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    let stderr = String::from_utf8(out.get_output().stderr.clone()).unwrap();
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "one JSON line: {stdout}");
+    (serde_json::from_str(lines[0]).unwrap(), stderr)
+}
+
+fn phase<'a>(profile: &'a Value, path: &str) -> &'a Value {
+    let phases = profile["phases"].as_array().unwrap();
+    phases.iter().find(|p| p["path"] == path).unwrap_or_else(|| panic!("no phase {path}: {profile}"))
+}
+
+fn check_profile(r: &Value, stderr: &str, paths: &[&str]) {
+    let p = &r["profile"];
+    assert_eq!(p["steps"], 2, "{p}");
+    for path in paths {
+        let ph = phase(p, path);
+        assert!(ph["calls"].as_f64().unwrap() >= 1.0 && ph["self_s"].as_f64().unwrap() >= 0.0, "{ph}");
+        for counts in ["self_counts", "total_counts"] {
+            for (k, v) in ph[counts].as_object().unwrap() {
+                assert!(v.as_f64().unwrap() >= 0.0, "{path} {k}: {v}");
+            }
+        }
+    }
+    // The self times and "other" add up to the step the bench measured (the same timed runs).
+    let phases = p["phases"].as_array().unwrap();
+    let sum: f64 = phases.iter().map(|ph| ph["self_s"].as_f64().unwrap()).sum::<f64>() + p["other_s"].as_f64().unwrap();
+    let times: Vec<f64> = r["step_times"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect();
+    let measured = times.iter().sum::<f64>() / times.len() as f64;
+    assert!((sum - measured).abs() <= 0.05 * measured, "phases add up to {sum} s, the step took {measured} s");
+    // Every host sync of the step is in a phase or in "other".
+    let syncs: f64 = phases.iter().map(|ph| ph["self_counts"]["host_syncs"].as_f64().unwrap()).sum::<f64>()
+        + p["other"]["host_syncs"].as_f64().unwrap();
+    assert_eq!(syncs, r["host_syncs_per_step"].as_f64().unwrap(), "{p}");
+    // Two micro-batches of 24 tokens: the inputs' host-to-device copies and a layer's new buffers.
+    assert!(phase(p, "inputs")["self_counts"]["h2d"].as_f64().unwrap() > 0.0, "{p}");
+    assert!(phase(p, "forward/mlp")["self_counts"]["buffers"].as_f64().unwrap() > 0.0, "{p}");
+    assert_eq!(phase(p, "forward/attention")["calls"], 4.0, "2 layers x 2 micro-batches: {p}");
+    for row in ["forward", "  attention", "other (outside every phase)", "step (mean of 2)", "buffers: "] {
+        assert!(stderr.lines().any(|l| l.starts_with(row)), "{row} missing from the table:\n{stderr}");
+    }
+}
+
+#[test]
+fn train_step_profile_covers_the_phases_and_adds_up_to_the_step() {
+    let common = [
+        "reference",
+        "reference/embedding",
+        "reference/log-prob head",
+        "forward",
+        "forward/embedding",
+        "forward/rope",
+        "forward/attention",
+        "forward/attention/norm",
+        "forward/attention/rope",
+        "forward/mlp",
+        "forward/mlp/norm",
+        "forward/log-prob head",
+        "forward/loss",
+        "backward",
+        "optimizer/gradient norm and clip",
+        "optimizer/update",
+    ];
+    let (r, stderr) = profiled_step(&[]);
+    let whole = [&common[..], &["backward/layers and head (one autograd pass)", "backward/embedding"]].concat();
+    check_profile(&r, &stderr, &whole);
+    // With layers recomputed, each layer's backward is its own: the MLP's, then the attention's.
+    let (r, stderr) = profiled_step(&["--checkpoint-layers", "--offload"]);
+    let layers = [
+        "backward/log-prob head",
+        "backward/recompute/attention",
+        "backward/recompute/mlp",
+        "backward/mlp",
+        "backward/attention",
+        "optimizer/update/gradients to host",
+        "optimizer/update/update on the host",
+        "optimizer/update/weights to device",
+    ];
+    check_profile(&r, &stderr, &[&common[..], &layers[..]].concat());
+    let p = &r["profile"];
+    let to_host = &phase(p, "optimizer/update/gradients to host")["self_counts"];
+    let to_device = &phase(p, "optimizer/update/weights to device")["self_counts"];
+    assert!(to_host["d2h_bytes"].as_f64().unwrap() > 0.0 && to_host["host_syncs"] == 0.0, "{p}");
+    assert_eq!(to_device["h2d_bytes"], to_host["d2h_bytes"], "f32 weights back as gradients went: {p}");
+    // Without --profile, no profile.
+    let plain = bench(&[
+        "train-step",
+        "--shape",
+        "scripts/gpu/shapes/tiny.json",
+        "--answers",
+        "2",
+        "--seq-len",
+        "24",
+        "--prompt-len",
+        "8",
+        "--repeats",
+        "1",
+    ]);
+    assert!(plain["profile"].is_null());
+}

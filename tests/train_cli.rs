@@ -764,3 +764,27 @@ fn a_resume_after_skipped_steps_continues_exactly() {
     let mc: Vec<Value> = common::read_jsonl(&out_c.join("metrics.jsonl")).iter().map(strip_timing).collect();
     assert_eq!(ma, mc);
 }
+
+/// `train.profile_steps`: exactly the listed steps are profiled, one line each in profile.jsonl.
+#[test]
+fn profile_steps_write_a_profile_of_exactly_those_steps() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    train(dir.path(), &cfg, &["--set", "train.profile_steps=[2, 3]", "--set", "train.save_every=0"]).success();
+    let out = dir.path().join("out");
+    let lines = common::read_jsonl(&out.join("profile.jsonl"));
+    let steps: Vec<u64> = lines.iter().map(|l| l["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, [2, 3]);
+    for l in &lines {
+        let paths: Vec<&str> = l["phases"].as_array().unwrap().iter().map(|p| p["path"].as_str().unwrap()).collect();
+        for want in ["forward/attention", "backward", "reference", "optimizer/gradient norm and clip"] {
+            assert!(paths.contains(&want), "{want} missing: {paths:?}");
+        }
+        let sum: f64 = l["phases"].as_array().unwrap().iter().map(|p| p["self_s"].as_f64().unwrap()).sum::<f64>()
+            + l["other_s"].as_f64().unwrap();
+        assert!((sum - l["step_s"].as_f64().unwrap()).abs() < 1e-6, "{l}");
+    }
+    let bad = train(dir.path(), &cfg, &["--set", "train.profile_steps=[0]", "--check"]).failure();
+    let err = String::from_utf8_lossy(&bad.get_output().stderr).into_owned();
+    assert!(err.contains("train.profile_steps"), "{err}");
+}

@@ -3,6 +3,7 @@
 //! scripts/gpu/report.py).
 
 use anyhow::Context;
+use serde::Deserialize;
 
 use crate::model::{parse_device, parse_dtype};
 use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, SampleSpec, Timing, TrainStepSpec};
@@ -93,6 +94,10 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             perf::generate(&spec, &timing(&common)?).context("generate benchmark")?
         }
     };
+    if let Some(p) = record.get("profile").filter(|p| !p.is_null()) {
+        let profile = crate::profile::ProfileReport::deserialize(p).context("the profile's record")?;
+        eprint!("{}", profile.table());
+    }
     println!("{record}");
     Ok(())
 }

@@ -163,6 +163,7 @@ pub(crate) fn launch(
     // SAFETY: the plan's arguments match the kernel's parameters in order and type (the emulator checks
     // each plan against the kernel's signature), and every address is inside a live buffer of the caller.
     unsafe { b.launch(cfg) }.w()?;
+    crate::profile::count_launch();
     Ok(())
 }
 

@@ -210,7 +210,7 @@ impl TokenBatch {
                 r.extend_from_slice(&[if seg[i] == 0 { i as u32 } else { start as u32 }, i as u32]);
             }
         }
-        Tensor::from_vec(r, (b, t, 2), device)
+        crate::device::from_host(r, (b, t, 2), device)
     }
 }
 
@@ -331,7 +331,7 @@ impl KvCache {
             Some(c) => c.k.device().clone(),
             None => Device::Cpu,
         };
-        let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &device)?;
+        let idx = crate::device::from_host(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), &device)?;
         for layer in self.layers.iter_mut().flatten() {
             layer.k = layer.k.index_select(&idx, 0)?;
             layer.v = layer.v.index_select(&idx, 0)?;
@@ -621,13 +621,19 @@ impl Decoder {
         i.map(|i| self.params[i].get(graph))
     }
 
+    /// The cos and sin tables of `batch`'s positions ([`Decoder::rope`]), a phase of the profile.
+    fn rope_of(&self, batch: &TokenBatch) -> candle_core::Result<(Tensor, Tensor)> {
+        let _phase = crate::profile::phase("rope");
+        self.rope(&batch.positions)
+    }
+
     /// cos and sin tables `[B, 1, T, D]` for the given position ids, gathered from [`RopeTables`].
     fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<(Tensor, Tensor)> {
         let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
         let need = positions.iter().flatten().max().map_or(0, |&p| p as usize + 1);
         let (cos, sin) = self.rope_tables(need)?;
         let ids: Vec<u32> = positions.iter().flatten().copied().collect();
-        let ids = Tensor::from_vec(ids, b * t, &self.device)?;
+        let ids = crate::device::from_host(ids, b * t, &self.device)?;
         let shape = (b, 1, t, 2 * self.inv_freq.len());
         Ok((cos.index_select(&ids, 0)?.reshape(shape)?, sin.index_select(&ids, 0)?.reshape(shape)?))
     }
@@ -660,6 +666,21 @@ impl Decoder {
         state: LayerState,
         graph: bool,
     ) -> candle_core::Result<Tensor> {
+        let x = self.attention_block(l, x, rope, ranges, state, graph)?;
+        self.mlp_block(l, &x, graph)
+    }
+
+    /// A layer's first half: `x` plus the attention of its normalised input.
+    fn attention_block(
+        &self,
+        l: usize,
+        x: &Tensor,
+        rope: &(Tensor, Tensor),
+        ranges: &Tensor,
+        state: LayerState,
+        graph: bool,
+    ) -> candle_core::Result<Tensor> {
+        let _phase = crate::profile::phase("attention");
         let li = self.layers[l];
         let cfg = &self.cfg;
         let (b, t, _) = x.dims3()?;
@@ -667,12 +688,15 @@ impl Decoder {
         let eps = cfg.rms_norm_eps;
 
         let fused = self.options.fused_ops;
+        let norm = crate::profile::phase("norm");
         let h = rms_norm(x, &self.w(li.ln_in, graph), eps, fused)?;
+        drop(norm);
         let q = linear(&h, &self.w(li.q, graph), self.wo(li.q_bias, graph).as_ref())?.reshape((b, t, nh, hd))?;
         let k = linear(&h, &self.w(li.k, graph), self.wo(li.k_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
         let v = linear(&h, &self.w(li.v, graph), self.wo(li.v_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
         let (q, k) = match (li.q_norm, li.k_norm) {
             (Some(qn), Some(kn)) => {
+                let _norm = crate::profile::phase("norm");
                 (rms_norm(&q, &self.w(qn, graph), eps, fused)?, rms_norm(&k, &self.w(kn, graph), eps, fused)?)
             }
             _ => (q, k),
@@ -680,8 +704,10 @@ impl Decoder {
         let (cos, sin) = rope;
         // [B, T, heads, D] -> [B, heads, T, D], rotated.
         let rotate = if fused { crate::kernels::rope } else { rope_reference };
+        let rotation = crate::profile::phase("rope");
         let q = rotate(&q, cos, sin)?;
         let mut k = rotate(&k, cos, sin)?;
+        drop(rotation);
         let mut v = v.transpose(1, 2)?.contiguous()?;
         let replay = match state {
             LayerState::Cache(cache) => {
@@ -706,9 +732,16 @@ impl Decoder {
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        let x = (x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?)?;
+        x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?
+    }
 
-        let h = rms_norm(&x, &self.w(li.ln_post, graph), eps, fused)?;
+    /// A layer's second half: `x` plus the MLP of its normalised input.
+    fn mlp_block(&self, l: usize, x: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+        let _phase = crate::profile::phase("mlp");
+        let li = self.layers[l];
+        let norm = crate::profile::phase("norm");
+        let h = rms_norm(x, &self.w(li.ln_post, graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
+        drop(norm);
         let gate = linear(&h, &self.w(li.gate, graph), self.wo(li.gate_bias, graph).as_ref())?;
         let up = linear(&h, &self.w(li.up, graph), self.wo(li.up_bias, graph).as_ref())?;
         let mlp = linear(&(gate.silu()? * up)?, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
@@ -716,6 +749,7 @@ impl Decoder {
     }
 
     fn embed(&self, tokens: &[Vec<u32>], graph: bool) -> candle_core::Result<Tensor> {
+        let _phase = crate::profile::phase("embedding");
         self.embed_ids(&self.token_ids(tokens)?, graph)?.reshape((tokens.len(), (), self.cfg.hidden_size))
     }
 
@@ -723,7 +757,7 @@ impl Decoder {
     fn token_ids(&self, tokens: &[Vec<u32>]) -> candle_core::Result<Tensor> {
         let flat: Vec<u32> = tokens.iter().flatten().copied().collect();
         let n = flat.len();
-        Tensor::from_vec(flat, n, &self.device)
+        crate::device::from_host(flat, n, &self.device)
     }
 
     /// The embedding rows `[N, hidden]` of `ids`.
@@ -737,6 +771,7 @@ impl Decoder {
     /// accumulator ([`embedding_grad`]); with `fused_ops = false`, candle's `index_add` in the weight's
     /// dtype, as its own backward does.
     fn embed_backward(&self, ids: &Tensor, g: Option<&Tensor>, grads: &mut Grads) -> candle_core::Result<()> {
+        let _phase = crate::profile::phase("embedding");
         let (Param::Trainable(w), Some(g)) = (&self.params[self.embed], g) else { return Ok(()) };
         let g = g.reshape((ids.dim(0)?, self.cfg.hidden_size))?;
         let dw = match self.options.fused_ops {
@@ -750,7 +785,7 @@ impl Decoder {
     fn select_hidden(&self, x: &Tensor, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         let (_, t, h) = x.dims3()?;
         let idx: Vec<u32> = targets.row.iter().zip(&targets.pos).map(|(&r, &p)| r * t as u32 + p - 1).collect();
-        let idx = Tensor::from_vec(idx, targets.len(), &self.device)?;
+        let idx = crate::device::from_host(idx, targets.len(), &self.device)?;
         let sel = x.reshape(((), h))?.index_select(&idx, 0)?;
         rms_norm(&sel, &self.w(self.norm, graph), self.cfg.rms_norm_eps, self.options.fused_ops)
     }
@@ -758,7 +793,7 @@ impl Decoder {
     fn target_ids(&self, batch: &TokenBatch, targets: &Targets) -> candle_core::Result<Tensor> {
         let ids: Vec<u32> =
             targets.row.iter().zip(&targets.pos).map(|(&r, &p)| batch.tokens[r as usize][p as usize]).collect();
-        Tensor::from_vec(ids, targets.len(), &self.device)
+        crate::device::from_host(ids, targets.len(), &self.device)
     }
 
     fn check(&self, batch: &TokenBatch, targets: &Targets) -> candle_core::Result<()> {
@@ -787,7 +822,7 @@ impl Decoder {
 
     /// The layers over the embedded batch `x` (`[B, T, hidden]`).
     fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, graph: bool) -> candle_core::Result<Tensor> {
-        let rope = self.rope(&batch.positions)?;
+        let rope = self.rope_of(batch)?;
         let ranges = batch.ranges(&self.device)?;
         for l in 0..self.cfg.num_layers {
             x = self.layer(l, &x, &rope, &ranges, LayerState::None, graph)?;
@@ -802,6 +837,7 @@ impl Decoder {
 
     /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
     fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+        let _phase = crate::profile::coarse("log-prob head");
         let h = self.select_hidden(x, targets, graph)?;
         let budget = match self.options.logprob_chunk_bytes {
             0 => crate::device::logprob_chunk_bytes(&self.device)?,
@@ -811,6 +847,7 @@ impl Decoder {
     }
 
     fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
+        let _phase = crate::profile::phase("gradient accumulation");
         for (i, p) in self.params.iter().enumerate() {
             if let Param::Trainable(v) = p {
                 if let Some(g) = store.get(v.as_tensor()) {
@@ -850,19 +887,29 @@ impl Decoder {
         }
         // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
         // `embed_backward`, not by candle's index_add in the weight's dtype.
+        let forward = crate::profile::coarse("forward");
+        let embedding = crate::profile::phase("embedding");
         let ids = self.token_ids(&batch.tokens)?;
         let shape = (batch.rows(), batch.width(), self.cfg.hidden_size);
         let e = self.embed_ids(&ids, false)?.reshape(shape)?;
+        drop(embedding);
         if !self.options.checkpoint_layers {
             let e = Var::from_tensor(&e)?;
             let x = self.layers_from(batch, e.as_tensor().clone(), true)?;
-            let loss = loss_fn(&self.head(&x, batch, targets, true)?)?;
-            let store = loss.backward()?;
+            let loss = self.loss(&self.head(&x, batch, targets, true)?, loss_fn)?;
+            drop(forward);
+            let _backward = crate::profile::coarse("backward");
+            let store = {
+                // candle's backward runs the whole graph at once: the layers' attention and MLP and the
+                // head are not told apart.
+                let _phase = crate::profile::phase("layers and head (one autograd pass)");
+                loss.backward()?
+            };
             self.collect(&store, grads)?;
             self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
             return crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?);
         }
-        let rope = self.rope(&batch.positions)?;
+        let rope = self.rope_of(batch)?;
         let ranges = batch.ranges(&self.device)?;
         // Forward without a graph, keeping only each layer's input (and, unless the attention is
         // recomputed, its attention's output and log-sum-exp).
@@ -880,30 +927,72 @@ impl Decoder {
         }
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
-        let loss = loss_fn(&self.head(xv.as_tensor(), batch, targets, true)?)?;
+        let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, true)?, loss_fn)?;
+        drop(forward);
+        let _backward = crate::profile::coarse("backward");
+        let head = crate::profile::coarse("log-prob head");
         let store = loss.backward()?;
         self.collect(&store, grads)?;
         let mut g = match store.get(xv.as_tensor()) {
             Some(g) => g.clone(),
             None => x.zeros_like()?,
         };
+        drop(head);
         // Layers in reverse: recompute with a graph, backprop the incoming gradient.
         for l in (0..self.cfg.num_layers).rev() {
-            let xin = Var::from_tensor(&inputs[l])?;
             // This layer's record is released with its backward.
             let record = records.pop().flatten();
             let state = record.as_ref().map_or(LayerState::None, |r| LayerState::Attention(Replay::From(r)));
-            let y = self.layer(l, xin.as_tensor(), &rope, &ranges, state, true)?;
-            let store = (y * &g)?.sum_all()?.backward()?;
-            self.collect(&store, grads)?;
-            g = match store.get(xin.as_tensor()) {
-                Some(g) => g.clone(),
-                None => g.zeros_like()?,
-            };
+            g = self.layer_backward(l, &inputs[l], (&rope, &ranges), state, &g, grads)?;
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
         crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?)
+    }
+
+    /// The loss of the head's log-probs `lp` (a phase of the profile).
+    fn loss(
+        &self,
+        lp: &Tensor,
+        loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
+    ) -> candle_core::Result<Tensor> {
+        let _phase = crate::profile::phase("loss");
+        loss_fn(lp)
+    }
+
+    /// The backward of layer `l` (input `input`, the gradient of its output `g`), recomputed with a graph:
+    /// its MLP's backward, then its attention's, their parameters' gradients added into `grads`; returns
+    /// the gradient of its input.
+    fn layer_backward(
+        &self,
+        l: usize,
+        input: &Tensor,
+        (rope, ranges): (&(Tensor, Tensor), &Tensor),
+        state: LayerState,
+        g: &Tensor,
+        grads: &mut Grads,
+    ) -> candle_core::Result<Tensor> {
+        let grad_of = |store: &candle_core::backprop::GradStore, v: &Var| match store.get(v.as_tensor()) {
+            Some(g) => Ok(g.clone()),
+            None => v.as_tensor().zeros_like(),
+        };
+        let recompute = crate::profile::phase("recompute");
+        let xin = Var::from_tensor(input)?;
+        let mid = self.attention_block(l, xin.as_tensor(), rope, ranges, state, true)?;
+        let mid_in = Var::from_tensor(&mid.detach())?;
+        let y = self.mlp_block(l, mid_in.as_tensor(), true)?;
+        drop(recompute);
+        let g_mid = {
+            // The MLP's graph and gradients are released before the attention's backward.
+            let _mlp = crate::profile::phase("mlp");
+            let store = (y * g)?.sum_all()?.backward()?;
+            self.collect(&store, grads)?;
+            grad_of(&store, &mid_in)?
+        };
+        let _attention = crate::profile::phase("attention");
+        let store = (mid * g_mid)?.sum_all()?.backward()?;
+        self.collect(&store, grads)?;
+        grad_of(&store, &xin)
     }
 
     /// Start generation: run left-padded prompts and return the last position's logits `[B, V]` (f32)
@@ -980,7 +1069,7 @@ impl Decoder {
                 r.extend_from_slice(&[if valid[q] { first as u32 } else { q as u32 }, q as u32]);
             }
         }
-        let ranges = Tensor::from_vec(r, (b, t, 2), &self.device)?;
+        let ranges = crate::device::from_host(r, (b, t, 2), &self.device)?;
         let rope = self.rope(&positions)?;
         let mut x = self.embed(tokens, false)?;
         for l in 0..self.cfg.num_layers {

@@ -232,10 +232,10 @@ impl TokenInputs {
         }
         let m = lengths.len();
         Ok(Self {
-            advantages: Tensor::from_vec(adv, n, device)?,
-            weights: Tensor::from_vec(w, n, device)?,
-            seq: Tensor::from_vec(seq, n, device)?,
-            seq_lengths: Tensor::from_vec(lengths.iter().map(|&l| l as f32).collect::<Vec<_>>(), m, device)?,
+            advantages: crate::device::from_host(adv, n, device)?,
+            weights: crate::device::from_host(w, n, device)?,
+            seq: crate::device::from_host(seq, n, device)?,
+            seq_lengths: crate::device::from_host(lengths.iter().map(|&l| l as f32).collect::<Vec<_>>(), m, device)?,
             ref_logp: None,
             behaviour_logp: None,
             is_weights: None,

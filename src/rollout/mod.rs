@@ -229,6 +229,7 @@ impl Rollouts {
         questions: &[Group],
         params: &crate::eval::SamplingParams,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+        let _phase = crate::profile::coarse("rollouts");
         let sampler = self.sampler.as_ref().unwrap_or(policy);
         if !self.options.uses_server() {
             return sample_groups(sampler, &self.tok, questions, &self.options, params, self.micro);

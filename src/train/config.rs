@@ -156,6 +156,11 @@ pub struct TrainSection {
     /// them as TensorBoard event files under OUTPUT/tensorboard. Default: nowhere else.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub report_to: Vec<ReportTo>,
+    /// Steps to profile phase by phase (numbered as in metrics.jsonl, from 1; e.g. `[3, 4]`, after the
+    /// first steps' warm-up): each one's table goes to the log and its record to OUTPUT/profile.jsonl
+    /// (src/profile.rs). Default: none.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile_steps: Vec<usize>,
 }
 
 /// A logger the metrics are reported to.
@@ -181,6 +186,7 @@ impl Default for TrainSection {
             log_every: 1,
             reference_swap_every: None,
             report_to: Vec::new(),
+            profile_steps: Vec::new(),
         }
     }
 }
@@ -387,6 +393,9 @@ impl TrainConfig {
             return bad("train.epochs and train.max_steps are both 0: nothing to do".into());
         }
         self.check_bounds()?;
+        if self.train.profile_steps.contains(&0) {
+            return bad("train.profile_steps: steps are numbered from 1 (as in metrics.jsonl)".into());
+        }
         if let Some(d) = &self.train.save_dtype {
             crate::model::parse_dtype(d).map_err(|e| ConfigError::Invalid(format!("train.save_dtype: {e}")))?;
         }

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 mod metrics;
 pub mod optim;
+mod profiling;
 mod ratio;
 pub mod refcache;
 mod reference_swap;
@@ -436,6 +437,7 @@ struct Run<'a> {
 impl Run<'_> {
     fn validate(&self, step: usize) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
+        let _phase = crate::profile::coarse("validation");
         let bench = crate::eval::benchmarks::load(&v.bench)?;
         let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
         let out = self.cfg.train.output_dir.join("validation");
@@ -478,6 +480,7 @@ impl Run<'_> {
         let groups: Vec<data::Group> = idx.iter().map(|&i| dataset.group(i)).collect::<Result<_, _>>()?;
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
+        let profiler = profiling::start(&cfg.train, state.step + 1, self.policy.device(), self.world.is_primary());
         let (report, rollout) = match &mut self.rollouts {
             Some(r) => {
                 let mut more = |k: usize| refill(dataset, bq, cfg.train.seed, state.step, k);
@@ -494,6 +497,9 @@ impl Run<'_> {
                 (self.step.run_with(&self.policy, reference, &groups, lr, ctx)?, None)
             }
         };
+        if let Some(p) = profiler {
+            profiling::record(&cfg.train.output_dir, state.step + 1, &p.finish())?;
+        }
         if !report.applied {
             state.nonfinite_steps += 1;
             tracing::warn!(

@@ -387,10 +387,13 @@ impl Optimizer {
                 })
                 .map_or(todo.len(), |i| i.max(1));
             let chunk: Vec<(&mut ParamState, &Tensor)> = todo.drain(..n).collect();
+            let phase = crate::profile::phase("gradients to host");
             let mut work = chunk
                 .into_iter()
-                .map(|(p, g)| Ok((p, g.to_device(&Device::Cpu)?)))
+                .map(|(p, g)| Ok((p, crate::device::to_host_memory(g)?)))
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            drop(phase);
+            let phase = crate::profile::phase("update on the host");
             let weights = work
                 .par_iter_mut()
                 .map(|(p, g)| {
@@ -398,8 +401,10 @@ impl Optimizer {
                     p.weights()
                 })
                 .collect::<candle_core::Result<Vec<_>>>()?;
+            drop(phase);
+            let _phase = crate::profile::phase("weights to device");
             for ((p, _), w) in work.iter().zip(weights) {
-                p.var.set(&w.to_device(p.var.device())?)?;
+                p.var.set(&crate::device::to_device(&w, p.var.device())?)?;
             }
         }
         Ok(())

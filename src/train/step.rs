@@ -220,11 +220,17 @@ impl TrainStep {
             sum_stats_over_ranks(&self.world, &mut stats);
         }
         // Summed over the ranks (reduce-scatter when the state is sharded): the norm is the global one.
+        let optimizer = crate::profile::coarse("optimizer");
+        let norm_phase = crate::profile::phase("gradient norm and clip");
         let (grads, norm) = self.optimizer.reduce(grads)?;
         let applied = stats.loss.is_finite() && norm.is_finite();
+        let scale = clip_scale(norm, self.grad_clip);
+        drop(norm_phase);
         if applied {
-            self.optimizer.update(&grads, lr, clip_scale(norm, self.grad_clip))?;
+            let _update = crate::profile::phase("update");
+            self.optimizer.update(&grads, lr, scale)?;
         }
+        drop(optimizer);
         self.next_step = ctx.step + 1;
         Ok(StepReport { rewards: batch.rewards, stats, grad_norm: norm, applied })
     }
@@ -254,7 +260,7 @@ impl EntropyTerms {
             return Ok(base.cloned());
         }
         let mask = top_entropy_mask(&crate::device::to_host::<f32>(h)?, lengths, self.top_quantile);
-        let mask = Tensor::from_vec(mask, h.dims1()?, h.device())?;
+        let mask = crate::device::from_host(mask, h.dims1()?, h.device())?;
         Ok(Some(match base {
             Some(c) => (c * mask)?,
             None => mask,
@@ -433,10 +439,10 @@ fn micro_inputs(
     let w: Vec<f32> = chunk.iter().map(|s| s.weight).collect();
     let mut inputs = TokenInputs::for_sequences(&lengths, &adv, &w, device)?;
     if chunk.iter().any(|s| s.is_weights.is_some()) {
-        inputs.is_weights = Some(Tensor::from_vec(correction, targets.len(), device)?);
+        inputs.is_weights = Some(crate::device::from_host(correction, targets.len(), device)?);
     }
     let any_teacher = chunk.iter().any(|s| s.teacher_logprobs.is_some());
-    let teacher = if any_teacher { Some(Tensor::from_vec(teacher, targets.len(), device)?) } else { None };
+    let teacher = if any_teacher { Some(crate::device::from_host(teacher, targets.len(), device)?) } else { None };
     Ok((tb, targets, inputs, teacher))
 }
 
@@ -467,7 +473,7 @@ fn reference_logprobs(
         }
         values.extend_from_slice(&lp[..s.response.len()]);
     }
-    Ok(Some(Tensor::from_vec(values, targets.len(), device)?))
+    Ok(Some(crate::device::from_host(values, targets.len(), device)?))
 }
 
 /// The gradient of the whole batch, computed `micro` sequences at a time. The reference's log-probs
@@ -490,16 +496,21 @@ fn compute_gradients(
         m.map(|m| m.token_logprobs(tb, t, false)?.narrow(1, 0, 1)?.squeeze(1)).transpose()
     };
     for chunk in batch.seqs.chunks(micro.max(1)) {
+        let phase = crate::profile::phase("inputs");
         let (tb, targets, mut inputs, teacher) = micro_inputs(chunk, pad, &device)?;
+        drop(phase);
         stats.response_tokens += targets.len();
         stats.tokens += tb.num_tokens();
+        let phase = crate::profile::coarse("reference");
         let ref_logp = reference_logprobs(anchors.reference, chunk, &tb, &targets, &device)?;
+        drop(phase);
         let anchor = objective.anchor();
         let missing = |what: &str| candle_core::Error::Msg(format!("{}: no {what} model", objective.name()));
         inputs.behaviour_logp = match anchor {
             Some(Anchor::Teacher) => teacher,
             Some(Anchor::Reference) => Some(ref_logp.clone().ok_or_else(|| missing("reference"))?),
             Some(Anchor::Snapshot) => {
+                let _phase = crate::profile::phase("snapshot");
                 Some(logprobs(anchors.snapshot, &tb, &targets)?.ok_or_else(|| missing("snapshot"))?)
             }
             Some(Anchor::Step) | None => None,
