@@ -636,3 +636,21 @@ fn messages_name_their_cause_once() {
     let err = stderr_of(&a.failure());
     assert!(err.contains("--set train.batch_questions=-2: ") && !err.contains("smoke.toml"), "{err}");
 }
+
+#[test]
+fn a_run_whose_stdout_reader_is_gone_still_ends_with_its_checkpoint_and_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let mut child = train_command(dir.path(), &cfg, &["--set", "train.max_steps=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = dir.path().join("out");
+    assert!(out.join("summary.json").exists() && grpo::train::latest_checkpoint(&out).is_some());
+}

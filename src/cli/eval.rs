@@ -40,8 +40,11 @@ pub struct Args {
     /// Continue an interrupted run: problems already in OUT/generations.jsonl are not generated again.
     #[arg(long)]
     pub resume: bool,
+    /// Device of the native engine: cpu, cuda or cuda:N (needs a build with `--features cuda`; under a
+    /// launcher each rank takes the GPU of its local rank).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Weight dtype of the native engine: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
 }

@@ -154,29 +154,35 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let flag = stop.clone();
     // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits
     // at once.
+    // The messages go to stderr unless it is closed (a `| tee` ended by the same Ctrl-C).
+    let say = |m: &str| {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{m}");
+    };
     let handler = ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("interrupted twice: exiting without a checkpoint");
+            say("interrupted twice: exiting without a checkpoint");
             std::process::exit(ABORTED_EXIT_CODE);
         }
-        eprintln!("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+        say("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
     });
     if let Err(e) = handler {
         tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");
     }
+    super::keep_running_on_closed_pipe();
     let out = train(&cfg, &opts, &stop).map_err(failed)?;
     if out.already_complete {
         let ck = out.checkpoint.as_ref().map_or(String::new(), |p| format!(" (checkpoint {})", p.display()));
-        println!(
+        super::print_if_read(&format!(
             "{} is already complete at step {}{ck}: nothing to do. To train longer, raise train.max_steps or \
-             train.epochs and resume again.",
+             train.epochs and resume again.\n",
             cfg.train.output_dir.display(),
             out.state.step
-        );
+        ));
         return Ok(());
     }
     if let Some(summary) = &out.summary {
-        print!("{summary}");
+        super::print_if_read(&summary.to_string());
     }
     if out.interrupted {
         eprintln!(
