@@ -183,12 +183,17 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(summary) = &out.summary {
         super::print_if_read(&summary.to_string());
+        if !out.interrupted {
+            tracing::info!("{}", summary.last_line());
+        }
     }
     if out.interrupted {
-        eprintln!(
-            "interrupted at step {}; resume with --resume auto (exit status {STOPPED_EXIT_CODE})",
-            out.state.step
-        );
+        // Said also with -q, and the log's last line.
+        let line = match &out.summary {
+            Some(summary) => summary.last_line(),
+            None => format!("run stopped on request at step {}; continue with --resume auto", out.state.step),
+        };
+        say(&format!("{line} (exit status {STOPPED_EXIT_CODE})"));
         // `train` has returned: the output folder's lock is released and every file is closed.
         std::process::exit(STOPPED_EXIT_CODE);
     }
