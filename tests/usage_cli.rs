@@ -96,3 +96,24 @@ fn verbosity_flags_go_anywhere_and_the_help_describes_every_option() {
         assert!(top.contains(name), "{name} missing from the help:\n{top}");
     }
 }
+
+#[test]
+fn a_truncated_weights_file_is_named_with_both_sizes() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    common::init_tiny("qwen3", "qwen3", &model);
+    let file = model.join("model.safetensors");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
+    let out = common::grpo()
+        .args(["eval", "--bench", "aime25", "--limit", "1", "--max-new-tokens", "1", "--model"])
+        .arg(&model)
+        .arg("--out")
+        .arg(dir.path().join("eval"))
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("model.safetensors: the file is shorter than its header says"), "{err}");
+    let sizes = format!("({} bytes, the header describes {})", bytes.len() / 2, bytes.len());
+    assert!(err.contains(&sizes) && err.contains("truncated, or still being downloaded"), "{err}");
+}
