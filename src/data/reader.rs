@@ -504,6 +504,27 @@ where
     })
 }
 
+/// Refuse, once for the whole file, a Parquet schema that no row can be read from: it needs a
+/// `conversations` (or `messages`) column, or a prompt column (`prompt`, `question`, `problem`) with a response
+/// column (`response`, `completion`).
+fn check_parquet_columns(path: &Path, schema: &parquet::schema::types::Type) -> Result<(), DataError> {
+    let columns: Vec<&str> = schema.get_fields().iter().map(|f| f.name()).collect();
+    let has = |names: &[&str]| columns.iter().any(|c| names.contains(c));
+    let turns = has(&["conversations", "messages"]);
+    if turns || (has(&["prompt", "question", "problem"]) && has(&["response", "completion"])) {
+        return Ok(());
+    }
+    let listed: Vec<String> = columns.iter().map(|c| format!("`{c}`")).collect();
+    Err(DataError::Format {
+        path: path.to_path_buf(),
+        message: format!(
+            "no `conversations` column (nor `messages`, nor a `prompt`/`question`/`problem` column with a \
+             `response`/`completion` column): no row can be read; its columns are {}",
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        ),
+    })
+}
+
 fn scan_parquet<T, M, S>(file: u32, path: &Path, map: M, mut sink: S) -> Result<(), DataError>
 where
     T: Send,
@@ -515,6 +536,7 @@ where
         |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
     let f = File::open(path).map_err(io_err(path))?;
     let reader = SerializedFileReader::new(f).map_err(pq_err)?;
+    check_parquet_columns(path, reader.metadata().file_metadata().schema_descr().root_schema())?;
     let mut global = 0u64;
     for rg in 0..reader.metadata().num_row_groups() {
         let group = reader.get_row_group(rg).map_err(pq_err)?;
