@@ -114,6 +114,16 @@ impl Default for ReadOptions {
     }
 }
 
+impl ReadOptions {
+    /// Why a row of `bytes` bytes is skipped, naming the limit as the flag and as the config key.
+    fn over_limit(&self, bytes: u64) -> String {
+        format!(
+            "{bytes} bytes > the row limit of {} bytes (--max-row-bytes, or data.max_row_bytes in a training config)",
+            self.max_row_bytes
+        )
+    }
+}
+
 /// The position of a row for the pipeline: the input's index and an ordinal unique inside the file
 /// (the line number for JSONL, the global row index for Parquet).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -269,14 +279,12 @@ fn finish_pair(question: &str, response: &str) -> Result<(String, String), (Skip
 
 /// Parse one JSONL line into a row.
 pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, (SkipReason, String)> {
-    if let Some((bytes, _)) = line.too_large {
-        return Err((SkipReason::RowTooLarge, format!("{bytes} bytes > --max-row-bytes {}", opts.max_row_bytes)));
-    }
-    if line.bytes.len() > opts.max_row_bytes {
-        return Err((
-            SkipReason::RowTooLarge,
-            format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes),
-        ));
+    let too_large = line.too_large.map(|(bytes, _)| bytes).or_else(|| {
+        let bytes = line.bytes.len() as u64;
+        (bytes > opts.max_row_bytes as u64).then_some(bytes)
+    });
+    if let Some(bytes) = too_large {
+        return Err((SkipReason::RowTooLarge, opts.over_limit(bytes)));
     }
     if line.bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         // serde would read a JSON array as a struct by position: only objects are rows.
@@ -597,6 +605,18 @@ pub fn read_all(paths: &[PathBuf], opts: &ReadOptions) -> Result<(Vec<Row>, Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_over_the_limit_names_the_flag_and_the_config_key() {
+        let opts = ReadOptions { max_row_bytes: 8 };
+        let line = RawLine::new(3, br#"{"conversations": []}"#.to_vec());
+        let (reason, detail) = parse_json_row(&line, &opts).unwrap_err();
+        assert_eq!(reason, SkipReason::RowTooLarge);
+        assert_eq!(
+            detail,
+            "21 bytes > the row limit of 8 bytes (--max-row-bytes, or data.max_row_bytes in a training config)"
+        );
+    }
 
     fn parse(s: &str) -> Result<Row, SkipReason> {
         parse_json_row(&RawLine::new(1, s.as_bytes().to_vec()), &ReadOptions::default()).map_err(|e| e.0)
