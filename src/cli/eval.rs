@@ -238,7 +238,7 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
             bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
         let t0 = std::time::Instant::now();
-        // Once the first problems are done, what the whole budget would cost at that speed.
+        // Once the first problems are done (or after 10 s of generating), what the budget costs at that speed.
         let mut estimated = !world.is_primary();
         let part = run::evaluate_share(
             engine.as_ref(),
@@ -250,7 +250,7 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
             |r| gens.append(r),
             |p| {
                 p.show(&bar, t0);
-                if !estimated && p.problems_done > 0 {
+                if !estimated && (p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10)) {
                     estimated = true;
                     bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
                 }
