@@ -27,6 +27,53 @@ pub enum JsonlError {
     Open { path: PathBuf, source: io::Error },
     #[error("{path}: read error after line {line}: {source}")]
     Read { path: PathBuf, line: u64, source: io::Error },
+    #[error("{path}: named .{suffix} but not {format}-compressed: {found}")]
+    NotCompressed { path: PathBuf, suffix: String, format: &'static str, found: String },
+}
+
+/// What a file whose first bytes are `head` looks like, from its magic bytes, and the name it would
+/// read under.
+fn looks_like(head: &[u8]) -> String {
+    let kind = match head {
+        [0x1f, 0x8b, ..] => Some(("a gzip file", "rename it to .gz")),
+        [0x28, 0xb5, 0x2f, 0xfd, ..] => Some(("a zstd file", "rename it to .zst")),
+        [b'B', b'Z', b'h', ..] => Some(("a bzip2 file", "decompress it first (bunzip2)")),
+        [0xfd, b'7', b'z', b'X', b'Z', 0, ..] => Some(("an xz file", "decompress it first (unxz)")),
+        [b'P', b'A', b'R', b'1', ..] => Some(("a Parquet file", "rename it to .parquet")),
+        [b'P', b'K', 3, 4, ..] => Some(("a zip archive", "extract it first")),
+        _ => None,
+    };
+    if let Some((what, fix)) = kind {
+        return format!("its first bytes are those of {what} ({fix})");
+    }
+    // A multi-byte character cut at the end of `head` is still text.
+    let text = match std::str::from_utf8(head) {
+        Ok(t) => t,
+        Err(e) => std::str::from_utf8(&head[..e.valid_up_to()]).unwrap_or_default(),
+    };
+    let printable = text.chars().all(|c| !c.is_control() || c.is_whitespace());
+    if !text.is_empty() && printable && text.len() + 4 >= head.len() {
+        let what = if text.trim_start().starts_with('{') { "plain JSON text" } else { "plain text" };
+        return format!("it is {what}, not compressed (drop the suffix)");
+    }
+    let hex: Vec<String> = head.iter().take(4).map(|b| format!("{b:02x}")).collect();
+    format!("its first bytes, {}, are of no format known here", hex.join(" "))
+}
+
+/// Check that a file named as compressed in `format` starts with that format's magic bytes `magic`.
+fn check_magic(
+    reader: &mut BufReader<File>,
+    path: &Path,
+    format: &'static str,
+    magic: &[u8],
+) -> Result<(), JsonlError> {
+    let head = reader.fill_buf().map_err(|source| JsonlError::Open { path: path.to_path_buf(), source })?;
+    if head.is_empty() || head.starts_with(magic) {
+        return Ok(());
+    }
+    let head = &head[..head.len().min(64)];
+    let suffix = path.extension().map(|e| e.to_string_lossy().into_owned()).unwrap_or_default();
+    Err(JsonlError::NotCompressed { path: path.to_path_buf(), suffix, format, found: looks_like(head) })
 }
 
 /// Open a possibly compressed file (or `-` for stdin) as a buffered byte reader.
@@ -37,9 +84,13 @@ pub fn open_reader(path: &Path) -> Result<Box<dyn BufRead + Send>, JsonlError> {
     let file = File::open(path).map_err(|source| JsonlError::Open { path: path.to_path_buf(), source })?;
     let name = path.to_string_lossy();
     let inner: Box<dyn Read + Send> = if name.ends_with(".gz") {
+        let mut file = BufReader::new(file);
+        check_magic(&mut file, path, "gzip", &[0x1f, 0x8b])?;
         Box::new(flate2::read::MultiGzDecoder::new(file))
     } else if name.ends_with(".zst") || name.ends_with(".zstd") {
-        let dec = zstd::stream::read::Decoder::new(file)
+        let mut file = BufReader::new(file);
+        check_magic(&mut file, path, "zstd", &[0x28, 0xb5, 0x2f, 0xfd])?;
+        let dec = zstd::stream::read::Decoder::with_buffer(file)
             .map_err(|source| JsonlError::Open { path: path.to_path_buf(), source })?;
         Box::new(dec)
     } else {
@@ -276,6 +327,27 @@ mod tests {
         assert_eq!(lines[2].json::<serde_json::Value>().unwrap()["a"], 22);
         let lines: Vec<_> = Lines::open(&p).unwrap().max_line_bytes(7).map(|l| l.unwrap()).collect();
         assert_eq!(lines.iter().map(|l| l.too_large.is_some()).collect::<Vec<_>>(), [false, true, true, false]);
+    }
+
+    #[test]
+    fn a_file_named_as_compressed_in_another_format_says_what_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let gz = dir.path().join("x.jsonl.zst");
+        let mut enc = flate2::write::GzEncoder::new(File::create(&gz).unwrap(), flate2::Compression::fast());
+        enc.write_all(b"{\"a\":1}\n").unwrap();
+        enc.finish().unwrap();
+        let e = Lines::open(&gz).err().unwrap().to_string();
+        assert!(e.ends_with("x.jsonl.zst: named .zst but not zstd-compressed: its first bytes are those of a gzip file (rename it to .gz)"), "{e}");
+        let plain = dir.path().join("y.jsonl.gz");
+        std::fs::write(&plain, "{\"a\": \"é\"}\n").unwrap();
+        let e = Lines::open(&plain).err().unwrap().to_string();
+        assert!(
+            e.ends_with("named .gz but not gzip-compressed: it is plain JSON text, not compressed (drop the suffix)"),
+            "{e}"
+        );
+        std::fs::write(&plain, [0u8, 1, 2, 3, 4, 5]).unwrap();
+        let e = Lines::open(&plain).err().unwrap().to_string();
+        assert!(e.ends_with("its first bytes, 00 01 02 03, are of no format known here"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,7 @@ fn tune_allocator() {}
 
 fn main() -> std::process::ExitCode {
     tune_allocator();
+    grpo::cli::end_quietly_on_closed_pipe();
     let cli = grpo::cli::Cli::parse();
     grpo::cli::init_logging(cli.verbose, cli.quiet);
     match grpo::cli::run(cli) {

@@ -614,3 +614,47 @@ fn a_damaged_version_is_named_and_prepared_again_never_up_to_date() {
     let e = PreparedDataset::open(&out).unwrap_err().to_string();
     assert!(e.contains("do not match the manifest"), "{e}");
 }
+
+#[test]
+fn a_parquet_file_without_conversations_is_one_error_naming_its_columns() {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("chat.parquet");
+    let schema = Arc::new(
+        parquet::schema::parser::parse_message_type(
+            "message schema { REQUIRED BYTE_ARRAY text (UTF8); REQUIRED BYTE_ARRAY source (UTF8); }",
+        )
+        .unwrap(),
+    );
+    let mut w =
+        SerializedFileWriter::new(std::fs::File::create(&path).unwrap(), schema, Arc::new(WriterProperties::default()))
+            .unwrap();
+    let mut rg = w.next_row_group().unwrap();
+    for _ in 0..2 {
+        let mut col = rg.next_column().unwrap().unwrap();
+        col.typed::<ByteArrayType>().write_batch(&vec![ByteArray::from("x"); 500], None, None).unwrap();
+        col.close().unwrap();
+    }
+    rg.close().unwrap();
+    w.close().unwrap();
+    let out = grpo().args(["data", "stats", "--input"]).arg(&path).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("chat.parquet: no `conversations` column") && err.contains("its columns are `text`, `source`")
+    );
+    assert_eq!(err.lines().count(), 1, "one error for the file, not one line per row:\n{err}");
+}
+
+#[test]
+fn stats_of_a_file_without_a_usable_row_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.jsonl");
+    std::fs::write(&bad, "{\"messages\": 1}\nnot json\n").unwrap();
+    let out = grpo().args(["-q", "data", "stats", "--input"]).arg(&bad).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("no usable row in") && err.contains("all 2 rows were skipped (1 bad_json, 1 "), "{err}");
+}

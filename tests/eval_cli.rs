@@ -168,3 +168,32 @@ fn out_of_range_options_are_rejected_before_loading_anything() {
     }
     assert!(!dir.path().join("out").exists());
 }
+
+#[test]
+fn a_second_eval_into_the_same_folder_is_refused_unless_resumed_or_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    common::init_tiny("qwen3", "qwen3", &model);
+    let args = ["--bench", "aime25", "--max-new-tokens", "4"];
+    // The default --out, runs/eval, in the working folder.
+    let run = |extra: &[&str]| {
+        common::grpo().current_dir(dir.path()).arg("eval").args(args).arg("--model").arg(&model).args(extra).assert()
+    };
+    let first = run(&["--limit", "2"]).success();
+    // The budget is stated, then what it costs at the speed of the first answers.
+    let stderr = String::from_utf8_lossy(&first.get_output().stderr).to_string();
+    assert!(stderr.contains("aime25: 1 of 2 problems in") || stderr.contains("aime25: 2 of 2 problems in"), "{stderr}");
+    assert!(stderr.contains("tokens left of the budget take at most"), "{stderr}");
+    let gens = dir.path().join("runs/eval/generations.jsonl");
+    let before = std::fs::read_to_string(&gens).unwrap();
+    assert_eq!(before.lines().count(), 2);
+    let second = run(&["--limit", "1"]).failure();
+    let err = String::from_utf8_lossy(&second.get_output().stderr).to_string();
+    assert!(err.contains("runs/eval holds the results of an earlier run (generations.jsonl, report.json)"), "{err}");
+    assert!(err.contains("--resume") && err.contains("--overwrite"), "{err}");
+    assert_eq!(std::fs::read_to_string(&gens).unwrap(), before, "the earlier results were touched");
+    run(&["--limit", "1", "--overwrite"]).success();
+    assert_eq!(std::fs::read_to_string(&gens).unwrap().lines().count(), 1);
+    run(&["--limit", "2", "--resume"]).success();
+    assert_eq!(std::fs::read_to_string(&gens).unwrap().lines().count(), 2);
+}

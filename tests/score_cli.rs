@@ -332,3 +332,30 @@ fn eval_generations_and_validation_records_are_read_by_their_samples() {
     assert_eq!(rows[0]["correct"], json!([true, false]));
     assert_eq!(rows[0]["id"], "1");
 }
+
+#[test]
+fn a_k_over_the_samples_per_problem_is_refused_with_a_warning_not_a_number() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("four.jsonl");
+    let line = |i: usize| json!({"id": i, "answer": "7", "responses": ["\\boxed{7}", "\\boxed{3}", "\\boxed{3}", "\\boxed{3}"]});
+    std::fs::write(&input, (0..3).map(|i| line(i).to_string() + "\n").collect::<String>()).unwrap();
+    let summary = dir.path().join("summary.json");
+    let a = grpo()
+        .args(["score", "--k", "1,8", "--input"])
+        .arg(&input)
+        .arg("--output")
+        .arg(dir.path().join("scored.jsonl"))
+        .arg("--summary")
+        .arg(&summary)
+        .assert()
+        .success();
+    let stderr = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    let stdout = String::from_utf8_lossy(&a.get_output().stdout).to_string();
+    assert!(
+        stderr.contains("pass@8 cannot be computed: 3 of 3 items have fewer than 8 samples (as few as 4)"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("pass@1") && !stdout.contains("pass@8"), "{stdout}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&summary).unwrap()).unwrap();
+    assert_eq!(s["pass_at_k"].as_object().unwrap().keys().collect::<Vec<_>>(), ["1"]);
+}

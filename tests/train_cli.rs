@@ -184,7 +184,10 @@ fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint(
     )
     .failure();
     let err = String::from_utf8_lossy(&a.get_output().stderr).to_string();
-    assert!(err.contains("non-finite") && err.contains("Last good checkpoint"), "{err}");
+    // The log's last line says that the run failed, and why.
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.starts_with("error: training failed: "), "{err}");
+    assert!(last.contains("non-finite") && last.contains("Last good checkpoint"), "{last}");
     let m = common::read_jsonl(&dir.path().join("out/metrics.jsonl"));
     assert!(m.iter().any(|l| l["skipped"] == true), "no skipped step recorded");
     assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).is_some());
@@ -240,7 +243,11 @@ fn stop_after_first_step(sig: &str) {
     let output = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(STOPPED), "{sig}: {stderr}");
-    assert!(stderr.contains("interrupted") && stderr.contains("--resume auto"), "{stderr}");
+    // The last line says the run stopped, why, where its checkpoint is and what to do next.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("run stopped on request (Ctrl-C, SIGTERM or SIGHUP) at step "), "{stderr}");
+    assert!(last.contains("last checkpoint ") && last.contains("continue with --resume auto"), "{last}");
+    assert!(last.ends_with("(exit status 75)"), "{last}");
     let ck = grpo::train::latest_checkpoint(&out).expect("a checkpoint written on the stop request");
     let state: Value = serde_json::from_str(&std::fs::read_to_string(ck.join("trainer_state.json")).unwrap()).unwrap();
     let steps = common::read_jsonl(&metrics).len() as u64;
@@ -491,6 +498,18 @@ fn without_a_terminal_each_step_is_a_log_line_and_the_run_ends_with_its_summary(
     assert!(stdout.contains("final (step 4): loss") && stdout.contains("best: loss"), "{stdout}");
     for f in ["metrics.jsonl", "curves.png", "checkpoints/step-00000004", "summary.json"] {
         assert!(stdout.contains(&out.join(f).display().to_string()), "{f}: {stdout}");
+    }
+    // The log (stderr alone, as under a scheduler) ends saying so, with the same paths.
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.contains("run complete: 4 of 4 steps in "), "{stderr}");
+    for f in ["metrics.jsonl", "curves.png", "checkpoints/step-00000004", "summary.json"] {
+        assert!(last.contains(&out.join(f).display().to_string()), "{f}: {last}");
+    }
+    // The KL with the digits to see it move (metrics.jsonl has values of order 1e-5 and up).
+    for (l, m) in steps.iter().zip(common::read_jsonl(&out.join("metrics.jsonl"))) {
+        let kl = m["kl"].as_f64().unwrap();
+        let shown: f64 = l.split(" kl ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert!((shown - kl).abs() <= kl.abs() * 0.01 + 1e-4 * f64::from(kl.abs() >= 1e-3), "{kl} shown as {l}");
     }
     let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["status"], "complete");
@@ -787,4 +806,22 @@ fn profile_steps_write_a_profile_of_exactly_those_steps() {
     let bad = train(dir.path(), &cfg, &["--set", "train.profile_steps=[0]", "--check"]).failure();
     let err = String::from_utf8_lossy(&bad.get_output().stderr).into_owned();
     assert!(err.contains("train.profile_steps"), "{err}");
+}
+
+#[test]
+fn a_run_whose_stdout_reader_is_gone_still_ends_with_its_checkpoint_and_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let mut child = train_command(dir.path(), &cfg, &["--set", "train.max_steps=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(0), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out = dir.path().join("out");
+    assert!(out.join("summary.json").exists() && grpo::train::latest_checkpoint(&out).is_some());
 }

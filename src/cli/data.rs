@@ -96,9 +96,19 @@ fn stats(a: StatsArgs) -> anyhow::Result<()> {
     };
     let started = std::time::Instant::now();
     let stats = data::scan(&files, &a.input, tok.as_ref(), &mut report_bad).context("data stats")?;
+    let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
     if stats.rows_read == 0 {
-        let names: Vec<String> = files.iter().map(|p| p.display().to_string()).collect();
         anyhow::bail!("no rows in {}: nothing to report", names.join(", "));
+    }
+    if stats.rows_skipped >= stats.rows_read {
+        print!("{}", stats.report());
+        let reasons: Vec<String> = stats.skipped_by_reason.iter().map(|(r, n)| format!("{n} {r}")).collect();
+        anyhow::bail!(
+            "no usable row in {}: all {} rows were skipped ({})",
+            names.join(", "),
+            stats.rows_read,
+            reasons.join(", ")
+        );
     }
     let secs = started.elapsed().as_secs_f64();
     let bytes: u64 = files.iter().filter_map(|p| std::fs::metadata(p).ok()).map(|m| m.len()).sum();

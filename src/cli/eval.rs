@@ -40,8 +40,15 @@ pub struct Args {
     /// Continue an interrupted run: problems already in OUT/generations.jsonl are not generated again.
     #[arg(long)]
     pub resume: bool,
+    /// Replace the results of an earlier run in OUT (generations.jsonl, report.json); without it (or
+    /// --resume) such an OUT is refused.
+    #[arg(long, conflicts_with = "resume")]
+    pub overwrite: bool,
+    /// Device of the native engine: cpu, cuda or cuda:N (needs a build with `--features cuda`; under a
+    /// launcher each rank takes the GPU of its local rank).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    /// Weight dtype of the native engine: f32, bf16 or f16.
     #[arg(long, default_value = "f32")]
     pub dtype: String,
 }
@@ -107,6 +114,40 @@ fn checked_benchmarks(args: &Args) -> anyhow::Result<Vec<benchmarks::Benchmark>>
     Ok(selected)
 }
 
+/// The files of an earlier run's results in `out`.
+const RESULT_FILES: [&str; 2] = ["generations.jsonl", "report.json"];
+
+/// Refuse an OUT that holds the results of an earlier run, unless they are continued (`--resume`) or
+/// replaced (`--overwrite`: the earlier report is removed at once, so that it never sits beside new
+/// generations).
+fn claim_out(args: &Args, world: &World) -> anyhow::Result<()> {
+    let earlier: Vec<PathBuf> = RESULT_FILES
+        .iter()
+        .map(|f| args.out.join(f))
+        .filter(|p| std::fs::metadata(p).is_ok_and(|m| m.len() > 0))
+        .collect();
+    if earlier.is_empty() || args.resume {
+        return Ok(());
+    }
+    if !args.overwrite {
+        let names: Vec<&str> = RESULT_FILES.iter().copied().filter(|f| earlier.contains(&args.out.join(f))).collect();
+        anyhow::bail!(
+            "{} holds the results of an earlier run ({}): continue it with --resume, replace them with \
+             --overwrite, or choose another --out",
+            args.out.display(),
+            names.join(", ")
+        );
+    }
+    if world.is_primary() {
+        tracing::warn!("--overwrite: replacing the earlier results in {}", args.out.display());
+        let report = args.out.join("report.json");
+        if report.exists() {
+            std::fs::remove_file(&report).with_context(|| format!("removing {}", report.display()))?;
+        }
+    }
+    Ok(())
+}
+
 /// Say, before generating, how much `b` can generate at most: problems x n x max_new_tokens.
 fn state_budget(b: &benchmarks::Benchmark, options: &EvalOptions, done: &HashMap<String, ProblemResult>) {
     let selected = &b.problems[..options.problem_count(b.problems.len())];
@@ -161,6 +202,7 @@ fn engine<'a>(
 fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     args.engine = args.engine.for_rank(world.rank());
     let selected = checked_benchmarks(&args)?;
+    claim_out(&args, world)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
@@ -196,6 +238,8 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
             bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
         let t0 = std::time::Instant::now();
+        // Once the first problems are done (or after 10 s of generating), what the budget costs at that speed.
+        let mut estimated = !world.is_primary();
         let part = run::evaluate_share(
             engine.as_ref(),
             &tok,
@@ -204,7 +248,13 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
             &done_b,
             share,
             |r| gens.append(r),
-            |p| p.show(&bar, t0),
+            |p| {
+                p.show(&bar, t0);
+                if !estimated && (p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10)) {
+                    estimated = true;
+                    bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
+                }
+            },
         )?;
         bar.finish_and_clear();
         let parts = gather_shares(world, &part)?;

@@ -29,7 +29,8 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Post-train a model on teacher trajectories with off-policy GRPO (or grpo / sft baselines).
+    /// Post-train a model on teacher trajectories with off-policy GRPO (objective off_grpo) or another
+    /// objective: grpo, gspo, rec, opmd, asymre, red_drop, red_weight, oapl, sft.
     Train(train::Args),
     /// Create a small randomly initialised model with a real tokenizer (for smoke tests and CI).
     InitTiny(init_tiny::Args),
@@ -73,6 +74,33 @@ pub fn init_logging(verbose: u8, quiet: bool) {
         .with_target(false)
         .with_ansi(ansi)
         .try_init();
+}
+
+/// A closed pipe on stdout or stderr (`grpo data stats | head -1`) ends the process quietly, as it ends
+/// `cat`: the default action of SIGPIPE, which Rust programs otherwise ignore (and then panic on the failed
+/// write). A training run ignores it again while it runs ([`keep_running_on_closed_pipe`]).
+pub fn end_quietly_on_closed_pipe() {
+    // SAFETY: restoring a signal's default action; called before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+/// Keep running when the reader of stdout or stderr goes away (a `| tee` ended by Ctrl-C): a training run
+/// then still finishes its step and writes its checkpoint and summary.json. Its own prints ignore the closed
+/// pipe ([`print_if_read`]), and the log drops lines nobody reads.
+pub(crate) fn keep_running_on_closed_pipe() {
+    // SAFETY: setting a signal's action to ignore it; no handler runs.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_IGN);
+    }
+}
+
+/// Print `text` to stdout, or nothing when its reader has gone away (the text is also in a file).
+pub(crate) fn print_if_read(text: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(text.as_bytes()).and_then(|()| out.flush());
 }
 
 /// An error that ends the process with its own exit status (each documented in its command's help); any

@@ -117,6 +117,26 @@ fn insert(obj: &mut Map<String, Value>, key: &str, v: Value) {
     obj.insert(key.to_string(), v);
 }
 
+/// The values of `ks` for which pass@k can be computed: k at most the samples of every item. Each other
+/// one is left out with a warning (the unbiased estimator needs k <= n).
+fn computable_ks(ks: &[usize], outcomes: &[ItemOutcome]) -> Vec<usize> {
+    let fewest = outcomes.iter().map(|o| o.correct.len()).min().unwrap_or(0);
+    let mut kept = Vec::new();
+    for &k in ks {
+        let short = outcomes.iter().filter(|o| o.correct.len() < k).count();
+        if short == 0 {
+            kept.push(k);
+        } else {
+            tracing::warn!(
+                "pass@{k} cannot be computed: {short} of {} items have fewer than {k} samples (as few as {fewest}); \
+                 it is left out (give --k values up to {fewest})",
+                outcomes.len()
+            );
+        }
+    }
+    kept
+}
+
 pub fn run(args: Args) -> anyhow::Result<()> {
     if args.k.contains(&0) {
         anyhow::bail!("--k values must be at least 1");
@@ -164,7 +184,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         anyhow::bail!("{path}: nothing was scored ({skipped} lines skipped)");
     }
     out.commit().context("writing output")?;
-    let summary = summarize(&outcomes, &args.k);
+    let summary = summarize(&outcomes, &computable_ks(&args.k, &outcomes));
     let elapsed = started.elapsed().as_secs_f64();
     tracing::info!(
         "scored {} responses of {} lines in {:.2}s ({:.0} responses/s), {} lines skipped",

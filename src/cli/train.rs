@@ -161,35 +161,46 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let flag = stop.clone();
     // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits
     // at once.
+    // The messages go to stderr unless it is closed (a `| tee` ended by the same Ctrl-C).
+    let say = |m: &str| {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr(), "{m}");
+    };
     let handler = ctrlc::set_handler(move || {
         if flag.swap(true, Ordering::SeqCst) {
-            eprintln!("interrupted twice: exiting without a checkpoint");
+            say("interrupted twice: exiting without a checkpoint");
             std::process::exit(ABORTED_EXIT_CODE);
         }
-        eprintln!("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+        say("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
     });
     if let Err(e) = handler {
         tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");
     }
+    super::keep_running_on_closed_pipe();
     let out = train(&cfg, &opts, &stop).map_err(failed)?;
     if out.already_complete {
         let ck = out.checkpoint.as_ref().map_or(String::new(), |p| format!(" (checkpoint {})", p.display()));
-        println!(
+        super::print_if_read(&format!(
             "{} is already complete at step {}{ck}: nothing to do. To train longer, raise train.max_steps or \
-             train.epochs and resume again.",
+             train.epochs and resume again.\n",
             cfg.train.output_dir.display(),
             out.state.step
-        );
+        ));
         return Ok(());
     }
     if let Some(summary) = &out.summary {
-        print!("{summary}");
+        super::print_if_read(&summary.to_string());
+        if !out.interrupted {
+            tracing::info!("{}", summary.last_line());
+        }
     }
     if out.interrupted {
-        eprintln!(
-            "interrupted at step {}; resume with --resume auto (exit status {STOPPED_EXIT_CODE})",
-            out.state.step
-        );
+        // Said also with -q, and the log's last line.
+        let line = match &out.summary {
+            Some(summary) => summary.last_line(),
+            None => format!("run stopped on request at step {}; continue with --resume auto", out.state.step),
+        };
+        say(&format!("{line} (exit status {STOPPED_EXIT_CODE})"));
         // `train` has returned: the output folder's lock is released and every file is closed.
         std::process::exit(STOPPED_EXIT_CODE);
     }

@@ -114,6 +114,16 @@ impl Default for ReadOptions {
     }
 }
 
+impl ReadOptions {
+    /// Why a row of `bytes` bytes is skipped, naming the limit as the flag and as the config key.
+    fn over_limit(&self, bytes: u64) -> String {
+        format!(
+            "{bytes} bytes > the row limit of {} bytes (--max-row-bytes, or data.max_row_bytes in a training config)",
+            self.max_row_bytes
+        )
+    }
+}
+
 /// The position of a row for the pipeline: the input's index and an ordinal unique inside the file
 /// (the line number for JSONL, the global row index for Parquet).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -269,14 +279,12 @@ fn finish_pair(question: &str, response: &str) -> Result<(String, String), (Skip
 
 /// Parse one JSONL line into a row.
 pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, (SkipReason, String)> {
-    if let Some((bytes, _)) = line.too_large {
-        return Err((SkipReason::RowTooLarge, format!("{bytes} bytes > --max-row-bytes {}", opts.max_row_bytes)));
-    }
-    if line.bytes.len() > opts.max_row_bytes {
-        return Err((
-            SkipReason::RowTooLarge,
-            format!("{} bytes > --max-row-bytes {}", line.bytes.len(), opts.max_row_bytes),
-        ));
+    let too_large = line.too_large.map(|(bytes, _)| bytes).or_else(|| {
+        let bytes = line.bytes.len() as u64;
+        (bytes > opts.max_row_bytes as u64).then_some(bytes)
+    });
+    if let Some(bytes) = too_large {
+        return Err((SkipReason::RowTooLarge, opts.over_limit(bytes)));
     }
     if line.bytes.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         // serde would read a JSON array as a struct by position: only objects are rows.
@@ -504,6 +512,27 @@ where
     })
 }
 
+/// Refuse, once for the whole file, a Parquet schema that no row can be read from: it needs a
+/// `conversations` (or `messages`) column, or a prompt column (`prompt`, `question`, `problem`) with a response
+/// column (`response`, `completion`).
+fn check_parquet_columns(path: &Path, schema: &parquet::schema::types::Type) -> Result<(), DataError> {
+    let columns: Vec<&str> = schema.get_fields().iter().map(|f| f.name()).collect();
+    let has = |names: &[&str]| columns.iter().any(|c| names.contains(c));
+    let turns = has(&["conversations", "messages"]);
+    if turns || (has(&["prompt", "question", "problem"]) && has(&["response", "completion"])) {
+        return Ok(());
+    }
+    let listed: Vec<String> = columns.iter().map(|c| format!("`{c}`")).collect();
+    Err(DataError::Format {
+        path: path.to_path_buf(),
+        message: format!(
+            "no `conversations` column (nor `messages`, nor a `prompt`/`question`/`problem` column with a \
+             `response`/`completion` column): no row can be read; its columns are {}",
+            if listed.is_empty() { "none".to_string() } else { listed.join(", ") }
+        ),
+    })
+}
+
 fn scan_parquet<T, M, S>(file: u32, path: &Path, map: M, mut sink: S) -> Result<(), DataError>
 where
     T: Send,
@@ -515,6 +544,7 @@ where
         |e: parquet::errors::ParquetError| DataError::Parquet { path: path.to_path_buf(), message: e.to_string() };
     let f = File::open(path).map_err(io_err(path))?;
     let reader = SerializedFileReader::new(f).map_err(pq_err)?;
+    check_parquet_columns(path, reader.metadata().file_metadata().schema_descr().root_schema())?;
     let mut global = 0u64;
     for rg in 0..reader.metadata().num_row_groups() {
         let group = reader.get_row_group(rg).map_err(pq_err)?;
@@ -575,6 +605,18 @@ pub fn read_all(paths: &[PathBuf], opts: &ReadOptions) -> Result<(Vec<Row>, Vec<
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_over_the_limit_names_the_flag_and_the_config_key() {
+        let opts = ReadOptions { max_row_bytes: 8 };
+        let line = RawLine::new(3, br#"{"conversations": []}"#.to_vec());
+        let (reason, detail) = parse_json_row(&line, &opts).unwrap_err();
+        assert_eq!(reason, SkipReason::RowTooLarge);
+        assert_eq!(
+            detail,
+            "21 bytes > the row limit of 8 bytes (--max-row-bytes, or data.max_row_bytes in a training config)"
+        );
+    }
 
     fn parse(s: &str) -> Result<Row, SkipReason> {
         parse_json_row(&RawLine::new(1, s.as_bytes().to_vec()), &ReadOptions::default()).map_err(|e| e.0)

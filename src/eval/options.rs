@@ -39,7 +39,7 @@ pub struct EvalOptions {
     #[arg(long)]
     pub seed: Option<u64>,
     /// Only the first K problems of each benchmark (0: all).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
     pub limit: usize,
     /// Sequences generated together (whole problems are kept in one batch).
     #[arg(long, default_value_t = 32)]

@@ -162,6 +162,22 @@ pub struct EvalProgress {
 }
 
 impl EvalProgress {
+    /// What the rest of the budget costs at the speed so far, `elapsed` seconds into the run: at most the
+    /// unspent budget at the tokens/s seen (an upper bound: answers that stop early leave tokens unused).
+    pub fn estimate(&self, elapsed: f64) -> String {
+        let rate = self.tokens as f64 / elapsed.max(1e-9);
+        let left = self.budget.saturating_sub(self.spent);
+        format!(
+            "{} of {} problems in {} ({:.1} tok/s): the {} tokens left of the budget take at most {} at this speed",
+            self.problems_done,
+            self.problems,
+            crate::progress::duration(elapsed),
+            rate,
+            left,
+            crate::progress::duration(left as f64 / rate.max(1e-9))
+        )
+    }
+
     /// Show this point on `bar`, a bar over the token budget, for a run that began at `started`.
     pub fn show(&self, bar: &indicatif::ProgressBar, started: Instant) {
         bar.set_length(self.budget);

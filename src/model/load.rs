@@ -137,14 +137,45 @@ pub fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, ModelError> {
     })
 }
 
+/// Why the safetensors file `path` is shorter than its header says, if it is: its header (an 8-byte
+/// length, then JSON giving each tensor's byte range) describes more bytes than the file holds.
+fn truncated(path: &Path) -> Option<String> {
+    use std::io::Read;
+    let mut file = std::fs::File::open(path).ok()?;
+    let size = file.metadata().ok()?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).ok()?;
+    let header_len = u64::from_le_bytes(len);
+    let tensors_end = if size < 8 + header_len || header_len > 100 << 20 {
+        0
+    } else {
+        let mut header = vec![0u8; header_len as usize];
+        file.read_exact(&mut header).ok()?;
+        let header: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(&header).ok()?;
+        let ends = header.values().filter_map(|t| t.get("data_offsets")?.get(1)?.as_u64());
+        ends.max().unwrap_or(0)
+    };
+    let expected = 8 + header_len + tensors_end;
+    (size < expected).then(|| {
+        format!(
+            "the file is shorter than its header says ({size} bytes, the header describes {expected}): it is \
+             truncated, or still being downloaded"
+        )
+    })
+}
+
 /// Load the decoder of a model folder in `dtype` on `device`; `trainable` gives it `Var` parameters.
 pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) -> Result<Decoder, ModelError> {
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
     let files = weight_files(dir)?;
     // SAFETY: the files are memory-mapped read-only; modifying them while loading is undefined, as for
     // every safetensors loader.
-    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
-        .map_err(|e| ModelError::Files { path: dir.to_path_buf(), message: e.to_string() })?;
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }.map_err(|e| {
+        match files.iter().find_map(|f| truncated(f).map(|m| (f, m))) {
+            Some((f, message)) => ModelError::Files { path: f.clone(), message },
+            None => ModelError::Files { path: dir.to_path_buf(), message: e.to_string() },
+        }
+    })?;
     Decoder::from_tensors(
         cfg,
         |name, _| match st.load(name, &Device::Cpu) {

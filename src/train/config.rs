@@ -234,11 +234,53 @@ fn nearest<'a>(name: &str, candidates: impl IntoIterator<Item = &'a str>) -> Opt
     (strsim::levenshtein(name, best) <= name.len().max(3) / 2 + 1).then_some(best)
 }
 
+/// `section.key` of every key of every section, as a minimal config has them.
+fn all_keys() -> Vec<String> {
+    let minimal = "[model]\npath = \"m\"\n[data]\ninputs = [\"x\"]\n";
+    let parsed = toml::from_str::<TrainConfig>(minimal).ok().and_then(|c| serde_json::to_value(c).ok());
+    let Some(serde_json::Value::Object(sections)) = parsed else { return Vec::new() };
+    let mut keys = Vec::new();
+    for (section, value) in &sections {
+        if let serde_json::Value::Object(fields) = value {
+            keys.extend(fields.keys().map(|k| format!("{section}.{k}")));
+        }
+    }
+    keys
+}
+
+/// For an unknown `section.key` that no key of its section is near: the same key in another section
+/// (`lr` under `[train]`: `optim.lr`), as a hint.
+fn elsewhere(path: &str) -> Option<String> {
+    let (section, key) = path.rsplit_once('.')?;
+    let found = all_keys().into_iter().find(|k| k.rsplit_once('.').is_some_and(|(s, k)| k == key && s != section))?;
+    Some(format!(" (did you mean `{found}`?)"))
+}
+
+/// The 1-based line of `text` (a TOML file) that sets the dotted key `path`, when it is written as
+/// `key = ...` under its `[section]` header (or as a dotted key).
+pub(crate) fn line_of(text: &str, path: &str) -> Option<usize> {
+    let mut section = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if let Some(header) = line.strip_prefix('[').filter(|_| !line.starts_with("[[")) {
+            section = header.split(']').next().unwrap_or_default().trim().to_string();
+            continue;
+        }
+        let Some((key, _)) = line.split_once('=') else { continue };
+        let key: String = key.split('.').map(|p| p.trim().trim_matches('"')).collect::<Vec<_>>().join(".");
+        let full = if section.is_empty() { key } else { format!("{section}.{key}") };
+        if full == path {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
 /// The first key of `given` (the TOML as written, under `prefix`) that the parsed configuration `parsed`
 /// does not have, as a message with the nearest valid key. Sections composed with serde's `flatten` (the
 /// options of several modules in one table) ignore unknown keys instead of rejecting them; this check
 /// rejects them all the same.
-fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) -> Option<String> {
+fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) -> Option<(String, String)> {
     let valid = parsed.as_object()?;
     for (key, value) in given {
         let path = if prefix.is_empty() { key.clone() } else { format!("{prefix}.{key}") };
@@ -246,10 +288,11 @@ fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) ->
             None => {
                 let hint = match nearest(key, valid.keys().map(String::as_str)) {
                     Some(b) => format!(" (did you mean `{b}`?)"),
-                    None => String::new(),
+                    None => elsewhere(&path).unwrap_or_default(),
                 };
                 let expected = valid.keys().map(|k| format!("`{k}`")).collect::<Vec<_>>().join(", ");
-                return Some(format!("unknown key `{path}`, expected one of {expected}{hint}"));
+                let message = format!("unknown key `{path}`, expected one of {expected}{hint}");
+                return Some((path, message));
             }
             Some(v) => {
                 if let Some(table) = value.as_table() {
@@ -295,11 +338,23 @@ fn remove_leaf(table: &mut toml::Table, path: &[String]) -> Option<toml::Value> 
     }
 }
 
-/// Parse `value` of a `--set` as a TOML value (number, bool, array, quoted string), else as a bare string.
-fn parse_value(value: &str) -> toml::Value {
-    match toml::from_str::<toml::Table>(&format!("v = {value}")) {
-        Ok(mut t) => t.remove("v").unwrap_or(toml::Value::String(value.into())),
-        Err(_) => toml::Value::String(value.into()),
+/// Parse `value` of a `--set` as a TOML value (number, bool, array, table, quoted string), else as a bare
+/// string; a value that opens an array, a table or a quoted string must parse, and its error says where not.
+fn parse_value(value: &str) -> Result<toml::Value, String> {
+    const PREFIX: &str = "v = ";
+    match toml::from_str::<toml::Table>(&format!("{PREFIX}{value}")) {
+        Ok(mut t) => Ok(t.remove("v").unwrap_or(toml::Value::String(value.into()))),
+        Err(e) if value.starts_with(['[', '{', '"', '\'']) => {
+            let at = e.span().map_or(value.chars().count(), |s| {
+                value[..s.start.saturating_sub(PREFIX.len()).min(value.len())].chars().count()
+            });
+            Err(format!(
+                "the value `{value}` is not valid TOML: {} at character {} of the value",
+                e.message().trim().replace('\n', ", "),
+                at + 1
+            ))
+        }
+        Err(_) => Ok(toml::Value::String(value.into())),
     }
 }
 
@@ -315,20 +370,34 @@ fn apply_override(table: &mut toml::Table, o: &str) -> Result<(), ConfigError> {
         let entry = cur.entry(p.to_string()).or_insert_with(|| toml::Value::Table(Default::default()));
         cur = entry.as_table_mut().ok_or_else(|| ConfigError::BadOverride(format!("{o}: `{p}` is not a section")))?;
     }
-    cur.insert(parts[parts.len() - 1].to_string(), parse_value(value.trim()));
+    let value =
+        parse_value(value.trim()).map_err(|message| ConfigError::BadOverrideValue { set: o.into(), message })?;
+    cur.insert(parts[parts.len() - 1].to_string(), value);
     Ok(())
 }
 
+/// Why a config table holds no config: the message, and the key (`section.key`) it is about when known.
+struct Refusal {
+    key: Option<String>,
+    message: String,
+}
+
 /// The config `table` holds, or why it holds none (a value of the wrong type, an unknown key).
-fn from_table(table: &toml::Table) -> Result<TrainConfig, String> {
+fn from_table(table: &toml::Table) -> Result<TrainConfig, Refusal> {
     let cfg: TrainConfig =
         toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| match offending_key(table) {
-            Some((key, value)) => format!("{key} = {value}: {}", suggest(e.message())),
-            None => suggest(&e.to_string()),
+            Some((key, value)) => {
+                let mut message = suggest(e.message());
+                if e.message().contains("unknown field") && !message.contains("did you mean") {
+                    message = message.trim_end().to_string() + &elsewhere(&key).unwrap_or_default();
+                }
+                Refusal { message: format!("{key} = {value}: {message}"), key: Some(key) }
+            }
+            None => Refusal { key: None, message: suggest(&e.to_string()) },
         })?;
-    let parsed = serde_json::to_value(&cfg).map_err(|e| e.to_string())?;
+    let parsed = serde_json::to_value(&cfg).map_err(|e| Refusal { key: None, message: e.to_string() })?;
     match unknown_key(table, &parsed, "") {
-        Some(message) => Err(message),
+        Some((key, message)) => Err(Refusal { key: Some(key), message }),
         None => Ok(cfg),
     }
 }
@@ -354,9 +423,13 @@ impl TrainConfig {
             }
             readable = readable || from_table(&table).is_ok();
         }
-        let cfg = from_table(&table).map_err(|message| match culprit {
-            Some(set) => ConfigError::BadOverrideValue { set, message },
-            None => ConfigError::Parse { path: path.into(), message },
+        let cfg = from_table(&table).map_err(|r| match culprit {
+            Some(set) => ConfigError::BadOverrideValue { set, message: r.message },
+            None => {
+                let line = r.key.as_deref().and_then(|k| line_of(text, k));
+                let message = line.map_or(r.message.clone(), |l| format!("line {l}: {}", r.message));
+                ConfigError::Parse { path: path.into(), message }
+            }
         })?;
         cfg.validate()?;
         Ok(cfg)
@@ -509,6 +582,30 @@ mod tests {
         assert!(e.to_string().contains("unknown key `data.seed`"), "{e}");
         let e = TrainConfig::parse(&format!("{MIN}[trian]\nx = 1\n"), Path::new("c.toml"), &[]).unwrap_err();
         assert!(e.to_string().contains("did you mean `train`"), "{e}");
+    }
+
+    #[test]
+    fn a_key_in_the_wrong_section_is_named_with_its_line_and_its_section() {
+        let text = format!("{MIN}[optim]\nlr = 1e-4\n\n[train]\nseed = 1\nlr = 1e-5\n");
+        let e = TrainConfig::parse(&text, Path::new("c.toml"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: line 10: train.lr = "), "{e}");
+        assert!(e.contains("unknown field `lr`") && e.ends_with("(did you mean `optim.lr`?)"), "{e}");
+        // A key of a flattened section, and a dotted key at the top.
+        let e = TrainConfig::parse(&format!("{MIN}lr = 1\n"), Path::new("c.toml"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: line 5: ") && e.contains("did you mean `optim.lr`"), "{e}");
+        let e = TrainConfig::parse(&format!("train.lr = 1\n{MIN}"), Path::new("c.toml"), &[]).unwrap_err().to_string();
+        assert!(e.starts_with("c.toml: line 1: ") && e.contains("did you mean `optim.lr`"), "{e}");
+    }
+
+    #[test]
+    fn a_set_value_that_is_not_valid_toml_says_where() {
+        let e = TrainConfig::parse(MIN, Path::new("c.toml"), &[r#"data.inputs=["a","#.into()]).unwrap_err().to_string();
+        assert!(e.starts_with(r#"--set data.inputs=["a",: the value `["a",` is not valid TOML: "#), "{e}");
+        assert!(e.ends_with("at character 6 of the value"), "{e}");
+        assert!(!e.contains("expected a sequence"), "{e}");
+        // A bare word is still a string.
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["objective.name=sft".into()]).unwrap();
+        assert_eq!(c.objective.name, crate::objective::ObjectiveName::Sft);
     }
 
     #[test]

@@ -105,19 +105,30 @@ impl StepMetrics {
         let eta = elapsed / done * total_steps.saturating_sub(self.step) as f64;
         let skipped = if self.skipped { " (update skipped: non-finite)" } else { "" };
         format!(
-            "step {}/{} epoch {:.2}: loss {:.4} reward {:.3} kl {:.4} clip {:.3} {:.0} tok/s{skipped} | elapsed {} ETA {}",
+            "step {}/{} epoch {:.2}: loss {:.4} reward {:.3} kl {} clip {:.3} {:.0} tok/s{skipped} | elapsed {} ETA {}",
             self.step,
             total_steps,
             self.epoch,
             // + 0.0 shows a loss of -0 as 0.
             self.loss + 0.0,
             self.reward,
-            self.kl + 0.0,
+            small(self.kl),
             self.clip_ratio,
             self.tokens_per_sec,
             crate::progress::duration(elapsed),
             crate::progress::duration(eta)
         )
+    }
+}
+
+/// A value that is often tiny (the KL early in a run): four decimals, or three significant digits in
+/// scientific notation under 0.001, so that `4.12e-5` does not read `0.0000`.
+pub(super) fn small(v: f64) -> String {
+    if v != 0.0 && v.abs() < 1e-3 {
+        format!("{v:.2e}")
+    } else {
+        // + 0.0 shows -0 as 0.
+        format!("{:.4}", v + 0.0)
     }
 }
 

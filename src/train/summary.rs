@@ -167,6 +167,29 @@ fn opt(v: Option<f64>, digits: usize) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{:.digits$}", v + 0.0))
 }
 
+impl RunSummary {
+    /// The last line of a run's log: how it ended, and where its files are (the log of a run whose stdout
+    /// is elsewhere, under a scheduler, says it too).
+    pub fn last_line(&self) -> String {
+        let f = &self.files;
+        let ck = f.last_checkpoint.as_ref().map_or_else(|| "none".into(), |p| p.display().to_string());
+        let curves = f.curves.as_ref().map_or(String::new(), |p| format!(", curves {}", p.display()));
+        let files =
+            format!("last checkpoint {ck}, metrics {}{curves}, summary {}", f.metrics.display(), f.summary.display());
+        let took = crate::progress::duration(self.wall_time_s);
+        match self.status {
+            RunStatus::Complete => {
+                format!("run complete: {} of {} steps in {took}; {files}", self.steps, self.total_steps)
+            }
+            RunStatus::Stopped => format!(
+                "run stopped on request (Ctrl-C, SIGTERM or SIGHUP) at step {} of {} after {took}; {files}; \
+                 continue with --resume auto",
+                self.steps, self.total_steps
+            ),
+        }
+    }
+}
+
 impl fmt::Display for RunSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let what = match self.status {
@@ -190,7 +213,7 @@ impl fmt::Display for RunSummary {
                 m.step,
                 opt(m.loss, 4),
                 opt(m.reward, 3),
-                opt(m.kl, 4),
+                m.kl.map_or_else(|| "-".into(), super::metrics::small),
                 opt(m.clip_ratio, 3),
                 opt(m.entropy, 3)
             )?;
