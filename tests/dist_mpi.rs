@@ -549,3 +549,39 @@ fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
     assert_eq!(latest.trim(), format!("step-{steps:08}"), "the checkpoint of the last step every rank made");
     check_shards(&step_dir(d.path(), steps), 2);
 }
+
+/// A validation longer than the collective timeout (GRPO_DIST_TIMEOUT_S = 5 s, a validation of about 10 s
+/// on one process): the ranks each generate a share of the problems and wait for each other in short
+/// rounds, not in one bounded collective, so the run completes with the score of one process.
+#[test]
+fn a_validation_longer_than_the_collective_timeout_completes() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let mut scores = Vec::new();
+    for np in [1, 2] {
+        let out = d.path().join(format!("np{np}"));
+        let started = Instant::now();
+        let o = grpo(np)
+            .current_dir(common::root())
+            .env("GRPO_DIST_TIMEOUT_S", "5")
+            .args(["-q", "train", "--config", "configs/smoke.toml", "--set"])
+            .arg(format!("train.output_dir=\"{}\"", out.display()))
+            .arg("--set")
+            .arg(format!("model.path=\"{}\"", d.path().join("tiny-llama").display()))
+            .args(["--set", "train.max_steps=1", "--set", "validation.limit=30"])
+            .args(["--set", &format!("validation.max_new_tokens={VALIDATION_TOKENS}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
+        eprintln!("np {np}: the run with its validation took {:?}", started.elapsed());
+        let metrics = common::read_jsonl(&out.join("metrics.jsonl"));
+        scores.push(metrics[0]["validation/score"].as_f64().expect("a validation score"));
+        let records = std::fs::read_to_string(out.join("validation/step-00000001-aime24.jsonl")).unwrap();
+        assert_eq!(records.lines().count(), 30, "rank 0 writes every problem's record");
+    }
+    assert!((scores[0] - scores[1]).abs() < 1e-9, "{scores:?}");
+}
+
+/// New tokens per validation problem in [`a_validation_longer_than_the_collective_timeout_completes`]:
+/// enough for the tiny model's validation of 30 problems to take about 10 s on one process.
+const VALIDATION_TOKENS: usize = 400;
