@@ -4,7 +4,6 @@
 //! 0 before the communicator exists. Every wait is bounded, so a rank that never comes is an error naming
 //! it rather than a hang.
 
-use std::collections::BTreeSet;
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};

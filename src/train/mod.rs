@@ -470,7 +470,8 @@ impl Run<'_> {
             let lines: Vec<String> = results.iter().map(|r| serde_json::to_string(r).unwrap_or_default()).collect();
             let p = out.join(format!("step-{step:08}-{}.jsonl", v.bench));
             std::fs::write(&p, lines.join("\n") + "\n").map_err(io(&p))?;
-            tracing::info!("validation on {} at step {step}: avg@{} = {:.4}", v.bench, v.n, report.avg_at_n);
+            let secs = started.elapsed().as_secs_f64();
+            tracing::info!("validation on {} at step {step}: avg@{} = {:.4} ({secs:.1} s)", v.bench, v.n, report.avg_at_n);
         }
         Ok(Some(report.avg_at_n))
     }
