@@ -51,7 +51,11 @@ pub fn lock_exclusive(path: &Path, what: &str, stop: Option<&AtomicBool>) -> Res
 
 /// [`lock_exclusive`], calling `stop` at each poll while it waits: true ends the wait
 /// ([`DataError::Interrupted`]).
-pub fn lock_exclusive_polling(path: &Path, what: &str, mut stop: impl FnMut() -> bool) -> Result<ExclusiveLock, DataError> {
+pub fn lock_exclusive_polling(
+    path: &Path,
+    what: &str,
+    mut stop: impl FnMut() -> bool,
+) -> Result<ExclusiveLock, DataError> {
     let file =
         OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(io_err(path))?;
     let started = std::time::Instant::now();

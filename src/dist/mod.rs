@@ -365,7 +365,11 @@ fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
 enum Meeting {
     #[cfg(feature = "mpi")]
     Mpi(mpi_backend::Mpi),
-    Tcp { master: Master, size: usize, timeout: Duration },
+    Tcp {
+        master: Master,
+        size: usize,
+        timeout: Duration,
+    },
 }
 
 #[cfg(feature = "cuda")]

@@ -36,7 +36,8 @@ pub(super) fn agree(
     let hellos: Vec<Hello> = parts
         .iter()
         .map(|b| {
-            serde_json::from_slice(b).unwrap_or_else(|e| Hello { failed: Some(format!("an unreadable message: {e}")), id: Vec::new() })
+            serde_json::from_slice(b)
+                .unwrap_or_else(|e| Hello { failed: Some(format!("an unreadable message: {e}")), id: Vec::new() })
         })
         .collect();
     let failed: Vec<String> = hellos

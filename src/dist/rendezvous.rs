@@ -34,7 +34,12 @@ const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// [`serve`] on a bound listener. Each connection's message is read on its own thread, bounded by
 /// [`HELLO_TIMEOUT`], so a silent connection stalls nothing; the answers go out once every rank has come.
-fn serve_on(listener: &TcpListener, mine: &[u8], size: usize, timeout: Duration) -> Result<Vec<Vec<u8>>, RendezvousError> {
+fn serve_on(
+    listener: &TcpListener,
+    mine: &[u8],
+    size: usize,
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
     let port = listener.local_addr().map_or(0, |a| a.port());
     let io = |source| RendezvousError::Io { addr: format!("port {port}"), source };
     listener.set_nonblocking(true).map_err(io)?;
@@ -136,7 +141,13 @@ const ONE_MS: Duration = Duration::from_millis(1);
 
 /// Rank `rank` (not 0): connect to rank 0 at `addr:port`, retrying until `timeout` (it may not listen yet),
 /// send `mine` and receive every rank's message, in rank order, once all have come.
-pub fn join(addr: &str, port: u16, rank: usize, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>, RendezvousError> {
+pub fn join(
+    addr: &str,
+    port: u16,
+    rank: usize,
+    mine: &[u8],
+    timeout: Duration,
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
     let deadline = Instant::now() + timeout;
     let unreachable = |last: String| RendezvousError::Unreachable { rank, addr: addr.into(), port, timeout, last };
     let mut stream = loop {
@@ -173,7 +184,12 @@ pub fn join(addr: &str, port: u16, rank: usize, mine: &[u8], timeout: Duration) 
 mod tests {
     use super::*;
 
-    fn join_in(port: u16, rank: usize, mine: &'static [u8], timeout: Duration) -> std::thread::JoinHandle<Vec<Vec<u8>>> {
+    fn join_in(
+        port: u16,
+        rank: usize,
+        mine: &'static [u8],
+        timeout: Duration,
+    ) -> std::thread::JoinHandle<Vec<Vec<u8>>> {
         std::thread::spawn(move || join("127.0.0.1", port, rank, mine, timeout).unwrap())
     }
 
@@ -181,8 +197,10 @@ mod tests {
     fn every_rank_receives_every_message_once_all_have_come() {
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
-        let ranks: Vec<_> =
-            [(1, &b"one"[..]), (2, &b""[..])].into_iter().map(|(r, m)| join_in(port, r, m, Duration::from_secs(20))).collect();
+        let ranks: Vec<_> = [(1, &b"one"[..]), (2, &b""[..])]
+            .into_iter()
+            .map(|(r, m)| join_in(port, r, m, Duration::from_secs(20)))
+            .collect();
         // Rank 0 listens only after the others first tried: they retry.
         std::thread::sleep(Duration::from_millis(300));
         let all = serve_on(&listener, b"id", 3, Duration::from_secs(20)).unwrap();

@@ -445,7 +445,8 @@ impl Run<'_> {
         let out = self.cfg.train.output_dir.join("validation");
         let bar = crate::progress::log_only_bar(Some(0), &format!("validation on {}", v.bench));
         let started = Instant::now();
-        let engine = crate::eval::engine::Native { model: &self.policy, tok: &self.tok, batch_size: options.batch_size };
+        let engine =
+            crate::eval::engine::Native { model: &self.policy, tok: &self.tok, batch_size: options.batch_size };
         let share = crate::eval::Share { index: self.world.rank(), of: self.world.size() };
         let mut apart = crate::dist::Apart::begin(&self.world, Some(stop));
         let part = crate::eval::evaluate_share(
@@ -471,13 +472,21 @@ impl Run<'_> {
             let p = out.join(format!("step-{step:08}-{}.jsonl", v.bench));
             std::fs::write(&p, lines.join("\n") + "\n").map_err(io(&p))?;
             let secs = started.elapsed().as_secs_f64();
-            tracing::info!("validation on {} at step {step}: avg@{} = {:.4} ({secs:.1} s)", v.bench, v.n, report.avg_at_n);
+            tracing::info!(
+                "validation on {} at step {step}: avg@{} = {:.4} ({secs:.1} s)",
+                v.bench,
+                v.n,
+                report.avg_at_n
+            );
         }
         Ok(Some(report.avg_at_n))
     }
 
     /// Every rank's share of a validation, in rank order.
-    fn gather_validation(&self, part: &crate::eval::ShareResults) -> Result<Vec<crate::eval::ShareResults>, TrainError> {
+    fn gather_validation(
+        &self,
+        part: &crate::eval::ShareResults,
+    ) -> Result<Vec<crate::eval::ShareResults>, TrainError> {
         if self.world.size() == 1 {
             return Ok(vec![part.clone()]);
         }
