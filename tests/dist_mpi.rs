@@ -495,7 +495,7 @@ fn the_reference_cache_is_computed_by_every_rank_its_share() {
 }
 
 /// The README's smoke job on 2 ranks: `mpirun -np 2 grpo train --config configs/smoke.toml` (rank 0 makes
-/// the tiny model, the others wait for it; validation on rank 0) completes and ends with the weights of
+/// the tiny model, the others wait for it; validation shared) completes and ends with the weights of
 /// one process.
 #[test]
 fn the_smoke_job_runs_on_two_ranks_as_on_one() {

@@ -13,10 +13,13 @@
 //!
 //! The launcher is recognised from its environment ([`Launch`]: mpirun, srun or torchrun). Ranks on GPUs
 //! use NCCL (libnccl loaded at run time, cargo feature `cuda`), whose unique id reaches every rank through MPI's
-//! broadcast under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
+//! all-gather under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
 //! MASTER_ADDR:MASTER_PORT ([`rendezvous`]); ranks on CPUs use MPI (the `mpi` crate over Open MPI, cargo
-//! feature `mpi`). No collective is written by hand. Every NCCL wait is bounded (GRPO_DIST_TIMEOUT_S, and
-//! NCCL's asynchronous errors are polled), and a rank that fails ends every rank. Launched as one process, a
+//! feature `mpi`). No collective is written by hand. Every collective is bounded (GRPO_DIST_TIMEOUT_S; NCCL's
+//! asynchronous errors are polled, MPI's collectives watched), and a rank that fails ends every rank. Work of
+//! unbounded length that the ranks do apart (validation, waiting for a lock or a server) is waited for in
+//! short rounds instead ([`Apart`]), and NCCL's set-up starts only once every rank said it is ready
+//! ([`ready`]). Launched as one process, a
 //! [`World`] is a single rank and every collective is the identity.
 
 mod apart;
