@@ -590,5 +590,5 @@ fn a_validation_longer_than_the_collective_timeout_completes() {
 }
 
 /// New tokens per validation problem in [`a_validation_longer_than_the_collective_timeout_completes`]:
-/// enough for the tiny model's validation of 10 problems to take about 10 s on one process (a debug build).
-const VALIDATION_TOKENS: usize = 500;
+/// enough for the tiny model's validation of 10 problems to take over 10 s on one process (a debug build).
+const VALIDATION_TOKENS: usize = 1200;
