@@ -495,7 +495,7 @@ fn the_reference_cache_is_computed_by_every_rank_its_share() {
 }
 
 /// The README's smoke job on 2 ranks: `mpirun -np 2 grpo train --config configs/smoke.toml` (rank 0 makes
-/// the tiny model, the others wait for it; validation on rank 0) completes and ends with the weights of
+/// the tiny model, the others wait for it; validation shared) completes and ends with the weights of
 /// one process.
 #[test]
 fn the_smoke_job_runs_on_two_ranks_as_on_one() {
@@ -549,3 +549,46 @@ fn sigterm_stops_every_rank_after_the_same_step_with_a_whole_checkpoint() {
     assert_eq!(latest.trim(), format!("step-{steps:08}"), "the checkpoint of the last step every rank made");
     check_shards(&step_dir(d.path(), steps), 2);
 }
+
+/// A validation longer than the collective timeout (GRPO_DIST_TIMEOUT_S = 5 s, a validation of about 10 s
+/// on one process): the ranks each generate a share of the problems and wait for each other in short
+/// rounds, not in one bounded collective, so the run completes with the score of one process.
+#[test]
+fn a_validation_longer_than_the_collective_timeout_completes() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let mut scores = Vec::new();
+    for np in [1, 2] {
+        let out = d.path().join(format!("np{np}"));
+        let started = Instant::now();
+        let o = grpo(np)
+            .current_dir(common::root())
+            .env("GRPO_DIST_TIMEOUT_S", "5")
+            .args(["train", "--config", "configs/smoke.toml", "--set"])
+            .arg(format!("train.output_dir=\"{}\"", out.display()))
+            .arg("--set")
+            .arg(format!("model.path=\"{}\"", d.path().join("tiny-llama").display()))
+            // No reference (beta 0): its cache's rounds take seconds each on a loaded machine's debug build.
+            .args(["--set", "train.max_steps=1", "--set", "objective.beta=0.0", "--set", "validation.limit=10"])
+            .args(["--set", &format!("validation.max_new_tokens={VALIDATION_TOKENS}")])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "np {np}: {}", String::from_utf8_lossy(&o.stderr));
+        let log = String::from_utf8_lossy(&o.stderr);
+        let said = log.lines().filter(|l| l.contains("validation on")).collect::<Vec<_>>().join("\n");
+        eprintln!("np {np}: the run took {:?}; {said}", started.elapsed());
+        let secs: f64 = said.rsplit_once('(').and_then(|(_, s)| s.strip_suffix(" s)")).unwrap().parse().unwrap();
+        if np == 1 {
+            assert!(secs > 6.0, "the validation must take longer than the timeout, it took {secs} s: {said}");
+        }
+        let metrics = common::read_jsonl(&out.join("metrics.jsonl"));
+        scores.push(metrics[0]["validation/score"].as_f64().expect("a validation score"));
+        let records = std::fs::read_to_string(out.join("validation/step-00000001-aime24.jsonl")).unwrap();
+        assert_eq!(records.lines().count(), 10, "rank 0 writes every problem's record");
+    }
+    assert!((scores[0] - scores[1]).abs() < 1e-9, "{scores:?}");
+}
+
+/// New tokens per validation problem in [`a_validation_longer_than_the_collective_timeout_completes`]:
+/// enough for the tiny model's validation of 10 problems to take over 10 s on one process (a debug build).
+const VALIDATION_TOKENS: usize = 1200;

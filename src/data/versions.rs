@@ -46,6 +46,16 @@ pub struct ExclusiveLock {
 /// Take the exclusive lock `path` (created if missing), waiting for its holder: a message when it has to
 /// wait and once a minute after, and [`DataError::Interrupted`] when `stop` is set meanwhile.
 pub fn lock_exclusive(path: &Path, what: &str, stop: Option<&AtomicBool>) -> Result<ExclusiveLock, DataError> {
+    lock_exclusive_polling(path, what, || stop.is_some_and(|s| s.load(Ordering::SeqCst)))
+}
+
+/// [`lock_exclusive`], calling `stop` at each poll while it waits: true ends the wait
+/// ([`DataError::Interrupted`]).
+pub fn lock_exclusive_polling(
+    path: &Path,
+    what: &str,
+    mut stop: impl FnMut() -> bool,
+) -> Result<ExclusiveLock, DataError> {
     let file =
         OpenOptions::new().read(true).write(true).create(true).truncate(false).open(path).map_err(io_err(path))?;
     let started = std::time::Instant::now();
@@ -59,7 +69,7 @@ pub fn lock_exclusive(path: &Path, what: &str, stop: Option<&AtomicBool>) -> Res
             }
             Err(std::fs::TryLockError::WouldBlock) => {}
         }
-        if stop.is_some_and(|s| s.load(Ordering::SeqCst)) {
+        if stop() {
             return Err(DataError::Interrupted(format!("while waiting for another process {what}")));
         }
         if said.is_none_or(|t: std::time::Instant| t.elapsed() >= SAY_EVERY) {

@@ -13,12 +13,16 @@
 //!
 //! The launcher is recognised from its environment ([`Launch`]: mpirun, srun or torchrun). Ranks on GPUs
 //! use NCCL (libnccl loaded at run time, cargo feature `cuda`), whose unique id reaches every rank through MPI's
-//! broadcast under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
+//! all-gather under mpirun or srun (with the `mpi` feature), else through a TCP rendezvous at
 //! MASTER_ADDR:MASTER_PORT ([`rendezvous`]); ranks on CPUs use MPI (the `mpi` crate over Open MPI, cargo
-//! feature `mpi`). No collective is written by hand. Every NCCL wait is bounded (GRPO_DIST_TIMEOUT_S, and
-//! NCCL's asynchronous errors are polled), and a rank that fails ends every rank. Launched as one process, a
+//! feature `mpi`). No collective is written by hand. Every collective is bounded (GRPO_DIST_TIMEOUT_S; NCCL's
+//! asynchronous errors are polled, MPI's collectives watched), and a rank that fails ends every rank. Work of
+//! unbounded length that the ranks do apart (validation, waiting for a lock or a server) is waited for in
+//! short rounds instead ([`Apart`]), and NCCL's set-up starts only once every rank said it is ready
+//! ([`ready`]). Launched as one process, a
 //! [`World`] is a single rank and every collective is the identity.
 
+mod apart;
 mod launch;
 #[cfg(feature = "mpi")]
 mod mpi_backend;
@@ -28,11 +32,13 @@ mod nccl_backend;
 #[cfg(any(feature = "cuda", test))]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod nccl_sys;
+mod ready;
 pub mod rendezvous;
 
 use std::fmt;
 use std::time::Duration;
 
+pub use apart::Apart;
 pub use launch::{Launch, LaunchError, Launcher, Master};
 
 /// Why the processes of a run cannot work together.
@@ -203,17 +209,6 @@ impl World {
         b[0] > 0.0
     }
 
-    /// Rank 0's `value` on every rank.
-    pub fn from_primary(&self, value: Option<f64>) -> Option<f64> {
-        if self.size == 1 {
-            return value;
-        }
-        let mine = if self.is_primary() { value } else { None };
-        let mut b = [mine.map_or(0.0, |_| 1.0), mine.unwrap_or(f64::NEG_INFINITY)];
-        self.max_f64(&mut b);
-        (b[0] > 0.0).then_some(b[1])
-    }
-
     pub fn barrier(&self) {
         if let Some(c) = &self.comm {
             c.barrier();
@@ -337,15 +332,90 @@ fn mpi(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
     )))
 }
 
-/// NCCL's communicator among the GPUs, each rank on its GPU ([`local_gpu`]).
+/// NCCL's communicator among the GPUs, each rank on its GPU ([`local_gpu`]). Before ncclCommInitRank (which
+/// waits for every rank with no bound) the ranks agree, in one bounded exchange, that each is ready
+/// ([`ready::agree`]): a rank that failed is named on every rank instead of leaving the others waiting.
 #[cfg(feature = "cuda")]
 fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
-    nccl_backend::load()?;
     let timeout = collective_timeout();
-    let (id, keep) = share_nccl_id(launch, timeout)?;
-    let gpu = local_gpu(launch.local_rank, crate::device::visible_gpus())?;
-    let comm = nccl_backend::Nccl::init(gpu, launch.rank, launch.size, id, timeout, keep)?;
+    let meeting = Meeting::open(launch, timeout)?;
+    // NCCL loaded, rank 0's id made, the rank's GPU found: each may fail on one rank only.
+    let id = nccl_backend::load().and_then(|()| match launch.rank {
+        0 => nccl_backend::new_id().map(|id| id.to_vec()),
+        _ => Ok(Vec::new()),
+    });
+    let gpu = id.and_then(|id| Ok((id, local_gpu(launch.local_rank, crate::device::visible_gpus())?)));
+    let (id, gpu) = match gpu {
+        Ok(ready) => ready,
+        Err(e) => {
+            meeting.agree(launch.rank, Err(e.to_string()))?;
+            return Err(e);
+        }
+    };
+    let comm = nccl_backend::Nccl::init(gpu, launch.rank, launch.size, timeout, |device| {
+        let (id_bytes, keep) = meeting.agree(launch.rank, device.map(|()| id))?;
+        let id: [u8; nccl_backend::ID_BYTES] = id_bytes.as_slice().try_into().map_err(|_| {
+            DistError::Launch(format!("rank {}: rank 0 sent an NCCL id of {} bytes", launch.rank, id_bytes.len()))
+        })?;
+        Ok((id, keep))
+    })?;
     Ok(Box::new(comm))
+}
+
+/// How the ranks of a GPU run meet before NCCL exists: MPI when the launcher started it (its environment is
+/// kept as long as the communicator), else the TCP rendezvous at rank 0's MASTER_ADDR:MASTER_PORT.
+#[cfg(feature = "cuda")]
+enum Meeting {
+    #[cfg(feature = "mpi")]
+    Mpi(mpi_backend::Mpi),
+    Tcp {
+        master: Master,
+        size: usize,
+        timeout: Duration,
+    },
+}
+
+#[cfg(feature = "cuda")]
+impl Meeting {
+    fn open(launch: &Launch, timeout: Duration) -> Result<Self, DistError> {
+        #[cfg(feature = "mpi")]
+        if launch.launcher.provides_mpi() {
+            return Ok(Meeting::Mpi(mpi_init(launch)?));
+        }
+        let master = launch.master.clone().ok_or_else(|| {
+            DistError::Launch(format!(
+                "rank {}: the NCCL id needs rank 0's address: set MASTER_ADDR and MASTER_PORT (torchrun sets them)",
+                launch.rank
+            ))
+        })?;
+        Ok(Meeting::Tcp { master, size: launch.size, timeout })
+    }
+
+    /// [`ready::agree`] through this meeting: rank 0's payload, and what must live as long as NCCL's
+    /// communicator.
+    fn agree(
+        self,
+        rank: usize,
+        mine: Result<Vec<u8>, String>,
+    ) -> Result<(Vec<u8>, Option<Box<dyn std::any::Any>>), DistError> {
+        match self {
+            #[cfg(feature = "mpi")]
+            Meeting::Mpi(mpi) => {
+                let id = ready::agree(rank, mine, |b| Ok(mpi.all_gather_bytes(b)))?;
+                Ok((id, Some(Box::new(mpi))))
+            }
+            Meeting::Tcp { master, size, timeout } => {
+                let id = ready::agree(rank, mine, |b| {
+                    Ok(if rank == 0 {
+                        rendezvous::serve(master.port, b, size, timeout)?
+                    } else {
+                        rendezvous::join(&master.addr, master.port, rank, b, timeout)?
+                    })
+                })?;
+                Ok((id, None))
+            }
+        }
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -354,39 +424,6 @@ fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
         "launched as {} processes on GPUs, but this grpo was built without CUDA: build it with `--features cuda`",
         launch.size
     )))
-}
-
-/// NCCL's unique id, made by rank 0, on every rank: MPI's broadcast when the launcher started MPI (the MPI
-/// environment is returned to live as long as the communicator), else the TCP rendezvous at rank 0's
-/// MASTER_ADDR:MASTER_PORT.
-#[cfg(feature = "cuda")]
-fn share_nccl_id(
-    launch: &Launch,
-    timeout: Duration,
-) -> Result<([u8; nccl_backend::ID_BYTES], Option<Box<dyn std::any::Any>>), DistError> {
-    let new_id = || if launch.rank == 0 { nccl_backend::new_id() } else { Ok([0; nccl_backend::ID_BYTES]) };
-    #[cfg(feature = "mpi")]
-    if launch.launcher.provides_mpi() {
-        let mpi = mpi_init(launch)?;
-        let mut id = new_id()?;
-        mpi.broadcast_from_first(&mut id);
-        return Ok((id, Some(Box::new(mpi))));
-    }
-    let master = launch.master.clone().ok_or_else(|| {
-        DistError::Launch(format!(
-            "rank {}: the NCCL id needs rank 0's address: set MASTER_ADDR and MASTER_PORT (torchrun sets them)",
-            launch.rank
-        ))
-    })?;
-    if launch.rank == 0 {
-        let id = new_id()?;
-        rendezvous::serve(master.port, &id, launch.size, timeout)?;
-        return Ok((id, None));
-    }
-    let bytes = rendezvous::fetch(&master.addr, master.port, launch.rank, nccl_backend::ID_BYTES, timeout)?;
-    let mut id = [0; nccl_backend::ID_BYTES];
-    id.copy_from_slice(&bytes);
-    Ok((id, None))
 }
 
 #[cfg(test)]
@@ -400,7 +437,6 @@ mod tests {
         w.sum_f32(&mut b);
         assert_eq!(b, [1.5, -2.0]);
         assert!(w.any(true) && !w.any(false) && w.is_primary());
-        assert_eq!(w.from_primary(Some(0.25)), Some(0.25));
         assert_eq!(w.all_gather_bytes(b"abc"), vec![b"abc".to_vec()]);
         assert!((0..5).all(|i| w.owns_group(i)));
         assert_eq!(w.rank_device("cuda:3").unwrap(), "cuda:3", "one process keeps its device");

@@ -58,18 +58,22 @@ impl Element for f64 {
 }
 
 impl Nccl {
-    /// Join the communicator of `size` ranks with id `id` as rank `rank`, on GPU `ordinal`.
+    /// Join the communicator of `size` ranks as rank `rank`, on GPU `ordinal`. Once the GPU is set up (or
+    /// failed), `ready` tells the other ranks and returns the id of the communicator (and what must live as
+    /// long as it) when every rank is ready: ncclCommInitRank, which waits for all, is called only then.
     pub(super) fn init(
         ordinal: usize,
         rank: usize,
         size: usize,
-        id: [u8; ID_BYTES],
         timeout: Duration,
-        keep: Option<Box<dyn std::any::Any>>,
+        ready: impl FnOnce(Result<(), String>) -> Result<([u8; ID_BYTES], Option<Box<dyn std::any::Any>>), DistError>,
     ) -> Result<Self, DistError> {
         let launch = |what: &str, e: String| DistError::Launch(format!("rank {rank}: {what}: {e}"));
-        let ctx = CudaContext::new(ordinal).map_err(|e| launch(&format!("CUDA device {ordinal}"), e.to_string()))?;
-        let stream = ctx.new_stream().map_err(|e| launch("a CUDA stream", e.to_string()))?;
+        let device = CudaContext::new(ordinal)
+            .map_err(|e| launch(&format!("CUDA device {ordinal}"), e.to_string()))
+            .and_then(|ctx| ctx.new_stream().map_err(|e| launch("a CUDA stream", e.to_string())));
+        let (id, keep) = ready(device.as_ref().map(|_| ()).map_err(|e| e.to_string()))?;
+        let stream = device?;
         let id = sys::UniqueId { internal: id.map(|b| b as c_char) };
         let mut comm = MaybeUninit::uninit();
         // SAFETY: `comm` is written by ncclCommInitRank before it is read.

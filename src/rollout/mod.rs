@@ -214,11 +214,14 @@ impl Rollouts {
             mine.len(),
             questions.len()
         );
+        // The ranks whose share is done wait for the others in rounds, with no bound while a server answers.
+        let mut apart = crate::dist::Apart::begin(&self.world, None);
         let (groups, metrics) = if mine.is_empty() {
             (Vec::new(), RolloutMetrics::default())
         } else {
-            self.sample_share(policy, &mine, &params)?
+            self.sample_share(policy, &mine, &params, &mut apart)?
         };
+        apart.finish();
         share::gather(&self.world, questions, groups, metrics)
     }
 
@@ -228,6 +231,7 @@ impl Rollouts {
         policy: &Decoder,
         questions: &[Group],
         params: &crate::eval::SamplingParams,
+        apart: &mut crate::dist::Apart,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
         let _phase = crate::profile::coarse("rollouts");
         let sampler = self.sampler.as_ref().unwrap_or(policy);
@@ -239,7 +243,16 @@ impl Rollouts {
         bar.set_message("tokens generated (server)");
         let counts = (self.options.sampled(), self.options.n, self.options.importance_sampling_correction);
         let server = self.options.server.for_rank(self.world.rank());
-        let batch = server::server_samples(&server, &self.tok, questions, counts, params, &bar)?;
+        // The requests run on a thread of their own while this one keeps the rounds with the other ranks.
+        let (tok, bar_ref) = (&self.tok, &bar);
+        let batch = std::thread::scope(|s| {
+            let asked = s.spawn(move || server::server_samples(&server, tok, questions, counts, params, bar_ref));
+            while !asked.is_finished() {
+                apart.tick();
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            asked.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })?;
         bar.finish_and_clear();
         let (groups, mut metrics) =
             sample::score_groups(sampler, &self.tok, questions, &self.options, batch.samples, self.micro, start)?;

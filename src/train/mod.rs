@@ -435,33 +435,70 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    fn validate(&self, step: usize) -> Result<Option<f64>, TrainError> {
+    /// Validate the policy at `step`, every rank generating its share of the problems (problem i on rank
+    /// i mod N, as `grpo eval` splits them): the ranks that finish first wait in short rounds
+    /// ([`crate::dist::Apart`]), not in a bounded collective, however long the others take. Every rank gets
+    /// the score; rank 0 writes the results.
+    fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
         let _phase = crate::profile::coarse("validation");
         let bench = crate::eval::benchmarks::load(&v.bench)?;
         let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
         let out = self.cfg.train.output_dir.join("validation");
-        std::fs::create_dir_all(&out).map_err(io(&out))?;
-        let mut lines = Vec::new();
         let bar = crate::progress::log_only_bar(Some(0), &format!("validation on {}", v.bench));
         let started = Instant::now();
-        let (report, _) = crate::eval::evaluate(
-            &self.policy,
+        let engine =
+            crate::eval::engine::Native { model: &self.policy, tok: &self.tok, batch_size: options.batch_size };
+        let share = crate::eval::Share { index: self.world.rank(), of: self.world.size() };
+        let mut apart = crate::dist::Apart::begin(&self.world, Some(stop));
+        let part = crate::eval::evaluate_share(
+            &engine,
             &self.tok,
             &bench,
             &options,
             &Default::default(),
-            |r| {
-                lines.push(serde_json::to_string(r).unwrap_or_default());
-                Ok(())
+            share,
+            |_| Ok(()),
+            |p| {
+                apart.tick();
+                p.show(&bar, started)
             },
-            |p| p.show(&bar, started),
         )?;
+        apart.finish();
         bar.finish_and_clear();
-        let p = out.join(format!("step-{step:08}-{}.jsonl", v.bench));
-        std::fs::write(&p, lines.join("\n") + "\n").map_err(io(&p))?;
-        tracing::info!("validation on {} at step {step}: avg@{} = {:.4}", v.bench, v.n, report.avg_at_n);
+        let parts = self.gather_validation(&part)?;
+        let (report, results) = crate::eval::merge_shares(&bench, &options, parts, started.elapsed().as_secs_f64());
+        if self.world.is_primary() {
+            std::fs::create_dir_all(&out).map_err(io(&out))?;
+            let lines: Vec<String> = results.iter().map(|r| serde_json::to_string(r).unwrap_or_default()).collect();
+            let p = out.join(format!("step-{step:08}-{}.jsonl", v.bench));
+            std::fs::write(&p, lines.join("\n") + "\n").map_err(io(&p))?;
+            let secs = started.elapsed().as_secs_f64();
+            tracing::info!(
+                "validation on {} at step {step}: avg@{} = {:.4} ({secs:.1} s)",
+                v.bench,
+                v.n,
+                report.avg_at_n
+            );
+        }
         Ok(Some(report.avg_at_n))
+    }
+
+    /// Every rank's share of a validation, in rank order.
+    fn gather_validation(
+        &self,
+        part: &crate::eval::ShareResults,
+    ) -> Result<Vec<crate::eval::ShareResults>, TrainError> {
+        if self.world.size() == 1 {
+            return Ok(vec![part.clone()]);
+        }
+        let bytes = serde_json::to_vec(part).map_err(|e| TrainError::Stopped(format!("validation results: {e}")))?;
+        let parts = self.world.all_gather_bytes(&bytes);
+        let read = |(rank, b): (usize, &Vec<u8>)| {
+            serde_json::from_slice(b)
+                .map_err(|e| TrainError::Stopped(format!("the validation results of rank {rank}: {e}")))
+        };
+        parts.iter().enumerate().map(read).collect()
     }
 
     /// Train one batch of `order`, validate when due, and log the step's metrics.
@@ -526,6 +563,7 @@ impl Run<'_> {
         state: &mut TrainerState,
         epoch_end: bool,
         run_end: bool,
+        stop: &AtomicBool,
     ) -> Result<Option<f64>, TrainError> {
         let due = self.cfg.validation.as_ref().is_some_and(|v| {
             if v.every_steps > 0 {
@@ -537,9 +575,8 @@ impl Run<'_> {
         if !due {
             return Ok(None);
         }
-        // Rank 0 validates; the others take its score, so that every rank's state agrees.
-        let score = if self.world.is_primary() { self.validate(state.step)? } else { None };
-        let Some(score) = self.world.from_primary(score) else { return Ok(None) };
+        // Every rank validates its share and gets the same score, so that every rank's state agrees.
+        let Some(score) = self.validate(state.step, stop)? else { return Ok(None) };
         if state.best_score.is_none_or(|b| score > b) {
             state.best_score = Some(score);
             state.best_step = Some(state.step);
@@ -638,7 +675,7 @@ impl Run<'_> {
                 }
                 let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
                 let run_end = state.step >= plan.total_steps;
-                m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end)?;
+                m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end, stop)?;
                 if let Some(metrics) = metrics.as_deref_mut() {
                     metrics.write(&m)?;
                 }

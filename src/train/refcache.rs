@@ -339,14 +339,19 @@ impl ReferenceCache {
             tracing::info!("reference log-probs in {} are up to date", path.display());
             return Ok((Self { path, map: fresh.flatten(), layout }, false));
         }
-        // Rank 0 holds the lock for the ranks (other runs wait on it) and checks again under it.
+        // Rank 0 holds the lock for the ranks (other runs, `grpo data prepare --reference`, wait on it) and
+        // checks again under it; the other ranks wait in rounds, with no bound, and a stop request on any rank
+        // ends the wait on every rank.
         let what = format!("computing the reference log-probs in {}", dir.display());
         let lock_path = dir.join(crate::data::versions::REFERENCE_LOCK);
-        let _lock = if world.is_primary() {
-            Some(crate::data::versions::lock_exclusive(&lock_path, &what, stop)?)
-        } else {
-            None
-        };
+        let mut apart = crate::dist::Apart::begin(world, stop);
+        let lock = world
+            .is_primary()
+            .then(|| crate::data::versions::lock_exclusive_polling(&lock_path, &what, || apart.tick()));
+        if apart.finish() {
+            return Err(TrainError::Interrupted(format!("while waiting for another process {what}")));
+        }
+        let _lock = lock.transpose()?;
         let done_elsewhere = world.is_primary() && {
             remove_temp_values(dir);
             match check(dir, &key, &layout) {
