@@ -329,6 +329,9 @@ struct PredictedStep {
     sync_s: f64,
     launches: f64,
     host_syncs: f64,
+    /// The tensors candle makes in the step by the model's count ([`crate::cost::time::tensor_ops_per_step`]),
+    /// what a run's `tensor_ops_per_step` measures.
+    tensor_ops: f64,
     /// The rates the windows' times are at (scripts/calibrate.py refits them).
     memory_efficiency: f64,
     kernel_launch_s: f64,
@@ -395,6 +398,7 @@ fn predicted_steps(
                 sync_s: p.sync_s,
                 launches: p.launches,
                 host_syncs: p.syncs,
+                tensor_ops: crate::cost::time::tensor_ops_per_step(cfg, &shape),
                 memory_efficiency: gpu.memory_efficiency,
                 kernel_launch_s: gpu.kernel_launch_s,
                 windows: p.windows,

@@ -110,13 +110,13 @@ fn plan_runs_without_weights_and_names_what_to_change() {
         cmd.arg(&seven_b).args(extra);
         String::from_utf8(cmd.assert().success().get_output().stdout.clone()).unwrap()
     };
-    // The seed's config fits an 80 GB card with 10% to spare.
-    let fits = plan(&["--device-memory", "72GiB"]);
+    // The seed's config fits an 80 GB card.
+    let fits = plan(&["--device-memory", "80GiB"]);
     assert!(fits.contains("7.62B parameters") && fits.contains("fits"), "{fits}");
     assert!(fits.contains("optimizer state") && fits.contains("host: optim.offload"), "{fits}");
     // Beside it, the performance model's predicted step on both GPUs it knows.
     for gpu in ["H100 SXM", "A100 80GB"] {
-        let line = fits.lines().find(|l| l.starts_with(&format!("predicted on {gpu}: step "))).expect(gpu);
+        let line = fits.lines().find(|l| l.starts_with(&format!("predicted on {gpu} ("))).expect(gpu);
         assert!(line.contains("tokens/s") && line.contains("MFU") && line.contains("attention at"), "{line}");
     }
     // One that does not fit exits with the documented status 3, advising only what the config has not set.
@@ -138,9 +138,9 @@ fn plan_runs_without_weights_and_names_what_to_change() {
     assert!(too_small.contains("does NOT fit"), "{too_small}");
     let advice = too_small.lines().find(|l| l.starts_with("To fit, ")).expect("advice");
     for set in ["checkpoint_layers", "offload", "attention", "cache_reference"] {
-        assert!(!advice.contains(set), "{set} is already set: {advice}");
+        assert!(!advice.contains(&format!("{set} = ")), "{set} is already set: {advice}");
     }
-    assert!(advice.contains("micro_batch_size under 2") && advice.contains("validation.batch_size"), "{advice}");
+    assert!(advice.contains("no setting of this run can fit it"), "{advice}");
     let err = String::from_utf8(a.get_output().stderr.clone()).unwrap();
     assert!(err.contains("does not fit"), "{err}");
     // A normal run makes the same plan before loading weights and stops when it does not fit.
@@ -241,13 +241,12 @@ fn an_absurd_model_shape_is_refused_by_name() {
     }
 }
 
-/// `--world-size N` (or the launcher's WORLD_SIZE, which the flag overrides): the memory per rank with
-/// the optimizer state sharded over N ranks (ZeRO-1). Without offloading the optimizer state, the seed's
-/// 7B recipe fits 8 x 80 GB: as written (2 answers per micro-batch) within an H100's 79.6 GiB
-/// (nvidia-smi's 81,559 MiB) with under 4% to spare, and with 1 answer per micro-batch within 72 GiB
-/// (10% to spare); the predicted communication is printed.
+/// `--world-size N` (or the launcher's world size): the plan per rank, with the optimizer state sharded
+/// over N ranks (ZeRO-1). Without offloading the optimizer state, 8 ranks take 7/8 of it off each device,
+/// but the seed's 7B recipe at 16k tokens still does not fit an H100's 79.6 GiB (nvidia-smi's 81,559 MiB)
+/// once the memory pool's measured overheads are counted; the predicted communication is printed.
 #[test]
-fn the_seed_recipe_fits_eight_gpus_without_offload() {
+fn the_seed_recipe_on_eight_gpus_shards_the_optimizer_state() {
     let root = common::root();
     let run = |extra: &[&str], env: &[(&str, &str)]| {
         let mut cmd = common::grpo();
@@ -260,45 +259,101 @@ fn the_seed_recipe_fits_eight_gpus_without_offload() {
         let out = cmd.output().unwrap();
         (out.status.code(), String::from_utf8(out.stdout).unwrap())
     };
-    let (h100, spare) = (["--device-memory", "81559MiB"], ["--device-memory", "72GiB"]);
+    let h100 = ["--device-memory", "81559MiB"];
     let (code, one) = run(&h100, &[]);
     assert_eq!(code, Some(3), "one GPU without offload does not fit:\n{one}");
     let (code, eight) = run(&[&h100[..], &["--world-size", "8"]].concat(), &[]);
-    assert_eq!(code, Some(0), "{eight}");
-    let (code, tight) = run(&[&spare[..], &["--world-size", "8"]].concat(), &[]);
-    assert_eq!(code, Some(3), "{tight}");
-    let one_answer = ["--world-size", "8", "--set", "train.micro_batch_size=1"];
-    let (code, spared) = run(&[&spare[..], &one_answer].concat(), &[]);
-    assert_eq!(code, Some(0), "{spared}");
+    assert_eq!(code, Some(3), "{eight}");
+    let tensors = |plan: &str| -> f64 {
+        let line = plan.lines().find(|l| l.starts_with("tensors' peak: ")).expect("tensors' peak");
+        line["tensors' peak: ".len()..].split(" GiB").next().unwrap().parse().unwrap()
+    };
+    // 7/8 of the 12 B per parameter of f32 master weights and moments: 74.5 GiB of 85.1.
+    let saved = tensors(&one) - tensors(&eight);
+    assert!((saved - 74.47).abs() < 0.05, "{saved}\n{one}\n{eight}");
     assert!(eight.contains("per rank of 8") && eight.contains(" / 8 ranks (ZeRO-1)"), "{eight}");
     assert!(eight.contains("8 ranks: ZeRO-1 reduce-scatter + all-gather") && eight.contains("over NVLink"), "{eight}");
     // The launcher's world size is taken when the flag is absent; the flag wins over it.
     let torchrun = [("RANK", "0"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "0")];
-    let (code, launched) = run(&h100, &torchrun);
-    assert_eq!((code, launched.contains("per rank of 8")), (Some(0), true), "{launched}");
-    let (code, flag) = run(&[&h100[..], &["--world-size", "1"]].concat(), &torchrun);
-    assert_eq!(code, Some(3), "{flag}");
+    let (_, launched) = run(&h100, &torchrun);
+    assert!(launched.contains("per rank of 8"), "{launched}");
+    let (_, flag) = run(&[&h100[..], &["--world-size", "1"]].concat(), &torchrun);
+    assert!(!flag.contains("per rank of"), "{flag}");
 }
 
-/// Issue 28's goal for the seed's shape, in the performance model: with the tensor-core kernels and dq by
-/// atomics (`model.attention = "wgmma"`, the `mma` kernels on the A100), attention at >= 40% of the
-/// tensor-core peak and the step at >= 35% MFU on both GPUs the plan predicts for.
+/// The seed's plan prints the calibrated prediction with the card and date it was calibrated on, and says
+/// where a GPU's rates are assumed.
 #[test]
-fn the_seed_step_meets_the_attention_and_mfu_targets_in_the_model() {
+fn the_plan_prints_the_calibrated_prediction_with_its_card_and_date() {
+    let out = seed_plan(&[]);
+    let h100 = out.lines().find(|l| l.starts_with("predicted on H100 SXM (")).expect("an H100 line");
+    assert!(h100.contains("calibrated on NVIDIA H100 80GB HBM3, 2026-11-26") && h100.contains("tokens/s"), "{h100}");
+    let a100 = out.lines().find(|l| l.starts_with("predicted on A100 80GB (")).expect("an A100 line");
+    assert!(a100.contains("assumed rates"), "{a100}");
+}
+
+/// `grpo train --plan` of the seed's config on the 7B shape with `args`: its stdout.
+fn seed_plan(args: &[&str]) -> String {
     let root = common::root();
     let mut cmd = common::grpo();
     cmd.current_dir(&root).args(["train", "--config", "configs/openthinker3.toml", "--plan", "--model-config"]);
     cmd.arg(root.join("configs/models/qwen2.5-7b-instruct.config.json"));
-    cmd.args(["--set", "model.attention=wgmma", "--set", "model.deterministic_attention=false"]);
-    let out = String::from_utf8(cmd.assert().success().get_output().stdout.clone()).unwrap();
-    // "predicted on H100 SXM: step 686.0 s, 6878 tokens/s; MFU 37.0%, attention at 42.5% of peak (...)"
-    let percent = |line: &str, before: &str| -> f64 {
-        let rest = &line[line.find(before).unwrap_or_else(|| panic!("{before} in {line}")) + before.len()..];
-        rest[..rest.find('%').unwrap()].trim().parse().unwrap()
+    let out = cmd.args(args).output().unwrap();
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// The plan's device peak in GiB, from its `device peak:` line.
+fn device_peak_gib(plan: &str) -> f64 {
+    let line = plan.lines().find(|l| l.starts_with("device peak: ")).expect("a device peak line");
+    line["device peak: ".len()..].split(" GiB").next().unwrap().parse().unwrap()
+}
+
+/// The H100 run (benches/results/gpu-2026-11-26-h100.*): the seed's step at micro-batch 1 peaked at
+/// 73,039 MiB in nvidia-smi, and at micro-batch 2 ran out of memory (nvidia-smi at 81,071 MiB of the card's
+/// 81,559). The plan is within 10% of both, refuses micro-batch 2 on 80 GiB, and the config as shipped fits
+/// with at least 5% of the card left.
+#[test]
+fn the_seed_plan_is_within_10_percent_of_what_nvidia_smi_saw() {
+    let mib = |m: f64| m / 1024.0;
+    let one = seed_plan(&["--device-memory", "80GiB", "--set", "train.micro_batch_size=1"]);
+    let (planned, measured) = (device_peak_gib(&one), mib(73039.0));
+    assert!((planned / measured - 1.0).abs() < 0.10, "micro-batch 1: plan {planned} GiB, nvidia-smi {measured}\n{one}");
+    let two = seed_plan(&["--device-memory", "80GiB", "--set", "train.micro_batch_size=2"]);
+    let (planned, measured) = (device_peak_gib(&two), mib(81071.0));
+    assert!((planned / measured - 1.0).abs() < 0.10, "micro-batch 2: plan {planned} GiB, at least {measured}\n{two}");
+    assert!(two.contains("does NOT fit"), "{two}");
+    let shipped = seed_plan(&["--device-memory", "80GiB"]);
+    let left = 1.0 - device_peak_gib(&shipped) / 80.0;
+    assert!(shipped.contains(": fits,") && left >= 0.05, "{left}\n{shipped}");
+}
+
+/// On 40 GiB no setting of the seed's run fits: the advice says so, names the part no setting changes and
+/// why more ranks do not help, and suggests no value; on 80 GiB at micro-batch 2, every value it suggests
+/// fits when planned.
+#[test]
+fn the_memory_advice_never_suggests_what_cannot_fit() {
+    let root = common::root();
+    let run = |args: &[&str]| {
+        let mut cmd = common::grpo();
+        cmd.current_dir(&root).args(["train", "--config", "configs/openthinker3.toml", "--plan", "--model-config"]);
+        cmd.arg(root.join("configs/models/qwen2.5-7b-instruct.config.json")).args(args);
+        let out = cmd.output().unwrap();
+        assert_eq!(out.status.code(), Some(3), "{args:?}");
+        String::from_utf8(out.stdout).unwrap()
     };
-    for gpu in ["H100 SXM", "A100 80GB"] {
-        let line = out.lines().find(|l| l.starts_with(&format!("predicted on {gpu}: step "))).expect(gpu);
-        let (mfu, attention) = (percent(line, "MFU "), percent(line, "attention at "));
-        assert!(mfu >= 35.0 && attention >= 40.0, "{gpu}: MFU {mfu}%, attention {attention}%: {line}");
+    let small = run(&["--device-memory", "40GiB"]);
+    let advice = small.lines().find(|l| l.starts_with("To fit, ")).expect("advice");
+    assert!(advice.contains("no setting of this run can fit it") && advice.contains("the part they do not change"));
+    assert!(advice.contains("more ranks do not help") && !advice.contains(" = "), "{advice}");
+    let eight = run(&["--device-memory", "40GiB", "--world-size", "8"]);
+    assert!(eight.contains("more ranks do not help"), "{eight}");
+    let two = run(&["--device-memory", "80GiB", "--set", "train.micro_batch_size=2"]);
+    let advice = two.lines().find(|l| l.starts_with("To fit, ")).expect("advice");
+    let ways: Vec<&str> = advice.split(", or ").filter(|w| w.contains(" = ") && w.contains("(peak")).collect();
+    assert!(!ways.is_empty(), "{advice}");
+    for way in ways {
+        let set = way.rsplit_once(" (peak").unwrap().0.rsplit("with ").next().unwrap().replace(" = ", "=");
+        let out = seed_plan(&["--device-memory", "80GiB", "--set", "train.micro_batch_size=2", "--set", &set]);
+        assert!(out.contains(": fits,"), "{set}\n{out}");
     }
 }

@@ -72,6 +72,10 @@ pub struct PoolOverhead {
 pub const POOL_OVERHEAD: PoolOverhead =
     PoolOverhead { unitemised: 0.0485, reserve: 0.1290, measured: "H100 80GB HBM3, 2026-11-26" };
 
+/// The fraction of a GPU's memory a plan leaves free: its pool overheads were measured at one step
+/// ([`POOL_OVERHEAD`]); the seed's step at micro-batch 2, planned within 1% of the card, ran out of memory.
+pub const GPU_HEADROOM: f64 = 0.03;
+
 impl PoolOverhead {
     /// The pool's size when its tensors reach `tensors` bytes of the plan.
     pub fn pooled(&self, tensors: u64) -> u64 {
@@ -139,6 +143,8 @@ pub struct Plan {
     pub summary: String,
     /// Bytes of the log-prob op's logits chunk the run uses (as the device sizes it when not set).
     pub logprob_chunk_bytes: u64,
+    /// The model's shape (the advice plans the settings it suggests).
+    pub model: ModelConfig,
 }
 
 /// The activations of one micro-batch kept for (and made during) the backward, in bytes.
@@ -432,7 +438,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     if world > 1 {
         summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
     }
-    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes }
+    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes, model: model.clone() }
 }
 
 /// The tokens of the longest prompt and answer of a micro-batch: `data.max_prompt_tokens` and, for
@@ -512,6 +518,30 @@ fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, r
     )
 }
 
+/// Carry into `floor` the one setting `changed` has changed from `cfg` (the settings the advice lowers).
+fn apply(floor: &mut TrainConfig, changed: &TrainConfig, cfg: &TrainConfig) {
+    let pick = |a: usize, b: usize, c: usize| if a != c { a } else { b };
+    floor.model.checkpoint_layers |= changed.model.checkpoint_layers;
+    floor.model.recompute_attention |= changed.model.recompute_attention;
+    floor.model.cache_reference |= changed.model.cache_reference;
+    floor.optim.offload |= changed.optim.offload;
+    if changed.model.attention != cfg.model.attention || changed.model.fused_ops != cfg.model.fused_ops {
+        (floor.model.attention, floor.model.fused_ops) = (changed.model.attention, changed.model.fused_ops);
+    }
+    let (a, b) = (&changed.train, &cfg.train);
+    floor.train.micro_batch_size = pick(a.micro_batch_size, floor.train.micro_batch_size, b.micro_batch_size);
+    let (a, b) = (&changed.data.sequence, &cfg.data.sequence);
+    floor.data.sequence.max_response_tokens =
+        pick(a.max_response_tokens, floor.data.sequence.max_response_tokens, b.max_response_tokens);
+    if let (Some(f), Some(c), Some(o)) = (floor.validation.as_mut(), &changed.validation, &cfg.validation) {
+        f.batch_size = pick(c.batch_size, f.batch_size, o.batch_size);
+    }
+    if let (Some(f), Some(c), Some(o)) = (floor.rollout.as_mut(), &changed.rollout, &cfg.rollout) {
+        f.batch_size = pick(c.batch_size, f.batch_size, o.batch_size);
+        f.max_new_tokens = pick(c.max_new_tokens, f.max_new_tokens, o.max_new_tokens);
+    }
+}
+
 impl Plan {
     /// The bytes of one phase in one place.
     fn sum(&self, phase: Phase, place: Place) -> u64 {
@@ -554,49 +584,175 @@ impl Plan {
             .saturating_add(self.sum(Phase::Backward, place).max(self.sum(Phase::Update, place)))
     }
 
-    /// Whether the device's peak fits its memory (`None`: the memory is unknown).
+    /// Whether the device's peak fits its memory (`None`: the memory is unknown): on a GPU with
+    /// [`GPU_HEADROOM`] of it to spare.
     pub fn fits(&self) -> Option<bool> {
-        self.inputs.device_memory.map(|m| self.peak(Place::Device) <= m)
+        self.inputs.device_memory.map(|m| self.peak(Place::Device) <= self.usable(m))
     }
 
-    /// What to change in `cfg` when the plan does not fit: only the settings it can still change.
+    /// The part of `memory` bytes of device memory a plan may fill.
+    fn usable(&self, memory: u64) -> u64 {
+        match self.gpu_device(Place::Device) {
+            true => to_bytes(memory as f64 * (1.0 - GPU_HEADROOM)),
+            false => memory,
+        }
+    }
+
+    /// What to change in `cfg` when the plan does not fit: each setting it can still change, planned, with
+    /// the value that fits where one does (never a value the plan shows cannot fit); when no such setting
+    /// fits alone, all of them together; when not even that fits, the part no such setting changes and
+    /// what can.
     pub fn advice(&self, cfg: &TrainConfig) -> String {
-        let mut ways = Vec::new();
+        let mut fitting = Vec::new();
+        let mut floor = cfg.clone();
+        for (what, changed) in self.candidates(cfg) {
+            apply(&mut floor, &changed, cfg);
+            if let Some(peak) = self.fits_with(&changed) {
+                fitting.push(format!("{what} (peak {})", gib(peak)));
+            }
+        }
+        if !fitting.is_empty() {
+            return format!("reduce the peak with {}; or give a device with more memory", fitting.join(", or "));
+        }
+        if let Some(peak) = self.fits_with(&floor) {
+            return format!(
+                "no one setting is enough: together, {} (peak {}); or give a device with more memory",
+                self.candidates(cfg).iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>().join(", "),
+                gib(peak)
+            );
+        }
+        self.fixed_part_advice(&floor)
+    }
+
+    /// The plan of `cfg` on this plan's model and inputs, when it fits: its device peak.
+    fn fits_with(&self, cfg: &TrainConfig) -> Option<u64> {
+        let p = plan(cfg, &self.model, self.inputs_for(cfg));
+        (p.fits() == Some(true)).then(|| p.peak(Place::Device))
+    }
+
+    /// This plan's inputs for a changed `cfg` (its attention and reference cache follow the config).
+    fn inputs_for(&self, cfg: &TrainConfig) -> PlanInputs {
+        let attention = if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix };
+        let reference_cached = self.inputs.reference_cached || crate::train::refcache::reference_is_cacheable(cfg);
+        PlanInputs { attention, reference_cached, ..self.inputs }
+    }
+
+    /// The settings that bring the peak down, each with the config it makes: the largest value that fits
+    /// where there is one, else the least.
+    fn candidates(&self, cfg: &TrainConfig) -> Vec<(String, TrainConfig)> {
+        let mut out = Vec::new();
+        let mut with = |what: String, f: &dyn Fn(&mut TrainConfig)| {
+            let mut c = cfg.clone();
+            f(&mut c);
+            out.push((what, c));
+        };
         if !cfg.model.checkpoint_layers {
-            ways.push("model.checkpoint_layers = true".to_string());
+            with("model.checkpoint_layers = true".into(), &|c| c.model.checkpoint_layers = true);
         } else if !cfg.model.recompute_attention && self.inputs.attention != Attention::Matrix {
-            ways.push("model.recompute_attention = true".to_string());
+            with("model.recompute_attention = true".into(), &|c| c.model.recompute_attention = true);
         }
-        if cfg.train.micro_batch_size > 1 {
-            ways.push(format!("a train.micro_batch_size under {}", cfg.train.micro_batch_size));
-        }
-        ways.push(format!("a data.max_response_tokens under {}", self.max_response_tokens(cfg)));
         if !cfg.optim.offload && !self.inputs.on_cpu {
-            ways.push("optim.offload = true (optimizer state in host memory)".into());
+            with("optim.offload = true (optimizer state in host memory)".into(), &|c| c.optim.offload = true);
         }
         if self.inputs.attention == Attention::Matrix {
-            ways.push("flash attention (model.fused_ops = true, model.attention = \"flash\")".into());
+            let flash = "flash attention (model.fused_ops = true, model.attention = \"flash\")";
+            with(flash.into(), &|c| (c.model.fused_ops, c.model.attention) = (true, Attention::Flash));
         }
         if cfg.objective.build().needs_reference() && !self.inputs.reference_cached {
-            ways.push("cached reference log-probs (model.cache_reference = true)".into());
+            with("cached reference log-probs (model.cache_reference = true)".into(), &|c| {
+                c.model.cache_reference = true
+            });
+        }
+        let mb = cfg.train.micro_batch_size;
+        if mb > 1 {
+            let n = self.largest(cfg, (1, mb - 1), &|c, n| c.train.micro_batch_size = n);
+            with(format!("train.micro_batch_size = {n}"), &|c| c.train.micro_batch_size = n);
+        }
+        let response = cfg.data.sequence.max_response_tokens;
+        if response == 0 || response > 1024 {
+            let top = if response == 0 { self.model.max_position_embeddings } else { response - 1 };
+            let n = self.largest(cfg, (1024, top), &|c, n| c.data.sequence.max_response_tokens = n) / 256 * 256;
+            with(format!("data.max_response_tokens = {}", n.max(1024)), &|c| {
+                c.data.sequence.max_response_tokens = n.max(1024)
+            });
+        }
+        if let Some(r) = cfg.rollout.as_ref().filter(|r| r.max_new_tokens > 1024) {
+            let set = |c: &mut TrainConfig, n| c.rollout.as_mut().expect("set").max_new_tokens = n;
+            let n = self.largest(cfg, (1024, r.max_new_tokens - 1), &set) / 256 * 256;
+            let n = n.max(1024);
+            with(format!("rollout.max_new_tokens = {n}"), &|c| c.rollout.as_mut().expect("set").max_new_tokens = n);
         }
         if let Some(v) = cfg.validation.as_ref().filter(|v| v.batch_size > 1) {
-            ways.push(format!("a validation.batch_size under {}", v.batch_size));
+            let set = |c: &mut TrainConfig, n| c.validation.as_mut().expect("set").batch_size = n;
+            let n = self.largest(cfg, (1, v.batch_size - 1), &set);
+            with(format!("validation.batch_size = {n}"), &|c| c.validation.as_mut().expect("set").batch_size = n);
         }
         if let Some(r) = cfg.rollout.as_ref().filter(|r| r.batch_size > 1) {
-            ways.push(format!("a rollout.batch_size under {}", r.batch_size));
+            let set = |c: &mut TrainConfig, n| c.rollout.as_mut().expect("set").batch_size = n;
+            let n = self.largest(cfg, (1, r.batch_size - 1), &set);
+            with(format!("rollout.batch_size = {n}"), &|c| c.rollout.as_mut().expect("set").batch_size = n);
         }
-        let last = ways.pop().unwrap_or_default();
-        let list = if ways.is_empty() { last } else { format!("{} or {last}", ways.join(", ")) };
-        format!("reduce the peak with {list}; or give a device with more memory")
+        out
     }
 
-    /// The response length the plan used: `data.max_response_tokens`, or the model's context when 0.
-    fn max_response_tokens(&self, cfg: &TrainConfig) -> String {
-        match cfg.data.sequence.max_response_tokens {
-            0 => "the model's context (0: no limit)".into(),
-            n => n.to_string(),
+    /// The largest value in `low..=high` that `set` makes fit (a bisection: the peak grows with each of
+    /// these settings), or `low` when none does.
+    fn largest(&self, cfg: &TrainConfig, (low, high): (usize, usize), set: &dyn Fn(&mut TrainConfig, usize)) -> usize {
+        let fits = |n: usize| {
+            let mut c = cfg.clone();
+            set(&mut c, n);
+            self.fits_with(&c).is_some()
+        };
+        let (mut lo, mut hi) = (low, high);
+        if !fits(lo) {
+            return low;
         }
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if fits(mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    }
+
+    /// When every setting at its least still does not fit: the part none of them changes (the weights,
+    /// the f32 gradient accumulator, the optimiser state on the device, a reference copy, the context), and
+    /// what can change it.
+    fn fixed_part_advice(&self, floor: &TrainConfig) -> String {
+        let fixed = plan(floor, &self.model, self.inputs);
+        let names = ["weights", "gradients (f32 accumulator)", "optimizer state", "reference model", "anchor snapshot"];
+        let part: u64 = fixed
+            .components
+            .iter()
+            .filter(|c| c.place == Place::Device && names.contains(&c.name.as_str()))
+            .map(|c| c.bytes)
+            .sum();
+        let part = match self.gpu_device(Place::Device) {
+            true => POOL_OVERHEAD.pooled(part) + CUDA_CONTEXT_BYTES,
+            false => part,
+        };
+        let memory = self.inputs.device_memory.unwrap_or(0);
+        let ranks = match floor.optim.offload {
+            true => "more ranks do not help: ZeRO-1 shards only the optimizer state, which optim.offload already \
+                     keeps in host memory, and every rank holds the whole weights and f32 gradients"
+                .to_string(),
+            false => "more ranks shard the optimizer state (--world-size N: ZeRO-1) but not the weights or the f32 \
+                      gradients"
+                .to_string(),
+        };
+        format!(
+            "no setting of this run can fit it: at the least of every one (the micro-batch, the lengths, the batch \
+             sizes, recomputation, offload) the plan's peak is {}, of which {} is the part they do not change (the \
+             weights, the f32 gradient accumulator, the optimizer state on the device, a reference copy, and on a \
+             GPU the memory pool and the context) against the device's {}; {ranks}; a smaller model or a device \
+             with more memory does",
+            gib(fixed.peak(Place::Device)),
+            gib(part),
+            gib(memory)
+        )
     }
 }
 
@@ -666,8 +822,15 @@ impl fmt::Display for Plan {
         match self.inputs.device_memory {
             Some(m) => {
                 let peak = self.peak(Place::Device);
-                let verdict = if peak <= m {
+                let verdict = if peak <= self.usable(m) {
                     format!("fits, {} ({:.0}%) left", gib(m - peak), 100.0 * (m - peak) as f64 / m as f64)
+                } else if peak <= m {
+                    format!(
+                        "does NOT fit: {} under the device's memory, within the {:.0}% a GPU's plan keeps free for its \
+                         measured overheads' spread",
+                        gib(m - peak),
+                        100.0 * GPU_HEADROOM
+                    )
                 } else {
                     format!("does NOT fit: {} over", gib(peak - m))
                 };
@@ -965,21 +1128,34 @@ mod tests {
         assert!(text.contains("does NOT fit") && text.contains("weights") && text.contains("device peak"), "{text}");
         p.inputs.device_memory = None;
         assert_eq!(p.fits(), None);
+        // Nothing fits 1000 bytes: the advice names the part no setting changes, and suggests no value.
         let cfg = config(&[]);
-        let all =
-            ["checkpoint_layers", "micro_batch_size", "max_response_tokens", "offload", "attention", "cache_reference"];
-        for key in all {
-            assert!(p.advice(&cfg).contains(key), "{key}: {}", p.advice(&cfg));
+        let none = p.advice(&cfg);
+        assert!(none.contains("no setting of this run can fit it") && none.contains("do not change"), "{none}");
+        assert!(!none.contains(" = "), "{none}");
+        // On a device between the floor and the plan, each setting that fits alone is named with its value
+        // and the peak it plans, and only those.
+        let floor = config(&["model.checkpoint_layers=true", "train.micro_batch_size=1", "optim.offload=true"]);
+        let cpu = |a| PlanInputs { on_cpu: true, ..inputs(a) };
+        let floor = plan(&floor, &m, PlanInputs { reference_cached: true, ..cpu(Attention::Flash) });
+        let mut q = plan(&cfg, &m, cpu(Attention::Matrix));
+        q.inputs.device_memory = Some(q.peak(Place::Device) - 1);
+        let advice = q.advice(&cfg);
+        assert!(advice.starts_with("reduce the peak with") && advice.contains("(peak "), "{advice}");
+        for way in advice.trim_start_matches("reduce the peak with ").split(", or ").filter(|w| w.contains("(peak")) {
+            let peak = way.rsplit("(peak ").next().unwrap().split(" GiB").next().unwrap();
+            let peak = peak.parse::<f64>().unwrap() - 0.005; // (shown to 0.01 GiB)
+            assert!(peak * (1u64 << 30) as f64 <= q.inputs.device_memory.unwrap() as f64, "{way}");
         }
+        assert!(floor.peak(Place::Device) < q.peak(Place::Device));
         // Settings the config already has are not advised.
         let set = config(&["model.checkpoint_layers=true", "train.micro_batch_size=1", "optim.offload=true"]);
-        let mut q = plan(&set, &m, PlanInputs { reference_cached: true, ..inputs(Attention::Flash) });
-        q.inputs.device_memory = Some(1000);
-        let advice = q.advice(&set);
+        let mut r = plan(&set, &m, PlanInputs { reference_cached: true, ..cpu(Attention::Flash) });
+        r.inputs.device_memory = Some(r.peak(Place::Device) - 1);
+        let advice = r.advice(&set);
         for key in ["checkpoint_layers", "micro_batch_size", "offload", "attention", "cache_reference"] {
-            assert!(!advice.contains(key), "{key}: {advice}");
+            assert!(!advice.contains(&format!("{key} = ")), "{key}: {advice}");
         }
-        assert!(advice.contains("max_response_tokens") && advice.contains("more memory"), "{advice}");
     }
 
     #[test]

@@ -1033,6 +1033,14 @@ pub fn zero1_comms(params: u64, world: u64, gpus_per_node: u64, gpu: &Gpu) -> Ze
     }
 }
 
+/// Where `gpu`'s rates come from, for the reader of a prediction.
+pub fn calibration_note(gpu: &Gpu) -> String {
+    match gpu.calibration {
+        Some(c) => format!("calibrated on {}, {}", c.card, c.date),
+        None => "assumed rates: no such card has run grpo".to_string(),
+    }
+}
+
 /// GPUs per node in the scaling estimate (an HGX / DGX H100 or A100 node).
 pub const GPUS_PER_NODE: u64 = 8;
 
@@ -1072,9 +1080,11 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         let comms = zero1_comms(m.num_parameters() as u64, world, GPUS_PER_NODE, gpu);
         let step = p.step_s + comms.seconds();
         out.push_str(&format!(
-            "predicted on {}: step {:.1} s, {:.0} tokens/s{}; MFU {:.1}%, attention at {:.1}% of peak (GEMMs {:.1} s, \
-             attention {:.1} s, element-wise {:.1} s, host {:.1} s; {:.3e} launches, {:.0} host syncs)\n",
+            "predicted on {} ({}): step {:.1} s, {:.0} tokens/s{}; MFU {:.1}%, attention at {:.1}% of peak (device: \
+             GEMMs {:.1} s, attention {:.1} s, element-wise {:.1} s; waiting for the host {:.1} s; {:.3e} tensor ops \
+             and launches, {:.0} host syncs)\n",
             gpu.name,
+            calibration_note(gpu),
             step,
             tokens / step,
             if world > 1 { format!(" on {world} GPUs") } else { String::new() },

@@ -1,0 +1,110 @@
+//! The performance model against what it was calibrated on (src/cost/calibration.rs): every committed
+//! H100 train step (benches/results/gpu-*-h100.jsonl) predicted within 25% by `grpo bench train-step
+//! --predict-only` with the same settings; and the tensors candle makes in a step, counted by `grpo bench
+//! train-step` on the CPU, as the model counts them (so a change to the step's ops that the model does not
+//! know of fails here).
+
+mod common;
+
+use serde_json::Value;
+
+/// The `grpo bench train-step` arguments of a measured line (scripts/calibrate.py's `bench_args`).
+fn bench_args(r: &Value) -> Vec<String> {
+    let root = common::root();
+    let name = r["shape"].as_str().unwrap();
+    let shape =
+        [root.join(format!("scripts/gpu/shapes/{name}.json")), root.join(format!("configs/models/{name}.json"))]
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("no shape file for {name}"));
+    let mut args: Vec<String> = vec!["--shape".into(), shape.display().to_string()];
+    for (flag, key) in [
+        ("--answers", "answers"),
+        ("--seq-len", "seq_len"),
+        ("--prompt-len", "prompt_len"),
+        ("--micro-batch", "micro_batch"),
+        ("--logprob-chunk-mb", "logprob_chunk_mb"),
+    ] {
+        args.extend([flag.to_string(), r[key].to_string()]);
+    }
+    args.extend(["--dtype".into(), r["dtype"].as_str().unwrap().into()]);
+    args.extend(["--attention".into(), r["attention"].as_str().unwrap().into()]);
+    for (flag, key) in [
+        ("--checkpoint-layers", "checkpoint_layers"),
+        ("--keep-attention", "keep_attention"),
+        ("--atomic-dq", "atomic_dq"),
+        ("--offload", "offload"),
+    ] {
+        if r[key].as_bool() == Some(true) {
+            args.push(flag.into());
+        }
+    }
+    if r["reference"].as_bool() == Some(false) {
+        args.push("--no-reference".into());
+    }
+    args
+}
+
+fn bench(args: &[String]) -> Value {
+    let out = common::grpo().args(["bench", "train-step"]).args(args).output().unwrap();
+    assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn every_committed_h100_train_step_is_predicted_within_25_percent() {
+    let dir = common::root().join("benches/results");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if !(name.starts_with("gpu-") && name.ends_with("-h100.jsonl")) {
+            continue;
+        }
+        for line in std::fs::read_to_string(&path).unwrap().lines() {
+            let Ok(r) = serde_json::from_str::<Value>(line) else { continue };
+            if r["bench"] != "train_step" || r["impl"] != "grpo" {
+                continue;
+            }
+            let mut args = bench_args(&r);
+            args.push("--predict-only".into());
+            let predicted = bench(&args);
+            let h100 = predicted["predicted"].as_array().unwrap().iter().find(|p| p["gpu"] == "H100 SXM").unwrap();
+            assert_eq!(h100["calibrated_on"], "NVIDIA H100 80GB HBM3, 2026-11-26");
+            let (p, m) = (h100["step_time_s"].as_f64().unwrap(), r["step_time_s"].as_f64().unwrap());
+            assert!((p / m - 1.0).abs() <= 0.25, "{name}: predicted {p} s, measured {m} s: {args:?}");
+            checked += 1;
+        }
+    }
+    assert!(checked >= 4, "{checked} steps checked");
+}
+
+/// A small Qwen2-style shape with `layers` layers (the 0.5B's widths, a 4,096-token vocabulary).
+fn small_shape(dir: &std::path::Path, layers: usize) -> String {
+    let raw = std::fs::read_to_string(common::root().join("scripts/gpu/shapes/qwen2.5-0.5b.json")).unwrap();
+    let mut cfg: Value = serde_json::from_str(&raw).unwrap();
+    cfg["num_hidden_layers"] = layers.into();
+    cfg["vocab_size"] = 4096.into();
+    let path = dir.join(format!("small-{layers}.json"));
+    std::fs::write(&path, cfg.to_string()).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn the_tensor_ops_of_a_step_are_the_models() {
+    let dir = tempfile::tempdir().unwrap();
+    for (layers, answers, extra) in
+        [(3, 3, vec![]), (2, 2, vec!["--checkpoint-layers"]), (2, 2, vec!["--no-reference"])]
+    {
+        let mut args: Vec<String> = ["--shape", &small_shape(dir.path(), layers), "--answers", &answers.to_string()]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--seq-len", "64", "--prompt-len", "16", "--warmup", "1", "--repeats", "1"].map(String::from));
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let measured = bench(&args)["tensor_ops_per_step"].as_f64().unwrap();
+        args.push("--predict-only".into());
+        let predicted = bench(&args)["predicted"][0]["tensor_ops"].as_f64().unwrap();
+        assert!((predicted / measured - 1.0).abs() < 0.05, "{args:?}: model {predicted}, counted {measured}");
+    }
+}
