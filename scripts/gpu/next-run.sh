@@ -20,7 +20,8 @@
 # Outputs, named after the date and the card (nvidia-smi's name, e.g. "NVIDIA H100 80GB HBM3" -> h100), in
 # OUTDIR (default $OUT where the device tool sets it, else benches/results): gpu-DATE-CARD.jsonl (one JSON line
 # a measurement, skip or error), gpu-DATE-CARD.txt (the report), gpu-DATE-CARD.json (report.py's JSON) and
-# gpu-DATE-CARD.log (everything printed: selftest table, profile tables, plan).
+# gpu-DATE-CARD.log (everything printed: selftest table, profile tables, plan); -HHMM is added to the name
+# where that day and card have files already.
 # --dry-run (or DRY_RUN=1): the same steps on the CPU in f32 with scripts/gpu/shapes/tiny.json and tiny lengths,
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
@@ -52,9 +53,9 @@ else
         chmod +x "$BIN"
     fi
     # The binary links cuBLAS/cuRAND/cudart 13 without a RUNPATH: the CUDA 13 wheels of the Python
-    # environment, else a system copy.
-    lib=$("$PY" -c 'import nvidia, os; r = list(nvidia.__path__)[0]; print(os.path.join(r, "cu13", "lib"))' 2>/dev/null)
-    [ -e "$lib/libcublas.so.13" ] || lib=$(find /opt /usr/local /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1 | xargs -r dirname)
+    # environment (and their NCCL, for a binary that still links it), else a system copy.
+    lib=$("$PY" -c 'import nvidia, os; r = list(nvidia.__path__)[0]; print(":".join(os.path.join(r, d, "lib") for d in ("cu13", "nccl")))' 2>/dev/null)
+    [ -e "${lib%%:*}/libcublas.so.13" ] || lib=$(find /opt /usr/local /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1 | xargs -r dirname)
     [ -n "$lib" ] && export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
     # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100; else the whole name as a slug.
@@ -64,10 +65,18 @@ m = re.search(r"\b([A-Za-z]+\d+[A-Za-z]*)\b", n)
 print((m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", n.lower()).strip("-")).lower() or "gpu")' "$GPU_NAME")}
 fi
 [ -x "$BIN" ] || { echo "missing $BIN (build it with scripts/gpu/pack.sh and carry gpu-bin)" >&2; exit 2; }
+# A binary that does not start (a library missing) would fail every step: say why and stop at once.
+if ! "$BIN" --version >/dev/null 2>&1; then
+    "$BIN" --version 2>&1 | tail -3
+    ldd "$BIN" 2>&1 | grep -i 'not found'
+    exit 3
+fi
 DATE=${DATE:-$(date -u +%F)}
 export DATE
 mkdir -p "$OUTDIR"
 NAME="$OUTDIR/gpu-$DATE-$CARD"
+# A second run on one card and day keeps the first one's files.
+[ -e "$NAME.jsonl" ] && NAME="$NAME-$(date -u +%H%M)"
 R="$NAME.jsonl"
 : >"$R"
 exec > >(tee "$NAME.log") 2>&1
