@@ -9,7 +9,11 @@ reference is "torch" or "torch_naive". A line {"bench": "error", "what", "messag
 Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape) and {"bench": "attention", ...}
 (one layer's attention, chunked GEMMs or tensor-core kernels) are printed as they are.
 Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
-run) are shown too.
+run) are shown too, and {"bench": "skipped", "what", "reason"} lines (steps a run left out) are listed.
+Predicted vs measured: every train_step line of ours that carries `predicted` (the performance model's step per
+GPU, src/cost/) gets a row with its measured step, the prediction for the card that ran (the entry with
+`measured_over_predicted`; on the CPU, where none has one, the first GPU's prediction is shown without a ratio)
+and the ratio; the rows are in the JSON as "predictions".
 Pairs are made on (shape, answers, seq_len) for train_step, (tokens, hidden, vocab, with_loss)
 for logprob and (shape, batch, new_tokens) for generate. Every line of ours gets a row against
 the last torch line of its key (so several runs of ours, e.g. with different checkpoint_layers,
@@ -207,6 +211,39 @@ def print_tables(rows):
            for r in by_bench["generate"]])
 
 
+def variant(rec):
+    """What tells apart our train_step lines on one key, short: attention, checkpointing, offload, micro-batch."""
+    out = [rec.get("attention") or "flash"]
+    out += [name for name, on in (("ckpt", rec.get("checkpoint_layers")), ("keep", rec.get("keep_attention")),
+                                  ("atomic-dq", rec.get("atomic_dq")), ("offload", rec.get("offload")),
+                                  ("no-ref", rec.get("reference") is False)) if on]
+    return " ".join(out + [f"mb{rec.get('micro_batch')}"])
+
+
+def predictions(records):
+    """One row per train_step line of ours with a prediction: measured step beside the model's."""
+    rows = []
+    for rec in records:
+        if rec.get("bench") != "train_step" or rec.get("impl") not in OURS or not rec.get("predicted"):
+            continue
+        preds = rec["predicted"]
+        pred = next((p for p in preds if p.get("measured_over_predicted") is not None), preds[0])
+        rows.append({"shape": rec.get("shape"), "answers": rec.get("answers"), "seq_len": rec.get("seq_len"),
+                     "variant": variant(rec), "device": rec.get("device"), "measured_s": rec.get("step_time_s"),
+                     "predicted_gpu": pred.get("gpu"), "predicted_s": pred.get("step_time_s"),
+                     "calibrated_on": pred.get("calibrated_on"),
+                     "measured_over_predicted": pred.get("measured_over_predicted")})
+    return rows
+
+
+def print_predictions(rows):
+    table("predicted vs measured train step (performance model, src/cost/; ratio on the card that ran)",
+          ["shape", "answers", "seq_len", "variant", "measured s", "predicted s", "on", "measured/predicted"],
+          [[r["shape"], r["answers"], r["seq_len"], r["variant"], fmt(r["measured_s"], ".3f"),
+            fmt(r["predicted_s"], ".3f"), r["predicted_gpu"], fmt(r["measured_over_predicted"], ".2f")]
+           for r in rows])
+
+
 def main():
     if len(sys.argv) != 3:
         sys.exit(__doc__)
@@ -219,9 +256,11 @@ def main():
         "results": records,
         "comparisons": rows,
         "correctness": [r for r in records if r.get("bench") in ("correctness", "smoke")],
+        "predictions": predictions(records),
     }
     print(f"{report['date']} on {report['device']}")
     print_tables(rows)
+    print_predictions(report["predictions"])
     for t in (r for r in records if r.get("bench") == "correctness"):
         print(f"\ncorrectness {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'} "
               f"({t.get('tests_ok')} tests ok)")
@@ -239,6 +278,8 @@ def main():
               f"ratio {t.get('ratio', 0):.2f}); forward {t.get('forward_gflops', 0) / 1e3:.1f} TFLOP/s "
               f"(ratio {t.get('forward_ratio', 0):.2f}), backward {(t.get('backward_gflops') or 0) / 1e3:.1f} "
               f"(ratio {(t.get('backward_ratio') or 0):.2f})")
+    for t in (r for r in records if r.get("bench") == "skipped"):
+        print(f"\nskipped {t.get('what')}: {t.get('reason')}")
     for err in (r for r in records if r.get("bench") == "error"):
         print(f"\nERROR in {err.get('what')}: {err.get('message')}")
     Path(sys.argv[2]).write_text(json.dumps(report, indent=1) + "\n")

@@ -1,4 +1,8 @@
 #!/usr/bin/env bash
+# Without arguments (or with --dry-run) this runs scripts/gpu/next-run.sh: the GPU run in one call of at most
+# 8 minutes that a session with a lent GPU runs first (docs/cuda.md, "The next GPU run"). With PARTs it runs
+# the longer measurements below, part by part.
+#
 # The GPU measurements of grpo, in one invocation, on a machine with an NVIDIA GPU (builds nothing):
 #   0. `grpo selftest --device cuda:0`: every fused kernel, one training step and one generation of a tiny
 #      model against the CPU reference, as a table (what a user runs first on a new machine);
@@ -22,7 +26,8 @@
 #      2048 + 4096 and 2048 + 16384 tokens: the measured peak device memory beside `grpo train --plan`'s.
 # Then scripts/gpu/report.py prints the table and writes gpu-<date>.json.
 #
-#   scripts/gpu/run.sh [PART...]      PART: selftest tests smoke logprob generate attention train seed7b (default: all but
+#   scripts/gpu/run.sh [--dry-run]    the next GPU run (scripts/gpu/next-run.sh)
+#   scripts/gpu/run.sh PART...        PART: selftest tests smoke logprob generate attention train seed7b (all but
 #                                     seed7b, which needs an 80 GB card and ~100 GB of host memory)
 #
 # env: BIN (default gpu-bin/grpo), TESTS (default gpu-bin/cuda_ops), OUTDIR (default $OUT, else
@@ -42,6 +47,9 @@
 # their gpu-results.jsonl and run `scripts/gpu/report.py ALL.jsonl benches/results/gpu-<date>.json`.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
+if [ $# -eq 0 ] || [ "$1" = --dry-run ]; then
+    exec scripts/gpu/next-run.sh "$@"
+fi
 BIN=${BIN:-gpu-bin/grpo}
 TESTS=${TESTS:-gpu-bin/cuda_ops}
 OUTDIR=${OUTDIR:-${OUT:-benches/results}}
@@ -73,7 +81,6 @@ SEED_MEMORY=${SEED_MEMORY:-80GiB}
 DEVICE=${DEVICE:-cuda:0}
 TORCH_DEVICE=${TORCH_DEVICE:-cuda}
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(selftest tests smoke logprob generate attention train)
 ATTENTION_LENS=${ATTENTION_LENS:-4096 16384}
 
 # The binary links cuBLAS/cuRAND/cudart 13 and finds no RUNPATH: point the loader at them.

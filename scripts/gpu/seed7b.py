@@ -1,7 +1,7 @@
 """One JSON line of run.sh's seed7b part: the measured peak of one training step at the 7B shape beside
 `grpo train --plan`'s prediction for the same micro-batch.
 
-    seed7b.py WORKDIR RC RESPONSE_TOKENS PROMPT_TOKENS DEVICE SHAPE
+    seed7b.py WORKDIR RC RESPONSE_TOKENS PROMPT_TOKENS DEVICE SHAPE [ANSWERS]   (ANSWERS: 8)
 
 WORKDIR holds plan.txt (the plan's output), bench.txt / bench.err (`grpo bench train-step`, exit status RC)
 and, on a GPU, smi.txt (nvidia-smi's memory.used in MiB, one sample per line).
@@ -34,7 +34,8 @@ def plan_numbers(text):
 def main():
     work, rc, device, shape = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[5], Path(sys.argv[6]).name
     response, prompt = int(sys.argv[3]), int(sys.argv[4])
-    rec = {"bench": "seed7b", "what": f"train step, {shape}, 8 x ({prompt} + {response}) tokens, seed settings",
+    answers = int(sys.argv[7]) if len(sys.argv) > 7 else 8
+    rec = {"bench": "seed7b", "what": f"train step, {shape}, {answers} x ({prompt} + {response}) tokens, seed settings",
            "device": device, "shape": shape, "response_tokens": response, "prompt_tokens": prompt}
     plan_text = (work / "plan.txt").read_text() if (work / "plan.txt").exists() else ""
     rec.update(plan_numbers(plan_text) or {"plan_error": plan_text[-600:]})

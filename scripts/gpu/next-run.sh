@@ -1,0 +1,186 @@
+#!/usr/bin/env bash
+# The GPU run of grpo in one call of at most 8 minutes, building nothing: what a session with a lent GPU runs
+# first (docs/cuda.md, "The next GPU run"). In priority order, each step under its own `timeout` and all of them
+# under DEADLINE seconds (a step that no longer fits is written as skipped):
+#   1. `grpo selftest` (every fused kernel, a training step and a generation against the CPU reference);
+#   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
+#      wgmma with dq by atomics) kernels;
+#   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
+#      default attention and wgmma + keep-attention + atomic dq;
+#   4. the 7B shape with the seed's memory settings at micro-batch 1, SEED_ANSWERS x (2048 + 16384) tokens,
+#      --warmup 0 --repeats 1 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
+#      the same settings (scripts/gpu/seed7b.py puts them side by side);
+#   5. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
+#      transformers import (a skipped line otherwise), and grpo at 1k beside it.
+# Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
+# the card that ran) and its `profile`; report.py prints the tables and the predicted-vs-measured table.
+#
+#   scripts/gpu/next-run.sh [--dry-run]
+#
+# Outputs, named after the date and the card (nvidia-smi's name, e.g. "NVIDIA H100 80GB HBM3" -> h100), in
+# OUTDIR (default $OUT where the device tool sets it, else benches/results): gpu-DATE-CARD.jsonl (one JSON line
+# a measurement, skip or error), gpu-DATE-CARD.txt (the report), gpu-DATE-CARD.json (report.py's JSON) and
+# gpu-DATE-CARD.log (everything printed: selftest table, profile tables, plan); -HHMM is added to the name
+# where that day and card have files already.
+# --dry-run (or DRY_RUN=1): the same steps on the CPU in f32 with scripts/gpu/shapes/tiny.json and tiny lengths,
+# BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
+# env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
+# (python3), SEED_ANSWERS (4), LONG_ANSWERS (4).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+DRY=${DRY_RUN:-0}
+[ "${1:-}" = --dry-run ] && DRY=1
+export RUST_BACKTRACE=0
+PY=${PYTHON:-python3}
+DEADLINE=${DEADLINE:-450}
+SEED_ANSWERS=${SEED_ANSWERS:-4}
+LONG_ANSWERS=${LONG_ANSWERS:-4}
+S=scripts/gpu/shapes
+if [ "$DRY" = 1 ]; then
+    BIN=${BIN:-target/debug/grpo}
+    OUTDIR=${OUTDIR:-$(mktemp -d)}
+    DEVICE=cpu DTYPE=f32 CARD=${CARD:-cpu}
+    SMALL=$S/tiny.json SEED_SHAPE=$S/tiny.json
+    SHORT=32 MID=64 LONG=128 PROMPT=16 ATT_LENS="64 128" SEED_PROMPT=16 SEED_LEN=48
+else
+    BIN=${BIN:-gpu-bin/grpo}
+    OUTDIR=${OUTDIR:-${OUT:-benches/results}}
+    DEVICE=cuda:0 DTYPE=bf16
+    SMALL=$S/qwen2.5-0.5b.json SEED_SHAPE=configs/models/qwen2.5-7b-instruct.config.json
+    SHORT=1024 MID=4096 LONG=16384 PROMPT=128 ATT_LENS="4096 16384" SEED_PROMPT=2048 SEED_LEN=16384
+    if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
+        "$PY" -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$BIN.xz" "$BIN"
+        chmod +x "$BIN"
+    fi
+    # The binary links cuBLAS/cuRAND/cudart 13 without a RUNPATH: the CUDA 13 wheels of the Python
+    # environment (and their NCCL, for a binary that still links it), else a system copy.
+    lib=$("$PY" -c 'import nvidia, os; r = list(nvidia.__path__)[0]; print(":".join(os.path.join(r, d, "lib") for d in ("cu13", "nccl")))' 2>/dev/null)
+    [ -e "${lib%%:*}/libcublas.so.13" ] || lib=$(find /opt /usr/local /usr/lib -name 'libcublas.so.13' 2>/dev/null | head -1 | xargs -r dirname)
+    [ -n "$lib" ] && export LD_LIBRARY_PATH="$lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA A100-SXM4-80GB" -> a100; else the whole name as a slug.
+    CARD=${CARD:-$("$PY" -c 'import re, sys
+n = re.sub(r"^NVIDIA\s+", "", sys.argv[1].strip())
+m = re.search(r"\b([A-Za-z]+\d+[A-Za-z]*)\b", n)
+print((m.group(1) if m else re.sub(r"[^a-z0-9]+", "-", n.lower()).strip("-")).lower() or "gpu")' "$GPU_NAME")}
+fi
+[ -x "$BIN" ] || { echo "missing $BIN (build it with scripts/gpu/pack.sh and carry gpu-bin)" >&2; exit 2; }
+# A binary that does not start (a library missing) would fail every step: say why and stop at once.
+if ! "$BIN" --version >/dev/null 2>&1; then
+    "$BIN" --version 2>&1 | tail -3
+    ldd "$BIN" 2>&1 | grep -i 'not found'
+    exit 3
+fi
+DATE=${DATE:-$(date -u +%F)}
+export DATE
+mkdir -p "$OUTDIR"
+NAME="$OUTDIR/gpu-$DATE-$CARD"
+# A second run on one card and day keeps the first one's files.
+[ -e "$NAME.jsonl" ] && NAME="$NAME-$(date -u +%H%M)"
+R="$NAME.jsonl"
+: >"$R"
+exec > >(tee "$NAME.log") 2>&1
+TMP=$(mktemp -d)
+echo "grpo next GPU run: $DATE, card $CARD, device $DEVICE, binary $BIN ($("$BIN" --version 2>&1)), outputs $NAME.*"
+[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+
+jstr() { "$PY" -c 'import json, sys; print(json.dumps(sys.stdin.read()))'; }
+skip() { # skip WHAT REASON
+    echo "{\"bench\": \"skipped\", \"what\": \"$1\", \"reason\": \"$2\"}" | tee -a "$R"
+}
+# step NAME LIMIT CMD...: under the smaller of LIMIT and the time left; its last JSON line, or an error line, to R.
+# Its stderr (the profile table) goes to the log.
+step() {
+    local name=$1 lim=$2
+    shift 2
+    local left=$((DEADLINE - SECONDS))
+    if [ $left -lt 15 ]; then skip "$name" "no time left (deadline $DEADLINE s)"; return; fi
+    [ "$lim" -gt $left ] && lim=$left
+    echo ">> [$SECONDS s] $name (limit $lim s)"
+    local t0=$SECONDS rc line
+    timeout "$lim" "$@" >"$TMP/out" 2>"$TMP/err"
+    rc=$?
+    line=$(grep '^{' "$TMP/out" | tail -1)
+    if [ $rc = 0 ] && [ -n "$line" ]; then
+        cat "$TMP/err"
+        echo "$line" >>"$R"
+        echo "$line" | cut -c1-400
+    else
+        echo "{\"bench\": \"error\", \"what\": \"$name\", \"message\": $( (echo "exit $rc"; tail -c 700 "$TMP/err") | jstr)}" | tee -a "$R"
+    fi
+    echo "   ($((SECONDS - t0)) s)"
+}
+
+# 1. selftest
+echo ">> [$SECONDS s] selftest"
+if timeout 90 "$BIN" -q selftest --device "$DEVICE" >"$TMP/selftest" 2>&1; then ok=true; else ok=false; fi
+cat "$TMP/selftest"
+echo "{\"bench\": \"correctness\", \"what\": \"grpo selftest --device $DEVICE\", \"passed\": $ok, \"tests_ok\": $(grep -c '  pass  ' "$TMP/selftest")}" | tee -a "$R"
+
+# 2. attention, one layer at the 7B's heads
+for len in $ATT_LENS; do
+    for k in chunked mma wgmma wgmma-atomic; do
+        f=()
+        [ $k != chunked ] && f=("--${k%-atomic}")
+        [ $k = wgmma-atomic ] && f+=(--atomic-dq)
+        step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
+            --warmup 1 --repeats 3
+    done
+done
+
+# 3. the profile at the 0.5B shape
+c=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --logprob-chunk-mb 1024 --device "$DEVICE" --profile)
+fast=(--attention wgmma --keep-attention --atomic-dq)
+step "train-step grpo 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $MID --warmup 1 --repeats 2
+step "train-step grpo wgmma 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" --answers 8 --seq-len $MID \
+    --warmup 1 --repeats 2
+step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --answers "$LONG_ANSWERS" \
+    --seq-len $LONG --warmup 1 --repeats 1
+step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
+    --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 1
+
+# 4. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
+W=$TMP/seed7b
+mkdir -p "$W"
+"$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
+    --device-memory 80GiB --set "data.max_prompt_tokens=$SEED_PROMPT" --set "data.max_response_tokens=$SEED_LEN" \
+    --set train.micro_batch_size=1 >"$W/plan.txt" 2>&1
+cat "$W/plan.txt"
+smi=
+if [ "$DRY" = 1 ]; then
+    skip "nvidia-smi memory sampling" "dry run on the CPU"
+else
+    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$W/smi.txt" &
+    smi=$!
+fi
+step "train-step grpo 7b seed mb1 $SEED_ANSWERS x $((SEED_PROMPT + SEED_LEN))" 170 "$BIN" -q bench train-step \
+    --shape "$SEED_SHAPE" --answers "$SEED_ANSWERS" --seq-len $((SEED_PROMPT + SEED_LEN)) --prompt-len "$SEED_PROMPT" \
+    --micro-batch 1 --checkpoint-layers --offload --no-reference --dtype "$DTYPE" --device "$DEVICE" --warmup 0 \
+    --repeats 1 --profile
+[ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
+# seed7b.py reads the bench's output as bench.txt; its exit status is that of the step (an error line: 1).
+last=$(tail -1 "$R")
+case $last in *'"train_step"'*) rc=0 ;; *) rc=1 ;; esac
+cp "$TMP/out" "$W/bench.txt" 2>/dev/null
+cp "$TMP/err" "$W/bench.err" 2>/dev/null
+"$PY" scripts/gpu/seed7b.py "$W" "$rc" "$SEED_LEN" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" "$SEED_ANSWERS" | tee -a "$R"
+
+# 5. PyTorch eager at the 0.5B shape, and grpo at 1k beside it
+t=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --device cuda --warmup 1)
+if [ "$DRY" = 1 ]; then
+    skip "torch_ref.py train-step $MID $LONG $SHORT" "dry run on the CPU (PyTorch not run)"
+elif ! "$PY" -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+    skip "torch_ref.py train-step $MID $LONG $SHORT" "torch and transformers with CUDA do not import in $PY"
+else
+    step "train-step torch 0.5b $MID" 60 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $MID --steps 2
+    step "train-step torch 0.5b $LONG x $LONG_ANSWERS" 75 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" \
+        --answers "$LONG_ANSWERS" --seq-len $LONG --steps 1
+    step "train-step torch 0.5b $SHORT" 45 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $SHORT --steps 2
+fi
+step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
+
+# The report: tables, the predicted-vs-measured table, and its JSON.
+"$PY" scripts/gpu/report.py "$R" "$NAME.json" >"$NAME.txt" 2>&1
+cat "$NAME.txt"
+rm -rf "$TMP"
+echo "done at $SECONDS s: $NAME.{jsonl,txt,json,log}"

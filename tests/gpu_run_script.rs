@@ -1,0 +1,57 @@
+//! `scripts/gpu/next-run.sh --dry-run`: the next GPU run's script, every step of it, on the CPU with tiny
+//! shapes (what a session with a lent GPU runs first, checked here so that its one call does not fail on a
+//! flag or a file name).
+
+mod common;
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+#[test]
+fn the_next_gpu_run_dry_runs_on_the_cpu() {
+    let out = tempfile::tempdir().unwrap();
+    let run = assert_cmd::Command::new("bash")
+        .current_dir(common::root())
+        .arg("scripts/gpu/run.sh")
+        .arg("--dry-run")
+        .env("BIN", assert_cmd::cargo::cargo_bin("grpo"))
+        .env("OUTDIR", out.path())
+        .env("DATE", "2000-01-02")
+        .timeout(Duration::from_secs(300))
+        .assert()
+        .success();
+    let stdout = String::from_utf8_lossy(&run.get_output().stdout).into_owned();
+    let name = out.path().join("gpu-2000-01-02-cpu");
+    let lines: Vec<Value> = std::fs::read_to_string(name.with_extension("jsonl"))
+        .unwrap_or_else(|e| panic!("no jsonl ({e}); the run printed:\n{stdout}"))
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let bench = |b: &'static str| lines.iter().filter(move |l| l["bench"] == b);
+
+    assert_eq!(bench("error").count(), 0, "no step failed:\n{stdout}");
+    let selftest = bench("correctness").next().expect("the selftest line");
+    assert_eq!(selftest["passed"], true);
+    assert_eq!(bench("attention").count(), 8, "4 kernels at 2 lengths");
+    // 0.5B shape at two lengths (default and wgmma), the 7B shape's settings, and the short length.
+    let steps: Vec<&Value> = bench("train_step").collect();
+    assert_eq!(steps.len(), 6, "{stdout}");
+    for s in &steps {
+        let predicted = s["predicted"].as_array().expect("predicted");
+        assert!(predicted.iter().any(|p| p["step_time_s"].as_f64().unwrap() > 0.0), "{s}");
+        assert!(!s["profile"]["phases"].as_array().expect("profile phases").is_empty(), "{s}");
+    }
+    assert!(steps.iter().any(|s| s["offload"] == true && s["reference"] == false && s["micro_batch"] == 1));
+    assert_eq!(bench("seed7b").next().expect("the seed7b line")["passed"], true);
+    let skipped: Vec<String> = bench("skipped").map(|l| l["what"].as_str().unwrap().to_string()).collect();
+    assert!(skipped.iter().any(|w| w.contains("torch_ref.py")), "{skipped:?}");
+    assert!(skipped.iter().any(|w| w.contains("nvidia-smi")), "{skipped:?}");
+
+    let report = std::fs::read_to_string(name.with_extension("txt")).unwrap();
+    assert!(report.contains("predicted vs measured train step"), "{report}");
+    assert!(report.contains("correctness grpo selftest --device cpu: PASSED"), "{report}");
+    let json: Value = serde_json::from_str(&std::fs::read_to_string(name.with_extension("json")).unwrap()).unwrap();
+    assert_eq!(json["predictions"].as_array().unwrap().len(), steps.len());
+    assert!(name.with_extension("log").exists());
+}
