@@ -23,7 +23,143 @@
 //! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
 //! the same constants, and the next GPU run (scripts/gpu/run.sh) measures it beside its prediction.
 
-use super::time::{Gpu, KernelRates, RateAt};
+
+/// A GPU's rates and the efficiency of each kind of op on it, measured ([`Gpu::calibration`]) or assumed.
+#[derive(Debug, Clone, Copy)]
+pub struct Gpu {
+    pub name: &'static str,
+    /// Dense bf16 tensor-core FLOP/s (no sparsity).
+    pub peak_flops: f64,
+    /// Device memory bandwidth, B/s.
+    pub memory_bandwidth: f64,
+    /// Fraction of the peak a cuBLAS bf16 GEMM reaches through candle.
+    pub gemm_efficiency: f64,
+    /// Fraction of the peak the chunked attention's block GEMMs reach when compute-bound.
+    pub attention_gemm_efficiency: f64,
+    /// The tensor-core attention kernels (kernels/flash_mma.cu), as fractions of the peak in the causal
+    /// attention's useful FLOPs.
+    pub mma: KernelRates,
+    /// The warpgroup kernels (kernels/flash_wgmma.cu): two-kernel backward, and dq by atomics; `None`
+    /// where the GPU has no wgmma (the `mma` kernels run instead).
+    pub wgmma: Option<KernelRates>,
+    pub wgmma_atomic: Option<KernelRates>,
+    /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
+    pub memory_efficiency: f64,
+    /// Host time per op the host issues: candle's bookkeeping of a tensor op (its output's allocation
+    /// from the memory pool, its layout copied to the device for a strided input, the graph's record)
+    /// and the kernel launch, s.
+    pub launch_s: f64,
+    /// Host time per kernel launch of the project's own code (the attention's kernels and cuBLAS calls:
+    /// no candle tensor made), s.
+    pub kernel_launch_s: f64,
+    /// Time of one host sync (device drained, value copied back, next launch issued), s.
+    pub sync_s: f64,
+    /// Host-device bandwidth per direction, B/s (PCIe).
+    pub pcie_bandwidth: f64,
+    /// Bytes per second the offloaded AdamW update (`optim.offload`) moves through host memory, counted
+    /// as 32 B per parameter (the f32 master weights and two moments read and written).
+    pub host_update_bandwidth: f64,
+    /// Bandwidth per GPU to the other GPUs of its node, per direction, B/s (NVLink through NVSwitch).
+    pub nvlink_bandwidth: f64,
+    /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
+    pub network_bandwidth: f64,
+    /// Where the rates were measured (`None`: every rate is an assumption).
+    pub calibration: Option<Calibration>,
+}
+
+/// A tensor-core attention kernel's rate at two measured lengths, forward and backward as fractions of
+/// the peak in useful FLOPs; between them interpolated in log length, outside them the nearer one.
+#[derive(Debug, Clone, Copy)]
+pub struct KernelRates {
+    pub short: RateAt,
+    pub long: RateAt,
+}
+
+/// A kernel's forward and backward rate at `tokens` tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct RateAt {
+    pub tokens: u64,
+    pub forward: f64,
+    pub backward: f64,
+}
+
+impl KernelRates {
+    /// The same rates at every length.
+    pub const fn flat(forward: f64, backward: f64) -> Self {
+        let at = RateAt { tokens: 1, forward, backward };
+        Self { short: at, long: at }
+    }
+
+    /// The fraction of the peak at `tokens` tokens, forward or backward.
+    pub fn efficiency(&self, tokens: u64, backward: bool) -> f64 {
+        let pick = |r: &RateAt| if backward { r.backward } else { r.forward };
+        let (a, b) = (self.short, self.long);
+        if tokens <= a.tokens || a.tokens >= b.tokens {
+            return pick(&a);
+        }
+        if tokens >= b.tokens {
+            return pick(&b);
+        }
+        let x = (tokens as f64 / a.tokens as f64).ln() / (b.tokens as f64 / a.tokens as f64).ln();
+        pick(&a) + x * (pick(&b) - pick(&a))
+    }
+}
+
+/// NVIDIA H100 SXM5 80GB, calibrated on the first GPU run ([`H100`]).
+pub const H100_SXM: Gpu = H100;
+
+/// NVIDIA A100 SXM4 80GB. Peak dense BF16 312 TFLOP/s and HBM2e 2.039 TB/s: the A100 datasheet
+/// (nvidia.com/en-us/data-center/a100). NVLink 3: 600 GB/s per GPU in total, 300 per direction; one
+/// 200 Gb/s HDR NIC per GPU (DGX A100); PCIe Gen4 x16 32 GB/s per direction, ~25 GB/s achieved.
+/// No A100 has run grpo: its rates are the H100's measured efficiencies where the two cards' hardware is
+/// alike (candle's host cost per op, element-wise kernels, the offloaded update's host), and assumptions
+/// where it is not: GEMMs at the H100's measured 0.37 of the peak (the A100's lower peak is easier to
+/// reach: an underestimate), the tensor-core attention kernels at 0.35 of the peak forward and backward
+/// (FlashAttention-2 reaches 50-73% of the A100's peak; these kernels' blocks are smaller).
+pub const A100_80GB: Gpu = Gpu {
+    name: "A100 80GB",
+    peak_flops: 312e12,
+    memory_bandwidth: 2.039e12,
+    mma: KernelRates::flat(0.35, 0.35),
+    wgmma: None,
+    wgmma_atomic: None,
+    pcie_bandwidth: 25e9,
+    nvlink_bandwidth: 300e9,
+    network_bandwidth: 25e9,
+    calibration: None,
+    ..H100_SXM
+};
+
+/// The GPUs the plan predicts for.
+pub const GPUS: [Gpu; 2] = [H100_SXM, A100_80GB];
+
+/// The tensors candle makes per unit of a step's work, counted on the CPU (where the graph of ops is the
+/// GPU's): each costs the host its bookkeeping, and most a kernel launch and an allocation from the pool
+/// on a GPU (views, a reshape or a transpose, cost less and launch nothing: [`Gpu::launch_s`] is the mean
+/// over both). The attention is one op here: its GPU launches are counted by its kernels' own plan.
+#[derive(Debug, Clone, Copy)]
+pub struct TensorOps {
+    /// One layer's forward without a graph (the reference's), with its graph (the policy's), again in
+    /// the backward (`checkpoint_layers`), and its backward.
+    pub layer_reference: f64,
+    pub layer_policy: f64,
+    pub layer_recompute: f64,
+    pub layer_backward: f64,
+    /// Per micro-batch beyond the layers: the policy's embedding, log-prob head, loss and their
+    /// backward; the reference's embedding and head.
+    pub micro_batch: f64,
+    pub micro_batch_reference: f64,
+    /// Per step beyond the parameters' updates.
+    pub step: f64,
+    /// Per parameter tensor: adding its gradient into the f32 accumulator (per micro-batch), its part of
+    /// the gradient norm and its AdamW update (per step).
+    pub accumulate_per_tensor: f64,
+    pub norm_per_tensor: f64,
+    pub update_per_tensor: f64,
+}
+
+/// Counted on the CPU (see [`TensorOps`]).
+pub const TENSOR_OPS: TensorOps = COUNTED_TENSOR_OPS;
 
 /// Where a GPU's rates were measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -91,7 +227,7 @@ const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
 /// the reference and `checkpoint_layers`: scripts/calibrate.py --count; see [`super::time::TensorOps`]).
 /// A test holds the model's count to the bench's at other shapes.
-pub const COUNTED_TENSOR_OPS: super::time::TensorOps = super::time::TensorOps {
+pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     layer_reference: 55.0,
     layer_policy: 55.0,
     layer_recompute: 84.0,
