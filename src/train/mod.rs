@@ -9,6 +9,7 @@
 pub mod checkpoint;
 pub mod config;
 mod metrics;
+mod oom;
 pub mod optim;
 mod profiling;
 mod ratio;
@@ -72,6 +73,19 @@ pub enum TrainError {
     ReferenceCache { path: PathBuf, message: String },
     #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
     DoesNotFit { plan: String, advice: String },
+    /// An allocation failed during the run (the driver's `CUDA_ERROR_OUT_OF_MEMORY`, [`oom::classify`]).
+    #[error(
+        "out of device memory in the {phase}: the memory plan expected {expected}; in use: {in_use}. To fit, \
+         {advice}. The last completed step's checkpoint: {checkpoint} (resume with --resume auto). ({cause})"
+    )]
+    OutOfMemory {
+        phase: &'static str,
+        expected: String,
+        in_use: String,
+        advice: String,
+        checkpoint: String,
+        cause: String,
+    },
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -432,6 +446,8 @@ struct Run<'a> {
     checkpoints: Checkpointer,
     /// The ranks of a data-parallel run ([`crate::dist`]); rank 0 writes the run's files.
     world: Rc<World>,
+    /// The memory plan checked before the weights loaded: what an out-of-memory error says was expected.
+    memory_plan: Option<crate::cost::memory::Plan>,
 }
 
 impl Run<'_> {
@@ -441,7 +457,7 @@ impl Run<'_> {
     /// the score; rank 0 writes the results.
     fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<f64>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
-        let _phase = crate::profile::coarse("validation");
+        let phase = crate::profile::coarse("validation")?;
         let bench = crate::eval::benchmarks::load(&v.bench)?;
         let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
         let out = self.cfg.train.output_dir.join("validation");
@@ -466,6 +482,9 @@ impl Run<'_> {
         )?;
         apart.finish();
         bar.finish_and_clear();
+        phase.end();
+        // The KV cache's memory goes back to the device before the training step needs it.
+        crate::device::release_pool(self.policy.device())?;
         let parts = self.gather_validation(&part)?;
         let (report, results) = crate::eval::merge_shares(&bench, &options, parts, started.elapsed().as_secs_f64());
         if self.world.is_primary() {
@@ -511,6 +530,7 @@ impl Run<'_> {
     ) -> Result<StepMetrics, TrainError> {
         let cfg = self.cfg;
         let t0 = Instant::now();
+        crate::profile::set_step(state.step as u64 + 1);
         crate::device::reset_peak_memory(self.policy.device())?;
         let bq = cfg.train.batch_questions;
         let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(order.len())];
@@ -818,11 +838,29 @@ fn load_run<'a>(
         None => None,
     };
     let world = Rc::new(World::single());
-    Ok(Run { cfg, policy, reference, ref_cache, reference_swapped: false, rollouts, step, tok, checkpoints, world })
+    Ok(Run {
+        cfg,
+        policy,
+        reference,
+        ref_cache,
+        reference_swapped: false,
+        rollouts,
+        step,
+        tok,
+        checkpoints,
+        world,
+        memory_plan: None,
+    })
 }
 
-/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
-fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, ranks: u64) -> Result<(), TrainError> {
+/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan
+/// when it fits.
+fn check_plan(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    device_memory: Option<u64>,
+    ranks: u64,
+) -> Result<crate::cost::memory::Plan, TrainError> {
     let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
     let memory = match device_memory {
         Some(m) => Some(m),
@@ -837,7 +875,7 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, r
         "memory plan: peak {:.2} GiB",
         plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64
     );
-    Ok(())
+    Ok(plan)
 }
 
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
@@ -893,7 +931,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
-    check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
+    let memory_plan = check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
@@ -918,6 +956,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         r.share_with(world.clone());
     }
     run.world = world;
+    run.memory_plan = Some(memory_plan);
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
@@ -932,7 +971,9 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let resumed_from_step = resume_from.is_some().then_some(state.step);
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
     let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step, tensorboard)?) } else { None };
-    let mut outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
+    let mut outcome = run
+        .train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)
+        .map_err(|e| oom::classify(e, run.memory_plan.as_ref(), cfg, run.policy.device()))?;
     if primary {
         outcome.summary = Some(write_summary(cfg, &outcome, dataset.len(), started, resumed_from_step)?);
     }
