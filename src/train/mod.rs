@@ -74,18 +74,8 @@ pub enum TrainError {
     #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
     DoesNotFit { plan: String, advice: String },
     /// An allocation failed during the run (the driver's `CUDA_ERROR_OUT_OF_MEMORY`, [`oom::classify`]).
-    #[error(
-        "out of device memory in the {phase}: the memory plan expected {expected}; in use: {in_use}. To fit, \
-         {advice}. The last completed step's checkpoint: {checkpoint} (resume with --resume auto). ({cause})"
-    )]
-    OutOfMemory {
-        phase: &'static str,
-        expected: String,
-        in_use: String,
-        advice: String,
-        checkpoint: String,
-        cause: String,
-    },
+    #[error(transparent)]
+    OutOfMemory(Box<oom::OutOfMemory>),
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -454,9 +444,12 @@ impl Run<'_> {
     /// Validate the policy at `step`, every rank generating its share of the problems (problem i on rank
     /// i mod N, as `grpo eval` splits them): the ranks that finish first wait in short rounds
     /// ([`crate::dist::Apart`]), not in a bounded collective, however long the others take. Every rank gets
-    /// the score; rank 0 writes the results.
-    fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<f64>, TrainError> {
+    /// the score, and its device's peak memory in the validation (None on the CPU); rank 0 writes the
+    /// results.
+    fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<(f64, Option<u64>)>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
+        let device = self.policy.device();
+        crate::device::reset_peak_memory(device)?;
         let phase = crate::profile::coarse("validation")?;
         let bench = crate::eval::benchmarks::load(&v.bench)?;
         let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
@@ -483,8 +476,9 @@ impl Run<'_> {
         apart.finish();
         bar.finish_and_clear();
         phase.end();
+        let peak = crate::device::memory_bytes(device)?.map(|(_, peak)| peak);
         // The KV cache's memory goes back to the device before the training step needs it.
-        crate::device::release_pool(self.policy.device())?;
+        crate::device::release_pool(device)?;
         let parts = self.gather_validation(&part)?;
         let (report, results) = crate::eval::merge_shares(&bench, &options, parts, started.elapsed().as_secs_f64());
         if self.world.is_primary() {
@@ -500,7 +494,7 @@ impl Run<'_> {
                 report.avg_at_n
             );
         }
-        Ok(Some(report.avg_at_n))
+        Ok(Some((report.avg_at_n, peak)))
     }
 
     /// Every rank's share of a validation, in rank order.
@@ -572,19 +566,21 @@ impl Run<'_> {
         let epoch = state.epoch as f64 + state.batch_in_epoch as f64 / plan.steps_per_epoch as f64;
         let mut m = StepMetrics::new(state, epoch, &report, lr, t0.elapsed().as_secs_f64());
         m.rollout = rollout;
-        m.max_memory_allocated_gb =
-            crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak as f64 / (1u64 << 30) as f64);
+        let peak = crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak);
+        m.max_memory_allocated_gb = peak.map(|p| p as f64 / (1u64 << 30) as f64);
+        m.device_peak_bytes = peak;
         Ok(m)
     }
 
-    /// Validate after the step that `state` ends when due; a new best score saves OUTPUT/best.
+    /// Validate after the step that `state` ends when due (its score and device peak, [`Run::validate`]);
+    /// a new best score saves OUTPUT/best.
     fn validate_if_due(
         &self,
         state: &mut TrainerState,
         epoch_end: bool,
         run_end: bool,
         stop: &AtomicBool,
-    ) -> Result<Option<f64>, TrainError> {
+    ) -> Result<Option<(f64, Option<u64>)>, TrainError> {
         let due = self.cfg.validation.as_ref().is_some_and(|v| {
             if v.every_steps > 0 {
                 state.step.is_multiple_of(v.every_steps)
@@ -596,17 +592,17 @@ impl Run<'_> {
             return Ok(None);
         }
         // Every rank validates its share and gets the same score, so that every rank's state agrees.
-        let Some(score) = self.validate(state.step, stop)? else { return Ok(None) };
+        let Some((score, peak)) = self.validate(state.step, stop)? else { return Ok(None) };
         if state.best_score.is_none_or(|b| score > b) {
             state.best_score = Some(score);
             state.best_step = Some(state.step);
             if !self.world.is_primary() {
-                return Ok(Some(score));
+                return Ok(Some((score, peak)));
             }
             let best = self.checkpoints.save_best(&self.policy)?;
             tracing::info!("new best validation score {score:.4} at step {}: saved {}", state.step, best.display());
         }
-        Ok(Some(score))
+        Ok(Some((score, peak)))
     }
 
     /// Make the reference a copy of the policy when train.reference_swap_every says so.
@@ -695,7 +691,10 @@ impl Run<'_> {
                 }
                 let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
                 let run_end = state.step >= plan.total_steps;
-                m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end, stop)?;
+                if let Some((score, peak)) = self.validate_if_due(&mut state, epoch_end, run_end, stop)? {
+                    m.validation_score = Some(score);
+                    m.validation_device_peak_bytes = Some(peak);
+                }
                 if let Some(metrics) = metrics.as_deref_mut() {
                     metrics.write(&m)?;
                 }

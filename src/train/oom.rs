@@ -12,6 +12,24 @@ const DRIVER_OOM: &str = "CUDA_ERROR_OUT_OF_MEMORY";
 
 const GIB: f64 = (1u64 << 30) as f64;
 
+/// What an out-of-memory error says.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "out of device memory in the {phase}: the memory plan expected {expected}; in use: {in_use}. To fit, \
+     {advice}. The last completed step's checkpoint: {checkpoint}. ({cause})"
+)]
+pub struct OutOfMemory {
+    /// The coarse phase the allocation failed in ([`crate::profile::current_phase`]'s names).
+    pub phase: &'static str,
+    pub expected: String,
+    pub in_use: String,
+    /// The settings that bring the peak down.
+    pub advice: String,
+    pub checkpoint: String,
+    /// The driver's error.
+    pub cause: String,
+}
+
 /// `err` as [`TrainError::OutOfMemory`] when it is the driver's out-of-memory error (else as it is):
 /// the phase is the innermost coarse phase the error left ([`crate::profile::failed_phase`]), the
 /// expected bytes the plan's for that phase, the bytes in use the pool's now and at its peak since the
@@ -25,16 +43,20 @@ pub(super) fn classify(err: TrainError, plan: Option<&Plan>, cfg: &TrainConfig, 
     // After a failed allocation the device may refuse a synchronisation too: then nothing is measured.
     let in_use = crate::device::memory_bytes(device).ok().flatten();
     let expected = plan.map(|p| expected(p, phase));
-    let advice = plan.map_or_else(|| "reduce train.micro_batch_size or data.max_response_tokens".into(), |p| p.advice(cfg));
+    let advice =
+        plan.map_or_else(|| "reduce train.micro_batch_size or data.max_response_tokens".into(), |p| p.advice(cfg));
     let checkpoint = super::latest_checkpoint(&cfg.train.output_dir);
-    TrainError::OutOfMemory {
+    TrainError::OutOfMemory(Box::new(OutOfMemory {
         phase,
         expected: describe_expected(expected),
         in_use: describe_in_use(in_use),
         advice,
-        checkpoint: checkpoint.map_or_else(|| "none yet".into(), |c| format!("{} (intact)", c.display())),
+        checkpoint: checkpoint.map_or_else(
+            || "none yet".into(),
+            |c| format!("{} (intact: --resume auto continues from it)", c.display()),
+        ),
         cause,
-    }
+    }))
 }
 
 /// The plan's bytes for the coarse phase `phase`: `(tensors alive in it, the run's device peak)`.
@@ -58,7 +80,11 @@ fn describe_expected(expected: Option<(Option<u64>, u64)>) -> String {
     match expected {
         None => "no memory plan".into(),
         Some((Some(there), peak)) => {
-            format!("{:.2} GiB of tensors there (the run's device peak: {:.2} GiB)", there as f64 / GIB, peak as f64 / GIB)
+            format!(
+                "{:.2} GiB of tensors there (the run's device peak: {:.2} GiB)",
+                there as f64 / GIB,
+                peak as f64 / GIB
+            )
         }
         Some((None, peak)) => format!("a device peak of {:.2} GiB", peak as f64 / GIB),
     }
