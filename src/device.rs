@@ -111,6 +111,21 @@ pub fn reset_peak_memory(device: &Device) -> Result<bool> {
     }
 }
 
+/// Return the memory the device's pool holds but no tensor uses to the driver (on CUDA, after waiting for
+/// the work queued): called where a phase with its own peak ends (validation's and the rollouts' KV
+/// caches, before the training step), so that the peaks of phases do not add up in the pool. Nothing on
+/// the CPU.
+pub fn release_pool(device: &Device) -> Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if cuda::pooled(device)? => {
+            device.synchronize()?;
+            cuda::trim(device)
+        }
+        _ => Ok(()),
+    }
+}
+
 /// `(in use now, peak since the last reset)` in bytes, on a CUDA device; `None` on the CPU (and where
 /// the driver has no memory pools, so allocations bypass the counters).
 pub fn memory_bytes(device: &Device) -> Result<Option<(u64, u64)>> {
@@ -284,6 +299,17 @@ mod cuda {
         Ok((used, high))
     }
 
+    /// Release every byte of the default pool that no allocation uses.
+    pub fn trim(device: &Device) -> Result<()> {
+        let p = pool(device)?;
+        // SAFETY: `p` is the device's default pool, valid while the context lives.
+        let r = unsafe { sys::cuMemPoolTrimTo(p, 0) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            candle_core::bail!("cuMemPoolTrimTo failed: {r:?}");
+        }
+        Ok(())
+    }
+
     /// Restart the high-water mark (it may only be set to zero).
     pub fn reset_high(device: &Device) -> Result<()> {
         attr(device, Attr::CU_MEMPOOL_ATTR_USED_MEM_HIGH, Some(0)).map(|_| ())
@@ -308,6 +334,7 @@ mod tests {
         assert_eq!(device_name(&d), "cpu");
         assert!(!reset_peak_memory(&d).unwrap());
         assert_eq!(memory_bytes(&d).unwrap(), None);
+        release_pool(&d).unwrap();
         assert_eq!(mem_total("MemFree: 1 kB\nMemTotal:       16384 kB\n"), Some(16 << 20));
         assert_eq!(mem_total("nothing"), None);
     }

@@ -46,6 +46,7 @@ thread_local! {
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
     static COPIES: Cell<[u64; 4]> = const { Cell::new([0; 4]) };
     static LAUNCHES: Cell<u64> = const { Cell::new(0) };
+    static FAILED_IN: Cell<Option<&'static str>> = const { Cell::new(None) };
 }
 
 /// The coarse phase this thread is in: "forward", "backward", "log-prob head", "reference",
@@ -60,6 +61,8 @@ pub fn current_phase() -> Option<&'static str> {
 pub struct Phase {
     /// The coarse phase to restore (a coarse phase's guard).
     restore: Option<Option<&'static str>>,
+    /// A coarse phase's name.
+    coarse: Option<&'static str>,
     /// Whether the phase is recorded in a profile.
     recorded: bool,
 }
@@ -69,16 +72,75 @@ pub struct Phase {
 pub fn phase(name: &'static str) -> Phase {
     let recorded =
         ACTIVE.with(Cell::get) && RECORDER.with(|r| r.borrow_mut().as_mut().map(|r| r.enter(name)).is_some());
-    Phase { restore: None, recorded }
+    Phase { restore: None, coarse: None, recorded }
 }
 
 /// Open the phase `name` and make it the thread's coarse phase ([`current_phase`]) until the guard
-/// drops.
-pub fn coarse(name: &'static str) -> Phase {
+/// drops. An error when `GRPO_INJECT_OOM` names this phase (and step): the fault-injection hook of
+/// [`injected_oom`].
+pub fn coarse(name: &'static str) -> candle_core::Result<Phase> {
+    FAILED_IN.with(|f| f.set(None));
     let restore = COARSE.with(|c| c.replace(Some(name)));
     let mut p = phase(name);
     p.restore = Some(restore);
-    p
+    p.coarse = Some(name);
+    injected_oom(name)?;
+    Ok(p)
+}
+
+impl Phase {
+    /// Close a coarse phase that ended normally (dropping the guard without it marks the phase as the
+    /// one an error left: [`failed_phase`]).
+    pub fn end(self) {
+        drop(self);
+        FAILED_IN.with(|f| f.set(None));
+    }
+}
+
+/// The innermost coarse phase that the last error unwound through: the phase whose guard was dropped
+/// without [`Phase::end`] since a coarse phase was last entered (read once the error surfaces, when the
+/// guards are gone and [`current_phase`] no longer names it).
+pub fn failed_phase() -> Option<&'static str> {
+    FAILED_IN.with(Cell::get)
+}
+
+static STEP: AtomicU64 = AtomicU64::new(0);
+static INJECTED: AtomicBool = AtomicBool::new(false);
+
+/// Tell the fault-injection hook which step (counted from 1, as metrics.jsonl and the checkpoints count
+/// them) the run is in.
+pub fn set_step(step: u64) {
+    STEP.store(step, Ordering::Relaxed);
+}
+
+/// `GRPO_INJECT_OOM=<phase>[@<step>]`: the phase (and step) at which the hook fails once, as the CUDA
+/// driver does when an allocation fails; read once.
+fn injection() -> Option<&'static (String, Option<u64>)> {
+    static SPEC: std::sync::OnceLock<Option<(String, Option<u64>)>> = std::sync::OnceLock::new();
+    SPEC.get_or_init(|| std::env::var("GRPO_INJECT_OOM").ok().and_then(|v| parse_injection(&v))).as_ref()
+}
+
+fn parse_injection(v: &str) -> Option<(String, Option<u64>)> {
+    let (phase, step) = match v.rsplit_once('@') {
+        Some((p, s)) => (p, Some(s.trim().parse().ok()?)),
+        None => (v, None),
+    };
+    let phase = phase.trim();
+    (!phase.is_empty()).then(|| (phase.to_string(), step))
+}
+
+/// An out-of-memory error with the text of the CUDA driver's when `GRPO_INJECT_OOM` names the phase
+/// `name` entered now (at its step when given), the first time only: a test of how a run reports an
+/// allocation that fails, on any device.
+fn injected_oom(name: &str) -> candle_core::Result<()> {
+    let Some((phase, step)) = injection() else { return Ok(()) };
+    let due = phase == name && step.is_none_or(|s| s == STEP.load(Ordering::Relaxed));
+    if due && !INJECTED.swap(true, Ordering::Relaxed) {
+        return Err(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\") (injected by GRPO_INJECT_OOM)".into(),
+        ));
+    }
+    Ok(())
 }
 
 impl Drop for Phase {
@@ -92,6 +154,9 @@ impl Drop for Phase {
         }
         if let Some(previous) = self.restore {
             COARSE.with(|c| c.set(previous));
+        }
+        if let Some(name) = self.coarse {
+            FAILED_IN.with(|f| f.set(f.get().or(Some(name))));
         }
     }
 }
@@ -642,7 +707,7 @@ mod tests {
         let profiler = Profiler::start(&Device::Cpu).unwrap();
         assert!(matches!(Profiler::start(&Device::Cpu), Err(ProfileError::AlreadyRunning)));
         {
-            let _forward = coarse("forward");
+            let _forward = coarse("forward").unwrap();
             for _ in 0..3 {
                 let _attention = phase("attention");
                 sleep(Duration::from_millis(2));
@@ -703,11 +768,11 @@ mod tests {
     fn the_coarse_phase_is_kept_without_a_profile() {
         assert_eq!(current_phase(), None);
         {
-            let _outer = coarse("backward");
+            let _outer = coarse("backward").unwrap();
             let _fine = phase("attention");
             assert_eq!(current_phase(), Some("backward"));
             {
-                let _inner = coarse("log-prob head");
+                let _inner = coarse("log-prob head").unwrap();
                 assert_eq!(current_phase(), Some("log-prob head"));
             }
             assert_eq!(current_phase(), Some("backward"));
@@ -716,5 +781,37 @@ mod tests {
         // Nothing was recorded: a profile started now holds only what happens in it.
         let r = Profiler::start(&Device::Cpu).unwrap().finish().report();
         assert!(r.phases.is_empty());
+    }
+
+    /// A failure inside the backward, after its log-prob head ended normally, is the backward's; one in
+    /// the head is the head's, whichever guards drop after it.
+    fn fail_in(inner: bool) -> Option<&'static str> {
+        let run = || -> candle_core::Result<()> {
+            let _backward = coarse("backward")?;
+            let head = coarse("log-prob head")?;
+            if inner {
+                candle_core::bail!("in the head");
+            }
+            head.end();
+            candle_core::bail!("in a layer")
+        };
+        assert!(run().is_err());
+        failed_phase()
+    }
+
+    #[test]
+    fn the_phase_an_error_left_is_the_innermost_open_one() {
+        assert_eq!(fail_in(false), Some("backward"));
+        assert_eq!(fail_in(true), Some("log-prob head"));
+        coarse("optimizer").unwrap().end();
+        assert_eq!(failed_phase(), None);
+    }
+
+    #[test]
+    fn injections_name_a_phase_and_maybe_a_step() {
+        assert_eq!(parse_injection("backward@2"), Some(("backward".into(), Some(2))));
+        assert_eq!(parse_injection("log-prob head"), Some(("log-prob head".into(), None)));
+        assert_eq!(parse_injection("backward@x"), None);
+        assert_eq!(parse_injection(""), None);
     }
 }

@@ -48,7 +48,12 @@ fn smoke_config_trains_end_to_end() {
             assert!(m.get(*k).is_some_and(|v| !v.is_null()), "metrics line lacks {k}: {m}");
         }
         assert!(m["loss"].as_f64().unwrap().is_finite() && m["kl"].as_f64().unwrap().is_finite());
+        // The device's peak of the step (and of its validation when it validated): null on the CPU.
+        assert!(m.get("device_peak_bytes").is_some_and(Value::is_null), "{m}");
+        let validated = m.get("validation/score").is_some();
+        assert_eq!(m.get("validation/device_peak_bytes").is_some_and(Value::is_null), validated, "{m}");
     }
+    assert!(metrics.iter().any(|m| m.get("validation/score").is_some()));
     // The resolved config, the best (validation) model and a loadable final checkpoint are there.
     assert!(out.join("config.toml").exists() && out.join("best/model.safetensors").exists());
     assert!(out.join("curves.png").exists(), "the training curves are drawn at validation and at the end");
@@ -191,6 +196,32 @@ fn non_finite_steps_are_skipped_then_stop_the_run_with_the_last_good_checkpoint(
     let m = common::read_jsonl(&dir.path().join("out/metrics.jsonl"));
     assert!(m.iter().any(|l| l["skipped"] == true), "no skipped step recorded");
     assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).is_some());
+}
+
+#[test]
+fn running_out_of_memory_names_the_phase_the_plan_and_the_settings_and_keeps_the_last_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    let mut cmd = common::grpo();
+    cmd.current_dir(common::root()).env("GRPO_INJECT_OOM", "backward@2").args(["train", "--config"]).arg(&cfg);
+    cmd.arg("--set").arg(format!("train.output_dir=\"{}\"", dir.path().join("out").display()));
+    cmd.arg("--set").arg(format!("model.path=\"{}\"", dir.path().join("model").display()));
+    cmd.args(["--set", "train.save_every=1"]);
+    let a = cmd.assert().code(1);
+    let err = stderr_of(&a);
+    let last = err.lines().last().unwrap_or_default();
+    assert!(last.contains("out of device memory in the backward"), "{err}");
+    // The plan's figure for the phase, what was in use (not measured on the CPU) and what to change.
+    assert!(last.contains("the memory plan expected ") && last.contains(" GiB of tensors there"), "{last}");
+    assert!(last.contains("in use: not measured") && last.contains("train.micro_batch_size under 3"), "{last}");
+    let out = dir.path().join("out");
+    assert!(last.contains("step-00000001 (intact: --resume auto continues from it)"), "{last}");
+    assert_eq!(std::fs::read_to_string(out.join("checkpoints/latest")).unwrap().trim(), "step-00000001");
+    assert!(!out.join("checkpoints/step-00000002").exists());
+    // The checkpoint loads, and the run resumes from it to its end.
+    train(dir.path(), &cfg, &["--set", "train.save_every=1", "--resume", "auto"]).success();
+    let m = common::read_jsonl(&out.join("metrics.jsonl"));
+    assert_eq!(m.iter().map(|l| l["step"].as_u64().unwrap()).collect::<Vec<_>>(), [1, 2, 3, 4]);
 }
 
 /// `grpo train -q` of `config` on the folders of `train` (output and model under `dir`), not started.

@@ -837,7 +837,7 @@ impl Decoder {
 
     /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
     fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
-        let _phase = crate::profile::coarse("log-prob head");
+        let _phase = crate::profile::coarse("log-prob head")?;
         let h = self.select_hidden(x, targets, graph)?;
         let budget = match self.options.logprob_chunk_bytes {
             0 => crate::device::logprob_chunk_bytes(&self.device)?,
@@ -887,7 +887,7 @@ impl Decoder {
         }
         // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
         // `embed_backward`, not by candle's index_add in the weight's dtype.
-        let forward = crate::profile::coarse("forward");
+        let forward = crate::profile::coarse("forward")?;
         let embedding = crate::profile::phase("embedding");
         let ids = self.token_ids(&batch.tokens)?;
         let shape = (batch.rows(), batch.width(), self.cfg.hidden_size);
@@ -897,8 +897,8 @@ impl Decoder {
             let e = Var::from_tensor(&e)?;
             let x = self.layers_from(batch, e.as_tensor().clone(), true)?;
             let loss = self.loss(&self.head(&x, batch, targets, true)?, loss_fn)?;
-            drop(forward);
-            let _backward = crate::profile::coarse("backward");
+            forward.end();
+            let _backward = crate::profile::coarse("backward")?;
             let store = {
                 // candle's backward runs the whole graph at once: the layers' attention and MLP and the
                 // head are not told apart.
@@ -928,16 +928,16 @@ impl Decoder {
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
         let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, true)?, loss_fn)?;
-        drop(forward);
-        let _backward = crate::profile::coarse("backward");
-        let head = crate::profile::coarse("log-prob head");
+        forward.end();
+        let _backward = crate::profile::coarse("backward")?;
+        let head = crate::profile::coarse("log-prob head")?;
         let store = loss.backward()?;
         self.collect(&store, grads)?;
         let mut g = match store.get(xv.as_tensor()) {
             Some(g) => g.clone(),
             None => x.zeros_like()?,
         };
-        drop(head);
+        head.end();
         // Layers in reverse: recompute with a graph, backprop the incoming gradient.
         for l in (0..self.cfg.num_layers).rev() {
             // This layer's record is released with its backward.

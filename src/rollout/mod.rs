@@ -233,10 +233,11 @@ impl Rollouts {
         params: &crate::eval::SamplingParams,
         apart: &mut crate::dist::Apart,
     ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
-        let _phase = crate::profile::coarse("rollouts");
+        let phase = crate::profile::coarse("rollouts")?;
         let sampler = self.sampler.as_ref().unwrap_or(policy);
         if !self.options.uses_server() {
-            return sample_groups(sampler, &self.tok, questions, &self.options, params, self.micro);
+            let sampled = sample_groups(sampler, &self.tok, questions, &self.options, params, self.micro)?;
+            return generated(phase, policy, sampled);
         }
         let start = Instant::now();
         let bar = crate::progress::progress_bar(None, "rollout");
@@ -258,7 +259,7 @@ impl Rollouts {
             sample::score_groups(sampler, &self.tok, questions, &self.options, batch.samples, self.micro, start)?;
         metrics.server_cut = batch.cut;
         metrics.server_unaligned = batch.unaligned;
-        Ok((groups, metrics))
+        generated(phase, policy, (groups, metrics))
     }
 
     /// Tell the servers to load the current sampling weights (when they can): rank 0 saves them to
@@ -367,6 +368,14 @@ fn combine(reports: Vec<StepReport>) -> StepReport {
     out.stats.kl /= k;
     out.grad_norm /= k;
     out
+}
+
+/// The end of a step's rollouts: their phase closed and the generation's memory (its KV cache) returned
+/// to the device, so that the training step's peak does not add to it.
+fn generated<T>(phase: crate::profile::Phase, policy: &Decoder, out: T) -> Result<T, RolloutError> {
+    phase.end();
+    crate::device::release_pool(policy.device())?;
+    Ok(out)
 }
 
 #[cfg(test)]

@@ -43,6 +43,13 @@ pub struct StepMetrics {
     /// Peak GPU memory of the step (verl's perf/max_memory_allocated_gb); absent on the CPU.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_memory_allocated_gb: Option<f64>,
+    /// Peak bytes of the device's memory pool during the step (its training, before any validation);
+    /// null on the CPU.
+    pub device_peak_bytes: Option<u64>,
+    /// Peak bytes of the device's memory pool during the step's validation (absent when the step did not
+    /// validate; null on the CPU).
+    #[serde(rename = "validation/device_peak_bytes", skip_serializing_if = "Option::is_none")]
+    pub validation_device_peak_bytes: Option<Option<u64>>,
     /// Validation score (avg@n) when the step validated.
     #[serde(rename = "validation/score", skip_serializing_if = "Option::is_none")]
     pub validation_score: Option<f64>,
@@ -87,6 +94,8 @@ impl StepMetrics {
             step_time,
             tokens_per_sec: s.tokens as f64 / step_time.max(1e-9),
             max_memory_allocated_gb: None,
+            device_peak_bytes: None,
+            validation_device_peak_bytes: None,
             validation_score: None,
             ratio_mean: s.ratio.mean(),
             ratio_min: s.ratio.mean().map(|_| s.ratio.min),

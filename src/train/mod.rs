@@ -9,6 +9,7 @@
 pub mod checkpoint;
 pub mod config;
 mod metrics;
+mod oom;
 pub mod optim;
 mod profiling;
 mod ratio;
@@ -72,6 +73,9 @@ pub enum TrainError {
     ReferenceCache { path: PathBuf, message: String },
     #[error("the run does not fit its device's memory:\n{plan}\nTo fit, {advice}.")]
     DoesNotFit { plan: String, advice: String },
+    /// An allocation failed during the run (the driver's `CUDA_ERROR_OUT_OF_MEMORY`, [`oom::classify`]).
+    #[error(transparent)]
+    OutOfMemory(Box<oom::OutOfMemory>),
     #[error("{} is in use by another grpo run ({holder}); wait for it to end, or choose another train.output_dir", dir.display())]
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
@@ -432,16 +436,21 @@ struct Run<'a> {
     checkpoints: Checkpointer,
     /// The ranks of a data-parallel run ([`crate::dist`]); rank 0 writes the run's files.
     world: Rc<World>,
+    /// The memory plan checked before the weights loaded: what an out-of-memory error says was expected.
+    memory_plan: Option<crate::cost::memory::Plan>,
 }
 
 impl Run<'_> {
     /// Validate the policy at `step`, every rank generating its share of the problems (problem i on rank
     /// i mod N, as `grpo eval` splits them): the ranks that finish first wait in short rounds
     /// ([`crate::dist::Apart`]), not in a bounded collective, however long the others take. Every rank gets
-    /// the score; rank 0 writes the results.
-    fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<f64>, TrainError> {
+    /// the score, and its device's peak memory in the validation (None on the CPU); rank 0 writes the
+    /// results.
+    fn validate(&self, step: usize, stop: &AtomicBool) -> Result<Option<(f64, Option<u64>)>, TrainError> {
         let Some(v) = &self.cfg.validation else { return Ok(None) };
-        let _phase = crate::profile::coarse("validation");
+        let device = self.policy.device();
+        crate::device::reset_peak_memory(device)?;
+        let phase = crate::profile::coarse("validation")?;
         let bench = crate::eval::benchmarks::load(&v.bench)?;
         let options = crate::eval::EvalOptions { seed: v.seed.or(Some(self.cfg.train.seed)), ..v.clone() };
         let out = self.cfg.train.output_dir.join("validation");
@@ -466,6 +475,10 @@ impl Run<'_> {
         )?;
         apart.finish();
         bar.finish_and_clear();
+        phase.end();
+        let peak = crate::device::memory_bytes(device)?.map(|(_, peak)| peak);
+        // The KV cache's memory goes back to the device before the training step needs it.
+        crate::device::release_pool(device)?;
         let parts = self.gather_validation(&part)?;
         let (report, results) = crate::eval::merge_shares(&bench, &options, parts, started.elapsed().as_secs_f64());
         if self.world.is_primary() {
@@ -481,7 +494,7 @@ impl Run<'_> {
                 report.avg_at_n
             );
         }
-        Ok(Some(report.avg_at_n))
+        Ok(Some((report.avg_at_n, peak)))
     }
 
     /// Every rank's share of a validation, in rank order.
@@ -511,6 +524,7 @@ impl Run<'_> {
     ) -> Result<StepMetrics, TrainError> {
         let cfg = self.cfg;
         let t0 = Instant::now();
+        crate::profile::set_step(state.step as u64 + 1);
         crate::device::reset_peak_memory(self.policy.device())?;
         let bq = cfg.train.batch_questions;
         let idx = &order[state.batch_in_epoch * bq..((state.batch_in_epoch + 1) * bq).min(order.len())];
@@ -552,19 +566,21 @@ impl Run<'_> {
         let epoch = state.epoch as f64 + state.batch_in_epoch as f64 / plan.steps_per_epoch as f64;
         let mut m = StepMetrics::new(state, epoch, &report, lr, t0.elapsed().as_secs_f64());
         m.rollout = rollout;
-        m.max_memory_allocated_gb =
-            crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak as f64 / (1u64 << 30) as f64);
+        let peak = crate::device::memory_bytes(self.policy.device())?.map(|(_, peak)| peak);
+        m.max_memory_allocated_gb = peak.map(|p| p as f64 / (1u64 << 30) as f64);
+        m.device_peak_bytes = peak;
         Ok(m)
     }
 
-    /// Validate after the step that `state` ends when due; a new best score saves OUTPUT/best.
+    /// Validate after the step that `state` ends when due (its score and device peak, [`Run::validate`]);
+    /// a new best score saves OUTPUT/best.
     fn validate_if_due(
         &self,
         state: &mut TrainerState,
         epoch_end: bool,
         run_end: bool,
         stop: &AtomicBool,
-    ) -> Result<Option<f64>, TrainError> {
+    ) -> Result<Option<(f64, Option<u64>)>, TrainError> {
         let due = self.cfg.validation.as_ref().is_some_and(|v| {
             if v.every_steps > 0 {
                 state.step.is_multiple_of(v.every_steps)
@@ -576,17 +592,17 @@ impl Run<'_> {
             return Ok(None);
         }
         // Every rank validates its share and gets the same score, so that every rank's state agrees.
-        let Some(score) = self.validate(state.step, stop)? else { return Ok(None) };
+        let Some((score, peak)) = self.validate(state.step, stop)? else { return Ok(None) };
         if state.best_score.is_none_or(|b| score > b) {
             state.best_score = Some(score);
             state.best_step = Some(state.step);
             if !self.world.is_primary() {
-                return Ok(Some(score));
+                return Ok(Some((score, peak)));
             }
             let best = self.checkpoints.save_best(&self.policy)?;
             tracing::info!("new best validation score {score:.4} at step {}: saved {}", state.step, best.display());
         }
-        Ok(Some(score))
+        Ok(Some((score, peak)))
     }
 
     /// Make the reference a copy of the policy when train.reference_swap_every says so.
@@ -675,7 +691,10 @@ impl Run<'_> {
                 }
                 let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
                 let run_end = state.step >= plan.total_steps;
-                m.validation_score = self.validate_if_due(&mut state, epoch_end, run_end, stop)?;
+                if let Some((score, peak)) = self.validate_if_due(&mut state, epoch_end, run_end, stop)? {
+                    m.validation_score = Some(score);
+                    m.validation_device_peak_bytes = Some(peak);
+                }
                 if let Some(metrics) = metrics.as_deref_mut() {
                     metrics.write(&m)?;
                 }
@@ -818,11 +837,29 @@ fn load_run<'a>(
         None => None,
     };
     let world = Rc::new(World::single());
-    Ok(Run { cfg, policy, reference, ref_cache, reference_swapped: false, rollouts, step, tok, checkpoints, world })
+    Ok(Run {
+        cfg,
+        policy,
+        reference,
+        ref_cache,
+        reference_swapped: false,
+        rollouts,
+        step,
+        tok,
+        checkpoints,
+        world,
+        memory_plan: None,
+    })
 }
 
-/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded.
-fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, ranks: u64) -> Result<(), TrainError> {
+/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan
+/// when it fits.
+fn check_plan(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    device_memory: Option<u64>,
+    ranks: u64,
+) -> Result<crate::cost::memory::Plan, TrainError> {
     let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
     let memory = match device_memory {
         Some(m) => Some(m),
@@ -837,7 +874,7 @@ fn check_plan(cfg: &TrainConfig, model_dir: &Path, device_memory: Option<u64>, r
         "memory plan: peak {:.2} GiB",
         plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64
     );
-    Ok(())
+    Ok(plan)
 }
 
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
@@ -893,7 +930,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
-    check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
+    let memory_plan = check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
@@ -918,6 +955,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         r.share_with(world.clone());
     }
     run.world = world;
+    run.memory_plan = Some(memory_plan);
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
             checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
@@ -932,7 +970,9 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let resumed_from_step = resume_from.is_some().then_some(state.step);
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
     let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step, tensorboard)?) } else { None };
-    let mut outcome = run.train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)?;
+    let mut outcome = run
+        .train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)
+        .map_err(|e| oom::classify(e, run.memory_plan.as_ref(), cfg, run.policy.device()))?;
     if primary {
         outcome.summary = Some(write_summary(cfg, &outcome, dataset.len(), started, resumed_from_step)?);
     }

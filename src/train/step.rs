@@ -220,7 +220,7 @@ impl TrainStep {
             sum_stats_over_ranks(&self.world, &mut stats);
         }
         // Summed over the ranks (reduce-scatter when the state is sharded): the norm is the global one.
-        let optimizer = crate::profile::coarse("optimizer");
+        let optimizer = crate::profile::coarse("optimizer")?;
         let norm_phase = crate::profile::phase("gradient norm and clip");
         let (grads, norm) = self.optimizer.reduce(grads)?;
         let applied = stats.loss.is_finite() && norm.is_finite();
@@ -230,7 +230,7 @@ impl TrainStep {
             let _update = crate::profile::phase("update");
             self.optimizer.update(&grads, lr, scale)?;
         }
-        drop(optimizer);
+        optimizer.end();
         self.next_step = ctx.step + 1;
         Ok(StepReport { rewards: batch.rewards, stats, grad_norm: norm, applied })
     }
@@ -501,9 +501,9 @@ fn compute_gradients(
         drop(phase);
         stats.response_tokens += targets.len();
         stats.tokens += tb.num_tokens();
-        let phase = crate::profile::coarse("reference");
+        let phase = crate::profile::coarse("reference")?;
         let ref_logp = reference_logprobs(anchors.reference, chunk, &tb, &targets, &device)?;
-        drop(phase);
+        phase.end();
         let anchor = objective.anchor();
         let missing = |what: &str| candle_core::Error::Msg(format!("{}: no {what} model", objective.name()));
         inputs.behaviour_logp = match anchor {
