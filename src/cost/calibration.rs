@@ -23,7 +23,6 @@
 //! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
 //! the same constants, and the next GPU run (scripts/gpu/run.sh) measures it beside its prediction.
 
-
 /// A GPU's rates and the efficiency of each kind of op on it, measured ([`Gpu::calibration`]) or assumed.
 #[derive(Debug, Clone, Copy)]
 pub struct Gpu {

@@ -56,9 +56,7 @@
 
 use crate::model::ModelConfig;
 
-pub use super::calibration::{
-    Calibration, Gpu, KernelRates, RateAt, TensorOps, A100_80GB, GPUS, H100_SXM, TENSOR_OPS,
-};
+pub use super::calibration::{Calibration, Gpu, KernelRates, RateAt, TensorOps, A100_80GB, GPUS, H100_SXM, TENSOR_OPS};
 
 /// The block sizes of chunked attention: query rows and keys per block product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -164,7 +162,6 @@ pub const RATES_HEAD_DIM: f64 = 128.0;
 
 /// Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth / link bandwidth).
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
-
 
 /// The batch of one training step, as the model needs it.
 #[derive(Debug, Clone, Copy)]
@@ -331,7 +328,6 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     let per_step = t.step + tensors * (t.norm_per_tensor + t.update_per_tensor);
     s.micro_batches() * per_micro_batch + per_step
 }
-
 
 /// The projections and element-wise ops of one layer in `pass` on N tokens.
 fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, pass: Pass) {
