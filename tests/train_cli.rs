@@ -213,7 +213,7 @@ fn running_out_of_memory_names_the_phase_the_plan_and_the_settings_and_keeps_the
     assert!(last.contains("out of device memory in the backward"), "{err}");
     // The plan's figure for the phase, what was in use (not measured on the CPU) and what to change.
     assert!(last.contains("the memory plan expected ") && last.contains(" GiB of tensors there"), "{last}");
-    assert!(last.contains("in use: not measured") && last.contains("train.micro_batch_size under 3"), "{last}");
+    assert!(last.contains("in use: not measured") && last.contains("train.micro_batch_size = 2 (peak "), "{last}");
     let out = dir.path().join("out");
     assert!(last.contains("step-00000001 (intact: --resume auto continues from it)"), "{last}");
     assert_eq!(std::fs::read_to_string(out.join("checkpoints/latest")).unwrap().trim(), "step-00000001");
