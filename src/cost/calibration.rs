@@ -7,8 +7,8 @@
 //! - one layer's attention (16 heads of 128, GQA 4) at 4,096 and 16,384 tokens, forward alone and forward
 //!   + backward, for the chunked path and each tensor-core kernel: their rates in useful FLOPs;
 //! - the chunked attention's time per launch: 5.02 ms for its 298 launches at 4,096 tokens (16.8 us
-//!   each), 52.4 ms for 2,914 at 16,384 (18.0 us), where the device's own work is a small part: candle's
-//!   host time per op, bookkeeping and launch.
+//!   each), 52.4 ms for 2,914 at 16,384 (18.0 us), where the device's own work is a small part: the
+//!   host's time per launch of the project's own code.
 //!
 //! Those are taken as they are, with the tensors candle makes in each part of a step counted on the CPU
 //! ([`COUNTED_TENSOR_OPS`]). Three constants are fitted, by scripts/calibrate.py on the committed train
@@ -224,7 +224,7 @@ const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
-/// the reference and `checkpoint_layers`: scripts/calibrate.py --count; see [`super::time::TensorOps`]).
+/// the reference and `checkpoint_layers`, the differences giving each part; see [`TensorOps`]).
 /// A test holds the model's count to the bench's at other shapes.
 pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     layer_reference: 55.0,
