@@ -605,9 +605,10 @@ impl Plan {
     pub fn advice(&self, cfg: &TrainConfig) -> String {
         let mut fitting = Vec::new();
         let mut floor = cfg.clone();
-        for (what, changed) in self.candidates(cfg) {
-            apply(&mut floor, &changed, cfg);
-            if let Some(peak) = self.fits_with(&changed) {
+        let candidates = self.candidates(cfg);
+        for (what, changed) in &candidates {
+            apply(&mut floor, changed, cfg);
+            if let Some(peak) = self.fits_with(changed) {
                 fitting.push(format!("{what} (peak {})", gib(peak)));
             }
         }
@@ -617,7 +618,7 @@ impl Plan {
         if let Some(peak) = self.fits_with(&floor) {
             return format!(
                 "no one setting is enough: together, {} (peak {}); or give a device with more memory",
-                self.candidates(cfg).iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>().join(", "),
+                candidates.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>().join(", "),
                 gib(peak)
             );
         }
