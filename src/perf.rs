@@ -8,6 +8,7 @@
 //!   naive whole-vocabulary log-softmax for comparison;
 //! - [`generate`]: greedy generation with the KV cache, never stopping early;
 //! - [`attention`]: forward and backward of one layer's chunked attention against a plain f32 matmul;
+//! - [`optimizer`]: the offloaded optimiser's host update, fused against the composite ops it replaced;
 //! - [`sample`]: picking the next token (temperature, top-k, top-p) on the device against the full-sort
 //!   reference on the host.
 //!
@@ -146,6 +147,11 @@ pub struct TrainStepSpec {
     /// Keep the optimiser state in host memory and update there (`optim.offload`).
     #[arg(long)]
     pub offload: bool,
+    /// With --predict-only: predict the step with the optimiser's update as the composite candle ops of
+    /// the builds before its fused update (what the 2026-11-26 H100 run measured), to compare with that
+    /// run; this build has only the fused update.
+    #[arg(long, requires = "predict_only")]
+    pub composite_update: bool,
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
@@ -291,6 +297,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
+        // The optimiser's update as this build runs it (kernels::adamw), which the performance model
+        // predicts older records without (`--composite-update`).
+        "update": "fused",
         "reference": !spec.no_reference,
         "attention": spec.attention,
         "step_times": times,
@@ -353,6 +362,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
+        composite_update: spec.composite_update,
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
@@ -869,6 +879,7 @@ mod tests {
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
+            composite_update: false,
             profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
@@ -918,6 +929,7 @@ mod tests {
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
+                composite_update: false,
                 profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();
@@ -957,4 +969,127 @@ mod tests {
         assert_eq!(r["batch"], 3);
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
     }
+}
+
+/// The shape of [`optimizer`]'s benchmark: parameters in host memory, as `optim.offload` keeps them.
+#[derive(Debug, Clone, clap::Args)]
+pub struct OptimizerSpec {
+    /// Parameters in all.
+    #[arg(long, default_value_t = 64_000_000)]
+    pub params: usize,
+    /// Tensors they are split into (a 7B model has ~340, a 0.5B one ~290).
+    #[arg(long, default_value_t = 64)]
+    pub tensors: usize,
+}
+
+/// [`optimizer`]'s record: the offloaded AdamW update's rate, fused and composite, in the model's units
+/// (32 B per parameter, [`crate::cost::Gpu::host_update_bandwidth`]).
+#[derive(Debug, serde::Serialize)]
+struct OptimizerRecord {
+    bench: &'static str,
+    device: String,
+    dtype: &'static str,
+    params: usize,
+    tensors: usize,
+    threads: usize,
+    /// The update as the optimiser runs it with `optim.offload`: the fused in-place AdamW
+    /// ([`crate::kernels::adamw`]) of every tensor, their new weights in the model's dtype.
+    fused_s: f64,
+    fused_gb_per_s: f64,
+    /// The same update from candle's composite ops (~15 per tensor, each allocating its result), the
+    /// tensors in parallel, their new weights in the model's dtype: the update before the fused op.
+    composite_s: f64,
+    composite_gb_per_s: f64,
+    speedup: f64,
+    /// The master weights after the timed runs agree bit for bit.
+    same_bits: bool,
+}
+
+/// The offloaded optimiser's host update (AdamW, f32 state in host memory) over `spec.params` parameters
+/// in `spec.tensors` tensors of dtype `t.dtype`: the optimiser's fused update against the composite
+/// ops it replaced, in the same run, each from the same state.
+pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
+    use crate::kernels::{adamw_reference, AdamW};
+    use crate::train::optim::Optimizer;
+    use rayon::prelude::*;
+    if !t.device.is_cpu() {
+        return Err(PerfError::Invalid("the host update is measured on --device cpu".into()));
+    }
+    let tensors = spec.tensors.clamp(1, spec.params.max(1));
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let sizes: Vec<usize> =
+        (0..tensors).map(|i| spec.params / tensors + usize::from(i < spec.params % tensors)).collect();
+    let random = |rng: &mut rand_chacha::ChaCha8Rng, n: usize| -> Vec<f32> {
+        (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
+    };
+    let vars = sizes
+        .iter()
+        .map(|&n| Var::from_tensor(&Tensor::from_vec(random(&mut rng, n), (1, n), &Device::Cpu)?.to_dtype(t.dtype)?))
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let grads = crate::model::Grads {
+        grads: sizes
+            .iter()
+            .map(|&n| Tensor::from_vec(random(&mut rng, n), n, &Device::Cpu).map(Some))
+            .collect::<candle_core::Result<_>>()?,
+    };
+    let names: Vec<String> = (0..tensors).map(|i| format!("w{i}")).collect();
+    let cfg = OptimConfig { offload: true, weight_decay: 0.01, ..OptimConfig::default() };
+    // The composite update's state, from the same initial weights (copied: the fused run updates them).
+    let mut state: Vec<(Tensor, Option<(Tensor, Tensor)>)> = vars
+        .iter()
+        .map(|v| Ok((v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.copy()?, None)))
+        .collect::<candle_core::Result<_>>()?;
+    let mut opt = Optimizer::new(cfg.clone(), &names, &vars.iter().collect::<Vec<_>>())?;
+    let (fused, _) = time_runs(t, || Ok(opt.step(&grads, cfg.lr, 1.0)?))?;
+    let mut step = 0;
+    let (composite, _) = time_runs(t, || {
+        step += 1;
+        let op = AdamW {
+            adam: true,
+            scale: 1.0,
+            lr: cfg.lr,
+            weight_decay: cfg.weight_decay,
+            betas: cfg.betas,
+            eps: cfg.eps,
+            t: step,
+        };
+        state = state
+            .par_iter()
+            .zip(&grads.grads)
+            .map(|((master, moments), g)| {
+                let g = g.as_ref().expect("every tensor has a gradient");
+                let (master, moments) = adamw_reference(master, moments.as_ref().map(|(m, v)| (m, v)), g, &op)?;
+                master.to_dtype(t.dtype)?;
+                Ok((master, moments))
+            })
+            .collect::<candle_core::Result<_>>()?;
+        Ok(())
+    })?;
+    let fused_master = opt
+        .state_tensors()?
+        .into_iter()
+        .filter(|(n, _)| n.starts_with("master."))
+        .map(|(_, t)| t.flatten_all())
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let same_bits = fused_master.iter().zip(&state).all(|(a, (b, _))| {
+        let bits = |t: &Tensor| t.to_vec1::<f32>().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).ok();
+        bits(a) == bits(b)
+    });
+    let (fused_s, composite_s) = (median(&fused), median(&composite));
+    let gb = |s: f64| 32.0 * spec.params as f64 / s / 1e9;
+    let record = OptimizerRecord {
+        bench: "optimizer",
+        device: device_name(&t.device),
+        dtype: dtype_name(t.dtype),
+        params: spec.params,
+        tensors,
+        threads: rayon::current_num_threads(),
+        fused_s,
+        fused_gb_per_s: gb(fused_s),
+        composite_s,
+        composite_gb_per_s: gb(composite_s),
+        speedup: composite_s / fused_s,
+        same_bits,
+    };
+    Ok(serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))?)
 }

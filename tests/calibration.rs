@@ -42,6 +42,10 @@ fn bench_args(r: &Value) -> Vec<String> {
     if r["reference"].as_bool() == Some(false) {
         args.push("--no-reference".into());
     }
+    // Steps measured before the fused optimiser update ran the composite one (scripts/calibrate.py too).
+    if r["update"] != "fused" {
+        args.push("--composite-update".into());
+    }
     args
 }
 

@@ -6,7 +6,7 @@ use anyhow::Context;
 use serde::Deserialize;
 
 use crate::model::{parse_device, parse_dtype};
-use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, SampleSpec, Timing, TrainStepSpec};
+use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, OptimizerSpec, SampleSpec, Timing, TrainStepSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
@@ -55,6 +55,14 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// The optimiser's host update (`optim.offload`: AdamW over f32 state in host memory): the fused
+    /// in-place update against the composite candle ops it replaced, in GB/s of state (32 B a parameter).
+    Optimizer {
+        #[command(flatten)]
+        spec: OptimizerSpec,
+        #[command(flatten)]
+        common: Common,
+    },
     /// Picking the next token (temperature, top-k, top-p) from a batch of random logits: on the device,
     /// copying back the ids, vs copying the logits to the host for the full-sort reference.
     Sample {
@@ -88,6 +96,9 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         }
         BenchCommand::Attention { spec, common } => {
             perf::attention(&spec, &timing(&common)?).context("attention benchmark")?
+        }
+        BenchCommand::Optimizer { spec, common } => {
+            perf::optimizer(&spec, &timing(&common)?).context("optimizer benchmark")?
         }
         BenchCommand::Sample { spec, common } => perf::sample(&spec, &timing(&common)?).context("sample benchmark")?,
         BenchCommand::Generate { spec, common } => {

@@ -56,8 +56,12 @@ pub struct Gpu {
     /// Host-device bandwidth per direction, B/s (PCIe).
     pub pcie_bandwidth: f64,
     /// Bytes per second the offloaded AdamW update (`optim.offload`) moves through host memory, counted
-    /// as 32 B per parameter (the f32 master weights and two moments read and written).
+    /// as 32 B per parameter (the f32 master weights and two moments read and written): the fused update
+    /// of this build ([`crate::kernels::adamw`]).
     pub host_update_bandwidth: f64,
+    /// The same for the composite candle ops of the builds before the fused update (what the H100 run
+    /// measured).
+    pub composite_host_update_bandwidth: f64,
     /// Bandwidth per GPU to the other GPUs of its node, per direction, B/s (NVLink through NVSwitch).
     pub nvlink_bandwidth: f64,
     /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
@@ -155,6 +159,8 @@ pub struct TensorOps {
     pub accumulate_per_tensor: f64,
     pub norm_per_tensor: f64,
     pub update_per_tensor: f64,
+    /// The update as the composite ops of the builds before the fused update ([`super::time::StepShape::composite_update`]).
+    pub composite_update_per_tensor: f64,
 }
 
 /// Counted on the CPU (see [`TensorOps`]).
@@ -203,7 +209,8 @@ pub const H100: Gpu = Gpu {
     kernel_launch_s: 16.8e-6,
     sync_s: 20e-6,
     pcie_bandwidth: 50e9,
-    host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH,
+    host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH * HOST_UPDATE_SPEEDUP,
+    composite_host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH,
     nvlink_bandwidth: 450e9,
     network_bandwidth: 50e9,
     calibration: Some(H100_RUN),
@@ -221,6 +228,12 @@ const FITTED_MEMORY_EFFICIENCY: f64 = 0.50;
 /// The offloaded AdamW update's host rate: 4.25 GB/s of the 32 B per parameter the model counts, 133 M
 /// parameters a second (the update is ~15 candle CPU ops per tensor, each a pass over f32 arrays).
 const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
+/// The fused update's speed over the composite ops', measured on the CPU in one run (`grpo bench optimizer`,
+/// 64 M parameters in 64 bf16 tensors, the same threads for both: benches/results/host-adamw-2026-11-26.txt).
+/// Per thread the composite ran here at the rate the H100's host reached per core, so the fused update's
+/// host rate there is predicted as the fitted rate times this: ~34 GB/s of the 32 B per parameter counted,
+/// below a server's host memory bandwidth (the update moves ~34 B per parameter), which would cap it.
+const HOST_UPDATE_SPEEDUP: f64 = 8.0;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
@@ -236,5 +249,8 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     step: 37.0,
     accumulate_per_tensor: 2.0,
     norm_per_tensor: 3.0,
-    update_per_tensor: 15.0,
+    // The fused update's op and the views around it (the gradient flattened, the master copy's row and
+    // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
+    update_per_tensor: 5.0,
+    composite_update_per_tensor: 15.0,
 };

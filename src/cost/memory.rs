@@ -21,9 +21,10 @@
 //! - backward: the activations the forward keeps for the backward plus the larger of the log-prob head's
 //!   backward and one layer's backward (its workspace, the parameter gradients it holds before they are
 //!   added to the accumulator, and the attention workspace) — see [`Activations`];
-//! - update: the temporaries of the optimiser update: new moments, bias-corrected moments, the update and
-//!   its scaled copy and the new master copy, 7 f32 copies of the largest tensor (on the device without
-//!   offload; in host memory with it, where only the weights in flight return to the device);
+//! - update: the temporaries of the optimiser update, which runs in place (kernels::adamw): the new weights
+//!   in the model's dtype of the largest tensor (on the device without offload), or in host memory with
+//!   offload the f32 gradients and new weights of the tensors in flight (at most
+//!   [`crate::train::optim::OFFLOAD_CHUNK_BYTES`] of gradients);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
 //!   doubling its capacity;
@@ -410,14 +411,21 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         add("parameter gradients in flight", grad_store, Device, Backward, what.into());
         add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, "2 rows V d".into());
     }
+    // The update is in place (kernels::adamw): what it adds is the new weights in the model's dtype, and
+    // with offload the f32 gradients brought to the host.
+    let d = dtype_bytes(&cfg.model.dtype);
     let update = if cfg.optim.offload {
-        (OFFLOAD_CHUNK_BYTES as u64).min(p.saturating_mul(4)) * 6
+        let chunk = (OFFLOAD_CHUNK_BYTES as u64).min(p.saturating_mul(4));
+        chunk + chunk / 4 * d
     } else {
-        p_max.saturating_mul(28)
+        p_max.saturating_mul(d)
     };
     let upd_place = if cfg.optim.offload { Host } else { Device };
-    let f =
-        if cfg.optim.offload { "6 f32 copies of the tensors in flight" } else { "7 f32 copies of the largest tensor" };
+    let f = if cfg.optim.offload {
+        "f32 gradients and new weights of the tensors in flight"
+    } else {
+        "the largest tensor's new weights x d"
+    };
     add("optimizer update temporaries", update, upd_place, Update, f.into());
     if world > 1 {
         // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
@@ -901,6 +909,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         reference_forward: cfg.objective.build().needs_reference()
             && !crate::train::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
+        composite_update: false,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
         blocks: time::driver_blocks(model, seq_tokens),

@@ -113,8 +113,10 @@ pub struct OpCost {
     pub flops: f64,
     /// Bytes read from and written to device memory (for [`OpKind::Host`]: bytes over PCIe).
     pub bytes: f64,
-    /// Bytes read and written in host memory ([`OpKind::Host`] only).
+    /// Bytes read and written in host memory ([`OpKind::Host`] only), at `host_rate` bytes a second (the
+    /// offloaded update's: fused or composite).
     pub host_bytes: f64,
+    pub host_rate: f64,
     /// Ops the host issues for it: kernel launches, and for candle's element-wise work every tensor op
     /// (see [`TensorOps`]).
     pub launches: f64,
@@ -183,6 +185,10 @@ pub struct StepShape {
     /// A reference model's forward per micro-batch (its log-probs are not cached).
     pub reference_forward: bool,
     pub offload: bool,
+    /// The optimiser's update as the composite candle ops of the builds before the fused update
+    /// (kernels/adamw.rs; ~15 tensor ops per parameter, and on the host [`Gpu::composite_host_update_bandwidth`]),
+    /// which the 2026-11-26 H100 run measured; `false`: this build's fused update.
+    pub composite_update: bool,
     pub logprob_chunk_bytes: u64,
     /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
     pub optimizer_shards: u64,
@@ -268,6 +274,7 @@ impl Ops {
             flops,
             bytes,
             host_bytes: 0.0,
+            host_rate: f64::INFINITY,
             launches,
             syncs: 0.0,
             attention,
@@ -325,7 +332,8 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     if s.checkpoint_layers {
         per_micro_batch += layers * t.layer_recompute;
     }
-    let per_step = t.step + tensors * (t.norm_per_tensor + t.update_per_tensor);
+    let update = if s.composite_update { t.composite_update_per_tensor } else { t.update_per_tensor };
+    let per_step = t.step + tensors * (t.norm_per_tensor + update);
     s.micro_batches() * per_micro_batch + per_step
 }
 
@@ -646,9 +654,13 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     o.times = 1.0 / s.optimizer_shards.max(1) as f64;
     if s.offload {
         o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0 * tensors);
-        o.ops.last_mut().expect("just pushed").host_bytes = 32.0 * p * o.times;
+        let op = o.ops.last_mut().expect("just pushed");
+        op.host_bytes = 32.0 * p * o.times;
+        op.host_rate = if s.composite_update { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
     } else {
-        let update = TENSOR_OPS.update_per_tensor * tensors;
+        let per_tensor =
+            if s.composite_update { TENSOR_OPS.composite_update_per_tensor } else { TENSOR_OPS.update_per_tensor };
+        let update = per_tensor * tensors;
         o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, update);
     }
     let norm = TENSOR_OPS.norm_per_tensor * tensors + TENSOR_OPS.step;
@@ -696,7 +708,7 @@ fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
 /// host work.
 fn host_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let own = match op.kind {
-        OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / gpu.host_update_bandwidth,
+        OpKind::Host => op.bytes / gpu.pcie_bandwidth + op.host_bytes / op.host_rate,
         _ => 0.0,
     };
     let per_launch = if op.attention { gpu.kernel_launch_s } else { gpu.launch_s };
@@ -750,6 +762,8 @@ pub struct WindowCost {
     /// The offloaded update's bytes over PCIe and through host memory.
     pub pcie_bytes: f64,
     pub host_bytes: f64,
+    /// The host's time on those bytes (at the rate of the update that moves them).
+    pub host_update_s: f64,
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -789,6 +803,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
                 kernel_launches: sum(&|o| o.launches, &|o| o.window == w && o.attention),
                 pcie_bytes: sum(&|o| o.bytes, &host),
                 host_bytes: sum(&|o| o.host_bytes, &host),
+                host_update_s: sum(&|o| o.host_bytes / o.host_rate, &host),
             }
         })
         .collect();
@@ -826,7 +841,7 @@ impl WindowCost {
         self.launches * gpu.launch_s
             + self.kernel_launches * gpu.kernel_launch_s
             + self.pcie_bytes / gpu.pcie_bandwidth
-            + self.host_bytes / gpu.host_update_bandwidth
+            + self.host_update_s
     }
 }
 
@@ -1008,6 +1023,7 @@ mod tests {
             recompute_attention: true,
             reference_forward: false,
             offload: false,
+            composite_update: false,
             logprob_chunk_bytes: 1 << 30,
             optimizer_shards: 1,
             tensor_cores: false,

@@ -18,6 +18,7 @@ pub enum Module {
     Rope,
     Norm,
     Embedding,
+    Adamw,
 }
 
 /// One buffer of an op.

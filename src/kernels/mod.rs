@@ -18,6 +18,9 @@
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
+//! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
+//!   state, in place, equal bit for bit to the composite [`adamw_reference`].
+//!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
 //!
@@ -25,6 +28,7 @@
 //! the CPU `with_float!` (cpu.rs) binds the inputs' elements and the generic body is monomorphised per
 //! dtype; on the GPU an op's plan names the kernel instance `{name}_{f32,bf16,f16}` of its inputs' dtype.
 
+mod adamw;
 mod attention;
 mod cpu;
 #[cfg(feature = "cuda")]
@@ -45,6 +49,7 @@ mod norm;
 mod rope;
 mod rows;
 
+pub use adamw::{adamw, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::zero::{self, Layout, Saved, Shard};
 use crate::dist::World;
+use crate::kernels;
 use crate::model::Grads;
 
 /// Which optimiser.
@@ -148,11 +149,14 @@ struct ParamState {
     offset: usize,
     var: Var,
     decay: bool,
-    /// f32 master copy (the weights the update is applied to), on the state's device: the parameter's
-    /// shape, or a flat part of it when the state is sharded.
-    master: Tensor,
-    m: Option<Tensor>,
-    v: Option<Tensor>,
+    /// The shape of the master copy: the parameter's, or a flat part of it when the state is sharded.
+    shape: Vec<usize>,
+    /// f32 `[rows, n]` on the state's device: the master copy (the weights the update is applied to),
+    /// then, with AdamW, the first and second moments (zero until the parameter's first update), updated
+    /// in place by [`kernels::adamw`].
+    state: Tensor,
+    /// Whether the moments hold an update (a checkpoint holds them from then on).
+    moments: bool,
 }
 
 /// The hyper-parameters of one update.
@@ -169,41 +173,107 @@ struct Update {
 }
 
 impl ParamState {
-    /// Apply one update with gradient `g` (f32, on the state's device) to the master copy and the moments.
-    fn update(&mut self, g: &Tensor, u: &Update) -> candle_core::Result<()> {
-        let g = if u.scale != 1.0 { (g * u.scale)? } else { g.clone() };
-        let lr = u.lr;
-        match u.name {
-            OptimName::Sgd => {
-                self.master = (&self.master - (g * lr)?)?;
-            }
-            OptimName::Adamw => {
-                let [b1, b2] = u.betas;
-                if self.decay && u.weight_decay > 0.0 {
-                    self.master = (&self.master * (1.0 - lr * u.weight_decay))?;
-                }
-                let m = match &self.m {
-                    Some(m) => ((m * b1)? + (&g * (1.0 - b1))?)?,
-                    None => (&g * (1.0 - b1))?,
-                };
-                let v = match &self.v {
-                    Some(v) => ((v * b2)? + (g.sqr()? * (1.0 - b2))?)?,
-                    None => (g.sqr()? * (1.0 - b2))?,
-                };
-                let m_hat = (&m / (1.0 - b1.powi(u.t)))?;
-                let v_hat = (&v / (1.0 - b2.powi(u.t)))?;
-                let update = (m_hat / (v_hat.sqrt()? + u.eps)?)?;
-                self.master = (&self.master - (update * lr)?)?;
-                self.m = Some(m);
-                self.v = Some(v);
+    /// The state of a parameter (or part of one) whose master copy is `master` (f32, on the state's
+    /// device), with the moments `moments` (zero when `None`).
+    fn new(
+        index: usize,
+        offset: usize,
+        var: &Var,
+        master: Tensor,
+        moments: Option<(Tensor, Tensor)>,
+        adam: bool,
+    ) -> candle_core::Result<Self> {
+        let shape = master.dims().to_vec();
+        let n = master.elem_count();
+        let mut rows = vec![master.flatten_all()?];
+        let started = moments.is_some();
+        if adam {
+            match moments {
+                Some((m, v)) => rows.extend([m.flatten_all()?, v.flatten_all()?]),
+                None => rows.extend([
+                    Tensor::zeros(n, DType::F32, master.device())?,
+                    Tensor::zeros(n, DType::F32, master.device())?,
+                ]),
             }
         }
+        // A state of its own (one row of the master copy alone would be a view of the parameter).
+        let state = if rows.len() == 1 { rows[0].unsqueeze(0)?.copy()? } else { Tensor::stack(&rows, 0)? };
+        Ok(Self { index, offset, var: var.clone(), decay: var.rank() >= 2, shape, state, moments: started })
+    }
+
+    /// Apply one update with gradient `g` (f32, on the state's device) to the master copy and the
+    /// moments, in place.
+    fn update(&mut self, g: &Tensor, u: &Update) -> candle_core::Result<()> {
+        let op = kernels::AdamW {
+            adam: u.name == OptimName::Adamw,
+            scale: u.scale,
+            lr: u.lr,
+            weight_decay: if self.decay && u.weight_decay > 0.0 { u.weight_decay } else { 0.0 },
+            betas: u.betas,
+            eps: u.eps,
+            t: u.t,
+        };
+        kernels::adamw(&self.state, g, &op)?;
+        self.moments |= op.adam;
         Ok(())
     }
 
-    /// The master copy in the model's dtype, on the state's device.
+    /// The f32 master copy (a view of the state).
+    fn master(&self) -> candle_core::Result<Tensor> {
+        self.state.get(0)?.reshape(self.shape.as_slice())
+    }
+
+    /// The first and second moments (views of the state), once the parameter has been updated.
+    fn moments(&self) -> candle_core::Result<Option<(Tensor, Tensor)>> {
+        if !self.moments {
+            return Ok(None);
+        }
+        Ok(Some((
+            self.state.get(1)?.reshape(self.shape.as_slice())?,
+            self.state.get(2)?.reshape(self.shape.as_slice())?,
+        )))
+    }
+
+    /// The master copy in the model's dtype, on the state's device (in host memory, converted by all the
+    /// host's threads: candle's conversion runs on one).
     fn weights(&self) -> candle_core::Result<Tensor> {
-        self.master.to_dtype(self.var.dtype())
+        let master = self.master()?;
+        match (master.device(), self.var.dtype()) {
+            (Device::Cpu, DType::BF16 | DType::F16) => master.apply_op1_no_bwd(&HostCast(self.var.dtype())),
+            _ => master.to_dtype(self.var.dtype()),
+        }
+    }
+}
+
+/// f32 to bf16/f16 in host memory, in blocks over rayon's threads, rounded as candle's conversion rounds
+/// (to nearest even).
+struct HostCast(DType);
+
+impl candle_core::CustomOp1 for HostCast {
+    fn name(&self) -> &'static str {
+        "host-cast"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s: &candle_core::CpuStorage,
+        l: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        use candle_core::CpuStorage as S;
+        let (S::F32(v), Some((a, b))) = (s, l.contiguous_offsets()) else {
+            candle_core::bail!("host-cast takes contiguous f32")
+        };
+        fn cast<T: Send>(v: &[f32], f: fn(f32) -> T) -> Vec<T> {
+            let mut out = Vec::with_capacity(v.len());
+            out.par_extend(v.par_iter().with_min_len(1 << 16).map(|&x| f(x)));
+            out
+        }
+        let out = match self.0 {
+            DType::BF16 => S::BF16(cast(&v[a..b], half::bf16::from_f32)),
+            DType::F16 => S::F16(cast(&v[a..b], half::f16::from_f32)),
+            d => candle_core::bail!("host-cast to {d:?}"),
+        };
+        Ok((out, l.shape().clone()))
     }
 }
 
@@ -234,15 +304,8 @@ impl Optimizer {
         for (i, v) in vars.iter().enumerate() {
             let t = v.as_tensor();
             let state_device = if cfg.offload { Device::Cpu } else { t.device().clone() };
-            params.push(ParamState {
-                index: i,
-                offset: 0,
-                var: (*v).clone(),
-                decay: t.rank() >= 2,
-                master: t.detach().to_dtype(DType::F32)?.to_device(&state_device)?.copy()?,
-                m: None,
-                v: None,
-            });
+            let master = t.detach().to_dtype(DType::F32)?.to_device(&state_device)?;
+            params.push(ParamState::new(i, 0, v, master, None, cfg.name == OptimName::Adamw)?);
         }
         Ok(Self { cfg, params, names: names.to_vec(), shard: None, steps: 0 })
     }
@@ -262,15 +325,15 @@ impl Optimizer {
         for piece in shard.layout().pieces(shard.range()) {
             let var = &vars[piece.param];
             let flat = var.as_tensor().detach().flatten_all()?.narrow(0, piece.offset, piece.len)?;
-            params.push(ParamState {
-                index: piece.param,
-                offset: piece.offset,
-                var: var.clone(),
-                decay: var.rank() >= 2,
-                master: flat.to_dtype(DType::F32)?.to_device(&self.state_device(var))?.copy()?,
-                m: None,
-                v: None,
-            });
+            let master = flat.to_dtype(DType::F32)?.to_device(&self.state_device(var))?;
+            params.push(ParamState::new(
+                piece.param,
+                piece.offset,
+                var,
+                master,
+                None,
+                self.cfg.name == OptimName::Adamw,
+            )?);
         }
         self.params = params;
         self.shard = Some(shard);
@@ -329,10 +392,10 @@ impl Optimizer {
         let offload = self.cfg.offload;
         let work = |p: &mut ParamState| -> candle_core::Result<Vec<f32>> {
             let a = layout.start(p.index) + p.offset - first;
-            let n = p.master.elem_count();
+            let n = p.shape.iter().product::<usize>();
             let device = if offload { Device::Cpu } else { p.var.device().clone() };
             p.update(&Tensor::from_slice(&g[a..a + n], n, &device)?, &u)?;
-            p.master.to_device(&Device::Cpu)?.to_vec1::<f32>()
+            p.master()?.to_device(&Device::Cpu)?.to_vec1::<f32>()
         };
         let new: Vec<Vec<f32>> = if offload {
             self.params.par_iter_mut().map(work).collect::<candle_core::Result<_>>()?
@@ -415,25 +478,24 @@ impl Optimizer {
     /// switched), or, when sharded, this rank's block ([`zero::shard_tensors`]).
     pub fn state_tensors(&self) -> candle_core::Result<Vec<(String, Tensor)>> {
         if let Some(shard) = &self.shard {
-            let part = |f: fn(&ParamState) -> Option<&Tensor>| -> Option<Vec<Tensor>> {
-                self.params.iter().map(|p| f(p).cloned()).collect()
-            };
-            let mut parts = vec![(zero::MASTER, self.params.iter().map(|p| p.master.clone()).collect())];
+            let masters = self.params.iter().map(ParamState::master).collect::<candle_core::Result<Vec<_>>>()?;
+            let mut parts = vec![(zero::MASTER, masters)];
             if self.steps > 0 {
-                parts.extend(part(|p| p.m.as_ref()).map(|m| (zero::EXP_AVG, m)));
-                parts.extend(part(|p| p.v.as_ref()).map(|v| (zero::EXP_AVG_SQ, v)));
+                let moments = self.params.iter().map(ParamState::moments).collect::<candle_core::Result<Vec<_>>>()?;
+                if let Some(moments) = moments.into_iter().collect::<Option<Vec<_>>>() {
+                    let (m, v): (Vec<Tensor>, Vec<Tensor>) = moments.into_iter().unzip();
+                    parts.extend([(zero::EXP_AVG, m), (zero::EXP_AVG_SQ, v)]);
+                }
             }
             return zero::shard_tensors(parts, shard.range(), shard.layout().total());
         }
         let mut out = Vec::new();
         for p in &self.params {
             let name = &self.names[p.index];
-            out.push((format!("{}.{name}", zero::MASTER), p.master.clone()));
-            if let Some(m) = &p.m {
-                out.push((format!("{}.{name}", zero::EXP_AVG), m.clone()));
-            }
-            if let Some(v) = &p.v {
-                out.push((format!("{}.{name}", zero::EXP_AVG_SQ), v.clone()));
+            out.push((format!("{}.{name}", zero::MASTER), p.master()?));
+            if let Some((m, v)) = p.moments()? {
+                out.push((format!("{}.{name}", zero::EXP_AVG), m));
+                out.push((format!("{}.{name}", zero::EXP_AVG_SQ), v));
             }
         }
         Ok(out)
@@ -454,21 +516,23 @@ impl Optimizer {
         let saved = Saved::open(ck, layout)?;
         let text = |e: candle_core::Error| e.to_string();
         let mut masters = Vec::new();
+        let adam = self.cfg.name == OptimName::Adamw;
         for p in &mut self.params {
-            let (start, shape) = (layout.start(p.index) + p.offset, p.master.dims().to_vec());
+            let (start, shape) = (layout.start(p.index) + p.offset, p.shape.clone());
             let device = if self.cfg.offload { Device::Cpu } else { p.var.device().clone() };
             let read = |part: &str| -> Result<Option<Tensor>, String> {
-                let values = saved.read(layout, part, start..start + p.master.elem_count())?;
+                let values = saved.read(layout, part, start..start + shape.iter().product::<usize>())?;
                 values.map(|v| Tensor::from_vec(v, shape.as_slice(), &device).map_err(text)).transpose()
             };
             let master = read(zero::MASTER)?.ok_or_else(|| format!("no master weights for {}", self.names[p.index]))?;
-            p.m = read(zero::EXP_AVG)?;
-            p.v = read(zero::EXP_AVG_SQ)?;
-            p.master = master;
+            let moments = read(zero::EXP_AVG)?.zip(read(zero::EXP_AVG_SQ)?);
+            *p = ParamState::new(p.index, p.offset, &p.var, master, moments, adam).map_err(text)?;
             match &self.shard {
-                Some(_) => {
-                    masters.extend(p.master.to_device(&Device::Cpu).and_then(|t| t.to_vec1::<f32>()).map_err(text)?)
-                }
+                Some(_) => masters.extend(
+                    p.master()
+                        .and_then(|t| t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>())
+                        .map_err(text)?,
+                ),
                 None => {
                     p.var.set(&p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?).map_err(text)?
                 }
