@@ -155,9 +155,11 @@ pub struct TrainStepSpec {
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
-    /// How attention is computed with fused ops: flash (block by block), mma (flash on the tensor cores,
-    /// on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or matrix (score matrix).
-    #[arg(long, value_enum, default_value_t = Attention::Flash)]
+    /// How attention is computed with fused ops: auto (`model.attention`'s default: on a GPU the fastest
+    /// tensor-core kernels that pass a start-up check, else flash), flash (block by block), mma (flash on
+    /// the tensor cores, on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or
+    /// matrix (score matrix).
+    #[arg(long, value_enum, default_value_t = Attention::Auto)]
     pub attention: Attention,
     /// With --attention mma or wgmma on a GPU: sum dq by atomics in the dk/dv kernel
     /// (`model.deterministic_attention = false`).
@@ -369,7 +371,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
             .tensor_core_attention(dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
-        warpgroup: spec.attention == Attention::Wgmma,
+        warpgroup: matches!(spec.attention, Attention::Wgmma | Attention::Auto),
     }
 }
 

@@ -238,7 +238,9 @@ impl Activations {
         let matrix = 2.0 * b * heads * t * t * d;
         let (attn_saved, attn_work) = match attention {
             Attention::Matrix => (matrix, matrix),
-            Attention::Flash | Attention::Mma | Attention::Wgmma => (4.0 * b * heads * t, 8.0 * b * heads * t),
+            Attention::Flash | Attention::Mma | Attention::Wgmma | Attention::Auto => {
+                (4.0 * b * heads * t, 8.0 * b * heads * t)
+            }
         };
         let layer = n * width * d + attn_saved;
         let rows = (chunk_bytes as f64 / (4.0 * v).max(1.0)).floor().clamp(1.0, 65536.0).min(n_scored.max(1.0));
@@ -255,7 +257,9 @@ impl Activations {
             attention_workspace: to_bytes(attn_work),
             kept_attention: match attention {
                 Attention::Matrix => 0,
-                Attention::Flash | Attention::Mma | Attention::Wgmma => to_bytes(l * (n * q * d + 4.0 * b * heads * t)),
+                Attention::Flash | Attention::Mma | Attention::Wgmma | Attention::Auto => {
+                    to_bytes(l * (n * q * d + 4.0 * b * heads * t))
+                }
             },
             head: to_bytes(3.0 * n_scored * h * d + 16.0 * n_scored),
             head_backward: to_bytes(head_backward),
@@ -307,7 +311,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
     // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
-    let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma)
+    let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto)
         && !cfg.model.deterministic_attention
         && !inputs.on_cpu;
     if atomic_dq {
@@ -392,6 +396,8 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         Attention::Mma => "mma: O(T)",
         Attention::Wgmma if atomic_dq => "wgmma: O(T) + [N,q] 4 B dq accumulator",
         Attention::Wgmma => "wgmma: O(T)",
+        Attention::Auto if atomic_dq => "auto (tensor cores): O(T) + [N,q] 4 B dq accumulator",
+        Attention::Auto => "auto (tensor cores): O(T)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {
@@ -916,7 +922,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         tensor_cores: crate::model::parse_dtype(&cfg.model.dtype)
             .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
         atomic_dq: !cfg.model.deterministic_attention,
-        warpgroup: cfg.model.attention == Attention::Wgmma,
+        warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
     }
 }
 

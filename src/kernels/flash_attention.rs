@@ -52,6 +52,8 @@ macro_rules! gpu_dispatch {
     }};
 }
 
+mod auto;
+pub use auto::auto_kernels;
 mod cpu;
 pub(super) mod dims;
 pub(crate) mod driver;

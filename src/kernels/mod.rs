@@ -52,10 +52,10 @@ mod rows;
 pub use adamw::{adamw, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
-pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use flash_attention::{
-    flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
+    auto_kernels, flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
+pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};

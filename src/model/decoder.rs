@@ -60,7 +60,6 @@ struct LayerIdx {
 pub enum Attention {
     /// Block by block with an online softmax and its own backward (flash attention): O(T) memory per
     /// head, forward and backward.
-    #[default]
     Flash,
     /// Through the `[T, S]` score matrix of each head and the fused masked softmax: O(T x S) memory.
     Matrix,
@@ -74,6 +73,11 @@ pub enum Attention {
     /// `deterministic_attention` as with `mma`); on other GPUs the same as `mma`.
     /// Tested on the host emulator, not yet on a GPU.
     Wgmma,
+    /// The default: on a GPU, the fastest of `wgmma` (compute capability 9.0) and `mma` (8.x) that passes
+    /// a check against the chunked path on that device the first time it attends (bf16/f16 at head dim
+    /// 64 or 128; the verdict is logged), else `flash`; on the CPU `flash`.
+    #[default]
+    Auto,
 }
 
 /// Options that change how (not what) the decoder computes.
@@ -107,7 +111,7 @@ impl DecoderOptions {
     /// apply.
     pub fn tensor_core_attention(&self, dtype: DType, head_dim: usize) -> bool {
         self.fused_ops
-            && matches!(self.attention, Attention::Mma | Attention::Wgmma)
+            && matches!(self.attention, Attention::Mma | Attention::Wgmma | Attention::Auto)
             && crate::kernels::tensor_core_attention(dtype, head_dim)
     }
 
@@ -116,7 +120,8 @@ impl DecoderOptions {
         match self.attention {
             Attention::Mma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention, warpgroup: false },
             Attention::Wgmma => GpuKernels::TensorCores { atomic_dq: !self.deterministic_attention, warpgroup: true },
-            Attention::Flash | Attention::Matrix => GpuKernels::Chunked,
+            // Chosen on the device by a check (`kernels::auto_kernels`); the chunked path until then.
+            Attention::Flash | Attention::Matrix | Attention::Auto => GpuKernels::Chunked,
         }
     }
 }
@@ -128,7 +133,7 @@ impl Default for DecoderOptions {
             recompute_attention: true,
             logprob_chunk_bytes: 0,
             fused_ops: true,
-            attention: Attention::Flash,
+            attention: Attention::Auto,
             deterministic_attention: true,
         }
     }
@@ -725,7 +730,12 @@ impl Decoder {
         for (what, n, hint) in layer_sizes(cfg, b, t, k.dim(2)?, fused && flash) {
             crate::device::check_elements(&self.device, what, n, hint)?;
         }
-        let kernels = self.options.gpu_kernels();
+        let kernels = match self.options.attention {
+            Attention::Auto => {
+                crate::kernels::auto_kernels(q.device(), q.dtype(), hd, !self.options.deterministic_attention)?
+            }
+            _ => self.options.gpu_kernels(),
+        };
         let attn = match (fused, flash) {
             (true, true) => flash_attention_recorded(&q, &k, &v, ranges, scale, kernels, replay)?,
             (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
@@ -1175,12 +1185,12 @@ mod tests {
         }
     }
 
-    /// Through the default attention (flash, with its own backward).
+    /// Through the default attention (auto: flash on the CPU, with its own backward).
     #[test]
     fn finite_differences_agree_with_autograd() {
         for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
             let m = tiny(arch, arch == Arch::Llama, true);
-            assert_eq!(m.options.attention, Attention::Flash);
+            assert_eq!(m.options.attention, Attention::Auto);
             let (b, t) = batch();
             let (_, grads) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
             let eval = |m: &Decoder| -> f64 {

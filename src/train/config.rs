@@ -60,8 +60,9 @@ pub struct ModelSection {
     /// prepared data (recomputed when the reference or the data changes) and load no reference model while
     /// training; false computes them on the fly each step.
     pub cache_reference: bool,
-    /// How attention is computed with fused ops: "flash" (block by block, memory linear in the length;
-    /// the default), "mma" (flash on a GPU's tensor cores with the scores in registers, for bf16/f16 at
+    /// How attention is computed with fused ops: "auto" (the default: on a GPU the fastest of wgmma and
+    /// mma that passes a check against flash's chunked path on that device at the first attention, else
+    /// flash; the choice is logged), "flash" (block by block, memory linear in the length), "mma" (flash on a GPU's tensor cores with the scores in registers, for bf16/f16 at
     /// head dim 64 or 128; elsewhere flash), "wgmma" (as mma, through Hopper's warpgroup wgmma kernels
     /// on an H100/H200, compute capability 9.0; elsewhere mma) or "matrix" (through each head's [T, T]
     /// score matrix: quadratic memory).
@@ -100,7 +101,7 @@ impl Default for ModelSection {
             logprob_chunk_mb: 0,
             fused_ops: true,
             cache_reference: true,
-            attention: Attention::Flash,
+            attention: Attention::Auto,
             deterministic_attention: true,
         }
     }
@@ -624,6 +625,8 @@ mod tests {
         assert!(TrainConfig::parse(MIN, Path::new("c.toml"), &["novalue".into()]).is_err());
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.device=tpu".into()]).unwrap_err();
         assert!(e.to_string().contains("model.device"), "{e}");
+        assert_eq!(c.model.attention, Attention::Auto);
+        let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=flash".into()]).unwrap();
         assert_eq!(c.model.attention, Attention::Flash);
         let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["model.attention=matrix".into()]).unwrap();
         assert_eq!(c.model.attention, Attention::Matrix);
