@@ -6,7 +6,7 @@ use anyhow::Context;
 use serde::Deserialize;
 
 use crate::model::{parse_device, parse_dtype};
-use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, SampleSpec, Timing, TrainStepSpec};
+use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, PackSpec, SampleSpec, Timing, TrainStepSpec};
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
@@ -63,6 +63,12 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// The padding of padded micro-batches (train.micro_batch_size) against packed ones
+    /// (train.micro_batch_tokens) on a long-tailed, OpenThoughts3-like answer length mix; no model runs.
+    Pack {
+        #[command(flatten)]
+        spec: PackSpec,
+    },
 }
 
 fn timing(c: &Common) -> anyhow::Result<Timing> {
@@ -90,6 +96,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             perf::attention(&spec, &timing(&common)?).context("attention benchmark")?
         }
         BenchCommand::Sample { spec, common } => perf::sample(&spec, &timing(&common)?).context("sample benchmark")?,
+        BenchCommand::Pack { spec } => perf::pack(&spec).context("pack benchmark")?,
         BenchCommand::Generate { spec, common } => {
             perf::generate(&spec, &timing(&common)?).context("generate benchmark")?
         }
