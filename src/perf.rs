@@ -895,14 +895,11 @@ pub fn pack(spec: &PackSpec) -> Result<Value> {
     let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
     let row = |batching: Batching| {
         let padding = Padding::of(&batching.micro_batches(&lengths), &lengths);
-        let (name, fill) = match batching {
-            Batching::Answers(n) => (format!("micro_batch_size = {n}"), None),
-            Batching::Tokens(n) => (
-                format!("micro_batch_tokens = {n}"),
-                Some(padding.tokens as f64 / (padding.micro_batches * n).max(1) as f64),
-            ),
+        let fill = match batching {
+            Batching::Answers(_) => None,
+            Batching::Tokens(n) => Some(padding.tokens as f64 / (padding.micro_batches * n).max(1) as f64),
         };
-        PackRow { batching: name, padding, padding_fraction: padding.fraction(), budget_fill: fill }
+        PackRow { batching: batching.to_string(), padding, padding_fraction: padding.fraction(), budget_fill: fill }
     };
     let groupings = spec
         .micro_batch

@@ -50,6 +50,16 @@ impl Batching {
     }
 }
 
+impl std::fmt::Display for Batching {
+    /// The setting that chooses it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Batching::Answers(n) => write!(f, "micro_batch_size = {n}"),
+            Batching::Tokens(n) => write!(f, "micro_batch_tokens = {n}"),
+        }
+    }
+}
+
 /// Rows of at most `budget` tokens holding every answer of `lengths` once: answers taken longest first
 /// (ties in batch order), each into the first row it fits in, else a new row; an answer longer than the
 /// budget gets a row of its own. Each row lists its answers in batch order. Deterministic.

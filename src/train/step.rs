@@ -269,7 +269,7 @@ fn log_padding(seqs: &[Sequence], batching: Batching) {
     };
     let there = Padding::of(&other.micro_batches(&lengths), &lengths);
     tracing::info!(
-        "first batch: {} answers, {} tokens in {} micro-batches ({:?}), {:.1}% padding, largest micro-batch \
+        "first batch: {} answers, {} tokens in {} micro-batches ({}), {:.1}% padding, largest micro-batch \
          {} tokens ({}: {} micro-batches, {:.1}% padding)",
         lengths.len(),
         here.tokens,
