@@ -130,6 +130,10 @@ pub struct TrainStepSpec {
     /// Answers per forward/backward.
     #[arg(long, default_value_t = 1)]
     pub micro_batch: usize,
+    /// Token budget of a packed micro-batch (`train.micro_batch_tokens`: budget / seq-len answers one after
+    /// the other in one row); 0: --micro-batch answers per micro-batch, one per row.
+    #[arg(long, default_value_t = 0)]
+    pub micro_batch_tokens: usize,
     /// Recompute layer activations in the backward (less memory, one more forward).
     #[arg(long)]
     pub checkpoint_layers: bool,
@@ -166,6 +170,18 @@ pub struct TrainStepSpec {
     /// phases in the record's `profile`.
     #[arg(long)]
     pub profile: bool,
+}
+
+impl TrainStepSpec {
+    fn batching(&self) -> crate::train::pack::Batching {
+        crate::train::pack::Batching::of(self.micro_batch, self.micro_batch_tokens)
+    }
+
+    /// The step's micro-batches and the answers in the first (the largest).
+    fn micro_batches(&self) -> (usize, usize) {
+        let batches = self.batching().micro_batches(&vec![self.seq_len; self.answers]);
+        (batches.len(), batches.first().map_or(0, |mb| mb.iter().map(Vec::len).sum()))
+    }
 }
 
 /// The tensors candle has made in this process so far: every op's output and every view gets the next
@@ -242,6 +258,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     };
     let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
     let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
+    step.set_batching(spec.batching());
     let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
@@ -269,7 +286,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         tensor_ops = tensors_made()? - made - 1;
         Ok(stats)
     })?;
-    let micro_batches = spec.answers.div_ceil(spec.micro_batch.max(1));
+    let (micro_batches, _) = spec.micro_batches();
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
     }
@@ -286,6 +303,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "dtype": dtype_name(t.dtype),
         "device": device_name(&t.device),
         "micro_batch": spec.micro_batch,
+        "micro_batch_tokens": spec.micro_batch_tokens,
         "checkpoint_layers": spec.checkpoint_layers,
         "keep_attention": spec.keep_attention,
         "atomic_dq": spec.atomic_dq,
@@ -346,7 +364,9 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
     use crate::cost::time::{driver_blocks, StepShape};
     StepShape {
         answers: spec.answers as u64,
-        micro_batch: spec.micro_batch as u64,
+        // A packed row of k answers is modelled as k padded ones (the attention skips the blocks between
+        // answers).
+        micro_batch: spec.micro_batches().1.max(1) as u64,
         seq_tokens: spec.seq_len as u64,
         scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
         dtype_bytes: dtype.size_in_bytes() as u64,
@@ -420,6 +440,7 @@ struct PredictedRecord {
     prompt_len: usize,
     dtype: &'static str,
     micro_batch: usize,
+    micro_batch_tokens: usize,
     checkpoint_layers: bool,
     keep_attention: bool,
     atomic_dq: bool,
@@ -442,6 +463,7 @@ pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
         prompt_len: spec.prompt_len,
         dtype: dtype_name(dtype),
         micro_batch: spec.micro_batch,
+        micro_batch_tokens: spec.micro_batch_tokens,
         checkpoint_layers: spec.checkpoint_layers,
         keep_attention: spec.keep_attention,
         atomic_dq: spec.atomic_dq,
@@ -983,6 +1005,7 @@ mod tests {
             seq_len: 12,
             prompt_len: 4,
             micro_batch: 2,
+            micro_batch_tokens: 0,
             checkpoint_layers: true,
             keep_attention: false,
             logprob_chunk_mb: 1,
@@ -1016,12 +1039,13 @@ mod tests {
     }
 
     /// The host syncs of a step do not grow with the number of layers (and so of tensors): a constant per
-    /// micro-batch and one read of the gradient norm per step.
+    /// micro-batch and one read of the gradient norm per step; packing two answers into each row (the same
+    /// micro-batches) adds none.
     #[test]
     fn host_syncs_do_not_grow_with_the_layers() {
         let dir = tempfile::tempdir().unwrap();
         let tiny = tiny_shape(dir.path());
-        let syncs = |layers: usize| {
+        let syncs = |layers: usize, micro_batch_tokens: usize| {
             let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&tiny).unwrap()).unwrap();
             raw["num_hidden_layers"] = layers.into();
             let shape = dir.path().join(format!("layers-{layers}.json"));
@@ -1032,6 +1056,7 @@ mod tests {
                 seq_len: 12,
                 prompt_len: 4,
                 micro_batch: 2,
+                micro_batch_tokens,
                 checkpoint_layers: false,
                 keep_attention: false,
                 logprob_chunk_mb: 0,
@@ -1047,8 +1072,9 @@ mod tests {
             assert_eq!(r["micro_batches"], 2);
             r["host_syncs_per_step"].as_u64().unwrap()
         };
-        let (two, six) = (syncs(2), syncs(6));
+        let (two, six) = (syncs(2, 0), syncs(6, 0));
         assert_eq!(two, six);
+        assert_eq!(syncs(2, 24), two);
         assert!(two <= 2 * 8 + 1, "{two} host syncs for 2 micro-batches");
     }
 
