@@ -262,8 +262,8 @@ fn log_padding(seqs: &[Sequence], batching: Batching) {
     let here = Padding::of(&batching.micro_batches(&lengths), &lengths);
     let (other, what) = match batching {
         Batching::Answers(n) => {
-            let longest = lengths.iter().copied().max().unwrap_or(0);
-            (Batching::Tokens(longest.max(1) * n), format!("packed into rows of {} tokens", longest * n))
+            let budget = lengths.iter().copied().max().unwrap_or(0).max(1).saturating_mul(n);
+            (Batching::Tokens(budget), format!("packed into rows of {budget} tokens"))
         }
         Batching::Tokens(_) => (Batching::Answers(1), "one answer per micro-batch".to_string()),
     };
@@ -536,10 +536,9 @@ fn reference_logprobs(
 }
 
 /// The gradient of the whole batch, computed one micro-batch at a time as `batching` groups the
-/// answers. The reference's log-probs
-/// give the KL term when the objective has one; the behaviour log-probs come from the objective's
-/// anchor: the teacher's, the policy's own at the start of the step (detached), the reference's or the
-/// snapshot's.
+/// answers. The reference's log-probs give the KL term when the objective has one; the behaviour
+/// log-probs come from the objective's anchor: the teacher's, the policy's own at the start of the step
+/// (detached), the reference's or the snapshot's.
 fn compute_gradients(
     policy: &Decoder,
     anchors: Anchors,
