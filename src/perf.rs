@@ -10,7 +10,8 @@
 //! - [`attention`]: forward and backward of one layer's chunked attention against a plain f32 matmul;
 //! - [`optimizer`]: the offloaded optimiser's host update, fused against the composite ops it replaced;
 //! - [`sample`]: picking the next token (temperature, top-k, top-p) on the device against the full-sort
-//!   reference on the host.
+//!   reference on the host;
+//! - [`pack`]: the padding of padded against packed micro-batches on a long-tailed length mix (no model).
 //!
 //! Times are medians of the timed repetitions after warm-up, with the device synchronised around each.
 
@@ -130,6 +131,10 @@ pub struct TrainStepSpec {
     /// Answers per forward/backward.
     #[arg(long, default_value_t = 1)]
     pub micro_batch: usize,
+    /// Token budget of a packed micro-batch (`train.micro_batch_tokens`: budget / seq-len answers one after
+    /// the other in one row); 0: --micro-batch answers per micro-batch, one per row.
+    #[arg(long, default_value_t = 0)]
+    pub micro_batch_tokens: usize,
     /// Recompute layer activations in the backward (less memory, one more forward).
     #[arg(long)]
     pub checkpoint_layers: bool,
@@ -173,6 +178,18 @@ pub struct TrainStepSpec {
     /// phases in the record's `profile`.
     #[arg(long)]
     pub profile: bool,
+}
+
+impl TrainStepSpec {
+    fn batching(&self) -> crate::train::pack::Batching {
+        crate::train::pack::Batching::of(self.micro_batch, self.micro_batch_tokens)
+    }
+
+    /// The step's micro-batches and the answers in the first (the largest).
+    fn micro_batches(&self) -> (usize, usize) {
+        let batches = self.batching().micro_batches(&vec![self.seq_len; self.answers]);
+        (batches.len(), batches.first().map_or(0, |mb| mb.iter().map(Vec::len).sum()))
+    }
 }
 
 /// The tensors candle has made in this process so far: every op's output and every view gets the next
@@ -249,6 +266,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     };
     let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
     let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
+    step.set_batching(spec.batching());
     let groups = [group];
     let mut peak = None;
     let mut step_no = 0usize;
@@ -276,7 +294,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         tensor_ops = tensors_made()? - made - 1;
         Ok(stats)
     })?;
-    let micro_batches = spec.answers.div_ceil(spec.micro_batch.max(1));
+    let (micro_batches, _) = spec.micro_batches();
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
     }
@@ -293,6 +311,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "dtype": dtype_name(t.dtype),
         "device": device_name(&t.device),
         "micro_batch": spec.micro_batch,
+        "micro_batch_tokens": spec.micro_batch_tokens,
         "checkpoint_layers": spec.checkpoint_layers,
         "keep_attention": spec.keep_attention,
         "atomic_dq": spec.atomic_dq,
@@ -356,7 +375,9 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
     use crate::cost::time::{driver_blocks, StepShape};
     StepShape {
         answers: spec.answers as u64,
-        micro_batch: spec.micro_batch as u64,
+        // A packed row of k answers is modelled as k padded ones (the attention skips the blocks between
+        // answers).
+        micro_batch: spec.micro_batches().1.max(1) as u64,
         seq_tokens: spec.seq_len as u64,
         scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
         dtype_bytes: dtype.size_in_bytes() as u64,
@@ -431,6 +452,7 @@ struct PredictedRecord {
     prompt_len: usize,
     dtype: &'static str,
     micro_batch: usize,
+    micro_batch_tokens: usize,
     checkpoint_layers: bool,
     keep_attention: bool,
     atomic_dq: bool,
@@ -453,6 +475,7 @@ pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
         prompt_len: spec.prompt_len,
         dtype: dtype_name(dtype),
         micro_batch: spec.micro_batch,
+        micro_batch_tokens: spec.micro_batch_tokens,
         checkpoint_layers: spec.checkpoint_layers,
         keep_attention: spec.keep_attention,
         atomic_dq: spec.atomic_dq,
@@ -810,6 +833,128 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
     serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
 }
 
+/// A long-tailed answer length mix and the groupings to compare on it (`grpo bench pack`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct PackSpec {
+    /// Questions in the step.
+    #[arg(long, default_value_t = 32)]
+    pub questions: usize,
+    /// Answers per question (adjacent in the batch, as a step orders them).
+    #[arg(long, default_value_t = 8)]
+    pub group: usize,
+    /// Median response tokens (log-normal).
+    #[arg(long, default_value_t = 4096.0)]
+    pub median: f64,
+    /// Standard deviation of a question's log length around the median (hard questions get long answers).
+    #[arg(long, default_value_t = 0.5)]
+    pub question_sigma: f64,
+    /// Standard deviation of an answer's log length around its question's.
+    #[arg(long, default_value_t = 0.55)]
+    pub answer_sigma: f64,
+    /// Response tokens are cut here (`data.max_response_tokens`; the seed's 16,384).
+    #[arg(long, default_value_t = 16_384)]
+    pub max_response: usize,
+    /// Median prompt tokens (log-normal, sigma 0.6, at most 2,048).
+    #[arg(long, default_value_t = 150.0)]
+    pub prompt_median: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Answers per padded micro-batch (`train.micro_batch_size`), each compared.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub micro_batch: Vec<usize>,
+    /// Token budgets of packed micro-batches (`train.micro_batch_tokens`), each compared.
+    #[arg(long, value_delimiter = ',', default_value = "16384,18432,32768,65536")]
+    pub budgets: Vec<usize>,
+}
+
+/// One grouping of [`pack`]'s answers.
+#[derive(Debug, serde::Serialize)]
+struct PackRow {
+    /// `micro_batch_size = n` or `micro_batch_tokens = n`.
+    batching: String,
+    #[serde(flatten)]
+    padding: crate::train::pack::Padding,
+    padding_fraction: f64,
+    /// Tokens of the answers over the micro-batches' budget (packed only: how full its rows are).
+    budget_fill: Option<f64>,
+}
+
+/// What `grpo bench pack` prints.
+#[derive(Debug, serde::Serialize)]
+struct PackRecord {
+    bench: &'static str,
+    answers: usize,
+    seed: u64,
+    /// The answers' tokens (prompt + response): median, 90th percentile, maximum, mean.
+    length_median: usize,
+    length_p90: usize,
+    length_max: usize,
+    length_mean: f64,
+    /// Answers cut at `max_response`.
+    cut: usize,
+    groupings: Vec<PackRow>,
+}
+
+/// The answer lengths (prompt + response) of `spec`'s step: per question a log-normal draw of its median
+/// (log sd `question_sigma`) and prompt, per answer a log-normal draw around it (log sd `answer_sigma`),
+/// responses cut at `max_response`. Deterministic in `seed`.
+fn pack_lengths(spec: &PackSpec) -> (Vec<usize>, usize) {
+    use crate::model::load::sample_normal;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed);
+    let (mut lengths, mut cut) = (Vec::new(), 0);
+    for _ in 0..spec.questions {
+        let prompt = (spec.prompt_median * (0.6 * sample_normal(&mut rng) as f64).exp()).round().clamp(1.0, 2048.0);
+        let centre = spec.median.ln() + spec.question_sigma * sample_normal(&mut rng) as f64;
+        for _ in 0..spec.group {
+            let response =
+                (centre + spec.answer_sigma * sample_normal(&mut rng) as f64).exp().round().max(1.0) as usize;
+            cut += usize::from(response >= spec.max_response);
+            lengths.push(prompt as usize + response.min(spec.max_response));
+        }
+    }
+    (lengths, cut)
+}
+
+/// The padding of a step's micro-batches on a long-tailed length mix like OpenThoughts3's (QwQ-32B
+/// reasoning: a median of a few thousand tokens, a tail cut at 16k): padded micro-batches of each size
+/// against packed ones of each token budget (src/train/pack.rs). No model runs.
+pub fn pack(spec: &PackSpec) -> Result<Value> {
+    use crate::train::pack::{Batching, Padding};
+    if spec.questions == 0 || spec.group == 0 || spec.median < 1.0 || spec.max_response == 0 {
+        return Err(PerfError::Invalid("questions, group, median and max-response must be positive".into()));
+    }
+    let (lengths, cut) = pack_lengths(spec);
+    let mut sorted = lengths.clone();
+    sorted.sort_unstable();
+    let at = |q: f64| sorted[((sorted.len() - 1) as f64 * q).round() as usize];
+    let row = |batching: Batching| {
+        let padding = Padding::of(&batching.micro_batches(&lengths), &lengths);
+        let fill = match batching {
+            Batching::Answers(_) => None,
+            Batching::Tokens(n) => Some(padding.tokens as f64 / (padding.micro_batches * n).max(1) as f64),
+        };
+        PackRow { batching: batching.to_string(), padding, padding_fraction: padding.fraction(), budget_fill: fill }
+    };
+    let groupings = spec
+        .micro_batch
+        .iter()
+        .map(|&n| row(Batching::Answers(n.max(1))))
+        .chain(spec.budgets.iter().filter(|&&n| n > 0).map(|&n| row(Batching::Tokens(n))))
+        .collect();
+    let record = PackRecord {
+        bench: "pack",
+        answers: lengths.len(),
+        seed: spec.seed,
+        length_median: at(0.5),
+        length_p90: at(0.9),
+        length_max: at(1.0),
+        length_mean: lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
+        cut,
+        groupings,
+    };
+    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -872,6 +1017,7 @@ mod tests {
             seq_len: 12,
             prompt_len: 4,
             micro_batch: 2,
+            micro_batch_tokens: 0,
             checkpoint_layers: true,
             keep_attention: false,
             logprob_chunk_mb: 1,
@@ -906,12 +1052,13 @@ mod tests {
     }
 
     /// The host syncs of a step do not grow with the number of layers (and so of tensors): a constant per
-    /// micro-batch and one read of the gradient norm per step.
+    /// micro-batch and one read of the gradient norm per step; packing two answers into each row (the same
+    /// micro-batches) adds none.
     #[test]
     fn host_syncs_do_not_grow_with_the_layers() {
         let dir = tempfile::tempdir().unwrap();
         let tiny = tiny_shape(dir.path());
-        let syncs = |layers: usize| {
+        let syncs = |layers: usize, micro_batch_tokens: usize| {
             let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&tiny).unwrap()).unwrap();
             raw["num_hidden_layers"] = layers.into();
             let shape = dir.path().join(format!("layers-{layers}.json"));
@@ -922,6 +1069,7 @@ mod tests {
                 seq_len: 12,
                 prompt_len: 4,
                 micro_batch: 2,
+                micro_batch_tokens,
                 checkpoint_layers: false,
                 keep_attention: false,
                 logprob_chunk_mb: 0,
@@ -938,8 +1086,9 @@ mod tests {
             assert_eq!(r["micro_batches"], 2);
             r["host_syncs_per_step"].as_u64().unwrap()
         };
-        let (two, six) = (syncs(2), syncs(6));
+        let (two, six) = (syncs(2, 0), syncs(6, 0));
         assert_eq!(two, six);
+        assert_eq!(syncs(2, 24), two);
         assert!(two <= 2 * 8 + 1, "{two} host syncs for 2 micro-batches");
     }
 

@@ -206,3 +206,24 @@ fn train_step_profile_covers_the_phases_and_adds_up_to_the_step() {
     ]);
     assert!(plain["profile"].is_null());
 }
+
+#[test]
+fn pack_compares_padded_and_packed_micro_batches_on_the_same_answers() {
+    let args = ["pack", "--questions", "6", "--group", "4", "--micro-batch", "1,4", "--budgets", "20000"];
+    let r = bench(&args);
+    assert_eq!((r["bench"].as_str(), r["answers"].as_u64()), (Some("pack"), Some(24)));
+    assert_eq!(r, bench(&args), "the same seed draws the same lengths");
+    let g = r["groupings"].as_array().unwrap();
+    let names: Vec<&str> = g.iter().map(|g| g["batching"].as_str().unwrap()).collect();
+    assert_eq!(names, ["micro_batch_size = 1", "micro_batch_size = 4", "micro_batch_tokens = 20000"]);
+    let tokens = r["length_mean"].as_f64().unwrap() * 24.0;
+    for x in g {
+        assert!((x["tokens"].as_f64().unwrap() - tokens).abs() < 0.5, "{x}");
+    }
+    assert_eq!((g[0]["padding_fraction"].as_f64(), g[0]["micro_batches"].as_u64()), (Some(0.0), Some(24)));
+    assert!(g[1]["padding_fraction"].as_f64().unwrap() > 0.05, "{}", g[1]);
+    assert_eq!(g[2]["padding_fraction"].as_f64(), Some(0.0));
+    let packed = g[2]["micro_batches"].as_u64().unwrap();
+    assert!(packed < 24 && packed as f64 >= tokens / 20000.0, "{packed} micro-batches for {tokens} tokens");
+    assert!(g[2]["max_slots"].as_u64().unwrap() <= 20000.max(r["length_max"].as_u64().unwrap()));
+}

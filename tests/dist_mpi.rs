@@ -158,6 +158,37 @@ fn two_ranks_equal_one_process_on_the_same_global_batch() {
     }
 }
 
+/// Packed micro-batches on 2 ranks (each packs its own groups' answers into rows of the budget) train as
+/// padded ones in one process: off_grpo's token-mean (the global batch's token count) and gspo's
+/// sequence-level ratio.
+#[test]
+fn packed_micro_batches_on_two_ranks_equal_padded_ones_in_one_process() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let model = tiny(d.path());
+    for (name, objective) in &OBJECTIVES[..2] {
+        let (one, two) = (d.path().join(format!("{name}-padded")), d.path().join(format!("{name}-packed")));
+        let packed = ["--set", "train.micro_batch_tokens=300"];
+        for (dir, np, extra) in [(&one, 1, &[][..]), (&two, 2, &packed[..])] {
+            std::fs::create_dir_all(dir).unwrap();
+            train(np, &config(dir, &model, objective, 3), extra);
+        }
+        let diff = max_diff(&weights(&step_dir(&one, 3)), &weights(&step_dir(&two, 3)));
+        eprintln!("{name}: max |w1 - w2| after 3 AdamW steps, padded vs packed on 2 ranks = {diff:e}");
+        assert!(diff <= 1e-5, "{name}: {diff}");
+        let (m1, m2) =
+            (common::read_jsonl(&one.join("out/metrics.jsonl")), common::read_jsonl(&two.join("out/metrics.jsonl")));
+        assert_eq!((m1.len(), m2.len()), (3, 3));
+        for (a, b) in m1.iter().zip(&m2) {
+            assert_eq!(a["num_tokens"], b["num_tokens"], "{name}");
+            for k in ["loss", "grad_norm"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "{name} {k}: padded {x}, packed on 2 ranks {y}");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_run_resumes_exactly_at_another_world_size() {
     let Some(_) = mpirun() else { return };

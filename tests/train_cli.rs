@@ -561,6 +561,36 @@ fn without_a_terminal_each_step_is_a_log_line_and_the_run_ends_with_its_summary(
     assert!(steps.len() == 2 && steps[0].contains("step 2/4") && steps[1].contains("step 4/4"), "{stderr}");
 }
 
+/// `train.micro_batch_tokens` packs the answers into rows of the budget: the run logs its first batch's
+/// padding and trains as the padded run does (the same losses and token counts, within f32 rounding).
+#[test]
+fn packed_micro_batches_train_as_padded_ones_and_log_the_padding() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let (code, _, padded_log) = train_logged(a.path(), &small_config(a.path()), &[]);
+    assert_eq!(code, Some(0), "{padded_log}");
+    let packed = ["--set", "train.micro_batch_tokens=400"];
+    let (code, _, packed_log) = train_logged(b.path(), &small_config(b.path()), &packed);
+    assert_eq!(code, Some(0), "{packed_log}");
+    let first = |log: &str| log.lines().find(|l| l.contains("first batch: ")).unwrap_or_default().to_string();
+    let (padded_line, packed_line) = (first(&padded_log), first(&packed_log));
+    let padding = |line: &str, of: &str| -> f64 {
+        let rest = line.split(&format!("({of}), ")).nth(1).unwrap_or_else(|| panic!("no {of}: {line}"));
+        rest.split('%').next().unwrap().parse().unwrap()
+    };
+    assert!(padding(&padded_line, "micro_batch_size = 3") > 0.0, "{padded_line}");
+    assert_eq!(padding(&packed_line, "micro_batch_tokens = 400"), 0.0, "{packed_line}");
+    let metrics = |d: &Path| common::read_jsonl(&d.join("out/metrics.jsonl"));
+    let (ma, mb) = (metrics(a.path()), metrics(b.path()));
+    assert_eq!(ma.len(), 4);
+    for (x, y) in ma.iter().zip(&mb) {
+        assert_eq!(x["num_tokens"], y["num_tokens"]);
+        for k in ["loss", "kl", "grad_norm", "entropy"] {
+            let (p, q) = (x[k].as_f64().unwrap(), y[k].as_f64().unwrap());
+            assert!((p - q).abs() <= 1e-4 * p.abs().max(1e-3), "step {}: {k} {p} padded, {q} packed", x["step"]);
+        }
+    }
+}
+
 #[test]
 fn quiet_prints_errors_only_and_still_the_summary() {
     let dir = tempfile::tempdir().unwrap();

@@ -6,7 +6,9 @@ use anyhow::Context;
 use serde::Deserialize;
 
 use crate::model::{parse_device, parse_dtype};
-use crate::perf::{self, AttentionSpec, GenerateSpec, LogprobSpec, OptimizerSpec, SampleSpec, Timing, TrainStepSpec};
+use crate::perf::{
+    self, AttentionSpec, GenerateSpec, LogprobSpec, OptimizerSpec, PackSpec, SampleSpec, Timing, TrainStepSpec,
+};
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
@@ -71,6 +73,12 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
+    /// The padding of padded micro-batches (train.micro_batch_size) against packed ones
+    /// (train.micro_batch_tokens) on a long-tailed, OpenThoughts3-like answer length mix; no model runs.
+    Pack {
+        #[command(flatten)]
+        spec: PackSpec,
+    },
 }
 
 fn timing(c: &Common) -> anyhow::Result<Timing> {
@@ -101,6 +109,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
             perf::optimizer(&spec, &timing(&common)?).context("optimizer benchmark")?
         }
         BenchCommand::Sample { spec, common } => perf::sample(&spec, &timing(&common)?).context("sample benchmark")?,
+        BenchCommand::Pack { spec } => perf::pack(&spec).context("pack benchmark")?,
         BenchCommand::Generate { spec, common } => {
             perf::generate(&spec, &timing(&common)?).context("generate benchmark")?
         }

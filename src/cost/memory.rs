@@ -8,7 +8,9 @@
 //! is B = `train.micro_batch_size` sequences of T = `max_prompt_tokens + max_response_tokens` tokens
 //! (the largest the data allows; with `[rollout]` the answers are the sampled ones, of at most
 //! `rollout.max_new_tokens` + 1 tokens, see [`sequence_tokens`]), N = B T tokens, of which
-//! n = B `max_response_tokens` are scored. Sizes are computed in f64 and saturate: an absurd
+//! n = B `max_response_tokens` are scored; with packed micro-batches (`train.micro_batch_tokens` = M > 0)
+//! a micro-batch is one row, B = 1, of T = max(M, prompt + answer) tokens, all of which may be scored
+//! (n = T; see [`micro_batch_shape`]). Sizes are computed in f64 and saturate: an absurd
 //! configuration plans u64::MAX bytes (it does not fit) rather than wrapping around.
 //!
 //! The run's peak is `resident + max(step + max(backward, update), validation, rollouts)`:
@@ -307,8 +309,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let p = model.num_parameters() as u64;
     let (p_layer, p_max) = largest_params(model);
     let (prompt, response) = sequence_tokens(cfg, model);
-    let b = cfg.train.micro_batch_size.max(1) as u64;
-    let shape = Shape { b, t: prompt.saturating_add(response), n_scored: b.saturating_mul(response) };
+    let shape = micro_batch_shape(cfg, prompt, response);
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
     // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
     let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto)
@@ -382,7 +383,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
-    let shared = d == 4 && answers > 0 && answers <= b;
+    let shared = d == 4 && answers > 0 && answers <= answers_per_micro_batch(cfg, prompt.saturating_add(response));
     let grad_store = match (ckpt, shared) {
         (_, true) => 0,
         (true, false) => p_layer.max(p_max).saturating_mul(d),
@@ -455,6 +456,32 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes, model: model.clone() }
 }
 
+/// The largest micro-batch: `train.micro_batch_size` rows of the longest prompt + answer, or with
+/// `train.micro_batch_tokens` one packed row of the budget (or of the longest answer, which runs alone when
+/// it is longer), every token of which but the first may be a scored answer token (short answers).
+fn micro_batch_shape(cfg: &TrainConfig, prompt: u64, response: u64) -> Shape {
+    let seq = prompt.saturating_add(response);
+    match cfg.train.micro_batch_tokens as u64 {
+        0 => {
+            let b = cfg.train.micro_batch_size.max(1) as u64;
+            Shape { b, t: seq, n_scored: b.saturating_mul(response) }
+        }
+        budget => {
+            let t = budget.max(seq);
+            Shape { b: 1, t, n_scored: t }
+        }
+    }
+}
+
+/// Answers of `seq` tokens (the longest) in one micro-batch: `train.micro_batch_size`, or as many as
+/// the token budget of `train.micro_batch_tokens` holds (at least one).
+fn answers_per_micro_batch(cfg: &TrainConfig, seq: u64) -> u64 {
+    match cfg.train.micro_batch_tokens as u64 {
+        0 => cfg.train.micro_batch_size.max(1) as u64,
+        budget => (budget / seq.max(1)).max(1),
+    }
+}
+
 /// The tokens of the longest prompt and answer of a micro-batch: `data.max_prompt_tokens` and, for
 /// answers, `data.max_response_tokens` (the model's context where either is 0: no limit), or with
 /// `[rollout]` the sampled answers' `rollout.max_new_tokens` + 1 (the EOS), and the teacher answers'
@@ -516,7 +543,7 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
 fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, response: u64) -> String {
     format!(
         "{} layers, hidden {}, {} heads / {} KV heads, intermediate {}, vocab {}: {:.2}B parameters, {}; \
-         micro-batch {} x {} tokens ({} + {})",
+         micro-batch {} x {} tokens ({}{} + {})",
         model.num_layers,
         model.hidden_size,
         model.num_heads,
@@ -527,6 +554,7 @@ fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, r
         cfg.model.dtype,
         shape.b,
         shape.t,
+        if cfg.train.micro_batch_tokens > 0 { "packed: train.micro_batch_tokens; answers of up to " } else { "" },
         prompt,
         response
     )
@@ -544,6 +572,7 @@ fn apply(floor: &mut TrainConfig, changed: &TrainConfig, cfg: &TrainConfig) {
     }
     let (a, b) = (&changed.train, &cfg.train);
     floor.train.micro_batch_size = pick(a.micro_batch_size, floor.train.micro_batch_size, b.micro_batch_size);
+    floor.train.micro_batch_tokens = pick(a.micro_batch_tokens, floor.train.micro_batch_tokens, b.micro_batch_tokens);
     let (a, b) = (&changed.data.sequence, &cfg.data.sequence);
     floor.data.sequence.max_response_tokens =
         pick(a.max_response_tokens, floor.data.sequence.max_response_tokens, b.max_response_tokens);
@@ -678,8 +707,15 @@ impl Plan {
                 c.model.cache_reference = true
             });
         }
-        let mb = cfg.train.micro_batch_size;
-        if mb > 1 {
+        let (mb, budget) = (cfg.train.micro_batch_size, cfg.train.micro_batch_tokens);
+        let (prompt, response) = sequence_tokens(cfg, &self.model);
+        let seq = prompt.saturating_add(response) as usize;
+        if budget > seq {
+            // Below the longest answer the budget changes nothing: that answer runs alone.
+            let n = self.largest(cfg, (seq, budget - 1), &|c, n| c.train.micro_batch_tokens = n);
+            with(format!("train.micro_batch_tokens = {n}"), &|c| c.train.micro_batch_tokens = n);
+        }
+        if mb > 1 && budget == 0 {
             let n = self.largest(cfg, (1, mb - 1), &|c, n| c.train.micro_batch_size = n);
             with(format!("train.micro_batch_size = {n}"), &|c| c.train.micro_batch_size = n);
         }
@@ -906,7 +942,8 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
     let seq_tokens = prompt.saturating_add(response).max(1);
     time::StepShape {
         answers: questions.saturating_mul(group).max(1),
-        micro_batch: cfg.train.micro_batch_size.max(1) as u64,
+        // A packed row of the budget holds budget / T answers of the longest: the work of that many padded.
+        micro_batch: answers_per_micro_batch(cfg, seq_tokens),
         seq_tokens,
         scored_tokens: response,
         dtype_bytes: dtype_bytes(&cfg.model.dtype),
@@ -1090,6 +1127,39 @@ mod tests {
         let mixed =
             plan(&config(&["rollout.max_new_tokens=3", "rollout.teacher_answers=1"]), &m, inputs(Attention::Flash));
         assert!(mixed.summary.ends_with("(6 + 10)"), "{}", mixed.summary);
+    }
+
+    /// With `train.micro_batch_tokens` a micro-batch is one packed row of the budget (of the longest
+    /// answer when that is longer), every token of which may be scored; the performance model sees as many
+    /// answers per micro-batch as the budget holds; the advice lowers the budget, not micro_batch_size.
+    #[test]
+    fn packed_micro_batches_plan_one_row_of_the_budget() {
+        let m = shape();
+        let [padded, packed] = [&[][..], &["train.micro_batch_tokens=32"]]
+            .map(|set| [Attention::Flash, Attention::Matrix].map(|a| plan(&config(set), &m, inputs(a))));
+        assert!(padded[0].summary.ends_with("micro-batch 2 x 16 tokens (6 + 10)"), "{}", padded[0].summary);
+        assert!(packed[0].summary.contains("micro-batch 1 x 32 tokens (packed"), "{}", packed[0].summary);
+        // The same 32 tokens per micro-batch: the layers' saved activations match (flash attention).
+        for c in ["activations, checkpoint_layers = true", "activations, checkpoint_layers = false"] {
+            assert_eq!(bytes(&packed[0], c), bytes(&padded[0], c), "{c}");
+        }
+        // 32 scored tokens (2 x 10 padded), and the score matrix of one row of 32 (two of 16 padded).
+        assert_eq!(bytes(&packed[0], "log-prob head inputs"), 3 * 32 * 8 * 2 + 16 * 32);
+        assert_eq!(bytes(&padded[0], "log-prob head inputs"), 3 * 20 * 8 * 2 + 16 * 20);
+        assert_eq!(bytes(&packed[1], "attention workspace"), 2 * bytes(&padded[1], "attention workspace"));
+        // A budget under the longest answer: that answer alone.
+        let short = plan(&config(&["train.micro_batch_tokens=5"]), &m, inputs(Attention::Flash));
+        assert!(short.summary.contains("micro-batch 1 x 16 tokens"), "{}", short.summary);
+        let shape_of = |set: &[&str]| {
+            let cfg = config(set);
+            step_shape(&cfg, &m, &plan(&cfg, &m, inputs(Attention::Flash))).micro_batch
+        };
+        assert_eq!((shape_of(&["train.micro_batch_tokens=40"]), shape_of(&["train.micro_batch_tokens=5"])), (2, 1));
+        let cfg = config(&["train.micro_batch_tokens=4096"]);
+        let mut p = plan(&cfg, &m, PlanInputs { on_cpu: true, ..inputs(Attention::Matrix) });
+        p.inputs.device_memory = Some(p.peak(Place::Device) - 1);
+        let advice = p.advice(&cfg);
+        assert!(advice.contains("train.micro_batch_tokens = ") && !advice.contains("micro_batch_size"), "{advice}");
     }
 
     #[test]

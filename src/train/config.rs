@@ -136,6 +136,11 @@ pub struct TrainSection {
     pub batch_questions: usize,
     /// Sequences per forward/backward (gradient accumulation over micro-batches).
     pub micro_batch_size: usize,
+    /// Token budget of a micro-batch (0, the default: `micro_batch_size` answers, each row padded to the
+    /// longest). When set, answers (prompt + response) are packed into rows of at most this many tokens,
+    /// one row per micro-batch, causal within each answer, with no padding; an answer longer than the
+    /// budget runs alone. `micro_batch_size` is then unused. See src/train/pack.rs.
+    pub micro_batch_tokens: usize,
     pub epochs: usize,
     /// Stop after this many steps (0: run all epochs).
     pub max_steps: usize,
@@ -177,6 +182,7 @@ impl Default for TrainSection {
             output_dir: PathBuf::from("runs/grpo"),
             batch_questions: 32,
             micro_batch_size: 8,
+            micro_batch_tokens: 0,
             epochs: 1,
             max_steps: 0,
             seed: 0,
@@ -502,9 +508,10 @@ impl TrainConfig {
     fn check_bounds(&self) -> Result<(), ConfigError> {
         let (t, d, o) = (&self.train, &self.data, &self.optim);
         let g = &d.input.group;
-        let counts: [(&str, usize, usize); 8] = [
+        let counts: [(&str, usize, usize); 9] = [
             ("train.batch_questions", t.batch_questions, 1 << 20),
             ("train.micro_batch_size", t.micro_batch_size, 1 << 20),
+            ("train.micro_batch_tokens", t.micro_batch_tokens, 1 << 30),
             ("train.epochs", t.epochs, 100_000),
             ("train.max_steps", t.max_steps, 1 << 32),
             ("data.group_size", g.group_size, 1 << 16),

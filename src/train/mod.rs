@@ -11,6 +11,7 @@ pub mod config;
 mod metrics;
 mod oom;
 pub mod optim;
+pub mod pack;
 mod profiling;
 mod ratio;
 pub mod refcache;
@@ -796,7 +797,7 @@ fn load_run<'a>(
         );
     }
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
-    let step = TrainStep::new(
+    let mut step = TrainStep::new(
         &cfg.objective,
         &cfg.optim,
         &policy,
@@ -804,6 +805,7 @@ fn load_run<'a>(
         cfg.data.sequence.max_response_tokens,
         tok.pad_id(),
     )?;
+    step.set_batching(pack::Batching::of(cfg.train.micro_batch_size, cfg.train.micro_batch_tokens));
     let reference = if step.needs_reference() && ref_cache.is_none() {
         let mut r = match &cfg.model.reference {
             Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,

@@ -32,6 +32,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "train.max_steps",
     "train.log_every",
     "train.micro_batch_size",
+    "train.micro_batch_tokens",
     "train.save_every",
     "train.keep_last",
     "train.max_bad_steps",

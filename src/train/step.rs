@@ -6,6 +6,7 @@
 use candle_core::Tensor;
 
 use super::optim::{clip_scale, OptimConfig, Optimizer};
+use super::pack::{Batching, Padding};
 pub use super::ratio::RatioStats;
 use crate::data::Group;
 use crate::dist::World;
@@ -21,7 +22,10 @@ pub struct TrainStep {
     aggregation: Aggregation,
     /// The entropy bonus and the high-entropy token mask.
     entropy: EntropyTerms,
-    micro_batch: usize,
+    /// How the answers are grouped into micro-batches.
+    batching: Batching,
+    /// Whether the first batch's padding has been logged.
+    padding_logged: bool,
     pad: u32,
     grad_clip: f64,
     optimizer: Optimizer,
@@ -91,7 +95,8 @@ impl TrainStep {
             objective: objective.build(),
             aggregation: Aggregation::of(objective, norm_len),
             entropy: EntropyTerms::of(objective),
-            micro_batch: micro_batch.max(1),
+            batching: Batching::Answers(micro_batch.max(1)),
+            padding_logged: false,
             pad,
             grad_clip: optim.grad_clip,
             optimizer: Optimizer::new(optim.clone(), policy.names(), &policy.vars())?,
@@ -109,6 +114,11 @@ impl TrainStep {
         self.optimizer.shard_over(world.clone())?;
         self.world = world;
         Ok(())
+    }
+
+    /// Group the answers into micro-batches as `batching` says (`new` takes `micro_batch` answers each).
+    pub fn set_batching(&mut self, batching: Batching) {
+        self.batching = batching;
     }
 
     /// The objective's name.
@@ -208,13 +218,17 @@ impl TrainStep {
         let mut batch = build_batch(groups, self.objective.as_ref(), self.aggregation, ctx);
         // The weights carry the global batch's normaliser: each rank keeps its groups' answers.
         batch.seqs.retain(|s| self.world.owns_group(s.origin.0));
+        if !self.padding_logged {
+            self.padding_logged = true;
+            log_padding(&batch.seqs, self.batching);
+        }
         let (grads, mut stats) = compute_gradients(
             policy,
             anchor,
             self.objective.as_ref(),
             self.entropy,
             &batch,
-            (self.micro_batch, self.pad),
+            (self.batching, self.pad),
         )?;
         if self.world.size() > 1 {
             sum_stats_over_ranks(&self.world, &mut stats);
@@ -234,6 +248,39 @@ impl TrainStep {
         self.next_step = ctx.step + 1;
         Ok(StepReport { rewards: batch.rewards, stats, grad_norm: norm, applied })
     }
+}
+
+/// Each answer's tokens, prompt included: what a row holds of it.
+fn answer_lengths(seqs: &[Sequence]) -> Vec<usize> {
+    seqs.iter().map(|s| s.prompt.len() + s.response.len()).collect()
+}
+
+/// Log the padding of (this rank's share of) the first batch as `batching` groups it, beside that of
+/// the other grouping (one answer per row, or packed into rows of the longest answer's tokens).
+fn log_padding(seqs: &[Sequence], batching: Batching) {
+    let lengths = answer_lengths(seqs);
+    let here = Padding::of(&batching.micro_batches(&lengths), &lengths);
+    let (other, what) = match batching {
+        Batching::Answers(n) => {
+            let budget = lengths.iter().copied().max().unwrap_or(0).max(1).saturating_mul(n);
+            (Batching::Tokens(budget), format!("packed into rows of {budget} tokens"))
+        }
+        Batching::Tokens(_) => (Batching::Answers(1), "one answer per micro-batch".to_string()),
+    };
+    let there = Padding::of(&other.micro_batches(&lengths), &lengths);
+    tracing::info!(
+        "first batch: {} answers, {} tokens in {} micro-batches ({}), {:.1}% padding, largest micro-batch \
+         {} tokens ({}: {} micro-batches, {:.1}% padding)",
+        lengths.len(),
+        here.tokens,
+        here.micro_batches,
+        batching,
+        100.0 * here.fraction(),
+        here.max_slots,
+        what,
+        there.micro_batches,
+        100.0 * there.fraction()
+    );
 }
 
 /// The objective's uses of the policy's token entropy besides the metric.
@@ -414,26 +461,38 @@ impl StepStats {
     }
 }
 
-/// One micro-batch: its tokens, targets, per-token loss inputs (without behaviour log-probs) and the
-/// teacher's log-probs (`None` when no sequence has them: probability 1).
+/// One micro-batch of `rows` (each the answers it holds, packed one after the other): its tokens,
+/// targets, per-token loss inputs (without behaviour log-probs) and the teacher's log-probs (`None` when
+/// no sequence has them: probability 1). Targets, loss inputs and teacher log-probs follow the answers in
+/// row order, answer after answer.
 fn micro_inputs(
-    chunk: &[Sequence],
+    rows: &[Vec<&Sequence>],
     pad: u32,
     device: &candle_core::Device,
 ) -> candle_core::Result<(TokenBatch, Targets, TokenInputs, Option<Tensor>)> {
-    let full: Vec<Vec<u32>> = chunk.iter().map(|s| [s.prompt.as_slice(), &s.response].concat()).collect();
-    let tb = TokenBatch::padded(&full, pad);
+    let full: Vec<Vec<Vec<u32>>> =
+        rows.iter().map(|row| row.iter().map(|s| [s.prompt.as_slice(), &s.response].concat()).collect()).collect();
+    let tb = TokenBatch::packed(&full, pad);
     let mut targets = Targets::default();
     let (mut teacher, mut correction) = (Vec::new(), Vec::new());
-    for (r, s) in chunk.iter().enumerate() {
-        let p = s.prompt.len();
-        for j in 0..s.response.len() {
-            targets.push(r, p + j);
-            // Rows without teacher log-probs keep the probability-1 assumption (log-prob 0).
-            teacher.push(s.teacher_logprobs.as_ref().and_then(|t| t.get(j).copied()).unwrap_or(0.0));
-            correction.push(s.is_weights.as_ref().and_then(|c| c.get(j).copied()).unwrap_or(1.0));
+    for (r, row) in rows.iter().enumerate() {
+        let mut start = 0;
+        for s in row {
+            let p = s.prompt.len();
+            if p == 0 {
+                // Its first token would be predicted from the row's previous answer.
+                candle_core::bail!("answer {} of group {}: an empty prompt", s.origin.1, s.origin.0);
+            }
+            for j in 0..s.response.len() {
+                targets.push(r, start + p + j);
+                // Rows without teacher log-probs keep the probability-1 assumption (log-prob 0).
+                teacher.push(s.teacher_logprobs.as_ref().and_then(|t| t.get(j).copied()).unwrap_or(0.0));
+                correction.push(s.is_weights.as_ref().and_then(|c| c.get(j).copied()).unwrap_or(1.0));
+            }
+            start += p + s.response.len();
         }
     }
+    let chunk: Vec<&Sequence> = rows.iter().flatten().copied().collect();
     let lengths: Vec<usize> = chunk.iter().map(|s| s.response.len()).collect();
     let adv: Vec<f32> = chunk.iter().map(|s| s.advantage).collect();
     let w: Vec<f32> = chunk.iter().map(|s| s.weight).collect();
@@ -450,7 +509,7 @@ fn micro_inputs(
 /// sequence's answer (its first tokens when the answer was cut shorter than the cached one).
 fn reference_logprobs(
     reference: Reference,
-    chunk: &[Sequence],
+    chunk: &[&Sequence],
     tb: &TokenBatch,
     targets: &Targets,
     device: &candle_core::Device,
@@ -476,17 +535,17 @@ fn reference_logprobs(
     Ok(Some(crate::device::from_host(values, targets.len(), device)?))
 }
 
-/// The gradient of the whole batch, computed `micro` sequences at a time. The reference's log-probs
-/// give the KL term when the objective has one; the behaviour log-probs come from the objective's
-/// anchor: the teacher's, the policy's own at the start of the step (detached), the reference's or the
-/// snapshot's.
+/// The gradient of the whole batch, computed one micro-batch at a time as `batching` groups the
+/// answers. The reference's log-probs give the KL term when the objective has one; the behaviour
+/// log-probs come from the objective's anchor: the teacher's, the policy's own at the start of the step
+/// (detached), the reference's or the snapshot's.
 fn compute_gradients(
     policy: &Decoder,
     anchors: Anchors,
     objective: &dyn Objective,
     entropy: EntropyTerms,
     batch: &StepBatch,
-    (micro, pad): (usize, u32),
+    (batching, pad): (Batching, u32),
 ) -> candle_core::Result<(Grads, StepStats)> {
     let device = policy.device().clone();
     // One f32 accumulator: each micro-batch's gradients are added into it as they are collected.
@@ -495,14 +554,16 @@ fn compute_gradients(
     let logprobs = |m: Option<&Decoder>, tb: &TokenBatch, t: &Targets| -> candle_core::Result<Option<Tensor>> {
         m.map(|m| m.token_logprobs(tb, t, false)?.narrow(1, 0, 1)?.squeeze(1)).transpose()
     };
-    for chunk in batch.seqs.chunks(micro.max(1)) {
+    for micro in batching.micro_batches(&answer_lengths(&batch.seqs)) {
         let phase = crate::profile::phase("inputs");
-        let (tb, targets, mut inputs, teacher) = micro_inputs(chunk, pad, &device)?;
+        let rows: Vec<Vec<&Sequence>> = micro.iter().map(|row| row.iter().map(|&i| &batch.seqs[i]).collect()).collect();
+        let chunk: Vec<&Sequence> = rows.iter().flatten().copied().collect();
+        let (tb, targets, mut inputs, teacher) = micro_inputs(&rows, pad, &device)?;
         drop(phase);
         stats.response_tokens += targets.len();
         stats.tokens += tb.num_tokens();
         let phase = crate::profile::coarse("reference")?;
-        let ref_logp = reference_logprobs(anchors.reference, chunk, &tb, &targets, &device)?;
+        let ref_logp = reference_logprobs(anchors.reference, &chunk, &tb, &targets, &device)?;
         phase.end();
         let anchor = objective.anchor();
         let missing = |what: &str| candle_core::Error::Msg(format!("{}: no {what} model", objective.name()));
@@ -710,12 +771,26 @@ mod tests {
             let obj = oc.build();
             let name = format!("{oc:?}");
             let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
-            let (g1, s1) =
-                compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (usize::MAX, 0)).unwrap();
+            let (g1, s1) = compute_gradients(
+                &policy,
+                anchors,
+                obj.as_ref(),
+                EntropyTerms::NONE,
+                &batch,
+                (Batching::Answers(usize::MAX), 0),
+            )
+            .unwrap();
             assert!(s1.loss.is_finite() && s1.loss != 0.0, "{name}: loss {}", s1.loss);
             for micro in [1, 2, 4] {
-                let (g, s) =
-                    compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0)).unwrap();
+                let (g, s) = compute_gradients(
+                    &policy,
+                    anchors,
+                    obj.as_ref(),
+                    EntropyTerms::NONE,
+                    &batch,
+                    (Batching::Answers(micro), 0),
+                )
+                .unwrap();
                 assert!(
                     (s.loss - s1.loss).abs() < 1e-5 * s1.loss.abs().max(1.0),
                     "{name} micro {micro}: loss {} vs {}",
@@ -731,6 +806,99 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// Gradients equal within `tol` relative to the largest of each tensor (at least 1).
+    fn assert_same_gradients(a: &Grads, b: &Grads, tol: f32, name: &str) {
+        for (a, b) in a.grads.iter().zip(&b.grads) {
+            let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
+            let scale = b.iter().map(|x| x.abs()).fold(1e-3f32, f32::max).max(1.0);
+            let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(d < tol * scale, "{name}: gradient differs by {d}");
+        }
+    }
+
+    /// Packed micro-batches (answers one after the other in rows of a token budget, over several
+    /// micro-batches, an answer longer than the budget alone) give the loss, statistics and gradients of
+    /// padded ones: for every objective, with the reference model run or its log-probs cached, with layers
+    /// recomputed or not, and with the entropy bonus and mask.
+    #[test]
+    fn packed_micro_batches_give_the_padded_loss_and_gradients() {
+        let [mut policy, reference, snapshot] = tiny_models();
+        let groups = with_teacher(vec![
+            group(0, &[1.0, 0.0, 1.0, 0.0]),
+            group(1, &[1.0, 1.0, 1.0, 1.0]),
+            group(2, &[0.0, 1.0, 0.0, 0.0, 1.0, 0.0]),
+        ]);
+        let cached = reference_alone(&reference, &groups);
+        let ctx = StepContext { seed: 3, epoch: 1, step: 0 };
+        let full = build_batch(&groups, oc(ObjectiveName::Grpo).build().as_ref(), plain(LossAgg::TokenMean), ctx);
+        let lengths = answer_lengths(&full.seqs);
+        assert_eq!((lengths.len(), *lengths.iter().max().unwrap()), (14, 19));
+        let (small, large) = (Batching::Tokens(16), Batching::Tokens(40));
+        let rows = small.micro_batches(&lengths);
+        assert!(rows.iter().any(|mb| mb[0].len() > 1) && rows.iter().any(|mb| lengths[mb[0][0]] > 16), "{rows:?}");
+        assert!(large.micro_batches(&lengths).len() > 2);
+        let entropy = EntropyTerms { coeff: 0.05, top_quantile: 0.5 };
+        let on_the_fly = Anchors { reference: Reference::Model(&reference), snapshot: Some(&snapshot) };
+        let from_cache = Anchors { reference: Reference::Logprobs(&cached), snapshot: Some(&snapshot) };
+        for (i, oc) in every_objective().into_iter().enumerate() {
+            let obj = oc.build();
+            let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
+            let anchors = if i % 2 == 0 || !obj.needs_reference() { on_the_fly } else { from_cache };
+            let terms = if i % 3 == 0 { entropy } else { EntropyTerms::NONE };
+            policy.options.checkpoint_layers = i % 2 == 1;
+            let run = |b: Batching| compute_gradients(&policy, anchors, obj.as_ref(), terms, &batch, (b, 0)).unwrap();
+            let (g0, s0) = run(Batching::Answers(3));
+            assert!(s0.loss.is_finite() && s0.loss != 0.0, "{oc:?}: loss {}", s0.loss);
+            for packed in [small, large] {
+                let name = format!("{oc:?} {packed:?}");
+                let (g, s) = run(packed);
+                assert!((s.loss - s0.loss).abs() < 1e-5 * s0.loss.abs().max(1.0), "{name}: {} vs {}", s.loss, s0.loss);
+                assert!((s.kl - s0.kl).abs() < 1e-5 * s0.kl.abs().max(1.0), "{name}: kl {} vs {}", s.kl, s0.kl);
+                assert!((s.entropy_sum - s0.entropy_sum).abs() < 1e-4 * s0.entropy_sum.abs(), "{name}");
+                assert_eq!(
+                    (s.clipped_tokens, s.response_tokens, s.tokens, s.ratio.tokens),
+                    (s0.clipped_tokens, s0.response_tokens, s0.tokens, s0.ratio.tokens),
+                    "{name}"
+                );
+                assert_same_gradients(&g, &g0, 1e-5, &name);
+            }
+        }
+    }
+
+    /// A whole step with packed micro-batches updates the policy as with padded ones (SGD: the update is
+    /// the gradient's, so the weights' difference is the gradients').
+    #[test]
+    fn a_packed_step_updates_the_weights_as_a_padded_one() {
+        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
+        let make = || random_decoder(cfg.clone(), 5, DType::F32, &Device::Cpu, true).unwrap();
+        let (a, mut b, before) = (make(), make(), params(&make()));
+        b.options.checkpoint_layers = true;
+        let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0, 1.0]), group(1, &[0.0, 1.0, 1.0])];
+        let obj = ObjectiveConfig { loss_agg: Some(LossAgg::SeqMeanTokenMean), beta: 0.1, ..oc(ObjectiveName::Grpo) };
+        let optim = crate::train::optim::OptimConfig {
+            name: crate::train::optim::OptimName::Sgd,
+            lr: 0.5,
+            ..Default::default()
+        };
+        let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
+        let mut padded = TrainStep::new(&obj, &optim, &a, 2, 32, 0).unwrap();
+        let mut packed = TrainStep::new(&obj, &optim, &b, 2, 32, 0).unwrap();
+        packed.set_batching(Batching::of(2, 24));
+        let ra = padded.run(&a, Some(&reference), &groups, 0.5).unwrap();
+        let rb = packed.run(&b, Some(&reference), &groups, 0.5).unwrap();
+        assert!(ra.applied && rb.applied && (ra.stats.loss - rb.stats.loss).abs() < 1e-6, "{ra:?} vs {rb:?}");
+        assert!((ra.grad_norm - rb.grad_norm).abs() < 1e-5 * ra.grad_norm, "{} vs {}", ra.grad_norm, rb.grad_norm);
+        let mut moved = 0f32;
+        for ((x, y), x0) in params(&a).iter().zip(params(&b)).zip(&before) {
+            moved = x.iter().zip(x0).map(|(p, q)| (p - q).abs()).fold(moved, f32::max);
+            let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            assert!(d <= 1e-6, "the weights differ by {d}");
+        }
+        assert!(moved > 1e-3, "the step moved the weights by {moved} at most");
     }
 
     /// The reference's log-probs of every answer of `groups`, each answer scored alone.
@@ -764,12 +932,24 @@ mod tests {
             let obj = oc.build();
             let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&oc, 32), ctx);
             for (micro, tol) in [(1, 0.0), (3, 1e-5)] {
-                let (ga, sa) =
-                    compute_gradients(&policy, on_the_fly, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0))
-                        .unwrap();
-                let (gb, sb) =
-                    compute_gradients(&policy, from_cache, obj.as_ref(), EntropyTerms::NONE, &batch, (micro, 0))
-                        .unwrap();
+                let (ga, sa) = compute_gradients(
+                    &policy,
+                    on_the_fly,
+                    obj.as_ref(),
+                    EntropyTerms::NONE,
+                    &batch,
+                    (Batching::Answers(micro), 0),
+                )
+                .unwrap();
+                let (gb, sb) = compute_gradients(
+                    &policy,
+                    from_cache,
+                    obj.as_ref(),
+                    EntropyTerms::NONE,
+                    &batch,
+                    (Batching::Answers(micro), 0),
+                )
+                .unwrap();
                 let name = format!("{oc:?} micro {micro}");
                 let close = |a: f64, b: f64| (a - b).abs() <= tol * a.abs().max(1.0);
                 assert!(close(sa.loss, sb.loss) && close(sa.kl, sb.kl), "{name}: {sa:?} vs {sb:?}");
@@ -789,9 +969,16 @@ mod tests {
         let anchors = Anchors { reference: Reference::Logprobs(&short), snapshot: None };
         let kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
         let batch = build_batch(&groups, kl.build().as_ref(), Aggregation::of(&kl, 32), ctx);
-        let e = compute_gradients(&policy, anchors, kl.build().as_ref(), EntropyTerms::NONE, &batch, (2, 0))
-            .err()
-            .map(|e| e.to_string());
+        let e = compute_gradients(
+            &policy,
+            anchors,
+            kl.build().as_ref(),
+            EntropyTerms::NONE,
+            &batch,
+            (Batching::Answers(2), 0),
+        )
+        .err()
+        .map(|e| e.to_string());
         assert!(e.as_ref().is_some_and(|e| e.contains("1 values for")), "{e:?}");
     }
 
@@ -836,13 +1023,18 @@ mod tests {
         let obj = cfg.build();
         let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
         let none = Anchors { reference: Reference::None, snapshot: None };
-        let (g0, s0) = compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::NONE, &batch, (2, 0)).unwrap();
-        let (g1, s1) = compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::of(&cfg), &batch, (2, 0)).unwrap();
+        let (g0, s0) =
+            compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::NONE, &batch, (Batching::Answers(2), 0))
+                .unwrap();
+        let (g1, s1) =
+            compute_gradients(&policy, none, obj.as_ref(), EntropyTerms::of(&cfg), &batch, (Batching::Answers(2), 0))
+                .unwrap();
         // The aggregated entropy sum_t w_t H_t of the batch.
         let aggregated = || -> f64 {
             let mut total = 0f64;
             for chunk in batch.seqs.chunks(2) {
-                let (tb, targets, inputs, _) = micro_inputs(chunk, 0, &Device::Cpu).unwrap();
+                let (tb, targets, inputs, _) =
+                    micro_inputs(&chunk.iter().map(|s| vec![s]).collect::<Vec<_>>(), 0, &Device::Cpu).unwrap();
                 let lp = policy.token_logprobs(&tb, &targets, false).unwrap();
                 let h = lp.narrow(1, 1, 1).unwrap().squeeze(1).unwrap();
                 total += (h * &inputs.weights).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
@@ -886,10 +1078,18 @@ mod tests {
         let obj = cfg.build();
         let mut batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
         let anchors = Anchors { reference: Reference::Model(&reference), snapshot: None };
-        let (g, s) = compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::of(&cfg), &batch, (2, 0)).unwrap();
+        let (g, s) = compute_gradients(
+            &policy,
+            anchors,
+            obj.as_ref(),
+            EntropyTerms::of(&cfg),
+            &batch,
+            (Batching::Answers(2), 0),
+        )
+        .unwrap();
         let mut kept = 0f32;
         for seq in batch.seqs.iter_mut() {
-            let (tb, targets, _, _) = micro_inputs(std::slice::from_ref(seq), 0, &Device::Cpu).unwrap();
+            let (tb, targets, _, _) = micro_inputs(&[vec![&*seq]], 0, &Device::Cpu).unwrap();
             let lp = policy.token_logprobs(&tb, &targets, false).unwrap();
             let h = values(&lp.narrow(1, 1, 1).unwrap().squeeze(1).unwrap());
             let mask = crate::objective::top_entropy_mask(&h, &[h.len()], 0.3);
@@ -899,7 +1099,8 @@ mod tests {
         let total: usize = batch.seqs.iter().map(|s| s.response.len()).sum();
         assert!(kept > 0.0 && (kept as usize) < total / 2, "{kept} of {total} tokens kept");
         let (g_ref, s_ref) =
-            compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (3, 0)).unwrap();
+            compute_gradients(&policy, anchors, obj.as_ref(), EntropyTerms::NONE, &batch, (Batching::Answers(3), 0))
+                .unwrap();
         assert!((s.loss - s_ref.loss).abs() < 1e-6 && (s.kl - s_ref.kl).abs() < 1e-7, "{s:?} vs {s_ref:?}");
         for (a, b) in g.grads.iter().zip(&g_ref.grads) {
             if let (Some(a), Some(b)) = (a, b) {
