@@ -37,6 +37,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Rope => ("grpo_rope", include_str!(concat!(env!("OUT_DIR"), "/rope.ptx"))),
         Module::Norm => ("grpo_norm", include_str!(concat!(env!("OUT_DIR"), "/norm.ptx"))),
         Module::Embedding => ("grpo_embedding", include_str!(concat!(env!("OUT_DIR"), "/embedding.ptx"))),
+        Module::Swiglu => ("grpo_swiglu", include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"))),
         Module::Adamw => ("grpo_adamw", include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"))),
     }
 }

@@ -19,6 +19,7 @@ pub enum Module {
     Norm,
     Embedding,
     Adamw,
+    Swiglu,
 }
 
 /// One buffer of an op.

@@ -18,6 +18,7 @@
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
+//! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
 //!   state, in place, equal bit for bit to the composite [`adamw_reference`].
 //!
@@ -48,6 +49,7 @@ mod logprob;
 mod norm;
 mod rope;
 mod rows;
+mod swiglu;
 
 pub use adamw::{adamw, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
@@ -60,6 +62,7 @@ pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BY
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};
+pub use swiglu::{swiglu, swiglu_reference};
 
 /// Head dims the tensor-core attention kernels (kernels/flash_mma.cu) are compiled for.
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 2] = [64, 128];

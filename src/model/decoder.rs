@@ -11,7 +11,7 @@ use super::config::{ModelConfig, RopeScaling};
 use crate::kernels::{
     embedding, embedding_grad, embedding_reference, flash_attention_recorded, logprobs_entropy, masked_softmax,
     masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
-    AttentionRecord, GpuKernels, Replay,
+    swiglu_reference, AttentionRecord, GpuKernels, Replay,
 };
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
@@ -754,7 +754,9 @@ impl Decoder {
         drop(norm);
         let gate = linear(&h, &self.w(li.gate, graph), self.wo(li.gate_bias, graph).as_ref())?;
         let up = linear(&h, &self.w(li.up, graph), self.wo(li.up_bias, graph).as_ref())?;
-        let mlp = linear(&(gate.silu()? * up)?, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
+        let act =
+            if self.options.fused_ops { crate::kernels::swiglu(&gate, &up)? } else { swiglu_reference(&gate, &up)? };
+        let mlp = linear(&act, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
         x + mlp
     }
 
