@@ -263,6 +263,53 @@ mod tests {
         assert_eq!(take_synced(), [staged, sub]);
     }
 
+    /// Set (or clear) the immutable flag of file `p` (`chattr +i`): false where this process may not
+    /// (it needs CAP_LINUX_IMMUTABLE) or the filesystem has no such flag.
+    fn set_immutable(p: &Path, on: bool) -> bool {
+        use std::os::fd::AsRawFd;
+        const FS_IMMUTABLE_FL: libc::c_long = 0x10;
+        let Ok(f) = std::fs::File::open(p) else { return false };
+        let mut flags: libc::c_long = 0;
+        // SAFETY: the flags ioctls read and write one long through the pointer, on a descriptor we own.
+        unsafe {
+            if libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) != 0 {
+                return false;
+            }
+            flags = if on { flags | FS_IMMUTABLE_FL } else { flags & !FS_IMMUTABLE_FL };
+            libc::ioctl(f.as_raw_fd(), libc::FS_IOC_SETFLAGS, &flags) == 0
+        }
+    }
+
+    /// Once the new folder is in place, a previous version that cannot be removed yet (a file in it that
+    /// cannot go, as NFS's `.nfsXXXX` files while a reader has one open) is a warning, not an error, and
+    /// goes at the next swap.
+    #[test]
+    fn a_previous_version_that_cannot_be_removed_yet_is_no_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("rollout-policy");
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "first").unwrap();
+        persist_dir(tmp, &out).unwrap();
+        if !set_immutable(&out.join("weights"), true) {
+            eprintln!("SKIPPED: cannot make a file immutable here (needs CAP_LINUX_IMMUTABLE on ext4, xfs, ...)");
+            return;
+        }
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "second").unwrap();
+        let swapped = persist_dir(tmp, &out);
+        let aside: Vec<PathBuf> =
+            names(dir.path()).iter().filter(|n| n.ends_with(".old")).map(|n| dir.path().join(n)).collect();
+        for a in &aside {
+            set_immutable(&a.join("weights"), false);
+        }
+        swapped.unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
+        assert_eq!(aside.len(), 1, "the previous version is kept aside until it can go");
+        let tmp = temp_dir(&out).unwrap();
+        persist_dir(tmp, &out).unwrap();
+        assert_eq!(names(dir.path()), ["rollout-policy"]);
+    }
+
     #[test]
     fn files_are_replaced_whole_with_the_umasks_mode() {
         let dir = tempfile::tempdir().unwrap();
