@@ -250,7 +250,7 @@ mod tests {
         let sub = dir.path().join("sub");
         take_synced();
         write_atomic(&sub.join("latest"), b"step-00000002").unwrap();
-        assert_eq!(take_synced(), [sub.clone()]);
+        assert_eq!(take_synced(), std::slice::from_ref(&sub));
         let tmp = temp_dir(&sub.join("step-00000002")).unwrap();
         std::fs::write(tmp.path().join("weights"), "w").unwrap();
         let staged = tmp.path().to_path_buf();
