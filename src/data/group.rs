@@ -47,7 +47,8 @@ pub struct GroupOptions {
     /// group (group). Over-long answers vote with their full text.
     #[arg(long, value_enum, default_value_t = VoteOver::All)]
     pub vote_over: VoteOver,
-    /// A vote where two answers tie for the majority: drop the group, or let the first-seen answer win.
+    /// A vote where two answers tie for the majority: drop the group, or let the first answer in the group's
+    /// order win (the order of the answers' text hashes, whatever the rows' order).
     #[arg(long, value_enum, default_value_t = Ties::Drop)]
     pub ties: Ties,
     /// Groups whose vote margin (winner's count minus the runner-up's) is below this are dropped.
@@ -744,7 +745,9 @@ mod tests {
         assert_eq!((g.len(), st.groups_dropped_tie), (9, 1));
         let (g, st) = group_rows(rows.clone(), &GroupOptions { ties: Ties::First, ..Default::default() });
         assert_eq!((g.len(), st.groups_dropped_tie), (10, 0));
-        assert_eq!(g.iter().find(|g| g.vote_margin == 0).unwrap().majority.as_deref(), Some("1"));
+        // The tie goes to the first answer in the group's order (by the text's hash, not the rows' order).
+        let tie = g.iter().find(|g| g.vote_margin == 0).unwrap();
+        assert_eq!(tie.majority, tie.responses[0].answer);
         let margin = GroupOptions { min_vote_margin: 3, ..Default::default() };
         let (g, st) = group_rows(rows.clone(), &margin);
         assert_eq!((g.len(), st.groups_dropped_tie, st.groups_dropped_margin), (8, 1, 1));
