@@ -67,10 +67,30 @@ pub fn persist(tmp: NamedTempFile, target: &Path) -> io::Result<()> {
 /// rename is in the folder's data, which a file's sync does not write). Best effort: some filesystems
 /// cannot sync a folder.
 fn sync_parent(target: &Path) {
-    let parent = target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    if let Err(e) = std::fs::File::open(parent).and_then(|d| d.sync_all()) {
-        tracing::debug!("cannot sync the folder {}: {e}", parent.display());
+    sync_dir(target.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new(".")));
+}
+
+/// Sync the folder `dir` (the names in it). Best effort, as [`sync_parent`].
+fn sync_dir(dir: &Path) {
+    match std::fs::File::open(dir).and_then(|d| d.sync_all()) {
+        #[cfg(test)]
+        Ok(()) => SYNCED.with(|s| s.borrow_mut().push(dir.to_path_buf())),
+        #[cfg(not(test))]
+        Ok(()) => {}
+        Err(e) => tracing::debug!("cannot sync the folder {}: {e}", dir.display()),
     }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The folders [`sync_dir`] synced on this thread: what the tests of a rename's durability read.
+    pub(crate) static SYNCED: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The folders synced on this thread since the last call (tests).
+#[cfg(test)]
+pub(crate) fn take_synced() -> Vec<PathBuf> {
+    SYNCED.with(|s| std::mem::take(&mut *s.borrow_mut()))
 }
 
 /// Write `bytes` to `path` atomically (see the module documentation).
@@ -140,6 +160,8 @@ pub fn persist_dir(tmp: TempDir, target: &Path) -> io::Result<()> {
             std::fs::File::open(&p)?.sync_all()?;
         }
     }
+    // The names of its files, which are in the folder's data.
+    sync_dir(tmp.path());
     // The temporary name is unique in the folder, so this one is free too.
     let aside = PathBuf::from(format!("{}.old", tmp.path().display()));
     let replaced = target.exists();
@@ -218,6 +240,74 @@ mod tests {
         for other in ["step-00000002", "best", ".hidden", "x.tmp", ".tmp"] {
             assert_eq!(leftover(other), None, "{other}");
         }
+    }
+
+    /// A rename is in its folder's data, which syncing the file does not write: after each rename into place
+    /// (a file's, a folder's swap) the folder is synced.
+    #[test]
+    fn the_folder_of_each_rename_is_synced() {
+        let dir = tempfile::tempdir().unwrap();
+        let sub = dir.path().join("sub");
+        take_synced();
+        write_atomic(&sub.join("latest"), b"step-00000002").unwrap();
+        assert_eq!(take_synced(), std::slice::from_ref(&sub));
+        let tmp = temp_dir(&sub.join("step-00000002")).unwrap();
+        std::fs::write(tmp.path().join("weights"), "w").unwrap();
+        let staged = tmp.path().to_path_buf();
+        persist_dir(tmp, &sub.join("step-00000002")).unwrap();
+        assert_eq!(take_synced(), [staged, sub.clone()], "the folder's own names, then its rename");
+        // Over a folder already there (the previous version set aside, then removed).
+        let tmp = temp_dir(&sub.join("step-00000002")).unwrap();
+        let staged = tmp.path().to_path_buf();
+        persist_dir(tmp, &sub.join("step-00000002")).unwrap();
+        assert_eq!(take_synced(), [staged, sub]);
+    }
+
+    /// Set (or clear) the immutable flag of file `p` (`chattr +i`): false where this process may not
+    /// (it needs CAP_LINUX_IMMUTABLE) or the filesystem has no such flag.
+    fn set_immutable(p: &Path, on: bool) -> bool {
+        use std::os::fd::AsRawFd;
+        const FS_IMMUTABLE_FL: libc::c_long = 0x10;
+        let Ok(f) = std::fs::File::open(p) else { return false };
+        let mut flags: libc::c_long = 0;
+        // SAFETY: the flags ioctls read and write one long through the pointer, on a descriptor we own.
+        unsafe {
+            if libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) != 0 {
+                return false;
+            }
+            flags = if on { flags | FS_IMMUTABLE_FL } else { flags & !FS_IMMUTABLE_FL };
+            libc::ioctl(f.as_raw_fd(), libc::FS_IOC_SETFLAGS, &flags) == 0
+        }
+    }
+
+    /// Once the new folder is in place, a previous version that cannot be removed yet (a file in it that
+    /// cannot go, as NFS's `.nfsXXXX` files while a reader has one open) is a warning, not an error, and
+    /// goes at the next swap.
+    #[test]
+    fn a_previous_version_that_cannot_be_removed_yet_is_no_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("rollout-policy");
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "first").unwrap();
+        persist_dir(tmp, &out).unwrap();
+        if !set_immutable(&out.join("weights"), true) {
+            eprintln!("SKIPPED: cannot make a file immutable here (needs CAP_LINUX_IMMUTABLE on ext4, xfs, ...)");
+            return;
+        }
+        let tmp = temp_dir(&out).unwrap();
+        std::fs::write(tmp.path().join("weights"), "second").unwrap();
+        let swapped = persist_dir(tmp, &out);
+        let aside: Vec<PathBuf> =
+            names(dir.path()).iter().filter(|n| n.ends_with(".old")).map(|n| dir.path().join(n)).collect();
+        for a in &aside {
+            set_immutable(&a.join("weights"), false);
+        }
+        swapped.unwrap();
+        assert_eq!(std::fs::read_to_string(out.join("weights")).unwrap(), "second");
+        assert_eq!(aside.len(), 1, "the previous version is kept aside until it can go");
+        let tmp = temp_dir(&out).unwrap();
+        persist_dir(tmp, &out).unwrap();
+        assert_eq!(names(dir.path()), ["rollout-policy"]);
     }
 
     #[test]

@@ -389,7 +389,7 @@ fn prepare_writes_shards_that_the_reader_maps_and_skips_when_up_to_date() {
     assert!(again.contains("changed"), "{again}");
     assert_eq!(PreparedDataset::open(&out).unwrap().len(), 49);
     // Changed options are noticed too.
-    assert!(prepare(&[&input], &out, &["--ties", "first", "--seed", "3"]).contains("options changed"));
+    assert!(prepare(&[&input], &out, &["--ties", "first", "--min-group-size", "3"]).contains("options changed"));
 }
 
 #[test]
@@ -530,7 +530,7 @@ fn max_questions_draws_the_same_sample_again_and_another_with_another_seed() {
     let (again, log) = ids(&dir.path().join("a"), "0");
     assert!(log.contains("up to date") && again == a, "{log}");
     let (other, log) = ids(&dir.path().join("a"), "1");
-    assert!(log.contains("options changed"), "{log}");
+    assert!(log.contains("seed 0 -> 1"), "{log}");
     assert_ne!(other, a, "another seed draws another sample");
 }
 
@@ -657,4 +657,33 @@ fn stats_of_a_file_without_a_usable_row_is_an_error() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(err.contains("no usable row in") && err.contains("all 2 rows were skipped (1 bad_json, 1 "), "{err}");
+}
+
+/// The seed keys a prepared version only where it chose something: with no question over the group size (the
+/// fixture's 8 answers, group size 8), another seed finds the version up to date and reads the same data;
+/// where it chooses among answers (group size 4), another seed prepares again.
+#[test]
+fn a_seed_keys_the_prepared_data_only_where_it_chooses() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("prepared");
+    prepare(&[&fixture()], &out, &["--seed", "1"]);
+    let v = current_version(&out);
+    let groups = |out: &Path| {
+        let ds = PreparedDataset::open(out).unwrap();
+        (0..ds.len()).map(|i| ds.group(i).unwrap()).collect::<Vec<_>>()
+    };
+    let first = groups(&out);
+    let log = prepare(&[&fixture()], &out, &["--seed", "2"]);
+    assert!(log.contains("up to date"), "{log}");
+    assert_eq!(current_version(&out), v, "another seed that chose nothing prepared again");
+    // A fresh preparation with that seed writes the same groups.
+    let other = dir.path().join("other");
+    prepare(&[&fixture()], &other, &["--seed", "2"]);
+    assert_eq!(groups(&other), first);
+    // Choosing 4 of 8 answers, the seed keys the version.
+    let four = dir.path().join("four");
+    prepare(&[&fixture()], &four, &["--seed", "1", "--group-size", "4"]);
+    assert!(prepare(&[&fixture()], &four, &["--seed", "1", "--group-size", "4"]).contains("up to date"));
+    let log = prepare(&[&fixture()], &four, &["--seed", "2", "--group-size", "4"]);
+    assert!(log.contains("seed 1 -> 2"), "{log}");
 }

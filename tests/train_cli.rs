@@ -886,3 +886,75 @@ fn a_run_whose_stdout_reader_is_gone_still_ends_with_its_checkpoint_and_summary(
     let out = dir.path().join("out");
     assert!(out.join("summary.json").exists() && grpo::train::latest_checkpoint(&out).is_some());
 }
+
+/// The non-finite steps in a row carry over a resume: `train.max_bad_steps` stops the resumed run at the
+/// step where the uninterrupted run stops, not max_bad_steps steps after the resume.
+#[test]
+fn a_resume_goes_on_counting_the_non_finite_steps_in_a_row() {
+    // As in a_resume_after_skipped_steps_continues_exactly: steps 1-4 and 6-12 are skipped, 5 and 13 applied.
+    let opts = [
+        "--set",
+        "objective.bias=3e38",
+        "--set",
+        "train.batch_questions=1",
+        "--set",
+        "data.shuffle=false",
+        "--set",
+        "train.max_steps=13",
+        "--set",
+        "train.max_bad_steps=4",
+    ];
+    let stopped = "5 steps in a row had a non-finite loss or gradient (train.max_bad_steps = 4)";
+    let a = tempfile::tempdir().unwrap();
+    let err = stderr_of(&train(a.path(), &small_config(a.path()), &opts).failure());
+    assert!(err.contains(stopped), "{err}");
+    // The same run, stopped after step 8 (3 skipped steps in a row) and resumed.
+    let c = tempfile::tempdir().unwrap();
+    let cfg = small_config(c.path());
+    let first: Vec<&str> = opts.iter().copied().chain(["--set", "train.max_steps=8"]).collect();
+    train(c.path(), &cfg, &first).success();
+    let state: Value = serde_json::from_str(
+        &std::fs::read_to_string(c.path().join("out/checkpoints/step-00000008/trainer_state.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(state["bad_in_row"].as_u64(), Some(3), "{state}");
+    let resume: Vec<&str> = opts.iter().copied().chain(["--resume", "auto"]).collect();
+    let err = stderr_of(&train(c.path(), &cfg, &resume).failure());
+    assert!(err.contains(stopped) && err.contains("step-00000008"), "{err}");
+    let steps: Vec<u64> =
+        common::read_jsonl(&c.path().join("out/metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    let steps_a: Vec<u64> =
+        common::read_jsonl(&a.path().join("out/metrics.jsonl")).iter().map(|m| m["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, steps_a, "the resumed run stopped at another step");
+}
+
+/// Two runs that share a prepared folder and differ only in train.seed, which chooses nothing there (no
+/// question has more answers than the group size): each start re-uses the one prepared version.
+#[test]
+fn runs_that_differ_only_in_a_seed_that_chooses_nothing_share_one_prepared_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let prepared = dir.path().join("prepared");
+    let shared = format!("data.prepared_dir=\"{}\"", prepared.display());
+    let mut fingerprints = Vec::new();
+    for (run, seed) in [("a", 7), ("b", 8), ("c", 7)] {
+        let d = dir.path().join(run);
+        std::fs::create_dir_all(&d).unwrap();
+        let cfg = small_config(&d);
+        let seed = format!("train.seed={seed}");
+        let opts = ["--set", &shared, "--set", "data.group_size=8", "--set", &seed, "--set", "train.max_steps=2"];
+        let err = stderr_of(&train(&d, &cfg, &opts).success());
+        assert_eq!(err.contains("is up to date"), run != "a", "{run}: {err}");
+        let state: Value = serde_json::from_str(
+            &std::fs::read_to_string(d.join("out/checkpoints/step-00000002/trainer_state.json")).unwrap(),
+        )
+        .unwrap();
+        fingerprints.push(state["data"].as_str().unwrap().to_string());
+    }
+    let versions: Vec<_> = std::fs::read_dir(&prepared)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().starts_with("v-"))
+        .collect();
+    assert_eq!(versions.len(), 1, "prepared again");
+    assert!(fingerprints.iter().all(|f| *f == fingerprints[0]), "{fingerprints:?}");
+}

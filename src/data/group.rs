@@ -5,7 +5,8 @@
 //! row position, extracted answer, lengths; never the text) into one of K hash-partitioned spill files,
 //! then each partition is grouped on its own. [`group_rows`] does the same in memory on rows already read
 //! and keeps the text. Both pick at most G answers per group reproducibly from the seed (the choice does
-//! not depend on row order), drop groups smaller than the minimum, and label groups with [`label_group`]: the majority vote over
+//! not depend on row order, and the seed changes nothing where no question has more than G answers: a
+//! group's answers are in the order of their text's hash), drop groups smaller than the minimum, and label groups with [`label_group`]: the majority vote over
 //! every answer of the question (or only the chosen ones), ties dropped or not, a minimum vote margin, and
 //! an optional seeded sample of at most `max_questions` questions.
 
@@ -46,7 +47,8 @@ pub struct GroupOptions {
     /// group (group). Over-long answers vote with their full text.
     #[arg(long, value_enum, default_value_t = VoteOver::All)]
     pub vote_over: VoteOver,
-    /// A vote where two answers tie for the majority: drop the group, or let the first-seen answer win.
+    /// A vote where two answers tie for the majority: drop the group, or let the first answer in the group's
+    /// order win (the order of the answers' text hashes, whatever the rows' order).
     #[arg(long, value_enum, default_value_t = Ties::Drop)]
     pub ties: Ties,
     /// Groups whose vote margin (winner's count minus the runner-up's) is below this are dropped.
@@ -389,7 +391,9 @@ fn form_groups(
     hists: &mut (LengthHistogram, LengthHistogram),
     on_group: &mut dyn FnMut(ScannedGroup) -> Result<(), DataError>,
 ) -> Result<(), DataError> {
-    records.sort_by_cached_key(|r| (r.qhash, choice_key(opts.seed, r), r.rref));
+    // Each question's answers in an order that depends on neither the seed nor the rows' order: the seed
+    // changes a group only where it chooses among more answers than the group size.
+    records.sort_by_cached_key(|r| (r.qhash, r.rhash, r.rref));
     let mut start = 0;
     while start < records.len() {
         let q = records[start].qhash;
@@ -421,7 +425,7 @@ fn form_groups(
 }
 
 /// Apply the prompt limit, the vote, the length limit, the group-size bounds, the tie rule and the vote
-/// margin to one question's answers (in choice order); the chosen answers and their labels, or None
+/// margin to one question's answers (in group order); the chosen answers and their labels, or None
 /// when the group is dropped (counted in `stats`).
 fn choose_and_label(
     mut members: Vec<Record>,
@@ -447,7 +451,9 @@ fn choose_and_label(
     }
     if opts.group_size > 0 && members.len() > opts.group_size {
         stats.responses_over_cap += (members.len() - opts.group_size) as u64;
+        members.sort_by_cached_key(|r| (choice_key(opts.seed, r), r.rref));
         members.truncate(opts.group_size);
+        members.sort_by_key(|r| (r.rhash, r.rref));
     }
     let chosen: Vec<Option<String>> = members.iter().map(|r| r.answer.clone()).collect();
     let voters = all_answers.as_ref().unwrap_or(&chosen);
@@ -739,7 +745,9 @@ mod tests {
         assert_eq!((g.len(), st.groups_dropped_tie), (9, 1));
         let (g, st) = group_rows(rows.clone(), &GroupOptions { ties: Ties::First, ..Default::default() });
         assert_eq!((g.len(), st.groups_dropped_tie), (10, 0));
-        assert_eq!(g.iter().find(|g| g.vote_margin == 0).unwrap().majority.as_deref(), Some("1"));
+        // The tie goes to the first answer in the group's order (by the text's hash, not the rows' order).
+        let tie = g.iter().find(|g| g.vote_margin == 0).unwrap();
+        assert_eq!(tie.majority, tie.responses[0].answer);
         let margin = GroupOptions { min_vote_margin: 3, ..Default::default() };
         let (g, st) = group_rows(rows.clone(), &margin);
         assert_eq!((g.len(), st.groups_dropped_tie, st.groups_dropped_margin), (8, 1, 1));

@@ -119,8 +119,12 @@ struct Manifest {
     tokenizer: String,
     tokenizer_fingerprint: String,
     eos_id: u32,
-    /// The options that change the output (inputs, output folder and `force` excluded).
+    /// The options that change the output (inputs, output folder, `force` and the seed excluded).
     options: serde_json::Value,
+    /// The seed, where it changed the output (a question had more answers than the group size, or a
+    /// sample of questions was drawn); None where any seed gives the same version.
+    #[serde(default)]
+    seed: Option<u64>,
     created_by: String,
     /// The [`crate::checksum`] of each file of the version, checked when it is opened.
     #[serde(default)]
@@ -136,11 +140,10 @@ fn input_info(p: &Path) -> Result<InputInfo, DataError> {
 }
 
 /// The options that change the output (inputs, output folder and `force` excluded), as the manifest
-/// records them.
+/// records them; the seed apart ([`Manifest::seed`]), as it changes the output only where it chooses.
 #[derive(Debug, Serialize)]
 struct OutputOptions<'a> {
     group: &'a GroupOptions,
-    seed: u64,
     extract: &'a ExtractOptions,
     read: &'a ReadOptions,
     strict: bool,
@@ -152,7 +155,6 @@ fn output_options(o: &PrepareOptions) -> serde_json::Value {
     let g = &o.input.group;
     let opts = OutputOptions {
         group: g,
-        seed: g.seed,
         extract: &g.extract,
         read: &o.input.read,
         strict: o.input.strict,
@@ -185,6 +187,12 @@ fn differences(old: &Manifest, new: &Manifest) -> Vec<String> {
     }
     if old.options != new.options {
         why.push("options changed".into());
+    }
+    // A seed that chose answers or questions keys the version; one that chose nothing does not.
+    if let (Some(old_seed), Some(new_seed)) = (old.seed, new.seed) {
+        if old_seed != new_seed {
+            why.push(format!("seed {old_seed} -> {new_seed} (it chose answers or questions)"));
+        }
     }
     why
 }
@@ -276,6 +284,7 @@ pub fn prepare_with(
         tokenizer_fingerprint: tok.fingerprint()?,
         eos_id: eos,
         options: output_options(opts),
+        seed: Some(opts.input.group.seed),
         created_by: format!("grpo {}", env!("CARGO_PKG_VERSION")),
         checksums: BTreeMap::new(),
     };
@@ -294,6 +303,7 @@ pub fn prepare_with(
     let tmp = crate::fsio::temp_dir(&target).map_err(io_err(&target))?;
     let (stats, counts) = write_version(opts, &files, &tok, eos, tmp.path(), on_bad, stop)?;
     (manifest.groups, manifest.responses, manifest.tokens) = (counts.groups, counts.responses, counts.tokens);
+    manifest.seed = manifest.seed.filter(|_| seed_chose(opts, &stats));
     manifest.token_shards = counts.shards.clone();
     let mut names: Vec<String> = ["stats.json", "groups.jsonl", "prompts.bin", "responses.bin", "logprobs.f32"]
         .iter()
@@ -316,6 +326,12 @@ pub fn prepare_with(
         responses: counts.responses,
         tokens: counts.tokens,
     })
+}
+
+/// Whether the seed chose anything in a preparation whose counts are `stats`: answers of a question that had
+/// more than the group size, or a sample of questions.
+fn seed_chose(opts: &PrepareOptions, stats: &Stats) -> bool {
+    stats.responses_over_cap > 0 || opts.input.group.max_questions > 0
 }
 
 /// What a version holds.

@@ -331,6 +331,16 @@ mod tests {
         assert!(dir.path().join("v-1/manifest.json").is_file(), "a version that cannot be checked was removed");
     }
 
+    /// `CURRENT` is replaced by a rename, which is in the folder's data: the folder is synced after it.
+    #[test]
+    fn switching_the_current_version_syncs_the_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::fsio::take_synced();
+        switch_to(dir.path(), "v-1").unwrap();
+        assert_eq!(crate::fsio::take_synced(), [dir.path().to_path_buf()]);
+        assert_eq!(std::fs::read_to_string(dir.path().join(CURRENT)).unwrap(), "v-1");
+    }
+
     #[test]
     fn a_second_locker_waits_and_can_be_stopped() {
         let dir = tempfile::tempdir().unwrap();

@@ -34,6 +34,8 @@ mod nccl_backend;
 mod nccl_sys;
 mod ready;
 pub mod rendezvous;
+#[cfg(test)]
+pub(crate) mod threads;
 
 use std::fmt;
 use std::time::Duration;

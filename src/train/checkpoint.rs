@@ -431,6 +431,33 @@ mod tests {
         assert_eq!(names, ["step-00000006"]);
     }
 
+    /// A save renames the checkpoint into `checkpoints/`, then `latest`: the folder is synced after each
+    /// rename (it holds the new names), `latest`'s last.
+    #[test]
+    fn a_save_syncs_the_checkpoints_folder_after_each_rename() {
+        let dir = tempfile::tempdir().unwrap();
+        let shape = crate::model::tiny::TinyShape { layers: 1, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 };
+        let cfg = shape.config(crate::model::Arch::Llama, 64, None, None).unwrap();
+        let policy = crate::model::random_decoder(cfg, 3, DType::F32, &Device::Cpu, true).unwrap();
+        let optim = crate::train::optim::OptimConfig::default();
+        let step = TrainStep::new(&crate::objective::ObjectiveConfig::default(), &optim, &policy, 2, 32, 0).unwrap();
+        let saver = Checkpointer {
+            output_dir: dir.path().to_path_buf(),
+            model_dir: dir.path().join("no-tokenizer"),
+            save_dtype: None,
+            keep_last: 2,
+            config_toml: String::new(),
+        };
+        let state = TrainerState { step: 2, run_id: "a".into(), ..Default::default() };
+        crate::fsio::take_synced();
+        saver.save(&World::single(), &policy, &step, &state, &[]).unwrap();
+        let synced = crate::fsio::take_synced();
+        let checkpoints = dir.path().join("checkpoints");
+        assert_eq!(std::fs::read_to_string(checkpoints.join("latest")).unwrap(), "step-00000002");
+        assert_eq!(synced.iter().filter(|p| **p == checkpoints).count(), 2, "{synced:?}");
+        assert_eq!(synced.last(), Some(&checkpoints), "{synced:?}");
+    }
+
     #[test]
     fn a_flipped_byte_in_any_checkpoint_file_is_named() {
         let dir = tempfile::tempdir().unwrap();

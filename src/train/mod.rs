@@ -1007,3 +1007,108 @@ fn write_summary(
     summary.write()?;
     Ok(summary)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+    use tracing_subscriber::layer::SubscriberExt;
+
+    fn root() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    }
+
+    /// A run's config on the bundled data, prepared into `prepared` with answers cut to `max_response` tokens.
+    fn config(prepared: &Path, max_response: usize) -> TrainConfig {
+        let data = root().join("data/trajectories/ot3_math_x8_dev.jsonl");
+        let text = format!(
+            "[model]\npath = \"m\"\n[data]\ninputs = [\"{}\"]\nmax_response_tokens = {max_response}\nprepared_dir = \"{}\"\n",
+            data.display(),
+            prepared.display()
+        );
+        TrainConfig::parse(&text, Path::new("c.toml"), &[]).unwrap()
+    }
+
+    /// The version `CURRENT` names in `prepared`.
+    fn current(prepared: &Path) -> PathBuf {
+        prepared.join(std::fs::read_to_string(prepared.join(data::versions::CURRENT)).unwrap().trim())
+    }
+
+    /// Wait until `prepared` has a current version that a reader holds; that version.
+    fn wait_for_reader(prepared: &Path) -> PathBuf {
+        let t = Instant::now();
+        loop {
+            if prepared.join(data::versions::CURRENT).exists() {
+                let v = current(prepared);
+                let readers =
+                    std::fs::File::options().read(true).write(true).open(v.join(data::versions::READERS_LOCK));
+                if readers.is_ok_and(|f| matches!(f.try_lock(), Err(std::fs::TryLockError::WouldBlock))) {
+                    return v;
+                }
+            }
+            assert!(t.elapsed().as_secs() < 300, "rank 0 never read a prepared version");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+
+    /// A tracing layer that calls `hook` at the first event whose message `when` accepts (on the threads
+    /// whose subscriber it is part of).
+    struct OnEvent<F> {
+        when: fn(&str) -> bool,
+        hook: Mutex<Option<F>>,
+    }
+
+    impl<S: tracing::Subscriber, F: FnOnce() + Send + 'static> tracing_subscriber::Layer<S> for OnEvent<F> {
+        fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+            struct Message(String);
+            impl tracing::field::Visit for Message {
+                fn record_debug(&mut self, f: &tracing::field::Field, v: &dyn std::fmt::Debug) {
+                    if f.name() == "message" {
+                        self.0 = format!("{v:?}");
+                    }
+                }
+            }
+            let mut m = Message(String::new());
+            event.record(&mut m);
+            if (self.when)(&m.0) {
+                if let Some(hook) = self.hook.lock().unwrap().take() {
+                    hook();
+                }
+            }
+        }
+    }
+
+    /// Two ranks of a run on one prepared folder: rank 0 prepares it; rank 1 finds that version up to date,
+    /// and just then (before it opens the data) another run's preparation, with other options, makes its own
+    /// version current. Rank 1 still reads rank 0's version.
+    #[test]
+    fn every_rank_reads_the_version_rank_0_prepared_whatever_current_names_by_then() {
+        let dir = tempfile::tempdir().unwrap();
+        let prepared = dir.path().join("prepared");
+        let model = root().join("data/tokenizers/smollm2");
+        let mut ranks = crate::dist::threads::ranks(2).into_iter();
+        let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        let (cfg, m) = (config(&prepared, 16), model.clone());
+        let zero = std::thread::spawn(move || prepare_data(&cfg, &m, &AtomicBool::new(false), &r0.world()).unwrap());
+        // Rank 1 starts once rank 0's version is current and read.
+        let chosen = wait_for_reader(&prepared);
+        let (cfg, m) = (config(&prepared, 16), model.clone());
+        let (other, m2) = (config(&prepared, 24), model);
+        let one = std::thread::spawn(move || {
+            let other_run = move || drop(prepare_data(&other, &m2, &AtomicBool::new(false), &World::single()).unwrap());
+            let layer = OnEvent {
+                when: |m: &str| m.starts_with("data in ") && m.ends_with(" is up to date"),
+                hook: Mutex::new(Some(other_run)),
+            };
+            let subscriber = tracing_subscriber::registry().with(layer);
+            tracing::subscriber::with_default(subscriber, || {
+                prepare_data(&cfg, &m, &AtomicBool::new(false), &r1.world()).unwrap()
+            })
+        });
+        let (d1, d0) = (one.join().unwrap(), zero.join().unwrap());
+        assert_ne!(current(&prepared), chosen, "the other run's preparation did not make its version current");
+        assert_eq!(d0.dir(), chosen);
+        assert_eq!(d1.dir(), chosen, "rank 1 read another version than rank 0's");
+        assert_eq!(d1.fingerprint(), d0.fingerprint());
+    }
+}

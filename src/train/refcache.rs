@@ -727,6 +727,36 @@ mod tests {
         assert!(tmp.is_empty(), "{tmp:?}");
     }
 
+    /// Two ranks while another process (here the test) holds the version's reference lock: rank 0 waits for
+    /// it, rank 1 waits with it in rounds; a stop request on rank 1 ends the wait on both ranks, though the
+    /// lock is never released.
+    #[test]
+    fn a_stop_request_on_any_rank_ends_every_ranks_wait_for_the_reference_lock() {
+        // Rounds every 250 ms (a quarter of the timeout; only worlds of several ranks have rounds).
+        std::env::set_var("GRPO_DIST_TIMEOUT_S", "1");
+        let dir = tempfile::tempdir().unwrap();
+        let (m, p) = (dir.path().join("policy"), dir.path().join("prepared"));
+        tiny(&m, 3);
+        let version = prepared(&m, &p, 16).dir().to_path_buf();
+        let lock = version.join(crate::data::versions::REFERENCE_LOCK);
+        let _held = crate::data::versions::lock_exclusive(&lock, "holding it", None).unwrap();
+        let (done, results) = std::sync::mpsc::channel();
+        for (rank, stop) in crate::dist::threads::ranks(2).into_iter().zip([false, true]) {
+            let (done, m, p) = (done.clone(), m.clone(), p.clone());
+            std::thread::spawn(move || {
+                let ds = PreparedDataset::open(&p).unwrap();
+                let stop = AtomicBool::new(stop);
+                let outcome = ReferenceCache::ensure(&ds, &m, &opts(4), Some(&stop), &rank.world());
+                let _ = done.send(outcome.map(|_| ()).map_err(|e| e.to_string()));
+            });
+        }
+        for _ in 0..2 {
+            let outcome = results.recv_timeout(std::time::Duration::from_secs(30)).expect("a rank still waits");
+            let e = outcome.unwrap_err();
+            assert!(e.contains("while waiting for another process computing the reference log-probs"), "{e}");
+        }
+    }
+
     #[test]
     fn the_key_covers_the_token_data_and_the_groups() {
         let dir = tempfile::tempdir().unwrap();
