@@ -59,10 +59,10 @@ def bench_args(r):
         args.append("--no-reference")
     if not r.get("fused_ops", True):
         args.append("--composite-ops")
-    # Steps measured before the fused optimiser update (their records do not say "update": "fused") ran
-    # the composite one: predicted as they ran.
+    # Steps measured by the build of the 2026-11-26 H100 run (their records do not say "update": "fused")
+    # are predicted with that build's ops.
     if r.get("update") != "fused":
-        args.append("--composite-update")
+        args.append("--h100-run-build")
     return args
 
 

@@ -152,11 +152,11 @@ pub struct TrainStepSpec {
     /// Keep the optimiser state in host memory and update there (`optim.offload`).
     #[arg(long)]
     pub offload: bool,
-    /// With --predict-only: predict the step with the optimiser's update as the composite candle ops of
-    /// the builds before its fused update (what the 2026-11-26 H100 run measured), to compare with that
-    /// run; this build has only the fused update.
+    /// With --predict-only: predict the step with the ops of the build the 2026-11-26 H100 run measured
+    /// (the optimiser's update and the MLP's activation as composite candle ops), to compare with that
+    /// run's records.
     #[arg(long, requires = "predict_only")]
-    pub composite_update: bool,
+    pub h100_run_build: bool,
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
@@ -319,7 +319,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
         // The optimiser's update as this build runs it (kernels::adamw), which the performance model
-        // predicts older records without (`--composite-update`).
+        // predicts the records without it as the H100 run's build (`--h100-run-build`).
         "update": "fused",
         "reference": !spec.no_reference,
         "attention": spec.attention,
@@ -385,7 +385,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
-        composite_update: spec.composite_update,
+        h100_run_build: spec.h100_run_build,
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
@@ -1027,7 +1027,7 @@ mod tests {
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
-            composite_update: false,
+            h100_run_build: false,
             profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
@@ -1079,7 +1079,7 @@ mod tests {
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
-                composite_update: false,
+                h100_run_build: false,
                 profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();

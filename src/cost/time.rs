@@ -56,7 +56,9 @@
 
 use crate::model::ModelConfig;
 
-pub use super::calibration::{Calibration, Gpu, KernelRates, RateAt, TensorOps, A100_80GB, GPUS, H100_SXM, TENSOR_OPS};
+pub use super::calibration::{
+    Calibration, Gpu, KernelRates, RateAt, TensorOps, A100_80GB, GPUS, H100_RUN_TENSOR_OPS, H100_SXM, TENSOR_OPS,
+};
 
 /// The block sizes of chunked attention: query rows and keys per block product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,10 +187,11 @@ pub struct StepShape {
     /// A reference model's forward per micro-batch (its log-probs are not cached).
     pub reference_forward: bool,
     pub offload: bool,
-    /// The optimiser's update as the composite candle ops of the builds before the fused update
-    /// (kernels/adamw.rs; ~15 tensor ops per parameter, and on the host [`Gpu::composite_host_update_bandwidth`]),
-    /// which the 2026-11-26 H100 run measured; `false`: this build's fused update.
-    pub composite_update: bool,
+    /// The ops of the build the 2026-11-26 H100 run measured ([`super::calibration::H100_RUN_TENSOR_OPS`]:
+    /// the optimiser's update as ~15 composite candle ops per parameter, on the host at
+    /// [`Gpu::composite_host_update_bandwidth`], and the MLP's silu and product as candle ops), to predict
+    /// that run's records as they ran; `false`: this build's.
+    pub h100_run_build: bool,
     pub logprob_chunk_bytes: u64,
     /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
     pub optimizer_shards: u64,
@@ -259,6 +262,8 @@ struct Ops {
     ops: Vec<OpCost>,
     times: f64,
     window: Window,
+    /// The tensor ops of the build predicted.
+    counts: TensorOps,
 }
 
 impl Ops {
@@ -318,10 +323,19 @@ enum Pass {
     Backward,
 }
 
+/// The tensor ops of the build `s` is predicted for.
+fn counts(s: &StepShape) -> TensorOps {
+    if s.h100_run_build {
+        H100_RUN_TENSOR_OPS
+    } else {
+        TENSOR_OPS
+    }
+}
+
 /// The tensors candle makes in a step of `m` on `s` by [`TENSOR_OPS`]: what `grpo bench train-step`
 /// counts on the CPU (`tensor_ops_per_step`).
 pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
-    let t = TENSOR_OPS;
+    let t = counts(s);
     let layers = m.num_layers as f64;
     let tensors = parameter_tensors(m);
     let mut per_micro_batch = layers * (t.layer_policy + t.layer_backward) + t.micro_batch;
@@ -332,8 +346,7 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     if s.checkpoint_layers {
         per_micro_batch += layers * t.layer_recompute;
     }
-    let update = if s.composite_update { t.composite_update_per_tensor } else { t.update_per_tensor };
-    let per_step = t.step + tensors * (t.norm_per_tensor + update);
+    let per_step = t.step + tensors * (t.norm_per_tensor + t.update_per_tensor);
     s.micro_batches() * per_micro_batch + per_step
 }
 
@@ -371,10 +384,10 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, pass: Pass) 
     let elements = ew.iter().map(|(e, _)| e).sum::<f64>();
     // The pass's tensor ops but its GEMMs (7 forward, 14 backward) and the attention op.
     let counted = match pass {
-        Pass::Reference => TENSOR_OPS.layer_reference,
-        Pass::Policy => TENSOR_OPS.layer_policy,
-        Pass::Recompute => TENSOR_OPS.layer_recompute,
-        Pass::Backward => TENSOR_OPS.layer_backward,
+        Pass::Reference => o.counts.layer_reference,
+        Pass::Policy => o.counts.layer_policy,
+        Pass::Recompute => o.counts.layer_recompute,
+        Pass::Backward => o.counts.layer_backward,
     };
     let launches = (counted - 7.0 * scale - 1.0).max(0.0);
     // The named ops above are the layer's arithmetic; candle runs it as `launches` tensor ops (casts,
@@ -616,7 +629,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
     }
     o.times = times;
     if whole {
-        let ops = if pass == Pass::Reference { TENSOR_OPS.micro_batch_reference } else { TENSOR_OPS.micro_batch };
+        let ops = if pass == Pass::Reference { o.counts.micro_batch_reference } else { o.counts.micro_batch };
         let bytes = 2.0 * n_tokens * m.hidden_size as f64 * d;
         o.push("embedding, log-prob head and loss (tensor ops)", OpKind::Elementwise, 0.0, bytes, ops);
         head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, false);
@@ -625,7 +638,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
 fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
-    let mut o = Ops { ops: Vec::new(), times: s.micro_batches(), window: Window::Reference };
+    let mut o = Ops { ops: Vec::new(), times: s.micro_batches(), window: Window::Reference, counts: counts(s) };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let p = m.num_parameters() as f64;
@@ -646,7 +659,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
     let tensors = parameter_tensors(m);
-    let accumulate = TENSOR_OPS.accumulate_per_tensor * tensors;
+    let accumulate = o.counts.accumulate_per_tensor * tensors;
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, accumulate);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;
@@ -656,14 +669,12 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
         o.push("AdamW update (host, offload)", OpKind::Host, 0.0, (4.0 + d) * p, 2.0 * tensors);
         let op = o.ops.last_mut().expect("just pushed");
         op.host_bytes = 32.0 * p * o.times;
-        op.host_rate = if s.composite_update { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
+        op.host_rate = if s.h100_run_build { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
     } else {
-        let per_tensor =
-            if s.composite_update { TENSOR_OPS.composite_update_per_tensor } else { TENSOR_OPS.update_per_tensor };
-        let update = per_tensor * tensors;
+        let update = o.counts.update_per_tensor * tensors;
         o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, update);
     }
-    let norm = TENSOR_OPS.norm_per_tensor * tensors + TENSOR_OPS.step;
+    let norm = o.counts.norm_per_tensor * tensors + o.counts.step;
     o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, norm);
     o.ops.last_mut().expect("just pushed").syncs = 1.0;
     o.ops
@@ -849,7 +860,7 @@ impl WindowCost {
 /// element-wise steps, one micro-batch) of `m` on `s` with `blocks` on `gpu`.
 fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: &Gpu) -> f64 {
     let shape = StepShape { blocks, ..*s };
-    let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward };
+    let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward, counts: counts(&shape) };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, false);
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, true);
@@ -1023,7 +1034,7 @@ mod tests {
             recompute_attention: true,
             reference_forward: false,
             offload: false,
-            composite_update: false,
+            h100_run_build: false,
             logprob_chunk_bytes: 1 << 30,
             optimizer_shards: 1,
             tensor_cores: false,

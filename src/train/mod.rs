@@ -656,6 +656,8 @@ impl Run<'_> {
         bar.set_position(state.step as u64);
         let log_lines = !crate::progress::on_terminal();
         let segment = (Instant::now(), state.step);
+        // The step the last checkpoint holds (where this segment started: a resumed checkpoint or step 0).
+        let mut saved_at = state.step;
         while state.step < plan.total_steps && state.epoch < plan.epochs {
             if state.batch_in_epoch >= plan.steps_per_epoch {
                 // Only a state from other data can be past its epoch's end (refused by the resume's check).
@@ -667,7 +669,13 @@ impl Run<'_> {
             let order = epoch_order(dataset.len(), cfg.train.seed, state.epoch, cfg.data.shuffle);
             while state.batch_in_epoch < plan.steps_per_epoch && state.step < plan.total_steps {
                 if self.world.any(stop.load(Ordering::SeqCst)) {
-                    // Asked to stop before this segment's first step: nothing new to save.
+                    // Asked to stop after the last step's own check: its steps since the last checkpoint
+                    // are saved (nothing when it holds them all, as before this segment's first step).
+                    if state.step != saved_at {
+                        let frozen = self.frozen_to_save(&state);
+                        last_ckpt =
+                            Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
+                    }
                     bar.abandon_with_message("interrupted");
                     return Ok(Outcome::new(state, last_ckpt, true));
                 }
@@ -713,6 +721,7 @@ impl Run<'_> {
                 if periodic || epoch_end || run_end || stop_now {
                     let frozen = self.frozen_to_save(&state);
                     last_ckpt = Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
+                    saved_at = state.step;
                 }
                 if stop_now {
                     bar.abandon_with_message("interrupted: checkpoint written");
