@@ -44,6 +44,8 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
     }
     assert!(steps.iter().any(|s| s["offload"] == true && s["reference"] == false && s["micro_batch"] == 1));
     assert_eq!(bench("seed7b").next().expect("the seed7b line")["passed"], true);
+    let optimizer = bench("optimizer").next().expect("the optimizer line");
+    assert_eq!(optimizer["same_bits"], true, "{optimizer}");
     let skipped: Vec<String> = bench("skipped").map(|l| l["what"].as_str().unwrap().to_string()).collect();
     assert!(skipped.iter().any(|w| w.contains("torch_ref.py")), "{skipped:?}");
     assert!(skipped.iter().any(|w| w.contains("nvidia-smi")), "{skipped:?}");

@@ -6,7 +6,8 @@
 #   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
 #      wgmma with dq by atomics) kernels;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
-#      default attention and wgmma + keep-attention + atomic dq;
+#      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
+#      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite);
 #   4. the 7B shape with the seed's memory settings at micro-batch 1, SEED_ANSWERS x (2048 + 16384) tokens,
 #      --warmup 0 --repeats 1 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
 #      the same settings (scripts/gpu/seed7b.py puts them side by side);
@@ -41,13 +42,14 @@ if [ "$DRY" = 1 ]; then
     OUTDIR=${OUTDIR:-$(mktemp -d)}
     DEVICE=cpu DTYPE=f32 CARD=${CARD:-cpu}
     SMALL=$S/tiny.json SEED_SHAPE=$S/tiny.json
-    SHORT=32 MID=64 LONG=128 PROMPT=16 ATT_LENS="64 128" SEED_PROMPT=16 SEED_LEN=48
+    SHORT=32 MID=64 LONG=128 PROMPT=16 ATT_LENS="64 128" SEED_PROMPT=16 SEED_LEN=48 OPT_PARAMS=100000
 else
     BIN=${BIN:-gpu-bin/grpo}
     OUTDIR=${OUTDIR:-${OUT:-benches/results}}
     DEVICE=cuda:0 DTYPE=bf16
     SMALL=$S/qwen2.5-0.5b.json SEED_SHAPE=configs/models/qwen2.5-7b-instruct.config.json
     SHORT=1024 MID=4096 LONG=16384 PROMPT=128 ATT_LENS="4096 16384" SEED_PROMPT=2048 SEED_LEN=16384
+    OPT_PARAMS=256000000
     if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
         "$PY" -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$BIN.xz" "$BIN"
         chmod +x "$BIN"
@@ -138,6 +140,11 @@ step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step 
     --seq-len $LONG --warmup 1 --repeats 1
 step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
     --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 1
+
+# The offloaded optimizer's host update on this machine's CPUs, fused against the composite ops it replaced
+# (the performance model's host rate is predicted from the 2-core CI machine's ratio).
+step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
+    --warmup 1 --repeats 2
 
 # 4. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
 W=$TMP/seed7b
