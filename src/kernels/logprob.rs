@@ -101,6 +101,8 @@ impl CustomOp3 for LogprobEntropy {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // A frozen weight (LoRA's lm_head) gets no gradient: its `[vocab, hidden]` product is skipped.
+        let weight_grad = weight.track_op();
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
         let entropy_grad = grad.narrow(1, 1, 1)?.squeeze(1)?;
@@ -121,6 +123,9 @@ impl CustomOp3 for LogprobEntropy {
             let h = hidden.narrow(0, s, len)?;
             let dz = row_grad(&h.matmul(&wt)?, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
             grad_h.push(dz.matmul(&weight)?);
+            if !weight_grad {
+                continue;
+            }
             let gw = dz.t()?.matmul(&h)?.to_dtype(DType::F32)?;
             grad_w = Some(match grad_w {
                 None => gw,
@@ -129,10 +134,11 @@ impl CustomOp3 for LogprobEntropy {
         }
         let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
         let grad_w = match grad_w {
-            Some(g) => g.to_dtype(weight.dtype())?,
-            None => weight.zeros_like()?,
+            Some(g) => Some(g.to_dtype(weight.dtype())?),
+            None if weight_grad => Some(weight.zeros_like()?),
+            None => None,
         };
-        Ok((Some(grad_h), Some(grad_w), None))
+        Ok((Some(grad_h), grad_w, None))
     }
 }
 

@@ -18,6 +18,9 @@
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
+//! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
+//!   gives the gradient of `x` only.
+//!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
 //!
@@ -37,6 +40,7 @@ mod flash_attention;
 mod flash_mma;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_wgmma;
+mod frozen;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;
@@ -51,6 +55,7 @@ pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice}
 pub use flash_attention::{
     flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
+pub use frozen::frozen_matmul;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};

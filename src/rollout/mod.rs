@@ -272,7 +272,9 @@ impl Rollouts {
             let base = server.base_url.as_deref().unwrap_or_default();
             if let Some(req) = server::reload_request(self.options.reload, base, dir) {
                 if self.world.is_primary() {
-                    save_checkpoint(sampler, dir, save, |_| Ok(()))?;
+                    // A LoRA policy goes to the server merged (a whole model its reload reads).
+                    let merged = sampler.lora().map(|_| sampler.merged()).transpose()?;
+                    save_checkpoint(merged.as_ref().unwrap_or(sampler), dir, save, |_| Ok(()))?;
                 }
                 self.world.barrier();
                 if self.world.rank() < self.options.server.base_urls().len() {

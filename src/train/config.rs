@@ -9,7 +9,7 @@ use super::optim::OptimConfig;
 use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
-use crate::model::{Attention, DecoderOptions};
+use crate::model::{Attention, DecoderOptions, LoraOptions};
 use crate::objective::ObjectiveConfig;
 use crate::rollout::RolloutOptions;
 
@@ -70,6 +70,9 @@ pub struct ModelSection {
     /// own, the same bits every run; false sums it by f32 atomics in the dk/dv kernel, FlashAttention-2's
     /// backward: 10 instead of 14 head-dim FLOPs per score, its rounding varying from run to run.
     pub deterministic_attention: bool,
+    /// `[model.lora]`: train low-rank adapters instead of every weight (absent: full fine-tuning); the
+    /// reference of the KL term is then the base model (the adapters off).
+    pub lora: Option<LoraOptions>,
 }
 
 impl ModelSection {
@@ -102,6 +105,7 @@ impl Default for ModelSection {
             cache_reference: true,
             attention: Attention::Flash,
             deterministic_attention: true,
+            lora: None,
         }
     }
 }
@@ -448,6 +452,9 @@ impl TrainConfig {
                 "model.path = `{path}` looks like a hub id and is not a local folder: model.init_tiny would fill it \
                  with a random model (write a local path such as `./{path}` to create one there)"
             ));
+        }
+        if let Some(lora) = &self.model.lora {
+            lora.validate().map_err(ConfigError::Invalid)?;
         }
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
