@@ -1,0 +1,187 @@
+//! `grpo train` with `[model.lora]`: every objective on the bundled smoke data, checkpoints in PEFT's
+//! format, the exact resume of a LoRA run (with its swapped reference and anchor snapshot), and the adapter
+//! read back by `grpo logprobs --adapter` and merged by `grpo export --merge`.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+const TINY: &str = "{ arch = \"qwen2\", tokenizer = \"TOK\", layers = 2, hidden = 32, heads = 4, kv_heads = 2, intermediate = 64, seed = 3 }";
+
+/// A small LoRA config: a tiny Qwen2 (created on first use in `dir`), adapters of rank 4 on every
+/// projection, 4 answers per question cut to 24 tokens, 2 questions per step.
+fn lora_config(dir: &Path) -> PathBuf {
+    let tiny = TINY.replace("TOK", &common::root().join("data/tokenizers/smollm2").display().to_string());
+    let data = common::root().join("data/trajectories/ot3_math_x8_dev.jsonl");
+    let cfg = format!(
+        r#"
+[model]
+path = "{model}"
+init_tiny = {tiny}
+
+[model.lora]
+r = 4
+alpha = 8
+
+[data]
+inputs = ["{data}"]
+group_size = 4
+max_response_tokens = 24
+prepared_dir = "{prepared}"
+
+[optim]
+lr = 1e-2
+
+[train]
+batch_questions = 2
+micro_batch_size = 3
+epochs = 1
+max_steps = 2
+seed = 7
+keep_last = 10
+"#,
+        model = dir.join("model").display(),
+        data = data.display(),
+        prepared = dir.join("prepared").display(),
+    );
+    let p = dir.join("lora.toml");
+    std::fs::write(&p, cfg).unwrap();
+    p
+}
+
+fn train(config: &Path, out: &Path, sets: &[&str], extra: &[&str]) -> assert_cmd::assert::Assert {
+    let mut cmd = common::grpo();
+    cmd.current_dir(common::root()).args(["-q", "train", "--config"]).arg(config);
+    cmd.arg("--set").arg(format!("train.output_dir=\"{}\"", out.display()));
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    cmd.args(extra).assert()
+}
+
+fn metrics(out: &Path) -> Vec<Value> {
+    common::read_jsonl(&out.join("metrics.jsonl"))
+        .into_iter()
+        .map(|mut v| {
+            for k in ["step_time", "tokens_per_sec"] {
+                v.as_object_mut().unwrap().remove(k);
+            }
+            v
+        })
+        .collect()
+}
+
+fn ck(out: &Path, step: usize) -> PathBuf {
+    out.join(format!("checkpoints/step-{step:08}"))
+}
+
+#[test]
+fn every_objective_trains_adapters_only_and_checkpoints_them_in_peft_format() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let runs: &[(&str, &[&str])] = &[
+        ("grpo", &["objective.beta=0.1", "model.cache_reference=false"]),
+        ("off_grpo", &["objective.bias=0.5", "objective.beta=0.1"]),
+        ("gspo", &[]),
+        (
+            "rec",
+            &["objective.clip_mode=\"ring\"", "objective.importance_weight=true", "objective.anchor=\"reference\""],
+        ),
+        ("opmd", &["objective.anchor=\"snapshot\"", "objective.anchor_every=1"]),
+        ("asymre", &["objective.beta=0.05", "objective.kl_estimator=\"k2\"", "model.checkpoint_layers=true"]),
+        ("red_drop", &[]),
+        ("red_weight", &[]),
+        ("oapl", &[]),
+        ("sft", &["objective.beta=0.1"]),
+        ("cispo", &["objective.eps_high=0.28"]),
+    ];
+    let mut trained = 0;
+    for (i, (name, sets)) in runs.iter().enumerate() {
+        let out = dir.path().join(format!("out-{i}-{name}"));
+        let mut all = vec![format!("objective.name=\"{name}\"")];
+        all.extend(sets.iter().map(|s| s.to_string()));
+        let all: Vec<&str> = all.iter().map(String::as_str).collect();
+        train(&cfg, &out, &all, &[]).success();
+        let m = metrics(&out);
+        assert_eq!(m.len(), 2, "{name}");
+        let stepped = m.iter().any(|l| l["grad_norm"].as_f64().unwrap() > 0.0);
+        trained += stepped as usize;
+        for line in &m {
+            let (loss, norm) = (line["loss"].as_f64().unwrap(), line["grad_norm"].as_f64().unwrap());
+            assert!(loss.is_finite() && norm.is_finite(), "{name}: {line}");
+            assert_eq!(line["skipped"], false, "{name}: {line}");
+        }
+        if sets.iter().any(|s| s.starts_with("objective.beta")) {
+            // Step 1's policy is the base model (B = 0), and so is the reference: no KL yet.
+            assert!(m[0]["kl"].as_f64().unwrap().abs() < 1e-6, "{name}: {}", m[0]);
+            // Once the adapters moved, the policy leaves the reference.
+            let moved = m[0]["grad_norm"].as_f64().unwrap() > 0.0;
+            assert_eq!(m[1]["kl"].as_f64().unwrap() > 0.0, moved, "{name}: {}", m[1]);
+        }
+        let c = ck(&out, 2);
+        assert!(c.join("adapter_model.safetensors").is_file() && !c.join("model.safetensors").exists(), "{name}");
+        // B starts at zero: it moved exactly when a step had a gradient.
+        let bytes = std::fs::read(c.join("adapter_model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let b = st.tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight").unwrap();
+        assert_eq!(b.data().iter().any(|&x| x != 0), stepped, "{name}");
+    }
+    assert!(trained >= 3, "only {trained} runs had a gradient");
+    // The adapter files as PEFT names them: A [r, in], B [out, r], and the optimiser state of the adapters only.
+    let c = ck(&dir.path().join("out-0-grpo"), 2);
+    let config: Value = serde_json::from_slice(&std::fs::read(c.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(config["peft_type"], "LORA");
+    assert_eq!(config["task_type"], "CAUSAL_LM");
+    assert_eq!((config["r"].as_u64(), config["lora_alpha"].as_f64()), (Some(4), Some(8.0)));
+    assert_eq!(config["target_modules"].as_array().unwrap().len(), 7);
+    let bytes = std::fs::read(c.join("adapter_model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let a = st.tensor("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight").unwrap();
+    let b = st.tensor("base_model.model.model.layers.1.mlp.down_proj.lora_B.weight").unwrap();
+    assert_eq!((a.shape(), b.shape()), (&[4, 64][..], &[32, 4][..]));
+    assert_eq!(st.names().len(), 2 * 7 * 2);
+    let bytes = std::fs::read(c.join("optimizer.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(st.names().iter().all(|n| n.contains(".lora_")), "{:?}", st.names());
+}
+
+/// A LoRA run with its reference swapped every 2 steps and an anchor snapshot every 2 steps, killed after
+/// step 3 and resumed: the same adapters, optimiser state and metrics as the run that went through.
+#[test]
+fn a_resumed_lora_run_continues_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let sets = [
+        "objective.name=\"oapl\"",
+        "objective.anchor_every=2",
+        "objective.beta2=0.05",
+        "train.max_steps=4",
+        "train.save_every=1",
+    ];
+    let swap = ["objective.name=\"grpo\"", "objective.beta=0.1", "train.reference_swap_every=2", "train.max_steps=4"];
+    let swap = [&swap[..], &["train.save_every=1", "model.cache_reference=false"]].concat();
+    for (what, sets) in [("snapshot", &sets[..]), ("reference swap", &swap[..])] {
+        let a = dir.path().join(format!("a-{what}"));
+        train(&cfg, &a, sets, &[]).success();
+        let c = dir.path().join(format!("c-{what}"));
+        train(&cfg, &c, sets, &[]).success();
+        std::fs::remove_dir_all(ck(&c, 4)).unwrap();
+        std::fs::write(c.join("checkpoints/latest"), "step-00000003").unwrap();
+        let lines: Vec<String> =
+            std::fs::read_to_string(c.join("metrics.jsonl")).unwrap().lines().map(String::from).collect();
+        std::fs::write(c.join("metrics.jsonl"), lines[..3].join("\n") + "\n").unwrap();
+        train(&cfg, &c, sets, &["--resume", "auto"]).success();
+        for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+            let (x, y) = (std::fs::read(ck(&a, 4).join(f)).unwrap(), std::fs::read(ck(&c, 4).join(f)).unwrap());
+            assert!(x == y, "{what}: {f} differs from the uninterrupted run");
+        }
+        assert_eq!(metrics(&a), metrics(&c), "{what}");
+    }
+    // The swapped reference is kept as a frozen adapter: the checkpoint stores the adapters only.
+    let r = ck(&dir.path().join("a-reference swap"), 3).join("reference.safetensors");
+    let bytes = std::fs::read(r).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    assert!(st.names().iter().all(|n| n.contains(".lora_")), "{:?}", st.names());
+}
