@@ -185,3 +185,63 @@ fn a_resumed_lora_run_continues_exactly() {
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     assert!(st.names().iter().all(|n| n.contains(".lora_")), "{:?}", st.names());
 }
+
+/// `grpo logprobs --model BASE --adapter CK`: a trained adapter changes the base model's log-probs;
+/// `grpo export --merge` writes a whole model whose log-probs are the adapter model's; `grpo eval --adapter`
+/// generates with it.
+#[test]
+fn the_merged_export_equals_the_adapter_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let out = dir.path().join("out");
+    // sft: every step has a gradient.
+    train(&cfg, &out, &["objective.name=\"sft\""], &[]).success();
+    let (model, adapter) = (dir.path().join("model"), ck(&out, 2));
+    let input = dir.path().join("in.jsonl");
+    let lines = [r#"{"text": "The answer is 42, since 6 times 7 is 42."}"#, r#"{"prompt": "1+1?", "response": "2"}"#];
+    std::fs::write(&input, lines.join("\n")).unwrap();
+    let logprobs = |model: &Path, adapter: Option<&Path>| -> Vec<f64> {
+        let output = dir.path().join("lp.jsonl");
+        let mut c = common::grpo();
+        c.args(["-q", "logprobs", "--model"]).arg(model).arg("--input").arg(&input).arg("--output").arg(&output);
+        if let Some(a) = adapter {
+            c.arg("--adapter").arg(a);
+        }
+        c.assert().success();
+        common::read_jsonl(&output)
+            .iter()
+            .flat_map(|l| l["logprobs"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect::<Vec<_>>())
+            .collect()
+    };
+    let (base, adapted) = (logprobs(&model, None), logprobs(&model, Some(&adapter)));
+    assert_ne!(base, adapted, "the trained adapter changes nothing");
+    let merged = dir.path().join("merged");
+    // The base model is the one the adapter config names.
+    common::grpo()
+        .args(["-q", "export", "--merge", "--dtype", "f32", "--adapter"])
+        .arg(&adapter)
+        .arg("--out")
+        .arg(&merged)
+        .assert()
+        .success();
+    assert!(merged.join("model.safetensors").is_file() && merged.join("tokenizer.json").is_file());
+    let m = logprobs(&merged, None);
+    let d = m.iter().zip(&adapted).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
+    assert!(d < 1e-4, "merged log-probs differ from the adapter model's by {d}");
+    let e = common::grpo().args(["-q", "export", "--adapter"]).arg(&adapter).args(["--out", "x"]).assert().failure();
+    assert!(String::from_utf8_lossy(&e.get_output().stderr).contains("--merge"));
+
+    let eval_out = dir.path().join("eval");
+    let args = ["-q", "eval", "--bench", "aime25", "--limit", "2", "--n", "1", "--max-new-tokens", "8"];
+    common::grpo()
+        .args(args)
+        .arg("--model")
+        .arg(&model)
+        .arg("--adapter")
+        .arg(&adapter)
+        .arg("--out")
+        .arg(&eval_out)
+        .assert()
+        .success();
+    assert_eq!(common::read_jsonl(&eval_out.join("generations.jsonl")).len(), 2);
+}

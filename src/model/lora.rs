@@ -333,6 +333,20 @@ pub fn load_with_adapter(
     base.with_adapters(&a.options, a.tensors.into_iter().collect(), trainable)
 }
 
+/// The frozen model of `dir`, with the adapter of folder `adapter` when one is given (`grpo eval`,
+/// `grpo logprobs`, `grpo export`).
+pub fn load_frozen(
+    dir: &Path,
+    adapter: Option<&Path>,
+    dtype: DType,
+    device: &Device,
+) -> Result<super::Decoder, ModelError> {
+    match adapter {
+        Some(a) => load_with_adapter(dir, a, None, (dtype, device), false),
+        None => super::load_decoder(dir, dtype, device, false),
+    }
+}
+
 /// Whether two options describe the same adapters (their shapes and scale; the init does not matter once
 /// trained).
 fn same_adapter(a: &LoraOptions, b: &LoraOptions) -> bool {
