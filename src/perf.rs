@@ -360,6 +360,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
             .tensor_core_attention(dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
         warpgroup: spec.attention == Attention::Wgmma,
+        lora_rank: 0,
     }
 }
 

@@ -245,3 +245,33 @@ fn the_merged_export_equals_the_adapter_model() {
         .success();
     assert_eq!(common::read_jsonl(&eval_out.join("generations.jsonl")).len(), 2);
 }
+
+/// The seed's 7B recipe with LoRA fits a 48 GB card without offload: the base weights in bf16, the
+/// gradients and optimiser state of the adapters only, no reference copy; full fine-tuning does not.
+#[test]
+fn the_lora_recipe_fits_a_48_gb_card_where_full_fine_tuning_does_not() {
+    let plan = |config: &str, sets: &[&str]| -> String {
+        let mut c = common::grpo();
+        c.current_dir(common::root()).args(["train", "--plan", "--config", config]);
+        c.args(["--model-config", "configs/models/qwen2.5-7b-instruct.config.json", "--device-memory", "48GiB"]);
+        for s in sets {
+            c.args(["--set", s]);
+        }
+        String::from_utf8(c.output().unwrap().stdout).unwrap()
+    };
+    let gib = |text: &str, component: &str| -> f64 {
+        let line = text.lines().find(|l| l.starts_with(component)).unwrap_or_else(|| panic!("{component}\n{text}"));
+        line[component.len()..].split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let lora = plan("configs/openthinker3-lora.toml", &[]);
+    assert!(lora.contains("device memory: 48.00 GiB: fits"), "{lora}");
+    assert!(lora.contains("host peak (optimizer state and update): 0.00 GiB"), "{lora}");
+    assert!((14.0..14.5).contains(&gib(&lora, "weights")), "{lora}");
+    for component in ["gradients (f32 accumulator)", "optimizer state", "LoRA adapters (f32)"] {
+        assert!(gib(&lora, component) < 1.0, "{component}\n{lora}");
+    }
+    assert_eq!(gib(&lora, "reference model"), 0.0, "{lora}");
+    // The same recipe without [model.lora] (the seed's config, validated with the LoRA run's batch).
+    let full = plan("configs/openthinker3.toml", &["validation.batch_size=4"]);
+    assert!(full.contains("device memory: 48.00 GiB: does NOT fit"), "{full}");
+}
