@@ -215,6 +215,8 @@ fn the_merged_export_equals_the_adapter_model() {
     };
     let (base, adapted) = (logprobs(&model, None), logprobs(&model, Some(&adapter)));
     assert_ne!(base, adapted, "the trained adapter changes nothing");
+    // The adapter folder alone: its config names the base model.
+    assert_eq!(logprobs(&adapter, None), adapted);
     let merged = dir.path().join("merged");
     // The base model is the one the adapter config names.
     common::grpo()

@@ -34,15 +34,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     }
     let base = match &args.model {
         Some(m) => m.clone(),
-        None => {
-            let c = args.adapter.join(lora::ADAPTER_CONFIG_FILE);
-            let text = std::fs::read(&c).with_context(|| format!("reading {}", c.display()))?;
-            let config: lora::AdapterConfig =
-                serde_json::from_slice(&text).with_context(|| format!("parsing {}", c.display()))?;
-            config
-                .base_model_name_or_path
-                .with_context(|| format!("{} names no base model: pass --model", c.display()))?
-        }
+        None => lora::base_model(&args.adapter)?,
     };
     let dir = model::resolve_model_dir(&base)?;
     let dtype = model::parse_dtype(&args.dtype)?;

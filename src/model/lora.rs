@@ -334,7 +334,8 @@ pub fn load_with_adapter(
 }
 
 /// The frozen model of `dir`, with the adapter of folder `adapter` when one is given (`grpo eval`,
-/// `grpo logprobs`, `grpo export`).
+/// `grpo logprobs`, `grpo export`); `dir` itself may be an adapter folder, on the base model its config
+/// names.
 pub fn load_frozen(
     dir: &Path,
     adapter: Option<&Path>,
@@ -343,8 +344,25 @@ pub fn load_frozen(
 ) -> Result<super::Decoder, ModelError> {
     match adapter {
         Some(a) => load_with_adapter(dir, a, None, (dtype, device), false),
+        // An adapter folder given as the model: its config names the base model.
+        None if is_adapter_dir(dir) => {
+            let base = base_model(dir)?;
+            load_with_adapter(&super::resolve_model_dir(&base)?, dir, None, (dtype, device), false)
+        }
         None => super::load_decoder(dir, dtype, device, false),
     }
+}
+
+/// The base model the adapter config of folder `dir` names (`base_model_name_or_path`).
+pub fn base_model(dir: &Path) -> Result<String, ModelError> {
+    let c = dir.join(ADAPTER_CONFIG_FILE);
+    let text = std::fs::read(&c).map_err(|source| ModelError::Io { path: c.clone(), source })?;
+    let config: AdapterConfig =
+        serde_json::from_slice(&text).map_err(|e| ModelError::Files { path: c.clone(), message: e.to_string() })?;
+    config.base_model_name_or_path.ok_or_else(|| ModelError::Files {
+        path: c,
+        message: "names no base model (base_model_name_or_path): give the base model and the adapter".into(),
+    })
 }
 
 /// Whether two options describe the same adapters (their shapes and scale; the init does not matter once

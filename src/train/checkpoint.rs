@@ -120,7 +120,10 @@ impl Checkpointer {
         SaveOptions {
             dtype: self.save_dtype,
             tokenizer_dir: Some(self.model_dir.clone()),
-            base_model: Some(self.model_dir.display().to_string()),
+            // Absolute, so that the adapter's base is found from anywhere (PEFT, grpo eval --model ADAPTER).
+            base_model: Some(
+                std::path::absolute(&self.model_dir).unwrap_or(self.model_dir.clone()).display().to_string(),
+            ),
             ..Default::default()
         }
     }
