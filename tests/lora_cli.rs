@@ -381,3 +381,36 @@ fallbacks = true
     };
     assert_eq!(strip(&a), strip(&c));
 }
+
+/// PEFT loads a grpo adapter (and transformers the merged export) with the log-probs grpo gives, where the
+/// Python of GRPO_PEFT_PYTHON (else python3) has peft and transformers; skipped elsewhere.
+#[test]
+fn peft_loads_the_adapter_with_grpos_logprobs() {
+    let python = std::env::var("GRPO_PEFT_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_peft = std::process::Command::new(&python).args(["-c", "import peft, transformers, torch"]).output();
+    if !has_peft.is_ok_and(|o| o.status.success()) {
+        eprintln!("SKIPPED: {python} has no peft/transformers/torch (set GRPO_PEFT_PYTHON)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let out = dir.path().join("out");
+    train(&cfg, &out, &["objective.name=\"sft\""], &[]).success();
+    let merged = dir.path().join("merged");
+    common::grpo()
+        .args(["-q", "export", "--merge", "--dtype", "f32", "--adapter"])
+        .arg(ck(&out, 2))
+        .arg("--out")
+        .arg(&merged)
+        .assert()
+        .success();
+    let status = std::process::Command::new(&python)
+        .arg(common::root().join("scripts/check_peft_load.py"))
+        .arg(dir.path().join("model"))
+        .arg(ck(&out, 2))
+        .arg(env!("CARGO_BIN_EXE_grpo"))
+        .arg(&merged)
+        .status()
+        .unwrap();
+    assert!(status.success(), "scripts/check_peft_load.py failed");
+}

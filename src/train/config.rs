@@ -545,6 +545,12 @@ impl TrainConfig {
         }
         let Some(r) = &self.rollout else { return Ok(()) };
         r.validate()?;
+        if r.reload.adapter() && self.model.lora.is_none() {
+            return Err(format!(
+                "rollout.reload = {:?} sends the server a LoRA adapter: it needs [model.lora]",
+                r.reload
+            ));
+        }
         use crate::objective::Anchor;
         match self.objective.anchor() {
             Some(Anchor::Step) => Err(format!(
@@ -571,6 +577,22 @@ mod tests {
     use super::*;
 
     const MIN: &str = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n";
+
+    #[test]
+    fn lora_options_are_checked_and_an_adapter_reload_needs_them() {
+        let parse = |extra: &str| TrainConfig::parse(&format!("{MIN}{extra}"), Path::new("c.toml"), &[]);
+        let lora = parse("[model.lora]\nr = 16\nalpha = 32\n").unwrap().model.lora.unwrap();
+        assert_eq!((lora.r, lora.alpha, lora.target_modules.len()), (16, 32.0, 7));
+        let e = parse("[model.lora]\ndropout = 0.1\n").unwrap_err().to_string();
+        assert!(e.contains("model.lora.dropout"), "{e}");
+        let e = parse("[model.lora]\nrank = 4\n").unwrap_err().to_string();
+        assert!(e.contains("rank"), "{e}");
+        let server = "[objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n[rollout]\nreload = \"vllm-lora\"\n\
+                      [rollout.server]\nengine = \"openai\"\nbase_url = \"http://h/v1\"\nserved_model = \"p\"\n";
+        let e = parse(server).unwrap_err().to_string();
+        assert!(e.contains("needs [model.lora]"), "{e}");
+        parse(&format!("{server}[model.lora]\nr = 4\n")).unwrap();
+    }
 
     #[test]
     fn unknown_keys_name_the_key_and_the_nearest_valid_one() {
