@@ -187,6 +187,25 @@ mod tests {
         (hidden, weight, targets, upstream)
     }
 
+    /// A frozen weight (LoRA's lm_head) gets no gradient, and the hidden states the same one as with a
+    /// trainable weight.
+    #[test]
+    fn a_frozen_weight_gets_no_gradient() {
+        let (hidden, weight, targets, upstream) = setup(9, 8, 40);
+        let frozen = weight.as_detached_tensor();
+        let loss = |w: &Tensor| {
+            let lp = logprobs_entropy(hidden.as_tensor(), w, &targets, 4 * 40 * 4).unwrap();
+            lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&upstream).unwrap().sum_all().unwrap()
+        };
+        let (with, without) = (loss(weight.as_tensor()).backward().unwrap(), loss(&frozen).backward().unwrap());
+        assert!(with.get(weight.as_tensor()).is_some());
+        assert!(without.get(&frozen).is_none());
+        let dh = |g: &candle_core::backprop::GradStore| -> Vec<f32> {
+            g.get(hidden.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(dh(&with), dh(&without));
+    }
+
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
         (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
     }
