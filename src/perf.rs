@@ -393,6 +393,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
             .tensor_core_attention(dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
         warpgroup: matches!(spec.attention, Attention::Wgmma | Attention::Auto),
+        lora_rank: 0,
     }
 }
 

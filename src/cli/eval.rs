@@ -30,6 +30,10 @@ pub struct Args {
     /// template are used (to render the prompts and count tokens): give the served model's.
     #[arg(long, required_unless_present = "list")]
     pub model: Option<String>,
+    /// A LoRA adapter folder (PEFT's adapter_model.safetensors and adapter_config.json, e.g. a LoRA run's
+    /// checkpoint) applied to --model, the base model (native engine).
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     #[command(flatten)]
     pub options: EvalOptions,
     #[command(flatten)]
@@ -211,9 +215,12 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
             let device = model::parse_device(&world.rank_device(&args.device)?)?;
             let dtype = model::parse_dtype(&args.dtype)?;
             Some(
-                model::load_decoder(&dir, dtype, &device, false)
+                model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
                     .with_context(|| format!("loading {}", dir.display()))?,
             )
+        }
+        EngineKind::Openai if args.adapter.is_some() => {
+            anyhow::bail!("--adapter is applied by the native engine; serve the adapter with the server instead")
         }
         EngineKind::Openai => None,
     };

@@ -13,6 +13,9 @@ pub struct Args {
     /// Model folder or hub id (resolved in the local Hugging Face cache).
     #[arg(long)]
     pub model: String,
+    /// A LoRA adapter folder (PEFT's files, e.g. a LoRA run's checkpoint) applied to --model, the base model.
+    #[arg(long)]
+    pub adapter: Option<PathBuf>,
     /// JSONL: {"text": ...} (log-probs of every token after the first) or {"prompt", "response"}
     /// (prompt rendered with the chat template; log-probs of the response tokens).
     #[arg(long)]
@@ -93,8 +96,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let device = model::parse_device(&args.device)?;
     let dtype = model::parse_dtype(&args.dtype)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let decoder =
-        model::load_decoder(&dir, dtype, &device, false).with_context(|| format!("loading {}", dir.display()))?;
+    let decoder = model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
+        .with_context(|| format!("loading {}", dir.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())?;
     let lines = Lines::open(&args.input)?.max_line_bytes(args.max_row_bytes);
     let bar = crate::progress::progress_bar(None, "logprobs");

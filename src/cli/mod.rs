@@ -5,6 +5,7 @@ use clap::{Parser, Subcommand};
 mod bench;
 mod data;
 mod eval;
+mod export;
 mod init_tiny;
 mod logprobs;
 mod plot;
@@ -41,6 +42,8 @@ pub enum Command {
     Score(score::Args),
     /// Generate answers on math benchmarks (AIME25, AIME24, AMC23, MATH-500) and score them.
     Eval(eval::Args),
+    /// Write a LoRA adapter merged into its base model as a Hugging Face model (--merge).
+    Export(export::Args),
     /// Inspect and prepare teacher trajectories (OpenThoughts3 JSONL / Parquet).
     #[command(subcommand)]
     Data(data::DataCommand),
@@ -143,6 +146,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Score(args) => score::run(args),
         Command::Data(cmd) => data::run(cmd),
         Command::Eval(args) => eval::run(args),
+        Command::Export(args) => export::run(args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Plot(args) => plot::run(args),
         Command::Selftest(args) => selftest::run(args),

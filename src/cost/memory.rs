@@ -185,6 +185,32 @@ pub struct Activations {
     pub logprob_chunk: u64,
 }
 
+/// LoRA's sizes ([`crate::model::lora`]): the adapters' parameters, in all, in the largest layer and the
+/// largest tensor, and the bytes per token a layer's adapters keep for the backward: each adapted
+/// projection's input in f32 (for A's gradient) and its `[N, r]` f32 product with A (for B's).
+struct Lora {
+    params: u64,
+    layer: u64,
+    largest: u64,
+    saved_per_token: f64,
+}
+
+impl Lora {
+    fn of(m: &ModelConfig, opts: &crate::model::LoraOptions) -> Self {
+        let one_layer = ModelConfig { num_layers: 1, ..m.clone() };
+        let shapes = crate::model::lora::adapter_shapes(&one_layer, opts);
+        let size = |s: &[usize]| s.iter().product::<usize>() as u64;
+        let layer: u64 = shapes.iter().map(|(_, s)| size(s)).sum();
+        let largest = shapes.iter().map(|(_, s)| size(s)).max().unwrap_or(0);
+        let saved_per_token = crate::model::lora::TARGETS
+            .iter()
+            .filter(|(t, _)| opts.targets(t))
+            .map(|(t, _)| 4.0 * (crate::model::lora::features(m, t).0 + opts.r) as f64)
+            .sum();
+        Self { params: layer.saturating_mul(m.num_layers as u64), layer, largest, saved_per_token }
+    }
+}
+
 /// Sequence shape of the largest micro-batch.
 struct Shape {
     b: u64,
@@ -223,7 +249,8 @@ fn largest_params(m: &ModelConfig) -> (u64, u64) {
 }
 
 impl Activations {
-    fn new(m: &ModelConfig, s: &Shape, d: u64, attention: Attention, chunk_bytes: u64) -> Self {
+    /// `lora`: per token, the bytes each layer's adapters keep for the backward (their f32 inputs).
+    fn new(m: &ModelConfig, s: &Shape, d: u64, attention: Attention, chunk_bytes: u64, lora: f64) -> Self {
         let f = |x: usize| x as f64;
         let (h, i, v) = (f(m.hidden_size), f(m.intermediate_size), f(m.vocab_size));
         let q = f(m.num_heads) * f(m.head_dim);
@@ -244,7 +271,7 @@ impl Activations {
                 (4.0 * b * heads * t, 8.0 * b * heads * t)
             }
         };
-        let layer = n * width * d + attn_saved;
+        let layer = n * (width * d + lora) + attn_saved;
         let rows = (chunk_bytes as f64 / (4.0 * v).max(1.0)).floor().clamp(1.0, 65536.0).min(n_scored.max(1.0));
         let one_chunk = n_scored <= rows;
         let head_backward = match (one_chunk, d >= 4.0) {
@@ -310,7 +337,18 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let (p_layer, p_max) = largest_params(model);
     let (prompt, response) = sequence_tokens(cfg, model);
     let shape = micro_batch_shape(cfg, prompt, response);
-    let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes);
+    let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
+    let lora_bytes = lora.as_ref().map_or(0.0, |l| l.saved_per_token);
+    let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes, lora_bytes);
+    if lora.is_some() {
+        // The frozen lm_head gets no gradient (src/kernels/logprob.rs).
+        act.head_backward = 0;
+    }
+    // What is trained: every weight in the model's dtype, or (LoRA) the f32 adapters.
+    let (p_train, p_layer, p_max) = match &lora {
+        Some(l) => (l.params, l.layer, l.largest),
+        None => (p, p_layer, p_max),
+    };
     // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
     let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto)
         && !cfg.model.deterministic_attention
@@ -327,7 +365,11 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     use Phase::*;
     use Place::*;
     add("weights", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
-    add("gradients (f32 accumulator)", p.saturating_mul(4), Device, Step, "P x 4 B".into());
+    if let Some(l) = &lora {
+        add("LoRA adapters (f32)", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B".into());
+    }
+    let pn = if lora.is_some() { "P_lora" } else { "P" };
+    add("gradients (f32 accumulator)", p_train.saturating_mul(4), Device, Step, format!("{pn} x 4 B"));
     let opt = cfg.optim.name;
     let state = if opt == OptimName::Adamw { 12 } else { 4 };
     let world = inputs.world_size.max(1);
@@ -335,21 +377,28 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let what = if opt == OptimName::Adamw { "f32 master + 2 moments" } else { "f32 master" };
     let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
     let (state_bytes, shard) = match world {
-        1 => (p.saturating_mul(state), String::new()),
-        n => (p.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
+        1 => (p_train.saturating_mul(state), String::new()),
+        n => (p_train.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
     };
-    add("optimizer state", state_bytes, state_place, Resident, format!("P x {state} B{shard} ({what}; {off})"));
+    add("optimizer state", state_bytes, state_place, Resident, format!("{pn} x {state} B{shard} ({what}; {off})"));
     let objective = cfg.objective.build();
     if objective.needs_reference() {
         if inputs.reference_cached {
             let bytes = shape.n_scored.saturating_mul(4);
             add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch".into());
+        } else if lora.is_some() && cfg.model.reference.is_none() {
+            // The base model: the policy's own frozen weights with the adapters off.
+            add("reference model", 0, Device, Resident, "the policy's base weights (LoRA)".into());
         } else {
             add("reference model", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
         }
     }
     if objective.anchor() == Some(Anchor::Snapshot) {
-        add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
+        match &lora {
+            // A frozen copy of the adapters, sharing the base weights.
+            Some(l) => add("anchor snapshot", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B".into()),
+            None => add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B")),
+        }
     }
     if inputs.on_cpu {
         add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured".into());
@@ -384,10 +433,12 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
     let shared = d == 4 && answers > 0 && answers <= answers_per_micro_batch(cfg, prompt.saturating_add(response));
-    let grad_store = match (ckpt, shared) {
+    // LoRA's gradients are f32 (the adapters' dtype).
+    let gd = if lora.is_some() { 4 } else { d };
+    let grad_store = match (ckpt, shared && lora.is_none()) {
         (_, true) => 0,
-        (true, false) => p_layer.max(p_max).saturating_mul(d),
-        (false, false) => p.saturating_mul(d),
+        (true, false) => p_layer.max(p_max).saturating_mul(gd),
+        (false, false) => p_train.saturating_mul(gd),
     };
     let layer_part = act.layer_backward.saturating_add(act.attention_workspace).saturating_add(grad_store);
     let head_part = act.head_backward.saturating_add(act.logprob_chunk);
@@ -422,7 +473,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     // with offload the f32 gradients brought to the host.
     let d = dtype_bytes(&cfg.model.dtype);
     let update = if cfg.optim.offload {
-        let chunk = (OFFLOAD_CHUNK_BYTES as u64).min(p.saturating_mul(4));
+        let chunk = (OFFLOAD_CHUNK_BYTES as u64).min(p_train.saturating_mul(4));
         chunk + chunk / 4 * d
     } else {
         p_max.saturating_mul(d)
@@ -437,14 +488,14 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     if world > 1 {
         // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
         // block of their sum, then the gathered f32 weights (one after the other).
-        let staging = p.saturating_mul(4).saturating_add(p.saturating_mul(4) / world);
+        let staging = p_train.saturating_mul(4).saturating_add(p_train.saturating_mul(4) / world);
         let place = if inputs.on_cpu { Device } else { Host };
         add("collective staging (f32 gradients / weights)", staging, place, Update, "P x 4 B (1 + 1/N)".into());
     }
     if world > 1 && !inputs.on_cpu {
         // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
         // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
-        let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p);
+        let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p_train);
         let bytes = 4 * (values + values / world);
         add("collective buffers (NCCL, per piece)", bytes, Device, Update, "<= 256 MiB + a rank's share".into());
     }
@@ -960,6 +1011,8 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
             .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
         atomic_dq: !cfg.model.deterministic_attention,
         warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
+        // The model counts adapters on every projection (the default target_modules).
+        lora_rank: cfg.model.lora.as_ref().map_or(0, |l| l.r as u64),
     }
 }
 

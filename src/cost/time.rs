@@ -205,6 +205,10 @@ pub struct StepShape {
     /// With `tensor_cores`, the warpgroup kernels (`model.attention = "wgmma"`) on the GPUs that have
     /// wgmma ([`Gpu::wgmma_attention_efficiency`]).
     pub warpgroup: bool,
+    /// LoRA's rank (`[model.lora]`, adapters on every projection), 0 for full fine-tuning: the base
+    /// projections' backward computes the input's gradient only, the lm_head gets none, the adapters' f32
+    /// products are added, and the gradients and update are the adapters'.
+    pub lora_rank: u64,
 }
 
 /// Which tensor-core attention kernels a step runs.
@@ -351,18 +355,28 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
 }
 
 /// The projections and element-wise ops of one layer in `pass` on N tokens.
-fn layer_dense(o: &mut Ops, m: &ModelConfig, n_tokens: f64, d: f64, pass: Pass) {
+fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64, u64), pass: Pass) {
     let backward = pass == Pass::Backward;
     let f = |x: usize| x as f64;
     let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
     let q = f(m.num_heads) * f(m.head_dim);
     let kv = f(m.num_kv_heads) * f(m.head_dim);
-    let gemm = if backward { Ops::gemm_backward } else { Ops::gemm };
+    // LoRA: the frozen projections' backward is the input's gradient only.
+    let gemm = if backward && lora_rank == 0 { Ops::gemm_backward } else { Ops::gemm };
     gemm(o, "q, k, v projections", n_tokens, h, q, d, 1.0);
     gemm(o, "q, k, v projections", n_tokens, h, kv, d, 2.0);
     gemm(o, "o projection", n_tokens, q, h, d, 1.0);
     gemm(o, "MLP gate and up", n_tokens, h, i, d, 2.0);
     gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
+    if lora_rank > 0 {
+        // x A^T then (x A) B^T of every projection, in f32, and their backward (both gradients).
+        let r = lora_rank as f64;
+        let gemm = if backward { Ops::gemm_backward } else { Ops::gemm };
+        for (k, n) in [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)] {
+            gemm(o, "LoRA adapters", n_tokens, k, r, 4.0, 1.0);
+            gemm(o, "LoRA adapters", n_tokens, r, n, 4.0, 1.0);
+        }
+    }
     // Element-wise: (elements read + written per token, launches).
     let mut ew = vec![
         (2.0 * 2.0 * h + 2.0 * h, 2.0),    // two RMSNorms: read x and the weight row, write
@@ -593,7 +607,7 @@ fn layer_attention(
 
 /// The log-prob head on `n` scored tokens: lm_head GEMMs, the fused log-softmax kernel, and the f32
 /// lm_head gradient of each chunk into its accumulator.
-fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward: bool) {
+fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backward, frozen): (bool, bool)) {
     let (h, v) = (m.hidden_size as f64, m.vocab_size as f64);
     let rows = (chunk_bytes as f64 / (4.0 * v)).floor().clamp(1.0, 65536.0).min(n.max(1.0));
     let chunks = (n / rows).ceil();
@@ -601,9 +615,16 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, backward
     if backward {
         // The chunk's logits again (recomputed, not kept), then the two gradient GEMMs.
         o.gemm("lm_head", rows, h, v, d, chunks);
-        o.gemm_backward("lm_head", rows, h, v, d, chunks);
+        if frozen {
+            // LoRA: the hidden states' gradient only.
+            o.gemm("lm_head", rows, h, v, d, chunks);
+        } else {
+            o.gemm_backward("lm_head", rows, h, v, d, chunks);
+        }
         o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
-        o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, 16.0 * v * h * chunks, chunks);
+        if !frozen {
+            o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, 16.0 * v * h * chunks, chunks);
+        }
     } else {
         o.gemm("lm_head", rows, h, v, d, chunks);
         o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
@@ -620,7 +641,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
     let whole = pass != Pass::Recompute;
     let times = o.times;
     o.times = times * m.num_layers as f64;
-    layer_dense(o, m, n_tokens, d, pass);
+    layer_dense(o, m, (n_tokens, d, s.lora_rank), pass);
     if whole || s.recompute_attention {
         layer_attention(o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, false);
     } else {
@@ -632,7 +653,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
         let ops = if pass == Pass::Reference { o.counts.micro_batch_reference } else { o.counts.micro_batch };
         let bytes = 2.0 * n_tokens * m.hidden_size as f64 * d;
         o.push("embedding, log-prob head and loss (tensor ops)", OpKind::Elementwise, 0.0, bytes, ops);
-        head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, false);
+        head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (false, false));
     }
 }
 
@@ -651,14 +672,18 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     if s.checkpoint_layers {
         forward(&mut o, m, s, gpu, Pass::Recompute); // the recomputation, layer by layer, in the backward
     }
-    head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, true);
+    head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (true, s.lora_rank > 0));
     let times = o.times;
     o.times = times * m.num_layers as f64;
-    layer_dense(&mut o, m, n_tokens, d, Pass::Backward);
+    layer_dense(&mut o, m, (n_tokens, d, s.lora_rank), Pass::Backward);
     layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, true);
     o.times = times;
     o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
-    let tensors = parameter_tensors(m);
+    let (p, tensors, d) = match s.lora_rank {
+        0 => (p, parameter_tensors(m), d),
+        // The f32 adapters of the 7 projections of every layer.
+        r => (lora_parameters(m, r), 14.0 * m.num_layers as f64, 4.0),
+    };
     let accumulate = o.counts.accumulate_per_tensor * tensors;
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, accumulate);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
@@ -678,6 +703,15 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, norm);
     o.ops.last_mut().expect("just pushed").syncs = 1.0;
     o.ops
+}
+
+/// The parameters of rank-`r` adapters on the 7 projections of every layer of `m`.
+fn lora_parameters(m: &ModelConfig, r: u64) -> f64 {
+    let f = |x: usize| x as f64;
+    let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
+    let (q, kv) = (f(m.num_heads) * f(m.head_dim), f(m.num_kv_heads) * f(m.head_dim));
+    let per_layer = (h + q) + 2.0 * (h + kv) + (q + h) + 2.0 * (h + i) + (i + h);
+    r as f64 * per_layer * f(m.num_layers)
 }
 
 /// The model's parameter tensors (each has its own gradient and update ops).
@@ -1040,6 +1074,7 @@ mod tests {
             tensor_cores: false,
             atomic_dq: false,
             warpgroup: false,
+            lora_rank: 0,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }
@@ -1067,6 +1102,24 @@ mod tests {
         assert_eq!(flops(&reference, |o| o.kind == OpKind::Gemm), dense + 2.0 * (3.0 * layer + lm_head) * tokens);
         let scored = step_costs(&m, &StepShape { scored_tokens: 10, ..s }, &H100_SXM);
         assert_eq!(flops(&scored, |o| o.kind == OpKind::Gemm), dense - 8.0 * lm_head * 3.0 * 6.0);
+    }
+
+    #[test]
+    fn lora_drops_the_weight_gradients_and_adds_the_adapters() {
+        let m = tiny();
+        let (layer, lm_head) = (576.0, 32.0 * 8.0);
+        // Rank-2 adapters: 2 x ((8 + 8) + 2 (8 + 4) + (8 + 8) + 2 (8 + 16) + (16 + 8)) = 256 per layer.
+        let adapters = 256.0;
+        let s = StepShape { lora_rank: 2, ..shape(3, 16, 16) };
+        let ops = step_costs(&m, &s, &H100_SXM);
+        let tokens = 3.0 * 16.0;
+        // The frozen weights: forward and the input's gradient (4 flops per parameter per token; the head's
+        // 6 with its recomputed logits); the adapters: forward and both gradients (6).
+        let want = 4.0 * 3.0 * layer * tokens + 6.0 * lm_head * tokens + 6.0 * 3.0 * adapters * tokens;
+        assert_eq!(flops(&ops, |o| o.kind == OpKind::Gemm), want);
+        // The gradients and the update are the adapters' (f32).
+        let update = ops.iter().find(|o| o.name == "AdamW update (device)").unwrap();
+        assert_eq!(update.bytes, 36.0 * 3.0 * adapters);
     }
 
     #[test]

@@ -101,6 +101,8 @@ impl CustomOp3 for LogprobEntropy {
         _res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        // A frozen weight (LoRA's lm_head) gets no gradient: its `[vocab, hidden]` product is skipped.
+        let weight_grad = weight.track_op();
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
         let entropy_grad = grad.narrow(1, 1, 1)?.squeeze(1)?;
@@ -121,6 +123,9 @@ impl CustomOp3 for LogprobEntropy {
             let h = hidden.narrow(0, s, len)?;
             let dz = row_grad(&h.matmul(&wt)?, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
             grad_h.push(dz.matmul(&weight)?);
+            if !weight_grad {
+                continue;
+            }
             let gw = dz.t()?.matmul(&h)?.to_dtype(DType::F32)?;
             grad_w = Some(match grad_w {
                 None => gw,
@@ -129,10 +134,11 @@ impl CustomOp3 for LogprobEntropy {
         }
         let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
         let grad_w = match grad_w {
-            Some(g) => g.to_dtype(weight.dtype())?,
-            None => weight.zeros_like()?,
+            Some(g) => Some(g.to_dtype(weight.dtype())?),
+            None if weight_grad => Some(weight.zeros_like()?),
+            None => None,
         };
-        Ok((Some(grad_h), Some(grad_w), None))
+        Ok((Some(grad_h), grad_w, None))
     }
 }
 
@@ -179,6 +185,25 @@ mod tests {
         let targets =
             Tensor::from_vec((0..n as u32).map(|i| (i * 7 + 3) % v as u32).collect::<Vec<_>>(), n, &dev).unwrap();
         (hidden, weight, targets, upstream)
+    }
+
+    /// A frozen weight (LoRA's lm_head) gets no gradient, and the hidden states the same one as with a
+    /// trainable weight.
+    #[test]
+    fn a_frozen_weight_gets_no_gradient() {
+        let (hidden, weight, targets, upstream) = setup(9, 8, 40);
+        let frozen = weight.as_detached_tensor();
+        let loss = |w: &Tensor| {
+            let lp = logprobs_entropy(hidden.as_tensor(), w, &targets, 4 * 40 * 4).unwrap();
+            lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap().mul(&upstream).unwrap().sum_all().unwrap()
+        };
+        let (with, without) = (loss(weight.as_tensor()).backward().unwrap(), loss(&frozen).backward().unwrap());
+        assert!(with.get(weight.as_tensor()).is_some());
+        assert!(without.get(&frozen).is_none());
+        let dh = |g: &candle_core::backprop::GradStore| -> Vec<f32> {
+            g.get(hidden.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+        };
+        assert_eq!(dh(&with), dh(&without));
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

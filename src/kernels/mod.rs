@@ -21,6 +21,8 @@
 //! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
 //!   state, in place, equal bit for bit to the composite [`adamw_reference`].
+//! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
+//!   gives the gradient of `x` only.
 //!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
@@ -42,6 +44,7 @@ mod flash_attention;
 mod flash_mma;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_wgmma;
+mod frozen;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;
@@ -58,6 +61,7 @@ pub use flash_attention::{
     auto_kernels, flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
+pub use frozen::frozen_matmul;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};

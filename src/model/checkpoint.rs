@@ -29,11 +29,13 @@ pub struct SaveOptions {
     pub max_shard_bytes: usize,
     /// Copy tokenizer files from this folder.
     pub tokenizer_dir: Option<PathBuf>,
+    /// A LoRA model's base model, as its adapter config names it (`base_model_name_or_path`).
+    pub base_model: Option<String>,
 }
 
 impl Default for SaveOptions {
     fn default() -> Self {
-        Self { dtype: None, max_shard_bytes: 5_000_000_000, tokenizer_dir: None }
+        Self { dtype: None, max_shard_bytes: 5_000_000_000, tokenizer_dir: None, base_model: None }
     }
 }
 
@@ -49,7 +51,7 @@ fn io(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
     move |source| ModelError::Io { path: path.to_path_buf(), source }
 }
 
-/// Write `model` to `out` atomically. `extra` may add files (optimiser state, trainer state) to the
+/// Write `model` to `out` atomically (a LoRA model: its adapter in PEFT's format, [`super::lora`]). `extra` may add files (optimiser state, trainer state) to the
 /// temporary folder before it is renamed; an error anywhere leaves a previous `out` untouched.
 pub fn save_checkpoint(
     model: &Decoder,
@@ -121,6 +123,11 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
     let config = model.config().hf_json(dtype_name(dtype));
     let cfg_path = dir.join("config.json");
     std::fs::write(&cfg_path, serde_json::to_string_pretty(&config).unwrap_or_default()).map_err(io(&cfg_path))?;
+    if let Some(lora) = model.lora() {
+        // The adapter only (PEFT's files), beside the base model's config and tokenizer.
+        super::lora::write_adapter(dir, lora, opts.base_model.as_deref(), model.adapter_tensors())?;
+        return copy_tokenizer(dir, opts);
+    }
 
     let tensors: Vec<(String, Tensor)> = model
         .named_tensors()
@@ -163,6 +170,11 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
         let p = dir.join("model.safetensors.index.json");
         std::fs::write(&p, serde_json::to_string_pretty(&index).unwrap_or_default()).map_err(io(&p))?;
     }
+    copy_tokenizer(dir, opts)
+}
+
+/// Copy the tokenizer files of `opts.tokenizer_dir` into `dir`.
+fn copy_tokenizer(dir: &Path, opts: &SaveOptions) -> Result<(), ModelError> {
     if let Some(src) = &opts.tokenizer_dir {
         for f in TOKENIZER_FILES {
             let from = src.join(f);

@@ -8,9 +8,10 @@
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::{ModelConfig, RopeScaling};
+use super::lora::{self, LoraOptions};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention_recorded, logprobs_entropy, masked_softmax,
-    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
+    embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy,
+    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
     swiglu_reference, AttentionRecord, GpuKernels, Replay,
 };
 
@@ -52,7 +53,33 @@ struct LayerIdx {
     down_bias: Option<usize>,
     ln_in: usize,
     ln_post: usize,
+    /// LoRA: the `(A, B)` parameters of each projection, in the order of [`lora::TARGETS`].
+    adapters: [Option<(usize, usize)>; 7],
 }
+
+impl LayerIdx {
+    /// The weight and bias of projection `m` (the order of [`lora::TARGETS`]).
+    fn projection(&self, m: usize) -> (usize, Option<usize>) {
+        match m {
+            0 => (self.q, self.q_bias),
+            1 => (self.k, self.k_bias),
+            2 => (self.v, self.v_bias),
+            3 => (self.o, self.o_bias),
+            4 => (self.gate, self.gate_bias),
+            5 => (self.up, self.up_bias),
+            _ => (self.down, self.down_bias),
+        }
+    }
+}
+
+/// The projections, as indices into [`lora::TARGETS`].
+const Q: usize = 0;
+const K: usize = 1;
+const V: usize = 2;
+const O: usize = 3;
+const GATE: usize = 4;
+const UP: usize = 5;
+const DOWN: usize = 6;
 
 /// How the decoder computes attention (the same values either way, up to rounding).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -243,13 +270,13 @@ impl Targets {
     }
 }
 
-/// Gradients of the trainable parameters (f32), in parameter order.
+/// Gradients of the trainable parameters (f32), in the order of [`Decoder::vars`].
 pub struct Grads {
     pub grads: Vec<Option<Tensor>>,
 }
 
 impl Grads {
-    /// No gradient yet for `n` parameters.
+    /// No gradient yet for `n` trainable parameters.
     pub fn new(n: usize) -> Self {
         Self { grads: vec![None; n] }
     }
@@ -361,6 +388,26 @@ pub struct Decoder {
     inv_freq: Vec<f32>,
     rope_tables: RopeTables,
     pub options: DecoderOptions,
+    /// Per parameter, its index among the trainable ones (the index of its gradient in [`Grads`]).
+    slots: Vec<Option<usize>>,
+    /// LoRA ([`lora`]): the adapters' options; their parameters follow the `base` ones, which are frozen.
+    lora: Option<LoraOptions>,
+    /// The number of the base model's parameters (those of [`parameter_shapes`]).
+    base: usize,
+}
+
+/// Per parameter, its index among the trainable ones.
+fn slots_of(params: &[Param]) -> Vec<Option<usize>> {
+    let mut n = 0;
+    params
+        .iter()
+        .map(|p| {
+            matches!(p, Param::Trainable(_)).then(|| {
+                n += 1;
+                n - 1
+            })
+        })
+        .collect()
 }
 
 /// cos and sin of positions `0..len` (`[len, D]`, both halves equal, in the model's dtype), built on the
@@ -477,11 +524,13 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, fused: bool) -> candle_core::Resul
     normalized.broadcast_mul(w)
 }
 
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+/// `x W^T + b` over the last dim of `x`; `frozen`: `w` gets no gradient ([`frozen_matmul`]).
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, frozen: bool) -> candle_core::Result<Tensor> {
     let dims = x.dims().to_vec();
     let inner = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / inner.max(1);
-    let y = x.reshape((rows, inner))?.matmul(&w.t()?)?;
+    let x = x.reshape((rows, inner))?;
+    let y = if frozen { frozen_matmul(&x, w)? } else { x.matmul(&w.t()?)? };
     let y = match b {
         Some(b) => y.broadcast_add(b)?,
         None => y,
@@ -541,6 +590,7 @@ impl Decoder {
                 down_bias: find(&p("mlp.down_proj.bias")),
                 ln_in: req(p("input_layernorm.weight"))?,
                 ln_post: req(p("post_attention_layernorm.weight"))?,
+                adapters: [None; 7],
             });
         }
         let embed = req("model.embed_tokens.weight".into())?;
@@ -552,6 +602,8 @@ impl Decoder {
             device: device.clone(),
             dtype,
             names,
+            slots: slots_of(&params),
+            base: params.len(),
             params,
             embed,
             layers,
@@ -560,6 +612,7 @@ impl Decoder {
             inv_freq,
             rope_tables: RopeTables::default(),
             options: DecoderOptions::default(),
+            lora: None,
         })
     }
 
@@ -575,7 +628,7 @@ impl Decoder {
         self.dtype
     }
 
-    /// Parameter names (Hugging Face names), in parameter order.
+    /// Parameter names (Hugging Face names; with LoRA, the adapters' names follow), in parameter order.
     pub fn names(&self) -> &[String] {
         &self.names
     }
@@ -585,28 +638,182 @@ impl Decoder {
         &self.params
     }
 
-    /// The trainable variables, in parameter order (empty for a frozen model).
+    /// The trainable variables, in parameter order (empty for a frozen model; with LoRA, the adapters).
     pub fn vars(&self) -> Vec<&Var> {
         self.params.iter().filter_map(|p| if let Param::Trainable(v) = p { Some(v) } else { None }).collect()
     }
 
-    /// Detached copies of all parameters by name (for checkpoints and for a frozen reference).
-    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
-        self.names.iter().cloned().zip(self.params.iter().map(|p| p.get(false))).collect()
+    /// The names of [`Decoder::vars`].
+    pub fn trainable_names(&self) -> Vec<String> {
+        self.names.iter().zip(&self.slots).filter(|(_, s)| s.is_some()).map(|(n, _)| n.clone()).collect()
     }
 
-    /// A frozen (no-`Var`) copy of this model sharing nothing with it: the reference model.
+    /// No gradient yet for each trainable parameter.
+    pub fn new_grads(&self) -> Grads {
+        Grads::new(self.vars().len())
+    }
+
+    /// Detached copies of the base model's parameters by name, in its dtype (the Hugging Face weights; with
+    /// LoRA, without the adapters: see [`Decoder::adapter_tensors`] and [`Decoder::merged`]).
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.names.iter().cloned().zip(self.params.iter().map(|p| p.get(false))).take(self.base).collect()
+    }
+
+    /// What this model adds to its base model: every parameter, or with LoRA the adapters only (what a
+    /// checkpoint stores of a frozen copy: the swapped reference, the anchor snapshot, the lagged sampler).
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        match self.lora {
+            Some(_) => self.adapter_tensors(),
+            None => self.named_tensors(),
+        }
+    }
+
+    /// A frozen model shaped like this one with the parameters `tensors` ([`Decoder::state_tensors`] of a
+    /// model shaped like this one): with LoRA, this model's base weights (shared) and those adapters.
+    pub fn frozen_with(
+        &self,
+        mut get: impl FnMut(&str, &[usize]) -> Result<Tensor, super::ModelError>,
+    ) -> Result<Self, super::ModelError> {
+        let mut model = match &self.lora {
+            Some(opts) => {
+                let mut adapters = Vec::new();
+                for (name, shape) in lora::adapter_shapes(&self.cfg, opts) {
+                    adapters.push((name.clone(), get(&name, &shape)?));
+                }
+                self.without_adapters().with_adapters(opts, adapters, false)?
+            }
+            None => Self::from_tensors(self.cfg.clone(), get, self.dtype, &self.device, false)?,
+        };
+        model.options = self.options.clone();
+        Ok(model)
+    }
+
+    /// The LoRA options, when the model has adapters.
+    pub fn lora(&self) -> Option<&LoraOptions> {
+        self.lora.as_ref()
+    }
+
+    /// The adapters by name ([`lora::adapter_shapes`]), detached, f32 (empty without LoRA).
+    pub fn adapter_tensors(&self) -> Vec<(String, Tensor)> {
+        self.names.iter().cloned().zip(self.params.iter().map(|p| p.get(false))).skip(self.base).collect()
+    }
+
+    /// This model with LoRA adapters `adapters` (named and shaped as [`lora::adapter_shapes`] says) on the
+    /// projections `opts` targets, trainable or frozen; the base weights become frozen (their storage
+    /// shared, not copied). The adapters are kept in f32 ([`lora`]).
+    pub fn with_adapters(
+        mut self,
+        opts: &LoraOptions,
+        adapters: Vec<(String, Tensor)>,
+        trainable: bool,
+    ) -> Result<Self, super::ModelError> {
+        if self.lora.is_some() {
+            return Err(super::ModelError::Invalid("the model already has adapters".into()));
+        }
+        opts.validate().map_err(super::ModelError::Invalid)?;
+        for p in &mut self.params {
+            if let Param::Trainable(v) = p {
+                *p = Param::Frozen(v.as_detached_tensor());
+            }
+        }
+        let mut given: std::collections::HashMap<String, Tensor> = adapters.into_iter().collect();
+        for (name, shape) in lora::adapter_shapes(&self.cfg, opts) {
+            let t = given.remove(&name).ok_or_else(|| super::ModelError::Missing(name.clone()))?;
+            if t.dims() != shape.as_slice() {
+                return Err(super::ModelError::Shape { name, expected: shape, found: t.dims().to_vec() });
+            }
+            let t = t.to_dtype(DType::F32)?.to_device(&self.device)?;
+            let i = self.params.len();
+            self.params.push(if trainable { Param::Trainable(Var::from_tensor(&t)?) } else { Param::Frozen(t) });
+            let (l, module) = Self::adapter_place(&name);
+            let m = lora::TARGETS.iter().position(|(t, _)| *t == module).unwrap_or(0);
+            let slot = &mut self.layers[l].adapters[m];
+            *slot = match (name.ends_with("lora_A.weight"), *slot) {
+                (true, _) => Some((i, usize::MAX)),
+                (false, Some((a, _))) => Some((a, i)),
+                (false, None) => Some((usize::MAX, i)),
+            };
+            self.names.push(name);
+        }
+        if let Some(extra) = given.keys().next() {
+            return Err(super::ModelError::Invalid(format!(
+                "adapter tensor `{extra}` is not one of the adapters the options describe"
+            )));
+        }
+        self.slots = slots_of(&self.params);
+        self.lora = Some(opts.clone());
+        Ok(self)
+    }
+
+    /// The layer and projection of an adapter's name (`model.layers.L.BLOCK.MODULE.lora_X.weight`).
+    fn adapter_place(name: &str) -> (usize, &str) {
+        let parts: Vec<&str> = name.split('.').collect();
+        (parts.get(2).and_then(|l| l.parse().ok()).unwrap_or(0), parts.get(4).copied().unwrap_or(""))
+    }
+
+    /// The base model of a LoRA model: the same (shared, frozen) base weights without the adapters (the
+    /// reference of the KL term). Without LoRA, a frozen copy sharing the weights.
+    pub fn without_adapters(&self) -> Self {
+        let params: Vec<Param> = self.params[..self.base].iter().map(|p| Param::Frozen(p.get(false))).collect();
+        let mut layers = self.layers.clone();
+        for l in &mut layers {
+            l.adapters = [None; 7];
+        }
+        Self {
+            cfg: self.cfg.clone(),
+            device: self.device.clone(),
+            dtype: self.dtype,
+            names: self.names[..self.base].to_vec(),
+            slots: vec![None; self.base],
+            base: self.base,
+            params,
+            embed: self.embed,
+            layers,
+            norm: self.norm,
+            lm_head: self.lm_head,
+            inv_freq: self.inv_freq.clone(),
+            rope_tables: RopeTables::default(),
+            options: self.options.clone(),
+            lora: None,
+        }
+    }
+
+    /// The base model with the adapters merged into its weights (`W + B A alpha / r`, in f32, rounded to
+    /// the model's dtype): a frozen model without LoRA that computes what this one does (up to rounding).
+    pub fn merged(&self) -> candle_core::Result<Self> {
+        let mut out = self.without_adapters();
+        let Some(opts) = &self.lora else { return Ok(out) };
+        for li in &self.layers {
+            for (m, adapter) in li.adapters.iter().enumerate() {
+                let Some((a, b)) = *adapter else { continue };
+                let (w, _) = li.projection(m);
+                let delta = self.w(b, false).matmul(&self.w(a, false))?.affine(opts.scale(), 0.0)?;
+                let merged = (self.w(w, false).to_dtype(DType::F32)? + delta)?.to_dtype(self.dtype)?;
+                out.params[w] = Param::Frozen(merged);
+            }
+        }
+        Ok(out)
+    }
+
+    /// A frozen (no-`Var`) copy of this model: the reference model, the anchor snapshot, the sampler. Its
+    /// parameters are copies of this model's, but for LoRA's frozen base weights, which are shared.
     pub fn frozen_copy(&self) -> candle_core::Result<Self> {
+        let lora = self.lora.is_some();
         let params = self
             .params
             .iter()
-            .map(|p| Ok(Param::Frozen(p.get(false).copy()?)))
+            .map(|p| match p {
+                Param::Frozen(t) if lora => Ok(Param::Frozen(t.clone())),
+                p => Ok(Param::Frozen(p.get(false).copy()?)),
+            })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(Self {
             cfg: self.cfg.clone(),
             device: self.device.clone(),
             dtype: self.dtype,
             names: self.names.clone(),
+            slots: vec![None; params.len()],
+            base: self.base,
             params,
             embed: self.embed,
             layers: self.layers.clone(),
@@ -615,7 +822,23 @@ impl Decoder {
             inv_freq: self.inv_freq.clone(),
             rope_tables: RopeTables::default(),
             options: self.options.clone(),
+            lora: self.lora.clone(),
         })
+    }
+
+    /// Projection `m` of layer `li` of `x` (`[..., in]`): `x W^T + b`, plus with an adapter
+    /// `(x A^T) B^T alpha / r` in f32 ([`lora`]). A frozen weight in a graph goes through
+    /// [`frozen_matmul`], which gives it no gradient.
+    fn project(&self, li: &LayerIdx, m: usize, x: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+        let (w, bias) = li.projection(m);
+        let frozen = graph && matches!(self.params[w], Param::Frozen(_));
+        let base = linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen)?;
+        let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else { return Ok(base) };
+        let _phase = crate::profile::phase("lora");
+        let x32 = x.to_dtype(DType::F32)?;
+        let xa = linear(&x32, &self.w(a, graph), None, false)?;
+        let delta = linear(&xa, &self.w(b, graph), None, false)?.affine(opts.scale(), 0.0)?;
+        (base.to_dtype(DType::F32)? + delta)?.to_dtype(self.dtype)
     }
 
     fn w(&self, i: usize, graph: bool) -> Tensor {
@@ -696,9 +919,9 @@ impl Decoder {
         let norm = crate::profile::phase("norm");
         let h = rms_norm(x, &self.w(li.ln_in, graph), eps, fused)?;
         drop(norm);
-        let q = linear(&h, &self.w(li.q, graph), self.wo(li.q_bias, graph).as_ref())?.reshape((b, t, nh, hd))?;
-        let k = linear(&h, &self.w(li.k, graph), self.wo(li.k_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
-        let v = linear(&h, &self.w(li.v, graph), self.wo(li.v_bias, graph).as_ref())?.reshape((b, t, nkv, hd))?;
+        let q = self.project(&li, Q, &h, graph)?.reshape((b, t, nh, hd))?;
+        let k = self.project(&li, K, &h, graph)?.reshape((b, t, nkv, hd))?;
+        let v = self.project(&li, V, &h, graph)?.reshape((b, t, nkv, hd))?;
         let (q, k) = match (li.q_norm, li.k_norm) {
             (Some(qn), Some(kn)) => {
                 let _norm = crate::profile::phase("norm");
@@ -742,7 +965,7 @@ impl Decoder {
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        x + linear(&attn, &self.w(li.o, graph), self.wo(li.o_bias, graph).as_ref())?
+        x + self.project(&li, O, &attn, graph)?
     }
 
     /// A layer's second half: `x` plus the MLP of its normalised input.
@@ -752,11 +975,11 @@ impl Decoder {
         let norm = crate::profile::phase("norm");
         let h = rms_norm(x, &self.w(li.ln_post, graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         drop(norm);
-        let gate = linear(&h, &self.w(li.gate, graph), self.wo(li.gate_bias, graph).as_ref())?;
-        let up = linear(&h, &self.w(li.up, graph), self.wo(li.up_bias, graph).as_ref())?;
+        let gate = self.project(&li, GATE, &h, graph)?;
+        let up = self.project(&li, UP, &h, graph)?;
         let act =
             if self.options.fused_ops { crate::kernels::swiglu(&gate, &up)? } else { swiglu_reference(&gate, &up)? };
-        let mlp = linear(&act, &self.w(li.down, graph), self.wo(li.down_bias, graph).as_ref())?;
+        let mlp = self.project(&li, DOWN, &act, graph)?;
         x + mlp
     }
 
@@ -790,7 +1013,7 @@ impl Decoder {
             true => embedding_grad(ids, &g, self.cfg.vocab_size)?,
             false => w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?,
         };
-        grads.add(self.embed, &dw)
+        grads.add(self.slots[self.embed].unwrap_or_default(), &dw)
     }
 
     /// Hidden states of the target rows' predecessors, gathered as `[N, hidden]`, after the final norm.
@@ -860,10 +1083,10 @@ impl Decoder {
 
     fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
         let _phase = crate::profile::phase("gradient accumulation");
-        for (i, p) in self.params.iter().enumerate() {
-            if let Param::Trainable(v) = p {
+        for (p, slot) in self.params.iter().zip(&self.slots) {
+            if let (Param::Trainable(v), Some(slot)) = (p, slot) {
                 if let Some(g) = store.get(v.as_tensor()) {
-                    grads.add(i, g)?;
+                    grads.add(*slot, g)?;
                 }
             }
         }
@@ -879,7 +1102,7 @@ impl Decoder {
         targets: &Targets,
         loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
     ) -> candle_core::Result<(f32, Grads)> {
-        let mut grads = Grads::new(self.params.len());
+        let mut grads = self.new_grads();
         let loss = self.forward_backward_into(batch, targets, loss_fn, &mut grads)?;
         Ok((loss, grads))
     }
@@ -894,8 +1117,9 @@ impl Decoder {
         grads: &mut Grads,
     ) -> candle_core::Result<f32> {
         self.check(batch, targets)?;
-        if grads.grads.len() != self.params.len() {
-            candle_core::bail!("{} gradients for {} parameters", grads.grads.len(), self.params.len());
+        let trainable = self.vars().len();
+        if grads.grads.len() != trainable {
+            candle_core::bail!("{} gradients for {trainable} trainable parameters", grads.grads.len());
         }
         // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
         // `embed_backward`, not by candle's index_add in the weight's dtype.
@@ -1235,6 +1459,101 @@ mod tests {
                 assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", m.names()[i], g[j]);
             }
         }
+    }
+
+    /// A tiny model (frozen base) with LoRA adapters of rank 3 on `targets`, B made non-zero (seeded) so
+    /// that every adapter carries a gradient.
+    fn tiny_lora(arch: Arch, targets: &[&str]) -> Decoder {
+        use rand::{Rng, SeedableRng};
+        let base = tiny(arch, false, true);
+        let opts = LoraOptions {
+            r: 3,
+            alpha: 6.0,
+            target_modules: targets.iter().map(|t| t.to_string()).collect(),
+            ..Default::default()
+        };
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+        let adapters = lora::init_adapters(base.config(), &opts, 7, &Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| {
+                let noise: Vec<f32> = (0..t.elem_count()).map(|_| rng.gen_range(-0.3f32..0.3)).collect();
+                (n, (&t + Tensor::from_vec(noise, t.shape(), &Device::Cpu).unwrap()).unwrap())
+            })
+            .collect();
+        base.with_adapters(&opts, adapters, true).unwrap()
+    }
+
+    /// Only the adapters are trainable and get gradients, which agree with finite differences, with and
+    /// without layer recomputation (the same values either way).
+    #[test]
+    fn lora_gradients_agree_with_finite_differences() {
+        let all = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+        for (arch, targets) in [(Arch::Qwen2, &all[..]), (Arch::Qwen3, &["v_proj", "down_proj"][..])] {
+            let mut m = tiny_lora(arch, targets);
+            let names = m.trainable_names();
+            assert_eq!(names.len(), 2 * 2 * targets.len(), "{names:?}");
+            assert!(names.iter().all(|n| n.contains(".lora_")), "{names:?}");
+            let (b, t) = batch();
+            let (l1, grads) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            m.options.checkpoint_layers = true;
+            let (l2, g2) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            assert!((l1 - l2).abs() < 1e-5);
+            for (name, (a, c)) in names.iter().zip(grads.grads.iter().zip(&g2.grads)) {
+                let (a, c) = (values(a.as_ref().unwrap()), values(c.as_ref().unwrap()));
+                let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(d < 1e-5, "{arch:?} {name}: recomputed gradient differs by {d}");
+                assert!(a.iter().any(|&x| x != 0.0), "{arch:?} {name}: zero gradient");
+            }
+            let eval = |m: &Decoder| -> f64 {
+                let lp = m.token_logprobs(&b, &t, false).unwrap();
+                weighted_loss(&lp).unwrap().to_scalar::<f32>().unwrap() as f64
+            };
+            for (k, var) in m.vars().into_iter().enumerate() {
+                let orig = var.as_tensor().copy().unwrap();
+                let flat = values(&orig);
+                let g = values(grads.grads[k].as_ref().unwrap());
+                let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+                let eps = 1e-3f32;
+                let shifted = |delta: f32| {
+                    let mut v = flat.clone();
+                    v[j] += delta;
+                    var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
+                    eval(&m)
+                };
+                let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
+                var.set(&orig).unwrap();
+                let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
+                assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", names[k], g[j]);
+            }
+        }
+    }
+
+    /// Fresh adapters (B = 0) give the base model's log-probs exactly; the base model without the adapters
+    /// shares the weights; merging the adapters into the weights gives the adapter model's log-probs.
+    #[test]
+    fn lora_starts_at_the_base_model_and_merges_into_it() {
+        let base = tiny(Arch::Qwen2, false, false);
+        let (b, t) = batch();
+        let want = values(&base.token_logprobs(&b, &t, false).unwrap());
+        let opts = LoraOptions { r: 2, ..Default::default() };
+        let fresh = lora::init_adapters(base.config(), &opts, 1, &Device::Cpu).unwrap();
+        let m = base.frozen_copy().unwrap().with_adapters(&opts, fresh, true).unwrap();
+        assert_eq!(values(&m.token_logprobs(&b, &t, false).unwrap()), want);
+        let m = tiny_lora(Arch::Qwen2, &["q_proj", "o_proj", "up_proj"]);
+        let off = m.without_adapters();
+        assert!(off.vars().is_empty() && off.names().len() == off.params().len());
+        let w = |d: &Decoder| d.named_tensors()[1].1.clone();
+        assert_eq!(values(&w(&off)), values(&w(&m)));
+        let adapted = values(&m.token_logprobs(&b, &t, false).unwrap());
+        assert_ne!(adapted, values(&off.token_logprobs(&b, &t, false).unwrap()));
+        let merged = values(&m.merged().unwrap().token_logprobs(&b, &t, false).unwrap());
+        let d = adapted.iter().zip(&merged).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        assert!(d < 1e-5, "merged log-probs differ by {d}");
+        // A frozen copy (the reference swap, the snapshot) computes the same, sharing the base weights.
+        let copy = m.frozen_copy().unwrap();
+        assert_eq!(values(&copy.token_logprobs(&b, &t, false).unwrap()), adapted);
+        assert!(copy.vars().is_empty());
     }
 
     #[test]

@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod decoder;
 pub mod load;
+pub mod lora;
 pub mod tiny;
 pub mod tokenizer;
 
@@ -12,6 +13,7 @@ pub use checkpoint::save_checkpoint;
 pub use config::{Arch, ModelConfig};
 pub use decoder::{Attention, Decoder, DecoderOptions, Grads, KvCache, Param, Targets, TokenBatch};
 pub use load::{load_decoder, parse_device, parse_dtype, random_decoder, resolve_model_dir};
+pub use lora::LoraOptions;
 pub use tokenizer::{ChatTokenizer, Message};
 
 use std::path::PathBuf;

@@ -270,14 +270,29 @@ impl Rollouts {
         if let Some((dir, save)) = &self.serving {
             let server = self.options.server.for_rank(self.world.rank());
             let base = server.base_url.as_deref().unwrap_or_default();
-            if let Some(req) = server::reload_request(self.options.reload, base, dir) {
+            let reload = self.options.reload;
+            let name = server.served_model.as_deref().unwrap_or_default();
+            // (request, whether its failure is expected): the adapter's unload fails when none is loaded yet.
+            let requests: Vec<(server::ReloadRequest, bool)> = match server::lora_requests(reload, base, dir, name) {
+                Some([unload, load]) => vec![(unload, true), (load, false)],
+                None => server::reload_request(reload, base, dir).into_iter().map(|r| (r, false)).collect(),
+            };
+            if !requests.is_empty() {
                 if self.world.is_primary() {
-                    save_checkpoint(sampler, dir, save, |_| Ok(()))?;
+                    // A LoRA policy goes to the server as its adapter, or merged (a whole model its reload
+                    // reads).
+                    let merged = sampler.lora().filter(|_| !reload.adapter()).map(|_| sampler.merged()).transpose()?;
+                    save_checkpoint(merged.as_ref().unwrap_or(sampler), dir, save, |_| Ok(()))?;
                 }
                 self.world.barrier();
                 if self.world.rank() < self.options.server.base_urls().len() {
-                    tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
-                    server::send_reload(&req, &server)?;
+                    for (req, may_fail) in &requests {
+                        tracing::info!("rollout server: loading {} ({})", dir.display(), req.url);
+                        match server::send_reload(req, &server) {
+                            Err(e) if *may_fail => tracing::debug!("{e}"),
+                            r => r?,
+                        }
+                    }
                 }
                 self.world.barrier();
             }

@@ -65,8 +65,10 @@ pub struct RolloutOptions {
     pub server: EngineOptions,
     /// openai engine: how the server loads the sampling weights saved at each refresh (every
     /// sync_every steps) to OUTPUT/rollout-policy: `sglang` (/update_weights_from_disk), `vllm`
-    /// (/collective_rpc reload_weights, VLLM_SERVER_DEV_MODE=1, serving OUTPUT/rollout-policy) or `none` (it cannot, e.g. llama.cpp:
-    /// the starting weights stay the sampling policy for the whole run).
+    /// (/collective_rpc reload_weights, VLLM_SERVER_DEV_MODE=1, serving OUTPUT/rollout-policy), with
+    /// `[model.lora]` `vllm-lora` or `sglang-lora` (the adapter loaded by /v1/load_lora_adapter or
+    /// /load_lora_adapter under the name served_model; a whole-weight reload gets the merged model), or
+    /// `none` (it cannot, e.g. llama.cpp: the starting weights stay the sampling policy for the whole run).
     #[arg(long = "rollout-reload", value_enum, default_value_t = Reload::None)]
     pub reload: Reload,
     /// DAPO's dynamic sampling (verl's `algorithm.filter_groups`): groups whose rewards all agree are

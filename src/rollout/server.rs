@@ -55,6 +55,23 @@ pub enum Reload {
     /// vLLM's `/collective_rpc` with `reload_weights` (server started with VLLM_SERVER_DEV_MODE=1 on
     /// OUTPUT/rollout-policy, which it re-reads).
     Vllm,
+    /// A LoRA run's adapter (OUTPUT/rollout-policy in PEFT's format) loaded by vLLM's
+    /// `/v1/load_lora_adapter` under the name `served_model`, after `/v1/unload_lora_adapter` of the last
+    /// one: the server serves the base model with `--enable-lora` and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True.
+    #[serde(rename = "vllm-lora")]
+    #[value(name = "vllm-lora")]
+    VllmLora,
+    /// As `vllm-lora`, through SGLang's `/load_lora_adapter` and `/unload_lora_adapter` (`--enable-lora`).
+    #[serde(rename = "sglang-lora")]
+    #[value(name = "sglang-lora")]
+    SglangLora,
+}
+
+impl Reload {
+    /// Whether the server is sent the adapter of a LoRA run rather than whole weights.
+    pub fn adapter(self) -> bool {
+        matches!(self, Reload::VllmLora | Reload::SglangLora)
+    }
 }
 
 /// One reload call: where it goes and its JSON body.
@@ -83,11 +100,37 @@ pub fn reload_request(reload: Reload, base_url: &str, dir: &Path) -> Option<Relo
     let dir = std::fs::canonicalize(dir).or_else(|_| std::path::absolute(dir)).unwrap_or_else(|_| dir.into());
     let path = dir.to_string_lossy();
     let (endpoint, body) = match reload {
-        Reload::None => return None,
+        Reload::None | Reload::VllmLora | Reload::SglangLora => return None,
         Reload::Sglang => ("update_weights_from_disk", serde_json::to_string(&SglangBody { model_path: &path })),
         Reload::Vllm => ("collective_rpc", serde_json::to_string(&VllmBody { method: "reload_weights" })),
     };
     Some(ReloadRequest { url: format!("{root}/{endpoint}"), body: body.expect("plain structs serialise") })
+}
+
+#[derive(Serialize)]
+struct LoraBody<'a> {
+    lora_name: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lora_path: Option<&'a str>,
+}
+
+/// The calls that make the server at `base_url` serve the adapter of `dir` under the name `name`: the
+/// unload of the adapter of that name (which fails harmlessly when none is loaded yet), then the load;
+/// none unless `reload` sends adapters ([`Reload::adapter`]).
+pub fn lora_requests(reload: Reload, base_url: &str, dir: &Path, name: &str) -> Option<[ReloadRequest; 2]> {
+    let root = base_url.trim_end_matches('/');
+    let root = match reload {
+        Reload::VllmLora => format!("{}/v1", root.strip_suffix("/v1").unwrap_or(root)),
+        Reload::SglangLora => root.strip_suffix("/v1").unwrap_or(root).to_string(),
+        _ => return None,
+    };
+    let dir = std::fs::canonicalize(dir).or_else(|_| std::path::absolute(dir)).unwrap_or_else(|_| dir.into());
+    let path = dir.to_string_lossy();
+    let body = |lora_path| serde_json::to_string(&LoraBody { lora_name: name, lora_path }).expect("plain struct");
+    Some([
+        ReloadRequest { url: format!("{root}/unload_lora_adapter"), body: body(None) },
+        ReloadRequest { url: format!("{root}/load_lora_adapter"), body: body(Some(&path)) },
+    ])
 }
 
 /// Send `req` (with the API key and timeouts of `options`), failing on any status but 200.
@@ -329,6 +372,20 @@ mod tests {
             "http://h:1/update_weights_from_disk"
         );
         assert_eq!(reload_request(Reload::None, "http://h:1/v1", dir), None);
+    }
+
+    #[test]
+    fn lora_reloads_unload_then_load_the_adapter_by_the_served_name() {
+        let dir = Path::new("/runs/a/rollout-policy");
+        let [unload, load] = lora_requests(Reload::VllmLora, "http://h:8000/v1/", dir, "policy").unwrap();
+        assert_eq!(unload.url, "http://h:8000/v1/unload_lora_adapter");
+        assert_eq!(unload.body, r#"{"lora_name":"policy"}"#);
+        assert_eq!(load.url, "http://h:8000/v1/load_lora_adapter");
+        assert_eq!(load.body, r#"{"lora_name":"policy","lora_path":"/runs/a/rollout-policy"}"#);
+        let [_, load] = lora_requests(Reload::SglangLora, "http://h:30000/v1", dir, "p").unwrap();
+        assert_eq!(load.url, "http://h:30000/load_lora_adapter");
+        assert_eq!(lora_requests(Reload::Vllm, "http://h:1/v1", dir, "p"), None);
+        assert_eq!(reload_request(Reload::VllmLora, "http://h:1/v1", dir), None);
     }
 
     #[test]

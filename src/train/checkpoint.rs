@@ -80,7 +80,10 @@ pub(super) fn check_complete(ck: &Path) -> Result<(), TrainError> {
     let (optimizer, missing_shards) = zero::optimizer_files(ck);
     files.extend(optimizer.into_iter().chain(missing_shards));
     let index = ck.join("model.safetensors.index.json");
-    if index.exists() {
+    if crate::model::lora::is_adapter_dir(ck) {
+        // A LoRA run's checkpoint holds the adapter; the base model is the run's model.path.
+        files.push(crate::model::lora::ADAPTER_FILE.into());
+    } else if index.exists() {
         let v: serde_json::Value =
             std::fs::read(&index).ok().and_then(|b| serde_json::from_slice(&b).ok()).ok_or_else(|| {
                 TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{} is unreadable", index.display()) }
@@ -114,7 +117,15 @@ pub(super) struct Checkpointer {
 
 impl Checkpointer {
     fn options(&self) -> SaveOptions {
-        SaveOptions { dtype: self.save_dtype, tokenizer_dir: Some(self.model_dir.clone()), ..Default::default() }
+        SaveOptions {
+            dtype: self.save_dtype,
+            tokenizer_dir: Some(self.model_dir.clone()),
+            // Absolute, so that the adapter's base is found from anywhere (PEFT, grpo eval --model ADAPTER).
+            base_model: Some(
+                std::path::absolute(&self.model_dir).unwrap_or(self.model_dir.clone()).display().to_string(),
+            ),
+            ..Default::default()
+        }
     }
 
     /// Write checkpoints/step-N for `state` (with the frozen models of `frozen` as `(file, model)`), point
@@ -153,7 +164,7 @@ impl Checkpointer {
                 }
             }
             for (file, model) in frozen {
-                write_tensors(&tmp.join(file), model.named_tensors())?;
+                write_tensors(&tmp.join(file), model.state_tensors())?;
             }
             let c = tmp.join(CONFIG_FILE);
             std::fs::write(&c, &self.config_toml).map_err(|source| ModelError::Io { path: c.clone(), source })?;
@@ -239,7 +250,7 @@ fn write_trainer_files(tmp: &Path, step: &TrainStep, state: &TrainerState) -> Re
     if stores_snapshot(step, state) {
         let snapshot = step.snapshot().ok_or_else(|| ModelError::Invalid("no anchor snapshot to save".into()))?;
         // In the model's own dtype, so that the resumed anchor is exactly the one the run used.
-        write_tensors(&tmp.join(ANCHOR_FILE), snapshot.named_tensors())?;
+        write_tensors(&tmp.join(ANCHOR_FILE), snapshot.state_tensors())?;
     }
     // With the optimiser's own count of updates: fewer than the steps once a non-finite step was skipped.
     let state = TrainerState { optimizer_updates: Some(step.optimizer().steps), ..state.clone() };
@@ -318,9 +329,7 @@ pub(super) fn read_frozen(ck: &Path, file: &str, policy: &Decoder) -> Result<Opt
     let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu)
         .map_err(|e| TrainError::Damaged { ck: ck.to_path_buf(), message: format!("{file}: {e}") })?;
     let get = |name: &str, _: &[usize]| tensors.remove(name).ok_or_else(|| ModelError::Missing(name.into()));
-    let mut model = Decoder::from_tensors(policy.config().clone(), get, policy.dtype(), policy.device(), false)?;
-    model.options = policy.options.clone();
-    Ok(Some(model))
+    Ok(Some(policy.frozen_with(get)?))
 }
 
 /// Read a checkpoint's trainer state.
@@ -361,9 +370,7 @@ pub(super) fn restore(
         }
         let mut tensors = candle_core::safetensors::load(&p, &Device::Cpu).map_err(damaged(ANCHOR_FILE))?;
         let get = |name: &str, _: &[usize]| tensors.remove(name).ok_or_else(|| ModelError::Missing(name.into()));
-        let mut snapshot = Decoder::from_tensors(policy.config().clone(), get, policy.dtype(), policy.device(), false)?;
-        snapshot.options = policy.options.clone();
-        step.set_snapshot(snapshot);
+        step.set_snapshot(policy.frozen_with(get)?);
     }
     tracing::info!(
         "resumed from {} at step {} (epoch {}, batch {})",

@@ -9,7 +9,7 @@ use super::optim::OptimConfig;
 use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
 use crate::model::tiny::TinySpec;
-use crate::model::{Attention, DecoderOptions};
+use crate::model::{Attention, DecoderOptions, LoraOptions};
 use crate::objective::ObjectiveConfig;
 use crate::rollout::RolloutOptions;
 
@@ -71,6 +71,9 @@ pub struct ModelSection {
     /// own, the same bits every run; false sums it by f32 atomics in the dk/dv kernel, FlashAttention-2's
     /// backward: 10 instead of 14 head-dim FLOPs per score, its rounding varying from run to run.
     pub deterministic_attention: bool,
+    /// `[model.lora]`: train low-rank adapters instead of every weight (absent: full fine-tuning); the
+    /// reference of the KL term is then the base model (the adapters off).
+    pub lora: Option<LoraOptions>,
 }
 
 impl ModelSection {
@@ -103,6 +106,7 @@ impl Default for ModelSection {
             cache_reference: true,
             attention: Attention::Auto,
             deterministic_attention: true,
+            lora: None,
         }
     }
 }
@@ -456,6 +460,9 @@ impl TrainConfig {
                  with a random model (write a local path such as `./{path}` to create one there)"
             ));
         }
+        if let Some(lora) = &self.model.lora {
+            lora.validate().map_err(ConfigError::Invalid)?;
+        }
         if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
             return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
@@ -546,6 +553,12 @@ impl TrainConfig {
         }
         let Some(r) = &self.rollout else { return Ok(()) };
         r.validate()?;
+        if r.reload.adapter() && self.model.lora.is_none() {
+            return Err(format!(
+                "rollout.reload = {:?} sends the server a LoRA adapter: it needs [model.lora]",
+                r.reload
+            ));
+        }
         use crate::objective::Anchor;
         match self.objective.anchor() {
             Some(Anchor::Step) => Err(format!(
@@ -572,6 +585,22 @@ mod tests {
     use super::*;
 
     const MIN: &str = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n";
+
+    #[test]
+    fn lora_options_are_checked_and_an_adapter_reload_needs_them() {
+        let parse = |extra: &str| TrainConfig::parse(&format!("{MIN}{extra}"), Path::new("c.toml"), &[]);
+        let lora = parse("[model.lora]\nr = 16\nalpha = 32\n").unwrap().model.lora.unwrap();
+        assert_eq!((lora.r, lora.alpha, lora.target_modules.len()), (16, 32.0, 7));
+        let e = parse("[model.lora]\ndropout = 0.1\n").unwrap_err().to_string();
+        assert!(e.contains("model.lora.dropout"), "{e}");
+        let e = parse("[model.lora]\nrank = 4\n").unwrap_err().to_string();
+        assert!(e.contains("rank"), "{e}");
+        let server = "[objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n[rollout]\nreload = \"vllm-lora\"\n\
+                      [rollout.server]\nengine = \"openai\"\nbase_url = \"http://h/v1\"\nserved_model = \"p\"\n";
+        let e = parse(server).unwrap_err().to_string();
+        assert!(e.contains("needs [model.lora]"), "{e}");
+        parse(&format!("{server}[model.lora]\nr = 4\n")).unwrap();
+    }
 
     #[test]
     fn unknown_keys_name_the_key_and_the_nearest_valid_one() {

@@ -791,7 +791,7 @@ fn load_run<'a>(
     let device = model::parse_device(&cfg.model.device)?;
     let dtype = model::parse_dtype(&cfg.model.dtype)?;
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
-    let mut policy = model::load_decoder(resume_from.unwrap_or(&model_dir), dtype, &device, true)?;
+    let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
     policy.options = cfg.model.decoder_options();
     if matches!(policy.options.attention, model::Attention::Mma | model::Attention::Wgmma)
         && !(device.is_cuda() && policy.options.tensor_core_attention(dtype, policy.config().head_dim))
@@ -818,6 +818,8 @@ fn load_run<'a>(
     let reference = if step.needs_reference() && ref_cache.is_none() {
         let mut r = match &cfg.model.reference {
             Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,
+            // LoRA: the base model, its weights shared with the policy (no copy).
+            None if policy.lora().is_some() => policy.without_adapters(),
             None if resume_from.is_some() => model::load_decoder(&model_dir, dtype, &device, false)?,
             None => policy.frozen_copy()?,
         };
@@ -861,6 +863,25 @@ fn load_run<'a>(
         world,
         memory_plan: None,
     })
+}
+
+/// The policy: the model of `model_dir` (or of the checkpoint `resume_from`), trainable; with `[model.lora]`,
+/// the base model of `model_dir`, frozen, with the checkpoint's adapters or fresh ones (from `train.seed`).
+fn load_policy(
+    cfg: &TrainConfig,
+    model_dir: &Path,
+    resume_from: Option<&Path>,
+    (dtype, device): (candle_core::DType, &candle_core::Device),
+) -> Result<Decoder, TrainError> {
+    let Some(lora) = &cfg.model.lora else {
+        return Ok(model::load_decoder(resume_from.unwrap_or(model_dir), dtype, device, true)?);
+    };
+    if let Some(ck) = resume_from {
+        return Ok(model::lora::load_with_adapter(model_dir, ck, Some(lora), (dtype, device), true)?);
+    }
+    let base = model::load_decoder(model_dir, dtype, device, false)?;
+    let adapters = model::lora::init_adapters(base.config(), lora, cfg.train.seed, device)?;
+    Ok(base.with_adapters(lora, adapters, true)?)
 }
 
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan

@@ -99,7 +99,7 @@ impl TrainStep {
             padding_logged: false,
             pad,
             grad_clip: optim.grad_clip,
-            optimizer: Optimizer::new(optim.clone(), policy.names(), &policy.vars())?,
+            optimizer: Optimizer::new(optim.clone(), &policy.trainable_names(), &policy.vars())?,
             anchor_every: objective.anchor_every().max(1),
             snapshot: None,
             next_step: 0,
@@ -549,7 +549,7 @@ fn compute_gradients(
 ) -> candle_core::Result<(Grads, StepStats)> {
     let device = policy.device().clone();
     // One f32 accumulator: each micro-batch's gradients are added into it as they are collected.
-    let mut total = Grads::new(policy.params().len());
+    let mut total = policy.new_grads();
     let mut stats = StepStats::default();
     let logprobs = |m: Option<&Decoder>, tb: &TokenBatch, t: &Targets| -> candle_core::Result<Option<Tensor>> {
         m.map(|m| m.token_logprobs(tb, t, false)?.narrow(1, 0, 1)?.squeeze(1)).transpose()

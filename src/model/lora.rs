@@ -1,0 +1,442 @@
+//! LoRA (low-rank adapters, PEFT's `LoraConfig`): each targeted projection `y = x W^T` becomes
+//! `y = x W^T + (dropout(x) A^T) B^T * alpha / r` with `A` `[r, in]` and `B` `[out, r]` trainable and `W`
+//! frozen; the merged weight `W + B A alpha / r` is never made in a step.
+//!
+//! As PEFT does by default (`autocast_adapter_dtype`), the adapters are f32 whatever the model's dtype:
+//! the adapter product runs in f32 on the input cast to f32, is added to the base output in f32 and the
+//! sum is rounded to the model's dtype. The optimiser's f32 master copy of the adapters is then their
+//! exact copy.
+//!
+//! On disk: `adapter_model.safetensors` (tensors named as PEFT names them,
+//! `base_model.model.model.layers.L.self_attn.q_proj.lora_A.weight`) and `adapter_config.json`, which
+//! PEFT's `PeftModel.from_pretrained` and vLLM's LoRA serving read.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor};
+use serde::{Deserialize, Serialize};
+
+use super::config::ModelConfig;
+use super::ModelError;
+
+/// The projections an adapter may target, as PEFT names them, with their module prefix in the layer.
+pub const TARGETS: [(&str, &str); 7] = [
+    ("q_proj", "self_attn"),
+    ("k_proj", "self_attn"),
+    ("v_proj", "self_attn"),
+    ("o_proj", "self_attn"),
+    ("gate_proj", "mlp"),
+    ("up_proj", "mlp"),
+    ("down_proj", "mlp"),
+];
+
+/// The adapter file, in PEFT's format.
+pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
+/// The adapter's configuration, in PEFT's format.
+pub const ADAPTER_CONFIG_FILE: &str = "adapter_config.json";
+/// The prefix PEFT gives the base model's tensor names in an adapter file.
+const PEFT_PREFIX: &str = "base_model.model.";
+
+/// How the adapters start (PEFT's `init_lora_weights`); B is zero either way, so step 0 is the base model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LoraInit {
+    /// A Kaiming-uniform (a = sqrt(5), as torch's `nn.Linear`): uniform in +-1/sqrt(in).
+    #[default]
+    Default,
+    /// A normal with standard deviation 1/r.
+    Gaussian,
+}
+
+fn default_targets() -> Vec<String> {
+    TARGETS.iter().map(|(t, _)| t.to_string()).collect()
+}
+
+/// `[model.lora]`: train low-rank adapters of the targeted projections instead of every weight (PEFT's names).
+/// The base weights stay frozen in the model's dtype; only the adapters have gradients and optimiser state.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoraOptions {
+    /// The adapters' rank r.
+    #[arg(long = "lora-r", default_value_t = 8)]
+    pub r: usize,
+    /// The adapter product is scaled by alpha / r (PEFT's `lora_alpha`).
+    #[arg(long = "lora-alpha", default_value_t = 8.0)]
+    pub alpha: f64,
+    /// Dropout on the adapters' input in training (PEFT's `lora_dropout`); only 0 is supported yet.
+    #[arg(long = "lora-dropout", default_value_t = 0.0)]
+    pub dropout: f64,
+    /// The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    /// down_proj (default all of them, in every layer).
+    #[arg(long = "lora-target-modules", value_delimiter = ',', default_values_t = default_targets())]
+    pub target_modules: Vec<String>,
+    /// How A starts (B starts at zero).
+    #[arg(long = "lora-init", value_enum, default_value_t = LoraInit::Default)]
+    pub init: LoraInit,
+}
+
+impl Default for LoraOptions {
+    fn default() -> Self {
+        Self { r: 8, alpha: 8.0, dropout: 0.0, target_modules: default_targets(), init: LoraInit::Default }
+    }
+}
+
+impl LoraOptions {
+    /// The factor of the adapter product, alpha / r.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.r as f64
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.r == 0 {
+            return Err("model.lora.r must be at least 1".into());
+        }
+        if !(self.alpha > 0.0 && self.alpha.is_finite()) {
+            return Err(format!("model.lora.alpha = {} must be positive", self.alpha));
+        }
+        if self.dropout != 0.0 {
+            return Err(format!(
+                "model.lora.dropout = {}: only 0 is supported (the dropout mask is not yet reproduced by the \
+                 layers' recomputation)",
+                self.dropout
+            ));
+        }
+        if self.target_modules.is_empty() {
+            return Err("model.lora.target_modules is empty".into());
+        }
+        for t in &self.target_modules {
+            if !TARGETS.iter().any(|(name, _)| name == t) {
+                let known: Vec<&str> = TARGETS.iter().map(|(n, _)| *n).collect();
+                return Err(format!("model.lora.target_modules: unknown module `{t}` (known: {})", known.join(", ")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether projection `module` (one of [`TARGETS`]) gets an adapter.
+    pub fn targets(&self, module: &str) -> bool {
+        self.target_modules.iter().any(|t| t == module)
+    }
+}
+
+/// `(in, out)` features of projection `module` of a layer of `cfg`.
+pub fn features(cfg: &ModelConfig, module: &str) -> (usize, usize) {
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    match module {
+        "q_proj" => (h, q),
+        "k_proj" | "v_proj" => (h, kv),
+        "o_proj" => (q, h),
+        "gate_proj" | "up_proj" => (h, i),
+        _ => (i, h),
+    }
+}
+
+/// The adapters' names (without PEFT's prefix) and shapes, layer by layer, module by module in the order of
+/// [`TARGETS`], A then B.
+pub fn adapter_shapes(cfg: &ModelConfig, opts: &LoraOptions) -> Vec<(String, Vec<usize>)> {
+    let mut out = Vec::new();
+    for l in 0..cfg.num_layers {
+        for (module, block) in TARGETS.iter().filter(|(m, _)| opts.targets(m)) {
+            let (fan_in, fan_out) = features(cfg, module);
+            let p = format!("model.layers.{l}.{block}.{module}");
+            out.push((format!("{p}.lora_A.weight"), vec![opts.r, fan_in]));
+            out.push((format!("{p}.lora_B.weight"), vec![fan_out, opts.r]));
+        }
+    }
+    out
+}
+
+/// The number of adapter parameters of `cfg` under `opts`.
+pub fn adapter_parameters(cfg: &ModelConfig, opts: &LoraOptions) -> u64 {
+    adapter_shapes(cfg, opts).iter().map(|(_, s)| s.iter().product::<usize>() as u64).sum()
+}
+
+/// Fresh adapters (f32, on `device`): A as `opts.init` says, drawn from `seed`, B zero.
+pub fn init_adapters(
+    cfg: &ModelConfig,
+    opts: &LoraOptions,
+    seed: u64,
+    device: &Device,
+) -> candle_core::Result<Vec<(String, Tensor)>> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed ^ 0x4c6f_5241);
+    let mut out = Vec::new();
+    for (name, shape) in adapter_shapes(cfg, opts) {
+        let n = shape.iter().product::<usize>();
+        let values: Vec<f32> = if name.ends_with("lora_A.weight") {
+            match opts.init {
+                LoraInit::Default => {
+                    let bound = 1.0 / (shape[1] as f32).sqrt();
+                    (0..n).map(|_| rng.gen_range(-bound..bound)).collect()
+                }
+                LoraInit::Gaussian => {
+                    // Box-Muller.
+                    let std = 1.0 / opts.r as f64;
+                    let mut normal = || {
+                        let (u, v): (f64, f64) = (rng.gen_range(f64::EPSILON..1.0), rng.gen());
+                        ((-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos() * std) as f32
+                    };
+                    (0..n).map(|_| normal()).collect()
+                }
+            }
+        } else {
+            vec![0.0; n]
+        };
+        out.push((name, Tensor::from_vec(values, shape, device)?));
+    }
+    Ok(out)
+}
+
+/// `adapter_config.json` as PEFT writes it (the keys PEFT and vLLM read; PEFT fills in the rest).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AdapterConfig {
+    pub peft_type: String,
+    pub task_type: String,
+    pub r: usize,
+    pub lora_alpha: f64,
+    pub lora_dropout: f64,
+    pub target_modules: Vec<String>,
+    #[serde(default)]
+    pub base_model_name_or_path: Option<String>,
+    #[serde(default = "none")]
+    pub bias: String,
+    #[serde(default)]
+    pub fan_in_fan_out: bool,
+    #[serde(default)]
+    pub inference_mode: bool,
+    #[serde(default)]
+    pub use_rslora: bool,
+    #[serde(default)]
+    pub init_lora_weights: serde_json::Value,
+    #[serde(default)]
+    pub modules_to_save: Option<Vec<String>>,
+}
+
+fn none() -> String {
+    "none".into()
+}
+
+impl AdapterConfig {
+    pub fn new(opts: &LoraOptions, base: Option<&str>) -> Self {
+        Self {
+            peft_type: "LORA".into(),
+            task_type: "CAUSAL_LM".into(),
+            r: opts.r,
+            lora_alpha: opts.alpha,
+            lora_dropout: opts.dropout,
+            target_modules: opts.target_modules.clone(),
+            base_model_name_or_path: base.map(String::from),
+            bias: none(),
+            fan_in_fan_out: false,
+            inference_mode: true,
+            use_rslora: false,
+            init_lora_weights: match opts.init {
+                LoraInit::Default => true.into(),
+                LoraInit::Gaussian => "gaussian".into(),
+            },
+            modules_to_save: None,
+        }
+    }
+
+    /// The options of this adapter; an error names what grpo cannot apply.
+    pub fn options(&self, path: &Path) -> Result<LoraOptions, ModelError> {
+        let bad = |message: String| ModelError::Files { path: path.to_path_buf(), message };
+        if self.peft_type != "LORA" {
+            return Err(bad(format!("peft_type `{}`: only LORA adapters are supported", self.peft_type)));
+        }
+        if self.bias != "none" || self.fan_in_fan_out || self.use_rslora || self.modules_to_save.is_some() {
+            return Err(bad("bias, fan_in_fan_out, use_rslora and modules_to_save are not supported".into()));
+        }
+        let init = match self.init_lora_weights.as_str() {
+            Some("gaussian") => LoraInit::Gaussian,
+            _ => LoraInit::Default,
+        };
+        let opts = LoraOptions {
+            r: self.r,
+            alpha: self.lora_alpha,
+            dropout: 0.0,
+            target_modules: self.target_modules.clone(),
+            init,
+        };
+        opts.validate().map_err(bad)?;
+        Ok(opts)
+    }
+}
+
+/// Write `adapters` (named as in [`adapter_shapes`]) and their config into the folder `dir`.
+pub fn write_adapter(
+    dir: &Path,
+    opts: &LoraOptions,
+    base: Option<&str>,
+    adapters: Vec<(String, Tensor)>,
+) -> Result<(), ModelError> {
+    let tensors: Vec<(String, Tensor)> = adapters
+        .into_iter()
+        .map(|(n, t)| Ok((format!("{PEFT_PREFIX}{n}"), t.to_dtype(DType::F32)?.to_device(&Device::Cpu)?)))
+        .collect::<candle_core::Result<_>>()?;
+    let path = dir.join(ADAPTER_FILE);
+    let metadata = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
+    safetensors::serialize_to_file(tensors.iter().map(|(n, t)| (n.as_str(), t)), metadata, &path)
+        .map_err(|e| ModelError::Files { path: path.clone(), message: e.to_string() })?;
+    let c = dir.join(ADAPTER_CONFIG_FILE);
+    let text = serde_json::to_string_pretty(&AdapterConfig::new(opts, base)).unwrap_or_default();
+    std::fs::write(&c, text).map_err(|source| ModelError::Io { path: c, source })
+}
+
+/// An adapter read from a folder: its options and its tensors (f32, on the CPU, named as in
+/// [`adapter_shapes`]).
+pub struct Adapter {
+    pub dir: PathBuf,
+    pub options: LoraOptions,
+    pub tensors: std::collections::HashMap<String, Tensor>,
+}
+
+/// Read the adapter of folder `dir` (PEFT's files).
+pub fn read_adapter(dir: &Path) -> Result<Adapter, ModelError> {
+    let c = dir.join(ADAPTER_CONFIG_FILE);
+    let text = std::fs::read(&c).map_err(|source| ModelError::Io { path: c.clone(), source })?;
+    let config: AdapterConfig =
+        serde_json::from_slice(&text).map_err(|e| ModelError::Files { path: c.clone(), message: e.to_string() })?;
+    let options = config.options(&c)?;
+    let p = dir.join(ADAPTER_FILE);
+    let raw = candle_core::safetensors::load(&p, &Device::Cpu)
+        .map_err(|e| ModelError::Files { path: p.clone(), message: e.to_string() })?;
+    let tensors = raw
+        .into_iter()
+        .map(|(n, t)| {
+            // PEFT writes `...q_proj.lora_A.weight`; some writers keep the adapter name (`lora_A.default.weight`).
+            let n = n.strip_prefix(PEFT_PREFIX).unwrap_or(&n).replace(".default.weight", ".weight");
+            Ok((n, t.to_dtype(DType::F32)?))
+        })
+        .collect::<candle_core::Result<_>>()?;
+    Ok(Adapter { dir: dir.to_path_buf(), options, tensors })
+}
+
+/// The model of `base_dir` (its weights frozen, in `dtype` on `device`) with the adapter of folder
+/// `adapter`, trainable or frozen; `expected`: the options the adapter must have been trained with.
+pub fn load_with_adapter(
+    base_dir: &Path,
+    adapter: &Path,
+    expected: Option<&LoraOptions>,
+    (dtype, device): (DType, &Device),
+    trainable: bool,
+) -> Result<super::Decoder, ModelError> {
+    let a = read_adapter(adapter)?;
+    if let Some(want) = expected.filter(|w| !same_adapter(w, &a.options)) {
+        return Err(ModelError::Files {
+            path: adapter.join(ADAPTER_CONFIG_FILE),
+            message: format!("the adapter is {:?}, the run's [model.lora] {want:?}", a.options),
+        });
+    }
+    let base = super::load_decoder(base_dir, dtype, device, false)?;
+    base.with_adapters(&a.options, a.tensors.into_iter().collect(), trainable)
+}
+
+/// The frozen model of `dir`, with the adapter of folder `adapter` when one is given (`grpo eval`,
+/// `grpo logprobs`, `grpo export`); `dir` itself may be an adapter folder, on the base model its config
+/// names.
+pub fn load_frozen(
+    dir: &Path,
+    adapter: Option<&Path>,
+    dtype: DType,
+    device: &Device,
+) -> Result<super::Decoder, ModelError> {
+    match adapter {
+        Some(a) => load_with_adapter(dir, a, None, (dtype, device), false),
+        // An adapter folder given as the model: its config names the base model.
+        None if is_adapter_dir(dir) => {
+            let base = base_model(dir)?;
+            load_with_adapter(&super::resolve_model_dir(&base)?, dir, None, (dtype, device), false)
+        }
+        None => super::load_decoder(dir, dtype, device, false),
+    }
+}
+
+/// The base model the adapter config of folder `dir` names (`base_model_name_or_path`).
+pub fn base_model(dir: &Path) -> Result<String, ModelError> {
+    let c = dir.join(ADAPTER_CONFIG_FILE);
+    let text = std::fs::read(&c).map_err(|source| ModelError::Io { path: c.clone(), source })?;
+    let config: AdapterConfig =
+        serde_json::from_slice(&text).map_err(|e| ModelError::Files { path: c.clone(), message: e.to_string() })?;
+    config.base_model_name_or_path.ok_or_else(|| ModelError::Files {
+        path: c,
+        message: "names no base model (base_model_name_or_path): give the base model and the adapter".into(),
+    })
+}
+
+/// Whether two options describe the same adapters (their shapes and scale; the init does not matter once
+/// trained).
+fn same_adapter(a: &LoraOptions, b: &LoraOptions) -> bool {
+    (a.r, a.alpha, &a.target_modules) == (b.r, b.alpha, &b.target_modules)
+}
+
+/// Whether the folder `dir` holds an adapter (PEFT's files) rather than a whole model.
+pub fn is_adapter_dir(dir: &Path) -> bool {
+    dir.join(ADAPTER_CONFIG_FILE).is_file()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::tiny::TinyShape;
+    use crate::model::Arch;
+
+    #[test]
+    fn shapes_follow_peft_and_init_starts_at_the_base_model() {
+        let cfg = TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
+        let opts = LoraOptions { r: 4, ..Default::default() };
+        let shapes = adapter_shapes(&cfg, &opts);
+        assert_eq!(shapes.len(), 2 * 7 * 2);
+        assert_eq!(shapes[0], ("model.layers.0.self_attn.q_proj.lora_A.weight".to_string(), vec![4, 16]));
+        assert_eq!(shapes[3], ("model.layers.0.self_attn.k_proj.lora_B.weight".to_string(), vec![8, 4]));
+        assert_eq!(shapes[13], ("model.layers.0.mlp.down_proj.lora_B.weight".to_string(), vec![16, 4]));
+        let t = init_adapters(&cfg, &opts, 1, &Device::Cpu).unwrap();
+        let a: Vec<f32> = t[0].1.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(a.iter().all(|v| v.abs() <= 0.25) && a.iter().any(|&v| v != 0.0));
+        let b: Vec<f32> = t[1].1.flatten_all().unwrap().to_vec1().unwrap();
+        assert!(b.iter().all(|&v| v == 0.0));
+        let e = LoraOptions { target_modules: vec!["qkv".into()], ..Default::default() }.validate().unwrap_err();
+        assert!(e.contains("unknown module `qkv`"), "{e}");
+    }
+
+    #[test]
+    fn adapter_files_round_trip_in_peft_names() {
+        let cfg = TinyShape { layers: 1, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Llama, 64, None, None)
+            .unwrap();
+        let opts = LoraOptions {
+            r: 2,
+            alpha: 16.0,
+            target_modules: vec!["q_proj".into(), "v_proj".into()],
+            ..Default::default()
+        };
+        let t = init_adapters(&cfg, &opts, 3, &Device::Cpu).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        write_adapter(dir.path(), &opts, Some("base"), t.clone()).unwrap();
+        let names: Vec<String> =
+            safetensors::SafeTensors::deserialize(&std::fs::read(dir.path().join(ADAPTER_FILE)).unwrap())
+                .unwrap()
+                .names()
+                .into_iter()
+                .map(String::from)
+                .collect();
+        assert!(names.contains(&"base_model.model.model.layers.0.self_attn.v_proj.lora_B.weight".to_string()));
+        let c: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.path().join(ADAPTER_CONFIG_FILE)).unwrap()).unwrap();
+        assert_eq!(
+            (c["peft_type"].as_str(), c["r"].as_u64(), c["lora_alpha"].as_f64()),
+            (Some("LORA"), Some(2), Some(16.0))
+        );
+        let back = read_adapter(dir.path()).unwrap();
+        assert_eq!(back.options, opts);
+        for (n, v) in &t {
+            assert_eq!(
+                back.tensors[n].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
+    }
+}
