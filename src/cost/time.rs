@@ -189,8 +189,8 @@ pub struct StepShape {
     pub offload: bool,
     /// The ops of the build the 2026-11-26 H100 run measured ([`super::calibration::H100_RUN_TENSOR_OPS`]:
     /// the optimiser's update as ~15 composite candle ops per parameter, on the host at
-    /// [`Gpu::composite_host_update_bandwidth`], and the MLP's silu and product as candle ops), to predict
-    /// that run's records as they ran; `false`: this build's.
+    /// [`Gpu::composite_host_update_bandwidth`], the MLP's silu and product as candle ops, and candle-core's
+    /// backward as released), to predict that run's records as they ran; `false`: this build's.
     pub h100_run_build: bool,
     pub logprob_chunk_bytes: u64,
     /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
