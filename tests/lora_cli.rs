@@ -186,6 +186,43 @@ fn a_resumed_lora_run_continues_exactly() {
     assert!(st.names().iter().all(|n| n.contains(".lora_")), "{:?}", st.names());
 }
 
+/// A LoRA run killed with SIGKILL wherever it happens to be once its second checkpoint is written
+/// (mid-step, mid-save or between steps), then resumed with `--resume auto`: the same adapters, optimiser
+/// state and metrics as the run that went through.
+#[test]
+fn a_lora_run_killed_with_sigkill_resumes_bit_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let sets = ["objective.name=\"off_grpo\"", "objective.beta=0.05", "train.max_steps=6", "train.save_every=1"];
+    let a = dir.path().join("a");
+    train(&cfg, &a, &sets, &[]).success();
+    let c = dir.path().join("c");
+    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    cmd.current_dir(common::root()).args(["-q", "train", "--config"]).arg(&cfg);
+    cmd.arg("--set").arg(format!("train.output_dir=\"{}\"", c.display()));
+    for s in sets {
+        cmd.arg("--set").arg(s);
+    }
+    let mut child = cmd.stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !ck(&c, 2).exists() {
+        assert!(std::time::Instant::now() < deadline, "no second checkpoint within 120 s");
+        if child.try_wait().unwrap().is_some() {
+            break; // finished before it could be killed: the resume below has nothing to do
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    assert!(!ck(&c, 6).exists(), "the run was not interrupted: no kill tested");
+    train(&cfg, &c, &sets, &["--resume", "auto"]).success();
+    for f in ["adapter_model.safetensors", "optimizer.safetensors"] {
+        let (x, y) = (std::fs::read(ck(&a, 6).join(f)).unwrap(), std::fs::read(ck(&c, 6).join(f)).unwrap());
+        assert!(x == y, "{f} differs from the uninterrupted run");
+    }
+    assert_eq!(metrics(&a), metrics(&c));
+}
+
 /// `grpo logprobs --model BASE --adapter CK`: a trained adapter changes the base model's log-probs;
 /// `grpo export --merge` writes a whole model whose log-probs are the adapter model's; `grpo eval --adapter`
 /// generates with it.
