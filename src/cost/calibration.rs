@@ -228,11 +228,12 @@ const FITTED_MEMORY_EFFICIENCY: f64 = 0.50;
 /// parameters a second (the update is ~15 candle CPU ops per tensor, each a pass over f32 arrays).
 const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
 /// The fused update's speed over the composite ops', measured on the CPU in one run (`grpo bench optimizer`,
-/// 64 M parameters in 64 bf16 tensors, the same threads for both: benches/results/host-adamw-2026-11-26.txt).
-/// Per thread the composite ran here at the rate the H100's host reached per core, so the fused update's
-/// host rate there is predicted as the fitted rate times this: ~34 GB/s of the 32 B per parameter counted,
-/// below a server's host memory bandwidth (the update moves ~34 B per parameter), which would cap it.
-const HOST_UPDATE_SPEEDUP: f64 = 8.0;
+/// 64 M parameters in 64 bf16 tensors, release binary, 2 threads for both: 12.1x; 11-17x at 1 and 2 threads,
+/// bf16 and f32: benches/results/host-adamw-2026-11-26.txt). Per thread the composite ran here at more than
+/// the H100 host's rate per core, so the fused update's host rate there is predicted as the fitted rate
+/// times this: ~51 GB/s of the 32 B per parameter counted, below a server's host memory bandwidth (the
+/// update moves ~34 B per parameter), which would cap it.
+const HOST_UPDATE_SPEEDUP: f64 = 12.0;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
