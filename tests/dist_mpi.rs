@@ -418,12 +418,14 @@ fn rollouts_are_split_across_ranks_and_equal_one_process() {
 /// (SGLang's reload) answers 200; every request's prompt or model_path goes to the log file (argv[1]),
 /// one line each; the port is printed first.
 const SCRIPTED_SERVER: &str = r#"
-import http.server, json, sys, zlib
+import http.server, json, sys, time, zlib
 log = open(sys.argv[1], "a", buffering=1)
+delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
 class H(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         if self.path.endswith("/completions"):
+            time.sleep(delay)
             log.write("prompt " + json.dumps(body["prompt"]) + "\n")
             h = zlib.crc32(body["prompt"].encode())
             choices = [{"index": i, "text": "7" if (h + i) % 3 else "3", "finish_reason": "stop"} for i in range(body["n"])]
@@ -460,6 +462,11 @@ impl Drop for Scripted {
 
 impl Scripted {
     fn start(dir: &Path, name: &str) -> Option<Scripted> {
+        Self::start_slow(dir, name, 0.0)
+    }
+
+    /// A server that answers each completion request after `delay` seconds.
+    fn start_slow(dir: &Path, name: &str, delay: f64) -> Option<Scripted> {
         use std::io::BufRead;
         let script = dir.join("server.py");
         std::fs::write(&script, SCRIPTED_SERVER).unwrap();
@@ -467,6 +474,7 @@ impl Scripted {
         let child = std::process::Command::new("python3")
             .arg(&script)
             .arg(&log)
+            .arg(delay.to_string())
             .stdout(std::process::Stdio::piped())
             .spawn()
             .map_err(|e| eprintln!("SKIPPED: python3 for the scripted server: {e}"))
@@ -519,6 +527,34 @@ fn each_rank_samples_its_questions_from_its_own_server() {
     for step in &m {
         assert_eq!(step["rollout/answers"].as_u64(), Some(32), "{step}");
     }
+}
+
+/// A rank whose rollout server answers after longer than the collective timeout (`GRPO_DIST_TIMEOUT_S=5`,
+/// answers after 7 s) keeps the other rank, done with its share, waiting in rounds rather than in a bounded
+/// collective: the step completes.
+#[test]
+fn a_rollout_server_slower_than_the_collective_timeout_does_not_end_the_run() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = rollout_setup(d.path());
+    let (Some(a), Some(b)) = (Scripted::start(d.path(), "a"), Scripted::start_slow(d.path(), "b", 7.0)) else {
+        return;
+    };
+    let server = format!(
+        "reload = \"sglang\"\n[rollout.server]\nengine = \"openai\"\nserved_model = \"m\"\n\
+         base_url = \"http://127.0.0.1:{}/v1,http://127.0.0.1:{}/v1\"",
+        a.port, b.port
+    );
+    let run = d.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let cfg = rollout_config(&run, &model, &questions, 1, &server);
+    let started = Instant::now();
+    let o = grpo(2).env("GRPO_DIST_TIMEOUT_S", "5").args(["-q", "train", "--config"]).arg(&cfg).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(started.elapsed().as_secs_f64() > 7.0, "the slow server was not waited for");
+    let m = common::read_jsonl(&run.join("out/metrics.jsonl"));
+    assert_eq!(m.len(), 1);
+    assert_eq!(m[0]["rollout/answers"].as_u64(), Some(32), "{}", m[0]);
 }
 
 /// The reference log-probs cache of a 2-rank run is computed by both ranks together, each its share of
