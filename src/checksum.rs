@@ -10,6 +10,15 @@ use memmap2::Mmap;
 use rayon::prelude::*;
 use sha2::{Digest, Sha256};
 
+/// splitmix64: a well-mixed 64-bit hash of `x` (stable across runs and platforms), for the seeds drawn
+/// from a run's seed and a position in it (RED-Drop's draws, LoRA's dropout masks).
+pub fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
 /// Bytes hashed per task.
 const CHUNK: usize = 64 << 20;
 

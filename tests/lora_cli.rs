@@ -186,14 +186,21 @@ fn a_resumed_lora_run_continues_exactly() {
     assert!(st.names().iter().all(|n| n.contains(".lora_")), "{:?}", st.names());
 }
 
-/// A LoRA run killed with SIGKILL wherever it happens to be once its second checkpoint is written
-/// (mid-step, mid-save or between steps), then resumed with `--resume auto`: the same adapters, optimiser
+/// A LoRA run (with adapter dropout) killed with SIGKILL wherever it happens to be once its second checkpoint
+/// is written (mid-step, mid-save or between steps), then resumed with `--resume auto`: the same adapters, optimiser
 /// state and metrics as the run that went through.
 #[test]
 fn a_lora_run_killed_with_sigkill_resumes_bit_exactly() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = lora_config(dir.path());
-    let sets = ["objective.name=\"off_grpo\"", "objective.beta=0.05", "train.max_steps=6", "train.save_every=1"];
+    // With dropout on the adapters' input: the resumed steps draw the same masks.
+    let sets = [
+        "objective.name=\"off_grpo\"",
+        "objective.beta=0.05",
+        "train.max_steps=6",
+        "train.save_every=1",
+        "model.lora.dropout=0.1",
+    ];
     let a = dir.path().join("a");
     train(&cfg, &a, &sets, &[]).success();
     let c = dir.path().join("c");

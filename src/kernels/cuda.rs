@@ -39,6 +39,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Embedding => ("grpo_embedding", include_str!(concat!(env!("OUT_DIR"), "/embedding.ptx"))),
         Module::Swiglu => ("grpo_swiglu", include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"))),
         Module::Adamw => ("grpo_adamw", include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"))),
+        Module::Lora => ("grpo_lora", include_str!(concat!(env!("OUT_DIR"), "/lora.ptx"))),
     }
 }
 

@@ -20,6 +20,7 @@ pub enum Module {
     Embedding,
     Adamw,
     Swiglu,
+    Lora,
 }
 
 /// One buffer of an op.

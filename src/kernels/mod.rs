@@ -21,6 +21,9 @@
 //! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
 //!   state, in place, equal bit for bit to the composite [`adamw_reference`].
+//! - [`lora_linear`] (lora.rs): a LoRA projection, `x W^T + b + (dropout(x) A^T) B^T alpha / r` with the
+//!   base frozen and the adapters in f32, as one op with its own backward: its products are candle's
+//!   GEMMs, its element-wise steps (the adapters' input with the dropout mask, the sum) kernels/lora.cu.
 //! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
 //!   gives the gradient of `x` only.
 //!
@@ -49,6 +52,7 @@ mod frozen;
 #[cfg(any(test, feature = "cuda"))]
 mod launch;
 mod logprob;
+mod lora;
 mod norm;
 mod rope;
 mod rows;
@@ -63,6 +67,7 @@ pub use flash_attention::{
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use frozen::frozen_matmul;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
+pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_normalize, rms_normalize_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};

@@ -14,6 +14,7 @@ use crate::kernels::{
     masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
     swiglu_reference, AttentionRecord, GpuKernels, Replay,
 };
+use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
 /// A parameter: trainable (a candle `Var`) or frozen (a plain tensor).
 #[derive(Clone)]
@@ -80,6 +81,32 @@ const O: usize = 3;
 const GATE: usize = 4;
 const UP: usize = 5;
 const DOWN: usize = 6;
+
+/// How a forward runs through the layers: recording a graph or not, and, in training, the seed of LoRA's
+/// dropout masks (`None`: no dropout, as in inference and the reference's forward).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mode {
+    graph: bool,
+    dropout_seed: Option<u64>,
+}
+
+impl Mode {
+    /// Without dropout.
+    const fn plain(graph: bool) -> Self {
+        Mode { graph, dropout_seed: None }
+    }
+
+    /// A training forward of `batch` (its dropout seed).
+    fn training(batch: &TokenBatch, graph: bool) -> Self {
+        Mode { graph, dropout_seed: batch.dropout_seed }
+    }
+
+    /// The seed of projection `m` of layer `l`: every adapter draws its own mask.
+    fn dropout_seed(&self, l: usize, m: usize) -> Option<u64> {
+        use crate::checksum::splitmix64;
+        self.dropout_seed.map(|s| splitmix64(s ^ splitmix64((l as u64) << 3 | m as u64)))
+    }
+}
 
 /// How the decoder computes attention (the same values either way, up to rounding).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
@@ -185,6 +212,10 @@ pub struct TokenBatch {
     pub tokens: Vec<Vec<u32>>,
     pub positions: Vec<Vec<u32>>,
     pub segments: Vec<Vec<u32>>,
+    /// A training batch's seed: LoRA's dropout masks ([`lora`]) are drawn from it in
+    /// [`Decoder::forward_backward_into`] (and again, the same, in the layers' recomputation). `None`: no
+    /// dropout.
+    pub dropout_seed: Option<u64>,
 }
 
 impl TokenBatch {
@@ -196,7 +227,7 @@ impl TokenBatch {
     /// Several sequences per row (packed), rows right-padded with `pad`.
     pub fn packed(rows: &[Vec<Vec<u32>>], pad: u32) -> Self {
         let width = rows.iter().map(|r| r.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(0);
-        let mut b = TokenBatch { tokens: vec![], positions: vec![], segments: vec![] };
+        let mut b = TokenBatch { tokens: vec![], positions: vec![], segments: vec![], dropout_seed: None };
         for row in rows {
             let (mut t, mut p, mut s) =
                 (Vec::with_capacity(width), Vec::with_capacity(width), Vec::with_capacity(width));
@@ -213,6 +244,12 @@ impl TokenBatch {
             b.segments.push(s);
         }
         b
+    }
+
+    /// The batch with LoRA's dropout masks drawn from `seed` in training.
+    pub fn with_dropout_seed(mut self, seed: u64) -> Self {
+        self.dropout_seed = Some(seed);
+        self
     }
 
     pub fn rows(&self) -> usize {
@@ -829,16 +866,28 @@ impl Decoder {
     /// Projection `m` of layer `li` of `x` (`[..., in]`): `x W^T + b`, plus with an adapter
     /// `(x A^T) B^T alpha / r` in f32 ([`lora`]). A frozen weight in a graph goes through
     /// [`frozen_matmul`], which gives it no gradient.
-    fn project(&self, li: &LayerIdx, m: usize, x: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+    fn project(&self, l: usize, m: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
+        let li = &self.layers[l];
+        let graph = mode.graph;
         let (w, bias) = li.projection(m);
-        let frozen = graph && matches!(self.params[w], Param::Frozen(_));
-        let base = linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen)?;
-        let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else { return Ok(base) };
+        let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else {
+            let frozen = graph && matches!(self.params[w], Param::Frozen(_));
+            return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen);
+        };
         let _phase = crate::profile::phase("lora");
-        let x32 = x.to_dtype(DType::F32)?;
-        let xa = linear(&x32, &self.w(a, graph), None, false)?;
-        let delta = linear(&xa, &self.w(b, graph), None, false)?.affine(opts.scale(), 0.0)?;
-        (base.to_dtype(DType::F32)? + delta)?.to_dtype(self.dtype)
+        let dropout = match mode.dropout_seed(l, m) {
+            Some(seed) if opts.dropout > 0.0 => Some(Dropout { p: opts.dropout, seed }),
+            _ => None,
+        };
+        let op = if self.options.fused_ops { lora_linear } else { lora_linear_reference };
+        let dims = x.dims().to_vec();
+        let (inner, out) = (*dims.last().unwrap_or(&0), self.params[w].get(false).dim(0)?);
+        let x2 = x.reshape((x.elem_count() / inner.max(1), inner))?;
+        let (bias, (a, b)) = (self.wo(bias, graph), (self.w(a, graph), self.w(b, graph)));
+        let y = op(&x2, (&self.w(w, graph), bias.as_ref()), (&a, &b), opts.scale(), dropout)?;
+        let mut shape = dims;
+        *shape.last_mut().expect("a projection's input has a feature dim") = out;
+        y.reshape(shape)
     }
 
     fn w(&self, i: usize, graph: bool) -> Tensor {
@@ -892,10 +941,10 @@ impl Decoder {
         rope: &(Tensor, Tensor),
         ranges: &Tensor,
         state: LayerState,
-        graph: bool,
+        mode: Mode,
     ) -> candle_core::Result<Tensor> {
-        let x = self.attention_block(l, x, rope, ranges, state, graph)?;
-        self.mlp_block(l, &x, graph)
+        let x = self.attention_block(l, x, rope, ranges, state, mode)?;
+        self.mlp_block(l, &x, mode)
     }
 
     /// A layer's first half: `x` plus the attention of its normalised input.
@@ -906,9 +955,10 @@ impl Decoder {
         rope: &(Tensor, Tensor),
         ranges: &Tensor,
         state: LayerState,
-        graph: bool,
+        mode: Mode,
     ) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::phase("attention");
+        let graph = mode.graph;
         let li = self.layers[l];
         let cfg = &self.cfg;
         let (b, t, _) = x.dims3()?;
@@ -919,9 +969,9 @@ impl Decoder {
         let norm = crate::profile::phase("norm");
         let h = rms_norm(x, &self.w(li.ln_in, graph), eps, fused)?;
         drop(norm);
-        let q = self.project(&li, Q, &h, graph)?.reshape((b, t, nh, hd))?;
-        let k = self.project(&li, K, &h, graph)?.reshape((b, t, nkv, hd))?;
-        let v = self.project(&li, V, &h, graph)?.reshape((b, t, nkv, hd))?;
+        let q = self.project(l, Q, &h, mode)?.reshape((b, t, nh, hd))?;
+        let k = self.project(l, K, &h, mode)?.reshape((b, t, nkv, hd))?;
+        let v = self.project(l, V, &h, mode)?.reshape((b, t, nkv, hd))?;
         let (q, k) = match (li.q_norm, li.k_norm) {
             (Some(qn), Some(kn)) => {
                 let _norm = crate::profile::phase("norm");
@@ -965,21 +1015,21 @@ impl Decoder {
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        x + self.project(&li, O, &attn, graph)?
+        x + self.project(l, O, &attn, mode)?
     }
 
     /// A layer's second half: `x` plus the MLP of its normalised input.
-    fn mlp_block(&self, l: usize, x: &Tensor, graph: bool) -> candle_core::Result<Tensor> {
+    fn mlp_block(&self, l: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::phase("mlp");
         let li = self.layers[l];
         let norm = crate::profile::phase("norm");
-        let h = rms_norm(x, &self.w(li.ln_post, graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
+        let h = rms_norm(x, &self.w(li.ln_post, mode.graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         drop(norm);
-        let gate = self.project(&li, GATE, &h, graph)?;
-        let up = self.project(&li, UP, &h, graph)?;
+        let gate = self.project(l, GATE, &h, mode)?;
+        let up = self.project(l, UP, &h, mode)?;
         let act =
             if self.options.fused_ops { crate::kernels::swiglu(&gate, &up)? } else { swiglu_reference(&gate, &up)? };
-        let mlp = self.project(&li, DOWN, &act, graph)?;
+        let mlp = self.project(l, DOWN, &act, mode)?;
         x + mlp
     }
 
@@ -1052,15 +1102,15 @@ impl Decoder {
 
     /// The last layer's output `[B, T, hidden]` (before the final norm), without a cache.
     fn run_layers(&self, batch: &TokenBatch, graph: bool) -> candle_core::Result<Tensor> {
-        self.layers_from(batch, self.embed(&batch.tokens, graph)?, graph)
+        self.layers_from(batch, self.embed(&batch.tokens, graph)?, Mode::plain(graph))
     }
 
     /// The layers over the embedded batch `x` (`[B, T, hidden]`).
-    fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, graph: bool) -> candle_core::Result<Tensor> {
+    fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let rope = self.rope_of(batch)?;
         let ranges = batch.ranges(&self.device)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, LayerState::None, graph)?;
+            x = self.layer(l, &x, &rope, &ranges, LayerState::None, mode)?;
         }
         Ok(x)
     }
@@ -1131,7 +1181,7 @@ impl Decoder {
         drop(embedding);
         if !self.options.checkpoint_layers {
             let e = Var::from_tensor(&e)?;
-            let x = self.layers_from(batch, e.as_tensor().clone(), true)?;
+            let x = self.layers_from(batch, e.as_tensor().clone(), Mode::training(batch, true))?;
             let loss = self.loss(&self.head(&x, batch, targets, true)?, loss_fn)?;
             forward.end();
             let _backward = crate::profile::coarse("backward")?;
@@ -1156,7 +1206,7 @@ impl Decoder {
         for l in 0..self.cfg.num_layers {
             let mut record = None;
             let state = if keep { LayerState::Attention(Replay::Record(&mut record)) } else { LayerState::None };
-            let next = self.layer(l, &x, &rope, &ranges, state, false)?;
+            let next = self.layer(l, &x, &rope, &ranges, state, Mode::training(batch, false))?;
             inputs.push(x);
             records.push(record);
             x = next;
@@ -1179,7 +1229,7 @@ impl Decoder {
             // This layer's record is released with its backward.
             let record = records.pop().flatten();
             let state = record.as_ref().map_or(LayerState::None, |r| LayerState::Attention(Replay::From(r)));
-            g = self.layer_backward(l, &inputs[l], (&rope, &ranges), state, &g, grads)?;
+            g = self.layer_backward(l, &inputs[l], (&rope, &ranges, Mode::training(batch, true)), state, &g, grads)?;
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
@@ -1203,7 +1253,7 @@ impl Decoder {
         &self,
         l: usize,
         input: &Tensor,
-        (rope, ranges): (&(Tensor, Tensor), &Tensor),
+        (rope, ranges, mode): (&(Tensor, Tensor), &Tensor, Mode),
         state: LayerState,
         g: &Tensor,
         grads: &mut Grads,
@@ -1214,9 +1264,9 @@ impl Decoder {
         };
         let recompute = crate::profile::phase("recompute");
         let xin = Var::from_tensor(input)?;
-        let mid = self.attention_block(l, xin.as_tensor(), rope, ranges, state, true)?;
+        let mid = self.attention_block(l, xin.as_tensor(), rope, ranges, state, mode)?;
         let mid_in = Var::from_tensor(&mid.detach())?;
-        let y = self.mlp_block(l, mid_in.as_tensor(), true)?;
+        let y = self.mlp_block(l, mid_in.as_tensor(), mode)?;
         drop(recompute);
         let g_mid = {
             // The MLP's graph and gradients are released before the attention's backward.
@@ -1309,7 +1359,7 @@ impl Decoder {
         let rope = self.rope(&positions)?;
         let mut x = self.embed(tokens, false)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, LayerState::Cache(&mut cache.layers[l]), false)?;
+            x = self.layer(l, &x, &rope, &ranges, LayerState::Cache(&mut cache.layers[l]), Mode::plain(false))?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
         let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
@@ -1526,6 +1576,52 @@ mod tests {
                 let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
                 assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", names[k], g[j]);
             }
+        }
+    }
+
+    /// LoRA's dropout: a training batch's seed draws the mask, the same one in the layers' recomputation
+    /// (equal losses and gradients with and without `checkpoint_layers`) and for the same seed, another for
+    /// another seed; the gradients are those of the masked loss (finite differences); a batch without a
+    /// seed (evaluation, the reference, rollouts) has no dropout.
+    #[test]
+    fn lora_dropout_is_drawn_from_the_batch_seed_and_recomputed_the_same() {
+        let mut m = tiny_lora(Arch::Qwen2, &["q_proj", "v_proj", "up_proj", "down_proj"]);
+        let (b, t) = batch();
+        let (plain, _) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+        m.lora.as_mut().unwrap().dropout = 0.3;
+        let seeded = b.clone().with_dropout_seed(42);
+        assert_eq!(m.forward_backward(&b, &t, &mut weighted_loss).unwrap().0, plain);
+        let inference = weighted_loss(&m.token_logprobs(&seeded, &t, false).unwrap()).unwrap();
+        assert_eq!(inference.to_scalar::<f32>().unwrap(), plain);
+        let (l1, g1) = m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap();
+        assert!((l1 - plain).abs() > 1e-4, "dropout left the loss at {l1}");
+        assert_eq!(m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap().0, l1);
+        let other = m.forward_backward(&b.clone().with_dropout_seed(43), &t, &mut weighted_loss).unwrap().0;
+        assert!((other - l1).abs() > 1e-6, "seeds 42 and 43 drew the same masks");
+        m.options.checkpoint_layers = true;
+        let (l2, g2) = m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap();
+        assert!((l1 - l2).abs() < 1e-5, "{l1} vs recomputed {l2}");
+        for (a, c) in g1.grads.iter().zip(&g2.grads) {
+            let (a, c) = (values(a.as_ref().unwrap()), values(c.as_ref().unwrap()));
+            let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            assert!(d < 1e-5, "recomputed gradient differs by {d}");
+        }
+        let names = m.trainable_names();
+        for (k, var) in m.vars().into_iter().enumerate() {
+            let orig = var.as_tensor().copy().unwrap();
+            let flat = values(&orig);
+            let g = values(g1.grads[k].as_ref().unwrap());
+            let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+            let shifted = |delta: f32| {
+                let mut v = flat.clone();
+                v[j] += delta;
+                var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
+                m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap().0 as f64
+            };
+            let fd = (shifted(1e-3) - shifted(-1e-3)) / 2e-3;
+            var.set(&orig).unwrap();
+            let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
+            assert!(rel < 2e-2, "{}[{j}]: finite difference {fd} vs the op's {}", names[k], g[j]);
         }
     }
 

@@ -63,7 +63,9 @@ pub struct LoraOptions {
     /// The adapter product is scaled by alpha / r (PEFT's `lora_alpha`).
     #[arg(long = "lora-alpha", default_value_t = 8.0)]
     pub alpha: f64,
-    /// Dropout on the adapters' input in training (PEFT's `lora_dropout`); only 0 is supported yet.
+    /// Dropout on the adapters' input in training (PEFT's `lora_dropout`), in [0, 1): a mask drawn from the
+    /// run's seed, the step and the micro-batch ([`crate::kernels::lora_linear`]), so that the layers'
+    /// recomputation and a resumed run draw the same one. Off in evaluation, rollouts and the reference.
     #[arg(long = "lora-dropout", default_value_t = 0.0)]
     pub dropout: f64,
     /// The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
@@ -94,12 +96,8 @@ impl LoraOptions {
         if !(self.alpha > 0.0 && self.alpha.is_finite()) {
             return Err(format!("model.lora.alpha = {} must be positive", self.alpha));
         }
-        if self.dropout != 0.0 {
-            return Err(format!(
-                "model.lora.dropout = {}: only 0 is supported (the dropout mask is not yet reproduced by the \
-                 layers' recomputation)",
-                self.dropout
-            ));
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(format!("model.lora.dropout = {} must be in [0, 1)", self.dropout));
         }
         if self.target_modules.is_empty() {
             return Err("model.lora.target_modules is empty".into());
@@ -255,7 +253,7 @@ impl AdapterConfig {
         let opts = LoraOptions {
             r: self.r,
             alpha: self.lora_alpha,
-            dropout: 0.0,
+            dropout: self.lora_dropout,
             target_modules: self.target_modules.clone(),
             init,
         };

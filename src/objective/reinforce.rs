@@ -13,6 +13,7 @@
 //! each plus beta sum_t w_t KL_t(pi || pi_ref) when beta > 0. A_i = r_i - mean(r), divided by the group's
 //! standard deviation when `std_normalize`. log pi(y) = sum_t log pi(o_t) is the sequence log-prob.
 
+use crate::checksum::splitmix64;
 use candle_core::{Result, Tensor};
 
 use super::{
@@ -94,14 +95,6 @@ impl Objective for AsymRe {
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
         finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
     }
-}
-
-/// splitmix64's finaliser: a well-mixed 64-bit hash of `x`.
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// FNV-1a of a string (stable across runs and platforms).

@@ -591,8 +591,9 @@ mod tests {
         let parse = |extra: &str| TrainConfig::parse(&format!("{MIN}{extra}"), Path::new("c.toml"), &[]);
         let lora = parse("[model.lora]\nr = 16\nalpha = 32\n").unwrap().model.lora.unwrap();
         assert_eq!((lora.r, lora.alpha, lora.target_modules.len()), (16, 32.0, 7));
-        let e = parse("[model.lora]\ndropout = 0.1\n").unwrap_err().to_string();
-        assert!(e.contains("model.lora.dropout"), "{e}");
+        assert_eq!(parse("[model.lora]\ndropout = 0.1\n").unwrap().model.lora.unwrap().dropout, 0.1);
+        let e = parse("[model.lora]\ndropout = 1.0\n").unwrap_err().to_string();
+        assert!(e.contains("model.lora.dropout = 1 must be in [0, 1)"), "{e}");
         let e = parse("[model.lora]\nrank = 4\n").unwrap_err().to_string();
         assert!(e.contains("rank"), "{e}");
         let server = "[objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n[rollout]\nreload = \"vllm-lora\"\n\

@@ -3,6 +3,7 @@
 //!
 //! [`TrainStep`] is the step as `grpo train`, `grpo bench train-step` and the tests run it.
 
+use crate::checksum::splitmix64;
 use candle_core::Tensor;
 
 use super::optim::{clip_scale, OptimConfig, Optimizer};
@@ -359,6 +360,9 @@ pub struct RewardSummary {
 struct StepBatch {
     seqs: Vec<Sequence>,
     rewards: RewardSummary,
+    /// The step's seed of LoRA's dropout masks (from the run's seed and the step): each micro-batch draws
+    /// its own from it and the origin of its first answer, the same on every rank layout and on resume.
+    dropout_seed: u64,
 }
 
 /// How a batch's per-token losses are aggregated, and which answers take part.
@@ -428,7 +432,9 @@ fn build_batch(groups: &[Group], objective: &dyn Objective, aggregation: Aggrega
         mean_response_length: lengths.iter().sum::<usize>() as f32 / responses.max(1) as f32,
         masked_truncated,
     };
-    StepBatch { seqs: seqs.into_iter().zip(include).filter(|(_, i)| *i).map(|(s, _)| s).collect(), rewards }
+    let seqs = seqs.into_iter().zip(include).filter(|(_, i)| *i).map(|(s, _)| s).collect();
+    let dropout_seed = splitmix64(splitmix64(ctx.seed) ^ ctx.step as u64);
+    StepBatch { seqs, rewards, dropout_seed }
 }
 
 /// Sums over a step's micro-batches.
@@ -559,6 +565,8 @@ fn compute_gradients(
         let rows: Vec<Vec<&Sequence>> = micro.iter().map(|row| row.iter().map(|&i| &batch.seqs[i]).collect()).collect();
         let chunk: Vec<&Sequence> = rows.iter().flatten().copied().collect();
         let (tb, targets, mut inputs, teacher) = micro_inputs(&rows, pad, &device)?;
+        let (g, a) = chunk.first().map_or((0, 0), |s| s.origin);
+        let tb = tb.with_dropout_seed(splitmix64(batch.dropout_seed ^ splitmix64((g as u64) << 20 ^ a as u64)));
         drop(phase);
         stats.response_tokens += targets.len();
         stats.tokens += tb.num_tokens();
