@@ -186,13 +186,16 @@ pub struct Activations {
 }
 
 /// LoRA's sizes ([`crate::model::lora`]): the adapters' parameters, in all, in the largest layer and the
-/// largest tensor, and the bytes per token a layer's adapters keep for the backward: each adapted
-/// projection's input in f32 (for A's gradient) and its `[N, r]` f32 product with A (for B's).
+/// largest tensor, the bytes per token a layer's adapters keep for the backward (each adapted projection's
+/// `[N, r]` f32 product with A, for B's gradient: `lora_linear` keeps nothing else), and the f32 buffers per
+/// token of the largest adapted projection's backward (the input again with its mask and the input's
+/// gradient through the adapters, `[N, in]` each, and the scaled output gradient, `[N, out]`).
 struct Lora {
     params: u64,
     layer: u64,
     largest: u64,
     saved_per_token: f64,
+    backward_per_token: f64,
 }
 
 impl Lora {
@@ -202,12 +205,14 @@ impl Lora {
         let size = |s: &[usize]| s.iter().product::<usize>() as u64;
         let layer: u64 = shapes.iter().map(|(_, s)| size(s)).sum();
         let largest = shapes.iter().map(|(_, s)| size(s)).max().unwrap_or(0);
-        let saved_per_token = crate::model::lora::TARGETS
-            .iter()
-            .filter(|(t, _)| opts.targets(t))
-            .map(|(t, _)| 4.0 * (crate::model::lora::features(m, t).0 + opts.r) as f64)
-            .sum();
-        Self { params: layer.saturating_mul(m.num_layers as u64), layer, largest, saved_per_token }
+        let targets = crate::model::lora::TARGETS.iter().filter(|(t, _)| opts.targets(t));
+        let saved_per_token = targets.clone().map(|_| 4.0 * opts.r as f64).sum();
+        let backward_per_token = targets
+            .map(|(t, _)| crate::model::lora::features(m, t))
+            .map(|(i, o)| 4.0 * (2 * i + o + opts.r) as f64)
+            .fold(0.0, f64::max);
+        let params = layer.saturating_mul(m.num_layers as u64);
+        Self { params, layer, largest, saved_per_token, backward_per_token }
     }
 }
 
@@ -340,9 +345,10 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
     let lora_bytes = lora.as_ref().map_or(0.0, |l| l.saved_per_token);
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes, lora_bytes);
-    if lora.is_some() {
+    if let Some(l) = &lora {
         // The frozen lm_head gets no gradient (src/kernels/logprob.rs).
         act.head_backward = 0;
+        act.layer_backward += to_bytes(shape.b as f64 * shape.t as f64 * l.backward_per_token);
     }
     // What is trained: every weight in the model's dtype, or (LoRA) the f32 adapters.
     let (p_train, p_layer, p_max) = match &lora {

@@ -368,13 +368,21 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
     gemm(o, "o projection", n_tokens, q, h, d, 1.0);
     gemm(o, "MLP gate and up", n_tokens, h, i, d, 2.0);
     gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
-    if lora_rank > 0 {
-        // x A^T then (x A) B^T of every projection, in f32, and their backward (both gradients).
+    if lora_rank > 0 && pass != Pass::Reference {
+        // x A^T then (x A) B^T of every projection, in f32, and their backward (both gradients); the
+        // reference is the base model (adapters off).
         let r = lora_rank as f64;
         let gemm = if backward { Ops::gemm_backward } else { Ops::gemm };
         for (k, n) in [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)] {
             gemm(o, "LoRA adapters", n_tokens, k, r, 4.0, 1.0);
             gemm(o, "LoRA adapters", n_tokens, r, n, 4.0, 1.0);
+            // kernels/lora.cu: forward, the input to f32 (masked) and the sum with the base output;
+            // backward, the scaled output gradient, the input again, and the input's gradient's sum.
+            let (bytes, launches) = match backward {
+                false => ((d + 4.0) * k + (2.0 * d + 4.0) * n, 2.0),
+                true => ((d + 4.0) * n + (d + 4.0) * k + (2.0 * d + 4.0) * k, 3.0),
+            };
+            o.push("LoRA element-wise", OpKind::Elementwise, 0.0, bytes * n_tokens, launches);
         }
     }
     // Element-wise: (elements read + written per token, launches).

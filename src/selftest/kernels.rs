@@ -13,8 +13,9 @@ use rand::{Rng, SeedableRng};
 use super::Part;
 use crate::kernels::{
     flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, masked_softmax,
-    masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope, rope_reference, row_grad,
-    row_stats, wgmma_layouts, GpuKernels,
+    lora_linear, lora_linear_reference, masked_softmax_reference, matrix_attention, rms_normalize,
+    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, swiglu, swiglu_reference, wgmma_layouts,
+    Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -31,6 +32,8 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "row_grad", run: row_grad_check, tolerance: rounded_output },
     KernelCheck { op: "rms_normalize", run: rms_normalize_check, tolerance: rounded_output },
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
+    KernelCheck { op: "swiglu", run: swiglu_check, tolerance: rounded_output },
+    KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention_mma", run: flash_attention_mma_check, tolerance: rounded_output },
@@ -233,6 +236,35 @@ fn rms_normalize_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(worst_parts(cases))
+}
+
+/// The MLP's activation on an intermediate width that is not a multiple of a block.
+fn swiglu_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(23);
+    let (g, u) = (uniform(&mut rng, &[37, 4864], 6.0)?, uniform(&mut rng, &[37, 4864], 2.0)?);
+    let up = uniform(&mut rng, &[37, 4864], 1.0)?;
+    fwd_bwd_parts(device, dtype, &[&g, &u], &up, |x| swiglu(&x[0], &x[1]), |x| swiglu_reference(&x[0], &x[1]))
+}
+
+/// A LoRA projection (the frozen weight and bias in the dtype, f32 adapters) with dropout: the mask the
+/// device draws must be the CPU's, element for element.
+fn lora_linear_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(29);
+    let (n, i, o, r) = (77, 96, 80, 8);
+    let x = uniform(&mut rng, &[n, i], 1.0)?;
+    let (a, b) = (uniform(&mut rng, &[r, i], 0.3)?, uniform(&mut rng, &[o, r], 0.3)?);
+    let w = rounded(&uniform(&mut rng, &[o, i], 0.3)?, dtype)?;
+    let bias = rounded(&uniform(&mut rng, &[o], 0.2)?, dtype)?;
+    let up = uniform(&mut rng, &[n, o], 1.0)?;
+    let dropout = Some(Dropout { p: 0.2, seed: 77 });
+    let op = |v: &[Tensor], fused: bool| -> Result<Tensor> {
+        let like = |t: &Tensor| t.to_device(v[0].device())?.to_dtype(v[0].dtype());
+        let (w, bias) = (like(&w)?, like(&bias)?);
+        let (a, b) = (v[1].to_dtype(DType::F32)?, v[2].to_dtype(DType::F32)?);
+        let f = if fused { lora_linear } else { lora_linear_reference };
+        f(&v[0], (&w, Some(&bias)), (&a, &b), 2.0, dropout)
+    };
+    fwd_bwd_parts(device, dtype, &[&x, &a, &b], &up, |v| op(v, true), |v| op(v, false))
 }
 
 fn rope_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
