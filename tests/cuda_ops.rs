@@ -4,7 +4,7 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor, Var};
-use grpo::kernels::{flash_attention, logprobs_entropy, masked_softmax, rms_normalize, rope, row_grad, row_stats};
+use grpo::kernels::{flash_attention, logprobs_entropy, masked_softmax, rms_norm, rope, row_grad, row_stats};
 use rand::{Rng, SeedableRng};
 
 /// The GPU, or None (the test then skips) when none opens; with GRPO_REQUIRE_CUDA=1 (as scripts/gpu/run.sh
@@ -215,16 +215,20 @@ fn masked_softmax_matches_the_cpu_forward_and_backward() {
 }
 
 #[test]
-fn rms_normalize_matches_the_cpu_forward_and_backward() {
+fn rms_norm_matches_the_cpu_forward_and_backward() {
     let Some(gpu) = gpu() else { return };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
-    // Rows of a real hidden size and of an odd one (not a multiple of the block).
-    for (rows, h) in [(200, 896), (33, 77)] {
+    // Rows of a real hidden size and of an odd one (not a multiple of the block). The weight's gradient is
+    // grpo selftest's (rms_norm bwd).
+    for (rows, h) in [(1100, 896), (33, 77)] {
         let x = random(&mut rng, (rows, h), 8.0);
+        let w = (random(&mut rng, (1, h), 0.5) + 1.0).unwrap().squeeze(0).unwrap();
         let up = random(&mut rng, (rows, h), 1.0);
         for (dt, tol) in [(DType::F32, (1e-4, 1e-6)), (DType::BF16, (2e-2, 1e-4)), (DType::F16, (5e-3, 1e-4))] {
-            let what = format!("rms_normalize {rows}x{h}");
-            gpu_matches_cpu(&what, &gpu, dt, tol, &x, &up, |x| rms_normalize(x, 1e-6).unwrap());
+            let what = format!("rms_norm {rows}x{h}");
+            gpu_matches_cpu(&what, &gpu, dt, tol, &x, &up, |x| {
+                rms_norm(x, &w.to_device(x.device()).unwrap().to_dtype(x.dtype()).unwrap(), 1e-6).unwrap()
+            });
         }
     }
 }

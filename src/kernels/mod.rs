@@ -5,7 +5,8 @@
 //! (docs/cuda-emulator.md):
 //!
 //! - [`rope`] (rope.rs): the rotary embedding fused with the head transpose, each way in one op.
-//! - [`rms_normalize`] (norm.rs): RMSNorm without its weight, in one pass with its own backward.
+//! - [`rms_norm`] (norm.rs): RMSNorm with its weight, one kernel forward and two backward (the input's and
+//!   the weight's gradients).
 //! - [`masked_softmax`] (attention.rs): the attention softmax (scale, causal/segment mask, softmax) in
 //!   one pass with its own backward.
 //! - [`flash_attention`] (flash_attention.rs): attention block by block with an online softmax and its
@@ -68,7 +69,7 @@ pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice}
 pub use frozen::frozen_matmul;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
-pub use norm::{rms_normalize, rms_normalize_reference};
+pub use norm::{rms_norm, rms_norm_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};
 pub use swiglu::{swiglu, swiglu_reference};

@@ -11,8 +11,8 @@ use super::config::{ModelConfig, RopeScaling};
 use super::lora::{self, LoraOptions};
 use crate::kernels::{
     embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy,
-    masked_softmax, masked_softmax_reference, matrix_attention, rms_normalize, rms_normalize_reference, rope_reference,
-    swiglu_reference, AttentionRecord, GpuKernels, Replay,
+    masked_softmax, masked_softmax_reference, matrix_attention, rms_norm as fused_rms_norm, rms_norm_reference,
+    rope_reference, swiglu_reference, AttentionRecord, GpuKernels, Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
@@ -557,8 +557,11 @@ fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
 
 /// RMSNorm as transformers computes it: normalised in f32, rounded to the input dtype, times the weight.
 fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, fused: bool) -> candle_core::Result<Tensor> {
-    let normalized = if fused { rms_normalize(x, eps)? } else { rms_normalize_reference(x, eps)? };
-    normalized.broadcast_mul(w)
+    if fused {
+        fused_rms_norm(x, w, eps)
+    } else {
+        rms_norm_reference(x, w, eps)
+    }
 }
 
 /// `x W^T + b` over the last dim of `x`; `frozen`: `w` gets no gradient ([`frozen_matmul`]).

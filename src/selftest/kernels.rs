@@ -12,10 +12,9 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, masked_softmax,
-    lora_linear, lora_linear_reference, masked_softmax_reference, matrix_attention, rms_normalize,
-    rms_normalize_reference, rope, rope_reference, row_grad, row_stats, swiglu, swiglu_reference, wgmma_layouts,
-    Dropout, GpuKernels,
+    flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, lora_linear,
+    lora_linear_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_norm, rms_norm_reference,
+    rope, rope_reference, row_grad, row_stats, swiglu, swiglu_reference, wgmma_layouts, Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -30,7 +29,7 @@ pub struct KernelCheck {
 pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "row_stats", run: row_stats_check, tolerance: exact_inputs },
     KernelCheck { op: "row_grad", run: row_grad_check, tolerance: rounded_output },
-    KernelCheck { op: "rms_normalize", run: rms_normalize_check, tolerance: rounded_output },
+    KernelCheck { op: "rms_norm", run: rms_norm_check, tolerance: rounded_output },
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
     KernelCheck { op: "swiglu", run: swiglu_check, tolerance: rounded_output },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
@@ -217,21 +216,23 @@ fn worst_parts(cases: Vec<Vec<Part>>) -> Vec<Part> {
     out
 }
 
-fn rms_normalize_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+fn rms_norm_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let mut rng = rng(17);
-    // A real hidden size and an odd one (not a multiple of the block).
-    let cases = [(200, 896), (33, 77)]
+    // A real hidden size over more rows than the backward's blocks, and an odd one (not a multiple of the
+    // block).
+    let cases = [(1100, 896), (33, 77)]
         .into_iter()
         .map(|(rows, h)| {
             let x = uniform(&mut rng, &[rows, h], 8.0)?;
+            let w = (uniform(&mut rng, &[h], 0.5)? + 1.0)?;
             let up = uniform(&mut rng, &[rows, h], 1.0)?;
             fwd_bwd_parts(
                 device,
                 dtype,
-                &[&x],
+                &[&x, &w],
                 &up,
-                |x| rms_normalize(&x[0], 1e-6),
-                |x| rms_normalize_reference(&x[0], 1e-6),
+                |x| rms_norm(&x[0], &x[1], 1e-6),
+                |x| rms_norm_reference(&x[0], &x[1], 1e-6),
             )
         })
         .collect::<Result<Vec<_>>>()?;

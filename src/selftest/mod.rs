@@ -18,7 +18,7 @@ use serde::Serialize;
 /// One row of the self-test's table.
 #[derive(Debug, Clone, Serialize)]
 pub struct CheckResult {
-    /// What was compared, e.g. `rms_normalize bwd` or `train step loss`.
+    /// What was compared, e.g. `rms_norm bwd` or `train step loss`.
     pub check: String,
     /// The dtype the device computed in.
     pub dtype: &'static str,

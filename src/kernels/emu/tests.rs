@@ -13,7 +13,7 @@ use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEA
 use crate::kernels::norm::norm_plan;
 use crate::kernels::rope::rope_plan;
 use crate::kernels::rows::{grad_plan, stats_plan};
-use crate::kernels::{embedding_grad, flash_attention, masked_softmax, rms_normalize, rope, row_stats};
+use crate::kernels::{embedding_grad, flash_attention, masked_softmax, rms_norm, rope, row_stats};
 use crate::kernels::{flash_mma, flash_wgmma};
 
 const DTYPES: [DType; 3] = [DType::F32, DType::BF16, DType::F16];
@@ -159,7 +159,14 @@ fn attn_softmax_bwd() {
 }
 
 /// Rows x features: one feature, a row shorter than a warp's multiple, a row longer than the block.
-const NORM_CASES: [(usize, usize); 4] = [(1, 1), (3, 77), (2, 300), (0, 8)];
+/// `(rows, h)`: one element, odd widths, more rows than the backward's 512 blocks (several rows a block),
+/// the widest row (12,256 f32 partials: with the reductions' 32, all 48 KiB of shared memory), no rows.
+const NORM_CASES: [(usize, usize); 6] = [(1, 1), (3, 77), (2, 300), (1030, 40), (2, 12256), (0, 8)];
+
+/// A norm weight of `h` around 1, in `dt`.
+fn norm_weight(rng: &mut impl Rng, h: usize, dt: DType) -> Tensor {
+    (random(rng, &[h], 0.5) + 1.0).unwrap().to_dtype(dt).unwrap()
+}
 
 #[test]
 fn rms_norm_fwd() {
@@ -167,22 +174,38 @@ fn rms_norm_fwd() {
     for (rows, h) in NORM_CASES {
         for dt in DTYPES {
             let x = random(&mut rng, &[rows, h], 8.0).to_dtype(dt).unwrap();
-            let got = run(&norm_plan(dt, rows, h, 1e-6, false).unwrap(), &[&x]).unwrap().remove(0);
-            assert_close(&format!("rms_norm_fwd {rows}x{h} {dt:?}"), &got, &rms_normalize(&x, 1e-6).unwrap(), tol(dt));
+            let w = norm_weight(&mut rng, h, dt);
+            let got = run(&norm_plan(dt, rows, h, 1e-6, false).unwrap(), &[&x, &w]).unwrap().remove(0);
+            let want = rms_norm(&x, &w, 1e-6).unwrap();
+            assert_close(&format!("rms_norm_fwd {rows}x{h} {dt:?}"), &got, &want, tol(dt));
         }
     }
 }
 
+/// The input's gradient and the weight's (after it in the output) against the CPU op's. The weight's
+/// gradient sums `g T(xhat)` over rows, and `T(xhat)` may round the other way where `r` differs in its
+/// last bit (`rsqrtf` against `1 / sqrt`): a unit of the dtype at `|xhat|` (up to 2 here) times `|g|` (up to
+/// 1) a row, against a largest sum of about 3 over two rows: its own absolute tolerance.
 #[test]
 fn rms_norm_bwd() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(18);
     for (rows, h) in NORM_CASES {
         for dt in DTYPES {
             let x = random(&mut rng, &[rows, h], 8.0).to_dtype(dt).unwrap();
+            let w = Var::from_tensor(&norm_weight(&mut rng, h, dt)).unwrap();
             let up = random(&mut rng, &[rows, h], 1.0).to_dtype(dt).unwrap();
-            let (_, want) = cpu_forward_backward(&x, &up, |x| rms_normalize(x, 1e-6).unwrap());
-            let got = run(&norm_plan(dt, rows, h, 1e-6, true).unwrap(), &[&x, &up]).unwrap().remove(0);
-            assert_close(&format!("rms_norm_bwd {rows}x{h} {dt:?}"), &got, &want, tol(dt));
+            let (_, dx) = cpu_forward_backward(&x, &up, |x| rms_norm(x, w.as_tensor(), 1e-6).unwrap());
+            let (_, dw) = cpu_forward_backward(w.as_tensor(), &up, |w| rms_norm(&x, w, 1e-6).unwrap());
+            let got = run(&norm_plan(dt, rows, h, 1e-6, true).unwrap(), &[&x, w.as_tensor(), &up]).unwrap().remove(0);
+            let what = format!("rms_norm_bwd {rows}x{h} {dt:?}");
+            assert_close(&what, &got.narrow(0, 0, rows * h).unwrap(), &dx.flatten_all().unwrap(), tol(dt));
+            let ulp = match dt {
+                DType::BF16 => 2f32.powi(-7),
+                DType::F16 => 2f32.powi(-10),
+                _ => 0.0,
+            };
+            let (rtol, atol) = tol(dt);
+            assert_close(&format!("{what} weight"), &got.narrow(0, rows * h, h).unwrap(), &dw, (rtol, atol + ulp));
         }
     }
 }
@@ -501,27 +524,28 @@ fn empty_inputs_launch_nothing_and_allocate_no_zero_bytes() {
 #[test]
 fn arguments_are_checked_against_the_kernel_signature() {
     let x = Tensor::ones((2, 40), DType::F32, &Device::Cpu).unwrap();
+    let w = Tensor::ones(40, DType::F32, &Device::Cpu).unwrap();
     let plan = norm_plan(DType::F32, 2, 40, 1e-6, false).unwrap();
     let wide = 40u64;
     let err =
-        |edit: &dyn Fn(Vec<RawArg>) -> Vec<RawArg>| run_with(&plan, &[&x], |_, a| edit(a)).unwrap_err().to_string();
+        |edit: &dyn Fn(Vec<RawArg>) -> Vec<RawArg>| run_with(&plan, &[&x, &w], |_, a| edit(a)).unwrap_err().to_string();
     // h passed as 8 bytes (a usize) where the kernel takes a u32.
     let e = err(&|mut a| {
-        a[2] = RawArg { kind: KIND_U64, elem: 0, size: 8, value: &wide as *const u64 as *const _ };
+        a[3] = RawArg { kind: KIND_U64, elem: 0, size: 8, value: &wide as *const u64 as *const _ };
         a
     });
-    assert!(e.contains("argument 2: the launch passes 8 bytes"), "{e}");
+    assert!(e.contains("argument 3: the launch passes 8 bytes"), "{e}");
     // eps as a u32 of the same size: the kind differs.
     let e = err(&|mut a| {
-        a.swap(2, 3);
+        a.swap(3, 4);
         a
     });
-    assert!(e.contains("argument 2") && e.contains("f32"), "{e}");
+    assert!(e.contains("argument 3") && e.contains("f32"), "{e}");
     let e = err(&|mut a| {
         a.pop();
         a
     });
-    assert!(e.contains("takes 4 arguments, the launch passes 3"), "{e}");
+    assert!(e.contains("takes 5 arguments, the launch passes 4"), "{e}");
     // A bf16 buffer where the f32 kernel takes f32.
     let e = err(&|mut a| {
         a[0].elem = 2;
