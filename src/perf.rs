@@ -26,6 +26,7 @@ use crate::data::{Group, Response};
 use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
 use crate::model::load::random_parameter;
+use crate::model::LoraOptions;
 use crate::model::{Attention, Decoder, DecoderOptions, ModelConfig};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName, TokenInputs};
 use crate::train::optim::OptimConfig;
@@ -160,6 +161,10 @@ pub struct TrainStepSpec {
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
+    /// Train rank-R LoRA adapters of every projection (`[model.lora]`, alpha 2R) instead of every weight;
+    /// the reference is the base model (the adapters off). 0: every weight.
+    #[arg(long, default_value_t = 0)]
+    pub lora_r: usize,
     /// How attention is computed with fused ops: auto (`model.attention`'s default: on a GPU the fastest
     /// tensor-core kernels that pass a start-up check, else flash), flash (block by block), mma (flash on
     /// the tensor cores, on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or
@@ -221,7 +226,12 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     check_lengths(spec)?;
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
-    let mut policy = random_model(cfg, t, true)?;
+    let mut policy = random_model(cfg, t, spec.lora_r == 0)?;
+    if spec.lora_r > 0 {
+        let opts = LoraOptions { r: spec.lora_r, alpha: 2.0 * spec.lora_r as f64, ..LoraOptions::default() };
+        let adapters = crate::model::lora::init_adapters(policy.config(), &opts, 0, &t.device)?;
+        policy = policy.with_adapters(&opts, adapters, true)?;
+    }
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.recompute_attention = !spec.keep_attention;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
@@ -231,7 +241,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let reference = if spec.no_reference {
         None
     } else {
-        let mut r = policy.frozen_copy()?;
+        let mut r = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
         r.options = policy.options.clone();
         Some(r)
     };
@@ -322,6 +332,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         // predicts the records without it as the H100 run's build (`--h100-run-build`).
         "update": "fused",
         "reference": !spec.no_reference,
+        "lora_r": spec.lora_r,
         "attention": spec.attention,
         "step_times": times,
         "step_time_s": step_time,
@@ -393,7 +404,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
             .tensor_core_attention(dtype, cfg.head_dim),
         atomic_dq: spec.atomic_dq,
         warpgroup: matches!(spec.attention, Attention::Wgmma | Attention::Auto),
-        lora_rank: 0,
+        lora_rank: spec.lora_r as u64,
     }
 }
 
@@ -1025,6 +1036,7 @@ mod tests {
             fused_ops: true,
             offload: false,
             no_reference: false,
+            lora_r: 0,
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
@@ -1047,6 +1059,10 @@ mod tests {
             .iter()
             .all(|p| p["step_time_s"].as_f64().unwrap() > 0.0 && p["measured_over_predicted"].is_null()));
         let lean = train_step(&TrainStepSpec { offload: true, no_reference: true, ..spec.clone() }, &cpu()).unwrap();
+        // LoRA: the adapters train (the base model is the reference) and the model predicts the LoRA step.
+        let lora = train_step(&TrainStepSpec { lora_r: 2, ..spec.clone() }, &cpu()).unwrap();
+        assert_eq!(lora["lora_r"], 2);
+        assert!(lora["losses"][0].as_f64().unwrap().is_finite(), "{lora}");
         assert_eq!((&lean["offload"], &lean["reference"]), (&true.into(), &false.into()));
         let bad = TrainStepSpec { prompt_len: 12, ..spec };
         assert!(train_step(&bad, &cpu()).unwrap_err().to_string().contains("prompt length"));
@@ -1077,6 +1093,7 @@ mod tests {
                 fused_ops: true,
                 offload: false,
                 no_reference: false,
+                lora_r: 0,
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
