@@ -227,3 +227,44 @@ fn pack_compares_padded_and_packed_micro_batches_on_the_same_answers() {
     assert!(packed < 24 && packed as f64 >= tokens / 20000.0, "{packed} micro-batches for {tokens} tokens");
     assert!(g[2]["max_slots"].as_u64().unwrap() <= 20000.max(r["length_max"].as_u64().unwrap()));
 }
+
+/// The kernels a GPU launches for one layer (the profile's new buffers, counted on the CPU: each a device
+/// allocation and, copies aside, a launch) and the host-to-device copies of a step stay at or under what
+/// this build makes, at the Qwen2.5-0.5B widths (one layer, f32, layers recomputed): a change that adds
+/// launches or copies to the hot path fails here. Forward: the attention block 15 (its RMSNorm one, rope
+/// two), the MLP block 6; backward: the MLP's 19, the attention's 33; the inputs' and each forward's copies.
+#[test]
+fn a_layer_launches_no_more_kernels_and_a_step_copies_no_more_than_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let raw = std::fs::read_to_string(common::root().join("scripts/gpu/shapes/qwen2.5-0.5b.json")).unwrap();
+    let mut cfg: Value = serde_json::from_str(&raw).unwrap();
+    cfg["num_hidden_layers"] = 1.into();
+    cfg["vocab_size"] = 4096.into();
+    let shape = dir.path().join("one-layer.json");
+    std::fs::write(&shape, cfg.to_string()).unwrap();
+    let shape = shape.display().to_string();
+    let args = ["train-step", "--shape", &shape, "--answers", "1", "--seq-len", "64", "--prompt-len", "16"];
+    let r = bench(&[&args[..], &["--warmup", "1", "--repeats", "1", "--profile", "--checkpoint-layers"]].concat());
+    let p = &r["profile"];
+    let count = |path: &str, what: &str| phase(p, path)["total_counts"][what].as_f64().unwrap();
+    let at_most = [
+        ("forward/attention", 15.0),
+        ("forward/mlp", 6.0),
+        ("backward/recompute/attention", 15.0),
+        ("backward/recompute/mlp", 6.0),
+        ("backward/mlp", 19.0),
+        ("backward/attention", 33.0),
+    ];
+    for (path, most) in at_most {
+        let n = count(path, "buffers");
+        assert!(n > 0.0 && n <= most, "{path}: {n} new buffers, at most {most} counted");
+    }
+    let copies: f64 = p["phases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|ph| ph["depth"] == 1)
+        .map(|ph| ph["total_counts"]["h2d"].as_f64().unwrap())
+        .sum();
+    assert!((1.0..=14.0).contains(&copies), "{copies} host-to-device copies in the step, at most 14 counted");
+}
