@@ -159,6 +159,10 @@ pub struct TensorOps {
     pub accumulate_per_tensor: f64,
     pub norm_per_tensor: f64,
     pub update_per_tensor: f64,
+    /// Passes over a layer's `[N, hidden]` output that its backward spends seeding the gradient: 4 where it
+    /// formed `(y g).sum_all()` and differentiated that (read y and g, write the product, sum it), 0 with
+    /// the patched candle's `backward_from(g)`.
+    pub seed_passes: f64,
 }
 
 /// This build's, counted on the CPU (see [`TensorOps`]; tests/calibration.rs holds the model's count to the
@@ -243,13 +247,16 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // The MLP's activation one fused op (kernels::swiglu) each way instead of candle's silu, product and
     // their backward; the backward's first gradient of each op stored rather than added to zeros (the
     // patched candle-core, third_party/candle-core/PATCHED.md); RMSNorm with its weight one op each way
-    // (kernels::rms_norm, the weight's gradient in the op): a layer's backward 103 tensors, not 249.
+    // (kernels::rms_norm, the weight's gradient in the op); a recomputed layer's backward seeded with the
+    // incoming gradient (`backward_from`, no `(y g).sum_all()`) and no gradient formed for an operand that
+    // leads to no variable (the patched candle): a layer's backward 102 tensors, not 249, and a recomputed
+    // layer 65 more, not 84.
     layer_reference: 50.0,
     layer_policy: 50.0,
-    layer_recompute: 83.0,
-    layer_backward: 103.0,
-    micro_batch: 136.0,
-    micro_batch_reference: 79.0,
+    layer_recompute: 65.0,
+    layer_backward: 102.0,
+    micro_batch: 133.0,
+    micro_batch_reference: 76.0,
     // What a step adds beyond its micro-batches and its parameters' ops: nothing left once the update is
     // one op per parameter (the composite's per-step views and scalars are gone).
     step: 0.0,
@@ -258,6 +265,7 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // The fused update's op and the views around it (the gradient flattened, the master copy's row and
     // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
     update_per_tensor: 5.0,
+    seed_passes: 0.0,
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the
@@ -274,4 +282,5 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     accumulate_per_tensor: 2.0,
     norm_per_tensor: 3.0,
     update_per_tensor: 15.0,
+    seed_passes: 4.0,
 };

@@ -418,9 +418,10 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
     let named = scale * ew.iter().map(|(_, l)| l).sum::<f64>();
     let bytes = scale * elements * n_tokens * d * (launches / named).max(1.0);
     o.push("layer element-wise", OpKind::Elementwise, 0.0, bytes, launches);
-    if backward {
-        // (y g).sum_all() of the recomputed layer: read y and g, write the product, sum it.
-        o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * h * n_tokens * d, 0.0);
+    if backward && o.counts.seed_passes > 0.0 {
+        // The backward seeded by (y g).sum_all() (the H100 run's build): read y and g, write the product,
+        // sum it.
+        o.push("layer element-wise", OpKind::Elementwise, 0.0, o.counts.seed_passes * h * n_tokens * d, 0.0);
     }
 }
 

@@ -1,8 +1,10 @@
-//! The product of activations with a frozen weight (LoRA's base projections): `x W^T` computed without a
-//! graph, with a backward that gives the gradient of `x` only, `g W`. candle's own matmul backward computes
-//! the gradient of both operands whether or not the weight is a variable, and keeps it until the whole
-//! backward ends: for a frozen 7B model, a weight-sized tensor per projection and a third of the backward's
-//! FLOPs spent on gradients nobody reads.
+//! The product of activations with a frozen weight (LoRA's base projections without an adapter): `x W^T`
+//! computed without a graph, with a backward that gives the gradient of `x` only, `g W`. candle 0.11's own
+//! matmul backward computes the gradient of both operands whether or not the weight is a variable, and
+//! keeps it until the whole backward ends: for a frozen 7B model, a weight-sized tensor per projection and a
+//! third of the backward's FLOPs spent on gradients nobody reads. (The patched candle-core,
+//! third_party/candle-core/PATCHED.md, skips an operand that leads to no variable too; this op does not
+//! depend on it.)
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
@@ -84,10 +86,8 @@ mod tests {
         let store_ref = (want * &g).unwrap().sum_all().unwrap().backward().unwrap();
         let (dx, dx_ref) = (store.get(x.as_tensor()).unwrap(), store_ref.get(x.as_tensor()).unwrap());
         assert_eq!(dx.to_vec2::<f32>().unwrap(), dx_ref.to_vec2::<f32>().unwrap());
-        // candle's matmul gives the frozen weight a gradient; the frozen product keeps only x's and the
-        // loss's own.
-        assert!(store_ref.get(&wt).is_some());
-        assert!(store.get_ids().count() < store_ref.get_ids().count());
-        assert!(store.get(&w).is_none());
+        // Neither gives the frozen weight a gradient (the patched candle skips an operand that leads to no
+        // variable).
+        assert!(store.get(&w).is_none() && store_ref.get(&wt).is_none() && store_ref.get(&w).is_none());
     }
 }

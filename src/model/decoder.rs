@@ -319,7 +319,8 @@ impl Grads {
     }
 
     fn add(&mut self, i: usize, g: &Tensor) -> candle_core::Result<()> {
-        let g = g.to_dtype(DType::F32)?;
+        // (A transposed weight's gradient is a view: the cast reads it where it lies.)
+        let g = g.to_dtype(DType::F32)?.contiguous()?;
         self.grads[i] = Some(match self.grads[i].take() {
             None => g,
             Some(acc) => (acc + g)?,
@@ -1274,12 +1275,12 @@ impl Decoder {
         let g_mid = {
             // The MLP's graph and gradients are released before the attention's backward.
             let _mlp = crate::profile::phase("mlp");
-            let store = (y * g)?.sum_all()?.backward()?;
+            let store = y.backward_from(g)?;
             self.collect(&store, grads)?;
             grad_of(&store, &mid_in)?
         };
         let _attention = crate::profile::phase("attention");
-        let store = (mid * g_mid)?.sum_all()?.backward()?;
+        let store = mid.backward_from(&g_mid)?;
         self.collect(&store, grads)?;
         grad_of(&store, &xin)
     }

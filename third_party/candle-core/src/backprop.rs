@@ -163,9 +163,24 @@ impl Tensor {
     }
 
     pub fn backward(&self) -> Result<GradStore> {
+        self.backward_from(&self.ones_like()?)
+    }
+
+    /// The backward pass from `grad`, the gradient of some scalar with respect to `self` (same shape):
+    /// the gradients `(self * grad).sum_all().backward()` gives, without the product, its sum and the
+    /// product's backward (grpo's patch).
+    pub fn backward_from(&self, grad: &Tensor) -> Result<GradStore> {
+        if grad.shape() != self.shape() {
+            Err(Error::ShapeMismatchBinaryOp {
+                lhs: self.shape().clone(),
+                rhs: grad.shape().clone(),
+                op: "backward_from",
+            }
+            .bt())?
+        }
         let sorted_nodes = self.sorted_nodes();
         let mut grads = GradStore::new();
-        grads.insert(self, self.ones_like()?.contiguous()?);
+        grads.insert(self, grad.detach().to_dtype(self.dtype())?.contiguous()?);
         for node in sorted_nodes.iter() {
             if node.is_variable() {
                 continue;
@@ -190,17 +205,26 @@ impl Tensor {
                         grads.add_to(lhs, &grad)?;
                         grads.sub_from(rhs, &grad)?;
                     }
+                    // (grpo's patch: an operand that leads to no variable gets no gradient.)
                     Op::Binary(lhs, rhs, BinaryOp::Mul) => {
-                        let lhs_grad = grad.mul(rhs)?;
-                        grads.add_to(lhs, &lhs_grad)?;
-                        let rhs_grad = grad.mul(lhs)?;
-                        grads.add_to(rhs, &rhs_grad)?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.mul(rhs)?;
+                            grads.add_to(lhs, &lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = grad.mul(lhs)?;
+                            grads.add_to(rhs, &rhs_grad)?;
+                        }
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Div) => {
-                        let lhs_grad = grad.div(rhs)?;
-                        grads.add_to(lhs, &lhs_grad)?;
-                        let rhs_grad = grad.mul(lhs)?.div(&rhs.sqr()?)?;
-                        grads.sub_from(rhs, &rhs_grad)?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.div(rhs)?;
+                            grads.add_to(lhs, &lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = grad.mul(lhs)?.div(&rhs.sqr()?)?;
+                            grads.sub_from(rhs, &rhs_grad)?;
+                        }
                     }
                     Op::Binary(lhs, rhs, BinaryOp::Minimum)
                     | Op::Binary(lhs, rhs, BinaryOp::Maximum) => {
@@ -432,11 +456,17 @@ impl Tensor {
                         // Skipping checks, the op went ok, we can skip
                         // the matmul size checks for now.
 
-                        let lhs_grad = grad.matmul(&rhs.t()?)?;
-                        grads.add_to(lhs, &lhs_grad)?;
-
-                        let rhs_grad = lhs.t()?.matmul(&grad)?;
-                        grads.add_to(rhs, &rhs_grad)?;
+                        // (grpo's patch: an operand that leads to no variable gets no gradient; the
+                        // stored gradient may be a view, which a product needs contiguous.)
+                        let grad = grad.contiguous()?;
+                        if lhs.track_op() {
+                            let lhs_grad = grad.matmul(&rhs.t()?)?;
+                            grads.add_to(lhs, &lhs_grad)?;
+                        }
+                        if rhs.track_op() {
+                            let rhs_grad = lhs.t()?.matmul(&grad)?;
+                            grads.add_to(rhs, &rhs_grad)?;
+                        }
                     }
                     Op::Cat(args, dim) => {
                         let mut start_idx = 0;
@@ -712,7 +742,9 @@ impl GradStore {
                 entry.insert(sum);
             }
             Entry::Vacant(entry) => {
-                entry.insert(grad.contiguous()?);
+                // As it is, a view included (a transposed weight's gradient, a broadcast one): what
+                // reads it copies it if it needs to.
+                entry.insert(grad.clone());
             }
         }
         Ok(())
