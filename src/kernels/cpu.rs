@@ -85,6 +85,13 @@ macro_rules! with_float {
 }
 pub(crate) use with_float;
 
+/// The forward of an op recorded with its values (the patched candle's `Tensor::record_op1` /
+/// `record_op3`: the values computed by other ops, the op contributing its backward), which candle never
+/// runs.
+pub fn recorded<T>(op: &str) -> Result<T> {
+    candle_core::bail!("{op}: recorded with its values (record_op), its forward is never run")
+}
+
 /// The contiguous elements of a u32 storage (targets, ranges); an error naming `what` otherwise.
 pub fn u32s<'a>(s: &'a candle_core::CpuStorage, l: &Layout, what: &str) -> Result<&'a [u32]> {
     use candle_core::backend::BackendStorage;

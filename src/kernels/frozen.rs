@@ -8,19 +8,10 @@
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
 
+/// The op in the graph: recorded with its values (`record_op1`), its backward `g W`.
 struct FrozenMatmul {
-    /// `x W^T`, a fresh contiguous buffer: the op's output, handed out (and released) by the forward, so
-    /// that the graph does not keep a second copy of it.
-    values: std::sync::Mutex<Option<Tensor>>,
     /// The frozen weight `[out, in]`.
     weight: Tensor,
-}
-
-impl FrozenMatmul {
-    fn take(&self) -> Result<Tensor> {
-        let mut slot = self.values.lock().unwrap_or_else(|e| e.into_inner());
-        slot.take().ok_or_else(|| candle_core::Error::Msg("frozen-matmul: forward run twice".into()))
-    }
 }
 
 impl CustomOp1 for FrozenMatmul {
@@ -29,23 +20,7 @@ impl CustomOp1 for FrozenMatmul {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let values = self.take()?;
-        let (storage, layout) = values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
-            _ => candle_core::bail!("frozen-matmul: values are not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let values = self.take()?;
-        let (storage, layout) = values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("frozen-matmul: values are not on the GPU"),
-        }
+        super::cpu::recorded(self.name())
     }
 
     fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
@@ -61,10 +36,7 @@ pub fn frozen_matmul(x: &Tensor, weight: &Tensor) -> Result<Tensor> {
     if !x.track_op() {
         return Ok(values);
     }
-    // The custom op hands the storage of `values` out whole: it must be exactly the output.
-    let fresh = values.is_contiguous() && values.layout().start_offset() == 0;
-    let values = if fresh { values } else { values.copy()? };
-    x.apply_op1(FrozenMatmul { values: std::sync::Mutex::new(Some(values)), weight })
+    x.record_op1(&values, FrozenMatmul { weight })
 }
 
 #[cfg(test)]

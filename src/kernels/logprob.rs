@@ -46,9 +46,8 @@ fn forward_values(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget: us
     Tensor::cat(&out, 0)?.contiguous()
 }
 
+/// The op in the graph: recorded with its values (`record_op3`), its backward its own.
 struct LogprobEntropy {
-    /// `[n, 2]`: the op's output.
-    values: Tensor,
     /// `[n]`: each row's log-sum-exp, kept for the backward.
     lse: Tensor,
     budget: usize,
@@ -68,29 +67,7 @@ impl CustomOp3 for LogprobEntropy {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (storage, layout) = self.values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
-            _ => candle_core::bail!("logprob-entropy: values are not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let (storage, layout) = self.values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("logprob-entropy: values are not on the GPU"),
-        }
+        super::cpu::recorded(self.name())
     }
 
     fn bwd(
@@ -98,7 +75,7 @@ impl CustomOp3 for LogprobEntropy {
         hidden: &Tensor,
         weight: &Tensor,
         targets: &Tensor,
-        _res: &Tensor,
+        res: &Tensor,
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         // A frozen weight (LoRA's lm_head) gets no gradient: its `[vocab, hidden]` product is skipped.
@@ -111,7 +88,7 @@ impl CustomOp3 for LogprobEntropy {
         // recomputed logits.
         let mut coef = vec![self.lse.clone(), grad.narrow(1, 0, 1)?.squeeze(1)?];
         if has_entropy_grad {
-            coef.extend([self.values.narrow(1, 1, 1)?.squeeze(1)?, entropy_grad]);
+            coef.extend([res.detach().narrow(1, 1, 1)?.squeeze(1)?, entropy_grad]);
         }
         let coef = Tensor::stack(&coef, 1)?;
         let (n, _) = hidden.dims2()?;
@@ -147,14 +124,12 @@ impl CustomOp3 for LogprobEntropy {
 /// (both columns differentiable).
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
     let stats = forward_values(hidden, weight, targets, budget_bytes)?;
-    // A fresh buffer of exactly [n, 2] (not a view into `stats`): the custom op hands its storage out
-    // whole as the output.
-    let values = stats.narrow(1, 0, 2)?.affine(1.0, 0.0)?;
+    let values = stats.narrow(1, 0, 2)?;
     if !(hidden.track_op() || weight.track_op()) {
         return Ok(values);
     }
     let lse = stats.narrow(1, 2, 1)?.squeeze(1)?.contiguous()?;
-    hidden.apply_op3(weight, targets, LogprobEntropy { values, lse, budget: budget_bytes })
+    hidden.record_op3(weight, targets, &values, LogprobEntropy { lse, budget: budget_bytes })
 }
 
 /// The same quantities from the whole `[n, vocab]` log-softmax with candle's own autograd: the reference

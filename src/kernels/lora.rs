@@ -15,8 +15,6 @@
 //! hash of `(seed, element)`, not from a stream: the layers' recomputation (`checkpoint_layers`) and the
 //! backward draw the same mask from the same seed, on every device.
 
-use std::sync::Mutex;
-
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
@@ -194,22 +192,14 @@ fn combine(base: &Tensor, delta: &Tensor, scale: f32, mask: Mask) -> Result<Tens
     base.contiguous()?.apply_op2_no_bwd(&delta.contiguous()?, &LoraCombine { scale, mask })
 }
 
-/// The op in the graph: its forward hands out the values computed beforehand (as [`super::frozen_matmul`]
-/// does), its backward computes the three gradients.
+/// The op in the graph: recorded with its values (`record_op3`, as [`super::frozen_matmul`]), its backward
+/// the three gradients.
 struct LoraLinear {
-    values: Mutex<Option<Tensor>>,
     weight: Tensor,
     /// `xa`, the `[N, r]` f32 product of the (dropped-out) input with A: B's gradient reads it.
     xa: Tensor,
     scale: f32,
     mask: Mask,
-}
-
-impl LoraLinear {
-    fn take(&self) -> Result<Tensor> {
-        let mut slot = self.values.lock().unwrap_or_else(|e| e.into_inner());
-        slot.take().ok_or_else(|| candle_core::Error::Msg("lora-linear: forward run twice".into()))
-    }
 }
 
 impl CustomOp3 for LoraLinear {
@@ -226,31 +216,7 @@ impl CustomOp3 for LoraLinear {
         _: &CpuStorage,
         _: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let values = self.take()?;
-        let (storage, layout) = values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(s) => Ok((s.clone(), layout.shape().clone())),
-            _ => candle_core::bail!("lora-linear: values are not on the CPU"),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-        _: &candle_core::CudaStorage,
-        _: &Layout,
-    ) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let values = self.take()?;
-        let (storage, layout) = values.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, layout.shape().clone())),
-            _ => candle_core::bail!("lora-linear: values are not on the GPU"),
-        }
+        super::cpu::recorded(self.name())
     }
 
     fn bwd(
@@ -299,8 +265,7 @@ pub fn lora_linear(
     if !(x.track_op() || a.track_op() || b.track_op()) {
         return Ok(values);
     }
-    let op = LoraLinear { values: Mutex::new(Some(values)), weight: w, xa, scale: scale as f32, mask };
-    x.apply_op3(a, b, op)
+    x.record_op3(a, b, &values, LoraLinear { weight: w, xa, scale: scale as f32, mask })
 }
 
 /// The same from candle's composite ops (the base product through [`super::frozen_matmul`], the dropout

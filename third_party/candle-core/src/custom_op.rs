@@ -242,6 +242,29 @@ impl Tensor {
     ) -> Result<Self> {
         self.apply_op3_arc(t2, t3, Arc::new(Box::new(c)))
     }
+
+    /// grpo's patch: `values`, computed beforehand by other ops (without a graph), as the result of `c`
+    /// applied to `self`: the result shares `values`' storage (no copy) and its backward is `c`'s; `c`'s
+    /// forward is not run. For an op whose forward is made of other ops (a product through the backend's
+    /// GEMM) and whose backward is its own.
+    pub fn record_op1<C: 'static + CustomOp1 + Send + Sync>(&self, values: &Self, c: C) -> Result<Self> {
+        let c: Arc<Box<dyn CustomOp1 + Send + Sync>> = Arc::new(Box::new(c));
+        let op = BackpropOp::new1(self, |s| Op::CustomOp1(s, c.clone()));
+        Ok(values.shared_with_op(op))
+    }
+
+    /// [`Tensor::record_op1`] for an op of three arguments.
+    pub fn record_op3<C: 'static + CustomOp3 + Send + Sync>(
+        &self,
+        t2: &Self,
+        t3: &Self,
+        values: &Self,
+        c: C,
+    ) -> Result<Self> {
+        let c: Arc<Box<dyn CustomOp3 + Send + Sync>> = Arc::new(Box::new(c));
+        let op = BackpropOp::new3(self, t2, t3, |t1, t2, t3| Op::CustomOp3(t1, t2, t3, c.clone()));
+        Ok(values.shared_with_op(op))
+    }
 }
 
 // In place ops.

@@ -609,6 +609,21 @@ impl Tensor {
         from_storage(storage, shape, op, is_variable)
     }
 
+    /// grpo's patch: a new tensor sharing this one's storage and layout (no copy), recorded as the
+    /// result of `op` ([`Tensor::record_op1`], [`Tensor::record_op3`]).
+    pub(crate) fn shared_with_op(&self, op: BackpropOp) -> Tensor {
+        let tensor_ = Tensor_ {
+            id: TensorId::new(),
+            storage: self.storage.clone(),
+            layout: self.layout.clone(),
+            op,
+            is_variable: false,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        };
+        Tensor(Arc::new(tensor_))
+    }
+
     // TODO: Also make an inplace version or a pre-allocated? This could be tricky
     // if this can create cycles in the compute graph.
     binary_op!(add, Add);
