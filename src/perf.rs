@@ -7,6 +7,7 @@
 //! - [`logprob`]: the fused log-prob op alone (optionally with the off_grpo loss on top), and candle's
 //!   naive whole-vocabulary log-softmax for comparison;
 //! - [`generate`]: greedy generation with the KV cache, never stopping early;
+//! - [`gemm`]: a layer's projection GEMMs (forward, input and weight gradients) at a model shape;
 //! - [`attention`]: forward and backward of one layer's chunked attention against a plain f32 matmul;
 //! - [`optimizer`]: the offloaded optimiser's host update, fused against the composite ops it replaced;
 //! - [`sample`]: picking the next token (temperature, top-k, top-p) on the device against the full-sort
@@ -113,6 +114,102 @@ fn random_model(cfg: ModelConfig, t: &Timing, trainable: bool) -> Result<Decoder
 
 fn random_ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
+}
+
+/// The projections' GEMMs of one layer of a model shape (`grpo bench gemm`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct GemmSpec {
+    /// HF config.json of the model shape (e.g. configs/models/qwen2.5-7b-instruct.config.json).
+    #[arg(long)]
+    pub shape: PathBuf,
+    /// Tokens of a micro-batch: the products' rows.
+    #[arg(long, default_value_t = 4096)]
+    pub tokens: usize,
+}
+
+/// One GEMM of `grpo bench gemm`: `[m, k] x [k, n]`, median seconds and TFLOP/s.
+#[derive(Debug, serde::Serialize)]
+struct GemmTiming {
+    name: String,
+    m: usize,
+    k: usize,
+    n: usize,
+    seconds: f64,
+    tflops: f64,
+}
+
+/// The rate the performance model assumes for the projections' GEMMs on a GPU (its peak times
+/// [`crate::cost::time::Gpu::gemm_efficiency`]).
+#[derive(Debug, serde::Serialize)]
+struct AssumedGemm {
+    gpu: &'static str,
+    tflops: f64,
+}
+
+/// What `grpo bench gemm` prints.
+#[derive(Debug, serde::Serialize)]
+struct GemmRecord {
+    bench: &'static str,
+    device: String,
+    dtype: &'static str,
+    shape: String,
+    tokens: usize,
+    /// Each projection's forward (`x W^T`), input gradient (`g W`) and weight gradient (`g^T x`), as the
+    /// decoder runs them (candle's matmul on the transposed weight, cuBLAS on a GPU).
+    gemms: Vec<GemmTiming>,
+    /// Their sum, and all their FLOPs over it: the layer's GEMM rate the performance model's single GEMM
+    /// efficiency stands for.
+    seconds: f64,
+    tflops: f64,
+    assumed: Vec<AssumedGemm>,
+}
+
+/// Each projection's three GEMMs of one layer of `--shape` over `--tokens` rows, timed one by one on the
+/// device in the bench's dtype: what the performance model's GEMM efficiency (measured at 2048^3) should be
+/// at the shapes a step runs.
+pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
+    let cfg = load_shape(&spec.shape)?;
+    let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let n = spec.tokens;
+    let rand = |shape: (usize, usize)| -> Result<Tensor> {
+        Ok(Tensor::randn(0f32, 0.02, shape, &t.device)?.to_dtype(t.dtype)?)
+    };
+    let mut gemms = Vec::new();
+    for (name, fan_in, fan_out) in
+        [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h), ("gate", h, i), ("up", h, i), ("down", i, h)]
+    {
+        let (x, w, g) = (rand((n, fan_in))?, rand((fan_out, fan_in))?, rand((n, fan_out))?);
+        let cases: [(&str, (usize, usize, usize), Box<dyn Fn() -> Result<Tensor>>); 3] = [
+            ("forward", (n, fan_in, fan_out), Box::new(|| Ok(x.matmul(&w.t()?)?))),
+            ("input gradient", (n, fan_out, fan_in), Box::new(|| Ok(g.matmul(&w)?))),
+            ("weight gradient", (fan_out, n, fan_in), Box::new(|| Ok(g.t()?.matmul(&x)?))),
+        ];
+        for (what, (m, k, cols), run) in cases {
+            let (times, _) = time_runs(t, &run)?;
+            let seconds = median(&times);
+            let tflops = 2.0 * (m * k * cols) as f64 / seconds / 1e12;
+            gemms.push(GemmTiming { name: format!("{name} {what}"), m, k, n: cols, seconds, tflops });
+        }
+    }
+    let seconds = gemms.iter().map(|g| g.seconds).sum::<f64>();
+    let flops = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64).sum::<f64>();
+    let assumed = crate::cost::time::GPUS
+        .iter()
+        .map(|gpu| AssumedGemm { gpu: gpu.name, tflops: gpu.peak_flops * gpu.gemm_efficiency / 1e12 })
+        .collect();
+    let record = GemmRecord {
+        bench: "gemm",
+        device: device_name(&t.device),
+        dtype: dtype_name(t.dtype),
+        shape: shape_name(&spec.shape),
+        tokens: n,
+        gemms,
+        seconds,
+        tflops: flops / seconds / 1e12,
+        assumed,
+    };
+    Ok(serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))?)
 }
 
 /// One training step's settings (`grpo bench train-step`).

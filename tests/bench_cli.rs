@@ -269,3 +269,24 @@ fn a_layer_launches_no_more_kernels_and_a_step_copies_no_more_than_counted() {
         .sum();
     assert!((1.0..=14.0).contains(&copies), "{copies} host-to-device copies in the step, at most 14 counted");
 }
+
+/// `grpo bench gemm`: every projection's three products of one layer, each with its shape and a rate, and
+/// their total rate beside the rates the performance model assumes.
+#[test]
+fn gemm_times_each_projection_product_of_a_layer() {
+    let r = bench(&["gemm", "--shape", "scripts/gpu/shapes/tiny.json", "--tokens", "48", "--repeats", "1"]);
+    let gemms = r["gemms"].as_array().unwrap();
+    assert_eq!(gemms.len(), 21, "{r}");
+    let down = gemms.iter().find(|g| g["name"] == "down weight gradient").expect("down weight gradient");
+    // [out, N] x [N, in] for the down projection (in = intermediate, out = hidden).
+    let cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(common::root().join("scripts/gpu/shapes/tiny.json")).unwrap())
+            .unwrap();
+    assert_eq!((&down["m"], &down["k"], &down["n"]), (&cfg["hidden_size"], &48.into(), &cfg["intermediate_size"]));
+    assert!(gemms.iter().all(|g| g["tflops"].as_f64().unwrap() > 0.0), "{r}");
+    let flops: f64 =
+        gemms.iter().map(|g| 2.0 * ["m", "k", "n"].iter().map(|k| g[*k].as_f64().unwrap()).product::<f64>()).sum();
+    let total = r["tflops"].as_f64().unwrap() * r["seconds"].as_f64().unwrap() * 1e12;
+    assert!((total / flops - 1.0).abs() < 1e-9, "{total} vs {flops}");
+    assert_eq!(r["assumed"].as_array().unwrap().len(), 2);
+}

@@ -34,6 +34,13 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
     let selftest = bench("correctness").next().expect("the selftest line");
     assert_eq!(selftest["passed"], true);
     assert_eq!(bench("attention").count(), 8, "4 kernels at 2 lengths");
+    // One layer's projection GEMMs at the two shapes: 7 projections x 3 products each, with a rate.
+    let gemms: Vec<&Value> = bench("gemm").collect();
+    assert_eq!(gemms.len(), 2, "{stdout}");
+    for g in &gemms {
+        assert_eq!(g["gemms"].as_array().unwrap().len(), 21, "{g}");
+        assert!(g["tflops"].as_f64().unwrap() > 0.0, "{g}");
+    }
     // 0.5B shape at two lengths (default and wgmma), the 7B shape's settings, and the short length.
     let steps: Vec<&Value> = bench("train_step").collect();
     assert_eq!(steps.len(), 6, "{stdout}");
@@ -53,6 +60,7 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
     let report = std::fs::read_to_string(name.with_extension("txt")).unwrap();
     assert!(report.contains("predicted vs measured train step"), "{report}");
     assert!(report.contains("correctness grpo selftest --device cpu: PASSED"), "{report}");
+    assert!(report.contains("gemm tiny f32 64 rows:"), "{report}");
     let json: Value = serde_json::from_str(&std::fs::read_to_string(name.with_extension("json")).unwrap()).unwrap();
     assert_eq!(json["predictions"].as_array().unwrap().len(), steps.len());
     assert!(name.with_extension("log").exists());

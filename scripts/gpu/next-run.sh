@@ -4,7 +4,8 @@
 # under DEADLINE seconds (a step that no longer fits is written as skipped):
 #   1. `grpo selftest` (every fused kernel, a training step and a generation against the CPU reference);
 #   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
-#      wgmma with dq by atomics) kernels;
+#      wgmma with dq by atomics) kernels; one layer's projection GEMMs at the 7B shape (18k rows) and the
+#      0.5B shape (4k rows), `grpo bench gemm`;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
 #      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite);
@@ -129,6 +130,13 @@ for len in $ATT_LENS; do
             --warmup 1 --repeats 3
     done
 done
+
+# 2b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the
+# rates the performance model's single GEMM efficiency (measured at 2048^3) stands for at the step's shapes
+step "gemm 7b $((SEED_PROMPT + SEED_LEN))" 40 "$BIN" -q bench gemm --shape "$SEED_SHAPE" \
+    --tokens $((SEED_PROMPT + SEED_LEN)) --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 3
+step "gemm 0.5b $MID" 20 "$BIN" -q bench gemm --shape "$SMALL" --tokens $MID --dtype "$DTYPE" --device "$DEVICE" \
+    --warmup 1 --repeats 3
 
 # 3. the profile at the 0.5B shape
 c=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --logprob-chunk-mb 1024 --device "$DEVICE" --profile)

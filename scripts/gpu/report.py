@@ -6,8 +6,9 @@ Usage:
 RESULTS.jsonl holds the JSON lines of both sides; anything that is not a JSON object is ignored.
 Ours are "impl": "grpo" (train_step, generate) or "grpo_fused" / "grpo_naive" (logprob); the
 reference is "torch" or "torch_naive". A line {"bench": "error", "what", "message"} is kept and shown.
-Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape) and {"bench": "attention", ...}
-(one layer's attention, chunked GEMMs or tensor-core kernels) are printed as they are.
+Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape), {"bench": "attention", ...}
+(one layer's attention, chunked GEMMs or tensor-core kernels) and {"bench": "gemm", ...} (one layer's projection
+GEMMs) are printed as they are.
 Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
 run) are shown too, and {"bench": "skipped", "what", "reason"} lines (steps a run left out) are listed.
 Predicted vs measured: every train_step line of ours that carries `predicted` (the performance model's step per
@@ -278,6 +279,11 @@ def main():
               f"ratio {t.get('ratio', 0):.2f}); forward {t.get('forward_gflops', 0) / 1e3:.1f} TFLOP/s "
               f"(ratio {t.get('forward_ratio', 0):.2f}), backward {(t.get('backward_gflops') or 0) / 1e3:.1f} "
               f"(ratio {(t.get('backward_ratio') or 0):.2f})")
+    for t in (r for r in records if r.get("bench") == "gemm"):
+        rates = ", ".join(f"{g['name']} {g['tflops']:.0f}" for g in t.get("gemms", []))
+        assumed = ", ".join(f"{a['gpu']} {a['tflops']:.0f}" for a in t.get("assumed", []))
+        print(f"\ngemm {t.get('shape')} {t.get('dtype')} {t.get('tokens')} rows: {t.get('tflops', 0):.1f} TFLOP/s over "
+              f"the layer's projections (the model assumes {assumed}); {rates}")
     for t in (r for r in records if r.get("bench") == "skipped"):
         print(f"\nskipped {t.get('what')}: {t.get('reason')}")
     for err in (r for r in records if r.get("bench") == "error"):

@@ -7,7 +7,8 @@ use serde::Deserialize;
 
 use crate::model::{parse_device, parse_dtype};
 use crate::perf::{
-    self, AttentionSpec, GenerateSpec, LogprobSpec, OptimizerSpec, PackSpec, SampleSpec, Timing, TrainStepSpec,
+    self, AttentionSpec, GemmSpec, GenerateSpec, LogprobSpec, OptimizerSpec, PackSpec, SampleSpec, Timing,
+    TrainStepSpec,
 };
 
 #[derive(Debug, clap::Args)]
@@ -54,6 +55,14 @@ pub enum BenchCommand {
     Attention {
         #[command(flatten)]
         spec: AttentionSpec,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// One layer's projection GEMMs at a model shape (forward, input and weight gradients of q, k, v, o,
+    /// gate, up, down over --tokens rows): TFLOP/s each and in all, beside the performance model's rate.
+    Gemm {
+        #[command(flatten)]
+        spec: GemmSpec,
         #[command(flatten)]
         common: Common,
     },
@@ -105,6 +114,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Attention { spec, common } => {
             perf::attention(&spec, &timing(&common)?).context("attention benchmark")?
         }
+        BenchCommand::Gemm { spec, common } => perf::gemm(&spec, &timing(&common)?).context("gemm benchmark")?,
         BenchCommand::Optimizer { spec, common } => {
             perf::optimizer(&spec, &timing(&common)?).context("optimizer benchmark")?
         }
