@@ -180,13 +180,14 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
         [("q", h, q), ("k", h, kv), ("v", h, kv), ("o", q, h), ("gate", h, i), ("up", h, i), ("down", i, h)]
     {
         let (x, w, g) = (rand((n, fan_in))?, rand((fan_out, fan_in))?, rand((n, fan_out))?);
-        let cases: [(&str, (usize, usize, usize), Box<dyn Fn() -> Result<Tensor>>); 3] = [
-            ("forward", (n, fan_in, fan_out), Box::new(|| Ok(x.matmul(&w.t()?)?))),
-            ("input gradient", (n, fan_out, fan_in), Box::new(|| Ok(g.matmul(&w)?))),
-            ("weight gradient", (fan_out, n, fan_in), Box::new(|| Ok(g.t()?.matmul(&x)?))),
+        // (lhs, rhs) of each product: x W^T, g W, g^T x.
+        let cases = [
+            ("forward", (n, fan_in, fan_out), (x.clone(), w.t()?)),
+            ("input gradient", (n, fan_out, fan_in), (g.clone(), w.clone())),
+            ("weight gradient", (fan_out, n, fan_in), (g.t()?, x.clone())),
         ];
-        for (what, (m, k, cols), run) in cases {
-            let (times, _) = time_runs(t, &run)?;
+        for (what, (m, k, cols), (lhs, rhs)) in cases {
+            let (times, _) = time_runs(t, || Ok(lhs.matmul(&rhs)?))?;
             let seconds = median(&times);
             let tflops = 2.0 * (m * k * cols) as f64 / seconds / 1e12;
             gemms.push(GemmTiming { name: format!("{name} {what}"), m, k, n: cols, seconds, tflops });
@@ -209,7 +210,7 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
         tflops: flops / seconds / 1e12,
         assumed,
     };
-    Ok(serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))?)
+    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
 }
 
 /// One training step's settings (`grpo bench train-step`).
