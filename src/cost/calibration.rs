@@ -157,6 +157,9 @@ pub struct TensorOps {
     /// Per parameter tensor: adding its gradient into the f32 accumulator (per micro-batch), its part of
     /// the gradient norm and its AdamW update (per step).
     pub accumulate_per_tensor: f64,
+    /// Per parameter tensor and step: the first micro-batch's gradient cast or copied into an accumulator of
+    /// its own (where the later ones are added in place).
+    pub accumulate_first_per_tensor: f64,
     pub norm_per_tensor: f64,
     pub update_per_tensor: f64,
     /// Passes over a layer's `[N, hidden]` output that its backward spends seeding the gradient: 4 where it
@@ -255,12 +258,16 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     layer_policy: 50.0,
     layer_recompute: 65.0,
     layer_backward: 102.0,
-    micro_batch: 132.0,
+    micro_batch: 131.0,
     micro_batch_reference: 75.0,
     // What a step adds beyond its micro-batches and its parameters' ops: nothing left once the update is
     // one op per parameter (the composite's per-step views and scalars are gone).
     step: 0.0,
-    accumulate_per_tensor: 2.0,
+    // The gradient added into its f32 accumulator in place (kernels::accumulate, no new tensor) but for the
+    // views and casts around it, 0.8 a tensor a micro-batch; the first micro-batch's cast or copy into an
+    // accumulator of its own, 1.6 a tensor a step (counted at 1 and 2 layers, 1 and 2 micro-batches).
+    accumulate_per_tensor: 0.8,
+    accumulate_first_per_tensor: 1.6,
     norm_per_tensor: 3.0,
     // The fused update's op and the views around it (the gradient flattened, the master copy's row and
     // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
@@ -280,6 +287,7 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     micro_batch_reference: 107.0,
     step: 37.0,
     accumulate_per_tensor: 2.0,
+    accumulate_first_per_tensor: 0.0,
     norm_per_tensor: 3.0,
     update_per_tensor: 15.0,
     seed_passes: 4.0,

@@ -350,7 +350,7 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     if s.checkpoint_layers {
         per_micro_batch += layers * t.layer_recompute;
     }
-    let per_step = t.step + tensors * (t.norm_per_tensor + t.update_per_tensor);
+    let per_step = t.step + tensors * (t.accumulate_first_per_tensor + t.norm_per_tensor + t.update_per_tensor);
     s.micro_batches() * per_micro_batch + per_step
 }
 
@@ -693,7 +693,8 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
         // The f32 adapters of the 7 projections of every layer.
         r => (lora_parameters(m, r), 14.0 * m.num_layers as f64, 4.0),
     };
-    let accumulate = o.counts.accumulate_per_tensor * tensors;
+    let accumulate =
+        (o.counts.accumulate_per_tensor + o.counts.accumulate_first_per_tensor / s.micro_batches()) * tensors;
     o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, accumulate);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;

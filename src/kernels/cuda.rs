@@ -40,6 +40,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Swiglu => ("grpo_swiglu", include_str!(concat!(env!("OUT_DIR"), "/swiglu.ptx"))),
         Module::Adamw => ("grpo_adamw", include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"))),
         Module::Lora => ("grpo_lora", include_str!(concat!(env!("OUT_DIR"), "/lora.ptx"))),
+        Module::Accumulate => ("grpo_accumulate", include_str!(concat!(env!("OUT_DIR"), "/accumulate.ptx"))),
     }
 }
 

@@ -21,6 +21,7 @@ pub enum Module {
     Adamw,
     Swiglu,
     Lora,
+    Accumulate,
 }
 
 /// One buffer of an op.

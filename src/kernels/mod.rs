@@ -25,6 +25,8 @@
 //! - [`lora_linear`] (lora.rs): a LoRA projection, `x W^T + b + (dropout(x) A^T) B^T alpha / r` with the
 //!   base frozen and the adapters in f32, as one op with its own backward: its products are candle's
 //!   GEMMs, its element-wise steps (the adapters' input with the dropout mask, the sum) kernels/lora.cu.
+//! - [`accumulate`] (accumulate.rs): a micro-batch's gradient added into its f32 accumulator in place,
+//!   a transposed weight gradient read where it lies.
 //! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
 //!   gives the gradient of `x` only.
 //!
@@ -35,6 +37,7 @@
 //! the CPU `with_float!` (cpu.rs) binds the inputs' elements and the generic body is monomorphised per
 //! dtype; on the GPU an op's plan names the kernel instance `{name}_{f32,bf16,f16}` of its inputs' dtype.
 
+mod accumulate;
 mod adamw;
 mod attention;
 mod cpu;
@@ -59,6 +62,7 @@ mod rope;
 mod rows;
 mod swiglu;
 
+pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};

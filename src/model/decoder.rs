@@ -319,12 +319,15 @@ impl Grads {
     }
 
     fn add(&mut self, i: usize, g: &Tensor) -> candle_core::Result<()> {
-        // (A transposed weight's gradient is a view: the cast reads it where it lies.)
-        let g = g.to_dtype(DType::F32)?.contiguous()?;
-        self.grads[i] = Some(match self.grads[i].take() {
-            None => g,
-            Some(acc) => (acc + g)?,
-        });
+        match &self.grads[i] {
+            // The accumulator is a buffer of its own, contiguous (the cast, or a copy: candle may hand one
+            // gradient tensor to several inputs); later micro-batches add into it in place.
+            None => {
+                let acc = if g.dtype() == DType::F32 { g.affine(1.0, 0.0)? } else { g.to_dtype(DType::F32)? };
+                self.grads[i] = Some(acc.contiguous()?);
+            }
+            Some(acc) => crate::kernels::accumulate(acc, g)?,
+        }
         Ok(())
     }
 }

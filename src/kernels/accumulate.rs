@@ -1,0 +1,215 @@
+//! Gradient accumulation in place: a micro-batch's gradient (f32, bf16 or f16) added into its parameter's f32
+//! accumulator, `acc += f32(g)`, in one pass that writes no new buffer. candle's `acc + g.to_dtype(f32)`
+//! writes the cast and a new sum (16 bytes a parameter more, and a new weight-sized buffer a micro-batch).
+//! A weight's gradient as candle's product backward leaves it, a transposed view, is read where it lies.
+//! CPU implementation here; CUDA kernel in kernels/accumulate.cu.
+
+use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
+use rayon::prelude::*;
+
+use super::cpu::Elem;
+#[cfg(any(test, feature = "cuda"))]
+use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
+
+/// Elements per block of the CPU's parallel loop.
+const BLOCK: usize = 1 << 14;
+
+/// Where element `(r, c)` of the gradient lies: `start + r s0 + c s1`, for `rows x cols` elements.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Strides {
+    start: usize,
+    rows: usize,
+    cols: usize,
+    s0: usize,
+    s1: usize,
+}
+
+impl Strides {
+    /// A contiguous layout (one row), or a transposed 2-D view of a contiguous buffer; `None` otherwise.
+    fn of(l: &Layout) -> Option<Self> {
+        let n = l.shape().elem_count();
+        let start = l.start_offset();
+        if l.is_contiguous() {
+            return Some(Strides { start, rows: 1, cols: n, s0: n, s1: 1 });
+        }
+        match (l.dims(), l.stride()) {
+            (&[rows, cols], &[1, s1]) if s1 == rows => Some(Strides { start, rows, cols, s0: 1, s1 }),
+            _ => None,
+        }
+    }
+
+    /// The elements of the buffer the view covers, from `start`.
+    #[cfg(any(test, feature = "cuda"))]
+    fn span(&self) -> usize {
+        if self.rows * self.cols == 0 {
+            return 0;
+        }
+        (self.rows - 1) * self.s0 + (self.cols - 1) * self.s1 + 1
+    }
+}
+
+fn cpu_accumulate<T: Elem>(acc: &mut [f32], g: &[T], s: Strides) {
+    acc.par_chunks_mut(BLOCK).enumerate().for_each(|(b, chunk)| {
+        for (j, a) in chunk.iter_mut().enumerate() {
+            let i = b * BLOCK + j;
+            let (r, c) = (i / s.cols, i % s.cols);
+            *a += g[s.start + r * s.s0 + c * s.s1].f32();
+        }
+    });
+}
+
+struct Accumulate(Strides);
+
+impl InplaceOp2 for Accumulate {
+    fn name(&self) -> &'static str {
+        "accumulate"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, dst_l: &Layout, g: &CpuStorage, _: &Layout) -> Result<()> {
+        let CpuStorage::F32(acc) = dst else { candle_core::bail!("accumulate: the accumulator must be f32") };
+        let (a, n) = (dst_l.start_offset(), dst_l.shape().elem_count());
+        let acc = &mut acc[a..a + n];
+        match g {
+            CpuStorage::F32(g) => cpu_accumulate(acc, g, self.0),
+            CpuStorage::BF16(g) => cpu_accumulate(acc, g, self.0),
+            CpuStorage::F16(g) => cpu_accumulate(acc, g, self.0),
+            _ => candle_core::bail!("accumulate: the gradient must be f32, bf16 or f16"),
+        }
+        Ok(())
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        g: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> Result<()> {
+        use candle_core::backend::BackendStorage;
+        let s = self.0;
+        let plan = accumulate_plan(g.dtype(), s)?;
+        // The accumulator is the plan's first input, written in place; the gradient its covered span.
+        let span = Layout::contiguous_with_offset(s.span(), s.start);
+        super::cuda::run(&plan, &[(&*dst, dst_l), (g, &span)])?;
+        Ok(())
+    }
+}
+
+/// `acc += f32(g)` in place, for an f32 contiguous accumulator `acc` and a gradient `g` of its shape (any
+/// float dtype; read where it lies when contiguous or a transposed 2-D view, copied first otherwise).
+pub fn accumulate(acc: &Tensor, g: &Tensor) -> Result<()> {
+    if acc.dtype() != candle_core::DType::F32 || !acc.is_contiguous() || acc.shape() != g.shape() {
+        candle_core::bail!(
+            "accumulate: an f32 contiguous accumulator of the gradient's shape {:?}, got {:?} {:?}",
+            g.dims(),
+            acc.dtype(),
+            acc.dims()
+        );
+    }
+    if acc.elem_count() > u32::MAX as usize {
+        candle_core::bail!("accumulate: {} elements in one tensor, at most 2^32 - 1", acc.elem_count());
+    }
+    let g = match Strides::of(g.layout()) {
+        Some(_) => g.clone(),
+        None => g.contiguous()?,
+    };
+    let strides = Strides::of(g.layout()).expect("a contiguous layout has strides");
+    acc.inplace_op2(&g, &Accumulate(strides))
+}
+
+/// The launch of `accumulate` over the gradient's elements: 256 threads a block, at most 4,096 blocks.
+#[cfg(any(test, feature = "cuda"))]
+fn accumulate_plan(dtype: DType, s: Strides) -> Result<Plan> {
+    let n = s.rows * s.cols;
+    let mut p = Plan::default();
+    let args = vec![
+        p.input("accumulator", DType::F32, n),
+        p.input("gradient", dtype, s.span()),
+        Arg::U32(s.rows as u32),
+        Arg::U32(s.cols as u32),
+        Arg::U32(s.s0 as u32),
+        Arg::U32(s.s1 as u32),
+    ];
+    let blocks = n.div_ceil(256).min(4096) as u32;
+    let kernel = kernel_name("accumulate", dtype)?;
+    p.launch(Launch {
+        module: Module::Accumulate,
+        kernel,
+        grid: (blocks, 1, 1),
+        block: (256, 1, 1),
+        shared_bytes: 0,
+        args,
+    })?;
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+
+    fn seeded(shape: (usize, usize), seed: u64) -> Tensor {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        let v: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.gen_range(-1f32..1.0)).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    /// Contiguous, transposed and other views, in every dtype: the same sum as candle's cast and add, bit for
+    /// bit, in place (the accumulator's storage, not a new one).
+    #[test]
+    fn equals_the_cast_and_add_in_place() {
+        let base = seeded((37, 53), 1);
+        let views: Vec<Tensor> = vec![
+            seeded((37, 53), 2),
+            seeded((53, 37), 3).t().unwrap(),
+            seeded((37, 60), 4).narrow(1, 2, 53).unwrap(),
+            seeded((1, 37 * 53 + 5), 5).narrow(1, 5, 37 * 53).unwrap().reshape((37, 53)).unwrap(),
+        ];
+        for g in views {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let g = g.to_dtype(dtype).unwrap();
+                let g = if g.is_contiguous() { g } else { g.contiguous().unwrap() };
+                // The transposed view again (a cast makes a contiguous copy).
+                for g in [g.clone(), g.t().unwrap().contiguous().unwrap().t().unwrap()] {
+                    let acc = base.copy().unwrap();
+                    let want = (&base + g.to_dtype(DType::F32).unwrap()).unwrap();
+                    accumulate(&acc, &g).unwrap();
+                    let (a, w) = (acc.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap());
+                    assert_eq!(a, w, "{dtype:?} {:?}", g.layout());
+                }
+            }
+        }
+        let bad = accumulate(&base.to_dtype(DType::BF16).unwrap(), &base).unwrap_err().to_string();
+        assert!(bad.contains("f32 contiguous accumulator"), "{bad}");
+    }
+
+    /// kernels/accumulate.cu on the emulator against the CPU op, bit for bit: contiguous and transposed, every
+    /// dtype, fewer elements than a block and (once) more than the grid's threads.
+    #[test]
+    fn the_kernel_equals_the_cpu_op() {
+        let mut cases = vec![(1100, 1000, DType::BF16, true)];
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            cases.extend([(5, 7, dtype, false), (5, 7, dtype, true)]);
+        }
+        for (rows, cols, dtype, transposed) in cases {
+            let acc = seeded((rows, cols), 6);
+            let src = seeded(if transposed { (cols, rows) } else { (rows, cols) }, 7).to_dtype(dtype).unwrap();
+            let g = if transposed { src.t().unwrap() } else { src.clone() };
+            let s = Strides::of(g.layout()).unwrap();
+            let plan = accumulate_plan(dtype, s).unwrap();
+            let flat = |t: &Tensor| t.flatten_all().unwrap();
+            let got = super::super::emu::run_in_place(&plan, &[&flat(&acc), &flat(&src)]).unwrap();
+            let want = acc.copy().unwrap();
+            accumulate(&want, &g).unwrap();
+            assert_eq!(
+                got[0].to_vec1::<f32>().unwrap(),
+                flat(&want).to_vec1::<f32>().unwrap(),
+                "{rows}x{cols} {dtype:?}"
+            );
+        }
+    }
+}
