@@ -148,26 +148,20 @@ fn accumulate_plan(dtype: DType, s: Strides) -> Result<Plan> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::seeded;
     use super::*;
-    use candle_core::{DType, Device};
-
-    fn seeded(shape: (usize, usize), seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let v: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.gen_range(-1f32..1.0)).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
+    use candle_core::DType;
 
     /// Contiguous, transposed and other views, in every dtype: the same sum as candle's cast and add, bit for
     /// bit, in place (the accumulator's storage, not a new one).
     #[test]
     fn equals_the_cast_and_add_in_place() {
-        let base = seeded((37, 53), 1);
+        let base = seeded(&[37, 53], 1.0, 1);
         let views: Vec<Tensor> = vec![
-            seeded((37, 53), 2),
-            seeded((53, 37), 3).t().unwrap(),
-            seeded((37, 60), 4).narrow(1, 2, 53).unwrap(),
-            seeded((1, 37 * 53 + 5), 5).narrow(1, 5, 37 * 53).unwrap().reshape((37, 53)).unwrap(),
+            seeded(&[37, 53], 1.0, 2),
+            seeded(&[53, 37], 1.0, 3).t().unwrap(),
+            seeded(&[37, 60], 1.0, 4).narrow(1, 2, 53).unwrap(),
+            seeded(&[1, 37 * 53 + 5], 1.0, 5).narrow(1, 5, 37 * 53).unwrap().reshape((37, 53)).unwrap(),
         ];
         for g in views {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
@@ -196,8 +190,8 @@ mod tests {
             cases.extend([(5, 7, dtype, false), (5, 7, dtype, true)]);
         }
         for (rows, cols, dtype, transposed) in cases {
-            let acc = seeded((rows, cols), 6);
-            let src = seeded(if transposed { (cols, rows) } else { (rows, cols) }, 7).to_dtype(dtype).unwrap();
+            let acc = seeded(&[rows, cols], 1.0, 6);
+            let src = seeded(&if transposed { [cols, rows] } else { [rows, cols] }, 1.0, 7).to_dtype(dtype).unwrap();
             let g = if transposed { src.t().unwrap() } else { src.clone() };
             let s = Strides::of(g.layout()).unwrap();
             let plan = accumulate_plan(dtype, s).unwrap();

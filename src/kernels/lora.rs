@@ -328,23 +328,9 @@ fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Launch {
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{max_rel_diff as max_diff, seeded};
     use super::*;
     use candle_core::{Device, Var};
-
-    fn seeded(shape: (usize, usize), scale: f32, seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let v: Vec<f32> = (0..shape.0 * shape.1).map(|_| rng.gen_range(-scale..scale)).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
-    }
-
-    /// The largest difference relative to `b`'s largest magnitude.
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let b = b.to_dtype(DType::F32).unwrap();
-        let d = (a.to_dtype(DType::F32).unwrap() - &b).unwrap();
-        let max = |t: &Tensor| -> f32 { t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap() };
-        max(&d) / max(&b).max(f32::MIN_POSITIVE)
-    }
 
     struct Case {
         x: Var,
@@ -356,13 +342,13 @@ mod tests {
     }
 
     fn case(dtype: DType, (n, i, o, r): (usize, usize, usize, usize)) -> Case {
-        let t = |shape, scale, seed| seeded(shape, scale, seed).to_dtype(dtype).unwrap();
+        let t = |(r, c): (usize, usize), scale, seed| seeded(&[r, c], scale, seed).to_dtype(dtype).unwrap();
         Case {
             x: Var::from_tensor(&t((n, i), 1.0, 1)).unwrap(),
             w: t((o, i), 0.5, 2),
-            bias: seeded((1, o), 0.3, 3).to_dtype(dtype).unwrap().squeeze(0).unwrap(),
-            a: Var::from_tensor(&seeded((r, i), 0.5, 4)).unwrap(),
-            b: Var::from_tensor(&seeded((o, r), 0.5, 5)).unwrap(),
+            bias: seeded(&[1, o], 0.3, 3).to_dtype(dtype).unwrap().squeeze(0).unwrap(),
+            a: Var::from_tensor(&seeded(&[r, i], 0.5, 4)).unwrap(),
+            b: Var::from_tensor(&seeded(&[o, r], 0.5, 5)).unwrap(),
             up: t((n, o), 1.0, 6),
         }
     }
@@ -461,8 +447,8 @@ mod tests {
             cases.extend([Mask::scaled(1.0), Mask::scaled(0.75), dropout].map(|m| (35, dtype, m)));
         }
         for (n, dtype, mask) in cases {
-            let x = seeded((n / 5, 5), 2.0, 7).to_dtype(dtype).unwrap().flatten_all().unwrap();
-            let delta = seeded((n / 5, 5), 1.0, 8).flatten_all().unwrap();
+            let x = seeded(&[n / 5, 5], 2.0, 7).to_dtype(dtype).unwrap().flatten_all().unwrap();
+            let delta = seeded(&[n / 5, 5], 1.0, 8).flatten_all().unwrap();
             let got = super::super::emu::run(&input_plan(dtype, n, mask).unwrap(), &[&x]).unwrap();
             let want = input(&x, mask).unwrap();
             assert_eq!(max_diff(&got[0], &want), 0.0, "input {n} {dtype:?} {mask:?}");

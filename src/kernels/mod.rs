@@ -61,6 +61,8 @@ mod norm;
 mod rope;
 mod rows;
 mod swiglu;
+#[cfg(test)]
+mod testing;
 
 pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_reference, AdamW};

@@ -95,6 +95,16 @@ fn check_weight(l: &Layout, w: &Layout, h: usize) -> Result<()> {
     Ok(())
 }
 
+/// The backward's `(rows, h)` of input `x`, weight `w` and gradient `g`, checked against each other.
+fn bwd_dims(x: &Layout, w: &Layout, g: &Layout) -> Result<(usize, usize)> {
+    let (rows, h) = rows_of(x)?;
+    check_weight(x, w, h)?;
+    if x.shape() != g.shape() {
+        candle_core::bail!("rms norm backward: grad {:?} for input {:?}", g.shape(), x.shape());
+    }
+    Ok((rows, h))
+}
+
 struct RmsNorm {
     eps: f32,
 }
@@ -155,11 +165,7 @@ impl CustomOp3 for RmsNormBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (rows, h) = rows_of(l1)?;
-        check_weight(l1, l2, h)?;
-        if l1.shape() != l3.shape() {
-            candle_core::bail!("rms norm backward: grad {:?} for input {:?}", l3.shape(), l1.shape());
-        }
+        let (rows, h) = bwd_dims(l1, l2, l3)?;
         let out = with_float!((s1, l1, "x"), (s2, l2, "weight"), (s3, l3, "grad") => |x, w, g| {
             IntoStorage::storage(cpu_bwd(x, w, g, self.eps))
         });
@@ -177,11 +183,7 @@ impl CustomOp3 for RmsNormBwd {
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         use candle_core::backend::BackendStorage;
-        let (rows, h) = rows_of(l1)?;
-        check_weight(l1, l2, h)?;
-        if l1.shape() != l3.shape() {
-            candle_core::bail!("rms norm backward: grad {:?} for input {:?}", l3.shape(), l1.shape());
-        }
+        let (rows, h) = bwd_dims(l1, l2, l3)?;
         let plan = norm_plan(s1.dtype(), rows, h, self.eps, true)?;
         let both = super::cuda::run(&plan, &[(s1, l1), (s2, l2), (s3, l3)])?.remove(0);
         Ok((both, Shape::from(rows * h + h)))
@@ -238,24 +240,9 @@ pub(super) fn norm_plan(dtype: DType, rows: usize, h: usize, eps: f32, backward:
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{max_rel_diff as max_diff, seeded};
     use super::*;
     use candle_core::{DType, Device, Var};
-
-    fn seeded(shape: &[usize], scale: f32, seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        let n = shape.iter().product();
-        Tensor::from_vec((0..n).map(|_| rng.gen_range(-scale..scale)).collect::<Vec<f32>>(), shape, &Device::Cpu)
-            .unwrap()
-    }
-
-    /// The largest difference relative to `b`'s largest magnitude.
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let b = b.to_dtype(DType::F32).unwrap();
-        let d = (a.to_dtype(DType::F32).unwrap() - &b).unwrap();
-        let max = |t: &Tensor| -> f32 { t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap() };
-        max(&d) / max(&b).max(f32::MIN_POSITIVE)
-    }
 
     /// Forward and both gradients against the composite ops in f32 on the same (rounded) inputs, on more
     /// rows than the backward has blocks (several rows a block): in f32 to rounding, in bf16 to its rounding

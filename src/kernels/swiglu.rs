@@ -181,23 +181,9 @@ pub(super) fn swiglu_plan(dtype: DType, n: usize, backward: bool) -> Result<Plan
 
 #[cfg(test)]
 mod tests {
+    use super::super::testing::{max_rel_diff as max_diff, seeded};
     use super::*;
     use candle_core::{DType, Device, Var};
-
-    fn seeded(n: usize, scale: f32, seed: u64) -> Tensor {
-        use rand::{Rng, SeedableRng};
-        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
-        Tensor::from_vec((0..n).map(|_| rng.gen_range(-scale..scale)).collect::<Vec<f32>>(), (n / 7, 7), &Device::Cpu)
-            .unwrap()
-    }
-
-    /// The largest difference relative to `b`'s largest magnitude.
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let b = b.to_dtype(DType::F32).unwrap();
-        let d = (a.to_dtype(DType::F32).unwrap() - &b).unwrap();
-        let max = |t: &Tensor| -> f32 { t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap() };
-        max(&d) / max(&b).max(f32::MIN_POSITIVE)
-    }
 
     /// Forward and both gradients against candle's composite ops, in f32 (to rounding) and in bf16 (to
     /// the dtype's rounding: the composite rounds at every op).
@@ -205,9 +191,9 @@ mod tests {
     fn matches_the_composite_forward_and_backward() {
         for (dtype, tol) in [(DType::F32, 1e-6), (DType::BF16, 0.02)] {
             let n = 7 * 3000;
-            let g = Var::from_tensor(&seeded(n, 6.0, 1).to_dtype(dtype).unwrap()).unwrap();
-            let u = Var::from_tensor(&seeded(n, 2.0, 2).to_dtype(dtype).unwrap()).unwrap();
-            let up = seeded(n, 1.0, 3).to_dtype(dtype).unwrap();
+            let g = Var::from_tensor(&seeded(&[n / 7, 7], 6.0, 1).to_dtype(dtype).unwrap()).unwrap();
+            let u = Var::from_tensor(&seeded(&[n / 7, 7], 2.0, 2).to_dtype(dtype).unwrap()).unwrap();
+            let up = seeded(&[n / 7, 7], 1.0, 3).to_dtype(dtype).unwrap();
             let fused = swiglu(g.as_tensor(), u.as_tensor()).unwrap();
             let reference = swiglu_reference(g.as_tensor(), u.as_tensor()).unwrap();
             assert!(max_diff(&fused, &reference) < tol, "{dtype:?} forward {}", max_diff(&fused, &reference));
@@ -222,9 +208,9 @@ mod tests {
 
     #[test]
     fn finite_differences_agree() {
-        let g = Var::from_tensor(&seeded(14, 3.0, 4)).unwrap();
-        let u = Var::from_tensor(&seeded(14, 2.0, 5)).unwrap();
-        let up = seeded(14, 1.0, 6);
+        let g = Var::from_tensor(&seeded(&[14 / 7, 7], 3.0, 4)).unwrap();
+        let u = Var::from_tensor(&seeded(&[14 / 7, 7], 2.0, 5)).unwrap();
+        let up = seeded(&[14 / 7, 7], 1.0, 6);
         let f = |g: &Tensor, u: &Tensor| -> f64 {
             (swiglu(g, u).unwrap() * &up).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64
         };
@@ -252,7 +238,7 @@ mod tests {
 
     #[test]
     fn inputs_of_different_shapes_are_an_error() {
-        let e = swiglu(&seeded(14, 1.0, 1), &seeded(21, 1.0, 2)).unwrap_err().to_string();
+        let e = swiglu(&seeded(&[14 / 7, 7], 1.0, 1), &seeded(&[21 / 7, 7], 1.0, 2)).unwrap_err().to_string();
         assert!(e.contains("shapes differ"), "{e}");
     }
 
@@ -262,7 +248,8 @@ mod tests {
     fn the_kernels_equal_the_cpu_op() {
         for n in [7 * 5, 7 * 160_000] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let (g, u, dy) = (seeded(n, 6.0, 7), seeded(n, 2.0, 8), seeded(n, 1.0, 9));
+                let (g, u, dy) =
+                    (seeded(&[n / 7, 7], 6.0, 7), seeded(&[n / 7, 7], 2.0, 8), seeded(&[n / 7, 7], 1.0, 9));
                 let [g, u, dy] = [g, u, dy].map(|t| t.to_dtype(dtype).unwrap());
                 let flat = |t: &Tensor| t.flatten_all().unwrap();
                 let y =

@@ -1566,23 +1566,30 @@ mod tests {
                 let lp = m.token_logprobs(&b, &t, false).unwrap();
                 weighted_loss(&lp).unwrap().to_scalar::<f32>().unwrap() as f64
             };
-            for (k, var) in m.vars().into_iter().enumerate() {
-                let orig = var.as_tensor().copy().unwrap();
-                let flat = values(&orig);
-                let g = values(grads.grads[k].as_ref().unwrap());
-                let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
-                let eps = 1e-3f32;
-                let shifted = |delta: f32| {
-                    let mut v = flat.clone();
-                    v[j] += delta;
-                    var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
-                    eval(&m)
-                };
-                let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
-                var.set(&orig).unwrap();
-                let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
-                assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", names[k], g[j]);
-            }
+            largest_gradients_agree(&m, &grads, eval, &format!("{arch:?}"));
+        }
+    }
+
+    /// Central differences of `loss` at each trainable variable's largest gradient element agree with
+    /// `grads` within 2%.
+    fn largest_gradients_agree(m: &Decoder, grads: &Grads, loss: impl Fn(&Decoder) -> f64, what: &str) {
+        let names = m.trainable_names();
+        for (k, var) in m.vars().into_iter().enumerate() {
+            let orig = var.as_tensor().copy().unwrap();
+            let flat = values(&orig);
+            let g = values(grads.grads[k].as_ref().unwrap());
+            let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+            let eps = 1e-3f32;
+            let shifted = |delta: f32| {
+                let mut v = flat.clone();
+                v[j] += delta;
+                var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
+                loss(m)
+            };
+            let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
+            var.set(&orig).unwrap();
+            let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
+            assert!(rel < 2e-2, "{what} {}[{j}]: finite difference {fd} vs autograd {}", names[k], g[j]);
         }
     }
 
@@ -1613,23 +1620,8 @@ mod tests {
             let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
             assert!(d < 1e-5, "recomputed gradient differs by {d}");
         }
-        let names = m.trainable_names();
-        for (k, var) in m.vars().into_iter().enumerate() {
-            let orig = var.as_tensor().copy().unwrap();
-            let flat = values(&orig);
-            let g = values(g1.grads[k].as_ref().unwrap());
-            let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
-            let shifted = |delta: f32| {
-                let mut v = flat.clone();
-                v[j] += delta;
-                var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
-                m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap().0 as f64
-            };
-            let fd = (shifted(1e-3) - shifted(-1e-3)) / 2e-3;
-            var.set(&orig).unwrap();
-            let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
-            assert!(rel < 2e-2, "{}[{j}]: finite difference {fd} vs the op's {}", names[k], g[j]);
-        }
+        let masked = |m: &Decoder| m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap().0 as f64;
+        largest_gradients_agree(&m, &g1, masked, "dropout");
     }
 
     /// Fresh adapters (B = 0) give the base model's log-probs exactly; the base model without the adapters
