@@ -25,8 +25,8 @@
 //!   added to the accumulator, and the attention workspace) — see [`Activations`];
 //! - update: the temporaries of the optimiser update, which runs in place (kernels::adamw): the new weights
 //!   in the model's dtype of the largest tensor (on the device without offload), or in host memory with
-//!   offload the f32 gradients and new weights of the tensors in flight (at most
-//!   [`crate::train::optim::OFFLOAD_CHUNK_BYTES`] of gradients);
+//!   offload the two staging slots the gradients and new weights go through (at most
+//!   [`crate::train::offload::STAGING_BYTES`], page-locked on a GPU);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
 //!   doubling its capacity;
@@ -40,7 +40,8 @@ use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 use crate::train::config::TrainConfig;
-use crate::train::optim::{OptimName, OFFLOAD_CHUNK_BYTES};
+use crate::train::offload::{CHUNK_ELEMENTS, STAGING_BYTES};
+use crate::train::optim::OptimName;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
@@ -479,14 +480,14 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     // with offload the f32 gradients brought to the host.
     let d = dtype_bytes(&cfg.model.dtype);
     let update = if cfg.optim.offload {
-        let chunk = (OFFLOAD_CHUNK_BYTES as u64).min(p_train.saturating_mul(4));
-        chunk + chunk / 4 * d
+        // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
+        (CHUNK_ELEMENTS as u64).min(p_train) * (STAGING_BYTES / CHUNK_ELEMENTS) as u64
     } else {
         p_max.saturating_mul(d)
     };
     let upd_place = if cfg.optim.offload { Host } else { Device };
     let f = if cfg.optim.offload {
-        "f32 gradients and new weights of the tensors in flight"
+        "staging: 2 slots of f32 gradients and weights"
     } else {
         "the largest tensor's new weights x d"
     };

@@ -40,7 +40,8 @@
 //! - the AdamW update once per step: on the device 34 B per parameter (master, m, v read and written,
 //!   the f32 gradient read and zeroed, the d-byte weights written); with `optim.offload` the f32
 //!   gradients go to the host and the new weights come back over PCIe, and the update runs at host
-//!   memory bandwidth.
+//!   memory bandwidth; the copies of the neighbouring chunks overlap a chunk's update (src/train/
+//!   offload.rs), so all but one chunk's copies are hidden behind the update or the update behind them.
 //!
 //! ## From counts to time
 //! Each op's time is its roofline: the largest of its FLOPs at the device's peak times the efficiency of
@@ -819,6 +820,15 @@ pub struct WindowCost {
     pub host_bytes: f64,
     /// The host's time on those bytes (at the rate of the update that moves them).
     pub host_update_s: f64,
+    /// The PCIe bytes that do not overlap the host's update: all of them where the copies and the update
+    /// take turns (the H100 run's build), one chunk's download and upload where the copies of the
+    /// neighbouring chunks run during a chunk's update (this build: [`crate::train::offload`]).
+    pub serial_pcie_bytes: f64,
+}
+
+/// One chunk's PCIe bytes in the offloaded update: its f32 gradients down and its weights up.
+fn offload_chunk_bytes(s: &StepShape) -> f64 {
+    crate::train::offload::CHUNK_ELEMENTS as f64 * (4.0 + s.dtype_bytes as f64)
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -859,6 +869,10 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
                 pcie_bytes: sum(&|o| o.bytes, &host),
                 host_bytes: sum(&|o| o.host_bytes, &host),
                 host_update_s: sum(&|o| o.host_bytes / o.host_rate, &host),
+                serial_pcie_bytes: match s.h100_run_build {
+                    true => sum(&|o| o.bytes, &host),
+                    false => sum(&|o| o.bytes, &host).min(offload_chunk_bytes(s)),
+                },
             }
         })
         .collect();
@@ -881,7 +895,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
         elementwise_s,
         host_s,
         sync_s: syncs * gpu.sync_s,
-        offload_update_s: sum(&|o| host_time(o, gpu), &|o| o.kind == OpKind::Host),
+        offload_update_s: windows.iter().map(|w| w.offload_s(gpu)).sum(),
         launches: sum(&|o| o.launches, &|_| true),
         syncs,
         flops: sum(&|o| o.flops, &|_| true),
@@ -893,10 +907,14 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
 impl WindowCost {
     /// The host's time in the window on `gpu`.
     fn host_s(&self, gpu: &Gpu) -> f64 {
-        self.launches * gpu.launch_s
-            + self.kernel_launches * gpu.kernel_launch_s
-            + self.pcie_bytes / gpu.pcie_bandwidth
-            + self.host_update_s
+        self.launches * gpu.launch_s + self.kernel_launches * gpu.kernel_launch_s + self.offload_s(gpu)
+    }
+
+    /// The offloaded update's time in the window: the copies that do not overlap the host's update, and
+    /// the longer of the update and the copies that do.
+    fn offload_s(&self, gpu: &Gpu) -> f64 {
+        let overlapped = (self.pcie_bytes - self.serial_pcie_bytes) / gpu.pcie_bandwidth;
+        self.serial_pcie_bytes / gpu.pcie_bandwidth + self.host_update_s.max(overlapped)
     }
 }
 
@@ -1318,6 +1336,34 @@ mod tests {
         assert!(p.mfu > 0.0 && p.mfu < 1.0 && p.attention_of_peak < 1.0, "{p:?}");
         assert!((p.gemm_s + p.attention_s + p.elementwise_s + p.host_s + p.sync_s - p.step_s).abs() < 1e-9);
         assert!(p.syncs == 9.0, "one per micro-batch and one per step: {}", p.syncs);
+    }
+
+    /// The offloaded update of this build hides all but one chunk's copies behind the host's update; the
+    /// H100 run's build paid the copies and the update one after the other.
+    #[test]
+    fn offloaded_copies_overlap_the_host_update_but_one_chunk() {
+        let m = seven_b();
+        let s = StepShape { offload: true, ..shape(8, 4096, 3072) };
+        let update = |s: &StepShape| {
+            let p = predict(&m, s, &H100_SXM);
+            let w = p.windows.iter().find(|w| w.window == "update").expect("an update window").clone();
+            (p.offload_update_s, w)
+        };
+        let (overlapped, w) = update(&s);
+        let (serial, w_run) = update(&StepShape { h100_run_build: true, ..s });
+        let pcie = H100_SXM.pcie_bandwidth;
+        let chunk = crate::train::offload::CHUNK_ELEMENTS as f64 * 6.0;
+        assert!(w.pcie_bytes > 10.0 * chunk, "{w:?}");
+        assert_eq!((w.serial_pcie_bytes, w_run.serial_pcie_bytes), (chunk, w_run.pcie_bytes));
+        let hidden = ((w.pcie_bytes - chunk) / pcie).max(w.host_update_s);
+        assert!((overlapped - (chunk / pcie + hidden)).abs() < 1e-9, "{overlapped} {w:?}");
+        assert!((serial - (w_run.pcie_bytes / pcie + w_run.host_update_s)).abs() < 1e-9, "{serial} {w_run:?}");
+        // The same host work for both builds' counts aside, the overlap saves the hidden copies.
+        let run_with_fused_rate = w_run.pcie_bytes / pcie + w.host_update_s;
+        assert!(
+            overlapped < run_with_fused_rate - 0.5 * (w.pcie_bytes - chunk) / pcie,
+            "{overlapped} {run_with_fused_rate}"
+        );
     }
 
     #[test]

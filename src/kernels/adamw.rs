@@ -8,7 +8,7 @@
 //! composite one bit for bit (tested), on the host and on the emulator, and the state of a run that moves
 //! its optimiser between the device and the host (`optim.offload`) does not change.
 
-use candle_core::{CpuStorage, InplaceOp2, Layout, Result, Tensor};
+use candle_core::{CpuStorage, InplaceOp1, InplaceOp2, Layout, Result, Tensor};
 use rayon::prelude::*;
 
 #[cfg(any(test, feature = "cuda"))]
@@ -121,9 +121,21 @@ fn update_block(c: &Consts, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f3
 
 /// The update of the whole state `[rows, n]` on the host, blocks of [`HOST_BLOCK`] over rayon's threads.
 fn update_host(c: &Consts, state: &mut [f32], g: &[f32]) {
-    let n = g.len();
-    let (p, rest) = state.split_at_mut(n);
-    let (m, v) = if c.adam { rest.split_at_mut(n) } else { (&mut [][..], &mut [][..]) };
+    update_range(c, state, (g.len(), 0), g);
+}
+
+/// The update of elements `start..start + g.len()` of the state `[rows, n]` (`at` = (n, start)) on the
+/// host, blocks of [`HOST_BLOCK`] over rayon's threads.
+fn update_range(c: &Consts, state: &mut [f32], (n, start): (usize, usize), g: &[f32]) {
+    let len = g.len();
+    let (p, rest) = state[start..].split_at_mut(len);
+    let (m, v) = match c.adam {
+        true => {
+            let (m, rest) = rest[n - len..].split_at_mut(len);
+            (m, &mut rest[n - len..n])
+        }
+        false => (&mut [][..], &mut [][..]),
+    };
     let blocks = p.par_chunks_mut(HOST_BLOCK).zip(g.par_chunks(HOST_BLOCK));
     if c.adam {
         blocks
@@ -179,6 +191,44 @@ impl InplaceOp2 for AdamW {
         super::cuda::run(&plan, &[(&*dst, dst_l), (g, gl)])?;
         Ok(())
     }
+}
+
+/// The update of a range of a host state by gradient values in host memory ([`adamw_host`]).
+struct HostRange<'a> {
+    op: &'a AdamW,
+    start: usize,
+    g: &'a [f32],
+}
+
+impl InplaceOp1 for HostRange<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-host"
+    }
+
+    fn cpu_fwd(&self, dst: &mut CpuStorage, l: &Layout) -> Result<()> {
+        let (rows, n) = l.shape().dims2()?;
+        let (start, len) = (self.start, self.g.len());
+        if rows != self.op.rows() || start + len > n || !l.is_contiguous() {
+            candle_core::bail!(
+                "optimizer state of shape {:?} (contiguous: {}) for elements {start}..{} of {} rows",
+                l.dims(),
+                l.is_contiguous(),
+                start + len,
+                self.op.rows()
+            );
+        }
+        let CpuStorage::F32(state) = dst else { candle_core::bail!("the optimizer state must be f32") };
+        let a = l.start_offset();
+        update_range(&self.op.consts(), &mut state[a..a + rows * n], (n, start), self.g);
+        Ok(())
+    }
+}
+
+/// One update of elements `start..start + g.len()` of `state` `[rows, n]` (f32, in host memory) with the
+/// gradient values `g` (host memory), in place: the offloaded update of a range of a parameter, the same
+/// values [`adamw`] gives those elements.
+pub fn adamw_host(state: &Tensor, start: usize, g: &[f32], op: &AdamW) -> Result<()> {
+    state.inplace_op1(&HostRange { op, start, g })
 }
 
 /// One update of `state` `[rows, n]` (f32: master weights, then AdamW's moments) with the gradient `g`

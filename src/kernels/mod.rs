@@ -65,7 +65,7 @@ mod swiglu;
 mod testing;
 
 pub use accumulate::accumulate;
-pub use adamw::{adamw, adamw_reference, AdamW};
+pub use adamw::{adamw, adamw_host, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub use flash_attention::{

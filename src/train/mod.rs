@@ -9,6 +9,7 @@
 pub mod checkpoint;
 pub mod config;
 mod metrics;
+pub mod offload;
 mod oom;
 pub mod optim;
 pub mod pack;

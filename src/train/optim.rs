@@ -15,6 +15,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::offload;
 use super::zero::{self, Layout, Saved, Shard};
 use crate::dist::World;
 use crate::kernels;
@@ -57,7 +58,8 @@ pub struct OptimConfig {
     /// Keep the f32 master weights and the AdamW moments in host memory and run the update there (in
     /// parallel over the parameters); the device then holds only the weights, gradients and activations.
     /// Host memory: 12 bytes per parameter with AdamW (master, m, v), 4 with SGD, plus the gradients of
-    /// the parameters in flight (at most [`OFFLOAD_CHUNK_BYTES`]). The updates are the same as without it.
+    /// the parameters in flight (the staging of [`offload::STAGING_BYTES`]). The updates are the same as
+    /// without it.
     pub offload: bool,
 }
 
@@ -139,10 +141,6 @@ pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
     Ok(sums.iter().sum::<f64>().sqrt())
 }
 
-/// The gradients of the parameters updated together in host memory hold at most this many bytes (with
-/// `offload`): the host memory the update needs beyond its state.
-pub const OFFLOAD_CHUNK_BYTES: usize = 1 << 30;
-
 struct ParamState {
     index: usize,
     /// Where this state starts in the flattened parameter (0 unless the state is sharded, [`zero`]).
@@ -204,7 +202,15 @@ impl ParamState {
     /// Apply one update with gradient `g` (f32, on the state's device) to the master copy and the
     /// moments, in place.
     fn update(&mut self, g: &Tensor, u: &Update) -> candle_core::Result<()> {
-        let op = kernels::AdamW {
+        let op = self.op(u);
+        kernels::adamw(&self.state, g, &op)?;
+        self.moments |= op.adam;
+        Ok(())
+    }
+
+    /// The fused update's op for this parameter.
+    fn op(&self, u: &Update) -> kernels::AdamW {
+        kernels::AdamW {
             adam: u.name == OptimName::Adamw,
             scale: u.scale,
             lr: u.lr,
@@ -212,9 +218,25 @@ impl ParamState {
             betas: u.betas,
             eps: u.eps,
             t: u.t,
+        }
+    }
+
+    /// The update of elements `start..start + g.len()` (the offloaded update's range of a parameter, in
+    /// host memory): the values [`ParamState::update`] gives them.
+    fn update_range(&self, start: usize, g: &[f32], u: &Update) -> candle_core::Result<()> {
+        kernels::adamw_host(&self.state, start, g, &self.op(u))
+    }
+
+    /// The master copy's elements `start..start + out.len()` rounded to the model's dtype into `out` (the
+    /// offloaded update's staging), on all the host's threads.
+    fn stage_weights<T: offload::Staged>(&self, start: usize, out: &mut [T]) -> candle_core::Result<()> {
+        let (storage, layout) = self.state.storage_and_layout();
+        let candle_core::Storage::Cpu(s) = &*storage else {
+            candle_core::bail!("the offloaded state is in host memory")
         };
-        kernels::adamw(&self.state, g, &op)?;
-        self.moments |= op.adam;
+        let a = layout.start_offset() + start;
+        let master = &<f32 as candle_core::WithDType>::cpu_storage_as_slice(s)?[a..a + out.len()];
+        out.par_iter_mut().with_min_len(1 << 16).zip(master).for_each(|(o, &x)| *o = T::from_master(x));
         Ok(())
     }
 
@@ -243,6 +265,49 @@ impl ParamState {
             _ => master.to_dtype(self.var.dtype()),
         }
     }
+}
+
+/// The chunks of the offloaded update ([`Optimizer::step_on_host`]) through `staging`: chunk i's
+/// gradients are downloaded while chunk i - 1 is updated on the host, then its weights uploaded while
+/// chunk i + 1 is updated. `states[k]` and `grads[k]` (`sizes[k]` elements) are one parameter's, in
+/// chunks of `chunk` elements. Returns whether the update wrote moments.
+fn offload_chunks<T: offload::Staged>(
+    staging: &mut offload::Staging,
+    states: &[&ParamState],
+    grads: &[&Tensor],
+    (sizes, chunk): (&[usize], usize),
+    u: &Update,
+) -> candle_core::Result<bool> {
+    let chunks = offload::chunks(sizes, chunk);
+    let vars: Vec<&Var> = states.iter().map(|p| &p.var).collect();
+    if let Some(first) = chunks.first() {
+        let _phase = crate::profile::phase("gradients to host");
+        staging.download(0, first, grads)?;
+    }
+    for (c, chunk) in chunks.iter().enumerate() {
+        if let Some(next) = chunks.get(c + 1) {
+            let _phase = crate::profile::phase("gradients to host");
+            staging.download(c + 1, next, grads)?;
+        }
+        let phase = crate::profile::phase("update on the host");
+        let (g, w) = staging.slot::<T>(c)?;
+        let mut outs = Vec::with_capacity(chunk.len());
+        let mut rest = &mut w[..];
+        for p in chunk {
+            let (out, tail) = std::mem::take(&mut rest).split_at_mut(p.len);
+            outs.push(out);
+            rest = tail;
+        }
+        chunk.par_iter().zip(outs).try_for_each(|(p, out)| {
+            states[p.param].update_range(p.start, &g[p.at..p.at + p.len], u)?;
+            states[p.param].stage_weights(p.start, out)
+        })?;
+        drop(phase);
+        let _phase = crate::profile::phase("weights to device");
+        staging.upload::<T>(c, chunk, &vars)?;
+    }
+    staging.finish()?;
+    Ok(u.name == OptimName::Adamw && !chunks.is_empty())
 }
 
 /// f32 to bf16/f16 in host memory, in blocks over rayon's threads, rounded as candle's conversion rounds
@@ -287,6 +352,10 @@ pub struct Optimizer {
     shard: Option<Shard>,
     /// Number of updates applied.
     pub steps: u64,
+    /// The offloaded update's staging slots, kept from step to step, and the elements of a chunk
+    /// ([`offload::CHUNK_ELEMENTS`]).
+    staging: Option<offload::Staging>,
+    chunk_elements: usize,
 }
 
 /// A step's gradients, reduced over the ranks: the whole gradient (one process), or the sum over the
@@ -307,7 +376,15 @@ impl Optimizer {
             let master = t.detach().to_dtype(DType::F32)?.to_device(&state_device)?;
             params.push(ParamState::new(i, 0, v, master, None, cfg.name == OptimName::Adamw)?);
         }
-        Ok(Self { cfg, params, names: names.to_vec(), shard: None, steps: 0 })
+        Ok(Self {
+            cfg,
+            params,
+            names: names.to_vec(),
+            shard: None,
+            steps: 0,
+            staging: None,
+            chunk_elements: offload::CHUNK_ELEMENTS,
+        })
     }
 
     /// Shard the state over the ranks of `world` (ZeRO-1, [`zero`]): this rank keeps the state of its block
@@ -431,44 +508,36 @@ impl Optimizer {
         Ok(())
     }
 
-    /// The update with the state in host memory: the gradients of a chunk of parameters (at most
-    /// [`OFFLOAD_CHUNK_BYTES`]) are copied to the host, updated in parallel, and the new weights are copied
-    /// back in the model's dtype. Device transfers stay on this thread.
+    /// The update with the state in host memory ([`offload`]): the gradients go down to the host in
+    /// chunks through two staging slots, each chunk's parameters are updated in parallel while the next
+    /// chunk's gradients come down, and the new weights go back into the parameters in the model's dtype.
     fn step_on_host(&mut self, grads: &Grads, u: &Update) -> candle_core::Result<()> {
-        let mut todo: Vec<(&mut ParamState, &Tensor)> = self
-            .params
-            .iter_mut()
-            .filter_map(|p| grads.grads.get(p.index).and_then(|g| g.as_ref()).map(|g| (p, g)))
+        let todo: Vec<(usize, &Tensor)> = (self.params.iter().enumerate())
+            .filter_map(|(i, p)| grads.grads.get(p.index).and_then(|g| g.as_ref()).map(|g| (i, g)))
             .collect();
-        while !todo.is_empty() {
-            let mut bytes = 0;
-            let n = todo
-                .iter()
-                .position(|(_, g)| {
-                    bytes += g.elem_count() * 4;
-                    bytes > OFFLOAD_CHUNK_BYTES
-                })
-                .map_or(todo.len(), |i| i.max(1));
-            let chunk: Vec<(&mut ParamState, &Tensor)> = todo.drain(..n).collect();
-            let phase = crate::profile::phase("gradients to host");
-            let mut work = chunk
-                .into_iter()
-                .map(|(p, g)| Ok((p, crate::device::to_host_memory(g)?)))
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            drop(phase);
-            let phase = crate::profile::phase("update on the host");
-            let weights = work
-                .par_iter_mut()
-                .map(|(p, g)| {
-                    p.update(g, u)?;
-                    p.weights()
-                })
-                .collect::<candle_core::Result<Vec<_>>>()?;
-            drop(phase);
-            let _phase = crate::profile::phase("weights to device");
-            for ((p, _), w) in work.iter().zip(weights) {
-                p.var.set(&crate::device::to_device(&w, p.var.device())?)?;
-            }
+        let Some(&(first, _)) = todo.first() else { return Ok(()) };
+        let (device, dtype) = (self.params[first].var.device().clone(), self.params[first].var.dtype());
+        let sizes: Vec<usize> = todo.iter().map(|(_, g)| g.elem_count()).collect();
+        let len = sizes.iter().sum::<usize>().min(self.chunk_elements);
+        let grads: Vec<Tensor> = todo
+            .iter()
+            .map(|(_, g)| g.flatten_all().and_then(|g| g.contiguous()))
+            .collect::<candle_core::Result<_>>()?;
+        let grads: Vec<&Tensor> = grads.iter().collect();
+        let staging = match self.staging.take() {
+            Some(s) if s.serves(&device, dtype, len) => s,
+            _ => offload::Staging::new(&device, dtype, len)?,
+        };
+        let staging = self.staging.insert(staging);
+        let states: Vec<&ParamState> = todo.iter().map(|&(i, _)| &self.params[i]).collect();
+        let moments = match dtype {
+            DType::BF16 => offload_chunks::<half::bf16>(staging, &states, &grads, (&sizes, len), u)?,
+            DType::F16 => offload_chunks::<half::f16>(staging, &states, &grads, (&sizes, len), u)?,
+            DType::F32 => offload_chunks::<f32>(staging, &states, &grads, (&sizes, len), u)?,
+            d => candle_core::bail!("the offloaded update of {d:?} weights"),
+        };
+        for &(i, _) in &todo {
+            self.params[i].moments |= moments;
         }
         Ok(())
     }
@@ -636,22 +705,29 @@ mod tests {
     }
 
     #[test]
+    /// Offloaded, in one chunk or in chunks that split the parameters (5 elements: the 12 of `w` over
+    /// three chunks, one shared with `b`; 1 element: a chunk per element), the state and the weights are
+    /// bit for bit the update's on the device.
     fn offloaded_updates_are_bitwise_the_same() {
         for name in [OptimName::Adamw, OptimName::Sgd] {
-            for dtype in [DType::F32, DType::BF16] {
-                let run = |offload: bool| {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let run = |offload: bool, chunk: usize| {
                     let cfg = OptimConfig { name, lr: 0.01, weight_decay: 0.1, offload, ..Default::default() };
                     let (vars, grads) = problem(dtype, 5);
                     let mut opt = Optimizer::new(cfg, &["w".into(), "b".into()], &[&vars[0], &vars[1]]).unwrap();
+                    opt.chunk_elements = chunk;
                     for (i, g) in grads.iter().enumerate() {
                         opt.step(g, 0.01 * (i + 1) as f64, if i == 2 { 0.5 } else { 1.0 }).unwrap();
                     }
                     let state: Vec<Vec<u32>> = opt.state_tensors().unwrap().iter().map(|(_, t)| bits(t)).collect();
                     (state, vars.iter().map(|v| bits(v.as_tensor())).collect::<Vec<_>>())
                 };
-                let (on, off) = (run(true), run(false));
-                assert_eq!(on, off, "{name:?} {dtype:?}");
-                assert_eq!(on.0.len(), if name == OptimName::Adamw { 6 } else { 2 });
+                let off = run(false, offload::CHUNK_ELEMENTS);
+                for chunk in [offload::CHUNK_ELEMENTS, 5, 1] {
+                    let on = run(true, chunk);
+                    assert_eq!(on, off, "{name:?} {dtype:?} chunks of {chunk}");
+                    assert_eq!(on.0.len(), if name == OptimName::Adamw { 6 } else { 2 });
+                }
             }
         }
     }
