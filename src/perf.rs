@@ -1238,7 +1238,8 @@ mod tests {
     }
 }
 
-/// The shape of [`optimizer`]'s benchmark: parameters in host memory, as `optim.offload` keeps them.
+/// The shape of [`optimizer`]'s benchmark: the state in host memory, as `optim.offload` keeps it, and the
+/// parameters and their gradients on the bench's device.
 #[derive(Debug, Clone, clap::Args)]
 pub struct OptimizerSpec {
     /// Parameters in all.
@@ -1249,8 +1250,8 @@ pub struct OptimizerSpec {
     pub tensors: usize,
 }
 
-/// [`optimizer`]'s record: the offloaded AdamW update's rate, fused and composite, in the model's units
-/// (32 B per parameter, [`crate::cost::Gpu::host_update_bandwidth`]).
+/// [`optimizer`]'s record: the offloaded AdamW update's rate, as the optimiser runs it and as the
+/// reference runs it, in the model's units (32 B per parameter, [`crate::cost::Gpu::host_update_bandwidth`]).
 #[derive(Debug, serde::Serialize)]
 struct OptimizerRecord {
     bench: &'static str,
@@ -1260,90 +1261,73 @@ struct OptimizerRecord {
     tensors: usize,
     threads: usize,
     /// The update as the optimiser runs it with `optim.offload`: the fused in-place AdamW
-    /// ([`crate::kernels::adamw`]) of every tensor, their new weights in the model's dtype.
+    /// ([`crate::kernels::adamw`]) of every tensor, their new weights in the model's dtype; on a GPU with
+    /// the gradients brought down and the weights taken up through the staging of
+    /// [`crate::train::offload`], overlapped with the host's update.
     fused_s: f64,
     fused_gb_per_s: f64,
-    /// The same update from candle's composite ops (~15 per tensor, each allocating its result), the
-    /// tensors in parallel, their new weights in the model's dtype: the update before the fused op.
-    composite_s: f64,
-    composite_gb_per_s: f64,
+    /// What the reference is: on the CPU, the same update from candle's composite ops (~15 per tensor,
+    /// each allocating its result, the tensors in parallel: the update before the fused op); on a GPU,
+    /// the fused update with its copies one tensor after another through pageable memory, waiting for
+    /// each (the offloaded update before the staging).
+    reference: &'static str,
+    reference_s: f64,
+    reference_gb_per_s: f64,
     speedup: f64,
+    /// Bytes over PCIe per update on a GPU (f32 gradients down, weights up), 0 on the CPU.
+    pcie_bytes: usize,
     /// The master weights after the timed runs agree bit for bit.
     same_bits: bool,
 }
 
-/// The offloaded optimiser's host update (AdamW, f32 state in host memory) over `spec.params` parameters
-/// in `spec.tensors` tensors of dtype `t.dtype`: the optimiser's fused update against the composite
-/// ops it replaced, in the same run, each from the same state.
-pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
-    use crate::kernels::{adamw_reference, AdamW};
-    use crate::train::optim::Optimizer;
-    use rayon::prelude::*;
-    if !t.device.is_cpu() {
-        return Err(PerfError::Invalid("the host update is measured on --device cpu".into()));
-    }
-    let tensors = spec.tensors.clamp(1, spec.params.max(1));
+/// Random `[1, n]` weights (of `dtype`) and `[n]` f32 gradients on `device` for tensors of `sizes`.
+fn optimizer_problem(sizes: &[usize], dtype: DType, device: &Device) -> Result<(Vec<Var>, crate::model::Grads)> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
+    let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
+    let mut vars = Vec::new();
+    let mut grads = Vec::new();
+    for &n in sizes {
+        vars.push(Var::from_tensor(&Tensor::from_vec(random(n), (1, n), device)?.to_dtype(dtype)?)?);
+        grads.push(Some(Tensor::from_vec(random(n), n, device)?));
+    }
+    Ok((vars, crate::model::Grads { grads }))
+}
+
+/// The offloaded optimiser's update (AdamW, f32 state in host memory) over `spec.params` parameters in
+/// `spec.tensors` tensors of dtype `t.dtype` on `t.device`, against the reference of
+/// [`OptimizerRecord::reference`] in the same run, each from the same state.
+pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
+    use crate::train::optim::Optimizer;
+    let tensors = spec.tensors.clamp(1, spec.params.max(1));
     let sizes: Vec<usize> =
         (0..tensors).map(|i| spec.params / tensors + usize::from(i < spec.params % tensors)).collect();
-    let random = |rng: &mut rand_chacha::ChaCha8Rng, n: usize| -> Vec<f32> {
-        (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect()
-    };
-    let vars = sizes
-        .iter()
-        .map(|&n| Var::from_tensor(&Tensor::from_vec(random(&mut rng, n), (1, n), &Device::Cpu)?.to_dtype(t.dtype)?))
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let grads = crate::model::Grads {
-        grads: sizes
-            .iter()
-            .map(|&n| Tensor::from_vec(random(&mut rng, n), n, &Device::Cpu).map(Some))
-            .collect::<candle_core::Result<_>>()?,
-    };
+    let (vars, grads) = optimizer_problem(&sizes, t.dtype, &t.device)?;
     let names: Vec<String> = (0..tensors).map(|i| format!("w{i}")).collect();
     let cfg = OptimConfig { offload: true, weight_decay: 0.01, ..OptimConfig::default() };
-    // The composite update's state, from the same initial weights (copied: the fused run updates them).
-    let mut state: Vec<(Tensor, Option<(Tensor, Tensor)>)> = vars
+    // The reference's state, from the same initial weights (copied: the fused run updates them).
+    let mut state: Vec<Tensor> = vars
         .iter()
-        .map(|v| Ok((v.as_tensor().to_dtype(DType::F32)?.flatten_all()?.copy()?, None)))
+        .map(|v| v.as_tensor().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.copy())
         .collect::<candle_core::Result<_>>()?;
     let mut opt = Optimizer::new(cfg.clone(), &names, &vars.iter().collect::<Vec<_>>())?;
     let (fused, _) = time_runs(t, || Ok(opt.step(&grads, cfg.lr, 1.0)?))?;
-    let mut step = 0;
-    let (composite, _) = time_runs(t, || {
-        step += 1;
-        let op = AdamW {
-            adam: true,
-            scale: 1.0,
-            lr: cfg.lr,
-            weight_decay: cfg.weight_decay,
-            betas: cfg.betas,
-            eps: cfg.eps,
-            t: step,
-        };
-        state = state
-            .par_iter()
-            .zip(&grads.grads)
-            .map(|((master, moments), g)| {
-                let g = g.as_ref().expect("every tensor has a gradient");
-                let (master, moments) = adamw_reference(master, moments.as_ref().map(|(m, v)| (m, v)), g, &op)?;
-                master.to_dtype(t.dtype)?;
-                Ok((master, moments))
-            })
-            .collect::<candle_core::Result<_>>()?;
-        Ok(())
-    })?;
+    let (reference, reference_runs) = match t.device.is_cpu() {
+        true => ("composite candle ops", composite_update(t, &cfg, &mut state, &grads)?),
+        false => ("pageable copies, one tensor at a time", serial_offload(t, &cfg, &mut state, &grads, &vars)?),
+    };
     let fused_master = opt
         .state_tensors()?
         .into_iter()
         .filter(|(n, _)| n.starts_with("master."))
         .map(|(_, t)| t.flatten_all())
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let same_bits = fused_master.iter().zip(&state).all(|(a, (b, _))| {
+    let same_bits = fused_master.iter().zip(&state).all(|(a, b)| {
         let bits = |t: &Tensor| t.to_vec1::<f32>().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).ok();
         bits(a) == bits(b)
     });
-    let (fused_s, composite_s) = (median(&fused), median(&composite));
+    let (fused_s, reference_s) = (median(&fused), median(&reference_runs));
     let gb = |s: f64| 32.0 * spec.params as f64 / s / 1e9;
+    let pcie_bytes = if t.device.is_cpu() { 0 } else { spec.params * (4 + t.dtype.size_in_bytes()) };
     let record = OptimizerRecord {
         bench: "optimizer",
         device: device_name(&t.device),
@@ -1353,10 +1337,91 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
         threads: rayon::current_num_threads(),
         fused_s,
         fused_gb_per_s: gb(fused_s),
-        composite_s,
-        composite_gb_per_s: gb(composite_s),
-        speedup: composite_s / fused_s,
+        reference,
+        reference_s,
+        reference_gb_per_s: gb(reference_s),
+        speedup: reference_s / fused_s,
+        pcie_bytes,
         same_bits,
     };
     serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+}
+
+/// The update of `grads` (host memory) into the master weights `state` by candle's composite ops (the
+/// moments kept beside them), the tensors in parallel, their new weights in the model's dtype: the host
+/// update before the fused op. Returns the timed runs.
+fn composite_update(
+    t: &Timing,
+    cfg: &OptimConfig,
+    state: &mut [Tensor],
+    grads: &crate::model::Grads,
+) -> Result<Vec<f64>> {
+    use crate::kernels::adamw_reference;
+    use rayon::prelude::*;
+    let mut moments: Vec<Option<(Tensor, Tensor)>> = vec![None; state.len()];
+    let mut step = 0;
+    let (runs, _) = time_runs(t, || {
+        step += 1;
+        let op = adam_op(cfg, step);
+        let out = (state.par_iter().zip(&moments).zip(&grads.grads))
+            .map(|((master, moments), g)| {
+                let g = g.as_ref().expect("every tensor has a gradient");
+                let (master, moments) = adamw_reference(master, moments.as_ref().map(|(m, v)| (m, v)), g, &op)?;
+                master.to_dtype(t.dtype)?;
+                Ok((master, moments))
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        for (k, (master, m)) in out.into_iter().enumerate() {
+            (state[k], moments[k]) = (master, m);
+        }
+        Ok(())
+    })?;
+    Ok(runs)
+}
+
+/// The offloaded update as it ran before the staging: per tensor, the gradient copied to the host
+/// (pageable memory, waited for), the fused update on the host, the new weights copied to the device
+/// and set into a copy of the parameter. Returns the timed runs; `state` ends as the master weights.
+fn serial_offload(
+    t: &Timing,
+    cfg: &OptimConfig,
+    state: &mut [Tensor],
+    grads: &crate::model::Grads,
+    vars: &[Var],
+) -> Result<Vec<f64>> {
+    let rows: Vec<Tensor> = state
+        .iter()
+        .map(|m| Tensor::cat(&[m.unsqueeze(0)?, m.zeros_like()?.unsqueeze(0)?, m.zeros_like()?.unsqueeze(0)?], 0))
+        .collect::<candle_core::Result<_>>()?;
+    let copies: Vec<Var> =
+        vars.iter().map(|v| Var::from_tensor(&v.as_tensor().copy()?)).collect::<candle_core::Result<_>>()?;
+    let mut step = 0;
+    let (runs, _) = time_runs(t, || {
+        step += 1;
+        let op = adam_op(cfg, step);
+        for ((s, g), var) in rows.iter().zip(&grads.grads).zip(&copies) {
+            let g = g.as_ref().expect("every tensor has a gradient").to_device(&Device::Cpu)?;
+            crate::kernels::adamw(s, &g, &op)?;
+            let w = s.get(0)?.to_dtype(t.dtype)?.reshape(var.shape())?.to_device(var.device())?;
+            var.set(&w)?;
+        }
+        Ok(())
+    })?;
+    for (k, s) in rows.iter().enumerate() {
+        state[k] = s.get(0)?;
+    }
+    Ok(runs)
+}
+
+/// The AdamW op of the optimizer bench's update number `step`.
+fn adam_op(cfg: &OptimConfig, step: i32) -> crate::kernels::AdamW {
+    crate::kernels::AdamW {
+        adam: true,
+        scale: 1.0,
+        lr: cfg.lr,
+        weight_decay: cfg.weight_decay,
+        betas: cfg.betas,
+        eps: cfg.eps,
+        t: step,
+    }
 }

@@ -8,7 +8,8 @@
 #      0.5B shape (4k rows), `grpo bench gemm`;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
-#      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite);
+#      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and
+#      the same update offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time);
 #   4. the 7B shape with the seed's memory settings at micro-batch 1, SEED_ANSWERS x (2048 + 16384) tokens,
 #      --warmup 0 --repeats 1 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
 #      the same settings (scripts/gpu/seed7b.py puts them side by side);
@@ -153,6 +154,11 @@ step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train
 # (the performance model's host rate is predicted from the 2-core CI machine's ratio).
 step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
     --warmup 1 --repeats 2
+# The same update offloaded from the GPU: gradients down and weights up through the page-locked staging,
+# overlapped with the host's update (src/train/offload.rs), against the copies one tensor at a time through
+# pageable memory that the H100 run's build made.
+step "optimizer offloaded from $DEVICE" 45 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 \
+    --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
 
 # 4. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
 W=$TMP/seed7b

@@ -9,6 +9,7 @@ reference is "torch" or "torch_naive". A line {"bench": "error", "what", "messag
 Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape), {"bench": "attention", ...}
 (one layer's attention, chunked GEMMs or tensor-core kernels) and {"bench": "gemm", ...} (one layer's projection
 GEMMs) are printed as they are.
+Lines {"bench": "optimizer", ...} (the offloaded update against its reference) are printed too.
 Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
 run) are shown too, and {"bench": "skipped", "what", "reason"} lines (steps a run left out) are listed.
 Predicted vs measured: every train_step line of ours that carries `predicted` (the performance model's step per
@@ -284,6 +285,11 @@ def main():
         assumed = ", ".join(f"{a['gpu']} {a['tflops']:.0f}" for a in t.get("assumed", []))
         print(f"\ngemm {t.get('shape')} {t.get('dtype')} {t.get('tokens')} rows: {t.get('tflops', 0):.1f} TFLOP/s over "
               f"the layer's projections (the model assumes {assumed}); {rates}")
+    for t in (r for r in records if r.get("bench") == "optimizer"):
+        print(f"\noptimizer {t.get('device')} {t.get('dtype')} {t.get('params')} params: {t.get('fused_s', 0):.3f} s "
+              f"({t.get('fused_gb_per_s', 0):.1f} GB/s of 32 B a parameter) against {t.get('reference')} "
+              f"{t.get('reference_s', 0):.3f} s, {t.get('speedup', 0):.2f}x; {t.get('pcie_bytes', 0) / 1e9:.2f} GB over "
+              f"PCIe; same bits: {t.get('same_bits')}")
     for t in (r for r in records if r.get("bench") == "skipped"):
         print(f"\nskipped {t.get('what')}: {t.get('reason')}")
     for err in (r for r in records if r.get("bench") == "error"):

@@ -184,7 +184,7 @@ impl Staging {
             }
             match &*storage {
                 candle_core::Storage::Cpu(c) => {
-                    dst.copy_from_slice(&f32::cpu_storage_as_slice(c)?[a + p.start..a + p.start + p.len])
+                    parallel_copy(&f32::cpu_storage_as_slice(c)?[a + p.start..a + p.start + p.len], dst)
                 }
                 #[cfg(feature = "cuda")]
                 candle_core::Storage::Cuda(c) => pinned::download(c, a + p.start, dst)?,
@@ -242,6 +242,13 @@ impl Staging {
     }
 }
 
+/// `src` copied into `dst` (of the same length) on all the host's threads.
+fn parallel_copy<T: Copy + Send + Sync>(src: &[T], dst: &mut [T]) {
+    use rayon::prelude::*;
+    const BLOCK: usize = 1 << 16;
+    dst.par_chunks_mut(BLOCK).zip(src.par_chunks(BLOCK)).for_each(|(d, s)| d.copy_from_slice(s));
+}
+
 /// Writes `src` into a contiguous tensor from its element `start` on, in place.
 struct WriteRange<'a, T> {
     start: usize,
@@ -271,7 +278,7 @@ impl<T: Staged> InplaceOp1 for WriteRange<'_, T> {
         let range = self.range(l)?;
         let dtype = candle_core::backend::BackendStorage::dtype(s);
         let Some(dst) = T::slice_mut(s) else { candle_core::bail!("weights of {dtype:?} written as {:?}", T::DTYPE) };
-        dst[range].copy_from_slice(self.src);
+        parallel_copy(self.src, &mut dst[range]);
         Ok(())
     }
 
