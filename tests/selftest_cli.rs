@@ -1,6 +1,7 @@
 //! `grpo selftest --device cpu`: every fused kernel (in f32, bf16 and f16), the training step, the
-//! gradients and the generation of a tiny model against the CPU reference, one table row each, all
-//! passing; a device that does not open is a clear error.
+//! gradients and the generation of a tiny model against the CPU reference, and the offloaded optimiser
+//! update against the update on the device, one table row each, all passing; a device that does not
+//! open is a clear error.
 
 mod common;
 
@@ -25,7 +26,8 @@ fn selftest_on_the_cpu_passes_every_check() {
             }
         }
     }
-    for check in ["train step loss", "train step grad norm", "model grads", "generation logit gap"] {
+    let model = ["train step loss", "train step grad norm", "model grads", "generation logit gap"];
+    for check in model.into_iter().chain(["offloaded update weights", "offloaded update master"]) {
         assert!(rows.iter().any(|r| r.starts_with(check)), "no row for {check}:\n{text}");
     }
     assert!(rows.iter().all(|r| r.contains("  pass  ")), "a check failed:\n{text}");

@@ -26,7 +26,7 @@
 //! - update: the temporaries of the optimiser update, which runs in place (kernels::adamw): the new weights
 //!   in the model's dtype of the largest tensor (on the device without offload), or in host memory with
 //!   offload the two staging slots the gradients and new weights go through (at most
-//!   [`crate::train::offload::STAGING_BYTES`], page-locked on a GPU);
+//!   [`crate::train::offload::staging_bytes`] of `optim.offload_chunk_mb`, page-locked on a GPU);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
 //!   doubling its capacity;
@@ -40,7 +40,7 @@ use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 use crate::train::config::TrainConfig;
-use crate::train::offload::{CHUNK_ELEMENTS, STAGING_BYTES};
+use crate::train::offload::{chunk_elements, staging_bytes};
 use crate::train::optim::OptimName;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
@@ -481,7 +481,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let d = dtype_bytes(&cfg.model.dtype);
     let update = if cfg.optim.offload {
         // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
-        (CHUNK_ELEMENTS as u64).min(p_train) * (STAGING_BYTES / CHUNK_ELEMENTS) as u64
+        staging_bytes((chunk_elements(cfg.optim.offload_chunk_mb) as u64).min(p_train) as usize) as u64
     } else {
         p_max.saturating_mul(d)
     };

@@ -826,9 +826,11 @@ pub struct WindowCost {
     pub serial_pcie_bytes: f64,
 }
 
-/// One chunk's PCIe bytes in the offloaded update: its f32 gradients down and its weights up.
+/// One chunk's PCIe bytes in the offloaded update (`optim.offload_chunk_mb` at its default): its f32
+/// gradients down and its weights up.
 fn offload_chunk_bytes(s: &StepShape) -> f64 {
-    crate::train::offload::CHUNK_ELEMENTS as f64 * (4.0 + s.dtype_bytes as f64)
+    use crate::train::offload::{chunk_elements, DEFAULT_CHUNK_MB};
+    chunk_elements(DEFAULT_CHUNK_MB) as f64 * (4.0 + s.dtype_bytes as f64)
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -1352,7 +1354,7 @@ mod tests {
         let (overlapped, w) = update(&s);
         let (serial, w_run) = update(&StepShape { h100_run_build: true, ..s });
         let pcie = H100_SXM.pcie_bandwidth;
-        let chunk = crate::train::offload::CHUNK_ELEMENTS as f64 * 6.0;
+        let chunk = offload_chunk_bytes(&s);
         assert!(w.pcie_bytes > 10.0 * chunk, "{w:?}");
         assert_eq!((w.serial_pcie_bytes, w_run.serial_pcie_bytes), (chunk, w_run.pcie_bytes));
         let hidden = ((w.pcie_bytes - chunk) / pcie).max(w.host_update_s);

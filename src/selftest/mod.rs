@@ -110,7 +110,7 @@ pub fn run(device: &Device, mut on_row: impl FnMut(&CheckResult)) -> Vec<CheckRe
         }
     }
     for check in model::CHECKS {
-        record(check.op, DType::F32, check.tolerance, &mut || (check.run)(device));
+        record(check.op, check.dtype, check.tolerance, &mut || (check.run)(device));
     }
     all
 }

@@ -1,7 +1,8 @@
 //! A tiny random model (Qwen2 layout: 2 layers, hidden 64, 4 query heads over 2 key/value heads) on the
 //! device with the fused ops, against the same weights on the CPU with candle's composite ops, in f32:
 //! one off_grpo training step (loss, gradient norm), the gradients of every parameter through packed
-//! sequences, and one greedy generation with the KV cache.
+//! sequences, and one greedy generation with the KV cache; and the optimiser's update offloaded to host
+//! memory against the same update on the device.
 
 use candle_core::{DType, Device, Result, Tensor, D};
 use rand::{Rng, SeedableRng};
@@ -10,9 +11,10 @@ use super::{max_error, Part};
 use crate::data::{Group, Response};
 use crate::eval::{generate, SamplingParams};
 use crate::model::tiny::TinyShape;
+use crate::model::Grads;
 use crate::model::{random_decoder, Arch, Decoder, ModelConfig, Targets, TokenBatch};
 use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName};
-use crate::train::optim::OptimConfig;
+use crate::train::optim::{OptimConfig, Optimizer};
 use crate::train::step::TrainStep;
 
 /// One model check: `run(device)` gives the error of each compared part.
@@ -20,13 +22,16 @@ pub struct ModelCheck {
     pub op: &'static str,
     pub run: fn(&Device) -> Result<Vec<Part>>,
     pub tolerance: f32,
+    /// The parameters' dtype.
+    pub dtype: DType,
 }
 
 /// The model checks, in the order of the table.
 pub const CHECKS: &[ModelCheck] = &[
-    ModelCheck { op: "train step", run: train_step_check, tolerance: 1e-4 },
-    ModelCheck { op: "model", run: gradients_check, tolerance: 1e-4 },
-    ModelCheck { op: "generation", run: generation_check, tolerance: 1e-4 },
+    ModelCheck { op: "train step", run: train_step_check, tolerance: 1e-4, dtype: DType::F32 },
+    ModelCheck { op: "model", run: gradients_check, tolerance: 1e-4, dtype: DType::F32 },
+    ModelCheck { op: "generation", run: generation_check, tolerance: 1e-4, dtype: DType::F32 },
+    ModelCheck { op: "offloaded update", run: offloaded_update_check, tolerance: 1e-6, dtype: DType::BF16 },
 ];
 
 const VOCAB: usize = 1000;
@@ -174,4 +179,48 @@ fn generation_check(device: &Device) -> Result<Vec<Part>> {
     }
     let error = if gap.is_finite() && scale > 0.0 { gap / scale } else { f32::NAN };
     Ok(vec![Part { name: "logit gap", error }])
+}
+
+/// Two AdamW updates of bf16 parameters on `device` (three tensors of 1.2 M parameters in all) with the
+/// state in host memory, in chunks of 1 MiB of gradients (five chunks, two tensors split over chunks, so
+/// both staging slots are used in turn: page-locked, asynchronous copies on a GPU), against the same
+/// updates with the state on the device: the new weights and the master weights.
+fn offloaded_update_check(device: &Device) -> Result<Vec<Part>> {
+    let sizes = [300_000, 700_000, 200_000];
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(SEED + 3);
+    let mut values = |n: usize, scale: f32| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-scale..scale)).collect() };
+    let init: Vec<Vec<f32>> = sizes.iter().map(|&n| values(n, 1.0)).collect();
+    let steps: Vec<Grads> = (0..2)
+        .map(|_| {
+            let grads = sizes.iter().map(|&n| Tensor::from_vec(values(n, 0.1), (n / 100, 100), device).map(Some));
+            Ok(Grads { grads: grads.collect::<Result<_>>()? })
+        })
+        .collect::<Result<_>>()?;
+    let names: Vec<String> = (0..sizes.len()).map(|i| format!("w{i}")).collect();
+    let run = |offload: bool| -> Result<(Tensor, Tensor)> {
+        let vars = (init.iter().zip(&sizes))
+            .map(|(v, &n)| {
+                candle_core::Var::from_tensor(
+                    &Tensor::new(v.as_slice(), device)?.reshape((n / 100, 100))?.to_dtype(DType::BF16)?,
+                )
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let cfg = OptimConfig { lr: 1e-3, weight_decay: 0.01, offload, offload_chunk_mb: 1, ..OptimConfig::default() };
+        let mut opt = Optimizer::new(cfg, &names, &vars.iter().collect::<Vec<_>>())?;
+        for (i, g) in steps.iter().enumerate() {
+            opt.step(g, 1e-3, [1.0, 0.5][i])?;
+        }
+        let flat = |ts: Vec<Tensor>| -> Result<Tensor> {
+            let ts = ts
+                .iter()
+                .map(|t| t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all())
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&ts, 0)
+        };
+        let masters = opt.state_tensors()?.into_iter().filter(|(n, _)| n.starts_with("master.")).map(|(_, t)| t);
+        Ok((flat(vars.iter().map(|v| v.as_tensor().clone()).collect())?, flat(masters.collect())?))
+    };
+    let (weights, masters) = run(true)?;
+    let (weights_ref, masters_ref) = run(false)?;
+    Ok(vec![Part::compare("weights", &weights, &weights_ref)?, Part::compare("master", &masters, &masters_ref)?])
 }

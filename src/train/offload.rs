@@ -1,5 +1,5 @@
 //! The offloaded update's traffic (`optim.offload`): the f32 gradients go down to host memory and the new
-//! weights, in the model's dtype, come back up, in chunks of at most [`CHUNK_ELEMENTS`] parameters through
+//! weights, in the model's dtype, come back up, in chunks (`optim.offload_chunk_mb`, [`DEFAULT_CHUNK_MB`]) through
 //! two staging slots used in turn. On a GPU the slots are page-locked host memory and the copies are
 //! asynchronous on the device's stream, so while the host updates one chunk the copy engine brings down
 //! the next chunk's gradients and takes up the last chunk's weights: a step's offloaded update costs the
@@ -13,13 +13,20 @@
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor, Var, WithDType};
 use half::{bf16, f16};
 
-/// Parameters per chunk: 64 Mi, 256 MiB of f32 gradients and at most as many bytes of weights a slot,
-/// so 1 GiB of staging (page-locked on a GPU) with both slots.
-pub const CHUNK_ELEMENTS: usize = 1 << 26;
+/// The f32 gradients of a chunk by default (`optim.offload_chunk_mb`), MiB: 64 Mi parameters, so 1 GiB of
+/// staging (page-locked on a GPU) with both slots' gradients and weights.
+pub const DEFAULT_CHUNK_MB: usize = 256;
 
-/// The host memory of the staging at most: two slots of [`CHUNK_ELEMENTS`] f32 gradients and as many
+/// The parameters of a chunk of `mb` MiB of f32 gradients.
+pub const fn chunk_elements(mb: usize) -> usize {
+    (mb << 20) / 4
+}
+
+/// The staging's host memory for chunks of `elements` parameters: two slots of f32 gradients and as many
 /// four-byte words of weights.
-pub const STAGING_BYTES: usize = 2 * CHUNK_ELEMENTS * 8;
+pub const fn staging_bytes(elements: usize) -> usize {
+    2 * elements * 8
+}
 
 /// `len` elements of parameter `param` from element `start`, at element `at` of its chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]

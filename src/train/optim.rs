@@ -61,6 +61,11 @@ pub struct OptimConfig {
     /// the parameters in flight (the staging of [`offload::STAGING_BYTES`]). The updates are the same as
     /// without it.
     pub offload: bool,
+    /// With `offload`, the f32 gradients of one chunk of the update, MiB: the gradients go down and the
+    /// weights come up a chunk at a time through two staging slots ([`offload`]), page-locked on a GPU
+    /// (4 times this in all). Smaller chunks hide more of the copies behind the update and pin less host
+    /// memory; each chunk costs a few copies and waits.
+    pub offload_chunk_mb: usize,
 }
 
 impl Default for OptimConfig {
@@ -76,6 +81,7 @@ impl Default for OptimConfig {
             warmup_steps: 0,
             min_lr_ratio: 0.0,
             offload: false,
+            offload_chunk_mb: offload::DEFAULT_CHUNK_MB,
         }
     }
 }
@@ -93,6 +99,9 @@ impl OptimConfig {
         }
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             return Err("optim.min_lr_ratio must be in [0, 1]".into());
+        }
+        if self.offload_chunk_mb == 0 {
+            return Err("optim.offload_chunk_mb must be at least 1".into());
         }
         Ok(())
     }
@@ -352,10 +361,8 @@ pub struct Optimizer {
     shard: Option<Shard>,
     /// Number of updates applied.
     pub steps: u64,
-    /// The offloaded update's staging slots, kept from step to step, and the elements of a chunk
-    /// ([`offload::CHUNK_ELEMENTS`]).
+    /// The offloaded update's staging slots, kept from step to step.
     staging: Option<offload::Staging>,
-    chunk_elements: usize,
 }
 
 /// A step's gradients, reduced over the ranks: the whole gradient (one process), or the sum over the
@@ -376,15 +383,7 @@ impl Optimizer {
             let master = t.detach().to_dtype(DType::F32)?.to_device(&state_device)?;
             params.push(ParamState::new(i, 0, v, master, None, cfg.name == OptimName::Adamw)?);
         }
-        Ok(Self {
-            cfg,
-            params,
-            names: names.to_vec(),
-            shard: None,
-            steps: 0,
-            staging: None,
-            chunk_elements: offload::CHUNK_ELEMENTS,
-        })
+        Ok(Self { cfg, params, names: names.to_vec(), shard: None, steps: 0, staging: None })
     }
 
     /// Shard the state over the ranks of `world` (ZeRO-1, [`zero`]): this rank keeps the state of its block
@@ -518,7 +517,7 @@ impl Optimizer {
         let Some(&(first, _)) = todo.first() else { return Ok(()) };
         let (device, dtype) = (self.params[first].var.device().clone(), self.params[first].var.dtype());
         let sizes: Vec<usize> = todo.iter().map(|(_, g)| g.elem_count()).collect();
-        let len = sizes.iter().sum::<usize>().min(self.chunk_elements);
+        let len = sizes.iter().sum::<usize>().min(offload::chunk_elements(self.cfg.offload_chunk_mb));
         let grads: Vec<Tensor> = todo
             .iter()
             .map(|(_, g)| g.flatten_all().and_then(|g| g.contiguous()))
@@ -687,45 +686,59 @@ mod tests {
 
     /// A matrix and a vector parameter in `dtype`, and `steps` seeded gradients for them.
     fn problem(dtype: DType, steps: usize) -> (Vec<Var>, Vec<Grads>) {
+        problem_of(dtype, steps, (3, 4))
+    }
+
+    /// A matrix `w` of `(rows, cols)` and a vector `b` of `cols`, with `steps` gradients.
+    fn problem_of(dtype: DType, steps: usize, (rows, cols): (usize, usize)) -> (Vec<Var>, Vec<Grads>) {
         let vals =
             |n: usize, k: usize| -> Vec<f32> { (0..n).map(|i| ((i * 7 + k * 13) % 17) as f32 / 8.0 - 1.0).collect() };
-        let w =
-            Var::from_tensor(&Tensor::from_vec(vals(12, 0), (3, 4), &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
-        let b = Var::from_tensor(&Tensor::from_vec(vals(4, 1), 4, &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
+        let n = rows * cols;
+        let w = Var::from_tensor(
+            &Tensor::from_vec(vals(n, 0), (rows, cols), &Device::Cpu).unwrap().to_dtype(dtype).unwrap(),
+        );
+        let b =
+            Var::from_tensor(&Tensor::from_vec(vals(cols, 1), cols, &Device::Cpu).unwrap().to_dtype(dtype).unwrap());
         let grads = (0..steps)
             .map(|s| Grads {
                 grads: vec![
-                    Some(Tensor::from_vec(vals(12, s + 2), (3, 4), &Device::Cpu).unwrap()),
+                    Some(Tensor::from_vec(vals(n, s + 2), (rows, cols), &Device::Cpu).unwrap()),
                     // The vector has no gradient on odd steps (a parameter the loss did not reach).
-                    (s % 2 == 0).then(|| Tensor::from_vec(vals(4, s + 3), 4, &Device::Cpu).unwrap()),
+                    (s % 2 == 0).then(|| Tensor::from_vec(vals(cols, s + 3), cols, &Device::Cpu).unwrap()),
                 ],
             })
             .collect();
         (vec![w.unwrap(), b.unwrap()], grads)
     }
 
+    /// Offloaded, in one chunk or in chunks of 1 MiB of gradients that split the parameters (the 600k
+    /// elements of `w` over three chunks, the last shared with `b`), the state and the weights are bit
+    /// for bit the update's on the device.
     #[test]
-    /// Offloaded, in one chunk or in chunks that split the parameters (5 elements: the 12 of `w` over
-    /// three chunks, one shared with `b`; 1 element: a chunk per element), the state and the weights are
-    /// bit for bit the update's on the device.
     fn offloaded_updates_are_bitwise_the_same() {
         for name in [OptimName::Adamw, OptimName::Sgd] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let run = |offload: bool, chunk: usize| {
-                    let cfg = OptimConfig { name, lr: 0.01, weight_decay: 0.1, offload, ..Default::default() };
-                    let (vars, grads) = problem(dtype, 5);
+                let run = |offload: bool, offload_chunk_mb: usize| {
+                    let cfg = OptimConfig {
+                        name,
+                        lr: 0.01,
+                        weight_decay: 0.1,
+                        offload,
+                        offload_chunk_mb,
+                        ..Default::default()
+                    };
+                    let (vars, grads) = problem_of(dtype, 3, (600, 1000));
                     let mut opt = Optimizer::new(cfg, &["w".into(), "b".into()], &[&vars[0], &vars[1]]).unwrap();
-                    opt.chunk_elements = chunk;
                     for (i, g) in grads.iter().enumerate() {
                         opt.step(g, 0.01 * (i + 1) as f64, if i == 2 { 0.5 } else { 1.0 }).unwrap();
                     }
                     let state: Vec<Vec<u32>> = opt.state_tensors().unwrap().iter().map(|(_, t)| bits(t)).collect();
                     (state, vars.iter().map(|v| bits(v.as_tensor())).collect::<Vec<_>>())
                 };
-                let off = run(false, offload::CHUNK_ELEMENTS);
-                for chunk in [offload::CHUNK_ELEMENTS, 5, 1] {
-                    let on = run(true, chunk);
-                    assert_eq!(on, off, "{name:?} {dtype:?} chunks of {chunk}");
+                let off = run(false, 1);
+                for chunk_mb in [256, 1] {
+                    let on = run(true, chunk_mb);
+                    assert!(on == off, "{name:?} {dtype:?} chunks of {chunk_mb} MiB");
                     assert_eq!(on.0.len(), if name == OptimName::Adamw { 6 } else { 2 });
                 }
             }

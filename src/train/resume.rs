@@ -24,6 +24,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "model.fused_ops",
     "model.cache_reference",
     "optim.offload",
+    "optim.offload_chunk_mb",
     "model.attention",
     "model.deterministic_attention",
     "data.prepared_dir",
