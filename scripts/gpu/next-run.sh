@@ -4,7 +4,7 @@
 # under DEADLINE seconds (a step that no longer fits is written as skipped):
 #   1. `grpo selftest` (every fused kernel, a training step and a generation against the CPU reference);
 #   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
-#      wgmma with dq by atomics) kernels; one layer's projection GEMMs at the 7B shape (18k rows) and the
+#      wgmma with dq by atomics) kernels, and the default kernels at head dim 64; one layer's projection GEMMs at the 7B shape (18k rows) and the
 #      0.5B shape (4k rows), `grpo bench gemm`;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
@@ -130,6 +130,14 @@ for len in $ATT_LENS; do
         step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
             --warmup 1 --repeats 3
     done
+done
+
+# 2a. the same at the 0.5B shape's heads (14 of 64, GQA 7): the rates at head dim 64, which the performance
+# model charges at head dim 128's time per score (not measured yet); the kernels `model.attention = "auto"`
+# picks by default (wgmma with dq by atomics on an H100)
+for len in $ATT_LENS; do
+    step "attention wgmma-atomic hd64 $len" 40 "$BIN" -q bench attention --len "$len" --heads 14 --kv-heads 2 \
+        --head-dim 64 --dtype "$DTYPE" --wgmma --atomic-dq --device "$DEVICE" --warmup 1 --repeats 3
 done
 
 # 2b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the

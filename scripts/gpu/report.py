@@ -275,7 +275,8 @@ def main():
               f"(plan / smi {t.get('plan_over_smi')}); plan's tensors {gib(t.get('plan_tensor_train_peak_bytes'))}, "
               f"pool in use {gib(t.get('pool_peak_bytes'))} (plan / pool {t.get('plan_tensors_over_pool')})")
     for t in (r for r in records if r.get("bench") == "attention"):
-        print(f"\nattention {t.get('kernel')} {t.get('dtype')} len {t.get('len')}: {t.get('seconds', 0):.4f} s, "
+        print(f"\nattention {t.get('kernel')}{' atomic-dq' if t.get('atomic_dq') else ''} {t.get('dtype')} "
+              f"{t.get('heads')}x{t.get('head_dim')} (kv {t.get('kv_heads')}) len {t.get('len')}: {t.get('seconds', 0):.4f} s, "
               f"{t.get('gflops', 0) / 1e3:.1f} TFLOP/s useful ({t.get('dtype')} matmul {t.get('matmul_gflops', 0) / 1e3:.1f}, "
               f"ratio {t.get('ratio', 0):.2f}); forward {t.get('forward_gflops', 0) / 1e3:.1f} TFLOP/s "
               f"(ratio {t.get('forward_ratio', 0):.2f}), backward {(t.get('backward_gflops') or 0) / 1e3:.1f} "
