@@ -320,11 +320,18 @@ mod pinned {
         pub fn new(dev: &CudaDevice, len: usize) -> Result<Self> {
             let stream = dev.cuda_stream();
             let ctx = stream.context().clone();
+            let failed = |e| {
+                candle_core::Error::Msg(format!(
+                    "page-locking {} MiB of host memory for the offloaded update's staging (optim.offload_chunk_mb \
+                     sets its size): {e}",
+                    (len * 4) >> 20
+                ))
+            };
             // SAFETY: the buffers are written (by a copy or the host) before they are read.
             let (grads, weights) = unsafe {
                 (
-                    ctx.alloc_pinned_with_flags::<f32>(len, 0).w()?,
-                    ctx.alloc_pinned_with_flags::<f32>(len, sys::CU_MEMHOSTALLOC_WRITECOMBINED).w()?,
+                    ctx.alloc_pinned_with_flags::<f32>(len, 0).map_err(failed)?,
+                    ctx.alloc_pinned_with_flags::<f32>(len, sys::CU_MEMHOSTALLOC_WRITECOMBINED).map_err(failed)?,
                 )
             };
             Ok(Self { grads, weights, stream, pending: None })
