@@ -169,9 +169,13 @@ impl Staging {
 
     /// Start copying the gradients of `chunk` (`grads[piece.param]`, f32) into slot `s`: on a GPU the
     /// copies are queued behind the device's work and this returns at once.
+    ///
+    /// The slot's gradients must have been read already (its [`Staging::slot`] returned and the host is
+    /// done with them) or never written; its weights may still be on their way up: the new copies queue
+    /// behind them on the same stream, and the event recorded after them covers both, so the next
+    /// [`Staging::slot`] waits for the upload too, and the host never blocks here.
     pub fn download(&mut self, s: usize, chunk: &[Piece], grads: &[&Tensor]) -> Result<()> {
         let slot = &mut self.slots[s % 2];
-        slot.wait()?;
         for p in chunk {
             let g = grads[p.param];
             if g.dtype() != DType::F32 {
@@ -180,7 +184,9 @@ impl Staging {
             if p.at + p.len > slot.len {
                 candle_core::bail!("a chunk of {} elements in a slot of {}", p.at + p.len, slot.len);
             }
-            // SAFETY: the slot's copies are done (waited above) and `at + len` is inside its buffer.
+            // SAFETY: no copy into the slot's gradients is pending (the last one was waited for by
+            // `slot`), the host no longer reads them (the caller's contract), and `at + len` is inside the
+            // buffer.
             let dst = unsafe { std::slice::from_raw_parts_mut(slot.grads.add(p.at), p.len) };
             let (storage, layout) = g.storage_and_layout();
             let Some((a, b)) = layout.contiguous_offsets() else {
@@ -312,6 +318,8 @@ mod pinned {
     pub struct Buffers {
         grads: PinnedHostSlice<f32>,
         weights: PinnedHostSlice<f32>,
+        grads_ptr: *mut f32,
+        weights_ptr: *mut f32,
         stream: Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
         pending: Option<CudaEvent>,
     }
@@ -334,15 +342,16 @@ mod pinned {
                     ctx.alloc_pinned_with_flags::<f32>(len, sys::CU_MEMHOSTALLOC_WRITECOMBINED).map_err(failed)?,
                 )
             };
-            Ok(Self { grads, weights, stream, pending: None })
+            let (grads_ptr, weights_ptr) = (grads.as_ptr().w()? as *mut f32, weights.as_ptr().w()? as *mut f32);
+            Ok(Self { grads, weights, grads_ptr, weights_ptr, stream, pending: None })
         }
 
         pub fn grads_ptr(&self) -> *mut f32 {
-            self.grads.as_ptr().map_or(std::ptr::null_mut(), |p| p as *mut f32)
+            self.grads_ptr
         }
 
         pub fn weights_ptr(&self) -> *mut f32 {
-            self.weights.as_ptr().map_or(std::ptr::null_mut(), |p| p as *mut f32)
+            self.weights_ptr
         }
 
         /// Mark what the stream has queued so far as this slot's copies.
@@ -361,9 +370,18 @@ mod pinned {
         }
     }
 
+    impl Drop for Buffers {
+        /// The page-locked memory is freed only once no copy can still use it: after an error, copies
+        /// may be queued without an event to wait for.
+        fn drop(&mut self) {
+            let _ = self.stream.synchronize();
+        }
+    }
+
     /// Queue the copy of f32 elements `from..from + dst.len()` of `s` into `dst` (page-locked).
     pub fn download(s: &CudaStorage, from: usize, dst: &mut [f32]) -> Result<()> {
         let stream = s.device().cuda_stream();
+        stream.context().bind_to_thread().w()?;
         let src: &CudaSlice<f32> = s.as_cuda_slice()?;
         let (ptr, _guard) = src.device_ptr(&stream);
         // SAFETY: `dst` is page-locked and is neither read nor written by the host until the slot's event
@@ -374,6 +392,7 @@ mod pinned {
     /// Queue the copy of `src` (page-locked) into elements `from..from + src.len()` of `s`.
     pub fn upload<T: CudaDType>(s: &mut CudaStorage, from: usize, src: &[T]) -> Result<()> {
         let stream = s.device().cuda_stream();
+        stream.context().bind_to_thread().w()?;
         let dst: &mut CudaSlice<T> = s.as_cuda_slice_mut()?;
         let (ptr, _guard) = dst.device_ptr_mut(&stream);
         let at = ptr + (from * std::mem::size_of::<T>()) as u64;

@@ -516,8 +516,18 @@ impl Optimizer {
             .collect();
         let Some(&(first, _)) = todo.first() else { return Ok(()) };
         let (device, dtype) = (self.params[first].var.device().clone(), self.params[first].var.dtype());
+        if let Some(&(i, _)) = todo.iter().find(|&&(i, _)| self.params[i].var.dtype() != dtype) {
+            candle_core::bail!(
+                "the offloaded update takes parameters of one dtype: {:?} and {:?}",
+                dtype,
+                self.params[i].var.dtype()
+            );
+        }
         let sizes: Vec<usize> = todo.iter().map(|(_, g)| g.elem_count()).collect();
         let len = sizes.iter().sum::<usize>().min(offload::chunk_elements(self.cfg.offload_chunk_mb));
+        if len == 0 {
+            return Ok(());
+        }
         let grads: Vec<Tensor> = todo
             .iter()
             .map(|(_, g)| g.flatten_all().and_then(|g| g.contiguous()))
