@@ -121,12 +121,23 @@ fn update_block(c: &Consts, p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f3
 
 /// The update of the whole state `[rows, n]` on the host, blocks of [`HOST_BLOCK`] over rayon's threads.
 fn update_host(c: &Consts, state: &mut [f32], g: &[f32]) {
-    update_range(c, state, (g.len(), 0), g);
+    update_range::<f32, fn(f32) -> f32>(c, state, (g.len(), 0), g, None);
 }
 
+/// New weights written by the host's update as it goes: `out[k]` = `round(master[start + k])` (`round`
+/// a function item or closure, inlined into the block's loop).
+type WeightsOut<'a, T, R> = (&'a mut [T], R);
+
 /// The update of elements `start..start + g.len()` of the state `[rows, n]` (`at` = (n, start)) on the
-/// host, blocks of [`HOST_BLOCK`] over rayon's threads.
-fn update_range(c: &Consts, state: &mut [f32], (n, start): (usize, usize), g: &[f32]) {
+/// host, blocks of [`HOST_BLOCK`] over rayon's threads; each block's new master weights also rounded into
+/// `out` while they are in cache.
+fn update_range<T: Send, R: Fn(f32) -> T + Sync>(
+    c: &Consts,
+    state: &mut [f32],
+    (n, start): (usize, usize),
+    g: &[f32],
+    out: Option<WeightsOut<'_, T, R>>,
+) {
     let len = g.len();
     let (p, rest) = state[start..].split_at_mut(len);
     let (m, v) = match c.adam {
@@ -136,14 +147,25 @@ fn update_range(c: &Consts, state: &mut [f32], (n, start): (usize, usize), g: &[
         }
         false => (&mut [][..], &mut [][..]),
     };
-    let blocks = p.par_chunks_mut(HOST_BLOCK).zip(g.par_chunks(HOST_BLOCK));
-    if c.adam {
-        blocks
-            .zip(m.par_chunks_mut(HOST_BLOCK).zip(v.par_chunks_mut(HOST_BLOCK)))
-            .for_each(|((p, g), (m, v))| update_block(c, p, m, v, g));
-    } else {
-        blocks.for_each(|(p, g)| update_block(c, p, &mut [], &mut [], g));
+    let count = len.div_ceil(HOST_BLOCK);
+    // A slice's blocks, or as many empty ones (SGD's moments; no weights to write).
+    fn blocks<T>(s: &mut [T], count: usize) -> Vec<&mut [T]> {
+        match s.is_empty() {
+            true => (0..count).map(|_| &mut [][..]).collect(),
+            false => s.chunks_mut(HOST_BLOCK).collect(),
+        }
     }
+    let (out, round) = match out {
+        Some((o, round)) => (o, Some(round)),
+        None => (&mut [][..], None),
+    };
+    let (ps, ms, vs, outs) = (blocks(p, count), blocks(m, count), blocks(v, count), blocks(out, count));
+    (ps.into_par_iter().zip(g.par_chunks(HOST_BLOCK)).zip(ms).zip(vs).zip(outs)).for_each(|((((p, g), m), v), o)| {
+        update_block(c, p, m, v, g);
+        if let Some(round) = &round {
+            o.iter_mut().zip(p.iter()).for_each(|(o, &x)| *o = round(x));
+        }
+    });
 }
 
 /// Checks `state` `[rows, n]` and `g` `[n]` (both contiguous f32); returns n.
@@ -193,14 +215,16 @@ impl InplaceOp2 for AdamW {
     }
 }
 
-/// The update of a range of a host state by gradient values in host memory ([`adamw_host`]).
-struct HostRange<'a> {
+/// The update of a range of a host state by gradient values in host memory ([`adamw_host`]), and the
+/// new weights it writes.
+struct HostRange<'a, T, R> {
     op: &'a AdamW,
     start: usize,
     g: &'a [f32],
+    out: std::cell::RefCell<Option<WeightsOut<'a, T, R>>>,
 }
 
-impl InplaceOp1 for HostRange<'_> {
+impl<T: Send, R: Fn(f32) -> T + Sync> InplaceOp1 for HostRange<'_, T, R> {
     fn name(&self) -> &'static str {
         "adamw-host"
     }
@@ -219,16 +243,26 @@ impl InplaceOp1 for HostRange<'_> {
         }
         let CpuStorage::F32(state) = dst else { candle_core::bail!("the optimizer state must be f32") };
         let a = l.start_offset();
-        update_range(&self.op.consts(), &mut state[a..a + rows * n], (n, start), self.g);
+        update_range(&self.op.consts(), &mut state[a..a + rows * n], (n, start), self.g, self.out.borrow_mut().take());
         Ok(())
     }
 }
 
 /// One update of elements `start..start + g.len()` of `state` `[rows, n]` (f32, in host memory) with the
 /// gradient values `g` (host memory), in place: the offloaded update of a range of a parameter, the same
-/// values [`adamw`] gives those elements.
-pub fn adamw_host(state: &Tensor, start: usize, g: &[f32], op: &AdamW) -> Result<()> {
-    state.inplace_op1(&HostRange { op, start, g })
+/// values [`adamw`] gives those elements. The new master weights are also written into `weights`
+/// (`g.len()` of them), rounded by `round`, block by block while they are in cache.
+pub fn adamw_host<T: Send, R: Fn(f32) -> T + Sync>(
+    state: &Tensor,
+    start: usize,
+    g: &[f32],
+    op: &AdamW,
+    (weights, round): (&mut [T], R),
+) -> Result<()> {
+    if weights.len() != g.len() {
+        candle_core::bail!("{} weights written for a gradient of {}", weights.len(), g.len());
+    }
+    state.inplace_op1(&HostRange { op, start, g, out: std::cell::RefCell::new(Some((weights, round))) })
 }
 
 /// One update of `state` `[rows, n]` (f32: master weights, then AdamW's moments) with the gradient `g`

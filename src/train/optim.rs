@@ -231,22 +231,16 @@ impl ParamState {
     }
 
     /// The update of elements `start..start + g.len()` (the offloaded update's range of a parameter, in
-    /// host memory): the values [`ParamState::update`] gives them.
-    fn update_range(&self, start: usize, g: &[f32], u: &Update) -> candle_core::Result<()> {
-        kernels::adamw_host(&self.state, start, g, &self.op(u))
-    }
-
-    /// The master copy's elements `start..start + out.len()` rounded to the model's dtype into `out` (the
-    /// offloaded update's staging), on all the host's threads.
-    fn stage_weights<T: offload::Staged>(&self, start: usize, out: &mut [T]) -> candle_core::Result<()> {
-        let (storage, layout) = self.state.storage_and_layout();
-        let candle_core::Storage::Cpu(s) = &*storage else {
-            candle_core::bail!("the offloaded state is in host memory")
-        };
-        let a = layout.start_offset() + start;
-        let master = &<f32 as candle_core::WithDType>::cpu_storage_as_slice(s)?[a..a + out.len()];
-        out.par_iter_mut().with_min_len(1 << 16).zip(master).for_each(|(o, &x)| *o = T::from_master(x));
-        Ok(())
+    /// host memory): the values [`ParamState::update`] gives them; their new weights, rounded to the
+    /// model's dtype, into `out` (the offloaded update's staging).
+    fn update_range<T: offload::Staged>(
+        &self,
+        start: usize,
+        g: &[f32],
+        u: &Update,
+        out: &mut [T],
+    ) -> candle_core::Result<()> {
+        kernels::adamw_host(&self.state, start, g, &self.op(u), (out, T::from_master))
     }
 
     /// The f32 master copy (a view of the state).
@@ -307,10 +301,8 @@ fn offload_chunks<T: offload::Staged>(
             outs.push(out);
             rest = tail;
         }
-        chunk.par_iter().zip(outs).try_for_each(|(p, out)| {
-            states[p.param].update_range(p.start, &g[p.at..p.at + p.len], u)?;
-            states[p.param].stage_weights(p.start, out)
-        })?;
+        (chunk.par_iter().zip(outs))
+            .try_for_each(|(p, out)| states[p.param].update_range(p.start, &g[p.at..p.at + p.len], u, out))?;
         drop(phase);
         let _phase = crate::profile::phase("weights to device");
         staging.upload::<T>(c, chunk, &vars)?;
