@@ -40,7 +40,7 @@ use super::time;
 use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
 use crate::objective::Anchor;
 use crate::train::config::TrainConfig;
-use crate::train::offload::{chunk_elements, staging_bytes};
+use crate::train::offload::{chunk_len, staging_bytes};
 use crate::train::optim::OptimName;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
@@ -481,7 +481,7 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let d = dtype_bytes(&cfg.model.dtype);
     let update = if cfg.optim.offload {
         // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
-        staging_bytes((chunk_elements(cfg.optim.offload_chunk_mb) as u64).min(p_train) as usize) as u64
+        staging_bytes(chunk_len(p_train as usize, cfg.optim.offload_chunk_mb)) as u64
     } else {
         p_max.saturating_mul(d)
     };

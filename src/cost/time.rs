@@ -826,11 +826,11 @@ pub struct WindowCost {
     pub serial_pcie_bytes: f64,
 }
 
-/// One chunk's PCIe bytes in the offloaded update (`optim.offload_chunk_mb` at its default): its f32
-/// gradients down and its weights up.
-fn offload_chunk_bytes(s: &StepShape) -> f64 {
-    use crate::train::offload::{chunk_elements, DEFAULT_CHUNK_MB};
-    chunk_elements(DEFAULT_CHUNK_MB) as f64 * (4.0 + s.dtype_bytes as f64)
+/// One chunk's PCIe bytes in the offloaded update of `params` parameters (`optim.offload_chunk_mb` at its
+/// default): its f32 gradients down and its weights up.
+fn offload_chunk_bytes(params: f64, s: &StepShape) -> f64 {
+    use crate::train::offload::{chunk_len, DEFAULT_CHUNK_MB};
+    chunk_len(params as usize, DEFAULT_CHUNK_MB) as f64 * (4.0 + s.dtype_bytes as f64)
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -873,7 +873,10 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
                 host_update_s: sum(&|o| o.host_bytes / o.host_rate, &host),
                 serial_pcie_bytes: match s.h100_run_build {
                     true => sum(&|o| o.bytes, &host),
-                    false => sum(&|o| o.bytes, &host).min(offload_chunk_bytes(s)),
+                    false => {
+                        let bytes = sum(&|o| o.bytes, &host);
+                        bytes.min(offload_chunk_bytes(bytes / (4.0 + s.dtype_bytes as f64), s))
+                    }
                 },
             }
         })
@@ -1354,7 +1357,7 @@ mod tests {
         let (overlapped, w) = update(&s);
         let (serial, w_run) = update(&StepShape { h100_run_build: true, ..s });
         let pcie = H100_SXM.pcie_bandwidth;
-        let chunk = offload_chunk_bytes(&s);
+        let chunk = offload_chunk_bytes(1e10, &s);
         assert!(w.pcie_bytes > 10.0 * chunk, "{w:?}");
         assert_eq!((w.serial_pcie_bytes, w_run.serial_pcie_bytes), (chunk, w_run.pcie_bytes));
         let hidden = ((w.pcie_bytes - chunk) / pcie).max(w.host_update_s);

@@ -516,7 +516,7 @@ impl Optimizer {
             );
         }
         let sizes: Vec<usize> = todo.iter().map(|(_, g)| g.elem_count()).collect();
-        let len = sizes.iter().sum::<usize>().min(offload::chunk_elements(self.cfg.offload_chunk_mb));
+        let len = offload::chunk_len(sizes.iter().sum(), self.cfg.offload_chunk_mb);
         if len == 0 {
             return Ok(());
         }
