@@ -166,6 +166,11 @@ pub struct TensorOps {
     /// formed `(y g).sum_all()` and differentiated that (read y and g, write the product, sum it), 0 with
     /// the patched candle's `backward_from(g)`.
     pub seed_passes: f64,
+    /// Bytes per lm_head weight element per log-prob chunk that the head's backward spends on the weight's
+    /// f32 gradient beyond its GEMM: 16 where each chunk's product was cast to f32 and summed into a new
+    /// buffer (write 4, read 4, accumulator read and written), 10 where the product (d = 2 bytes) is added
+    /// into the accumulator in place (read 2, accumulator read and written).
+    pub head_grad_bytes: f64,
 }
 
 /// This build's, counted on the CPU (see [`TensorOps`]; tests/calibration.rs holds the model's count to the
@@ -273,6 +278,7 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
     update_per_tensor: 5.0,
     seed_passes: 0.0,
+    head_grad_bytes: 10.0,
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the
@@ -291,4 +297,5 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     norm_per_tensor: 3.0,
     update_per_tensor: 15.0,
     seed_passes: 4.0,
+    head_grad_bytes: 16.0,
 };

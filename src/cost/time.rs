@@ -29,8 +29,9 @@
 //!   `checkpoint_layers` the layer's backward also forms (y g) and its sum.
 //! - the log-prob head on the n scored tokens: per chunk of `logprob_chunk_bytes / (4 V)` rows, the
 //!   lm_head GEMM (2 n h V forward; backward, the logits recomputed and two gradient GEMMs), the fused log-softmax / entropy kernel reading the
-//!   logits twice (forward, backward), and the f32 lm_head gradient of each chunk added to its
-//!   accumulator (16 V h bytes per chunk: written, read, accumulator read and written).
+//!   logits twice (forward, backward), and the lm_head gradient of each chunk added to its f32
+//!   accumulator (in place: 10 V h bytes per chunk, the product read and the accumulator read and written;
+//!   the H100 run's build cast it to f32 and summed into a new buffer, 16 V h).
 //! - gradient accumulation: every parameter's gradient added into the f32 accumulator once per
 //!   micro-batch (read d + 4 B, write 4 B per parameter).
 //! - with `checkpoint_layers`, one more forward of every layer (recomputation) per micro-batch; without a
@@ -633,7 +634,8 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backwar
         }
         o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
         if !frozen {
-            o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, 16.0 * v * h * chunks, chunks);
+            let bytes = o.counts.head_grad_bytes * v * h * chunks;
+            o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, bytes, chunks);
         }
     } else {
         o.gemm("lm_head", rows, h, v, d, chunks);

@@ -103,11 +103,13 @@ impl CustomOp3 for LogprobEntropy {
             if !weight_grad {
                 continue;
             }
-            let gw = dz.t()?.matmul(&h)?.to_dtype(DType::F32)?;
-            grad_w = Some(match grad_w {
-                None => gw,
-                Some(acc) => (acc + gw)?,
-            });
+            // The first chunk's product cast into an f32 accumulator of its own, the later ones added
+            // into it in place (no new buffer, the product read where it lies).
+            let gw = dz.t()?.matmul(&h)?;
+            match &grad_w {
+                None => grad_w = Some(gw.to_dtype(DType::F32)?),
+                Some(acc) => super::accumulate(acc, &gw)?,
+            }
         }
         let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
         let grad_w = match grad_w {
