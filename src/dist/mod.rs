@@ -364,6 +364,10 @@ fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
     Ok(Box::new(comm))
 }
 
+/// What must live as long as a communicator made from a [`Meeting`] (NCCL's unique id holder), if anything.
+#[cfg(feature = "cuda")]
+type KeepAlive = Option<Box<dyn std::any::Any>>;
+
 /// How the ranks of a GPU run meet before NCCL exists: MPI when the launcher started it (its environment is
 /// kept as long as the communicator), else the TCP rendezvous at rank 0's MASTER_ADDR:MASTER_PORT.
 #[cfg(feature = "cuda")]
@@ -395,11 +399,7 @@ impl Meeting {
 
     /// [`ready::agree`] through this meeting: rank 0's payload, and what must live as long as NCCL's
     /// communicator.
-    fn agree(
-        self,
-        rank: usize,
-        mine: Result<Vec<u8>, String>,
-    ) -> Result<(Vec<u8>, Option<Box<dyn std::any::Any>>), DistError> {
+    fn agree(self, rank: usize, mine: Result<Vec<u8>, String>) -> Result<(Vec<u8>, KeepAlive), DistError> {
         match self {
             #[cfg(feature = "mpi")]
             Meeting::Mpi(mpi) => {

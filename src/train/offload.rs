@@ -324,8 +324,9 @@ mod pinned {
     /// buffer is cached (the host reads it); the weights' is write-combined (the host only writes it,
     /// and the device reads it faster over PCIe).
     pub struct Buffers {
-        grads: PinnedHostSlice<f32>,
-        weights: PinnedHostSlice<f32>,
+        /// The page-locked memory `grads_ptr` and `weights_ptr` point into, owned here.
+        _grads: PinnedHostSlice<f32>,
+        _weights: PinnedHostSlice<f32>,
         grads_ptr: *mut f32,
         weights_ptr: *mut f32,
         stream: Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
@@ -351,7 +352,7 @@ mod pinned {
                 )
             };
             let (grads_ptr, weights_ptr) = (grads.as_ptr().w()? as *mut f32, weights.as_ptr().w()? as *mut f32);
-            Ok(Self { grads, weights, grads_ptr, weights_ptr, stream, pending: None })
+            Ok(Self { _grads: grads, _weights: weights, grads_ptr, weights_ptr, stream, pending: None })
         }
 
         pub fn grads_ptr(&self) -> *mut f32 {
