@@ -1276,8 +1276,20 @@ struct OptimizerRecord {
     speedup: f64,
     /// Bytes over PCIe per update on a GPU (f32 gradients down, weights up), 0 on the CPU.
     pcie_bytes: usize,
+    /// The performance model's time for this offloaded update from each modelled GPU (src/cost/time.rs:
+    /// one chunk's copies, then the longer of the host's update and the other copies), and on the card
+    /// that ran, the measured time over it.
+    predicted: Vec<PredictedUpdate>,
     /// The master weights after the timed runs agree bit for bit.
     same_bits: bool,
+}
+
+/// [`OptimizerRecord::predicted`]'s entry for one GPU.
+#[derive(Debug, serde::Serialize)]
+struct PredictedUpdate {
+    gpu: &'static str,
+    seconds: f64,
+    measured_over_predicted: Option<f64>,
 }
 
 /// Random `[1, n]` weights (of `dtype`) and `[n]` f32 gradients on `device` for tensors of `sizes`.
@@ -1328,9 +1340,18 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
     let (fused_s, reference_s) = (median(&fused), median(&reference_runs));
     let gb = |s: f64| 32.0 * spec.params as f64 / s / 1e9;
     let pcie_bytes = if t.device.is_cpu() { 0 } else { spec.params * (4 + t.dtype.size_in_bytes()) };
+    let device = device_name(&t.device);
+    let predicted = (crate::cost::time::GPUS.iter())
+        .map(|gpu| {
+            let d = t.dtype.size_in_bytes() as f64;
+            let seconds = crate::cost::time::offload_update_s(spec.params as f64, d, gpu);
+            let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
+            PredictedUpdate { gpu: gpu.name, seconds, measured_over_predicted: here.then(|| fused_s / seconds) }
+        })
+        .collect();
     let record = OptimizerRecord {
         bench: "optimizer",
-        device: device_name(&t.device),
+        device,
         dtype: dtype_name(t.dtype),
         params: spec.params,
         tensors,
@@ -1342,6 +1363,7 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
         reference_gb_per_s: gb(reference_s),
         speedup: reference_s / fused_s,
         pcie_bytes,
+        predicted,
         same_bits,
     };
     serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))

@@ -290,7 +290,11 @@ def main():
         print(f"\noptimizer {t.get('device')} {t.get('dtype')} {t.get('params')} params: {t.get('fused_s', 0):.3f} s "
               f"({t.get('fused_gb_per_s', 0):.1f} GB/s of 32 B a parameter) against {t.get('reference')} "
               f"{t.get('reference_s', 0):.3f} s, {t.get('speedup', 0):.2f}x; {t.get('pcie_bytes', 0) / 1e9:.2f} GB over "
-              f"PCIe; same bits: {t.get('same_bits')}")
+              f"PCIe; same bits: {t.get('same_bits')}"
+              + "".join(f"; predicted on {p['gpu']} {p['seconds']:.3f} s"
+                        + (f" (measured / predicted {p['measured_over_predicted']:.2f})"
+                           if p.get("measured_over_predicted") else "")
+                        for p in t.get("predicted", [])))
     for t in (r for r in records if r.get("bench") == "skipped"):
         print(f"\nskipped {t.get('what')}: {t.get('reason')}")
     for err in (r for r in records if r.get("bench") == "error"):

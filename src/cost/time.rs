@@ -828,11 +828,30 @@ pub struct WindowCost {
     pub serial_pcie_bytes: f64,
 }
 
-/// One chunk's PCIe bytes in the offloaded update of `params` parameters (`optim.offload_chunk_mb` at its
-/// default): its f32 gradients down and its weights up.
-fn offload_chunk_bytes(params: f64, s: &StepShape) -> f64 {
+/// The offloaded update of `params` parameters of `d`-byte weights alone on `gpu`, as this build runs it
+/// (the update window of a step with `optim.offload`): one chunk's copies, then the longer of the host's
+/// update and the other copies.
+pub fn offload_update_s(params: f64, d: f64, gpu: &Gpu) -> f64 {
+    let pcie_bytes = params * (4.0 + d);
+    let w = WindowCost {
+        window: "update",
+        device_s: 0.0,
+        elementwise_s: 0.0,
+        launches: 0.0,
+        kernel_launches: 0.0,
+        pcie_bytes,
+        host_bytes: 32.0 * params,
+        host_update_s: 32.0 * params / gpu.host_update_bandwidth,
+        serial_pcie_bytes: pcie_bytes.min(offload_chunk_bytes(params, d)),
+    };
+    w.offload_s(gpu)
+}
+
+/// One chunk's PCIe bytes in the offloaded update of `params` parameters of `d`-byte weights
+/// (`optim.offload_chunk_mb` at its default): its f32 gradients down and its weights up.
+fn offload_chunk_bytes(params: f64, d: f64) -> f64 {
     use crate::train::offload::{chunk_len, DEFAULT_CHUNK_MB};
-    chunk_len(params as usize, DEFAULT_CHUNK_MB) as f64 * (4.0 + s.dtype_bytes as f64)
+    chunk_len(params as usize, DEFAULT_CHUNK_MB) as f64 * (4.0 + d)
 }
 
 /// FLOPs of the policy's forward on the step, attention counted as the causal lower triangle.
@@ -876,8 +895,8 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
                 serial_pcie_bytes: match s.h100_run_build {
                     true => sum(&|o| o.bytes, &host),
                     false => {
-                        let bytes = sum(&|o| o.bytes, &host);
-                        bytes.min(offload_chunk_bytes(bytes / (4.0 + s.dtype_bytes as f64), s))
+                        let (bytes, d) = (sum(&|o| o.bytes, &host), s.dtype_bytes as f64);
+                        bytes.min(offload_chunk_bytes(bytes / (4.0 + d), d))
                     }
                 },
             }
@@ -1359,12 +1378,15 @@ mod tests {
         let (overlapped, w) = update(&s);
         let (serial, w_run) = update(&StepShape { h100_run_build: true, ..s });
         let pcie = H100_SXM.pcie_bandwidth;
-        let chunk = offload_chunk_bytes(1e10, &s);
+        let chunk = offload_chunk_bytes(1e10, 2.0);
         assert!(w.pcie_bytes > 10.0 * chunk, "{w:?}");
         assert_eq!((w.serial_pcie_bytes, w_run.serial_pcie_bytes), (chunk, w_run.pcie_bytes));
         let hidden = ((w.pcie_bytes - chunk) / pcie).max(w.host_update_s);
         assert!((overlapped - (chunk / pcie + hidden)).abs() < 1e-9, "{overlapped} {w:?}");
         assert!((serial - (w_run.pcie_bytes / pcie + w_run.host_update_s)).abs() < 1e-9, "{serial} {w_run:?}");
+        // The update alone (`grpo bench optimizer`'s prediction) is the step's update window.
+        let params = w.pcie_bytes / 6.0;
+        assert!((offload_update_s(params, 2.0, &H100_SXM) - overlapped).abs() < 1e-9);
         // The same host work for both builds' counts aside, the overlap saves the hidden copies.
         let run_with_fused_rate = w_run.pcie_bytes / pcie + w.host_update_s;
         assert!(
