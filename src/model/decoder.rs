@@ -1498,22 +1498,8 @@ mod tests {
             assert!(picks.len() >= 4, "{arch:?}: {picks:?}");
             for i in picks {
                 let Param::Trainable(var) = &m.params[i] else { unreachable!() };
-                let orig = var.as_tensor().copy().unwrap();
-                let flat = values(&orig);
-                let g = values(grads.grads[i].as_ref().unwrap());
-                // The coordinate with the largest gradient (a well-conditioned check).
-                let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
-                let eps = 1e-3f32;
-                let shifted = |delta: f32| {
-                    let mut v = flat.clone();
-                    v[j] += delta;
-                    var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
-                    eval(&m)
-                };
-                let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
-                var.set(&orig).unwrap();
-                let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
-                assert!(rel < 2e-2, "{arch:?} {}[{j}]: finite difference {fd} vs autograd {}", m.names()[i], g[j]);
+                let what = format!("{arch:?} {}", m.names()[i]);
+                largest_gradient_agrees(&m, var, grads.grads[i].as_ref().unwrap(), &eval, &what);
             }
         }
     }
@@ -1575,22 +1561,29 @@ mod tests {
     fn largest_gradients_agree(m: &Decoder, grads: &Grads, loss: impl Fn(&Decoder) -> f64, what: &str) {
         let names = m.trainable_names();
         for (k, var) in m.vars().into_iter().enumerate() {
-            let orig = var.as_tensor().copy().unwrap();
-            let flat = values(&orig);
-            let g = values(grads.grads[k].as_ref().unwrap());
-            let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
-            let eps = 1e-3f32;
-            let shifted = |delta: f32| {
-                let mut v = flat.clone();
-                v[j] += delta;
-                var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
-                loss(m)
-            };
-            let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
-            var.set(&orig).unwrap();
-            let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
-            assert!(rel < 2e-2, "{what} {}[{j}]: finite difference {fd} vs autograd {}", names[k], g[j]);
+            let g = grads.grads[k].as_ref().unwrap();
+            largest_gradient_agrees(m, var, g, &loss, &format!("{what} {}", names[k]));
         }
+    }
+
+    /// The central difference of `loss` at `var`'s element of largest gradient `g` (a well-conditioned
+    /// check) agrees with it within 2%; `var` is put back as it was.
+    fn largest_gradient_agrees(m: &Decoder, var: &Var, g: &Tensor, loss: &impl Fn(&Decoder) -> f64, what: &str) {
+        let orig = var.as_tensor().copy().unwrap();
+        let flat = values(&orig);
+        let g = values(g);
+        let (j, _) = g.iter().enumerate().max_by(|a, b| a.1.abs().total_cmp(&b.1.abs())).unwrap();
+        let eps = 1e-3f32;
+        let shifted = |delta: f32| {
+            let mut v = flat.clone();
+            v[j] += delta;
+            var.set(&Tensor::from_vec(v, orig.shape(), &Device::Cpu).unwrap()).unwrap();
+            loss(m)
+        };
+        let fd = (shifted(eps) - shifted(-eps)) / (2.0 * eps as f64);
+        var.set(&orig).unwrap();
+        let rel = (fd - g[j] as f64).abs() / (g[j].abs() as f64).max(1e-3);
+        assert!(rel < 2e-2, "{what}[{j}]: finite difference {fd} vs autograd {}", g[j]);
     }
 
     /// LoRA's dropout: a training batch's seed draws the mask, the same one in the layers' recomputation
