@@ -196,19 +196,6 @@ pub fn from_host<T: candle_core::WithDType, S: Into<candle_core::Shape>>(
     Tensor::from_vec(data, shape, device)
 }
 
-/// `t` in host memory (the offloaded optimiser's side), counted as a device-to-host copy on every
-/// device (no read of values by the host, so no host sync is counted).
-pub fn to_host_memory(t: &Tensor) -> Result<Tensor> {
-    crate::profile::count_to_host(t.elem_count() * t.dtype().size_in_bytes());
-    t.to_device(&Device::Cpu)
-}
-
-/// `t` (in host memory) on `device`, counted as a host-to-device copy on every device.
-pub fn to_device(t: &Tensor, device: &Device) -> Result<Tensor> {
-    crate::profile::count_to_device(t.elem_count() * t.dtype().size_in_bytes());
-    t.to_device(device)
-}
-
 /// The value of a one-element tensor `t` copied to the host, counted as [`to_host`].
 pub fn to_host_scalar<T: candle_core::WithDType>(t: &Tensor) -> Result<T> {
     match to_host::<T>(t)?.as_slice() {

@@ -1306,8 +1306,9 @@ fn optimizer_problem(sizes: &[usize], dtype: DType, device: &Device) -> Result<(
 }
 
 /// The offloaded optimiser's update (AdamW, f32 state in host memory) over `spec.params` parameters in
-/// `spec.tensors` tensors of dtype `t.dtype` on `t.device`, against the reference of
-/// [`OptimizerRecord::reference`] in the same run, each from the same state.
+/// `spec.tensors` tensors of dtype `t.dtype` on `t.device`, against the reference
+/// the record names (`reference`) in the same run, each from the same state: the composite ops on the CPU,
+/// pageable copies one tensor at a time from a GPU.
 pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
     use crate::train::optim::Optimizer;
     let tensors = spec.tensors.clamp(1, spec.params.max(1));

@@ -58,7 +58,7 @@ pub struct OptimConfig {
     /// Keep the f32 master weights and the AdamW moments in host memory and run the update there (in
     /// parallel over the parameters); the device then holds only the weights, gradients and activations.
     /// Host memory: 12 bytes per parameter with AdamW (master, m, v), 4 with SGD, plus the gradients of
-    /// the parameters in flight (the staging of [`offload::STAGING_BYTES`]). The updates are the same as
+    /// the parameters in flight (the staging of [`offload::staging_bytes`]). The updates are the same as
     /// without it.
     pub offload: bool,
     /// With `offload`, the f32 gradients of one chunk of the update, MiB: the gradients go down and the
