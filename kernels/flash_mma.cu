@@ -5,7 +5,7 @@
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
-//   flash_mma_fwd_dD_<T>:    64 queries of one head per block (grid: query blocks x B*H), 16 per warp
+//   flash_mma_fwd_dD_<T>:    64 queries of one head per block (grid: B*H x query blocks), 16 per warp
 //                            (their fragments in registers); keys in blocks of 32 through two stages of
 //                            shared memory, the next block's K and V copied in (cp.async, cp_async.cuh)
 //                            while this one's S = Q K^T and O += P V run on the tensor cores, P fed
@@ -13,10 +13,14 @@
 //   flash_mma_bwd_dq_dD_<T>: 64 queries per block, keys in blocks of 32 through two stages: S = Q K^T,
 //                            dP = dO V^T, dS = P (dP - delta), dQ += dS K; also the span of keys each 16
 //                            queries see (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
-//   flash_mma_bwd_dkv_dD_<T>: 64 keys of one KV head per block (grid: key blocks x B*KV), 16 per warp,
-//                            over the queries of every head of its group in blocks of 16 that see one of
-//                            its keys (by spans): S^T = K Q^T, dP^T = V dO^T, dV += P^T dO, dK += dS^T Q;
-//                            dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)]. One stage (two would pass 48 KiB).
+//   flash_mma_bwd_dkv_dD_<T>: 64 keys of one KV head per block (grid: B*KV*split x key blocks), 16 per
+//                            warp, over the queries of its part (of `split`) of its group's heads in
+//                            blocks of 16 that see one of its keys (by spans): S^T = K Q^T, dP^T = V dO^T,
+//                            dV += P^T dO, dK += dS^T Q; each part's f32 sums into parts ([split][dk
+//                            (B*KV*S*D) | dv (B*KV*S*D)]). One stage (two would pass 48 KiB).
+//   flash_mma_bwd_dkv_sum_<T>: dkv = [dk | dv], the parts summed in order (dk times scale), in T; the
+//                            wgmma dk/dv kernels' too. The split keeps the GPU full when B*KV*key blocks
+//                            is small (GQA at short lengths) and shortens the longest block.
 // The backward without the dq kernel (FlashAttention-2's: S and dP computed once per score, dQ summed by
 // f32 atomics, so not bitwise reproducible):
 //   flash_mma_bwd_prep_dD_<T>: per 64 queries of one head, zeroes their rows of dq_acc ([B, H, T, D] f32)
@@ -238,13 +242,16 @@ __device__ __forceinline__ void add_dq(float *dq_acc, T *dss, const float ds[DKV
     }
 }
 
-// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by add_dq.
+// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by add_dq. Grid: x = (KV head
+// bkv, part) as bkv * split + part, y = key block (the first keys' blocks, which the most queries see,
+// start first); each block's dk and dv over its part of the group's query heads, unscaled, into its share
+// of `parts` ([split][dk | dv] f32), summed by bwd_dkv_sum.
 template <typename T, int D, bool DQ>
 __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                   const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                   const float *__restrict__ lse, const float *__restrict__ delta,
-                                  T *__restrict__ dkv, const uint32_t *__restrict__ spans, float *dq_acc, uint32_t h,
-                                  uint32_t kv, uint32_t t, uint32_t s, float scale) {
+                                  float *__restrict__ parts, const uint32_t *__restrict__ spans, float *dq_acc,
+                                  uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) {
     extern __shared__ uint32_t mma_smem[];
     const uint32_t ld = D + 8;
     T *ks = (T *)mma_smem;                          // [DKV_BK][ld] keys
@@ -256,8 +263,10 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     uint32_t *los = (uint32_t *)(rds + DKV_BQ);     // [DKV_BQ]
     uint32_t *his = los + DKV_BQ;                   // [DKV_BQ]
     T *dss = (T *)(his + DKV_BQ);                   // with DQ: [DKV_BQ][DKV_BK + 8] dS
-    const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * DKV_BK, group = h / kv;
-    const uint32_t j_last = min(j0 + DKV_BK, s) - 1;
+    const uint32_t bkv = blockIdx.x / split, b = bkv / kv;
+    const uint32_t j0 = blockIdx.y * DKV_BK, j_last = min(j0 + DKV_BK, s) - 1;
+    uint32_t hq_first, hq_end;
+    dkv_heads(bkv % kv, h / kv, blockIdx.x % split, split, hq_first, hq_end);
     const uint32_t warp = threadIdx.x / 32;
     const uint32_t m0 = 16 * warp;
     stage_rows_async<T, D>(ks, k + (size_t)bkv * s * D, j0, DKV_BK, s, ld);
@@ -267,7 +276,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     zero_acc(dk);
     zero_acc(dv);
 
-    for (uint32_t hq = kvh * group; hq < (kvh + 1) * group; ++hq) {
+    for (uint32_t hq = hq_first; hq < hq_end; ++hq) {
         const uint32_t bh = b * h + hq;
         for (uint32_t i0 = 0; i0 < t; i0 += DKV_BQ) {
             // Only query blocks whose keys' span meets this block's (the same test in every thread).
@@ -322,7 +331,9 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
         }
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
-    store_dkv<T, D>(dkv, dk, dv, bkv, j0 + m0, s, (size_t)gridDim.y * s * D, scale);
+    // The block's part and KV head read again from its index (not held in registers through the loop).
+    const size_t nk = (size_t)(gridDim.x / split) * s * D;
+    store_dkv_part<D>(parts + 2 * nk * (blockIdx.x % split), dk, dv, blockIdx.x / split, j0 + m0, s, nk);
 }
 
 // Rows i0.. i0 + 64 of head bh of dq_acc zeroed; the first head's block also writes their spans.
@@ -337,6 +348,19 @@ __device__ void flash_mma_bwd_prep(const uint32_t *__restrict__ ranges, uint32_t
     uint32_t kmin, kmax;
     mma_row_ranges<MMA_THREADS>(ranges, b, i0, DQ_BQ, t, s, los, his, kmin, kmax);
     write_spans<DQ_BQ>(spans, los, his, b, i0, t);
+}
+
+// dkv = the sum of the dk/dv kernel's `split` partial sums ([split][2 nk] f32), dk (the first nk) times
+// scale; 1-D grid, any size.
+template <typename T>
+__device__ void flash_mma_bwd_dkv_sum(const float *__restrict__ parts, T *__restrict__ dkv, uint32_t nk, uint32_t split,
+                                      float scale) {
+    const size_t n = 2 * (size_t)nk;
+    for (size_t e = (size_t)blockIdx.x * MMA_THREADS + threadIdx.x; e < n; e += (size_t)gridDim.x * MMA_THREADS) {
+        float sum = 0.f;
+        for (uint32_t p = 0; p < split; ++p) sum += parts[p * n + e];
+        dkv[e] = from_f32<T>(e < nk ? scale * sum : sum);
+    }
 }
 
 // dq = scale dq_acc, rows i0.. i0 + 64 of head bh.
@@ -361,9 +385,10 @@ __device__ void flash_mma_bwd_dq_out(const float *__restrict__ dq_acc, T *__rest
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,      \
-                                 const float *lse, const float *delta, T *dkv, const uint32_t *spans, uint32_t h, \
-                                 uint32_t kv, uint32_t t, uint32_t s, float scale) {                             \
-        flash_mma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, dkv, spans, nullptr, h, kv, t, s, scale); \
+                                 const float *lse, const float *delta, float *parts, const uint32_t *spans,     \
+                                 uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) { \
+        flash_mma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, parts, spans, nullptr, h, kv, t, s, split, \
+                                       scale);                                                                   \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_prep_##NAME(const uint32_t *ranges, uint32_t *spans, float *dq_acc, uint32_t h, uint32_t t, \
@@ -372,9 +397,11 @@ __device__ void flash_mma_bwd_dq_out(const float *__restrict__ dq_acc, T *__rest
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_dkvq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,     \
-                                  const float *lse, const float *delta, T *dkv, const uint32_t *spans,           \
-                                  float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) { \
-        flash_mma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, dkv, spans, dq_acc, h, kv, t, s, scale); \
+                                  const float *lse, const float *delta, float *parts, const uint32_t *spans,     \
+                                  float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, \
+                                  float scale) {                                                                 \
+        flash_mma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, parts, spans, dq_acc, h, kv, t, s, split, \
+                                      scale);                                                                    \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
         flash_mma_bwd_dq_out_##NAME(const float *dq_acc, T *dq, uint32_t t, float scale) {                       \
@@ -385,3 +412,12 @@ FLASH_MMA_KERNELS(d64_bf16, __nv_bfloat16, 64)
 FLASH_MMA_KERNELS(d128_bf16, __nv_bfloat16, 128)
 FLASH_MMA_KERNELS(d64_f16, __half, 64)
 FLASH_MMA_KERNELS(d128_f16, __half, 128)
+
+#define FLASH_MMA_SUM(NAME, T)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(MMA_THREADS)                                                    \
+        flash_mma_bwd_dkv_sum_##NAME(const float *parts, T *dkv, uint32_t nk, uint32_t split, float scale) {     \
+        flash_mma_bwd_dkv_sum<T>(parts, dkv, nk, split, scale);                                                  \
+    }
+
+FLASH_MMA_SUM(bf16, __nv_bfloat16)
+FLASH_MMA_SUM(f16, __half)

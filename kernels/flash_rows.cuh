@@ -7,10 +7,11 @@
 #include "common.cuh"
 #include "mma.cuh"
 
-// A block of BQ queries of one head (blockIdx.x: the query block; blockIdx.y: batch row x head, of h
-// heads over kv KV heads of s keys) as this thread sees it: the head bh, the batch row b, the block's
-// first query i0, this thread's warp's first row m0 (16 per warp), and the K and V rows of the head's KV
-// head.
+// A block of BQ queries of one head (blockIdx.x: batch row x head, of h heads over kv KV heads of s keys;
+// blockIdx.y: the query block, last first, so that the blocks of the last queries, which see the most keys
+// under a causal mask, start first and the short ones fill the tail) as this thread sees it: the head bh,
+// the batch row b, the block's first query i0, this thread's warp's first row m0 (16 per warp), and the K
+// and V rows of the head's KV head.
 template <typename T> struct QueryBlock {
     uint32_t bh, b, i0, m0;
     const T *kh, *vh;
@@ -25,9 +26,9 @@ template <int N> __device__ __forceinline__ void zero_acc(float (&a)[N][4]) {
 
 template <typename T, int D, int BQ>
 __device__ __forceinline__ QueryBlock<T> query_block(const T *k, const T *v, uint32_t h, uint32_t kv, uint32_t s) {
-    const uint32_t bh = blockIdx.y, b = bh / h, kvh = (bh % h) / (h / kv);
+    const uint32_t bh = blockIdx.x, b = bh / h, kvh = (bh % h) / (h / kv);
     const size_t rows = ((size_t)b * kv + kvh) * s * D;
-    return QueryBlock<T>{bh, b, blockIdx.x * BQ, 16 * (threadIdx.x / 32), k + rows, v + rows};
+    return QueryBlock<T>{bh, b, (gridDim.y - 1 - blockIdx.y) * BQ, 16 * (threadIdx.x / 32), k + rows, v + rows};
 }
 
 // The key range of query i of batch row b (clipped to the keys; empty: lo = 1, hi = 0, also past t).
@@ -225,13 +226,14 @@ __device__ __forceinline__ void score_grads(float (&s)[KB / 8][4], const float (
         }
 }
 
-// dk (times scale) and dv of this thread's keys j0 + g (+ 8) (its warp's 16 from j0) into dkv (dk of
-// KV head bkv: [s, D] at bkv s D, dv nk elements after).
-template <typename T, int D>
-__device__ __forceinline__ void store_dkv(T *dkv, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4],
-                                          uint32_t bkv, uint32_t j0, uint32_t s, size_t nk, float scale) {
+// dk and dv of this thread's keys j0 + g (+ 8) (its warp's 16 from j0) into `part`, one block's share of
+// the f32 partial sums (dk of KV head bkv: [s, D] at bkv s D, dv nk elements after); the dk/dv kernels'
+// split sums them (flash_mma.cu's bwd_dkv_sum).
+template <int D>
+__device__ __forceinline__ void store_dkv_part(float *part, const float (&dk)[D / 8][4], const float (&dv)[D / 8][4],
+                                               uint32_t bkv, uint32_t j0, uint32_t s, size_t nk) {
     const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
-    T *dkh = dkv + (size_t)bkv * s * D;
+    float *dkh = part + (size_t)bkv * s * D;
     for (int r = 0; r < 2; ++r) {
         const uint32_t j = j0 + g + 8 * r;
         if (j >= s) continue;
@@ -239,10 +241,19 @@ __device__ __forceinline__ void store_dkv(T *dkv, const float (&dk)[D / 8][4], c
         for (int n = 0; n < D / 8; ++n)
             for (int x = 0; x < 2; ++x) {
                 const size_t e = (size_t)j * D + 8 * n + 2 * c + x;
-                dkh[e] = from_f32<T>(scale * dk[n][2 * r + x]);
-                dkh[nk + e] = from_f32<T>(dv[n][2 * r + x]);
+                dkh[e] = dk[n][2 * r + x];
+                dkh[nk + e] = dv[n][2 * r + x];
             }
     }
+}
+
+// The query heads of KV head kvh's group that block `part` of `split` takes: [first, end).
+__device__ __forceinline__ void dkv_heads(uint32_t kvh, uint32_t group, uint32_t part, uint32_t split,
+                                          uint32_t &first, uint32_t &end) {
+    // (first and a count, not two clamps: with min() on both ends nvcc's dk/dv kernels took 32 more registers)
+    const uint32_t per = (group + split - 1) / split, p0 = part * per;
+    first = kvh * group + p0;
+    end = first + (p0 >= group ? 0 : min(per, group - p0));
 }
 
 // P^T and dS^T of a dk/dv kernel (rows: this thread's keys j + g (+ 8); columns: queries 8 n + 2 c + i % 2

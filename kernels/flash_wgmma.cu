@@ -15,10 +15,12 @@
 //   flash_wgmma_bwd_dq_dD_<T>: 128 queries per block, keys in blocks of 64: S = Q K^T, dP = dO V^T,
 //                              dS = P (dP - delta), dQ += dS K; also the span of keys each 16 queries see
 //                              (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
-//   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup), over the queries of
-//                              every head of its group in blocks of 64 that see one of its keys (by spans):
-//                              S^T = K Q^T and dP^T = V dO^T (A and B from shared tiles), dV += P^T dO,
-//                              dK += dS^T Q (A from registers); dkv = [dk (B*KV*S*D) | dv (B*KV*S*D)].
+//   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup; grid: B*KV*split x
+//                              key blocks), over the queries of its part (of `split`) of its group's heads
+//                              in blocks of 64 that see one of its keys (by spans): S^T = K Q^T and dP^T =
+//                              V dO^T (A and B from shared tiles), dV += P^T dO, dK += dS^T Q (A from
+//                              registers); each part's f32 sums into parts ([split][dk (B*KV*S*D) | dv]),
+//                              summed into dkv by flash_mma.cu's bwd_dkv_sum.
 //   flash_wgmma_bwd_dkvq_dD_<T>: the dk/dv kernel that also adds dQ = dS K of each 64-query step against its
 //                              128 keys into dq_acc ([B, H, T, D] f32, zeroed by flash_mma.cu's bwd_prep,
 //                              scaled out by its bwd_dq_out): dS^T through a swizzled shared tile, then a
@@ -361,13 +363,16 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     }
 }
 
-// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by wg_add_dq.
+// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by wg_add_dq. Grid: x = (KV head
+// bkv, part) as bkv * split + part, y = key block (so that the blocks of the first keys, which the most
+// queries see, start first); each block's dk and dv over its part of the group's query heads, unscaled,
+// into its share of `parts` ([split][dk | dv] f32).
 template <typename T, int D, bool DQ>
 __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                     const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                     const float *__restrict__ lse, const float *__restrict__ delta,
-                                    T *__restrict__ dkv, const uint32_t *__restrict__ spans, float *dq_acc, uint32_t h,
-                                    uint32_t kv, uint32_t t, uint32_t s, float scale) {
+                                    float *__restrict__ parts, const uint32_t *__restrict__ spans, float *dq_acc,
+                                    uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) {
     extern __shared__ uint32_t wg_smem[];
     T *ks = wg_aligned<T>(wg_smem);            // [WG_DKV_BK x D] keys
     T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
@@ -375,8 +380,10 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
     float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
     T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);          // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
-    const uint32_t bkv = blockIdx.y, b = bkv / kv, kvh = bkv % kv, j0 = blockIdx.x * WG_DKV_BK, group = h / kv;
-    const uint32_t j_last = min(j0 + WG_DKV_BK, s) - 1, hq_end = (kvh + 1) * group;
+    const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, b = bkv / kv, kvh = bkv % kv;
+    const uint32_t j0 = blockIdx.y * WG_DKV_BK, j_last = min(j0 + WG_DKV_BK, s) - 1;
+    uint32_t hq, hq_end;
+    dkv_heads(kvh, h / kv, part, split, hq, hq_end);
     const uint32_t warp = threadIdx.x / 32;
     const uint32_t wg = warp / 4, m0 = 16 * warp;
     stage_swizzled<T, D, WG_DKV_BK>(ks, k + (size_t)bkv * s * D, j0, s);
@@ -387,7 +394,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     zero_acc(dv);
 
     // Query blocks that see one of this block's keys, through two stages.
-    uint32_t hq = kvh * group, i0 = 0u - WG_DKV_BQ;
+    uint32_t i0 = 0u - WG_DKV_BQ;
     bool more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hq, i0);
     if (more) wg_stage_queries<T, D>(qs, gs, wg_query_stage(stats, 0), q, dout, ranges, lse, delta, b, b * h + hq, i0, t, s);
     for (uint32_t st = 0; more; st ^= 1) {
@@ -430,7 +437,8 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         hq = hn, i0 = in;
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
-    store_dkv<T, D>(dkv, dk, dv, bkv, j0 + m0, s, (size_t)gridDim.y * s * D, scale);
+    const size_t nk = (size_t)(gridDim.x / split) * s * D;
+    store_dkv_part<D>(parts + 2 * nk * part, dk, dv, bkv, j0 + m0, s, nk);
 }
 
 // The four operand layouts the attention kernels use, one product each, for `grpo selftest` to check on
@@ -493,17 +501,18 @@ WGMMA_LAYOUTS(f16, __half)
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
         flash_wgmma_bwd_dkv_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,    \
-                                   const float *lse, const float *delta, T *dkv, const uint32_t *spans,          \
-                                   uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {               \
-        flash_wgmma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, dkv, spans, nullptr, h, kv, t, s,    \
-                                         scale);                                                                 \
+                                   const float *lse, const float *delta, float *parts, const uint32_t *spans,    \
+                                   uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) { \
+        flash_wgmma_bwd_dkv<T, D, false>(q, k, v, dout, ranges, lse, delta, parts, spans, nullptr, h, kv, t, s,  \
+                                         split, scale);                                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
         flash_wgmma_bwd_dkvq_##NAME(const T *q, const T *k, const T *v, const T *dout, const uint32_t *ranges,   \
-                                    const float *lse, const float *delta, T *dkv, const uint32_t *spans,         \
-                                    float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) { \
-        flash_wgmma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, dkv, spans, dq_acc, h, kv, t, s,      \
-                                        scale);                                                                  \
+                                    const float *lse, const float *delta, float *parts, const uint32_t *spans,   \
+                                    float *dq_acc, uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, \
+                                    float scale) {                                                               \
+        flash_wgmma_bwd_dkv<T, D, true>(q, k, v, dout, ranges, lse, delta, parts, spans, dq_acc, h, kv, t, s,    \
+                                        split, scale);                                                           \
     }
 
 FLASH_WGMMA_KERNELS(d64_bf16, __nv_bfloat16, 64)

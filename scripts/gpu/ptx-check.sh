@@ -105,8 +105,8 @@ for arch in $ARCHS; do
                 exit bad
             }' "$log" | sort -k3 || fail=1
         # The tensor-core kernels' block products are mma instructions, not scalar loops: every entry of
-        # flash_mma.cu that computes them has them (all but bwd_prep, which zeroes and writes key spans, and
-        # bwd_dq_out, which scales and casts dq).
+        # flash_mma.cu that computes them has them (all but bwd_prep, which zeroes and writes key spans,
+        # bwd_dq_out, which scales and casts dq, and bwd_dkv_sum, which adds the dk/dv kernels' partial sums).
         if [ "$stem" = flash_mma ]; then
             awk -v arch="$arch" '
                 /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
@@ -114,7 +114,7 @@ for arch in $ARCHS; do
                 END {
                     bad = 0
                     for (f in n) {
-                        if (f ~ /^flash_mma_bwd_(prep|dq_out)_/) { printf "ok   sm_%s %-26s (no block products)\n", arch, f; continue }
+                        if (f ~ /^flash_mma_bwd_(prep|dq_out|dkv_sum)_/) { printf "ok   sm_%s %-26s (no block products)\n", arch, f; continue }
                         if (n[f] == 0) { printf "FAIL sm_%s %s: no mma.sync instruction\n", arch, f; bad = 1 }
                         else printf "ok   sm_%s %-26s %4d mma.sync m16n8k16 instructions\n", arch, f, n[f]
                     }

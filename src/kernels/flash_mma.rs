@@ -54,7 +54,7 @@ pub(crate) struct KernelFile {
 }
 
 /// kernels/flash_mma.cu.
-const MMA: KernelFile = KernelFile {
+pub(crate) const MMA: KernelFile = KernelFile {
     module: Module::FlashMma,
     prefix: "flash_mma",
     threads: THREADS,
@@ -64,13 +64,13 @@ const MMA: KernelFile = KernelFile {
 };
 
 impl KernelFile {
-    /// The launch of `kernel` over `blocks` x `heads` blocks.
+    /// The launch of `kernel` over a grid of `x` by `y` blocks.
     pub fn launch(
         &self,
         kernel: &str,
         dims: &Dims,
         dtype: DType,
-        (blocks, heads): (usize, usize),
+        (x, y): (usize, usize),
         args: Vec<Arg>,
     ) -> Result<Launch> {
         if !supports(dtype, dims.d) {
@@ -83,7 +83,7 @@ impl KernelFile {
         Ok(Launch {
             module: self.module,
             kernel: kernel_name(&format!("{}_{kernel}_d{}", self.prefix, dims.d), dtype)?,
-            grid: (blocks as u32, heads as u32, 1),
+            grid: (x as u32, y as u32, 1),
             block: (self.threads, 1, 1),
             shared_bytes: (self.shared_bytes)(kernel, dims.d) as u32,
             args,
@@ -91,28 +91,82 @@ impl KernelFile {
     }
 }
 
+/// Blocks the dk/dv kernels' grid aims at, about four per streaming multiprocessor of an H100 (132) or
+/// five of an A100 (108): the group's query heads are split over that many blocks where the key blocks
+/// of the KV heads alone are fewer ([`dkv_split`]).
+const DKV_BLOCKS: usize = 512;
+
+/// The parts each KV head's group of query heads is split into over the dk/dv kernel's blocks (each
+/// block sums the dk and dv of its part's heads; `bwd_dkv_sum` adds the parts in order): the fewest that
+/// give [`DKV_BLOCKS`] blocks over `key_blocks` key blocks, at most one head a part, and none empty.
+/// Without it, grouped-query attention at short lengths left most of the GPU idle (the 0.5B shape at
+/// 4k: 64 blocks of 7 heads each, 22 TFLOP/s), and the first keys' blocks, which every query sees,
+/// made the longest path.
+pub(crate) fn dkv_split(dims: &Dims, key_blocks: usize) -> usize {
+    let group = (dims.h / dims.kv.max(1)).max(1);
+    let blocks = (key_blocks * dims.b * dims.kv).max(1);
+    let want = DKV_BLOCKS.div_ceil(blocks).clamp(1, group);
+    group.div_ceil(group.div_ceil(want))
+}
+
 impl KernelFile {
-    /// The backward without the dq kernel ([`backward_plan_atomic`]): kernels/flash_mma.cu's `bwd_prep`
-    /// (zeroes the f32 dq accumulator, writes the query blocks' key spans), this file's `bwd_dkvq` (dk, dv,
-    /// and dQ added into the accumulator by f32 atomics), kernels/flash_mma.cu's `bwd_dq_out`.
-    pub fn backward_plan_atomic(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-        let nq = dims.q_len();
+    /// The backward over inputs `(q, k, v, grad, ranges, L, D)` with the dk/dv kernel's groups split
+    /// `split` ways ([`dkv_split`] is the plans' choice). First output dq|dk|dv, then the kernels' own:
+    /// the query blocks' key spans (`[B, ceil(T / 16), 2]` u32), with `atomic_dq` the f32 dq accumulator
+    /// (`[B, H, T, D]`), and the dk/dv partial sums (`[split][2][B, KV, S, D]` f32).
+    /// - two kernels (`atomic_dq` false): `bwd_dq` (query blocks of one head; writes the spans, which let
+    ///   the dk/dv kernel skip the query blocks that see none of its keys), then `bwd_dkv`; deterministic,
+    ///   every sum in a fixed order;
+    /// - `atomic_dq`: kernels/flash_mma.cu's `bwd_prep` (zeroes the accumulator, writes the spans), this
+    ///   file's `bwd_dkvq` (dk, dv, and dQ added into the accumulator by f32 atomics), kernels/flash_mma.cu's
+    ///   `bwd_dq_out`;
+    /// and in both `bwd_dkv_sum`, the partial sums added in order into dk and dv.
+    pub fn backward_plan_split(
+        &self,
+        dtype: DType,
+        dims: Dims,
+        scale: f32,
+        atomic_dq: bool,
+        split: usize,
+    ) -> Result<Plan> {
+        let (nq, nk) = (dims.q_len(), dims.kv_len());
         let mut p = Plan::default();
         let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
         let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
-        let acc = p.output("dq accumulator", DType::F32, nq);
-        let (query_blocks, heads) = (dims.t.div_ceil(ROWS), dims.b * dims.h);
+        let heads = dims.b * dims.h;
         let (h, t, s) = (Arg::U32(dims.h as u32), Arg::U32(dims.t as u32), Arg::U32(dims.s as u32));
-        let prep = vec![inputs[4], spans, acc, h, t, s];
-        p.launch(MMA.launch("bwd_prep", &dims, dtype, (query_blocks, heads), prep)?)?;
+        let dq_acc = if atomic_dq {
+            let acc = p.output("dq accumulator", DType::F32, nq);
+            let prep = vec![inputs[4], spans, acc, h, t, s];
+            p.launch(MMA.launch("bwd_prep", &dims, dtype, (dims.t.div_ceil(ROWS), heads), prep)?)?;
+            Some(acc)
+        } else {
+            let mut args = inputs.clone();
+            args.extend([Arg::Buffer { index: grads, offset: 0 }, spans]);
+            args.extend(sizes(&dims, scale));
+            p.launch(self.launch("bwd_dq", &dims, dtype, (heads, dims.t.div_ceil(self.rows)), args)?)?;
+            None
+        };
+        let parts = p.output("dk and dv partial sums", DType::F32, split * 2 * nk);
         let mut args = inputs.clone();
-        args.extend([Arg::Buffer { index: grads, offset: nq }, spans, acc]);
-        args.extend(sizes(&dims, scale));
-        let key_blocks = dims.s.div_ceil(self.dkv_keys);
-        p.launch(self.launch("bwd_dkvq", &dims, dtype, (key_blocks, dims.b * dims.kv), args)?)?;
-        let out = vec![acc, Arg::Buffer { index: grads, offset: 0 }, t, Arg::F32(scale)];
-        p.launch(MMA.launch("bwd_dq_out", &dims, dtype, (query_blocks, heads), out)?)?;
+        args.extend([parts, spans]);
+        args.extend(dq_acc);
+        args.extend([h, Arg::U32(dims.kv as u32), t, s, Arg::U32(split as u32), Arg::F32(scale)]);
+        let (kernel, key_blocks) = (if atomic_dq { "bwd_dkvq" } else { "bwd_dkv" }, dims.s.div_ceil(self.dkv_keys));
+        p.launch(self.launch(kernel, &dims, dtype, (dims.b * dims.kv * split, key_blocks), args)?)?;
+        let sum = vec![parts, Arg::Buffer { index: grads, offset: nq }, Arg::U32(nk as u32), Arg::U32(split as u32)];
+        p.launch(dkv_sum(dtype, nk, sum, scale)?)?;
+        if let Some(acc) = dq_acc {
+            let out = vec![acc, Arg::Buffer { index: grads, offset: 0 }, t, Arg::F32(scale)];
+            p.launch(MMA.launch("bwd_dq_out", &dims, dtype, (dims.t.div_ceil(ROWS), heads), out)?)?;
+        }
         Ok(p)
+    }
+
+    /// The backward without the dq kernel ([`backward_plan_atomic`]), its groups split by [`dkv_split`].
+    pub fn backward_plan_atomic(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        let split = dkv_split(&dims, dims.s.div_ceil(self.dkv_keys));
+        self.backward_plan_split(dtype, dims, scale, true, split)
     }
 
     /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
@@ -120,30 +174,34 @@ impl KernelFile {
         let mut p = Plan::default();
         let mut args = forward_buffers(&mut p, dtype, &dims);
         args.extend(sizes(&dims, scale));
-        p.launch(self.launch("fwd", &dims, dtype, (dims.t.div_ceil(self.rows), dims.b * dims.h), args)?)?;
+        // Heads by query blocks, the last queries' blocks first (kernels/flash_rows.cuh's query_block).
+        p.launch(self.launch("fwd", &dims, dtype, (dims.b * dims.h, dims.t.div_ceil(self.rows)), args)?)?;
         Ok(p)
     }
 
     /// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk
-    /// and dv (key blocks of one KV head, over its group's query heads), one output after the other; a
-    /// second output, the span of keys each 16 queries see (`[B, ceil(T / 16), 2]` u32), is written by
-    /// the dq kernel for the dk/dv kernel to skip the query blocks that see none of its keys.
+    /// and dv (key blocks of one KV head, over its group's query heads split by [`dkv_split`]), one output
+    /// after the other ([`KernelFile::backward_plan_split`]).
     pub fn backward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-        let nq = dims.q_len();
-        let mut p = Plan::default();
-        let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
-        let spans = p.output("query block key spans", DType::U32, dims.b * dims.t.div_ceil(16) * 2);
-        let args = |offset: usize| {
-            let mut a = inputs.clone();
-            a.extend([Arg::Buffer { index: grads, offset }, spans]);
-            a.extend(sizes(&dims, scale));
-            a
-        };
-        let (query_blocks, key_blocks) = (dims.t.div_ceil(self.rows), dims.s.div_ceil(self.dkv_keys));
-        p.launch(self.launch("bwd_dq", &dims, dtype, (query_blocks, dims.b * dims.h), args(0))?)?;
-        p.launch(self.launch("bwd_dkv", &dims, dtype, (key_blocks, dims.b * dims.kv), args(nq))?)?;
-        Ok(p)
+        let split = dkv_split(&dims, dims.s.div_ceil(self.dkv_keys));
+        self.backward_plan_split(dtype, dims, scale, false, split)
     }
+}
+
+/// kernels/flash_mma.cu's `bwd_dkv_sum` over `2 nk` elements (128 threads a block, each block four
+/// elements a thread, the grid capped where its stride loop takes over).
+fn dkv_sum(dtype: DType, nk: usize, args: Vec<Arg>, scale: f32) -> Result<Launch> {
+    let blocks = (2 * nk).div_ceil(THREADS as usize * 4).clamp(1, 65_535);
+    let mut args = args;
+    args.push(Arg::F32(scale));
+    Ok(Launch {
+        module: Module::FlashMma,
+        kernel: kernel_name("flash_mma_bwd_dkv_sum", dtype)?,
+        grid: (blocks as u32, 1, 1),
+        block: (THREADS, 1, 1),
+        shared_bytes: 0,
+        args,
+    })
 }
 
 /// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
@@ -190,8 +248,38 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
 /// (FlashAttention-2's): one kernel zeroes an f32 accumulator of dq and writes the query blocks' key spans;
 /// the dk/dv kernel also adds each block pair's dQ = dS K into the accumulator by f32 atomics (S and dP
 /// computed once per score: 10 hd FLOPs against 14, but the sums' order, and so their rounding, varies from
-/// run to run); the last kernel writes dq = scale x accumulator. Second and third outputs: the spans and
-/// the accumulator (`[B, H, T, D]` f32), the kernels' own.
+/// run to run); the last kernel writes dq = scale x accumulator. The other outputs are the kernels' own
+/// (the spans, the accumulator and dk/dv's partial sums: [`KernelFile::backward_plan_split`]).
 pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     MMA.backward_plan_atomic(dtype, dims, scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(h: usize, kv: usize, len: usize) -> Dims {
+        Dims { b: 1, h, kv, t: len, s: len, d: 64 }
+    }
+
+    /// The splits at the shapes the performance model prices: the 0.5B's 14 heads of 2 KV heads split
+    /// one head a block at 4k (64 blocks otherwise) and in two at 16k; the 7B's 28 of 4 at 18k, and any
+    /// group of one (multi-head attention), not at all; no part is left empty.
+    #[test]
+    fn dkv_split_fills_the_gpu_and_leaves_no_part_empty() {
+        let wgmma = |h, kv, len: usize| dkv_split(&dims(h, kv, len), len.div_ceil(128));
+        assert_eq!(wgmma(14, 2, 4096), 7);
+        assert_eq!(wgmma(14, 2, 16384), 2);
+        assert_eq!(wgmma(28, 4, 18432), 1);
+        assert_eq!(wgmma(16, 16, 1024), 1);
+        assert_eq!(dkv_split(&dims(14, 2, 0), 0), 7);
+        for group in 1..=16 {
+            for key_blocks in 1..=600 {
+                let split = dkv_split(&dims(group, 1, 64 * key_blocks), key_blocks);
+                let (per, want) = (group.div_ceil(split), DKV_BLOCKS.div_ceil(key_blocks).min(group));
+                assert!((1..=want).contains(&split) && per * (split - 1) < group, "{group} {key_blocks}: {split}");
+                assert_eq!(per, group.div_ceil(want), "{group} {key_blocks}: {split} parts as long as {want}'s");
+            }
+        }
+    }
 }

@@ -41,7 +41,7 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
 }
 
 /// kernels/flash_wgmma.cu.
-const WGMMA: KernelFile = KernelFile {
+pub(crate) const WGMMA: KernelFile = KernelFile {
     module: Module::FlashWgmma,
     prefix: "flash_wgmma",
     threads: THREADS,
@@ -56,9 +56,9 @@ pub(crate) fn forward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan>
 }
 
 /// The backward over inputs `(q, k, v, grad, ranges, L, D)`: dq (query blocks of one head), then dk and
-/// dv (key blocks of one KV head, over its group's query heads), one output after the other, and the
-/// query blocks' key spans, the kernels' own ([`KernelFile::backward_plan`]). Deterministic: every sum in
-/// a fixed order.
+/// dv (key blocks of one KV head, over its part of its group's query heads, the parts summed in order),
+/// one output after the other, and the kernels' own ([`KernelFile::backward_plan_split`]). Deterministic:
+/// every sum in a fixed order.
 pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     WGMMA.backward_plan(dtype, dims, scale)
 }

@@ -304,7 +304,8 @@ impl Flash {
     }
 }
 
-type FlashPlan = fn(DType, Dims, f32) -> candle_core::Result<crate::kernels::launch::Plan>;
+type PlanResult = candle_core::Result<crate::kernels::launch::Plan>;
+type FlashPlan = fn(DType, Dims, f32) -> PlanResult;
 type FlashCase = (usize, usize, usize, usize, usize, usize);
 
 /// The forward `plan` (outputs L, o) of each case and dtype, emulated, against the CPU op: o within the
@@ -328,10 +329,16 @@ fn check_flash_forward(name: &str, plan: FlashPlan, cases: &[FlashCase], dtypes:
 }
 
 /// The backward `plan` (output dq|dk|dv) of each case and dtype, emulated, against the CPU op's gradients.
-fn check_flash_backward(name: &str, plan: FlashPlan, cases: &[FlashCase], dtypes: [DType; 2], seed: u64) {
+fn check_flash_backward(
+    name: &str,
+    plan: impl Fn(DType, Dims, f32) -> PlanResult,
+    cases: &[FlashCase],
+    dtypes: &[DType],
+    seed: u64,
+) {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
     for &case in cases {
-        for dt in dtypes {
+        for &dt in dtypes {
             let f = Flash::new(&mut rng, case, dt);
             let [o, dq, dk, dv] = f.cpu();
             let lse = f.lse();
@@ -356,7 +363,7 @@ fn flash_fwd() {
 
 #[test]
 fn flash_bwd_dq_and_dkv() {
-    check_flash_backward("flash_bwd", backward_plan, &FLASH_CASES, [DType::F32, DType::BF16], 29);
+    check_flash_backward("flash_bwd", backward_plan, &FLASH_CASES, &[DType::F32, DType::BF16], 29);
 }
 
 /// Tensor-core flash-attention cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2,
@@ -372,7 +379,7 @@ fn flash_mma_fwd() {
 
 #[test]
 fn flash_mma_bwd() {
-    check_flash_backward("flash_mma_bwd", flash_mma::backward_plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
+    check_flash_backward("flash_mma_bwd", flash_mma::backward_plan, &MMA_CASES, &[DType::BF16, DType::F16], 37);
 }
 
 /// Warpgroup tensor-core cases `(b, h, kv, t, past keys, d)`: both head dims, GQA groups of 2, lengths
@@ -396,7 +403,24 @@ fn flash_wgmma_fwd() {
 #[test]
 fn flash_wgmma_bwd() {
     let plan = flash_wgmma::backward_plan;
-    check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 47);
+    check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, &[DType::BF16, DType::F16], 47);
+}
+
+/// The dk/dv kernels with 7 query heads a KV head (the 0.5B shape's 14 of 2) split over their blocks 1,
+/// 3 (3 + 3 + 1) and 7 ways with a dq kernel, and 2 (4 + 3) ways with dq by atomics, against the CPU op;
+/// bf16 (the dtype does not enter the split).
+#[test]
+fn dkv_groups_split_over_blocks() {
+    use crate::kernels::{flash_mma::MMA, flash_wgmma::WGMMA};
+    for (name, file, case) in
+        [("flash_mma", &MMA, (1, 7, 1, 70, 2, 64)), ("flash_wgmma", &WGMMA, (1, 14, 2, 70, 0, 64))]
+    {
+        for (split, atomic) in [(1, false), (3, false), (7, false), (2, true)] {
+            let plan = |dt, dims, scale| file.backward_plan_split(dt, dims, scale, atomic, split);
+            let what = format!("{name} split {split} atomic dq {atomic}");
+            check_flash_backward(&what, plan, &[case], &[DType::BF16], 61 + split as u64);
+        }
+    }
 }
 
 /// The probe of the wgmma operand layouts: each of its four products equals A B (f32 sums of the same
@@ -426,7 +450,7 @@ fn wgmma_layouts() {
 #[test]
 fn flash_wgmma_bwd_atomic_dq() {
     let plan = flash_wgmma::backward_plan_atomic;
-    check_flash_backward("flash_wgmma_bwd_atomic", plan, &WGMMA_CASES, [DType::BF16, DType::F16], 53);
+    check_flash_backward("flash_wgmma_bwd_atomic", plan, &WGMMA_CASES, &[DType::BF16, DType::F16], 53);
     check_atomic_against_two_kernels(plan, flash_wgmma::backward_plan, &WGMMA_CASES, 59);
 }
 
@@ -436,7 +460,7 @@ fn flash_wgmma_bwd_atomic_dq() {
 #[test]
 fn flash_mma_bwd_atomic_dq() {
     let plan = flash_mma::backward_plan_atomic;
-    check_flash_backward("flash_mma_bwd_atomic", plan, &MMA_CASES, [DType::BF16, DType::F16], 37);
+    check_flash_backward("flash_mma_bwd_atomic", plan, &MMA_CASES, &[DType::BF16, DType::F16], 37);
     check_atomic_against_two_kernels(plan, flash_mma::backward_plan, &MMA_CASES, 43);
 }
 
