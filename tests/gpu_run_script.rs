@@ -33,8 +33,8 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
     assert_eq!(bench("error").count(), 0, "no step failed:\n{stdout}");
     let selftest = bench("correctness").next().expect("the selftest line");
     assert_eq!(selftest["passed"], true);
-    assert_eq!(bench("attention").count(), 10, "4 kernels at 2 lengths, and head dim 64 at 2 lengths");
-    assert_eq!(bench("attention").filter(|a| a["head_dim"] == 64).count(), 2, "{stdout}");
+    assert_eq!(bench("attention").count(), 12, "4 kernels at 2 lengths, and 2 at head dim 64 at 2 lengths");
+    assert_eq!(bench("attention").filter(|a| a["head_dim"] == 64).count(), 4, "{stdout}");
     // One layer's projection GEMMs at the two shapes: 7 projections x 3 products each, with a rate.
     let gemms: Vec<&Value> = bench("gemm").collect();
     assert_eq!(gemms.len(), 2, "{stdout}");

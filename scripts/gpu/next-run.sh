@@ -4,8 +4,8 @@
 # under DEADLINE seconds (a step that no longer fits is written as skipped):
 #   1. `grpo selftest` (every fused kernel, a training step and a generation against the CPU reference);
 #   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
-#      wgmma with dq by atomics) kernels, and the default kernels at head dim 64; one layer's projection GEMMs at the 7B shape (18k rows) and the
-#      0.5B shape (4k rows), `grpo bench gemm`;
+#      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; one layer's projection
+#      GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
 #      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and
@@ -28,7 +28,9 @@
 # --dry-run (or DRY_RUN=1): the same steps on the CPU in f32 with scripts/gpu/shapes/tiny.json and tiny lengths,
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
-# (python3), SEED_ANSWERS (4), LONG_ANSWERS (4).
+# (python3), SEED_ANSWERS (4), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention gemm profile
+# optimizer seed7b torch short), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
+# for a shorter run that measures a change again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 DRY=${DRY_RUN:-0}
@@ -92,6 +94,8 @@ jstr() { "$PY" -c 'import json, sys; print(json.dumps(sys.stdin.read()))'; }
 skip() { # skip WHAT REASON
     echo "{\"bench\": \"skipped\", \"what\": \"$1\", \"reason\": \"$2\"}" | tee -a "$R"
 }
+# want PART: whether PARTS (default all) names this part of the run.
+want() { [ "${PARTS:-all}" = all ] || [[ " $PARTS " == *" $1 "* ]]; }
 # step NAME LIMIT CMD...: under the smaller of LIMIT and the time left; its last JSON line, or an error line, to R.
 # Its stderr (the profile table) goes to the log.
 step() {
@@ -116,71 +120,85 @@ step() {
 }
 
 # 1. selftest
-echo ">> [$SECONDS s] selftest"
-if timeout 90 "$BIN" -q selftest --device "$DEVICE" >"$TMP/selftest" 2>&1; then ok=true; else ok=false; fi
-cat "$TMP/selftest"
-echo "{\"bench\": \"correctness\", \"what\": \"grpo selftest --device $DEVICE\", \"passed\": $ok, \"tests_ok\": $(grep -c '  pass  ' "$TMP/selftest")}" | tee -a "$R"
+if want selftest; then
+    echo ">> [$SECONDS s] selftest"
+    if timeout 90 "$BIN" -q selftest --device "$DEVICE" >"$TMP/selftest" 2>&1; then ok=true; else ok=false; fi
+    cat "$TMP/selftest"
+    echo "{\"bench\": \"correctness\", \"what\": \"grpo selftest --device $DEVICE\", \"passed\": $ok, \"tests_ok\": $(grep -c '  pass  ' "$TMP/selftest")}" | tee -a "$R"
+fi
 
 # 2. attention, one layer at the 7B's heads
-for len in $ATT_LENS; do
-    for k in chunked mma wgmma wgmma-atomic; do
-        f=()
-        [ $k != chunked ] && f=("--${k%-atomic}")
-        [ $k = wgmma-atomic ] && f+=(--atomic-dq)
-        step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
-            --warmup 1 --repeats 3
+if want attention; then
+    for len in $ATT_LENS; do
+        for k in ${ATT_KINDS:-chunked mma wgmma wgmma-atomic}; do
+            f=()
+            [ $k != chunked ] && f=("--${k%-atomic}")
+            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
+            step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
+                --warmup 1 --repeats 3
+        done
     done
-done
 
-# 2a. the same at the 0.5B shape's heads (14 of 64, GQA 7): the rates at head dim 64, which the performance
-# model charges at head dim 128's time per score (not measured yet); the kernels `model.attention = "auto"`
-# picks by default (wgmma with dq by atomics on an H100)
-for len in $ATT_LENS; do
-    step "attention wgmma-atomic hd64 $len" 40 "$BIN" -q bench attention --len "$len" --heads 14 --kv-heads 2 \
-        --head-dim 64 --dtype "$DTYPE" --wgmma --atomic-dq --device "$DEVICE" --warmup 1 --repeats 3
-done
+    # 2a. the same at the 0.5B shape's heads (14 of 64, GQA 7): the rates at head dim 64, with a dq kernel (what
+    # `model.attention = "auto"` runs by default) and with dq by atomics
+    for len in $ATT_LENS; do
+        for k in wgmma wgmma-atomic; do
+            f=(--wgmma)
+            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
+            step "attention $k hd64 $len" 40 "$BIN" -q bench attention --len "$len" --heads 14 --kv-heads 2 \
+                --head-dim 64 --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" --warmup 1 --repeats 3
+        done
+    done
+fi
 
 # 2b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the
 # rates the performance model's single GEMM efficiency (measured at 2048^3) stands for at the step's shapes
-step "gemm 7b $((SEED_PROMPT + SEED_LEN))" 40 "$BIN" -q bench gemm --shape "$SEED_SHAPE" \
-    --tokens $((SEED_PROMPT + SEED_LEN)) --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 3
-step "gemm 0.5b $MID" 20 "$BIN" -q bench gemm --shape "$SMALL" --tokens $MID --dtype "$DTYPE" --device "$DEVICE" \
-    --warmup 1 --repeats 3
+if want gemm; then
+    step "gemm 7b $((SEED_PROMPT + SEED_LEN))" 40 "$BIN" -q bench gemm --shape "$SEED_SHAPE" \
+        --tokens $((SEED_PROMPT + SEED_LEN)) --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 3
+    step "gemm 0.5b $MID" 20 "$BIN" -q bench gemm --shape "$SMALL" --tokens $MID --dtype "$DTYPE" --device "$DEVICE" \
+        --warmup 1 --repeats 3
+fi
 
 # 3. the profile at the 0.5B shape
 c=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --logprob-chunk-mb 1024 --device "$DEVICE" --profile)
 fast=(--attention wgmma --keep-attention --atomic-dq)
-step "train-step grpo 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $MID --warmup 1 --repeats 2
-step "train-step grpo wgmma 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" --answers 8 --seq-len $MID \
-    --warmup 1 --repeats 2
-step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --answers "$LONG_ANSWERS" \
-    --seq-len $LONG --warmup 1 --repeats 1
-step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
-    --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 1
+if want profile; then
+    step "train-step grpo 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $MID --warmup 1 --repeats 2
+    step "train-step grpo wgmma 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" --answers 8 --seq-len $MID \
+        --warmup 1 --repeats 2
+    step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --answers "$LONG_ANSWERS" \
+        --seq-len $LONG --warmup 1 --repeats 1
+    step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
+        --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 1
+fi
 
-# The offloaded optimizer's host update on this machine's CPUs, fused against the composite ops it replaced
-# (the performance model's host rate is predicted from the 2-core CI machine's ratio).
-step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
-    --warmup 1 --repeats 2
-# The same update offloaded from the GPU: gradients down and weights up through the page-locked staging,
-# overlapped with the host's update (src/train/offload.rs), against the copies one tensor at a time through
-# pageable memory that the H100 run's build made.
-step "optimizer offloaded from $DEVICE" 45 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 \
-    --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
+if want optimizer; then
+    # The offloaded optimizer's host update on this machine's CPUs, fused against the composite ops it replaced
+    # (the performance model's host rate is predicted from the 2-core CI machine's ratio).
+    step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
+        --warmup 1 --repeats 2
+    # The same update offloaded from the GPU: gradients down and weights up through the page-locked staging,
+    # overlapped with the host's update (src/train/offload.rs), against the copies one tensor at a time through
+    # pageable memory that the H100 run's build made.
+    step "optimizer offloaded from $DEVICE" 45 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 \
+        --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
+fi
 
 # 4. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
-W=$TMP/seed7b
-mkdir -p "$W"
-"$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
-    --device-memory 80GiB --set "data.max_prompt_tokens=$SEED_PROMPT" --set "data.max_response_tokens=$SEED_LEN" \
-    --set train.micro_batch_size=1 >"$W/plan.txt" 2>&1
-cat "$W/plan.txt"
-smi=
-if [ "$DRY" = 1 ]; then
-    skip "nvidia-smi memory sampling" "dry run on the CPU"
-else
-    nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$W/smi.txt" &
-    smi=$!
+if want seed7b; then
+    W=$TMP/seed7b
+    mkdir -p "$W"
+    "$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
+        --device-memory 80GiB --set "data.max_prompt_tokens=$SEED_PROMPT" --set "data.max_response_tokens=$SEED_LEN" \
+        --set train.micro_batch_size=1 >"$W/plan.txt" 2>&1
+    cat "$W/plan.txt"
+    smi=
+    if [ "$DRY" = 1 ]; then
+        skip "nvidia-smi memory sampling" "dry run on the CPU"
+    else
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$W/smi.txt" &
+        smi=$!
 fi
 step "train-step grpo 7b seed mb1 $SEED_ANSWERS x $((SEED_PROMPT + SEED_LEN))" 170 "$BIN" -q bench train-step \
     --shape "$SEED_SHAPE" --answers "$SEED_ANSWERS" --seq-len $((SEED_PROMPT + SEED_LEN)) --prompt-len "$SEED_PROMPT" \
@@ -193,20 +211,25 @@ case $last in *'"train_step"'*) rc=0 ;; *) rc=1 ;; esac
 cp "$TMP/out" "$W/bench.txt" 2>/dev/null
 cp "$TMP/err" "$W/bench.err" 2>/dev/null
 "$PY" scripts/gpu/seed7b.py "$W" "$rc" "$SEED_LEN" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" "$SEED_ANSWERS" | tee -a "$R"
+fi
 
 # 5. PyTorch eager at the 0.5B shape, and grpo at 1k beside it
-t=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --device cuda --warmup 1)
-if [ "$DRY" = 1 ]; then
-    skip "torch_ref.py train-step $MID $LONG $SHORT" "dry run on the CPU (PyTorch not run)"
-elif ! "$PY" -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
-    skip "torch_ref.py train-step $MID $LONG $SHORT" "torch and transformers with CUDA do not import in $PY"
-else
-    step "train-step torch 0.5b $MID" 60 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $MID --steps 2
-    step "train-step torch 0.5b $LONG x $LONG_ANSWERS" 75 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" \
-        --answers "$LONG_ANSWERS" --seq-len $LONG --steps 1
-    step "train-step torch 0.5b $SHORT" 45 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $SHORT --steps 2
+if want torch; then
+    t=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --device cuda --warmup 1)
+    if [ "$DRY" = 1 ]; then
+        skip "torch_ref.py train-step $MID $LONG $SHORT" "dry run on the CPU (PyTorch not run)"
+    elif ! "$PY" -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+        skip "torch_ref.py train-step $MID $LONG $SHORT" "torch and transformers with CUDA do not import in $PY"
+    else
+        step "train-step torch 0.5b $MID" 60 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $MID --steps 2
+        step "train-step torch 0.5b $LONG x $LONG_ANSWERS" 75 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" \
+            --answers "$LONG_ANSWERS" --seq-len $LONG --steps 1
+        step "train-step torch 0.5b $SHORT" 45 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $SHORT --steps 2
 fi
-step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
+fi
+if want short; then
+    step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
+fi
 
 # The report: tables, the predicted-vs-measured table, and its JSON.
 "$PY" scripts/gpu/report.py "$R" "$NAME.json" >"$NAME.txt" 2>&1

@@ -1,23 +1,25 @@
 //! The measurements the model of [`super::time`] is calibrated on, and the calibrated H100.
 //!
-//! The first GPU run (an H100 80GB HBM3, 2026-11-26: benches/results/gpu-2026-11-26-h100.*) measured,
-//! besides whole training steps, the pieces the model is made of, in the same session:
-//! - a 2048^3 bf16 matmul through candle (cuBLAS): 357-407 TFLOP/s over eight runs, median 370, 0.374 of
-//!   the H100's 989.4 TFLOP/s peak: the GEMMs' efficiency;
-//! - one layer's attention (16 heads of 128, GQA 4) at 4,096 and 16,384 tokens, forward alone and forward
-//!   + backward, for the chunked path and each tensor-core kernel: their rates in useful FLOPs;
-//! - the chunked attention's time per launch: 5.02 ms for its 298 launches at 4,096 tokens (16.8 us
-//!   each), 52.4 ms for 2,914 at 16,384 (18.0 us), where the device's own work is a small part: the
-//!   host's time per launch of the project's own code.
+//! Two GPU runs (an H100 80GB HBM3) measured, besides whole training steps, the pieces the model is made of:
+//! - 2026-11-26 (benches/results/gpu-2026-11-26-h100.*): a 2048^3 bf16 matmul through candle, 370 TFLOP/s
+//!   (the chunked attention's block GEMMs); one layer's attention (16 heads of 128, GQA 4) at 4,096 and
+//!   16,384 tokens for the chunked path and each tensor-core kernel; the chunked attention's time per
+//!   launch (16.8 us at 4,096 tokens: the host's time per launch of the project's own code);
+//! - 2026-11-27, first at b68f48a (gpu-2026-11-27-h100-b68f48a.*): one layer's 21 projection GEMMs at the
+//!   7B and 0.5B shapes (the GEMMs' efficiency and their tiles' waves); the offloaded update's host rate;
+//!   then at this build's attention kernels (gpu-2026-11-27-h100.*, the dk/dv kernels' groups split over
+//!   their blocks): the warpgroup kernels at head dims 128 and 64, and six training steps.
 //!
 //! Those are taken as they are, with the tensors candle makes in each part of a step counted on the CPU
 //! ([`COUNTED_TENSOR_OPS`]). Three constants are fitted, by scripts/calibrate.py on the committed train
 //! steps (it prints every point's prediction, measurement and residual; benches/results/
-//! calibration-2026-11-26-h100.txt):
+//! calibration-2026-11-27-h100.txt):
 //! - [`Gpu::launch_s`], the host's time per tensor op, and [`Gpu::memory_efficiency`], the element-wise
-//!   kernels' share of HBM's bandwidth, on the three 0.5B-shape steps (two constants on three points);
-//! - [`Gpu::host_update_bandwidth`], the offloaded update's host rate, on the 7B step (the only offloaded
-//!   one: it is fitted there, not predicted).
+//!   kernels' share of HBM's bandwidth, on the eight 0.5B-shape steps of both builds (two constants);
+//! - [`Gpu::composite_host_update_bandwidth`], the first build's composite offloaded update, on its 7B
+//!   step (the only one: fitted there, not predicted).
+//! The 7B step of this build, offloaded at the measured host rate, is not fitted on: predicted 21.1 s,
+//! measured 21.4.
 //!
 //! tests/calibration.rs holds every committed train step within 25% of the model; a prediction for a
 //! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
@@ -29,11 +31,15 @@ pub struct Gpu {
     pub name: &'static str,
     /// Dense bf16 tensor-core FLOP/s (no sparsity).
     pub peak_flops: f64,
+    /// Streaming multiprocessors (a GEMM's tiles fill them in waves: [`super::time::tile_utilization`]).
+    pub multiprocessors: u32,
     /// Device memory bandwidth, B/s.
     pub memory_bandwidth: f64,
-    /// Fraction of the peak a cuBLAS bf16 GEMM reaches through candle.
+    /// Fraction of the peak a cuBLAS bf16 GEMM's tiles reach while they run (a GEMM's rate is this times
+    /// the share of the multiprocessors its tiles keep busy).
     pub gemm_efficiency: f64,
-    /// Fraction of the peak the chunked attention's block GEMMs reach when compute-bound.
+    /// Fraction of the peak the chunked attention's block GEMMs reach when compute-bound (each a call of
+    /// its own, like the 2048^3 matmul timed alone).
     pub attention_gemm_efficiency: f64,
     /// The tensor-core attention kernels (kernels/flash_mma.cu), as fractions of the peak in the causal
     /// attention's useful FLOPs.
@@ -42,6 +48,10 @@ pub struct Gpu {
     /// where the GPU has no wgmma (the `mma` kernels run instead).
     pub wgmma: Option<KernelRates>,
     pub wgmma_atomic: Option<KernelRates>,
+    /// The warpgroup kernels at head dim 64, where measured (elsewhere the head-dim-128 rates stand for
+    /// them at the same time per score).
+    pub wgmma_d64: Option<KernelRates>,
+    pub wgmma_atomic_d64: Option<KernelRates>,
     /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
     pub memory_efficiency: f64,
     /// Host time per op the host issues: candle's bookkeeping of a tensor op (its output's allocation
@@ -123,9 +133,12 @@ pub const A100_80GB: Gpu = Gpu {
     name: "A100 80GB",
     peak_flops: 312e12,
     memory_bandwidth: 2.039e12,
+    multiprocessors: 108,
     mma: KernelRates::flat(0.35, 0.35),
     wgmma: None,
     wgmma_atomic: None,
+    wgmma_d64: None,
+    wgmma_atomic_d64: None,
     pcie_bandwidth: 25e9,
     nvlink_bandwidth: 300e9,
     network_bandwidth: 25e9,
@@ -187,11 +200,11 @@ pub struct Calibration {
     pub results: &'static str,
 }
 
-/// The H100 run the constants come from.
+/// The H100 runs the constants come from.
 pub const H100_RUN: Calibration = Calibration {
     card: "NVIDIA H100 80GB HBM3",
-    date: "2026-11-26",
-    results: "benches/results/gpu-2026-11-26-h100.jsonl",
+    date: "2026-11-26 and 2026-11-27",
+    results: "benches/results/gpu-2026-11-26-h100.jsonl, benches/results/gpu-2026-11-27-h100*.jsonl",
 };
 
 /// A measured forward and backward rate (useful TFLOP/s) as fractions of the H100's peak.
@@ -199,53 +212,88 @@ const fn h100(tokens: u64, forward_tflops: f64, backward_tflops: f64) -> RateAt 
     RateAt { tokens, forward: forward_tflops / 989.4, backward: backward_tflops / 989.4 }
 }
 
-/// NVIDIA H100 SXM5 80GB: peak dense BF16 989.4 TFLOP/s and HBM3 3.35 TB/s (the H100 datasheet,
-/// nvidia.com/en-us/data-center/h100); NVLink 4 450 GB/s per direction, one 400 Gb/s NIC per GPU, PCIe
-/// Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]: the GEMMs' efficiency, the
-/// tensor-core attention kernels' rates (the `mma` kernels' dq by atomics was not measured: their
-/// two-kernel rate stands for it), the host's time per op (fitted), the offloaded update's host rate
-/// (fitted), the element-wise kernels' fraction of HBM's bandwidth (fitted). Assumed: a host sync 20 us,
-/// the chunked attention's block GEMMs at the matmul's efficiency.
+/// The warpgroup kernels as the 2026-11-26 run measured them (one layer, 16 heads of 128, GQA 4), before
+/// the dk/dv kernels split each KV head's group over their blocks: what the steps of that build ran.
+const H100_RUN_WGMMA: KernelRates = KernelRates { short: h100(4096, 153.3, 72.8), long: h100(16384, 241.3, 138.7) };
+const H100_RUN_WGMMA_ATOMIC: KernelRates =
+    KernelRates { short: h100(4096, 167.1, 69.1), long: h100(16384, 239.0, 146.1) };
+
+/// NVIDIA H100 SXM5 80GB: peak dense BF16 989.4 TFLOP/s, 132 multiprocessors and HBM3 3.35 TB/s (the
+/// H100 datasheet, nvidia.com/en-us/data-center/h100); NVLink 4 450 GB/s per direction, one 400 Gb/s NIC
+/// per GPU, PCIe Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]'s two runs:
+/// the GEMMs' efficiency (2026-11-27, `bench gemm`), the tensor-core attention kernels' rates (the
+/// warpgroup kernels at head dims 128 and 64 on 2026-11-27, this build's; the `mma` kernels on
+/// 2026-11-26, before the dk/dv split, their two-kernel rate standing for their dq by atomics), the
+/// offloaded update's host rate (2026-11-27, `bench optimizer` on the GPU machine's host); fitted: the
+/// host's time per op and the element-wise kernels' fraction of HBM's bandwidth. Assumed: a host sync
+/// 20 us, the chunked attention's block GEMMs at the 2048^3 matmul's efficiency.
 pub const H100: Gpu = Gpu {
     name: "H100 SXM",
     peak_flops: 989.4e12,
+    multiprocessors: 132,
     memory_bandwidth: 3.35e12,
-    gemm_efficiency: 0.374,
+    gemm_efficiency: MEASURED_GEMM_EFFICIENCY,
+    // The 2048^3 matmul timed alone on 2026-11-26: 370 TFLOP/s through candle (its launch and sync in it,
+    // as in each of the chunked attention's block GEMMs).
     attention_gemm_efficiency: 0.374,
     mma: KernelRates { short: h100(4096, 133.6, 47.8), long: h100(16384, 187.0, 95.0) },
-    wgmma: Some(KernelRates { short: h100(4096, 153.3, 72.8), long: h100(16384, 241.3, 138.7) }),
-    wgmma_atomic: Some(KernelRates { short: h100(4096, 167.1, 69.1), long: h100(16384, 239.0, 146.1) }),
+    wgmma: Some(KernelRates { short: h100(4096, 201.6, 104.3), long: h100(16384, 259.6, 142.6) }),
+    wgmma_atomic: Some(KernelRates { short: h100(4096, 205.3, 108.5), long: h100(16384, 261.1, 147.6) }),
+    // 14 heads of 64, GQA 7 (the 0.5B shape's).
+    wgmma_d64: Some(KernelRates { short: h100(4096, 132.6, 69.7), long: h100(16384, 171.6, 88.4) }),
+    wgmma_atomic_d64: Some(KernelRates { short: h100(4096, 132.8, 68.4), long: h100(16384, 170.1, 86.1) }),
     memory_efficiency: FITTED_MEMORY_EFFICIENCY,
     launch_s: FITTED_LAUNCH_S,
     kernel_launch_s: 16.8e-6,
     sync_s: 20e-6,
     pcie_bandwidth: 50e9,
-    host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH * HOST_UPDATE_SPEEDUP,
+    host_update_bandwidth: MEASURED_HOST_UPDATE_BANDWIDTH,
     composite_host_update_bandwidth: FITTED_HOST_UPDATE_BANDWIDTH,
     nvlink_bandwidth: 450e9,
     network_bandwidth: 50e9,
     calibration: Some(H100_RUN),
 };
 
-/// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-26-h100.txt).
-/// The host's time per tensor candle makes: 7.25 us. A raw kernel launch of the project's own code took
-/// 16.8 us in the same run (the chunked attention at 4,096 tokens, whose launches include cuBLAS calls and
-/// a device that is not idle); a candle op's mean is lower because a third of its tensors are views.
-const FITTED_LAUNCH_S: f64 = 7.25e-6;
+impl Gpu {
+    /// This GPU with the warpgroup attention kernels' rates of the build the 2026-11-26 H100 run measured
+    /// (before the dk/dv kernels split their groups; no head-dim-64 rates), to predict that run's records
+    /// as they ran: the H100's then; any other GPU as it is.
+    pub fn with_h100_run_attention(self) -> Gpu {
+        if self.name != H100.name {
+            return self;
+        }
+        let (wgmma, wgmma_atomic) = (Some(H100_RUN_WGMMA), Some(H100_RUN_WGMMA_ATOMIC));
+        Gpu { wgmma, wgmma_atomic, wgmma_d64: None, wgmma_atomic_d64: None, ..self }
+    }
+}
+
+/// Measured on 2026-11-27 (`grpo bench gemm`, one layer's 21 projection GEMMs at the 7B shape over 18,432
+/// rows and at the 0.5B shape over 4,096, each timed alone: benches/results/gpu-2026-11-27-h100-b68f48a.*):
+/// a GEMM's time taken as 25 us (each timed call's launch and sync, not in a step's stream of launches)
+/// plus its FLOPs at this fraction of the peak times its [`super::time::tile_utilization`] (128 x 128
+/// tiles on 132 multiprocessors): two constants on 42 GEMMs, each within 0.79-1.09 at the 7B shape and
+/// 0.62-1.47 at the 0.5B (the extremes, weight gradients of 128 rows, are where cuBLAS splits the sum).
+/// The one matmul of 2048^3 timed alone (370 TFLOP/s, 0.374) stood for every GEMM before: at the 7B
+/// shape they ran at 746 TFLOP/s.
+const MEASURED_GEMM_EFFICIENCY: f64 = 0.81;
+/// The fused offloaded AdamW update on the H100 machine's host (16 cores), 2026-11-27: 256 M bf16
+/// parameters in 256 tensors in 0.110 s, 74.6 GB/s of the 32 B per parameter counted (`grpo bench
+/// optimizer`); the 7B step's profile, its update synchronised chunk by chunk, had its host part at 71.
+const MEASURED_HOST_UPDATE_BANDWIDTH: f64 = 74.6e9;
+
+/// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-27-h100.txt).
+/// The host's time per tensor candle makes: 8.75 us (7.25 on the first run's three steps alone). A raw
+/// kernel launch of the project's own code took 16.8 us (the chunked attention at 4,096 tokens, whose
+/// launches include cuBLAS calls and a device that is not idle); a candle op's mean is lower because a
+/// third of its tensors are views.
+const FITTED_LAUNCH_S: f64 = 8.75e-6;
 /// The fraction of HBM's bandwidth candle's element-wise kernels reach over the bytes the model counts:
-/// 0.50 (bf16 kernels through strided indexing, one element per thread; the fit is flat between 0.49 and
-/// 0.50).
-const FITTED_MEMORY_EFFICIENCY: f64 = 0.50;
-/// The offloaded AdamW update's host rate: 4.25 GB/s of the 32 B per parameter the model counts, 133 M
-/// parameters a second (the update is ~15 candle CPU ops per tensor, each a pass over f32 arrays).
-const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.25e9;
-/// The fused update's speed over the composite ops', measured on the CPU in one run (`grpo bench optimizer`,
-/// 64 M parameters in 64 bf16 tensors, release binary, 2 threads for both: 12.1x; 11-17x at 1 and 2 threads,
-/// bf16 and f32: benches/results/host-adamw-2026-11-26.txt). Per thread the composite ran here at more than
-/// the H100 host's rate per core, so the fused update's host rate there is predicted as the fitted rate
-/// times this: ~51 GB/s of the 32 B per parameter counted, below a server's host memory bandwidth (the
-/// update moves ~34 B per parameter), which would cap it.
-const HOST_UPDATE_SPEEDUP: f64 = 12.0;
+/// 0.55 (bf16 kernels through strided indexing, one element per thread).
+const FITTED_MEMORY_EFFICIENCY: f64 = 0.55;
+/// The composite offloaded AdamW update's host rate (the first run's build): 3.25 GB/s of the 32 B per
+/// parameter the model counts, ~100 M parameters a second (~15 candle CPU ops per tensor, each a pass over
+/// f32 arrays).
+const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 3.25e9;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without

@@ -133,6 +133,9 @@ pub struct OpCost {
     /// Tokens per sequence and head dim (the attention kernels' rates depend on them).
     pub seq_tokens: u64,
     pub head_dim: u64,
+    /// A GEMM's product, rows by columns (its tiles fill the GPU's multiprocessors in waves:
+    /// [`tile_utilization`]); 0 for other ops.
+    pub product: (f64, f64),
     pub window: Window,
 }
 
@@ -163,8 +166,21 @@ impl Window {
     }
 }
 
-/// The head dim [`KernelRates`] are measured at.
+/// The head dim [`KernelRates`] are measured at (and [`Gpu::wgmma_d64`] at 64).
 pub const RATES_HEAD_DIM: f64 = 128.0;
+
+/// Rows and columns of the output tile a cuBLAS GEMM gives each thread block (the fit of
+/// [`Gpu::gemm_efficiency`] took 128 x 128; 128 x 256 and 256 x 128 fit worse).
+const GEMM_TILE: f64 = 128.0;
+
+/// The share of `gpu`'s multiprocessors a GEMM with an `m` x `n` product keeps busy: its output tiles
+/// ([`GEMM_TILE`] square) run in waves of one tile per multiprocessor, the last wave part-full (the 0.5B
+/// shape's k and v projections over 4,096 tokens: 32 tiles on 132 multiprocessors, 0.24).
+pub fn tile_utilization(m: f64, n: f64, gpu: &Gpu) -> f64 {
+    let tiles = (m / GEMM_TILE).ceil().max(1.0) * (n / GEMM_TILE).ceil().max(1.0);
+    let sms = gpu.multiprocessors as f64;
+    tiles / ((tiles / sms).ceil() * sms)
+}
 
 /// Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth / link bandwidth).
 pub const COLLECTIVE_EFFICIENCY: f64 = 0.8;
@@ -292,6 +308,7 @@ impl Ops {
             useful_flops,
             seq_tokens,
             head_dim,
+            product: (0.0, 0.0),
             window,
         };
         self.ops.push(op);
@@ -309,9 +326,11 @@ impl Ops {
     /// A GEMM of [m, k] x [k, n], d-byte operands and product, `count` of them.
     fn gemm(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
         self.push(name, OpKind::Gemm, 2.0 * m * k * n * count, (m * k + k * n + m * n) * d * count, count);
+        self.ops.last_mut().expect("just pushed").product = (m, n);
     }
 
-    /// The backward of a GEMM: the input's gradient and the weight's, each the forward's size.
+    /// The backward of a GEMM: the input's gradient and the weight's, each the forward's size, their tiles
+    /// counted on the forward's product `[m, n]` (an approximation: theirs are `[m, k]` and `[n, k]`).
     fn gemm_backward(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
         self.gemm(name, m, k, n, d, 2.0 * count);
     }
@@ -742,21 +761,24 @@ fn parameter_tensors(m: &ModelConfig) -> f64 {
 fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
     let roofline = |efficiency: f64| (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw);
-    // Measured at head dim 128: a smaller head does less tensor-core work per score but the same
-    // softmax and bookkeeping, so the rate in FLOPs falls with it (the time per score kept).
-    let head = (op.head_dim as f64 / RATES_HEAD_DIM).min(1.0);
-    let kernel = |rates: Option<KernelRates>, backward: bool| {
-        let efficiency = rates.unwrap_or(gpu.mma).efficiency(op.seq_tokens, backward) * head;
-        op.useful_flops / (gpu.peak_flops * efficiency)
+    // Measured at head dim 128 (and the warpgroup kernels at 64, where that is the head): a smaller head
+    // without rates of its own does less tensor-core work per score but the same softmax and
+    // bookkeeping, so the rate in FLOPs is taken to fall with it (the time per score kept).
+    let kernel = |rates: Option<KernelRates>, d64: Option<KernelRates>, backward: bool| {
+        let (rates, head) = match d64 {
+            Some(r) if op.head_dim == 64 => (r, 1.0),
+            _ => (rates.unwrap_or(gpu.mma), (op.head_dim as f64 / RATES_HEAD_DIM).min(1.0)),
+        };
+        op.useful_flops / (gpu.peak_flops * rates.efficiency(op.seq_tokens, backward) * head)
     };
     match op.kind {
-        OpKind::Gemm => roofline(gpu.gemm_efficiency),
+        OpKind::Gemm => roofline(gpu.gemm_efficiency * tile_utilization(op.product.0, op.product.1, gpu)),
         OpKind::AttentionGemm => roofline(gpu.attention_gemm_efficiency),
-        OpKind::AttentionMmaForward => kernel(None, false),
-        OpKind::AttentionMma => kernel(None, true),
-        OpKind::AttentionWgmmaForward => kernel(gpu.wgmma, false),
-        OpKind::AttentionWgmma => kernel(gpu.wgmma, true),
-        OpKind::AttentionWgmmaAtomic => kernel(gpu.wgmma_atomic.or(gpu.wgmma), true),
+        OpKind::AttentionMmaForward => kernel(None, None, false),
+        OpKind::AttentionMma => kernel(None, None, true),
+        OpKind::AttentionWgmmaForward => kernel(gpu.wgmma, gpu.wgmma_d64, false),
+        OpKind::AttentionWgmma => kernel(gpu.wgmma, gpu.wgmma_d64, true),
+        OpKind::AttentionWgmmaAtomic => kernel(gpu.wgmma_atomic.or(gpu.wgmma), gpu.wgmma_atomic_d64, true),
         OpKind::Elementwise => op.bytes / bw,
         OpKind::Host => 0.0,
     }
@@ -869,6 +891,8 @@ fn model_forward_flops(m: &ModelConfig, s: &StepShape) -> (f64, f64) {
 
 /// The prediction of a step of `m` on `s` for `gpu`.
 pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
+    let run_build = if s.h100_run_build { gpu.with_h100_run_attention() } else { *gpu };
+    let gpu = &run_build;
     let ops = step_costs(m, s, gpu);
     // (+ 0.0: an empty sum is -0.0)
     let sum = |f: &dyn Fn(&OpCost) -> f64, keep: &dyn Fn(&OpCost) -> bool| {
