@@ -138,8 +138,8 @@ struct GemmTiming {
     tflops: f64,
 }
 
-/// The rate the performance model assumes for the projections' GEMMs on a GPU (its peak times
-/// [`crate::cost::time::Gpu::gemm_efficiency`]).
+/// The rate the performance model assumes for the layer's projection GEMMs on a GPU (each at its peak times
+/// [`crate::cost::time::Gpu::gemm_efficiency`] times its tiles' utilisation), over their sum.
 #[derive(Debug, serde::Serialize)]
 struct AssumedGemm {
     gpu: &'static str,
@@ -195,9 +195,16 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
     }
     let seconds = gemms.iter().map(|g| g.seconds).sum::<f64>();
     let flops = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64).sum::<f64>();
+    // The model's time for each GEMM: its FLOPs at the GEMM efficiency times its tiles' utilisation.
     let assumed = crate::cost::time::GPUS
         .iter()
-        .map(|gpu| AssumedGemm { gpu: gpu.name, tflops: gpu.peak_flops * gpu.gemm_efficiency / 1e12 })
+        .map(|gpu| {
+            let rate = |g: &GemmTiming| {
+                gpu.peak_flops * gpu.gemm_efficiency * crate::cost::time::tile_utilization(g.m as f64, g.n as f64, gpu)
+            };
+            let model_s = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64 / rate(g)).sum::<f64>();
+            AssumedGemm { gpu: gpu.name, tflops: flops / model_s / 1e12 }
+        })
         .collect();
     let record = GemmRecord {
         bench: "gemm",

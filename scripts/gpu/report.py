@@ -32,7 +32,9 @@ FLOPs and MFU (train_step only, the same formula for both sides), from shapes/<s
   forward FLOPs of one sequence of T tokens = 2*P*T + 2*2*L*T^2*nh*hd / 2
       (QK^T and AV, 2*T^2*nh*hd each, halved for the causal mask)
   FLOPs per train step = answers * (3 + 1) * forward(seq_len)
-      (policy forward + backward = 3 forwards, reference = 1 forward)
+      (policy forward + backward = 3 forwards, reference = 1 forward; 3 for a record with
+      "reference": false, whose step has no reference forward: the recomputed forward of
+      checkpointed layers is not counted either)
   MFU = FLOPs per step / step_time_s / peak dense bf16 FLOP/s of the card named in "device"
       (H100 SXM / H100 80GB HBM3 and H200: 989.4e12, H100 PCIe: 756e12, A100: 312e12;
       any other card: null).
@@ -86,7 +88,7 @@ def peak_flops(device):
     return None
 
 
-def train_step_flops(shape, answers, seq_len):
+def train_step_flops(shape, answers, seq_len, reference=True):
     path = SHAPES / f"{shape}.json"
     cfg = json.loads((path if path.exists() else MODEL_CONFIGS / f"{shape}.json").read_text())
     h, layers, vocab = cfg["hidden_size"], cfg["num_hidden_layers"], cfg["vocab_size"]
@@ -97,7 +99,7 @@ def train_step_flops(shape, answers, seq_len):
     params = layers * per_layer + vocab * h
     t = seq_len
     forward = 2 * params * t + 2 * 2 * layers * t * t * heads * head_dim / 2
-    return answers * (3 + 1) * forward
+    return answers * (3 + (1 if reference else 0)) * forward
 
 
 def ratio(a, b):
@@ -119,12 +121,17 @@ def compare(bench, key, ours, torch):
     row = {"bench": bench, "key": key, "ours": ours, "torch": torch}
     if bench == "train_step":
         try:
-            row["flops_per_step"] = train_step_flops(key["shape"], key["answers"], key["seq_len"])
+            # Each side's own FLOPs: a step without a reference model (ours with --no-reference) has no
+            # reference forward.
+            flops = {side: train_step_flops(key["shape"], key["answers"], key["seq_len"],
+                                            (get(rec, "reference") is not False))
+                     for side, rec in (("ours", ours), ("torch", torch))}
         except (OSError, KeyError, TypeError) as e:
             print(f"no FLOPs for shape {key['shape']!r}: {e!r}", file=sys.stderr)
-            row["flops_per_step"] = None
-        row["mfu_ours"] = mfu(row["flops_per_step"], ours)
-        row["mfu_torch"] = mfu(row["flops_per_step"], torch)
+            flops = {"ours": None, "torch": None}
+        row["flops_per_step"] = flops["ours"]
+        row["mfu_ours"] = mfu(flops["ours"], ours)
+        row["mfu_torch"] = mfu(flops["torch"], torch)
         row["speedup"] = ratio(get(ours, "tokens_per_s"), get(torch, "tokens_per_s"))
     elif bench == "logprob":
         row["speedup"] = ratio(get(torch, "fwd_bwd_time_s"), get(ours, "fwd_bwd_time_s"))
