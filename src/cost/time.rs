@@ -559,7 +559,9 @@ fn layer_attention_tiles(
         + kv_pairs * step_queries * 2.0 * row_stats
         + ranges_scan;
     let work = (bh * (6.0 * hd * scores + 8.0 * hd * kv_scores), bh * 10.0 * hd * causal_pairs(t));
-    let io = (bh * (dq_bytes + kv_bytes), 2.0);
+    // Three launches: the dq kernel, the dk/dv kernel, and the sum of its groups' parts (bwd_dkv_sum; its
+    // bytes are in the kernels' measured rates, as is every byte here).
+    let io = (bh * (dq_bytes + kv_bytes), 3.0);
     o.attention_kernel("attention kernels (backward)", tiles.kind, work, io, (t, m.head_dim as u64));
 }
 
@@ -591,7 +593,8 @@ fn layer_attention_atomic(o: &mut Ops, m: &ModelConfig, (b, t, d): (f64, u64, f6
     let work = (bh * 10.0 * hd * kv_scores, bh * 10.0 * hd * causal_pairs(t));
     let bytes = bh * (kv_bytes + atomics + accumulator_bytes);
     let kind = if tiles.kind == OpKind::AttentionWgmma { OpKind::AttentionWgmmaAtomic } else { tiles.kind };
-    o.attention_kernel("attention kernels (backward)", kind, work, (bytes, 3.0), (t, m.head_dim as u64));
+    // Four launches: bwd_prep, the dk/dv kernel, the sum of its groups' parts and bwd_dq_out.
+    o.attention_kernel("attention kernels (backward)", kind, work, (bytes, 4.0), (t, m.head_dim as u64));
 }
 
 /// One layer's attention on `b` sequences of `t` tokens (`backward`: with its recomputation): chunked
@@ -1251,7 +1254,8 @@ mod tests {
         assert_eq!(flops(&ops, |o| o.name == "attention kernels (backward)"), bwd);
         let launches =
             |ops: &[OpCost]| ops.iter().filter(|o| o.kind.tensor_core_attention()).map(|o| o.launches).sum::<f64>();
-        assert_eq!(launches(&ops), 2.0 * 3.0 * 3.0);
+        // Per layer and micro-batch: the forward and the backward's three (dq, dk/dv, the parts' sum).
+        assert_eq!(launches(&ops), 2.0 * 3.0 * 4.0);
         assert!(ops.iter().all(|o| o.kind != OpKind::AttentionGemm));
         let seven = StepShape {
             answers: 16,
@@ -1261,11 +1265,11 @@ mod tests {
             blocks: driver_blocks(&seven_b(), 18432),
             ..shape(1, 1, 1)
         };
-        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score, three launches.
+        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score, four launches.
         let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
         let bwd = bh * 4.0 * 10.0 * (64.0 * 100.0 + 36.0 * 36.0);
         assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bwd);
-        assert_eq!(launches(&atomic), 2.0 * 3.0 * 4.0);
+        assert_eq!(launches(&atomic), 2.0 * 3.0 * 5.0);
         for gpu in &GPUS {
             let chunked = predict(&seven_b(), &seven, gpu);
             let mma = predict(&seven_b(), &StepShape { tensor_cores: true, ..seven }, gpu);
@@ -1298,12 +1302,12 @@ mod tests {
         assert!(kinds("attention kernels (forward)").iter().all(|k| *k == OpKind::AttentionWgmmaForward));
         assert!(kinds("attention kernels (backward)").iter().all(|k| *k == OpKind::AttentionWgmma));
         assert!(ops.iter().all(|o| o.kind != OpKind::AttentionMma && o.kind != OpKind::AttentionGemm));
-        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score of its 128-key blocks, three launches.
+        // dq by atomics: the dk/dv kernel's 10 hd FLOPs per score of its 128-key blocks, four launches.
         let atomic = step_costs(&m, &StepShape { atomic_dq: true, ..s }, &H100_SXM);
         assert_eq!(flops(&atomic, |o| o.name == "attention kernels (backward)"), bh * 4.0 * 10.0 * 100.0 * 100.0);
         let wgmma = |k: OpKind| k.tensor_core_attention();
         let launches = |ops: &[OpCost]| ops.iter().filter(|o| wgmma(o.kind)).map(|o| o.launches).sum::<f64>();
-        assert_eq!((launches(&ops), launches(&atomic)), (2.0 * 3.0 * 3.0, 2.0 * 3.0 * 4.0));
+        assert_eq!((launches(&ops), launches(&atomic)), (2.0 * 3.0 * 4.0, 2.0 * 3.0 * 5.0));
         let seven = StepShape {
             answers: 16,
             micro_batch: 2,
