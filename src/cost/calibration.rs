@@ -18,6 +18,7 @@
 //!   kernels' share of HBM's bandwidth, on the eight 0.5B-shape steps of both builds (two constants);
 //! - [`Gpu::composite_host_update_bandwidth`], the first build's composite offloaded update, on its 7B
 //!   step (the only one: fitted there, not predicted).
+//!
 //! The 7B step of this build, offloaded at the measured host rate, is not fitted on: predicted 21.1 s,
 //! measured 21.4.
 //!

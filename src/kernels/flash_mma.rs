@@ -119,8 +119,9 @@ impl KernelFile {
     ///   every sum in a fixed order;
     /// - `atomic_dq`: kernels/flash_mma.cu's `bwd_prep` (zeroes the accumulator, writes the spans), this
     ///   file's `bwd_dkvq` (dk, dv, and dQ added into the accumulator by f32 atomics), kernels/flash_mma.cu's
-    ///   `bwd_dq_out`;
-    /// and in both `bwd_dkv_sum`, the partial sums added in order into dk and dv.
+    ///   `bwd_dq_out`.
+    ///
+    /// In both, `bwd_dkv_sum` then adds the partial sums in order into dk and dv.
     pub fn backward_plan_split(
         &self,
         dtype: DType,
