@@ -365,6 +365,12 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
         act.attention_workspace = act.attention_workspace.saturating_add(accumulator);
     }
+    // The tensor-core backward's dk/dv partial sums (each KV head's group split over the kernel's blocks).
+    if matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto) && !inputs.on_cpu {
+        let (b, t) = (shape.b as usize, shape.t as usize);
+        let parts = crate::kernels::dkv_partial_sum_bytes(b, model.num_heads, model.num_kv_heads, t, model.head_dim);
+        act.attention_workspace = act.attention_workspace.saturating_add(parts);
+    }
     let mut c = Vec::new();
     let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
         c.push(Component { name: name.into(), bytes, place, phase, formula });
@@ -451,12 +457,12 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let head_part = act.head_backward.saturating_add(act.logprob_chunk);
     let kind = match inputs.attention {
         Attention::Flash => "flash: O(T)",
-        Attention::Mma if atomic_dq => "mma: O(T) + [N,q] 4 B dq accumulator",
-        Attention::Mma => "mma: O(T)",
-        Attention::Wgmma if atomic_dq => "wgmma: O(T) + [N,q] 4 B dq accumulator",
-        Attention::Wgmma => "wgmma: O(T)",
-        Attention::Auto if atomic_dq => "auto (tensor cores): O(T) + [N,q] 4 B dq accumulator",
-        Attention::Auto => "auto (tensor cores): O(T)",
+        Attention::Mma if atomic_dq => "mma: O(T) + dk/dv parts + [N,q] 4 B dq accumulator",
+        Attention::Mma => "mma: O(T) + dk/dv parts (split x 2 [N,kv] 4 B)",
+        Attention::Wgmma if atomic_dq => "wgmma: O(T) + dk/dv parts + [N,q] 4 B dq accumulator",
+        Attention::Wgmma => "wgmma: O(T) + dk/dv parts (split x 2 [N,kv] 4 B)",
+        Attention::Auto if atomic_dq => "auto (tensor cores): O(T) + dk/dv parts + [N,q] 4 B dq accumulator",
+        Attention::Auto => "auto (tensor cores): O(T) + dk/dv parts (split x 2 [N,kv] 4 B)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
     };
     if head_part >= layer_part {

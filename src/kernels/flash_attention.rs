@@ -56,6 +56,7 @@ mod auto;
 pub use auto::auto_kernels;
 mod cpu;
 pub(super) mod dims;
+pub(crate) use dims::dkv_partial_sum_bytes;
 pub(crate) mod driver;
 #[cfg(test)]
 mod emu_tests;

@@ -7,7 +7,7 @@
 
 use candle_core::{DType, Result};
 
-use super::flash_attention::dims::Dims;
+use super::flash_attention::dims::{dkv_split, Dims};
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 
 /// Threads per block: four warps, each 16 rows (queries, or keys in the dk/dv kernel).
@@ -89,24 +89,6 @@ impl KernelFile {
             args,
         })
     }
-}
-
-/// Blocks the dk/dv kernels' grid aims at, about four per streaming multiprocessor of an H100 (132) or
-/// five of an A100 (108): the group's query heads are split over that many blocks where the key blocks
-/// of the KV heads alone are fewer ([`dkv_split`]).
-const DKV_BLOCKS: usize = 512;
-
-/// The parts each KV head's group of query heads is split into over the dk/dv kernel's blocks (each
-/// block sums the dk and dv of its part's heads; `bwd_dkv_sum` adds the parts in order): the fewest that
-/// give [`DKV_BLOCKS`] blocks over `key_blocks` key blocks, at most one head a part, and none empty.
-/// Without it, grouped-query attention at short lengths left most of the GPU idle (the 0.5B shape at
-/// 4k: 64 blocks of 7 heads each, 22 TFLOP/s), and the first keys' blocks, which every query sees,
-/// made the longest path.
-pub(crate) fn dkv_split(dims: &Dims, key_blocks: usize) -> usize {
-    let group = (dims.h / dims.kv.max(1)).max(1);
-    let blocks = (key_blocks * dims.b * dims.kv).max(1);
-    let want = DKV_BLOCKS.div_ceil(blocks).clamp(1, group);
-    group.div_ceil(group.div_ceil(want))
 }
 
 impl KernelFile {
@@ -257,6 +239,7 @@ pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Resu
 
 #[cfg(test)]
 mod tests {
+    use super::super::flash_attention::dims::{dkv_partial_sum_bytes, DKV_BLOCKS};
     use super::*;
 
     fn dims(h: usize, kv: usize, len: usize) -> Dims {
@@ -274,6 +257,9 @@ mod tests {
         assert_eq!(wgmma(28, 4, 18432), 1);
         assert_eq!(wgmma(16, 16, 1024), 1);
         assert_eq!(dkv_split(&dims(14, 2, 0), 0), 7);
+        // The plan's bytes: the 7B's one part of [2, 4 KV heads, 18,432, 128] f32; the 0.5B's 7 at 4k.
+        assert_eq!(dkv_partial_sum_bytes(1, 28, 4, 18432, 128), 2 * 4 * 18432 * 128 * 4);
+        assert_eq!(dkv_partial_sum_bytes(1, 14, 2, 4096, 64), 7 * 2 * 2 * 4096 * 64 * 4);
         for group in 1..=16 {
             for key_blocks in 1..=600 {
                 let split = dkv_split(&dims(group, 1, 64 * key_blocks), key_blocks);

@@ -18,7 +18,7 @@ const THREADS: u32 = 256;
 const QUERIES: usize = 128;
 const KEYS: usize = 64;
 /// Keys per block of the dk/dv kernel (64 per warpgroup), queries per step.
-const DKV_KEYS: usize = 128;
+const DKV_KEYS: usize = super::flash_attention::dims::WGMMA_DKV_KEYS;
 const DKV_QUERIES: usize = 64;
 /// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
 const ALIGN: usize = 1024;
