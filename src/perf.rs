@@ -284,8 +284,9 @@ pub struct TrainStepSpec {
     /// and date) without running it: a GPU's step predicted on any machine.
     #[arg(long)]
     pub predict_only: bool,
-    /// Profile the timed steps phase by phase (src/profile.rs): a table on stderr and the mean step's
-    /// phases in the record's `profile`.
+    /// Profile the last timed step phase by phase (src/profile.rs): a table on stderr and its phases in the
+    /// record's `profile`; `step_time_s` is then the median of the other timed steps (the profiler syncs
+    /// at every phase boundary), or the profiled one's where it is the only one (`step_time_profiled`).
     #[arg(long)]
     pub profile: bool,
 }
@@ -393,7 +394,9 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         }
         step_no += 1;
         let (before, made) = (host_reads(), tensors_made()?);
-        let profiler = (spec.profile && step_no > t.warmup)
+        // Only the last step is profiled: the profiler's syncs at every phase boundary (and within the
+        // offloaded update, between its chunks) would slow the steps whose time the record gives.
+        let profiler = (spec.profile && step_no == t.warmup + t.repeats.max(1))
             .then(|| crate::profile::Profiler::start(&t.device))
             .transpose()
             .map_err(|e| PerfError::Invalid(e.to_string()))?;
@@ -413,7 +416,10 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     if let Some((_, high)) = memory_bytes(&t.device)? {
         peak = Some(high);
     }
-    let step_time = median(&times);
+    // The step's time without the profiler where another timed step ran without it.
+    let profiled = spec.profile.then(|| times.last().copied()).flatten();
+    let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
+    let step_time = median(unprofiled);
     let tokens = spec.answers * spec.seq_len;
     let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, (&t.device, t.dtype), Some(step_time));
     Ok(json!({
@@ -441,6 +447,10 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "attention": spec.attention,
         "step_times": times,
         "step_time_s": step_time,
+        // With --profile: the last step's time, profiled; whether step_time_s is that one (a single timed
+        // step).
+        "profiled_step_s": profiled,
+        "step_time_profiled": profiled.is_some() && times.len() == 1,
         "tokens": tokens,
         "response_tokens": stats.first().map(|s| s.response_tokens).unwrap_or(0),
         "tokens_per_s": tokens as f64 / step_time,

@@ -83,8 +83,8 @@ fn train_device_and_dtype_flags_override_the_config() {
     assert!(text.contains("device = \"cuda:0\"") && text.contains("dtype = \"bf16\""), "{text}");
 }
 
-/// `grpo bench train-step --profile`: the table on stderr and the mean step's phases in the record,
-/// every phase the issue names present, their self times and "other" adding up to the measured step.
+/// `grpo bench train-step --profile`: the table on stderr and the last step's phases in the record,
+/// every phase the issue names present, their self times and "other" adding up to that step's time.
 fn profiled_step(extra: &[&str]) -> (Value, String) {
     let mut args = vec![
         "-q",
@@ -120,7 +120,7 @@ fn phase<'a>(profile: &'a Value, path: &str) -> &'a Value {
 
 fn check_profile(r: &Value, stderr: &str, paths: &[&str]) {
     let p = &r["profile"];
-    assert_eq!(p["steps"], 2, "{p}");
+    assert_eq!(p["steps"], 1, "only the last timed step is profiled: {p}");
     for path in paths {
         let ph = phase(p, path);
         assert!(ph["calls"].as_f64().unwrap() >= 1.0 && ph["self_s"].as_f64().unwrap() >= 0.0, "{ph}");
@@ -130,11 +130,14 @@ fn check_profile(r: &Value, stderr: &str, paths: &[&str]) {
             }
         }
     }
-    // The self times and "other" add up to the step the bench measured (the same timed runs).
+    // The self times and "other" add up to the profiled step (the last timed run); the record's step time
+    // is the other timed run's, without the profiler.
     let phases = p["phases"].as_array().unwrap();
     let sum: f64 = phases.iter().map(|ph| ph["self_s"].as_f64().unwrap()).sum::<f64>() + p["other_s"].as_f64().unwrap();
     let times: Vec<f64> = r["step_times"].as_array().unwrap().iter().map(|t| t.as_f64().unwrap()).collect();
-    let measured = times.iter().sum::<f64>() / times.len() as f64;
+    assert_eq!((r["profiled_step_s"].as_f64(), r["step_time_s"].as_f64()), (Some(times[1]), Some(times[0])), "{r}");
+    assert_eq!(r["step_time_profiled"], false, "{r}");
+    let measured = times[1];
     assert!((sum - measured).abs() <= 0.05 * measured, "phases add up to {sum} s, the step took {measured} s");
     // Every host sync of the step is in a phase or in "other".
     let syncs: f64 = phases.iter().map(|ph| ph["self_counts"]["host_syncs"].as_f64().unwrap()).sum::<f64>()
@@ -144,7 +147,7 @@ fn check_profile(r: &Value, stderr: &str, paths: &[&str]) {
     assert!(phase(p, "inputs")["self_counts"]["h2d"].as_f64().unwrap() > 0.0, "{p}");
     assert!(phase(p, "forward/mlp")["self_counts"]["buffers"].as_f64().unwrap() > 0.0, "{p}");
     assert_eq!(phase(p, "forward/attention")["calls"], 4.0, "2 layers x 2 micro-batches: {p}");
-    for row in ["forward", "  attention", "other (outside every phase)", "step (mean of 2)", "buffers: "] {
+    for row in ["forward", "  attention", "other (outside every phase)", "step (mean of 1)", "buffers: "] {
         assert!(stderr.lines().any(|l| l.starts_with(row)), "{row} missing from the table:\n{stderr}");
     }
 }

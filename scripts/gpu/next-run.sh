@@ -11,12 +11,13 @@
 #      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and
 #      the same update offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time);
 #   4. the 7B shape with the seed's memory settings at micro-batch 1, SEED_ANSWERS x (2048 + 16384) tokens,
-#      --warmup 0 --repeats 1 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
+#      --warmup 0 --repeats 2 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
 #      the same settings (scripts/gpu/seed7b.py puts them side by side);
 #   5. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
 #      transformers import (a skipped line otherwise), and grpo at 1k beside it.
 # Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
-# the card that ran) and its `profile`; report.py prints the tables and the predicted-vs-measured table.
+# the card that ran) and its `profile` (of its last step: the step time is the other timed steps', without
+# the profiler's syncs); report.py prints the tables and the predicted-vs-measured table.
 #
 #   scripts/gpu/next-run.sh [--dry-run]
 #
@@ -168,9 +169,9 @@ if want profile; then
     step "train-step grpo wgmma 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" --answers 8 --seq-len $MID \
         --warmup 1 --repeats 2
     step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --answers "$LONG_ANSWERS" \
-        --seq-len $LONG --warmup 1 --repeats 1
+        --seq-len $LONG --warmup 1 --repeats 2
     step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
-        --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 1
+        --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 2
 fi
 
 if want optimizer; then
@@ -203,7 +204,7 @@ fi
 step "train-step grpo 7b seed mb1 $SEED_ANSWERS x $((SEED_PROMPT + SEED_LEN))" 170 "$BIN" -q bench train-step \
     --shape "$SEED_SHAPE" --answers "$SEED_ANSWERS" --seq-len $((SEED_PROMPT + SEED_LEN)) --prompt-len "$SEED_PROMPT" \
     --micro-batch 1 --checkpoint-layers --offload --no-reference --dtype "$DTYPE" --device "$DEVICE" --warmup 0 \
-    --repeats 1 --profile
+    --repeats 2 --profile
 [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
 # seed7b.py reads the bench's output as bench.txt; its exit status is that of the step (an error line: 1).
 last=$(tail -1 "$R")
