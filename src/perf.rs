@@ -195,13 +195,11 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
     }
     let seconds = gemms.iter().map(|g| g.seconds).sum::<f64>();
     let flops = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64).sum::<f64>();
-    // The model's time for each GEMM: its FLOPs at the GEMM efficiency times its tiles' utilisation.
+    // The model's time for each GEMM, at the rate of its product's shape.
     let assumed = crate::cost::time::GPUS
         .iter()
         .map(|gpu| {
-            let rate = |g: &GemmTiming| {
-                gpu.peak_flops * gpu.gemm_efficiency * crate::cost::time::tile_utilization(g.m as f64, g.n as f64, gpu)
-            };
+            let rate = |g: &GemmTiming| crate::cost::time::gemm_flops_per_s(g.m as f64, g.n as f64, gpu);
             let model_s = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64 / rate(g)).sum::<f64>();
             AssumedGemm { gpu: gpu.name, tflops: flops / model_s / 1e12 }
         })

@@ -32,7 +32,7 @@ pub struct Gpu {
     pub name: &'static str,
     /// Dense bf16 tensor-core FLOP/s (no sparsity).
     pub peak_flops: f64,
-    /// Streaming multiprocessors (a GEMM's tiles fill them in waves: [`super::time::tile_utilization`]).
+    /// Streaming multiprocessors (a GEMM's tiles fill them in waves: [`super::time::gemm_flops_per_s`]).
     pub multiprocessors: u32,
     /// Device memory bandwidth, B/s.
     pub memory_bandwidth: f64,
@@ -271,8 +271,8 @@ impl Gpu {
 /// Measured on 2026-11-27 (`grpo bench gemm`, one layer's 21 projection GEMMs at the 7B shape over 18,432
 /// rows and at the 0.5B shape over 4,096, each timed alone: benches/results/gpu-2026-11-27-h100-b68f48a.*):
 /// a GEMM's time taken as 25 us (each timed call's launch and sync, not in a step's stream of launches)
-/// plus its FLOPs at this fraction of the peak times its [`super::time::tile_utilization`] (128 x 128
-/// tiles on 132 multiprocessors): two constants on 42 GEMMs, each within 0.79-1.09 at the 7B shape and
+/// plus its FLOPs at this fraction of the peak times its tiles' utilisation ([`super::time::gemm_flops_per_s`]:
+/// 128 x 128 tiles on 132 multiprocessors): two constants on 42 GEMMs, each within 0.79-1.09 at the 7B shape and
 /// 0.62-1.47 at the 0.5B (the extremes, weight gradients of 128 rows, are where cuBLAS splits the sum).
 /// The one matmul of 2048^3 timed alone (370 TFLOP/s, 0.374) stood for every GEMM before: at the 7B
 /// shape they ran at 746 TFLOP/s.

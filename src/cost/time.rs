@@ -176,10 +176,16 @@ const GEMM_TILE: f64 = 128.0;
 /// The share of `gpu`'s multiprocessors a GEMM with an `m` x `n` product keeps busy: its output tiles
 /// ([`GEMM_TILE`] square) run in waves of one tile per multiprocessor, the last wave part-full (the 0.5B
 /// shape's k and v projections over 4,096 tokens: 32 tiles on 132 multiprocessors, 0.24).
-pub fn tile_utilization(m: f64, n: f64, gpu: &Gpu) -> f64 {
+fn tile_utilization(m: f64, n: f64, gpu: &Gpu) -> f64 {
     let tiles = (m / GEMM_TILE).ceil().max(1.0) * (n / GEMM_TILE).ceil().max(1.0);
     let sms = gpu.multiprocessors as f64;
     tiles / ((tiles / sms).ceil() * sms)
+}
+
+/// The FLOP/s `gpu` gives a GEMM with an `m` x `n` product: its GEMM efficiency of the peak while the
+/// tiles run, times their [`tile_utilization`].
+pub fn gemm_flops_per_s(m: f64, n: f64, gpu: &Gpu) -> f64 {
+    gpu.peak_flops * gpu.gemm_efficiency * tile_utilization(m, n, gpu)
 }
 
 /// Fraction of the link bandwidth NCCL's ring collectives reach (bus bandwidth / link bandwidth).
@@ -763,7 +769,7 @@ fn parameter_tensors(m: &ModelConfig) -> f64 {
 /// own work ([`OpKind::Host`]).
 fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
-    let roofline = |efficiency: f64| (op.flops / (gpu.peak_flops * efficiency)).max(op.bytes / bw);
+    let roofline = |flops_per_s: f64| (op.flops / flops_per_s).max(op.bytes / bw);
     // Measured at head dim 128 (and the warpgroup kernels at 64, where that is the head): a smaller head
     // without rates of its own does less tensor-core work per score but the same softmax and
     // bookkeeping, so the rate in FLOPs is taken to fall with it (the time per score kept).
@@ -775,13 +781,15 @@ fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
         op.useful_flops / (gpu.peak_flops * rates.efficiency(op.seq_tokens, backward) * head)
     };
     match op.kind {
-        OpKind::Gemm => roofline(gpu.gemm_efficiency * tile_utilization(op.product.0, op.product.1, gpu)),
-        OpKind::AttentionGemm => roofline(gpu.attention_gemm_efficiency),
+        OpKind::Gemm => roofline(gemm_flops_per_s(op.product.0, op.product.1, gpu)),
+        OpKind::AttentionGemm => roofline(gpu.peak_flops * gpu.attention_gemm_efficiency),
         OpKind::AttentionMmaForward => kernel(None, None, false),
         OpKind::AttentionMma => kernel(None, None, true),
         OpKind::AttentionWgmmaForward => kernel(gpu.wgmma, gpu.wgmma_d64, false),
         OpKind::AttentionWgmma => kernel(gpu.wgmma, gpu.wgmma_d64, true),
-        OpKind::AttentionWgmmaAtomic => kernel(gpu.wgmma_atomic.or(gpu.wgmma), gpu.wgmma_atomic_d64, true),
+        OpKind::AttentionWgmmaAtomic => {
+            kernel(gpu.wgmma_atomic.or(gpu.wgmma), gpu.wgmma_atomic_d64.or(gpu.wgmma_d64), true)
+        }
         OpKind::Elementwise => op.bytes / bw,
         OpKind::Host => 0.0,
     }

@@ -148,8 +148,12 @@ impl KernelFile {
 
     /// The backward without the dq kernel ([`backward_plan_atomic`]), its groups split by [`dkv_split`].
     pub fn backward_plan_atomic(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-        let split = dkv_split(&dims, dims.s.div_ceil(self.dkv_keys));
-        self.backward_plan_split(dtype, dims, scale, true, split)
+        self.backward_plan_split(dtype, dims, scale, true, self.dkv_split(&dims))
+    }
+
+    /// [`dkv_split`] over this file's dk/dv key blocks.
+    fn dkv_split(&self, dims: &Dims) -> usize {
+        dkv_split(dims, dims.s.div_ceil(self.dkv_keys))
     }
 
     /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
@@ -166,16 +170,14 @@ impl KernelFile {
     /// and dv (key blocks of one KV head, over its group's query heads split by [`dkv_split`]), one output
     /// after the other ([`KernelFile::backward_plan_split`]).
     pub fn backward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
-        let split = dkv_split(&dims, dims.s.div_ceil(self.dkv_keys));
-        self.backward_plan_split(dtype, dims, scale, false, split)
+        self.backward_plan_split(dtype, dims, scale, false, self.dkv_split(&dims))
     }
 }
 
 /// kernels/flash_mma.cu's `bwd_dkv_sum` over `2 nk` elements (128 threads a block, each block four
 /// elements a thread, the grid capped where its stride loop takes over).
-fn dkv_sum(dtype: DType, nk: usize, args: Vec<Arg>, scale: f32) -> Result<Launch> {
+fn dkv_sum(dtype: DType, nk: usize, mut args: Vec<Arg>, scale: f32) -> Result<Launch> {
     let blocks = (2 * nk).div_ceil(THREADS as usize * 4).clamp(1, 65_535);
-    let mut args = args;
     args.push(Arg::F32(scale));
     Ok(Launch {
         module: Module::FlashMma,
@@ -235,38 +237,4 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
 /// (the spans, the accumulator and dk/dv's partial sums: [`KernelFile::backward_plan_split`]).
 pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     MMA.backward_plan_atomic(dtype, dims, scale)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::flash_attention::dims::{dkv_partial_sum_bytes, DKV_BLOCKS};
-    use super::*;
-
-    fn dims(h: usize, kv: usize, len: usize) -> Dims {
-        Dims { b: 1, h, kv, t: len, s: len, d: 64 }
-    }
-
-    /// The splits at the shapes the performance model prices: the 0.5B's 14 heads of 2 KV heads split
-    /// one head a block at 4k (64 blocks otherwise) and in two at 16k; the 7B's 28 of 4 at 18k, and any
-    /// group of one (multi-head attention), not at all; no part is left empty.
-    #[test]
-    fn dkv_split_fills_the_gpu_and_leaves_no_part_empty() {
-        let wgmma = |h, kv, len: usize| dkv_split(&dims(h, kv, len), len.div_ceil(128));
-        assert_eq!(wgmma(14, 2, 4096), 7);
-        assert_eq!(wgmma(14, 2, 16384), 2);
-        assert_eq!(wgmma(28, 4, 18432), 1);
-        assert_eq!(wgmma(16, 16, 1024), 1);
-        assert_eq!(dkv_split(&dims(14, 2, 0), 0), 7);
-        // The plan's bytes: the 7B's one part of [2, 4 KV heads, 18,432, 128] f32; the 0.5B's 7 at 4k.
-        assert_eq!(dkv_partial_sum_bytes(1, 28, 4, 18432, 128), 2 * 4 * 18432 * 128 * 4);
-        assert_eq!(dkv_partial_sum_bytes(1, 14, 2, 4096, 64), 7 * 2 * 2 * 4096 * 64 * 4);
-        for group in 1..=16 {
-            for key_blocks in 1..=600 {
-                let split = dkv_split(&dims(group, 1, 64 * key_blocks), key_blocks);
-                let (per, want) = (group.div_ceil(split), DKV_BLOCKS.div_ceil(key_blocks).min(group));
-                assert!((1..=want).contains(&split) && per * (split - 1) < group, "{group} {key_blocks}: {split}");
-                assert_eq!(per, group.div_ceil(want), "{group} {key_blocks}: {split} parts as long as {want}'s");
-            }
-        }
-    }
 }

@@ -81,3 +81,36 @@ pub fn dkv_partial_sum_bytes(b: usize, h: usize, kv: usize, t: usize, d: usize) 
     let split = dkv_split(&dims, t.div_ceil(WGMMA_DKV_KEYS));
     (split * 2 * dims.kv_len() * 4) as u64
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn dims(h: usize, kv: usize, len: usize) -> Dims {
+        Dims { b: 1, h, kv, t: len, s: len, d: 64 }
+    }
+
+    /// The splits at the shapes the performance model prices: the 0.5B's 14 heads of 2 KV heads split
+    /// one head a block at 4k (64 blocks otherwise) and in two at 16k; the 7B's 28 of 4 at 18k, and any
+    /// group of one (multi-head attention), not at all; no part is left empty.
+    #[test]
+    fn dkv_split_fills_the_gpu_and_leaves_no_part_empty() {
+        let wgmma = |h, kv, len: usize| dkv_split(&dims(h, kv, len), len.div_ceil(WGMMA_DKV_KEYS));
+        assert_eq!(wgmma(14, 2, 4096), 7);
+        assert_eq!(wgmma(14, 2, 16384), 2);
+        assert_eq!(wgmma(28, 4, 18432), 1);
+        assert_eq!(wgmma(16, 16, 1024), 1);
+        assert_eq!(dkv_split(&dims(14, 2, 0), 0), 7);
+        // The plan's bytes: the 7B's one part of [2, 4 KV heads, 18,432, 128] f32; the 0.5B's 7 at 4k.
+        assert_eq!(dkv_partial_sum_bytes(1, 28, 4, 18432, 128), 2 * 4 * 18432 * 128 * 4);
+        assert_eq!(dkv_partial_sum_bytes(1, 14, 2, 4096, 64), 7 * 2 * 2 * 4096 * 64 * 4);
+        for group in 1..=16 {
+            for key_blocks in 1..=600 {
+                let split = dkv_split(&dims(group, 1, 64 * key_blocks), key_blocks);
+                let (per, want) = (group.div_ceil(split), DKV_BLOCKS.div_ceil(key_blocks).min(group));
+                assert!((1..=want).contains(&split) && per * (split - 1) < group, "{group} {key_blocks}: {split}");
+                assert_eq!(per, group.div_ceil(want), "{group} {key_blocks}: {split} parts as long as {want}'s");
+            }
+        }
+    }
+}
