@@ -22,6 +22,7 @@ pub enum Module {
     Swiglu,
     Lora,
     Accumulate,
+    SumSquares,
 }
 
 /// One buffer of an op.

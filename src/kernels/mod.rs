@@ -27,6 +27,8 @@
 //!   GEMMs, its element-wise steps (the adapters' input with the dropout mask, the sum) kernels/lora.cu.
 //! - [`accumulate`] (accumulate.rs): a micro-batch's gradient added into its f32 accumulator in place,
 //!   a transposed weight gradient read where it lies.
+//! - [`sum_squares`] (sum_squares.rs): a tensor's sum of squares in one read over the whole GPU (each
+//!   gradient's part of the gradient norm).
 //! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
 //!   gives the gradient of `x` only.
 //!
@@ -60,6 +62,7 @@ mod lora;
 mod norm;
 mod rope;
 mod rows;
+mod sum_squares;
 mod swiglu;
 #[cfg(test)]
 mod testing;
@@ -79,6 +82,7 @@ pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
 pub use rope::{rope, rope_reference};
 pub use rows::{row_grad, row_stats};
+pub use sum_squares::sum_squares;
 pub use swiglu::{swiglu, swiglu_reference};
 
 /// Head dims the tensor-core attention kernels (kernels/flash_mma.cu) are compiled for.

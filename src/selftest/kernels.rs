@@ -14,7 +14,8 @@ use super::Part;
 use crate::kernels::{
     flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, lora_linear,
     lora_linear_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_norm, rms_norm_reference,
-    rope, rope_reference, row_grad, row_stats, swiglu, swiglu_reference, wgmma_layouts, Dropout, GpuKernels,
+    rope, rope_reference, row_grad, row_stats, sum_squares, swiglu, swiglu_reference, wgmma_layouts, Dropout,
+    GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -32,6 +33,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "rms_norm", run: rms_norm_check, tolerance: rounded_output },
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
     KernelCheck { op: "swiglu", run: swiglu_check, tolerance: rounded_output },
+    KernelCheck { op: "sum_squares", run: sum_squares_check, tolerance: exact_inputs },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
@@ -245,6 +247,22 @@ fn swiglu_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let (g, u) = (uniform(&mut rng, &[37, 4864], 6.0)?, uniform(&mut rng, &[37, 4864], 2.0)?);
     let up = uniform(&mut rng, &[37, 4864], 1.0)?;
     fwd_bwd_parts(device, dtype, &[&g, &u], &up, |x| swiglu(&x[0], &x[1]), |x| swiglu_reference(&x[0], &x[1]))
+}
+
+/// The gradient norm's sum of squares over more elements than the kernel's grid has threads (its stride
+/// loop) and over a few, against the CPU's f64 sum of the same rounded values.
+fn sum_squares_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(27);
+    let cases = [[1100, 896], [33, 77]]
+        .into_iter()
+        .map(|shape| {
+            let x = rounded(&uniform(&mut rng, &shape, 4.0)?, dtype)?;
+            let got = sum_squares(&x.to_dtype(dtype)?.to_device(device)?)?.to_device(&Device::Cpu)?;
+            let want = x.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_dtype(DType::F32)?;
+            Ok(vec![Part::compare("fwd", &got, &want)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
 }
 
 /// A LoRA projection (the frozen weight and bias in the dtype, f32 adapters) with dropout: the mask the

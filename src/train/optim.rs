@@ -132,22 +132,18 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
     }
 }
 
-/// Global L2 norm of all gradients: each tensor's sum of squares reduced on its device (f32, as f64),
-/// the sums stacked and read to the host at once (one host sync per step, whatever the number of
-/// tensors), and added there in f64. The clip factor ([`clip_scale`]) and the bad-step check (a NaN or
+/// Global L2 norm of all gradients: each tensor's sum of squares reduced on its device in one read
+/// ([`kernels::sum_squares`], f32), the sums stacked and read to the host at once (one host sync per
+/// step, whatever the number of tensors), and added there in f64. The clip factor ([`clip_scale`]) and the bad-step check (a NaN or
 /// infinite gradient anywhere gives a non-finite norm) come from this one read.
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
-    let sums: Vec<Tensor> = grads
-        .grads
-        .iter()
-        .flatten()
-        .map(|g| g.sqr()?.sum_all()?.to_dtype(DType::F64))
-        .collect::<candle_core::Result<_>>()?;
+    let sums: Vec<Tensor> =
+        grads.grads.iter().flatten().map(kernels::sum_squares).collect::<candle_core::Result<_>>()?;
     if sums.is_empty() {
         return Ok(0.0);
     }
-    let sums = crate::device::to_host::<f64>(&Tensor::stack(&sums, 0)?)?;
-    Ok(sums.iter().sum::<f64>().sqrt())
+    let sums = crate::device::to_host::<f32>(&Tensor::stack(&sums, 0)?)?;
+    Ok(sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt())
 }
 
 struct ParamState {
