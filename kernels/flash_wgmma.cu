@@ -17,7 +17,8 @@
 //                              (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
 //   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup; grid: B*KV*split x
 //                              key blocks), over the queries of its part (of `split`) of its group's heads
-//                              in blocks of 64 that see one of its keys (by spans): S^T = K Q^T and dP^T =
+//                              in blocks of 64 that see one of its keys (by spans, read once into a
+//                              bitmask of query blocks in shared memory): S^T = K Q^T and dP^T =
 //                              V dO^T (A and B from shared tiles), dV += P^T dO, dK += dS^T Q (A from
 //                              registers); each part's f32 sums into parts ([split][dk (B*KV*S*D) | dv]),
 //                              summed into dkv by flash_mma.cu's bwd_dkv_sum.
@@ -297,33 +298,73 @@ __device__ __forceinline__ WgQueryStage wg_query_stage(float *stats, uint32_t st
 }
 
 template <typename T, int D>
-__device__ void wg_stage_queries(T *qs, T *gs, const WgQueryStage &x, const T *q, const T *dout,
-                                 const uint32_t *ranges, const float *lse, const float *delta, uint32_t b, uint32_t bh,
-                                 uint32_t i0, uint32_t t, uint32_t s) {
+__device__ void wg_stage_queries(T *qs, T *gs, const T *q, const T *dout, uint32_t bh, uint32_t i0, uint32_t t) {
     stage_swizzled<T, D, WG_DKV_BQ>(qs, q + (size_t)bh * t * D, i0, t);
     stage_swizzled<T, D, WG_DKV_BQ>(gs, dout + (size_t)bh * t * D, i0, t);
     cp_async_commit();
-    for (uint32_t r = threadIdx.x; r < WG_DKV_BQ; r += WG_THREADS) {
-        uint32_t rlo, rhi;
-        mma_range(ranges, b, i0 + r, t, s, rlo, rhi);
-        x.los[r] = rlo, x.his[r] = rhi;
-        const bool in = i0 + r < t;
-        x.rls[r] = in ? lse[(size_t)bh * t + i0 + r] : 0.f;
-        x.rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
-    }
 }
 
-// The query block after (hq, i0) of KV head kvh's group (heads kvh * group..) that sees one of keys
-// j0..j_last by the spans (the same answer in every thread); false when none is left.
-__device__ __forceinline__ bool wg_next_query_block(const uint32_t *spans, uint32_t b, uint32_t t, uint32_t j0,
-                                                   uint32_t j_last, uint32_t hq_end, uint32_t &hq, uint32_t &i0) {
-    for (;;) {
-        i0 += WG_DKV_BQ;
-        if (i0 >= t) i0 = 0, ++hq;
-        if (hq >= hq_end) return false;
+// One query's statistics (threads 0.. WG_DKV_BQ - 1 hold one each): read from global memory one step ahead
+// of their stage, into registers, and written to the stage's shared arrays at the end of the step, so that
+// no step waits for their loads.
+struct WgQueryStats {
+    uint32_t lo, hi;
+    float l, d;
+};
+
+__device__ __forceinline__ WgQueryStats wg_load_stats(const uint32_t *ranges, const float *lse, const float *delta,
+                                                     uint32_t b, uint32_t bh, uint32_t i0, uint32_t t, uint32_t s) {
+    static_assert(WG_THREADS >= WG_DKV_BQ, "a query's statistics per thread");
+    WgQueryStats x{1, 0, 0.f, 0.f};
+    const uint32_t r = threadIdx.x;
+    if (r >= WG_DKV_BQ) return x;
+    mma_range(ranges, b, i0 + r, t, s, x.lo, x.hi);
+    if (i0 + r < t) x.l = lse[(size_t)bh * t + i0 + r], x.d = delta[(size_t)bh * t + i0 + r];
+    return x;
+}
+
+__device__ __forceinline__ void wg_store_stats(const WgQueryStage &stage, const WgQueryStats &x) {
+    const uint32_t r = threadIdx.x;
+    if (r >= WG_DKV_BQ) return;
+    stage.los[r] = x.lo, stage.his[r] = x.hi, stage.rls[r] = x.l, stage.rds[r] = x.d;
+}
+
+// Which query blocks of WG_DKV_BQ rows see one of keys j0..j_last, by the spans: bit qb of mask (words of
+// 32 blocks, ceil(ceil(t / WG_DKV_BQ) / 32) of them; a block past the last is 0), one ballot per word, read
+// from global memory once per block rather than at every step. The same for every head (spans are per
+// row). Ends with a barrier.
+__device__ void wg_query_mask(uint32_t *mask, const uint32_t *spans, uint32_t b, uint32_t t, uint32_t j0,
+                              uint32_t j_last) {
+    const uint32_t nqb = (t + WG_DKV_BQ - 1) / WG_DKV_BQ, words = (nqb + 31) / 32, lane = threadIdx.x % 32;
+    for (uint32_t w = threadIdx.x / 32; w < words; w += WG_THREADS / 32) {
+        const uint32_t qb = 32 * w + lane, i0 = qb * WG_DKV_BQ;
         const uint32_t *span = spans + ((size_t)b * ((t + 15) / 16) + i0 / 16) * 2;
-        for (uint32_t u = 0; u < WG_DKV_BQ / 16 && i0 + 16 * u < t; ++u)
-            if (span[2 * u] <= j_last && span[2 * u + 1] >= j0) return true;
+        bool seen = false;
+        for (uint32_t u = 0; qb < nqb && u < WG_DKV_BQ / 16 && i0 + 16 * u < t; ++u)
+            seen |= span[2 * u] <= j_last && span[2 * u + 1] >= j0;
+        const uint32_t bits = __ballot_sync(0xffffffffu, seen);
+        if (lane == 0) mask[w] = bits;
+    }
+    __syncthreads();
+}
+
+// The query block after (hq, i0) of the heads up to hq_end that sees one of the block's keys (a set bit of
+// mask, wg_query_mask), moving to the next head's first block past the last; false when none is left.
+// Reads shared memory only (the same answer in every thread).
+__device__ __forceinline__ bool wg_next_query_block(const uint32_t *mask, uint32_t t, uint32_t hq_end, uint32_t &hq,
+                                                   uint32_t &i0) {
+    const uint32_t nqb = (t + WG_DKV_BQ - 1) / WG_DKV_BQ, words = (nqb + 31) / 32;
+    uint32_t qb = (i0 + WG_DKV_BQ) / WG_DKV_BQ;  // i0 starts at 0 - WG_DKV_BQ: block 0
+    for (;;) {
+        if (qb >= nqb) qb = 0, ++hq;
+        if (hq >= hq_end) return false;
+        uint32_t w = qb / 32, bits = mask[w] & (0xffffffffu << (qb % 32));
+        while (bits == 0 && ++w < words) bits = mask[w];
+        if (bits != 0) {
+            i0 = (32 * w + __ffs(bits) - 1) * WG_DKV_BQ;
+            return true;
+        }
+        qb = nqb;
     }
 }
 
@@ -380,6 +421,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
     float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
     T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);          // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    uint32_t *mask = (uint32_t *)(dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));  // the query blocks to visit
     const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, b = bkv / kv, kvh = bkv % kv;
     const uint32_t j0 = blockIdx.y * WG_DKV_BK, j_last = min(j0 + WG_DKV_BK, s) - 1;
     uint32_t hq, hq_end;
@@ -389,20 +431,27 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     stage_swizzled<T, D, WG_DKV_BK>(ks, k + (size_t)bkv * s * D, j0, s);
     stage_swizzled<T, D, WG_DKV_BK>(vs, v + (size_t)bkv * s * D, j0, s);
     cp_async_commit();
+    wg_query_mask(mask, spans, b, t, j0, j_last);
     float dk[D / 8][4], dv[D / 8][4];
     zero_acc(dk);
     zero_acc(dv);
 
-    // Query blocks that see one of this block's keys, through two stages.
+    // Query blocks that see one of this block's keys (mask), through two stages. Step (hq, i0) computes on
+    // one stage while the next block's (hn, in) tiles come into the other (cp.async) and its statistics
+    // into registers: no step waits for a global load but its own tiles'.
     uint32_t i0 = 0u - WG_DKV_BQ;
-    bool more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hq, i0);
-    if (more) wg_stage_queries<T, D>(qs, gs, wg_query_stage(stats, 0), q, dout, ranges, lse, delta, b, b * h + hq, i0, t, s);
+    bool more = wg_next_query_block(mask, t, hq_end, hq, i0);
+    if (more) {
+        wg_stage_queries<T, D>(qs, gs, q, dout, b * h + hq, i0, t);
+        wg_store_stats(wg_query_stage(stats, 0), wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s));
+    }
+    uint32_t hn = hq, in = i0;
+    bool next = more && wg_next_query_block(mask, t, hq_end, hn, in);
     for (uint32_t st = 0; more; st ^= 1) {
-        uint32_t hn = hq, in = i0;
-        more = wg_next_query_block(spans, b, t, j0, j_last, hq_end, hn, in);
-        if (more) {
-            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, wg_query_stage(stats, st ^ 1), q,
-                                   dout, ranges, lse, delta, b, b * h + hn, in, t, s);
+        WgQueryStats coming{1, 0, 0.f, 0.f};
+        if (next) {
+            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, q, dout, b * h + hn, in, t);
+            coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
@@ -433,8 +482,11 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         wg_keep(pf);
         wg_keep(df);
         if (DQ) wg_add_dq<T, D>(dq_acc + (size_t)(b * h + hq) * t * D, dss, dp, ks, i0, t);
+        // The next stage's statistics, read since the step began; the barrier publishes them.
+        if (next) wg_store_stats(wg_query_stage(stats, st ^ 1), coming);
         __syncthreads();  // every warp is done with this stage before it is filled again
-        hq = hn, i0 = in;
+        hq = hn, i0 = in, more = next;
+        next = more && wg_next_query_block(mask, t, hq_end, hn, in);
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
     const size_t nk = (size_t)(gridDim.x / split) * s * D;

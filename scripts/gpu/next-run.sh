@@ -3,18 +3,20 @@
 # first (docs/cuda.md, "The next GPU run"). In priority order, each step under its own `timeout` and all of them
 # under DEADLINE seconds (a step that no longer fits is written as skipped):
 #   1. `grpo selftest` (every fused kernel, a training step and a generation against the CPU reference);
-#   2. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
-#      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; one layer's projection
-#      GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
+#   2. the 7B shape with the seed config's memory settings at micro-batch 1 (layers recomputed but their
+#      attention kept, optimizer offloaded), SEED_ANSWERS x (2048 + 16384) tokens, --warmup 1 --repeats 2
+#      --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for the same settings
+#      (scripts/gpu/seed7b.py puts them side by side): the MFU goal, first, so that it runs whatever else fits;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
-#      atomic dq; then the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and
-#      the same update offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time);
-#   4. the 7B shape with the seed's memory settings at micro-batch 1, SEED_ANSWERS x (2048 + 16384) tokens,
-#      --warmup 0 --repeats 2 --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for
-#      the same settings (scripts/gpu/seed7b.py puts them side by side);
-#   5. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
-#      transformers import (a skipped line otherwise), and grpo at 1k beside it.
+#      atomic dq;
+#   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
+#      transformers import (a skipped line otherwise), and grpo at 1k beside it;
+#   5. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
+#      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; one layer's projection
+#      GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
+#   6. the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and the same update
+#      offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time).
 # Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
 # the card that ran) and its `profile` (of its last step: the step time is the other timed steps', without
 # the profiler's syncs); report.py prints the tables and the predicted-vs-measured table.
@@ -29,7 +31,7 @@
 # --dry-run (or DRY_RUN=1): the same steps on the CPU in f32 with scripts/gpu/shapes/tiny.json and tiny lengths,
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
-# (python3), SEED_ANSWERS (4), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention gemm profile
+# (python3), SEED_ANSWERS (8), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention gemm profile
 # optimizer seed7b torch short), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
 # for a shorter run that measures a change again.
 set -uo pipefail
@@ -39,7 +41,7 @@ DRY=${DRY_RUN:-0}
 export RUST_BACKTRACE=0
 PY=${PYTHON:-python3}
 DEADLINE=${DEADLINE:-450}
-SEED_ANSWERS=${SEED_ANSWERS:-4}
+SEED_ANSWERS=${SEED_ANSWERS:-8}
 LONG_ANSWERS=${LONG_ANSWERS:-4}
 S=scripts/gpu/shapes
 if [ "$DRY" = 1 ]; then
@@ -128,37 +130,32 @@ if want selftest; then
     echo "{\"bench\": \"correctness\", \"what\": \"grpo selftest --device $DEVICE\", \"passed\": $ok, \"tests_ok\": $(grep -c '  pass  ' "$TMP/selftest")}" | tee -a "$R"
 fi
 
-# 2. attention, one layer at the 7B's heads
-if want attention; then
-    for len in $ATT_LENS; do
-        for k in ${ATT_KINDS:-chunked mma wgmma wgmma-atomic}; do
-            f=()
-            [ $k != chunked ] && f=("--${k%-atomic}")
-            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
-            step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
-                --warmup 1 --repeats 3
-        done
-    done
-
-    # 2a. the same at the 0.5B shape's heads (14 of 64, GQA 7): the rates at head dim 64, with a dq kernel (what
-    # `model.attention = "auto"` runs by default) and with dq by atomics
-    for len in $ATT_LENS; do
-        for k in wgmma wgmma-atomic; do
-            f=(--wgmma)
-            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
-            step "attention $k hd64 $len" 40 "$BIN" -q bench attention --len "$len" --heads 14 --kv-heads 2 \
-                --head-dim 64 --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" --warmup 1 --repeats 3
-        done
-    done
-fi
-
-# 2b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the
-# rates the performance model's single GEMM efficiency (measured at 2048^3) stands for at the step's shapes
-if want gemm; then
-    step "gemm 7b $((SEED_PROMPT + SEED_LEN))" 40 "$BIN" -q bench gemm --shape "$SEED_SHAPE" \
-        --tokens $((SEED_PROMPT + SEED_LEN)) --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 3
-    step "gemm 0.5b $MID" 20 "$BIN" -q bench gemm --shape "$SMALL" --tokens $MID --dtype "$DTYPE" --device "$DEVICE" \
-        --warmup 1 --repeats 3
+# 2. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
+if want seed7b; then
+    W=$TMP/seed7b
+    mkdir -p "$W"
+    "$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
+        --device-memory 80GiB --set "data.max_prompt_tokens=$SEED_PROMPT" --set "data.max_response_tokens=$SEED_LEN" \
+        --set train.micro_batch_size=1 >"$W/plan.txt" 2>&1
+    cat "$W/plan.txt"
+    smi=
+    if [ "$DRY" = 1 ]; then
+        skip "nvidia-smi memory sampling" "dry run on the CPU"
+    else
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$W/smi.txt" &
+        smi=$!
+    fi
+    step "train-step grpo 7b seed mb1 $SEED_ANSWERS x $((SEED_PROMPT + SEED_LEN))" 240 "$BIN" -q bench train-step \
+        --shape "$SEED_SHAPE" --answers "$SEED_ANSWERS" --seq-len $((SEED_PROMPT + SEED_LEN)) --prompt-len "$SEED_PROMPT" \
+        --micro-batch 1 --checkpoint-layers --keep-attention --offload --no-reference --dtype "$DTYPE" --device "$DEVICE" \
+        --warmup 1 --repeats 2 --profile
+    [ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
+    # seed7b.py reads the bench's output as bench.txt; its exit status is that of the step (an error line: 1).
+    last=$(tail -1 "$R")
+    case $last in *'"train_step"'*) rc=0 ;; *) rc=1 ;; esac
+    cp "$TMP/out" "$W/bench.txt" 2>/dev/null
+    cp "$TMP/err" "$W/bench.err" 2>/dev/null
+    "$PY" scripts/gpu/seed7b.py "$W" "$rc" "$SEED_LEN" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" "$SEED_ANSWERS" | tee -a "$R"
 fi
 
 # 3. the profile at the 0.5B shape
@@ -174,47 +171,7 @@ if want profile; then
         --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 2
 fi
 
-if want optimizer; then
-    # The offloaded optimizer's host update on this machine's CPUs, fused against the composite ops it replaced
-    # (the performance model's host rate is predicted from the 2-core CI machine's ratio).
-    step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
-        --warmup 1 --repeats 2
-    # The same update offloaded from the GPU: gradients down and weights up through the page-locked staging,
-    # overlapped with the host's update (src/train/offload.rs), against the copies one tensor at a time through
-    # pageable memory that the H100 run's build made.
-    step "optimizer offloaded from $DEVICE" 45 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 \
-        --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
-fi
-
-# 4. the 7B shape with the seed's settings at micro-batch 1, beside nvidia-smi and the plan
-if want seed7b; then
-    W=$TMP/seed7b
-    mkdir -p "$W"
-    "$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
-        --device-memory 80GiB --set "data.max_prompt_tokens=$SEED_PROMPT" --set "data.max_response_tokens=$SEED_LEN" \
-        --set train.micro_batch_size=1 >"$W/plan.txt" 2>&1
-    cat "$W/plan.txt"
-    smi=
-    if [ "$DRY" = 1 ]; then
-        skip "nvidia-smi memory sampling" "dry run on the CPU"
-    else
-        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 200 >"$W/smi.txt" &
-        smi=$!
-fi
-step "train-step grpo 7b seed mb1 $SEED_ANSWERS x $((SEED_PROMPT + SEED_LEN))" 170 "$BIN" -q bench train-step \
-    --shape "$SEED_SHAPE" --answers "$SEED_ANSWERS" --seq-len $((SEED_PROMPT + SEED_LEN)) --prompt-len "$SEED_PROMPT" \
-    --micro-batch 1 --checkpoint-layers --offload --no-reference --dtype "$DTYPE" --device "$DEVICE" --warmup 0 \
-    --repeats 2 --profile
-[ -n "$smi" ] && kill "$smi" 2>/dev/null && wait "$smi" 2>/dev/null
-# seed7b.py reads the bench's output as bench.txt; its exit status is that of the step (an error line: 1).
-last=$(tail -1 "$R")
-case $last in *'"train_step"'*) rc=0 ;; *) rc=1 ;; esac
-cp "$TMP/out" "$W/bench.txt" 2>/dev/null
-cp "$TMP/err" "$W/bench.err" 2>/dev/null
-"$PY" scripts/gpu/seed7b.py "$W" "$rc" "$SEED_LEN" "$SEED_PROMPT" "$DEVICE" "$SEED_SHAPE" "$SEED_ANSWERS" | tee -a "$R"
-fi
-
-# 5. PyTorch eager at the 0.5B shape, and grpo at 1k beside it
+# 4. PyTorch eager at the 0.5B shape, and grpo at 1k beside it
 if want torch; then
     t=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --device cuda --warmup 1)
     if [ "$DRY" = 1 ]; then
@@ -231,6 +188,53 @@ fi
 if want short; then
     step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
 fi
+
+# 5. attention, one layer at the 7B's heads
+if want attention; then
+    for len in $ATT_LENS; do
+        for k in ${ATT_KINDS:-chunked mma wgmma wgmma-atomic}; do
+            f=()
+            [ $k != chunked ] && f=("--${k%-atomic}")
+            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
+            step "attention $k $len" 40 "$BIN" -q bench attention --len "$len" --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" \
+                --warmup 1 --repeats 3
+        done
+    done
+
+    # 5a. the same at the 0.5B shape's heads (14 of 64, GQA 7): the rates at head dim 64, with a dq kernel (what
+    # `model.attention = "auto"` runs by default) and with dq by atomics
+    for len in $ATT_LENS; do
+        for k in wgmma wgmma-atomic; do
+            f=(--wgmma)
+            [ $k = wgmma-atomic ] && f+=(--atomic-dq)
+            step "attention $k hd64 $len" 40 "$BIN" -q bench attention --len "$len" --heads 14 --kv-heads 2 \
+                --head-dim 64 --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" --warmup 1 --repeats 3
+        done
+    done
+fi
+
+# 5b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the
+# rates the performance model's single GEMM efficiency (measured at 2048^3) stands for at the step's shapes
+if want gemm; then
+    step "gemm 7b $((SEED_PROMPT + SEED_LEN))" 40 "$BIN" -q bench gemm --shape "$SEED_SHAPE" \
+        --tokens $((SEED_PROMPT + SEED_LEN)) --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 3
+    step "gemm 0.5b $MID" 20 "$BIN" -q bench gemm --shape "$SMALL" --tokens $MID --dtype "$DTYPE" --device "$DEVICE" \
+        --warmup 1 --repeats 3
+fi
+
+# 6. the offloaded optimizer
+if want optimizer; then
+    # The offloaded optimizer's host update on this machine's CPUs, fused against the composite ops it replaced
+    # (the performance model's host rate is predicted from the 2-core CI machine's ratio).
+    step "optimizer host update" 40 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 --dtype bf16 \
+        --warmup 1 --repeats 2
+    # The same update offloaded from the GPU: gradients down and weights up through the page-locked staging,
+    # overlapped with the host's update (src/train/offload.rs), against the copies one tensor at a time through
+    # pageable memory that the H100 run's build made.
+    step "optimizer offloaded from $DEVICE" 45 "$BIN" -q bench optimizer --params "$OPT_PARAMS" --tensors 256 \
+        --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
+fi
+
 
 # The report: tables, the predicted-vs-measured table, and its JSON.
 "$PY" scripts/gpu/report.py "$R" "$NAME.json" >"$NAME.txt" 2>&1

@@ -28,8 +28,8 @@ pub(crate) fn supports(dtype: DType, d: usize) -> bool {
 /// Shared memory of each kernel, as kernels/flash_mma.cu lays it out: tiles of 16-bit values with a row
 /// stride of D + 8 (two stages of K and V in the forward and the dq kernel), then the rows' key ranges
 /// and statistics.
-fn shared_bytes(kernel: &str, d: usize) -> usize {
-    let ld = d + 8;
+fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
+    let ld = dims.d + 8;
     let dkv = 2 * (2 * ROWS * ld + 2 * DKV_QUERIES * ld) + 4 * 4 * DKV_QUERIES;
     match kernel {
         "fwd" => 2 * (4 * FWD_KEYS * ld) + 2 * 4 * ROWS,
@@ -43,14 +43,14 @@ fn shared_bytes(kernel: &str, d: usize) -> usize {
 
 /// A file of tensor-core attention kernels, each `{prefix}_{kernel}_d{D}_{dtype}` (`fwd`, `bwd_dq`,
 /// `bwd_dkv`): its module, threads per block, queries per block of the forward and the dq kernel, keys per
-/// block of the dk/dv kernel, and shared memory per kernel and head dim.
+/// block of the dk/dv kernel, and shared memory per kernel and shape.
 pub(crate) struct KernelFile {
     pub module: Module,
     pub prefix: &'static str,
     pub threads: u32,
     pub rows: usize,
     pub dkv_keys: usize,
-    pub shared_bytes: fn(&str, usize) -> usize,
+    pub shared_bytes: fn(&str, &Dims) -> usize,
 }
 
 /// kernels/flash_mma.cu.
@@ -85,7 +85,7 @@ impl KernelFile {
             kernel: kernel_name(&format!("{}_{kernel}_d{}", self.prefix, dims.d), dtype)?,
             grid: (x as u32, y as u32, 1),
             block: (self.threads, 1, 1),
-            shared_bytes: (self.shared_bytes)(kernel, dims.d) as u32,
+            shared_bytes: (self.shared_bytes)(kernel, dims) as u32,
             args,
         })
     }

@@ -28,9 +28,13 @@ const FWD_SLOTS: usize = 5;
 const DQ_STAGES: usize = 2;
 
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
-/// (slots of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and statistics.
-fn shared_bytes(kernel: &str, d: usize) -> usize {
-    let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES;
+/// (slots of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and statistics;
+/// the dk/dv kernels end with the bitmask of the query blocks that see their keys (a bit per block of
+/// `DKV_QUERIES` queries, in 32-bit words).
+fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
+    let d = dims.d;
+    let mask = 4 * dims.t.div_ceil(DKV_QUERIES).div_ceil(32);
+    let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES + mask;
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,

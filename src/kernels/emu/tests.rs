@@ -423,6 +423,15 @@ fn dkv_groups_split_over_blocks() {
     }
 }
 
+/// The warpgroup dk/dv kernel's bitmask of query blocks over more than one 32-bit word (33 blocks of 64
+/// queries): the second row's middle third sees no key of the first third, so the key blocks there skip
+/// from the first third's query blocks across the word to the last block (whose query sees every key).
+#[test]
+fn wgmma_dkv_query_mask_spans_words() {
+    let plan = flash_wgmma::backward_plan;
+    check_flash_backward("flash_wgmma_bwd mask", plan, &[(2, 1, 1, 2112, 0, 64)], &[DType::BF16], 67);
+}
+
 /// The probe of the wgmma operand layouts: each of its four products equals A B (f32 sums of the same
 /// products, in another order).
 #[test]
