@@ -3,8 +3,9 @@
 # 2026-11-26 H100 run measured (--h100-run-build), on the shapes the H100 runs measured: the 0.5B shape at
 # 8 answers of 1,024 and 4,096 tokens and 4 of 16,384 (reference forward, micro-batch 1, bf16), and the
 # seed's 7B step (2,048 + 16,384 tokens, layers recomputed, optimizer offloaded) at 4 answers (as measured)
-# and 8 (the seed's). Prints one line per point: step seconds and MFU on the H100 SXM, this build's
-# measured step (2026-11-27, benches/results/gpu-2026-11-27-h100.jsonl) where there is one, and the ratio
+# and 8 (the seed's), and the seed config as it ships (attention outputs kept). Prints one line per point: step seconds and MFU on the H100 SXM, this build's
+# measured step (2026-11-27, benches/results/gpu-2026-11-27-h100.jsonl: build 78f0747, before the gradient
+# norm's kernel, which the model already counted as one read) where there is one, and the ratio
 # to PyTorch eager as the same run measured it (1.303 s at 1,024, 1.179 s at 4,096, 1.737 s at 4 x 16,384).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,3 +31,7 @@ for build in "h100-run:--h100-run-build --attention flash:- - - - -" "h100-run (
   predict "7B seed step 4 x 18,432, $name" - "$m7" $seven --answers 4 $flags
   predict "7B seed step 8 x 18,432, $name" - "$m7x8" $seven --answers 8 $flags
 done
+# The seed config as it ships now (each layer's attention output kept: recompute_attention = false), at the
+# 8 answers the next GPU run measures (scripts/gpu/next-run.sh).
+predict "7B seed step 4 x 18,432, attention kept" - - $seven --answers 4 --keep-attention
+predict "7B seed step 8 x 18,432, attention kept" - - $seven --answers 8 --keep-attention

@@ -322,7 +322,9 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // accumulator of its own, 1.6 a tensor a step (counted at 1 and 2 layers, 1 and 2 micro-batches).
     accumulate_per_tensor: 0.8,
     accumulate_first_per_tensor: 1.6,
-    norm_per_tensor: 3.0,
+    // The gradient's sum of squares, one op (kernels::sum_squares), where candle's square, sum and cast
+    // were three.
+    norm_per_tensor: 1.0,
     // The fused update's op and the views around it (the gradient flattened, the master copy's row and
     // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
     update_per_tensor: 5.0,
