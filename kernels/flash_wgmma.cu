@@ -4,7 +4,7 @@
 // or 128, with each block product one warpgroup-wide m64 instruction on 64 x 64 (or 64 x D) tiles
 // instead of mma.sync's 16 x 8. 256 threads (two warpgroups) per block; tiles in shared memory in the
 // 128-byte swizzle, filled by cp.async (the forward: a ring of five K/V slots; the backward's kernels: two
-// stages); more than 48 KiB of shared memory (the host opts each kernel in).
+// stages, three in the dq kernel at D = 64); more than 48 KiB of shared memory (the host opts each kernel in).
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
@@ -13,7 +13,8 @@
 //                              B: the K tile, K-major), then O += P V (A: P from S's accumulators, B: the V
 //                              tile, MN-major).
 //   flash_wgmma_bwd_dq_dD_<T>: 128 queries per block, keys in blocks of 64: S = Q K^T, dP = dO V^T,
-//                              dS = P (dP - delta), dQ += dS K; also the span of keys each 16 queries see
+//                              dS = P (dP - delta), dQ += dS K (at D = 64 the previous block's, while this
+//                              block's dS is computed); also the span of keys each 16 queries see
 //                              (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
 //   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup; grid: B*KV*split x
 //                              key blocks), over the queries of its part (of `split`) of its group's heads
@@ -241,6 +242,63 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
 }
 
+// The dq kernel's stages of K and V tiles: three at head dim 64, where the product dQ += dS_{j-1} K_{j-1}
+// runs while block j's dS is computed (its K tile must outlive the next block's copies), two at 128 (where
+// the previous block's dS fragments would not fit in the registers left).
+template <int D> __host__ __device__ constexpr uint32_t wg_dq_stages() { return D == 64 ? 3 : 2; }
+
+// The dq kernel's loop at head dim 64, pipelined within each warpgroup: step j issues S_j = Q K_j^T and
+// dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that product runs (after waiting for
+// S_j and dP_j only). One barrier a step: it publishes block j's tiles and tells every warp that the others
+// have retired dQ_{j-2}, whose stage block j + 1's copies then refill.
+template <typename T, int D>
+__device__ __forceinline__ void wg_dq_pipelined(float (&acc)[D / 8][4], const uint32_t (&qf)[D / 16][4],
+                                                const uint32_t (&gf)[D / 16][4], T *tiles, const T *kh, const T *vh,
+                                                const QueryRows &rows, uint32_t kmin, uint32_t kmax, uint32_t s,
+                                                float scale) {
+    constexpr uint32_t STAGES = wg_dq_stages<D>();
+    const uint32_t n = (kmax - kmin) / WG_BK + 1;
+    const auto tile = [&](uint32_t j) { return tiles + 2 * (j % STAGES) * WG_BK * D; };
+    const auto stage = [&](uint32_t j) {
+        stage_swizzled<T, D, WG_BK>(tile(j), kh, kmin + j * WG_BK, s);
+        stage_swizzled<T, D, WG_BK>(tile(j) + WG_BK * D, vh, kmin + j * WG_BK, s);
+        cp_async_commit();
+    };
+    float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
+    uint32_t df[WG_BK / 16][4];
+    stage(0);
+    cp_async_wait<0>();
+    wg_publish();
+    if (n > 1) stage(1);
+    wg_begin(sc, dp);
+    wg_rows_by_tile<T, WG_BK, D>(sc, qf, tile(0));
+    wg_rows_by_tile<T, WG_BK, D>(dp, gf, tile(0) + WG_BK * D);
+    wg_end<0>(sc, dp);
+    score_grads<WG_BK>(sc, dp, rows, kmin, scale);  // sc becomes dS
+    wg_frags<T, WG_BK>(df, sc);
+    for (uint32_t j = 1; j < n; ++j) {
+        cp_async_wait<0>();  // block j's copies
+        wg_publish();
+        if (j + 1 < n) stage(j + 1);
+        wg_begin(sc, dp);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, tile(j));
+        wg_rows_by_tile<T, WG_BK, D>(dp, gf, tile(j) + WG_BK * D);
+        wg_commit();
+        wg_begin(acc);
+        wg_acc_by_tile<T, WG_BK, D>(acc, df, tile(j - 1));
+        wg_commit();
+        wg_wait<1>(sc, dp);
+        score_grads<WG_BK>(sc, dp, rows, kmin + j * WG_BK, scale);
+        wg_wait<0>(acc);
+        wg_keep(df);
+        wg_frags<T, WG_BK>(df, sc);
+    }
+    wg_begin(acc);
+    wg_acc_by_tile<T, WG_BK, D>(acc, df, tile(n - 1));
+    wg_end<0>(acc);
+    wg_keep(df);
+}
+
 template <typename T, int D>
 __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                    const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
@@ -248,9 +306,9 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
                                    uint32_t *__restrict__ spans, uint32_t h, uint32_t kv, uint32_t t, uint32_t s,
                                    float scale) {
     extern __shared__ uint32_t wg_smem[];
-    T *tiles = wg_aligned<T>(wg_smem);                     // [2 stages][keys, values][WG_BK x D]
-    uint32_t *los = (uint32_t *)(tiles + 4 * WG_BK * D);   // [WG_BQ]
-    uint32_t *his = los + WG_BQ;                           // [WG_BQ]
+    T *tiles = wg_aligned<T>(wg_smem);  // [stages][keys, values][WG_BK x D]
+    uint32_t *los = (uint32_t *)(tiles + 2 * wg_dq_stages<D>() * WG_BK * D);  // [WG_BQ]
+    uint32_t *his = los + WG_BQ;                                               // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
     uint32_t qf[D / 16][4], gf[D / 16][4];
@@ -263,22 +321,26 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     float acc[D / 8][4];
     zero_acc(acc);
 
-    if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
-    for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
-        const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
-        float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
-        wg_begin(sc, dp);
-        wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
-        wg_rows_by_tile<T, WG_BK, D>(dp, gf, vs);
-        wg_end<0>(sc, dp);
-        score_grads<WG_BK>(sc, dp, rows, j0, scale);  // sc becomes dS
-        uint32_t df[WG_BK / 16][4];
-        wg_frags<T, WG_BK>(df, sc);
-        wg_begin(acc);
-        wg_acc_by_tile<T, WG_BK, D>(acc, df, ks);
-        wg_end<0>(acc);
-        wg_keep(df);
-        __syncthreads();  // every warp is done with this stage before it is filled again
+    if constexpr (D == 64) {
+        if (kmin <= kmax) wg_dq_pipelined<T, D>(acc, qf, gf, tiles, kh, vh, rows, kmin, kmax, s, scale);
+    } else {
+        if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
+        for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
+            const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
+            float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
+            wg_begin(sc, dp);
+            wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
+            wg_rows_by_tile<T, WG_BK, D>(dp, gf, vs);
+            wg_end<0>(sc, dp);
+            score_grads<WG_BK>(sc, dp, rows, j0, scale);  // sc becomes dS
+            uint32_t df[WG_BK / 16][4];
+            wg_frags<T, WG_BK>(df, sc);
+            wg_begin(acc);
+            wg_acc_by_tile<T, WG_BK, D>(acc, df, ks);
+            wg_end<0>(acc);
+            wg_keep(df);
+            __syncthreads();  // every warp is done with this stage before it is filled again
+        }
     }
     const float scales[2] = {scale, scale};
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);

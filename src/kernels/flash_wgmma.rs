@@ -23,9 +23,18 @@ const DKV_QUERIES: usize = 64;
 /// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
 const ALIGN: usize = 1024;
 
-/// Key tiles of K and V the forward holds (kernels/flash_wgmma.cu's WG_FWD_SLOTS); the dq kernel's stages.
+/// Key tiles of K and V the forward holds (kernels/flash_wgmma.cu's WG_FWD_SLOTS).
 const FWD_SLOTS: usize = 5;
-const DQ_STAGES: usize = 2;
+
+/// The dq kernel's stages of K and V tiles (kernels/flash_wgmma.cu's `wg_dq_stages`): three at head dim 64,
+/// whose loop keeps the previous block's K tile for the product that overlaps the next block's dS.
+const fn dq_stages(d: usize) -> usize {
+    if d == 64 {
+        3
+    } else {
+        2
+    }
+}
 
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
 /// (slots of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and statistics;
@@ -37,7 +46,7 @@ fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES + mask;
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,
+        "bwd_dq" => ALIGN + 2 * (2 * dq_stages(d) * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dkv" => dkv,
         // and the tile of dS^T, [128 keys][64 queries]
         _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,
