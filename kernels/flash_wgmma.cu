@@ -466,6 +466,40 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     }
 }
 
+// The dk/dv kernel's stages of Q and dO tiles: three at head dim 64 without DQ, where the products dV += P^T
+// dO and dK += dS^T Q of one query block run while the next block's P and dS are computed (its tiles must
+// outlive the following block's copies); two otherwise (at 128 the previous block's P and dS fragments would
+// not fit in the registers left, and the atomic dq's products follow the step's own).
+template <int D, bool DQ> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 && !DQ ? 3 : 2; }
+
+// S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys (rows of ks, vs) against the 64 queries of tiles
+// qt and gt: issued as one group, not waited for.
+template <typename T, int D>
+__device__ __forceinline__ void wg_dkv_scores(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4], const T *ks,
+                                              const T *vs, const T *qt, const T *gt, uint32_t wg) {
+    wg_begin(sc, dp);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t part = (kk / 4) * 64, col = (kk % 4) * 16;
+        const uint64_t bq = wg_desc(qt + part * WG_DKV_BQ + col, 16), bg = wg_desc(gt + part * WG_DKV_BQ + col, 16);
+        const uint32_t rows = part * WG_DKV_BK + 64 * wg * 64 + col;
+        wgmma_ss<T, WG_DKV_BQ>(sc, wg_desc(ks + rows, 16), bq, kk > 0);
+        wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
+    }
+    wg_commit();
+}
+
+// dV += P^T dO and dK += dS^T Q (A: the fragments pf, df; B: tiles gt, qt): issued as one group.
+template <typename T, int D>
+__device__ __forceinline__ void wg_dkv_accumulate(float (&dv)[D / 8][4], float (&dk)[D / 8][4],
+                                                  const uint32_t (&pf)[WG_DKV_BQ / 16][4],
+                                                  const uint32_t (&df)[WG_DKV_BQ / 16][4], const T *gt, const T *qt) {
+    wg_begin(dv, dk);
+    wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, gt);
+    wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, qt);
+    wg_commit();
+}
+
 // The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by wg_add_dq. Grid: x = (KV head
 // bkv, part) as bkv * split + part, y = key block (so that the blocks of the first keys, which the most
 // queries see, start first); each block's dk and dv over its part of the group's query heads, unscaled,
@@ -476,13 +510,14 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
                                     const float *__restrict__ lse, const float *__restrict__ delta,
                                     float *__restrict__ parts, const uint32_t *__restrict__ spans, float *dq_acc,
                                     uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) {
+    constexpr uint32_t STAGES = wg_dkv_stages<D, DQ>();
     extern __shared__ uint32_t wg_smem[];
     T *ks = wg_aligned<T>(wg_smem);            // [WG_DKV_BK x D] keys
     T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
-    T *qs = vs + WG_DKV_BK * D;                // [2 stages][WG_DKV_BQ x D] queries
-    T *gs = qs + 2 * WG_DKV_BQ * D;            // [2 stages][WG_DKV_BQ x D] output gradients
-    float *stats = (float *)(gs + 2 * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
-    T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);          // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    T *qs = vs + WG_DKV_BK * D;                // [STAGES][WG_DKV_BQ x D] queries
+    T *gs = qs + STAGES * WG_DKV_BQ * D;       // [STAGES][WG_DKV_BQ x D] output gradients
+    float *stats = (float *)(gs + STAGES * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
+    T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);               // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
     uint32_t *mask = (uint32_t *)(dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));  // the query blocks to visit
     const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, b = bkv / kv, kvh = bkv % kv;
     const uint32_t j0 = blockIdx.y * WG_DKV_BK, j_last = min(j0 + WG_DKV_BK, s) - 1;
@@ -498,57 +533,102 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     zero_acc(dk);
     zero_acc(dv);
 
-    // Query blocks that see one of this block's keys (mask), through two stages. Step (hq, i0) computes on
-    // one stage while the next block's (hn, in) tiles come into the other (cp.async) and its statistics
-    // into registers: no step waits for a global load but its own tiles'.
+    // Query blocks that see one of this block's keys (mask). Step (hq, i0) computes on one stage while the
+    // next block's (hn, in) tiles come into another (cp.async) and its statistics into registers: no step
+    // waits for a global load but its own tiles'. Stage u's tiles: qt(u), gt(u); its statistics: slot u % 2.
+    const auto qt = [&](uint32_t u) { return qs + (u % STAGES) * WG_DKV_BQ * D; };
+    const auto gt = [&](uint32_t u) { return gs + (u % STAGES) * WG_DKV_BQ * D; };
     uint32_t i0 = 0u - WG_DKV_BQ;
     bool more = wg_next_query_block(mask, t, hq_end, hq, i0);
     if (more) {
-        wg_stage_queries<T, D>(qs, gs, q, dout, b * h + hq, i0, t);
+        wg_stage_queries<T, D>(qt(0), gt(0), q, dout, b * h + hq, i0, t);
         wg_store_stats(wg_query_stage(stats, 0), wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s));
     }
     uint32_t hn = hq, in = i0;
     bool next = more && wg_next_query_block(mask, t, hq_end, hn, in);
-    for (uint32_t st = 0; more; st ^= 1) {
-        WgQueryStats coming{1, 0, 0.f, 0.f};
-        if (next) {
-            wg_stage_queries<T, D>(qs + (st ^ 1) * WG_DKV_BQ * D, gs + (st ^ 1) * WG_DKV_BQ * D, q, dout, b * h + hn, in, t);
-            coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
+    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
+    uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+    if constexpr (STAGES == 3) {
+        // Pipelined within each warpgroup: step u issues S^T and dP^T of block u, then dV and dK of block
+        // u - 1, and computes block u's P^T and dS^T while those run. One barrier a step: it publishes block
+        // u's tiles and statistics and tells every warp that the others have retired block u - 2's
+        // products, whose stage block u + 1's copies then refill. Step 0 has no products of a block before
+        // it and a last turn issues the last block's (every product outside a branch within the loop:
+        // ptxas serialises wgmma in divergent paths).
+        if (more) {
+            WgQueryStats coming{1, 0, 0.f, 0.f};
+            cp_async_wait<0>();  // the keys, values and block 0's tiles
+            wg_publish();
+            if (next) {
+                wg_stage_queries<T, D>(qt(1), gt(1), q, dout, b * h + hn, in, t);
+                coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
+            }
+            wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(0), gt(0), wg);
+            wg_wait<0>(sc, dp);
+            const WgQueryStage x = wg_query_stage(stats, 0);
+            probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
+            wg_frags<T, WG_DKV_BQ>(pf, sc);
+            wg_frags<T, WG_DKV_BQ>(df, dp);
+            if (next) wg_store_stats(wg_query_stage(stats, 1), coming);
+            more = next;
+            next = more && wg_next_query_block(mask, t, hq_end, hn, in);
+            uint32_t u = 1;
+            for (; more; ++u) {
+                coming = WgQueryStats{1, 0, 0.f, 0.f};
+                cp_async_wait<0>();  // block u's copies
+                wg_publish();
+                if (next) {
+                    wg_stage_queries<T, D>(qt(u + 1), gt(u + 1), q, dout, b * h + hn, in, t);
+                    coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
+                }
+                wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(u), gt(u), wg);
+                wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(u - 1), qt(u - 1));
+                wg_wait<1>(sc, dp);
+                const WgQueryStage y = wg_query_stage(stats, u % 2);
+                probs_t<WG_DKV_BQ>(sc, dp, y.los, y.his, y.rls, y.rds, j0 + m0, scale);
+                wg_wait<0>(dv, dk);
+                wg_keep(pf);
+                wg_keep(df);
+                wg_frags<T, WG_DKV_BQ>(pf, sc);
+                wg_frags<T, WG_DKV_BQ>(df, dp);
+                if (next) wg_store_stats(wg_query_stage(stats, (u + 1) % 2), coming);
+                more = next;
+                next = more && wg_next_query_block(mask, t, hq_end, hn, in);
+            }
+            wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(u - 1), qt(u - 1));
+            wg_wait<0>(dv, dk);
+            wg_keep(pf);
+            wg_keep(df);
         }
-        wg_publish();
-        const T *qt = qs + st * WG_DKV_BQ * D, *gt = gs + st * WG_DKV_BQ * D;
-        // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
-        float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
-        wg_begin(sc, dp);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            const uint32_t part = (kk / 4) * 64, col = (kk % 4) * 16;
-            const uint64_t bq = wg_desc(qt + part * WG_DKV_BQ + col, 16), bg = wg_desc(gt + part * WG_DKV_BQ + col, 16);
-            const uint32_t rows = part * WG_DKV_BK + 64 * wg * 64 + col;
-            wgmma_ss<T, WG_DKV_BQ>(sc, wg_desc(ks + rows, 16), bq, kk > 0);
-            wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
+    } else {
+        for (uint32_t st = 0; more; st ^= 1) {
+            WgQueryStats coming{1, 0, 0.f, 0.f};
+            if (next) {
+                wg_stage_queries<T, D>(qt(st ^ 1), gt(st ^ 1), q, dout, b * h + hn, in, t);
+                coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            wg_publish();
+            // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
+            wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(st), gt(st), wg);
+            wg_wait<0>(sc, dp);
+            const WgQueryStage x = wg_query_stage(stats, st);
+            probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
+            wg_frags<T, WG_DKV_BQ>(pf, sc);
+            wg_frags<T, WG_DKV_BQ>(df, dp);
+            wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(st), qt(st));
+            wg_wait<0>(dv, dk);
+            wg_keep(pf);
+            wg_keep(df);
+            if (DQ) wg_add_dq<T, D>(dq_acc + (size_t)(b * h + hq) * t * D, dss, dp, ks, i0, t);
+            // The next stage's statistics, read since the step began; the barrier publishes them.
+            if (next) wg_store_stats(wg_query_stage(stats, st ^ 1), coming);
+            __syncthreads();  // every warp is done with this stage before it is filled again
+            hq = hn, i0 = in, more = next;
+            next = more && wg_next_query_block(mask, t, hq_end, hn, in);
         }
-        wg_end<0>(sc, dp);
-        const WgQueryStage x = wg_query_stage(stats, st);
-        probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
-        uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
-        wg_frags<T, WG_DKV_BQ>(pf, sc);
-        wg_frags<T, WG_DKV_BQ>(df, dp);
-        wg_begin(dv, dk);
-        wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, gt);
-        wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, qt);
-        wg_end<0>(dv, dk);
-        wg_keep(pf);
-        wg_keep(df);
-        if (DQ) wg_add_dq<T, D>(dq_acc + (size_t)(b * h + hq) * t * D, dss, dp, ks, i0, t);
-        // The next stage's statistics, read since the step began; the barrier publishes them.
-        if (next) wg_store_stats(wg_query_stage(stats, st ^ 1), coming);
-        __syncthreads();  // every warp is done with this stage before it is filled again
-        hq = hn, i0 = in, more = next;
-        next = more && wg_next_query_block(mask, t, hq_end, hn, in);
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
     const size_t nk = (size_t)(gridDim.x / split) * s * D;

@@ -36,20 +36,32 @@ const fn dq_stages(d: usize) -> usize {
     }
 }
 
+/// The dk/dv kernel's stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): three at head
+/// dim 64 without dq by atomics, whose loop keeps the previous block's tiles for the products that overlap
+/// the next block's P and dS.
+const fn dkv_stages(d: usize, atomic_dq: bool) -> usize {
+    if d == 64 && !atomic_dq {
+        3
+    } else {
+        2
+    }
+}
+
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
-/// (slots of K and V; or K and V, then two stages of Q and dO), then the rows' key ranges and statistics;
+/// (slots of K and V; or K and V, then the stages of Q and dO), then the rows' key ranges and statistics;
 /// the dk/dv kernels end with the bitmask of the query blocks that see their keys (a bit per block of
 /// `DKV_QUERIES` queries, in 32-bit words).
 fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     let d = dims.d;
     let mask = 4 * dims.t.div_ceil(DKV_QUERIES).div_ceil(32);
-    let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 4 * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES + mask;
+    let dkv =
+        |stages: usize| ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES + mask;
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dq" => ALIGN + 2 * (2 * dq_stages(d) * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dkv" => dkv,
+        "bwd_dkv" => dkv(dkv_stages(d, false)),
         // and the tile of dS^T, [128 keys][64 queries]
-        _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,
+        _ => dkv(dkv_stages(d, true)) + 2 * DKV_KEYS * DKV_QUERIES,
     }
 }
 
