@@ -350,9 +350,10 @@ impl candle_core::CustomOp1 for HostCast {
 }
 
 /// A fresh optimiser state in host memory, `[rows, n]` f32: the parameter's `n` values (f32, bf16 or f16)
-/// in row 0, converted by all the host's threads, and zeros below (pages the first update writes). The
-/// composite (a conversion, two zero tensors and a stack, each on one thread) took 23 s for 0.7 B
-/// parameters on two cores, most of the seed's 7B benchmark's start.
+/// in row 0 and zeros below, every element written by all the host's threads (so that its pages are
+/// mapped here, in parallel, rather than by the first update). The composite (a conversion, two zero
+/// tensors and a stack, each on one thread) grew with the parameters on one thread: 22-28 s of setup
+/// against 12-13 s for 0.7 B parameters on two cores (benches/results/host-state-cpu-2026-11-27.txt).
 struct HostState(usize);
 
 impl candle_core::CustomOp1 for HostState {
@@ -367,21 +368,23 @@ impl candle_core::CustomOp1 for HostState {
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
         use candle_core::CpuStorage as S;
         let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("host-state takes contiguous values") };
-        let mut state = vec![0f32; self.0.max(1) * (b - a)];
-        fn fill<T: Copy + Sync>(dst: &mut [f32], src: &[T], f: fn(T) -> f32) {
-            const BLOCK: usize = 1 << 16;
-            dst.par_chunks_mut(BLOCK).zip(src.par_chunks(BLOCK)).for_each(|(d, s)| {
-                d.iter_mut().zip(s).for_each(|(d, &s)| *d = f(s));
-            });
+        let rows = self.0.max(1);
+        fn state<T: Copy + Sync>(src: &[T], rows: usize, f: fn(T) -> f32) -> Vec<f32> {
+            let n = src.len();
+            let mut out = Vec::with_capacity(rows * n);
+            out.par_extend((0..rows * n).into_par_iter().with_min_len(1 << 16).map(|i| match src.get(i) {
+                Some(&x) => f(x),
+                None => 0.0,
+            }));
+            out
         }
-        let row = &mut state[..b - a];
-        match s {
-            S::F32(v) => fill(row, &v[a..b], |x| x),
-            S::BF16(v) => fill(row, &v[a..b], half::bf16::to_f32),
-            S::F16(v) => fill(row, &v[a..b], half::f16::to_f32),
+        let out = match s {
+            S::F32(v) => state(&v[a..b], rows, |x| x),
+            S::BF16(v) => state(&v[a..b], rows, half::bf16::to_f32),
+            S::F16(v) => state(&v[a..b], rows, half::f16::to_f32),
             _ => candle_core::bail!("host-state takes f32, bf16 or f16 values"),
-        }
-        Ok((S::F32(state), candle_core::Shape::from((self.0.max(1), b - a))))
+        };
+        Ok((S::F32(out), candle_core::Shape::from((rows, b - a))))
     }
 }
 
