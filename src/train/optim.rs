@@ -134,8 +134,9 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
 
 /// Global L2 norm of all gradients: each tensor's sum of squares reduced on its device in one read
 /// ([`kernels::sum_squares`], f32), the sums stacked and read to the host at once (one host sync per
-/// step, whatever the number of tensors), and added there in f64. The clip factor ([`clip_scale`]) and the bad-step check (a NaN or
-/// infinite gradient anywhere gives a non-finite norm) come from this one read.
+/// step, whatever the number of tensors), and added there in f64. The clip factor ([`clip_scale`]) and
+/// the bad-step check (a NaN or infinite gradient anywhere gives a non-finite norm) come from this one
+/// read.
 pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
     let sums: Vec<Tensor> =
         grads.grads.iter().flatten().map(kernels::sum_squares).collect::<candle_core::Result<_>>()?;
