@@ -394,7 +394,12 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
     gemm(o, "q, k, v projections", n_tokens, h, kv, d, 2.0);
     gemm(o, "o projection", n_tokens, q, h, d, 1.0);
     gemm(o, "MLP gate and up", n_tokens, h, i, d, 2.0);
-    gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
+    // A recomputed layer's down projection has no product, its output unread (`unread_matmul`), but where
+    // it has a LoRA adapter (the model's LoRA adapts every projection).
+    let unread_down = pass == Pass::Recompute && lora_rank == 0 && o.counts.unread_down;
+    if !unread_down {
+        gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
+    }
     if lora_rank > 0 && pass != Pass::Reference {
         // x A^T then (x A) B^T of every projection, in f32, and their backward (both gradients); the
         // reference is the base model (adapters off).
@@ -417,7 +422,8 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
         (2.0 * 2.0 * h + 2.0 * h, 2.0),    // two RMSNorms: read x and the weight row, write
         (2.0 * (2.0 * q + 2.0 * kv), 4.0), // head transposes of q, k, v into attention and o out
         (2.0 * (q + kv), 2.0),             // rope on q and k
-        (2.0 * 3.0 * h, 2.0),              // two residual adds
+        // two residual adds (the second not recomputed with an unread down projection)
+        if unread_down { (3.0 * h, 1.0) } else { (2.0 * 3.0 * h, 2.0) },
         (2.0 * i + i + 3.0 * i, 2.0),      // silu(gate), then silu * up
     ];
     if m.qkv_bias {
@@ -1183,9 +1189,10 @@ mod tests {
         let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
         // The head's backward recomputes the logits: 8 flops per lm_head parameter per scored token.
         assert_eq!(dense, 6.0 * 3.0 * layer * tokens + 8.0 * lm_head * tokens);
-        // Checkpointing recomputes the layers' forward (2 flops per matrix parameter per token), not the head.
+        // Checkpointing recomputes the layers' forward (2 flops per matrix parameter per token) but for the
+        // MLP down projection, whose output is unread (8 x 16), not the head.
         let ckpt = step_costs(&m, &StepShape { checkpoint_layers: true, ..s }, &H100_SXM);
-        assert_eq!(flops(&ckpt, |o| o.kind == OpKind::Gemm), dense + 2.0 * 3.0 * layer * tokens);
+        assert_eq!(flops(&ckpt, |o| o.kind == OpKind::Gemm), dense + 2.0 * 3.0 * (layer - 128.0) * tokens);
         // A reference forward adds one forward of everything; only 10 scored tokens shrink the head.
         let reference = step_costs(&m, &StepShape { reference_forward: true, ..s }, &H100_SXM);
         assert_eq!(flops(&reference, |o| o.kind == OpKind::Gemm), dense + 2.0 * (3.0 * layer + lm_head) * tokens);
@@ -1349,12 +1356,14 @@ mod tests {
             ..shape(1, 1, 1)
         };
         let ops = step_costs(&m, &s, &H100_SXM);
-        // Dense GEMMs: 8 flops per matrix parameter per token with recomputation (the head: 8 per scored).
+        // Dense GEMMs: 8 flops per matrix parameter per token with recomputation, 6 for the MLP down
+        // projection's, whose recomputed output is unread (the head: 8 per scored).
         let p = m.num_parameters() as f64;
         let embed = (m.vocab_size * m.hidden_size) as f64;
         let layers = p - 2.0 * embed;
+        let down = (m.num_layers * m.intermediate_size * m.hidden_size) as f64;
         let tokens = 256.0 * 18432.0;
-        let expected = 8.0 * layers * tokens + 8.0 * embed * 256.0 * 16384.0;
+        let expected = (8.0 * layers - 2.0 * down) * tokens + 8.0 * embed * 256.0 * 16384.0;
         let dense = flops(&ops, |o| o.kind == OpKind::Gemm);
         assert!((dense / expected - 1.0).abs() < 1e-3, "{dense:e} vs {expected:e}");
         // Attention: the causal half of 4 T^2 hd heads per layer forward, x 3.5 for the backward plus 1

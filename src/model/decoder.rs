@@ -5,14 +5,14 @@
 //! - detached: the same forward with no graph (the frozen reference, old-policy log-probs);
 //! - generation: incremental forward with a KV cache over a batch of left-padded prompts.
 
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{DType, Device, Tensor, Var, D};
 
 use super::config::{ModelConfig, RopeScaling};
 use super::lora::{self, LoraOptions};
 use crate::kernels::{
     embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy,
     masked_softmax, masked_softmax_reference, matrix_attention, rms_norm as fused_rms_norm, rms_norm_reference,
-    rope_reference, swiglu_reference, AttentionRecord, GpuKernels, Replay,
+    rope_reference, swiglu_reference, unread_matmul, AttentionRecord, GpuKernels, Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
@@ -1028,16 +1028,43 @@ impl Decoder {
     /// A layer's second half: `x` plus the MLP of its normalised input.
     fn mlp_block(&self, l: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::phase("mlp");
+        let act = self.mlp_activation(l, x, mode)?;
+        let mlp = self.project(l, DOWN, &act, mode)?;
+        x + mlp
+    }
+
+    /// The MLP's `silu(gate) * up` on the post-attention norm of `x`: what its down projection reads.
+    fn mlp_activation(&self, l: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let li = self.layers[l];
         let norm = crate::profile::phase("norm");
         let h = rms_norm(x, &self.w(li.ln_post, mode.graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         drop(norm);
         let gate = self.project(l, GATE, &h, mode)?;
         let up = self.project(l, UP, &h, mode)?;
-        let act =
-            if self.options.fused_ops { crate::kernels::swiglu(&gate, &up)? } else { swiglu_reference(&gate, &up)? };
-        let mlp = self.project(l, DOWN, &act, mode)?;
-        x + mlp
+        if self.options.fused_ops {
+            crate::kernels::swiglu(&gate, &up)
+        } else {
+            swiglu_reference(&gate, &up)
+        }
+    }
+
+    /// Projection `m` of layer `l` on `x` (`[.., in]`) for a backward that never reads its values: as
+    /// `[rows, out]` zeros carrying the product's backward ([`unread_matmul`]) and its bias, where it has
+    /// no LoRA adapter; an adapted projection is computed as [`Decoder::project`] does.
+    fn unread_projection(&self, l: usize, m: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
+        let li = &self.layers[l];
+        if li.adapters[m].is_some() && self.lora.is_some() {
+            return self.project(l, m, x, mode);
+        }
+        let (w, bias) = li.projection(m);
+        let frozen = matches!(self.params[w], Param::Frozen(_));
+        let inner = x.dim(D::Minus1)?;
+        let x = x.reshape((x.elem_count() / inner.max(1), inner))?;
+        let y = unread_matmul(&x, &self.w(w, mode.graph), frozen)?;
+        match self.wo(bias, mode.graph) {
+            Some(b) => y.broadcast_add(&b),
+            None => Ok(y),
+        }
     }
 
     fn embed(&self, tokens: &[Vec<u32>], graph: bool) -> candle_core::Result<Tensor> {
@@ -1273,14 +1300,21 @@ impl Decoder {
         let xin = Var::from_tensor(input)?;
         let mid = self.attention_block(l, xin.as_tensor(), rope, ranges, state, mode)?;
         let mid_in = Var::from_tensor(&mid.detach())?;
-        let y = self.mlp_block(l, mid_in.as_tensor(), mode)?;
+        // The layer's output `mid + down(act)` is not recomputed: its backward reads neither it nor the
+        // down projection's output, so that projection is recorded without its GEMM and the residual's
+        // gradient added below.
+        let down = {
+            let _mlp = crate::profile::phase("mlp");
+            let act = self.mlp_activation(l, mid_in.as_tensor(), mode)?;
+            self.unread_projection(l, DOWN, &act, mode)?
+        };
         drop(recompute);
         let g_mid = {
             // The MLP's graph and gradients are released before the attention's backward.
             let _mlp = crate::profile::phase("mlp");
-            let store = y.backward_from(g)?;
+            let store = down.backward_from(&g.reshape(down.shape())?)?;
             self.collect(&store, grads)?;
-            grad_of(&store, &mid_in)?
+            (grad_of(&store, &mid_in)? + g)?
         };
         let _attention = crate::profile::phase("attention");
         let store = mid.backward_from(&g_mid)?;
@@ -1642,6 +1676,37 @@ mod tests {
         let copy = m.frozen_copy().unwrap();
         assert_eq!(values(&copy.token_logprobs(&b, &t, false).unwrap()), adapted);
         assert!(copy.vars().is_empty());
+    }
+
+    /// The recomputed layers' backward (its MLP down projection recorded without its GEMM: `unread_matmul`)
+    /// gives the whole graph's gradients bit for bit: a Llama MLP with biases, Qwen3's, and LoRA with the
+    /// down projection frozen (no adapter) and adapted.
+    #[test]
+    fn recomputed_layers_give_the_whole_graphs_gradients_bit_for_bit() {
+        let mut llama = tiny(Arch::Llama, false, true);
+        llama.cfg.mlp_bias = true;
+        let mut biased = random_decoder(llama.cfg.clone(), 3, DType::F32, &Device::Cpu, true).unwrap();
+        biased.options = llama.options.clone();
+        assert!(biased.trainable_names().iter().any(|n| n.ends_with("mlp.down_proj.bias")));
+        let models = [
+            biased,
+            tiny(Arch::Qwen3, false, true),
+            tiny_lora(Arch::Qwen2, &["q_proj", "up_proj"]),
+            tiny_lora(Arch::Qwen2, &["v_proj", "down_proj"]),
+        ];
+        let (b, t) = batch();
+        for (k, mut m) in models.into_iter().enumerate() {
+            m.options.checkpoint_layers = false;
+            let (l1, g1) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            m.options.checkpoint_layers = true;
+            let (l2, g2) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            assert_eq!(l1, l2, "model {k}");
+            for (name, (a, c)) in m.trainable_names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
+                let (a, c) = (values(a.as_ref().unwrap()), values(c.as_ref().unwrap()));
+                assert!(a.iter().any(|&x| x != 0.0), "model {k} {name}: zero gradient");
+                assert_eq!(a, c, "model {k} {name}");
+            }
+        }
     }
 
     #[test]
