@@ -164,7 +164,7 @@ __device__ void flash_mma_fwd(const T *__restrict__ q, const T *__restrict__ k, 
         mma_acc_by_tile<T, FWD_BK, D>(o, sc, vs, ld);
         __syncthreads();  // every warp is done with this stage before it is filled again
     }
-    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
+    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t, scale);
 }
 
 template <typename T, int D>

@@ -150,33 +150,70 @@ __device__ __forceinline__ QueryRows query_rows(const uint32_t *los, const uint3
     return x;
 }
 
-// One key block's step of the online softmax over this thread's rows (scores s of keys j0 + 8 n + 2 c +
-// i % 2, in the accumulators' layout): s masked to each row's keys and scaled, the running max m and sum
-// l updated, s turned into P = exp(s - m); alpha = exp(m_old - m_new), the factor the output
-// accumulators take (rescale_rows) before P's product is added.
-template <int KB>
-__device__ __forceinline__ void softmax_step(float (&s)[KB / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
-                                             const QueryRows &x, uint32_t j0, float scale) {
+// log2(e). The exponentials of the softmax are 2^x of scores times scale log2(e), less the row's
+// maximum (or log-sum-exp) in the same units: one FFMA and one MUFU.EX2 per score, where expf(scale s -
+// m) is a multiply, a subtraction and expf's range reduction around its MUFU.EX2 (about 8 instructions).
+#define FLASH_LOG2E 1.4426950408889634f
+
+// 2^x by the multifunction unit (ex2.approx.ftz: relative error below 2^-22, results under 2^-126
+// flushed to 0; 2^-inf = 0).
+__device__ __forceinline__ float flash_exp2(float x) {
+#ifdef GRPO_CUDA_EMU
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// Whether every lane of the warp has keys j0.. j0 + KB - 1 in both its rows' ranges: the step needs no
+// mask (one vote in place of two compares and a select per score). Warp-uniform.
+template <int KB> __device__ __forceinline__ bool rows_see_all(const QueryRows &x, uint32_t j0) {
+    const uint32_t j1 = j0 + KB - 1;
+    return __all_sync(0xffffffffu, x.lo[0] <= j0 && j1 <= x.hi[0] && x.lo[1] <= j0 && j1 <= x.hi[1]);
+}
+
+// The scores s of keys j0 + 8 n + 2 c + i % 2 outside each row's range set to -inf (with MASK), and each
+// row's maximum.
+template <int KB, bool MASK>
+__device__ __forceinline__ void masked_max(float (&s)[KB / 8][4], float (&mx)[2], const QueryRows &x, uint32_t j0) {
     const uint32_t c = threadIdx.x % 4;
-    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int n = 0; n < KB / 8; ++n)
         for (int i = 0; i < 4; ++i) {
             const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-            s[n][i] = (j >= x.lo[r] && j <= x.hi[r]) ? scale * s[n][i] : -INFINITY;
+            if (MASK) s[n][i] = (j >= x.lo[r] && j <= x.hi[r]) ? s[n][i] : -INFINITY;
             mx[r] = fmaxf(mx[r], s[n][i]);
         }
+}
+
+// One key block's step of the online softmax over this thread's rows (scores s of keys j0 + 8 n + 2 c +
+// i % 2, in the accumulators' layout, unscaled): s masked to each row's keys, the running max m (of the
+// unscaled scores: scale > 0) and sum l updated, s turned into P = exp(scale (s - m)); alpha =
+// exp(scale (m_old - m_new)), the factor the output accumulators take (rescale_rows) before P's product
+// is added.
+template <int KB>
+__device__ __forceinline__ void softmax_step(float (&s)[KB / 8][4], float (&m)[2], float (&l)[2], float (&alpha)[2],
+                                             const QueryRows &x, uint32_t j0, float scale) {
+    const float c2 = scale * FLASH_LOG2E;
+    float mx[2] = {-INFINITY, -INFINITY};
+    if (rows_see_all<KB>(x, j0)) {
+        masked_max<KB, false>(s, mx, x, j0);
+    } else {
+        masked_max<KB, true>(s, mx, x, j0);
+    }
     float base[2], sum[2] = {0.f, 0.f};
     for (int r = 0; r < 2; ++r) {
         const float m_new = fmaxf(m[r], quad_max(mx[r]));
-        base[r] = m_new == -INFINITY ? 0.f : m_new;
-        alpha[r] = expf(m[r] - base[r]);
+        base[r] = m_new == -INFINITY ? 0.f : m_new * c2;
+        alpha[r] = flash_exp2(fmaf(m[r], c2, -base[r]));
         m[r] = m_new;
     }
 #pragma unroll
     for (int n = 0; n < KB / 8; ++n)
         for (int i = 0; i < 4; ++i) {
-            s[n][i] = expf(s[n][i] - base[i / 2]);
+            s[n][i] = flash_exp2(fmaf(s[n][i], c2, -base[i / 2]));
             sum[i / 2] += s[n][i];
         }
     for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
@@ -199,31 +236,45 @@ __device__ __forceinline__ void online_softmax(float (&s)[KB / 8][4], float (&o)
 }
 
 // The forward's end for this thread's rows: o / l to rows i0 + m0 + g (+ 8) of out ([t, D] of one head)
-// and their log-sum-exp m + log l (-inf when a row sees no key) to lse.
+// and their log-sum-exp scale m + log l (m: softmax_step's unscaled maximum; -inf when a row sees no key)
+// to lse.
 template <typename T, int D>
 __device__ __forceinline__ void store_forward(T *out, float *lse, const float (&o)[D / 8][4], const float (&m)[2],
-                                              const float (&l)[2], uint32_t row0, uint32_t t) {
+                                              const float (&l)[2], uint32_t row0, uint32_t t, float scale) {
     const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
     const float inv[2] = {l[0] > 0.f ? 1.f / l[0] : 0.f, l[1] > 0.f ? 1.f / l[1] : 0.f};
     store_acc<T, D>(out, o, inv, row0, t);
     for (int r = 0; r < 2; ++r) {
         const uint32_t i = row0 + g + 8 * r;
-        if (i < t && c == 0) lse[i] = l[r] > 0.f ? m[r] + logf(l[r]) : -INFINITY;
+        if (i < t && c == 0) lse[i] = l[r] > 0.f ? scale * m[r] + logf(l[r]) : -INFINITY;
     }
 }
 
-// dS = P (dP - delta) in s, P = exp(scale S - L) on each row's keys (keys j0 + 8 n + 2 c + i % 2).
-template <int KB>
-__device__ __forceinline__ void score_grads(float (&s)[KB / 8][4], const float (&dp)[KB / 8][4], const QueryRows &x,
-                                            uint32_t j0, float scale) {
+// dS = P (dP - delta) in s, P = exp(scale S - L) on each row's keys (keys j0 + 8 n + 2 c + i % 2;
+// MASK: some are outside a row's range).
+template <int KB, bool MASK>
+__device__ __forceinline__ void score_grads_of(float (&s)[KB / 8][4], const float (&dp)[KB / 8][4],
+                                               const QueryRows &x, uint32_t j0, float scale) {
     const uint32_t c = threadIdx.x % 4;
+    const float c2 = scale * FLASH_LOG2E, l2[2] = {x.lse[0] * FLASH_LOG2E, x.lse[1] * FLASH_LOG2E};
 #pragma unroll
     for (int n = 0; n < KB / 8; ++n)
         for (int i = 0; i < 4; ++i) {
             const uint32_t j = j0 + 8 * n + 2 * c + i % 2, r = i / 2;
-            const float p = (j >= x.lo[r] && j <= x.hi[r]) ? expf(scale * s[n][i] - x.lse[r]) : 0.f;
+            float p = flash_exp2(fmaf(s[n][i], c2, -l2[r]));
+            if (MASK) p = (j >= x.lo[r] && j <= x.hi[r]) ? p : 0.f;
             s[n][i] = p * (dp[n][i] - x.delta[r]);
         }
+}
+
+template <int KB>
+__device__ __forceinline__ void score_grads(float (&s)[KB / 8][4], const float (&dp)[KB / 8][4], const QueryRows &x,
+                                            uint32_t j0, float scale) {
+    if (rows_see_all<KB>(x, j0)) {
+        score_grads_of<KB, false>(s, dp, x, j0, scale);
+    } else {
+        score_grads_of<KB, true>(s, dp, x, j0, scale);
+    }
 }
 
 // dk and dv of this thread's keys j0 + g (+ 8) (its warp's 16 from j0) into `part`, one block's share of
@@ -257,18 +308,42 @@ __device__ __forceinline__ void dkv_heads(uint32_t kvh, uint32_t group, uint32_t
 }
 
 // P^T and dS^T of a dk/dv kernel (rows: this thread's keys j + g (+ 8); columns: queries 8 n + 2 c + i % 2
-// of a step whose key ranges, log-sum-exp and delta are los, his, lse, delta) from S^T in s and dP^T in dp.
-template <int BQ>
-__device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
-                                        const uint32_t *his, const float *lse, const float *delta, uint32_t j,
-                                        float scale) {
+// of a step whose key ranges, log-sum-exp and delta are los, his, lse, delta) from S^T in s and dP^T in dp
+// (MASK: some keys are outside a query's range).
+template <int BQ, bool MASK>
+__device__ __forceinline__ void probs_t_of(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
+                                           const uint32_t *his, const float *lse, const float *delta, uint32_t j,
+                                           float scale) {
     const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+    const float c2 = scale * FLASH_LOG2E;
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n)
         for (int i = 0; i < 4; ++i) {
             const uint32_t key = j + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
-            const float p = (key >= los[r] && key <= his[r]) ? expf(scale * s[n][i] - lse[r]) : 0.f;
+            float p = flash_exp2(fmaf(s[n][i], c2, -lse[r] * FLASH_LOG2E));
+            if (MASK) p = (key >= los[r] && key <= his[r]) ? p : 0.f;
             s[n][i] = p;
             dp[n][i] = p * (dp[n][i] - delta[r]);
         }
+}
+
+// probs_t_of, without the mask where every lane's two keys are in the ranges of all its queries (one
+// check per query column rather than two per score). A query that sees no key (lo > hi) is never inside.
+template <int BQ>
+__device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
+                                        const uint32_t *his, const float *lse, const float *delta, uint32_t j,
+                                        float scale) {
+    const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4, key0 = j + g, key1 = key0 + 8;
+    bool inside = true;
+#pragma unroll
+    for (int n = 0; n < BQ / 8; ++n)
+        for (int q = 0; q < 2; ++q) {
+            const uint32_t r = 8 * n + 2 * c + q;
+            inside &= (los[r] <= key0) & (key1 <= his[r]);
+        }
+    if (__all_sync(0xffffffffu, inside)) {
+        probs_t_of<BQ, false>(s, dp, los, his, lse, delta, j, scale);
+    } else {
+        probs_t_of<BQ, true>(s, dp, los, his, lse, delta, j, scale);
+    }
 }

@@ -239,7 +239,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         wg_wait<0>(o);
         wg_keep(pf);
     }
-    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t);
+    store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t, scale);
 }
 
 // The dq kernel's stages of K and V tiles: three at head dim 64, where the product dQ += dS_{j-1} K_{j-1}

@@ -424,7 +424,7 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
         (2.0 * (q + kv), 2.0),             // rope on q and k
         // two residual adds (the second not recomputed with an unread down projection)
         if unread_down { (3.0 * h, 1.0) } else { (2.0 * 3.0 * h, 2.0) },
-        (2.0 * i + i + 3.0 * i, 2.0),      // silu(gate), then silu * up
+        (2.0 * i + i + 3.0 * i, 2.0), // silu(gate), then silu * up
     ];
     if m.qkv_bias {
         ew.push((2.0 * (q + 2.0 * kv), 3.0));

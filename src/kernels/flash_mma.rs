@@ -112,6 +112,7 @@ impl KernelFile {
         atomic_dq: bool,
         split: usize,
     ) -> Result<Plan> {
+        positive(scale)?;
         let (nq, nk) = (dims.q_len(), dims.kv_len());
         let mut p = Plan::default();
         let (inputs, grads) = backward_buffers(&mut p, dtype, &dims);
@@ -158,6 +159,7 @@ impl KernelFile {
 
     /// The forward over inputs `(q, k, v, ranges)` of `dtype`; outputs `(L, o)`.
     pub fn forward_plan(&self, dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
+        positive(scale)?;
         let mut p = Plan::default();
         let mut args = forward_buffers(&mut p, dtype, &dims);
         args.extend(sizes(&dims, scale));
@@ -187,6 +189,15 @@ fn dkv_sum(dtype: DType, nk: usize, mut args: Vec<Arg>, scale: f32) -> Result<La
         shared_bytes: 0,
         args,
     })
+}
+
+/// The kernels' softmax keeps each row's maximum of the unscaled scores (kernels/flash_rows.cuh's
+/// softmax_step): the maximum of the scaled ones only for a positive scale.
+fn positive(scale: f32) -> Result<()> {
+    if !(scale > 0.0 && scale.is_finite()) {
+        candle_core::bail!("flash attention on the tensor cores takes a positive softmax scale, not {scale}");
+    }
+    Ok(())
 }
 
 /// The sizes every kernel takes after its pointers, and the scale: h, kv, t, s, scale.
@@ -237,4 +248,23 @@ pub(crate) fn backward_plan(dtype: DType, dims: Dims, scale: f32) -> Result<Plan
 /// (the spans, the accumulator and dk/dv's partial sums: [`KernelFile::backward_plan_split`]).
 pub(crate) fn backward_plan_atomic(dtype: DType, dims: Dims, scale: f32) -> Result<Plan> {
     MMA.backward_plan_atomic(dtype, dims, scale)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kernels keep the unscaled scores' maximum: a scale that is not positive is refused, by the
+    /// forward's and both backwards' plans.
+    #[test]
+    fn the_plans_take_only_a_positive_scale() {
+        let dims = Dims { b: 1, h: 2, kv: 1, t: 64, s: 64, d: 64 };
+        for scale in [0.125, 0.0, -0.125, f32::NAN, f32::INFINITY] {
+            let ok = scale > 0.0 && scale.is_finite();
+            for plan in [forward_plan(DType::BF16, dims, scale), backward_plan(DType::BF16, dims, scale)] {
+                assert_eq!(plan.is_ok(), ok, "scale {scale}");
+            }
+            assert_eq!(backward_plan_atomic(DType::BF16, dims, scale).is_ok(), ok, "scale {scale}");
+        }
+    }
 }

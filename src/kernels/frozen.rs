@@ -122,13 +122,17 @@ mod tests {
         let dev = Device::Cpu;
         for dtype in [candle_core::DType::F32, candle_core::DType::BF16] {
             let values = |n: usize, k: f32| (0..n).map(|i| (i as f32 * k).sin()).collect::<Vec<f32>>();
-            let x = Var::from_tensor(&Tensor::from_vec(values(15, 0.37), (5, 3), &dev).unwrap().to_dtype(dtype).unwrap())
-                .unwrap();
-            let w = Var::from_tensor(&Tensor::from_vec(values(12, 0.71), (4, 3), &dev).unwrap().to_dtype(dtype).unwrap())
-                .unwrap();
+            let x =
+                Var::from_tensor(&Tensor::from_vec(values(15, 0.37), (5, 3), &dev).unwrap().to_dtype(dtype).unwrap())
+                    .unwrap();
+            let w =
+                Var::from_tensor(&Tensor::from_vec(values(12, 0.71), (4, 3), &dev).unwrap().to_dtype(dtype).unwrap())
+                    .unwrap();
             let g = Tensor::from_vec(values(20, 1.3), (5, 4), &dev).unwrap().to_dtype(dtype).unwrap();
             let want = x.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap().backward_from(&g).unwrap();
-            let bits = |t: &Tensor| t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let bits = |t: &Tensor| {
+                t.to_dtype(candle_core::DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
             for frozen in [false, true] {
                 let y = unread_matmul(x.as_tensor(), w.as_tensor(), frozen).unwrap();
                 assert_eq!(y.dims(), [5, 4]);

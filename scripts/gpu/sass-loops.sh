@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Instructions per block step of the attention kernels, before and after a change, without a GPU: each
+# kernel's main loop (one key or query block's step) in the SASS that ptxas compiles from kernels/, for a
+# git revision (BEFORE, default HEAD) and for the working tree, the latter twice more with its steps'
+# mask test forced each way (kernels/flash_rows.cuh: rows_see_all and probs_t's vote): `masked` (a
+# diagonal block's step, the mask applied) and `inside` (a step every row sees whole, the mask skipped).
+# A static count (scripts/gpu/sass_loops.py), not a timing: where a step is bound by issuing instructions
+# rather than by the tensor cores, fewer instructions per step is time.
+#
+#   source ../shared/scripts/cuda-toolchain.sh; scripts/gpu/sass-loops.sh
+#
+# env: BEFORE (git revision), NVDISASM (default: on PATH, else installed from the nvidia-cuda-nvdisasm
+# wheel into $GRPO_CUDA_DIR), KEEP (a folder to keep the listings in).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+BEFORE=${BEFORE:-HEAD}
+NVCC=${CUDA_HOME:+$CUDA_HOME/bin/}nvcc
+PTXAS=${CUDA_HOME:+$CUDA_HOME/bin/}ptxas
+if [ -z "${NVDISASM:-}" ]; then
+    NVDISASM=$(command -v nvdisasm || true)
+    dir=${GRPO_CUDA_DIR:-$HOME/.cache/grpo-cuda13}/nvdisasm
+    if [ -z "$NVDISASM" ]; then
+        [ -x "$dir/nvidia/cu13/bin/nvdisasm" ] || python3 -m pip install -q --no-deps --target "$dir" nvidia-cuda-nvdisasm
+        NVDISASM=$dir/nvidia/cu13/bin/nvdisasm
+        chmod +x "$NVDISASM"
+    fi
+fi
+work=${KEEP:-$(mktemp -d)}
+mkdir -p "$work"
+[ -n "${KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/before" "$work/masked" "$work/inside" "$work/after"
+git archive "$BEFORE" kernels | tar -x -C "$work/before"
+for v in after masked inside; do cp -r kernels "$work/$v/"; done
+sed -i 's/if (rows_see_all<KB>(x, j0))/if (false)/; s/if (__all_sync(0xffffffffu, inside))/if (false)/' \
+    "$work/masked/kernels/flash_rows.cuh"
+sed -i 's/if (rows_see_all<KB>(x, j0))/if (true)/; s/if (__all_sync(0xffffffffu, inside))/if (true)/' \
+    "$work/inside/kernels/flash_rows.cuh"
+for v in before after masked inside; do
+    for f in flash_wgmma:90a flash_mma:80; do
+        name=${f%%:*} arch=${f##*:}
+        "$NVCC" --ptx -O3 -std=c++17 -arch=compute_$arch -o "$work/$v/$name.ptx" "$work/$v/kernels/$name.cu" 2>/dev/null
+        "$PTXAS" -arch=sm_$arch -o "$work/$v/$name.cubin" "$work/$v/$name.ptx"
+        "$NVDISASM" "$work/$v/$name.cubin" >"$work/$v/$name.sass"
+    done
+done
+echo "# instructions in each kernel's main loop (one block's step): $BEFORE ($(git rev-parse --short "$BEFORE")), then this tree"
+echo "# ($(git describe --always --dirty)); masked / inside: its steps' mask forced on / off; $("$NVCC" --version | tail -1)"
+for f in flash_wgmma:90a flash_mma:80; do
+    name=${f%%:*} arch=${f##*:}
+    kernels=()
+    for k in fwd bwd_dq bwd_dkv bwd_dkvq; do for d in 64 128; do kernels+=("${name}_${k}_d${d}_bf16"); done; done
+    echo "## $name, sm_$arch"
+    scripts/gpu/sass_loops.py "${kernels[@]}" --sass before="$work/before/$name.sass" \
+        --sass masked="$work/masked/$name.sass" --sass inside="$work/inside/$name.sass"
+done
