@@ -110,9 +110,10 @@ __device__ __forceinline__ const T *wg_next_kv(T *tiles, const T *kh, const T *v
 // swizzled tile of N rows (K-major: the product's k is Y's columns).
 template <typename T, int N, int D>
 __device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], const T *y) {
+    const uint64_t yd = wg_desc(y, 16);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
-        wgmma_rs<T, N, 0>(acc, af[kk], wg_desc(y + (kk / 4) * N * 64 + (kk % 4) * 16, 16), kk > 0);
+        wgmma_rs<T, N, 0>(acc, af[kk], wg_desc_at(yd, (kk / 4) * N * 64 + (kk % 4) * 16), kk > 0);
 }
 
 // The [64, KB] block of this warpgroup's accumulators `a` as A fragments of the next product (before
@@ -127,8 +128,9 @@ __device__ __forceinline__ void wg_frags(uint32_t (&af)[KB / 16][4], const float
 // KB rows (MN-major: the product's k is Y's rows).
 template <typename T, int KB, int D>
 __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], const T *y) {
+    const uint64_t yd = wg_desc(y, KB * 128);
 #pragma unroll
-    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc(y + kk * 16 * 64, KB * 128), 1);
+    for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc_at(yd, kk * 16 * 64), 1);
 }
 
 // The forward's named barriers (barrier.cuh) for warpgroup w (ids 1..12):
@@ -448,12 +450,13 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     constexpr uint32_t KEYS = D == 128 ? WG_DKV_BK : 64;
     const uint32_t n0 = D == 128 ? 64 * wg : 0, k0 = D == 128 ? 0 : 64 * wg;
     const T *kcols = ks + (n0 / 64) * WG_DKV_BK * 64;
+    const uint64_t ad = wg_desc(dss, WG_DKV_BK * 128), bd = wg_desc(kcols, WG_DKV_BK * 128);
     float acc[8][4];
     wg_begin(acc);
 #pragma unroll
     for (uint32_t kk = 0; kk < KEYS / 16; ++kk) {
         const uint32_t key = k0 + 16 * kk;
-        const uint64_t a = wg_desc(dss + key * 64, WG_DKV_BK * 128), b = wg_desc(kcols + key * 64, WG_DKV_BK * 128);
+        const uint64_t a = wg_desc_at(ad, key * 64), b = wg_desc_at(bd, key * 64);
         wgmma_ss<T, 64, 1, 1>(acc, a, b, kk > 0);
     }
     wg_end<0>(acc);
@@ -477,14 +480,16 @@ template <int D, bool DQ> __host__ __device__ constexpr uint32_t wg_dkv_stages()
 template <typename T, int D>
 __device__ __forceinline__ void wg_dkv_scores(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4], const T *ks,
                                               const T *vs, const T *qt, const T *gt, uint32_t wg) {
+    const uint64_t qd = wg_desc(qt, 16), gd = wg_desc(gt, 16);
+    const uint64_t kd = wg_desc(ks + 64 * wg * 64, 16), vd = wg_desc(vs + 64 * wg * 64, 16);
     wg_begin(sc, dp);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
         const uint32_t part = (kk / 4) * 64, col = (kk % 4) * 16;
-        const uint64_t bq = wg_desc(qt + part * WG_DKV_BQ + col, 16), bg = wg_desc(gt + part * WG_DKV_BQ + col, 16);
-        const uint32_t rows = part * WG_DKV_BK + 64 * wg * 64 + col;
-        wgmma_ss<T, WG_DKV_BQ>(sc, wg_desc(ks + rows, 16), bq, kk > 0);
-        wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc(vs + rows, 16), bg, kk > 0);
+        const uint64_t bq = wg_desc_at(qd, part * WG_DKV_BQ + col), bg = wg_desc_at(gd, part * WG_DKV_BQ + col);
+        const uint32_t rows = part * WG_DKV_BK + col;
+        wgmma_ss<T, WG_DKV_BQ>(sc, wg_desc_at(kd, rows), bq, kk > 0);
+        wgmma_ss<T, WG_DKV_BQ>(dp, wg_desc_at(vd, rows), bg, kk > 0);
     }
     wg_commit();
 }

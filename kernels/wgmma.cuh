@@ -51,6 +51,12 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo) {
     return start | ((uint64_t)((lbo & 0x3ffffu) >> 4) << 16) | ((uint64_t)(1024u >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor d of an operand at p, moved to p + `elements` 16-bit values (a multiple of 8; both inside
+// the 256 KiB shared window): its start address field is the address's bits 4-17, so the sum never carries
+// out of it. One add where wg_desc is a conversion, a mask and a shift: a step's products take their
+// descriptors from one per tile.
+__device__ __forceinline__ uint64_t wg_desc_at(uint64_t d, uint32_t elements) { return d + elements / 8; }
+
 // The element offset of (r, x) in a swizzled tile of 64-column parts of R rows each (16-bit values).
 template <int R> __device__ __forceinline__ uint32_t wg_at(uint32_t r, uint32_t x) {
     return (x / 64) * R * 64 + r * 64 + (((x % 64) / 8) ^ (r % 8)) * 8 + x % 8;
