@@ -3,8 +3,8 @@
 // flash_attention.rs has the definitions and the CPU reference), for bf16 and f16 and a head dim D of 64
 // or 128, with each block product one warpgroup-wide m64 instruction on 64 x 64 (or 64 x D) tiles
 // instead of mma.sync's 16 x 8. 256 threads (two warpgroups) per block; tiles in shared memory in the
-// 128-byte swizzle, filled by cp.async (the forward: a ring of five K/V slots; the backward's kernels: two
-// stages, three in the dq kernel at D = 64); more than 48 KiB of shared memory (the host opts each kernel in).
+// 128-byte swizzle, filled by cp.async (the forward: a ring of five K/V slots; the dq kernel three stages, the
+// dk/dv kernels two, three at D = 64 without atomics); more than 48 KiB of shared memory (the host opts each kernel in).
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
@@ -79,31 +79,6 @@ __device__ void stage_swizzled(T *dst, const T *src, uint32_t r0, uint32_t limit
 __device__ __forceinline__ void wg_publish() {
     wg_fence_proxy();
     __syncthreads();
-}
-
-// Block j0's keys and values into stage st of `tiles` ([2 stages][K, V][BK x D swizzled]), one group of
-// copies.
-template <typename T, int D>
-__device__ __forceinline__ void wg_stage_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t st, uint32_t s) {
-    stage_swizzled<T, D, WG_BK>(tiles + 2 * st * WG_BK * D, kh, j0, s);
-    stage_swizzled<T, D, WG_BK>(tiles + (2 * st + 1) * WG_BK * D, vh, j0, s);
-    cp_async_commit();
-}
-
-// Before computing on key block j0 (stage st, its copies issued): block j0 + BK's copies into the other
-// stage when there is one (<= kmax), the wait for block j0's, and their publication. Returns the stage's
-// K tile; its V tile follows at + BK * D.
-template <typename T, int D>
-__device__ __forceinline__ const T *wg_next_kv(T *tiles, const T *kh, const T *vh, uint32_t j0, uint32_t kmax,
-                                               uint32_t st, uint32_t s) {
-    if (kmax - j0 >= WG_BK) {
-        wg_stage_kv<T, D>(tiles, kh, vh, j0 + WG_BK, st ^ 1, s);
-        cp_async_wait<1>();
-    } else {
-        cp_async_wait<0>();
-    }
-    wg_publish();
-    return tiles + 2 * st * WG_BK * D;
 }
 
 // acc[64 rows, N] (+)= A Y^T for this warpgroup: A its [64, D] rows as fragments `af` (registers), Y a
@@ -244,12 +219,12 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t, scale);
 }
 
-// The dq kernel's stages of K and V tiles: three at head dim 64, where the product dQ += dS_{j-1} K_{j-1}
-// runs while block j's dS is computed (its K tile must outlive the next block's copies), two at 128 (where
-// the previous block's dS fragments would not fit in the registers left).
-template <int D> __host__ __device__ constexpr uint32_t wg_dq_stages() { return D == 64 ? 3 : 2; }
+// The dq kernel's stages of K and V tiles: three, where the product dQ += dS_{j-1} K_{j-1} runs while block
+// j's dS is computed (its K tile must outlive the next block's copies). At head dim 128 the previous
+// block's dS fragments fit since the softmax's arithmetic shrank (kernels/flash_rows.cuh): 244 registers.
+constexpr uint32_t WG_DQ_STAGES = 3;
 
-// The dq kernel's loop at head dim 64, pipelined within each warpgroup: step j issues S_j = Q K_j^T and
+// The dq kernel's loop, pipelined within each warpgroup: step j issues S_j = Q K_j^T and
 // dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that product runs (after waiting for
 // S_j and dP_j only). One barrier a step: it publishes block j's tiles and tells every warp that the others
 // have retired dQ_{j-2}, whose stage block j + 1's copies then refill.
@@ -258,7 +233,7 @@ __device__ __forceinline__ void wg_dq_pipelined(float (&acc)[D / 8][4], const ui
                                                 const uint32_t (&gf)[D / 16][4], T *tiles, const T *kh, const T *vh,
                                                 const QueryRows &rows, uint32_t kmin, uint32_t kmax, uint32_t s,
                                                 float scale) {
-    constexpr uint32_t STAGES = wg_dq_stages<D>();
+    constexpr uint32_t STAGES = WG_DQ_STAGES;
     const uint32_t n = (kmax - kmin) / WG_BK + 1;
     const auto tile = [&](uint32_t j) { return tiles + 2 * (j % STAGES) * WG_BK * D; };
     const auto stage = [&](uint32_t j) {
@@ -309,7 +284,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
                                    float scale) {
     extern __shared__ uint32_t wg_smem[];
     T *tiles = wg_aligned<T>(wg_smem);  // [stages][keys, values][WG_BK x D]
-    uint32_t *los = (uint32_t *)(tiles + 2 * wg_dq_stages<D>() * WG_BK * D);  // [WG_BQ]
+    uint32_t *los = (uint32_t *)(tiles + 2 * WG_DQ_STAGES * WG_BK * D);  // [WG_BQ]
     uint32_t *his = los + WG_BQ;                                               // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
@@ -323,27 +298,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     float acc[D / 8][4];
     zero_acc(acc);
 
-    if constexpr (D == 64) {
-        if (kmin <= kmax) wg_dq_pipelined<T, D>(acc, qf, gf, tiles, kh, vh, rows, kmin, kmax, s, scale);
-    } else {
-        if (kmin <= kmax) wg_stage_kv<T, D>(tiles, kh, vh, kmin, 0, s);
-        for (uint32_t j0 = kmin, st = 0; kmin <= kmax && j0 <= kmax; j0 += WG_BK, st ^= 1) {
-            const T *ks = wg_next_kv<T, D>(tiles, kh, vh, j0, kmax, st, s), *vs = ks + WG_BK * D;
-            float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
-            wg_begin(sc, dp);
-            wg_rows_by_tile<T, WG_BK, D>(sc, qf, ks);
-            wg_rows_by_tile<T, WG_BK, D>(dp, gf, vs);
-            wg_end<0>(sc, dp);
-            score_grads<WG_BK>(sc, dp, rows, j0, scale);  // sc becomes dS
-            uint32_t df[WG_BK / 16][4];
-            wg_frags<T, WG_BK>(df, sc);
-            wg_begin(acc);
-            wg_acc_by_tile<T, WG_BK, D>(acc, df, ks);
-            wg_end<0>(acc);
-            wg_keep(df);
-            __syncthreads();  // every warp is done with this stage before it is filled again
-        }
-    }
+    if (kmin <= kmax) wg_dq_pipelined<T, D>(acc, qf, gf, tiles, kh, vh, rows, kmin, kmax, s, scale);
     const float scales[2] = {scale, scale};
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
 }

@@ -22,7 +22,9 @@ warpgroups in the same phase, a barrier a step), each on head dims 64 and 128: t
 measurements. A k that agrees across the head dims says the steps were issue-bound. The dq-by-atomics
 backward (its dk/dv kernel alone, 5 products a step) is predicted from the backward's k and checked against
 its own measurement, which the fit never saw. Then the same k give this tree's rates from its counts: a
-projection, not a measurement; the next GPU run's `bench attention` lines are what count.
+projection, not a measurement; the next GPU run's `bench attention` lines are what count. The sum counts no
+overlap of a warpgroup's own products with its instructions, which this tree's pipelined kernels (the dq
+kernel, the dk/dv kernel at head dim 64) add, nor a second block on a multiprocessor (the forward at 64).
 """
 import json
 import sys

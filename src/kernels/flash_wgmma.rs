@@ -26,15 +26,9 @@ const ALIGN: usize = 1024;
 /// Key tiles of K and V the forward holds (kernels/flash_wgmma.cu's WG_FWD_SLOTS).
 const FWD_SLOTS: usize = 5;
 
-/// The dq kernel's stages of K and V tiles (kernels/flash_wgmma.cu's `wg_dq_stages`): three at head dim 64,
-/// whose loop keeps the previous block's K tile for the product that overlaps the next block's dS.
-const fn dq_stages(d: usize) -> usize {
-    if d == 64 {
-        3
-    } else {
-        2
-    }
-}
+/// The dq kernel's stages of K and V tiles (kernels/flash_wgmma.cu's `WG_DQ_STAGES`): three, its loop
+/// keeping the previous block's K tile for the product that overlaps the next block's dS.
+const DQ_STAGES: usize = 3;
 
 /// The dk/dv kernel's stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): three at head
 /// dim 64 without dq by atomics, whose loop keeps the previous block's tiles for the products that overlap
@@ -58,7 +52,7 @@ fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
         |stages: usize| ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 2 * 4 * 4 * DKV_QUERIES + mask;
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dq" => ALIGN + 2 * (2 * dq_stages(d) * KEYS * d) + 2 * 4 * QUERIES,
+        "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dkv" => dkv(dkv_stages(d, false)),
         // and the tile of dS^T, [128 keys][64 queries]
         _ => dkv(dkv_stages(d, true)) + 2 * DKV_KEYS * DKV_QUERIES,

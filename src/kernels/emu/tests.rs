@@ -406,6 +406,14 @@ fn flash_wgmma_bwd() {
     check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, &[DType::BF16, DType::F16], 47);
 }
 
+/// The dq kernel's three stages at head dim 128 cycled: a last query block whose keys span five key steps,
+/// so that every stage is refilled while the products of the block before it may still read it; bf16.
+#[test]
+fn flash_wgmma_bwd_dq_stages_cycle_at_128() {
+    let case = [(1, 2, 1, 300, 40, 128)];
+    check_flash_backward("flash_wgmma_bwd", flash_wgmma::backward_plan, &case, &[DType::BF16], 53);
+}
+
 /// The dk/dv kernels with 7 query heads a KV head (the 0.5B shape's 14 of 2) split over their blocks 1,
 /// 3 (3 + 3 + 1) and 7 ways with a dq kernel, and 2 (4 + 3) ways with dq by atomics, against the CPU op;
 /// bf16 (the dtype does not enter the split).
