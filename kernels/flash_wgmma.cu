@@ -641,8 +641,10 @@ template <typename T> __device__ void wgmma_layouts(const T *__restrict__ a, con
 WGMMA_LAYOUTS(bf16, __nv_bfloat16)
 WGMMA_LAYOUTS(f16, __half)
 
+// The forward at head dim 64 held to 128 registers, two blocks a multiprocessor (its 84 KiB of shared memory
+// twice fits too); the other kernels use up to 255 registers, one block each.
 #define FLASH_WGMMA_KERNELS(NAME, T, D)                                                                          \
-    extern "C" __global__ void __launch_bounds__(WG_THREADS, 1)                                                  \
+    extern "C" __global__ void __launch_bounds__(WG_THREADS, D == 64 ? 2 : 1)                                    \
         flash_wgmma_fwd_##NAME(const T *q, const T *k, const T *v, const uint32_t *ranges, float *lse, T *out,   \
                                uint32_t h, uint32_t kv, uint32_t t, uint32_t s, float scale) {                   \
         flash_wgmma_fwd<T, D>(q, k, v, ranges, lse, out, h, kv, t, s, scale);                                    \

@@ -146,6 +146,9 @@ pub(crate) fn launch(
         // limit, checked by the plan).
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute_enum as A;
         f.set_attribute(A::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, l.shared_bytes as i32).w()?;
+        // All of L1 as shared memory (a hint): a carveout sized for one block would leave a kernel that
+        // fits two a multiprocessor at one (the warpgroup forward at head dim 64: 128 registers, 84 KiB).
+        f.set_attribute(A::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100).w()?;
     }
     let values: Vec<Value> = l
         .args
