@@ -13,8 +13,9 @@
 #   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
 #      transformers import (a skipped line otherwise), and grpo at 1k beside it;
 #   5. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
-#      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; one layer's projection
-#      GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
+#      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; Nsight Compute on the
+#      warpgroup kernels at 16k, head dims 64 and 128 (issue activity, tensor pipe, occupancy: NAME-ncu.txt);
+#      one layer's projection GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
 #   6. the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and the same update
 #      offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time).
 # Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
@@ -31,7 +32,7 @@
 # --dry-run (or DRY_RUN=1): the same steps on the CPU in f32 with scripts/gpu/shapes/tiny.json and tiny lengths,
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
-# (python3), SEED_ANSWERS (8), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention gemm profile
+# (python3), SEED_ANSWERS (8), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention ncu gemm profile
 # optimizer seed7b torch short), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
 # for a shorter run that measures a change again.
 set -uo pipefail
@@ -211,6 +212,36 @@ if want attention; then
                 --head-dim 64 --dtype "$DTYPE" "${f[@]}" --device "$DEVICE" --warmup 1 --repeats 3
         done
     done
+fi
+
+# 5c. Nsight Compute on the warpgroup kernels at 16k tokens, head dims 64 (the 0.5B's heads) and 128 (the 7B's):
+# each kernel's duration, its schedulers' issue activity and instructions, its tensor pipe's activity and its
+# occupancy, to check the reading that their steps are bound by issuing instructions (scripts/attention-issue-
+# model.py). The card's clocks are left alone (--clock-control none); the text goes to NAME-ncu.txt.
+if want ncu; then
+    NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ "$DRY" = 1 ]; then
+        skip "ncu on the warpgroup attention kernels" "dry run on the CPU"
+    elif [ -z "$NCU" ]; then
+        skip "ncu on the warpgroup attention kernels" "ncu is not on this machine"
+    elif [ $((DEADLINE - SECONDS)) -lt 60 ]; then
+        skip "ncu on the warpgroup attention kernels" "no time left (deadline $DEADLINE s)"
+    else
+        for hd in 64 128; do
+            heads=(--heads 16 --kv-heads 4)
+            [ $hd = 64 ] && heads=(--heads 14 --kv-heads 2)
+            echo ">> [$SECONDS s] ncu attention wgmma hd$hd ${ATT_LENS##* } (limit 45 s)"
+            timeout 45 "$NCU" --clock-control none --kernel-name regex:flash_wgmma_ --launch-count 3 \
+                --section SpeedOfLight --section SchedulerStats --section InstructionStats --section Occupancy \
+                "$BIN" -q bench attention --len "${ATT_LENS##* }" "${heads[@]}" --head-dim $hd --dtype "$DTYPE" --wgmma \
+                --device "$DEVICE" --warmup 0 --repeats 1 >"$TMP/ncu" 2>&1
+            rc=$?
+            { echo "== head dim $hd (exit $rc)"; cat "$TMP/ncu"; } >>"$NAME-ncu.txt"
+            grep -E "flash_wgmma_|Duration|Issue Slots Busy|Issued Warp|Executed Ipc|Achieved Occupancy|Compute \(SM\) Throughput|Registers" \
+                "$TMP/ncu" | head -40
+            echo "{\"bench\": \"ncu\", \"what\": \"warpgroup attention kernels, head dim $hd\", \"exit\": $rc, \"file\": \"$(basename "$NAME")-ncu.txt\"}" | tee -a "$R"
+        done
+    fi
 fi
 
 # 5b. one layer's projection GEMMs at the 7B shape over a 16k micro-batch and at the 0.5B shape over 4k: the
