@@ -258,11 +258,8 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
     T *vs = ks + DKV_BK * ld;                       // [DKV_BK][ld] values
     T *qs = vs + DKV_BK * ld;                       // [DKV_BQ][ld] queries
     T *gs = qs + DKV_BQ * ld;                       // [DKV_BQ][ld] output gradients
-    float *rls = (float *)(gs + DKV_BQ * ld);       // [DKV_BQ] log-sum-exp
-    float *rds = rls + DKV_BQ;                      // [DKV_BQ] delta
-    uint32_t *los = (uint32_t *)(rds + DKV_BQ);     // [DKV_BQ]
-    uint32_t *his = los + DKV_BQ;                   // [DKV_BQ]
-    T *dss = (T *)(his + DKV_BQ);                   // with DQ: [DKV_BQ][DKV_BK + 8] dS
+    QueryStat *stats = (QueryStat *)(gs + DKV_BQ * ld);  // [DKV_BQ] key ranges, log-sum-exp, delta
+    T *dss = (T *)(stats + DKV_BQ);                       // with DQ: [DKV_BQ][DKV_BK + 8] dS
     const uint32_t bkv = blockIdx.x / split, b = bkv / kv;
     const uint32_t j0 = blockIdx.y * DKV_BK, j_last = min(j0 + DKV_BK, s) - 1;
     uint32_t hq_first, hq_end;
@@ -286,10 +283,9 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
             for (uint32_t r = threadIdx.x; r < DKV_BQ; r += MMA_THREADS) {
                 uint32_t rlo, rhi;
                 mma_range(ranges, b, i0 + r, t, s, rlo, rhi);
-                los[r] = rlo, his[r] = rhi;
                 const bool in = i0 + r < t;
-                rls[r] = in ? lse[(size_t)bh * t + i0 + r] : 0.f;
-                rds[r] = in ? delta[(size_t)bh * t + i0 + r] : 0.f;
+                stats[r] = query_stat(rlo, rhi, in ? lse[(size_t)bh * t + i0 + r] : 0.f,
+                                      in ? delta[(size_t)bh * t + i0 + r] : 0.f);
             }
             stage_rows_async<T, D>(qs, q + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
             stage_rows_async<T, D>(gs, dout + (size_t)bh * t * D, i0, DKV_BQ, t, ld);
@@ -313,7 +309,7 @@ __device__ void flash_mma_bwd_dkv(const T *__restrict__ q, const T *__restrict__
                 mma_16816<T>(dp[0], af, bf[0]);
                 mma_16816<T>(dp[1], af, bf[1]);
             }
-            probs_t<DKV_BQ>(sc, dp, los, his, rls, rds, j0 + m0, scale);  // P^T and dS^T
+            probs_t<DKV_BQ>(sc, dp, stats, j0 + m0, scale);  // P^T and dS^T
             uint32_t pf[4], df[4];
             frag_from_acc<T>(pf, sc[0], sc[1]);
             frag_from_acc<T>(df, dp[0], dp[1]);

@@ -167,6 +167,17 @@ __device__ __forceinline__ float flash_exp2(float x) {
 #endif
 }
 
+// A query's statistics as the dk/dv kernels keep them in shared memory, one 16-byte load a query: its key
+// range, its log-sum-exp times log2(e) (flash_exp2's unit) and its delta.
+struct __align__(16) QueryStat {
+    uint32_t lo, hi;
+    float lse2, delta;
+};
+
+__device__ __forceinline__ QueryStat query_stat(uint32_t lo, uint32_t hi, float lse, float delta) {
+    return QueryStat{lo, hi, lse * FLASH_LOG2E, delta};
+}
+
 // Whether every lane of the warp has keys j0.. j0 + KB - 1 in both its rows' ranges: the step needs no
 // mask (one vote in place of two compares and a select per score). Warp-uniform.
 template <int KB> __device__ __forceinline__ bool rows_see_all(const QueryRows &x, uint32_t j0) {
@@ -308,42 +319,41 @@ __device__ __forceinline__ void dkv_heads(uint32_t kvh, uint32_t group, uint32_t
 }
 
 // P^T and dS^T of a dk/dv kernel (rows: this thread's keys j + g (+ 8); columns: queries 8 n + 2 c + i % 2
-// of a step whose key ranges, log-sum-exp and delta are los, his, lse, delta) from S^T in s and dP^T in dp
-// (MASK: some keys are outside a query's range).
+// of a step whose statistics are st) from S^T in s and dP^T in dp (MASK: some keys are outside a query's
+// range).
 template <int BQ, bool MASK>
-__device__ __forceinline__ void probs_t_of(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
-                                           const uint32_t *his, const float *lse, const float *delta, uint32_t j,
-                                           float scale) {
+__device__ __forceinline__ void probs_t_of(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const QueryStat *st,
+                                           uint32_t j, float scale) {
     const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
     const float c2 = scale * FLASH_LOG2E;
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n)
         for (int i = 0; i < 4; ++i) {
-            const uint32_t key = j + g + 8 * (i / 2), r = 8 * n + 2 * c + i % 2;
-            float p = flash_exp2(fmaf(s[n][i], c2, -lse[r] * FLASH_LOG2E));
-            if (MASK) p = (key >= los[r] && key <= his[r]) ? p : 0.f;
+            const uint32_t key = j + g + 8 * (i / 2);
+            const QueryStat &x = st[8 * n + 2 * c + i % 2];
+            float p = flash_exp2(fmaf(s[n][i], c2, -x.lse2));
+            if (MASK) p = (key >= x.lo && key <= x.hi) ? p : 0.f;
             s[n][i] = p;
-            dp[n][i] = p * (dp[n][i] - delta[r]);
+            dp[n][i] = p * (dp[n][i] - x.delta);
         }
 }
 
 // probs_t_of, without the mask where every lane's two keys are in the ranges of all its queries (one
 // check per query column rather than two per score). A query that sees no key (lo > hi) is never inside.
 template <int BQ>
-__device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const uint32_t *los,
-                                        const uint32_t *his, const float *lse, const float *delta, uint32_t j,
+__device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const QueryStat *st, uint32_t j,
                                         float scale) {
     const uint32_t g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4, key0 = j + g, key1 = key0 + 8;
     bool inside = true;
 #pragma unroll
     for (int n = 0; n < BQ / 8; ++n)
         for (int q = 0; q < 2; ++q) {
-            const uint32_t r = 8 * n + 2 * c + q;
-            inside &= (los[r] <= key0) & (key1 <= his[r]);
+            const QueryStat &x = st[8 * n + 2 * c + q];
+            inside &= (x.lo <= key0) & (key1 <= x.hi);
         }
     if (__all_sync(0xffffffffu, inside)) {
-        probs_t_of<BQ, false>(s, dp, los, his, lse, delta, j, scale);
+        probs_t_of<BQ, false>(s, dp, st, j, scale);
     } else {
-        probs_t_of<BQ, true>(s, dp, los, his, lse, delta, j, scale);
+        probs_t_of<BQ, true>(s, dp, st, j, scale);
     }
 }

@@ -303,19 +303,12 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
 }
 
-// The dk/dv kernel's stage: the queries and output gradients of query block i0 of head bh (swizzled, as
-// one group of copies) and, per query, its key range, log-sum-exp and delta.
-struct WgQueryStage {
-    float *rls, *rds;
-    uint32_t *los, *his;
-};
+// Stage st's statistics in `stats` ([2 stages][WG_DKV_BQ] QueryStat: each query's key range, log-sum-exp
+// and delta).
+__device__ __forceinline__ QueryStat *wg_query_stage(QueryStat *stats, uint32_t st) { return stats + st * WG_DKV_BQ; }
 
-// Stage st's statistics in `stats` ([2 stages][L, delta, lo, hi][WG_DKV_BQ]).
-__device__ __forceinline__ WgQueryStage wg_query_stage(float *stats, uint32_t st) {
-    float *x = stats + st * 4 * WG_DKV_BQ;
-    return WgQueryStage{x, x + WG_DKV_BQ, (uint32_t *)(x + 2 * WG_DKV_BQ), (uint32_t *)(x + 3 * WG_DKV_BQ)};
-}
-
+// The queries and output gradients of query block i0 of head bh into a stage's tiles (swizzled), as one
+// group of copies.
 template <typename T, int D>
 __device__ void wg_stage_queries(T *qs, T *gs, const T *q, const T *dout, uint32_t bh, uint32_t i0, uint32_t t) {
     stage_swizzled<T, D, WG_DKV_BQ>(qs, q + (size_t)bh * t * D, i0, t);
@@ -324,28 +317,21 @@ __device__ void wg_stage_queries(T *qs, T *gs, const T *q, const T *dout, uint32
 }
 
 // One query's statistics (threads 0.. WG_DKV_BQ - 1 hold one each): read from global memory one step ahead
-// of their stage, into registers, and written to the stage's shared arrays at the end of the step, so that
+// of their stage, into registers, and written to the stage's shared array at the end of the step, so that
 // no step waits for their loads.
-struct WgQueryStats {
-    uint32_t lo, hi;
-    float l, d;
-};
-
-__device__ __forceinline__ WgQueryStats wg_load_stats(const uint32_t *ranges, const float *lse, const float *delta,
-                                                     uint32_t b, uint32_t bh, uint32_t i0, uint32_t t, uint32_t s) {
+__device__ __forceinline__ QueryStat wg_load_stats(const uint32_t *ranges, const float *lse, const float *delta,
+                                                  uint32_t b, uint32_t bh, uint32_t i0, uint32_t t, uint32_t s) {
     static_assert(WG_THREADS >= WG_DKV_BQ, "a query's statistics per thread");
-    WgQueryStats x{1, 0, 0.f, 0.f};
     const uint32_t r = threadIdx.x;
-    if (r >= WG_DKV_BQ) return x;
-    mma_range(ranges, b, i0 + r, t, s, x.lo, x.hi);
-    if (i0 + r < t) x.l = lse[(size_t)bh * t + i0 + r], x.d = delta[(size_t)bh * t + i0 + r];
-    return x;
+    uint32_t lo = 1, hi = 0;
+    if (r >= WG_DKV_BQ) return query_stat(lo, hi, 0.f, 0.f);
+    mma_range(ranges, b, i0 + r, t, s, lo, hi);
+    const bool in = i0 + r < t;
+    return query_stat(lo, hi, in ? lse[(size_t)bh * t + i0 + r] : 0.f, in ? delta[(size_t)bh * t + i0 + r] : 0.f);
 }
 
-__device__ __forceinline__ void wg_store_stats(const WgQueryStage &stage, const WgQueryStats &x) {
-    const uint32_t r = threadIdx.x;
-    if (r >= WG_DKV_BQ) return;
-    stage.los[r] = x.lo, stage.his[r] = x.hi, stage.rls[r] = x.l, stage.rds[r] = x.d;
+__device__ __forceinline__ void wg_store_stats(QueryStat *stage, const QueryStat &x) {
+    if (threadIdx.x < WG_DKV_BQ) stage[threadIdx.x] = x;
 }
 
 // Which query blocks of WG_DKV_BQ rows see one of keys j0..j_last, by the spans: bit qb of mask (words of
@@ -476,8 +462,8 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
     T *qs = vs + WG_DKV_BK * D;                // [STAGES][WG_DKV_BQ x D] queries
     T *gs = qs + STAGES * WG_DKV_BQ * D;       // [STAGES][WG_DKV_BQ x D] output gradients
-    float *stats = (float *)(gs + STAGES * WG_DKV_BQ * D);  // [2 stages][L, delta, lo, hi][WG_DKV_BQ]
-    T *dss = (T *)(stats + 2 * 4 * WG_DKV_BQ);               // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    QueryStat *stats = (QueryStat *)(gs + STAGES * WG_DKV_BQ * D);  // [2 stages][WG_DKV_BQ]
+    T *dss = (T *)(stats + 2 * WG_DKV_BQ);  // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
     uint32_t *mask = (uint32_t *)(dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));  // the query blocks to visit
     const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, b = bkv / kv, kvh = bkv % kv;
     const uint32_t j0 = blockIdx.y * WG_DKV_BK, j_last = min(j0 + WG_DKV_BK, s) - 1;
@@ -516,7 +502,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         // it and a last turn issues the last block's (every product outside a branch within the loop:
         // ptxas serialises wgmma in divergent paths).
         if (more) {
-            WgQueryStats coming{1, 0, 0.f, 0.f};
+            QueryStat coming = query_stat(1, 0, 0.f, 0.f);
             cp_async_wait<0>();  // the keys, values and block 0's tiles
             wg_publish();
             if (next) {
@@ -525,8 +511,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
             }
             wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(0), gt(0), wg);
             wg_wait<0>(sc, dp);
-            const WgQueryStage x = wg_query_stage(stats, 0);
-            probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
+            probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, 0), j0 + m0, scale);  // P^T and dS^T
             wg_frags<T, WG_DKV_BQ>(pf, sc);
             wg_frags<T, WG_DKV_BQ>(df, dp);
             if (next) wg_store_stats(wg_query_stage(stats, 1), coming);
@@ -534,7 +519,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
             next = more && wg_next_query_block(mask, t, hq_end, hn, in);
             uint32_t u = 1;
             for (; more; ++u) {
-                coming = WgQueryStats{1, 0, 0.f, 0.f};
+                coming = query_stat(1, 0, 0.f, 0.f);
                 cp_async_wait<0>();  // block u's copies
                 wg_publish();
                 if (next) {
@@ -544,8 +529,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
                 wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(u), gt(u), wg);
                 wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(u - 1), qt(u - 1));
                 wg_wait<1>(sc, dp);
-                const WgQueryStage y = wg_query_stage(stats, u % 2);
-                probs_t<WG_DKV_BQ>(sc, dp, y.los, y.his, y.rls, y.rds, j0 + m0, scale);
+                probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, u % 2), j0 + m0, scale);
                 wg_wait<0>(dv, dk);
                 wg_keep(pf);
                 wg_keep(df);
@@ -562,7 +546,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
         }
     } else {
         for (uint32_t st = 0; more; st ^= 1) {
-            WgQueryStats coming{1, 0, 0.f, 0.f};
+            QueryStat coming = query_stat(1, 0, 0.f, 0.f);
             if (next) {
                 wg_stage_queries<T, D>(qt(st ^ 1), gt(st ^ 1), q, dout, b * h + hn, in, t);
                 coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
@@ -574,8 +558,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
             // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
             wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(st), gt(st), wg);
             wg_wait<0>(sc, dp);
-            const WgQueryStage x = wg_query_stage(stats, st);
-            probs_t<WG_DKV_BQ>(sc, dp, x.los, x.his, x.rls, x.rds, j0 + m0, scale);  // P^T and dS^T
+            probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, st), j0 + m0, scale);  // P^T and dS^T
             wg_frags<T, WG_DKV_BQ>(pf, sc);
             wg_frags<T, WG_DKV_BQ>(df, dp);
             wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(st), qt(st));
