@@ -373,6 +373,17 @@ __device__ __forceinline__ bool wg_next_query_block(const uint32_t *mask, uint32
     }
 }
 
+// p[0] += a and p[1] += b in device memory, atomically each (p 8-byte aligned): one vector reduction
+// (red.global.add.v2.f32, sm_90), half the atomic instructions of two atomicAdds.
+__device__ __forceinline__ void red_add2(float *p, float a, float b) {
+#ifdef GRPO_CUDA_EMU
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#else
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#endif
+}
+
 // dq_acc[rows i0.., 64 queries] += dS K for this block's 128 keys (the atomic backward): dS^T (each
 // warpgroup's 64 keys against the step's 64 queries, accumulators ds) through the swizzled shared tile dss
 // ([128 keys][64 queries]: the product's A, MN-major), then each warpgroup the product for 64 of D's
@@ -406,7 +417,7 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
         if (i >= t) continue;
 #pragma unroll
         for (int j = 0; j < 8; ++j)
-            for (int x = 0; x < 2; ++x) atomicAdd(&dq_acc[(size_t)i * D + n0 + 8 * j + 2 * c + x], acc[j][2 * r + x]);
+            red_add2(&dq_acc[(size_t)i * D + n0 + 8 * j + 2 * c], acc[j][2 * r], acc[j][2 * r + 1]);
     }
 }
 
