@@ -19,8 +19,8 @@
 //! - [`Gpu::composite_host_update_bandwidth`], the first build's composite offloaded update, on its 7B
 //!   step (the only one: fitted there, not predicted).
 //!
-//! The 7B step of this build, offloaded at the measured host rate, is not fitted on: predicted 21.1 s,
-//! measured 21.4.
+//! The 2026-11-27 build's 7B step, offloaded at the measured host rate, is not fitted on: predicted 21.1 s,
+//! measured 21.4 (20.7 s with this build's unread down projection, which that step still ran).
 //!
 //! tests/calibration.rs holds every committed train step within 25% of the model; a prediction for a
 //! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
