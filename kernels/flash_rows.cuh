@@ -218,7 +218,8 @@ __device__ __forceinline__ void softmax_step(float (&s)[KB / 8][4], float (&m)[2
     for (int r = 0; r < 2; ++r) {
         const float m_new = fmaxf(m[r], quad_max(mx[r]));
         base[r] = m_new == -INFINITY ? 0.f : m_new * c2;
-        alpha[r] = flash_exp2(fmaf(m[r], c2, -base[r]));
+        // exactly 1 where the maximum stays (rescale_rows then skips the warp's rows)
+        alpha[r] = m[r] == m_new ? 1.f : flash_exp2(fmaf(m[r], c2, -base[r]));
         m[r] = m_new;
     }
 #pragma unroll
@@ -230,8 +231,10 @@ __device__ __forceinline__ void softmax_step(float (&s)[KB / 8][4], float (&m)[2
     for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + quad_sum(sum[r]);
 }
 
-// Accumulators of this thread's two rows times the rows' factors.
+// Accumulators of this thread's two rows times the rows' factors; nothing where every row of the warp keeps
+// its maximum (every factor exactly 1: the same values, a warp vote in place of D / 2 multiplies).
 template <int D> __device__ __forceinline__ void rescale_rows(float (&o)[D / 8][4], const float (&alpha)[2]) {
+    if (__all_sync(0xffffffffu, alpha[0] == 1.f && alpha[1] == 1.f)) return;
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
         for (int i = 0; i < 4; ++i) o[n][i] *= alpha[i / 2];

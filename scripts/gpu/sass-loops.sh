@@ -2,8 +2,10 @@
 # Instructions per block step of the attention kernels, before and after a change, without a GPU: each
 # kernel's main loop (one key or query block's step) in the SASS that ptxas compiles from kernels/, for a
 # git revision (BEFORE, default HEAD) and for the working tree, the latter twice more with its steps'
-# mask test forced each way (kernels/flash_rows.cuh: rows_see_all and probs_t's vote): `masked` (a
-# diagonal block's step, the mask applied) and `inside` (a step every row sees whole, the mask skipped).
+# tests forced each way (kernels/flash_rows.cuh: rows_see_all and probs_t's vote on the mask, and
+# rescale_rows' vote on the running maxima): `masked` (a diagonal block's step, the mask applied and the
+# output rescaled) and `inside` (a step every row sees whole and none of whose rows finds a new maximum,
+# most of a long row's steps).
 # A static count (scripts/gpu/sass_loops.py), not a timing: where a step is bound by issuing instructions
 # rather than by the tensor cores, fewer instructions per step is time.
 #
@@ -31,9 +33,10 @@ mkdir -p "$work"
 mkdir -p "$work/before" "$work/masked" "$work/inside" "$work/after"
 git archive "$BEFORE" kernels | tar -x -C "$work/before"
 for v in after masked inside; do cp -r kernels "$work/$v/"; done
-sed -i 's/if (rows_see_all<KB>(x, j0))/if (false)/; s/if (__all_sync(0xffffffffu, inside))/if (false)/' \
+keep='if (__all_sync(0xffffffffu, alpha\[0\] == 1.f \&\& alpha\[1\] == 1.f))'
+sed -i "s/if (rows_see_all<KB>(x, j0))/if (false)/; s/if (__all_sync(0xffffffffu, inside))/if (false)/; s/$keep/if (false)/" \
     "$work/masked/kernels/flash_rows.cuh"
-sed -i 's/if (rows_see_all<KB>(x, j0))/if (true)/; s/if (__all_sync(0xffffffffu, inside))/if (true)/' \
+sed -i "s/if (rows_see_all<KB>(x, j0))/if (true)/; s/if (__all_sync(0xffffffffu, inside))/if (true)/; s/$keep/if (true)/" \
     "$work/inside/kernels/flash_rows.cuh"
 for v in before after masked inside; do
     for f in flash_wgmma:90a flash_mma:80; do
