@@ -152,7 +152,7 @@ __device__ __forceinline__ QueryRows query_rows(const uint32_t *los, const uint3
 
 // log2(e). The exponentials of the softmax are 2^x of scores times scale log2(e), less the row's
 // maximum (or log-sum-exp) in the same units: one FFMA and one MUFU.EX2 per score, where expf(scale s -
-// m) is a multiply, a subtraction and expf's range reduction around its MUFU.EX2 (about 8 instructions).
+// m) is a multiply, a subtraction and expf's range reduction around its MUFU.EX2 (about 9 instructions).
 #define FLASH_LOG2E 1.4426950408889634f
 
 // 2^x by the multifunction unit (ex2.approx.ftz: relative error below 2^-22, results under 2^-126

@@ -38,6 +38,16 @@ sed -i "s/if (rows_see_all<KB>(x, j0))/if (false)/; s/if (__all_sync(0xffffffffu
     "$work/masked/kernels/flash_rows.cuh"
 sed -i "s/if (rows_see_all<KB>(x, j0))/if (true)/; s/if (__all_sync(0xffffffffu, inside))/if (true)/; s/$keep/if (true)/" \
     "$work/inside/kernels/flash_rows.cuh"
+# Each forced test must have been found: a pattern that no longer matches the source would leave a variant
+# equal to `after` without a word.
+for v in masked inside; do
+    for test in 'rows_see_all<KB>(x, j0))' '__all_sync(0xffffffffu, inside))' 'alpha[0] == 1.f && alpha[1] == 1.f))'; do
+        if grep -qF "$test" "$work/$v/kernels/flash_rows.cuh" || ! grep -qF "$test" kernels/flash_rows.cuh; then
+            echo "sass-loops: the test '$test' of kernels/flash_rows.cuh was not forced in '$v'" >&2
+            exit 1
+        fi
+    done
+done
 for v in before after masked inside; do
     for f in flash_wgmma:90a flash_mma:80; do
         name=${f%%:*} arch=${f##*:}
