@@ -384,34 +384,45 @@ __device__ __forceinline__ void red_add2(float *p, float a, float b) {
 #endif
 }
 
-// dq_acc[rows i0.., 64 queries] += dS K for this block's 128 keys (the atomic backward): dS^T (each
-// warpgroup's 64 keys against the step's 64 queries, accumulators ds) through the swizzled shared tile dss
-// ([128 keys][64 queries]: the product's A, MN-major), then each warpgroup the product for 64 of D's
-// columns over all 128 keys (D = 128) or for all 64 columns over its own 64 keys (D = 64), added by f32
-// atomics (rows >= t skipped).
-template <typename T, int D>
-__device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&ds)[WG_DKV_BQ / 8][4], const T *ks,
-                                          uint32_t i0, uint32_t t) {
-    const uint32_t warp = threadIdx.x / 32, wg = warp / 4, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+// The atomic backward's dQ = dS K for one 64-query step against this block's 128 keys, in three parts:
+// wg_store_ds puts dS^T in shared memory, wg_dq_product issues the products, wg_dq_red adds them to dq_acc.
+
+// dS^T of this warpgroup's 64 keys against the step's 64 queries (accumulators ds) into the swizzled shared
+// tile dss ([128 keys][64 queries]: the product's A, MN-major). Published by the caller (wg_publish).
+template <typename T>
+__device__ __forceinline__ void wg_store_ds(T *dss, const float (&ds)[WG_DKV_BQ / 8][4]) {
+    const uint32_t warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
 #pragma unroll
     for (int n = 0; n < WG_DKV_BQ / 8; ++n)
         for (int r = 0; r < 2; ++r)
             *(uint32_t *)(dss + wg_at<WG_DKV_BK>(16 * warp + g + 8 * r, 8 * n + 2 * c)) =
                 pack2<T>(ds[n][2 * r], ds[n][2 * r + 1]);
-    wg_publish();
+}
+
+// acc = dS K for this warpgroup's share, from the published tile dss and the keys ks: 64 of D's columns over
+// all 128 keys (D = 128) or all 64 columns over its own 64 keys (D = 64). Issued as one group, not waited for.
+template <typename T, int D>
+__device__ __forceinline__ void wg_dq_product(float (&acc)[8][4], const T *dss, const T *ks) {
+    const uint32_t wg = threadIdx.x / 128;
     constexpr uint32_t KEYS = D == 128 ? WG_DKV_BK : 64;
     const uint32_t n0 = D == 128 ? 64 * wg : 0, k0 = D == 128 ? 0 : 64 * wg;
     const T *kcols = ks + (n0 / 64) * WG_DKV_BK * 64;
     const uint64_t ad = wg_desc(dss, WG_DKV_BK * 128), bd = wg_desc(kcols, WG_DKV_BK * 128);
-    float acc[8][4];
     wg_begin(acc);
 #pragma unroll
     for (uint32_t kk = 0; kk < KEYS / 16; ++kk) {
         const uint32_t key = k0 + 16 * kk;
-        const uint64_t a = wg_desc_at(ad, key * 64), b = wg_desc_at(bd, key * 64);
-        wgmma_ss<T, 64, 1, 1>(acc, a, b, kk > 0);
+        wgmma_ss<T, 64, 1, 1>(acc, wg_desc_at(ad, key * 64), wg_desc_at(bd, key * 64), kk > 0);
     }
-    wg_end<0>(acc);
+    wg_commit();
+}
+
+// dq_acc[rows i0.., this warpgroup's columns] += acc (wg_dq_product's, waited for) by f32 atomics, rows >= t
+// skipped.
+template <int D>
+__device__ __forceinline__ void wg_dq_red(float *dq_acc, const float (&acc)[8][4], uint32_t i0, uint32_t t) {
+    const uint32_t warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+    const uint32_t n0 = D == 128 ? 64 * (warp / 4) : 0;
     for (int r = 0; r < 2; ++r) {
         const uint32_t i = i0 + 16 * (warp % 4) + g + 8 * r;
         if (i >= t) continue;
@@ -421,11 +432,24 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     }
 }
 
-// The dk/dv kernel's stages of Q and dO tiles: three at head dim 64 without DQ, where the products dV += P^T
-// dO and dK += dS^T Q of one query block run while the next block's P and dS are computed (its tiles must
-// outlive the following block's copies); two otherwise (at 128 the previous block's P and dS fragments would
-// not fit in the registers left, and the atomic dq's products follow the step's own).
-template <int D, bool DQ> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 && !DQ ? 3 : 2; }
+// dq_acc[rows i0.., 64 queries] += dS K at once (the two-stage loop): dS^T stored, published, multiplied by
+// the keys and added.
+template <typename T, int D>
+__device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&ds)[WG_DKV_BQ / 8][4], const T *ks,
+                                          uint32_t i0, uint32_t t) {
+    wg_store_ds<T>(dss, ds);
+    wg_publish();
+    float acc[8][4];
+    wg_dq_product<T, D>(acc, dss, ks);
+    wg_wait<0>(acc);
+    wg_dq_red<D>(dq_acc, acc, i0, t);
+}
+
+// The dk/dv kernel's stages of Q and dO tiles: three at head dim 64, where the products dV += P^T dO and
+// dK += dS^T Q (and with DQ the atomic dQ = dS K) of one query block run while the next block's P and dS
+// are computed (its tiles must outlive the following block's copies); two at 128, where the previous
+// block's P and dS fragments would not fit in the registers left.
+template <int D> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 ? 3 : 2; }
 
 // S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys (rows of ks, vs) against the 64 queries of tiles
 // qt and gt: issued as one group, not waited for.
@@ -457,136 +481,189 @@ __device__ __forceinline__ void wg_dkv_accumulate(float (&dv)[D / 8][4], float (
     wg_commit();
 }
 
-// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by wg_add_dq. Grid: x = (KV head
-// bkv, part) as bkv * split + part, y = key block (so that the blocks of the first keys, which the most
+// The dk/dv kernel's shared memory (flash_wgmma_bwd_dkv lays it out), the inputs its query steps read and
+// the block's place: its keys j0.. and the query heads up to hq_end of batch row b.
+template <typename T, int D> struct DkvBlock {
+    static constexpr uint32_t STAGES = wg_dkv_stages<D>();
+    T *ks, *vs;        // [WG_DKV_BK x D] keys, values
+    T *qs, *gs;        // [STAGES][WG_DKV_BQ x D] queries, output gradients
+    QueryStat *stats;  // [2 stages][WG_DKV_BQ]
+    T *dss;            // with DQ: [STAGES - 1][WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    uint32_t *mask;    // the query blocks that see one of the keys (wg_query_mask)
+    const T *q, *dout;
+    const uint32_t *ranges;
+    const float *lse, *delta;
+    uint32_t b, h, t, s, j0, hq_end;
+
+    __device__ T *qt(uint32_t u) const { return qs + (u % STAGES) * WG_DKV_BQ * D; }
+    __device__ T *gt(uint32_t u) const { return gs + (u % STAGES) * WG_DKV_BQ * D; }
+    __device__ T *ds(uint32_t u) const { return dss + (u % (STAGES - 1)) * WG_DKV_BK * WG_DKV_BQ; }
+    __device__ QueryStat *stat(uint32_t u) const { return wg_query_stage(stats, u % 2); }
+    // Moves (hq, i0) to the next query block to visit; false when none is left.
+    __device__ bool next(uint32_t &hq, uint32_t &i0) const { return wg_next_query_block(mask, t, hq_end, hq, i0); }
+    // Query block (hq, i0)'s tiles into stage u (one group of copies, not waited for); returns its
+    // statistics (this thread's query's), for wg_store_stats into stat(u) once the step's reads are done.
+    __device__ QueryStat stage(uint32_t u, uint32_t hq, uint32_t i0) const {
+        wg_stage_queries<T, D>(qt(u), gt(u), q, dout, b * h + hq, i0, t);
+        return wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s);
+    }
+    // dq_acc's rows of query head hq.
+    __device__ float *dq_rows(float *dq_acc, uint32_t hq) const { return dq_acc + (size_t)(b * h + hq) * t * D; }
+};
+
+// The dk/dv loop on three stages (head dim 64), from query block (hq, i0), whose tiles are coming and whose
+// statistics are in stat(0). Pipelined within each warpgroup: step u issues S^T and dP^T of block u, then
+// dV and dK (with DQ, and dQ) of block u - 1, and computes block u's P^T and dS^T while those run. One
+// barrier a step: it publishes block u's tiles and statistics (and block u - 1's dS^T) and tells every warp
+// that the others have retired block u - 2's products, whose stage block u + 1's copies then refill. Step 0
+// has no products of a block before it and a last turn issues the last block's (every product outside a
+// branch within the loop: ptxas serialises wgmma in divergent paths).
+template <typename T, int D, bool DQ>
+__device__ __forceinline__ void wg_dkv_pipelined(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
+                                                 float *dq_acc, uint32_t hq, uint32_t i0, float scale) {
+    const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
+    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4], dq[8][4];
+    uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+    uint32_t hn = hq, in = i0;
+    bool next = blk.next(hn, in);
+    QueryStat coming = query_stat(1, 0, 0.f, 0.f);
+    cp_async_wait<0>();  // the keys, values and block 0's tiles
+    wg_publish();
+    if (next) coming = blk.stage(1, hn, in);
+    wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(0), blk.gt(0), wg);
+    wg_wait<0>(sc, dp);
+    probs_t<WG_DKV_BQ>(sc, dp, blk.stat(0), blk.j0 + m0, scale);  // P^T and dS^T
+    wg_frags<T, WG_DKV_BQ>(pf, sc);
+    wg_frags<T, WG_DKV_BQ>(df, dp);
+    if constexpr (DQ) wg_store_ds<T>(blk.ds(0), dp);
+    if (next) wg_store_stats(blk.stat(1), coming);
+    uint32_t hp = hq, ip = i0;  // block u - 1's
+    uint32_t u = 1;
+    for (bool more = next; more; ++u) {
+        const uint32_t hc = hn, ic = in;  // block u's
+        next = blk.next(hn, in);
+        coming = query_stat(1, 0, 0.f, 0.f);
+        cp_async_wait<0>();  // block u's copies
+        wg_publish();
+        if (next) coming = blk.stage(u + 1, hn, in);
+        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), wg);
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
+        if constexpr (DQ) wg_dq_product<T, D>(dq, blk.ds(u - 1), blk.ks);
+        wg_wait<DQ ? 2 : 1>(sc, dp);
+        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
+        if constexpr (DQ) {
+            wg_wait<0>(dv, dk, dq);
+            wg_dq_red<D>(blk.dq_rows(dq_acc, hp), dq, ip, blk.t);
+        } else {
+            wg_wait<0>(dv, dk);
+        }
+        wg_keep(pf);
+        wg_keep(df);
+        wg_frags<T, WG_DKV_BQ>(pf, sc);
+        wg_frags<T, WG_DKV_BQ>(df, dp);
+        if constexpr (DQ) wg_store_ds<T>(blk.ds(u), dp);
+        if (next) wg_store_stats(blk.stat(u + 1), coming);
+        hp = hc, ip = ic, more = next;
+    }
+    if constexpr (DQ) wg_publish();  // the last block's dS^T
+    wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
+    if constexpr (DQ) {
+        wg_dq_product<T, D>(dq, blk.ds(u - 1), blk.ks);
+        wg_wait<0>(dv, dk, dq);
+        wg_dq_red<D>(blk.dq_rows(dq_acc, hp), dq, ip, blk.t);
+    } else {
+        wg_wait<0>(dv, dk);
+    }
+    wg_keep(pf);
+    wg_keep(df);
+}
+
+// The dk/dv loop on two stages (head dim 128), from query block (hq, i0), whose tiles are coming and whose
+// statistics are in stat(0): each step's products wait for its own P^T and dS^T; the next block's tiles
+// come in meanwhile.
+template <typename T, int D, bool DQ>
+__device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
+                                                 float *dq_acc, uint32_t hq, uint32_t i0, float scale) {
+    const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
+    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
+    uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+    uint32_t hn = hq, in = i0;
+    bool next = blk.next(hn, in);
+    for (uint32_t u = 0;; ++u) {
+        QueryStat coming = query_stat(1, 0, 0.f, 0.f);
+        if (next) {
+            coming = blk.stage(u + 1, hn, in);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        wg_publish();
+        // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
+        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), wg);
+        wg_wait<0>(sc, dp);
+        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);  // P^T and dS^T
+        wg_frags<T, WG_DKV_BQ>(pf, sc);
+        wg_frags<T, WG_DKV_BQ>(df, dp);
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u), blk.qt(u));
+        wg_wait<0>(dv, dk);
+        wg_keep(pf);
+        wg_keep(df);
+        if constexpr (DQ) wg_add_dq<T, D>(blk.dq_rows(dq_acc, hq), blk.dss, dp, blk.ks, i0, blk.t);
+        // The next stage's statistics, read since the step began; the barrier publishes them.
+        if (next) wg_store_stats(blk.stat(u + 1), coming);
+        __syncthreads();  // every warp is done with this stage before it is filled again
+        if (!next) break;
+        hq = hn, i0 = in;
+        next = blk.next(hn, in);
+    }
+}
+
+// The dk/dv kernel; with DQ, also dQ into dq_acc ([B, H, T, D] f32, zeroed) by f32 atomics. Grid: x = (KV
+// head bkv, part) as bkv * split + part, y = key block (so that the blocks of the first keys, which the most
 // queries see, start first); each block's dk and dv over its part of the group's query heads, unscaled,
-// into its share of `parts` ([split][dk | dv] f32).
+// into its share of `parts` ([split][dk | dv] f32). Each query block that sees one of the block's keys
+// (mask) is one step: it computes on one stage while the next block's tiles come into another (cp.async)
+// and its statistics into registers, so that no step waits for a global load but its own tiles'.
 template <typename T, int D, bool DQ>
 __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict__ k, const T *__restrict__ v,
                                     const T *__restrict__ dout, const uint32_t *__restrict__ ranges,
                                     const float *__restrict__ lse, const float *__restrict__ delta,
                                     float *__restrict__ parts, const uint32_t *__restrict__ spans, float *dq_acc,
                                     uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) {
-    constexpr uint32_t STAGES = wg_dkv_stages<D, DQ>();
+    constexpr uint32_t STAGES = wg_dkv_stages<D>();
     extern __shared__ uint32_t wg_smem[];
-    T *ks = wg_aligned<T>(wg_smem);            // [WG_DKV_BK x D] keys
-    T *vs = ks + WG_DKV_BK * D;                // [WG_DKV_BK x D] values
-    T *qs = vs + WG_DKV_BK * D;                // [STAGES][WG_DKV_BQ x D] queries
-    T *gs = qs + STAGES * WG_DKV_BQ * D;       // [STAGES][WG_DKV_BQ x D] output gradients
-    QueryStat *stats = (QueryStat *)(gs + STAGES * WG_DKV_BQ * D);  // [2 stages][WG_DKV_BQ]
-    T *dss = (T *)(stats + 2 * WG_DKV_BQ);  // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
-    uint32_t *mask = (uint32_t *)(dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));  // the query blocks to visit
-    const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, b = bkv / kv, kvh = bkv % kv;
-    const uint32_t j0 = blockIdx.y * WG_DKV_BK, j_last = min(j0 + WG_DKV_BK, s) - 1;
-    uint32_t hq, hq_end;
-    dkv_heads(kvh, h / kv, part, split, hq, hq_end);
-    const uint32_t warp = threadIdx.x / 32;
-    const uint32_t wg = warp / 4, m0 = 16 * warp;
-    stage_swizzled<T, D, WG_DKV_BK>(ks, k + (size_t)bkv * s * D, j0, s);
-    stage_swizzled<T, D, WG_DKV_BK>(vs, v + (size_t)bkv * s * D, j0, s);
+    DkvBlock<T, D> blk;
+    blk.ks = wg_aligned<T>(wg_smem);
+    blk.vs = blk.ks + WG_DKV_BK * D;
+    blk.qs = blk.vs + WG_DKV_BK * D;
+    blk.gs = blk.qs + STAGES * WG_DKV_BQ * D;
+    blk.stats = (QueryStat *)(blk.gs + STAGES * WG_DKV_BQ * D);
+    blk.dss = (T *)(blk.stats + 2 * WG_DKV_BQ);
+    blk.mask = (uint32_t *)(blk.dss + (DQ ? (STAGES - 1) * WG_DKV_BK * WG_DKV_BQ : 0));
+    blk.q = q, blk.dout = dout, blk.ranges = ranges, blk.lse = lse, blk.delta = delta;
+    const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, kvh = bkv % kv;
+    blk.b = bkv / kv, blk.h = h, blk.t = t, blk.s = s, blk.j0 = blockIdx.y * WG_DKV_BK;
+    uint32_t hq;
+    dkv_heads(kvh, h / kv, part, split, hq, blk.hq_end);
+    stage_swizzled<T, D, WG_DKV_BK>(blk.ks, k + (size_t)bkv * s * D, blk.j0, s);
+    stage_swizzled<T, D, WG_DKV_BK>(blk.vs, v + (size_t)bkv * s * D, blk.j0, s);
     cp_async_commit();
-    wg_query_mask(mask, spans, b, t, j0, j_last);
+    wg_query_mask(blk.mask, spans, blk.b, t, blk.j0, min(blk.j0 + WG_DKV_BK, s) - 1);
     float dk[D / 8][4], dv[D / 8][4];
     zero_acc(dk);
     zero_acc(dv);
-
-    // Query blocks that see one of this block's keys (mask). Step (hq, i0) computes on one stage while the
-    // next block's (hn, in) tiles come into another (cp.async) and its statistics into registers: no step
-    // waits for a global load but its own tiles'. Stage u's tiles: qt(u), gt(u); its statistics: slot u % 2.
-    const auto qt = [&](uint32_t u) { return qs + (u % STAGES) * WG_DKV_BQ * D; };
-    const auto gt = [&](uint32_t u) { return gs + (u % STAGES) * WG_DKV_BQ * D; };
     uint32_t i0 = 0u - WG_DKV_BQ;
-    bool more = wg_next_query_block(mask, t, hq_end, hq, i0);
-    if (more) {
-        wg_stage_queries<T, D>(qt(0), gt(0), q, dout, b * h + hq, i0, t);
-        wg_store_stats(wg_query_stage(stats, 0), wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s));
-    }
-    uint32_t hn = hq, in = i0;
-    bool next = more && wg_next_query_block(mask, t, hq_end, hn, in);
-    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
-    uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
-    if constexpr (STAGES == 3) {
-        // Pipelined within each warpgroup: step u issues S^T and dP^T of block u, then dV and dK of block
-        // u - 1, and computes block u's P^T and dS^T while those run. One barrier a step: it publishes block
-        // u's tiles and statistics and tells every warp that the others have retired block u - 2's
-        // products, whose stage block u + 1's copies then refill. Step 0 has no products of a block before
-        // it and a last turn issues the last block's (every product outside a branch within the loop:
-        // ptxas serialises wgmma in divergent paths).
-        if (more) {
-            QueryStat coming = query_stat(1, 0, 0.f, 0.f);
-            cp_async_wait<0>();  // the keys, values and block 0's tiles
-            wg_publish();
-            if (next) {
-                wg_stage_queries<T, D>(qt(1), gt(1), q, dout, b * h + hn, in, t);
-                coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
-            }
-            wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(0), gt(0), wg);
-            wg_wait<0>(sc, dp);
-            probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, 0), j0 + m0, scale);  // P^T and dS^T
-            wg_frags<T, WG_DKV_BQ>(pf, sc);
-            wg_frags<T, WG_DKV_BQ>(df, dp);
-            if (next) wg_store_stats(wg_query_stage(stats, 1), coming);
-            more = next;
-            next = more && wg_next_query_block(mask, t, hq_end, hn, in);
-            uint32_t u = 1;
-            for (; more; ++u) {
-                coming = query_stat(1, 0, 0.f, 0.f);
-                cp_async_wait<0>();  // block u's copies
-                wg_publish();
-                if (next) {
-                    wg_stage_queries<T, D>(qt(u + 1), gt(u + 1), q, dout, b * h + hn, in, t);
-                    coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
-                }
-                wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(u), gt(u), wg);
-                wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(u - 1), qt(u - 1));
-                wg_wait<1>(sc, dp);
-                probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, u % 2), j0 + m0, scale);
-                wg_wait<0>(dv, dk);
-                wg_keep(pf);
-                wg_keep(df);
-                wg_frags<T, WG_DKV_BQ>(pf, sc);
-                wg_frags<T, WG_DKV_BQ>(df, dp);
-                if (next) wg_store_stats(wg_query_stage(stats, (u + 1) % 2), coming);
-                more = next;
-                next = more && wg_next_query_block(mask, t, hq_end, hn, in);
-            }
-            wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(u - 1), qt(u - 1));
-            wg_wait<0>(dv, dk);
-            wg_keep(pf);
-            wg_keep(df);
-        }
-    } else {
-        for (uint32_t st = 0; more; st ^= 1) {
-            QueryStat coming = query_stat(1, 0, 0.f, 0.f);
-            if (next) {
-                wg_stage_queries<T, D>(qt(st ^ 1), gt(st ^ 1), q, dout, b * h + hn, in, t);
-                coming = wg_load_stats(ranges, lse, delta, b, b * h + hn, in, t, s);
-                cp_async_wait<1>();
-            } else {
-                cp_async_wait<0>();
-            }
-            wg_publish();
-            // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
-            wg_dkv_scores<T, D>(sc, dp, ks, vs, qt(st), gt(st), wg);
-            wg_wait<0>(sc, dp);
-            probs_t<WG_DKV_BQ>(sc, dp, wg_query_stage(stats, st), j0 + m0, scale);  // P^T and dS^T
-            wg_frags<T, WG_DKV_BQ>(pf, sc);
-            wg_frags<T, WG_DKV_BQ>(df, dp);
-            wg_dkv_accumulate<T, D>(dv, dk, pf, df, gt(st), qt(st));
-            wg_wait<0>(dv, dk);
-            wg_keep(pf);
-            wg_keep(df);
-            if (DQ) wg_add_dq<T, D>(dq_acc + (size_t)(b * h + hq) * t * D, dss, dp, ks, i0, t);
-            // The next stage's statistics, read since the step began; the barrier publishes them.
-            if (next) wg_store_stats(wg_query_stage(stats, st ^ 1), coming);
-            __syncthreads();  // every warp is done with this stage before it is filled again
-            hq = hn, i0 = in, more = next;
-            next = more && wg_next_query_block(mask, t, hq_end, hn, in);
+    if (blk.next(hq, i0)) {
+        wg_store_stats(blk.stat(0), blk.stage(0, hq, i0));
+        if constexpr (STAGES == 3) {
+            wg_dkv_pipelined<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);
+        } else {
+            wg_dkv_two_stage<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);
         }
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them
     const size_t nk = (size_t)(gridDim.x / split) * s * D;
-    store_dkv_part<D>(parts + 2 * nk * part, dk, dv, bkv, j0 + m0, s, nk);
+    store_dkv_part<D>(parts + 2 * nk * part, dk, dv, bkv, blk.j0 + 16 * (threadIdx.x / 32), s, nk);
 }
 
 // The four operand layouts the attention kernels use, one product each, for `grpo selftest` to check on

@@ -30,11 +30,11 @@ const FWD_SLOTS: usize = 5;
 /// keeping the previous block's K tile for the product that overlaps the next block's dS.
 const DQ_STAGES: usize = 3;
 
-/// The dk/dv kernel's stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): three at head
-/// dim 64 without dq by atomics, whose loop keeps the previous block's tiles for the products that overlap
-/// the next block's P and dS.
-const fn dkv_stages(d: usize, atomic_dq: bool) -> usize {
-    if d == 64 && !atomic_dq {
+/// The dk/dv kernels' stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): three at head
+/// dim 64, whose loop keeps the previous block's tiles for the products that overlap the next block's P and
+/// dS; two at 128.
+const fn dkv_stages(d: usize) -> usize {
+    if d == 64 {
         3
     } else {
         2
@@ -53,9 +53,9 @@ fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dkv" => dkv(dkv_stages(d, false)),
-        // and the tile of dS^T, [128 keys][64 queries]
-        _ => dkv(dkv_stages(d, true)) + 2 * DKV_KEYS * DKV_QUERIES,
+        "bwd_dkv" => dkv(dkv_stages(d)),
+        // and the tiles of dS^T, [128 keys][64 queries]: one a stage but the one being filled
+        _ => dkv(dkv_stages(d)) + (dkv_stages(d) - 1) * 2 * DKV_KEYS * DKV_QUERIES,
     }
 }
 

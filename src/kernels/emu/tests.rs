@@ -463,11 +463,14 @@ fn wgmma_layouts() {
 }
 
 /// The warpgroup backward with dq by f32 atomics: against the CPU op's gradients, and against the
-/// two-kernel warpgroup backward on the same inputs (dk and dv bit for bit, dq within one rounding).
+/// two-kernel warpgroup backward on the same inputs (dk and dv bit for bit, dq within one rounding); also
+/// at head dim 64 over ten query steps of a key block (5 blocks of two heads), so that the pipelined loop's
+/// stages and its two dS^T tiles cycle, each step's dQ added to the rows of the step before it.
 #[test]
 fn flash_wgmma_bwd_atomic_dq() {
     let plan = flash_wgmma::backward_plan_atomic;
     check_flash_backward("flash_wgmma_bwd_atomic", plan, &WGMMA_CASES, &[DType::BF16, DType::F16], 53);
+    check_flash_backward("flash_wgmma_bwd_atomic", plan, &WGMMA_LONG, &[DType::BF16], 57);
     check_atomic_against_two_kernels(plan, flash_wgmma::backward_plan, &WGMMA_CASES, 59);
 }
 
