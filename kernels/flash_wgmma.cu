@@ -115,13 +115,14 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
 __device__ __forceinline__ uint32_t wg_full(uint32_t w, uint32_t st) { return 1 + 2 * st + w; }
 __device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + w; }
 
-// Warpgroup w's half (rows 32 w.. 32 w + 31) of key block j0's K and V tiles into `slot` ([K, V][BK x D]
-// swizzled), one group of copies.
+// Warpgroup w's half (rows 32 w.. 32 w + 31) of rows j0.. j0 + 63 of two [s, D] matrices a and b into the
+// swizzled tiles at and bt (64 rows each): the forward's K and V, the dk/dv kernel's Q and dO; one group of
+// copies.
 template <typename T, int D>
-__device__ __forceinline__ void wg_stage_half(T *slot, const T *kh, const T *vh, uint32_t j0, uint32_t s, uint32_t w) {
+__device__ __forceinline__ void wg_stage_half(T *at, T *bt, const T *a, const T *b, uint32_t j0, uint32_t s, uint32_t w) {
     constexpr uint32_t HALF = WG_BK / 2;
-    stage_rows<T, D, WG_BK>(slot, kh, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
-    stage_rows<T, D, WG_BK>(slot + WG_BK * D, vh, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+    stage_rows<T, D, WG_BK>(at, a, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+    stage_rows<T, D, WG_BK>(bt, b, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
     cp_async_commit();
 }
 
@@ -169,7 +170,9 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
 
     const uint32_t w = threadIdx.x / 128, n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
     const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
-    const auto stage = [&, kh = kh, vh = vh](uint32_t j) { wg_stage_half<T, D>(slot(j), kh, vh, kmin + j * WG_BK, s, w); };
+    const auto stage = [&, kh = kh, vh = vh](uint32_t j) {
+        wg_stage_half<T, D>(slot(j), slot(j) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
+    };
     if (n > 0) {  // every product outside a branch within the loop: ptxas serialises wgmma in divergent paths
         float sc[WG_BK / 8][4];
         uint32_t pf[WG_BK / 16][4];
@@ -316,13 +319,12 @@ __device__ void wg_stage_queries(T *qs, T *gs, const T *q, const T *dout, uint32
     cp_async_commit();
 }
 
-// One query's statistics (threads 0.. WG_DKV_BQ - 1 hold one each): read from global memory one step ahead
-// of their stage, into registers, and written to the stage's shared array at the end of the step, so that
-// no step waits for their loads.
+// Query r's statistics (r < WG_DKV_BQ; none for another r) of query block i0 of head bh: read from global
+// memory a step ahead of their use, into registers, and written to the stage's shared array later
+// (wg_store_stats), so that no step waits for their loads.
 __device__ __forceinline__ QueryStat wg_load_stats(const uint32_t *ranges, const float *lse, const float *delta,
-                                                  uint32_t b, uint32_t bh, uint32_t i0, uint32_t t, uint32_t s) {
-    static_assert(WG_THREADS >= WG_DKV_BQ, "a query's statistics per thread");
-    const uint32_t r = threadIdx.x;
+                                                  uint32_t b, uint32_t bh, uint32_t i0, uint32_t t, uint32_t s,
+                                                  uint32_t r) {
     uint32_t lo = 1, hi = 0;
     if (r >= WG_DKV_BQ) return query_stat(lo, hi, 0.f, 0.f);
     mma_range(ranges, b, i0 + r, t, s, lo, hi);
@@ -330,8 +332,8 @@ __device__ __forceinline__ QueryStat wg_load_stats(const uint32_t *ranges, const
     return query_stat(lo, hi, in ? lse[(size_t)bh * t + i0 + r] : 0.f, in ? delta[(size_t)bh * t + i0 + r] : 0.f);
 }
 
-__device__ __forceinline__ void wg_store_stats(QueryStat *stage, const QueryStat &x) {
-    if (threadIdx.x < WG_DKV_BQ) stage[threadIdx.x] = x;
+__device__ __forceinline__ void wg_store_stats(QueryStat *stage, const QueryStat &x, uint32_t r) {
+    if (r < WG_DKV_BQ) stage[r] = x;
 }
 
 // Which query blocks of WG_DKV_BQ rows see one of keys j0..j_last, by the spans: bit qb of mask (words of
@@ -399,6 +401,18 @@ __device__ __forceinline__ void wg_store_ds(T *dss, const float (&ds)[WG_DKV_BQ 
                 pack2<T>(ds[n][2 * r], ds[n][2 * r + 1]);
 }
 
+// wg_store_ds from dS^T's A fragments df (wg_frags: the same bf16 / f16 pairs), then this thread's writes
+// fenced for the tensor cores (published to its warpgroup by a barrier of the caller's).
+template <typename T>
+__device__ __forceinline__ void wg_store_ds_frags(T *dss, const uint32_t (&df)[WG_DKV_BQ / 16][4]) {
+    const uint32_t warp = threadIdx.x / 32, g = (threadIdx.x % 32) / 4, c = threadIdx.x % 4;
+#pragma unroll
+    for (int kk = 0; kk < WG_DKV_BQ / 16; ++kk)
+        for (int i = 0; i < 4; ++i)  // frag_from_acc: register i holds accumulator column block 2 kk + i / 2, row half i % 2
+            *(uint32_t *)(dss + wg_at<WG_DKV_BK>(16 * warp + g + 8 * (i % 2), 8 * (2 * kk + i / 2) + 2 * c)) = df[kk][i];
+    wg_fence_proxy();
+}
+
 // acc = dS K for this warpgroup's share, from the published tile dss and the keys ks: 64 of D's columns over
 // all 128 keys (D = 128) or all 64 columns over its own 64 keys (D = 64). Issued as one group, not waited for.
 template <typename T, int D>
@@ -445,11 +459,11 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     wg_dq_red<D>(dq_acc, acc, i0, t);
 }
 
-// The dk/dv kernel's stages of Q and dO tiles: three at head dim 64, where the products dV += P^T dO and
-// dK += dS^T Q (and with DQ the atomic dQ = dS K) of one query block run while the next block's P and dS
-// are computed (its tiles must outlive the following block's copies); two at 128, where the previous
-// block's P and dS fragments would not fit in the registers left.
-template <int D> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 ? 3 : 2; }
+// The dk/dv kernel's stages of Q and dO tiles: at head dim 64 a ring of WG_DKV_SLOTS, filled and
+// published by halves as the forward's (wg_dkv_ring); two at 128, where the previous block's P and dS
+// fragments would not fit in the registers left for a pipelined loop (wg_dkv_two_stage).
+#define WG_DKV_SLOTS 5
+template <int D> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 ? WG_DKV_SLOTS : 2; }
 
 // S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys (rows of ks, vs) against the 64 queries of tiles
 // qt and gt: issued as one group, not waited for.
@@ -481,14 +495,20 @@ __device__ __forceinline__ void wg_dkv_accumulate(float (&dv)[D / 8][4], float (
     wg_commit();
 }
 
+// A query block the dk/dv kernel visits: its query head and first query.
+struct QueryBlockId {
+    uint32_t hq, i0;
+};
+
 // The dk/dv kernel's shared memory (flash_wgmma_bwd_dkv lays it out), the inputs its query steps read and
 // the block's place: its keys j0.. and the query heads up to hq_end of batch row b.
 template <typename T, int D> struct DkvBlock {
     static constexpr uint32_t STAGES = wg_dkv_stages<D>();
     T *ks, *vs;        // [WG_DKV_BK x D] keys, values
     T *qs, *gs;        // [STAGES][WG_DKV_BQ x D] queries, output gradients
-    QueryStat *stats;  // [2 stages][WG_DKV_BQ]
-    T *dss;            // with DQ: [STAGES - 1][WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    QueryStat *stats;  // [STAGES][WG_DKV_BQ]
+    T *dss;            // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
+    QueryBlockId *ids;  // in the ring: [2 warpgroups][STAGES] each stage's (query head, first query)
     uint32_t *mask;    // the query blocks that see one of the keys (wg_query_mask)
     const T *q, *dout;
     const uint32_t *ranges;
@@ -497,83 +517,139 @@ template <typename T, int D> struct DkvBlock {
 
     __device__ T *qt(uint32_t u) const { return qs + (u % STAGES) * WG_DKV_BQ * D; }
     __device__ T *gt(uint32_t u) const { return gs + (u % STAGES) * WG_DKV_BQ * D; }
-    __device__ T *ds(uint32_t u) const { return dss + (u % (STAGES - 1)) * WG_DKV_BK * WG_DKV_BQ; }
-    __device__ QueryStat *stat(uint32_t u) const { return wg_query_stage(stats, u % 2); }
+    __device__ QueryStat *stat(uint32_t u) const { return stats + (u % STAGES) * WG_DKV_BQ; }
     // Moves (hq, i0) to the next query block to visit; false when none is left.
     __device__ bool next(uint32_t &hq, uint32_t &i0) const { return wg_next_query_block(mask, t, hq_end, hq, i0); }
-    // Query block (hq, i0)'s tiles into stage u (one group of copies, not waited for); returns its
-    // statistics (this thread's query's), for wg_store_stats into stat(u) once the step's reads are done.
+    // Query block (hq, i0)'s tiles into stage u by the whole block (one group of copies, not waited for);
+    // returns the statistics of query threadIdx.x, for wg_store_stats into stat(u).
     __device__ QueryStat stage(uint32_t u, uint32_t hq, uint32_t i0) const {
         wg_stage_queries<T, D>(qt(u), gt(u), q, dout, b * h + hq, i0, t);
-        return wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s);
+        return wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s, threadIdx.x);
+    }
+    // Warpgroup w's half (rows 32 w.. 32 w + 31) of query block (hq, i0)'s tiles into stage u, one group of
+    // copies; the block's place into the warpgroup's ids(u) (visible to the warpgroup after its next
+    // barrier).
+    __device__ void stage_half(uint32_t u, uint32_t hq, uint32_t i0, uint32_t w) const {
+        const size_t head = (size_t)(b * h + hq) * t * D;
+        wg_stage_half<T, D>(qt(u), gt(u), q + head, dout + head, i0, t, w);
+        if (threadIdx.x % 128 == 0) ids[w * STAGES + u % STAGES] = QueryBlockId{hq, i0};
+    }
+    __device__ QueryBlockId id(uint32_t u, uint32_t w) const { return ids[w * STAGES + u % STAGES]; }
+    // The statistics of query half_row() (warpgroup w's half, one a thread of its first warp) of query block
+    // (hq, i0).
+    __device__ QueryStat half_stats(uint32_t hq, uint32_t i0) const {
+        return wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s, half_row());
+    }
+    __device__ static uint32_t half_row() {
+        const uint32_t r = threadIdx.x % 128;
+        return r < WG_DKV_BQ / 2 ? (threadIdx.x / 128) * (WG_DKV_BQ / 2) + r : WG_DKV_BQ;
     }
     // dq_acc's rows of query head hq.
     __device__ float *dq_rows(float *dq_acc, uint32_t hq) const { return dq_acc + (size_t)(b * h + hq) * t * D; }
 };
 
-// The dk/dv loop on three stages (head dim 64), from query block (hq, i0), whose tiles are coming and whose
-// statistics are in stat(0). Pipelined within each warpgroup: step u issues S^T and dP^T of block u, then
-// dV and dK (with DQ, and dQ) of block u - 1, and computes block u's P^T and dS^T while those run. One
-// barrier a step: it publishes block u's tiles and statistics (and block u - 1's dS^T) and tells every warp
-// that the others have retired block u - 2's products, whose stage block u + 1's copies then refill. Step 0
-// has no products of a block before it and a last turn issues the last block's (every product outside a
-// branch within the loop: ptxas serialises wgmma in divergent paths).
+// The query blocks the kernel visits: those of the mask (wg_query_mask), in each of its heads hq.. hq_end.
+__device__ __forceinline__ uint32_t wg_query_blocks(const uint32_t *mask, uint32_t t, uint32_t hq, uint32_t hq_end) {
+    const uint32_t words = ((t + WG_DKV_BQ - 1) / WG_DKV_BQ + 31) / 32;
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < words; ++w) n += __popc(mask[w]);
+    return n * (hq_end - hq);
+}
+
+// The ring's dQ of block u (the atomic backward at head dim 64): warpgroup w's dS^T (fragments df) into its
+// 64 keys' rows of the tile dss, published to its own warps (wg_self), then dQ = dS K over those keys and
+// the f32 atomics. Its product runs while the other warpgroup computes; only its registers and the
+// fragments' are live, not the scores'.
+__device__ __forceinline__ uint32_t wg_self(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + 2 + w; }
+
+template <typename T, int D>
+__device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D> &blk, float *dq_acc,
+                                           const uint32_t (&df)[WG_DKV_BQ / 16][4], uint32_t u, uint32_t w) {
+    wg_store_ds_frags<T>(blk.dss, df);
+    bar_sync(wg_self(w), 128);
+    float dq[8][4];
+    wg_dq_product<T, D>(dq, blk.dss, blk.ks);
+    wg_wait<0>(dq);
+    const QueryBlockId id = blk.id(u, w);
+    wg_dq_red<D>(blk.dq_rows(dq_acc, id.hq), dq, id.i0, blk.t);
+}
+
+// The dk/dv loop at head dim 64 over the n query blocks from (hq, i0), the forward's schedule (see
+// flash_wgmma_fwd) with the roles of keys and queries swapped:
+// - pipelined within a warpgroup: step u issues S^T_u = K Q_u^T and dP^T_u = V dO_u^T, then dV += P^T dO
+//   and dK += dS^T Q of block u - 1, and computes block u's P^T and dS^T while those run;
+// - ping-pong between the two warpgroups (wg_turn), so that one's P^T and dS^T run while the other's
+//   products do;
+// - no block-wide barrier in the loop: each warpgroup copies half of every Q and dO tile (and reads half of
+//   its queries' statistics) into a ring of WG_DKV_SLOTS, block u + 2 at the start of step u, and publishes
+//   its half of block u + 1 right after issuing step u's products (wg_full);
+// - with DQ, each step ends with its block's dQ (wg_ring_dq), which reads only the warpgroup's own rows.
 template <typename T, int D, bool DQ>
-__device__ __forceinline__ void wg_dkv_pipelined(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
-                                                 float *dq_acc, uint32_t hq, uint32_t i0, float scale) {
-    const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
-    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4], dq[8][4];
+__device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
+                                            float *dq_acc, uint32_t hq, uint32_t i0, uint32_t n, float scale) {
+    static_assert(D == 64 && DkvBlock<T, D>::STAGES == WG_FWD_SLOTS, "the forward's ring and its barriers");
+    const uint32_t w = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32), r = DkvBlock<T, D>::half_row();
+    float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
-    uint32_t hn = hq, in = i0;
-    bool next = blk.next(hn, in);
+    uint32_t hs = hq, is = i0;  // the last block staged
+    blk.stage_half(0, hs, is, w);
+    wg_store_stats(blk.stat(0), blk.half_stats(hs, is), r);
     QueryStat coming = query_stat(1, 0, 0.f, 0.f);
-    cp_async_wait<0>();  // the keys, values and block 0's tiles
-    wg_publish();
-    if (next) coming = blk.stage(1, hn, in);
-    wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(0), blk.gt(0), wg);
+    if (n > 1) {
+        blk.next(hs, is);
+        blk.stage_half(1, hs, is, w);
+        coming = blk.half_stats(hs, is);
+    }
+    wg_publish_half(w, 0, n > 1);
+    if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
+    bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
+    if (n > 2) {
+        blk.next(hs, is);
+        blk.stage_half(2, hs, is, w);
+    }
+    bar_sync(wg_turn(w), WG_THREADS);
+    wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(0), blk.gt(0), w);
+    bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+    if (n > 1) {
+        wg_store_stats(blk.stat(1), coming, r);
+        wg_publish_half(w, 1, n > 2);
+    }
     wg_wait<0>(sc, dp);
     probs_t<WG_DKV_BQ>(sc, dp, blk.stat(0), blk.j0 + m0, scale);  // P^T and dS^T
     wg_frags<T, WG_DKV_BQ>(pf, sc);
     wg_frags<T, WG_DKV_BQ>(df, dp);
-    if constexpr (DQ) wg_store_ds<T>(blk.ds(0), dp);
-    if (next) wg_store_stats(blk.stat(1), coming);
-    uint32_t hp = hq, ip = i0;  // block u - 1's
-    uint32_t u = 1;
-    for (bool more = next; more; ++u) {
-        const uint32_t hc = hn, ic = in;  // block u's
-        next = blk.next(hn, in);
-        coming = query_stat(1, 0, 0.f, 0.f);
-        cp_async_wait<0>();  // block u's copies
-        wg_publish();
-        if (next) coming = blk.stage(u + 1, hn, in);
-        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), wg);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
-        if constexpr (DQ) wg_dq_product<T, D>(dq, blk.ds(u - 1), blk.ks);
-        wg_wait<DQ ? 2 : 1>(sc, dp);
-        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
-        if constexpr (DQ) {
-            wg_wait<0>(dv, dk, dq);
-            wg_dq_red<D>(blk.dq_rows(dq_acc, hp), dq, ip, blk.t);
-        } else {
-            wg_wait<0>(dv, dk);
+    if constexpr (DQ) wg_ring_dq<T, D>(blk, dq_acc, df, 0, w);
+    for (uint32_t u = 1; u < n; ++u) {
+        bar_sync(wg_full(w ^ 1, u % WG_DKV_SLOTS), WG_THREADS);
+        if (u + 1 < n) {  // block u + 1's statistics, stored before its half is published
+            const QueryBlockId id = blk.id(u + 1, w);
+            coming = blk.half_stats(id.hq, id.i0);
         }
+        if (u + 2 < n) {
+            blk.next(hs, is);
+            blk.stage_half(u + 2, hs, is, w);
+        }
+        bar_sync(wg_turn(w), WG_THREADS);
+        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), w);
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
+        bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+        if (u + 1 < n) {
+            wg_store_stats(blk.stat(u + 1), coming, r);
+            wg_publish_half(w, (u + 1) % WG_DKV_SLOTS, u + 2 < n);
+        }
+        wg_wait<1>(sc, dp);
+        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
+        wg_wait<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
-        if constexpr (DQ) wg_store_ds<T>(blk.ds(u), dp);
-        if (next) wg_store_stats(blk.stat(u + 1), coming);
-        hp = hc, ip = ic, more = next;
+        if constexpr (DQ) wg_ring_dq<T, D>(blk, dq_acc, df, u, w);
     }
-    if constexpr (DQ) wg_publish();  // the last block's dS^T
-    wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
-    if constexpr (DQ) {
-        wg_dq_product<T, D>(dq, blk.ds(u - 1), blk.ks);
-        wg_wait<0>(dv, dk, dq);
-        wg_dq_red<D>(blk.dq_rows(dq_acc, hp), dq, ip, blk.t);
-    } else {
-        wg_wait<0>(dv, dk);
-    }
+    bar_sync(wg_turn(w), WG_THREADS);
+    wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(n - 1), blk.qt(n - 1));
+    if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
+    wg_wait<0>(dv, dk);
     wg_keep(pf);
     wg_keep(df);
 }
@@ -587,6 +663,7 @@ __device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&
     const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+    wg_store_stats(blk.stat(0), blk.stage(0, hq, i0), threadIdx.x);
     uint32_t hn = hq, in = i0;
     bool next = blk.next(hn, in);
     for (uint32_t u = 0;; ++u) {
@@ -610,7 +687,7 @@ __device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&
         wg_keep(df);
         if constexpr (DQ) wg_add_dq<T, D>(blk.dq_rows(dq_acc, hq), blk.dss, dp, blk.ks, i0, blk.t);
         // The next stage's statistics, read since the step began; the barrier publishes them.
-        if (next) wg_store_stats(blk.stat(u + 1), coming);
+        if (next) wg_store_stats(blk.stat(u + 1), coming, threadIdx.x);
         __syncthreads();  // every warp is done with this stage before it is filled again
         if (!next) break;
         hq = hn, i0 = in;
@@ -638,8 +715,9 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     blk.qs = blk.vs + WG_DKV_BK * D;
     blk.gs = blk.qs + STAGES * WG_DKV_BQ * D;
     blk.stats = (QueryStat *)(blk.gs + STAGES * WG_DKV_BQ * D);
-    blk.dss = (T *)(blk.stats + 2 * WG_DKV_BQ);
-    blk.mask = (uint32_t *)(blk.dss + (DQ ? (STAGES - 1) * WG_DKV_BK * WG_DKV_BQ : 0));
+    blk.dss = (T *)(blk.stats + STAGES * WG_DKV_BQ);
+    blk.ids = (QueryBlockId *)(blk.dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));
+    blk.mask = (uint32_t *)(blk.ids + (STAGES > 2 ? 2 * STAGES : 0));
     blk.q = q, blk.dout = dout, blk.ranges = ranges, blk.lse = lse, blk.delta = delta;
     const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, kvh = bkv % kv;
     blk.b = bkv / kv, blk.h = h, blk.t = t, blk.s = s, blk.j0 = blockIdx.y * WG_DKV_BK;
@@ -654,9 +732,8 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     zero_acc(dv);
     uint32_t i0 = 0u - WG_DKV_BQ;
     if (blk.next(hq, i0)) {
-        wg_store_stats(blk.stat(0), blk.stage(0, hq, i0));
-        if constexpr (STAGES == 3) {
-            wg_dkv_pipelined<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);
+        if constexpr (STAGES == WG_DKV_SLOTS) {
+            wg_dkv_ring<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, wg_query_blocks(blk.mask, t, hq, blk.hq_end), scale);
         } else {
             wg_dkv_two_stage<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);
         }
