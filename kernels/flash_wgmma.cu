@@ -3,8 +3,10 @@
 // flash_attention.rs has the definitions and the CPU reference), for bf16 and f16 and a head dim D of 64
 // or 128, with each block product one warpgroup-wide m64 instruction on 64 x 64 (or 64 x D) tiles
 // instead of mma.sync's 16 x 8. 256 threads (two warpgroups) per block; tiles in shared memory in the
-// 128-byte swizzle, filled by cp.async (the forward: a ring of five K/V slots; the dq kernel three stages, the
-// dk/dv kernels two, three at D = 64 without atomics); more than 48 KiB of shared memory (the host opts each kernel in).
+// 128-byte swizzle, filled by cp.async; more than 48 KiB of shared memory (the host opts each kernel in).
+// The forward, the dq kernel and the dk/dv kernels at D = 64 share one schedule (flash_wgmma_fwd): a ring
+// of five slots that each warpgroup fills and publishes by halves (named barriers), the two warpgroups
+// taking turns to issue their products, each pipelined; the dk/dv kernels at D = 128 run two stages.
 //
 // q, dout, out: [B, H, T, D]; k, v: [B, KV, S, D] (query head h reads KV head h / (H / KV));
 // ranges[(b * T + i) * 2 ..] = (lo, hi): the keys query (b, i) sees; lse, delta: [B, H, T] f32.
@@ -13,8 +15,8 @@
 //                              B: the K tile, K-major), then O += P V (A: P from S's accumulators, B: the V
 //                              tile, MN-major).
 //   flash_wgmma_bwd_dq_dD_<T>: 128 queries per block, keys in blocks of 64: S = Q K^T, dP = dO V^T,
-//                              dS = P (dP - delta), dQ += dS K (at D = 64 the previous block's, while this
-//                              block's dS is computed); also the span of keys each 16 queries see
+//                              dS = P (dP - delta), dQ += dS K (the previous block's, while this block's
+//                              dS is computed); also the span of keys each 16 queries see
 //                              (spans: [B, ceil(T / 16), 2] u32), for the dk/dv kernel.
 //   flash_wgmma_bwd_dkv_dD_<T>: 128 keys of one KV head per block (64 per warpgroup; grid: B*KV*split x
 //                              key blocks), over the queries of its part (of `split`) of its group's heads
@@ -222,60 +224,63 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     store_forward<T, D>(out + (size_t)bh * t * D, lse + (size_t)bh * t, o, m, l, i0 + m0, t, scale);
 }
 
-// The dq kernel's stages of K and V tiles: three, where the product dQ += dS_{j-1} K_{j-1} runs while block
-// j's dS is computed (its K tile must outlive the next block's copies). At head dim 128 the previous
-// block's dS fragments fit since the softmax's arithmetic shrank (kernels/flash_rows.cuh): 244 registers.
-constexpr uint32_t WG_DQ_STAGES = 3;
-
-// The dq kernel's loop, pipelined within each warpgroup: step j issues S_j = Q K_j^T and
-// dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that product runs (after waiting for
-// S_j and dP_j only). One barrier a step: it publishes block j's tiles and tells every warp that the others
-// have retired dQ_{j-2}, whose stage block j + 1's copies then refill.
+// The dq kernel's loop, the forward's schedule (see flash_wgmma_fwd) with its products: step j issues
+// S_j = Q K_j^T and dP_j = dO V_j^T, then dQ += dS_{j-1} K_{j-1}, and computes dS_j while that product runs
+// (after waiting for S_j and dP_j only); the two warpgroups take turns to issue (wg_turn); each copies half
+// of every K and V tile into the forward's ring of WG_FWD_SLOTS and publishes it by halves (wg_full), no
+// block-wide barrier in the loop.
 template <typename T, int D>
-__device__ __forceinline__ void wg_dq_pipelined(float (&acc)[D / 8][4], const uint32_t (&qf)[D / 16][4],
-                                                const uint32_t (&gf)[D / 16][4], T *tiles, const T *kh, const T *vh,
-                                                const QueryRows &rows, uint32_t kmin, uint32_t kmax, uint32_t s,
-                                                float scale) {
-    constexpr uint32_t STAGES = WG_DQ_STAGES;
-    const uint32_t n = (kmax - kmin) / WG_BK + 1;
-    const auto tile = [&](uint32_t j) { return tiles + 2 * (j % STAGES) * WG_BK * D; };
+__device__ __forceinline__ void wg_dq_ring(float (&acc)[D / 8][4], const uint32_t (&qf)[D / 16][4],
+                                           const uint32_t (&gf)[D / 16][4], T *tiles, const T *kh, const T *vh,
+                                           const QueryRows &rows, uint32_t kmin, uint32_t kmax, uint32_t s, float scale) {
+    const uint32_t w = threadIdx.x / 128, n = (kmax - kmin) / WG_BK + 1;
+    const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
     const auto stage = [&](uint32_t j) {
-        stage_swizzled<T, D, WG_BK>(tile(j), kh, kmin + j * WG_BK, s);
-        stage_swizzled<T, D, WG_BK>(tile(j) + WG_BK * D, vh, kmin + j * WG_BK, s);
-        cp_async_commit();
+        wg_stage_half<T, D>(slot(j), slot(j) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
+    };
+    const auto scores = [&](float(&sc)[WG_BK / 8][4], float(&dp)[WG_BK / 8][4], uint32_t j) {
+        wg_begin(sc, dp);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(j));
+        wg_rows_by_tile<T, WG_BK, D>(dp, gf, slot(j) + WG_BK * D);
+        wg_commit();
     };
     float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
     uint32_t df[WG_BK / 16][4];
     stage(0);
-    cp_async_wait<0>();
-    wg_publish();
     if (n > 1) stage(1);
-    wg_begin(sc, dp);
-    wg_rows_by_tile<T, WG_BK, D>(sc, qf, tile(0));
-    wg_rows_by_tile<T, WG_BK, D>(dp, gf, tile(0) + WG_BK * D);
-    wg_end<0>(sc, dp);
+    wg_publish_half(w, 0, n > 1);
+    if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
+    bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
+    if (n > 2) stage(2);
+    bar_sync(wg_turn(w), WG_THREADS);
+    scores(sc, dp, 0);
+    bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+    if (n > 1) wg_publish_half(w, 1, n > 2);
+    wg_wait<0>(sc, dp);
     score_grads<WG_BK>(sc, dp, rows, kmin, scale);  // sc becomes dS
     wg_frags<T, WG_BK>(df, sc);
     for (uint32_t j = 1; j < n; ++j) {
-        cp_async_wait<0>();  // block j's copies
-        wg_publish();
-        if (j + 1 < n) stage(j + 1);
-        wg_begin(sc, dp);
-        wg_rows_by_tile<T, WG_BK, D>(sc, qf, tile(j));
-        wg_rows_by_tile<T, WG_BK, D>(dp, gf, tile(j) + WG_BK * D);
-        wg_commit();
+        bar_sync(wg_full(w ^ 1, j % WG_FWD_SLOTS), WG_THREADS);
+        if (j + 2 < n) stage(j + 2);
+        bar_sync(wg_turn(w), WG_THREADS);
+        scores(sc, dp, j);
         wg_begin(acc);
-        wg_acc_by_tile<T, WG_BK, D>(acc, df, tile(j - 1));
+        wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(j - 1));
         wg_commit();
+        bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+        if (j + 1 < n) wg_publish_half(w, (j + 1) % WG_FWD_SLOTS, j + 2 < n);
         wg_wait<1>(sc, dp);
         score_grads<WG_BK>(sc, dp, rows, kmin + j * WG_BK, scale);
         wg_wait<0>(acc);
         wg_keep(df);
         wg_frags<T, WG_BK>(df, sc);
     }
+    bar_sync(wg_turn(w), WG_THREADS);
     wg_begin(acc);
-    wg_acc_by_tile<T, WG_BK, D>(acc, df, tile(n - 1));
-    wg_end<0>(acc);
+    wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(n - 1));
+    wg_commit();
+    if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
+    wg_wait<0>(acc);
     wg_keep(df);
 }
 
@@ -286,8 +291,8 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
                                    uint32_t *__restrict__ spans, uint32_t h, uint32_t kv, uint32_t t, uint32_t s,
                                    float scale) {
     extern __shared__ uint32_t wg_smem[];
-    T *tiles = wg_aligned<T>(wg_smem);  // [stages][keys, values][WG_BK x D]
-    uint32_t *los = (uint32_t *)(tiles + 2 * WG_DQ_STAGES * WG_BK * D);  // [WG_BQ]
+    T *tiles = wg_aligned<T>(wg_smem);  // [slots][keys, values][WG_BK x D]
+    uint32_t *los = (uint32_t *)(tiles + 2 * WG_FWD_SLOTS * WG_BK * D);  // [WG_BQ]
     uint32_t *his = los + WG_BQ;                                               // [WG_BQ]
     const auto [bh, b, i0, m0, kh, vh] = query_block<T, D, WG_BQ>(k, v, h, kv, s);
 
@@ -301,7 +306,7 @@ __device__ void flash_wgmma_bwd_dq(const T *__restrict__ q, const T *__restrict_
     float acc[D / 8][4];
     zero_acc(acc);
 
-    if (kmin <= kmax) wg_dq_pipelined<T, D>(acc, qf, gf, tiles, kh, vh, rows, kmin, kmax, s, scale);
+    if (kmin <= kmax) wg_dq_ring<T, D>(acc, qf, gf, tiles, kh, vh, rows, kmin, kmax, s, scale);
     const float scales[2] = {scale, scale};
     store_acc<T, D>(dq + (size_t)bh * t * D, acc, scales, i0 + m0, t);
 }

@@ -23,12 +23,8 @@ const DKV_QUERIES: usize = 64;
 /// Slack for aligning the tiles to 1024 bytes (the 128-byte swizzle's period).
 const ALIGN: usize = 1024;
 
-/// Key tiles of K and V the forward holds (kernels/flash_wgmma.cu's WG_FWD_SLOTS).
+/// Key tiles of K and V the forward and the dq kernel hold (kernels/flash_wgmma.cu's WG_FWD_SLOTS).
 const FWD_SLOTS: usize = 5;
-
-/// The dq kernel's stages of K and V tiles (kernels/flash_wgmma.cu's `WG_DQ_STAGES`): three, its loop
-/// keeping the previous block's K tile for the product that overlaps the next block's dS.
-const DQ_STAGES: usize = 3;
 
 /// The dk/dv kernels' stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): at head dim 64
 /// a ring of five (`WG_DKV_SLOTS`, the forward's schedule), two at 128.
@@ -55,7 +51,7 @@ fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 16 * stages * DKV_QUERIES + ids + mask;
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dq" => ALIGN + 2 * (2 * DQ_STAGES * KEYS * d) + 2 * 4 * QUERIES,
+        "bwd_dq" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dkv" => dkv,
         // and the tile of dS^T, [128 keys][64 queries]
         _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,

@@ -406,10 +406,11 @@ fn flash_wgmma_bwd() {
     check_flash_backward("flash_wgmma_bwd", plan, &WGMMA_CASES, &[DType::BF16, DType::F16], 47);
 }
 
-/// The dq kernel's three stages at head dim 128 cycled: a last query block whose keys span five key steps,
-/// so that every stage is refilled while the products of the block before it may still read it; bf16.
+/// The dq kernel's ring at head dim 128 cycled: a last query block whose keys span six key steps, so that
+/// every slot is refilled while the other warpgroup's products on the blocks before it may still read
+/// them; bf16.
 #[test]
-fn flash_wgmma_bwd_dq_stages_cycle_at_128() {
+fn flash_wgmma_bwd_dq_ring_cycles_at_128() {
     let case = [(1, 2, 1, 300, 40, 128)];
     check_flash_backward("flash_wgmma_bwd", flash_wgmma::backward_plan, &case, &[DType::BF16], 53);
 }
