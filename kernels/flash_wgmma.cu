@@ -464,11 +464,13 @@ __device__ __forceinline__ void wg_add_dq(float *dq_acc, T *dss, const float (&d
     wg_dq_red<D>(dq_acc, acc, i0, t);
 }
 
-// The dk/dv kernel's stages of Q and dO tiles: at head dim 64 a ring of WG_DKV_SLOTS, filled and
-// published by halves as the forward's (wg_dkv_ring); two at 128, where the previous block's P and dS
-// fragments would not fit in the registers left for a pipelined loop (wg_dkv_two_stage).
-#define WG_DKV_SLOTS 5
-template <int D> __host__ __device__ constexpr uint32_t wg_dkv_stages() { return D == 64 ? WG_DKV_SLOTS : 2; }
+// The dk/dv kernel's stages of Q and dO tiles: a ring filled and published by halves as the forward's
+// (wg_dkv_ring), of five slots at head dim 64 and four at 128 (whose loop retires each block's products
+// within its step, and whose five would not fit in shared memory); two for the atomic dq at 128
+// (wg_dkv_two_stage: each warpgroup's dQ reads both warpgroups' dS^T).
+template <int D, bool DQ> __host__ __device__ constexpr uint32_t wg_dkv_stages() {
+    return D == 64 ? WG_FWD_SLOTS : DQ ? 2 : 4;
+}
 
 // S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys (rows of ks, vs) against the 64 queries of tiles
 // qt and gt: issued as one group, not waited for.
@@ -507,8 +509,8 @@ struct QueryBlockId {
 
 // The dk/dv kernel's shared memory (flash_wgmma_bwd_dkv lays it out), the inputs its query steps read and
 // the block's place: its keys j0.. and the query heads up to hq_end of batch row b.
-template <typename T, int D> struct DkvBlock {
-    static constexpr uint32_t STAGES = wg_dkv_stages<D>();
+template <typename T, int D, bool DQ> struct DkvBlock {
+    static constexpr uint32_t STAGES = wg_dkv_stages<D, DQ>();
     T *ks, *vs;        // [WG_DKV_BK x D] keys, values
     T *qs, *gs;        // [STAGES][WG_DKV_BQ x D] queries, output gradients
     QueryStat *stats;  // [STAGES][WG_DKV_BQ]
@@ -567,8 +569,8 @@ __device__ __forceinline__ uint32_t wg_query_blocks(const uint32_t *mask, uint32
 // fragments' are live, not the scores'.
 __device__ __forceinline__ uint32_t wg_self(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + 2 + w; }
 
-template <typename T, int D>
-__device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D> &blk, float *dq_acc,
+template <typename T, int D, bool DQ>
+__device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D, DQ> &blk, float *dq_acc,
                                            const uint32_t (&df)[WG_DKV_BQ / 16][4], uint32_t u, uint32_t w) {
     wg_store_ds_frags<T>(blk.dss, df);
     bar_sync(wg_self(w), 128);
@@ -579,23 +581,38 @@ __device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D> &blk, float *dq_
     wg_dq_red<D>(blk.dq_rows(dq_acc, id.hq), dq, id.i0, blk.t);
 }
 
-// The dk/dv loop at head dim 64 over the n query blocks from (hq, i0), the forward's schedule (see
-// flash_wgmma_fwd) with the roles of keys and queries swapped:
-// - pipelined within a warpgroup: step u issues S^T_u = K Q_u^T and dP^T_u = V dO_u^T, then dV += P^T dO
-//   and dK += dS^T Q of block u - 1, and computes block u's P^T and dS^T while those run;
+// The dk/dv loop over the n query blocks from (hq, i0), the forward's schedule (see flash_wgmma_fwd) with
+// the roles of keys and queries swapped:
 // - ping-pong between the two warpgroups (wg_turn), so that one's P^T and dS^T run while the other's
 //   products do;
+// - at head dim 64 pipelined within a warpgroup: step u issues S^T_u = K Q_u^T and dP^T_u = V dO_u^T, then
+//   dV += P^T dO and dK += dS^T Q of block u - 1, and computes block u's P^T and dS^T while those run. At
+//   128 the previous block's fragments do not fit beside the accumulators: a step issues its S^T and dP^T,
+//   computes P^T and dS^T, then issues its own dV and dK in a second turn;
 // - no block-wide barrier in the loop: each warpgroup copies half of every Q and dO tile (and reads half of
-//   its queries' statistics) into a ring of WG_DKV_SLOTS, block u + 2 at the start of step u, and publishes
-//   its half of block u + 1 right after issuing step u's products (wg_full);
-// - with DQ, each step ends with its block's dQ (wg_ring_dq), which reads only the warpgroup's own rows.
+//   its queries' statistics) into a ring of slots, block u + 2 at the start of step u, and publishes
+//   its half of block u + 1 right after issuing step u's first products (wg_full);
+// - with DQ (head dim 64), each step ends with its block's dQ (wg_ring_dq), which reads only the warpgroup's
+//   own rows.
 template <typename T, int D, bool DQ>
-__device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
+__device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
                                             float *dq_acc, uint32_t hq, uint32_t i0, uint32_t n, float scale) {
-    static_assert(D == 64 && DkvBlock<T, D>::STAGES == WG_FWD_SLOTS, "the forward's ring and its barriers");
-    const uint32_t w = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32), r = DkvBlock<T, D>::half_row();
+    constexpr bool PIPE = D == 64;
+    constexpr uint32_t SLOTS = DkvBlock<T, D, DQ>::STAGES;
+    static_assert(SLOTS == (PIPE ? WG_FWD_SLOTS : 4) && (PIPE || !DQ), "the slots the schedule needs; wg_full's ids");
+    const uint32_t w = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32), r = DkvBlock<T, D, DQ>::half_row();
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
+    // Without PIPE, dV and dK of block u in a turn of their own (warpgroup 1 leaves its last turn's arrival
+    // out: 2 n turns each).
+    const auto accumulate = [&](uint32_t u) {
+        bar_sync(wg_turn(w), WG_THREADS);
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u), blk.qt(u));
+        if (w == 0 || u + 1 < n) bar_arrive(wg_turn(w ^ 1), WG_THREADS);
+        wg_wait<0>(dv, dk);
+        wg_keep(pf);
+        wg_keep(df);
+    };
     uint32_t hs = hq, is = i0;  // the last block staged
     blk.stage_half(0, hs, is, w);
     wg_store_stats(blk.stat(0), blk.half_stats(hs, is), r);
@@ -623,9 +640,10 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     probs_t<WG_DKV_BQ>(sc, dp, blk.stat(0), blk.j0 + m0, scale);  // P^T and dS^T
     wg_frags<T, WG_DKV_BQ>(pf, sc);
     wg_frags<T, WG_DKV_BQ>(df, dp);
-    if constexpr (DQ) wg_ring_dq<T, D>(blk, dq_acc, df, 0, w);
+    if constexpr (!PIPE) accumulate(0);
+    if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, 0, w);
     for (uint32_t u = 1; u < n; ++u) {
-        bar_sync(wg_full(w ^ 1, u % WG_DKV_SLOTS), WG_THREADS);
+        bar_sync(wg_full(w ^ 1, u % SLOTS), WG_THREADS);
         if (u + 1 < n) {  // block u + 1's statistics, stored before its half is published
             const QueryBlockId id = blk.id(u + 1, w);
             coming = blk.half_stats(id.hq, id.i0);
@@ -636,34 +654,39 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
         }
         bar_sync(wg_turn(w), WG_THREADS);
         wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), w);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
+        if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
         if (u + 1 < n) {
             wg_store_stats(blk.stat(u + 1), coming, r);
-            wg_publish_half(w, (u + 1) % WG_DKV_SLOTS, u + 2 < n);
+            wg_publish_half(w, (u + 1) % SLOTS, u + 2 < n);
         }
-        wg_wait<1>(sc, dp);
+        wg_wait<PIPE ? 1 : 0>(sc, dp);
         probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
+        if constexpr (PIPE) {
+            wg_wait<0>(dv, dk);
+            wg_keep(pf);
+            wg_keep(df);
+        }
+        wg_frags<T, WG_DKV_BQ>(pf, sc);
+        wg_frags<T, WG_DKV_BQ>(df, dp);
+        if constexpr (!PIPE) accumulate(u);
+        if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, u, w);
+    }
+    if constexpr (PIPE) {
+        bar_sync(wg_turn(w), WG_THREADS);
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(n - 1), blk.qt(n - 1));
+        if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
         wg_wait<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
-        wg_frags<T, WG_DKV_BQ>(pf, sc);
-        wg_frags<T, WG_DKV_BQ>(df, dp);
-        if constexpr (DQ) wg_ring_dq<T, D>(blk, dq_acc, df, u, w);
     }
-    bar_sync(wg_turn(w), WG_THREADS);
-    wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(n - 1), blk.qt(n - 1));
-    if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
-    wg_wait<0>(dv, dk);
-    wg_keep(pf);
-    wg_keep(df);
 }
 
-// The dk/dv loop on two stages (head dim 128), from query block (hq, i0), whose tiles are coming and whose
+// The dk/dv loop on two stages (the atomic dq at head dim 128), from query block (hq, i0), whose tiles are coming and whose
 // statistics are in stat(0): each step's products wait for its own P^T and dS^T; the next block's tiles
 // come in meanwhile.
 template <typename T, int D, bool DQ>
-__device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D> &blk,
+__device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
                                                  float *dq_acc, uint32_t hq, uint32_t i0, float scale) {
     const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
@@ -712,9 +735,9 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
                                     const float *__restrict__ lse, const float *__restrict__ delta,
                                     float *__restrict__ parts, const uint32_t *__restrict__ spans, float *dq_acc,
                                     uint32_t h, uint32_t kv, uint32_t t, uint32_t s, uint32_t split, float scale) {
-    constexpr uint32_t STAGES = wg_dkv_stages<D>();
+    constexpr uint32_t STAGES = wg_dkv_stages<D, DQ>();
     extern __shared__ uint32_t wg_smem[];
-    DkvBlock<T, D> blk;
+    DkvBlock<T, D, DQ> blk;
     blk.ks = wg_aligned<T>(wg_smem);
     blk.vs = blk.ks + WG_DKV_BK * D;
     blk.qs = blk.vs + WG_DKV_BK * D;
@@ -737,7 +760,7 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     zero_acc(dv);
     uint32_t i0 = 0u - WG_DKV_BQ;
     if (blk.next(hq, i0)) {
-        if constexpr (STAGES == WG_DKV_SLOTS) {
+        if constexpr (STAGES > 2) {
             wg_dkv_ring<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, wg_query_blocks(blk.mask, t, hq, blk.hq_end), scale);
         } else {
             wg_dkv_two_stage<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);

@@ -26,35 +26,36 @@ const ALIGN: usize = 1024;
 /// Key tiles of K and V the forward and the dq kernel hold (kernels/flash_wgmma.cu's WG_FWD_SLOTS).
 const FWD_SLOTS: usize = 5;
 
-/// The dk/dv kernels' stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): at head dim 64
-/// a ring of five (`WG_DKV_SLOTS`, the forward's schedule), two at 128.
-const fn dkv_stages(d: usize) -> usize {
-    if d == 64 {
-        5
-    } else {
-        2
+/// The dk/dv kernels' stages of Q and dO tiles (kernels/flash_wgmma.cu's `wg_dkv_stages`): a ring (the
+/// forward's schedule) of five slots at head dim 64 and four at 128, but two stages for dq by atomics at 128.
+const fn dkv_stages(d: usize, atomic_dq: bool) -> usize {
+    match (d, atomic_dq) {
+        (64, _) => FWD_SLOTS,
+        (_, false) => 4,
+        _ => 2,
     }
 }
 
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
 /// (slots of K and V; or K and V, then the stages of Q and dO), then the rows' key ranges and statistics
 /// (the dk/dv kernels: a 16-byte record per query of each stage, and in the ring each stage's query block);
-/// the dk/dv kernels end with the bitmask of
-/// the query blocks that see their keys (a bit per block of `DKV_QUERIES` queries, in 32-bit words).
+/// the dk/dv kernels end with the bitmask of the query blocks that see their keys (a bit per block of
+/// `DKV_QUERIES` queries, in 32-bit words).
 fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     let d = dims.d;
     let mask = 4 * dims.t.div_ceil(DKV_QUERIES).div_ceil(32);
-    let stages = dkv_stages(d);
-    let ring = stages > 2;
-    // the ring's (query head, first query) of each stage, a copy per warpgroup
-    let ids = if ring { 2 * stages * 8 } else { 0 };
-    let dkv = ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 16 * stages * DKV_QUERIES + ids + mask;
+    let dkv = |atomic_dq: bool| {
+        let stages = dkv_stages(d, atomic_dq);
+        // the ring's (query head, first query) of each stage, a copy per warpgroup
+        let ids = if stages > 2 { 2 * stages * 8 } else { 0 };
+        ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 16 * stages * DKV_QUERIES + ids + mask
+    };
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
         "bwd_dq" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,
-        "bwd_dkv" => dkv,
+        "bwd_dkv" => dkv(false),
         // and the tile of dS^T, [128 keys][64 queries]
-        _ => dkv + 2 * DKV_KEYS * DKV_QUERIES,
+        _ => dkv(true) + 2 * DKV_KEYS * DKV_QUERIES,
     }
 }
 
