@@ -124,8 +124,10 @@ if [ "$mutate" -eq 1 ]; then
   # wg NAME WHAT OLD NEW PATTERN: a mutant of the warpgroup forward, caught by flash_wgmma_fwd under ASan
   wg() { caught "$1 ($2)" address,undefined "$(mutant "$1" flash_wgmma.cu "$3" "$4")" \
     kernels::emu::tests::flash_wgmma_fwd "$5"; }
-  wg wgslot "a slot refilled before its last product" '            if (j + 2 < n) stage(j + 2);' \
-    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), kh, vh, kmin + (j + 2) * WG_BK, s, w);' 'is still writing'
+  wg wgslot "a slot refilled before its last product" \
+    '            if (j + 2 < n) stage(j + 2);\n            bar_sync(wg_turn(w), WG_THREADS);\n            wg_begin(sc);' \
+    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), slot(j - 1) + WG_BK * D, kh, vh, kmin + (j + 2) * WG_BK, s, w);\n            bar_sync(wg_turn(w), WG_THREADS);\n            wg_begin(sc);' \
+    'is still writing'
   wg wgpublish "a half announced before its copies land" \
     '    if (newer) {\n        cp_async_wait<1>();\n    } else {\n        cp_async_wait<0>();\n    }\n    wg_fence_proxy();' \
     '    wg_fence_proxy();' 'is still writing'
@@ -140,7 +142,8 @@ if [ "$mutate" -eq 1 ]; then
   wg wgareg "A registers written in flight" \
     '            wg_wait<0>(o);\n            wg_keep(pf);\n            wg_frags<T, WG_BK>(pf, sc);' \
     '            wg_frags<T, WG_BK>(pf, sc);\n            wg_wait<0>(o);\n            wg_keep(pf);' "wrote a wgmma's A registers"
-  wg wgturn "an extra turn" '        if (w == 0) bar_arrive(wg_turn(1)' '        bar_arrive(wg_turn(w ^ 1)' \
+  wg wgturn "an extra turn" '        if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each\n        wg_wait<0>(o);' \
+    '        bar_arrive(wg_turn(w ^ 1), WG_THREADS);\n        wg_wait<0>(o);' \
     'left with 128 arrivals'
 fi
 [ "$failures" -eq 0 ] && echo "all clean$([ "$mutate" -eq 1 ] && echo ', every mutant caught')"
