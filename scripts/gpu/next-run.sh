@@ -11,7 +11,8 @@
 #      default attention (auto: the start-up-checked tensor-core kernels) and wgmma + keep-attention +
 #      atomic dq;
 #   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
-#      transformers import (a skipped line otherwise), and grpo at 1k beside it;
+#      transformers import (a skipped line otherwise), the 16k one with a step under torch.profiler (its
+#      CUDA time in attention, GEMMs and the rest: where PyTorch's step goes), and grpo at 1k beside it;
 #   5. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
 #      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; Nsight Compute on the
 #      warpgroup kernels at 16k, head dims 64 and 128 (issue activity, tensor pipe, occupancy: NAME-ncu.txt);
@@ -182,7 +183,7 @@ if want torch; then
     else
         step "train-step torch 0.5b $MID" 60 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $MID --steps 2
         step "train-step torch 0.5b $LONG x $LONG_ANSWERS" 75 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" \
-            --answers "$LONG_ANSWERS" --seq-len $LONG --steps 1
+            --answers "$LONG_ANSWERS" --seq-len $LONG --steps 1 --profile
         step "train-step torch 0.5b $SHORT" 45 "$PY" scripts/gpu/torch_ref.py train-step "${t[@]}" --answers 8 --seq-len $SHORT --steps 2
 fi
 fi

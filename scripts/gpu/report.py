@@ -9,7 +9,8 @@ reference is "torch" or "torch_naive". A line {"bench": "error", "what", "messag
 Lines {"bench": "seed7b", ...} (planned vs measured peak memory at the 7B shape), {"bench": "attention", ...}
 (one layer's attention, chunked GEMMs or tensor-core kernels) and {"bench": "gemm", ...} (one layer's projection
 GEMMs) are printed as they are.
-Lines {"bench": "optimizer", ...} (the offloaded update against its reference) are printed too.
+Lines {"bench": "optimizer", ...} (the offloaded update against its reference) are printed too, and a
+train_step record's "kernel_profile" (torch_ref.py --profile: CUDA time by attention, GEMMs and the rest).
 Lines {"bench": "correctness" | "smoke", "what", "passed", ...} (run.sh's CUDA tests and GPU smoke
 run) are shown too, and {"bench": "skipped", "what", "reason"} lines (steps a run left out) are listed.
 Predicted vs measured: every train_step line of ours that carries `predicted` (the performance model's step per
@@ -275,6 +276,13 @@ def main():
               f"({t.get('tests_ok')} tests ok)")
     for t in (r for r in records if r.get("bench") == "smoke"):
         print(f"\nsmoke {t.get('what')}: {'PASSED' if t.get('passed') else 'FAILED'}; losses {t.get('losses')}")
+    for t in (r for r in records if r.get("bench") == "train_step" and r.get("kernel_profile")):
+        k = t["kernel_profile"]
+        print(f"\nPyTorch's step under torch.profiler, {t.get('shape')} {t.get('answers')} x {t.get('seq_len')}: "
+              f"attention {k.get('attention_ms', 0):.1f} ms, GEMMs {k.get('gemm_ms', 0):.1f} ms, other kernels "
+              f"{k.get('other_ms', 0):.1f} ms (timed step {t.get('step_time_s', 0):.3f} s)")
+        for name, ms, count in k.get("top", []):
+            print(f"  {ms:9.2f} ms {count:6d}x  {name}")
     for t in (r for r in records if r.get("bench") == "seed7b"):
         gib = lambda b: f"{b / 2**30:.1f} GiB" if b else "n/a"
         print(f"\nseed7b {t.get('what')}: {'ran' if t.get('passed') else 'FAILED'}; plan's device peak "

@@ -88,8 +88,46 @@ def token_logp(model, ids):
     return logits.float().log_softmax(-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
 
 
+def kernel_group(name):
+    """The part of a step a CUDA kernel belongs to, by its name: attention (SDPA's flash, memory-efficient
+    or cuDNN kernels), GEMM (cuBLAS, CUTLASS, nvjet) or other (element-wise, reductions, copies)."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "mha", "sdpa")):
+        return "attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "cublas", "matmul")):
+        return "gemm"
+    return "other"
+
+
+def kernel_profile(step, device, top=12):
+    """One more step under torch.profiler: the CUDA kernels' self time by group (kernel_group) and the
+    longest kernels, in ms (a dict for the step's JSON record)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        sync(device)
+    groups, kernels = {"attention": 0.0, "gemm": 0.0, "other": 0.0}, []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        groups[kernel_group(e.key)] += us / 1e3
+        kernels.append((e.key[:90], us / 1e3, e.count))
+    kernels.sort(key=lambda k: -k[1])
+    out = {f"{g}_ms": round(ms, 3) for g, ms in groups.items()}
+    out["top"] = [[name, round(ms, 3), count] for name, ms, count in kernels[:top]]
+    log("profiled step: " + ", ".join(f"{g} {ms:.1f} ms" for g, ms in groups.items()))
+    for name, ms, count in kernels[:top]:
+        log(f"  {ms:9.2f} ms {count:6d}x  {name}")
+    return out
+
+
 def train_run(args, grad_ckpt):
-    """Runs warmup + steps training steps; returns (step times of the timed steps, losses, peak)."""
+    """Runs warmup + steps training steps, then with --profile one more under the profiler; returns (step
+    times of the timed steps, losses, peak, the profile or None)."""
     device = torch.device(args.device)
     model = build_model(args.shape, torch.float32, device)
     ref = copy.deepcopy(model).eval().requires_grad_(False)
@@ -139,7 +177,13 @@ def train_run(args, grad_ckpt):
             times.append(dt)
         log(f"step {s} ({'timed' if s >= args.warmup else 'warm-up'}): {dt:.3f} s, loss {loss:.6f}")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return times, losses, peak
+    profiled = None
+    if args.profile:
+        try:
+            profiled = kernel_profile(step, device)
+        except Exception as e:  # the timings stand without it
+            log(f"profiling failed: {e!r}")
+    return times, losses, peak, profiled
 
 
 def train_step(args):
@@ -149,14 +193,14 @@ def train_step(args):
         sys.exit("need answers >= 2 (for the advantage std) and steps >= 1")
     oom = False
     try:
-        times, losses, peak = train_run(args, grad_ckpt=False)
+        times, losses, peak, profiled = train_run(args, grad_ckpt=False)
     except torch.cuda.OutOfMemoryError:
         oom = True
     if oom:  # outside the except block, so the frames holding the first model are released
         log("out of memory without gradient checkpointing; retrying with it")
         gc.collect()
         torch.cuda.empty_cache()
-        times, losses, peak = train_run(args, grad_ckpt=True)
+        times, losses, peak, profiled = train_run(args, grad_ckpt=True)
     step_time = statistics.median(times)
     tokens = args.answers * args.seq_len
     emit({
@@ -168,6 +212,7 @@ def train_step(args):
         "response_tokens": args.answers * (args.seq_len - args.prompt_len),
         "tokens_per_s": tokens / step_time, "peak_mem_bytes": peak, "losses": losses,
         "torch": torch.__version__, "transformers": transformers.__version__,
+        **({"kernel_profile": profiled} if profiled else {}),
     })
 
 
@@ -259,6 +304,8 @@ def main():
     t.add_argument("--prompt-len", type=int, default=128)
     t.add_argument("--steps", type=int, default=3, help="timed steps")
     t.add_argument("--warmup", type=int, default=1, help="untimed steps before them")
+    t.add_argument("--profile", action="store_true",
+                   help="then one more step under torch.profiler: CUDA time in attention, GEMMs and the rest")
     common(t, "bf16")
     t.set_defaults(fn=train_step)
 
