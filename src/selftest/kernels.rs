@@ -351,9 +351,16 @@ fn flash_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
 }
 
 /// The tensor-core kernels' cases: both head dims they take, lengths past their blocks (64 rows; the
-/// warpgroup kernels' 128), a decode step over a cache.
-const TENSOR_CORE_CASES: [(usize, usize, usize, usize, usize); 5] =
-    [(2, 2, 130, 1, 64), (4, 2, 97, 0, 128), (8, 2, 1, 200, 128), (4, 1, 200, 3, 64), (4, 1, 300, 3, 128)];
+/// warpgroup kernels' 128), a decode step over a cache, and at both head dims a causal row whose last
+/// query block spans seven key steps of 64, so that the warpgroup kernels' rings of five slots refill.
+const TENSOR_CORE_CASES: [(usize, usize, usize, usize, usize); 6] = [
+    (2, 2, 130, 1, 64),
+    (4, 2, 97, 0, 128),
+    (8, 2, 1, 200, 128),
+    (4, 1, 200, 3, 64),
+    (4, 1, 400, 3, 128),
+    (2, 1, 400, 0, 64),
+];
 
 /// The tensor-core attention `kernels` (bf16 and f16; f32 takes the chunked path) on the cases above.
 fn tensor_core_check(device: &Device, dtype: DType, kernels: GpuKernels) -> Result<Vec<Part>> {
