@@ -614,28 +614,37 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
         wg_keep(df);
     };
     uint32_t hs = hq, is = i0;  // the last block staged
-    blk.stage_half(0, hs, is, w);
-    wg_store_stats(blk.stat(0), blk.half_stats(hs, is), r);
-    QueryStat coming = query_stat(1, 0, 0.f, 0.f);
-    if (n > 1) {
+    const auto stage = [&](uint32_t u) {  // block u, the one after the last staged
         blk.next(hs, is);
-        blk.stage_half(1, hs, is, w);
-        coming = blk.half_stats(hs, is);
-    }
+        blk.stage_half(u, hs, is, w);
+    };
+    // Step u's loads before its turn: block u + 1's statistics (by the place stage noted), block u + 2's
+    // tiles; and after its first products, block u + 1's statistics stored and its half announced.
+    QueryStat coming = query_stat(1, 0, 0.f, 0.f);
+    const auto begin = [&](uint32_t u) {
+        if (u + 1 < n) {
+            const QueryBlockId id = blk.id(u + 1, w);
+            coming = blk.half_stats(id.hq, id.i0);
+        }
+        if (u + 2 < n) stage(u + 2);
+    };
+    const auto announce = [&](uint32_t u) {
+        if (u + 1 < n) {
+            wg_store_stats(blk.stat(u + 1), coming, r);
+            wg_publish_half(w, (u + 1) % SLOTS, u + 2 < n);
+        }
+    };
+    blk.stage_half(0, hq, i0, w);
+    wg_store_stats(blk.stat(0), blk.half_stats(hq, i0), r);
+    if (n > 1) stage(1);
     wg_publish_half(w, 0, n > 1);
     if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
-    bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
-    if (n > 2) {
-        blk.next(hs, is);
-        blk.stage_half(2, hs, is, w);
-    }
+    bar_sync(wg_full(w ^ 1, 0), WG_THREADS);  // also publishes block 1's place to this warpgroup
+    begin(0);
     bar_sync(wg_turn(w), WG_THREADS);
     wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(0), blk.gt(0), w);
     bar_arrive(wg_turn(w ^ 1), WG_THREADS);
-    if (n > 1) {
-        wg_store_stats(blk.stat(1), coming, r);
-        wg_publish_half(w, 1, n > 2);
-    }
+    announce(0);
     wg_wait<0>(sc, dp);
     probs_t<WG_DKV_BQ>(sc, dp, blk.stat(0), blk.j0 + m0, scale);  // P^T and dS^T
     wg_frags<T, WG_DKV_BQ>(pf, sc);
@@ -644,22 +653,12 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, 0, w);
     for (uint32_t u = 1; u < n; ++u) {
         bar_sync(wg_full(w ^ 1, u % SLOTS), WG_THREADS);
-        if (u + 1 < n) {  // block u + 1's statistics, stored before its half is published
-            const QueryBlockId id = blk.id(u + 1, w);
-            coming = blk.half_stats(id.hq, id.i0);
-        }
-        if (u + 2 < n) {
-            blk.next(hs, is);
-            blk.stage_half(u + 2, hs, is, w);
-        }
+        begin(u);
         bar_sync(wg_turn(w), WG_THREADS);
         wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), w);
         if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
-        if (u + 1 < n) {
-            wg_store_stats(blk.stat(u + 1), coming, r);
-            wg_publish_half(w, (u + 1) % SLOTS, u + 2 < n);
-        }
+        announce(u);
         wg_wait<PIPE ? 1 : 0>(sc, dp);
         probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
         if constexpr (PIPE) {
