@@ -216,9 +216,9 @@ if want attention; then
 fi
 
 # 5c. Nsight Compute on the warpgroup kernels at 16k tokens, head dims 64 (the 0.5B's heads) and 128 (the 7B's):
-# each kernel's duration, its schedulers' issue activity and instructions, its tensor pipe's activity and its
-# occupancy, to check the reading that their steps are bound by issuing instructions (scripts/attention-issue-
-# model.py). The card's clocks are left alone (--clock-control none); the text goes to NAME-ncu.txt.
+# each kernel's duration, its schedulers' issue activity and instructions, its warps' stall reasons (barriers,
+# waits for wgmma), its tensor pipe's activity and its occupancy, to check the reading that their steps are
+# bound by issuing instructions and, in the backward, by stalls (scripts/attention-issue-model.py). The card's clocks are left alone (--clock-control none); the text goes to NAME-ncu.txt.
 if want ncu; then
     NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ "$DRY" = 1 ]; then
@@ -233,12 +233,13 @@ if want ncu; then
             [ $hd = 64 ] && heads=(--heads 14 --kv-heads 2)
             echo ">> [$SECONDS s] ncu attention wgmma hd$hd ${ATT_LENS##* } (limit 45 s)"
             timeout 45 "$NCU" --clock-control none --kernel-name regex:flash_wgmma_ --launch-count 3 \
-                --section SpeedOfLight --section SchedulerStats --section InstructionStats --section Occupancy \
+                --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section InstructionStats \
+                --section Occupancy \
                 "$BIN" -q bench attention --len "${ATT_LENS##* }" "${heads[@]}" --head-dim $hd --dtype "$DTYPE" --wgmma \
                 --device "$DEVICE" --warmup 0 --repeats 1 >"$TMP/ncu" 2>&1
             rc=$?
             { echo "== head dim $hd (exit $rc)"; cat "$TMP/ncu"; } >>"$NAME-ncu.txt"
-            grep -E "flash_wgmma_|Duration|Issue Slots Busy|Issued Warp|Executed Ipc|Achieved Occupancy|Compute \(SM\) Throughput|Registers" \
+            grep -E "flash_wgmma_|Duration|Issue Slots Busy|Issued Warp|Executed Ipc|Achieved Occupancy|Compute \(SM\) Throughput|Registers|Warp Cycles Per Issued" \
                 "$TMP/ncu" | head -40
             echo "{\"bench\": \"ncu\", \"what\": \"warpgroup attention kernels, head dim $hd\", \"exit\": $rc, \"file\": \"$(basename "$NAME")-ncu.txt\"}" | tee -a "$R"
         done
