@@ -310,11 +310,11 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // (kernels::rms_norm, the weight's gradient in the op); a recomputed layer's backward seeded with the
     // incoming gradient (`backward_from`, no `(y g).sum_all()`) and no gradient formed for an operand that
     // leads to no variable (the patched candle): a layer's backward 102 tensors, not 249, and a recomputed
-    // layer 65 more, not 84; 64 once its down projection is recorded without values (`unread_matmul`: its
-    // product and the residual's sum gone, zeros and their broadcast in).
+    // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded without values by
+    // `unread_matmul` it made 64, but kept each recomputed layer's activations alive through the backward).
     layer_reference: 50.0,
     layer_policy: 50.0,
-    layer_recompute: 64.0,
+    layer_recompute: 65.0,
     layer_backward: 102.0,
     micro_batch: 131.0,
     micro_batch_reference: 75.0,
@@ -334,7 +334,7 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     update_per_tensor: 5.0,
     seed_passes: 0.0,
     head_grad_bytes: 10.0,
-    unread_down: true,
+    unread_down: false,
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the
