@@ -47,8 +47,8 @@ def shape_path(name):
     sys.exit(f"calibrate: no shape file for {name!r} in {[str(d) for d in SHAPES]}")
 
 
-def bench_args(r):
-    """The `grpo bench train-step` arguments of a measured line."""
+def bench_args(r, tag):
+    """The `grpo bench train-step` arguments of a measured line of gpu-<tag>-h100.jsonl."""
     args = ["--shape", str(shape_path(r["shape"])), "--answers", str(r["answers"]), "--seq-len", str(r["seq_len"]),
             "--prompt-len", str(r["prompt_len"]), "--micro-batch", str(r["micro_batch"]),
             "--logprob-chunk-mb", str(r["logprob_chunk_mb"]), "--dtype", r["dtype"], "--attention", r["attention"]]
@@ -60,15 +60,21 @@ def bench_args(r):
         args.append("--no-reference")
     if not r.get("fused_ops", True):
         args.append("--composite-ops")
-    # Steps measured by the build of the 2026-11-26 H100 run (their records do not say "update": "fused")
-    # are predicted with that build's ops.
-    if r.get("update") != "fused":
-        args.append("--h100-run-build")
-    return args
+    # Each step is predicted as its build ran it (src/cost/calibration.rs's MeasuredBuild, named by the tag of
+    # its results file): its tensor ops, attention kernels' rates and offloaded update.
+    return args + ["--measured-build", tag]
 
 
-def windows(grpo, r):
-    out = subprocess.run([grpo, "bench", "train-step", "--predict-only", *bench_args(r)], check=True,
+def file_tag(path):
+    """The tag of benches/results/gpu-<tag>-h100.jsonl (the build that run measured)."""
+    name = Path(path).name
+    if not (name.startswith("gpu-") and name.endswith("-h100.jsonl")):
+        sys.exit(f"calibrate: {name}: not a gpu-<tag>-h100.jsonl file, so its build is unknown")
+    return name[len("gpu-"):-len("-h100.jsonl")]
+
+
+def windows(grpo, r, tag):
+    out = subprocess.run([grpo, "bench", "train-step", "--predict-only", *bench_args(r, tag)], check=True,
                          capture_output=True, text=True).stdout
     pred = json.loads(out)["predicted"]
     h100 = next(p for p in pred if p["gpu"].startswith("H100"))
@@ -137,7 +143,7 @@ def main():
             except json.JSONDecodeError:
                 continue
             if r.get("bench") == "train_step" and r.get("impl") == "grpo" and "H100" in r.get("device", ""):
-                points.append({"record": r, "measured": r["step_time_s"], "windows": windows(a.grpo, r),
+                points.append({"record": r, "measured": r["step_time_s"], "windows": windows(a.grpo, r, file_tag(f)),
                                "file": Path(f).name})
     if not points:
         sys.exit("calibrate: no H100 train steps of grpo in " + ", ".join(files))

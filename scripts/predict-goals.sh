@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The performance model's predictions for issue 41's goals, for this build and for the build the
-# 2026-11-26 H100 run measured (--h100-run-build), on the shapes the H100 runs measured: the 0.5B shape at
-# 8 answers of 1,024 and 4,096 tokens and 4 of 16,384 (reference forward, micro-batch 1, bf16), and the
-# seed's 7B step (2,048 + 16,384 tokens, layers recomputed, optimizer offloaded) at 4 answers (as measured)
-# and 8 (the seed's), and the seed config as it ships (attention outputs kept). Prints one line per point: step seconds and MFU on the H100 SXM, this build's
-# measured step (2026-11-27, benches/results/gpu-2026-11-27-h100.jsonl: build 78f0747, before the gradient
-# norm's kernel, which the model already counted as one read) where there is one, and the ratio
-# to PyTorch eager as the same run measured it (1.303 s at 1,024, 1.179 s at 4,096, 1.737 s at 4 x 16,384).
+# 2026-11-26 H100 run measured (--measured-build 2026-11-26), on the shapes the H100 runs measured: the 0.5B
+# shape at 8 answers of 1,024 and 4,096 tokens and 4 of 16,384 (reference forward, micro-batch 1, bf16),
+# and the seed's 7B step (2,048 + 16,384 tokens, layers recomputed, optimizer offloaded) at 4 and 8 answers
+# (the seed's), and the seed config as it ships (attention outputs kept). Prints one line per point: step
+# seconds and MFU on the H100 SXM, this build's measured step where there is one (the 2026-11-27b run,
+# benches/results/gpu-2026-11-27b-h100.jsonl, and its 7B step at 8 answers with attention kept,
+# gpu-2026-11-27c-h100.jsonl), and the ratio to PyTorch eager as the 2026-11-27b run measured it (1.053 s
+# at 1,024, 0.906 s at 4,096, 1.728 s at 4 x 16,384).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 GRPO=${GRPO:-target/debug/grpo}
@@ -22,16 +23,17 @@ print(f'{\"$label\":46s} {h[\"step_time_s\"]:8.3f} s  MFU {100 * h[\"mfu\"]:5.1f
 }
 small="--shape scripts/gpu/shapes/qwen2.5-0.5b.json --prompt-len 128 --micro-batch 1 --logprob-chunk-mb 1024"
 seven="--shape configs/models/qwen2.5-7b-instruct.config.json --seq-len 18432 --prompt-len 2048 --micro-batch 1 --checkpoint-layers --offload --no-reference"
-for build in "h100-run:--h100-run-build --attention flash:- - - - -" "h100-run (wgmma):--h100-run-build --attention wgmma:- - - - -" \
-    "this build (auto)::0.464 1.047 2.935 21.440 -"; do
+for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- - - - -" \
+    "2026-11-26 build (wgmma):--measured-build 2026-11-26 --attention wgmma:- - - - -" \
+    "this build (auto)::0.387 0.752 1.863 - -"; do
   name=${build%%:*}; rest=${build#*:}; flags=${rest%%:*}; read -r m1 m4 m16 m7 m7x8 <<<"${rest#*:}"
-  predict "0.5B 8 x 1024, $name" 1.303 "$m1" $small --answers 8 --seq-len 1024 $flags
-  predict "0.5B 8 x 4096, $name" 1.179 "$m4" $small --answers 8 --seq-len 4096 $flags
-  predict "0.5B 4 x 16384, $name" 1.737 "$m16" $small --answers 4 --seq-len 16384 $flags
+  predict "0.5B 8 x 1024, $name" 1.053 "$m1" $small --answers 8 --seq-len 1024 $flags
+  predict "0.5B 8 x 4096, $name" 0.906 "$m4" $small --answers 8 --seq-len 4096 $flags
+  predict "0.5B 4 x 16384, $name" 1.728 "$m16" $small --answers 4 --seq-len 16384 $flags
   predict "7B seed step 4 x 18,432, $name" - "$m7" $seven --answers 4 $flags
   predict "7B seed step 8 x 18,432, $name" - "$m7x8" $seven --answers 8 $flags
 done
 # The seed config as it ships now (each layer's attention output kept: recompute_attention = false), at the
 # 8 answers the next GPU run measures (scripts/gpu/next-run.sh).
 predict "7B seed step 4 x 18,432, attention kept" - - $seven --answers 4 --keep-attention
-predict "7B seed step 8 x 18,432, attention kept" - - $seven --answers 8 --keep-attention
+predict "7B seed step 8 x 18,432, attention kept" - 24.163 $seven --answers 8 --keep-attention

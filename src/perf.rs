@@ -23,6 +23,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
+use crate::cost::calibration::MeasuredBuild;
 use crate::data::{Group, Response};
 use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
@@ -256,11 +257,12 @@ pub struct TrainStepSpec {
     /// Keep the optimiser state in host memory and update there (`optim.offload`).
     #[arg(long)]
     pub offload: bool,
-    /// With --predict-only: predict the step with the ops of the build the 2026-11-26 H100 run measured
-    /// (the optimiser's update and the MLP's activation as composite candle ops), to compare with that
-    /// run's records.
-    #[arg(long, requires = "predict_only")]
-    pub h100_run_build: bool,
+    /// With --predict-only: predict the step as the build an H100 run measured ran it, named by its
+    /// results' tag (benches/results/gpu-<TAG>-h100.jsonl: 2026-11-26, 2026-11-27, 2026-11-27b, ...; its
+    /// tensor ops, attention kernels' rates and offloaded update), to compare with that run's records.
+    #[arg(long = "measured-build", value_name = "TAG", default_value = "current", value_parser = measured_build,
+          requires = "predict_only")]
+    pub build: MeasuredBuild,
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
@@ -437,8 +439,8 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "logprob_chunk_mb": spec.logprob_chunk_mb,
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
-        // The optimiser's update as this build runs it (kernels::adamw), which the performance model
-        // predicts the records without it as the H100 run's build (`--h100-run-build`).
+        // The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
+        // this field, ran the composite update).
         "update": "fused",
         "reference": !spec.no_reference,
         "lora_r": spec.lora_r,
@@ -494,6 +496,11 @@ struct PredictedStep {
     measured_over_predicted: Option<f64>,
 }
 
+/// A measured build's tag (`--measured-build`).
+fn measured_build(tag: &str) -> std::result::Result<MeasuredBuild, String> {
+    MeasuredBuild::from_tag(tag).ok_or_else(|| format!("no measured build is tagged {tag:?} (src/cost/calibration.rs)"))
+}
+
 /// The model's step shape of the bench's settings; `chunk` the log-prob op's logits chunk in bytes.
 fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64) -> crate::cost::time::StepShape {
     use crate::cost::time::{driver_blocks, StepShape};
@@ -509,7 +516,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
-        h100_run_build: spec.h100_run_build,
+        build: spec.build,
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
@@ -1153,7 +1160,7 @@ mod tests {
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
-            h100_run_build: false,
+            build: MeasuredBuild::Current,
             profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
@@ -1210,7 +1217,7 @@ mod tests {
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
-                h100_run_build: false,
+                build: MeasuredBuild::Current,
                 profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();

@@ -7,20 +7,24 @@
 //!   launch (16.8 us at 4,096 tokens: the host's time per launch of the project's own code);
 //! - 2026-11-27, first at b68f48a (gpu-2026-11-27-h100-b68f48a.*): one layer's 21 projection GEMMs at the
 //!   7B and 0.5B shapes (the GEMMs' efficiency and their tiles' waves); the offloaded update's host rate;
-//!   then at this build's attention kernels (gpu-2026-11-27-h100.*, the dk/dv kernels' groups split over
-//!   their blocks): the warpgroup kernels at head dims 128 and 64, and six training steps.
+//!   then at the dk/dv kernels' split groups (gpu-2026-11-27-h100.*): the warpgroup kernels at head dims
+//!   128 and 64, and six training steps;
+//! - 2026-11-27b, this build's attention (gpu-2026-11-27b-h100.*, the backward on the forward's ring of
+//!   slots): every attention kernel at 4,096 and 16,384 tokens, five 0.5B training steps, one profiled
+//!   phase by phase at 16k; 2026-11-27c (gpu-2026-11-27c-h100.*): the 7B seed step at 8 answers.
 //!
 //! Those are taken as they are, with the tensors candle makes in each part of a step counted on the CPU
-//! ([`COUNTED_TENSOR_OPS`]). Three constants are fitted, by scripts/calibrate.py on the committed train
-//! steps (it prints every point's prediction, measurement and residual; benches/results/
-//! calibration-2026-11-27-h100.txt):
+//! ([`COUNTED_TENSOR_OPS`]), and each measured step predicted as its build ran it ([`MeasuredBuild`]).
+//! Three constants are fitted, by scripts/calibrate.py on the committed train steps (it prints every
+//! point's prediction, measurement and residual; benches/results/calibration-2026-11-27b-h100.txt):
 //! - [`Gpu::launch_s`], the host's time per tensor op, and [`Gpu::memory_efficiency`], the element-wise
-//!   kernels' share of HBM's bandwidth, on the eight 0.5B-shape steps of both builds (two constants);
+//!   kernels' share of HBM's bandwidth, on the thirteen 0.5B-shape steps of the four builds (two
+//!   constants);
 //! - [`Gpu::composite_host_update_bandwidth`], the first build's composite offloaded update, on its 7B
 //!   step (the only one: fitted there, not predicted).
 //!
-//! The 2026-11-27 build's 7B step, offloaded at the measured host rate, is not fitted on: predicted 21.1 s,
-//! measured 21.4 (20.7 s with this build's unread down projection, which that step still ran).
+//! The two 7B steps of the later builds, offloaded at the measured host rate, are not fitted on: predicted
+//! at 0.86 (4 answers, attention recomputed) and 1.10 (8 answers, attention kept) of their times.
 //!
 //! tests/calibration.rs holds every committed train step within 25% of the model; a prediction for a
 //! point the fit never saw (another length, the 7B shape at other settings, another kernel) follows from
@@ -188,6 +192,10 @@ pub struct TensorOps {
     /// A recomputed layer's MLP down projection recorded without its product (`unread_matmul`: its output
     /// is never read, only its backward runs); `false` where the recomputation ran it.
     pub unread_down: bool,
+    /// The tensor ops beyond a layer's named element-wise ops each a pass over about their mean bytes (the
+    /// released candle-core's backward added each op's first gradient to a tensor of zeros); `false`:
+    /// they are views and bookkeeping, and the named ops are the layer's element-wise bytes.
+    pub unnamed_ops_move_bytes: bool,
 }
 
 /// This build's, counted on the CPU (see [`TensorOps`]; tests/calibration.rs holds the model's count to the
@@ -208,7 +216,7 @@ pub struct Calibration {
 pub const H100_RUN: Calibration = Calibration {
     card: "NVIDIA H100 80GB HBM3",
     date: "2026-11-26 and 2026-11-27",
-    results: "benches/results/gpu-2026-11-26-h100.jsonl, benches/results/gpu-2026-11-27-h100*.jsonl",
+    results: "benches/results/gpu-2026-11-26-h100.jsonl, benches/results/gpu-2026-11-27*-h100*.jsonl",
 };
 
 /// A measured forward and backward rate (useful TFLOP/s) as fractions of the H100's peak.
@@ -218,17 +226,26 @@ const fn h100(tokens: u64, forward_tflops: f64, backward_tflops: f64) -> RateAt 
 
 /// The warpgroup kernels as the 2026-11-26 run measured them (one layer, 16 heads of 128, GQA 4), before
 /// the dk/dv kernels split each KV head's group over their blocks: what the steps of that build ran.
-const H100_RUN_WGMMA: KernelRates = KernelRates { short: h100(4096, 153.3, 72.8), long: h100(16384, 241.3, 138.7) };
-const H100_RUN_WGMMA_ATOMIC: KernelRates =
+const H100_NOV26_WGMMA: KernelRates = KernelRates { short: h100(4096, 153.3, 72.8), long: h100(16384, 241.3, 138.7) };
+const H100_NOV26_WGMMA_ATOMIC: KernelRates =
     KernelRates { short: h100(4096, 167.1, 69.1), long: h100(16384, 239.0, 146.1) };
+/// The warpgroup kernels as the first 2026-11-27 run measured them (gpu-2026-11-27-h100.*: the dk/dv
+/// kernels' groups split, the backward two-staged with a block-wide barrier a step), at head dims 128 (16
+/// heads, GQA 4) and 64 (14 heads, GQA 7, the 0.5B shape's).
+const H100_NOV27_WGMMA: KernelRates = KernelRates { short: h100(4096, 201.6, 104.3), long: h100(16384, 259.6, 142.6) };
+const H100_NOV27_WGMMA_ATOMIC: KernelRates =
+    KernelRates { short: h100(4096, 205.3, 108.5), long: h100(16384, 261.1, 147.6) };
+const H100_NOV27_WGMMA_D64: KernelRates =
+    KernelRates { short: h100(4096, 132.6, 69.7), long: h100(16384, 171.6, 88.4) };
+const H100_NOV27_WGMMA_ATOMIC_D64: KernelRates =
+    KernelRates { short: h100(4096, 132.8, 68.4), long: h100(16384, 170.1, 86.1) };
 
 /// NVIDIA H100 SXM5 80GB: peak dense BF16 989.4 TFLOP/s, 132 multiprocessors and HBM3 3.35 TB/s (the
 /// H100 datasheet, nvidia.com/en-us/data-center/h100); NVLink 4 450 GB/s per direction, one 400 Gb/s NIC
-/// per GPU, PCIe Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]'s two runs:
-/// the GEMMs' efficiency (2026-11-27, `bench gemm`), the tensor-core attention kernels' rates (the
-/// warpgroup kernels at head dims 128 and 64 on 2026-11-27, this build's; the `mma` kernels on
-/// 2026-11-26, before the dk/dv split, their two-kernel rate standing for their dq by atomics), the
-/// offloaded update's host rate (2026-11-27, `bench optimizer` on the GPU machine's host); fitted: the
+/// per GPU, PCIe Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]'s runs:
+/// the GEMMs' efficiency (2026-11-27, `bench gemm`), the tensor-core attention kernels' rates (this
+/// build's, 2026-11-27b: the warpgroup kernels at head dims 128 and 64, the `mma` kernels at 128, their
+/// two-kernel rate standing for their dq by atomics), the offloaded update's host rate (2026-11-27, `bench optimizer` on the GPU machine's host); fitted: the
 /// host's time per op and the element-wise kernels' fraction of HBM's bandwidth. Assumed: a host sync
 /// 20 us, the chunked attention's block GEMMs at the 2048^3 matmul's efficiency.
 pub const H100: Gpu = Gpu {
@@ -240,12 +257,14 @@ pub const H100: Gpu = Gpu {
     // The 2048^3 matmul timed alone on 2026-11-26: 370 TFLOP/s through candle (its launch and sync in it,
     // as in each of the chunked attention's block GEMMs).
     attention_gemm_efficiency: 0.374,
-    mma: KernelRates { short: h100(4096, 133.6, 47.8), long: h100(16384, 187.0, 95.0) },
-    wgmma: Some(KernelRates { short: h100(4096, 201.6, 104.3), long: h100(16384, 259.6, 142.6) }),
-    wgmma_atomic: Some(KernelRates { short: h100(4096, 205.3, 108.5), long: h100(16384, 261.1, 147.6) }),
+    // This build's kernels as the 2026-11-27b run measured them (gpu-2026-11-27b-h100.*: one layer at
+    // 4,096 and 16,384 tokens; the warpgroup backward on the forward's ring of slots).
+    mma: KernelRates { short: h100(4096, 200.0, 94.5), long: h100(16384, 261.2, 140.6) },
+    wgmma: Some(KernelRates { short: h100(4096, 248.3, 166.6), long: h100(16384, 332.9, 273.2) }),
+    wgmma_atomic: Some(KernelRates { short: h100(4096, 241.8, 164.6), long: h100(16384, 333.9, 263.9) }),
     // 14 heads of 64, GQA 7 (the 0.5B shape's).
-    wgmma_d64: Some(KernelRates { short: h100(4096, 132.6, 69.7), long: h100(16384, 171.6, 88.4) }),
-    wgmma_atomic_d64: Some(KernelRates { short: h100(4096, 132.8, 68.4), long: h100(16384, 170.1, 86.1) }),
+    wgmma_d64: Some(KernelRates { short: h100(4096, 206.4, 126.0), long: h100(16384, 310.3, 192.8) }),
+    wgmma_atomic_d64: Some(KernelRates { short: h100(4096, 217.6, 133.0), long: h100(16384, 314.2, 206.8) }),
     memory_efficiency: FITTED_MEMORY_EFFICIENCY,
     launch_s: FITTED_LAUNCH_S,
     kernel_launch_s: 16.8e-6,
@@ -258,16 +277,73 @@ pub const H100: Gpu = Gpu {
     calibration: Some(H100_RUN),
 };
 
-impl Gpu {
-    /// This GPU with the warpgroup attention kernels' rates of the build the 2026-11-26 H100 run measured
-    /// (before the dk/dv kernels split their groups; no head-dim-64 rates), to predict that run's records
-    /// as they ran: the H100's then; any other GPU as it is.
-    pub fn with_h100_run_attention(self) -> Gpu {
-        if self.name != H100.name {
-            return self;
+/// The builds whose train steps the committed H100 runs measured, each named by its results' tag
+/// (benches/results/gpu-<tag>-h100.jsonl), so that each record is predicted as it ran: with its build's
+/// tensor ops, attention kernels and offloaded update. The model's own rates ([`H100`]) are the newest
+/// build's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MeasuredBuild {
+    /// 2026-11-26: the optimiser's update and the MLP's activation as composite candle ops
+    /// ([`H100_RUN_TENSOR_OPS`], the update on the host at [`Gpu::composite_host_update_bandwidth`], its
+    /// copies not overlapped), candle-core as released, the first warpgroup kernels (no head-dim-64 rates).
+    H100Nov26,
+    /// 2026-11-27 (the first run at the dk/dv kernels' split groups): this build's ops, the warpgroup
+    /// kernels before their ring backward ([`H100_NOV27_WGMMA`]).
+    H100Nov27,
+    /// This build: measured by the 2026-11-27b run (the ring backward) and the 2026-11-27c run (its 7B
+    /// step, after the recomputed down projection's fix).
+    #[default]
+    Current,
+}
+
+impl MeasuredBuild {
+    /// The tag of a results file (`gpu-<tag>-h100.jsonl`), or `None` for a tag no build is known by.
+    pub fn from_tag(tag: &str) -> Option<Self> {
+        match tag {
+            "2026-11-26" => Some(Self::H100Nov26),
+            "2026-11-27" => Some(Self::H100Nov27),
+            "2026-11-27b" | "2026-11-27c" | "current" => Some(Self::Current),
+            _ => None,
         }
-        let (wgmma, wgmma_atomic) = (Some(H100_RUN_WGMMA), Some(H100_RUN_WGMMA_ATOMIC));
-        Gpu { wgmma, wgmma_atomic, wgmma_d64: None, wgmma_atomic_d64: None, ..self }
+    }
+
+    /// The tensors candle made per part of a step in this build.
+    pub fn tensor_ops(self) -> TensorOps {
+        match self {
+            Self::H100Nov26 => H100_RUN_TENSOR_OPS,
+            Self::H100Nov27 | Self::Current => TENSOR_OPS,
+        }
+    }
+
+    /// The offloaded update as composite candle ops on the host, its copies and update one after the
+    /// other (`false`: the fused update, overlapped with the copies but one chunk).
+    pub fn composite_update(self) -> bool {
+        self == Self::H100Nov26
+    }
+
+    /// `gpu` with the attention kernels' rates of this build: the H100's as they were measured then; any
+    /// other GPU as it is.
+    pub fn gpu(self, gpu: Gpu) -> Gpu {
+        if gpu.name != H100.name {
+            return gpu;
+        }
+        match self {
+            Self::H100Nov26 => Gpu {
+                wgmma: Some(H100_NOV26_WGMMA),
+                wgmma_atomic: Some(H100_NOV26_WGMMA_ATOMIC),
+                wgmma_d64: None,
+                wgmma_atomic_d64: None,
+                ..gpu
+            },
+            Self::H100Nov27 => Gpu {
+                wgmma: Some(H100_NOV27_WGMMA),
+                wgmma_atomic: Some(H100_NOV27_WGMMA_ATOMIC),
+                wgmma_d64: Some(H100_NOV27_WGMMA_D64),
+                wgmma_atomic_d64: Some(H100_NOV27_WGMMA_ATOMIC_D64),
+                ..gpu
+            },
+            Self::Current => gpu,
+        }
     }
 }
 
@@ -285,19 +361,20 @@ const MEASURED_GEMM_EFFICIENCY: f64 = 0.81;
 /// optimizer`); the 7B step's profile, its update synchronised chunk by chunk, had its host part at 71.
 const MEASURED_HOST_UPDATE_BANDWIDTH: f64 = 74.6e9;
 
-/// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-27-h100.txt).
-/// The host's time per tensor candle makes: 8.75 us (7.25 on the first run's three steps alone). A raw
-/// kernel launch of the project's own code took 16.8 us (the chunked attention at 4,096 tokens, whose
-/// launches include cuBLAS calls and a device that is not idle); a candle op's mean is lower because a
-/// third of its tensors are views.
-const FITTED_LAUNCH_S: f64 = 8.75e-6;
-/// The fraction of HBM's bandwidth candle's element-wise kernels reach over the bytes the model counts:
-/// 0.55 (bf16 kernels through strided indexing, one element per thread).
-const FITTED_MEMORY_EFFICIENCY: f64 = 0.55;
-/// The composite offloaded AdamW update's host rate (the first run's build): 3.25 GB/s of the 32 B per
-/// parameter the model counts, ~100 M parameters a second (~15 candle CPU ops per tensor, each a pass over
+/// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-27b-h100.txt).
+/// The host's time per tensor candle makes: 8.50 us. A raw kernel launch of the project's own code took
+/// 16.8 us (the chunked attention at 4,096 tokens, whose launches include cuBLAS calls and a device that
+/// is not idle); a candle op's mean is lower because a third of its tensors are views.
+const FITTED_LAUNCH_S: f64 = 8.50e-6;
+/// The fraction of HBM's bandwidth the element-wise kernels reach over the bytes the model counts: 0.38.
+/// The profile of the 2026-11-27b run's 16k step measures two of them on their own, in line with it: the
+/// fused RMSNorm at 0.27 (66 us for 59 MB) and rope at 0.24 (84 us for 67 MB), one bf16 element per
+/// thread; candle's (strided indexing, broadcast bias adds) are of the same kind.
+const FITTED_MEMORY_EFFICIENCY: f64 = 0.38;
+/// The composite offloaded AdamW update's host rate (the first run's build): 4.5 GB/s of the 32 B per
+/// parameter the model counts, ~140 M parameters a second (~15 candle CPU ops per tensor, each a pass over
 /// f32 arrays).
-const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 3.25e9;
+const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.75e9;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
@@ -335,6 +412,7 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     seed_passes: 0.0,
     head_grad_bytes: 10.0,
     unread_down: false,
+    unnamed_ops_move_bytes: false,
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the
@@ -355,4 +433,5 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     seed_passes: 4.0,
     head_grad_bytes: 16.0,
     unread_down: false,
+    unnamed_ops_move_bytes: true,
 };

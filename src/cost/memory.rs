@@ -1016,7 +1016,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         reference_forward: cfg.objective.build().needs_reference()
             && !crate::train::refcache::reference_is_cacheable(cfg),
         offload: cfg.optim.offload,
-        h100_run_build: false,
+        build: time::MeasuredBuild::Current,
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
         blocks: time::driver_blocks(model, seq_tokens),
