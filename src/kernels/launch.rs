@@ -101,6 +101,14 @@ pub fn kernel_name(base: &str, dtype: DType) -> Result<String> {
     }
 }
 
+/// The grid of an element-wise kernel over `n` elements of `dtype` (kernels/common.cuh's `packed_loop`):
+/// 256 threads a block, one 16-byte pack (8 bf16/f16, 4 f32) a thread, at most 1,024 blocks (8 blocks of
+/// 256 threads fill one of an H100's 132 multiprocessors; the threads stride over the rest).
+pub fn packed_grid(n: usize, dtype: DType) -> u32 {
+    let pack = 16 / dtype.size_in_bytes().max(1);
+    n.div_ceil(256 * pack).min(1024) as u32
+}
+
 impl Plan {
     /// Add an input buffer; returns its argument.
     pub fn input(&mut self, name: &'static str, dtype: DType, len: usize) -> Arg {

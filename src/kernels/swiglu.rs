@@ -11,7 +11,7 @@ use rayon::prelude::*;
 
 use super::cpu::{with_float, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
-use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+use super::launch::{kernel_name, packed_grid, Arg, Launch, Module, Plan};
 #[cfg(any(test, feature = "cuda"))]
 use candle_core::DType;
 
@@ -159,8 +159,7 @@ pub fn swiglu_reference(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.silu()? * up
 }
 
-/// The launch of `swiglu_fwd` (`backward`: `swiglu_bwd`) over `n` elements of `dtype`: 256 threads a
-/// block, at most 4,096 blocks (the kernel strides over the rest).
+/// The launch of `swiglu_fwd` (`backward`: `swiglu_bwd`) over `n` elements of `dtype` ([`packed_grid`]).
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn swiglu_plan(dtype: DType, n: usize, backward: bool) -> Result<Plan> {
     let mut p = Plan::default();
@@ -172,7 +171,7 @@ pub(super) fn swiglu_plan(dtype: DType, n: usize, backward: bool) -> Result<Plan
         args.push(p.output("y", dtype, n));
     }
     args.push(Arg::U32(n as u32));
-    let blocks = n.div_ceil(256).min(4096) as u32;
+    let blocks = packed_grid(n, dtype);
     let base = if backward { "swiglu_bwd" } else { "swiglu_fwd" };
     let (grid, block) = ((blocks, 1, 1), (256, 1, 1));
     p.launch(Launch { module: Module::Swiglu, kernel: kernel_name(base, dtype)?, grid, block, shared_bytes: 0, args })?;
@@ -242,28 +241,54 @@ mod tests {
         assert!(e.contains("shapes differ"), "{e}");
     }
 
-    /// kernels/swiglu.cu on the emulator against the CPU op, forward and backward, f32/bf16/f16, over more
-    /// elements than the grid's threads (the stride loop) and fewer than a block.
+    /// kernels/swiglu.cu on the emulator against the CPU op, forward and backward, f32/bf16/f16: 16-byte
+    /// packs with a scalar tail (35 elements), more packs than the grid's threads (the stride loop), and
+    /// every buffer one element off 16-byte alignment (the scalar path).
     #[test]
     fn the_kernels_equal_the_cpu_op() {
-        for n in [7 * 5, 7 * 160_000] {
+        for (n, misaligned) in [(7 * 5, false), (7 * 160_000, false), (7 * 301, true)] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let (g, u, dy) =
                     (seeded(&[n / 7, 7], 6.0, 7), seeded(&[n / 7, 7], 2.0, 8), seeded(&[n / 7, 7], 1.0, 9));
                 let [g, u, dy] = [g, u, dy].map(|t| t.to_dtype(dtype).unwrap());
-                let flat = |t: &Tensor| t.flatten_all().unwrap();
-                let y =
-                    super::super::emu::run(&swiglu_plan(dtype, n, false).unwrap(), &[&flat(&g), &flat(&u)]).unwrap();
-                let want = swiglu(&g, &u).unwrap();
                 // expf on the host and on a GPU may differ in the last bit of f32; after rounding to the
                 // dtype, at most one unit of it.
                 let tol = if dtype == DType::F32 { 1e-6 } else { 0.01 };
-                assert!(max_diff(&y[0], &flat(&want)) < tol, "forward {n} {dtype:?}");
-                let plan = swiglu_plan(dtype, n, true).unwrap();
-                let both = super::super::emu::run(&plan, &[&flat(&g), &flat(&u), &flat(&dy)]).unwrap();
-                let want = g.apply_op3_no_bwd(&u, &dy, &SwigluBwd).unwrap();
-                assert!(max_diff(&both[0], &flat(&want)) < tol, "backward {n} {dtype:?}");
+                let y = emulate(&swiglu_plan(dtype, n, false).unwrap(), &[&g, &u], n, misaligned);
+                let want = swiglu(&g, &u).unwrap().flatten_all().unwrap();
+                assert!(max_diff(&y, &want) < tol, "forward {n} {dtype:?} misaligned {misaligned}");
+                let both = emulate(&swiglu_plan(dtype, n, true).unwrap(), &[&g, &u, &dy], n, misaligned);
+                let want = g.apply_op3_no_bwd(&u, &dy, &SwigluBwd).unwrap().flatten_all().unwrap();
+                assert!(max_diff(&both, &want) < tol, "backward {n} {dtype:?} misaligned {misaligned}");
             }
         }
+    }
+
+    /// `plan` (over `n` elements) on the emulator; `misaligned`: every buffer one element longer, each
+    /// argument one element in (its first element unread and unwritten), so no pointer is 16-byte
+    /// aligned. The output's `n` elements (or `[dg; du]`, 2n).
+    fn emulate(plan: &Plan, inputs: &[&Tensor], n: usize, misaligned: bool) -> Tensor {
+        let flat: Vec<Tensor> = inputs.iter().map(|t| t.flatten_all().unwrap()).collect();
+        if !misaligned {
+            let refs: Vec<&Tensor> = flat.iter().collect();
+            return super::super::emu::run(plan, &refs).unwrap().remove(0);
+        }
+        let mut plan = plan.clone();
+        for b in &mut plan.buffers {
+            b.len += 1;
+        }
+        for a in &mut plan.launches[0].args {
+            match a {
+                Arg::Buffer { offset, .. } => *offset += 1,
+                Arg::U32(x) => assert_eq!(*x as usize, n),
+                Arg::F32(_) => {}
+            }
+        }
+        // dg at offset 1 and du right after it (1 + n): the kernel's own layout, one element in.
+        let padded: Vec<Tensor> =
+            flat.iter().map(|t| Tensor::cat(&[&t.narrow(0, 0, 1).unwrap(), t], 0).unwrap()).collect();
+        let refs: Vec<&Tensor> = padded.iter().collect();
+        let out = super::super::emu::run(&plan, &refs).unwrap().remove(0);
+        out.narrow(0, 1, out.elem_count() - 1).unwrap()
     }
 }
