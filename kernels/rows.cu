@@ -69,14 +69,47 @@ __device__ __forceinline__ Acc warp_merge(Acc a) {
     return a;
 }
 
-// One block per row; blockDim.x a multiple of 32, at most 1024.
+// One pack of a row: where none of its logits is NaN or above the running maximum (nearly every pack
+// after a row's first), its terms are summed in f32 (at most 8, each <= 1: an error of a few f32 ulps of
+// the pack's sum, the terms' own) and the pack's sums added in f64; otherwise each logit is pushed.
+template <typename T>
+__device__ __forceinline__ void push_pack(Acc &a, const Pack<T> &p) {
+    float z[Pack<T>::N], top = -INFINITY;
+    bool nan = false;
+#pragma unroll
+    for (int j = 0; j < Pack<T>::N; ++j) {
+        z[j] = to_f32(p.v[j]);
+        top = fmaxf(top, z[j]);
+        nan |= z[j] != z[j];
+    }
+    if (nan || top > a.m) {
+#pragma unroll
+        for (int j = 0; j < Pack<T>::N; ++j) push(a, z[j]);
+        return;
+    }
+    float s = 0.f, u = 0.f;
+#pragma unroll
+    for (int j = 0; j < Pack<T>::N; ++j) {
+        if (z[j] == -INFINITY) continue;  // probability 0 (and -inf * 0 would be NaN)
+        const float d = z[j] - a.m, e = expf(d);
+        s += e;
+        u += e * d;
+    }
+    a.s += (double)s;
+    a.u += (double)u;
+}
+
+// One block per row; blockDim.x a multiple of 32, at most 1024. Each thread reads 16-byte packs where the
+// row is 16-byte aligned (common.cuh), else one logit at a time.
 template <typename T>
 __device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restrict__ targets,
                           float *__restrict__ out, uint32_t vocab) {
     const size_t row = blockIdx.x;
     const T *z = logits + row * (size_t)vocab;
     Acc a = {-INFINITY, 0.0, 0.0};
-    for (uint32_t v = threadIdx.x; v < vocab; v += blockDim.x) push(a, to_f32(z[v]));
+    const uint32_t packs = aligned16(z) ? vocab / Pack<T>::N : 0;
+    for (uint32_t p = threadIdx.x; p < packs; p += blockDim.x) push_pack(a, load_pack(z, p));
+    for (uint32_t v = packs * Pack<T>::N + threadIdx.x; v < vocab; v += blockDim.x) push(a, to_f32(z[v]));
     a = warp_merge(a);
     __shared__ Acc partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -97,7 +130,16 @@ __device__ void row_stats(const T *__restrict__ logits, const uint32_t *__restri
     }
 }
 
-// grid.x = rows, grid.y * blockDim.x threads stride over the vocabulary.
+// dz of logit z at column v.
+template <typename T>
+__device__ __forceinline__ T grad_one(T z, uint32_t v, uint32_t t, float lse, float g, float h, float e) {
+    const float d = to_f32(z) - lse;
+    const float p = expf(d);
+    return from_f32<T>((v == t ? g : 0.f) - p * (g + e * (d + h)));
+}
+
+// grid.x = rows, grid.y * blockDim.x threads stride over the vocabulary, in 16-byte packs where the row and
+// its gradient are 16-byte aligned.
 template <typename T>
 __device__ void row_grad(const T *__restrict__ logits, const uint32_t *__restrict__ targets,
                          const float *__restrict__ coef, T *__restrict__ out, uint32_t vocab, uint32_t cols) {
@@ -108,11 +150,17 @@ __device__ void row_grad(const T *__restrict__ logits, const uint32_t *__restric
     const uint32_t t = targets[row];
     const T *z = logits + row * (size_t)vocab;
     T *dz = out + row * (size_t)vocab;
-    for (uint32_t v = blockIdx.y * blockDim.x + threadIdx.x; v < vocab; v += gridDim.y * blockDim.x) {
-        const float d = to_f32(z[v]) - lse;
-        const float p = expf(d);
-        dz[v] = from_f32<T>((v == t ? g : 0.f) - p * (g + e * (d + h)));
+    constexpr int N = Pack<T>::N;
+    const uint32_t first = blockIdx.y * blockDim.x + threadIdx.x, stride = gridDim.y * blockDim.x;
+    const uint32_t packs = aligned16(z) && aligned16(dz) ? vocab / N : 0;
+    for (uint32_t p = first; p < packs; p += stride) {
+        const Pack<T> zp = load_pack(z, p);
+        Pack<T> dp;
+#pragma unroll
+        for (int j = 0; j < N; ++j) dp.v[j] = grad_one(zp.v[j], p * N + j, t, lse, g, h, e);
+        store_pack(dz, p, dp);
     }
+    for (uint32_t v = packs * N + first; v < vocab; v += stride) dz[v] = grad_one(z[v], v, t, lse, g, h, e);
 }
 
 #define LP_KERNELS(NAME, T)                                                                                   \

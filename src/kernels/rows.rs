@@ -232,11 +232,12 @@ pub(super) fn stats_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
 }
 
 /// The launch of `lp_row_grad` over logits `[n, V]` of `dtype` with `cols` (2 or 4) coefficients per
-/// row: per row, blocks of 256 threads striding over the vocabulary, about 4 elements per thread.
+/// row: per row, blocks of 256 threads striding over the vocabulary, about two 16-byte packs per thread.
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn grad_plan(dtype: DType, n: usize, v: usize, cols: usize) -> Result<Plan> {
     let threads = 256u32;
-    let per_row = (v as u32).div_ceil(threads * 4).clamp(1, 65535);
+    let pack = (16 / dtype.size_in_bytes()) as u32;
+    let per_row = (v as u32).div_ceil(threads * 2 * pack).clamp(1, 65535);
     let mut p = Plan::default();
     let z = p.input("logits", dtype, n * v);
     let t = p.input("targets", DType::U32, n);

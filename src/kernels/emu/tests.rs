@@ -56,7 +56,9 @@ fn u32s(v: &[u32], shape: &[usize]) -> Tensor {
 #[test]
 fn lp_row_stats() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(7);
-    for (n, v) in [(1, 1), (3, 1001), (2, 33)] {
+    // 20,000 and 40: rows of whole 16-byte packs (20,000: several a thread, the later ones summed in f32);
+    // 1001 and 33: rows off 16-byte alignment.
+    for (n, v) in [(1, 1), (3, 1001), (2, 33), (2, 20_000)] {
         let t = u32s(&(0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), &[n]);
         for dt in DTYPES {
             let z = random(&mut rng, &[n, v], 20.0).to_dtype(dt).unwrap();
@@ -72,12 +74,26 @@ fn lp_row_stats() {
     let got = flat(&got);
     assert!(got[..3].iter().all(|x| x.is_nan()) && got[3..6].iter().all(|x| x.is_finite()), "{got:?}");
     assert!(got[6].is_nan() && got[7..].iter().all(|x| x.is_finite()), "{got:?}");
+    // -inf logits (probability 0): whole packs of them (a thread's first, and a later one), and scattered
+    // through packs, in rows of 12,288 (3-6 packs a thread).
+    let v = 12_288;
+    let mut z: Vec<f32> = flat(&random(&mut rng, &[2, v], 5.0));
+    for i in (0..8).chain(8192..8200).chain((0..2 * v).step_by(37)) {
+        z[i] = f32::NEG_INFINITY;
+    }
+    let t = u32s(&[8, 5], &[2]);
+    for dt in DTYPES {
+        let z = Tensor::from_vec(z.clone(), (2, v), &Device::Cpu).unwrap().to_dtype(dt).unwrap();
+        let got = run(&stats_plan(dt, 2, v).unwrap(), &[&z, &t]).unwrap().remove(0);
+        assert_close(&format!("lp_row_stats -inf {dt:?}"), &got, &row_stats(&z, &t).unwrap(), (1e-5, 1e-6));
+    }
 }
 
 #[test]
 fn lp_row_grad() {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(8);
-    for (n, v) in [(1, 1), (3, 1001), (2, 2100)] {
+    // 2100 and 8200 in 16-byte packs (8200: more packs than a row's threads), 1001 off alignment.
+    for (n, v) in [(1, 1), (3, 1001), (2, 2100), (2, 8200)] {
         let t = u32s(&(0..n).map(|_| rng.gen_range(0..v as u32)).collect::<Vec<_>>(), &[n]);
         for dt in DTYPES {
             let z = random(&mut rng, &[n, v], 8.0).to_dtype(dt).unwrap();
