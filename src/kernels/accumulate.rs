@@ -120,29 +120,23 @@ pub fn accumulate(acc: &Tensor, g: &Tensor) -> Result<()> {
     acc.inplace_op2(&g, &Accumulate(strides))
 }
 
-/// The launch of `accumulate` over the gradient's elements: 256 threads a block, at most 4,096 blocks.
+/// The launch over the gradient's elements: `accumulate` for a contiguous gradient (256 threads a block, 4
+/// elements a thread, at most 1,024 blocks), `accumulate_t` for a transposed one (32 x 32 tiles, a block of
+/// 32 x 8 threads each).
 #[cfg(any(test, feature = "cuda"))]
 fn accumulate_plan(dtype: DType, s: Strides) -> Result<Plan> {
     let n = s.rows * s.cols;
     let mut p = Plan::default();
-    let args = vec![
-        p.input("accumulator", DType::F32, n),
-        p.input("gradient", dtype, s.span()),
-        Arg::U32(s.rows as u32),
-        Arg::U32(s.cols as u32),
-        Arg::U32(s.s0 as u32),
-        Arg::U32(s.s1 as u32),
-    ];
-    let blocks = n.div_ceil(256).min(4096) as u32;
-    let kernel = kernel_name("accumulate", dtype)?;
-    p.launch(Launch {
-        module: Module::Accumulate,
-        kernel,
-        grid: (blocks, 1, 1),
-        block: (256, 1, 1),
-        shared_bytes: 0,
-        args,
-    })?;
+    let (acc, g) = (p.input("accumulator", DType::F32, n), p.input("gradient", dtype, s.span()));
+    let (kernel, grid, block, args) = if s.s1 == 1 {
+        let grid = (n.div_ceil(256 * 4).min(1024) as u32, 1, 1);
+        (kernel_name("accumulate", dtype)?, grid, (256, 1, 1), vec![acc, g, Arg::U32(n as u32)])
+    } else {
+        let tiles = (s.rows.div_ceil(32) as u32, s.cols.div_ceil(32) as u32, 1);
+        let args = vec![acc, g, Arg::U32(s.rows as u32), Arg::U32(s.cols as u32)];
+        (kernel_name("accumulate_t", dtype)?, tiles, (32, 8, 1), args)
+    };
+    p.launch(Launch { module: Module::Accumulate, kernel, grid, block, shared_bytes: 0, args })?;
     Ok(p)
 }
 
@@ -181,11 +175,14 @@ mod tests {
         assert!(bad.contains("f32 contiguous accumulator"), "{bad}");
     }
 
-    /// kernels/accumulate.cu on the emulator against the CPU op, bit for bit: contiguous and transposed, every
-    /// dtype, fewer elements than a block and (once) more than the grid's threads.
+    /// kernels/accumulate.cu on the emulator against the CPU op, bit for bit: contiguous (in fours with a
+    /// tail, more fours than the grid's threads, and a gradient one element off alignment: one at a time)
+    /// and transposed (partial tiles at both edges), every dtype, fewer elements than a block.
     #[test]
     fn the_kernel_equals_the_cpu_op() {
-        let mut cases = vec![(1100, 1000, DType::BF16, true)];
+        let mut cases =
+            vec![(1100, 1000, DType::BF16, true), (1100, 1000, DType::F16, false), (45, 77, DType::F32, true)];
+        cases.extend([(3, 41, DType::BF16, false), (3, 41, DType::F32, false)]);
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             cases.extend([(5, 7, dtype, false), (5, 7, dtype, true)]);
         }
@@ -196,14 +193,20 @@ mod tests {
             let s = Strides::of(g.layout()).unwrap();
             let plan = accumulate_plan(dtype, s).unwrap();
             let flat = |t: &Tensor| t.flatten_all().unwrap();
-            let got = super::super::emu::run_in_place(&plan, &[&flat(&acc), &flat(&src)]).unwrap();
             let want = acc.copy().unwrap();
             accumulate(&want, &g).unwrap();
-            assert_eq!(
-                got[0].to_vec1::<f32>().unwrap(),
-                flat(&want).to_vec1::<f32>().unwrap(),
-                "{rows}x{cols} {dtype:?}"
-            );
+            let got = super::super::emu::run_in_place(&plan, &[&flat(&acc), &flat(&src)]).unwrap();
+            let what = format!("{rows}x{cols} {dtype:?} transposed {transposed}");
+            assert_eq!(got[0].to_vec1::<f32>().unwrap(), flat(&want).to_vec1::<f32>().unwrap(), "{what}");
+            if !transposed {
+                // The gradient one element into a buffer one longer: no pointer of it 8- or 16-byte aligned.
+                let mut plan = plan.clone();
+                plan.buffers[1].len += 1;
+                plan.launches[0].args[1] = Arg::Buffer { index: 1, offset: 1 };
+                let padded = Tensor::cat(&[&flat(&src).narrow(0, 0, 1).unwrap(), &flat(&src)], 0).unwrap();
+                let got = super::super::emu::run_in_place(&plan, &[&flat(&acc), &padded]).unwrap();
+                assert_eq!(got[0].to_vec1::<f32>().unwrap(), flat(&want).to_vec1::<f32>().unwrap(), "{what}, off");
+            }
         }
     }
 }
