@@ -287,11 +287,13 @@ pub enum MeasuredBuild {
     /// ([`H100_RUN_TENSOR_OPS`], the update on the host at [`Gpu::composite_host_update_bandwidth`], its
     /// copies not overlapped), candle-core as released, the first warpgroup kernels (no head-dim-64 rates).
     H100Nov26,
-    /// 2026-11-27 (the first run at the dk/dv kernels' split groups): this build's ops, the warpgroup
+    /// 2026-11-27 (the first run at the dk/dv kernels' split groups): [`NOV27_TENSOR_OPS`], the warpgroup
     /// kernels before their ring backward ([`H100_NOV27_WGMMA`]).
     H100Nov27,
-    /// This build: measured by the 2026-11-27b run (the ring backward) and the 2026-11-27c run (its 7B
-    /// step, after the recomputed down projection's fix).
+    /// The 2026-11-27b run (the ring backward: this build's attention kernels) and the 2026-11-27c run (its
+    /// 7B step, after the recomputed down projection's fix): [`NOV27_TENSOR_OPS`].
+    H100Nov27b,
+    /// This build.
     #[default]
     Current,
 }
@@ -302,7 +304,8 @@ impl MeasuredBuild {
         match tag {
             "2026-11-26" => Some(Self::H100Nov26),
             "2026-11-27" => Some(Self::H100Nov27),
-            "2026-11-27b" | "2026-11-27c" | "current" => Some(Self::Current),
+            "2026-11-27b" | "2026-11-27c" => Some(Self::H100Nov27b),
+            "current" => Some(Self::Current),
             _ => None,
         }
     }
@@ -311,7 +314,8 @@ impl MeasuredBuild {
     pub fn tensor_ops(self) -> TensorOps {
         match self {
             Self::H100Nov26 => H100_RUN_TENSOR_OPS,
-            Self::H100Nov27 | Self::Current => TENSOR_OPS,
+            Self::H100Nov27 | Self::H100Nov27b => NOV27_TENSOR_OPS,
+            Self::Current => TENSOR_OPS,
         }
     }
 
@@ -342,7 +346,7 @@ impl MeasuredBuild {
                 wgmma_atomic_d64: Some(H100_NOV27_WGMMA_ATOMIC_D64),
                 ..gpu
             },
-            Self::Current => gpu,
+            Self::H100Nov27b | Self::Current => gpu,
         }
     }
 }
@@ -389,10 +393,12 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // leads to no variable (the patched candle): a layer's backward 102 tensors, not 249, and a recomputed
     // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded without values by
     // `unread_matmul` it made 64, but kept each recomputed layer's activations alive through the backward).
-    layer_reference: 50.0,
-    layer_policy: 50.0,
-    layer_recompute: 65.0,
-    layer_backward: 102.0,
+    // The q, k and v biases one op each way (kernels::bias_add, the bias's gradient in the op) instead of
+    // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before).
+    layer_reference: 47.0,
+    layer_policy: 47.0,
+    layer_recompute: 62.0,
+    layer_backward: 99.0,
     micro_batch: 131.0,
     micro_batch_reference: 75.0,
     // What a step adds beyond its micro-batches and its parameters' ops: nothing left once the update is
@@ -413,6 +419,17 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     head_grad_bytes: 10.0,
     unread_down: false,
     unnamed_ops_move_bytes: false,
+};
+
+/// The counts of the builds the 2026-11-27 runs measured: the q, k and v biases as candle's broadcast add
+/// and its sum (3 tensors more a layer each way). The morning's build also took the gradient norm as
+/// candle's square, sum and cast (3 tensors a parameter, not 1): not counted here.
+pub const NOV27_TENSOR_OPS: TensorOps = TensorOps {
+    layer_reference: 50.0,
+    layer_policy: 50.0,
+    layer_recompute: 65.0,
+    layer_backward: 102.0,
+    ..COUNTED_TENSOR_OPS
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the

@@ -42,6 +42,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Lora => ("grpo_lora", include_str!(concat!(env!("OUT_DIR"), "/lora.ptx"))),
         Module::Accumulate => ("grpo_accumulate", include_str!(concat!(env!("OUT_DIR"), "/accumulate.ptx"))),
         Module::SumSquares => ("grpo_sum_squares", include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx"))),
+        Module::Bias => ("grpo_bias", include_str!(concat!(env!("OUT_DIR"), "/bias.ptx"))),
     }
 }
 

@@ -23,6 +23,7 @@ pub enum Module {
     Lora,
     Accumulate,
     SumSquares,
+    Bias,
 }
 
 /// One buffer of an op.

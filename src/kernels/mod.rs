@@ -20,6 +20,8 @@
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
 //! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
+//! - [`bias_add`] (bias.rs): a projection's bias added to its rows; the bias's gradient summed over rows
+//!   in f32, in fixed row blocks.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
 //!   state, in place, equal bit for bit to the composite [`adamw_reference`].
 //! - [`lora_linear`] (lora.rs): a LoRA projection, `x W^T + b + (dropout(x) A^T) B^T alpha / r` with the
@@ -43,6 +45,7 @@
 mod accumulate;
 mod adamw;
 mod attention;
+mod bias;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -71,6 +74,7 @@ mod testing;
 pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_host, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
+pub use bias::bias_add;
 pub use embedding::{embedding, embedding_grad, embedding_reference};
 pub(crate) use flash_attention::dkv_partial_sum_bytes;
 pub use flash_attention::{

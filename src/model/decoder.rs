@@ -568,14 +568,16 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, fused: bool) -> candle_core::Resul
     }
 }
 
-/// `x W^T + b` over the last dim of `x`; `frozen`: `w` gets no gradient ([`frozen_matmul`]).
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, frozen: bool) -> candle_core::Result<Tensor> {
+/// `x W^T + b` over the last dim of `x`; `frozen`: `w` gets no gradient ([`frozen_matmul`]); `fused`: the
+/// bias through [`crate::kernels::bias_add`] (its gradient summed in f32), else candle's broadcast add.
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, frozen: bool, fused: bool) -> candle_core::Result<Tensor> {
     let dims = x.dims().to_vec();
     let inner = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / inner.max(1);
     let x = x.reshape((rows, inner))?;
     let y = if frozen { frozen_matmul(&x, w)? } else { x.matmul(&w.t()?)? };
     let y = match b {
+        Some(b) if fused => crate::kernels::bias_add(&y, b)?,
         Some(b) => y.broadcast_add(b)?,
         None => y,
     };
@@ -879,7 +881,8 @@ impl Decoder {
         let (w, bias) = li.projection(m);
         let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else {
             let frozen = graph && matches!(self.params[w], Param::Frozen(_));
-            return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen);
+            let fused = self.options.fused_ops;
+            return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen, fused);
         };
         let _phase = crate::profile::phase("lora");
         let dropout = match mode.dropout_seed(l, m) {
