@@ -14,6 +14,12 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16(x); }
 template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return __float2half(x); }
 
+// The sum over a warp's 32 lanes; every lane gets it.
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
 // Reduce over the block with op (max or sum); every thread gets the result.
 template <bool MAX>
 __device__ __forceinline__ float block_reduce(float v, float *shared) {

@@ -49,11 +49,6 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-__device__ __forceinline__ float warp_sum(float v) {
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    return v;
-}
-
 // Ranges of the block's query rows i0.. i0 + bq into shared memory (empty: lo = 1, hi = 0, also for rows
 // past t), and the span of keys any of them sees (kmin > kmax when none). Ends with a barrier.
 __device__ void query_ranges(const uint32_t *ranges, uint32_t b, uint32_t i0, uint32_t bq, uint32_t t, uint32_t s,

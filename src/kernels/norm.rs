@@ -17,9 +17,9 @@ use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 #[cfg(any(test, feature = "cuda"))]
 use candle_core::DType;
 
-/// The widest row: the backward's per-block partials (h f32, after 32 for its reductions) fit 48 KiB of
+/// The widest row: the backward's per-warp partials (h f32 for each of at least one warp) fit 48 KiB of
 /// shared memory.
-const MAX_FEATURES: usize = (12 << 10) - 32;
+const MAX_FEATURES: usize = 12 << 10;
 
 fn rows_of(l: &Layout) -> Result<(usize, usize)> {
     let h = l.shape().dims().last().copied().unwrap_or(0);
@@ -204,20 +204,21 @@ pub fn rms_norm_reference(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     xf.broadcast_div(&rms)?.to_dtype(x.dtype())?.broadcast_mul(w)
 }
 
-/// The launches over `rows` rows of `h` of `dtype`. Forward: `rms_norm_fwd`, one block per row. Backward:
+/// The launches over `rows` rows of `h` of `dtype`. Forward: `rms_norm_fwd`, a warp per row, 8 rows a block
+/// of 256 threads. Backward:
 /// `rms_norm_bwd` over [`row_blocks`] (the input's gradient and each block's f32 partial of the weight's),
-/// then `rms_norm_dw` (the partials summed, after the input's gradient in the first output). At most 256
-/// threads a row, fewer for short rows (q/k norms over a head of 64-128).
+/// then `rms_norm_dw` (the partials summed, after the input's gradient in the first output), a warp per row,
+/// as many warps a block as their partials fit 48 KiB of shared memory (at most 8).
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn norm_plan(dtype: DType, rows: usize, h: usize, eps: f32, backward: bool) -> Result<Plan> {
     let mut p = Plan::default();
     let (x, w) = (p.input("x", dtype, rows * h), p.input("weight", dtype, h));
-    let threads = (h.div_ceil(32) * 32).min(256) as u32;
-    let block = (threads, 1, 1);
+    let block = (256, 1, 1);
     let launch = |kernel, grid, args| Launch { module: Module::Norm, kernel, grid, block, shared_bytes: 0, args };
     if !backward {
-        let args = vec![x, w, p.output("y", dtype, rows * h), Arg::U32(h as u32), Arg::F32(eps)];
-        p.launch(launch(kernel_name("rms_norm_fwd", dtype)?, (rows as u32, 1, 1), args))?;
+        let y = p.output("y", dtype, rows * h);
+        let args = vec![x, w, y, Arg::U32(rows as u32), Arg::U32(h as u32), Arg::F32(eps)];
+        p.launch(launch(kernel_name("rms_norm_fwd", dtype)?, (rows.div_ceil(8) as u32, 1, 1), args))?;
         return Ok(p);
     }
     let (blocks, per) = row_blocks(rows);
@@ -227,14 +228,15 @@ pub(super) fn norm_plan(dtype: DType, rows: usize, h: usize, eps: f32, backward:
     let dims = [rows, h, per].map(|v| Arg::U32(v as u32));
     let args = [vec![x, w, g, out, partial], dims.to_vec(), vec![Arg::F32(eps)]].concat();
     let mut l = launch(kernel_name("rms_norm_bwd", dtype)?, (blocks as u32, 1, 1), args);
-    l.shared_bytes = 4 * (32 + h) as u32;
+    // As many warps (rows at a time) as their partials fit 48 KiB, at most 8.
+    let warps = (super::launch::MAX_SHARED_BYTES / (4 * h)).clamp(1, 8);
+    l.block = (32 * warps as u32, 1, 1);
+    l.shared_bytes = (4 * warps * h) as u32;
     p.launch(l)?;
     let Arg::Buffer { index, .. } = out else { unreachable!("an output is a buffer") };
     let dw = Arg::Buffer { index, offset: rows * h };
     let args = vec![partial, dw, Arg::U32(h as u32), Arg::U32(blocks as u32)];
-    let mut l = launch(kernel_name("rms_norm_dw", dtype)?, (h.div_ceil(256) as u32, 1, 1), args);
-    l.block = (256, 1, 1);
-    p.launch(l)?;
+    p.launch(launch(kernel_name("rms_norm_dw", dtype)?, (h.div_ceil(256) as u32, 1, 1), args))?;
     Ok(p)
 }
 

@@ -175,9 +175,10 @@ fn attn_softmax_bwd() {
 }
 
 /// Rows x features: one feature, a row shorter than a warp's multiple, a row longer than the block.
-/// `(rows, h)`: one element, odd widths, more rows than the backward's 512 blocks (several rows a block),
-/// the widest row (12,256 f32 partials: with the reductions' 32, all 48 KiB of shared memory), no rows.
-const NORM_CASES: [(usize, usize); 6] = [(1, 1), (3, 77), (2, 300), (1030, 40), (2, 12256), (0, 8)];
+/// `(rows, h)`: one element, odd widths (one element at a time), more rows than the backward's 512 blocks
+/// (several rows a block; at 5,000 more than its warps, each taking rows in turn), the widest row (12,288
+/// f32 partials of one warp: all 48 KiB of shared memory), no rows.
+const NORM_CASES: [(usize, usize); 7] = [(1, 1), (3, 77), (2, 300), (1030, 40), (5000, 24), (2, 12288), (0, 8)];
 
 /// A norm weight of `h` around 1, in `dt`.
 fn norm_weight(rng: &mut impl Rng, h: usize, dt: DType) -> Tensor {
