@@ -28,6 +28,9 @@ fn dims(x: &Layout, c: &Layout, s: &Layout, grad: bool) -> Result<(usize, usize,
     if d == 0 || d % 2 != 0 {
         candle_core::bail!("rope over a head dimension of {d}: expected a positive even number");
     }
+    if b * t * h * d > u32::MAX as usize {
+        candle_core::bail!("rope over {b} x {t} x {h} x {d} elements: at most 2^32 - 1");
+    }
     Ok((b, t, h, d))
 }
 
@@ -159,8 +162,9 @@ pub(super) fn rope_plan(dtype: DType, (b, t, h, d): (usize, usize, usize, usize)
     let (c, s) = (p.input("cos", dtype, b * t * d), p.input("sin", dtype, b * t * d));
     let y = p.output("rotated", dtype, len);
     let dims = [b, t, h, d].map(|n| Arg::U32(n as u32));
+    // A thread per 16-byte run of a half-row (at most; runs of one element where the kernel cannot pack).
     let threads = 256u32;
-    let blocks = (len / 2).div_ceil(threads as usize).min(1 << 20) as u32;
+    let blocks = (len / 2).div_ceil(threads as usize * (16 / dtype.size_in_bytes())).min(1024) as u32;
     p.launch(Launch {
         module: Module::Rope,
         kernel: kernel_name(if inverse { "rope_bwd" } else { "rope_fwd" }, dtype)?,

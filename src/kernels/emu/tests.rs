@@ -227,8 +227,11 @@ fn rms_norm_bwd() {
     }
 }
 
-/// `[B, T, H, D]`: one pair, an odd number of heads and positions, more pairs than one block's threads.
-const ROPE_CASES: [(usize, usize, usize, usize); 4] = [(1, 1, 1, 2), (2, 5, 3, 8), (1, 9, 2, 64), (0, 3, 2, 4)];
+/// `[B, T, H, D]`: one pair, an odd number of heads and positions (half-rows of 4: 16-byte runs in f32, single
+/// elements in bf16/f16), more pairs than one block's threads, runs of 16 bytes over two sequences of odd
+/// lengths and heads (head dim 128), no rows.
+const ROPE_CASES: [(usize, usize, usize, usize); 5] =
+    [(1, 1, 1, 2), (2, 5, 3, 8), (1, 9, 2, 64), (2, 7, 5, 128), (0, 3, 2, 4)];
 
 /// cos and sin `[B, 1, T, D]` of random angles (both halves equal), in `dt`.
 fn cos_sin(rng: &mut impl Rng, (b, t, _, d): (usize, usize, usize, usize), dt: DType) -> (Tensor, Tensor) {
