@@ -4,9 +4,9 @@
 # shape at 8 answers of 1,024 and 4,096 tokens and 4 of 16,384 (reference forward, micro-batch 1, bf16),
 # and the seed's 7B step (2,048 + 16,384 tokens, layers recomputed, optimizer offloaded) at 4 and 8 answers
 # (the seed's), and the seed config as it ships (attention outputs kept). Prints one line per point: step
-# seconds and MFU on the H100 SXM, this build's measured step where there is one (the 2026-11-27b run,
+# seconds and MFU on the H100 SXM, the measured step where there is one (the 2026-11-27b run's build,
 # benches/results/gpu-2026-11-27b-h100.jsonl, and its 7B step at 8 answers with attention kept,
-# gpu-2026-11-27c-h100.jsonl), and the ratio to PyTorch eager as the 2026-11-27b run measured it (1.053 s
+# gpu-2026-11-27c-h100.jsonl, predicted as that build ran: --measured-build 2026-11-27b), and the ratio to PyTorch eager as the 2026-11-27b run measured it (1.053 s
 # at 1,024, 0.906 s at 4,096, 1.728 s at 4 x 16,384).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +25,7 @@ small="--shape scripts/gpu/shapes/qwen2.5-0.5b.json --prompt-len 128 --micro-bat
 seven="--shape configs/models/qwen2.5-7b-instruct.config.json --seq-len 18432 --prompt-len 2048 --micro-batch 1 --checkpoint-layers --offload --no-reference"
 for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- - - - -" \
     "2026-11-26 build (wgmma):--measured-build 2026-11-26 --attention wgmma:- - - - -" \
-    "this build (auto)::0.387 0.752 1.863 - -"; do
+    "2026-11-27b build:--measured-build 2026-11-27b:0.387 0.752 1.863 - -" "this build (auto)::- - - - -"; do
   name=${build%%:*}; rest=${build#*:}; flags=${rest%%:*}; read -r m1 m4 m16 m7 m7x8 <<<"${rest#*:}"
   predict "0.5B 8 x 1024, $name" 1.053 "$m1" $small --answers 8 --seq-len 1024 $flags
   predict "0.5B 8 x 4096, $name" 0.906 "$m4" $small --answers 8 --seq-len 4096 $flags
@@ -36,4 +36,5 @@ done
 # The seed config as it ships now (each layer's attention output kept: recompute_attention = false), at the
 # 8 answers the next GPU run measures (scripts/gpu/next-run.sh).
 predict "7B seed step 4 x 18,432, attention kept" - - $seven --answers 4 --keep-attention
-predict "7B seed step 8 x 18,432, attention kept" - 24.163 $seven --answers 8 --keep-attention
+predict "7B seed step 8 x 18,432, attention kept, 2026-11-27b build" - 24.163 $seven --answers 8 --keep-attention --measured-build 2026-11-27b
+predict "7B seed step 8 x 18,432, attention kept" - - $seven --answers 8 --keep-attention

@@ -17,11 +17,14 @@
 //! ([`COUNTED_TENSOR_OPS`]), and each measured step predicted as its build ran it ([`MeasuredBuild`]).
 //! Three constants are fitted, by scripts/calibrate.py on the committed train steps (it prints every
 //! point's prediction, measurement and residual; benches/results/calibration-2026-11-27b-h100.txt):
-//! - [`Gpu::launch_s`], the host's time per tensor op, and [`Gpu::memory_efficiency`], the element-wise
-//!   kernels' share of HBM's bandwidth, on the thirteen 0.5B-shape steps of the four builds (two
-//!   constants);
+//! - [`Gpu::launch_s`], the host's time per tensor op, and [`Gpu::memory_efficiency`], the share of HBM's
+//!   bandwidth of the element-wise kernels that move one element a thread and access, on the thirteen
+//!   0.5B-shape steps of the four builds (two constants);
 //! - [`Gpu::composite_host_update_bandwidth`], the first build's composite offloaded update, on its 7B
 //!   step (the only one: fitted there, not predicted).
+//!
+//! One rate is assumed, not measured: [`Gpu::packed_memory_efficiency`], the element-wise kernels that move
+//! 16-byte packs (this build's own, candle's contiguous add) and GEMMs' operand streams.
 //!
 //! The two 7B steps of the later builds, offloaded at the measured host rate, are not fitted on: predicted
 //! at 0.86 (4 answers, attention recomputed) and 1.10 (8 answers, attention kept) of their times.
@@ -57,8 +60,12 @@ pub struct Gpu {
     /// them at the same time per score).
     pub wgmma_d64: Option<KernelRates>,
     pub wgmma_atomic_d64: Option<KernelRates>,
-    /// Fraction of the memory bandwidth a streaming element-wise kernel reaches.
+    /// Fraction of the memory bandwidth a streaming element-wise kernel reaches (one element a thread and
+    /// access, or strided indexing).
     pub memory_efficiency: f64,
+    /// The same for one that moves 16 bytes a thread and access (kernels/common.cuh's packs, candle's
+    /// contiguous bf16 add).
+    pub packed_memory_efficiency: f64,
     /// Host time per op the host issues: candle's bookkeeping of a tensor op (its output's allocation
     /// from the memory pool, its layout copied to the device for a strided input, the graph's record)
     /// and the kernel launch, s.
@@ -266,6 +273,7 @@ pub const H100: Gpu = Gpu {
     wgmma_d64: Some(KernelRates { short: h100(4096, 206.4, 126.0), long: h100(16384, 310.3, 192.8) }),
     wgmma_atomic_d64: Some(KernelRates { short: h100(4096, 217.6, 133.0), long: h100(16384, 314.2, 206.8) }),
     memory_efficiency: FITTED_MEMORY_EFFICIENCY,
+    packed_memory_efficiency: ASSUMED_PACKED_MEMORY_EFFICIENCY,
     launch_s: FITTED_LAUNCH_S,
     kernel_launch_s: 16.8e-6,
     sync_s: 20e-6,
@@ -319,6 +327,12 @@ impl MeasuredBuild {
         }
     }
 
+    /// The build's own element-wise kernels (norms, rope, SwiGLU, biases, the log-prob rows, gradient
+    /// accumulation) move 16-byte packs: this one's.
+    pub fn packed_kernels(self) -> bool {
+        self == Self::Current
+    }
+
     /// The offloaded update as composite candle ops on the host, its copies and update one after the
     /// other (`false`: the fused update, overlapped with the copies but one chunk).
     pub fn composite_update(self) -> bool {
@@ -365,20 +379,27 @@ const MEASURED_GEMM_EFFICIENCY: f64 = 0.81;
 /// optimizer`); the 7B step's profile, its update synchronised chunk by chunk, had its host part at 71.
 const MEASURED_HOST_UPDATE_BANDWIDTH: f64 = 74.6e9;
 
+/// Assumed, not measured: the fraction of HBM's bandwidth an element-wise kernel reaches that moves 16 bytes
+/// a thread and access (the kernels of kernels/common.cuh's packs: 8 bf16 a load or store, enough bytes in
+/// flight per multiprocessor to stream HBM; a copy kernel of that kind streams 2.6-3.0 TB/s of the H100's
+/// 3.35). The next run's profile times two of them alone (the norm and rope phases), and gradient
+/// accumulation.
+const ASSUMED_PACKED_MEMORY_EFFICIENCY: f64 = 0.80;
+
 /// Fitted by scripts/calibrate.py (see the module's doc; benches/results/calibration-2026-11-27b-h100.txt).
 /// The host's time per tensor candle makes: 8.50 us. A raw kernel launch of the project's own code took
 /// 16.8 us (the chunked attention at 4,096 tokens, whose launches include cuBLAS calls and a device that
 /// is not idle); a candle op's mean is lower because a third of its tensors are views.
 const FITTED_LAUNCH_S: f64 = 8.50e-6;
-/// The fraction of HBM's bandwidth the element-wise kernels reach over the bytes the model counts: 0.38.
-/// The profile of the 2026-11-27b run's 16k step measures two of them on their own, in line with it: the
-/// fused RMSNorm at 0.27 (66 us for 59 MB) and rope at 0.24 (84 us for 67 MB), one bf16 element per
-/// thread; candle's (strided indexing, broadcast bias adds) are of the same kind.
-const FITTED_MEMORY_EFFICIENCY: f64 = 0.38;
-/// The composite offloaded AdamW update's host rate (the first run's build): 4.5 GB/s of the 32 B per
-/// parameter the model counts, ~140 M parameters a second (~15 candle CPU ops per tensor, each a pass over
+/// The fraction of HBM's bandwidth the element-wise kernels that move one element a thread and access
+/// reach over the bytes the model counts: 0.22. The profile of the 2026-11-27b run's 16k step times two of
+/// them on their own, in line with it: the fused RMSNorm at 0.27 (66 us for 59 MB) and rope at 0.24 (84 us
+/// for 67 MB), each phase's time with its synchronisation (some microseconds) in it.
+const FITTED_MEMORY_EFFICIENCY: f64 = 0.22;
+/// The composite offloaded AdamW update's host rate (the first run's build): 7 GB/s of the 32 B per
+/// parameter the model counts, ~220 M parameters a second (~15 candle CPU ops per tensor, each a pass over
 /// f32 arrays).
-const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 4.75e9;
+const FITTED_HOST_UPDATE_BANDWIDTH: f64 = 7.0e9;
 
 /// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
 /// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without

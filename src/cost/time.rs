@@ -137,6 +137,9 @@ pub struct OpCost {
     /// [`tile_utilization`]); 0 for other ops.
     pub product: (f64, f64),
     pub window: Window,
+    /// An element-wise kernel that moves 16 bytes a thread and access (at [`Gpu::packed_memory_efficiency`];
+    /// the others at [`Gpu::memory_efficiency`]).
+    pub packed: bool,
 }
 
 /// The stretch of the step an op runs in. Within one, the host issues ops while the device runs those
@@ -290,6 +293,8 @@ struct Ops {
     window: Window,
     /// The tensor ops of the build predicted.
     counts: TensorOps,
+    /// The build's own element-wise kernels move 16-byte packs ([`MeasuredBuild::packed_kernels`]).
+    packed: bool,
 }
 
 impl Ops {
@@ -314,8 +319,15 @@ impl Ops {
             head_dim,
             product: (0.0, 0.0),
             window,
+            packed: false,
         };
         self.ops.push(op);
+    }
+
+    /// An element-wise op: `bytes` read and written, `launches` tensor ops, `packed` ([`OpCost::packed`]).
+    fn elementwise(&mut self, name: &'static str, bytes: f64, launches: f64, packed: bool) {
+        self.push(name, OpKind::Elementwise, 0.0, bytes, launches);
+        self.ops.last_mut().expect("just pushed").packed = packed;
     }
 
     /// A tensor-core attention kernel's op: `useful` FLOPs of causal attention over `t` tokens.
@@ -411,26 +423,57 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
             o.push("LoRA element-wise", OpKind::Elementwise, 0.0, bytes * n_tokens, launches);
         }
     }
-    // Element-wise: (elements read + written per token, launches).
+    layer_elementwise(o, m, (n_tokens, d), pass, unread_down);
+}
+
+/// A named element-wise op of a layer: elements read and written per token forward and backward, tensor
+/// ops forward, and whether it runs packed ([`OpCost::packed`]).
+struct Named {
+    forward: f64,
+    backward: f64,
+    launches: f64,
+    packed: bool,
+}
+
+/// The element-wise ops of one layer's pass of `n_tokens` tokens of `d` bytes: its named ops' bytes (each
+/// reading its inputs and writing its output once), issued as the pass's counted tensor ops.
+fn layer_elementwise(o: &mut Ops, m: &ModelConfig, (n_tokens, d): (f64, f64), pass: Pass, unread_down: bool) {
+    let backward = pass == Pass::Backward;
+    let f = |x: usize| x as f64;
+    let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
+    let q = f(m.num_heads) * f(m.head_dim);
+    let kv = f(m.num_kv_heads) * f(m.head_dim);
+    // This build's kernels move 16-byte packs (kernels/common.cuh); the builds the H100 runs measured did
+    // not. candle's add of two contiguous bf16 tensors always did.
+    let ours = o.packed;
+    let named = |forward, backward, launches, packed| Named { forward, backward, launches, packed };
     let mut ew = vec![
-        (2.0 * 2.0 * h + 2.0 * h, 2.0),    // two RMSNorms: read x and the weight row, write
-        (2.0 * (2.0 * q + 2.0 * kv), 4.0), // head transposes of q, k, v into attention and o out
-        (2.0 * (q + kv), 2.0),             // rope on q and k
-        // two residual adds (the second not recomputed with an unread down projection)
-        if unread_down { (3.0 * h, 1.0) } else { (2.0 * 3.0 * h, 2.0) },
-        (2.0 * i + i + 3.0 * i, 2.0), // silu(gate), then silu * up
+        // Two RMSNorms: read x, write y; backward read x and g, write dx (the weight's partials aside).
+        named(4.0 * h, 6.0 * h, 2.0, ours),
+        // Rope on q and k, with their transpose to heads, each way.
+        named(2.0 * (q + kv), 2.0 * (q + kv), 2.0, ours),
+        // v to heads and the attention's output back (candle's strided copies), each way.
+        named(2.0 * (q + kv), 2.0 * (q + kv), 2.0, false),
+        // Two residual adds, and their gradients' sums in the backward (the second not recomputed with an
+        // unread down projection).
+        if unread_down { named(3.0 * h, 0.0, 1.0, true) } else { named(6.0 * h, 6.0 * h, 2.0, true) },
+        // SwiGLU: read gate and up, write the product; backward read both and the gradient, write two.
+        named(3.0 * i, 5.0 * i, 1.0, ours),
     ];
+    // Biases: the add each way; backward, the bias's gradient reads the rows' (kernels::bias_add).
     if m.qkv_bias {
-        ew.push((2.0 * (q + 2.0 * kv), 3.0));
+        ew.push(named(2.0 * (q + 2.0 * kv), q + 2.0 * kv, 3.0, ours));
     }
-    if m.o_bias || m.mlp_bias {
-        ew.push((2.0 * (h + h), 2.0));
+    if m.o_bias {
+        ew.push(named(2.0 * h, h, 1.0, ours));
+    }
+    if m.mlp_bias {
+        ew.push(named(2.0 * (2.0 * i + h), 2.0 * i + h, 3.0, ours));
     }
     if m.qk_norm {
-        ew.push((2.0 * (q + kv), 2.0));
+        ew.push(named(2.0 * (q + kv), 3.0 * (q + kv), 2.0, ours));
     }
     let scale = if backward { 2.0 } else { 1.0 };
-    let elements = ew.iter().map(|(e, _)| e).sum::<f64>();
     // The pass's tensor ops but its GEMMs (7 forward, 14 backward) and the attention op: what the host
     // issues (views among them).
     let counted = match pass {
@@ -440,15 +483,21 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
         Pass::Backward => o.counts.layer_backward,
     };
     let launches = (counted - 7.0 * scale - 1.0).max(0.0);
-    // The named ops above are the layer's element-wise arithmetic, each reading its inputs and writing its
-    // output once. The other tensor ops are views and bookkeeping that move no bytes (counted on the CPU,
-    // tests/calibration.rs: a layer's forward makes 21 buffers, 7 GEMMs' and the attention's among them),
-    // but in a build whose unnamed ops were passes of their own (candle-core as released: each gradient
-    // added to a tensor of zeros), where each moves about the named ops' mean bytes.
-    let named = scale * ew.iter().map(|(_, l)| l).sum::<f64>();
-    let passes = if o.counts.unnamed_ops_move_bytes { (launches / named).max(1.0) } else { 1.0 };
-    let bytes = scale * elements * n_tokens * d * passes;
-    o.push("layer element-wise", OpKind::Elementwise, 0.0, bytes, launches);
+    // The named ops are the layer's element-wise arithmetic. The other tensor ops are views and
+    // bookkeeping that move no bytes (counted on the CPU, tests/calibration.rs: a layer's forward makes 21
+    // buffers, 7 GEMMs' and the attention's among them), but in a build whose unnamed ops were passes of
+    // their own (candle-core as released: each gradient added to a tensor of zeros), where each moves about
+    // the named ops' mean bytes.
+    let named_launches = scale * ew.iter().map(|e| e.launches).sum::<f64>();
+    let passes = if o.counts.unnamed_ops_move_bytes { (launches / named_launches).max(1.0) } else { 1.0 };
+    let elements = |packed: bool| {
+        let of = |e: &Named| if backward { e.backward } else { e.forward };
+        ew.iter().filter(|e| e.packed == packed).map(of).sum::<f64>() * n_tokens * d * passes
+    };
+    let share = |packed: bool| elements(packed) / (elements(true) + elements(false)).max(f64::MIN_POSITIVE);
+    for packed in [false, true] {
+        o.elementwise("layer element-wise", elements(packed), launches * share(packed), packed);
+    }
     if backward && o.counts.seed_passes > 0.0 {
         // The backward seeded by (y g).sum_all() (the H100 run's build): read y and g, write the product,
         // sum it.
@@ -664,17 +713,19 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backwar
         } else {
             o.gemm_backward("lm_head", rows, h, v, d, chunks);
         }
-        o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
+        // Read the logits, write their gradient.
+        o.elementwise("log-softmax / entropy", 2.0 * n * v * d, chunks, o.packed);
         if !frozen {
             let bytes = o.counts.head_grad_bytes * v * h * chunks;
-            o.push("lm_head f32 gradient", OpKind::Elementwise, 0.0, bytes, chunks);
+            o.elementwise("lm_head f32 gradient", bytes, chunks, o.packed);
         }
     } else {
         o.gemm("lm_head", rows, h, v, d, chunks);
-        o.push("log-softmax / entropy", OpKind::Elementwise, 0.0, 2.0 * n * v * d, chunks);
+        // Read the logits (the GEMM wrote them).
+        o.elementwise("log-softmax / entropy", n * v * d, chunks, o.packed);
     }
     // Final RMSNorm and the gather of the scored rows.
-    o.push("layer element-wise", OpKind::Elementwise, 0.0, 4.0 * n * h * d, 2.0);
+    o.elementwise("layer element-wise", 4.0 * n * h * d, 2.0, o.packed);
 }
 
 /// One forward of every layer per micro-batch in `pass`; the reference's and the policy's with the
@@ -703,7 +754,8 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
 fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
-    let mut o = Ops { ops: Vec::new(), times: s.micro_batches(), window: Window::Reference, counts: counts(s) };
+    let (times, counts, packed) = (s.micro_batches(), counts(s), s.build.packed_kernels());
+    let mut o = Ops { ops: Vec::new(), times, window: Window::Reference, counts, packed };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
     let p = m.num_parameters() as f64;
@@ -730,7 +782,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     };
     let accumulate =
         (o.counts.accumulate_per_tensor + o.counts.accumulate_first_per_tensor / s.micro_batches()) * tensors;
-    o.push("gradient accumulation (f32)", OpKind::Elementwise, 0.0, (d + 8.0) * p, accumulate);
+    o.elementwise("gradient accumulation (f32)", (d + 8.0) * p, accumulate, o.packed);
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;
     o.window = Window::Update;
@@ -743,7 +795,10 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
             if s.build.composite_update() { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
     } else {
         let update = o.counts.update_per_tensor * tensors;
-        o.push("AdamW update (device)", OpKind::Elementwise, 0.0, (32.0 + d) * p, update);
+        // The fused update keeps several f32 streams in flight per thread (the parameter, both moments, the
+        // gradient), as a packed kernel does; the composite one was candle's ops one by one.
+        let streams = !s.build.composite_update();
+        o.elementwise("AdamW update (device)", (32.0 + d) * p, update, streams);
     }
     let norm = o.counts.norm_per_tensor * tensors + o.counts.step;
     o.push("gradient norm and bad-step check", OpKind::Elementwise, 0.0, 4.0 * p, norm);
@@ -774,7 +829,9 @@ fn parameter_tensors(m: &ModelConfig) -> f64 {
 /// own work ([`OpKind::Host`]).
 fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
     let bw = gpu.memory_bandwidth * gpu.memory_efficiency;
-    let roofline = |flops_per_s: f64| (op.flops / flops_per_s).max(op.bytes / bw);
+    // A GEMM streams its operands as the packed kernels do (cuBLAS's tiles load 16 bytes and more at once).
+    let streamed = gpu.memory_bandwidth * gpu.packed_memory_efficiency;
+    let roofline = |flops_per_s: f64| (op.flops / flops_per_s).max(op.bytes / streamed);
     // Measured at head dim 128 (and the warpgroup kernels at 64, where that is the head): a smaller head
     // without rates of its own does less tensor-core work per score but the same softmax and
     // bookkeeping, so the rate in FLOPs is taken to fall with it (the time per score kept).
@@ -795,6 +852,7 @@ fn device_time(op: &OpCost, gpu: &Gpu) -> f64 {
         OpKind::AttentionWgmmaAtomic => {
             kernel(gpu.wgmma_atomic.or(gpu.wgmma), gpu.wgmma_atomic_d64.or(gpu.wgmma_d64), true)
         }
+        OpKind::Elementwise if op.packed => op.bytes / streamed,
         OpKind::Elementwise => op.bytes / bw,
         OpKind::Host => 0.0,
     }
@@ -849,7 +907,7 @@ pub struct Prediction {
 pub struct WindowCost {
     pub window: &'static str,
     pub device_s: f64,
-    /// Of `device_s`, the streaming element-wise kernels' (at [`Gpu::memory_efficiency`]).
+    /// Of `device_s`, the element-wise kernels' at [`Gpu::memory_efficiency`] (not the packed ones, at their own).
     pub elementwise_s: f64,
     /// Tensor ops the host issues through candle, and the attention kernels' launches (straight from the
     /// project's own code: no tensor is made).
@@ -922,7 +980,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
         .into_iter()
         .map(|w| {
             let host = |o: &OpCost| o.window == w && o.kind == OpKind::Host;
-            let ew = |o: &OpCost| o.window == w && o.kind == OpKind::Elementwise;
+            let ew = |o: &OpCost| o.window == w && o.kind == OpKind::Elementwise && !o.packed;
             WindowCost {
                 window: w.name(),
                 device_s: sum(&|o| device_time(o, gpu), &|o| o.window == w),
@@ -988,7 +1046,8 @@ impl WindowCost {
 /// element-wise steps, one micro-batch) of `m` on `s` with `blocks` on `gpu`.
 fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: &Gpu) -> f64 {
     let shape = StepShape { blocks, ..*s };
-    let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward, counts: counts(&shape) };
+    let (counts, packed) = (counts(&shape), shape.build.packed_kernels());
+    let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward, counts, packed };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, false);
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, true);
@@ -1338,6 +1397,30 @@ mod tests {
         // the two-kernel one at 16k tokens, 1% at 4k; the forwards alike.
         let atomic = predict(&seven_b(), &StepShape { atomic_dq: true, ..wgmma }, &H100_SXM);
         assert!((atomic.attention_s / h_wg.attention_s - 1.025).abs() < 0.01, "{atomic:?} vs {h_wg:?}");
+    }
+
+    /// This build's layers' element-wise kernels move 16-byte packs, at the packed efficiency; the builds the
+    /// H100 runs measured moved the same bytes one element at a time, but for candle's residual adds.
+    #[test]
+    fn packed_kernels_run_at_their_own_efficiency() {
+        let (m, s) = (seven_b(), shape(8, 4096, 3072));
+        let now = step_costs(&m, &s, &H100_SXM);
+        let then = step_costs(&m, &StepShape { build: MeasuredBuild::H100Nov27b, ..s }, &H100_SXM);
+        let ew = |ops: &[OpCost], packed: bool, f: &dyn Fn(&OpCost) -> f64| {
+            let layer = |o: &&OpCost| o.name == "layer element-wise" && o.packed == packed;
+            ops.iter().filter(layer).map(f).sum::<f64>()
+        };
+        let bytes = |ops: &[OpCost], packed| ew(ops, packed, &|o| o.bytes);
+        let total = bytes(&now, true) + bytes(&now, false);
+        assert!((total / (bytes(&then, true) + bytes(&then, false)) - 1.0).abs() < 1e-12);
+        let share = |ops: &[OpCost]| bytes(ops, true) / total;
+        assert!(share(&now) > 0.8 && share(&then) < 0.2, "{} {}", share(&now), share(&then));
+        let time = |ops: &[OpCost], packed| ew(ops, packed, &|o| device_time(o, &H100_SXM));
+        let hbm = H100_SXM.memory_bandwidth;
+        for packed in [false, true] {
+            let eff = if packed { H100_SXM.packed_memory_efficiency } else { H100_SXM.memory_efficiency };
+            assert!((time(&now, packed) * hbm * eff / bytes(&now, packed) - 1.0).abs() < 1e-9);
+        }
     }
 
     #[test]
