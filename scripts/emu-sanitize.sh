@@ -7,13 +7,13 @@
 #   scripts/emu-sanitize.sh            the two sanitizer runs on today's kernels
 #   scripts/emu-sanitize.sh --mutate   then each seeded defect, which must be caught:
 #     sync    the barrier between a block reduction's writes and reads removed (kernels/common.cuh)
-#             -> ThreadSanitizer reports a data race
-#     index   rms_norm_fwd writes one element past its row (j <= h, kernels/norm.cu)
-#             -> AddressSanitizer reports a heap-buffer-overflow on the last row
+#             -> ThreadSanitizer reports a data race (in the attention softmax, which reduces over blocks)
+#     index   rms_norm_fwd writes one element past its row where it goes an element at a time (j <= h,
+#             kernels/norm.cu) -> AddressSanitizer reports a heap-buffer-overflow on the last row
 #     shared  a launch whose dynamic shared memory is one f32 short of what flash_fwd uses
 #             (the test dynamic_shared_memory_one_element_short_is_reported)
 #             -> AddressSanitizer reports a heap-buffer-overflow in shared memory
-#     argsize rms_norm_fwd declared with a 64-bit `h` while its launch plan passes a u32
+#     argsize rms_norm_fwd declared with a 64-bit `rows` while its launch plan passes a u32
 #             -> the emulator's check of each argument against the kernel's signature fails the launch
 #   and the warpgroup forward's schedule (kernels/flash_wgmma.cu), each caught by the emulator:
 #     wgslot    block j + 2 copied into the slot P_{j-1} V_{j-1} is about to read -> a wgmma reads copies in flight
@@ -106,19 +106,19 @@ echo "== emulated kernel tests under sanitizers ($(g++ --version | head -1))"
 clean "ThreadSanitizer" thread
 if [ "$mutate" -eq 1 ]; then
   dir=$(mutant sync common.cuh '    if (lane == 0) shared[warp] = v;\n    __syncthreads();' '    if (lane == 0) shared[warp] = v;')
-  caught "sync (removed __syncthreads)" thread "$dir" kernels::emu::tests::rms_norm_fwd \
+  caught "sync (removed __syncthreads)" thread "$dir" kernels::emu::tests::attn_softmax_fwd \
     'WARNING: ThreadSanitizer: data race'
 fi
 clean "AddressSanitizer+UBSan" address,undefined
 if [ "$mutate" -eq 1 ]; then
   caught "shared (shared memory one f32 short)" address,undefined "" \
     kernels::emu::tests::dynamic_shared_memory_one_element_short_is_reported 'ERROR: AddressSanitizer'
-  dir=$(mutant index norm.cu 'for (uint32_t j = threadIdx.x; j < h; j += blockDim.x) yr[j]' \
-    'for (uint32_t j = threadIdx.x; j <= h; j += blockDim.x) yr[j]')
+  dir=$(mutant index norm.cu 'for (uint32_t j = packs * N + lane; j < h; j += 32) yr[j]' \
+    'for (uint32_t j = packs * N + lane; j <= h; j += 32) yr[j]')
   caught "index (one past the end)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
     'ERROR: AddressSanitizer'
-  dir=$(mutant argsize norm.cu 'void rms_norm_fwd_##NAME(const T *x, T *y, uint32_t h' \
-    'void rms_norm_fwd_##NAME(const T *x, T *y, uint64_t h')
+  dir=$(mutant argsize norm.cu 'void rms_norm_fwd_##NAME(const T *x, const T *w, T *y, uint32_t rows' \
+    'void rms_norm_fwd_##NAME(const T *x, const T *w, T *y, uint64_t rows')
   caught "argsize (u32 passed for a 64-bit parameter)" address,undefined "$dir" kernels::emu::tests::rms_norm_fwd \
     'the launch passes 4 bytes'
   # wg NAME WHAT OLD NEW PATTERN: a mutant of the warpgroup forward, caught by flash_wgmma_fwd under ASan
