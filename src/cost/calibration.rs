@@ -196,9 +196,6 @@ pub struct TensorOps {
     /// buffer (write 4, read 4, accumulator read and written), 10 where the product (d = 2 bytes) is added
     /// into the accumulator in place (read 2, accumulator read and written).
     pub head_grad_bytes: f64,
-    /// A recomputed layer's MLP down projection recorded without its product (`unread_matmul`: its output
-    /// is never read, only its backward runs); `false` where the recomputation ran it.
-    pub unread_down: bool,
     /// The tensor ops beyond a layer's named element-wise ops each a pass over about their mean bytes (the
     /// released candle-core's backward added each op's first gradient to a tensor of zeros); `false`:
     /// they are views and bookkeeping, and the named ops are the layer's element-wise bytes.
@@ -412,8 +409,8 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // (kernels::rms_norm, the weight's gradient in the op); a recomputed layer's backward seeded with the
     // incoming gradient (`backward_from`, no `(y g).sum_all()`) and no gradient formed for an operand that
     // leads to no variable (the patched candle): a layer's backward 102 tensors, not 249, and a recomputed
-    // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded without values by
-    // `unread_matmul` it made 64, but kept each recomputed layer's activations alive through the backward).
+    // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded as a node of zeros
+    // carrying its backward it made 64, but kept each recomputed layer's activations alive).
     // The q, k and v biases one op each way (kernels::bias_add, the bias's gradient in the op) instead of
     // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before).
     layer_reference: 47.0,
@@ -438,7 +435,6 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     update_per_tensor: 5.0,
     seed_passes: 0.0,
     head_grad_bytes: 10.0,
-    unread_down: false,
     unnamed_ops_move_bytes: false,
 };
 
@@ -470,6 +466,5 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     update_per_tensor: 15.0,
     seed_passes: 4.0,
     head_grad_bytes: 16.0,
-    unread_down: false,
     unnamed_ops_move_bytes: true,
 };

@@ -400,12 +400,7 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
     gemm(o, "q, k, v projections", n_tokens, h, kv, d, 2.0);
     gemm(o, "o projection", n_tokens, q, h, d, 1.0);
     gemm(o, "MLP gate and up", n_tokens, h, i, d, 2.0);
-    // A recomputed layer's down projection has no product, its output unread (`unread_matmul`), but where
-    // it has a LoRA adapter (the model's LoRA adapts every projection).
-    let unread_down = pass == Pass::Recompute && lora_rank == 0 && o.counts.unread_down;
-    if !unread_down {
-        gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
-    }
+    gemm(o, "MLP down", n_tokens, i, h, d, 1.0);
     if lora_rank > 0 && pass != Pass::Reference {
         // x A^T then (x A) B^T of every projection, in f32, and their backward (both gradients); the
         // reference is the base model (adapters off).
@@ -423,7 +418,7 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
             o.push("LoRA element-wise", OpKind::Elementwise, 0.0, bytes * n_tokens, launches);
         }
     }
-    layer_elementwise(o, m, (n_tokens, d), pass, unread_down);
+    layer_elementwise(o, m, (n_tokens, d), pass);
 }
 
 /// A named element-wise op of a layer: elements read and written per token forward and backward, tensor
@@ -437,7 +432,7 @@ struct Named {
 
 /// The element-wise ops of one layer's pass of `n_tokens` tokens of `d` bytes: its named ops' bytes (each
 /// reading its inputs and writing its output once), issued as the pass's counted tensor ops.
-fn layer_elementwise(o: &mut Ops, m: &ModelConfig, (n_tokens, d): (f64, f64), pass: Pass, unread_down: bool) {
+fn layer_elementwise(o: &mut Ops, m: &ModelConfig, (n_tokens, d): (f64, f64), pass: Pass) {
     let backward = pass == Pass::Backward;
     let f = |x: usize| x as f64;
     let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
@@ -454,9 +449,8 @@ fn layer_elementwise(o: &mut Ops, m: &ModelConfig, (n_tokens, d): (f64, f64), pa
         named(2.0 * (q + kv), 2.0 * (q + kv), 2.0, ours),
         // v to heads and the attention's output back (candle's strided copies), each way.
         named(2.0 * (q + kv), 2.0 * (q + kv), 2.0, false),
-        // Two residual adds, and their gradients' sums in the backward (the second not recomputed with an
-        // unread down projection).
-        if unread_down { named(3.0 * h, 0.0, 1.0, true) } else { named(6.0 * h, 6.0 * h, 2.0, true) },
+        // Two residual adds, and their gradients' sums in the backward.
+        named(6.0 * h, 6.0 * h, 2.0, true),
         // SwiGLU: read gate and up, write the product; backward read both and the gradient, write two.
         named(3.0 * i, 5.0 * i, 1.0, ours),
     ];

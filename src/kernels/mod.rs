@@ -32,8 +32,7 @@
 //! - [`sum_squares`] (sum_squares.rs): a tensor's sum of squares in one read over the whole GPU (each
 //!   gradient's part of the gradient norm).
 //! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
-//!   gives the gradient of `x` only; [`unread_matmul`], a product whose values are never read, only its
-//!   backward (a recomputed layer's MLP down projection).
+//!   gives the gradient of `x` only.
 //!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
@@ -81,7 +80,7 @@ pub use flash_attention::{
     auto_kernels, flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
-pub use frozen::{frozen_matmul, unread_matmul};
+pub use frozen::frozen_matmul;
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};

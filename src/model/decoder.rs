@@ -1286,9 +1286,10 @@ impl Decoder {
         let mid_in = Var::from_tensor(&mid.detach())?;
         // The layer's output `mid + down(act)` is not formed: its backward reads neither it nor the down
         // projection's output, so the residual's gradient is added below. The projection itself is run:
-        // recorded without values (kernels::unread_matmul) it kept about a layer's activations alive per
-        // recomputed layer through the rest of the backward (the 7B step ran out of memory on 2026-11-27;
-        // reproduced on the CPU), which is not understood yet.
+        // recorded instead as a node of zeros carrying the product's backward (a GEMM less a layer), it kept
+        // about a layer's activations alive per recomputed layer through the rest of the backward (the 7B
+        // step ran out of memory on 2026-11-27; reproduced on the CPU, benches/results/
+        // recompute-memory-cpu-2026-11-27.txt), for a reason not found; that op is gone.
         let down = {
             let _mlp = crate::profile::phase("mlp");
             let act = self.mlp_activation(l, mid_in.as_tensor(), mode)?;

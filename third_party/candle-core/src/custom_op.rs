@@ -253,13 +253,6 @@ impl Tensor {
         Ok(values.shared_with_op(op))
     }
 
-    /// [`Tensor::record_op1`] for an op of two arguments.
-    pub fn record_op2<C: 'static + CustomOp2 + Send + Sync>(&self, rhs: &Self, values: &Self, c: C) -> Result<Self> {
-        let c: Arc<Box<dyn CustomOp2 + Send + Sync>> = Arc::new(Box::new(c));
-        let op = BackpropOp::new2(self, rhs, |t1, t2| Op::CustomOp2(t1, t2, c.clone()));
-        Ok(values.shared_with_op(op))
-    }
-
     /// [`Tensor::record_op1`] for an op of three arguments.
     pub fn record_op3<C: 'static + CustomOp3 + Send + Sync>(
         &self,
