@@ -12,10 +12,10 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference, lora_linear,
-    lora_linear_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_norm, rms_norm_reference,
-    rope, rope_reference, row_grad, row_stats, sum_squares, swiglu, swiglu_reference, wgmma_layouts, Dropout,
-    GpuKernels,
+    accumulate, bias_add, flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference,
+    lora_linear, lora_linear_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_norm,
+    rms_norm_reference, rope, rope_reference, row_grad, row_stats, sum_squares, swiglu, swiglu_reference,
+    wgmma_layouts, Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -33,6 +33,8 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "rms_norm", run: rms_norm_check, tolerance: rounded_output },
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
     KernelCheck { op: "swiglu", run: swiglu_check, tolerance: rounded_output },
+    KernelCheck { op: "bias_add", run: bias_add_check, tolerance: rounded_output },
+    KernelCheck { op: "accumulate", run: accumulate_check, tolerance: exact_inputs },
     KernelCheck { op: "sum_squares", run: sum_squares_check, tolerance: exact_inputs },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
@@ -247,6 +249,43 @@ fn swiglu_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let (g, u) = (uniform(&mut rng, &[37, 4864], 6.0)?, uniform(&mut rng, &[37, 4864], 2.0)?);
     let up = uniform(&mut rng, &[37, 4864], 1.0)?;
     fwd_bwd_parts(device, dtype, &[&g, &u], &up, |x| swiglu(&x[0], &x[1]), |x| swiglu_reference(&x[0], &x[1]))
+}
+
+/// A q, k, v projection's bias (the 0.5B's 896 + 2 x 128 columns) over rows that are not a multiple of the
+/// bias gradient's blocks, and a width of no whole 16-byte packs (the scalar path).
+fn bias_add_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(24);
+    let cases = [(1037, 1152), (45, 13)]
+        .into_iter()
+        .map(|(rows, cols)| {
+            let (x, b) = (uniform(&mut rng, &[rows, cols], 2.0)?, uniform(&mut rng, &[cols], 1.0)?);
+            let up = uniform(&mut rng, &[rows, cols], 1.0)?;
+            fwd_bwd_parts(device, dtype, &[&x, &b], &up, |x| bias_add(&x[0], &x[1]), |x| x[0].broadcast_add(&x[1]))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
+}
+
+/// Gradient accumulation into f32 in place: a contiguous gradient (in fours, with a tail) and a transposed
+/// one (as a weight's gradient comes out of candle's product backward: 32 x 32 tiles, partial at the
+/// edges), against the CPU's cast and add of the same rounded values.
+fn accumulate_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(26);
+    let cases = [(false, 131, 77), (true, 1100, 45)]
+        .into_iter()
+        .map(|(transposed, rows, cols)| {
+            let acc = uniform(&mut rng, &[rows, cols], 1.0)?;
+            let src = rounded(&uniform(&mut rng, &if transposed { [cols, rows] } else { [rows, cols] }, 1.0)?, dtype)?;
+            let g = if transposed { src.t()? } else { src.clone() };
+            // A buffer of its own (on the CPU, to_device shares `acc`'s, which the op writes in place).
+            let on_device = acc.to_device(device)?.copy()?;
+            let src_device = src.to_dtype(dtype)?.to_device(device)?;
+            accumulate(&on_device, &if transposed { src_device.t()? } else { src_device })?;
+            let want = (&acc + g)?;
+            Ok(vec![Part::compare("fwd", &on_device.to_device(&Device::Cpu)?, &want)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
 }
 
 /// The gradient norm's sum of squares over more elements than the kernel's grid has threads (its stride

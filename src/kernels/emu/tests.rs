@@ -176,9 +176,9 @@ fn attn_softmax_bwd() {
 
 /// Rows x features: one feature, a row shorter than a warp's multiple, a row longer than the block.
 /// `(rows, h)`: one element, odd widths (one element at a time), more rows than the backward's 512 blocks
-/// (several rows a block; at 5,000 more than its warps, each taking rows in turn), the widest row (12,288
-/// f32 partials of one warp: all 48 KiB of shared memory), no rows.
-const NORM_CASES: [(usize, usize); 7] = [(1, 1), (3, 77), (2, 300), (1030, 40), (5000, 24), (2, 12288), (0, 8)];
+/// (several rows a block; at a width of 6,144 more than its 2 warps, each taking rows in turn), the widest
+/// row (12,288 f32 partials of one warp: all 48 KiB of shared memory), no rows.
+const NORM_CASES: [(usize, usize); 7] = [(1, 1), (3, 77), (2, 300), (1030, 40), (1030, 6144), (2, 12288), (0, 8)];
 
 /// A norm weight of `h` around 1, in `dt`.
 fn norm_weight(rng: &mut impl Rng, h: usize, dt: DType) -> Tensor {
@@ -594,23 +594,23 @@ fn arguments_are_checked_against_the_kernel_signature() {
     let wide = 40u64;
     let err =
         |edit: &dyn Fn(Vec<RawArg>) -> Vec<RawArg>| run_with(&plan, &[&x, &w], |_, a| edit(a)).unwrap_err().to_string();
-    // h passed as 8 bytes (a usize) where the kernel takes a u32.
+    // rows passed as 8 bytes (a usize) where the kernel takes a u32.
     let e = err(&|mut a| {
         a[3] = RawArg { kind: KIND_U64, elem: 0, size: 8, value: &wide as *const u64 as *const _ };
         a
     });
     assert!(e.contains("argument 3: the launch passes 8 bytes"), "{e}");
-    // eps as a u32 of the same size: the kind differs.
+    // eps as a u32 of the same size (h and eps swapped): the kind differs.
     let e = err(&|mut a| {
-        a.swap(3, 4);
+        a.swap(4, 5);
         a
     });
-    assert!(e.contains("argument 3") && e.contains("f32"), "{e}");
+    assert!(e.contains("argument 4") && e.contains("f32"), "{e}");
     let e = err(&|mut a| {
         a.pop();
         a
     });
-    assert!(e.contains("takes 5 arguments, the launch passes 4"), "{e}");
+    assert!(e.contains("takes 6 arguments, the launch passes 5"), "{e}");
     // A bf16 buffer where the f32 kernel takes f32.
     let e = err(&|mut a| {
         a[0].elem = 2;
