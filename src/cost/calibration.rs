@@ -324,8 +324,8 @@ impl MeasuredBuild {
         }
     }
 
-    /// The build's own element-wise kernels (norms, rope, SwiGLU, biases, the log-prob rows, gradient
-    /// accumulation) move 16-byte packs: this one's.
+    /// The build's own element-wise kernels (norms, rope, SwiGLU, biases, the heads' transposes, the log-prob
+    /// rows, gradient accumulation) move 16-byte packs: this one's.
     pub fn packed_kernels(self) -> bool {
         self == Self::Current
     }
@@ -412,11 +412,12 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded as a node of zeros
     // carrying its backward it made 64, but kept each recomputed layer's activations alive).
     // The q, k and v biases one op each way (kernels::bias_add, the bias's gradient in the op) instead of
-    // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before).
-    layer_reference: 47.0,
-    layer_policy: 47.0,
-    layer_recompute: 62.0,
-    layer_backward: 99.0,
+    // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before); v to heads one op
+    // (kernels::to_heads) instead of a transpose and its copy: 1 fewer.
+    layer_reference: 46.0,
+    layer_policy: 46.0,
+    layer_recompute: 61.0,
+    layer_backward: 98.0,
     micro_batch: 131.0,
     micro_batch_reference: 75.0,
     // What a step adds beyond its micro-batches and its parameters' ops: nothing left once the update is

@@ -43,6 +43,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Accumulate => ("grpo_accumulate", include_str!(concat!(env!("OUT_DIR"), "/accumulate.ptx"))),
         Module::SumSquares => ("grpo_sum_squares", include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx"))),
         Module::Bias => ("grpo_bias", include_str!(concat!(env!("OUT_DIR"), "/bias.ptx"))),
+        Module::Heads => ("grpo_heads", include_str!(concat!(env!("OUT_DIR"), "/heads.ptx"))),
     }
 }
 

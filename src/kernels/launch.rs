@@ -24,6 +24,7 @@ pub enum Module {
     Accumulate,
     SumSquares,
     Bias,
+    Heads,
 }
 
 /// One buffer of an op.

@@ -20,6 +20,8 @@
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
 //! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
+//! - [`to_heads`], [`from_heads`] (heads.rs): the transposes around the attention as copies in 16-byte
+//!   runs, each the other's backward.
 //! - [`bias_add`] (bias.rs): a projection's bias added to its rows; the bias's gradient summed over rows
 //!   in f32, in fixed row blocks.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
@@ -57,6 +59,7 @@ mod flash_mma;
 #[cfg(any(test, feature = "cuda"))]
 mod flash_wgmma;
 mod frozen;
+mod heads;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;
@@ -81,6 +84,7 @@ pub use flash_attention::{
 };
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use frozen::frozen_matmul;
+pub use heads::{from_heads, to_heads};
 pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};

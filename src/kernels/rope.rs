@@ -152,8 +152,8 @@ pub fn rope_reference(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> 
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
-/// The launch of `rope_fwd` (`inverse`: `rope_bwd`) over `[b, t, h, d]` of `dtype`: one thread per pair
-/// of elements, 256 per block, at most 2^20 blocks (a grid-stride loop covers the rest).
+/// The launch of `rope_fwd` (`inverse`: `rope_bwd`) over `[b, t, h, d]` of `dtype`: a thread per 16-byte
+/// run of a half-row, 256 per block, at most 1,024 blocks (a grid-stride loop covers the rest).
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn rope_plan(dtype: DType, (b, t, h, d): (usize, usize, usize, usize), inverse: bool) -> Result<Plan> {
     let len = b * t * h * d;

@@ -996,7 +996,7 @@ impl Decoder {
         let q = rotate(&q, cos, sin)?;
         let mut k = rotate(&k, cos, sin)?;
         drop(rotation);
-        let mut v = v.transpose(1, 2)?.contiguous()?;
+        let mut v = if fused { crate::kernels::to_heads(&v)? } else { v.transpose(1, 2)?.contiguous()? };
         let replay = match state {
             LayerState::Cache(cache) => {
                 (k, v) = LayerCache::append(cache, &k, &v)?;
@@ -1024,7 +1024,11 @@ impl Decoder {
             (true, false) => matrix_attention(&q, &k, &v, |x| masked_softmax(x, ranges, scale))?,
             (false, _) => matrix_attention(&q, &k, &v, |x| masked_softmax_reference(x, ranges, scale))?,
         };
-        let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        let attn = match fused {
+            true => crate::kernels::from_heads(&attn)?,
+            false => attn.transpose(1, 2)?,
+        };
+        let attn = attn.reshape((b, t, nh * hd))?;
         x + self.project(l, O, &attn, mode)?
     }
 
