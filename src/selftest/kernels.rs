@@ -12,10 +12,10 @@ use rand::{Rng, SeedableRng};
 
 use super::Part;
 use crate::kernels::{
-    accumulate, bias_add, flash_attention, flash_attention_recorded, logprobs_entropy, logprobs_entropy_reference,
-    lora_linear, lora_linear_reference, masked_softmax, masked_softmax_reference, matrix_attention, rms_norm,
-    rms_norm_reference, rope, rope_reference, row_grad, row_stats, sum_squares, swiglu, swiglu_reference,
-    wgmma_layouts, Dropout, GpuKernels,
+    accumulate, bias_add, flash_attention, flash_attention_recorded, from_heads, logprobs_entropy,
+    logprobs_entropy_reference, lora_linear, lora_linear_reference, masked_softmax, masked_softmax_reference,
+    matrix_attention, rms_norm, rms_norm_reference, rope, rope_reference, row_grad, row_stats, sum_squares, swiglu,
+    swiglu_reference, to_heads, wgmma_layouts, Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -34,6 +34,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "rope", run: rope_check, tolerance: rounded_output },
     KernelCheck { op: "swiglu", run: swiglu_check, tolerance: rounded_output },
     KernelCheck { op: "bias_add", run: bias_add_check, tolerance: rounded_output },
+    KernelCheck { op: "heads", run: heads_check, tolerance: exact_inputs },
     KernelCheck { op: "accumulate", run: accumulate_check, tolerance: exact_inputs },
     KernelCheck { op: "sum_squares", run: sum_squares_check, tolerance: exact_inputs },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
@@ -261,6 +262,22 @@ fn bias_add_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
             let (x, b) = (uniform(&mut rng, &[rows, cols], 2.0)?, uniform(&mut rng, &[cols], 1.0)?);
             let up = uniform(&mut rng, &[rows, cols], 1.0)?;
             fwd_bwd_parts(device, dtype, &[&x, &b], &up, |x| bias_add(&x[0], &x[1]), |x| x[0].broadcast_add(&x[1]))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
+}
+
+/// The transposes around the attention (v to heads at the 0.5B's 2 KV heads of 64, the output back from 14
+/// heads) against candle's transpose and copy, and a head dim of no whole 16-byte runs.
+fn heads_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(25);
+    let cases = [([1, 77, 2, 64], false), ([1, 14, 77, 64], true), ([2, 5, 3, 6], false)]
+        .into_iter()
+        .map(|(shape, back)| {
+            let (x, up) =
+                (uniform(&mut rng, &shape, 1.0)?, uniform(&mut rng, &[shape[0], shape[2], shape[1], shape[3]], 1.0)?);
+            let op = if back { from_heads } else { to_heads };
+            fwd_bwd_parts(device, dtype, &[&x], &up, |x| op(&x[0]), |x| x[0].transpose(1, 2)?.contiguous())
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(worst_parts(cases))
