@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The emulated kernel tests (src/kernels/emu/tests.rs) under ThreadSanitizer and under
+# The emulated kernel tests (src/kernels/emu/tests.rs, and each op's own test of its plan on the emulator)
+# under ThreadSanitizer and under
 # AddressSanitizer + UndefinedBehaviorSanitizer: the emulator and every kernels/*.cu file are compiled with
 # the sanitizer (GRPO_EMU_SANITIZE, read by kernels/emu/build_emu.rs) and its runtime is linked into the
 # test binary; stable Rust and g++ are enough. Exits non-zero on any sanitizer report or failed test.
@@ -61,7 +62,9 @@ run() {
 failures=0
 clean() {  # clean NAME SANITIZER: today's kernels must pass with no report
   local start=$SECONDS
-  run "$2" "" kernels::emu::tests --skip dynamic_shared_memory_one_element_short
+  # The kernel tests of emu/tests.rs, and those beside each op that run its plan on the emulator.
+  run "$2" "" kernels::emu::tests the_cpu_op the_kernel_equals_the_host_update flash_attention::emu_tests \
+    --skip dynamic_shared_memory_one_element_short
   local reports
   reports=$(grep -cE "$REPORT" "$log")
   if [ "$rc" -eq 0 ] && [ "$reports" -eq 0 ]; then
