@@ -38,15 +38,6 @@ __device__ void bias_partial(const T *__restrict__ g, float *__restrict__ partia
     }
 }
 
-template <typename T>
-__device__ void bias_sum(const float *__restrict__ partial, T *__restrict__ db, uint32_t cols, uint32_t blocks) {
-    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= cols) return;
-    float s = 0.f;
-    for (uint32_t k = 0; k < blocks; ++k) s += partial[(size_t)k * cols + c];
-    db[c] = from_f32<T>(s);
-}
-
 #define BIAS_KERNELS(NAME, T)                                                                               \
     extern "C" __global__ void bias_add_##NAME(const T *x, const T *b, T *y, uint32_t rows, uint32_t cols) { \
         bias_add<T>(x, b, y, rows, cols);                                                                   \
@@ -56,7 +47,7 @@ __device__ void bias_sum(const float *__restrict__ partial, T *__restrict__ db, 
         bias_partial<T>(g, partial, rows, cols, rows_per_block);                                            \
     }                                                                                                       \
     extern "C" __global__ void bias_sum_##NAME(const float *partial, T *db, uint32_t cols, uint32_t blocks) { \
-        bias_sum<T>(partial, db, cols, blocks);                                                             \
+        sum_partials<T>(partial, db, cols, blocks);                                                         \
     }
 
 BIAS_KERNELS(f32, float)

@@ -71,3 +71,16 @@ __device__ __forceinline__ void packed_loop(size_t n, bool vectors, Body body, S
     for (size_t p = first; p < packs; p += stride) body(p);
     for (size_t i = packs * N + first; i < n; i += stride) scalar(i);
 }
+
+// out[c] = T(sum over blocks b of partial[b, c], in block order) for c < cols, a thread per column: the
+// second half of a deterministic sum over rows (a weight's or a bias's gradient).
+template <typename T>
+__device__ __forceinline__ void sum_partials(const float *__restrict__ partial, T *__restrict__ out, uint32_t cols,
+                                             uint32_t blocks) {
+    const uint32_t c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= cols) return;
+    float s = 0.f;
+    for (uint32_t b = 0; b < blocks; ++b) s += partial[(size_t)b * cols + c];
+    out[c] = from_f32<T>(s);
+}
+

@@ -109,15 +109,6 @@ __device__ void norm_bwd(const T *__restrict__ x, const T *__restrict__ w, const
     }
 }
 
-template <typename T>
-__device__ void norm_dw(const float *__restrict__ partial, T *__restrict__ dw, uint32_t h, uint32_t blocks) {
-    const uint32_t j = blockIdx.x * blockDim.x + threadIdx.x;
-    if (j >= h) return;
-    float s = 0.f;
-    for (uint32_t b = 0; b < blocks; ++b) s += partial[(size_t)b * h + j];
-    dw[j] = from_f32<T>(s);
-}
-
 #define NORM_KERNELS(NAME, T)                                                                                  \
     extern "C" __global__ void rms_norm_fwd_##NAME(const T *x, const T *w, T *y, uint32_t rows, uint32_t h,    \
                                                    float eps) {                                                \
@@ -129,7 +120,7 @@ __device__ void norm_dw(const float *__restrict__ partial, T *__restrict__ dw, u
         norm_bwd<T>(x, w, g, dx, partial, rows, h, rows_per_block, eps);                                       \
     }                                                                                                          \
     extern "C" __global__ void rms_norm_dw_##NAME(const float *partial, T *dw, uint32_t h, uint32_t blocks) {  \
-        norm_dw<T>(partial, dw, h, blocks);                                                                    \
+        sum_partials<T>(partial, dw, h, blocks);                                                               \
     }
 
 NORM_KERNELS(f32, float)

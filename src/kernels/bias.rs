@@ -8,7 +8,7 @@
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{with_float, Elem, IntoStorage};
+use super::cpu::{row_blocks, with_float, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
 use super::launch::{kernel_name, packed_grid, Arg, Launch, Module, Plan};
 #[cfg(any(test, feature = "cuda"))]
@@ -24,13 +24,6 @@ fn dims(x: &Layout, b: &Layout) -> Result<(usize, usize)> {
         candle_core::bail!("bias add: {} elements, at most 2^32 - 1", x.shape().elem_count());
     }
     Ok((x.shape().elem_count() / cols, cols))
-}
-
-/// The gradient's row blocks: `(blocks, rows per block)`, at most 512 blocks, each a GPU block's partial
-/// sums; the CPU sums over the same blocks.
-fn row_blocks(rows: usize) -> (usize, usize) {
-    let per = rows.div_ceil(512).max(1);
-    (rows.div_ceil(per), per)
 }
 
 fn cpu_fwd<T: Elem>(x: &[T], b: &[T]) -> Vec<T> {

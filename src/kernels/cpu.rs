@@ -100,3 +100,11 @@ pub fn u32s<'a>(s: &'a candle_core::CpuStorage, l: &Layout, what: &str) -> Resul
         _ => candle_core::bail!("{what} must be u32, got {:?}", s.dtype()),
     }
 }
+
+/// The row blocks of a sum over rows that must come out the same on every run (a weight's or a bias's
+/// gradient): `(blocks, rows per block)`, at most 512 blocks, each a GPU block's f32 partial sums, added in
+/// block order; the CPU sums over the same blocks, so both add in the same grouping.
+pub fn row_blocks(rows: usize) -> (usize, usize) {
+    let per = rows.div_ceil(512).max(1);
+    (rows.div_ceil(per), per)
+}

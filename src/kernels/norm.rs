@@ -11,7 +11,7 @@
 use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use super::cpu::{with_float, Elem, IntoStorage};
+use super::cpu::{row_blocks, with_float, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
 use super::launch::{kernel_name, Arg, Launch, Module, Plan};
 #[cfg(any(test, feature = "cuda"))]
@@ -31,13 +31,6 @@ fn rows_of(l: &Layout) -> Result<(usize, usize)> {
         candle_core::bail!("{rows} rows: at most 2^31-1 (one GPU block each)");
     }
     Ok((rows, h))
-}
-
-/// The backward's row blocks: `(blocks, rows per block)`, at most 512 blocks (each a GPU block holding
-/// partial weight gradients); the CPU sums over the same blocks, so both add in the same grouping.
-fn row_blocks(rows: usize) -> (usize, usize) {
-    let per = rows.div_ceil(512).max(1);
-    (rows.div_ceil(per), per)
 }
 
 fn inv_rms<T: Elem>(x: &[T], eps: f32) -> f32 {
