@@ -12,21 +12,16 @@
 #include "common.cuh"
 
 template <typename T>
-struct alignas(4 * sizeof(T)) Four {
-    T v[4];
-};
-
-template <typename T>
 __device__ void accumulate(float *__restrict__ acc, const T *__restrict__ g, uint32_t n) {
     const bool vectors = aligned16(acc) && ((uintptr_t)g & (4 * sizeof(T) - 1)) == 0;
     const size_t first = blockIdx.x * (size_t)blockDim.x + threadIdx.x, stride = (size_t)gridDim.x * blockDim.x;
     const size_t fours = vectors ? n / 4 : 0;
     for (size_t p = first; p < fours; p += stride) {
-        const Four<T> gp = reinterpret_cast<const Four<T> *>(g)[p];
-        Four<float> a = reinterpret_cast<const Four<float> *>(acc)[p];
+        const Run<T, 4> gp = reinterpret_cast<const Run<T, 4> *>(g)[p];
+        Run<float, 4> a = reinterpret_cast<const Run<float, 4> *>(acc)[p];
 #pragma unroll
         for (int j = 0; j < 4; ++j) a.v[j] += to_f32(gp.v[j]);
-        reinterpret_cast<Four<float> *>(acc)[p] = a;
+        reinterpret_cast<Run<float, 4> *>(acc)[p] = a;
     }
     for (size_t i = fours * 4 + first; i < n; i += stride) acc[i] += to_f32(g[i]);
 }

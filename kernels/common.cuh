@@ -42,11 +42,27 @@ __device__ __forceinline__ float block_reduce(float v, float *shared) {
 // Element-wise kernels move 16 bytes per thread and load or store (8 bf16/f16 or 4 f32 in one vector
 // access) where their pointers allow: with one 2-byte element per access a multiprocessor keeps too few
 // bytes in flight to stream HBM at more than about a third of its bandwidth.
-template <typename T>
-struct Pack {
-    static constexpr int N = 16 / sizeof(T);
-    __align__(16) T v[N];
+// V consecutive elements of T moved by one access (aligned to their size).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Run {
+    static constexpr int N = V;
+    T v[V];
 };
+
+// 16 bytes of T: 8 bf16/f16 or 4 f32.
+template <typename T>
+using Pack = Run<T, 16 / sizeof(T)>;
+
+// The run of V elements at element `at` of p (aligned to the run's size).
+template <typename T, int V>
+__device__ __forceinline__ Run<T, V> load_run(const T *p, uint32_t at) {
+    return *reinterpret_cast<const Run<T, V> *>(p + at);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_run(T *p, uint32_t at, const Run<T, V> &r) {
+    *reinterpret_cast<Run<T, V> *>(p + at) = r;
+}
 
 __device__ __forceinline__ bool aligned16(const void *p) { return ((uintptr_t)p & 15u) == 0; }
 

@@ -9,11 +9,6 @@
 #include "common.cuh"
 
 template <typename T, int V>
-struct alignas(sizeof(T) * V) HeadRun {
-    T v[V];
-};
-
-template <typename T, int V>
 __device__ void heads_runs(const T *__restrict__ src, T *__restrict__ dst, uint32_t b, uint32_t t, uint32_t h,
                            uint32_t d, bool back) {
     const uint32_t runs = d / V, total = b * h * t * runs;
@@ -23,7 +18,7 @@ __device__ void heads_runs(const T *__restrict__ src, T *__restrict__ dst, uint3
         const uint32_t i = (k - r * runs) * V;
         const uint32_t bhtd = r * d + i, bthd = ((bi * t + ti) * h + hi) * d + i;
         const uint32_t from = back ? bhtd : bthd, to = back ? bthd : bhtd;
-        *reinterpret_cast<HeadRun<T, V> *>(dst + to) = *reinterpret_cast<const HeadRun<T, V> *>(src + from);
+        store_run<T, V>(dst, to, load_run<T, V>(src, from));
     }
 }
 

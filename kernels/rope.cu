@@ -9,21 +9,6 @@
 
 #include "common.cuh"
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Run {
-    T v[V];
-};
-
-template <typename T, int V>
-__device__ __forceinline__ Run<T, V> load_run(const T *p, uint32_t at) {
-    return *reinterpret_cast<const Run<T, V> *>(p + at);
-}
-
-template <typename T, int V>
-__device__ __forceinline__ void store_run(T *p, uint32_t at, const Run<T, V> &r) {
-    *reinterpret_cast<Run<T, V> *>(p + at) = r;
-}
-
 // Where run k lives: its first column i in the half, the start of its row in [B, T, H, D] and in
 // [B, H, T, D], and the start of its cos/sin row in [B, 1, T, D].
 struct RopeIndex {
