@@ -2,6 +2,7 @@
 // tiles a kernel loads while it computes on the previous ones:
 //   cp_async16(dst, src, n)  copies the first n (0 or 16) of 16 bytes, zero-filling the rest (dst in
 //                            shared memory, both 16-byte aligned);
+//   cp_async16_at(dst, ..)   the same to the shared-memory address dst (__cvta_generic_to_shared's);
 //   cp_async_commit()        closes this thread's group of copies issued since the last commit;
 //   cp_async_wait<N>()       waits until at most the N newest of this thread's groups are pending.
 // A thread sees its own completed copies; other threads' after a __syncthreads that follows their wait.
@@ -18,15 +19,20 @@ inline void cp_async16(void *dst, const void *src, uint32_t n) {
     emu::async_copy_issued(dst);
     emu::tls.async_open.push_back(emu::AsyncCopy{(unsigned char *)dst, (const unsigned char *)src, n});
 }
+inline void cp_async16_at(uint32_t dst, const void *src, uint32_t n) {
+    cp_async16((unsigned char *)emu::dynamic_shared() + dst, src, n);
+}
 inline void cp_async_commit() {
     emu::tls.async_groups.push_back(std::move(emu::tls.async_open));
     emu::tls.async_open.clear();
 }
 template <int N> inline void cp_async_wait() { emu::retire_async_copies(N); }
 #else
+__device__ __forceinline__ void cp_async16_at(uint32_t dst, const void *src, uint32_t n) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
 __device__ __forceinline__ void cp_async16(void *dst, const void *src, uint32_t n) {
-    const uint32_t s = (uint32_t)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(n));
+    cp_async16_at((uint32_t)__cvta_generic_to_shared(dst), src, n);
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }

@@ -341,8 +341,20 @@ __device__ __forceinline__ void probs_t_of(float (&s)[BQ / 8][4], float (&dp)[BQ
         }
 }
 
-// probs_t_of, without the mask where every lane's two keys are in the ranges of all its queries (one
-// check per query column rather than two per score). A query that sees no key (lo > hi) is never inside.
+// probs_t_of, without the mask where `inside` holds in every lane of the warp (its test, the caller's:
+// that each of the thread's two keys is in the range of every query of the step).
+template <int BQ>
+__device__ __forceinline__ void probs_t_if(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const QueryStat *st,
+                                           uint32_t j, float scale, bool inside) {
+    if (__all_sync(0xffffffffu, inside)) {
+        probs_t_of<BQ, false>(s, dp, st, j, scale);
+    } else {
+        probs_t_of<BQ, true>(s, dp, st, j, scale);
+    }
+}
+
+// probs_t_if with the test from the step's statistics: one check per query column rather than two per
+// score. A query that sees no key (lo > hi) is never inside.
 template <int BQ>
 __device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 8][4], const QueryStat *st, uint32_t j,
                                         float scale) {
@@ -354,9 +366,5 @@ __device__ __forceinline__ void probs_t(float (&s)[BQ / 8][4], float (&dp)[BQ / 
             const QueryStat &x = st[8 * n + 2 * c + q];
             inside &= (x.lo <= key0) & (key1 <= x.hi);
         }
-    if (__all_sync(0xffffffffu, inside)) {
-        probs_t_of<BQ, false>(s, dp, st, j, scale);
-    } else {
-        probs_t_of<BQ, true>(s, dp, st, j, scale);
-    }
+    probs_t_if<BQ>(s, dp, st, j, scale, inside);
 }

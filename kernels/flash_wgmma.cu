@@ -117,14 +117,36 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
 __device__ __forceinline__ uint32_t wg_full(uint32_t w, uint32_t st) { return 1 + 2 * st + w; }
 __device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + w; }
 
+// Whether rows of 16-bit values at a and b start 16-byte aligned (rows of D, a multiple of 8, values
+// apart): the copies' fast path.
+__device__ __forceinline__ bool rows_aligned16(const void *a, const void *b) {
+    return (((uintptr_t)a | (uintptr_t)b) & 15) == 0;
+}
+
 // Warpgroup w's half (rows 32 w.. 32 w + 31) of rows j0.. j0 + 63 of two [s, D] matrices a and b into the
 // swizzled tiles at and bt (64 rows each): the forward's K and V, the dk/dv kernel's Q and dO; one group of
-// copies.
+// copies. Aligned, each thread copies the same 16-byte chunk x of rows r, r + STEP, ..: STEP, a multiple of
+// 8, keeps the row's swizzle, so that one tile offset and one matrix offset serve every copy.
 template <typename T, int D>
 __device__ __forceinline__ void wg_stage_half(T *at, T *bt, const T *a, const T *b, uint32_t j0, uint32_t s, uint32_t w) {
-    constexpr uint32_t HALF = WG_BK / 2;
-    stage_rows<T, D, WG_BK>(at, a, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
-    stage_rows<T, D, WG_BK>(bt, b, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+    constexpr uint32_t HALF = WG_BK / 2, CHUNKS = D / 8, STEP = 128 / CHUNKS;
+    static_assert(STEP % 8 == 0 && HALF % STEP == 0, "a thread's rows share their swizzle");
+    if (rows_aligned16(a, b)) {
+        const uint32_t tid = threadIdx.x % 128, r = HALF * w + tid / CHUNKS, x = (tid % CHUNKS) * 8;
+        const uint32_t to = wg_at<WG_BK>(r, x), sa = (uint32_t)__cvta_generic_to_shared(at + to);
+        const uint32_t sb = (uint32_t)__cvta_generic_to_shared(bt + to);
+#pragma unroll
+        for (uint32_t i = 0; i < HALF / STEP; ++i) {
+            const uint32_t row = j0 + r + i * STEP;
+            const bool in = row < s;
+            const size_t from = in ? (size_t)row * D + x : 0;
+            cp_async16_at(sa + i * STEP * 128, a + from, in ? 16u : 0u);
+            cp_async16_at(sb + i * STEP * 128, b + from, in ? 16u : 0u);
+        }
+    } else {
+        stage_rows<T, D, WG_BK>(at, a, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+        stage_rows<T, D, WG_BK>(bt, b, j0, s, HALF * w, HALF, threadIdx.x % 128, 128);
+    }
     cp_async_commit();
 }
 
@@ -360,24 +382,20 @@ __device__ void wg_query_mask(uint32_t *mask, const uint32_t *spans, uint32_t b,
     __syncthreads();
 }
 
-// The query block after (hq, i0) of the heads up to hq_end that sees one of the block's keys (a set bit of
-// mask, wg_query_mask), moving to the next head's first block past the last; false when none is left.
-// Reads shared memory only (the same answer in every thread).
-__device__ __forceinline__ bool wg_next_query_block(const uint32_t *mask, uint32_t t, uint32_t hq_end, uint32_t &hq,
-                                                   uint32_t &i0) {
-    const uint32_t nqb = (t + WG_DKV_BQ - 1) / WG_DKV_BQ, words = (nqb + 31) / 32;
-    uint32_t qb = (i0 + WG_DKV_BQ) / WG_DKV_BQ;  // i0 starts at 0 - WG_DKV_BQ: block 0
-    for (;;) {
-        if (qb >= nqb) qb = 0, ++hq;
-        if (hq >= hq_end) return false;
-        uint32_t w = qb / 32, bits = mask[w] & (0xffffffffu << (qb % 32));
-        while (bits == 0 && ++w < words) bits = mask[w];
-        if (bits != 0) {
-            i0 = (32 * w + __ffs(bits) - 1) * WG_DKV_BQ;
-            return true;
-        }
-        qb = nqb;
+// The first queries of the query blocks of mask (wg_query_mask), in order, into list (by the first warp);
+// returns their count (every thread). Ends with a barrier. A step then finds its block by one shared
+// load rather than a scan of the mask.
+__device__ uint32_t wg_query_list(uint32_t *list, const uint32_t *mask, uint32_t t) {
+    const uint32_t words = ((t + WG_DKV_BQ - 1) / WG_DKV_BQ + 31) / 32, lane = threadIdx.x % 32;
+    uint32_t n = 0;
+    for (uint32_t w = 0; w < words; ++w) {
+        const uint32_t bits = mask[w];
+        if (threadIdx.x < 32 && (bits >> lane & 1))
+            list[n + __popc(bits & ((1u << lane) - 1))] = (32 * w + lane) * WG_DKV_BQ;
+        n += __popc(bits);
     }
+    __syncthreads();
+    return n;
 }
 
 // p[0] += a and p[1] += b in device memory, atomically each (p 8-byte aligned): one vector reduction
@@ -507,41 +525,62 @@ struct QueryBlockId {
     uint32_t hq, i0;
 };
 
+// A stage's bounds on its queries' key ranges, a half (warpgroup) each: the largest first key and the
+// smallest last key of its queries, read in one 16-byte load.
+struct __align__(16) StageBounds {
+    uint32_t lo[2], hi[2];
+};
+
+// The dk/dv kernel's place in its list of query blocks: a query head and an index into the list (the same
+// blocks in every head).
+struct QueryCursor {
+    uint32_t hq, k;
+};
+
 // The dk/dv kernel's shared memory (flash_wgmma_bwd_dkv lays it out), the inputs its query steps read and
-// the block's place: its keys j0.. and the query heads up to hq_end of batch row b.
+// the block's place: its keys j0.. and the query heads up to hq_end of batch row b. Stages are named by
+// their slot (0.. STAGES - 1).
 template <typename T, int D, bool DQ> struct DkvBlock {
     static constexpr uint32_t STAGES = wg_dkv_stages<D, DQ>();
     T *ks, *vs;        // [WG_DKV_BK x D] keys, values
     T *qs, *gs;        // [STAGES][WG_DKV_BQ x D] queries, output gradients
     QueryStat *stats;  // [STAGES][WG_DKV_BQ]
+    StageBounds *bounds;  // [STAGES] (the ring's)
     T *dss;            // with DQ: [WG_DKV_BK x WG_DKV_BQ] dS^T, swizzled
     QueryBlockId *ids;  // in the ring: [2 warpgroups][STAGES] each stage's (query head, first query)
     uint32_t *mask;    // the query blocks that see one of the keys (wg_query_mask)
+    uint32_t *list;    // their first queries (wg_query_list)
+    uint32_t blocks;   // and their count
     const T *q, *dout;
     const uint32_t *ranges;
     const float *lse, *delta;
     uint32_t b, h, t, s, j0, hq_end;
 
-    __device__ T *qt(uint32_t u) const { return qs + (u % STAGES) * WG_DKV_BQ * D; }
-    __device__ T *gt(uint32_t u) const { return gs + (u % STAGES) * WG_DKV_BQ * D; }
-    __device__ QueryStat *stat(uint32_t u) const { return stats + (u % STAGES) * WG_DKV_BQ; }
-    // Moves (hq, i0) to the next query block to visit; false when none is left.
-    __device__ bool next(uint32_t &hq, uint32_t &i0) const { return wg_next_query_block(mask, t, hq_end, hq, i0); }
-    // Query block (hq, i0)'s tiles into stage u by the whole block (one group of copies, not waited for);
-    // returns the statistics of query threadIdx.x, for wg_store_stats into stat(u).
-    __device__ QueryStat stage(uint32_t u, uint32_t hq, uint32_t i0) const {
-        wg_stage_queries<T, D>(qt(u), gt(u), q, dout, b * h + hq, i0, t);
+    __device__ T *qt(uint32_t st) const { return qs + st * WG_DKV_BQ * D; }
+    __device__ T *gt(uint32_t st) const { return gs + st * WG_DKV_BQ * D; }
+    __device__ QueryStat *stat(uint32_t st) const { return stats + st * WG_DKV_BQ; }
+    // The slot after st.
+    __device__ static uint32_t after(uint32_t st) { return st + 1 == STAGES ? 0 : st + 1; }
+    // The cursor moved to the next block (past the list's last, the next head's first); whether one is left.
+    __device__ bool next(QueryCursor &c) const {
+        if (++c.k == blocks) c.k = 0, ++c.hq;
+        return c.hq < hq_end;
+    }
+    __device__ uint32_t first(const QueryCursor &c) const { return list[c.k]; }
+    // Query block (hq, i0)'s tiles into stage st by the whole block (one group of copies, not waited for);
+    // returns the statistics of query threadIdx.x, for wg_store_stats into stat(st).
+    __device__ QueryStat stage(uint32_t st, uint32_t hq, uint32_t i0) const {
+        wg_stage_queries<T, D>(qt(st), gt(st), q, dout, b * h + hq, i0, t);
         return wg_load_stats(ranges, lse, delta, b, b * h + hq, i0, t, s, threadIdx.x);
     }
-    // Warpgroup w's half (rows 32 w.. 32 w + 31) of query block (hq, i0)'s tiles into stage u, one group of
-    // copies; the block's place into the warpgroup's ids(u) (visible to the warpgroup after its next
-    // barrier).
-    __device__ void stage_half(uint32_t u, uint32_t hq, uint32_t i0, uint32_t w) const {
+    // Warpgroup w's half (rows 32 w.. 32 w + 31) of query block (hq, i0)'s tiles into stage st, one group of
+    // copies; the block's place into the warpgroup's ids (visible to the warpgroup after its next barrier).
+    __device__ void stage_half(uint32_t st, uint32_t hq, uint32_t i0, uint32_t w) const {
         const size_t head = (size_t)(b * h + hq) * t * D;
-        wg_stage_half<T, D>(qt(u), gt(u), q + head, dout + head, i0, t, w);
-        if (threadIdx.x % 128 == 0) ids[w * STAGES + u % STAGES] = QueryBlockId{hq, i0};
+        wg_stage_half<T, D>(qt(st), gt(st), q + head, dout + head, i0, t, w);
+        if (threadIdx.x % 128 == 0) ids[w * STAGES + st] = QueryBlockId{hq, i0};
     }
-    __device__ QueryBlockId id(uint32_t u, uint32_t w) const { return ids[w * STAGES + u % STAGES]; }
+    __device__ QueryBlockId id(uint32_t st, uint32_t w) const { return ids[w * STAGES + st]; }
     // The statistics of query half_row() (warpgroup w's half, one a thread of its first warp) of query block
     // (hq, i0).
     __device__ QueryStat half_stats(uint32_t hq, uint32_t i0) const {
@@ -551,16 +590,28 @@ template <typename T, int D, bool DQ> struct DkvBlock {
         const uint32_t r = threadIdx.x % 128;
         return r < WG_DKV_BQ / 2 ? (threadIdx.x / 128) * (WG_DKV_BQ / 2) + r : WG_DKV_BQ;
     }
+    // Warpgroup w's half of stage st's statistics (x, half_stats' of this thread) into stat(st), and by its
+    // first warp the half's bounds: the largest first key and the smallest last key of its queries.
+    __device__ void store_half_stats(uint32_t st, uint32_t w, const QueryStat &x) const {
+        wg_store_stats(stat(st), x, half_row());
+        if (threadIdx.x % 128 < 32) {
+            const uint32_t lo = __reduce_max_sync(0xffffffffu, x.lo), hi = __reduce_min_sync(0xffffffffu, x.hi);
+            if (threadIdx.x % 32 == 0) bounds[st].lo[w] = lo, bounds[st].hi[w] = hi;
+        }
+    }
+    // Whether each of this thread's keys key0 and key0 + 8 is in the range of every query of stage st (a
+    // query that sees no key has lo > hi: never).
+    __device__ bool sees_all(uint32_t st, uint32_t key0) const {
+        const StageBounds x = bounds[st];
+        return max(x.lo[0], x.lo[1]) <= key0 && key0 + 8 <= min(x.hi[0], x.hi[1]);
+    }
     // dq_acc's rows of query head hq.
     __device__ float *dq_rows(float *dq_acc, uint32_t hq) const { return dq_acc + (size_t)(b * h + hq) * t * D; }
 };
 
-// The query blocks the kernel visits: those of the mask (wg_query_mask), in each of its heads hq.. hq_end.
-__device__ __forceinline__ uint32_t wg_query_blocks(const uint32_t *mask, uint32_t t, uint32_t hq, uint32_t hq_end) {
-    const uint32_t words = ((t + WG_DKV_BQ - 1) / WG_DKV_BQ + 31) / 32;
-    uint32_t n = 0;
-    for (uint32_t w = 0; w < words; ++w) n += __popc(mask[w]);
-    return n * (hq_end - hq);
+// The query blocks the kernel visits: its list's in each of its heads hq.. hq_end.
+__device__ __forceinline__ uint32_t wg_query_blocks(uint32_t blocks, uint32_t hq, uint32_t hq_end) {
+    return blocks * (hq_end - hq);
 }
 
 // The ring's dQ of block u (the atomic backward at head dim 64): warpgroup w's dS^T (fragments df) into its
@@ -571,17 +622,17 @@ __device__ __forceinline__ uint32_t wg_self(uint32_t w) { return 1 + 2 * WG_FWD_
 
 template <typename T, int D, bool DQ>
 __device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D, DQ> &blk, float *dq_acc,
-                                           const uint32_t (&df)[WG_DKV_BQ / 16][4], uint32_t u, uint32_t w) {
+                                           const uint32_t (&df)[WG_DKV_BQ / 16][4], uint32_t st, uint32_t w) {
     wg_store_ds_frags<T>(blk.dss, df);
     bar_sync(wg_self(w), 128);
     float dq[8][4];
     wg_dq_product<T, D>(dq, blk.dss, blk.ks);
     wg_wait<0>(dq);
-    const QueryBlockId id = blk.id(u, w);
+    const QueryBlockId id = blk.id(st, w);
     wg_dq_red<D>(blk.dq_rows(dq_acc, id.hq), dq, id.i0, blk.t);
 }
 
-// The dk/dv loop over the n query blocks from (hq, i0), the forward's schedule (see flash_wgmma_fwd) with
+// The dk/dv loop over the n query blocks from cursor c, the forward's schedule (see flash_wgmma_fwd) with
 // the roles of keys and queries swapped:
 // - ping-pong between the two warpgroups (wg_turn), so that one's P^T and dS^T run while the other's
 //   products do;
@@ -594,48 +645,54 @@ __device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D, DQ> &blk, float 
 //   its half of block u + 1 right after issuing step u's first products (wg_full);
 // - with DQ (head dim 64), each step ends with its block's dQ (wg_ring_dq), which reads only the warpgroup's
 //   own rows.
+// Slots are counted, not computed: st0, st1 and st2 hold blocks u, u + 1 and u + 2.
 template <typename T, int D, bool DQ>
 __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
-                                            float *dq_acc, uint32_t hq, uint32_t i0, uint32_t n, float scale) {
+                                            float *dq_acc, QueryCursor c, uint32_t n, float scale) {
+    using Blk = DkvBlock<T, D, DQ>;
     constexpr bool PIPE = D == 64;
-    constexpr uint32_t SLOTS = DkvBlock<T, D, DQ>::STAGES;
-    static_assert(SLOTS == (PIPE ? WG_FWD_SLOTS : 4) && (PIPE || !DQ), "the slots the schedule needs; wg_full's ids");
-    const uint32_t w = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32), r = DkvBlock<T, D, DQ>::half_row();
+    static_assert(Blk::STAGES == (PIPE ? WG_FWD_SLOTS : 4) && (PIPE || !DQ), "the slots the schedule needs; wg_full's ids");
+    const uint32_t w = wg_index(), m0 = 16 * (threadIdx.x / 32), key0 = blk.j0 + m0 + (threadIdx.x % 32) / 4;
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
     // Without PIPE, dV and dK of block u in a turn of their own (warpgroup 1 leaves its last turn's arrival
     // out: 2 n turns each).
-    const auto accumulate = [&](uint32_t u) {
+    const auto accumulate = [&](uint32_t u, uint32_t st) {
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u), blk.qt(u));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st), blk.qt(st));
         if (w == 0 || u + 1 < n) bar_arrive(wg_turn(w ^ 1), WG_THREADS);
         wg_wait<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
     };
-    uint32_t hs = hq, is = i0;  // the last block staged
-    const auto stage = [&](uint32_t u) {  // block u, the one after the last staged
-        blk.next(hs, is);
-        blk.stage_half(u, hs, is, w);
+    const auto grads = [&](uint32_t st) {  // P^T and dS^T of stage st, and their fragments
+        probs_t_if<WG_DKV_BQ>(sc, dp, blk.stat(st), blk.j0 + m0, scale, blk.sees_all(st, key0));
+    };
+    QueryCursor staged = c;  // the last block staged
+    const auto stage = [&](uint32_t st) {  // the block after the last staged, into slot st
+        blk.next(staged);
+        blk.stage_half(st, staged.hq, blk.first(staged), w);
     };
     // Step u's loads before its turn: block u + 1's statistics (by the place stage noted), block u + 2's
     // tiles; and after its first products, block u + 1's statistics stored and its half announced.
     QueryStat coming = query_stat(1, 0, 0.f, 0.f);
+    uint32_t st0 = 0, st1 = 1, st2 = 2;
     const auto begin = [&](uint32_t u) {
         if (u + 1 < n) {
-            const QueryBlockId id = blk.id(u + 1, w);
+            const QueryBlockId id = blk.id(st1, w);
             coming = blk.half_stats(id.hq, id.i0);
         }
-        if (u + 2 < n) stage(u + 2);
+        if (u + 2 < n) stage(st2);
     };
     const auto announce = [&](uint32_t u) {
         if (u + 1 < n) {
-            wg_store_stats(blk.stat(u + 1), coming, r);
-            wg_publish_half(w, (u + 1) % SLOTS, u + 2 < n);
+            blk.store_half_stats(st1, w, coming);
+            wg_publish_half(w, st1, u + 2 < n);
         }
     };
-    blk.stage_half(0, hq, i0, w);
-    wg_store_stats(blk.stat(0), blk.half_stats(hq, i0), r);
+    const uint32_t i0 = blk.first(c);
+    blk.stage_half(0, c.hq, i0, w);
+    blk.store_half_stats(0, w, blk.half_stats(c.hq, i0));
     if (n > 1) stage(1);
     wg_publish_half(w, 0, n > 1);
     if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
@@ -646,21 +703,23 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     bar_arrive(wg_turn(w ^ 1), WG_THREADS);
     announce(0);
     wg_wait<0>(sc, dp);
-    probs_t<WG_DKV_BQ>(sc, dp, blk.stat(0), blk.j0 + m0, scale);  // P^T and dS^T
+    grads(0);
     wg_frags<T, WG_DKV_BQ>(pf, sc);
     wg_frags<T, WG_DKV_BQ>(df, dp);
-    if constexpr (!PIPE) accumulate(0);
+    if constexpr (!PIPE) accumulate(0, 0);
     if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, 0, w);
     for (uint32_t u = 1; u < n; ++u) {
-        bar_sync(wg_full(w ^ 1, u % SLOTS), WG_THREADS);
+        const uint32_t last = st0;
+        st0 = st1, st1 = st2, st2 = Blk::after(st2);
+        bar_sync(wg_full(w ^ 1, st0), WG_THREADS);
         begin(u);
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), w);
-        if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u - 1), blk.qt(u - 1));
+        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(st0), blk.gt(st0), w);
+        if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(last), blk.qt(last));
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
         announce(u);
         wg_wait<PIPE ? 1 : 0>(sc, dp);
-        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);
+        grads(st0);
         if constexpr (PIPE) {
             wg_wait<0>(dv, dk);
             wg_keep(pf);
@@ -668,12 +727,12 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
         }
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
-        if constexpr (!PIPE) accumulate(u);
-        if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, u, w);
+        if constexpr (!PIPE) accumulate(u, st0);
+        if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, st0, w);
     }
     if constexpr (PIPE) {
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(n - 1), blk.qt(n - 1));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st0), blk.qt(st0));
         if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
         wg_wait<0>(dv, dk);
         wg_keep(pf);
@@ -681,44 +740,45 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     }
 }
 
-// The dk/dv loop on two stages (the atomic dq at head dim 128), from query block (hq, i0), whose tiles are coming and whose
-// statistics are in stat(0): each step's products wait for its own P^T and dS^T; the next block's tiles
-// come in meanwhile.
+// The dk/dv loop on two stages (the atomic dq at head dim 128), from cursor c, whose tiles are coming and
+// whose statistics are in stat(0): each step's products wait for its own P^T and dS^T; the next block's
+// tiles come in meanwhile.
 template <typename T, int D, bool DQ>
 __device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
-                                                 float *dq_acc, uint32_t hq, uint32_t i0, float scale) {
+                                                 float *dq_acc, QueryCursor c, float scale) {
     const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
-    wg_store_stats(blk.stat(0), blk.stage(0, hq, i0), threadIdx.x);
-    uint32_t hn = hq, in = i0;
-    bool next = blk.next(hn, in);
-    for (uint32_t u = 0;; ++u) {
+    uint32_t i0 = blk.first(c);
+    wg_store_stats(blk.stat(0), blk.stage(0, c.hq, i0), threadIdx.x);
+    QueryCursor cn = c;
+    bool next = blk.next(cn);
+    for (uint32_t st = 0;; st ^= 1) {
         QueryStat coming = query_stat(1, 0, 0.f, 0.f);
         if (next) {
-            coming = blk.stage(u + 1, hn, in);
+            coming = blk.stage(st ^ 1, cn.hq, blk.first(cn));
             cp_async_wait<1>();
         } else {
             cp_async_wait<0>();
         }
         wg_publish();
         // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
-        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(u), blk.gt(u), wg);
+        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(st), blk.gt(st), wg);
         wg_wait<0>(sc, dp);
-        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(u), blk.j0 + m0, scale);  // P^T and dS^T
+        probs_t<WG_DKV_BQ>(sc, dp, blk.stat(st), blk.j0 + m0, scale);  // P^T and dS^T
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(u), blk.qt(u));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st), blk.qt(st));
         wg_wait<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);
-        if constexpr (DQ) wg_add_dq<T, D>(blk.dq_rows(dq_acc, hq), blk.dss, dp, blk.ks, i0, blk.t);
+        if constexpr (DQ) wg_add_dq<T, D>(blk.dq_rows(dq_acc, c.hq), blk.dss, dp, blk.ks, i0, blk.t);
         // The next stage's statistics, read since the step began; the barrier publishes them.
-        if (next) wg_store_stats(blk.stat(u + 1), coming, threadIdx.x);
+        if (next) wg_store_stats(blk.stat(st ^ 1), coming, threadIdx.x);
         __syncthreads();  // every warp is done with this stage before it is filled again
         if (!next) break;
-        hq = hn, i0 = in;
-        next = blk.next(hn, in);
+        c = cn, i0 = blk.first(c);
+        next = blk.next(cn);
     }
 }
 
@@ -743,26 +803,28 @@ __device__ void flash_wgmma_bwd_dkv(const T *__restrict__ q, const T *__restrict
     blk.gs = blk.qs + STAGES * WG_DKV_BQ * D;
     blk.stats = (QueryStat *)(blk.gs + STAGES * WG_DKV_BQ * D);
     blk.dss = (T *)(blk.stats + STAGES * WG_DKV_BQ);
-    blk.ids = (QueryBlockId *)(blk.dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));
+    blk.bounds = (StageBounds *)(blk.dss + (DQ ? WG_DKV_BK * WG_DKV_BQ : 0));
+    blk.ids = (QueryBlockId *)(blk.bounds + STAGES);
     blk.mask = (uint32_t *)(blk.ids + (STAGES > 2 ? 2 * STAGES : 0));
+    blk.list = blk.mask + ((t + WG_DKV_BQ - 1) / WG_DKV_BQ + 31) / 32;
     blk.q = q, blk.dout = dout, blk.ranges = ranges, blk.lse = lse, blk.delta = delta;
     const uint32_t bkv = blockIdx.x / split, part = blockIdx.x % split, kvh = bkv % kv;
     blk.b = bkv / kv, blk.h = h, blk.t = t, blk.s = s, blk.j0 = blockIdx.y * WG_DKV_BK;
-    uint32_t hq;
-    dkv_heads(kvh, h / kv, part, split, hq, blk.hq_end);
+    QueryCursor c{0, 0};
+    dkv_heads(kvh, h / kv, part, split, c.hq, blk.hq_end);
     stage_swizzled<T, D, WG_DKV_BK>(blk.ks, k + (size_t)bkv * s * D, blk.j0, s);
     stage_swizzled<T, D, WG_DKV_BK>(blk.vs, v + (size_t)bkv * s * D, blk.j0, s);
     cp_async_commit();
     wg_query_mask(blk.mask, spans, blk.b, t, blk.j0, min(blk.j0 + WG_DKV_BK, s) - 1);
+    blk.blocks = wg_query_list(blk.list, blk.mask, t);
     float dk[D / 8][4], dv[D / 8][4];
     zero_acc(dk);
     zero_acc(dv);
-    uint32_t i0 = 0u - WG_DKV_BQ;
-    if (blk.next(hq, i0)) {
+    if (blk.blocks > 0 && c.hq < blk.hq_end) {
         if constexpr (STAGES > 2) {
-            wg_dkv_ring<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, wg_query_blocks(blk.mask, t, hq, blk.hq_end), scale);
+            wg_dkv_ring<T, D, DQ>(dk, dv, blk, dq_acc, c, wg_query_blocks(blk.blocks, c.hq, blk.hq_end), scale);
         } else {
-            wg_dkv_two_stage<T, D, DQ>(dk, dv, blk, dq_acc, hq, i0, scale);
+            wg_dkv_two_stage<T, D, DQ>(dk, dv, blk, dq_acc, c, scale);
         }
     }
     cp_async_wait<0>();  // the key and value tiles, when no query block saw them

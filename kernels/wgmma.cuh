@@ -57,6 +57,11 @@ __device__ __forceinline__ uint64_t wg_desc(const void *p, uint32_t lbo) {
 // descriptors from one per tile.
 __device__ __forceinline__ uint64_t wg_desc_at(uint64_t d, uint32_t elements) { return d + elements / 8; }
 
+// This thread's warpgroup (threadIdx.x / 128), broadcast from lane 0 so that the compiler knows it is the
+// same in every lane of the warp (CUTLASS's canonical_warp_group_idx): what it derives (tile addresses,
+// descriptors, barrier ids) stays in uniform registers, with no R2UR a product.
+__device__ __forceinline__ uint32_t wg_index() { return __shfl_sync(0xffffffffu, threadIdx.x / 128, 0); }
+
 // The element offset of (r, x) in a swizzled tile of 64-column parts of R rows each (16-bit values).
 template <int R> __device__ __forceinline__ uint32_t wg_at(uint32_t r, uint32_t x) {
     return (x / 64) * R * 64 + r * 64 + (((x % 64) / 8) ^ (r % 8)) * 8 + x % 8;

@@ -38,9 +38,10 @@ const fn dkv_stages(d: usize, atomic_dq: bool) -> usize {
 
 /// Shared memory of each kernel, as kernels/flash_wgmma.cu lays it out: swizzled tiles of 16-bit values
 /// (slots of K and V; or K and V, then the stages of Q and dO), then the rows' key ranges and statistics
-/// (the dk/dv kernels: a 16-byte record per query of each stage, and in the ring each stage's query block);
-/// the dk/dv kernels end with the bitmask of the query blocks that see their keys (a bit per block of
-/// `DKV_QUERIES` queries, in 32-bit words).
+/// (the dk/dv kernels: a 16-byte record per query of each stage, then the tile of dS^T with dq by atomics,
+/// each stage's bounds on its queries' key ranges, and in the ring each stage's query block); the dk/dv
+/// kernels end with the bitmask of the query blocks that see their keys (a bit per block of `DKV_QUERIES`
+/// queries, in 32-bit words) and the list of those blocks (a 32-bit word each).
 fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
     let d = dims.d;
     let mask = 4 * dims.t.div_ceil(DKV_QUERIES).div_ceil(32);
@@ -48,7 +49,15 @@ fn shared_bytes(kernel: &str, dims: &Dims) -> usize {
         let stages = dkv_stages(d, atomic_dq);
         // the ring's (query head, first query) of each stage, a copy per warpgroup
         let ids = if stages > 2 { 2 * stages * 8 } else { 0 };
-        ALIGN + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d) + 16 * stages * DKV_QUERIES + ids + mask
+        // each stage's bounds on its queries' key ranges (16 bytes), the list of query blocks (4 bytes each)
+        let (bounds, list) = (16 * stages, 4 * dims.t.div_ceil(DKV_QUERIES));
+        ALIGN
+            + 2 * (2 * DKV_KEYS * d + 2 * stages * DKV_QUERIES * d)
+            + 16 * stages * DKV_QUERIES
+            + bounds
+            + ids
+            + mask
+            + list
     };
     match kernel {
         "fwd" => ALIGN + 2 * (2 * FWD_SLOTS * KEYS * d) + 2 * 4 * QUERIES,

@@ -461,6 +461,18 @@ fn wgmma_dkv_query_mask_spans_words() {
     check_flash_backward("flash_wgmma_bwd mask", plan, &[(2, 1, 1, 2112, 0, 64)], &[DType::BF16], 67);
 }
 
+/// The warpgroup dk/dv kernels' test for a step without the mask, which takes both halves of the step's
+/// queries: in the second row of 300 tokens the second segment starts at query 100, in the second half
+/// (queries 96..127) of the query block from 64, whose first half (64..95) sees every key of 0..63. The
+/// step of keys 0..63 against that block must mask; a test that read the first half's bounds alone would
+/// not.
+#[test]
+fn wgmma_dkv_mask_reads_both_halves() {
+    let case = [(2, 2, 1, 300, 0, 64)];
+    check_flash_backward("flash_wgmma_bwd halves", flash_wgmma::backward_plan, &case, &[DType::BF16], 71);
+    check_flash_backward("flash_wgmma_bwd_atomic halves", flash_wgmma::backward_plan_atomic, &case, &[DType::BF16], 73);
+}
+
 /// The probe of the wgmma operand layouts: each of its four products equals A B (f32 sums of the same
 /// products, in another order).
 #[test]
