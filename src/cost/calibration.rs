@@ -247,9 +247,10 @@ const H100_NOV27_WGMMA_ATOMIC_D64: KernelRates =
 /// NVIDIA H100 SXM5 80GB: peak dense BF16 989.4 TFLOP/s, 132 multiprocessors and HBM3 3.35 TB/s (the
 /// H100 datasheet, nvidia.com/en-us/data-center/h100); NVLink 4 450 GB/s per direction, one 400 Gb/s NIC
 /// per GPU, PCIe Gen5 ~50 GB/s achieved (assumed: not measured). Measured on [`H100_RUN`]'s runs:
-/// the GEMMs' efficiency (2026-11-27, `bench gemm`), the tensor-core attention kernels' rates (this
-/// build's, 2026-11-27b: the warpgroup kernels at head dims 128 and 64, the `mma` kernels at 128, their
-/// two-kernel rate standing for their dq by atomics), the offloaded update's host rate (2026-11-27, `bench optimizer` on the GPU machine's host); fitted: the
+/// the GEMMs' efficiency (2026-11-27, `bench gemm`), the tensor-core attention kernels' rates (as the
+/// 2026-11-27b run measured them: the warpgroup kernels at head dims 128 and 64, the `mma` kernels at 128,
+/// their two-kernel rate standing for their dq by atomics; this build's leaner warpgroup loops are
+/// projected from them, [`MeasuredBuild::Current`]), the offloaded update's host rate (2026-11-27, `bench optimizer` on the GPU machine's host); fitted: the
 /// host's time per op and the element-wise kernels' fraction of HBM's bandwidth. Assumed: a host sync
 /// 20 us, the chunked attention's block GEMMs at the 2048^3 matmul's efficiency.
 pub const H100: Gpu = Gpu {
@@ -285,7 +286,7 @@ pub const H100: Gpu = Gpu {
 /// The builds whose train steps the committed H100 runs measured, each named by its results' tag
 /// (benches/results/gpu-<tag>-h100.jsonl), so that each record is predicted as it ran: with its build's
 /// tensor ops, attention kernels and offloaded update. The model's own rates ([`H100`]) are the newest
-/// build's.
+/// run's; this build's warpgroup attention is projected from them ([`Leaner`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MeasuredBuild {
     /// 2026-11-26: the optimiser's update and the MLP's activation as composite candle ops
@@ -295,10 +296,10 @@ pub enum MeasuredBuild {
     /// 2026-11-27 (the first run at the dk/dv kernels' split groups): [`NOV27_TENSOR_OPS`], the warpgroup
     /// kernels before their ring backward ([`H100_NOV27_WGMMA`]).
     H100Nov27,
-    /// The 2026-11-27b run (the ring backward: this build's attention kernels) and the 2026-11-27c run (its
-    /// 7B step, after the recomputed down projection's fix): [`NOV27_TENSOR_OPS`].
+    /// The 2026-11-27b run (the ring backward, [`H100`]'s attention rates) and the 2026-11-27c run (its 7B
+    /// step, after the recomputed down projection's fix): [`NOV27_TENSOR_OPS`].
     H100Nov27b,
-    /// This build.
+    /// This build: its warpgroup attention loops' rates projected from the 2026-11-27b run's ([`Leaner`]).
     #[default]
     Current,
 }
@@ -357,10 +358,69 @@ impl MeasuredBuild {
                 wgmma_atomic_d64: Some(H100_NOV27_WGMMA_ATOMIC_D64),
                 ..gpu
             },
-            Self::H100Nov27b | Self::Current => gpu,
+            Self::H100Nov27b => gpu,
+            Self::Current => Gpu {
+                wgmma: gpu.wgmma.map(|r| LEANER_D128.two_kernels(r)),
+                wgmma_atomic: gpu.wgmma_atomic.map(|r| LEANER_D128.atomic(r)),
+                wgmma_d64: gpu.wgmma_d64.map(|r| LEANER_D64.two_kernels(r)),
+                wgmma_atomic_d64: gpu.wgmma_atomic_d64.map(|r| LEANER_D64.atomic(r)),
+                ..gpu
+            },
         }
     }
 }
+
+/// This build's warpgroup attention kernels against the ones the 2026-11-27b run measured, whose rates
+/// [`H100`] holds: each kernel's time per step projected as its executed instructions. That run's Nsight
+/// Compute profile at 16,384 tokens (benches/results/gpu-2026-11-27b-h100-ncu.txt) found them bound by
+/// issue, not by the tensor cores: one block of 8 warps a multiprocessor, 5-7 cycles per issued
+/// instruction, the tensor pipes 34-59% busy; so a step that issues fewer instructions at the same cycles
+/// per instruction takes that much less time. Each factor is `1 - saved / executed`: `saved`, the
+/// instructions an inside step no longer runs (benches/results/sass-loops-2026-11-27b.txt, `step0 -
+/// step`: SASS, no GPU), `executed`, the profile's executed instructions per warp and step (instructions
+/// over warps x block steps of the causal 16,384-token sequence); where the profile has no kernel (the
+/// dk/dv kernel with dq by atomics), `step / step0`. No constant is fitted: the next run measures them.
+#[derive(Debug, Clone, Copy)]
+struct Leaner {
+    forward: f64,
+    dq: f64,
+    dkv: f64,
+    dkvq: f64,
+    /// The dq kernel's share of the two-kernel backward's time (the profile's durations).
+    dq_share: f64,
+}
+
+impl Leaner {
+    fn rates(self, r: KernelRates, backward: f64) -> KernelRates {
+        let at = |a: RateAt| RateAt { forward: a.forward / self.forward, backward: a.backward / backward, ..a };
+        KernelRates { short: at(r.short), long: at(r.long) }
+    }
+    fn two_kernels(self, r: KernelRates) -> KernelRates {
+        self.rates(r, self.dq_share * self.dq + (1.0 - self.dq_share) * self.dkv)
+    }
+    fn atomic(self, r: KernelRates) -> KernelRates {
+        self.rates(r, self.dkvq)
+    }
+}
+
+/// Head dim 64 (14 heads, GQA 7): executed per warp-step 465 (forward), 394 (dq), 644 (dk/dv); saved 42,
+/// 43, 169; the dk/dv kernel with dq by atomics 818 -> 676 (static); the dq kernel 1.85 of 5.54 ms.
+const LEANER_D64: Leaner = Leaner {
+    forward: 1.0 - 42.0 / 465.0,
+    dq: 1.0 - 43.0 / 394.0,
+    dkv: 1.0 - 169.0 / 644.0,
+    dkvq: 676.0 / 818.0,
+    dq_share: 1.85 / 5.54,
+};
+/// Head dim 128 (16 heads, GQA 4): executed 646, 635, 852; saved 65, 64, 174; with dq by atomics (its two
+/// stages) 1,166 -> 1,120 (static); the dq kernel 3.35 of 8.61 ms.
+const LEANER_D128: Leaner = Leaner {
+    forward: 1.0 - 65.0 / 646.0,
+    dq: 1.0 - 64.0 / 635.0,
+    dkv: 1.0 - 174.0 / 852.0,
+    dkvq: 1120.0 / 1166.0,
+    dq_share: 3.35 / 8.61,
+};
 
 /// Measured on 2026-11-27 (`grpo bench gemm`, one layer's 21 projection GEMMs at the 7B shape over 18,432
 /// rows and at the 0.5B shape over 4,096, each timed alone: benches/results/gpu-2026-11-27-h100-b68f48a.*):
