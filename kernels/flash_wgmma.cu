@@ -84,13 +84,16 @@ __device__ __forceinline__ void wg_publish() {
 }
 
 // acc[64 rows, N] (+)= A Y^T for this warpgroup: A its [64, D] rows as fragments `af` (registers), Y a
-// swizzled tile of N rows (K-major: the product's k is Y's columns).
+// swizzled tile of N rows (K-major: the product's k is Y's columns), by its descriptor (LBO 16) or address.
 template <typename T, int N, int D>
-__device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], const T *y) {
-    const uint64_t yd = wg_desc(y, 16);
+__device__ __forceinline__ void wg_rows_by_desc(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], uint64_t yd) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk)
         wgmma_rs<T, N, 0>(acc, af[kk], wg_desc_at(yd, (kk / 4) * N * 64 + (kk % 4) * 16), kk > 0);
+}
+template <typename T, int N, int D>
+__device__ __forceinline__ void wg_rows_by_tile(float (&acc)[N / 8][4], const uint32_t (&af)[D / 16][4], const T *y) {
+    wg_rows_by_desc<T, N, D>(acc, af, wg_desc(y, 16));
 }
 
 // The [64, KB] block of this warpgroup's accumulators `a` as A fragments of the next product (before
@@ -102,12 +105,15 @@ __device__ __forceinline__ void wg_frags(uint32_t (&af)[KB / 16][4], const float
 }
 
 // acc[64 rows, D] += A Y for this warpgroup: A [64, KB] as fragments `af` (wg_frags), Y a swizzled tile of
-// KB rows (MN-major: the product's k is Y's rows).
+// KB rows (MN-major: the product's k is Y's rows), by its descriptor (LBO KB * 128) or address.
 template <typename T, int KB, int D>
-__device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], const T *y) {
-    const uint64_t yd = wg_desc(y, KB * 128);
+__device__ __forceinline__ void wg_acc_by_desc(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], uint64_t yd) {
 #pragma unroll
     for (int kk = 0; kk < KB / 16; ++kk) wgmma_rs<T, D, 1>(acc, af[kk], wg_desc_at(yd, kk * 16 * 64), 1);
+}
+template <typename T, int KB, int D>
+__device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uint32_t (&af)[KB / 16][4], const T *y) {
+    wg_acc_by_desc<T, KB, D>(acc, af, wg_desc(y, KB * 128));
 }
 
 // The forward's named barriers (barrier.cuh) for warpgroup w (ids 1..12):
@@ -116,6 +122,15 @@ __device__ __forceinline__ void wg_acc_by_tile(float (&acc)[D / 8][4], const uin
 //   wg_turn(w):     w may issue its products (the other arrives when it has issued its own).
 __device__ __forceinline__ uint32_t wg_full(uint32_t w, uint32_t st) { return 1 + 2 * st + w; }
 __device__ __forceinline__ uint32_t wg_turn(uint32_t w) { return 1 + 2 * WG_FWD_SLOTS + w; }
+
+// The slots of steps j (at), j + 1 (next) and j + 2 (after) in a ring of N, and step j - 1's (last), moved
+// on by a compare a step rather than computed by divisions.
+template <uint32_t N> struct RingSlots {
+    uint32_t last = N - 1, at = 0, next = 1, after = 2;
+    __device__ __forceinline__ void advance() {
+        last = at, at = next, next = after, after = after + 1 == N ? 0 : after + 1;
+    }
+};
 
 // Whether rows of 16-bit values at a and b start 16-byte aligned (rows of D, a multiple of 8, values
 // apart): the copies' fast path.
@@ -192,20 +207,21 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
     float o[D / 8][4];
     zero_acc(o);
 
-    const uint32_t w = threadIdx.x / 128, n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
-    const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
-    const auto stage = [&, kh = kh, vh = vh](uint32_t j) {
-        wg_stage_half<T, D>(slot(j), slot(j) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
+    const uint32_t w = wg_index(), n = kmin <= kmax ? (kmax - kmin) / WG_BK + 1 : 0;
+    const auto slot = [&](uint32_t st) { return tiles + 2 * st * WG_BK * D; };
+    const auto stage = [&, kh = kh, vh = vh](uint32_t j, uint32_t st) {
+        wg_stage_half<T, D>(slot(st), slot(st) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
     };
+    RingSlots<WG_FWD_SLOTS> ring;
     if (n > 0) {  // every product outside a branch within the loop: ptxas serialises wgmma in divergent paths
         float sc[WG_BK / 8][4];
         uint32_t pf[WG_BK / 16][4];
-        stage(0);
-        if (n > 1) stage(1);
+        stage(0, 0);
+        if (n > 1) stage(1, 1);
         wg_publish_half(w, 0, n > 1);
         if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
         bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
-        if (n > 2) stage(2);
+        if (n > 2) stage(2, 2);
         bar_sync(wg_turn(w), WG_THREADS);
         wg_begin(sc);
         wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(0));
@@ -216,18 +232,19 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin, scale);  // o is zero: nothing to rescale
         wg_frags<T, WG_BK>(pf, sc);
         for (uint32_t j = 1; j < n; ++j) {
-            bar_sync(wg_full(w ^ 1, j % WG_FWD_SLOTS), WG_THREADS);
-            if (j + 2 < n) stage(j + 2);
+            ring.advance();
+            bar_sync(wg_full(w ^ 1, ring.at), WG_THREADS);
+            if (j + 2 < n) stage(j + 2, ring.after);
             bar_sync(wg_turn(w), WG_THREADS);
             wg_begin(sc);
-            wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(j));
+            wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(ring.at));
             wg_commit();
             rescale_rows<D>(o, alpha);
             wg_begin(o);
-            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);
+            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.last) + WG_BK * D);
             wg_commit();
             bar_arrive(wg_turn(w ^ 1), WG_THREADS);
-            if (j + 1 < n) wg_publish_half(w, (j + 1) % WG_FWD_SLOTS, j + 2 < n);
+            if (j + 1 < n) wg_publish_half(w, ring.next, j + 2 < n);
             wg_wait<1>(sc);
             softmax_step<WG_BK>(sc, m, l, alpha, rows, kmin + j * WG_BK, scale);
             wg_wait<0>(o);
@@ -237,7 +254,7 @@ __device__ void flash_wgmma_fwd(const T *__restrict__ q, const T *__restrict__ k
         bar_sync(wg_turn(w), WG_THREADS);
         rescale_rows<D>(o, alpha);
         wg_begin(o);
-        wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(n - 1) + WG_BK * D);
+        wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.at) + WG_BK * D);
         wg_commit();
         if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
         wg_wait<0>(o);
@@ -255,25 +272,26 @@ template <typename T, int D>
 __device__ __forceinline__ void wg_dq_ring(float (&acc)[D / 8][4], const uint32_t (&qf)[D / 16][4],
                                            const uint32_t (&gf)[D / 16][4], T *tiles, const T *kh, const T *vh,
                                            const QueryRows &rows, uint32_t kmin, uint32_t kmax, uint32_t s, float scale) {
-    const uint32_t w = threadIdx.x / 128, n = (kmax - kmin) / WG_BK + 1;
-    const auto slot = [&](uint32_t j) { return tiles + 2 * (j % WG_FWD_SLOTS) * WG_BK * D; };
-    const auto stage = [&](uint32_t j) {
-        wg_stage_half<T, D>(slot(j), slot(j) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
+    const uint32_t w = wg_index(), n = (kmax - kmin) / WG_BK + 1;
+    const auto slot = [&](uint32_t st) { return tiles + 2 * st * WG_BK * D; };
+    const auto stage = [&](uint32_t j, uint32_t st) {
+        wg_stage_half<T, D>(slot(st), slot(st) + WG_BK * D, kh, vh, kmin + j * WG_BK, s, w);
     };
-    const auto scores = [&](float(&sc)[WG_BK / 8][4], float(&dp)[WG_BK / 8][4], uint32_t j) {
+    const auto scores = [&](float(&sc)[WG_BK / 8][4], float(&dp)[WG_BK / 8][4], uint32_t st) {
         wg_begin(sc, dp);
-        wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(j));
-        wg_rows_by_tile<T, WG_BK, D>(dp, gf, slot(j) + WG_BK * D);
+        wg_rows_by_tile<T, WG_BK, D>(sc, qf, slot(st));
+        wg_rows_by_tile<T, WG_BK, D>(dp, gf, slot(st) + WG_BK * D);
         wg_commit();
     };
     float sc[WG_BK / 8][4], dp[WG_BK / 8][4];
     uint32_t df[WG_BK / 16][4];
-    stage(0);
-    if (n > 1) stage(1);
+    RingSlots<WG_FWD_SLOTS> ring;
+    stage(0, 0);
+    if (n > 1) stage(1, 1);
     wg_publish_half(w, 0, n > 1);
     if (w == 1) bar_arrive(wg_turn(0), WG_THREADS);  // warpgroup 0 goes first
     bar_sync(wg_full(w ^ 1, 0), WG_THREADS);
-    if (n > 2) stage(2);
+    if (n > 2) stage(2, 2);
     bar_sync(wg_turn(w), WG_THREADS);
     scores(sc, dp, 0);
     bar_arrive(wg_turn(w ^ 1), WG_THREADS);
@@ -282,15 +300,16 @@ __device__ __forceinline__ void wg_dq_ring(float (&acc)[D / 8][4], const uint32_
     score_grads<WG_BK>(sc, dp, rows, kmin, scale);  // sc becomes dS
     wg_frags<T, WG_BK>(df, sc);
     for (uint32_t j = 1; j < n; ++j) {
-        bar_sync(wg_full(w ^ 1, j % WG_FWD_SLOTS), WG_THREADS);
-        if (j + 2 < n) stage(j + 2);
+        ring.advance();
+        bar_sync(wg_full(w ^ 1, ring.at), WG_THREADS);
+        if (j + 2 < n) stage(j + 2, ring.after);
         bar_sync(wg_turn(w), WG_THREADS);
-        scores(sc, dp, j);
+        scores(sc, dp, ring.at);
         wg_begin(acc);
-        wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(j - 1));
+        wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(ring.last));
         wg_commit();
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
-        if (j + 1 < n) wg_publish_half(w, (j + 1) % WG_FWD_SLOTS, j + 2 < n);
+        if (j + 1 < n) wg_publish_half(w, ring.next, j + 2 < n);
         wg_wait<1>(sc, dp);
         score_grads<WG_BK>(sc, dp, rows, kmin + j * WG_BK, scale);
         wg_wait<0>(acc);
@@ -299,7 +318,7 @@ __device__ __forceinline__ void wg_dq_ring(float (&acc)[D / 8][4], const uint32_
     }
     bar_sync(wg_turn(w), WG_THREADS);
     wg_begin(acc);
-    wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(n - 1));
+    wg_acc_by_tile<T, WG_BK, D>(acc, df, slot(ring.at));
     wg_commit();
     if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
     wg_wait<0>(acc);
@@ -490,13 +509,25 @@ template <int D, bool DQ> __host__ __device__ constexpr uint32_t wg_dkv_stages()
     return D == 64 ? WG_FWD_SLOTS : DQ ? 2 : 4;
 }
 
-// S^T = K Q^T and dP^T = V dO^T for warpgroup wg's 64 keys (rows of ks, vs) against the 64 queries of tiles
-// qt and gt: issued as one group, not waited for.
+// The dk/dv kernels' tiles as a warpgroup's products read them: its 64 keys' and values' rows (K-major),
+// and stage 0's queries and output gradients, K-major for the scores (q, g) and MN-major for dV and dK
+// (qm, gm); stage st's are WG_DKV_BQ D elements on. Made once, so that a step's descriptors are adds.
+struct DkvDescs {
+    uint64_t k, v, q, g, qm, gm;
+};
 template <typename T, int D>
-__device__ __forceinline__ void wg_dkv_scores(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4], const T *ks,
-                                              const T *vs, const T *qt, const T *gt, uint32_t wg) {
-    const uint64_t qd = wg_desc(qt, 16), gd = wg_desc(gt, 16);
-    const uint64_t kd = wg_desc(ks + 64 * wg * 64, 16), vd = wg_desc(vs + 64 * wg * 64, 16);
+__device__ __forceinline__ DkvDescs dkv_descs(const T *ks, const T *vs, const T *qs, const T *gs, uint32_t wg) {
+    return DkvDescs{wg_desc(ks + 64 * wg * 64, 16), wg_desc(vs + 64 * wg * 64, 16), wg_desc(qs, 16), wg_desc(gs, 16),
+                    wg_desc(qs, WG_DKV_BQ * 128), wg_desc(gs, WG_DKV_BQ * 128)};
+}
+
+// S^T = K Q^T and dP^T = V dO^T for the warpgroup's 64 keys against the 64 queries of stage st: issued as
+// one group, not waited for.
+template <typename T, int D>
+__device__ __forceinline__ void wg_dkv_scores(float (&sc)[WG_DKV_BQ / 8][4], float (&dp)[WG_DKV_BQ / 8][4],
+                                              const DkvDescs &x, uint32_t st) {
+    const uint64_t qd = wg_desc_at(x.q, st * WG_DKV_BQ * D), gd = wg_desc_at(x.g, st * WG_DKV_BQ * D);
+    const uint64_t kd = x.k, vd = x.v;
     wg_begin(sc, dp);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -509,14 +540,16 @@ __device__ __forceinline__ void wg_dkv_scores(float (&sc)[WG_DKV_BQ / 8][4], flo
     wg_commit();
 }
 
-// dV += P^T dO and dK += dS^T Q (A: the fragments pf, df; B: tiles gt, qt): issued as one group.
+// dV += P^T dO and dK += dS^T Q (A: the fragments pf, df; B: stage st's output gradients and queries):
+// issued as one group.
 template <typename T, int D>
 __device__ __forceinline__ void wg_dkv_accumulate(float (&dv)[D / 8][4], float (&dk)[D / 8][4],
                                                   const uint32_t (&pf)[WG_DKV_BQ / 16][4],
-                                                  const uint32_t (&df)[WG_DKV_BQ / 16][4], const T *gt, const T *qt) {
+                                                  const uint32_t (&df)[WG_DKV_BQ / 16][4], const DkvDescs &x,
+                                                  uint32_t st) {
     wg_begin(dv, dk);
-    wg_acc_by_tile<T, WG_DKV_BQ, D>(dv, pf, gt);
-    wg_acc_by_tile<T, WG_DKV_BQ, D>(dk, df, qt);
+    wg_acc_by_desc<T, WG_DKV_BQ, D>(dv, pf, wg_desc_at(x.gm, st * WG_DKV_BQ * D));
+    wg_acc_by_desc<T, WG_DKV_BQ, D>(dk, df, wg_desc_at(x.qm, st * WG_DKV_BQ * D));
     wg_commit();
 }
 
@@ -559,8 +592,6 @@ template <typename T, int D, bool DQ> struct DkvBlock {
     __device__ T *qt(uint32_t st) const { return qs + st * WG_DKV_BQ * D; }
     __device__ T *gt(uint32_t st) const { return gs + st * WG_DKV_BQ * D; }
     __device__ QueryStat *stat(uint32_t st) const { return stats + st * WG_DKV_BQ; }
-    // The slot after st.
-    __device__ static uint32_t after(uint32_t st) { return st + 1 == STAGES ? 0 : st + 1; }
     // The cursor moved to the next block (past the list's last, the next head's first); whether one is left.
     __device__ bool next(QueryCursor &c) const {
         if (++c.k == blocks) c.k = 0, ++c.hq;
@@ -645,7 +676,6 @@ __device__ __forceinline__ void wg_ring_dq(const DkvBlock<T, D, DQ> &blk, float 
 //   its half of block u + 1 right after issuing step u's first products (wg_full);
 // - with DQ (head dim 64), each step ends with its block's dQ (wg_ring_dq), which reads only the warpgroup's
 //   own rows.
-// Slots are counted, not computed: st0, st1 and st2 hold blocks u, u + 1 and u + 2.
 template <typename T, int D, bool DQ>
 __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
                                             float *dq_acc, QueryCursor c, uint32_t n, float scale) {
@@ -653,13 +683,14 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     constexpr bool PIPE = D == 64;
     static_assert(Blk::STAGES == (PIPE ? WG_FWD_SLOTS : 4) && (PIPE || !DQ), "the slots the schedule needs; wg_full's ids");
     const uint32_t w = wg_index(), m0 = 16 * (threadIdx.x / 32), key0 = blk.j0 + m0 + (threadIdx.x % 32) / 4;
+    const DkvDescs xd = dkv_descs<T, D>(blk.ks, blk.vs, blk.qs, blk.gs, w);
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
     // Without PIPE, dV and dK of block u in a turn of their own (warpgroup 1 leaves its last turn's arrival
     // out: 2 n turns each).
     const auto accumulate = [&](uint32_t u, uint32_t st) {
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st), blk.qt(st));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, xd, st);
         if (w == 0 || u + 1 < n) bar_arrive(wg_turn(w ^ 1), WG_THREADS);
         wg_wait<0>(dv, dk);
         wg_keep(pf);
@@ -676,18 +707,18 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     // Step u's loads before its turn: block u + 1's statistics (by the place stage noted), block u + 2's
     // tiles; and after its first products, block u + 1's statistics stored and its half announced.
     QueryStat coming = query_stat(1, 0, 0.f, 0.f);
-    uint32_t st0 = 0, st1 = 1, st2 = 2;
+    RingSlots<Blk::STAGES> ring;
     const auto begin = [&](uint32_t u) {
         if (u + 1 < n) {
-            const QueryBlockId id = blk.id(st1, w);
+            const QueryBlockId id = blk.id(ring.next, w);
             coming = blk.half_stats(id.hq, id.i0);
         }
-        if (u + 2 < n) stage(st2);
+        if (u + 2 < n) stage(ring.after);
     };
     const auto announce = [&](uint32_t u) {
         if (u + 1 < n) {
-            blk.store_half_stats(st1, w, coming);
-            wg_publish_half(w, st1, u + 2 < n);
+            blk.store_half_stats(ring.next, w, coming);
+            wg_publish_half(w, ring.next, u + 2 < n);
         }
     };
     const uint32_t i0 = blk.first(c);
@@ -699,7 +730,7 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     bar_sync(wg_full(w ^ 1, 0), WG_THREADS);  // also publishes block 1's place to this warpgroup
     begin(0);
     bar_sync(wg_turn(w), WG_THREADS);
-    wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(0), blk.gt(0), w);
+    wg_dkv_scores<T, D>(sc, dp, xd, 0);
     bar_arrive(wg_turn(w ^ 1), WG_THREADS);
     announce(0);
     wg_wait<0>(sc, dp);
@@ -709,17 +740,16 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
     if constexpr (!PIPE) accumulate(0, 0);
     if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, 0, w);
     for (uint32_t u = 1; u < n; ++u) {
-        const uint32_t last = st0;
-        st0 = st1, st1 = st2, st2 = Blk::after(st2);
-        bar_sync(wg_full(w ^ 1, st0), WG_THREADS);
+        ring.advance();
+        bar_sync(wg_full(w ^ 1, ring.at), WG_THREADS);
         begin(u);
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(st0), blk.gt(st0), w);
-        if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(last), blk.qt(last));
+        wg_dkv_scores<T, D>(sc, dp, xd, ring.at);
+        if constexpr (PIPE) wg_dkv_accumulate<T, D>(dv, dk, pf, df, xd, ring.last);
         bar_arrive(wg_turn(w ^ 1), WG_THREADS);
         announce(u);
         wg_wait<PIPE ? 1 : 0>(sc, dp);
-        grads(st0);
+        grads(ring.at);
         if constexpr (PIPE) {
             wg_wait<0>(dv, dk);
             wg_keep(pf);
@@ -727,12 +757,12 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
         }
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
-        if constexpr (!PIPE) accumulate(u, st0);
-        if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, st0, w);
+        if constexpr (!PIPE) accumulate(u, ring.at);
+        if constexpr (DQ) wg_ring_dq<T, D, DQ>(blk, dq_acc, df, ring.at, w);
     }
     if constexpr (PIPE) {
         bar_sync(wg_turn(w), WG_THREADS);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st0), blk.qt(st0));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, xd, ring.at);
         if (w == 0) bar_arrive(wg_turn(1), WG_THREADS);  // n + 1 turns each
         wg_wait<0>(dv, dk);
         wg_keep(pf);
@@ -746,7 +776,8 @@ __device__ __forceinline__ void wg_dkv_ring(float (&dk)[D / 8][4], float (&dv)[D
 template <typename T, int D, bool DQ>
 __device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&dv)[D / 8][4], const DkvBlock<T, D, DQ> &blk,
                                                  float *dq_acc, QueryCursor c, float scale) {
-    const uint32_t wg = threadIdx.x / 128, m0 = 16 * (threadIdx.x / 32);
+    const uint32_t m0 = 16 * (threadIdx.x / 32);
+    const DkvDescs xd = dkv_descs<T, D>(blk.ks, blk.vs, blk.qs, blk.gs, wg_index());
     float sc[WG_DKV_BQ / 8][4], dp[WG_DKV_BQ / 8][4];
     uint32_t pf[WG_DKV_BQ / 16][4], df[WG_DKV_BQ / 16][4];
     uint32_t i0 = blk.first(c);
@@ -763,12 +794,12 @@ __device__ __forceinline__ void wg_dkv_two_stage(float (&dk)[D / 8][4], float (&
         }
         wg_publish();
         // Rows: this warpgroup's 64 keys; columns: the stage's 64 queries.
-        wg_dkv_scores<T, D>(sc, dp, blk.ks, blk.vs, blk.qt(st), blk.gt(st), wg);
+        wg_dkv_scores<T, D>(sc, dp, xd, st);
         wg_wait<0>(sc, dp);
         probs_t<WG_DKV_BQ>(sc, dp, blk.stat(st), blk.j0 + m0, scale);  // P^T and dS^T
         wg_frags<T, WG_DKV_BQ>(pf, sc);
         wg_frags<T, WG_DKV_BQ>(df, dp);
-        wg_dkv_accumulate<T, D>(dv, dk, pf, df, blk.gt(st), blk.qt(st));
+        wg_dkv_accumulate<T, D>(dv, dk, pf, df, xd, st);
         wg_wait<0>(dv, dk);
         wg_keep(pf);
         wg_keep(df);

@@ -59,6 +59,8 @@ for v in masked inside before_inside; do
     src=kernels/flash_rows.cuh
     [ "$v" = before_inside ] && src="$work/before/kernels/flash_rows.cuh"
     for test in 'rows_see_all<KB>(x, j0))' '__all_sync(0xffffffffu, inside))' 'alpha[0] == 1.f && alpha[1] == 1.f))'; do
+        # (an older BEFORE may lack a test: nothing to force there)
+        [ "$v" = before_inside ] && ! grep -qF "$test" "$src" && continue
         if grep -qF "$test" "$work/$v/kernels/flash_rows.cuh" || ! grep -qF "$test" "$src"; then
             echo "sass-loops: the test '$test' of kernels/flash_rows.cuh was not forced in '$v'" >&2
             exit 1
