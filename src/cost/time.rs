@@ -1395,10 +1395,11 @@ mod tests {
         let atomic = predict(&seven_b(), &StepShape { atomic_dq: true, ..measured }, &H100_SXM);
         assert!((atomic.attention_s / two.attention_s - 1.025).abs() < 0.01, "{atomic:?} vs {two:?}");
         // This build's projection: the two-kernel backward's leaner dk/dv loop gains more than the atomic
-        // one's two stages at 128; both faster than measured.
+        // one's two stages at 128; both faster than measured, the attention by 5-10% (calibration's Leaner).
         let atomic_now = predict(&seven_b(), &StepShape { atomic_dq: true, ..wgmma }, &H100_SXM);
         assert!(h_wg.attention_s < atomic_now.attention_s && atomic_now.attention_s < atomic.attention_s);
-        assert!(h_wg.attention_s < 0.9 * two.attention_s, "{h_wg:?} vs {two:?}");
+        let gain = h_wg.attention_s / two.attention_s;
+        assert!(gain > 0.9 && gain < 0.95, "{gain}");
     }
 
     /// This build's layers' element-wise kernels move 16-byte packs, at the packed efficiency; the builds the
