@@ -326,7 +326,8 @@ impl MeasuredBuild {
     }
 
     /// The build's own element-wise kernels (norms, rope, SwiGLU, biases, the heads' transposes, the log-prob
-    /// rows, gradient accumulation) move 16-byte packs: this one's.
+    /// rows, gradient accumulation, the attention backward's row dot products) move 16-byte packs: this
+    /// one's.
     pub fn packed_kernels(self) -> bool {
         self == Self::Current
     }

@@ -500,6 +500,20 @@ fn layer_elementwise(o: &mut Ops, m: &ModelConfig, (n_tokens, d): (f64, f64), pa
     }
 }
 
+/// The tensor-core attention backward's `delta = rowsum(dO O)` over `rows` query rows of `hd` elements of
+/// `d` bytes, and its concatenation with the log-sum-exp (a row's 4 + 4 bytes read and written). This
+/// build: one pass reading both inputs in 16-byte runs (kernels::row_dot). Before: candle's casts to f32,
+/// product and sum (about 28 bytes an element at bf16, in four ops) and the output's cast and copy.
+fn attention_delta(o: &mut Ops, rows: f64, hd: f64, d: f64) {
+    let cat = rows * 16.0;
+    if o.packed {
+        o.elementwise("attention element-wise (backward)", rows * (hd * 2.0 * d + 4.0), 1.0, true);
+        o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, cat, 1.0);
+    } else {
+        o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, rows * hd * (2.0 * d + 24.0), 6.0);
+    }
+}
+
 /// The (query, key) score elements and block pairs the dk/dv kernel of kernels/flash_mma.cu computes for
 /// one causal sequence and one query head: each block of `bk` keys against the blocks of `bq` queries
 /// from the one holding its first key on.
@@ -597,7 +611,7 @@ fn layer_attention_tiles(
         );
         return;
     }
-    o.push("attention element-wise (backward)", OpKind::Elementwise, 0.0, bh * tokens * hd * (2.0 * d + 24.0), 6.0);
+    attention_delta(o, bh * tokens, hd, d);
     if atomic_dq {
         return layer_attention_atomic(o, m, (b, t, d), tiles);
     }
@@ -1395,11 +1409,12 @@ mod tests {
         let atomic = predict(&seven_b(), &StepShape { atomic_dq: true, ..measured }, &H100_SXM);
         assert!((atomic.attention_s / two.attention_s - 1.025).abs() < 0.01, "{atomic:?} vs {two:?}");
         // This build's projection: the two-kernel backward's leaner dk/dv loop gains more than the atomic
-        // one's two stages at 128; both faster than measured, the attention by 5-10% (calibration's Leaner).
+        // one's two stages at 128; both faster than measured: the attention (its kernels, calibration's
+        // Leaner, and the backward's delta in one pass) by 10-20%.
         let atomic_now = predict(&seven_b(), &StepShape { atomic_dq: true, ..wgmma }, &H100_SXM);
         assert!(h_wg.attention_s < atomic_now.attention_s && atomic_now.attention_s < atomic.attention_s);
         let gain = h_wg.attention_s / two.attention_s;
-        assert!(gain > 0.9 && gain < 0.95, "{gain}");
+        assert!(gain > 0.8 && gain < 0.9, "{gain}");
     }
 
     /// This build's layers' element-wise kernels move 16-byte packs, at the packed efficiency; the builds the

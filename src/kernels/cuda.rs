@@ -44,6 +44,7 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::SumSquares => ("grpo_sum_squares", include_str!(concat!(env!("OUT_DIR"), "/sum_squares.ptx"))),
         Module::Bias => ("grpo_bias", include_str!(concat!(env!("OUT_DIR"), "/bias.ptx"))),
         Module::Heads => ("grpo_heads", include_str!(concat!(env!("OUT_DIR"), "/heads.ptx"))),
+        Module::RowDot => ("grpo_row_dot", include_str!(concat!(env!("OUT_DIR"), "/row_dot.ptx"))),
     }
 }
 

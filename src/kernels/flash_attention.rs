@@ -18,7 +18,9 @@
 
 use std::sync::{Arc, OnceLock};
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D};
+#[cfg(any(test, feature = "cuda"))]
+use candle_core::DType;
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
 
 use super::cpu::{contiguous, u32s, with_float, Elem, IntoStorage};
 #[cfg(feature = "cuda")]
@@ -236,7 +238,7 @@ impl CustomOp3 for FlashAttention {
         // The block pairs of the CPU driver (the GPU's kernels walk the ranges themselves).
         let visits = self.visits.get();
         let grad = grad.to_dtype(out.dtype())?.contiguous()?;
-        let delta = (grad.to_dtype(DType::F32)? * out.to_dtype(DType::F32)?)?.sum(D::Minus1)?.contiguous()?;
+        let delta = super::row_dot(&grad, out)?;
         let lse_delta = Tensor::cat(&[lse.flatten_all()?, delta.flatten_all()?], 0)?;
         let op = FlashAttentionBwd {
             ranges: &self.ranges,

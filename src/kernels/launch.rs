@@ -25,6 +25,7 @@ pub enum Module {
     SumSquares,
     Bias,
     Heads,
+    RowDot,
 }
 
 /// One buffer of an op.

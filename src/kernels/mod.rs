@@ -22,6 +22,8 @@
 //! - [`swiglu`] (swiglu.rs): the MLP's `silu(gate) * up` in one pass each way.
 //! - [`to_heads`], [`from_heads`] (heads.rs): the transposes around the attention as copies in 16-byte
 //!   runs, each the other's backward.
+//! - [`row_dot`] (row_dot.rs): each row's dot product of two tensors in f32, the attention backward's
+//!   `rowsum(dO O)`, reading each input once.
 //! - [`bias_add`] (bias.rs): a projection's bias added to its rows; the bias's gradient summed over rows
 //!   in f32, in fixed row blocks.
 //! - [`adamw`] (adamw.rs): the optimiser's update (AdamW or SGD) in one pass over a parameter's f32
@@ -60,6 +62,7 @@ mod flash_mma;
 mod flash_wgmma;
 mod frozen;
 mod heads;
+mod row_dot;
 // Launch plans, run by cuda.rs on a GPU and by the emulator (emu.rs) in the tests.
 #[cfg(any(test, feature = "cuda"))]
 mod launch;
@@ -89,6 +92,7 @@ pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BY
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
 pub use rope::{rope, rope_reference};
+pub use row_dot::row_dot;
 pub use rows::{row_grad, row_stats};
 pub use sum_squares::sum_squares;
 pub use swiglu::{swiglu, swiglu_reference};

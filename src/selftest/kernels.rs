@@ -14,8 +14,8 @@ use super::Part;
 use crate::kernels::{
     accumulate, bias_add, flash_attention, flash_attention_recorded, from_heads, logprobs_entropy,
     logprobs_entropy_reference, lora_linear, lora_linear_reference, masked_softmax, masked_softmax_reference,
-    matrix_attention, rms_norm, rms_norm_reference, rope, rope_reference, row_grad, row_stats, sum_squares, swiglu,
-    swiglu_reference, to_heads, wgmma_layouts, Dropout, GpuKernels,
+    matrix_attention, rms_norm, rms_norm_reference, rope, rope_reference, row_dot, row_grad, row_stats, sum_squares,
+    swiglu, swiglu_reference, to_heads, wgmma_layouts, Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -37,6 +37,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "heads", run: heads_check, tolerance: exact_inputs },
     KernelCheck { op: "accumulate", run: accumulate_check, tolerance: exact_inputs },
     KernelCheck { op: "sum_squares", run: sum_squares_check, tolerance: exact_inputs },
+    KernelCheck { op: "row_dot", run: row_dot_check, tolerance: exact_inputs },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
     KernelCheck { op: "masked_softmax", run: masked_softmax_check, tolerance: rounded_output },
     KernelCheck { op: "flash_attention", run: flash_attention_check, tolerance: rounded_output },
@@ -315,6 +316,24 @@ fn sum_squares_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
             let x = rounded(&uniform(&mut rng, &shape, 4.0)?, dtype)?;
             let got = sum_squares(&x.to_dtype(dtype)?.to_device(device)?)?.to_device(&Device::Cpu)?;
             let want = x.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_dtype(DType::F32)?;
+            Ok(vec![Part::compare("fwd", &got, &want)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
+}
+
+/// The rows' dot products of the attention backward's delta (rows of head dims 64 and 128, and of 6, whose
+/// elements go one at a time), against the composite f64 sum of the same rounded inputs.
+fn row_dot_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(28);
+    let cases = [[2, 14, 77, 64], [1, 4, 33, 128], [1, 1, 5, 6]]
+        .into_iter()
+        .map(|shape| {
+            let (a, b) =
+                (rounded(&uniform(&mut rng, &shape, 1.0)?, dtype)?, rounded(&uniform(&mut rng, &shape, 1.0)?, dtype)?);
+            let on = |x: &Tensor| x.to_dtype(dtype)?.to_device(device);
+            let got = row_dot(&on(&a)?, &on(&b)?)?.to_device(&Device::Cpu)?;
+            let want = (a.to_dtype(DType::F64)? * b.to_dtype(DType::F64)?)?.sum(D::Minus1)?.to_dtype(DType::F32)?;
             Ok(vec![Part::compare("fwd", &got, &want)?])
         })
         .collect::<Result<Vec<_>>>()?;
