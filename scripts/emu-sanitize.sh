@@ -128,19 +128,19 @@ if [ "$mutate" -eq 1 ]; then
   wg() { caught "$1 ($2)" address,undefined "$(mutant "$1" flash_wgmma.cu "$3" "$4")" \
     kernels::emu::tests::flash_wgmma_fwd "$5"; }
   wg wgslot "a slot refilled before its last product" \
-    '            if (j + 2 < n) stage(j + 2);\n            bar_sync(wg_turn(w), WG_THREADS);\n            wg_begin(sc);' \
-    '            if (j + 2 < n) wg_stage_half<T, D>(slot(j - 1), slot(j - 1) + WG_BK * D, kh, vh, kmin + (j + 2) * WG_BK, s, w);\n            bar_sync(wg_turn(w), WG_THREADS);\n            wg_begin(sc);' \
+    '            if (j + 2 < n) stage(j + 2, ring.after);\n            bar_sync(wg_turn(w), WG_THREADS);' \
+    '            if (j + 2 < n) stage(j + 2, ring.last);\n            bar_sync(wg_turn(w), WG_THREADS);' \
     'is still writing'
   wg wgpublish "a half announced before its copies land" \
     '    if (newer) {\n        cp_async_wait<1>();\n    } else {\n        cp_async_wait<0>();\n    }\n    wg_fence_proxy();' \
     '    wg_fence_proxy();' 'is still writing'
   wg wgproxy "no fence.proxy.async" '    wg_fence_proxy();\n    bar_arrive(wg_full' '    bar_arrive(wg_full' \
     'no fence.proxy.async by that thread'
-  wg wgfence "no wgmma.fence for O" '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' \
-    '            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1)' 'no wgmma.fence since the last wait named'
+  wg wgfence "no wgmma.fence for O" '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.last)' \
+    '            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.last)' 'no wgmma.fence since the last wait named'
   wg wgacc "accumulators written in flight" \
-    '            rescale_rows<D>(o, alpha);\n            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();' \
-    '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(j - 1) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);' \
+    '            rescale_rows<D>(o, alpha);\n            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.last) + WG_BK * D);\n            wg_commit();' \
+    '            wg_begin(o);\n            wg_acc_by_tile<T, WG_BK, D>(o, pf, slot(ring.last) + WG_BK * D);\n            wg_commit();\n            rescale_rows<D>(o, alpha);' \
     "wrote a wgmma's accumulators"
   wg wgareg "A registers written in flight" \
     '            wg_wait<0>(o);\n            wg_keep(pf);\n            wg_frags<T, WG_BK>(pf, sc);' \
