@@ -159,16 +159,19 @@ template <typename T> inline T __shfl_up_sync(uint32_t m, T v, unsigned d, int w
 template <typename T> inline T __shfl_down_sync(uint32_t m, T v, unsigned d, int w = 32) { return emu::shuffle(m, v, (int)d, 2, w); }
 template <typename T> inline T __shfl_xor_sync(uint32_t m, T v, int lm, int w = 32) { return emu::shuffle(m, v, lm, 3, w); }
 inline uint32_t __ballot_sync(uint32_t m, int p) { return emu::warp_vote(m, p); }
-inline uint32_t emu_warp_reduce(uint32_t m, uint32_t v, bool max) {
-    if (m != 0xffffffffu) emu::report("a warp reduction over part of the warp");
-    uint32_t all[32][emu::WARP_GATHER_WORDS];
-    emu::warp_gather(m, &v, 1, all);
+namespace emu {
+// The max or min of v over the warp's 32 lanes (the full mask only), every lane gets it.
+inline uint32_t warp_reduce(uint32_t m, uint32_t v, bool max) {
+    if (m != 0xffffffffu) report("a warp reduction over part of the warp");
+    uint32_t all[32][WARP_GATHER_WORDS];
+    warp_gather(m, &v, 1, all);
     uint32_t r = all[0][0];
     for (int i = 1; i < 32; ++i) r = max ? std::max(r, all[i][0]) : std::min(r, all[i][0]);
     return r;
 }
-inline uint32_t __reduce_max_sync(uint32_t m, uint32_t v) { return emu_warp_reduce(m, v, true); }
-inline uint32_t __reduce_min_sync(uint32_t m, uint32_t v) { return emu_warp_reduce(m, v, false); }
+}  // namespace emu
+inline uint32_t __reduce_max_sync(uint32_t m, uint32_t v) { return emu::warp_reduce(m, v, true); }
+inline uint32_t __reduce_min_sync(uint32_t m, uint32_t v) { return emu::warp_reduce(m, v, false); }
 inline int __any_sync(uint32_t m, int p) { return emu::warp_vote(m, p) != 0; }
 inline int __all_sync(uint32_t m, int p) { return emu::warp_vote(m, p) == m; }
 inline uint32_t __activemask() { return 0xffffffffu; }
