@@ -209,3 +209,57 @@ pub fn run(plan: &Plan, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaSt
     drop(guards);
     Ok(outs.into_iter().map(|o| o.storage(&dev)).collect())
 }
+
+/// `C += A^T B` in place for row-major contiguous operands on one device: `acc` (f32, `[out, inp]`), `a`
+/// (`[rows, out]`) and `b` (`[rows, inp]`) of one dtype (f32, bf16 or f16), by `cublasGemmEx` on the
+/// handle candle's device holds (its stream), f32 compute. Row-major `C = A^T B` is column-major
+/// `C^T = B^T A`: cuBLAS gets B untransposed first, then A transposed.
+pub(crate) fn gemm_accumulate_f32(
+    (acc, acc_l): (&mut CudaStorage, &Layout),
+    [(a, a_l), (b, b_l)]: [(&CudaStorage, &Layout); 2],
+    (out, inp, rows): (usize, usize, usize),
+) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys};
+    let ty = match a.dtype() {
+        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
+        d => candle_core::bail!("wgrad: no GEMM of {d:?}"),
+    };
+    let dev = acc.device.clone();
+    let stream = dev.cuda_stream();
+    let buffer = |name, dtype, len| Buffer { name, dtype, len, output: false };
+    let (pc, _gc) = input_ptr(acc, acc_l, &buffer("wgrad accumulator", DType::F32, out * inp), &stream)?;
+    let (pa, _ga) = input_ptr(a, a_l, &buffer("wgrad gradient", a.dtype(), rows * out), &stream)?;
+    let (pb, _gb) = input_ptr(b, b_l, &buffer("wgrad input", a.dtype(), rows * inp), &stream)?;
+    let (alpha, beta) = (1.0f32, 1.0f32);
+    let blas = dev.cublas_handle();
+    // SAFETY: the three buffers hold the elements the product reads and writes (checked above), on the
+    // stream of candle's cuBLAS handle.
+    unsafe {
+        blas::gemm_ex(
+            *blas.handle(),
+            sys::cublasOperation_t::CUBLAS_OP_N,
+            sys::cublasOperation_t::CUBLAS_OP_T,
+            inp as i32,
+            out as i32,
+            rows as i32,
+            (&alpha) as *const f32 as *const _,
+            pb as *const _,
+            ty,
+            inp as i32,
+            pa as *const _,
+            ty,
+            out as i32,
+            (&beta) as *const f32 as *const _,
+            pc as *mut _,
+            sys::cudaDataType_t::CUDA_R_32F,
+            inp as i32,
+            sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("wgrad GEMM: {e:?}")))?;
+    crate::profile::count_launch();
+    Ok(())
+}

@@ -51,6 +51,9 @@ struct LogprobEntropy {
     /// `[n]`: each row's log-sum-exp, kept for the backward.
     lse: Tensor,
     budget: usize,
+    /// The weight's f32 gradient accumulator, into which each chunk's `dz^T h` is added by one GEMM
+    /// ([`super::wgrad_accumulate`]); the weight, then recorded detached, gets no gradient in the store.
+    accumulator: Option<Tensor>,
 }
 
 impl CustomOp3 for LogprobEntropy {
@@ -95,27 +98,25 @@ impl CustomOp3 for LogprobEntropy {
         let (vocab, _) = weight.dims2()?;
         let wt = weight.t()?;
         let mut grad_h = Vec::with_capacity(n.div_ceil(chunk_rows(vocab, self.budget)));
-        let mut grad_w: Option<Tensor> = None;
+        // The weight's f32 gradient: the caller's accumulator, or one of the op's own (cast to the weight's
+        // dtype at the end); each chunk's `dz^T h` added into it by one GEMM, never rounded on the way.
+        let acc = match (&self.accumulator, weight_grad) {
+            (Some(acc), _) => Some(acc.clone()),
+            (None, true) => Some(Tensor::zeros(weight.shape(), DType::F32, weight.device())?),
+            (None, false) => None,
+        };
         for (s, len) in chunks(n, vocab, self.budget) {
             let h = hidden.narrow(0, s, len)?;
             let dz = row_grad(&h.matmul(&wt)?, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
             grad_h.push(dz.matmul(&weight)?);
-            if !weight_grad {
-                continue;
-            }
-            // The first chunk's product cast into an f32 accumulator of its own, the later ones added
-            // into it in place (no new buffer, the product read where it lies).
-            let gw = dz.t()?.matmul(&h)?;
-            match &grad_w {
-                None => grad_w = Some(gw.to_dtype(DType::F32)?),
-                Some(acc) => super::accumulate(acc, &gw)?,
+            if let Some(acc) = &acc {
+                super::wgrad_accumulate(acc, &dz, &h)?;
             }
         }
         let grad_h = if grad_h.is_empty() { hidden.zeros_like()? } else { Tensor::cat(&grad_h, 0)? };
-        let grad_w = match grad_w {
-            Some(g) => Some(g.to_dtype(weight.dtype())?),
-            None if weight_grad => Some(weight.zeros_like()?),
-            None => None,
+        let grad_w = match (&self.accumulator, acc) {
+            (None, Some(acc)) => Some(acc.to_dtype(weight.dtype())?),
+            _ => None,
         };
         Ok((Some(grad_h), grad_w, None))
     }
@@ -125,13 +126,39 @@ impl CustomOp3 for LogprobEntropy {
 /// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward
 /// (both columns differentiable).
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
-    let stats = forward_values(hidden, weight, targets, budget_bytes)?;
+    recorded(hidden, weight, targets, budget_bytes, None)
+}
+
+/// [`logprobs_entropy`] with the weight's gradient added into `acc` (f32, `[vocab, hidden]`, in place) by
+/// the backward, chunk by chunk, instead of handed to candle's gradient store; differentiable in `hidden`.
+/// Where `hidden` leads to no variable, the same as [`logprobs_entropy`].
+pub fn logprobs_entropy_accumulating(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    budget_bytes: usize,
+    acc: &Tensor,
+) -> Result<Tensor> {
+    match hidden.track_op() {
+        true => recorded(hidden, &weight.detach(), targets, budget_bytes, Some(acc.clone())),
+        false => logprobs_entropy(hidden, weight, targets, budget_bytes),
+    }
+}
+
+fn recorded(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    budget: usize,
+    accumulator: Option<Tensor>,
+) -> Result<Tensor> {
+    let stats = forward_values(hidden, weight, targets, budget)?;
     let values = stats.narrow(1, 0, 2)?;
     if !(hidden.track_op() || weight.track_op()) {
         return Ok(values);
     }
     let lse = stats.narrow(1, 2, 1)?.squeeze(1)?.contiguous()?;
-    hidden.record_op3(weight, targets, &values, LogprobEntropy { lse, budget: budget_bytes })
+    hidden.record_op3(weight, targets, &values, LogprobEntropy { lse, budget, accumulator })
 }
 
 /// The same quantities from the whole `[n, vocab]` log-softmax with candle's own autograd: the reference

@@ -35,8 +35,10 @@
 //!   a transposed weight gradient read where it lies.
 //! - [`sum_squares`] (sum_squares.rs): a tensor's sum of squares in one read over the whole GPU (each
 //!   gradient's part of the gradient norm).
-//! - [`frozen_matmul`] (frozen.rs): `x W^T` with a frozen weight (LoRA's base projections), whose backward
-//!   gives the gradient of `x` only.
+//! - [`frozen_matmul`], [`matmul_accumulating`] (frozen.rs): `x W^T` with the weight outside candle's
+//!   graph, whose backward gives the gradient of `x` and either none to the weight (LoRA's frozen base
+//!   projections) or adds it straight into the weight's f32 accumulator through [`wgrad_accumulate`]
+//!   (wgrad.rs: `acc += g^T x`, one GEMM with an f32 output; cuBLAS on the GPU).
 //!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
@@ -75,6 +77,7 @@ mod sum_squares;
 mod swiglu;
 #[cfg(test)]
 mod testing;
+mod wgrad;
 
 pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_host, adamw_reference, AdamW};
@@ -86,9 +89,9 @@ pub use flash_attention::{
     auto_kernels, flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,
 };
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
-pub use frozen::frozen_matmul;
+pub use frozen::{frozen_matmul, matmul_accumulating};
 pub use heads::{from_heads, to_heads};
-pub use logprob::{logprobs_entropy, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
+pub use logprob::{logprobs_entropy, logprobs_entropy_accumulating, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
 pub use rope::{rope, rope_reference};
@@ -96,6 +99,7 @@ pub use row_dot::row_dot;
 pub use rows::{row_grad, row_stats};
 pub use sum_squares::sum_squares;
 pub use swiglu::{swiglu, swiglu_reference};
+pub use wgrad::wgrad_accumulate;
 
 /// Head dims the tensor-core attention kernels (kernels/flash_mma.cu) are compiled for.
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 2] = [64, 128];

@@ -11,8 +11,9 @@ use super::config::{ModelConfig, RopeScaling};
 use super::lora::{self, LoraOptions};
 use crate::kernels::{
     embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy,
-    masked_softmax, masked_softmax_reference, matrix_attention, rms_norm as fused_rms_norm, rms_norm_reference,
-    rope_reference, swiglu_reference, AttentionRecord, GpuKernels, Replay,
+    logprobs_entropy_accumulating, masked_softmax, masked_softmax_reference, matmul_accumulating, matrix_attention,
+    rms_norm as fused_rms_norm, rms_norm_reference, rope_reference, swiglu_reference, AttentionRecord, GpuKernels,
+    Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
@@ -82,23 +83,38 @@ const GATE: usize = 4;
 const UP: usize = 5;
 const DOWN: usize = 6;
 
-/// How a forward runs through the layers: recording a graph or not, and, in training, the seed of LoRA's
-/// dropout masks (`None`: no dropout, as in inference and the reference's forward).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Mode {
+/// How a forward runs through the layers: recording a graph or not, in training the seed of LoRA's
+/// dropout masks (`None`: no dropout, as in inference and the reference's forward), and where the
+/// projections' weight gradients go.
+#[derive(Debug, Clone, Copy)]
+struct Mode<'a> {
     graph: bool,
     dropout_seed: Option<u64>,
+    /// The trainable parameters' f32 gradient accumulators by slot ([`Grads`]): where given, a recorded
+    /// projection adds its weight's gradient straight into its accumulator in the backward
+    /// ([`matmul_accumulating`]) instead of handing it to candle's gradient store.
+    accumulators: Option<&'a [Option<Tensor>]>,
 }
 
-impl Mode {
+impl<'a> Mode<'a> {
     /// Without dropout.
     const fn plain(graph: bool) -> Self {
-        Mode { graph, dropout_seed: None }
+        Mode { graph, dropout_seed: None, accumulators: None }
     }
 
     /// A training forward of `batch` (its dropout seed).
     fn training(batch: &TokenBatch, graph: bool) -> Self {
-        Mode { graph, dropout_seed: batch.dropout_seed }
+        Mode { graph, dropout_seed: batch.dropout_seed, accumulators: None }
+    }
+
+    /// The same, the projections' weight gradients added into `accumulators`.
+    fn accumulating(self, accumulators: &'a [Option<Tensor>]) -> Self {
+        Mode { accumulators: Some(accumulators), ..self }
+    }
+
+    /// The accumulator of the parameter in trainable slot `slot`, where this forward adds into one.
+    fn accumulator(&self, slot: Option<usize>) -> Option<&'a Tensor> {
+        self.accumulators?.get(slot?)?.as_ref()
     }
 
     /// The seed of projection `m` of layer `l`: every adapter draws its own mask.
@@ -568,14 +584,30 @@ fn rms_norm(x: &Tensor, w: &Tensor, eps: f64, fused: bool) -> candle_core::Resul
     }
 }
 
-/// `x W^T + b` over the last dim of `x`; `frozen`: `w` gets no gradient ([`frozen_matmul`]); `fused`: the
-/// bias through [`crate::kernels::bias_add`] (its gradient summed in f32), else candle's broadcast add.
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, frozen: bool, fused: bool) -> candle_core::Result<Tensor> {
+/// Where a projection's weight gradient goes.
+#[derive(Clone, Copy)]
+enum WeightGrad<'a> {
+    /// candle's matmul: into the gradient store (or nowhere, for a weight without a graph).
+    Store,
+    /// None ([`frozen_matmul`]).
+    Frozen,
+    /// Added into this f32 accumulator ([`matmul_accumulating`]).
+    Into(&'a Tensor),
+}
+
+/// `x W^T + b` over the last dim of `x`, `w`'s gradient as `grad` says; `fused`: the bias through
+/// [`crate::kernels::bias_add`] (its gradient summed in f32), else candle's broadcast add.
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, grad: WeightGrad, fused: bool) -> candle_core::Result<Tensor> {
     let dims = x.dims().to_vec();
     let inner = *dims.last().unwrap_or(&0);
     let rows = x.elem_count() / inner.max(1);
     let x = x.reshape((rows, inner))?;
-    let y = if frozen { frozen_matmul(&x, w)? } else { x.matmul(&w.t()?)? };
+    let y = match grad {
+        WeightGrad::Frozen => frozen_matmul(&x, w)?,
+        // An input without a graph records nothing: candle's matmul gives the weight its gradient.
+        WeightGrad::Into(acc) if x.track_op() => matmul_accumulating(&x, w, acc)?,
+        _ => x.matmul(&w.t()?)?,
+    };
     let y = match b {
         Some(b) if fused => crate::kernels::bias_add(&y, b)?,
         Some(b) => y.broadcast_add(b)?,
@@ -880,9 +912,13 @@ impl Decoder {
         let graph = mode.graph;
         let (w, bias) = li.projection(m);
         let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else {
-            let frozen = graph && matches!(self.params[w], Param::Frozen(_));
+            let grad = match (&self.params[w], mode.accumulator(self.slots[w])) {
+                (Param::Frozen(_), _) if graph => WeightGrad::Frozen,
+                (Param::Trainable(_), Some(acc)) if graph => WeightGrad::Into(acc),
+                _ => WeightGrad::Store,
+            };
             let fused = self.options.fused_ops;
-            return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), frozen, fused);
+            return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), grad, fused);
         };
         let _phase = crate::profile::phase("lora");
         let dropout = match mode.dropout_seed(l, m) {
@@ -1139,18 +1175,41 @@ impl Decoder {
 
     fn logprobs_checked(&self, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
         let x = self.run_layers(batch, graph)?;
-        self.head(&x, batch, targets, graph)
+        self.head(&x, batch, targets, Mode::plain(graph))
     }
 
-    /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x`.
-    fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, graph: bool) -> candle_core::Result<Tensor> {
+    /// Log-probs and entropies `[N, 2]` of the targets from the last layer's output `x` (the lm_head's
+    /// gradient added into its accumulator where `mode` has one).
+    fn head(&self, x: &Tensor, batch: &TokenBatch, targets: &Targets, mode: Mode) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::coarse("log-prob head")?;
+        let graph = mode.graph;
         let h = self.select_hidden(x, targets, graph)?;
         let budget = match self.options.logprob_chunk_bytes {
             0 => crate::device::logprob_chunk_bytes(&self.device)?,
             b => b,
         };
-        logprobs_entropy(&h, &self.w(self.lm_head, graph), &self.target_ids(batch, targets)?, budget)
+        let (w, ids) = (self.w(self.lm_head, graph), self.target_ids(batch, targets)?);
+        match mode.accumulator(self.slots[self.lm_head]) {
+            Some(acc) if graph => logprobs_entropy_accumulating(&h, &w, &ids, budget, acc),
+            _ => logprobs_entropy(&h, &w, &ids, budget),
+        }
+    }
+
+    /// The f32 accumulators of `grads` by slot, each made (zeros) where it has none yet, for the forward
+    /// to add the projections' and the lm_head's weight gradients into (with `fused_ops`; `None`
+    /// otherwise: candle's matmul backward and [`Grads::add`]).
+    fn accumulators(&self, grads: &mut Grads) -> candle_core::Result<Option<Vec<Option<Tensor>>>> {
+        if !self.options.fused_ops {
+            return Ok(None);
+        }
+        for (p, slot) in self.params.iter().zip(&self.slots) {
+            if let (Param::Trainable(v), Some(slot)) = (p, *slot) {
+                if grads.grads[slot].is_none() {
+                    grads.grads[slot] = Some(Tensor::zeros(v.shape(), DType::F32, v.device())?);
+                }
+            }
+        }
+        Ok(Some(grads.grads.clone()))
     }
 
     fn collect(&self, store: &candle_core::backprop::GradStore, grads: &mut Grads) -> candle_core::Result<()> {
@@ -1196,6 +1255,11 @@ impl Decoder {
         // The embedding's output is a leaf of the graph: its gradient is summed per token in f32 by
         // `embed_backward`, not by candle's index_add in the weight's dtype.
         let forward = crate::profile::coarse("forward")?;
+        let accumulators = self.accumulators(grads)?;
+        let training = |graph| match &accumulators {
+            Some(a) if graph => Mode::training(batch, graph).accumulating(a),
+            _ => Mode::training(batch, graph),
+        };
         let embedding = crate::profile::phase("embedding");
         let ids = self.token_ids(&batch.tokens)?;
         let shape = (batch.rows(), batch.width(), self.cfg.hidden_size);
@@ -1203,8 +1267,8 @@ impl Decoder {
         drop(embedding);
         if !self.options.checkpoint_layers {
             let e = Var::from_tensor(&e)?;
-            let x = self.layers_from(batch, e.as_tensor().clone(), Mode::training(batch, true))?;
-            let loss = self.loss(&self.head(&x, batch, targets, true)?, loss_fn)?;
+            let x = self.layers_from(batch, e.as_tensor().clone(), training(true))?;
+            let loss = self.loss(&self.head(&x, batch, targets, training(true))?, loss_fn)?;
             forward.end();
             let _backward = crate::profile::coarse("backward")?;
             let store = {
@@ -1235,7 +1299,7 @@ impl Decoder {
         }
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
-        let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, true)?, loss_fn)?;
+        let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, training(true))?, loss_fn)?;
         forward.end();
         let _backward = crate::profile::coarse("backward")?;
         let head = crate::profile::coarse("log-prob head")?;
@@ -1251,7 +1315,7 @@ impl Decoder {
             // This layer's record is released with its backward.
             let record = records.pop().flatten();
             let state = record.as_ref().map_or(LayerState::None, |r| LayerState::Attention(Replay::From(r)));
-            g = self.layer_backward(l, &inputs[l], (&rope, &ranges, Mode::training(batch, true)), state, &g, grads)?;
+            g = self.layer_backward(l, &inputs[l], (&rope, &ranges, training(true)), state, &g, grads)?;
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
@@ -1747,6 +1811,40 @@ mod tests {
                     // attention's GEMM blocking): a few units in the fifth decimal.
                     assert!(d < 5e-5, "{arch:?} {name}: fused gradient differs by {d}");
                 }
+            }
+        }
+    }
+
+    /// Two micro-batches added into one set of gradients: with `fused_ops` the projections' and the
+    /// lm_head's weight gradients go straight into the f32 accumulators (made before the first forward),
+    /// and the sums equal the composite path's two gradients added, tied embeddings (the lm_head's and the
+    /// embedding's gradients in one accumulator) and layer recomputation included.
+    #[test]
+    fn micro_batches_accumulate_into_the_same_gradients_as_the_composite() {
+        let (b, t) = batch();
+        let packed = TokenBatch::packed(&[vec![vec![5, 17, 3], vec![88, 41, 9, 60]]], 0);
+        let mut pt = Targets::default();
+        for p in [1, 2, 4, 5, 6] {
+            pt.push(0, p);
+        }
+        for (arch, tied, checkpoint) in
+            [(Arch::Qwen2, true, false), (Arch::Llama, false, true), (Arch::Qwen3, true, true)]
+        {
+            let mut m = tiny(arch, tied, true);
+            m.options.checkpoint_layers = checkpoint;
+            m.options.fused_ops = false;
+            let (_, g1) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            let (_, g2) = m.forward_backward(&packed, &pt, &mut weighted_loss).unwrap();
+            m.options.fused_ops = true;
+            let mut fused = m.new_grads();
+            m.forward_backward_into(&b, &t, &mut weighted_loss, &mut fused).unwrap();
+            m.forward_backward_into(&packed, &pt, &mut weighted_loss, &mut fused).unwrap();
+            for (i, name) in m.names().iter().enumerate() {
+                let want = (g1.grads[i].as_ref().unwrap() + g2.grads[i].as_ref().unwrap()).unwrap();
+                let got = fused.grads[i].as_ref().unwrap();
+                let (a, w) = (values(got), values(&want));
+                let d = a.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                assert!(d < 5e-5, "{arch:?} tied {tied} checkpoint {checkpoint} {name}: differs by {d}");
             }
         }
     }

@@ -15,7 +15,7 @@ use crate::kernels::{
     accumulate, bias_add, flash_attention, flash_attention_recorded, from_heads, logprobs_entropy,
     logprobs_entropy_reference, lora_linear, lora_linear_reference, masked_softmax, masked_softmax_reference,
     matrix_attention, rms_norm, rms_norm_reference, rope, rope_reference, row_dot, row_grad, row_stats, sum_squares,
-    swiglu, swiglu_reference, to_heads, wgmma_layouts, Dropout, GpuKernels,
+    swiglu, swiglu_reference, to_heads, wgmma_layouts, wgrad_accumulate, Dropout, GpuKernels,
 };
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
@@ -36,6 +36,7 @@ pub const CHECKS: &[KernelCheck] = &[
     KernelCheck { op: "bias_add", run: bias_add_check, tolerance: rounded_output },
     KernelCheck { op: "heads", run: heads_check, tolerance: exact_inputs },
     KernelCheck { op: "accumulate", run: accumulate_check, tolerance: exact_inputs },
+    KernelCheck { op: "wgrad", run: wgrad_check, tolerance: summed_products },
     KernelCheck { op: "sum_squares", run: sum_squares_check, tolerance: exact_inputs },
     KernelCheck { op: "row_dot", run: row_dot_check, tolerance: exact_inputs },
     KernelCheck { op: "lora_linear", run: lora_linear_check, tolerance: rounded_matmul },
@@ -60,6 +61,15 @@ pub const CHECKS: &[KernelCheck] = &[
 /// Ops whose output is f32 from f32 sums (row statistics): only the order of the sums differs.
 fn exact_inputs(_: DType) -> f32 {
     1e-5
+}
+
+/// A GEMM into f32 of rounded inputs: exact products, f32 sums in cuBLAS's order (f32 inputs may run as
+/// TF32 where the handle allows it).
+fn summed_products(dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 2e-3,
+        _ => 1e-4,
+    }
 }
 
 /// Ops that compute in f32 and round their output (and the incoming gradient) to the dtype: a few units
@@ -300,6 +310,27 @@ fn accumulate_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
             let src_device = src.to_dtype(dtype)?.to_device(device)?;
             accumulate(&on_device, &if transposed { src_device.t()? } else { src_device })?;
             let want = (&acc + g)?;
+            Ok(vec![Part::compare("fwd", &on_device.to_device(&Device::Cpu)?, &want)?])
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(worst_parts(cases))
+}
+
+/// A weight's gradient added into its f32 accumulator by one GEMM (`acc += g^T x`, cuBLAS with beta 1 on
+/// the GPU), over many rows and over a few, against the CPU's f32 product of the same rounded values
+/// added to the accumulator.
+fn wgrad_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(29);
+    let cases = [(1100, 77, 45), (33, 151, 64)]
+        .into_iter()
+        .map(|(rows, out, inp)| {
+            let acc = uniform(&mut rng, &[out, inp], 1.0)?;
+            let g = rounded(&uniform(&mut rng, &[rows, out], 1.0)?, dtype)?;
+            let x = rounded(&uniform(&mut rng, &[rows, inp], 1.0)?, dtype)?;
+            let on_device = acc.to_device(device)?.copy()?;
+            let on = |t: &Tensor| t.to_dtype(dtype)?.to_device(device);
+            wgrad_accumulate(&on_device, &on(&g)?, &on(&x)?)?;
+            let want = (&acc + g.t()?.matmul(&x)?)?;
             Ok(vec![Part::compare("fwd", &on_device.to_device(&Device::Cpu)?, &want)?])
         })
         .collect::<Result<Vec<_>>>()?;
