@@ -196,6 +196,12 @@ pub struct TensorOps {
     /// buffer (write 4, read 4, accumulator read and written), 10 where the product (d = 2 bytes) is added
     /// into the accumulator in place (read 2, accumulator read and written).
     pub head_grad_bytes: f64,
+    /// Weight gradients GEMM'd straight into their f32 accumulators (kernels::wgrad_accumulate): the
+    /// projections' and the lm_head's weight products write f32, read and written in the GEMM, with no
+    /// product in the weight's dtype and no pass adding it (`head_grad_bytes` 0); the accumulators are made
+    /// (zeros) before a step's first micro-batch. `false`: candle's product backward in the weight's dtype,
+    /// added by kernels::accumulate.
+    pub fused_wgrad: bool,
     /// The tensor ops beyond a layer's named element-wise ops each a pass over about their mean bytes (the
     /// released candle-core's backward added each op's first gradient to a tensor of zeros); `false`:
     /// they are views and bookkeeping, and the named ops are the layer's element-wise bytes.
@@ -497,20 +503,24 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // The q, k and v biases one op each way (kernels::bias_add, the bias's gradient in the op) instead of
     // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before); v to heads one op
     // (kernels::to_heads) instead of a transpose and its copy: 1 fewer.
+    // Every weight's gradient added by its own GEMM (kernels::wgrad_accumulate, `fused_wgrad`): no
+    // product in the weight's dtype, its transposes and its add: 18 fewer in a layer's backward (98
+    // before), 3 fewer in the head's (131 before).
     layer_reference: 46.0,
     layer_policy: 46.0,
     layer_recompute: 61.0,
-    layer_backward: 98.0,
-    micro_batch: 131.0,
+    layer_backward: 80.0,
+    micro_batch: 128.0,
     micro_batch_reference: 75.0,
-    // What a step adds beyond its micro-batches and its parameters' ops: nothing left once the update is
-    // one op per parameter (the composite's per-step views and scalars are gone).
-    step: 0.0,
-    // The gradient added into its f32 accumulator in place (kernels::accumulate, no new tensor) but for the
-    // views and casts around it, 0.8 a tensor a micro-batch; the first micro-batch's cast or copy into an
-    // accumulator of its own, 1.6 a tensor a step (counted at 1 and 2 layers, 1 and 2 micro-batches).
-    accumulate_per_tensor: 0.8,
-    accumulate_first_per_tensor: 1.6,
+    // What a step adds beyond its micro-batches and its parameters' ops (counted: 2).
+    step: 2.0,
+    // The gradients still added by kernels::accumulate (norms, biases, the embedding), in place, with the
+    // views and casts around them: 1 a tensor a micro-batch; each accumulator a projection's GEMM adds
+    // into, made before the first micro-batch: 1 a tensor a step (counted at 1 to 3 layers, 2 to 4
+    // micro-batches, with and without the reference and `checkpoint_layers`; 0.8 and 1.6 a tensor, all
+    // of them, before).
+    accumulate_per_tensor: 1.0,
+    accumulate_first_per_tensor: 1.0,
     // The gradient's sum of squares, one op (kernels::sum_squares), where candle's square, sum and cast
     // were three.
     norm_per_tensor: 1.0,
@@ -518,19 +528,33 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
     update_per_tensor: 5.0,
     seed_passes: 0.0,
-    head_grad_bytes: 10.0,
+    head_grad_bytes: 0.0,
+    fused_wgrad: true,
     unnamed_ops_move_bytes: false,
 };
 
 /// The counts of the builds the 2026-11-27 runs measured: the q, k and v biases as candle's broadcast add
-/// and its sum (3 tensors more a layer each way). The morning's build also took the gradient norm as
-/// candle's square, sum and cast (3 tensors a parameter, not 1): not counted here.
+/// and its sum (3 tensors more a layer each way), v to heads a transpose and its copy (1 more), and
+/// every weight's gradient candle's product in the weight's dtype, added into its accumulator by
+/// kernels::accumulate (its first micro-batch's cast into an accumulator of its own). The morning's build
+/// also took the gradient norm as candle's square, sum and cast (3 tensors a parameter, not 1): not
+/// counted here.
 pub const NOV27_TENSOR_OPS: TensorOps = TensorOps {
     layer_reference: 50.0,
     layer_policy: 50.0,
     layer_recompute: 65.0,
     layer_backward: 102.0,
-    ..COUNTED_TENSOR_OPS
+    micro_batch: 131.0,
+    micro_batch_reference: 75.0,
+    step: 0.0,
+    accumulate_per_tensor: 0.8,
+    accumulate_first_per_tensor: 1.6,
+    norm_per_tensor: 1.0,
+    update_per_tensor: 5.0,
+    seed_passes: 0.0,
+    head_grad_bytes: 10.0,
+    fused_wgrad: false,
+    unnamed_ops_move_bytes: false,
 };
 
 /// The same counts for the build the 2026-11-26 H100 run measured (counted on the CPU in that build): the
@@ -550,6 +574,7 @@ pub const H100_RUN_TENSOR_OPS: TensorOps = TensorOps {
     update_per_tensor: 15.0,
     seed_passes: 4.0,
     head_grad_bytes: 16.0,
+    fused_wgrad: false,
     unnamed_ops_move_bytes: true,
 };
 
