@@ -251,6 +251,10 @@ pub struct TrainStepSpec {
     /// on a GPU, 64 MiB on the CPU).
     #[arg(long, default_value_t = 0)]
     pub logprob_chunk_mb: usize,
+    /// Keep the log-prob op's logits from the forward for its backward instead of recomputing them
+    /// (`model.keep_logits`).
+    #[arg(long)]
+    pub keep_logits: bool,
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
     #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
@@ -341,6 +345,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     policy.options.checkpoint_layers = spec.checkpoint_layers;
     policy.options.recompute_attention = !spec.keep_attention;
     policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
+    policy.options.keep_logits = spec.keep_logits;
     policy.options.fused_ops = spec.fused_ops;
     policy.options.attention = spec.attention;
     policy.options.deterministic_attention = !spec.atomic_dq;
@@ -437,6 +442,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         "keep_attention": spec.keep_attention,
         "atomic_dq": spec.atomic_dq,
         "logprob_chunk_mb": spec.logprob_chunk_mb,
+        "keep_logits": spec.keep_logits,
         "fused_ops": spec.fused_ops,
         "offload": spec.offload,
         // The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
@@ -525,6 +531,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         atomic_dq: spec.atomic_dq,
         warpgroup: matches!(spec.attention, Attention::Wgmma | Attention::Auto),
         lora_rank: spec.lora_r as u64,
+        keep_logits: spec.keep_logits,
     }
 }
 
@@ -587,6 +594,7 @@ struct PredictedRecord {
     micro_batch_tokens: usize,
     checkpoint_layers: bool,
     keep_attention: bool,
+    keep_logits: bool,
     atomic_dq: bool,
     offload: bool,
     reference: bool,
@@ -610,6 +618,7 @@ pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
         micro_batch_tokens: spec.micro_batch_tokens,
         checkpoint_layers: spec.checkpoint_layers,
         keep_attention: spec.keep_attention,
+        keep_logits: spec.keep_logits,
         atomic_dq: spec.atomic_dq,
         offload: spec.offload,
         reference: !spec.no_reference,
@@ -1153,6 +1162,7 @@ mod tests {
             checkpoint_layers: true,
             keep_attention: false,
             logprob_chunk_mb: 1,
+            keep_logits: false,
             fused_ops: true,
             offload: false,
             no_reference: false,
@@ -1210,6 +1220,7 @@ mod tests {
                 checkpoint_layers: false,
                 keep_attention: false,
                 logprob_chunk_mb: 0,
+                keep_logits: false,
                 fused_ops: true,
                 offload: false,
                 no_reference: false,

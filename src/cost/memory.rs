@@ -346,6 +346,11 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
     let lora_bytes = lora.as_ref().map_or(0.0, |l| l.saved_per_token);
     let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes, lora_bytes);
+    if cfg.model.fused_ops {
+        // The lm_head's gradient goes chunk by chunk straight into the step's f32 accumulator
+        // (kernels::wgrad_accumulate): no buffer of the head's own.
+        act.head_backward = 0;
+    }
     if let Some(l) = &lora {
         // The frozen lm_head gets no gradient (src/kernels/logprob.rs).
         act.head_backward = 0;
@@ -440,6 +445,11 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
     }
     add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
+    if cfg.model.keep_logits {
+        // The forward's logits, alive until the head's backward has read them.
+        let kept = to_bytes(shape.n_scored as f64 * model.vocab_size as f64 * d as f64);
+        add("logits kept (keep_logits = true)", kept, Device, Backward, "n V d".into());
+    }
     // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
     // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
     // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
@@ -630,6 +640,7 @@ fn apply(floor: &mut TrainConfig, changed: &TrainConfig, cfg: &TrainConfig) {
     floor.model.checkpoint_layers |= changed.model.checkpoint_layers;
     floor.model.recompute_attention |= changed.model.recompute_attention;
     floor.model.cache_reference |= changed.model.cache_reference;
+    floor.model.keep_logits &= changed.model.keep_logits;
     floor.optim.offload |= changed.optim.offload;
     if changed.model.attention != cfg.model.attention || changed.model.fused_ops != cfg.model.fused_ops {
         (floor.model.attention, floor.model.fused_ops) = (changed.model.attention, changed.model.fused_ops);
@@ -754,6 +765,9 @@ impl Plan {
             f(&mut c);
             out.push((what, c));
         };
+        if cfg.model.keep_logits {
+            with("model.keep_logits = false".into(), &|c| c.model.keep_logits = false);
+        }
         if !cfg.model.checkpoint_layers {
             with("model.checkpoint_layers = true".into(), &|c| c.model.checkpoint_layers = true);
         } else if !cfg.model.recompute_attention && self.inputs.attention != Attention::Matrix {
@@ -1026,6 +1040,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
         // The model counts adapters on every projection (the default target_modules).
         lora_rank: cfg.model.lora.as_ref().map_or(0, |l| l.r as u64),
+        keep_logits: cfg.model.keep_logits,
     }
 }
 
@@ -1066,6 +1081,28 @@ mod tests {
 
     fn bytes(p: &Plan, name: &str) -> u64 {
         p.components.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name}")).bytes
+    }
+
+    /// Kept logits are one more backward component, `n V d` (2 answers of 10 scored tokens), which the
+    /// advice drops first when the step does not fit.
+    #[test]
+    fn kept_logits_are_counted_and_advised_away() {
+        let m = shape();
+        let (base, keeping) =
+            (config(&["model.logprob_chunk_mb=1"]), config(&["model.logprob_chunk_mb=1", "model.keep_logits=true"]));
+        let (plain, kept) =
+            (super::plan(&base, &m, inputs(Attention::Flash)), super::plan(&keeping, &m, inputs(Attention::Flash)));
+        let name = "logits kept (keep_logits = true)";
+        assert_eq!(bytes(&kept, name), 2 * 10 * m.vocab_size as u64 * 2);
+        assert!(plain.components.iter().all(|c| c.name != name));
+        assert!(kept.tensor_peak(Place::Device) > plain.tensor_peak(Place::Device));
+        // A device with the plain step's peak: keeping the logits does not fit, and the advice drops them.
+        let memory = (plain.peak(Place::Device) as f64 / (1.0 - GPU_HEADROOM)).ceil() as u64 + 64;
+        let tight = PlanInputs { device_memory: Some(memory), ..inputs(Attention::Flash) };
+        assert_eq!(super::plan(&base, &m, tight).fits(), Some(true));
+        let tight_plan = super::plan(&keeping, &m, tight);
+        assert_eq!(tight_plan.fits(), Some(false), "{tight_plan}");
+        assert!(tight_plan.advice(&keeping).contains("model.keep_logits = false"), "{}", tight_plan.advice(&keeping));
     }
 
     #[test]

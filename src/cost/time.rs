@@ -234,6 +234,9 @@ pub struct StepShape {
     /// projections' backward computes the input's gradient only, the lm_head gets none, the adapters' f32
     /// products are added, and the gradients and update are the adapters'.
     pub lora_rank: u64,
+    /// The log-prob head's logits kept from the forward for its backward (`model.keep_logits`): no
+    /// recomputed logits GEMM.
+    pub keep_logits: bool,
 }
 
 /// Which tensor-core attention kernels a step runs.
@@ -708,14 +711,16 @@ fn layer_attention(
 
 /// The log-prob head on `n` scored tokens: lm_head GEMMs, the fused log-softmax kernel, and the f32
 /// lm_head gradient of each chunk into its accumulator.
-fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backward, frozen): (bool, bool)) {
+fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backward, frozen, kept): (bool, bool, bool)) {
     let (h, v) = (m.hidden_size as f64, m.vocab_size as f64);
     let rows = (chunk_bytes as f64 / (4.0 * v)).floor().clamp(1.0, 65536.0).min(n.max(1.0));
     let chunks = (n / rows).ceil();
     let rows = n / chunks; // the chunks' mean
     if backward {
-        // The chunk's logits again (recomputed, not kept), then the two gradient GEMMs.
-        o.gemm("lm_head", rows, h, v, d, chunks);
+        // The chunk's logits again (unless kept from the forward), then the two gradient GEMMs.
+        if !kept {
+            o.gemm("lm_head", rows, h, v, d, chunks);
+        }
         if frozen {
             // LoRA: the hidden states' gradient only.
             o.gemm("lm_head", rows, h, v, d, chunks);
@@ -757,7 +762,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
         let ops = if pass == Pass::Reference { o.counts.micro_batch_reference } else { o.counts.micro_batch };
         let bytes = 2.0 * n_tokens * m.hidden_size as f64 * d;
         o.push("embedding, log-prob head and loss (tensor ops)", OpKind::Elementwise, 0.0, bytes, ops);
-        head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (false, false));
+        head(o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (false, false, false));
     }
 }
 
@@ -777,7 +782,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     if s.checkpoint_layers {
         forward(&mut o, m, s, gpu, Pass::Recompute); // the recomputation, layer by layer, in the backward
     }
-    head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (true, s.lora_rank > 0));
+    head(&mut o, m, b * s.scored_tokens as f64, s.logprob_chunk_bytes, d, (true, s.lora_rank > 0, s.keep_logits));
     let times = o.times;
     o.times = times * m.num_layers as f64;
     layer_dense(&mut o, m, (n_tokens, d, s.lora_rank), Pass::Backward);
@@ -1237,6 +1242,7 @@ mod tests {
             atomic_dq: false,
             warpgroup: false,
             lora_rank: 0,
+            keep_logits: false,
             blocks: AttentionBlocks { query: 4, key: 4 },
         }
     }

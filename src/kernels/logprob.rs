@@ -30,20 +30,33 @@ fn chunks(n: usize, vocab: usize, budget: usize) -> impl Iterator<Item = (usize,
     (0..n).step_by(rows).map(move |s| (s, rows.min(n - s)))
 }
 
-/// The values of the op, computed without a graph: `[n, 3]` f32 of `(log p, entropy, lse)`. Each chunk's
-/// logits are the only `[rows, vocab]` buffer, in the weight's dtype.
-fn forward_values(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget: usize) -> Result<Tensor> {
+/// The values of the op, computed without a graph: `[n, 3]` f32 of `(log p, entropy, lse)`, and with
+/// `keep` each chunk's logits (in the weight's dtype) for the backward; without it each chunk's logits are
+/// the only `[rows, vocab]` buffer.
+fn forward_values(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    budget: usize,
+    keep: bool,
+) -> Result<(Tensor, Vec<Tensor>)> {
     let (n, _) = hidden.dims2()?;
     let (vocab, _) = weight.dims2()?;
     let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
     let wt = weight.t()?;
-    let out = chunks(n, vocab, budget)
-        .map(|(s, len)| row_stats(&hidden.narrow(0, s, len)?.matmul(&wt)?, &targets.narrow(0, s, len)?))
-        .collect::<Result<Vec<_>>>()?;
-    if out.is_empty() {
-        return Tensor::zeros((0, 3), DType::F32, hidden.device());
+    let mut kept = Vec::new();
+    let mut out = Vec::new();
+    for (s, len) in chunks(n, vocab, budget) {
+        let logits = hidden.narrow(0, s, len)?.matmul(&wt)?;
+        out.push(row_stats(&logits, &targets.narrow(0, s, len)?)?);
+        if keep {
+            kept.push(logits);
+        }
     }
-    Tensor::cat(&out, 0)?.contiguous()
+    if out.is_empty() {
+        return Ok((Tensor::zeros((0, 3), DType::F32, hidden.device())?, kept));
+    }
+    Ok((Tensor::cat(&out, 0)?.contiguous()?, kept))
 }
 
 /// The op in the graph: recorded with its values (`record_op3`), its backward its own.
@@ -54,6 +67,8 @@ struct LogprobEntropy {
     /// The weight's f32 gradient accumulator, into which each chunk's `dz^T h` is added by one GEMM
     /// ([`super::wgrad_accumulate`]); the weight, then recorded detached, gets no gradient in the store.
     accumulator: Option<Tensor>,
+    /// Each chunk's logits from the forward (`HeadBackward::keep_logits`); empty: recomputed.
+    kept: Vec<Tensor>,
 }
 
 impl CustomOp3 for LogprobEntropy {
@@ -105,9 +120,13 @@ impl CustomOp3 for LogprobEntropy {
             (None, true) => Some(Tensor::zeros(weight.shape(), DType::F32, weight.device())?),
             (None, false) => None,
         };
-        for (s, len) in chunks(n, vocab, self.budget) {
+        for (i, (s, len)) in chunks(n, vocab, self.budget).enumerate() {
             let h = hidden.narrow(0, s, len)?;
-            let dz = row_grad(&h.matmul(&wt)?, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
+            let logits = match self.kept.get(i) {
+                Some(kept) => kept.clone(),
+                None => h.matmul(&wt)?,
+            };
+            let dz = row_grad(&logits, &targets.narrow(0, s, len)?, &coef.narrow(0, s, len)?)?;
             grad_h.push(dz.matmul(&weight)?);
             if let Some(acc) = &acc {
                 super::wgrad_accumulate(acc, &dz, &h)?;
@@ -126,39 +145,40 @@ impl CustomOp3 for LogprobEntropy {
 /// `weight` (`[vocab, hidden]`), chunked to `budget_bytes` of logits at a time, forward and backward
 /// (both columns differentiable).
 pub fn logprobs_entropy(hidden: &Tensor, weight: &Tensor, targets: &Tensor, budget_bytes: usize) -> Result<Tensor> {
-    recorded(hidden, weight, targets, budget_bytes, None)
+    logprobs_entropy_with(hidden, weight, targets, budget_bytes, HeadBackward::default())
 }
 
-/// [`logprobs_entropy`] with the weight's gradient added into `acc` (f32, `[vocab, hidden]`, in place) by
-/// the backward, chunk by chunk, instead of handed to candle's gradient store; differentiable in `hidden`.
-/// Where `hidden` leads to no variable, the same as [`logprobs_entropy`].
-pub fn logprobs_entropy_accumulating(
-    hidden: &Tensor,
-    weight: &Tensor,
-    targets: &Tensor,
-    budget_bytes: usize,
-    acc: &Tensor,
-) -> Result<Tensor> {
-    match hidden.track_op() {
-        true => recorded(hidden, &weight.detach(), targets, budget_bytes, Some(acc.clone())),
-        false => logprobs_entropy(hidden, weight, targets, budget_bytes),
-    }
+/// What the log-prob op's backward does beyond the gradient of `hidden`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadBackward<'a> {
+    /// The weight's f32 gradient accumulator (`[vocab, hidden]`): each chunk's gradient added into it in
+    /// place instead of handed to candle's gradient store (where `hidden` leads to a variable).
+    pub accumulator: Option<&'a Tensor>,
+    /// Keep every chunk's logits from the forward (`n x vocab` in the weight's dtype, alive until the
+    /// backward) instead of recomputing them there: one `[rows, hidden] x [hidden, vocab]` GEMM less a
+    /// chunk.
+    pub keep_logits: bool,
 }
 
-fn recorded(
+/// [`logprobs_entropy`] with its backward as `backward` says.
+pub fn logprobs_entropy_with(
     hidden: &Tensor,
     weight: &Tensor,
     targets: &Tensor,
     budget: usize,
-    accumulator: Option<Tensor>,
+    backward: HeadBackward,
 ) -> Result<Tensor> {
-    let stats = forward_values(hidden, weight, targets, budget)?;
+    let accumulate = backward.accumulator.filter(|_| hidden.track_op());
+    let weight = if accumulate.is_some() { weight.detach() } else { weight.clone() };
+    let graph = hidden.track_op() || weight.track_op();
+    let (stats, kept) = forward_values(hidden, &weight, targets, budget, graph && backward.keep_logits)?;
     let values = stats.narrow(1, 0, 2)?;
-    if !(hidden.track_op() || weight.track_op()) {
+    if !graph {
         return Ok(values);
     }
     let lse = stats.narrow(1, 2, 1)?.squeeze(1)?.contiguous()?;
-    hidden.record_op3(weight, targets, &values, LogprobEntropy { lse, budget, accumulator })
+    let op = LogprobEntropy { lse, budget, accumulator: accumulate.cloned(), kept };
+    hidden.record_op3(&weight, targets, &values, op)
 }
 
 /// The same quantities from the whole `[n, vocab]` log-softmax with candle's own autograd: the reference
@@ -208,6 +228,37 @@ mod tests {
             g.get(hidden.as_tensor()).unwrap().flatten_all().unwrap().to_vec1().unwrap()
         };
         assert_eq!(dh(&with), dh(&without));
+    }
+
+    /// Kept logits and an accumulator change where the backward's inputs come from, not what it computes:
+    /// the hidden states' gradient equal bit for bit across chunkings (1 row, 8 rows, all), the weight's
+    /// equal to the store's when kept, and added into the accumulator (twice: in place) otherwise the same.
+    #[test]
+    fn kept_logits_and_an_accumulator_give_the_same_gradients() {
+        let (hidden, weight, targets, up) = setup(37, 16, 50);
+        let run = |budget: usize, backward: HeadBackward| {
+            let lp = logprobs_entropy_with(hidden.as_tensor(), weight.as_tensor(), &targets, budget, backward).unwrap();
+            let both =
+                (lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap() + lp.narrow(1, 1, 1).unwrap().squeeze(1)).unwrap();
+            both.mul(&up).unwrap().sum_all().unwrap().backward().unwrap()
+        };
+        let values = |t: &Tensor| -> Vec<f32> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        for budget in [4 * 50, 8 * 50 * 4, 1 << 30] {
+            let plain = run(budget, HeadBackward::default());
+            let (dh, dw) = (values(plain.get(&hidden).unwrap()), values(plain.get(&weight).unwrap()));
+            let kept = run(budget, HeadBackward { keep_logits: true, ..Default::default() });
+            assert_eq!(values(kept.get(&hidden).unwrap()), dh, "budget {budget}");
+            assert_eq!(values(kept.get(&weight).unwrap()), dw, "budget {budget}");
+            let acc = Tensor::zeros((50, 16), DType::F32, &Device::Cpu).unwrap();
+            for times in [1.0f32, 2.0] {
+                let into = run(budget, HeadBackward { accumulator: Some(&acc), keep_logits: true });
+                assert!(into.get(&weight).is_none());
+                assert_eq!(values(into.get(&hidden).unwrap()), dh, "budget {budget}");
+                let want: Vec<f32> = dw.iter().map(|w| w * times).collect();
+                let err = values(&acc).iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                assert!(err < 1e-5, "budget {budget}, {times} backward(s): {err}");
+            }
+        }
     }
 
     fn max_diff(a: &Tensor, b: &Tensor) -> f32 {

@@ -91,7 +91,9 @@ pub use flash_attention::{
 pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice};
 pub use frozen::{frozen_matmul, matmul_accumulating};
 pub use heads::{from_heads, to_heads};
-pub use logprob::{logprobs_entropy, logprobs_entropy_accumulating, logprobs_entropy_reference, LOGPROB_CHUNK_BYTES};
+pub use logprob::{
+    logprobs_entropy, logprobs_entropy_reference, logprobs_entropy_with, HeadBackward, LOGPROB_CHUNK_BYTES,
+};
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
 pub use rope::{rope, rope_reference};

@@ -10,10 +10,9 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::config::{ModelConfig, RopeScaling};
 use super::lora::{self, LoraOptions};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy,
-    logprobs_entropy_accumulating, masked_softmax, masked_softmax_reference, matmul_accumulating, matrix_attention,
-    rms_norm as fused_rms_norm, rms_norm_reference, rope_reference, swiglu_reference, AttentionRecord, GpuKernels,
-    Replay,
+    embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy_with,
+    masked_softmax, masked_softmax_reference, matmul_accumulating, matrix_attention, rms_norm as fused_rms_norm,
+    rms_norm_reference, rope_reference, swiglu_reference, AttentionRecord, GpuKernels, HeadBackward, Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
@@ -162,6 +161,9 @@ pub struct DecoderOptions {
     /// Memory budget of one chunk of f32 logits in the log-prob op; 0 sizes it from the device
     /// ([`crate::device::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
     pub logprob_chunk_bytes: usize,
+    /// Keep the log-prob op's logits (`[scored tokens, vocab]` in the weight's dtype) from the forward
+    /// for its backward instead of recomputing them chunk by chunk ([`HeadBackward::keep_logits`]).
+    pub keep_logits: bool,
     /// Use the project's fused ops (RMSNorm, rope, attention softmax); `false` uses their composite
     /// candle references instead (slower, more memory: for checking the kernels and measuring them),
     /// attention through the score matrix whatever `attention` says.
@@ -202,6 +204,7 @@ impl Default for DecoderOptions {
             checkpoint_layers: false,
             recompute_attention: true,
             logprob_chunk_bytes: 0,
+            keep_logits: false,
             fused_ops: true,
             attention: Attention::Auto,
             deterministic_attention: true,
@@ -1189,10 +1192,11 @@ impl Decoder {
             b => b,
         };
         let (w, ids) = (self.w(self.lm_head, graph), self.target_ids(batch, targets)?);
-        match mode.accumulator(self.slots[self.lm_head]) {
-            Some(acc) if graph => logprobs_entropy_accumulating(&h, &w, &ids, budget, acc),
-            _ => logprobs_entropy(&h, &w, &ids, budget),
-        }
+        let backward = HeadBackward {
+            accumulator: mode.accumulator(self.slots[self.lm_head]).filter(|_| graph),
+            keep_logits: graph && self.options.keep_logits,
+        };
+        logprobs_entropy_with(&h, &w, &ids, budget, backward)
     }
 
     /// The f32 accumulators of `grads` by slot, each made (zeros) where it has none yet, for the forward

@@ -53,6 +53,11 @@ pub struct ModelSection {
     /// Memory budget (MiB) of one chunk of logits in the log-prob op; 0 (the default) sizes it from the
     /// device: an eighth of a GPU's free memory within 1-8 GiB, 64 MiB on the CPU.
     pub logprob_chunk_mb: usize,
+    /// Keep the log-prob head's logits from the forward for the backward (`scored tokens x vocab` in the
+    /// model's dtype a micro-batch: 5 GB for 16k tokens of a 152k vocabulary in bf16) instead of
+    /// recomputing them chunk by chunk: one lm_head GEMM less, as PyTorch's autograd keeps them. The
+    /// memory plan (`--plan`) counts them.
+    pub keep_logits: bool,
     /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
     /// for checking the kernels).
     pub fused_ops: bool,
@@ -84,6 +89,7 @@ impl ModelSection {
             checkpoint_layers: self.checkpoint_layers,
             recompute_attention: self.recompute_attention,
             logprob_chunk_bytes: self.logprob_chunk_mb << 20,
+            keep_logits: self.keep_logits,
             fused_ops: self.fused_ops,
             attention: self.attention,
             deterministic_attention: self.deterministic_attention,
@@ -102,6 +108,7 @@ impl Default for ModelSection {
             checkpoint_layers: false,
             recompute_attention: true,
             logprob_chunk_mb: 0,
+            keep_logits: false,
             fused_ops: true,
             cache_reference: true,
             attention: Attention::Auto,
