@@ -8,6 +8,10 @@ use half::{bf16, f16};
 pub trait Elem: Copy + Send + Sync + 'static {
     fn f32(self) -> f32;
     fn of(x: f32) -> Self;
+    /// The elements as f32 where they are (f32 itself), `None` where they must be widened.
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
 }
 
 impl Elem for f32 {
@@ -16,6 +20,9 @@ impl Elem for f32 {
     }
     fn of(x: f32) -> Self {
         x
+    }
+    fn as_f32(s: &[Self]) -> Option<&[f32]> {
+        Some(s)
     }
 }
 

@@ -21,10 +21,30 @@ struct Dims {
 
 struct Wgrad(Dims);
 
-/// `acc[o, i] += sum_r g[r, o] x[r, i]` in f32 (`acc` row-major `out x inp`).
+/// Bytes of widened f32 operands a block of rows of a bf16/f16 product holds at once.
+const WIDE_BLOCK_BYTES: usize = 8 << 20;
+
+/// `acc[o, i] += sum_r g[r, o] x[r, i]` in f32 (`acc` row-major `out x inp`): f32 operands where they lie,
+/// others widened to f32 a block of rows at a time (at most [`WIDE_BLOCK_BYTES`], at least one row).
 fn cpu_wgrad<T: Elem>(acc: &mut [f32], g: &[T], x: &[T], d: Dims) {
-    let widen = |v: &[T]| v.iter().map(|e| e.f32()).collect::<Vec<f32>>();
-    let (g, x) = (widen(g), widen(x));
+    if let (Some(g), Some(x)) = (T::as_f32(g), T::as_f32(x)) {
+        return gemm_rows(acc, g, x, d);
+    }
+    let per_row = (d.out + d.inp) * 4;
+    let block = (WIDE_BLOCK_BYTES / per_row.max(1)).max(1);
+    let (mut gw, mut xw) = (Vec::new(), Vec::new());
+    for start in (0..d.rows).step_by(block) {
+        let rows = block.min(d.rows - start);
+        gw.clear();
+        gw.extend(g[start * d.out..(start + rows) * d.out].iter().map(|e| e.f32()));
+        xw.clear();
+        xw.extend(x[start * d.inp..(start + rows) * d.inp].iter().map(|e| e.f32()));
+        gemm_rows(acc, &gw, &xw, Dims { rows, ..d });
+    }
+}
+
+/// `acc += g^T x` for f32 `g` (`rows x out`) and `x` (`rows x inp`).
+fn gemm_rows(acc: &mut [f32], g: &[f32], x: &[f32], d: Dims) {
     // SAFETY: g^T is `out x rows` (column stride `out`, row stride 1), x `rows x inp` (row stride `inp`),
     // acc `out x inp` (row stride `inp`): every index the product touches lies in the slices, whose
     // lengths the op checked.
@@ -117,11 +137,18 @@ mod tests {
     use candle_core::DType;
 
     /// Against the composite `acc + (g^T x)` in f32, every dtype, a transposed (non-contiguous) gradient
-    /// among them, twice into the same accumulator (in place: the accumulator's own storage).
+    /// among them, twice into the same accumulator (in place: the accumulator's own storage); a product
+    /// wide enough that bf16 and f16 operands are widened in three blocks of rows.
     #[test]
     fn equals_the_f32_product_added() {
-        let (rows, out, inp) = (37, 19, 23);
-        for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let cases = [(37, 19, 23, [DType::F32, DType::BF16, DType::F16]), (1100, 4096, 8, [DType::BF16; 3])];
+        for (rows, out, inp, dtypes) in cases {
+            equals_the_f32_product_added_at(rows, out, inp, &dtypes);
+        }
+    }
+
+    fn equals_the_f32_product_added_at(rows: usize, out: usize, inp: usize, dtypes: &[DType]) {
+        for &dtype in dtypes {
             let x = seeded(&[rows, inp], 1.0, 1).to_dtype(dtype).unwrap();
             for g in [seeded(&[rows, out], 1.0, 2), seeded(&[out, rows], 1.0, 3).t().unwrap()] {
                 let g = g.to_dtype(dtype).unwrap();
