@@ -33,6 +33,11 @@ for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- -
   predict "7B seed step 4 x 18,432, $name" - "$m7" $seven --answers 4 $flags
   predict "7B seed step 8 x 18,432, $name" - "$m7x8" $seven --answers 8 $flags
 done
+# This build with the log-prob head's logits kept for its backward (`model.keep_logits`, bench --keep-logits:
+# no recomputed lm_head GEMM, n V d bytes more), as the next GPU run's fast lines measure it.
+predict "0.5B 8 x 1024, this build, logits kept" 1.053 - $small --answers 8 --seq-len 1024 --keep-logits
+predict "0.5B 8 x 4096, this build, logits kept" 0.906 - $small --answers 8 --seq-len 4096 --keep-logits
+predict "0.5B 4 x 16384, this build, logits kept" 1.728 - $small --answers 4 --seq-len 16384 --keep-logits
 # The seed config as it ships now (each layer's attention output kept: recompute_attention = false), at the
 # 8 answers the next GPU run measures (scripts/gpu/next-run.sh).
 predict "7B seed step 4 x 18,432, attention kept" - - $seven --answers 4 --keep-attention

@@ -12,7 +12,7 @@ use crate::rollout::GroupSource;
 /// Configuration keys that may differ from the checkpoint's without `--allow-config-change`: the run's length
 /// (a longer or shorter run; the learning-rate schedule follows the new length), where and how often it
 /// saves, how a step is computed without changing what it computes (device, micro-batch split, layer
-/// recomputation, log-prob chunking, fused ops, attention, cached reference log-probs, where the optimiser
+/// recomputation, log-prob chunking and kept logits, fused ops, attention, cached reference log-probs, where the optimiser
 /// state lives), and how often and how fast validation runs. Every other
 /// key (model, dtype, data, objective, optimiser, batch size, seed, validation benchmark and sampling)
 /// changes what is trained or what the best checkpoint means.
@@ -21,6 +21,7 @@ pub const RESUMABLE_KEYS: &[&str] = &[
     "model.checkpoint_layers",
     "model.recompute_attention",
     "model.logprob_chunk_mb",
+    "model.keep_logits",
     "model.fused_ops",
     "model.cache_reference",
     "optim.offload",
