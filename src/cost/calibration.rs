@@ -505,19 +505,20 @@ pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
     // (kernels::to_heads) instead of a transpose and its copy: 1 fewer.
     // Every weight's gradient added by its own GEMM (kernels::wgrad_accumulate, `fused_wgrad`): no
     // product in the weight's dtype, its transposes and its add: 18 fewer in a layer's backward (98
-    // before), 3 fewer in the head's (131 before).
+    // before), 3 fewer in the head's (131 before); the embedding's row sums added into its accumulator
+    // (kernels::embedding_grad_into).
     layer_reference: 46.0,
     layer_policy: 46.0,
     layer_recompute: 61.0,
     layer_backward: 80.0,
     micro_batch: 128.0,
     micro_batch_reference: 75.0,
-    // What a step adds beyond its micro-batches and its parameters' ops (counted: 2).
-    step: 2.0,
-    // The gradients still added by kernels::accumulate (norms, biases, the embedding), in place, with the
-    // views and casts around them: 1 a tensor a micro-batch; each accumulator a projection's GEMM adds
-    // into, made before the first micro-batch: 1 a tensor a step (counted at 1 to 3 layers, 2 to 4
-    // micro-batches, with and without the reference and `checkpoint_layers`; 0.8 and 1.6 a tensor, all
+    // What a step adds beyond its micro-batches and its parameters' ops (counted: 1).
+    step: 1.0,
+    // The gradients still added by kernels::accumulate (norms, biases), in place, with the views and casts
+    // around them: 1 a tensor a micro-batch; each accumulator a projection's GEMM or the embedding's row
+    // sums add into, made before the first micro-batch: 1 a tensor a step (counted at 1 to 3 layers, 2 to
+    // 4 micro-batches, with and without the reference and `checkpoint_layers`; 0.8 and 1.6 a tensor, all
     // of them, before).
     accumulate_per_tensor: 1.0,
     accumulate_first_per_tensor: 1.0,

@@ -353,6 +353,19 @@ impl Ops {
     fn gemm_backward(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
         self.gemm(name, m, k, n, d, 2.0 * count);
     }
+
+    /// The backward of a product with a trained weight (`[k, n]`): the input's gradient, and the weight's
+    /// as in [`Ops::gemm_backward`] (its product in the weight's dtype, which "gradient accumulation
+    /// (f32)" then adds into the accumulator) or, with `fused_wgrad`, a GEMM whose f32 output is the
+    /// accumulator itself, read and written (8 bytes an element where the product wrote `d`).
+    fn weight_backward(&mut self, name: &'static str, m: f64, k: f64, n: f64, d: f64, count: f64) {
+        if !self.counts.fused_wgrad {
+            return self.gemm_backward(name, m, k, n, d, count);
+        }
+        self.gemm(name, m, k, n, d, count);
+        self.push(name, OpKind::Gemm, 2.0 * m * k * n * count, ((m * k + m * n) * d + 8.0 * k * n) * count, count);
+        self.ops.last_mut().expect("just pushed").product = (m, n);
+    }
 }
 
 /// Which pass over the layers an op belongs to.
@@ -378,15 +391,16 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     let t = counts(s);
     let layers = m.num_layers as f64;
     let tensors = parameter_tensors(m);
+    let (added, first) = accumulated_tensors(m, s, tensors);
     let mut per_micro_batch = layers * (t.layer_policy + t.layer_backward) + t.micro_batch;
-    per_micro_batch += tensors * t.accumulate_per_tensor;
+    per_micro_batch += added * t.accumulate_per_tensor;
     if s.reference_forward {
         per_micro_batch += layers * t.layer_reference + t.micro_batch_reference;
     }
     if s.checkpoint_layers {
         per_micro_batch += layers * t.layer_recompute;
     }
-    let per_step = t.step + tensors * (t.accumulate_first_per_tensor + t.norm_per_tensor + t.update_per_tensor);
+    let per_step = t.step + first * t.accumulate_first_per_tensor + tensors * (t.norm_per_tensor + t.update_per_tensor);
     s.micro_batches() * per_micro_batch + per_step
 }
 
@@ -398,7 +412,7 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
     let q = f(m.num_heads) * f(m.head_dim);
     let kv = f(m.num_kv_heads) * f(m.head_dim);
     // LoRA: the frozen projections' backward is the input's gradient only.
-    let gemm = if backward && lora_rank == 0 { Ops::gemm_backward } else { Ops::gemm };
+    let gemm = if backward && lora_rank == 0 { Ops::weight_backward } else { Ops::gemm };
     gemm(o, "q, k, v projections", n_tokens, h, q, d, 1.0);
     gemm(o, "q, k, v projections", n_tokens, h, kv, d, 2.0);
     gemm(o, "o projection", n_tokens, q, h, d, 1.0);
@@ -725,11 +739,11 @@ fn head(o: &mut Ops, m: &ModelConfig, n: f64, chunk_bytes: u64, d: f64, (backwar
             // LoRA: the hidden states' gradient only.
             o.gemm("lm_head", rows, h, v, d, chunks);
         } else {
-            o.gemm_backward("lm_head", rows, h, v, d, chunks);
+            o.weight_backward("lm_head", rows, h, v, d, chunks);
         }
         // Read the logits, write their gradient.
         o.elementwise("log-softmax / entropy", 2.0 * n * v * d, chunks, o.packed);
-        if !frozen {
+        if !frozen && !o.counts.fused_wgrad {
             let bytes = o.counts.head_grad_bytes * v * h * chunks;
             o.elementwise("lm_head f32 gradient", bytes, chunks, o.packed);
         }
@@ -788,15 +802,26 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     layer_dense(&mut o, m, (n_tokens, d, s.lora_rank), Pass::Backward);
     layer_attention(&mut o, m, b, s.seq_tokens, s.attention_kernels(gpu), d, true);
     o.times = times;
-    o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, 2.0);
+    // Each row read, its f32 atomics into the table's gradient; with `fused_wgrad` that is the accumulator
+    // itself (one launch), before a table of zeros cleared first (two).
+    let launches = if o.counts.fused_wgrad { 1.0 } else { 2.0 };
+    o.push("embedding gradient", OpKind::Elementwise, 0.0, (2.0 * d + 8.0) * n_tokens * m.hidden_size as f64, launches);
     let (p, tensors, d) = match s.lora_rank {
         0 => (p, parameter_tensors(m), d),
         // The f32 adapters of the 7 projections of every layer.
         r => (lora_parameters(m, r), 14.0 * m.num_layers as f64, 4.0),
     };
-    let accumulate =
-        (o.counts.accumulate_per_tensor + o.counts.accumulate_first_per_tensor / s.micro_batches()) * tensors;
-    o.elementwise("gradient accumulation (f32)", (d + 8.0) * p, accumulate, o.packed);
+    let (added_tensors, first) = accumulated_tensors(m, s, tensors);
+    let added = match added_tensors < tensors {
+        true => p - fused_gradient_parameters(m).0,
+        false => p,
+    };
+    let accumulate = o.counts.accumulate_per_tensor * added_tensors
+        + o.counts.accumulate_first_per_tensor * first / s.micro_batches();
+    o.elementwise("gradient accumulation (f32)", (d + 8.0) * added, accumulate, o.packed);
+    if o.counts.fused_wgrad {
+        o.elementwise("gradient accumulators zeroed", 4.0 * p / s.micro_batches(), 0.0, o.packed);
+    }
     o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
     o.ops.last_mut().expect("just pushed").syncs = times;
     o.window = Window::Update;
@@ -830,6 +855,39 @@ fn lora_parameters(m: &ModelConfig, r: u64) -> f64 {
 }
 
 /// The model's parameter tensors (each has its own gradient and update ops).
+/// Of the `tensors` trained on `s`: those whose gradients kernels::accumulate adds each micro-batch, and
+/// those whose accumulators a step's first micro-batch makes ([`TensorOps::accumulate_first_per_tensor`]):
+/// with `fused_wgrad` (no LoRA) the projections', the lm_head's and the embedding's own kernels add their
+/// gradients into accumulators made before the first micro-batch; before, every gradient was added, the
+/// first cast or copied into an accumulator of its own.
+fn accumulated_tensors(m: &ModelConfig, s: &StepShape, tensors: f64) -> (f64, f64) {
+    match counts(s).fused_wgrad && s.lora_rank == 0 {
+        true => {
+            let fused = fused_gradient_parameters(m).1;
+            (tensors - fused, fused)
+        }
+        false => (tensors, tensors),
+    }
+}
+
+/// The parameters and tensors whose gradients their own kernels add into the f32 accumulators
+/// (`fused_wgrad`): every layer's seven projection weights and the lm_head by their GEMMs, the embedding
+/// by its row sums (kernels::embedding_grad_into).
+fn fused_gradient_parameters(m: &ModelConfig) -> (f64, f64) {
+    let f = |x: usize| x as f64;
+    let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
+    let q = f(m.num_heads) * f(m.head_dim);
+    let kv = f(m.num_kv_heads) * f(m.head_dim);
+    let layers = f(m.num_layers);
+    let embedding = f(m.vocab_size) * h;
+    let (mut p, mut t) = (layers * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i) + embedding, 7.0 * layers + 1.0);
+    if !m.tie_word_embeddings {
+        p += f(m.vocab_size) * h;
+        t += 1.0;
+    }
+    (p, t)
+}
+
 fn parameter_tensors(m: &ModelConfig) -> f64 {
     let one_layer = ModelConfig { num_layers: 1, ..m.clone() };
     let per_layer = crate::model::decoder::parameter_shapes(&one_layer).len() as f64;

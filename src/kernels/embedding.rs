@@ -14,7 +14,7 @@
 //! An id outside the vocabulary is an error on the CPU; on the GPU it reads as a NaN row and adds nothing
 //! (no device sync to check it; the decoder checks its tokens on the host beforehand).
 
-use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp2, InplaceOp3, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use super::cpu::{u32s, with_float, Elem, IntoStorage};
@@ -50,9 +50,9 @@ fn cpu_lookup<T: Copy + Send + Sync>(w: &[T], ids: &[u32], (_, v, h): (usize, us
     Ok(out)
 }
 
-/// `dW` (f32 `[V, H]`): the rows of `g` grouped by token with a counting sort, then each token's rows
-/// summed in f32 in row order (rayon over tokens): deterministic whatever the thread count.
-fn cpu_grad<T: Elem>(ids: &[u32], g: &[T], (n, v, h): (usize, usize, usize)) -> Result<Vec<f32>> {
+/// The rows of each token, `order[start[id]..start[id + 1]]` in row order (a counting sort); an id
+/// outside the vocabulary is an error.
+fn token_rows(ids: &[u32], v: usize) -> Result<(Vec<usize>, Vec<usize>)> {
     let mut start = vec![0usize; v + 1];
     for &id in ids {
         if id as usize >= v {
@@ -64,22 +64,44 @@ fn cpu_grad<T: Elem>(ids: &[u32], g: &[T], (n, v, h): (usize, usize, usize)) -> 
         start[i + 1] += start[i];
     }
     let mut next = start.clone();
-    let mut order = vec![0usize; n];
+    let mut order = vec![0usize; ids.len()];
     for (r, &id) in ids.iter().enumerate() {
         order[next[id as usize]] = r;
         next[id as usize] += 1;
     }
-    let mut out = vec![0f32; v * h];
+    Ok((start, order))
+}
+
+/// `acc[v] += sum_{n: ids[n] = v} g[n]` over f32 `[V, H]` rows: each token's rows summed in f32 in row
+/// order from zero, then added (rayon over tokens): deterministic whatever the thread count, and for a zero
+/// `acc` the gradient itself.
+fn cpu_grad_into<T: Elem>(acc: &mut [f32], ids: &[u32], g: &[T], (_, v, h): (usize, usize, usize)) -> Result<()> {
+    let (start, order) = token_rows(ids, v)?;
     if h == 0 {
-        return Ok(out);
+        return Ok(());
     }
-    out.par_chunks_mut(h).enumerate().for_each(|(id, o)| {
-        for &r in &order[start[id]..start[id + 1]] {
-            for (o, x) in o.iter_mut().zip(&g[r * h..(r + 1) * h]) {
-                *o += x.f32();
+    acc.par_chunks_mut(h).enumerate().for_each(|(id, o)| {
+        let rows = &order[start[id]..start[id + 1]];
+        if rows.is_empty() {
+            return;
+        }
+        let mut sum = vec![0f32; h];
+        for &r in rows {
+            for (s, x) in sum.iter_mut().zip(&g[r * h..(r + 1) * h]) {
+                *s += x.f32();
             }
         }
+        for (o, s) in o.iter_mut().zip(&sum) {
+            *o += s;
+        }
     });
+    Ok(())
+}
+
+/// `dW` (f32 `[V, H]`): [`cpu_grad_into`] a zero accumulator.
+fn cpu_grad<T: Elem>(ids: &[u32], g: &[T], dims: (usize, usize, usize)) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; dims.1 * dims.2];
+    cpu_grad_into(&mut out, ids, g, dims)?;
     Ok(out)
 }
 
@@ -156,6 +178,51 @@ impl CustomOp2 for Grad {
     }
 }
 
+/// [`Grad`] added into an f32 accumulator in place (no `[V, H]` buffer of its own, no clearing pass).
+struct GradInto;
+
+impl InplaceOp3 for GradInto {
+    fn name(&self) -> &'static str {
+        "embedding-grad-into"
+    }
+
+    fn cpu_fwd(
+        &self,
+        dst: &mut CpuStorage,
+        dst_l: &Layout,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        let CpuStorage::F32(acc) = dst else { candle_core::bail!("embedding gradient: the accumulator must be f32") };
+        let (v, _) = dst_l.shape().dims2()?;
+        let dims = dims(l1, l2, Some(v))?;
+        let Some((a, b)) = dst_l.contiguous_offsets() else {
+            candle_core::bail!("embedding gradient: accumulator not contiguous")
+        };
+        let ids = u32s(s1, l1, "ids")?;
+        with_float!((s2, l2, "embedding gradient") => |g| cpu_grad_into(&mut acc[a..b], ids, g, dims))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dst_l: &Layout,
+        s1: &candle_core::CudaStorage,
+        l1: &Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &Layout,
+    ) -> Result<()> {
+        use candle_core::backend::BackendStorage;
+        let (v, _) = dst_l.shape().dims2()?;
+        let plan = backward_into_plan(s2.dtype(), dims(l1, l2, Some(v))?)?;
+        super::cuda::run(&plan, &[(&*dst, dst_l), (s1, l1), (s2, l2)])?;
+        Ok(())
+    }
+}
+
 /// Rows `ids` (`[N]` u32) of `weight` (`[V, H]`): `[N, H]`, with a backward to `weight` summed in f32 and
 /// cast once to its dtype.
 pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
@@ -166,6 +233,19 @@ pub fn embedding(weight: &Tensor, ids: &Tensor) -> Result<Tensor> {
 /// output: f32 `[vocab, H]`, each token's rows summed in f32.
 pub fn embedding_grad(ids: &Tensor, grad: &Tensor, vocab: usize) -> Result<Tensor> {
     ids.contiguous()?.apply_op2_no_bwd(&grad.detach().contiguous()?, &Grad { vocab })
+}
+
+/// [`embedding_grad`] added into `acc` (f32 contiguous `[vocab, H]`) in place: the gradient's own
+/// `[vocab, H]` buffer, its clearing and the pass adding it into the accumulator are never made.
+pub fn embedding_grad_into(acc: &Tensor, ids: &Tensor, grad: &Tensor) -> Result<()> {
+    if acc.dtype() != candle_core::DType::F32 || !acc.is_contiguous() || acc.rank() != 2 {
+        candle_core::bail!(
+            "embedding gradient: an f32 contiguous [vocab, hidden] accumulator, got {:?} {:?}",
+            acc.dtype(),
+            acc.dims()
+        );
+    }
+    acc.inplace_op3(&ids.contiguous()?, &grad.detach().contiguous()?, &GradInto)
 }
 
 /// The same lookup through candle's `index_select`, whose backward is `index_add` in the weight's dtype:
@@ -200,6 +280,33 @@ pub(super) fn forward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> Re
     Ok(p)
 }
 
+/// The launch of `emb_bwd` adding the `n` rows of the gradient (`dtype`) into an f32 `[v, h]` accumulator,
+/// the plan's first input, in place.
+#[cfg(any(test, feature = "cuda"))]
+pub(super) fn backward_into_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> Result<Plan> {
+    let mut p = Plan::default();
+    let dw = p.input("accumulator", DType::F32, v * h);
+    let ids = p.input("ids", DType::U32, n);
+    let g = p.input("grad", dtype, n * h);
+    add_rows(&mut p, dtype, (ids, g, dw), (n, v, h))?;
+    Ok(p)
+}
+
+/// `emb_bwd`: the `n` rows of `g` added into `dw` at their ids.
+#[cfg(any(test, feature = "cuda"))]
+fn add_rows(p: &mut Plan, dtype: DType, (ids, g, dw): (Arg, Arg, Arg), (n, v, h): (usize, usize, usize)) -> Result<()> {
+    let (grid, block) = grid(n * h);
+    let args = vec![ids, g, dw, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
+    p.launch(Launch {
+        module: Module::Embedding,
+        kernel: kernel_name("emb_bwd", dtype)?,
+        grid,
+        block,
+        shared_bytes: 0,
+        args,
+    })
+}
+
 /// The launches of the backward: `emb_zero_f32` over the f32 `[v, h]` accumulator, then `emb_bwd` adding
 /// the `n` rows of the gradient (`dtype`) into it.
 #[cfg(any(test, feature = "cuda"))]
@@ -220,16 +327,7 @@ pub(super) fn backward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> R
         shared_bytes: 0,
         args: zero,
     })?;
-    let (grid, block) = grid(n * h);
-    let args = vec![ids, g, dw, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
-    p.launch(Launch {
-        module: Module::Embedding,
-        kernel: kernel_name("emb_bwd", dtype)?,
-        grid,
-        block,
-        shared_bytes: 0,
-        args,
-    })?;
+    add_rows(&mut p, dtype, (ids, g, dw), (n, v, h))?;
     Ok(p)
 }
 
@@ -315,5 +413,29 @@ mod tests {
         assert!(embedding(&w, &ids).unwrap_err().to_string().contains("token id 3"));
         let g = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
         assert!(embedding_grad(&ids, &g, 3).unwrap_err().to_string().contains("token id 3"));
+        let acc = Tensor::zeros((3, 2), DType::F32, &Device::Cpu).unwrap();
+        assert!(embedding_grad_into(&acc, &ids, &g).unwrap_err().to_string().contains("token id 3"));
+        assert!(embedding_grad_into(&acc.to_dtype(DType::BF16).unwrap(), &ids, &g).is_err());
+    }
+
+    /// Into an accumulator, in place: the accumulator plus [`embedding_grad`], bit for bit (each token's
+    /// rows summed from zero, then added), in every dtype; the rows of unseen tokens untouched.
+    #[test]
+    fn into_an_accumulator_adds_the_gradient_in_place() {
+        let (n, v, h) = (50, 9, 6);
+        let ids: Vec<u32> = (0..n as u32).map(|i| (i * i) % (v as u32 - 1)).collect();
+        let ids = Tensor::from_vec(ids, n, &Device::Cpu).unwrap();
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let g = Tensor::from_vec(seeded(n * h, 1.0, 3), (n, h), &Device::Cpu).unwrap().to_dtype(dtype).unwrap();
+            let start = Tensor::from_vec(seeded(v * h, 1.0, 4), (v, h), &Device::Cpu).unwrap();
+            let acc = start.copy().unwrap();
+            let want = (&start + embedding_grad(&ids, &g, v).unwrap()).unwrap();
+            embedding_grad_into(&acc, &ids, &g).unwrap();
+            assert_eq!(acc.to_vec2::<f32>().unwrap(), want.to_vec2::<f32>().unwrap(), "{dtype:?}");
+            assert_eq!(
+                acc.get(v - 1).unwrap().to_vec1::<f32>().unwrap(),
+                start.get(v - 1).unwrap().to_vec1::<f32>().unwrap()
+            );
+        }
     }
 }

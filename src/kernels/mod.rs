@@ -83,7 +83,7 @@ pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_host, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use bias::bias_add;
-pub use embedding::{embedding, embedding_grad, embedding_reference};
+pub use embedding::{embedding, embedding_grad, embedding_grad_into, embedding_reference};
 pub(crate) use flash_attention::dkv_partial_sum_bytes;
 pub use flash_attention::{
     auto_kernels, flash_attention, flash_attention_recorded, matrix_attention, AttentionRecord, GpuKernels, Replay,

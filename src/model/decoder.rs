@@ -10,9 +10,10 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::config::{ModelConfig, RopeScaling};
 use super::lora::{self, LoraOptions};
 use crate::kernels::{
-    embedding, embedding_grad, embedding_reference, flash_attention_recorded, frozen_matmul, logprobs_entropy_with,
-    masked_softmax, masked_softmax_reference, matmul_accumulating, matrix_attention, rms_norm as fused_rms_norm,
-    rms_norm_reference, rope_reference, swiglu_reference, AttentionRecord, GpuKernels, HeadBackward, Replay,
+    embedding, embedding_grad, embedding_grad_into, embedding_reference, flash_attention_recorded, frozen_matmul,
+    logprobs_entropy_with, masked_softmax, masked_softmax_reference, matmul_accumulating, matrix_attention,
+    rms_norm as fused_rms_norm, rms_norm_reference, rope_reference, swiglu_reference, AttentionRecord, GpuKernels,
+    HeadBackward, Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
 
@@ -1113,18 +1114,21 @@ impl Decoder {
     }
 
     /// The embedding's gradient from `g`, the gradient of its output rows (`[B, T, hidden]`), added into
-    /// `grads` (when the embedding is trainable): each token's rows summed in f32 straight into the f32
-    /// accumulator ([`embedding_grad`]); with `fused_ops = false`, candle's `index_add` in the weight's
-    /// dtype, as its own backward does.
+    /// `grads` (when the embedding is trainable): each token's rows summed in f32 and added into the f32
+    /// accumulator in place ([`embedding_grad_into`]; [`embedding_grad`] and an add where it has none yet);
+    /// with `fused_ops = false`, candle's `index_add` in the weight's dtype, as its own backward does.
     fn embed_backward(&self, ids: &Tensor, g: Option<&Tensor>, grads: &mut Grads) -> candle_core::Result<()> {
         let _phase = crate::profile::phase("embedding");
         let (Param::Trainable(w), Some(g)) = (&self.params[self.embed], g) else { return Ok(()) };
         let g = g.reshape((ids.dim(0)?, self.cfg.hidden_size))?;
-        let dw = match self.options.fused_ops {
-            true => embedding_grad(ids, &g, self.cfg.vocab_size)?,
-            false => w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?,
+        let slot = self.slots[self.embed].unwrap_or_default();
+        let dw = match (self.options.fused_ops, &grads.grads[slot]) {
+            // Summed straight into the accumulator: no [V, hidden] gradient of its own.
+            (true, Some(acc)) => return embedding_grad_into(acc, ids, &g),
+            (true, None) => embedding_grad(ids, &g, self.cfg.vocab_size)?,
+            (false, _) => w.zeros_like()?.index_add(ids, &g.to_dtype(w.dtype())?, 0)?,
         };
-        grads.add(self.slots[self.embed].unwrap_or_default(), &dw)
+        grads.add(slot, &dw)
     }
 
     /// Hidden states of the target rows' predecessors, gathered as `[N, hidden]`, after the final norm.

@@ -6,7 +6,7 @@
 use candle_core::{DType, Device, Tensor, Var, D};
 use rand::{Rng, SeedableRng};
 
-use super::{run, run_with, Buf, RawArg, KIND_F32, KIND_U64};
+use super::{run, run_in_place, run_with, Buf, RawArg, KIND_F32, KIND_U64};
 use crate::kernels::attention::softmax_plan;
 use crate::kernels::embedding;
 use crate::kernels::flash_attention::{backward_plan, forward_plan, Dims, MAX_HEAD_DIM};
@@ -581,6 +581,26 @@ fn emb_bwd() {
     let g = Tensor::ones((2, 3), DType::F32, &Device::Cpu).unwrap();
     let got = run(&embedding::backward_plan(DType::F32, (2, 2, 3)).unwrap(), &[&u32s(&[1, 2], &[2]), &g]).unwrap();
     assert_eq!(flat(&got[0]), [0.0, 0.0, 0.0, 1.0, 1.0, 1.0]);
+}
+
+/// `emb_bwd` alone into a non-zero accumulator, in place (the decoder's path): the accumulator plus the
+/// CPU's sorted sums, up to f32 rounding of the order; rows of unused tokens untouched.
+#[test]
+fn emb_bwd_into_an_accumulator() {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(13);
+    for (n, v, h) in [(1, 2, 1), (37, 13, 40), (2000, 7, 5)] {
+        let ids: Vec<u32> = (0..n).map(|i| if i % 3 == 0 { 0 } else { rng.gen_range(0..v as u32 - 1) }).collect();
+        let ids = u32s(&ids, &[n]);
+        for dt in DTYPES {
+            let g = random(&mut rng, &[n, h], 1.0).to_dtype(dt).unwrap();
+            let acc = random(&mut rng, &[v, h], 1.0);
+            let got = run_in_place(&embedding::backward_into_plan(dt, (n, v, h)).unwrap(), &[&acc, &ids, &g]).unwrap();
+            let want = (&acc + embedding_grad(&ids, &g, v).unwrap()).unwrap();
+            assert_close(&format!("emb_bwd into {n}x{v}x{h} {dt:?}"), &got[0], &want, (1e-4, 1e-5));
+            let last = (flat(&got[0])[(v - 1) * h..].to_vec(), flat(&acc)[(v - 1) * h..].to_vec());
+            assert_eq!(last.0, last.1, "the last token is never drawn: its row stays");
+        }
+    }
 }
 
 #[test]
