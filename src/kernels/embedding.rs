@@ -267,16 +267,7 @@ pub(super) fn forward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> Re
     let w = p.input("weight", dtype, v * h);
     let ids = p.input("ids", DType::U32, n);
     let y = p.output("rows", dtype, n * h);
-    let (grid, block) = grid(n * h);
-    let args = vec![w, ids, y, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
-    p.launch(Launch {
-        module: Module::Embedding,
-        kernel: kernel_name("emb_fwd", dtype)?,
-        grid,
-        block,
-        shared_bytes: 0,
-        args,
-    })?;
+    rows_launch(&mut p, kernel_name("emb_fwd", dtype)?, [w, ids, y], (n, v, h))?;
     Ok(p)
 }
 
@@ -288,23 +279,18 @@ pub(super) fn backward_into_plan(dtype: DType, (n, v, h): (usize, usize, usize))
     let dw = p.input("accumulator", DType::F32, v * h);
     let ids = p.input("ids", DType::U32, n);
     let g = p.input("grad", dtype, n * h);
-    add_rows(&mut p, dtype, (ids, g, dw), (n, v, h))?;
+    rows_launch(&mut p, kernel_name("emb_bwd", dtype)?, [ids, g, dw], (n, v, h))?;
     Ok(p)
 }
 
-/// `emb_bwd`: the `n` rows of `g` added into `dw` at their ids.
+/// One grid-stride launch of `kernel` over the `n x h` elements of the looked-up rows, its three buffers
+/// then `n`, `v` and `h` (`emb_fwd`: table, ids, rows; `emb_bwd`: ids, rows' gradient, table's).
 #[cfg(any(test, feature = "cuda"))]
-fn add_rows(p: &mut Plan, dtype: DType, (ids, g, dw): (Arg, Arg, Arg), (n, v, h): (usize, usize, usize)) -> Result<()> {
+fn rows_launch(p: &mut Plan, kernel: String, bufs: [Arg; 3], (n, v, h): (usize, usize, usize)) -> Result<()> {
     let (grid, block) = grid(n * h);
-    let args = vec![ids, g, dw, Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)];
-    p.launch(Launch {
-        module: Module::Embedding,
-        kernel: kernel_name("emb_bwd", dtype)?,
-        grid,
-        block,
-        shared_bytes: 0,
-        args,
-    })
+    let mut args = bufs.to_vec();
+    args.extend([Arg::U32(n as u32), Arg::U32(v as u32), Arg::U32(h as u32)]);
+    p.launch(Launch { module: Module::Embedding, kernel, grid, block, shared_bytes: 0, args })
 }
 
 /// The launches of the backward: `emb_zero_f32` over the f32 `[v, h]` accumulator, then `emb_bwd` adding
@@ -327,7 +313,7 @@ pub(super) fn backward_plan(dtype: DType, (n, v, h): (usize, usize, usize)) -> R
         shared_bytes: 0,
         args: zero,
     })?;
-    add_rows(&mut p, dtype, (ids, g, dw), (n, v, h))?;
+    rows_launch(&mut p, kernel_name("emb_bwd", dtype)?, [ids, g, dw], (n, v, h))?;
     Ok(p)
 }
 
