@@ -1857,6 +1857,25 @@ mod tests {
         }
     }
 
+    /// Keeping the head's logits for the backward changes no gradient: bit for bit the recomputed ones,
+    /// over several log-prob chunks, with and without layer recomputation.
+    #[test]
+    fn kept_logits_give_the_same_gradients_bit_for_bit() {
+        let (b, t) = batch();
+        for checkpoint in [false, true] {
+            let mut m = tiny(Arch::Qwen2, true, true);
+            m.options.checkpoint_layers = checkpoint;
+            m.options.logprob_chunk_bytes = 97 * 4 * 3; // 3 rows a chunk
+            let (l1, g1) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            m.options.keep_logits = true;
+            let (l2, g2) = m.forward_backward(&b, &t, &mut weighted_loss).unwrap();
+            assert_eq!(l1, l2);
+            for (name, (a, k)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
+                assert_eq!(values(a.as_ref().unwrap()), values(k.as_ref().unwrap()), "checkpoint {checkpoint} {name}");
+            }
+        }
+    }
+
     /// Flash attention and the score-matrix path give the same loss and gradients, padded and packed,
     /// with and without layer recomputation.
     #[test]
