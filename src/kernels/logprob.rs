@@ -1,6 +1,8 @@
 //! Per-token log-probs and entropy from final hidden states and the lm_head weight, computed chunk by
 //! chunk so that the `[tokens x vocab]` logits are never held whole, with a backward that recomputes
-//! each chunk's logits instead of keeping them.
+//! each chunk's logits instead of keeping them (or, with [`HeadBackward::keep_logits`], reads the chunks
+//! the forward kept), and adds each chunk's weight gradient into an f32 accumulator by one GEMM
+//! ([`super::wgrad_accumulate`]: its own, or the caller's, [`HeadBackward::accumulator`]).
 //!
 //! For rows `h_n` (hidden states), weight `W` (`[vocab, hidden]`) and targets `t_n`:
 //!   z_n = W h_n,  lse_n = log sum_v exp z_nv,  logp_n = z_{n,t_n} - lse_n,  H_n = lse_n - sum_v p_nv z_nv

@@ -15,7 +15,7 @@
 //!   ([`flash_attention_recorded`]), as the tensor-core instructions of kernels/flash_mma.cu (flash_mma.rs:
 //!   their launch plans) or, on an H100/H200, the warpgroup ones of kernels/flash_wgmma.cu (flash_wgmma.rs).
 //! - [`embedding`] (embedding.rs): the embedding lookup, whose backward [`embedding_grad`] sums each
-//!   token's gradient rows in f32.
+//!   token's gradient rows in f32 ([`embedding_grad_into`]: into the weight's f32 accumulator, in place).
 //! - [`row_stats`], [`row_grad`] (rows.rs): the two row kernels of the log-prob op, log-prob, entropy and
 //!   log-sum-exp of each logits row in one pass, and its gradient `g (onehot - softmax)`.
 //!
