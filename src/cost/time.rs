@@ -391,7 +391,7 @@ pub fn tensor_ops_per_step(m: &ModelConfig, s: &StepShape) -> f64 {
     let t = counts(s);
     let layers = m.num_layers as f64;
     let tensors = parameter_tensors(m);
-    let (added, first) = accumulated_tensors(m, s, tensors);
+    let (_, added, first) = accumulated(m, s, (0.0, tensors));
     let mut per_micro_batch = layers * (t.layer_policy + t.layer_backward) + t.micro_batch;
     per_micro_batch += added * t.accumulate_per_tensor;
     if s.reference_forward {
@@ -811,11 +811,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
         // The f32 adapters of the 7 projections of every layer.
         r => (lora_parameters(m, r), 14.0 * m.num_layers as f64, 4.0),
     };
-    let (added_tensors, first) = accumulated_tensors(m, s, tensors);
-    let added = match added_tensors < tensors {
-        true => p - fused_gradient_parameters(m).0,
-        false => p,
-    };
+    let (added, added_tensors, first) = accumulated(m, s, (p, tensors));
     let accumulate = o.counts.accumulate_per_tensor * added_tensors
         + o.counts.accumulate_first_per_tensor * first / s.micro_batches();
     o.elementwise("gradient accumulation (f32)", (d + 8.0) * added, accumulate, o.packed);
@@ -855,18 +851,19 @@ fn lora_parameters(m: &ModelConfig, r: u64) -> f64 {
 }
 
 /// The model's parameter tensors (each has its own gradient and update ops).
-/// Of the `tensors` trained on `s`: those whose gradients kernels::accumulate adds each micro-batch, and
-/// those whose accumulators a step's first micro-batch makes ([`TensorOps::accumulate_first_per_tensor`]):
-/// with `fused_wgrad` (no LoRA) the projections', the lm_head's and the embedding's own kernels add their
-/// gradients into accumulators made before the first micro-batch; before, every gradient was added, the
-/// first cast or copied into an accumulator of its own.
-fn accumulated_tensors(m: &ModelConfig, s: &StepShape, tensors: f64) -> (f64, f64) {
+/// Of the `(parameters, tensors)` trained on `s`: the parameters and tensors whose gradients
+/// kernels::accumulate adds each micro-batch, and the tensors whose accumulators a step's first
+/// micro-batch makes ([`TensorOps::accumulate_first_per_tensor`]). With `fused_wgrad` (no LoRA) the
+/// projections', the lm_head's and the embedding's own kernels add their gradients into accumulators made
+/// before the first micro-batch; before, every gradient was added, the first cast or copied into an
+/// accumulator of its own.
+fn accumulated(m: &ModelConfig, s: &StepShape, (p, tensors): (f64, f64)) -> (f64, f64, f64) {
     match counts(s).fused_wgrad && s.lora_rank == 0 {
         true => {
-            let fused = fused_gradient_parameters(m).1;
-            (tensors - fused, fused)
+            let (fp, ft) = fused_gradient_parameters(m);
+            (p - fp, tensors - ft, ft)
         }
-        false => (tensors, tensors),
+        false => (p, tensors, tensors),
     }
 }
 

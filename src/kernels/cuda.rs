@@ -210,6 +210,17 @@ pub fn run(plan: &Plan, inputs: &[(&CudaStorage, &Layout)]) -> Result<Vec<CudaSt
     Ok(outs.into_iter().map(|o| o.storage(&dev)).collect())
 }
 
+/// cuBLAS's name for a GEMM operand of `dtype` (f32, bf16 or f16).
+pub(crate) fn cublas_type(dtype: DType) -> Result<candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t> {
+    use candle_core::cuda_backend::cudarc::cublas::sys::cudaDataType_t as T;
+    Ok(match dtype {
+        DType::F32 => T::CUDA_R_32F,
+        DType::BF16 => T::CUDA_R_16BF,
+        DType::F16 => T::CUDA_R_16F,
+        d => candle_core::bail!("no cuBLAS GEMM of {d:?}"),
+    })
+}
+
 /// `C += A^T B` in place for row-major contiguous operands on one device: `acc` (f32, `[out, inp]`), `a`
 /// (`[rows, out]`) and `b` (`[rows, inp]`) of one dtype (f32, bf16 or f16), by `cublasGemmEx` on the
 /// handle candle's device holds (its stream), f32 compute. Row-major `C = A^T B` is column-major
@@ -220,12 +231,7 @@ pub(crate) fn gemm_accumulate_f32(
     (out, inp, rows): (usize, usize, usize),
 ) -> Result<()> {
     use candle_core::cuda_backend::cudarc::cublas::{result as blas, sys};
-    let ty = match a.dtype() {
-        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        d => candle_core::bail!("wgrad: no GEMM of {d:?}"),
-    };
+    let ty = cublas_type(a.dtype())?;
     let dev = acc.device.clone();
     let stream = dev.cuda_stream();
     let buffer = |name, dtype, len| Buffer { name, dtype, len, output: false };

@@ -1196,9 +1196,10 @@ impl Decoder {
             b => b,
         };
         let (w, ids) = (self.w(self.lm_head, graph), self.target_ids(batch, targets)?);
+        // Both apply only to a recorded op (logprobs_entropy_with): nothing is kept or added without a graph.
         let backward = HeadBackward {
-            accumulator: mode.accumulator(self.slots[self.lm_head]).filter(|_| graph),
-            keep_logits: graph && self.options.keep_logits,
+            accumulator: mode.accumulator(self.slots[self.lm_head]),
+            keep_logits: self.options.keep_logits,
         };
         logprobs_entropy_with(&h, &w, &ids, budget, backward)
     }

@@ -12,7 +12,7 @@ use candle_core::{CudaStorage, DType, Layout, Result};
 
 use super::driver::{Backend, Gemm, KeyBlock, Operand, QueryBlock};
 use super::launches::{self, Step};
-use crate::kernels::cuda::{flash_ptx, launch};
+use crate::kernels::cuda::{cublas_type, flash_ptx, launch};
 
 /// The GPU backend for GEMM dtype `T` (f32, bf16 or f16).
 pub(crate) struct GpuBackend<T> {
@@ -70,15 +70,6 @@ fn ptr_out<T: DeviceRepr>(s: &mut CudaSlice<T>, stream: &CudaStream, dtype: DTyp
     (Ptr(p, dtype.size_in_bytes()), dtype, len)
 }
 
-fn cuda_type(dtype: DType) -> Result<sys::cudaDataType_t> {
-    Ok(match dtype {
-        DType::F32 => sys::cudaDataType_t::CUDA_R_32F,
-        DType::BF16 => sys::cudaDataType_t::CUDA_R_16BF,
-        DType::F16 => sys::cudaDataType_t::CUDA_R_16F,
-        d => candle_core::bail!("flash attention: no GEMM of {d:?}"),
-    })
-}
-
 fn op(o: &Operand) -> sys::cublasOperation_t {
     match o.trans {
         false => sys::cublasOperation_t::CUBLAS_OP_N,
@@ -110,7 +101,7 @@ impl<T: CudaDType + DeviceRepr + ValidAsZeroBits> Backend for GpuBackend<T> {
         let (pa, _ga) = a.device_ptr(&stream);
         let (pb, _gb) = b.device_ptr(&stream);
         let (pc, _gc) = c.device_ptr_mut(&stream);
-        let ty = cuda_type(self.dtype)?;
+        let ty = cublas_type(self.dtype)?;
         let blas = self.dev.cublas_handle();
         // SAFETY: the driver's operands lie within their buffers (the CPU backend checks the same Gemm).
         unsafe {
