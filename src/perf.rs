@@ -498,6 +498,8 @@ struct PredictedStep {
     memory_efficiency: f64,
     kernel_launch_s: f64,
     windows: Vec<crate::cost::time::WindowCost>,
+    /// Where the device's time goes, op by op (longest first).
+    ops: Vec<crate::cost::time::OpTime>,
     /// Measured over predicted step time, when the device is this GPU (by its CUDA name).
     measured_over_predicted: Option<f64>,
 }
@@ -574,6 +576,7 @@ fn predicted_steps(
                 memory_efficiency: gpu.memory_efficiency,
                 kernel_launch_s: gpu.kernel_launch_s,
                 windows: p.windows,
+                ops: p.ops,
                 measured_over_predicted: measured.filter(|_| here).map(|m| m / p.step_s),
             }
         })

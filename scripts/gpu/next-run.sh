@@ -243,6 +243,23 @@ if want ncu; then
                 "$TMP/ncu" | head -40
             echo "{\"bench\": \"ncu\", \"what\": \"warpgroup attention kernels, head dim $hd\", \"exit\": $rc, \"file\": \"$(basename "$NAME")-ncu.txt\"}" | tee -a "$R"
         done
+        # The sections print the stall reasons only as a chart: the backward's reasons at head dim 64 (the
+        # 0.5B's 16k step: a scheduler with two warps, issuing a third of its cycles) as metrics, each the
+        # warps stalled for it per issued instruction. A call of its own, so that a metric this ncu lacks
+        # loses only these lines.
+        stalls=$(printf 'smsp__average_warps_issue_stalled_%s_per_issue_active.ratio,' long_scoreboard short_scoreboard \
+            wait barrier membar math_pipe_throttle mio_throttle lg_throttle not_selected selected dispatch_stall \
+            no_instruction branch_resolving sleeping misc)
+        if [ $((DEADLINE - SECONDS)) -ge 40 ]; then
+            echo ">> [$SECONDS s] ncu stall reasons, attention wgmma backward hd64 ${ATT_LENS##* } (limit 30 s)"
+            timeout 30 "$NCU" --clock-control none --kernel-name regex:flash_wgmma_bwd_ --launch-count 2 \
+                --metrics "${stalls%,}" \
+                "$BIN" -q bench attention --len "${ATT_LENS##* }" --heads 14 --kv-heads 2 --head-dim 64 --dtype "$DTYPE" \
+                --wgmma --device "$DEVICE" --warmup 0 --repeats 1 >"$TMP/ncu" 2>&1
+            rc=$?
+            { echo "== stall reasons, backward, head dim 64 (exit $rc)"; cat "$TMP/ncu"; } >>"$NAME-ncu.txt"
+            grep -E "flash_wgmma_|issue_stalled" "$TMP/ncu" | head -40
+        fi
     fi
 fi
 

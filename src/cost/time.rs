@@ -969,6 +969,39 @@ pub struct Prediction {
     pub bytes: f64,
     /// Each window's work (what scripts/calibrate.py fits the host's constants on).
     pub windows: Vec<WindowCost>,
+    /// Where the device's time goes: the step's ops by window and name, longest first.
+    pub ops: Vec<OpTime>,
+}
+
+/// One named op's total over a step's window (every layer and micro-batch).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct OpTime {
+    pub window: &'static str,
+    pub op: &'static str,
+    pub device_s: f64,
+    pub flops: f64,
+    pub bytes: f64,
+    /// Tensor ops and kernel launches the host issues for it.
+    pub launches: f64,
+}
+
+/// The ops of a step summed by window and name, longest first.
+fn op_times(ops: &[OpCost], gpu: &Gpu) -> Vec<OpTime> {
+    let mut out: Vec<OpTime> = Vec::new();
+    for o in ops {
+        let (window, device_s) = (o.window.name(), device_time(o, gpu));
+        match out.iter_mut().find(|t| t.window == window && t.op == o.name) {
+            Some(t) => {
+                t.device_s += device_s;
+                t.flops += o.flops;
+                t.bytes += o.bytes;
+                t.launches += o.launches;
+            }
+            None => out.push(OpTime { window, op: o.name, device_s, flops: o.flops, bytes: o.bytes, launches: o.launches }),
+        }
+    }
+    out.sort_by(|a, b| b.device_s.total_cmp(&a.device_s));
+    out
 }
 
 /// One window's work: the device's time, and what the host does in it.
@@ -1094,6 +1127,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
         flops: sum(&|o| o.flops, &|_| true),
         bytes: sum(&|o| o.bytes, &|_| true),
         windows,
+        ops: op_times(&ops, gpu),
     }
 }
 
@@ -1244,6 +1278,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
             p.launches,
             p.syncs,
         ));
+        out.push_str(&format!("  longest ops (their share of the step): {}\n", longest_ops(&p.ops, p.step_s, 4)));
         if world > 1 {
             let link = if world <= GPUS_PER_NODE { "NVLink" } else { "InfiniBand" };
             out.push_str(&format!(
@@ -1259,6 +1294,16 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         }
     }
     out
+}
+
+/// The `n` longest of `ops` as "window op share-of-`step_s`", joined (an op named for its window, such as
+/// "attention kernels (backward)", without the repeat).
+fn longest_ops(ops: &[OpTime], step_s: f64, n: usize) -> String {
+    let line = |o: &OpTime| {
+        let name = o.op.strip_suffix(&format!(" ({})", o.window)).unwrap_or(o.op);
+        format!("{} {name} {:.0}%", o.window, 100.0 * o.device_s / step_s)
+    };
+    ops.iter().take(n).map(line).collect::<Vec<_>>().join(", ")
 }
 
 #[cfg(test)]
@@ -1563,6 +1608,14 @@ mod tests {
         let p = predict(&m, &base, &H100_SXM);
         assert!(p.mfu > 0.0 && p.mfu < 1.0 && p.attention_of_peak < 1.0, "{p:?}");
         assert!((p.gemm_s + p.attention_s + p.elementwise_s + p.host_s + p.sync_s - p.step_s).abs() < 1e-9);
+        // The ops' breakdown holds the device's time, longest first; at 16k the attention's backward leads.
+        let device: f64 = p.ops.iter().map(|o| o.device_s).sum();
+        assert!((device - (p.gemm_s + p.attention_s + p.elementwise_s)).abs() < 1e-9 * p.step_s.max(1.0));
+        assert!(p.ops.windows(2).all(|w| w[0].device_s >= w[1].device_s));
+        let long = predict(&m, &StepShape { seq_tokens: 16384, tensor_cores: true, warpgroup: true, ..base }, &H100_SXM);
+        assert_eq!((long.ops[0].op, long.ops[0].window), ("attention kernels (backward)", "backward"));
+        let line = longest_ops(&long.ops, long.step_s, 2);
+        assert!(line.starts_with("backward attention kernels ") && line.matches('%').count() == 2, "{line}");
         assert!(p.syncs == 9.0, "one per micro-batch and one per step: {}", p.syncs);
     }
 
