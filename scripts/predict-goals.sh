@@ -25,7 +25,7 @@ small="--shape scripts/gpu/shapes/qwen2.5-0.5b.json --prompt-len 128 --micro-bat
 seven="--shape configs/models/qwen2.5-7b-instruct.config.json --seq-len 18432 --prompt-len 2048 --micro-batch 1 --checkpoint-layers --offload --no-reference"
 for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- - - - -" \
     "2026-11-26 build (wgmma):--measured-build 2026-11-26 --attention wgmma:- - - - -" \
-    "2026-11-27b build:--measured-build 2026-11-27b:0.387 0.752 1.863 - -" "this build (auto)::- - - - -"; do
+    "2026-11-27b build:--measured-build 2026-11-27b:0.387 0.752 1.863 - -" "this build, logits recomputed::- - - - -"; do
   name=${build%%:*}; rest=${build#*:}; flags=${rest%%:*}; read -r m1 m4 m16 m7 m7x8 <<<"${rest#*:}"
   predict "0.5B 8 x 1024, $name" 1.053 "$m1" $small --answers 8 --seq-len 1024 $flags
   predict "0.5B 8 x 4096, $name" 0.906 "$m4" $small --answers 8 --seq-len 4096 $flags
@@ -33,8 +33,9 @@ for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- -
   predict "7B seed step 4 x 18,432, $name" - "$m7" $seven --answers 4 $flags
   predict "7B seed step 8 x 18,432, $name" - "$m7x8" $seven --answers 8 $flags
 done
-# This build with the log-prob head's logits kept for its backward (`model.keep_logits`, bench --keep-logits:
-# no recomputed lm_head GEMM, n V d bytes more), as the next GPU run's fast lines measure it.
+# This build with the log-prob head's logits kept for its backward (bench --keep-logits: no recomputed lm_head
+# GEMM, n V d bytes more): the trainer's default at the 0.5B shape on an 80 GB card (`model.keep_logits =
+# "auto"` keeps them where its plan leaves room; not at the 7B shape), as the next GPU run measures it.
 predict "0.5B 8 x 1024, this build, logits kept" 1.053 - $small --answers 8 --seq-len 1024 --keep-logits
 predict "0.5B 8 x 4096, this build, logits kept" 0.906 - $small --answers 8 --seq-len 4096 --keep-logits
 predict "0.5B 4 x 16384, this build, logits kept" 1.728 - $small --answers 4 --seq-len 16384 --keep-logits

@@ -8,8 +8,9 @@
 #      --profile beside nvidia-smi's memory every 200 ms, and the seed config's --plan for the same settings
 #      (scripts/gpu/seed7b.py puts them side by side): the MFU goal, first, so that it runs whatever else fits;
 #   3. `grpo bench train-step --profile` at the Qwen2.5-0.5B shape, 8 answers x 4k and LONG_ANSWERS x 16k tokens,
-#      default attention (auto: the start-up-checked tensor-core kernels) and every speed option (wgmma,
-#      keep-attention, atomic dq, the log-prob head's logits kept for its backward: --keep-logits);
+#      the trainer's defaults (auto attention: the start-up-checked tensor-core kernels; the log-prob head's
+#      logits kept, as model.keep_logits = "auto" chooses there) and every speed option (wgmma,
+#      keep-attention, atomic dq);
 #   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
 #      transformers import (a skipped line otherwise), the 16k one with a step under torch.profiler (its
 #      CUDA time in attention, GEMMs and the rest: where PyTorch's step goes), and grpo at 1k beside it;
@@ -163,12 +164,15 @@ fi
 # 3. the profile at the 0.5B shape
 c=(--shape "$SMALL" --prompt-len "$PROMPT" --dtype "$DTYPE" --logprob-chunk-mb 1024 --device "$DEVICE" --profile)
 fast=(--attention wgmma --keep-attention --atomic-dq --keep-logits)
+# The default lines keep the log-prob head's logits (--keep-logits): what `model.keep_logits = "auto"`, the
+# trainer's default, chooses at the 0.5B shape on an 80 GB card (its plan: 22 GiB with them at 16k).
 if want profile; then
-    step "train-step grpo 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $MID --warmup 1 --repeats 2
+    step "train-step grpo 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" --keep-logits --answers 8 --seq-len $MID \
+        --warmup 1 --repeats 2
     step "train-step grpo wgmma 0.5b $MID" 60 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" --answers 8 --seq-len $MID \
         --warmup 1 --repeats 2
-    step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --answers "$LONG_ANSWERS" \
-        --seq-len $LONG --warmup 1 --repeats 2
+    step "train-step grpo 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" --keep-logits \
+        --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 2
     step "train-step grpo wgmma 0.5b $LONG x $LONG_ANSWERS" 75 "$BIN" -q bench train-step "${c[@]}" "${fast[@]}" \
         --answers "$LONG_ANSWERS" --seq-len $LONG --warmup 1 --repeats 2
 fi
@@ -188,7 +192,7 @@ if want torch; then
 fi
 fi
 if want short; then
-    step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
+    step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --keep-logits --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
 fi
 
 # 5. attention, one layer at the 7B's heads

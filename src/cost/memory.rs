@@ -149,6 +149,11 @@ pub struct Plan {
     pub logprob_chunk_bytes: u64,
     /// The model's shape (the advice plans the settings it suggests).
     pub model: ModelConfig,
+    /// Whether the log-prob head keeps its logits for the backward: `model.keep_logits`, or where that is
+    /// "auto" the plan's choice ([`run_plan`]).
+    pub keep_logits: bool,
+    /// That choice and why, where "auto" made it on a GPU.
+    pub keep_logits_note: Option<String>,
 }
 
 /// The activations of one micro-batch kept for (and made during) the backward, in bytes.
@@ -445,10 +450,10 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
     }
     add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
-    if cfg.model.keep_logits {
+    if cfg.model.keep_logits == Some(true) {
         // The forward's logits, alive until the head's backward has read them.
         let kept = to_bytes(shape.n_scored as f64 * model.vocab_size as f64 * d as f64);
-        add("logits kept (keep_logits = true)", kept, Device, Backward, "n V d".into());
+        add("logits kept (model.keep_logits)", kept, Device, Backward, "n V d".into());
     }
     // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
     // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
@@ -527,7 +532,8 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
     if world > 1 {
         summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
     }
-    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes, model: model.clone() }
+    let keep_logits = cfg.model.keep_logits == Some(true);
+    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes, model: model.clone(), keep_logits, keep_logits_note: None }
 }
 
 /// The largest micro-batch: `train.micro_batch_size` rows of the longest prompt + answer, or with
@@ -640,7 +646,9 @@ fn apply(floor: &mut TrainConfig, changed: &TrainConfig, cfg: &TrainConfig) {
     floor.model.checkpoint_layers |= changed.model.checkpoint_layers;
     floor.model.recompute_attention |= changed.model.recompute_attention;
     floor.model.cache_reference |= changed.model.cache_reference;
-    floor.model.keep_logits &= changed.model.keep_logits;
+    if changed.model.keep_logits == Some(false) {
+        floor.model.keep_logits = Some(false);
+    }
     floor.optim.offload |= changed.optim.offload;
     if changed.model.attention != cfg.model.attention || changed.model.fused_ops != cfg.model.fused_ops {
         (floor.model.attention, floor.model.fused_ops) = (changed.model.attention, changed.model.fused_ops);
@@ -765,8 +773,8 @@ impl Plan {
             f(&mut c);
             out.push((what, c));
         };
-        if cfg.model.keep_logits {
-            with("model.keep_logits = false".into(), &|c| c.model.keep_logits = false);
+        if self.keep_logits {
+            with("model.keep_logits = false".into(), &|c| c.model.keep_logits = Some(false));
         }
         if !cfg.model.checkpoint_layers {
             with("model.checkpoint_layers = true".into(), &|c| c.model.checkpoint_layers = true);
@@ -966,6 +974,10 @@ impl fmt::Display for Plan {
                 writeln!(f, "device memory: {}: {verdict}", gib(m))
             }
             None => writeln!(f, "device memory: unknown (give --device-memory)"),
+        }?;
+        match &self.keep_logits_note {
+            Some(note) => writeln!(f, "{note}"),
+            None => Ok(()),
         }
     }
 }
@@ -995,9 +1007,45 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
     Ok((value * scale) as u64)
 }
 
+/// With `model.keep_logits = "auto"`, the share of the memory a plan may use ([`Plan::fits`]) that the
+/// plan with the logits kept may fill for the run to keep them. Kept logits save one lm_head GEMM a
+/// log-prob chunk, 1-2% of a 16k step; running out of memory loses the run, and the 2026-11-27c H100
+/// run's 7B step peaked 2% above its plan: so only with room to spare. The seed's 7B step (74.8 GiB
+/// with them, of 77.3 usable on an H100) does not keep them; a 0.5B-1.5B model's does.
+pub const AUTO_KEEP_LOGITS_SHARE: f64 = 0.9;
+
 /// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device, per
-/// rank of `world_size` data-parallel ranks sharding the optimizer state (1: one process).
+/// rank of `world_size` data-parallel ranks sharding the optimizer state (1: one process). Where
+/// `model.keep_logits` is "auto", the plan keeps the logits on a GPU of known memory when the plan with
+/// them fills at most [`AUTO_KEEP_LOGITS_SHARE`] of what it may use, else plans without them.
 pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>, world_size: u64) -> Plan {
+    if cfg.model.keep_logits.is_some() {
+        return plan_as_set(cfg, model, device_memory, world_size);
+    }
+    let with = |keep: bool| {
+        let mut c = cfg.clone();
+        c.model.keep_logits = Some(keep);
+        plan_as_set(&c, model, device_memory, world_size)
+    };
+    let kept = with(true);
+    let (peak, usable) = match (kept.gpu_device(Place::Device), device_memory) {
+        (true, Some(m)) => (kept.peak(Place::Device), kept.usable(m)),
+        _ => return with(false),
+    };
+    let room = peak as f64 <= AUTO_KEEP_LOGITS_SHARE * usable as f64;
+    let mut chosen = if room { kept } else { with(false) };
+    chosen.keep_logits_note = Some(format!(
+        "model.keep_logits = \"auto\": {} (the device peak with them {} of the {} a plan may use; kept up to {:.0}%)",
+        if room { "kept" } else { "recomputed" },
+        gib(peak),
+        gib(usable),
+        100.0 * AUTO_KEEP_LOGITS_SHARE
+    ));
+    chosen
+}
+
+/// [`run_plan`] with `model.keep_logits` as `cfg` sets it ("auto": not kept).
+fn plan_as_set(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>, world_size: u64) -> Plan {
     let inputs = PlanInputs {
         // Without the fused ops, attention goes through the composite score matrix.
         attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
@@ -1040,7 +1088,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
         // The model counts adapters on every projection (the default target_modules).
         lora_rank: cfg.model.lora.as_ref().map_or(0, |l| l.r as u64),
-        keep_logits: cfg.model.keep_logits,
+        keep_logits: plan.keep_logits,
     }
 }
 
@@ -1092,7 +1140,7 @@ mod tests {
             (config(&["model.logprob_chunk_mb=1"]), config(&["model.logprob_chunk_mb=1", "model.keep_logits=true"]));
         let (plain, kept) =
             (super::plan(&base, &m, inputs(Attention::Flash)), super::plan(&keeping, &m, inputs(Attention::Flash)));
-        let name = "logits kept (keep_logits = true)";
+        let name = "logits kept (model.keep_logits)";
         assert_eq!(bytes(&kept, name), 2 * 10 * m.vocab_size as u64 * 2);
         assert!(plain.components.iter().all(|c| c.name != name));
         assert!(kept.tensor_peak(Place::Device) > plain.tensor_peak(Place::Device));
@@ -1103,6 +1151,42 @@ mod tests {
         let tight_plan = super::plan(&keeping, &m, tight);
         assert_eq!(tight_plan.fits(), Some(false), "{tight_plan}");
         assert!(tight_plan.advice(&keeping).contains("model.keep_logits = false"), "{}", tight_plan.advice(&keeping));
+    }
+
+    /// "auto" (the default) keeps the logits on a GPU where the plan with them leaves room to spare, never
+    /// on the CPU or where the memory is unknown; `true` and `false` are kept as set.
+    #[test]
+    fn auto_keeps_logits_only_with_room_to_spare() {
+        let m = shape();
+        let gpu = |extra: &[&str]| config(&[&["model.logprob_chunk_mb=1", "model.device=cuda"], extra].concat());
+        let kept = run_plan(&gpu(&["model.keep_logits=true"]), &m, None, 1);
+        let plain = run_plan(&gpu(&["model.keep_logits=false"]), &m, None, 1);
+        let (with, without) = (kept.peak(Place::Device) as f64, plain.peak(Place::Device) as f64);
+        let usable = |share: f64| (share / (1.0 - GPU_HEADROOM)).ceil() as u64;
+        // Room to spare: the peak with them at the share of what the plan may use.
+        let roomy = usable(with / AUTO_KEEP_LOGITS_SHARE) + 64;
+        // Room for them, not to spare: the peak with them fits, above the share.
+        let snug = usable(with) + 64;
+        assert!(without < with && (snug as f64) < roomy as f64 - 64.0);
+        let auto = |c: &TrainConfig, memory: Option<u64>| run_plan(c, &m, memory, 1);
+        let (roomy_plan, snug_plan) = (auto(&gpu(&[]), Some(roomy)), auto(&gpu(&[]), Some(snug)));
+        assert!(roomy_plan.keep_logits && roomy_plan.components.iter().any(|c| c.name.starts_with("logits kept")));
+        assert!(roomy_plan.to_string().contains("model.keep_logits = \"auto\": kept"), "{roomy_plan}");
+        assert!(snug_plan.to_string().contains("model.keep_logits = \"auto\": recomputed"), "{snug_plan}");
+        assert!(!snug_plan.keep_logits && snug_plan.components.iter().all(|c| !c.name.starts_with("logits kept")));
+        assert_eq!((snug_plan.fits(), auto(&gpu(&["model.keep_logits=true"]), Some(snug)).fits()), (Some(true), Some(true)));
+        assert!(!auto(&gpu(&[]), None).keep_logits);
+        assert!(!auto(&config(&["model.logprob_chunk_mb=1"]), Some(1 << 40)).keep_logits, "the CPU");
+        assert!(!auto(&gpu(&["model.keep_logits=false"]), Some(roomy)).keep_logits);
+        assert!(auto(&gpu(&["model.keep_logits=true"]), Some(snug)).keep_logits);
+        // The step's shape follows the plan's choice.
+        assert!(step_shape(&gpu(&[]), &m, &roomy_plan).keep_logits && !step_shape(&gpu(&[]), &m, &snug_plan).keep_logits);
+        // The key takes true, false and "auto", and names what it expected otherwise.
+        assert_eq!(gpu(&["model.keep_logits=auto"]).model.keep_logits, None);
+        let toml = "[model]\npath = \"m\"\nkeep_logits = \"auto\"\n[data]\ninputs = [\"x.jsonl\"]\n";
+        assert_eq!(TrainConfig::parse(toml, Path::new("c.toml"), &[]).unwrap().model.keep_logits, None);
+        let bad = TrainConfig::parse(toml.replace("auto", "often").as_str(), Path::new("c.toml"), &[]).unwrap_err();
+        assert!(bad.to_string().contains("expected true, false or \"auto\""), "{bad}");
     }
 
     #[test]

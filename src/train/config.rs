@@ -56,8 +56,11 @@ pub struct ModelSection {
     /// Keep the log-prob head's logits from the forward for the backward (`scored tokens x vocab` in the
     /// model's dtype a micro-batch: 5 GB for 16k tokens of a 152k vocabulary in bf16) instead of
     /// recomputing them chunk by chunk: one lm_head GEMM less, as PyTorch's autograd keeps them. The
-    /// memory plan (`--plan`) counts them.
-    pub keep_logits: bool,
+    /// memory plan (`--plan`) counts them. `true`, `false`, or "auto" (the default, written by leaving
+    /// the key out): kept on a GPU whose memory the plan with them fills to at most
+    /// [`crate::cost::memory::AUTO_KEEP_LOGITS_SHARE`] of what it may use, else not (the run logs which).
+    #[serde(deserialize_with = "bool_or_auto", serialize_with = "auto_as_word")]
+    pub keep_logits: Option<bool>,
     /// Use the fused RMSNorm, rope and attention-softmax kernels (false: candle's composite ops, slower;
     /// for checking the kernels).
     pub fused_ops: bool,
@@ -81,6 +84,29 @@ pub struct ModelSection {
     pub lora: Option<LoraOptions>,
 }
 
+/// A switch that is `true`, `false` or "auto" (`None`: left to the run).
+fn bool_or_auto<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<bool>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Switch {
+        Set(bool),
+        Word(String),
+    }
+    match Switch::deserialize(d)? {
+        Switch::Set(b) => Ok(Some(b)),
+        Switch::Word(w) if w == "auto" => Ok(None),
+        Switch::Word(w) => Err(serde::de::Error::custom(format!("expected true, false or \"auto\", found {w:?}"))),
+    }
+}
+
+/// `None` as "auto" (what [`bool_or_auto`] reads back).
+fn auto_as_word<S: serde::Serializer>(v: &Option<bool>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(b) => s.serialize_bool(*b),
+        None => s.serialize_str("auto"),
+    }
+}
+
 impl ModelSection {
     /// How the policy (and a reference scored with it) computes: the `[model]` keys that do not change
     /// what is computed.
@@ -89,7 +115,7 @@ impl ModelSection {
             checkpoint_layers: self.checkpoint_layers,
             recompute_attention: self.recompute_attention,
             logprob_chunk_bytes: self.logprob_chunk_mb << 20,
-            keep_logits: self.keep_logits,
+            keep_logits: self.keep_logits == Some(true),
             fused_ops: self.fused_ops,
             attention: self.attention,
             deterministic_attention: self.deterministic_attention,
@@ -108,7 +134,7 @@ impl Default for ModelSection {
             checkpoint_layers: false,
             recompute_attention: true,
             logprob_chunk_mb: 0,
-            keep_logits: false,
+            keep_logits: None,
             fused_ops: true,
             cache_reference: true,
             attention: Attention::Auto,

@@ -903,8 +903,9 @@ fn check_plan(
     if plan.fits() == Some(false) {
         return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
     }
+    let logits = plan.keep_logits_note.as_ref().map_or(String::new(), |n| format!("; {n}"));
     tracing::info!(
-        "memory plan: peak {:.2} GiB",
+        "memory plan: peak {:.2} GiB{logits}",
         plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64
     );
     Ok(plan)
@@ -988,6 +989,8 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         r.share_with(world.clone());
     }
     run.world = world;
+    // `model.keep_logits = "auto"` is the plan's to decide (cost::memory::run_plan).
+    run.policy.options.keep_logits = memory_plan.keep_logits;
     run.memory_plan = Some(memory_plan);
     let (resume_from, state) = match resumed {
         Some((ck, state)) => {
