@@ -13,6 +13,7 @@
 # when an entry of kernels/flash_mma.cu has no tensor-core mma.sync instruction (its block products), or
 # one of kernels/flash_wgmma.cu no wgmma.mma_async; kernels/flash_wgmma.cu is compiled for sm_90a only (as
 # build.rs does: wgmma exists only there) and its kernels opt in to 227 KiB of dynamic shared memory;
+# when an element-wise kernel the performance model times as packed has no 16-byte global load or store;
 # and when the PTX does not target the architecture asked for (`.target sm_XX`) or uses a PTX ISA newer
 # than 9.0 (what driver 580, CUDA 13.0, JIT-compiles).
 #
@@ -121,6 +122,22 @@ for arch in $ARCHS; do
                     exit bad
                 }' "$ptx" | sort -k3 || fail=1
         fi
+        # The element-wise kernels the performance model times at HBM's packed rate (src/cost/time.rs,
+        # `packed`: 16 bytes a thread and access, docs/cuda.md "Element-wise kernels") have 16-byte global
+        # loads or stores (ld/st.global.v4 of 32-bit words, or v2 of 64-bit ones): a change that loses them
+        # would leave them at the one-element rate, a quarter of it, while the model still says 0.80.
+        awk -v arch="$tarch" '
+            /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f)
+                                   if (f ~ /^(swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_add|row_dot|accumulate)_(f32|bf16|f16)$/) n[f] = 0; else f = ""; next }
+            /(ld|st)\.global(\.nc)?\.v4\.(u32|b32|f32)|(ld|st)\.global(\.nc)?\.v2\.(u64|b64|f64)/ && f != "" { n[f]++ }
+            END {
+                bad = 0
+                for (f in n) {
+                    if (n[f] == 0) { printf "FAIL sm_%s %s: no 16-byte global load or store (the model times it as packed)\n", arch, f; bad = 1 }
+                    else printf "ok   sm_%s %-26s %4d 16-byte global accesses\n", arch, f, n[f]
+                }
+                exit bad
+            }' "$ptx" | sort -k3 || fail=1
         if [ "$stem" = flash_wgmma ]; then
             awk -v arch="$tarch" '
                 /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
