@@ -3,7 +3,9 @@
 //   bias_add_<T>:      y[r, c] = T(x[r, c] + b[c]) over rows x cols, in 16-byte packs where the pointers
 //                      and the row width allow (common.cuh), one element at a time otherwise; grid-stride.
 //   bias_partial_<T>:  per block of `rows_per_block` consecutive rows, partial[block, c] = sum of g[r, c] in
-//                      f32, a thread per column (consecutive threads, consecutive columns).
+//                      f32 over the rows in order, a thread per 16-byte pack of columns (consecutive threads,
+//                      consecutive packs; a thread per column where the row width or the pointer does not
+//                      allow packs).
 //   bias_sum_<T>:      db[c] = T(sum over the blocks' partials in block order): the same sum on every run.
 
 #include "common.cuh"
@@ -29,12 +31,29 @@ __device__ void bias_add(const T *__restrict__ x, const T *__restrict__ b, T *__
 template <typename T>
 __device__ void bias_partial(const T *__restrict__ g, float *__restrict__ partial, uint32_t rows, uint32_t cols,
                              uint32_t rows_per_block) {
+    constexpr int N = Pack<T>::N;
     const size_t first = (size_t)blockIdx.x * rows_per_block;
     const size_t last = min((size_t)rows, first + rows_per_block);
+    float *out = partial + (size_t)blockIdx.x * cols;
+    if (cols % N == 0 && aligned16(g)) {
+        // A thread per pack of N columns: each column's rows in the same order as one at a time.
+        const uint32_t packs = cols / N;
+        for (uint32_t u = blockIdx.y * blockDim.x + threadIdx.x; u < packs; u += gridDim.y * blockDim.x) {
+            float s[N] = {};
+            for (size_t r = first; r < last; ++r) {
+                const Pack<T> p = load_pack(g, r * packs + u);
+#pragma unroll
+                for (int j = 0; j < N; ++j) s[j] += to_f32(p.v[j]);
+            }
+#pragma unroll
+            for (int j = 0; j < N; ++j) out[u * N + j] = s[j];
+        }
+        return;
+    }
     for (uint32_t c = blockIdx.y * blockDim.x + threadIdx.x; c < cols; c += gridDim.y * blockDim.x) {
         float s = 0.f;
         for (size_t r = first; r < last; ++r) s += to_f32(g[r * cols + c]);
-        partial[(size_t)blockIdx.x * cols + c] = s;
+        out[c] = s;
     }
 }
 

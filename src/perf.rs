@@ -252,7 +252,8 @@ pub struct TrainStepSpec {
     #[arg(long, default_value_t = 0)]
     pub logprob_chunk_mb: usize,
     /// Keep the log-prob op's logits from the forward for its backward instead of recomputing them
-    /// (`model.keep_logits`).
+    /// (`model.keep_logits = true`; the trainer's "auto" keeps them on a GPU whose memory plan leaves room
+    /// to spare, as at the 0.5B-1.5B shapes on an 80 GB card).
     #[arg(long)]
     pub keep_logits: bool,
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.

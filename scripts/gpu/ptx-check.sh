@@ -128,7 +128,7 @@ for arch in $ARCHS; do
         # would leave them at the one-element rate, a quarter of it, while the model still says 0.80.
         awk -v arch="$tarch" '
             /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f)
-                                   if (f ~ /^(swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_add|row_dot|accumulate)_(f32|bf16|f16)$/) n[f] = 0; else f = ""; next }
+                                   if (f ~ /^(swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_(add|partial)|row_dot|accumulate)_(f32|bf16|f16)$/ || f == "adamw_f32") n[f] = 0; else f = ""; next }
             /(ld|st)\.global(\.nc)?\.v4\.(u32|b32|f32)|(ld|st)\.global(\.nc)?\.v2\.(u64|b64|f64)/ && f != "" { n[f]++ }
             END {
                 bad = 0

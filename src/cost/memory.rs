@@ -533,7 +533,15 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
     }
     let keep_logits = cfg.model.keep_logits == Some(true);
-    Plan { components: c, inputs, summary, logprob_chunk_bytes: chunk_bytes, model: model.clone(), keep_logits, keep_logits_note: None }
+    Plan {
+        components: c,
+        inputs,
+        summary,
+        logprob_chunk_bytes: chunk_bytes,
+        model: model.clone(),
+        keep_logits,
+        keep_logits_note: None,
+    }
 }
 
 /// The largest micro-batch: `train.micro_batch_size` rows of the longest prompt + answer, or with
@@ -1174,13 +1182,18 @@ mod tests {
         assert!(roomy_plan.to_string().contains("model.keep_logits = \"auto\": kept"), "{roomy_plan}");
         assert!(snug_plan.to_string().contains("model.keep_logits = \"auto\": recomputed"), "{snug_plan}");
         assert!(!snug_plan.keep_logits && snug_plan.components.iter().all(|c| !c.name.starts_with("logits kept")));
-        assert_eq!((snug_plan.fits(), auto(&gpu(&["model.keep_logits=true"]), Some(snug)).fits()), (Some(true), Some(true)));
+        assert_eq!(
+            (snug_plan.fits(), auto(&gpu(&["model.keep_logits=true"]), Some(snug)).fits()),
+            (Some(true), Some(true))
+        );
         assert!(!auto(&gpu(&[]), None).keep_logits);
         assert!(!auto(&config(&["model.logprob_chunk_mb=1"]), Some(1 << 40)).keep_logits, "the CPU");
         assert!(!auto(&gpu(&["model.keep_logits=false"]), Some(roomy)).keep_logits);
         assert!(auto(&gpu(&["model.keep_logits=true"]), Some(snug)).keep_logits);
         // The step's shape follows the plan's choice.
-        assert!(step_shape(&gpu(&[]), &m, &roomy_plan).keep_logits && !step_shape(&gpu(&[]), &m, &snug_plan).keep_logits);
+        assert!(
+            step_shape(&gpu(&[]), &m, &roomy_plan).keep_logits && !step_shape(&gpu(&[]), &m, &snug_plan).keep_logits
+        );
         // The key takes true, false and "auto", and names what it expected otherwise.
         assert_eq!(gpu(&["model.keep_logits=auto"]).model.keep_logits, None);
         let toml = "[model]\npath = \"m\"\nkeep_logits = \"auto\"\n[data]\ninputs = [\"x.jsonl\"]\n";

@@ -997,7 +997,9 @@ fn op_times(ops: &[OpCost], gpu: &Gpu) -> Vec<OpTime> {
                 t.bytes += o.bytes;
                 t.launches += o.launches;
             }
-            None => out.push(OpTime { window, op: o.name, device_s, flops: o.flops, bytes: o.bytes, launches: o.launches }),
+            None => {
+                out.push(OpTime { window, op: o.name, device_s, flops: o.flops, bytes: o.bytes, launches: o.launches })
+            }
         }
     }
     out.sort_by(|a, b| b.device_s.total_cmp(&a.device_s));
@@ -1612,7 +1614,8 @@ mod tests {
         let device: f64 = p.ops.iter().map(|o| o.device_s).sum();
         assert!((device - (p.gemm_s + p.attention_s + p.elementwise_s)).abs() < 1e-9 * p.step_s.max(1.0));
         assert!(p.ops.windows(2).all(|w| w[0].device_s >= w[1].device_s));
-        let long = predict(&m, &StepShape { seq_tokens: 16384, tensor_cores: true, warpgroup: true, ..base }, &H100_SXM);
+        let long =
+            predict(&m, &StepShape { seq_tokens: 16384, tensor_cores: true, warpgroup: true, ..base }, &H100_SXM);
         assert_eq!((long.ops[0].op, long.ops[0].window), ("attention kernels (backward)", "backward"));
         let line = longest_ops(&long.ops, long.step_s, 2);
         assert!(line.starts_with("backward attention kernels ") && line.matches('%').count() == 2, "{line}");

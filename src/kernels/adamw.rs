@@ -297,8 +297,8 @@ pub fn adamw_reference(
     Ok(((master - (update * lr)?)?, Some((m, v))))
 }
 
-/// The launch of kernels/adamw.cu over `n` elements: 256 threads a block, at most 4,096 blocks (the
-/// kernel strides over the rest).
+/// The launch of kernels/adamw.cu over `n` elements: 256 threads a block, a thread per 16-byte pack, at
+/// most 1,024 blocks (the kernel strides over the rest).
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn adamw_plan(op: &AdamW, n: usize) -> Result<Plan> {
     let Ok(n32) = u32::try_from(n) else { candle_core::bail!("adamw: {n} elements in one tensor, at most 2^32 - 1") };
@@ -322,7 +322,7 @@ pub(super) fn adamw_plan(op: &AdamW, n: usize) -> Result<Plan> {
         Arg::F32(c.ib2),
         Arg::F32(c.eps),
     ];
-    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
+    let blocks = super::launch::packed_grid(n, DType::F32).max(1);
     let (grid, block) = ((if n == 0 { 0 } else { blocks }, 1, 1), (256, 1, 1));
     p.launch(Launch { module: Module::Adamw, kernel: "adamw_f32".into(), grid, block, shared_bytes: 0, args })?;
     Ok(p)
@@ -387,11 +387,15 @@ mod tests {
         assert!(adamw(&state, &g.to_dtype(candle_core::DType::BF16).unwrap(), &op(true, 1, 1.0, 0.0)).is_err());
     }
 
-    /// kernels/adamw.cu on the emulator: the same bits as the host's update, over more elements than
-    /// its grid's threads (the stride loop), for AdamW and SGD, scaled and not.
+    /// kernels/adamw.cu on the emulator: the same bits as the host's update, for AdamW and SGD, scaled and
+    /// not, in 16-byte packs (n a multiple of 4) and one at a time, each over more packs or elements than
+    /// its grid's threads (the stride loop: 1,024 blocks of 256).
     #[test]
     fn the_kernel_equals_the_host_update() {
-        for (adam, n, scale) in [(true, 4096 * 256 + 77, 1.0), (true, 5, 0.5), (false, 1000, 0.5)] {
+        let packed = [(true, 4 * 1024 * 256 + 76, 1.0), (false, 1000, 0.5)];
+        for (adam, n, scale) in
+            packed.into_iter().chain([(true, 1024 * 256 + 77, 0.5), (true, 5, 0.5), (false, 1003, 1.0)])
+        {
             let rows = if adam { 3 } else { 1 };
             let init = Tensor::from_vec(values(rows * n, 3, 1.0), (rows, n), &Device::Cpu).unwrap();
             let init =

@@ -141,7 +141,7 @@ fn add_plan(dtype: DType, rows: usize, cols: usize) -> Result<Plan> {
 }
 
 /// The launches of the bias's gradient over a `rows x cols` gradient: `bias_partial` over [`row_blocks`]
-/// (256 columns a block), then `bias_sum` (a thread per column).
+/// (256 packs of columns a block), then `bias_sum` (a thread per column).
 #[cfg(any(test, feature = "cuda"))]
 fn grad_plan(dtype: DType, rows: usize, cols: usize) -> Result<Plan> {
     let mut p = Plan::default();
@@ -149,7 +149,10 @@ fn grad_plan(dtype: DType, rows: usize, cols: usize) -> Result<Plan> {
     let g = p.input("gradient", dtype, rows * cols);
     let db = p.output("bias gradient", dtype, cols);
     let partial = p.output("partial sums", DType::F32, blocks * cols);
-    let col_blocks = cols.div_ceil(256).min(65535) as u32;
+    // A thread per 16-byte pack of columns where the row width allows (kernels/bias.cu), else per column.
+    let pack = 16 / dtype.size_in_bytes().max(1);
+    let units = if cols.is_multiple_of(pack) { cols / pack } else { cols };
+    let col_blocks = units.div_ceil(256).clamp(1, 65535) as u32;
     let launch =
         |kernel, grid, args| Launch { module: Module::Bias, kernel, grid, block: (256, 1, 1), shared_bytes: 0, args };
     let dims = [rows, cols, per].map(|v| Arg::U32(v as u32));
@@ -188,12 +191,13 @@ mod tests {
         }
     }
 
-    /// kernels/bias.cu on the emulator against the CPU op: the sum in the same blocks (bit for bit in f32),
-    /// the add in 16-byte packs and one at a time (a row width of no whole packs), a bias gradient over
-    /// more rows than blocks and more columns than a block's threads.
+    /// kernels/bias.cu on the emulator against the CPU op: the sum in the same blocks and order (bit for
+    /// bit), the add and the gradient in 16-byte packs and one at a time (a row width of no whole packs:
+    /// 13, and 300 in 16-bit types), a bias gradient over more rows than blocks and over more columns (300)
+    /// and more packs (2,304 / 8) than a block's threads.
     #[test]
     fn the_kernels_equal_the_cpu_op() {
-        for (rows, cols) in [(5, 24), (3, 13), (1100, 300)] {
+        for (rows, cols) in [(5, 24), (3, 13), (1100, 300), (40, 2304)] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let x = seeded(&[rows, cols], 2.0, 4).to_dtype(dtype).unwrap();
                 let b = seeded(&[cols], 1.0, 5).to_dtype(dtype).unwrap();
