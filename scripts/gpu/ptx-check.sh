@@ -34,6 +34,24 @@ work=${KEEP:-$(mktemp -d)}
 mkdir -p "$work"
 [ -n "${KEEP:-}" ] || trap 'rm -rf "$work"' EXIT
 
+# per_entry PTX ARCH ENTRIES EXEMPT INSTRUCTION WHAT: every entry of PTX whose name matches ENTRIES (and not
+# EXEMPT) has at least one line matching INSTRUCTION (awk regexes); one line per entry, FAIL where none.
+per_entry() {
+    awk -v arch="$2" -v entries="$3" -v exempt="$4" -v ins="$5" -v what="$6" '
+        /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f)
+                               if (f ~ entries) n[f] = 0; else f = ""; next }
+        $0 ~ ins && f != "" { n[f]++ }
+        END {
+            bad = 0
+            for (f in n) {
+                if (exempt != "^$" && f ~ exempt) { printf "ok   sm_%s %-26s (none expected)\n", arch, f; continue }
+                if (n[f] == 0) { printf "FAIL sm_%s %s: no %s\n", arch, f, what; bad = 1 }
+                else printf "ok   sm_%s %-26s %4d %s\n", arch, f, n[f], what
+            }
+            exit bad
+        }' "$1" | sort -k3
+}
+
 fail=0
 for arch in $ARCHS; do
     for src in $SOURCES; do
@@ -109,48 +127,20 @@ for arch in $ARCHS; do
         # flash_mma.cu that computes them has them (all but bwd_prep, which zeroes and writes key spans,
         # bwd_dq_out, which scales and casts dq, and bwd_dkv_sum, which adds the dk/dv kernels' partial sums).
         if [ "$stem" = flash_mma ]; then
-            awk -v arch="$arch" '
-                /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
-                /mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)/ && f != "" { n[f]++ }
-                END {
-                    bad = 0
-                    for (f in n) {
-                        if (f ~ /^flash_mma_bwd_(prep|dq_out|dkv_sum)_/) { printf "ok   sm_%s %-26s (no block products)\n", arch, f; continue }
-                        if (n[f] == 0) { printf "FAIL sm_%s %s: no mma.sync instruction\n", arch, f; bad = 1 }
-                        else printf "ok   sm_%s %-26s %4d mma.sync m16n8k16 instructions\n", arch, f, n[f]
-                    }
-                    exit bad
-                }' "$ptx" | sort -k3 || fail=1
+            per_entry "$ptx" "$arch" '.' '^flash_mma_bwd_(prep|dq_out|dkv_sum)_' \
+                'mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)' "mma.sync m16n8k16 instructions" || fail=1
+        fi
+        if [ "$stem" = flash_wgmma ]; then
+            per_entry "$ptx" "$tarch" '.' '^$' 'wgmma\.mma_async\.sync\.aligned\.m64n(64|128)k16\.f32\.(bf16|f16)' \
+                "wgmma.mma_async m64nNk16 instructions" || fail=1
         fi
         # The element-wise kernels the performance model times at HBM's packed rate (src/cost/time.rs,
         # `packed`: 16 bytes a thread and access, docs/cuda.md "Element-wise kernels") have 16-byte global
         # loads or stores (ld/st.global.v4 of 32-bit words, or v2 of 64-bit ones): a change that loses them
         # would leave them at the one-element rate, a quarter of it, while the model still says 0.80.
-        awk -v arch="$tarch" '
-            /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f)
-                                   if (f ~ /^(swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_(add|partial)|row_dot|accumulate)_(f32|bf16|f16)$/ || f == "adamw_f32") n[f] = 0; else f = ""; next }
-            /(ld|st)\.global(\.nc)?\.v4\.(u32|b32|f32)|(ld|st)\.global(\.nc)?\.v2\.(u64|b64|f64)/ && f != "" { n[f]++ }
-            END {
-                bad = 0
-                for (f in n) {
-                    if (n[f] == 0) { printf "FAIL sm_%s %s: no 16-byte global load or store (the model times it as packed)\n", arch, f; bad = 1 }
-                    else printf "ok   sm_%s %-26s %4d 16-byte global accesses\n", arch, f, n[f]
-                }
-                exit bad
-            }' "$ptx" | sort -k3 || fail=1
-        if [ "$stem" = flash_wgmma ]; then
-            awk -v arch="$tarch" '
-                /\.entry[[:space:]]/ { match($0, /\.entry[[:space:]]+[A-Za-z0-9_]+/); f = substr($0, RSTART, RLENGTH); sub(/\.entry[[:space:]]+/, "", f); n[f] = 0; next }
-                /wgmma\.mma_async\.sync\.aligned\.m64n(64|128)k16\.f32\.(bf16|f16)/ && f != "" { n[f]++ }
-                END {
-                    bad = 0
-                    for (f in n) {
-                        if (n[f] == 0) { printf "FAIL sm_%s %s: no wgmma.mma_async instruction\n", arch, f; bad = 1 }
-                        else printf "ok   sm_%s %-26s %4d wgmma.mma_async m64nNk16 instructions\n", arch, f, n[f]
-                    }
-                    exit bad
-                }' "$ptx" | sort -k3 || fail=1
-        fi
+        per_entry "$ptx" "$tarch" \
+            '^((swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_(add|partial)|row_dot|accumulate)_(f32|bf16|f16)|adamw_f32)$' \
+            '^$' '(ld|st)\.global(\.nc)?\.(v4\.(u32|b32|f32)|v2\.(u64|b64|f64))' "16-byte global accesses" || fail=1
     done
 done
 if [ "$fail" -ne 0 ]; then
