@@ -43,7 +43,7 @@ extern "C" __global__ void adamw_f32(float *__restrict__ state, const float *__r
     const AdamwStep a{flags, scale, lr, decay, b1, c1, b2, c2, ib1, ib2, eps};
     const bool adam = flags & 1;
     // The moments' rows (AdamW only: SGD's state is the weights alone).
-    float *m = state + n, *v = state + 2 * (size_t)n;
+    float *m = adam ? state + n : nullptr, *v = adam ? state + 2 * (size_t)n : nullptr;
     const bool vectors = n % 4 == 0 && aligned16(state) && aligned16(g);
     packed_loop<float>(
         n, vectors,

@@ -223,10 +223,11 @@ PYEOF
     seed7b)
         for len in $SEED_LENS; do
             work=$(mktemp -d)
-            # The plan of the seed's config for this micro-batch, on the shape alone (no weights).
+            # The plan of the seed's config for this micro-batch, on the shape alone (no weights), with the
+            # logits recomputed as the bench does (at 4k "auto" would keep them).
             "$BIN" -q train --config configs/openthinker3.toml --plan --model-config "$SEED_SHAPE" --device "$DEVICE" \
                 --device-memory "$SEED_MEMORY" --set "data.max_prompt_tokens=$SEED_PROMPT" \
-                --set "data.max_response_tokens=$len" >"$work/plan.txt" 2>&1
+                --set "data.max_response_tokens=$len" --set model.keep_logits=false >"$work/plan.txt" 2>&1
             cat "$work/plan.txt"
             # nvidia-smi's view (context and pool reserve included), sampled every 200 ms.
             smi=

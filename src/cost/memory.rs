@@ -44,10 +44,12 @@ use crate::train::offload::{chunk_len, staging_bytes};
 use crate::train::optim::OptimName;
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
-/// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads and what the
-/// allocator keeps. Measured: `grpo train` on the tiny model of configs/smoke.toml peaks about this much
-/// above its tensors.
-pub const CPU_PROCESS_BYTES: u64 = 64 << 20;
+/// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads, the final
+/// checkpoint's write (safetensors takes a copy of each tensor's bytes in turn) and what the allocator
+/// keeps. Measured (tests/plan_cli.rs's tiny model, 2026-11-27): the process peaks at its last checkpoint
+/// write, 101 or 121 MiB above the plan's tensors from one run to the next (glibc keeps freed heap up to
+/// twice its dynamic mmap threshold, which the order of large frees moves); the middle of the two.
+pub const CPU_PROCESS_BYTES: u64 = 112 << 20;
 
 /// Device memory outside candle's allocation pool on a GPU: the CUDA context, the kernels' modules and
 /// cuBLAS's workspaces. Assumed (a CUDA 13 context on an H100 holds about half a GiB before any module is
@@ -737,6 +739,10 @@ impl Plan {
     /// fits alone, all of them together; when not even that fits, the part no such setting changes and
     /// what can.
     pub fn advice(&self, cfg: &TrainConfig) -> String {
+        // The other settings are planned with the logits as this plan has them ("auto" resolved).
+        let mut resolved = cfg.clone();
+        resolved.model.keep_logits = Some(self.keep_logits);
+        let cfg = &resolved;
         let mut fitting = Vec::new();
         let mut floor = cfg.clone();
         let candidates = self.candidates(cfg);
@@ -1017,9 +1023,10 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// With `model.keep_logits = "auto"`, the share of the memory a plan may use ([`Plan::fits`]) that the
 /// plan with the logits kept may fill for the run to keep them. Kept logits save one lm_head GEMM a
-/// log-prob chunk, 1-2% of a 16k step; running out of memory loses the run, and the 2026-11-27c H100
-/// run's 7B step peaked 2% above its plan: so only with room to spare. The seed's 7B step (74.8 GiB
-/// with them, of 77.3 usable on an H100) does not keep them; a 0.5B-1.5B model's does.
+/// log-prob chunk, 1-2% of a 16k step; running out of memory loses the run, the pool's overheads
+/// ([`POOL_OVERHEAD`]) were measured at one step, and the 2026-11-27b build ran out of memory at a 7B step
+/// its plan said fit (a recomputation bug the plan could not see): so only with room to spare. The seed's
+/// 7B step (74.8 GiB with them, of 77.3 usable on an H100) does not keep them; a 0.5B-1.5B model's does.
 pub const AUTO_KEEP_LOGITS_SHARE: f64 = 0.9;
 
 /// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device, per
