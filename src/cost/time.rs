@@ -850,7 +850,6 @@ fn lora_parameters(m: &ModelConfig, r: u64) -> f64 {
     r as f64 * per_layer * f(m.num_layers)
 }
 
-/// The model's parameter tensors (each has its own gradient and update ops).
 /// Of the `(parameters, tensors)` trained on `s`: the parameters and tensors whose gradients
 /// kernels::accumulate adds each micro-batch, and the tensors whose accumulators a step's first
 /// micro-batch makes ([`TensorOps::accumulate_first_per_tensor`]). With `fused_wgrad` (no LoRA) the
@@ -868,23 +867,15 @@ fn accumulated(m: &ModelConfig, s: &StepShape, (p, tensors): (f64, f64)) -> (f64
 }
 
 /// The parameters and tensors whose gradients their own kernels add into the f32 accumulators
-/// (`fused_wgrad`): every layer's seven projection weights and the lm_head by their GEMMs, the embedding
-/// by its row sums (kernels::embedding_grad_into).
+/// (`fused_wgrad`): the model's matrices, every layer's seven projection weights and an untied lm_head by
+/// their GEMMs, the embedding by its row sums (kernels::embedding_grad_into).
 fn fused_gradient_parameters(m: &ModelConfig) -> (f64, f64) {
-    let f = |x: usize| x as f64;
-    let (h, i) = (f(m.hidden_size), f(m.intermediate_size));
-    let q = f(m.num_heads) * f(m.head_dim);
-    let kv = f(m.num_kv_heads) * f(m.head_dim);
-    let layers = f(m.num_layers);
-    let embedding = f(m.vocab_size) * h;
-    let (mut p, mut t) = (layers * (2.0 * h * q + 2.0 * h * kv + 3.0 * h * i) + embedding, 7.0 * layers + 1.0);
-    if !m.tie_word_embeddings {
-        p += f(m.vocab_size) * h;
-        t += 1.0;
-    }
-    (p, t)
+    let shapes = crate::model::decoder::parameter_shapes(m);
+    let matrices: Vec<usize> = shapes.iter().filter(|(_, s)| s.len() == 2).map(|(_, s)| s[0] * s[1]).collect();
+    (matrices.iter().sum::<usize>() as f64, matrices.len() as f64)
 }
 
+/// The model's parameter tensors (each has its own gradient and update ops).
 fn parameter_tensors(m: &ModelConfig) -> f64 {
     let one_layer = ModelConfig { num_layers: 1, ..m.clone() };
     let per_layer = crate::model::decoder::parameter_shapes(&one_layer).len() as f64;

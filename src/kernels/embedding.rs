@@ -80,21 +80,25 @@ fn cpu_grad_into<T: Elem>(acc: &mut [f32], ids: &[u32], g: &[T], (_, v, h): (usi
     if h == 0 {
         return Ok(());
     }
-    acc.par_chunks_mut(h).enumerate().for_each(|(id, o)| {
-        let rows = &order[start[id]..start[id + 1]];
-        if rows.is_empty() {
-            return;
-        }
-        let mut sum = vec![0f32; h];
-        for &r in rows {
-            for (s, x) in sum.iter_mut().zip(&g[r * h..(r + 1) * h]) {
-                *s += x.f32();
+    // Each thread's row of sums, made once and cleared per token.
+    acc.par_chunks_mut(h).enumerate().for_each_init(
+        || vec![0f32; h],
+        |sum, (id, o)| {
+            let rows = &order[start[id]..start[id + 1]];
+            if rows.is_empty() {
+                return;
             }
-        }
-        for (o, s) in o.iter_mut().zip(&sum) {
-            *o += s;
-        }
-    });
+            sum.fill(0.0);
+            for &r in rows {
+                for (s, x) in sum.iter_mut().zip(&g[r * h..(r + 1) * h]) {
+                    *s += x.f32();
+                }
+            }
+            for (o, s) in o.iter_mut().zip(sum.iter()) {
+                *o += s;
+            }
+        },
+    );
     Ok(())
 }
 
