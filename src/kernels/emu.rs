@@ -129,6 +129,30 @@ pub fn run(plan: &Plan, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
     run_with(plan, inputs, |_, args| args)
 }
 
+/// [`run`] with every buffer one element longer and every buffer argument one element in (its first
+/// element unread and unwritten), so that no pointer is 16-byte aligned: the packed element-wise kernels'
+/// one-element path. `inputs` as for [`run`]; the outputs without their first element.
+pub fn run_shifted(plan: &Plan, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {
+    let mut plan = plan.clone();
+    for b in &mut plan.buffers {
+        b.len += 1;
+    }
+    for a in plan.launches.iter_mut().flat_map(|l| l.args.iter_mut()) {
+        if let Arg::Buffer { offset, .. } = a {
+            *offset += 1;
+        }
+    }
+    let padded = inputs
+        .iter()
+        .map(|t| {
+            let t = t.flatten_all()?;
+            Tensor::cat(&[&t.narrow(0, 0, 1)?, &t], 0)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let refs: Vec<&Tensor> = padded.iter().collect();
+    run(&plan, &refs)?.into_iter().map(|o| o.narrow(0, 1, o.elem_count() - 1)).collect()
+}
+
 /// [`run`] for kernels that also update their inputs in place: every buffer of the plan after the
 /// launches (inputs and outputs, in the plan's order).
 pub fn run_in_place(plan: &Plan, inputs: &[&Tensor]) -> Result<Vec<Tensor>> {

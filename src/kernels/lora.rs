@@ -20,7 +20,7 @@ use rayon::prelude::*;
 
 use super::cpu::{with_float, Elem, IntoStorage};
 #[cfg(any(test, feature = "cuda"))]
-use super::launch::{kernel_name, Arg, Launch, Module, Plan};
+use super::launch::{kernel_name, packed_grid, Arg, Launch, Module, Plan};
 
 /// Elements per block of the CPU's parallel loops.
 const BLOCK: usize = 1 << 14;
@@ -293,14 +293,14 @@ pub fn lora_linear_reference(
     (base.to_dtype(DType::F32)? + delta)?.to_dtype(x.dtype())
 }
 
-/// The launch of `lora_input` over `n` elements of `dtype`: 256 threads a block, at most 4,096 blocks.
+/// The launch of `lora_input` over `n` elements of `dtype` ([`packed_grid`]).
 #[cfg(any(test, feature = "cuda"))]
 fn input_plan(dtype: DType, n: usize, mask: Mask) -> Result<Plan> {
     let mut p = Plan::default();
     let mut args = vec![p.input("x", dtype, n), p.output("f32 x, masked", DType::F32, n)];
     args.push(Arg::U32(n as u32));
     args.extend(mask_args(mask));
-    p.launch(elementwise(kernel_name("lora_input", dtype)?, n, args))?;
+    p.launch(elementwise(kernel_name("lora_input", dtype)?, dtype, n, args))?;
     Ok(p)
 }
 
@@ -311,7 +311,7 @@ fn combine_plan(dtype: DType, n: usize, scale: f32, mask: Mask) -> Result<Plan> 
     let mut args = vec![p.input("base", dtype, n), p.input("delta", DType::F32, n), p.output("y", dtype, n)];
     args.extend([Arg::U32(n as u32), Arg::F32(scale)]);
     args.extend(mask_args(mask));
-    p.launch(elementwise(kernel_name("lora_combine", dtype)?, n, args))?;
+    p.launch(elementwise(kernel_name("lora_combine", dtype)?, dtype, n, args))?;
     Ok(p)
 }
 
@@ -321,9 +321,9 @@ fn mask_args(m: Mask) -> [Arg; 4] {
 }
 
 #[cfg(any(test, feature = "cuda"))]
-fn elementwise(kernel: String, n: usize, args: Vec<Arg>) -> Launch {
-    let blocks = n.div_ceil(256).min(4096) as u32;
-    Launch { module: Module::Lora, kernel, grid: (blocks, 1, 1), block: (256, 1, 1), shared_bytes: 0, args }
+fn elementwise(kernel: String, dtype: DType, n: usize, args: Vec<Arg>) -> Launch {
+    let grid = (packed_grid(n, dtype), 1, 1);
+    Launch { module: Module::Lora, kernel, grid, block: (256, 1, 1), shared_bytes: 0, args }
 }
 
 #[cfg(test)]
@@ -438,24 +438,30 @@ mod tests {
     }
 
     /// kernels/lora.cu on the emulator against the CPU ops, bit for bit, with and without the mask,
-    /// f32/bf16/f16, on fewer elements than a block and (once) more than the grid's threads.
+    /// f32/bf16/f16: on 16-byte packs with a tail (35 elements: 4 packs of 8, or 8 of 4, and the rest one
+    /// at a time), on no aligned pointer (every element one at a time), and (once) on more packs than the
+    /// grid has threads (its stride loop).
     #[test]
     fn the_kernels_equal_the_cpu_ops() {
         let dropout = Mask::of(Some(Dropout { p: 0.2, seed: 1 << 40 }));
-        let mut cases = vec![(1_100_000, DType::BF16, dropout)]; // the stride loop: one case (slow on the emulator)
+        // f32 packs of 4: 1,100,000 elements are more than 1,024 blocks x 256 threads x 4 (slow on the emulator).
+        let mut cases = vec![(1_100_000, DType::F32, dropout, false)];
         for dtype in [DType::F32, DType::BF16, DType::F16] {
-            cases.extend([Mask::scaled(1.0), Mask::scaled(0.75), dropout].map(|m| (35, dtype, m)));
+            for misaligned in [false, true] {
+                cases.extend([Mask::scaled(1.0), Mask::scaled(0.75), dropout].map(|m| (35, dtype, m, misaligned)));
+            }
         }
-        for (n, dtype, mask) in cases {
+        for (n, dtype, mask, misaligned) in cases {
+            let run = if misaligned { super::super::emu::run_shifted } else { super::super::emu::run };
             let x = seeded(&[n / 5, 5], 2.0, 7).to_dtype(dtype).unwrap().flatten_all().unwrap();
             let delta = seeded(&[n / 5, 5], 1.0, 8).flatten_all().unwrap();
-            let got = super::super::emu::run(&input_plan(dtype, n, mask).unwrap(), &[&x]).unwrap();
+            let got = run(&input_plan(dtype, n, mask).unwrap(), &[&x]).unwrap();
             let want = input(&x, mask).unwrap();
-            assert_eq!(max_diff(&got[0], &want), 0.0, "input {n} {dtype:?} {mask:?}");
+            assert_eq!(max_diff(&got[0], &want), 0.0, "input {n} {dtype:?} {mask:?} misaligned {misaligned}");
             let plan = combine_plan(dtype, n, 1.5, mask).unwrap();
-            let got = super::super::emu::run(&plan, &[&x, &delta]).unwrap();
+            let got = run(&plan, &[&x, &delta]).unwrap();
             let want = combine(&x, &delta, 1.5, mask).unwrap();
-            assert_eq!(max_diff(&got[0], &want), 0.0, "combine {n} {dtype:?} {mask:?}");
+            assert_eq!(max_diff(&got[0], &want), 0.0, "combine {n} {dtype:?} {mask:?} misaligned {misaligned}");
         }
     }
 }

@@ -254,41 +254,22 @@ mod tests {
                 // expf on the host and on a GPU may differ in the last bit of f32; after rounding to the
                 // dtype, at most one unit of it.
                 let tol = if dtype == DType::F32 { 1e-6 } else { 0.01 };
-                let y = emulate(&swiglu_plan(dtype, n, false).unwrap(), &[&g, &u], n, misaligned);
+                let y = emulate(&swiglu_plan(dtype, n, false).unwrap(), &[&g, &u], misaligned);
                 let want = swiglu(&g, &u).unwrap().flatten_all().unwrap();
                 assert!(max_diff(&y, &want) < tol, "forward {n} {dtype:?} misaligned {misaligned}");
-                let both = emulate(&swiglu_plan(dtype, n, true).unwrap(), &[&g, &u, &dy], n, misaligned);
+                let both = emulate(&swiglu_plan(dtype, n, true).unwrap(), &[&g, &u, &dy], misaligned);
                 let want = g.apply_op3_no_bwd(&u, &dy, &SwigluBwd).unwrap().flatten_all().unwrap();
                 assert!(max_diff(&both, &want) < tol, "backward {n} {dtype:?} misaligned {misaligned}");
             }
         }
     }
 
-    /// `plan` (over `n` elements) on the emulator; `misaligned`: every buffer one element longer, each
-    /// argument one element in (its first element unread and unwritten), so no pointer is 16-byte
-    /// aligned. The output's `n` elements (or `[dg; du]`, 2n).
-    fn emulate(plan: &Plan, inputs: &[&Tensor], n: usize, misaligned: bool) -> Tensor {
+    /// `plan` (over `n` elements) on the emulator; `misaligned`: no pointer 16-byte aligned
+    /// ([`emu::run_shifted`](super::super::emu::run_shifted)). The output's `n` elements (or `[dg; du]`, 2n).
+    fn emulate(plan: &Plan, inputs: &[&Tensor], misaligned: bool) -> Tensor {
         let flat: Vec<Tensor> = inputs.iter().map(|t| t.flatten_all().unwrap()).collect();
-        if !misaligned {
-            let refs: Vec<&Tensor> = flat.iter().collect();
-            return super::super::emu::run(plan, &refs).unwrap().remove(0);
-        }
-        let mut plan = plan.clone();
-        for b in &mut plan.buffers {
-            b.len += 1;
-        }
-        for a in &mut plan.launches[0].args {
-            match a {
-                Arg::Buffer { offset, .. } => *offset += 1,
-                Arg::U32(x) => assert_eq!(*x as usize, n),
-                Arg::F32(_) => {}
-            }
-        }
-        // dg at offset 1 and du right after it (1 + n): the kernel's own layout, one element in.
-        let padded: Vec<Tensor> =
-            flat.iter().map(|t| Tensor::cat(&[&t.narrow(0, 0, 1).unwrap(), t], 0).unwrap()).collect();
-        let refs: Vec<&Tensor> = padded.iter().collect();
-        let out = super::super::emu::run(&plan, &refs).unwrap().remove(0);
-        out.narrow(0, 1, out.elem_count() - 1).unwrap()
+        let refs: Vec<&Tensor> = flat.iter().collect();
+        let run = if misaligned { super::super::emu::run_shifted } else { super::super::emu::run };
+        run(plan, &refs).unwrap().remove(0)
     }
 }
