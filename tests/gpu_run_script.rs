@@ -42,9 +42,10 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
         assert_eq!(g["gemms"].as_array().unwrap().len(), 21, "{g}");
         assert!(g["tflops"].as_f64().unwrap() > 0.0, "{g}");
     }
-    // 0.5B shape at two lengths (default and wgmma), the 7B shape's settings, and the short length.
+    // 0.5B shape at two lengths (default and wgmma), the 7B shape's settings, the short length and LoRA.
     let steps: Vec<&Value> = bench("train_step").collect();
-    assert_eq!(steps.len(), 6, "{stdout}");
+    assert_eq!(steps.len(), 7, "{stdout}");
+    assert_eq!(steps.iter().filter(|s| s["lora_r"] == 16).count(), 1, "{stdout}");
     for s in &steps {
         let predicted = s["predicted"].as_array().expect("predicted");
         assert!(predicted.iter().any(|p| p["step_time_s"].as_f64().unwrap() > 0.0), "{s}");

@@ -14,6 +14,7 @@
 #   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
 #      transformers import (a skipped line otherwise), the 16k one with a step under torch.profiler (its
 #      CUDA time in attention, GEMMs and the rest: where PyTorch's step goes), and grpo at 1k beside it;
+#      then a LoRA step (rank 16, every projection) at 4k;
 #   5. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
 #      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; Nsight Compute on the
 #      warpgroup kernels at 16k, head dims 64 and 128 (issue activity, tensor pipe, occupancy: NAME-ncu.txt);
@@ -35,7 +36,7 @@
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
 # (python3), SEED_ANSWERS (8), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention ncu gemm profile
-# optimizer seed7b torch short), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
+# optimizer seed7b torch short lora), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
 # for a shorter run that measures a change again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -194,6 +195,12 @@ fi
 fi
 if want short; then
     step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --keep-logits --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
+fi
+# The LoRA step (rank 16 on every projection, as configs/openthinker3-lora.toml) beside the full one at 4k: its
+# element-wise kernels (kernels/lora.cu, 16-byte packs) against the model's packed rate.
+if want lora; then
+    step "train-step grpo lora r16 0.5b $MID" 45 "$BIN" -q bench train-step "${c[@]}" --lora-r 16 --answers 8 \
+        --seq-len $MID --warmup 1 --repeats 2
 fi
 
 # 5. attention, one layer at the 7B's heads

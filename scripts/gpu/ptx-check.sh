@@ -139,7 +139,7 @@ for arch in $ARCHS; do
         # loads or stores (ld/st.global.v4 of 32-bit words, or v2 of 64-bit ones): a change that loses them
         # would leave them at the one-element rate, a quarter of it, while the model still says 0.80.
         per_entry "$ptx" "$tarch" \
-            '^((swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_(add|partial)|row_dot|accumulate)_(f32|bf16|f16)|adamw_f32)$' \
+            '^((swiglu_(fwd|bwd)|rms_norm_(fwd|bwd)|rope_(fwd|bwd)|lp_row_(stats|grad)|heads|bias_(add|partial)|row_dot|accumulate|lora_(input|combine))_(f32|bf16|f16)|adamw_f32)$' \
             '^$' '(ld|st)\.global(\.nc)?\.(v4\.(u32|b32|f32)|v2\.(u64|b64|f64))' "16-byte global accesses" || fail=1
     done
 done

@@ -428,11 +428,12 @@ fn layer_dense(o: &mut Ops, m: &ModelConfig, (n_tokens, d, lora_rank): (f64, f64
             gemm(o, "LoRA adapters", n_tokens, r, n, 4.0, 1.0);
             // kernels/lora.cu: forward, the input to f32 (masked) and the sum with the base output;
             // backward, the scaled output gradient, the input again, and the input's gradient's sum.
+            // In 16-byte packs in this build.
             let (bytes, launches) = match backward {
                 false => ((d + 4.0) * k + (2.0 * d + 4.0) * n, 2.0),
                 true => ((d + 4.0) * n + (d + 4.0) * k + (2.0 * d + 4.0) * k, 3.0),
             };
-            o.push("LoRA element-wise", OpKind::Elementwise, 0.0, bytes * n_tokens, launches);
+            o.elementwise("LoRA element-wise", bytes * n_tokens, launches, o.packed);
         }
     }
     layer_elementwise(o, m, (n_tokens, d), pass);
@@ -1381,6 +1382,13 @@ mod tests {
         // The gradients and the update are the adapters' (f32).
         let update = ops.iter().find(|o| o.name == "AdamW update (device)").unwrap();
         assert_eq!(update.bytes, 36.0 * 3.0 * adapters);
+        // kernels/lora.cu's element-wise steps run in 16-byte packs where the build's kernels do.
+        for build in [MeasuredBuild::Current, MeasuredBuild::H100Nov27b] {
+            let ops = step_costs(&m, &StepShape { build, ..s }, &H100_SXM);
+            let lora: Vec<_> = ops.iter().filter(|o| o.name == "LoRA element-wise").collect();
+            assert_eq!(lora.len(), 7 * 2, "7 projections (all layers in one), forward and backward");
+            assert!(lora.iter().all(|o| o.packed == build.packed_kernels()), "{build:?}");
+        }
     }
 
     #[test]

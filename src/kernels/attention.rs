@@ -272,11 +272,7 @@ mod tests {
         candle_nn::ops::softmax(&(x * scale).unwrap().broadcast_add(mask).unwrap(), D::Minus1).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let a = a.to_dtype(DType::F32).unwrap();
-        let b = b.to_dtype(DType::F32).unwrap();
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
-    }
+    use super::super::testing::max_abs_diff as max_diff;
 
     #[test]
     fn matches_scale_mask_softmax_forward_and_backward() {

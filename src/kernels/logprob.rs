@@ -257,15 +257,13 @@ mod tests {
                 assert!(into.get(&weight).is_none());
                 assert_eq!(values(into.get(&hidden).unwrap()), dh, "budget {budget}");
                 let want: Vec<f32> = dw.iter().map(|w| w * times).collect();
-                let err = values(&acc).iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                let err = super::super::testing::abs_diff(&values(&acc), &want);
                 assert!(err < 1e-5, "budget {budget}, {times} backward(s): {err}");
             }
         }
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-    }
+    use super::super::testing::max_abs_diff as max_diff;
 
     #[test]
     fn matches_reference_forward_and_backward_across_chunkings() {

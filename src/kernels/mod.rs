@@ -76,7 +76,7 @@ mod rows;
 mod sum_squares;
 mod swiglu;
 #[cfg(test)]
-mod testing;
+pub(crate) mod testing;
 mod wgrad;
 
 pub use accumulate::accumulate;

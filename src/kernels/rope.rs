@@ -212,10 +212,7 @@ mod tests {
         rope_reference(x, cos, sin).unwrap()
     }
 
-    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-        let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap()).unwrap();
-        d.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
-    }
+    use super::super::testing::max_abs_diff as max_diff;
 
     #[test]
     fn matches_the_composite_forward_and_backward() {

@@ -1642,7 +1642,7 @@ mod tests {
             assert!((l1 - l2).abs() < 1e-5);
             for (name, (a, c)) in names.iter().zip(grads.grads.iter().zip(&g2.grads)) {
                 let (a, c) = (values(a.as_ref().unwrap()), values(c.as_ref().unwrap()));
-                let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                let d = crate::kernels::testing::abs_diff(&a, &c);
                 assert!(d < 1e-5, "{arch:?} {name}: recomputed gradient differs by {d}");
                 assert!(a.iter().any(|&x| x != 0.0), "{arch:?} {name}: zero gradient");
             }
@@ -1708,7 +1708,7 @@ mod tests {
         assert!((l1 - l2).abs() < 1e-5, "{l1} vs recomputed {l2}");
         for (a, c) in g1.grads.iter().zip(&g2.grads) {
             let (a, c) = (values(a.as_ref().unwrap()), values(c.as_ref().unwrap()));
-            let d = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let d = crate::kernels::testing::abs_diff(&a, &c);
             assert!(d < 1e-5, "recomputed gradient differs by {d}");
         }
         let masked = |m: &Decoder| m.forward_backward(&seeded, &t, &mut weighted_loss).unwrap().0 as f64;
@@ -1734,7 +1734,7 @@ mod tests {
         let adapted = values(&m.token_logprobs(&b, &t, false).unwrap());
         assert_ne!(adapted, values(&off.token_logprobs(&b, &t, false).unwrap()));
         let merged = values(&m.merged().unwrap().token_logprobs(&b, &t, false).unwrap());
-        let d = adapted.iter().zip(&merged).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+        let d = crate::kernels::testing::abs_diff(&adapted, &merged);
         assert!(d < 1e-5, "merged log-probs differ by {d}");
         // A frozen copy (the reference swap, the snapshot) computes the same, sharing the base weights.
         let copy = m.frozen_copy().unwrap();
@@ -1783,7 +1783,7 @@ mod tests {
         assert!((l1 - l2).abs() < 1e-5);
         for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
             let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
-            let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let d = crate::kernels::testing::abs_diff(&a, &b);
             assert!(d < 1e-5, "{name}: recomputed gradient differs by {d}");
         }
         // The attention's forward kept rather than recomputed: the same arithmetic, the same gradients.
@@ -1815,7 +1815,7 @@ mod tests {
                 assert!((l1 - l2).abs() < 1e-5, "{arch:?}: loss {l1} vs {l2}");
                 for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
                     let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
-                    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    let d = crate::kernels::testing::abs_diff(&a, &b);
                     // f32 sums in different orders (the embedding gradient's per-token sums, the
                     // attention's GEMM blocking): a few units in the fifth decimal.
                     assert!(d < 5e-5, "{arch:?} {name}: fused gradient differs by {d}");
@@ -1852,7 +1852,7 @@ mod tests {
                 let want = (g1.grads[i].as_ref().unwrap() + g2.grads[i].as_ref().unwrap()).unwrap();
                 let got = fused.grads[i].as_ref().unwrap();
                 let (a, w) = (values(got), values(&want));
-                let d = a.iter().zip(&w).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                let d = crate::kernels::testing::abs_diff(&a, &w);
                 assert!(d < 5e-5, "{arch:?} tied {tied} checkpoint {checkpoint} {name}: differs by {d}");
             }
         }
@@ -1900,7 +1900,7 @@ mod tests {
                     assert!((l1 - l2).abs() < 1e-5, "{arch:?}: loss {l1} vs {l2}");
                     for (name, (a, b)) in m.names().iter().zip(g1.grads.iter().zip(&g2.grads)) {
                         let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
-                        let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                        let d = crate::kernels::testing::abs_diff(&a, &b);
                         let size = b.iter().map(|x| x.abs()).fold(1f32, f32::max);
                         assert!(d < 1e-5 * size, "{arch:?} {name}: flash gradient differs by {d} (of {size})");
                     }
@@ -1930,7 +1930,7 @@ mod tests {
         let packed = values(&m.token_logprobs(&packed_batch, &t, false).unwrap().narrow(1, 0, 1).unwrap());
         let want: Vec<f32> = la.iter().chain(&lb).copied().collect();
         for got in [padded, packed] {
-            let d = want.iter().zip(&got).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let d = crate::kernels::testing::abs_diff(&want, &got);
             assert!(d < 1e-5, "differs by {d}");
         }
     }
@@ -1980,9 +1980,7 @@ mod tests {
                 for (r, s) in seqs.iter().enumerate() {
                     let full = m.full_logits(&TokenBatch::padded(std::slice::from_ref(s), 0)).unwrap();
                     let last = full.get(0).unwrap().get(s.len() - 1).unwrap();
-                    let d = values(&(last.clone() - logits.get(r).unwrap()).unwrap().abs().unwrap())
-                        .into_iter()
-                        .fold(0f32, f32::max);
+                    let d = crate::kernels::testing::abs_diff(&values(&last), &values(&logits.get(r).unwrap()));
                     assert!(d < 1e-4, "{arch:?} row {r}: cached logits differ by {d}");
                     assert_eq!(last.argmax(0).unwrap().to_scalar::<u32>().unwrap(), next[r]);
                 }

@@ -171,7 +171,7 @@ fn generation_check(device: &Device) -> Result<Vec<Part>> {
     let model = tiny(device, true, false)?;
     let generated = generate(&model, &prompts, &[0, 1], &params, &[], 0, |_| {})?;
     let reference = tiny(&Device::Cpu, false, false)?;
-    let (mut gap, mut scale) = (0f32, 0f32);
+    let (mut gap, mut scale, mut finite) = (0f32, 0f32, true);
     for (prompt, g) in prompts.iter().zip(&generated) {
         if g.tokens.len() != new_tokens {
             candle_core::bail!("generated {} tokens, expected {new_tokens}", g.tokens.len());
@@ -185,8 +185,10 @@ fn generation_check(device: &Device) -> Result<Vec<Part>> {
         let picked = logits.gather(&chosen, 1)?.squeeze(1)?;
         gap = gap.max((best - picked)?.max(0)?.to_scalar::<f32>()?);
         scale = scale.max(logits.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?);
+        // candle's max passes over NaN: a non-finite logit must fail the check, not vanish from it.
+        finite &= logits.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| x.is_finite());
     }
-    let error = if gap.is_finite() && scale > 0.0 { gap / scale } else { f32::NAN };
+    let error = if finite && gap.is_finite() && scale > 0.0 { gap / scale } else { f32::NAN };
     Ok(vec![Part { name: "logit gap", error }])
 }
 

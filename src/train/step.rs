@@ -809,7 +809,7 @@ mod tests {
                 for (a, b) in g.grads.iter().zip(&g1.grads) {
                     let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
                     let scale = b.iter().map(|x| x.abs()).fold(1e-3f32, f32::max);
-                    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    let d = crate::kernels::testing::abs_diff(&a, &b);
                     assert!(d < 1e-5 * scale.max(1.0), "{name} micro {micro}: gradient differs by {d}");
                 }
             }
@@ -821,7 +821,7 @@ mod tests {
         for (a, b) in a.grads.iter().zip(&b.grads) {
             let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
             let scale = b.iter().map(|x| x.abs()).fold(1e-3f32, f32::max).max(1.0);
-            let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+            let d = crate::kernels::testing::abs_diff(&a, &b);
             assert!(d < tol * scale, "{name}: gradient differs by {d}");
         }
     }
@@ -903,7 +903,7 @@ mod tests {
         let mut moved = 0f32;
         for ((x, y), x0) in params(&a).iter().zip(params(&b)).zip(&before) {
             moved = x.iter().zip(x0).map(|(p, q)| (p - q).abs()).fold(moved, f32::max);
-            let d = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0f32, f32::max);
+            let d = crate::kernels::testing::abs_diff(x, &y);
             assert!(d <= 1e-6, "the weights differ by {d}");
         }
         assert!(moved > 1e-3, "the step moved the weights by {moved} at most");
@@ -965,7 +965,7 @@ mod tests {
                 for (a, b) in ga.grads.iter().zip(&gb.grads) {
                     let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
                     let scale = a.iter().map(|x| x.abs()).fold(1e-3f32, f32::max).max(1.0);
-                    let d = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+                    let d = crate::kernels::testing::abs_diff(&a, &b);
                     assert!(d <= tol as f32 * scale, "{name}: gradients differ by {d}");
                 }
             }

@@ -95,11 +95,8 @@ fn matrix(ranges: &Tensor) -> impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor + '_ 
     move |q, k, v| matrix_attention(q, k, v, |x| masked_softmax(x, ranges, SCALE)).unwrap()
 }
 
-/// Largest absolute difference over the largest absolute value of `b` (at least 1).
-fn rel_diff(a: &Tensor, b: &Tensor) -> f32 {
-    let max = |t: Tensor| t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-    max((a - b).unwrap()) / max(b.clone()).max(1.0)
-}
+// Largest absolute difference over the largest absolute value of `b` (at least 1).
+use super::super::testing::max_diff_over_1 as rel_diff;
 
 fn cases() -> Vec<(&'static str, Case)> {
     let mut out = vec![];
