@@ -345,134 +345,304 @@ fn logprob_chunk_bytes(cfg: &TrainConfig, inputs: &PlanInputs, free: Option<u64>
 }
 
 fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, chunk_bytes: u64) -> Plan {
-    let d = dtype_bytes(&cfg.model.dtype);
-    let p = model.num_parameters() as u64;
-    let (p_layer, p_max) = largest_params(model);
-    let (prompt, response) = sequence_tokens(cfg, model);
-    let shape = micro_batch_shape(cfg, prompt, response);
-    let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
-    let lora_bytes = lora.as_ref().map_or(0.0, |l| l.saved_per_token);
-    let mut act = Activations::new(model, &shape, d, inputs.attention, chunk_bytes, lora_bytes);
-    if cfg.model.fused_ops {
-        // The lm_head's gradient goes chunk by chunk straight into the step's f32 accumulator
-        // (kernels::wgrad_accumulate): no buffer of the head's own.
-        act.head_backward = 0;
+    let basis = Basis::of(cfg, model, inputs);
+    let act = basis.activations(chunk_bytes);
+    let mut c = Components::default();
+    basis.resident(&mut c);
+    basis.saved(&mut c, &act);
+    basis.backward_peak(&mut c, &act);
+    basis.update(&mut c);
+    c.0.extend(generation_components(cfg, model, basis.d, basis.prompt));
+    let mut summary = summary(cfg, model, &basis.shape, basis.prompt, basis.response);
+    if basis.world > 1 {
+        summary.push_str(&format!("; per rank of {} (ZeRO-1: the optimizer state sharded)", basis.world));
     }
-    if let Some(l) = &lora {
-        // The frozen lm_head gets no gradient (src/kernels/logprob.rs).
-        act.head_backward = 0;
-        act.layer_backward += to_bytes(shape.b as f64 * shape.t as f64 * l.backward_per_token);
+    Plan {
+        components: c.0,
+        inputs,
+        summary,
+        logprob_chunk_bytes: chunk_bytes,
+        model: model.clone(),
+        keep_logits: cfg.model.keep_logits == Some(true),
+        keep_logits_note: None,
     }
-    // What is trained: every weight in the model's dtype, or (LoRA) the f32 adapters.
-    let (p_train, p_layer, p_max) = match &lora {
-        Some(l) => (l.params, l.layer, l.largest),
-        None => (p, p_layer, p_max),
-    };
-    // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
-    let atomic_dq = matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto)
-        && !cfg.model.deterministic_attention
-        && !inputs.on_cpu;
-    if atomic_dq {
-        let q = (model.num_heads as u64).saturating_mul(model.head_dim as u64);
-        let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
-        act.attention_workspace = act.attention_workspace.saturating_add(accumulator);
+}
+
+/// A plan's components in the order they are added.
+#[derive(Default)]
+struct Components(Vec<Component>);
+
+impl Components {
+    fn add(&mut self, name: &str, bytes: u64, place: Place, phase: Phase, formula: impl Into<String>) {
+        self.0.push(Component { name: name.into(), bytes, place, phase, formula: formula.into() });
     }
-    // The tensor-core backward's dk/dv partial sums (each KV head's group split over the kernel's blocks).
-    if matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto) && !inputs.on_cpu {
-        let (b, t) = (shape.b as usize, shape.t as usize);
-        let parts = crate::kernels::dkv_partial_sum_bytes(b, model.num_heads, model.num_kv_heads, t, model.head_dim);
-        act.attention_workspace = act.attention_workspace.saturating_add(parts);
+}
+
+/// What the plan's parts are computed from: the two configurations, the inputs, and what follows from them.
+struct Basis<'a> {
+    cfg: &'a TrainConfig,
+    model: &'a ModelConfig,
+    inputs: PlanInputs,
+    /// Bytes of an element of the model's dtype.
+    d: u64,
+    /// The model's parameters.
+    p: u64,
+    /// The longest prompt and answer, and the largest micro-batch.
+    prompt: u64,
+    response: u64,
+    shape: Shape,
+    lora: Option<Lora>,
+    /// What is trained (every weight, or the LoRA adapters): in all, in a layer, the largest tensor.
+    p_train: u64,
+    p_layer: u64,
+    p_max: u64,
+    /// Data-parallel ranks (at least 1).
+    world: u64,
+    /// The tensor-core backward sums dq by f32 atomics (`model.deterministic_attention = false`).
+    atomic_dq: bool,
+}
+
+impl<'a> Basis<'a> {
+    fn of(cfg: &'a TrainConfig, model: &'a ModelConfig, inputs: PlanInputs) -> Self {
+        let p = model.num_parameters() as u64;
+        let (prompt, response) = sequence_tokens(cfg, model);
+        let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
+        let (p_train, p_layer, p_max) = match &lora {
+            Some(l) => (l.params, l.layer, l.largest),
+            None => {
+                let (layer, largest) = largest_params(model);
+                (p, layer, largest)
+            }
+        };
+        let atomic_dq = tensor_core_backward(&inputs) && !cfg.model.deterministic_attention;
+        Basis {
+            cfg,
+            model,
+            inputs,
+            d: dtype_bytes(&cfg.model.dtype),
+            p,
+            prompt,
+            response,
+            shape: micro_batch_shape(cfg, prompt, response),
+            lora,
+            p_train,
+            p_layer,
+            p_max,
+            world: inputs.world_size.max(1),
+            atomic_dq,
+        }
     }
-    let mut c = Vec::new();
-    let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
-        c.push(Component { name: name.into(), bytes, place, phase, formula });
-    };
-    use Phase::*;
-    use Place::*;
-    add("weights", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
-    if let Some(l) = &lora {
-        add("LoRA adapters (f32)", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B".into());
+
+    /// The micro-batch's activations, with the head's and the attention's workspaces as this run has them.
+    fn activations(&self, chunk_bytes: u64) -> Activations {
+        let (cfg, model, shape) = (self.cfg, self.model, &self.shape);
+        let lora_bytes = self.lora.as_ref().map_or(0.0, |l| l.saved_per_token);
+        let mut act = Activations::new(model, shape, self.d, self.inputs.attention, chunk_bytes, lora_bytes);
+        if cfg.model.fused_ops {
+            // The lm_head's gradient goes chunk by chunk straight into the step's f32 accumulator
+            // (kernels::wgrad_accumulate): no buffer of the head's own.
+            act.head_backward = 0;
+        }
+        if let Some(l) = &self.lora {
+            // The frozen lm_head gets no gradient (src/kernels/logprob.rs).
+            act.head_backward = 0;
+            act.layer_backward += to_bytes(shape.b as f64 * shape.t as f64 * l.backward_per_token);
+        }
+        if self.atomic_dq {
+            // The tensor-core backward with dq by atomics sums dq in an f32 accumulator, [N, q] f32.
+            let q = (model.num_heads as u64).saturating_mul(model.head_dim as u64);
+            let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
+            act.attention_workspace = act.attention_workspace.saturating_add(accumulator);
+        }
+        if tensor_core_backward(&self.inputs) {
+            // The tensor-core backward's dk/dv partial sums (each KV head's group split over the kernel's blocks).
+            let (b, t) = (shape.b as usize, shape.t as usize);
+            let parts =
+                crate::kernels::dkv_partial_sum_bytes(b, model.num_heads, model.num_kv_heads, t, model.head_dim);
+            act.attention_workspace = act.attention_workspace.saturating_add(parts);
+        }
+        act
     }
-    let pn = if lora.is_some() { "P_lora" } else { "P" };
-    add("gradients (f32 accumulator)", p_train.saturating_mul(4), Device, Step, format!("{pn} x 4 B"));
-    let opt = cfg.optim.name;
-    let state = if opt == OptimName::Adamw { 12 } else { 4 };
-    let world = inputs.world_size.max(1);
-    let state_place = if cfg.optim.offload { Host } else { Device };
-    let what = if opt == OptimName::Adamw { "f32 master + 2 moments" } else { "f32 master" };
-    let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
-    let (state_bytes, shard) = match world {
-        1 => (p_train.saturating_mul(state), String::new()),
-        n => (p_train.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
-    };
-    add("optimizer state", state_bytes, state_place, Resident, format!("{pn} x {state} B{shard} ({what}; {off})"));
-    let objective = cfg.objective.build();
-    if objective.needs_reference() {
-        if inputs.reference_cached {
-            let bytes = shape.n_scored.saturating_mul(4);
-            add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch".into());
-        } else if lora.is_some() && cfg.model.reference.is_none() {
-            // The base model: the policy's own frozen weights with the adapters off.
-            add("reference model", 0, Device, Resident, "the policy's base weights (LoRA)".into());
+
+    /// "P_lora" or "P": the trained parameters in the formulas.
+    fn pn(&self) -> &'static str {
+        if self.lora.is_some() {
+            "P_lora"
         } else {
-            add("reference model", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
+            "P"
         }
     }
-    if objective.anchor() == Some(Anchor::Snapshot) {
-        match &lora {
-            // A frozen copy of the adapters, sharing the base weights.
-            Some(l) => add("anchor snapshot", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B".into()),
-            None => add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B")),
+
+    /// What the run holds throughout: weights, adapters, gradients, optimizer state, the reference and the
+    /// anchor, and the process or the CUDA context.
+    fn resident(&self, c: &mut Components) {
+        use Phase::*;
+        use Place::*;
+        let (cfg, d, p, pn) = (self.cfg, self.d, self.p, self.pn());
+        c.add("weights", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
+        if let Some(l) = &self.lora {
+            c.add("LoRA adapters (f32)", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B");
+        }
+        c.add("gradients (f32 accumulator)", self.p_train.saturating_mul(4), Device, Step, format!("{pn} x 4 B"));
+        self.optimizer_state(c);
+        let objective = cfg.objective.build();
+        if objective.needs_reference() {
+            if self.inputs.reference_cached {
+                let bytes = self.shape.n_scored.saturating_mul(4);
+                c.add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch");
+            } else if self.lora.is_some() && cfg.model.reference.is_none() {
+                // The base model: the policy's own frozen weights with the adapters off.
+                c.add("reference model", 0, Device, Resident, "the policy's base weights (LoRA)");
+            } else {
+                c.add("reference model", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
+            }
+        }
+        if objective.anchor() == Some(Anchor::Snapshot) {
+            match &self.lora {
+                // A frozen copy of the adapters, sharing the base weights.
+                Some(l) => c.add("anchor snapshot", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B"),
+                None => c.add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B")),
+            }
+        }
+        if self.inputs.on_cpu {
+            c.add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured");
+        } else {
+            c.add(
+                "CUDA context, modules and cuBLAS workspaces",
+                CUDA_CONTEXT_BYTES,
+                Device,
+                Resident,
+                "outside the pool",
+            );
         }
     }
-    if inputs.on_cpu {
-        add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured".into());
-    } else {
-        add(
-            "CUDA context, modules and cuBLAS workspaces",
-            CUDA_CONTEXT_BYTES,
-            Device,
-            Resident,
-            "outside the pool".into(),
-        );
+
+    /// The optimizer's state: its f32 master copy and moments, on the device or (offload) the host, sharded
+    /// over the ranks.
+    fn optimizer_state(&self, c: &mut Components) {
+        let (cfg, pn) = (self.cfg, self.pn());
+        let adamw = cfg.optim.name == OptimName::Adamw;
+        let state = if adamw { 12 } else { 4 };
+        let place = if cfg.optim.offload { Place::Host } else { Place::Device };
+        let what = if adamw { "f32 master + 2 moments" } else { "f32 master" };
+        let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
+        let (bytes, shard) = match self.world {
+            1 => (self.p_train.saturating_mul(state), String::new()),
+            n => (self.p_train.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
+        };
+        let formula = format!("{pn} x {state} B{shard} ({what}; {off})");
+        c.add("optimizer state", bytes, place, Phase::Resident, formula);
     }
-    let ckpt = cfg.model.checkpoint_layers;
-    let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
-    add(
-        "activations, checkpoint_layers = true",
-        act.saved_checkpointed,
-        Device,
-        used,
-        "(L+1) [N,h] + one layer".into(),
-    );
-    add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]".into());
-    if ckpt && act.kept_attention > 0 {
-        let when = if cfg.model.recompute_attention { Alternative } else { Backward };
-        let formula = "L ([N,q] d + 4 B heads T)".into();
-        add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
+
+    /// What the forward keeps for the backward: the layers' activations (either setting of
+    /// `checkpoint_layers`, the other shown), the kept attention outputs, the head's inputs, kept logits.
+    fn saved(&self, c: &mut Components, act: &Activations) {
+        use Phase::*;
+        use Place::*;
+        let cfg = self.cfg;
+        let ckpt = cfg.model.checkpoint_layers;
+        let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
+        let formula = "(L+1) [N,h] + one layer";
+        c.add("activations, checkpoint_layers = true", act.saved_checkpointed, Device, used, formula);
+        c.add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]");
+        if ckpt && act.kept_attention > 0 {
+            let when = if cfg.model.recompute_attention { Alternative } else { Backward };
+            let formula = "L ([N,q] d + 4 B heads T)";
+            c.add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
+        }
+        c.add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n");
+        if cfg.model.keep_logits == Some(true) {
+            // The forward's logits, alive until the head's backward has read them.
+            let kept = to_bytes(self.shape.n_scored as f64 * self.model.vocab_size as f64 * self.d as f64);
+            c.add("logits kept (model.keep_logits)", kept, Device, Backward, "n V d");
+        }
     }
-    add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n".into());
-    if cfg.model.keep_logits == Some(true) {
-        // The forward's logits, alive until the head's backward has read them.
-        let kept = to_bytes(shape.n_scored as f64 * model.vocab_size as f64 * d as f64);
-        add("logits kept (model.keep_logits)", kept, Device, Backward, "n V d".into());
+
+    /// The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
+    /// parameter gradients held before they are added to the accumulator (the other shown).
+    fn backward_peak(&self, c: &mut Components, act: &Activations) {
+        use Phase::*;
+        use Place::*;
+        let grad_store = self.gradients_in_flight();
+        let layer_part = act.layer_backward.saturating_add(act.attention_workspace).saturating_add(grad_store);
+        let head_part = act.head_backward.saturating_add(act.logprob_chunk);
+        let kind = attention_workspace_kind(self.inputs.attention, self.atomic_dq);
+        let chunk = "2 rows V d";
+        if head_part >= layer_part {
+            let formula = "12 V h B (1 chunk: 4+d)";
+            c.add("log-prob head backward (f32 lm_head grad)", act.head_backward, Device, Backward, formula);
+            c.add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Backward, chunk);
+            c.add("attention workspace", act.attention_workspace, Device, Alternative, kind);
+        } else {
+            c.add("layer backward workspace", act.layer_backward, Device, Backward, "(3i+3h+2q) N d");
+            c.add("attention workspace", act.attention_workspace, Device, Backward, kind);
+            let what = if self.cfg.model.checkpoint_layers {
+                "largest layer or tensor x d"
+            } else {
+                "P x d: all, until collected"
+            };
+            c.add("parameter gradients in flight", grad_store, Device, Backward, what);
+            c.add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, chunk);
+        }
     }
-    // The backward's larger part: the head's f32 lm_head gradient, or one layer's backward with the
-    // parameter gradients held before they are added to the accumulator. With f32 weights and the whole
-    // step in one micro-batch, those gradients become the accumulator (no copy): counted once.
-    let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
-    let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
-    let shared = d == 4 && answers > 0 && answers <= answers_per_micro_batch(cfg, prompt.saturating_add(response));
-    // LoRA's gradients are f32 (the adapters' dtype).
-    let gd = if lora.is_some() { 4 } else { d };
-    let grad_store = match (ckpt, shared && lora.is_none()) {
-        (_, true) => 0,
-        (true, false) => p_layer.max(p_max).saturating_mul(gd),
-        (false, false) => p_train.saturating_mul(gd),
-    };
-    let layer_part = act.layer_backward.saturating_add(act.attention_workspace).saturating_add(grad_store);
-    let head_part = act.head_backward.saturating_add(act.logprob_chunk);
-    let kind = match inputs.attention {
+
+    /// The parameter gradients a layer's backward holds before they are added to the accumulator. With f32
+    /// weights and the whole step in one micro-batch, they become the accumulator (no copy): counted once.
+    fn gradients_in_flight(&self) -> u64 {
+        let cfg = self.cfg;
+        let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
+        let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
+        let seq = self.prompt.saturating_add(self.response);
+        let shared = self.d == 4 && answers > 0 && answers <= answers_per_micro_batch(cfg, seq);
+        // LoRA's gradients are f32 (the adapters' dtype).
+        let gd = if self.lora.is_some() { 4 } else { self.d };
+        match (cfg.model.checkpoint_layers, shared && self.lora.is_none()) {
+            (_, true) => 0,
+            (true, false) => self.p_layer.max(self.p_max).saturating_mul(gd),
+            (false, false) => self.p_train.saturating_mul(gd),
+        }
+    }
+
+    /// The update's temporaries (in place: the new weights in the model's dtype, or with offload the
+    /// staging of f32 gradients), and the collectives' buffers of several ranks.
+    fn update(&self, c: &mut Components) {
+        use Phase::*;
+        use Place::*;
+        let (cfg, p_train, world) = (self.cfg, self.p_train, self.world);
+        if cfg.optim.offload {
+            // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
+            let bytes = staging_bytes(chunk_len(p_train as usize, cfg.optim.offload_chunk_mb)) as u64;
+            c.add("optimizer update temporaries", bytes, Host, Update, "staging: 2 slots of f32 gradients and weights");
+        } else {
+            let bytes = self.p_max.saturating_mul(self.d);
+            c.add("optimizer update temporaries", bytes, Device, Update, "the largest tensor's new weights x d");
+        }
+        if world > 1 {
+            // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
+            // block of their sum, then the gathered f32 weights (one after the other).
+            let staging = p_train.saturating_mul(4).saturating_add(p_train.saturating_mul(4) / world);
+            let place = if self.inputs.on_cpu { Device } else { Host };
+            c.add("collective staging (f32 gradients / weights)", staging, place, Update, "P x 4 B (1 + 1/N)");
+        }
+        if world > 1 && !self.inputs.on_cpu {
+            // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
+            // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
+            let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p_train);
+            let bytes = 4 * (values + values / world);
+            c.add("collective buffers (NCCL, per piece)", bytes, Device, Update, "<= 256 MiB + a rank's share");
+        }
+    }
+}
+
+/// The run's attention backward runs on the tensor-core kernels (their dk/dv partial sums, and with
+/// atomics their dq accumulator): the GPU kinds but the matrix and flash ones.
+fn tensor_core_backward(inputs: &PlanInputs) -> bool {
+    matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto) && !inputs.on_cpu
+}
+
+/// The attention workspace's formula.
+fn attention_workspace_kind(attention: Attention, atomic_dq: bool) -> &'static str {
+    match attention {
         Attention::Flash => "flash: O(T)",
         Attention::Mma if atomic_dq => "mma: O(T) + dk/dv parts + [N,q] 4 B dq accumulator",
         Attention::Mma => "mma: O(T) + dk/dv parts (split x 2 [N,kv] 4 B)",
@@ -481,68 +651,6 @@ fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, c
         Attention::Auto if atomic_dq => "auto (tensor cores): O(T) + dk/dv parts + [N,q] 4 B dq accumulator",
         Attention::Auto => "auto (tensor cores): O(T) + dk/dv parts (split x 2 [N,kv] 4 B)",
         Attention::Matrix => "matrix: 2 B heads T^2 d",
-    };
-    if head_part >= layer_part {
-        add(
-            "log-prob head backward (f32 lm_head grad)",
-            act.head_backward,
-            Device,
-            Backward,
-            "12 V h B (1 chunk: 4+d)".into(),
-        );
-        add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Backward, "2 rows V d".into());
-        add("attention workspace", act.attention_workspace, Device, Alternative, kind.into());
-    } else {
-        add("layer backward workspace", act.layer_backward, Device, Backward, "(3i+3h+2q) N d".into());
-        add("attention workspace", act.attention_workspace, Device, Backward, kind.into());
-        let what = if ckpt { "largest layer or tensor x d" } else { "P x d: all, until collected" };
-        add("parameter gradients in flight", grad_store, Device, Backward, what.into());
-        add("log-prob chunk (logprob_chunk_mb)", act.logprob_chunk, Device, Alternative, "2 rows V d".into());
-    }
-    // The update is in place (kernels::adamw): what it adds is the new weights in the model's dtype, and
-    // with offload the f32 gradients brought to the host.
-    let d = dtype_bytes(&cfg.model.dtype);
-    let update = if cfg.optim.offload {
-        // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
-        staging_bytes(chunk_len(p_train as usize, cfg.optim.offload_chunk_mb)) as u64
-    } else {
-        p_max.saturating_mul(d)
-    };
-    let upd_place = if cfg.optim.offload { Host } else { Device };
-    let f = if cfg.optim.offload {
-        "staging: 2 slots of f32 gradients and weights"
-    } else {
-        "the largest tensor's new weights x d"
-    };
-    add("optimizer update temporaries", update, upd_place, Update, f.into());
-    if world > 1 {
-        // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
-        // block of their sum, then the gathered f32 weights (one after the other).
-        let staging = p_train.saturating_mul(4).saturating_add(p_train.saturating_mul(4) / world);
-        let place = if inputs.on_cpu { Device } else { Host };
-        add("collective staging (f32 gradients / weights)", staging, place, Update, "P x 4 B (1 + 1/N)".into());
-    }
-    if world > 1 && !inputs.on_cpu {
-        // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
-        // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
-        let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p_train);
-        let bytes = 4 * (values + values / world);
-        add("collective buffers (NCCL, per piece)", bytes, Device, Update, "<= 256 MiB + a rank's share".into());
-    }
-    c.extend(generation_components(cfg, model, d, prompt));
-    let mut summary = summary(cfg, model, &shape, prompt, response);
-    if world > 1 {
-        summary.push_str(&format!("; per rank of {world} (ZeRO-1: the optimizer state sharded)"));
-    }
-    let keep_logits = cfg.model.keep_logits == Some(true);
-    Plan {
-        components: c,
-        inputs,
-        summary,
-        logprob_chunk_bytes: chunk_bytes,
-        model: model.clone(),
-        keep_logits,
-        keep_logits_note: None,
     }
 }
 
@@ -600,10 +708,7 @@ fn sequence_tokens(cfg: &TrainConfig, model: &ModelConfig) -> (u64, u64) {
 fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt: u64) -> Vec<Component> {
     use Phase::*;
     use Place::*;
-    let mut c = Vec::new();
-    let mut add = |name: &str, bytes: u64, place: Place, phase: Phase, formula: String| {
-        c.push(Component { name: name.into(), bytes, place, phase, formula });
-    };
+    let mut c = Components::default();
     // A generation's KV cache: `batch` sequences of `tokens` tokens, 2 L kv d bytes per token, counted
     // twice because the cache grows by concatenation, plus two rows of f32 logits per sequence.
     let kv_cache = |batch: usize, tokens: u64| {
@@ -614,19 +719,25 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
     };
     if let Some(v) = &cfg.validation {
         let (bytes, f) = kv_cache(v.batch_size, prompt.saturating_add(v.max_new_tokens as u64));
-        add("validation KV cache", bytes, Device, Validation, f);
+        c.add("validation KV cache", bytes, Device, Validation, f);
     }
     if let Some(r) = &cfg.rollout {
         if r.sync_every > 1 {
             let f = format!("P x {d} B (the policy of the last refresh, rollout.sync_every = {})", r.sync_every);
-            add("rollout sampling policy copy", (model.num_parameters() as u64).saturating_mul(d), Device, Resident, f);
+            c.add(
+                "rollout sampling policy copy",
+                (model.num_parameters() as u64).saturating_mul(d),
+                Device,
+                Resident,
+                f,
+            );
         }
         if r.server.engine == crate::eval::EngineKind::Native {
             let (bytes, f) = kv_cache(r.batch_size, prompt.saturating_add(r.max_new_tokens as u64));
-            add("rollout KV cache", bytes, Device, Rollout, f);
+            c.add("rollout KV cache", bytes, Device, Rollout, f);
         }
     }
-    c
+    c.0
 }
 
 /// The plan's first line: the model's shape and the micro-batch.
