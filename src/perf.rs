@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::cost::calibration::MeasuredBuild;
 use crate::data::{Group, Response};
@@ -216,7 +216,7 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
         tflops: flops / seconds / 1e12,
         assumed,
     };
-    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+    to_record(record)
 }
 
 /// One training step's settings (`grpo bench train-step`).
@@ -337,26 +337,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     check_lengths(spec)?;
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
-    let mut policy = random_model(cfg, t, spec.lora_r == 0)?;
-    if spec.lora_r > 0 {
-        let opts = LoraOptions { r: spec.lora_r, alpha: 2.0 * spec.lora_r as f64, ..LoraOptions::default() };
-        let adapters = crate::model::lora::init_adapters(policy.config(), &opts, 0, &t.device)?;
-        policy = policy.with_adapters(&opts, adapters, true)?;
-    }
-    policy.options.checkpoint_layers = spec.checkpoint_layers;
-    policy.options.recompute_attention = !spec.keep_attention;
-    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
-    policy.options.keep_logits = spec.keep_logits;
-    policy.options.fused_ops = spec.fused_ops;
-    policy.options.attention = spec.attention;
-    policy.options.deterministic_attention = !spec.atomic_dq;
-    let reference = if spec.no_reference {
-        None
-    } else {
-        let mut r = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
-        r.options = policy.options.clone();
-        Some(r)
-    };
+    let (policy, reference) = bench_models(spec, cfg, t)?;
     let objective_cfg = ObjectiveConfig {
         name: ObjectiveName::OffGrpo,
         eps: Some(0.2),
@@ -365,34 +346,12 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         loss_agg: Some(LossAgg::SeqMeanTokenMean),
         ..ObjectiveConfig::default()
     };
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
-    let group = Group {
-        index: 0,
-        question_id: "random".into(),
-        domain: None,
-        source: None,
-        prompt_tokens: random_ids(&mut rng, spec.prompt_len, vocab),
-        responses: (0..spec.answers)
-            .map(|i| Response {
-                tokens: random_ids(&mut rng, spec.seq_len - spec.prompt_len, vocab),
-                reward: if i % 2 == 0 { 1.0 } else { 0.0 },
-                answer: None,
-                truncated: true,
-                teacher_logprobs: None,
-                is_weights: None,
-            })
-            .collect(),
-        majority: None,
-        majority_count: 0,
-        vote_margin: 0,
-    };
     let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
     let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
     step.set_batching(spec.batching());
-    let groups = [group];
-    let mut peak = None;
+    let groups = [random_group(spec, vocab)];
     let mut step_no = 0usize;
-    let (mut syncs, mut tensor_ops) = (0, 0);
+    let mut counts = StepCounts::default();
     let mut profile: Option<crate::profile::Profile> = None;
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
@@ -413,63 +372,178 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
                 None => profile = Some(p),
             }
         }
-        syncs = host_reads() - before;
         // (less the probe's own tensor)
-        tensor_ops = tensors_made()? - made - 1;
+        counts = StepCounts { syncs: host_reads() - before, tensor_ops: tensors_made()? - made - 1 };
         Ok(stats)
     })?;
-    let (micro_batches, _) = spec.micro_batches();
-    if let Some((_, high)) = memory_bytes(&t.device)? {
-        peak = Some(high);
+    let peak = memory_bytes(&t.device)?.map(|(_, high)| high);
+    let record = train_step_record(spec, t, (times, &stats), counts, (peak, profile))?;
+    to_record(record)
+}
+
+/// The bench's policy (random weights of the shape, with rank-`lora_r` adapters) with the spec's options,
+/// and its reference (the base model under LoRA, a frozen copy otherwise; none with `no_reference`).
+fn bench_models(spec: &TrainStepSpec, cfg: ModelConfig, t: &Timing) -> Result<(Decoder, Option<Decoder>)> {
+    let mut policy = random_model(cfg, t, spec.lora_r == 0)?;
+    if spec.lora_r > 0 {
+        let opts = LoraOptions { r: spec.lora_r, alpha: 2.0 * spec.lora_r as f64, ..LoraOptions::default() };
+        let adapters = crate::model::lora::init_adapters(policy.config(), &opts, 0, &t.device)?;
+        policy = policy.with_adapters(&opts, adapters, true)?;
     }
-    // The step's time without the profiler where another timed step ran without it.
+    policy.options.checkpoint_layers = spec.checkpoint_layers;
+    policy.options.recompute_attention = !spec.keep_attention;
+    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
+    policy.options.keep_logits = spec.keep_logits;
+    policy.options.fused_ops = spec.fused_ops;
+    policy.options.attention = spec.attention;
+    policy.options.deterministic_attention = !spec.atomic_dq;
+    let reference = if spec.no_reference {
+        None
+    } else {
+        let mut r = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
+        r.options = policy.options.clone();
+        Some(r)
+    };
+    Ok((policy, reference))
+}
+
+/// One question's group of `spec.answers` random answers (every other one rewarded), each truncated at
+/// `seq_len - prompt_len` tokens after a random prompt.
+fn random_group(spec: &TrainStepSpec, vocab: usize) -> Group {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    Group {
+        index: 0,
+        question_id: "random".into(),
+        domain: None,
+        source: None,
+        prompt_tokens: random_ids(&mut rng, spec.prompt_len, vocab),
+        responses: (0..spec.answers)
+            .map(|i| Response {
+                tokens: random_ids(&mut rng, spec.seq_len - spec.prompt_len, vocab),
+                reward: if i % 2 == 0 { 1.0 } else { 0.0 },
+                answer: None,
+                truncated: true,
+                teacher_logprobs: None,
+                is_weights: None,
+            })
+            .collect(),
+        majority: None,
+        majority_count: 0,
+        vote_margin: 0,
+    }
+}
+
+/// What the host did in the last timed step: reads from the device it waited for, tensors candle made.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepCounts {
+    syncs: u64,
+    tensor_ops: u64,
+}
+
+/// A measured training step (`grpo bench train-step`): the spec, the timings, the model's prediction and
+/// the host's counts.
+#[derive(Debug, serde::Serialize)]
+struct TrainStepRecord {
+    bench: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    shape: String,
+    answers: usize,
+    seq_len: usize,
+    prompt_len: usize,
+    dtype: &'static str,
+    device: String,
+    micro_batch: usize,
+    micro_batch_tokens: usize,
+    checkpoint_layers: bool,
+    keep_attention: bool,
+    atomic_dq: bool,
+    logprob_chunk_mb: usize,
+    keep_logits: bool,
+    fused_ops: bool,
+    offload: bool,
+    /// The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
+    /// this field, ran the composite update).
+    update: &'static str,
+    reference: bool,
+    lora_r: usize,
+    attention: Attention,
+    step_times: Vec<f64>,
+    step_time_s: f64,
+    /// With --profile: the last step's time, profiled; whether step_time_s is that one (a single timed step).
+    profiled_step_s: Option<f64>,
+    step_time_profiled: bool,
+    tokens: usize,
+    response_tokens: usize,
+    tokens_per_s: f64,
+    peak_mem_bytes: Option<u64>,
+    losses: Vec<f64>,
+    predicted: Vec<PredictedStep>,
+    micro_batches: usize,
+    host_syncs_per_step: u64,
+    host_syncs_per_micro_batch: f64,
+    tensor_ops_per_step: u64,
+    profile: Option<crate::profile::ProfileReport>,
+}
+
+/// The record of a measured step: its time the median of the timed steps but a profiled last one (where
+/// another ran without the profiler).
+fn train_step_record(
+    spec: &TrainStepSpec,
+    t: &Timing,
+    (times, stats): (Vec<f64>, &[crate::train::step::StepStats]),
+    counts: StepCounts,
+    (peak, profile): (Option<u64>, Option<crate::profile::Profile>),
+) -> Result<TrainStepRecord> {
+    let (micro_batches, _) = spec.micro_batches();
     let profiled = spec.profile.then(|| times.last().copied()).flatten();
     let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
     let step_time = median(unprofiled);
     let tokens = spec.answers * spec.seq_len;
     let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, (&t.device, t.dtype), Some(step_time));
-    Ok(json!({
-        "bench": "train_step",
-        "impl": "grpo",
-        "shape": shape_name(&spec.shape),
-        "answers": spec.answers,
-        "seq_len": spec.seq_len,
-        "prompt_len": spec.prompt_len,
-        "dtype": dtype_name(t.dtype),
-        "device": device_name(&t.device),
-        "micro_batch": spec.micro_batch,
-        "micro_batch_tokens": spec.micro_batch_tokens,
-        "checkpoint_layers": spec.checkpoint_layers,
-        "keep_attention": spec.keep_attention,
-        "atomic_dq": spec.atomic_dq,
-        "logprob_chunk_mb": spec.logprob_chunk_mb,
-        "keep_logits": spec.keep_logits,
-        "fused_ops": spec.fused_ops,
-        "offload": spec.offload,
-        // The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
-        // this field, ran the composite update).
-        "update": "fused",
-        "reference": !spec.no_reference,
-        "lora_r": spec.lora_r,
-        "attention": spec.attention,
-        "step_times": times,
-        "step_time_s": step_time,
-        // With --profile: the last step's time, profiled; whether step_time_s is that one (a single timed
-        // step).
-        "profiled_step_s": profiled,
-        "step_time_profiled": profiled.is_some() && times.len() == 1,
-        "tokens": tokens,
-        "response_tokens": stats.first().map(|s| s.response_tokens).unwrap_or(0),
-        "tokens_per_s": tokens as f64 / step_time,
-        "peak_mem_bytes": peak,
-        "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
-        "predicted": predicted,
-        "micro_batches": micro_batches,
-        "host_syncs_per_step": syncs,
-        "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
-        "tensor_ops_per_step": tensor_ops,
-        "profile": profile.map(|p| p.report()),
-    }))
+    Ok(TrainStepRecord {
+        bench: "train_step",
+        implementation: "grpo",
+        shape: shape_name(&spec.shape),
+        answers: spec.answers,
+        seq_len: spec.seq_len,
+        prompt_len: spec.prompt_len,
+        dtype: dtype_name(t.dtype),
+        device: device_name(&t.device),
+        micro_batch: spec.micro_batch,
+        micro_batch_tokens: spec.micro_batch_tokens,
+        checkpoint_layers: spec.checkpoint_layers,
+        keep_attention: spec.keep_attention,
+        atomic_dq: spec.atomic_dq,
+        logprob_chunk_mb: spec.logprob_chunk_mb,
+        keep_logits: spec.keep_logits,
+        fused_ops: spec.fused_ops,
+        offload: spec.offload,
+        update: "fused",
+        reference: !spec.no_reference,
+        lora_r: spec.lora_r,
+        attention: spec.attention,
+        step_time_s: step_time,
+        profiled_step_s: profiled,
+        step_time_profiled: profiled.is_some() && times.len() == 1,
+        step_times: times,
+        tokens,
+        response_tokens: stats.first().map_or(0, |s| s.response_tokens),
+        tokens_per_s: tokens as f64 / step_time,
+        peak_mem_bytes: peak,
+        losses: stats.iter().map(|s| s.loss).collect(),
+        predicted,
+        micro_batches,
+        host_syncs_per_step: counts.syncs,
+        host_syncs_per_micro_batch: counts.syncs as f64 / micro_batches as f64,
+        tensor_ops_per_step: counts.tensor_ops,
+        profile: profile.map(|p| p.report()),
+    })
+}
+
+/// A bench's record as the JSON line it prints.
+fn to_record(record: impl serde::Serialize) -> Result<Value> {
+    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
 }
 
 /// The performance model's prediction of one GPU for a step, beside the measured time when the bench
@@ -629,7 +703,7 @@ pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
         attention: spec.attention,
         predicted: predicted_steps(&cfg, spec, (&Device::Cpu, dtype), None),
     };
-    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+    to_record(record)
 }
 
 /// The log-prob op's settings (`grpo bench logprob`).
@@ -692,20 +766,39 @@ pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
         (Some((used, _)), Some((_, high))) => Some(high.saturating_sub(used)),
         _ => None,
     };
-    Ok(json!({
-        "bench": "logprob",
-        "impl": if spec.naive { "grpo_naive" } else { "grpo_fused" },
-        "tokens": spec.tokens,
-        "hidden": spec.hidden,
-        "vocab": spec.vocab,
-        "dtype": dtype_name(t.dtype),
-        "device": device_name(dev),
-        "with_loss": spec.with_loss,
-        "chunk_mb": (!spec.naive).then_some(spec.chunk_mb),
-        "fwd_time_s": median(&fwd),
-        "fwd_bwd_time_s": median(&fwd_bwd),
-        "peak_mem_bytes": peak,
-    }))
+    to_record(LogprobRecord {
+        bench: "logprob",
+        implementation: if spec.naive { "grpo_naive" } else { "grpo_fused" },
+        tokens: spec.tokens,
+        hidden: spec.hidden,
+        vocab: spec.vocab,
+        dtype: dtype_name(t.dtype),
+        device: device_name(dev),
+        with_loss: spec.with_loss,
+        chunk_mb: (!spec.naive).then_some(spec.chunk_mb),
+        fwd_time_s: median(&fwd),
+        fwd_bwd_time_s: median(&fwd_bwd),
+        peak_mem_bytes: peak,
+    })
+}
+
+/// `grpo bench logprob`'s record: the forward's and the forward + backward's median times, and the peak
+/// memory above the inputs.
+#[derive(Debug, serde::Serialize)]
+struct LogprobRecord {
+    bench: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    tokens: usize,
+    hidden: usize,
+    vocab: usize,
+    dtype: &'static str,
+    device: String,
+    with_loss: bool,
+    chunk_mb: Option<usize>,
+    fwd_time_s: f64,
+    fwd_bwd_time_s: f64,
+    peak_mem_bytes: Option<u64>,
 }
 
 /// Generation settings (`grpo bench generate`).
@@ -748,19 +841,36 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
         )));
     }
     let time = median(&times);
-    Ok(json!({
-        "bench": "generate",
-        "impl": "grpo",
-        "shape": shape_name(&spec.shape),
-        "batch": spec.batch,
-        "prompt_len": spec.prompt_len,
-        "new_tokens": spec.new_tokens,
-        "fused_ops": spec.fused_ops,
-        "dtype": dtype_name(t.dtype),
-        "device": device_name(&t.device),
-        "time_s": time,
-        "tokens_per_s": produced as f64 / time,
-    }))
+    to_record(GenerateRecord {
+        bench: "generate",
+        implementation: "grpo",
+        shape: shape_name(&spec.shape),
+        batch: spec.batch,
+        prompt_len: spec.prompt_len,
+        new_tokens: spec.new_tokens,
+        fused_ops: spec.fused_ops,
+        dtype: dtype_name(t.dtype),
+        device: device_name(&t.device),
+        time_s: time,
+        tokens_per_s: produced as f64 / time,
+    })
+}
+
+/// `grpo bench generate`'s record: the median time of the batch's generation and its new tokens a second.
+#[derive(Debug, serde::Serialize)]
+struct GenerateRecord {
+    bench: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    shape: String,
+    batch: usize,
+    prompt_len: usize,
+    new_tokens: usize,
+    fused_ops: bool,
+    dtype: &'static str,
+    device: String,
+    time_s: f64,
+    tokens_per_s: f64,
 }
 
 /// Sampling settings of [`sample`] (`grpo bench sample`).
@@ -810,20 +920,39 @@ pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
     })?;
     let differ = picks.last().zip(ref_picks.last()).map_or(0, |(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count());
     let per_row = |times: &[f64]| median(times) / spec.rows.max(1) as f64;
-    Ok(json!({
-        "bench": "sample",
-        "impl": "grpo",
-        "device": device_name(&t.device),
-        "vocab": spec.vocab,
-        "rows": spec.rows,
-        "temperature": params.temperature,
-        "top_p": params.top_p,
-        "top_k": params.top_k,
-        "us_per_row": per_row(&ours) * 1e6,
-        "reference_us_per_row": per_row(&reference) * 1e6,
-        "speedup": per_row(&reference) / per_row(&ours),
-        "picks_differing": differ,
-    }))
+    to_record(SampleRecord {
+        bench: "sample",
+        implementation: "grpo",
+        device: device_name(&t.device),
+        vocab: spec.vocab,
+        rows: spec.rows,
+        temperature: params.temperature,
+        top_p: params.top_p,
+        top_k: params.top_k,
+        us_per_row: per_row(&ours) * 1e6,
+        reference_us_per_row: per_row(&reference) * 1e6,
+        speedup: per_row(&reference) / per_row(&ours),
+        picks_differing: differ,
+    })
+}
+
+/// `grpo bench sample`'s record: the time per row on the device against the host's full sort, and the rows
+/// whose picks differ.
+#[derive(Debug, serde::Serialize)]
+struct SampleRecord {
+    bench: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    device: String,
+    vocab: usize,
+    rows: usize,
+    temperature: f32,
+    top_p: f32,
+    top_k: usize,
+    us_per_row: f64,
+    reference_us_per_row: f64,
+    speedup: f64,
+    picks_differing: usize,
 }
 
 /// One layer's attention (`grpo bench attention`): causal, one row, random inputs.
@@ -975,7 +1104,7 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         gpu_block_k: gpu.bk,
         gpu_launches: (gf.launches, gb.launches),
     };
-    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+    to_record(record)
 }
 
 /// A long-tailed answer length mix and the groupings to compare on it (`grpo bench pack`).
@@ -1097,12 +1226,13 @@ pub fn pack(spec: &PackSpec) -> Result<Value> {
         cut,
         groupings,
     };
-    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+    to_record(record)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn tiny_shape(dir: &std::path::Path) -> PathBuf {
         let raw = json!({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 16, "intermediate_size": 32,
@@ -1404,7 +1534,7 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
         predicted,
         same_bits,
     };
-    serde_json::to_value(record).map_err(|e| PerfError::Invalid(e.to_string()))
+    to_record(record)
 }
 
 /// The update of `grads` (host memory) into the master weights `state` by candle's composite ops (the
