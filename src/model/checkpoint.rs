@@ -150,7 +150,7 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
     }
     let metadata = Some(std::collections::HashMap::from([("format".to_string(), "pt".to_string())]));
     let count = shards.len();
-    let mut weight_map = serde_json::Map::new();
+    let mut weight_map = std::collections::BTreeMap::new();
     for (i, shard) in shards.iter().enumerate() {
         let file = if count == 1 {
             "model.safetensors".to_string()
@@ -162,15 +162,28 @@ fn write_into(model: &Decoder, dir: &Path, opts: &SaveOptions) -> Result<(), Mod
         safetensors::serialize_to_file(views, metadata.clone(), &path)
             .map_err(|e| ModelError::Files { path: path.clone(), message: e.to_string() })?;
         for (n, _) in shard {
-            weight_map.insert(n.clone(), file.clone().into());
+            weight_map.insert(n.clone(), file.clone());
         }
     }
     if count > 1 {
-        let index = serde_json::json!({"metadata": {"total_size": total}, "weight_map": weight_map});
+        let index = SafetensorsIndex { metadata: IndexMetadata { total_size: total }, weight_map };
         let p = dir.join("model.safetensors.index.json");
         std::fs::write(&p, serde_json::to_string_pretty(&index).unwrap_or_default()).map_err(io(&p))?;
     }
     copy_tokenizer(dir, opts)
+}
+
+/// `model.safetensors.index.json` of a sharded checkpoint, as transformers writes it: the weights' total
+/// bytes, and each tensor's shard (by name, sorted).
+#[derive(serde::Serialize)]
+struct SafetensorsIndex {
+    metadata: IndexMetadata,
+    weight_map: std::collections::BTreeMap<String, String>,
+}
+
+#[derive(serde::Serialize)]
+struct IndexMetadata {
+    total_size: usize,
 }
 
 /// Copy the tokenizer files of `opts.tokenizer_dir` into `dir`.

@@ -142,15 +142,22 @@ pub fn write_tiny_model(spec: &TinySpec, out: &Path) -> Result<ModelConfig, Mode
     save_checkpoint(&model, out, &opts, |dir| {
         let gen = dir.join("generation_config.json");
         if !gen.exists() {
-            let mut g = serde_json::json!({"_from_model_config": true});
-            if let Some(b) = bos {
-                g["bos_token_id"] = b.into();
-            }
-            g["eos_token_id"] = tok.eos_ids().to_vec().into();
+            let g =
+                GenerationConfig { from_model_config: true, bos_token_id: bos, eos_token_id: tok.eos_ids().to_vec() };
             std::fs::write(&gen, serde_json::to_string_pretty(&g).unwrap_or_default())
                 .map_err(|source| ModelError::Io { path: gen.clone(), source })?;
         }
         Ok(())
     })?;
     Ok(cfg)
+}
+
+/// The tiny model's `generation_config.json`: transformers' keys, as its `GenerationConfig` writes them.
+#[derive(serde::Serialize)]
+struct GenerationConfig {
+    #[serde(rename = "_from_model_config")]
+    from_model_config: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bos_token_id: Option<u32>,
+    eos_token_id: Vec<u32>,
 }
