@@ -688,35 +688,13 @@ impl Run<'_> {
                 if log_lines && (last || state.step.is_multiple_of(cfg.train.log_every.max(1))) {
                     tracing::info!("{}", m.log_line(plan.total_steps, segment));
                 }
-                if state.bad_in_row > cfg.train.max_bad_steps {
+                if let Err(e) = self.check_bad_steps(&state) {
                     bar.abandon();
-                    let last = latest_checkpoint(&cfg.train.output_dir)
-                        .map(|p| p.display().to_string())
-                        .unwrap_or_else(|| "none".into());
-                    return Err(TrainError::Stopped(format!(
-                        "{} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
-                        state.bad_in_row,
-                        cfg.train.max_bad_steps
-                    )));
+                    return Err(e);
                 }
                 let epoch_end = state.batch_in_epoch >= plan.steps_per_epoch;
                 let run_end = state.step >= plan.total_steps;
-                if let Some((score, peak)) = self.validate_if_due(&mut state, epoch_end, run_end, stop)? {
-                    m.validation_score = Some(score);
-                    m.validation_device_peak_bytes = Some(peak);
-                }
-                if let Some(metrics) = metrics.as_deref_mut() {
-                    metrics.write(&m)?;
-                }
-                self.swap_reference_if_due(state.step, epoch_end)?;
-                state.reference_swapped |= self.reference_swapped;
-                if m.validation_score.is_some() && self.world.is_primary() {
-                    crate::plot::refresh_run_curves(&cfg.train.output_dir);
-                }
-                if epoch_end {
-                    state.epoch += 1;
-                    state.batch_in_epoch = 0;
-                }
+                self.after_batch(&mut state, &mut m, metrics.as_deref_mut(), (epoch_end, run_end), stop)?;
                 let stop_now = self.world.any(stop.load(Ordering::SeqCst));
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
@@ -736,9 +714,73 @@ impl Run<'_> {
         bar.finish();
         Ok(Outcome::new(state, last_ckpt, false))
     }
+
+    /// An error when more steps in a row than `train.max_bad_steps` had a non-finite loss or gradient.
+    fn check_bad_steps(&self, state: &TrainerState) -> Result<(), TrainError> {
+        let cfg = self.cfg;
+        if state.bad_in_row <= cfg.train.max_bad_steps {
+            return Ok(());
+        }
+        let last =
+            latest_checkpoint(&cfg.train.output_dir).map(|p| p.display().to_string()).unwrap_or_else(|| "none".into());
+        Err(TrainError::Stopped(format!(
+            "{} steps in a row had a non-finite loss or gradient (train.max_bad_steps = {}); stopping. Last good checkpoint: {last}",
+            state.bad_in_row, cfg.train.max_bad_steps
+        )))
+    }
+
+    /// What follows a batch's step: validation where due (its score into the step's metrics), the metrics
+    /// line, the reference swap where due, the curves after a validation, and the next epoch at an epoch's
+    /// end.
+    fn after_batch(
+        &mut self,
+        state: &mut TrainerState,
+        m: &mut StepMetrics,
+        metrics: Option<&mut MetricsLog>,
+        (epoch_end, run_end): (bool, bool),
+        stop: &AtomicBool,
+    ) -> Result<(), TrainError> {
+        if let Some((score, peak)) = self.validate_if_due(state, epoch_end, run_end, stop)? {
+            m.validation_score = Some(score);
+            m.validation_device_peak_bytes = Some(peak);
+        }
+        if let Some(metrics) = metrics {
+            metrics.write(m)?;
+        }
+        self.swap_reference_if_due(state.step, epoch_end)?;
+        state.reference_swapped |= self.reference_swapped;
+        if m.validation_score.is_some() && self.world.is_primary() {
+            crate::plot::refresh_run_curves(&self.cfg.train.output_dir);
+        }
+        if epoch_end {
+            state.epoch += 1;
+            state.batch_in_epoch = 0;
+        }
+        Ok(())
+    }
 }
 
 impl Run<'_> {
+    /// The state the run starts from: the resumed checkpoint's, restored into the policy, the step and the
+    /// frozen models, or a new run's on `dataset`.
+    fn start_state(
+        &mut self,
+        resumed: Option<(PathBuf, TrainerState)>,
+        dataset: &GroupSource,
+    ) -> Result<(Option<PathBuf>, TrainerState), TrainError> {
+        Ok(match resumed {
+            Some((ck, state)) => {
+                checkpoint::restore(&ck, &state, &self.policy, &mut self.step)?;
+                self.restore_frozen(&ck, &state)?;
+                (Some(ck), state)
+            }
+            None => {
+                let data = resume::data_fingerprint(dataset);
+                (None, TrainerState { run_id: new_run_id(), data, ..Default::default() })
+            }
+        })
+    }
+
     /// Restore, from the checkpoint `ck` of `state`, the swapped reference, the lagged sampling policy and
     /// the optimiser's update count with several updates per step.
     fn restore_frozen(&mut self, ck: &Path, state: &TrainerState) -> Result<(), TrainError> {
@@ -794,18 +836,7 @@ fn load_run<'a>(
     let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
     let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
     policy.options = cfg.model.decoder_options();
-    if matches!(policy.options.attention, model::Attention::Mma | model::Attention::Wgmma)
-        && !(device.is_cuda() && policy.options.tensor_core_attention(dtype, policy.config().head_dim))
-    {
-        tracing::info!(
-            "model.attention = {:?}: the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \
-             this run ({:?}, head dim {}, {}) uses flash attention's chunked path",
-            policy.options.attention,
-            dtype,
-            policy.config().head_dim,
-            if device.is_cuda() { "GPU" } else { "CPU" }
-        );
-    }
+    log_attention_fallback(&policy, dtype, &device);
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
     let mut step = TrainStep::new(
         &cfg.objective,
@@ -816,18 +847,9 @@ fn load_run<'a>(
         tok.pad_id(),
     )?;
     step.set_batching(pack::Batching::of(cfg.train.micro_batch_size, cfg.train.micro_batch_tokens));
-    let reference = if step.needs_reference() && ref_cache.is_none() {
-        let mut r = match &cfg.model.reference {
-            Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, &device, false)?,
-            // LoRA: the base model, its weights shared with the policy (no copy).
-            None if policy.lora().is_some() => policy.without_adapters(),
-            None if resume_from.is_some() => model::load_decoder(&model_dir, dtype, &device, false)?,
-            None => policy.frozen_copy()?,
-        };
-        r.options = policy.options.clone();
-        Some(r)
-    } else {
-        None
+    let reference = match step.needs_reference() && ref_cache.is_none() {
+        true => Some(load_reference(cfg, &policy, &model_dir, resume_from, (dtype, &device))?),
+        false => None,
     };
     let checkpoints = Checkpointer {
         output_dir: cfg.train.output_dir.clone(),
@@ -836,20 +858,7 @@ fn load_run<'a>(
         keep_last: cfg.train.keep_last,
         config_toml: cfg.to_toml(),
     };
-    let rollouts = match &cfg.rollout {
-        Some(r) => {
-            let tok = ChatTokenizer::load(&checkpoints.model_dir).map_err(ModelError::from)?;
-            let mut rollouts = Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size);
-            let save = model::checkpoint::SaveOptions {
-                dtype: save_dtype,
-                tokenizer_dir: Some(checkpoints.model_dir.clone()),
-                ..Default::default()
-            };
-            rollouts.serve_weights_from(cfg.train.output_dir.join("rollout-policy"), save);
-            Some(rollouts)
-        }
-        None => None,
-    };
+    let rollouts = cfg.rollout.as_ref().map(|r| new_rollouts(cfg, r, &checkpoints)).transpose()?;
     let world = Rc::new(World::single());
     Ok(Run {
         cfg,
@@ -864,6 +873,60 @@ fn load_run<'a>(
         world,
         memory_plan: None,
     })
+}
+
+/// A log line where `model.attention` names tensor-core kernels this run cannot use (the chunked path runs).
+fn log_attention_fallback(policy: &Decoder, dtype: candle_core::DType, device: &candle_core::Device) {
+    let o = &policy.options;
+    if matches!(o.attention, model::Attention::Mma | model::Attention::Wgmma)
+        && !(device.is_cuda() && o.tensor_core_attention(dtype, policy.config().head_dim))
+    {
+        tracing::info!(
+            "model.attention = {:?}: the tensor-core kernels take bf16/f16 at head dim 64 or 128 on a GPU; \
+             this run ({:?}, head dim {}, {}) uses flash attention's chunked path",
+            o.attention,
+            dtype,
+            policy.config().head_dim,
+            if device.is_cuda() { "GPU" } else { "CPU" }
+        );
+    }
+}
+
+/// The frozen reference, with the policy's options: `model.reference`, or the policy's base model (LoRA,
+/// its weights shared), or the model of `model_dir` (resumed: the policy has moved), or a copy of the policy.
+fn load_reference(
+    cfg: &TrainConfig,
+    policy: &Decoder,
+    model_dir: &Path,
+    resume_from: Option<&Path>,
+    (dtype, device): (candle_core::DType, &candle_core::Device),
+) -> Result<Decoder, TrainError> {
+    let mut r = match &cfg.model.reference {
+        Some(p) => model::load_decoder(&model::resolve_model_dir(p)?, dtype, device, false)?,
+        // LoRA: the base model, its weights shared with the policy (no copy).
+        None if policy.lora().is_some() => policy.without_adapters(),
+        None if resume_from.is_some() => model::load_decoder(model_dir, dtype, device, false)?,
+        None => policy.frozen_copy()?,
+    };
+    r.options = policy.options.clone();
+    Ok(r)
+}
+
+/// `[rollout]`'s sampler, serving the policy's weights from OUTPUT/rollout-policy to a server.
+fn new_rollouts(
+    cfg: &TrainConfig,
+    r: &crate::rollout::RolloutOptions,
+    checkpoints: &Checkpointer,
+) -> Result<Rollouts, TrainError> {
+    let tok = ChatTokenizer::load(&checkpoints.model_dir).map_err(ModelError::from)?;
+    let mut rollouts = Rollouts::new(r.clone(), tok, cfg.train.seed, cfg.train.micro_batch_size);
+    let save = model::checkpoint::SaveOptions {
+        dtype: checkpoints.save_dtype,
+        tokenizer_dir: Some(checkpoints.model_dir.clone()),
+        ..Default::default()
+    };
+    rollouts.serve_weights_from(cfg.train.output_dir.join("rollout-policy"), save);
+    Ok(rollouts)
 }
 
 /// The policy: the model of `model_dir` (or of the checkpoint `resume_from`), trainable; with `[model.lora]`,
@@ -937,18 +1000,8 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     }
     let started = Instant::now();
     let out = &cfg.train.output_dir;
-    std::fs::create_dir_all(out).map_err(io(out))?;
-    let _lock = if primary { Some(run_dir::lock(out)?) } else { None };
-    if primary {
-        run_dir::clean_leftovers(out)?;
-    }
-    let resumed = resume_point(out, &opts.resume)?;
-    if primary {
-        run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
-    }
+    let (_lock, resumed) = open_output(cfg, opts, primary)?;
     if let Some((ck, state)) = &resumed {
-        checkpoint::verify_checksums(ck)?;
-        resume::check_config(ck, cfg, opts.allow_config_change)?;
         if is_complete(cfg, state) {
             let outcome = Outcome { already_complete: true, ..Outcome::new(state.clone(), Some(ck.clone()), false) };
             return Ok(outcome);
@@ -992,17 +1045,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     // `model.keep_logits = "auto"` is the plan's to decide (cost::memory::run_plan).
     run.policy.options.keep_logits = memory_plan.keep_logits;
     run.memory_plan = Some(memory_plan);
-    let (resume_from, state) = match resumed {
-        Some((ck, state)) => {
-            checkpoint::restore(&ck, &state, &run.policy, &mut run.step)?;
-            run.restore_frozen(&ck, &state)?;
-            (Some(ck), state)
-        }
-        None => (
-            None,
-            TrainerState { run_id: new_run_id(), data: resume::data_fingerprint(&dataset), ..Default::default() },
-        ),
-    };
+    let (resume_from, state) = run.start_state(resumed, &dataset)?;
     let resumed_from_step = resume_from.is_some().then_some(state.step);
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
     let mut metrics = if primary { Some(MetricsLog::open(out, resumed_from_step, tensorboard)?) } else { None };
@@ -1016,6 +1059,30 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     // status ends the job, and would kill rank 0 while it writes.
     run.world.barrier();
     Ok(outcome)
+}
+
+/// The run's output folder made and (rank 0) locked, cleaned of a killed run's leftovers and claimed for
+/// this run; the checkpoint to resume from (`--resume`), checked against its checksums and this config.
+fn open_output(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    primary: bool,
+) -> Result<(Option<run_dir::FolderLock>, Option<(PathBuf, TrainerState)>), TrainError> {
+    let out = &cfg.train.output_dir;
+    std::fs::create_dir_all(out).map_err(io(out))?;
+    let lock = if primary { Some(run_dir::lock(out)?) } else { None };
+    if primary {
+        run_dir::clean_leftovers(out)?;
+    }
+    let resumed = resume_point(out, &opts.resume)?;
+    if primary {
+        run_dir::claim(out, resumed.as_ref().map(|(_, s)| s.run_id.as_str()), opts.overwrite)?;
+    }
+    if let Some((ck, _)) = &resumed {
+        checkpoint::verify_checksums(ck)?;
+        resume::check_config(ck, cfg, opts.allow_config_change)?;
+    }
+    Ok((lock, resumed))
 }
 
 /// Rank 0's end of a run: the curves, and the summary written (OUTPUT/summary.json).
