@@ -1061,13 +1061,16 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     Ok(outcome)
 }
 
+/// A checkpoint to resume from and its trainer state.
+type ResumePoint = (PathBuf, TrainerState);
+
 /// The run's output folder made and (rank 0) locked, cleaned of a killed run's leftovers and claimed for
 /// this run; the checkpoint to resume from (`--resume`), checked against its checksums and this config.
 fn open_output(
     cfg: &TrainConfig,
     opts: &RunOptions,
     primary: bool,
-) -> Result<(Option<run_dir::FolderLock>, Option<(PathBuf, TrainerState)>), TrainError> {
+) -> Result<(Option<run_dir::FolderLock>, Option<ResumePoint>), TrainError> {
     let out = &cfg.train.output_dir;
     std::fs::create_dir_all(out).map_err(io(out))?;
     let lock = if primary { Some(run_dir::lock(out)?) } else { None };
