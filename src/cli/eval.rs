@@ -210,20 +210,7 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
-    let decoder = match args.engine.engine {
-        EngineKind::Native => {
-            let device = model::parse_device(&world.rank_device(&args.device)?)?;
-            let dtype = model::parse_dtype(&args.dtype)?;
-            Some(
-                model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
-                    .with_context(|| format!("loading {}", dir.display()))?,
-            )
-        }
-        EngineKind::Openai if args.adapter.is_some() => {
-            anyhow::bail!("--adapter is applied by the native engine; serve the adapter with the server instead")
-        }
-        EngineKind::Openai => None,
-    };
+    let decoder = native_decoder(&args, &dir, world)?;
     let engine = engine(&args, decoder.as_ref(), &tok)?;
     if world.is_primary() {
         tracing::info!("engine: {}", engine.describe());
@@ -235,41 +222,7 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     let share = Share { index: world.rank(), of: world.size() };
     let mut reports = Vec::new();
     for b in &selected {
-        let done_b: HashMap<String, ProblemResult> =
-            gens.done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
-        if world.is_primary() {
-            state_budget(b, &options, &done_b);
-        }
-        let bar = crate::progress::progress_bar(Some(0), &b.name);
-        if !world.is_primary() {
-            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
-        }
-        let t0 = std::time::Instant::now();
-        // Once the first problems are done (or after 10 s of generating), what the budget costs at that speed.
-        let mut estimated = !world.is_primary();
-        let part = run::evaluate_share(
-            engine.as_ref(),
-            &tok,
-            b,
-            &options,
-            &done_b,
-            share,
-            |r| gens.append(r),
-            |p| {
-                p.show(&bar, t0);
-                if !estimated && (p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10)) {
-                    estimated = true;
-                    bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
-                }
-            },
-        )?;
-        bar.finish_and_clear();
-        let parts = gather_shares(world, &part)?;
-        let (report, results) = run::merge_shares(b, &options, parts, t0.elapsed().as_secs_f64());
-        if world.size() > 1 {
-            gens.settle(results.into_iter().filter(|r| !done_b.contains_key(&r.id)))?;
-        }
-        reports.push(report);
+        reports.push(evaluate_benchmark(b, (engine.as_ref(), &tok), &options, &mut gens, world, share)?);
     }
     if reports.iter().all(|r| r.n_problems == 0) {
         anyhow::bail!("nothing was evaluated: no problem in the selected benchmarks");
@@ -287,11 +240,81 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
         duration_s: started.elapsed().as_secs_f64(),
         benchmarks: reports.iter().map(|r| (r.bench.clone(), r.clone())).collect(),
     };
-    let mut out = crate::jsonl::AtomicFile::create(Some(&args.out.join("report.json")))?;
-    out.write_all(serde_json::to_string_pretty(&report)?.as_bytes())?;
-    out.commit()?;
+    write_report(&args.out.join("report.json"), &report)?;
     print!("{}", run::table(&reports));
     tracing::info!("wrote {} and {}", gen_path.display(), args.out.join("report.json").display());
+    Ok(())
+}
+
+/// The native engine's model (with `--adapter` applied), on this rank's device; none for a server.
+fn native_decoder(args: &Args, dir: &std::path::Path, world: &World) -> anyhow::Result<Option<model::Decoder>> {
+    match args.engine.engine {
+        EngineKind::Native => {
+            let device = model::parse_device(&world.rank_device(&args.device)?)?;
+            let dtype = model::parse_dtype(&args.dtype)?;
+            let decoder = model::lora::load_frozen(dir, args.adapter.as_deref(), dtype, &device)
+                .with_context(|| format!("loading {}", dir.display()))?;
+            Ok(Some(decoder))
+        }
+        EngineKind::Openai if args.adapter.is_some() => {
+            anyhow::bail!("--adapter is applied by the native engine; serve the adapter with the server instead")
+        }
+        EngineKind::Openai => Ok(None),
+    }
+}
+
+/// Benchmark `b` on this rank's share of its problems (those not already in generations.jsonl), with a
+/// progress bar on rank 0 and, once the first problems are done (or after 10 s of generating), what the
+/// budget costs at that speed; the ranks' shares gathered into its report.
+fn evaluate_benchmark(
+    b: &benchmarks::Benchmark,
+    (engine, tok): (&dyn Engine, &ChatTokenizer),
+    options: &EvalOptions,
+    gens: &mut Generations,
+    world: &World,
+    share: Share,
+) -> anyhow::Result<run::BenchReport> {
+    let done_b: HashMap<String, ProblemResult> =
+        gens.done.iter().filter(|((bn, _), _)| bn == &b.name).map(|((_, id), r)| (id.clone(), r.clone())).collect();
+    if world.is_primary() {
+        state_budget(b, options, &done_b);
+    }
+    let bar = crate::progress::progress_bar(Some(0), &b.name);
+    if !world.is_primary() {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let t0 = std::time::Instant::now();
+    let mut estimated = !world.is_primary();
+    let part = run::evaluate_share(
+        engine,
+        tok,
+        b,
+        options,
+        &done_b,
+        share,
+        |r| gens.append(r),
+        |p| {
+            p.show(&bar, t0);
+            if !estimated && (p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10)) {
+                estimated = true;
+                bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
+            }
+        },
+    )?;
+    bar.finish_and_clear();
+    let parts = gather_shares(world, &part)?;
+    let (report, results) = run::merge_shares(b, options, parts, t0.elapsed().as_secs_f64());
+    if world.size() > 1 {
+        gens.settle(results.into_iter().filter(|r| !done_b.contains_key(&r.id)))?;
+    }
+    Ok(report)
+}
+
+/// report.json, written atomically.
+fn write_report(path: &std::path::Path, report: &EvalReport) -> anyhow::Result<()> {
+    let mut out = crate::jsonl::AtomicFile::create(Some(path))?;
+    out.write_all(serde_json::to_string_pretty(report)?.as_bytes())?;
+    out.commit()?;
     Ok(())
 }
 
