@@ -606,10 +606,35 @@ pub(crate) fn scan_with(
     let k = if opts.partitions > 0 { opts.partitions } else { (total_bytes.div_ceil(16 << 20) as usize).clamp(8, 512) };
     let spill = spill_folder(spill_dir)?;
     let part_path = |i: usize| spill.path().join(format!("part-{i:04}.bin"));
+    let parts: Vec<PathBuf> = (0..k).map(part_path).collect();
+    let mut stats = partition_rows(files, opts, measure, limits, on_bad, &parts)?;
+    let sample = draw_sample(parts.iter().map(|p| read_partition(p)), &opts.group, limits)?;
+    let mut hists = Default::default();
+    for p in &parts {
+        let records = read_partition(p)?;
+        let _ = std::fs::remove_file(p);
+        form_groups(records, &opts.group, limits, sample.as_ref(), &mut stats, &mut hists, on_group)?;
+    }
+    stats.prompt_length = hists.0.summary();
+    stats.response_length = hists.1.summary();
+    Ok(stats)
+}
+
+/// The first pass: every row of `files` read (a bad one reported, and in strict mode the end), filtered,
+/// measured and written as a record into the partition of its question (`parts`, by the question's hash),
+/// so that a question's answers end up in one partition; the rows' counts.
+fn partition_rows(
+    files: &[PathBuf],
+    opts: &InputOptions,
+    measure: &Measure<'_>,
+    limits: &Limits<'_>,
+    on_bad: &mut dyn FnMut(&BadRow),
+    parts: &[PathBuf],
+) -> Result<Stats, DataError> {
+    let k = parts.len();
     let mut writers = Vec::with_capacity(k);
-    for i in 0..k {
-        let p = part_path(i);
-        writers.push(BufWriter::with_capacity(64 << 10, File::create(&p).map_err(io_err(&p))?));
+    for p in parts {
+        writers.push(BufWriter::with_capacity(64 << 10, File::create(p).map_err(io_err(p))?));
     }
     let mut stats = Stats { length_unit: measure.unit().to_string(), ..Stats::default() };
     let bar = crate::progress::progress_bar(None, "rows");
@@ -647,7 +672,7 @@ pub(crate) fn scan_with(
                     Item::Filtered => stats.rows_filtered += 1,
                     Item::Rec(rec) => {
                         let i = ((rec.qhash >> 40) % k as u64) as usize;
-                        rec.write(&mut writers[i]).map_err(io_err(part_path(i)))?;
+                        rec.write(&mut writers[i]).map_err(io_err(&parts[i]))?;
                     }
                     Item::Fail(e) => return Err(e),
                 }
@@ -656,28 +681,20 @@ pub(crate) fn scan_with(
         )?;
     }
     bar.finish_and_clear();
-    for (i, w) in writers.into_iter().enumerate() {
-        w.into_inner().map_err(|e| DataError::Io { path: part_path(i), source: e.into_error() })?;
+    for (w, p) in writers.into_iter().zip(parts) {
+        w.into_inner().map_err(|e| DataError::Io { path: p.clone(), source: e.into_error() })?;
     }
-    let read_partition = |i: usize| -> Result<Vec<Record>, DataError> {
-        let p = part_path(i);
-        let mut r = BufReader::with_capacity(1 << 20, File::open(&p).map_err(io_err(&p))?);
-        let mut records = Vec::new();
-        while let Some(rec) = Record::read(&mut r).map_err(io_err(&p))? {
-            records.push(rec);
-        }
-        Ok(records)
-    };
-    let sample = draw_sample((0..k).map(read_partition), &opts.group, limits)?;
-    let mut hists = Default::default();
-    for i in 0..k {
-        let records = read_partition(i)?;
-        let _ = std::fs::remove_file(part_path(i));
-        form_groups(records, &opts.group, limits, sample.as_ref(), &mut stats, &mut hists, on_group)?;
-    }
-    stats.prompt_length = hists.0.summary();
-    stats.response_length = hists.1.summary();
     Ok(stats)
+}
+
+/// The records of one partition file.
+fn read_partition(p: &Path) -> Result<Vec<Record>, DataError> {
+    let mut r = BufReader::with_capacity(1 << 20, File::open(p).map_err(io_err(p))?);
+    let mut records = Vec::new();
+    while let Some(rec) = Record::read(&mut r).map_err(io_err(p))? {
+        records.push(rec);
+    }
+    Ok(records)
 }
 
 #[cfg(test)]
