@@ -281,15 +281,29 @@ fn load_font() -> Result<(), DataError> {
 pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
     use plotters::prelude::*;
     load_font()?;
-    let e = |e: &dyn std::fmt::Display| DataError::Plot(e.to_string());
     let root = BitMapBackend::new(path, (1500, 500)).into_drawing_area();
-    root.fill(&WHITE).map_err(|x| e(&x))?;
+    root.fill(&WHITE).map_err(plot_err)?;
     let panels = root.split_evenly((1, 3));
+    draw_group_kinds(&panels[0], stats)?;
+    draw_vote_margins(&panels[1], stats)?;
+    draw_response_lengths(&panels[2], stats)?;
+    root.present().map_err(plot_err)?;
+    Ok(())
+}
 
-    // 1. Pie of group kinds.
-    let pie_area = panels[0].margin(12, 0, 0, 0);
+/// A panel of [`plot_stats`]' figure.
+type Panel<'a> = plotters::drawing::DrawingArea<plotters::prelude::BitMapBackend<'a>, plotters::coord::Shift>;
+
+fn plot_err(e: impl std::fmt::Display) -> DataError {
+    DataError::Plot(e.to_string())
+}
+
+/// The pie of the groups' kinds: all positive, mixed, all negative.
+fn draw_group_kinds(panel: &Panel<'_>, stats: &Stats) -> Result<(), DataError> {
+    use plotters::prelude::*;
+    let pie_area = panel.margin(12, 0, 0, 0);
     let pie_area =
-        pie_area.titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 20)).map_err(|x| e(&x))?;
+        pie_area.titled(&format!("Teacher groups (n = {})", stats.groups), ("sans-serif", 20)).map_err(plot_err)?;
     let kinds = [
         ("all positive", stats.all_positive_groups, RGBColor(0x4c, 0x9b, 0xe8)),
         ("mixed", stats.mixed_groups, RGBColor(0xf5, 0x9e, 0x42)),
@@ -297,31 +311,33 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
     ];
     let present: Vec<_> = kinds.iter().filter(|k| k.1 > 0).collect();
     if present.is_empty() {
-        pie_area.draw(&Text::new("no groups", (200, 240), ("sans-serif", 20).into_font())).map_err(|x| e(&x))?;
-    } else {
-        let sizes: Vec<f64> = present.iter().map(|k| k.1 as f64).collect();
-        let colors: Vec<RGBColor> = present.iter().map(|k| k.2).collect();
-        let labels: Vec<String> = present.iter().map(|k| format!("{} ({})", k.0, k.1)).collect();
-        let center = (250, 230);
-        let radius = 140.0;
-        let mut pie = Pie::new(&center, &radius, &sizes, &colors, &labels);
-        pie.start_angle(-90.0);
-        pie.label_style(("sans-serif", 16).into_font());
-        pie.percentages(("sans-serif", 16).into_font().color(&WHITE));
-        pie_area.draw(&pie).map_err(|x| e(&x))?;
+        return pie_area.draw(&Text::new("no groups", (200, 240), ("sans-serif", 20).into_font())).map_err(plot_err);
     }
+    let sizes: Vec<f64> = present.iter().map(|k| k.1 as f64).collect();
+    let colors: Vec<RGBColor> = present.iter().map(|k| k.2).collect();
+    let labels: Vec<String> = present.iter().map(|k| format!("{} ({})", k.0, k.1)).collect();
+    let center = (250, 230);
+    let radius = 140.0;
+    let mut pie = Pie::new(&center, &radius, &sizes, &colors, &labels);
+    pie.start_angle(-90.0);
+    pie.label_style(("sans-serif", 16).into_font());
+    pie.percentages(("sans-serif", 16).into_font().color(&WHITE));
+    pie_area.draw(&pie).map_err(plot_err)
+}
 
-    // 2. Vote-margin histogram.
+/// The histogram of the groups' vote margins (winner - runner-up).
+fn draw_vote_margins(panel: &Panel<'_>, stats: &Stats) -> Result<(), DataError> {
+    use plotters::prelude::*;
     let max_margin = stats.vote_margin_histogram.keys().copied().max().unwrap_or(1);
     let max_count = stats.vote_margin_histogram.values().copied().max().unwrap_or(1);
-    let mut chart = ChartBuilder::on(&panels[1])
+    let mut chart = ChartBuilder::on(panel)
         .caption("Vote margin (winner - runner-up)", ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d((0u64..max_margin).into_segmented(), 0u64..(max_count + max_count / 10 + 1))
-        .map_err(|x| e(&x))?;
-    chart.configure_mesh().disable_x_mesh().x_desc("margin").y_desc("groups").draw().map_err(|x| e(&x))?;
+        .map_err(plot_err)?;
+    chart.configure_mesh().disable_x_mesh().x_desc("margin").y_desc("groups").draw().map_err(plot_err)?;
     chart
         .draw_series(
             Histogram::vertical(&chart)
@@ -329,20 +345,24 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
                 .margin(3)
                 .data(stats.vote_margin_histogram.iter().map(|(&m, &c)| (m, c))),
         )
-        .map_err(|x| e(&x))?;
+        .map_err(plot_err)?;
+    Ok(())
+}
 
-    // 3. Response-length histogram.
+/// The histogram of the responses' lengths, with their median and 99th percentile.
+fn draw_response_lengths(panel: &Panel<'_>, stats: &Stats) -> Result<(), DataError> {
+    use plotters::prelude::*;
     let h = &stats.response_length.histogram;
     let width = if h.len() > 1 { h[1].0 - h[0].0 } else { 1 };
     let x_max = h.last().map(|b| b.0 + width).unwrap_or(1).max(1);
     let y_max = h.iter().map(|b| b.1).max().unwrap_or(1).max(1);
-    let mut chart = ChartBuilder::on(&panels[2])
+    let mut chart = ChartBuilder::on(panel)
         .caption(format!("Response length ({})", stats.length_unit), ("sans-serif", 20))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(50)
         .build_cartesian_2d(0u64..x_max, 0u64..(y_max + y_max / 10 + 1))
-        .map_err(|x| e(&x))?;
+        .map_err(plot_err)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -350,13 +370,12 @@ pub fn plot_stats(stats: &Stats, path: &Path) -> Result<(), DataError> {
         .y_desc("responses")
         .x_labels(6)
         .draw()
-        .map_err(|x| e(&x))?;
+        .map_err(plot_err)?;
     chart
         .draw_series(
             h.iter().map(|&(lo, c)| Rectangle::new([(lo, 0), (lo + width, c)], RGBColor(0xf5, 0x9e, 0x42).filled())),
         )
-        .map_err(|x| e(&x))?;
-    root.present().map_err(|x| e(&x))?;
+        .map_err(plot_err)?;
     Ok(())
 }
 
