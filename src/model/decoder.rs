@@ -1292,20 +1292,7 @@ impl Decoder {
         }
         let rope = self.rope_of(batch)?;
         let ranges = batch.ranges(&self.device)?;
-        // Forward without a graph, keeping only each layer's input (and, unless the attention is
-        // recomputed, its attention's output and log-sum-exp).
-        let keep = !self.options.recompute_attention;
-        let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
-        let mut records: Vec<Option<AttentionRecord>> = Vec::with_capacity(self.cfg.num_layers);
-        let mut x = e;
-        for l in 0..self.cfg.num_layers {
-            let mut record = None;
-            let state = if keep { LayerState::Attention(Replay::Record(&mut record)) } else { LayerState::None };
-            let next = self.layer(l, &x, &rope, &ranges, state, Mode::training(batch, false))?;
-            inputs.push(x);
-            records.push(record);
-            x = next;
-        }
+        let (inputs, mut records, x) = self.forward_kept(batch, e, (&rope, &ranges))?;
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
         let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, training(true))?, loss_fn)?;
@@ -1329,6 +1316,29 @@ impl Decoder {
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
         crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?)
+    }
+
+    /// The layers' forward without a graph from the embeddings `x`, keeping only each layer's input (and,
+    /// unless the attention is recomputed, its attention's output and log-sum-exp): the inputs, the
+    /// records and the last layer's output.
+    fn forward_kept(
+        &self,
+        batch: &TokenBatch,
+        mut x: Tensor,
+        (rope, ranges): (&(Tensor, Tensor), &Tensor),
+    ) -> candle_core::Result<(Vec<Tensor>, Vec<Option<AttentionRecord>>, Tensor)> {
+        let keep = !self.options.recompute_attention;
+        let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
+        let mut records: Vec<Option<AttentionRecord>> = Vec::with_capacity(self.cfg.num_layers);
+        for l in 0..self.cfg.num_layers {
+            let mut record = None;
+            let state = if keep { LayerState::Attention(Replay::Record(&mut record)) } else { LayerState::None };
+            let next = self.layer(l, &x, rope, ranges, state, Mode::training(batch, false))?;
+            inputs.push(x);
+            records.push(record);
+            x = next;
+        }
+        Ok((inputs, records, x))
     }
 
     /// The loss of the head's log-probs `lp` (a phase of the profile).
