@@ -14,13 +14,13 @@
 #   4. PyTorch eager (scripts/gpu/torch_ref.py) at the 0.5B shape, 4k, 16k and 1k tokens, when torch and
 #      transformers import (a skipped line otherwise), the 16k one with a step under torch.profiler (its
 #      CUDA time in attention, GEMMs and the rest: where PyTorch's step goes), and grpo at 1k beside it;
-#      then a LoRA step (rank 16, every projection) at 4k;
 #   5. one layer's attention at 4k and 16k tokens: chunked GEMMs, tensor-core (mma) and warpgroup (wgmma, and
 #      wgmma with dq by atomics) kernels, and the warpgroup ones at head dim 64; Nsight Compute on the
 #      warpgroup kernels at 16k, head dims 64 and 128 (issue activity, tensor pipe, occupancy: NAME-ncu.txt);
 #      one layer's projection GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
 #   6. the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and the same update
-#      offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time).
+#      offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time);
+#   7. last, in the time left: a LoRA step (rank 16 on every projection) at the 0.5B shape and 4k tokens.
 # Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
 # the card that ran) and its `profile` (of its last step: the step time is the other timed steps', without
 # the profiler's syncs); report.py prints the tables and the predicted-vs-measured table.
@@ -196,12 +196,6 @@ fi
 if want short; then
     step "train-step grpo 0.5b $SHORT" 30 "$BIN" -q bench train-step "${c[@]}" --keep-logits --answers 8 --seq-len $SHORT --warmup 1 --repeats 2
 fi
-# The LoRA step (rank 16 on every projection, as configs/openthinker3-lora.toml) beside the full one at 4k: its
-# element-wise kernels (kernels/lora.cu, 16-byte packs) against the model's packed rate.
-if want lora; then
-    step "train-step grpo lora r16 0.5b $MID" 45 "$BIN" -q bench train-step "${c[@]}" --lora-r 16 --answers 8 \
-        --seq-len $MID --warmup 1 --repeats 2
-fi
 
 # 5. attention, one layer at the 7B's heads
 if want attention; then
@@ -300,6 +294,13 @@ if want optimizer; then
         --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
 fi
 
+# 7. the LoRA step (rank 16 on every projection, as configs/openthinker3-lora.toml) at the 0.5B shape and 4k,
+# last, in what time is left: its element-wise kernels (kernels/lora.cu, 16-byte packs) against the model's
+# packed rate.
+if want lora; then
+    step "train-step grpo lora r16 0.5b $MID" 45 "$BIN" -q bench train-step "${c[@]}" --lora-r 16 --answers 8 \
+        --seq-len $MID --warmup 1 --repeats 2
+fi
 
 # The report: tables, the predicted-vs-measured table, and its JSON.
 "$PY" scripts/gpu/report.py "$R" "$NAME.json" >"$NAME.txt" 2>&1
