@@ -197,6 +197,17 @@ fn execute(plan: &Plan, inputs: &[&Tensor], edit: impl Fn(usize, Vec<RawArg>) ->
         });
     }
     let bases: Vec<*mut u8> = bufs.iter_mut().map(Buf::ptr).collect();
+    // The packed kernels take their 16-byte path only on aligned pointers: the tests' aligned cases must be
+    // (malloc's alignment; `run_shifted` makes the unaligned ones). An empty buffer is never accessed.
+    for (b, p) in plan.buffers.iter().zip(&bases).filter(|(b, _)| b.len > 0) {
+        assert!(
+            (*p as usize).is_multiple_of(16),
+            "emulator buffer {} ({:?} x {}) at {p:p}: not 16-byte aligned",
+            b.name,
+            b.dtype,
+            b.len
+        );
+    }
     for (i, l) in plan.launches.iter().enumerate() {
         // Values the arguments point at: buffer addresses and scalars, 8 bytes each.
         let values: Vec<u64> = l
