@@ -377,7 +377,7 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         Ok(stats)
     })?;
     let peak = memory_bytes(&t.device)?.map(|(_, high)| high);
-    let record = train_step_record(spec, t, (times, &stats), counts, (peak, profile))?;
+    let record = train_step_record((spec, policy.config()), t, (times, &stats), counts, (peak, profile));
     to_record(record)
 }
 
@@ -489,19 +489,19 @@ struct TrainStepRecord {
 /// The record of a measured step: its time the median of the timed steps but a profiled last one (where
 /// another ran without the profiler).
 fn train_step_record(
-    spec: &TrainStepSpec,
+    (spec, cfg): (&TrainStepSpec, &ModelConfig),
     t: &Timing,
     (times, stats): (Vec<f64>, &[crate::train::step::StepStats]),
     counts: StepCounts,
     (peak, profile): (Option<u64>, Option<crate::profile::Profile>),
-) -> Result<TrainStepRecord> {
+) -> TrainStepRecord {
     let (micro_batches, _) = spec.micro_batches();
     let profiled = spec.profile.then(|| times.last().copied()).flatten();
     let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
     let step_time = median(unprofiled);
     let tokens = spec.answers * spec.seq_len;
-    let predicted = predicted_steps(&load_shape(&spec.shape)?, spec, (&t.device, t.dtype), Some(step_time));
-    Ok(TrainStepRecord {
+    let predicted = predicted_steps(cfg, spec, (&t.device, t.dtype), Some(step_time));
+    TrainStepRecord {
         bench: "train_step",
         implementation: "grpo",
         shape: shape_name(&spec.shape),
@@ -538,7 +538,7 @@ fn train_step_record(
         host_syncs_per_micro_batch: counts.syncs as f64 / micro_batches as f64,
         tensor_ops_per_step: counts.tensor_ops,
         profile: profile.map(|p| p.report()),
-    })
+    }
 }
 
 /// A bench's record as the JSON line it prints.

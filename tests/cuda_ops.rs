@@ -308,22 +308,11 @@ fn flash_attention_matches_the_cpu_forward_and_backward() {
             let cpu = flash_forward_backward(&Device::Cpu, dt, &qkv, &up, &ranges);
             let gpu_out = flash_forward_backward(&gpu, dt, &qkv, &up, &ranges);
             for (part, (a, c)) in ["o", "dq", "dk", "dv"].iter().zip(gpu_out.iter().zip(&cpu)) {
-                let err = rel_err(a, c);
+                // NaN when either holds a NaN or an infinity (candle's `max` would pass over a NaN).
+                let err = grpo::selftest::max_error(a, c).unwrap();
                 println!("flash_attention h={h} kv={kv} t={t} past={past} d={d} {dt:?} {part}: max|gpu-cpu|/max|cpu| {err:.2e}");
                 assert!(err < tol, "flash_attention h={h} kv={kv} t={t} d={d} {dt:?} {part}: {err}");
             }
         }
     }
-}
-
-/// max |a - c| / max |c| (at least 1e-6), NaN when either holds a NaN or an infinity (candle's `max`
-/// passes over NaN: a kernel's unwritten or non-finite output would otherwise compare equal).
-fn rel_err(a: &Tensor, c: &Tensor) -> f32 {
-    let flat = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
-    let (a, c) = (flat(a), flat(c));
-    if a.iter().chain(&c).any(|x| !x.is_finite()) {
-        return f32::NAN;
-    }
-    let diff = a.iter().zip(&c).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-    diff / c.iter().map(|y| y.abs()).fold(0f32, f32::max).max(1e-6)
 }

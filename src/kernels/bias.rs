@@ -150,7 +150,7 @@ fn grad_plan(dtype: DType, rows: usize, cols: usize) -> Result<Plan> {
     let db = p.output("bias gradient", dtype, cols);
     let partial = p.output("partial sums", DType::F32, blocks * cols);
     // A thread per 16-byte pack of columns where the row width allows (kernels/bias.cu), else per column.
-    let pack = 16 / dtype.size_in_bytes().max(1);
+    let pack = super::launch::pack_len(dtype);
     let units = if cols.is_multiple_of(pack) { cols / pack } else { cols };
     let col_blocks = units.div_ceil(256).clamp(1, 65535) as u32;
     let launch =

@@ -98,7 +98,7 @@ fn heads_plan(dtype: DType, (b, t, h, d): (usize, usize, usize, usize), back: bo
     let src = p.input("x", dtype, len);
     let dst = p.output("transposed", dtype, len);
     let dims = [b, t, h, d, usize::from(back)].map(|n| Arg::U32(n as u32));
-    let blocks = len.div_ceil(256 * (16 / dtype.size_in_bytes())).min(1024) as u32;
+    let blocks = super::launch::packed_grid(len, dtype);
     p.launch(Launch {
         module: Module::Heads,
         kernel: kernel_name("heads", dtype)?,

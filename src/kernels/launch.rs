@@ -108,8 +108,12 @@ pub fn kernel_name(base: &str, dtype: DType) -> Result<String> {
 /// 256 threads a block, one 16-byte pack (8 bf16/f16, 4 f32) a thread, at most 1,024 blocks (8 blocks of
 /// 256 threads fill one of an H100's 132 multiprocessors; the threads stride over the rest).
 pub fn packed_grid(n: usize, dtype: DType) -> u32 {
-    let pack = 16 / dtype.size_in_bytes().max(1);
-    n.div_ceil(256 * pack).min(1024) as u32
+    n.div_ceil(256 * pack_len(dtype)).min(1024) as u32
+}
+
+/// Elements of `dtype` in a 16-byte pack (kernels/common.cuh's `Pack`): 8 bf16/f16, 4 f32.
+pub fn pack_len(dtype: DType) -> usize {
+    16 / dtype.size_in_bytes().max(1)
 }
 
 impl Plan {

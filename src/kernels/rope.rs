@@ -164,7 +164,7 @@ pub(super) fn rope_plan(dtype: DType, (b, t, h, d): (usize, usize, usize, usize)
     let dims = [b, t, h, d].map(|n| Arg::U32(n as u32));
     // A thread per 16-byte run of a half-row (at most; runs of one element where the kernel cannot pack).
     let threads = 256u32;
-    let blocks = (len / 2).div_ceil(threads as usize * (16 / dtype.size_in_bytes())).min(1024) as u32;
+    let blocks = (len / 2).div_ceil(threads as usize * super::launch::pack_len(dtype)).min(1024) as u32;
     p.launch(Launch {
         module: Module::Rope,
         kernel: kernel_name(if inverse { "rope_bwd" } else { "rope_fwd" }, dtype)?,

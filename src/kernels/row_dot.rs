@@ -80,7 +80,7 @@ const MAX_BLOCKS: usize = 1024;
 /// row's 16-byte runs up to 32 (a power of two), 256 threads a block, at most `max_blocks` blocks.
 #[cfg(any(test, feature = "cuda"))]
 fn row_dot_plan(dtype: DType, (rows, d): (usize, usize), max_blocks: usize) -> Result<Plan> {
-    let runs = d.div_ceil(16 / dtype.size_in_bytes()).max(1);
+    let runs = d.div_ceil(super::launch::pack_len(dtype)).max(1);
     let lanes = runs.next_power_of_two().min(32);
     let mut p = Plan::default();
     let a = p.input("a", dtype, rows * d);

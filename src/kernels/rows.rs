@@ -236,7 +236,7 @@ pub(super) fn stats_plan(dtype: DType, n: usize, v: usize) -> Result<Plan> {
 #[cfg(any(test, feature = "cuda"))]
 pub(super) fn grad_plan(dtype: DType, n: usize, v: usize, cols: usize) -> Result<Plan> {
     let threads = 256u32;
-    let pack = (16 / dtype.size_in_bytes()) as u32;
+    let pack = super::launch::pack_len(dtype) as u32;
     let per_row = (v as u32).div_ceil(threads * 2 * pack).clamp(1, 65535);
     let mut p = Plan::default();
     let z = p.input("logits", dtype, n * v);
