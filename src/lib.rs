@@ -12,7 +12,9 @@
 //! - [`kernels`]: fused ops with their own backward (log-prob + entropy), CPU reference and CUDA kernels.
 //! - [`rollout`]: sampling, scoring and behaviour log-probs of the policy's own answers during training.
 //! - [`train`]: the training loop, optimiser, checkpoints and resume.
-//! - [`eval`]: benchmarks, batched generation and their scores.
+//! - [`generate`]: text generation: sampling, the paged KV cache and the continuous-batching scheduler
+//!   that `grpo eval`, validation and rollouts share.
+//! - [`eval`]: benchmarks, the engines that draw samples and their scores.
 //! - [`cost`]: what a training step costs on a device: its memory plan and its predicted time,
 //!   calibrated on measured steps.
 //! - [`device`]: the device's name and its peak memory.
@@ -33,6 +35,7 @@ pub mod device;
 pub mod dist;
 pub mod eval;
 pub mod fsio;
+pub mod generate;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;

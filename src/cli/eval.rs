@@ -189,12 +189,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
 
 /// The engine `args` select: the native sampler on `decoder`, or the OpenAI-compatible server.
 fn engine<'a>(
-    args: &Args,
+    args: &'a Args,
     decoder: Option<&'a model::Decoder>,
     tok: &'a ChatTokenizer,
 ) -> anyhow::Result<Box<dyn Engine + 'a>> {
     Ok(match decoder {
-        Some(model) => Box::new(Native { model, tok, batch_size: args.options.batch_size }),
+        Some(model) => {
+            Box::new(Native { model, tok, batch_size: args.options.batch_size, generation: &args.options.generation })
+        }
         None => Box::new(OpenAi::new(&args.engine, tok)?),
     })
 }

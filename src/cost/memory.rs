@@ -28,8 +28,9 @@
 //!   offload the two staging slots the gradients and new weights go through (at most
 //!   [`crate::train::offload::staging_bytes`] of `optim.offload_chunk_mb`, page-locked on a GPU);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
-//!   validation.max_new_tokens` tokens, 2 L kv d bytes per token, counted twice because the cache grows by
-//!   doubling its capacity;
+//!   validation.max_new_tokens` tokens, 2 L kv d bytes per token: the paged pool
+//!   ([`crate::generate::GenerationOptions::pool_blocks`] blocks), or with `generation.schedule = "static"`
+//!   a contiguous cache counted twice because it grows by doubling its capacity;
 //! - rollouts (`[rollout]` with grpo's own sampler): the same KV cache for `rollout.batch_size` sequences
 //!   of `max_prompt_tokens + rollout.max_new_tokens` tokens; a lagged sampling policy
 //!   (`rollout.sync_every > 1`) is one more resident copy of the weights (P d).
@@ -709,16 +710,23 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
     use Phase::*;
     use Place::*;
     let mut c = Components::default();
-    // A generation's KV cache: `batch` sequences of `tokens` tokens, 2 L kv d bytes per token, counted
-    // twice because the cache grows by concatenation, plus two rows of f32 logits per sequence.
-    let kv_cache = |batch: usize, tokens: u64| {
+    // A generation's KV cache for `batch` sequences of `tokens` tokens, 2 L kv d bytes per token: the paged
+    // pool of `generation.pool_blocks` blocks, or with static batches a contiguous cache counted twice
+    // because it grows by doubling; plus two rows of f32 logits per sequence.
+    let kv_cache = |batch: usize, tokens: u64, g: &crate::generate::GenerationOptions| {
         let per_token = 2.0 * model.num_layers as f64 * (model.num_kv_heads * model.head_dim) as f64 * d as f64;
         let batch_f = batch as f64;
-        let bytes = 2.0 * batch_f * tokens as f64 * per_token + 2.0 * batch_f * model.vocab_size as f64 * 4.0;
-        (to_bytes(bytes), format!("2 x batch {batch} x {tokens} tokens x {per_token} B + logits"))
+        let logits = 2.0 * batch_f * model.vocab_size as f64 * 4.0;
+        if g.schedule == crate::generate::Schedule::Static {
+            let bytes = 2.0 * batch_f * tokens as f64 * per_token + logits;
+            return (to_bytes(bytes), format!("2 x batch {batch} x {tokens} tokens x {per_token} B + logits"));
+        }
+        let blocks = g.pool_blocks(batch, tokens as usize);
+        let bytes = (blocks * g.block_size) as f64 * per_token + logits;
+        (to_bytes(bytes), format!("pool of {blocks} blocks x {} positions x {per_token} B + logits", g.block_size))
     };
     if let Some(v) = &cfg.validation {
-        let (bytes, f) = kv_cache(v.batch_size, prompt.saturating_add(v.max_new_tokens as u64));
+        let (bytes, f) = kv_cache(v.batch_size, prompt.saturating_add(v.max_new_tokens as u64), &v.generation);
         c.add("validation KV cache", bytes, Device, Validation, f);
     }
     if let Some(r) = &cfg.rollout {
@@ -733,7 +741,7 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
             );
         }
         if r.server.engine == crate::eval::EngineKind::Native {
-            let (bytes, f) = kv_cache(r.batch_size, prompt.saturating_add(r.max_new_tokens as u64));
+            let (bytes, f) = kv_cache(r.batch_size, prompt.saturating_add(r.max_new_tokens as u64), &r.generation);
             c.add("rollout KV cache", bytes, Device, Rollout, f);
         }
     }
@@ -1422,10 +1430,13 @@ mod tests {
         let set = ["rollout.batch_size=4", "rollout.max_new_tokens=10"];
         let on_policy = plan(&config(&set), &m, inputs(Attention::Flash));
         assert!(on_policy.components.iter().all(|c| c.name != "rollout sampling policy copy"));
-        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens, counted twice;
-        // two f32 rows of 32 logits per sequence.
-        let kv = 2 * 4 * 16 * (2 * 3 * 4 * 2) + 2 * 4 * 32 * 4;
-        assert_eq!(bytes(&on_policy, "rollout KV cache"), kv);
+        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens: a pool of one block
+        // of 16 positions each (static batches: counted twice); two f32 rows of 32 logits per sequence.
+        let logits = 2 * 4 * 32 * 4;
+        assert_eq!(bytes(&on_policy, "rollout KV cache"), 4 * 16 * (2 * 3 * 4 * 2) + logits);
+        let fixed =
+            plan(&config(&[set[0], set[1], "rollout.generation.schedule=static"]), &m, inputs(Attention::Flash));
+        assert_eq!(bytes(&fixed, "rollout KV cache"), 2 * 4 * 16 * (2 * 3 * 4 * 2) + logits);
         let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
         assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
         assert_eq!(lagged.tensor_peak(Place::Device), on_policy.tensor_peak(Place::Device) + 2 * p);

@@ -4,19 +4,20 @@
 
 pub mod benchmarks;
 pub mod engine;
-pub mod generate;
 mod options;
 pub mod run;
-mod sampler;
+
+/// Generation lives in [`crate::generate`]; `eval::generate` names it for the engines and callers here.
+pub use crate::generate;
 
 pub use engine::{Engine, EngineKind, EngineOptions};
+pub use generate::sample_rows;
 pub use generate::{generate, sample_token_reference, FinishReason, Generation, SamplingParams};
 pub use options::EvalOptions;
 pub use run::{
     evaluate, evaluate_share, evaluate_with, merge_shares, BenchReport, EvalProgress, ProblemResult, Share,
     ShareResults,
 };
-pub use sampler::sample_rows;
 
 /// Errors of evaluation.
 #[derive(Debug, thiserror::Error)]

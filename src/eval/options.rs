@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::generate::SamplingParams;
+use super::generate::{GenerationOptions, SamplingParams};
 use crate::reward::ExtractOptions;
 
 /// The benchmark `[validation]` evaluates on when the config names none.
@@ -50,6 +50,9 @@ pub struct EvalOptions {
     /// Fall back to "the answer is X" and the last number when there is no \boxed{}.
     #[arg(long)]
     pub fallbacks: bool,
+    /// How the native engine schedules its sequences (`[validation.generation]`).
+    #[command(flatten)]
+    pub generation: GenerationOptions,
 }
 
 impl Default for EvalOptions {
@@ -67,6 +70,7 @@ impl Default for EvalOptions {
             batch_size: 32,
             system_prompt: None,
             fallbacks: false,
+            generation: GenerationOptions::default(),
         }
     }
 }
@@ -96,7 +100,8 @@ impl EvalOptions {
                 return Err(format!("{prefix}{} = 0 must be >= 1", flag(prefix, name)));
             }
         }
-        self.sampling().validate(|name| format!("{prefix}{}", flag(prefix, name)))
+        self.sampling().validate(|name| format!("{prefix}{}", flag(prefix, name)))?;
+        self.generation.validate(&if prefix == "--" { prefix.to_string() } else { format!("{prefix}generation.") })
     }
 
     /// How many of a benchmark's `available` problems are evaluated (the first ones).

@@ -203,7 +203,7 @@ pub fn evaluate(
     on_result: impl FnMut(&ProblemResult) -> Result<(), EvalError>,
     on_progress: impl FnMut(&EvalProgress),
 ) -> Result<(BenchReport, Vec<ProblemResult>), EvalError> {
-    let engine = Native { model, tok, batch_size: options.batch_size };
+    let engine = Native { model, tok, batch_size: options.batch_size, generation: &options.generation };
     evaluate_with(&engine, tok, bench, options, done, on_result, on_progress)
 }
 

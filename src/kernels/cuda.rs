@@ -45,6 +45,9 @@ fn ptx(module: Module) -> (&'static str, &'static str) {
         Module::Bias => ("grpo_bias", include_str!(concat!(env!("OUT_DIR"), "/bias.ptx"))),
         Module::Heads => ("grpo_heads", include_str!(concat!(env!("OUT_DIR"), "/heads.ptx"))),
         Module::RowDot => ("grpo_row_dot", include_str!(concat!(env!("OUT_DIR"), "/row_dot.ptx"))),
+        Module::PagedAttention => {
+            ("grpo_paged_attention", include_str!(concat!(env!("OUT_DIR"), "/paged_attention.ptx")))
+        }
     }
 }
 

@@ -26,6 +26,7 @@ pub enum Module {
     Bias,
     Heads,
     RowDot,
+    PagedAttention,
 }
 
 /// One buffer of an op.

@@ -40,6 +40,9 @@
 //!   projections) or adds it straight into the weight's f32 accumulator through [`wgrad_accumulate`]
 //!   (wgrad.rs: `acc += g^T x`, one GEMM with an f32 output; cuBLAS on the GPU).
 //!
+//! - [`paged_attention`] (paged_attention.rs): generation's attention over a paged KV cache, each query
+//!   token of a step against its sequence's positions in a pool of blocks, through its block table.
+//!
 //! The log-prob op [`logprobs_entropy`] (logprob.rs) runs its matmuls through candle, chunk by chunk,
 //! and its per-row work through the row kernels.
 //!
@@ -71,6 +74,7 @@ mod launch;
 mod logprob;
 mod lora;
 mod norm;
+mod paged_attention;
 mod rope;
 mod rows;
 mod sum_squares;
@@ -96,6 +100,7 @@ pub use logprob::{
 };
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
+pub use paged_attention::{paged_attention, paged_attention_reference, PagedLayout};
 pub use rope::{rope, rope_reference};
 pub use row_dot::row_dot;
 pub use rows::{row_grad, row_stats};

@@ -220,6 +220,9 @@ enum LayerState<'a> {
     Cache(&'a mut Option<LayerCache>),
     /// Training with recomputation: the attention's forward recorded, or replayed from its record.
     Attention(Replay<'a>),
+    /// Generation over the paged KV cache: the step's keys and values written to their slots, the
+    /// attention read through the block tables.
+    Paged(super::paged::PagedLayer<'a>),
 }
 
 /// A batch of token rows for the training / scoring forward.
@@ -1037,16 +1040,23 @@ impl Decoder {
         let mut k = rotate(&k, cos, sin)?;
         drop(rotation);
         let mut v = if fused { crate::kernels::to_heads(&v)? } else { v.transpose(1, 2)?.contiguous()? };
+        let scale = 1.0 / (hd as f64).sqrt();
+        if let LayerState::Paged(paged) = &state {
+            paged.write(&k, &v)?;
+            let attn = crate::kernels::paged_attention(&q.squeeze(0)?, paged.kv, paged.layout, scale as f32)?;
+            let attn = attn.unsqueeze(0)?;
+            let attn = if fused { crate::kernels::from_heads(&attn)? } else { attn.transpose(1, 2)? };
+            return x + self.project(l, O, &attn.reshape((b, t, nh * hd))?, mode)?;
+        }
         let replay = match state {
             LayerState::Cache(cache) => {
                 (k, v) = LayerCache::append(cache, &k, &v)?;
                 None
             }
             LayerState::Attention(replay) => Some(replay),
-            LayerState::None => None,
+            LayerState::None | LayerState::Paged(_) => None,
         };
         // Grouped-query attention without repeating K/V (both paths read KV head h / (H / KV)).
-        let scale = 1.0 / (hd as f64).sqrt();
         // A decode step (one query per row) has scores linear in the cache: the matrix path reads the
         // cache views as they are, where flash attention would copy them into contiguous tensors.
         let flash = self.options.attention != Attention::Matrix && t > 1;
@@ -1477,6 +1487,35 @@ impl Decoder {
             x = self.layer(l, &x, &rope, &ranges, LayerState::Cache(&mut cache.layers[l]), Mode::plain(false))?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
+        let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
+        h.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)
+    }
+
+    /// One step of paged generation: `batch`'s tokens run as one row through the layers, each writing its
+    /// keys and values into its slot of `kv` and attending to its sequence's positions there; returns the
+    /// next-token logits `[logit_rows, V]` (f32) of the rows `batch.logit_rows` names.
+    pub fn forward_paged(&self, batch: &super::PagedBatch, kv: &super::PagedKv) -> candle_core::Result<Tensor> {
+        let t = batch.tokens.len();
+        if t == 0 || batch.positions.len() != t || batch.slots.len() != t {
+            candle_core::bail!(
+                "a paged step of {t} tokens, {} positions and {} slots",
+                batch.positions.len(),
+                batch.slots.len()
+            );
+        }
+        let index = super::paged::slot_index(&batch.slots, self.cfg.num_kv_heads, self.cfg.head_dim, &self.device)?;
+        let rope = self.rope(std::slice::from_ref(&batch.positions))?;
+        let no_ranges = Tensor::zeros((1, t, 2), DType::U32, &self.device)?;
+        let mut x = self.embed(std::slice::from_ref(&batch.tokens), false)?;
+        for (l, layer_kv) in kv.layers.iter().enumerate() {
+            let paged = super::paged::PagedLayer { kv: layer_kv, index: &index, layout: &batch.layout };
+            x = self.layer(l, &x, &rope, &no_ranges, LayerState::Paged(paged), Mode::plain(false))?;
+        }
+        if batch.logit_rows.is_empty() {
+            return Tensor::zeros((0, self.cfg.vocab_size), DType::F32, &self.device);
+        }
+        let rows = crate::device::from_host(batch.logit_rows.clone(), batch.logit_rows.len(), &self.device)?;
+        let last = x.squeeze(0)?.index_select(&rows, 0)?;
         let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;
         h.matmul(&self.w(self.lm_head, false).t()?)?.to_dtype(DType::F32)
     }

@@ -66,6 +66,17 @@ pub enum RolloutError {
     Model(#[from] ModelError),
     #[error("{0}")]
     Invalid(String),
+    #[error("rollout generation: {0}")]
+    Generation(String),
+}
+
+impl From<crate::generate::GenerateError> for RolloutError {
+    fn from(e: crate::generate::GenerateError) -> Self {
+        match e {
+            crate::generate::GenerateError::Candle(e) => RolloutError::Candle(e),
+            crate::generate::GenerateError::Options(m) => RolloutError::Generation(m),
+        }
+    }
 }
 
 /// The rollout side of a run: its options, the tokenizer that decodes answers for scoring, and the

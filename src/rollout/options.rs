@@ -104,6 +104,9 @@ pub struct RolloutOptions {
     #[serde(alias = "vllm_importance_sampling_cap")]
     #[arg(long = "rollout-importance-sampling-cap", default_value_t = 3.0)]
     pub importance_sampling_cap: f32,
+    /// How the native engine schedules the answers (`[rollout.generation]`; batch_size sequences at a time).
+    #[arg(skip)]
+    pub generation: crate::generate::GenerationOptions,
 }
 
 impl Default for RolloutOptions {
@@ -130,6 +133,7 @@ impl Default for RolloutOptions {
             importance_sampling_correction: false,
             importance_sampling_mode: IsMode::TokenTruncate,
             importance_sampling_cap: 3.0,
+            generation: crate::generate::GenerationOptions::default(),
         }
     }
 }
@@ -211,6 +215,7 @@ impl RolloutOptions {
                 return Err(format!("rollout.{key} = 0 must be >= 1"));
             }
         }
+        self.generation.validate("rollout.generation.")?;
         if self.n < 2 {
             return Err(format!("rollout.n = {} must be >= 2: a group needs two answers to compare", self.n));
         }

@@ -11,6 +11,7 @@ use super::server::Sampled;
 use super::{RolloutError, RolloutOptions};
 use crate::data::{Group, Response};
 use crate::eval::{generate, FinishReason, SamplingParams};
+use crate::generate::{generate_paged, Generation, Request, Schedule};
 use crate::model::{ChatTokenizer, Decoder, Targets, TokenBatch};
 use crate::reward::judge;
 
@@ -190,6 +191,61 @@ pub fn sample_groups(
     score_groups(sampler, tok, questions, opts, samples, micro, start)
 }
 
+/// `opts.sampled()` generations of `sampler` for each question, in question order: answer j of group g
+/// from the stream `g.index * n + j`, by the schedule of `opts.generation`.
+fn generate_answers(
+    sampler: &Decoder,
+    tok: &ChatTokenizer,
+    questions: &[Group],
+    opts: &RolloutOptions,
+    params: &SamplingParams,
+    on_tokens: &mut impl FnMut(usize),
+) -> Result<Vec<Generation>, RolloutError> {
+    let k = opts.sampled();
+    let (stop, pad) = (tok.eos_ids(), tok.pad_id());
+    if opts.generation.schedule == Schedule::Static {
+        let mut prompts = Vec::with_capacity(questions.len() * k);
+        let mut ids = Vec::with_capacity(questions.len() * k);
+        for g in questions {
+            for j in 0..k {
+                prompts.push(g.prompt_tokens.clone());
+                ids.push((g.index * opts.n + j) as u64);
+            }
+        }
+        let mut gens = Vec::with_capacity(prompts.len());
+        let per_batch = opts.batch_size.max(1);
+        for (p, i) in prompts.chunks(per_batch).zip(ids.chunks(per_batch)) {
+            gens.extend(generate(sampler, p, i, params, stop, pad, &mut *on_tokens)?);
+        }
+        return Ok(gens);
+    }
+    let requests: Vec<Request> = questions
+        .iter()
+        .map(|g| Request { prompt: g.prompt_tokens.clone(), first_id: (g.index * opts.n) as u64, samples: k })
+        .collect();
+    let mut out: Vec<Option<Vec<Generation>>> = vec![None; requests.len()];
+    let mut skipped = Vec::new();
+    generate_paged::<RolloutError>(
+        sampler,
+        &requests,
+        params,
+        (stop, opts.batch_size),
+        &opts.generation,
+        on_tokens,
+        |r, g| {
+            match g {
+                Ok(g) => out[r] = Some(g),
+                Err(why) => skipped.push(format!("question {}: {why}", questions[r].index)),
+            }
+            Ok(())
+        },
+    )?;
+    if !skipped.is_empty() {
+        return Err(RolloutError::Generation(skipped.join("; ")));
+    }
+    Ok(out.into_iter().flatten().flatten().collect())
+}
+
 /// `opts.sampled()` answers of `sampler` to each question, in question order.
 fn native_samples(
     sampler: &Decoder,
@@ -199,20 +255,7 @@ fn native_samples(
     params: &SamplingParams,
     mut on_tokens: impl FnMut(usize),
 ) -> Result<Vec<Sampled>, RolloutError> {
-    let k = opts.sampled();
-    let mut prompts = Vec::with_capacity(questions.len() * k);
-    let mut ids = Vec::with_capacity(questions.len() * k);
-    for g in questions {
-        for j in 0..k {
-            prompts.push(g.prompt_tokens.clone());
-            ids.push((g.index * opts.n + j) as u64);
-        }
-    }
-    let mut gens = Vec::with_capacity(prompts.len());
-    let per_batch = opts.batch_size.max(1);
-    for (p, i) in prompts.chunks(per_batch).zip(ids.chunks(per_batch)) {
-        gens.extend(generate(sampler, p, i, params, tok.eos_ids(), tok.pad_id(), &mut on_tokens)?);
-    }
+    let gens = generate_answers(sampler, tok, questions, opts, params, &mut on_tokens)?;
     // A stopped answer ends with its EOS, as the teacher's answers do: the policy learns to stop.
     let eos = tok.eos_ids().first().copied();
     gens.into_iter()

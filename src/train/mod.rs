@@ -458,8 +458,12 @@ impl Run<'_> {
         let out = self.cfg.train.output_dir.join("validation");
         let bar = crate::progress::log_only_bar(Some(0), &format!("validation on {}", v.bench));
         let started = Instant::now();
-        let engine =
-            crate::eval::engine::Native { model: &self.policy, tok: &self.tok, batch_size: options.batch_size };
+        let engine = crate::eval::engine::Native {
+            model: &self.policy,
+            tok: &self.tok,
+            batch_size: options.batch_size,
+            generation: &options.generation,
+        };
         let share = crate::eval::Share { index: self.world.rank(), of: self.world.size() };
         let mut apart = crate::dist::Apart::begin(&self.world, Some(stop));
         let part = crate::eval::evaluate_share(

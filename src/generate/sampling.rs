@@ -1,11 +1,10 @@
-//! Batched generation with a KV cache: greedy or sampled (temperature, top-k, top-p), stopping at EOS;
-//! finished sequences leave the batch so the rest keeps going. Each sequence draws from its own RNG,
-//! seeded from (seed, sequence index), so results do not depend on batch composition.
+//! The next-token choice: sampling settings, the host sampler and its full-sort reference, and the pick of
+//! a batch of logits rows with each sequence's own random stream ([`sequence_rng`]: seeded from (seed,
+//! sequence index), so a sequence's tokens do not depend on the batch it runs in).
 
 use rayon::prelude::*;
 
-use super::sampler::sample_rows;
-use crate::model::Decoder;
+use super::device_sampler::sample_rows;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -196,7 +195,7 @@ pub fn sample_token_reference(logits: &[f32], params: &SamplingParams, u: f64) -
 }
 
 /// The log-prob (f32 `[rows]`) of `picks[r]` (u32 `[rows]`) in row r of `logits` (`[rows, vocab]`).
-fn picked_logprobs(
+pub(crate) fn picked_logprobs(
     logits: &candle_core::Tensor,
     picks: &candle_core::Tensor,
 ) -> candle_core::Result<candle_core::Tensor> {
@@ -208,7 +207,7 @@ fn picked_logprobs(
 /// draws one uniform of `rngs[r]`, its sequence's stream, when sampling. `on_device`: chosen on the
 /// logits' device ([`sample_rows`], only the ids and log-probs come back); else on the host from the
 /// copied logits ([`sample_token`], the faster choice when the device is the CPU).
-fn pick(
+pub(crate) fn pick(
     logits: &candle_core::Tensor,
     params: &SamplingParams,
     rngs: &mut [&mut ChaCha8Rng],
@@ -237,6 +236,11 @@ fn pick(
     Ok((ids.iter().map(|&i| i as u32).collect(), lps.to_vec()))
 }
 
+/// The random stream of sequence `id` under `seed`: one uniform is drawn from it per sampled token.
+pub fn sequence_rng(seed: u64, id: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ id)
+}
+
 /// The log-softmax of `row` at `tok`, in f64 rounded to f32.
 fn host_logprob(row: &[f32], tok: u32) -> f32 {
     let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
@@ -244,180 +248,11 @@ fn host_logprob(row: &[f32], tok: u32) -> f32 {
     (row[tok as usize] as f64 - max - sum.ln()) as f32
 }
 
-/// Generate a continuation for each prompt (token ids) in one batch. `ids` numbers the sequences for
-/// their RNG streams (pass the global sample index so that batching never changes a sample);
-/// `on_tokens(n)` is called after each step with the number of tokens produced (stop tokens excluded).
-pub fn generate(
-    model: &Decoder,
-    prompts: &[Vec<u32>],
-    ids: &[u64],
-    params: &SamplingParams,
-    stop: &[u32],
-    pad: u32,
-    on_tokens: impl FnMut(usize),
-) -> candle_core::Result<Vec<Generation>> {
-    let on_device = !model.device().is_cpu();
-    generate_on(model, prompts, ids, params, (stop, pad), on_tokens, on_device)
-}
-
-/// [`generate`], choosing the tokens on the device or on the host ([`pick`]).
-fn generate_on(
-    model: &Decoder,
-    prompts: &[Vec<u32>],
-    ids: &[u64],
-    params: &SamplingParams,
-    (stop, pad): (&[u32], u32),
-    mut on_tokens: impl FnMut(usize),
-    on_device: bool,
-) -> candle_core::Result<Vec<Generation>> {
-    assert_eq!(prompts.len(), ids.len(), "one id per prompt");
-    let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
-    if prompts.is_empty() {
-        return Ok(vec![]);
-    }
-    let mut rngs: Vec<ChaCha8Rng> =
-        ids.iter().map(|&i| ChaCha8Rng::seed_from_u64(params.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ i)).collect();
-    let mut produced: Vec<Vec<u32>> = vec![Vec::new(); prompts.len()];
-    let mut produced_lp: Vec<Vec<f32>> = vec![Vec::new(); prompts.len()];
-    let mut active: Vec<usize> = (0..prompts.len()).collect();
-    if params.max_new_tokens == 0 {
-        let empty = Generation { tokens: vec![], finish: FinishReason::Length, logprobs: vec![] };
-        return Ok(vec![empty; prompts.len()]);
-    }
-    let (mut logits, mut cache) = model.prefill(prompts, pad)?;
-    loop {
-        // The streams of the active sequences, in row order (`active` is increasing).
-        let mut mine: Vec<&mut ChaCha8Rng> = Vec::with_capacity(active.len());
-        let mut wanted = active.iter().peekable();
-        for (seq, rng) in rngs.iter_mut().enumerate() {
-            if wanted.next_if(|&&a| a == seq).is_some() {
-                mine.push(rng);
-            }
-        }
-        let (picks, picked_lp) = pick(&logits, params, &mut mine, on_device)?;
-        let mut next = Vec::with_capacity(active.len());
-        let mut keep = Vec::with_capacity(active.len());
-        let mut new_tokens = 0;
-        for (r, &seq) in active.iter().enumerate() {
-            let tok = picks[r];
-            produced_lp[seq].push(picked_lp[r]);
-            let finish = if stop.contains(&tok) {
-                Some(FinishReason::Stop)
-            } else {
-                produced[seq].push(tok);
-                new_tokens += 1;
-                (produced[seq].len() >= params.max_new_tokens).then_some(FinishReason::Length)
-            };
-            if let Some(finish) = finish {
-                let (tokens, logprobs) = (std::mem::take(&mut produced[seq]), std::mem::take(&mut produced_lp[seq]));
-                out[seq] = Some(Generation { tokens, finish, logprobs });
-                continue;
-            }
-            keep.push(r);
-            next.push(tok);
-        }
-        on_tokens(new_tokens);
-        if keep.is_empty() {
-            break;
-        }
-        cache.retain(&keep)?;
-        active = keep.iter().map(|&r| active[r]).collect();
-        logits = model.step(&next, &mut cache)?;
-    }
-    Ok(out.into_iter().map(|g| g.expect("every sequence finishes")).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{random_decoder, Arch};
-    use candle_core::Tensor;
-
-    /// Greedy-decode one sequence by recomputing the full forward at every step (no cache): the reference
-    /// that cached, batched generation is tested against. Quadratic: for tests on short outputs only.
-    fn greedy_reference(
-        model: &Decoder,
-        prompt: &[u32],
-        max_new_tokens: usize,
-        stop: &[u32],
-    ) -> candle_core::Result<Generation> {
-        let mut seq = prompt.to_vec();
-        let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
-        for _ in 0..max_new_tokens {
-            let logits = model.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(&seq), 0))?;
-            let last: Tensor = logits.get(0)?.get(seq.len() - 1)?;
-            let tok = last.argmax(0)?.to_scalar::<u32>()?;
-            let idx = Tensor::new(&[tok], last.device())?;
-            logprobs.push(picked_logprobs(&last.unsqueeze(0)?, &idx)?.to_vec1::<f32>()?[0]);
-            if stop.contains(&tok) {
-                return Ok(Generation { tokens, finish: FinishReason::Stop, logprobs });
-            }
-            tokens.push(tok);
-            seq.push(tok);
-        }
-        Ok(Generation { tokens, finish: FinishReason::Length, logprobs })
-    }
-
-    #[test]
-    fn batched_greedy_equals_single_and_full_recompute() {
-        let shape = crate::model::tiny::TinyShape { layers: 2, hidden: 64, heads: 4, kv_heads: 2, intermediate: 128 };
-        let cfg = shape.config(Arch::Qwen3, 128, None, None).unwrap();
-        let model = random_decoder(cfg, 7, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
-        let prompts: Vec<Vec<u32>> =
-            vec![vec![1, 5, 9, 33, 2], vec![2, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41], vec![3]];
-        let params = SamplingParams { max_new_tokens: 12, ..Default::default() };
-        let single = |p: &Vec<u32>, i: usize, stop: &[u32]| {
-            generate(&model, std::slice::from_ref(p), &[i as u64], &params, stop, 0, |_| {}).unwrap().remove(0)
-        };
-        // A stop token that the random model emits sometimes, so rows leave the batch at different steps.
-        let stop = vec![single(&prompts[0], 0, &[]).tokens[3]];
-        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &stop, 0, |_| {}).unwrap();
-        for (i, p) in prompts.iter().enumerate() {
-            let one = single(p, i, &stop);
-            let reference = greedy_reference(&model, p, 12, &stop).unwrap();
-            let same = |a: &Generation, b: &Generation, what: &str| {
-                assert_eq!((&a.tokens, a.finish), (&b.tokens, b.finish), "prompt {i}: {what}");
-                assert_eq!(a.logprobs.len(), a.tokens.len() + usize::from(a.finish == FinishReason::Stop));
-                let d = a.logprobs.iter().zip(&b.logprobs).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-                assert!(d < 1e-4, "prompt {i}: {what}: log-probs differ by {d}");
-            };
-            same(&batched[i], &one, "batched != single");
-            same(&one, &reference, "cached != full recompute");
-        }
-        assert_eq!(batched[0].finish, FinishReason::Stop);
-    }
-
-    /// Sampled generation reads the device once per step for the whole batch (the ids and their
-    /// log-probs), and a sequence's tokens depend on its seed and id only, not on its batch.
-    #[test]
-    fn sampled_generation_reads_once_per_step_and_keeps_its_streams() {
-        let shape = crate::model::tiny::TinyShape { layers: 1, hidden: 32, heads: 2, kv_heads: 1, intermediate: 64 };
-        let cfg = shape.config(Arch::Qwen3, 64, None, None).unwrap();
-        let model = random_decoder(cfg, 3, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
-        let prompts: Vec<Vec<u32>> = vec![vec![1, 5, 9], vec![2, 7], vec![3, 4, 6, 8]];
-        let params = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 40, max_new_tokens: 9, seed: 11 };
-        let before = crate::device::host_reads();
-        let on_device = generate_on(&model, &prompts, &[0, 1, 2], &params, (&[], 0), |_| {}, true).unwrap();
-        assert_eq!(crate::device::host_reads() - before, 9, "one read per step of 9");
-        // The host sampler (used on the CPU device) picks the same tokens from the same streams.
-        let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();
-        for (d, h) in on_device.iter().zip(&batched) {
-            assert_eq!(d.tokens, h.tokens);
-            let diff = d.logprobs.iter().zip(&h.logprobs).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
-            assert!(diff < 1e-4, "log-probs differ by {diff}");
-        }
-        for (i, p) in prompts.iter().enumerate() {
-            let one = generate(&model, std::slice::from_ref(p), &[i as u64], &params, &[], 0, |_| {}).unwrap();
-            assert_eq!(one[0].tokens, batched[i].tokens, "prompt {i}: batched != single");
-            assert_eq!(one[0].logprobs.len(), 9);
-        }
-        let other = SamplingParams { seed: 12, ..params.clone() };
-        let reseeded = generate(&model, &prompts, &[0, 1, 2], &other, &[], 0, |_| {}).unwrap();
-        assert_ne!(
-            reseeded.iter().map(|g| &g.tokens).collect::<Vec<_>>(),
-            batched.iter().map(|g| &g.tokens).collect::<Vec<_>>()
-        );
-    }
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     /// With top-k or top-p the host sampler walks the kept candidates in the same order as the full sort,
     /// so the same uniform picks the same token.

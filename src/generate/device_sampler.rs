@@ -1,7 +1,7 @@
 //! The next-token choice for a batch of logits rows on their own device (temperature, top-k, top-p and
 //! the draw), with candle tensor ops only, so that a generation step copies one id per row to the host
 //! instead of the whole `[rows, vocab]` logits. Generation uses it on a GPU; on the CPU device, where the
-//! logits are already in host memory, the host sampler [`super::generate::sample_token`] is faster
+//! logits are already in host memory, the host sampler [`super::sample_token`] is faster
 //! (benches/results/sample-device-cpu-2026-11-25.txt) and picks the same tokens.
 //!
 //! The choice is the one of [`super::sample_token_reference`]: candidates ordered by `logit / T`
