@@ -49,13 +49,19 @@ __device__ void paged_split(const T *__restrict__ q, const T *__restrict__ kv, c
     const T *values = kv + (size_t)(d.kv_heads + g) * d.slots * hd;
     for (uint32_t j = threadIdx.x; j < n; j += blockDim.x) {
         const T *k = keys + (size_t)paged_slot(tables, d, s, begin + j) * hd;
+        // Unrolled over the largest group, so that acc stays in registers.
         float acc[PAGED_MAX_GROUP];
-        for (uint32_t h = 0; h < group; ++h) acc[h] = 0.f;
+#pragma unroll
+        for (uint32_t h = 0; h < PAGED_MAX_GROUP; ++h) acc[h] = 0.f;
         for (uint32_t c = 0; c < hd; ++c) {
             const float kc = to_f32(k[c]);
-            for (uint32_t h = 0; h < group; ++h) acc[h] = fmaf(kc, qs[h * hd + c], acc[h]);
+#pragma unroll
+            for (uint32_t h = 0; h < PAGED_MAX_GROUP; ++h)
+                if (h < group) acc[h] = fmaf(kc, qs[h * hd + c], acc[h]);
         }
-        for (uint32_t h = 0; h < group; ++h) scores[h * d.chunk + j] = acc[h] * scale;
+#pragma unroll
+        for (uint32_t h = 0; h < PAGED_MAX_GROUP; ++h)
+            if (h < group) scores[h * d.chunk + j] = acc[h] * scale;
     }
     __syncthreads();
     for (uint32_t h = 0; h < group; ++h) {
@@ -110,14 +116,14 @@ __device__ void paged_reduce(const float *__restrict__ part_acc, const float *__
 }
 
 #define PAGED_KERNELS(NAME, T)                                                                                     \
-    extern "C" __global__ void paged_attention_##NAME(                                                             \
+    extern "C" __global__ void __launch_bounds__(PAGED_THREADS) paged_attention_##NAME(                                                             \
         const T *q, const T *kv, const uint32_t *meta, T *out, float *part_acc, float *part_ml, uint32_t tokens,   \
         uint32_t heads, uint32_t kv_heads, uint32_t slots, uint32_t head_dim, uint32_t block_size,                \
         uint32_t max_blocks, uint32_t seqs, uint32_t chunk, uint32_t splits, float scale) {                       \
         PagedDims d{tokens, heads, kv_heads, slots, head_dim, block_size, max_blocks, seqs, chunk, splits};       \
         paged_split<T>(q, kv, meta, out, part_acc, part_ml, d, scale);                                             \
     }                                                                                                              \
-    extern "C" __global__ void paged_attention_reduce_##NAME(const float *part_acc, const float *part_ml, T *out,   \
+    extern "C" __global__ void __launch_bounds__(PAGED_THREADS) paged_attention_reduce_##NAME(const float *part_acc, const float *part_ml, T *out,   \
                                                              uint32_t rows, uint32_t splits, uint32_t head_dim) {  \
         paged_reduce<T>(part_acc, part_ml, out, rows, splits, head_dim);                                           \
     }

@@ -17,6 +17,7 @@ use crate::kernels::{
     matrix_attention, rms_norm, rms_norm_reference, rope, rope_reference, row_dot, row_grad, row_stats, sum_squares,
     swiglu, swiglu_reference, to_heads, wgmma_layouts, wgrad_accumulate, Dropout, GpuKernels,
 };
+use crate::kernels::{paged_attention, paged_attention_reference, PagedLayout};
 
 /// One kernel check: `run(device, dtype)` gives the error of each compared part.
 pub struct KernelCheck {
@@ -56,6 +57,7 @@ pub const CHECKS: &[KernelCheck] = &[
     },
     KernelCheck { op: "wgmma_layouts", run: wgmma_layouts_check, tolerance: rounded_output },
     KernelCheck { op: "logprobs_entropy", run: logprobs_entropy_check, tolerance: rounded_matmul },
+    KernelCheck { op: "paged_attention", run: paged_attention_check, tolerance: rounded_output },
 ];
 
 /// Ops whose output is f32 from f32 sums (row statistics): only the order of the sums differs.
@@ -572,4 +574,34 @@ fn logprobs_entropy_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
     let e = entropy(&logprobs_entropy(&on(&hr)?, &on(&wr)?, &td, chunk)?)?;
     parts.push(Part::compare("entropy", &e, &entropy(&logprobs_entropy_reference(&hr, &wr, &t)?)?)?);
     Ok(parts)
+}
+
+/// Generation's attention over the paged KV cache: 14 query heads over 2 KV heads of dim 64 (the 0.5B
+/// shape), blocks of 16 in a shuffled order; one sequence decoding at 1,300 positions (the GPU kernel's
+/// context in three splits), one prefilling a chunk of 5 queries, one at its first position.
+fn paged_attention_check(device: &Device, dtype: DType) -> Result<Vec<Part>> {
+    let mut rng = rng(31);
+    let (bs, blocks) = (16usize, 96usize);
+    let mut order: Vec<u32> = (0..blocks as u32).collect();
+    for i in (1..order.len()).rev() {
+        order.swap(i, rng.gen_range(0..=i));
+    }
+    let max_blocks = 1300usize.div_ceil(bs);
+    let mut tables = vec![0u32; 3 * max_blocks];
+    tables[..max_blocks].copy_from_slice(&order[..max_blocks]);
+    tables[max_blocks..max_blocks + 2].copy_from_slice(&order[max_blocks..max_blocks + 2]);
+    tables[2 * max_blocks] = order[max_blocks + 2];
+    let layout = PagedLayout {
+        block_size: bs,
+        max_blocks,
+        tables,
+        token_seq: vec![0, 1, 1, 1, 1, 1, 2],
+        token_ctx: vec![1300, 14, 15, 16, 17, 18, 1],
+    };
+    let q = rounded(&uniform(&mut rng, &[14, 7, 64], 1.0)?, dtype)?;
+    let kv = rounded(&uniform(&mut rng, &[4, blocks * bs, 64], 1.0)?, dtype)?;
+    let on = |x: &Tensor| x.to_dtype(dtype)?.to_device(device);
+    let got = paged_attention(&on(&q)?, &on(&kv)?, &layout, 0.125)?.to_device(&Device::Cpu)?;
+    let want = paged_attention_reference(&q, &kv, &layout, 0.125)?;
+    Ok(vec![Part::compare("fwd", &got, &want)?])
 }
