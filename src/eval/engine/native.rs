@@ -94,7 +94,19 @@ impl Native<'_> {
                 }
             },
         )?;
-        tracing::debug!(?report, "paged generation");
+        tracing::info!(
+            "generation: {} steps, {:.0}% of {} seats busy, prefill {} tokens computed and {} shared, {} \
+             preempted, KV pool {} of {} blocks at most ({:.2} positions held per cached)",
+            report.steps,
+            100.0 * report.occupancy,
+            self.batch_size,
+            report.counts.prefill_computed,
+            report.counts.prefill_saved,
+            report.counts.preemptions,
+            report.peak_blocks,
+            report.pool_blocks,
+            report.kv_held_per_cached
+        );
         if skipped.is_empty() {
             return Ok(());
         }
