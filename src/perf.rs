@@ -623,8 +623,8 @@ fn predicted_steps(
 ) -> Vec<PredictedStep> {
     use crate::cost::time::{predict, GPUS};
     let chunk = match (spec.logprob_chunk_mb, measured) {
-        (0, Some(_)) => crate::device::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
-        (0, None) => crate::device::gpu_chunk_bytes(0),
+        (0, Some(_)) => crate::kernels::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
+        (0, None) => crate::kernels::gpu_chunk_bytes(0),
         (mb, _) => mb << 20,
     };
     let shape = step_shape(cfg, spec, dtype, chunk as u64);

@@ -44,8 +44,6 @@ thread_local! {
     static COARSE: Cell<Option<&'static str>> = const { Cell::new(None) };
     static ACTIVE: Cell<bool> = const { Cell::new(false) };
     static RECORDER: RefCell<Option<Recorder>> = const { RefCell::new(None) };
-    static COPIES: Cell<[u64; 4]> = const { Cell::new([0; 4]) };
-    static LAUNCHES: Cell<u64> = const { Cell::new(0) };
     static FAILED_IN: Cell<Option<&'static str>> = const { Cell::new(None) };
 }
 
@@ -161,32 +159,6 @@ impl Drop for Phase {
     }
 }
 
-/// Count a copy of `bytes` from host memory to the model's device.
-pub(crate) fn count_to_device(bytes: usize) {
-    COPIES.with(|c| {
-        let mut v = c.get();
-        v[0] += 1;
-        v[1] += bytes as u64;
-        c.set(v);
-    });
-}
-
-/// Count a copy of `bytes` from the model's device to host memory.
-pub(crate) fn count_to_host(bytes: usize) {
-    COPIES.with(|c| {
-        let mut v = c.get();
-        v[2] += 1;
-        v[3] += bytes as u64;
-        c.set(v);
-    });
-}
-
-/// Count a launch of one of the project's GPU kernels.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn count_launch() {
-    LAUNCHES.with(|c| c.set(c.get() + 1));
-}
-
 /// A global allocator that counts allocations, frees and bytes while a profile runs (one relaxed
 /// atomic load otherwise), and the allocations of candle's storage header (one per new tensor buffer).
 /// Installed by the binary: `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.
@@ -275,14 +247,14 @@ struct Counts {
 
 impl Counts {
     fn now() -> Self {
-        let [to_device, to_device_bytes, to_host, to_host_bytes] = COPIES.with(Cell::get);
+        let copies = crate::device::copies();
         Self {
             syncs: crate::device::host_reads(),
-            to_device,
-            to_device_bytes,
-            to_host,
-            to_host_bytes,
-            launches: LAUNCHES.with(Cell::get),
+            to_device: copies.to_device,
+            to_device_bytes: copies.to_device_bytes,
+            to_host: copies.to_host,
+            to_host_bytes: copies.to_host_bytes,
+            launches: crate::kernels::launches(),
             allocs: ALLOCS.load(Ordering::Relaxed),
             frees: FREES.load(Ordering::Relaxed),
             alloc_bytes: ALLOC_BYTES.load(Ordering::Relaxed),
