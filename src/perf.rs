@@ -289,7 +289,7 @@ pub struct TrainStepSpec {
     /// and date) without running it: a GPU's step predicted on any machine.
     #[arg(long)]
     pub predict_only: bool,
-    /// Profile the last timed step phase by phase (src/profile.rs): a table on stderr and its phases in the
+    /// Profile the last timed step phase by phase (src/profile/): a table on stderr and its phases in the
     /// record's `profile`; `step_time_s` is then the median of the other timed steps (the profiler syncs
     /// at every phase boundary), or the profiled one's where it is the only one (`step_time_profiled`).
     #[arg(long)]
