@@ -45,44 +45,15 @@ fn within_cuda_limit(what: &str, elements: usize, hint: &str) -> Result<()> {
     Ok(())
 }
 
-/// Set a freshly opened device up: on CUDA, check that the card can run this build's kernels (its
-/// compute capability at least their PTX target), and let freed memory stay in the allocation pool for
-/// reuse rather than going back to the driver at every synchronisation.
+/// Set a freshly opened device up: on CUDA, let freed memory stay in the allocation pool for reuse
+/// rather than going back to the driver at every synchronisation. (Whether the card can run this build's
+/// kernels is checked by the kernels module, which knows their PTX target.)
 pub fn prepare(device: &Device) -> Result<()> {
     match device {
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) => {
-            cuda::check_compute_capability(device)?;
-            cuda::keep_freed_memory(device)
-        }
+        Device::Cuda(_) => cuda::keep_freed_memory(device),
         _ => Ok(()),
     }
-}
-
-/// The compute capability a PTX module targets, from its `.target sm_XY` line, as `10 X + Y`
-/// (`sm_90a` gives 90).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn ptx_target(ptx: &str) -> Option<u32> {
-    let line = ptx.lines().map(str::trim).find(|l| l.starts_with(".target"))?;
-    let arch = line.split_whitespace().nth(1)?.trim_end_matches(',').strip_prefix("sm_")?;
-    arch.trim_end_matches(|c: char| c.is_ascii_alphabetic()).parse().ok()
-}
-
-/// Why a card of compute capability `device` (`10 major + minor`) cannot run kernels built for
-/// `target`, or `None` when it can (PTX is JIT-compiled for the card by the driver, so newer cards run
-/// older targets).
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-fn capability_mismatch(name: &str, device: u32, target: u32) -> Option<String> {
-    (device < target).then(|| {
-        format!(
-            "{name} has compute capability {}.{}, but this build's kernels target {}.{}: rebuild with \
-             CUDA_COMPUTE_CAP={device} (or unset: 80, for every card from 8.0 on)",
-            device / 10,
-            device % 10,
-            target / 10,
-            target % 10
-        )
-    })
 }
 
 /// The GPUs this process sees (CUDA_VISIBLE_DEVICES applied); 0 in a build without CUDA or without a
@@ -151,29 +122,58 @@ pub fn total_memory(device: &Device) -> Result<Option<u64>> {
     }
 }
 
-/// Bytes of one chunk of logits (counted as f32) in the log-prob op when the configuration leaves it to
-/// the device: on a GPU an eighth of its free memory, between 1 and 8 GiB (a few large launches per
-/// micro-batch instead of thousands of small ones); on the CPU [`crate::kernels::LOGPROB_CHUNK_BYTES`]
-/// (64 MiB), which keeps a chunk near the caches.
-pub fn logprob_chunk_bytes(device: &Device) -> Result<usize> {
+/// The free memory of a CUDA device in bytes (`cuMemGetInfo`), `None` on the CPU: what the log-prob
+/// op sizes its chunks of logits from.
+pub fn free_gpu_memory(device: &Device) -> Result<Option<u64>> {
     match device {
         #[cfg(feature = "cuda")]
         Device::Cuda(d) => {
             let (free, _) = d.cuda_stream().context().mem_get_info().map_err(candle_core::Error::wrap)?;
-            Ok(gpu_chunk_bytes(free as u64))
+            Ok(Some(free as u64))
         }
-        _ => Ok(crate::kernels::LOGPROB_CHUNK_BYTES),
+        _ => Ok(None),
     }
-}
-
-/// The GPU's chunk for `free` bytes of free memory: `free / 8` within 1..=8 GiB (also what the memory
-/// plan counts for a GPU run that leaves the chunk to the device).
-pub fn gpu_chunk_bytes(free: u64) -> usize {
-    (free / 8).clamp(1 << 30, 8 << 30) as usize
 }
 
 thread_local! {
     static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+    static COPIES: std::cell::Cell<Copies> = const { std::cell::Cell::new(Copies::ZERO) };
+}
+
+/// The copies between host memory and the model's device made so far by this thread, and their bytes:
+/// counted where the project moves data ([`to_host`], [`from_host`], the offloaded optimiser's staging),
+/// on every device (on the CPU the model's memory is host memory: the transfers a GPU run makes).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Copies {
+    pub to_device: u64,
+    pub to_device_bytes: u64,
+    pub to_host: u64,
+    pub to_host_bytes: u64,
+}
+
+impl Copies {
+    const ZERO: Self = Self { to_device: 0, to_device_bytes: 0, to_host: 0, to_host_bytes: 0 };
+}
+
+/// The copies this thread has made so far ([`Copies`]).
+pub fn copies() -> Copies {
+    COPIES.with(std::cell::Cell::get)
+}
+
+/// Count a copy of `bytes` from host memory to the model's device.
+pub fn count_to_device(bytes: usize) {
+    COPIES.with(|c| {
+        let v = c.get();
+        c.set(Copies { to_device: v.to_device + 1, to_device_bytes: v.to_device_bytes + bytes as u64, ..v });
+    });
+}
+
+/// Count a copy of `bytes` from the model's device to host memory.
+pub fn count_to_host(bytes: usize) {
+    COPIES.with(|c| {
+        let v = c.get();
+        c.set(Copies { to_host: v.to_host + 1, to_host_bytes: v.to_host_bytes + bytes as u64, ..v });
+    });
 }
 
 /// The values of `t` (any shape, flattened) copied to the host. On a GPU a copy to the host waits for
@@ -181,18 +181,18 @@ thread_local! {
 /// function and [`to_host_scalar`], which count each read ([`host_reads`]).
 pub fn to_host<T: candle_core::WithDType>(t: &Tensor) -> Result<Vec<T>> {
     HOST_READS.with(|c| c.set(c.get() + 1));
-    crate::profile::count_to_host(t.elem_count() * t.dtype().size_in_bytes());
+    count_to_host(t.elem_count() * t.dtype().size_in_bytes());
     t.flatten_all()?.to_vec1::<T>()
 }
 
-/// A tensor of `shape` on `device` holding `data` from the host: a host-to-device copy, counted for
-/// the profile ([`crate::profile`]) on every device.
+/// A tensor of `shape` on `device` holding `data` from the host: a host-to-device copy, counted
+/// ([`copies`]) on every device.
 pub fn from_host<T: candle_core::WithDType, S: Into<candle_core::Shape>>(
     data: Vec<T>,
     shape: S,
     device: &Device,
 ) -> Result<Tensor> {
-    crate::profile::count_to_device(std::mem::size_of_val(data.as_slice()));
+    count_to_device(std::mem::size_of_val(data.as_slice()));
     Tensor::from_vec(data, shape, device)
 }
 
@@ -221,19 +221,6 @@ mod cuda {
     use candle_core::cuda_backend::cudarc::driver::sys;
     use candle_core::cuda_backend::cudarc::driver::sys::CUmemPool_attribute as Attr;
     use candle_core::{Device, Result};
-
-    /// An error when the card's compute capability is below the PTX target of this build's kernels
-    /// (the driver would refuse every launch with a less clear message).
-    pub fn check_compute_capability(device: &Device) -> Result<()> {
-        let ctx = device.as_cuda_device()?.cuda_stream().context().clone();
-        let (major, minor) = ctx.compute_capability().map_err(candle_core::Error::wrap)?;
-        let target = super::ptx_target(crate::kernels::ptx()).unwrap_or(0);
-        let name = ctx.name().unwrap_or_else(|_| "the GPU".into());
-        match super::capability_mismatch(&name, (10 * major + minor) as u32, target) {
-            Some(msg) => candle_core::bail!("{msg}"),
-            None => Ok(()),
-        }
-    }
 
     /// Whether candle's allocations go through the default pool (`cuMemAllocAsync`).
     pub fn pooled(device: &Device) -> Result<bool> {
@@ -308,14 +295,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn logprob_chunks_are_device_sized() {
-        assert_eq!(logprob_chunk_bytes(&Device::Cpu).unwrap(), 64 << 20);
-        assert_eq!(gpu_chunk_bytes(2 << 30), 1 << 30);
-        assert_eq!(gpu_chunk_bytes(40 << 30), 5 << 30);
-        assert_eq!(gpu_chunk_bytes(140 << 30), 8 << 30);
-    }
-
-    #[test]
     fn cpu_has_a_name_and_no_memory_counter() {
         let d = Device::Cpu;
         assert_eq!(device_name(&d), "cpu");
@@ -327,15 +306,16 @@ mod tests {
     }
 
     #[test]
-    fn ptx_target_and_capability() {
-        let ptx = "//\n// Generated by NVIDIA NVVM Compiler\n.version 9.0\n.target sm_80\n.address_size 64\n";
-        assert_eq!(ptx_target(ptx), Some(80));
-        assert_eq!(ptx_target(".version 8.4\n.target sm_90a\n"), Some(90));
-        assert_eq!(ptx_target(".version 8.4\n"), None);
-        assert_eq!(capability_mismatch("H100", 90, 80), None);
-        assert_eq!(capability_mismatch("A100", 80, 80), None);
-        let msg = capability_mismatch("A100", 80, 90).unwrap();
-        assert!(msg.contains("A100 has compute capability 8.0") && msg.contains("target 9.0"), "{msg}");
+    fn copies_are_counted_with_their_bytes() {
+        let before = copies();
+        let x = from_host(vec![1f32, 2.0, 3.0], 3, &Device::Cpu).unwrap();
+        assert_eq!(to_host::<f32>(&x).unwrap(), [1.0, 2.0, 3.0]);
+        assert_eq!(to_host_scalar::<f32>(&x.sum_all().unwrap()).unwrap(), 6.0);
+        let after = copies();
+        let diff = (after.to_device - before.to_device, after.to_device_bytes - before.to_device_bytes);
+        assert_eq!(diff, (1, 12));
+        assert_eq!((after.to_host - before.to_host, after.to_host_bytes - before.to_host_bytes), (2, 16));
+        assert_eq!(free_gpu_memory(&Device::Cpu).unwrap(), None);
     }
 
     #[test]

@@ -19,7 +19,7 @@
 //!   calibrated on measured steps.
 //! - [`device`]: the device's name and its peak memory.
 //! - [`dist`]: data parallelism over several processes (ranks) and their collectives (MPI).
-//! - [`perf`]: speed and memory measurements (`grpo bench`).
+//! - [`bench`]: speed and memory measurements (`grpo bench`), one file per benchmark.
 //! - [`profile`]: where a step's time goes, phase by phase, and the phase a thread is in.
 //! - [`selftest`]: the fused kernels, a training step and a generation on a device against the CPU
 //!   reference (`grpo selftest`).
@@ -27,6 +27,7 @@
 //! - [`progress`]: progress bars.
 //! - [`cli`]: the `grpo` command line.
 
+pub mod bench;
 pub mod checksum;
 pub mod cli;
 pub mod cost;
@@ -40,7 +41,6 @@ pub mod jsonl;
 pub mod kernels;
 pub mod model;
 pub mod objective;
-pub mod perf;
 pub mod plot;
 pub mod profile;
 pub mod progress;

@@ -1,6 +1,9 @@
 //! The profiler's counting allocator, installed as the `grpo` binary installs it: under a profile each op
 //! that produces a new tensor buffer counts one buffer and a view none, and allocations and frees are
-//! counted. One test in this binary, so that no other test's allocations are counted beside it.
+//! counted. One test in this binary, so that no other test's allocations are counted beside it. It is
+//! the guard of the allocator's one assumption about candle (src/profile/alloc.rs): that each new
+//! buffer is one `Arc<parking_lot::RwLock<Storage>>`, whose layout the allocator learns; a candle that makes its
+//! buffers otherwise fails it.
 
 use candle_core::{Device, Tensor};
 use grpo::profile::{phase, Profiler};
@@ -34,4 +37,5 @@ fn new_buffers_are_counted_and_views_are_not() {
     assert_eq!((ops.buffers, views.buffers), (12.0, 0.0), "{r:?}");
     assert!(ops.allocs >= 12.0 && ops.frees >= 12.0 && ops.alloc_bytes >= (11 * 64 * 64 * 4) as f64, "{ops:?}");
     assert!(r.counted.allocs.starts_with("host heap allocations"), "{:?}", r.counted);
+    assert!(r.counted.buffers.starts_with("ops that produced a new tensor buffer"), "{:?}", r.counted);
 }

@@ -5,11 +5,11 @@
 use anyhow::Context;
 use serde::Deserialize;
 
-use crate::model::{parse_device, parse_dtype};
-use crate::perf::{
+use crate::bench::{
     self, AttentionSpec, GemmSpec, GenerateSpec, LogprobSpec, OptimizerSpec, PackSpec, SampleSpec, Timing,
     TrainStepSpec,
 };
+use crate::model::{parse_device, parse_dtype};
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
@@ -103,25 +103,25 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     let record = match cmd {
         BenchCommand::TrainStep { spec, common } if spec.predict_only => {
             let dtype = parse_dtype(&common.dtype).with_context(|| format!("--dtype {}", common.dtype))?;
-            perf::predict_train_step(&spec, dtype).context("train-step prediction")?
+            bench::predict_train_step(&spec, dtype).context("train-step prediction")?
         }
         BenchCommand::TrainStep { spec, common } => {
-            perf::train_step(&spec, &timing(&common)?).context("train-step benchmark")?
+            bench::train_step(&spec, &timing(&common)?).context("train-step benchmark")?
         }
         BenchCommand::Logprob { spec, common } => {
-            perf::logprob(&spec, &timing(&common)?).context("logprob benchmark")?
+            bench::logprob(&spec, &timing(&common)?).context("logprob benchmark")?
         }
         BenchCommand::Attention { spec, common } => {
-            perf::attention(&spec, &timing(&common)?).context("attention benchmark")?
+            bench::attention(&spec, &timing(&common)?).context("attention benchmark")?
         }
-        BenchCommand::Gemm { spec, common } => perf::gemm(&spec, &timing(&common)?).context("gemm benchmark")?,
+        BenchCommand::Gemm { spec, common } => bench::gemm(&spec, &timing(&common)?).context("gemm benchmark")?,
         BenchCommand::Optimizer { spec, common } => {
-            perf::optimizer(&spec, &timing(&common)?).context("optimizer benchmark")?
+            bench::optimizer(&spec, &timing(&common)?).context("optimizer benchmark")?
         }
-        BenchCommand::Sample { spec, common } => perf::sample(&spec, &timing(&common)?).context("sample benchmark")?,
-        BenchCommand::Pack { spec } => perf::pack(&spec).context("pack benchmark")?,
+        BenchCommand::Sample { spec, common } => bench::sample(&spec, &timing(&common)?).context("sample benchmark")?,
+        BenchCommand::Pack { spec } => bench::pack(&spec).context("pack benchmark")?,
         BenchCommand::Generate { spec, common } => {
-            perf::generate(&spec, &timing(&common)?).context("generate benchmark")?
+            bench::generate(&spec, &timing(&common)?).context("generate benchmark")?
         }
     };
     if let Some(p) = record.get("profile").filter(|p| !p.is_null()) {

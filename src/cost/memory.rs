@@ -335,12 +335,12 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
 const DEFAULT_GPU_MEMORY: u64 = 80_000_000_000;
 
 /// The bytes of the log-prob op's logits chunk of a run of `cfg`: `model.logprob_chunk_mb` when set;
-/// otherwise as [`crate::device::logprob_chunk_bytes`] sizes it: 64 MiB on the CPU, on a GPU an eighth of
+/// otherwise as [`crate::kernels::logprob_chunk_bytes`] sizes it: 64 MiB on the CPU, on a GPU an eighth of
 /// `free` (unknown: the 1 GiB minimum) within 1..=8 GiB.
 fn logprob_chunk_bytes(cfg: &TrainConfig, inputs: &PlanInputs, free: Option<u64>) -> u64 {
     match cfg.model.logprob_chunk_mb {
         0 if inputs.on_cpu => crate::kernels::LOGPROB_CHUNK_BYTES as u64,
-        0 => crate::device::gpu_chunk_bytes(free.unwrap_or(0)) as u64,
+        0 => crate::kernels::gpu_chunk_bytes(free.unwrap_or(0)) as u64,
         mb => (mb as u64) << 20,
     }
 }
@@ -1388,7 +1388,7 @@ mod tests {
             super::plan(&config(&[]), &m, PlanInputs { device_memory: Some(device), ..inputs(Attention::Flash) });
         let chunk = sized.components.iter().find(|c| c.name.starts_with("log-prob chunk")).unwrap().bytes;
         let others = sized.peak(Place::Device) - POOL_OVERHEAD.pooled(chunk);
-        let expected = crate::device::gpu_chunk_bytes(device - others) as u64;
+        let expected = crate::kernels::gpu_chunk_bytes(device - others) as u64;
         assert!(
             sized.logprob_chunk_bytes.abs_diff(expected) <= expected / 100,
             "{} vs {expected}",

@@ -56,6 +56,19 @@ pub(crate) fn compute_capability(dev: &CudaDevice) -> Result<(i32, i32)> {
     dev.cuda_stream().context().compute_capability().w()
 }
 
+/// An error when the card's compute capability is below the PTX target of this build's kernels
+/// (the driver would refuse every launch with a less clear message).
+pub(super) fn check_compute_capability(dev: &CudaDevice) -> Result<()> {
+    use super::capability::{capability_mismatch, ptx_target};
+    let (major, minor) = compute_capability(dev)?;
+    let target = ptx_target(rows_ptx()).unwrap_or(0);
+    let name = dev.cuda_stream().context().name().unwrap_or_else(|_| "the GPU".into());
+    match capability_mismatch(&name, (10 * major + minor) as u32, target) {
+        Some(msg) => candle_core::bail!("{msg}"),
+        None => Ok(()),
+    }
+}
+
 /// An output buffer of a plan, allocated on the device.
 enum Out {
     F32(CudaSlice<f32>),
@@ -177,7 +190,7 @@ pub(crate) fn launch(
     // SAFETY: the plan's arguments match the kernel's parameters in order and type (the emulator checks
     // each plan against the kernel's signature), and every address is inside a live buffer of the caller.
     unsafe { b.launch(cfg) }.w()?;
-    crate::profile::count_launch();
+    super::counter::count_launch();
     Ok(())
 }
 
@@ -269,6 +282,6 @@ pub(crate) fn gemm_accumulate_f32(
         )
     }
     .map_err(|e| candle_core::Error::Msg(format!("wgrad GEMM: {e:?}")))?;
-    crate::profile::count_launch();
+    super::counter::count_launch();
     Ok(())
 }

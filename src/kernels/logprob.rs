@@ -18,6 +18,20 @@ use crate::device::CUDA_MAX_ELEMENTS;
 /// Default memory budget for one chunk of logits, counted as f32 (`rows = budget / (4 vocab)`).
 pub const LOGPROB_CHUNK_BYTES: usize = 64 << 20;
 
+/// Bytes of one chunk of logits (counted as f32) when the configuration leaves it to the device: on a
+/// GPU an eighth of its free memory, between 1 and 8 GiB (a few large launches per micro-batch instead
+/// of thousands of small ones, [`gpu_chunk_bytes`]); on the CPU [`LOGPROB_CHUNK_BYTES`] (64 MiB), which
+/// keeps a chunk near the caches.
+pub fn logprob_chunk_bytes(device: &candle_core::Device) -> Result<usize> {
+    Ok(crate::device::free_gpu_memory(device)?.map_or(LOGPROB_CHUNK_BYTES, gpu_chunk_bytes))
+}
+
+/// The GPU's chunk for `free` bytes of free memory: `free / 8` within 1..=8 GiB (also what the memory
+/// plan counts for a GPU run that leaves the chunk to the device).
+pub fn gpu_chunk_bytes(free: u64) -> usize {
+    (free / 8).clamp(1 << 30, 8 << 30) as usize
+}
+
 /// Rows of one chunk: as many as `budget_bytes` of f32 logits hold, at most 65,536, and never more than
 /// candle's CUDA kernels can index in one tensor ([`CUDA_MAX_ELEMENTS`]: a budget past 16 GiB would
 /// otherwise make chunks of more than 2^32 logits, which they would silently cover only in part).
@@ -317,6 +331,14 @@ mod tests {
             let fd = (f(hidden.as_tensor(), &wp) - f(hidden.as_tensor(), &wm)) / (2.0 * eps as f64);
             assert!((fd - gw[idx] as f64).abs() < 2e-3, "d/dw[{idx}]: fd {fd} vs autograd {}", gw[idx]);
         }
+    }
+
+    #[test]
+    fn logprob_chunks_are_device_sized() {
+        assert_eq!(logprob_chunk_bytes(&Device::Cpu).unwrap(), 64 << 20);
+        assert_eq!(gpu_chunk_bytes(2 << 30), 1 << 30);
+        assert_eq!(gpu_chunk_bytes(40 << 30), 5 << 30);
+        assert_eq!(gpu_chunk_bytes(140 << 30), 8 << 30);
     }
 
     #[test]

@@ -54,6 +54,10 @@ mod accumulate;
 mod adamw;
 mod attention;
 mod bias;
+// The PTX target against the card's compute capability, checked by cuda.rs.
+#[cfg(any(test, feature = "cuda"))]
+mod capability;
+mod counter;
 mod cpu;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -87,6 +91,7 @@ pub use accumulate::accumulate;
 pub use adamw::{adamw, adamw_host, adamw_reference, AdamW};
 pub use attention::{masked_softmax, masked_softmax_reference};
 pub use bias::bias_add;
+pub use counter::launches;
 pub use embedding::{embedding, embedding_grad, embedding_grad_into, embedding_reference};
 pub(crate) use flash_attention::dkv_partial_sum_bytes;
 pub use flash_attention::{
@@ -96,7 +101,8 @@ pub(crate) use flash_attention::{causal_work, driver::Device as AttentionDevice}
 pub use frozen::{frozen_matmul, matmul_accumulating};
 pub use heads::{from_heads, to_heads};
 pub use logprob::{
-    logprobs_entropy, logprobs_entropy_reference, logprobs_entropy_with, HeadBackward, LOGPROB_CHUNK_BYTES,
+    gpu_chunk_bytes, logprob_chunk_bytes, logprobs_entropy, logprobs_entropy_reference, logprobs_entropy_with,
+    HeadBackward, LOGPROB_CHUNK_BYTES,
 };
 pub use lora::{lora_linear, lora_linear_reference, Dropout};
 pub use norm::{rms_norm, rms_norm_reference};
@@ -146,8 +152,13 @@ pub fn wgmma_layouts(
     Ok(None)
 }
 
-/// The PTX of this build's kernels (kernels/rows.cu; build.rs compiles every file for one target).
-#[cfg(feature = "cuda")]
-pub fn ptx() -> &'static str {
-    cuda::rows_ptx()
+/// An error when `device` is a GPU whose compute capability is below the PTX target of this build's
+/// kernels (the driver would refuse every launch with a less clear message); nothing on the CPU. Called
+/// where a CUDA device is opened.
+pub fn check_capability(device: &candle_core::Device) -> candle_core::Result<()> {
+    match device {
+        #[cfg(feature = "cuda")]
+        candle_core::Device::Cuda(dev) => cuda::check_compute_capability(dev),
+        _ => Ok(()),
+    }
 }

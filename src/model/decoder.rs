@@ -160,7 +160,7 @@ pub struct DecoderOptions {
     /// attention's backward without its forward (`true`: the attention is recomputed with the layer).
     pub recompute_attention: bool,
     /// Memory budget of one chunk of f32 logits in the log-prob op; 0 sizes it from the device
-    /// ([`crate::device::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
+    /// ([`crate::kernels::logprob_chunk_bytes`]: at least 1 GiB on a GPU, 64 MiB on the CPU).
     pub logprob_chunk_bytes: usize,
     /// Keep the log-prob op's logits (`[scored tokens, vocab]` in the weight's dtype) from the forward
     /// for its backward instead of recomputing them chunk by chunk ([`HeadBackward::keep_logits`]).
@@ -1202,7 +1202,7 @@ impl Decoder {
         let graph = mode.graph;
         let h = self.select_hidden(x, targets, graph)?;
         let budget = match self.options.logprob_chunk_bytes {
-            0 => crate::device::logprob_chunk_bytes(&self.device)?,
+            0 => crate::kernels::logprob_chunk_bytes(&self.device)?,
             b => b,
         };
         let (w, ids) = (self.w(self.lm_head, graph), self.target_ids(batch, targets)?);

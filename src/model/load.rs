@@ -81,6 +81,7 @@ pub fn parse_device(s: &str) -> Result<Device, ModelError> {
                 )));
             }
             let device = Device::new_cuda(ordinal)?;
+            crate::kernels::check_capability(&device)?;
             crate::device::prepare(&device)?;
             Ok(device)
         }

@@ -201,7 +201,7 @@ pub struct TrainSection {
     pub report_to: Vec<ReportTo>,
     /// Steps to profile phase by phase (numbered as in metrics.jsonl, from 1; e.g. `[3, 4]`, after the
     /// first steps' warm-up): each one's table goes to the log and its record to OUTPUT/profile.jsonl
-    /// (src/profile.rs). Default: none.
+    /// (src/profile/). Default: none.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub profile_steps: Vec<usize>,
 }

@@ -211,7 +211,7 @@ impl Staging {
                 candle_core::Storage::Cuda(c) => pinned::download(c, a + p.start, dst)?,
                 _ => candle_core::bail!("the offloaded update has no staging on {:?}", g.device()),
             }
-            crate::profile::count_to_host(p.len * 4);
+            crate::device::count_to_host(p.len * 4);
         }
         self.record(s)
     }
@@ -242,7 +242,7 @@ impl Staging {
             // SAFETY: the host wrote these weights before this call and no copy writes them.
             let src = unsafe { std::slice::from_raw_parts((slot.weights as *const T).add(p.at), p.len) };
             vars[p.param].as_tensor().inplace_op1(&WriteRange { start: p.start, src })?;
-            crate::profile::count_to_device(p.len * T::DTYPE.size_in_bytes());
+            crate::device::count_to_device(p.len * T::DTYPE.size_in_bytes());
         }
         self.record(s)
     }

@@ -1,0 +1,603 @@
+//! `grpo bench train-step`: one whole training step (policy forward and backward, reference forward,
+//! AdamW) through the trainer's own code path, with the host's counts, an optional profile and the
+//! performance model's prediction beside it; and `--predict-only`, the prediction alone.
+
+use std::path::PathBuf;
+
+use candle_core::{DType, Device, Tensor};
+use rand::SeedableRng;
+use serde_json::Value;
+
+use super::harness::{
+    dtype_name, load_shape, median, random_ids, random_model, shape_name, time_runs, to_record, BenchError, Result,
+    Timing,
+};
+use crate::cost::calibration::MeasuredBuild;
+use crate::data::{Group, Response};
+use crate::device::device_name;
+use crate::device::{host_reads, memory_bytes, reset_peak_memory};
+use crate::model::LoraOptions;
+use crate::model::{Attention, Decoder, DecoderOptions, ModelConfig};
+use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName};
+use crate::train::optim::OptimConfig;
+use crate::train::step::TrainStep;
+
+/// One training step's settings (`grpo bench train-step`).
+#[derive(Debug, Clone, clap::Args)]
+pub struct TrainStepSpec {
+    /// HF config.json of the model shape (e.g. scripts/gpu/shapes/qwen2.5-0.5b.json); weights are random.
+    #[arg(long)]
+    pub shape: PathBuf,
+    /// Answers in the step (one question).
+    #[arg(long, default_value_t = 8)]
+    pub answers: usize,
+    /// Tokens of each answer's sequence, prompt included.
+    #[arg(long, default_value_t = 1024)]
+    pub seq_len: usize,
+    #[arg(long, default_value_t = 128)]
+    pub prompt_len: usize,
+    /// Answers per forward/backward.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Token budget of a packed micro-batch (`train.micro_batch_tokens`: budget / seq-len answers one after
+    /// the other in one row); 0: --micro-batch answers per micro-batch, one per row.
+    #[arg(long, default_value_t = 0)]
+    pub micro_batch_tokens: usize,
+    /// Recompute layer activations in the backward (less memory, one more forward).
+    #[arg(long)]
+    pub checkpoint_layers: bool,
+    /// With --checkpoint-layers: keep each layer's attention output and log-sum-exp and skip the
+    /// attention's forward in the recomputation (`model.recompute_attention = false`).
+    #[arg(long)]
+    pub keep_attention: bool,
+    /// Memory budget of one chunk of logits in the log-prob op, MiB (0: from the device, at least 1 GiB
+    /// on a GPU, 64 MiB on the CPU).
+    #[arg(long, default_value_t = 0)]
+    pub logprob_chunk_mb: usize,
+    /// Keep the log-prob op's logits from the forward for its backward instead of recomputing them
+    /// (`model.keep_logits = true`; the trainer's "auto" keeps them on a GPU whose memory plan leaves room
+    /// to spare, as at the 0.5B-1.5B shapes on an 80 GB card).
+    #[arg(long)]
+    pub keep_logits: bool,
+    /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
+    #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
+    pub fused_ops: bool,
+    /// Keep the optimiser state in host memory and update there (`optim.offload`).
+    #[arg(long)]
+    pub offload: bool,
+    /// With --predict-only: predict the step as the build an H100 run measured ran it, named by its
+    /// results' tag (benches/results/gpu-<TAG>-h100.jsonl: 2026-11-26, 2026-11-27, 2026-11-27b, ...; its
+    /// tensor ops, attention kernels' rates and offloaded update), to compare with that run's records.
+    #[arg(long = "measured-build", value_name = "TAG", default_value = "current", value_parser = measured_build,
+          requires = "predict_only")]
+    pub build: MeasuredBuild,
+    /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
+    #[arg(long)]
+    pub no_reference: bool,
+    /// Train rank-R LoRA adapters of every projection (`[model.lora]`, alpha 2R) instead of every weight;
+    /// the reference is the base model (the adapters off). 0: every weight.
+    #[arg(long, default_value_t = 0)]
+    pub lora_r: usize,
+    /// How attention is computed with fused ops: auto (`model.attention`'s default: on a GPU the fastest
+    /// tensor-core kernels that pass a start-up check, else flash), flash (block by block), mma (flash on
+    /// the tensor cores, on a GPU), wgmma (on an H100/H200's warpgroup tensor cores; elsewhere mma) or
+    /// matrix (score matrix).
+    #[arg(long, value_enum, default_value_t = Attention::Auto)]
+    pub attention: Attention,
+    /// With --attention mma or wgmma on a GPU: sum dq by atomics in the dk/dv kernel
+    /// (`model.deterministic_attention = false`).
+    #[arg(long)]
+    pub atomic_dq: bool,
+    /// Print the performance model's prediction of this step on each modelled GPU (its calibration's card
+    /// and date) without running it: a GPU's step predicted on any machine.
+    #[arg(long)]
+    pub predict_only: bool,
+    /// Profile the last timed step phase by phase (src/profile/): a table on stderr and its phases in the
+    /// record's `profile`; `step_time_s` is then the median of the other timed steps (the profiler syncs
+    /// at every phase boundary), or the profiled one's where it is the only one (`step_time_profiled`).
+    #[arg(long)]
+    pub profile: bool,
+}
+
+impl TrainStepSpec {
+    fn batching(&self) -> crate::train::pack::Batching {
+        crate::train::pack::Batching::of(self.micro_batch, self.micro_batch_tokens)
+    }
+
+    /// The step's micro-batches and the answers in the first (the largest).
+    fn micro_batches(&self) -> (usize, usize) {
+        let batches = self.batching().micro_batches(&vec![self.seq_len; self.answers]);
+        (batches.len(), batches.first().map_or(0, |mb| mb.iter().map(Vec::len).sum()))
+    }
+}
+
+/// The tensors candle has made in this process so far: every op's output and every view gets the next
+/// of candle's tensor ids, which is read here from the id of a new scalar (`TensorId` shows its number
+/// only through `Debug`).
+fn tensors_made() -> Result<u64> {
+    let probe = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+    let id = format!("{:?}", probe.id());
+    let digits: String = id.chars().filter(char::is_ascii_digit).collect();
+    digits.parse().map_err(|_| BenchError::Invalid(format!("candle's tensor id `{id}` has no number")))
+}
+
+/// The prompt must leave room for an answer.
+fn check_lengths(spec: &TrainStepSpec) -> Result<()> {
+    if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
+        return Err(BenchError::Invalid(format!(
+            "prompt length {} must be in 1..{} (the sequence length)",
+            spec.prompt_len, spec.seq_len
+        )));
+    }
+    Ok(())
+}
+
+/// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
+/// rewards alternating 1, 0 (advantages +-1 after normalisation), eps 0.2, beta 0.1 with k3 to a frozen
+/// reference (beta 0 and no reference with `no_reference`), seq-mean-token-mean, AdamW at lr 1e-6 with
+/// f32 master weights and moments (in host memory with `offload`).
+pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
+    check_lengths(spec)?;
+    let cfg = load_shape(&spec.shape)?;
+    let vocab = cfg.vocab_size;
+    let (policy, reference) = bench_models(spec, cfg, t)?;
+    let objective_cfg = ObjectiveConfig {
+        name: ObjectiveName::OffGrpo,
+        eps: Some(0.2),
+        beta: if spec.no_reference { 0.0 } else { 0.1 },
+        kl_estimator: Some(KlEstimator::K3),
+        loss_agg: Some(LossAgg::SeqMeanTokenMean),
+        ..ObjectiveConfig::default()
+    };
+    let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
+    let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
+    step.set_batching(spec.batching());
+    let groups = [random_group(spec, vocab)];
+    let mut step_no = 0usize;
+    let mut counts = StepCounts::default();
+    let mut profile: Option<crate::profile::Profile> = None;
+    let (times, stats) = time_runs(t, || {
+        if step_no == t.warmup {
+            reset_peak_memory(&t.device)?;
+        }
+        step_no += 1;
+        let (before, made) = (host_reads(), tensors_made()?);
+        // Only the last step is profiled: the profiler's syncs at every phase boundary (and within the
+        // offloaded update, between its chunks) would slow the steps whose time the record gives.
+        let profiler = (spec.profile && step_no == t.warmup + t.repeats.max(1))
+            .then(|| crate::profile::Profiler::start(&t.device))
+            .transpose()
+            .map_err(|e| BenchError::Invalid(e.to_string()))?;
+        let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
+        if let Some(p) = profiler.map(crate::profile::Profiler::finish) {
+            match &mut profile {
+                Some(all) => all.merge(&p),
+                None => profile = Some(p),
+            }
+        }
+        // (less the probe's own tensor)
+        counts = StepCounts { syncs: host_reads() - before, tensor_ops: tensors_made()? - made - 1 };
+        Ok(stats)
+    })?;
+    let peak = memory_bytes(&t.device)?.map(|(_, high)| high);
+    let record = train_step_record((spec, policy.config()), t, (times, &stats), counts, (peak, profile));
+    to_record(record)
+}
+
+/// The bench's policy (random weights of the shape, with rank-`lora_r` adapters) with the spec's options,
+/// and its reference (the base model under LoRA, a frozen copy otherwise; none with `no_reference`).
+fn bench_models(spec: &TrainStepSpec, cfg: ModelConfig, t: &Timing) -> Result<(Decoder, Option<Decoder>)> {
+    let mut policy = random_model(cfg, t, spec.lora_r == 0)?;
+    if spec.lora_r > 0 {
+        let opts = LoraOptions { r: spec.lora_r, alpha: 2.0 * spec.lora_r as f64, ..LoraOptions::default() };
+        let adapters = crate::model::lora::init_adapters(policy.config(), &opts, 0, &t.device)?;
+        policy = policy.with_adapters(&opts, adapters, true)?;
+    }
+    policy.options.checkpoint_layers = spec.checkpoint_layers;
+    policy.options.recompute_attention = !spec.keep_attention;
+    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
+    policy.options.keep_logits = spec.keep_logits;
+    policy.options.fused_ops = spec.fused_ops;
+    policy.options.attention = spec.attention;
+    policy.options.deterministic_attention = !spec.atomic_dq;
+    let reference = if spec.no_reference {
+        None
+    } else {
+        let mut r = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
+        r.options = policy.options.clone();
+        Some(r)
+    };
+    Ok((policy, reference))
+}
+
+/// One question's group of `spec.answers` random answers (every other one rewarded), each truncated at
+/// `seq_len - prompt_len` tokens after a random prompt.
+fn random_group(spec: &TrainStepSpec, vocab: usize) -> Group {
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0);
+    Group {
+        index: 0,
+        question_id: "random".into(),
+        domain: None,
+        source: None,
+        prompt_tokens: random_ids(&mut rng, spec.prompt_len, vocab),
+        responses: (0..spec.answers)
+            .map(|i| Response {
+                tokens: random_ids(&mut rng, spec.seq_len - spec.prompt_len, vocab),
+                reward: if i % 2 == 0 { 1.0 } else { 0.0 },
+                answer: None,
+                truncated: true,
+                teacher_logprobs: None,
+                is_weights: None,
+            })
+            .collect(),
+        majority: None,
+        majority_count: 0,
+        vote_margin: 0,
+    }
+}
+
+/// What the host did in the last timed step: reads from the device it waited for, tensors candle made.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepCounts {
+    syncs: u64,
+    tensor_ops: u64,
+}
+
+/// A measured training step (`grpo bench train-step`): the spec, the timings, the model's prediction and
+/// the host's counts.
+#[derive(Debug, serde::Serialize)]
+struct TrainStepRecord {
+    bench: &'static str,
+    #[serde(rename = "impl")]
+    implementation: &'static str,
+    shape: String,
+    answers: usize,
+    seq_len: usize,
+    prompt_len: usize,
+    dtype: &'static str,
+    device: String,
+    micro_batch: usize,
+    micro_batch_tokens: usize,
+    checkpoint_layers: bool,
+    keep_attention: bool,
+    atomic_dq: bool,
+    logprob_chunk_mb: usize,
+    keep_logits: bool,
+    fused_ops: bool,
+    offload: bool,
+    /// The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
+    /// this field, ran the composite update).
+    update: &'static str,
+    reference: bool,
+    lora_r: usize,
+    attention: Attention,
+    step_times: Vec<f64>,
+    step_time_s: f64,
+    /// With --profile: the last step's time, profiled; whether step_time_s is that one (a single timed step).
+    profiled_step_s: Option<f64>,
+    step_time_profiled: bool,
+    tokens: usize,
+    response_tokens: usize,
+    tokens_per_s: f64,
+    peak_mem_bytes: Option<u64>,
+    losses: Vec<f64>,
+    predicted: Vec<PredictedStep>,
+    micro_batches: usize,
+    host_syncs_per_step: u64,
+    host_syncs_per_micro_batch: f64,
+    tensor_ops_per_step: u64,
+    profile: Option<crate::profile::ProfileReport>,
+}
+
+/// The record of a measured step: its time the median of the timed steps but a profiled last one (where
+/// another ran without the profiler).
+fn train_step_record(
+    (spec, cfg): (&TrainStepSpec, &ModelConfig),
+    t: &Timing,
+    (times, stats): (Vec<f64>, &[crate::train::step::StepStats]),
+    counts: StepCounts,
+    (peak, profile): (Option<u64>, Option<crate::profile::Profile>),
+) -> TrainStepRecord {
+    let (micro_batches, _) = spec.micro_batches();
+    let profiled = spec.profile.then(|| times.last().copied()).flatten();
+    let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
+    let step_time = median(unprofiled);
+    let tokens = spec.answers * spec.seq_len;
+    let predicted = predicted_steps(cfg, spec, (&t.device, t.dtype), Some(step_time));
+    TrainStepRecord {
+        bench: "train_step",
+        implementation: "grpo",
+        shape: shape_name(&spec.shape),
+        answers: spec.answers,
+        seq_len: spec.seq_len,
+        prompt_len: spec.prompt_len,
+        dtype: dtype_name(t.dtype),
+        device: device_name(&t.device),
+        micro_batch: spec.micro_batch,
+        micro_batch_tokens: spec.micro_batch_tokens,
+        checkpoint_layers: spec.checkpoint_layers,
+        keep_attention: spec.keep_attention,
+        atomic_dq: spec.atomic_dq,
+        logprob_chunk_mb: spec.logprob_chunk_mb,
+        keep_logits: spec.keep_logits,
+        fused_ops: spec.fused_ops,
+        offload: spec.offload,
+        update: "fused",
+        reference: !spec.no_reference,
+        lora_r: spec.lora_r,
+        attention: spec.attention,
+        step_time_s: step_time,
+        profiled_step_s: profiled,
+        step_time_profiled: profiled.is_some() && times.len() == 1,
+        step_times: times,
+        tokens,
+        response_tokens: stats.first().map_or(0, |s| s.response_tokens),
+        tokens_per_s: tokens as f64 / step_time,
+        peak_mem_bytes: peak,
+        losses: stats.iter().map(|s| s.loss).collect(),
+        predicted,
+        micro_batches,
+        host_syncs_per_step: counts.syncs,
+        host_syncs_per_micro_batch: counts.syncs as f64 / micro_batches as f64,
+        tensor_ops_per_step: counts.tensor_ops,
+        profile: profile.map(|p| p.report()),
+    }
+}
+
+/// The performance model's prediction of one GPU for a step, beside the measured time when the bench
+/// ran on that GPU.
+#[derive(Debug, serde::Serialize)]
+struct PredictedStep {
+    gpu: &'static str,
+    /// The card and date the GPU's rates were measured on; `null`: its rates are assumptions.
+    calibrated_on: Option<String>,
+    step_time_s: f64,
+    tokens_per_s: f64,
+    mfu: f64,
+    attention_of_peak: f64,
+    /// The device's seconds per kind, the time it waits for the host, and the host syncs: they add up to
+    /// the step.
+    gemm_s: f64,
+    attention_s: f64,
+    elementwise_s: f64,
+    host_s: f64,
+    sync_s: f64,
+    launches: f64,
+    host_syncs: f64,
+    /// The tensors candle makes in the step by the model's count ([`crate::cost::time::tensor_ops_per_step`]),
+    /// what a run's `tensor_ops_per_step` measures.
+    tensor_ops: f64,
+    /// The rates the windows' times are at (scripts/calibrate.py refits them).
+    memory_efficiency: f64,
+    kernel_launch_s: f64,
+    windows: Vec<crate::cost::time::WindowCost>,
+    /// Where the device's time goes, op by op (longest first).
+    ops: Vec<crate::cost::time::OpTime>,
+    /// Measured over predicted step time, when the device is this GPU (by its CUDA name).
+    measured_over_predicted: Option<f64>,
+}
+
+/// A measured build's tag (`--measured-build`).
+fn measured_build(tag: &str) -> std::result::Result<MeasuredBuild, String> {
+    MeasuredBuild::from_tag(tag).ok_or_else(|| format!("no measured build is tagged {tag:?} (src/cost/calibration.rs)"))
+}
+
+/// The model's step shape of the bench's settings; `chunk` the log-prob op's logits chunk in bytes.
+fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64) -> crate::cost::time::StepShape {
+    use crate::cost::time::{driver_blocks, StepShape};
+    StepShape {
+        answers: spec.answers as u64,
+        // A packed row of k answers is modelled as k padded ones (the attention skips the blocks between
+        // answers).
+        micro_batch: spec.micro_batches().1.max(1) as u64,
+        seq_tokens: spec.seq_len as u64,
+        scored_tokens: (spec.seq_len - spec.prompt_len) as u64,
+        dtype_bytes: dtype.size_in_bytes() as u64,
+        checkpoint_layers: spec.checkpoint_layers,
+        recompute_attention: !spec.keep_attention,
+        reference_forward: !spec.no_reference,
+        offload: spec.offload,
+        build: spec.build,
+        logprob_chunk_bytes: chunk,
+        optimizer_shards: 1,
+        blocks: driver_blocks(cfg, spec.seq_len as u64),
+        tensor_cores: DecoderOptions { fused_ops: spec.fused_ops, attention: spec.attention, ..Default::default() }
+            .tensor_core_attention(dtype, cfg.head_dim),
+        atomic_dq: spec.atomic_dq,
+        warpgroup: matches!(spec.attention, Attention::Wgmma | Attention::Auto),
+        lora_rank: spec.lora_r as u64,
+        keep_logits: spec.keep_logits,
+    }
+}
+
+/// The model's predicted step (src/cost/time.rs) for the bench's shape on each modelled GPU; `measured`
+/// the step's time on `device` (`None`: not run). A chunk left to the device is its size on `device`, or
+/// on a GPU's the 1 GiB least when the step is only predicted.
+fn predicted_steps(
+    cfg: &ModelConfig,
+    spec: &TrainStepSpec,
+    (device, dtype): (&Device, DType),
+    measured: Option<f64>,
+) -> Vec<PredictedStep> {
+    use crate::cost::time::{predict, GPUS};
+    let chunk = match (spec.logprob_chunk_mb, measured) {
+        (0, Some(_)) => crate::kernels::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
+        (0, None) => crate::kernels::gpu_chunk_bytes(0),
+        (mb, _) => mb << 20,
+    };
+    let shape = step_shape(cfg, spec, dtype, chunk as u64);
+    let device = device_name(device);
+    GPUS.iter()
+        .map(|gpu| {
+            let p = predict(cfg, &shape, gpu);
+            let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
+            PredictedStep {
+                gpu: gpu.name,
+                calibrated_on: gpu.calibration.map(|c| format!("{}, {}", c.card, c.date)),
+                step_time_s: p.step_s,
+                tokens_per_s: p.tokens_per_s,
+                mfu: p.mfu,
+                attention_of_peak: p.attention_of_peak,
+                gemm_s: p.gemm_s,
+                attention_s: p.attention_s,
+                elementwise_s: p.elementwise_s,
+                host_s: p.host_s,
+                sync_s: p.sync_s,
+                launches: p.launches,
+                host_syncs: p.syncs,
+                tensor_ops: crate::cost::time::tensor_ops_per_step(cfg, &shape),
+                memory_efficiency: gpu.memory_efficiency,
+                kernel_launch_s: gpu.kernel_launch_s,
+                windows: p.windows,
+                ops: p.ops,
+                measured_over_predicted: measured.filter(|_| here).map(|m| m / p.step_s),
+            }
+        })
+        .collect()
+}
+
+/// What `grpo bench train-step --predict-only` prints: the model's prediction of the bench's step on
+/// each modelled GPU, without running it.
+#[derive(Debug, serde::Serialize)]
+struct PredictedRecord {
+    bench: &'static str,
+    shape: String,
+    answers: usize,
+    seq_len: usize,
+    prompt_len: usize,
+    dtype: &'static str,
+    micro_batch: usize,
+    micro_batch_tokens: usize,
+    checkpoint_layers: bool,
+    keep_attention: bool,
+    keep_logits: bool,
+    atomic_dq: bool,
+    offload: bool,
+    reference: bool,
+    attention: Attention,
+    predicted: Vec<PredictedStep>,
+}
+
+/// The model's prediction of `spec`'s step in `dtype`, without running it (so a GPU's step is predicted
+/// on a CPU).
+pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
+    check_lengths(spec)?;
+    let cfg = load_shape(&spec.shape)?;
+    let record = PredictedRecord {
+        bench: "train_step_prediction",
+        shape: shape_name(&spec.shape),
+        answers: spec.answers,
+        seq_len: spec.seq_len,
+        prompt_len: spec.prompt_len,
+        dtype: dtype_name(dtype),
+        micro_batch: spec.micro_batch,
+        micro_batch_tokens: spec.micro_batch_tokens,
+        checkpoint_layers: spec.checkpoint_layers,
+        keep_attention: spec.keep_attention,
+        keep_logits: spec.keep_logits,
+        atomic_dq: spec.atomic_dq,
+        offload: spec.offload,
+        reference: !spec.no_reference,
+        attention: spec.attention,
+        predicted: predicted_steps(&cfg, spec, (&Device::Cpu, dtype), None),
+    };
+    to_record(record)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::harness::fixtures::{cpu, tiny_shape};
+
+    #[test]
+    fn train_step_reports_every_field() {
+        let dir = tempfile::tempdir().unwrap();
+        let spec = TrainStepSpec {
+            shape: tiny_shape(dir.path()),
+            answers: 4,
+            seq_len: 12,
+            prompt_len: 4,
+            micro_batch: 2,
+            micro_batch_tokens: 0,
+            checkpoint_layers: true,
+            keep_attention: false,
+            logprob_chunk_mb: 1,
+            keep_logits: false,
+            fused_ops: true,
+            offload: false,
+            no_reference: false,
+            lora_r: 0,
+            attention: Attention::Matrix,
+            atomic_dq: false,
+            predict_only: false,
+            build: MeasuredBuild::Current,
+            profile: false,
+        };
+        let r = train_step(&spec, &cpu()).unwrap();
+        assert_eq!(r["attention"], "matrix");
+        assert_eq!(r["tokens"], 48);
+        assert_eq!(r["response_tokens"], 32);
+        assert_eq!(r["shape"], "tiny");
+        assert_eq!(r["step_times"].as_array().unwrap().len(), 2);
+        assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert!(r["losses"].as_array().unwrap().iter().all(|l| l.as_f64().unwrap().is_finite()));
+        assert!(r["peak_mem_bytes"].is_null());
+        // The model's prediction for each GPU, with no measured ratio on the CPU.
+        let predicted = r["predicted"].as_array().unwrap();
+        assert_eq!(predicted.len(), 2);
+        assert!(predicted
+            .iter()
+            .all(|p| p["step_time_s"].as_f64().unwrap() > 0.0 && p["measured_over_predicted"].is_null()));
+        let lean = train_step(&TrainStepSpec { offload: true, no_reference: true, ..spec.clone() }, &cpu()).unwrap();
+        // LoRA: the adapters train (the base model is the reference) and the model predicts the LoRA step.
+        let lora = train_step(&TrainStepSpec { lora_r: 2, ..spec.clone() }, &cpu()).unwrap();
+        assert_eq!(lora["lora_r"], 2);
+        assert!(lora["losses"][0].as_f64().unwrap().is_finite(), "{lora}");
+        assert_eq!((&lean["offload"], &lean["reference"]), (&true.into(), &false.into()));
+        let bad = TrainStepSpec { prompt_len: 12, ..spec };
+        assert!(train_step(&bad, &cpu()).unwrap_err().to_string().contains("prompt length"));
+    }
+
+    /// The host syncs of a step do not grow with the number of layers (and so of tensors): a constant per
+    /// micro-batch and one read of the gradient norm per step; packing two answers into each row (the same
+    /// micro-batches) adds none.
+    #[test]
+    fn host_syncs_do_not_grow_with_the_layers() {
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = tiny_shape(dir.path());
+        let syncs = |layers: usize, micro_batch_tokens: usize| {
+            let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&tiny).unwrap()).unwrap();
+            raw["num_hidden_layers"] = layers.into();
+            let shape = dir.path().join(format!("layers-{layers}.json"));
+            std::fs::write(&shape, raw.to_string()).unwrap();
+            let spec = TrainStepSpec {
+                shape,
+                answers: 4,
+                seq_len: 12,
+                prompt_len: 4,
+                micro_batch: 2,
+                micro_batch_tokens,
+                checkpoint_layers: false,
+                keep_attention: false,
+                logprob_chunk_mb: 0,
+                keep_logits: false,
+                fused_ops: true,
+                offload: false,
+                no_reference: false,
+                lora_r: 0,
+                attention: Attention::Flash,
+                atomic_dq: false,
+                predict_only: false,
+                build: MeasuredBuild::Current,
+                profile: false,
+            };
+            let r = train_step(&spec, &cpu()).unwrap();
+            assert_eq!(r["micro_batches"], 2);
+            r["host_syncs_per_step"].as_u64().unwrap()
+        };
+        let (two, six) = (syncs(2, 0), syncs(6, 0));
+        assert_eq!(two, six);
+        assert_eq!(syncs(2, 24), two);
+        assert!(two <= 2 * 8 + 1, "{two} host syncs for 2 micro-batches");
+    }
+}
