@@ -33,6 +33,7 @@ pub mod device;
 pub mod dist;
 pub mod eval;
 pub mod fsio;
+pub mod hub;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;
