@@ -7,7 +7,8 @@ use std::path::{Path, PathBuf};
 use super::http::{RepoInfo, Sibling};
 use super::{HubError, Kind, RepoRef};
 
-/// Fetched when the repo has them; a model needs none of them to load, its tokenizer does.
+/// Fetched when the repo has them (for an adapter too: PEFT may save the tokenizer with it); a model
+/// needs none of them to load, its tokenizer does.
 const MODEL_EXTRAS: &[&str] = &[
     "generation_config.json",
     "tokenizer.json",
@@ -48,6 +49,7 @@ pub(super) fn model_files(
     let mut names: Vec<String> = Vec::new();
     if adapter {
         names.extend(ADAPTER.map(String::from));
+        names.extend(MODEL_EXTRAS.iter().filter(|f| info.has(f)).map(|f| f.to_string()));
     } else {
         names.push(CONFIG.into());
         names.extend(MODEL_EXTRAS.iter().filter(|f| info.has(f)).map(|f| f.to_string()));
@@ -64,14 +66,15 @@ pub(super) fn model_files(
 /// The files a cached model snapshot `dir` must hold (its weight index read for the shards), else the
 /// first one it lacks.
 pub(super) fn model_files_in(dir: &Path) -> Result<Vec<String>, String> {
+    let extras = MODEL_EXTRAS.iter().filter(|f| dir.join(f).is_file()).map(|f| f.to_string());
     if dir.join(ADAPTER[0]).is_file() && !dir.join(CONFIG).is_file() {
-        return Ok(ADAPTER.map(String::from).to_vec());
+        return Ok(ADAPTER.map(String::from).into_iter().chain(extras).collect());
     }
     if !dir.join(CONFIG).is_file() {
         return Err(CONFIG.into());
     }
     let mut names = vec![CONFIG.to_string()];
-    names.extend(MODEL_EXTRAS.iter().filter(|f| dir.join(f).is_file()).map(|f| f.to_string()));
+    names.extend(extras);
     let index = dir.join(INDEX);
     if index.is_file() {
         let text = std::fs::read(&index).map_err(|_| INDEX.to_string())?;
@@ -211,6 +214,9 @@ mod tests {
         assert_eq!(single, ["config.json", "model.safetensors"]);
         let adapter = names(model_files(&info(&ADAPTER), (&r, "e"), |_| unreachable!()).unwrap());
         assert_eq!(adapter, ADAPTER);
+        let with_tokenizer = info(&["adapter_model.safetensors", "tokenizer.json", "adapter_config.json"]);
+        let adapter = names(model_files(&with_tokenizer, (&r, "e"), |_| unreachable!()).unwrap());
+        assert_eq!(adapter, ["adapter_config.json", "adapter_model.safetensors", "tokenizer.json"]);
         let e = model_files(&info(&["config.json", "pytorch_model.bin"]), (&r, "e"), |_| unreachable!())
             .unwrap_err()
             .to_string();
