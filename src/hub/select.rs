@@ -244,5 +244,8 @@ mod tests {
         let data = |f: &str| f.ends_with(".parquet") || f.ends_with(".jsonl");
         assert_eq!(names(all.matching(&i, "e", &data).unwrap()), ["c.jsonl", "data/a.parquet", "data/sub/b.parquet"]);
         assert!(DatasetUrl::parse("hf://datasets/o/n/*.csv").unwrap().matching(&i, "e", &any).is_err());
+        // configs/openthinker3.toml's form: the Parquet shards at any depth.
+        let deep = DatasetUrl::parse("hf://datasets/o/n/**/*.parquet").unwrap();
+        assert_eq!(names(deep.matching(&i, "e", &any).unwrap()), ["data/a.parquet", "data/sub/b.parquet"]);
     }
 }
