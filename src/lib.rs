@@ -37,6 +37,7 @@ pub mod dist;
 pub mod eval;
 pub mod fsio;
 pub mod generate;
+pub mod hub;
 pub mod jsonl;
 pub mod kernels;
 pub mod model;

@@ -10,10 +10,10 @@ use crate::model::{self, ChatTokenizer, Decoder, Targets, TokenBatch};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
-    /// Model folder or hub id (resolved in the local Hugging Face cache).
+    /// Model folder or hub id `org/name[@revision]` (downloaded into the Hugging Face cache where missing).
     #[arg(long)]
     pub model: String,
-    /// A LoRA adapter folder (PEFT's files, e.g. a LoRA run's checkpoint) applied to --model, the base model.
+    /// A LoRA adapter folder or hub id (PEFT's files, e.g. a LoRA run's checkpoint) applied to --model.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
     /// JSONL: {"text": ...} (log-probs of every token after the first) or {"prompt", "response"}

@@ -1233,6 +1233,13 @@ pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
     if let (Some(spec), false) = (&cfg.model.init_tiny, local.join("config.json").exists()) {
         return spec.config(&ChatTokenizer::load(&spec.tokenizer)?);
     }
+    // A hub id not in the cache: its config.json alone, not the weights.
+    if let Some(repo) = crate::hub::model_ref(&cfg.model.path)
+        .filter(|_| !local.exists() && !crate::model::load::looks_local(&cfg.model.path))
+    {
+        let snapshot = crate::hub::repo_files(&crate::hub::Settings::from_env(), &repo, &["config.json"])?;
+        return Ok(ModelConfig::from_file(&snapshot.dir.join("config.json"))?);
+    }
     let dir = crate::model::resolve_model_dir(&cfg.model.path)?;
     Ok(ModelConfig::from_file(&dir.join("config.json"))?)
 }

@@ -55,6 +55,14 @@ pub enum DataError {
     Interrupted(String),
     #[error(transparent)]
     Checksum(#[from] crate::checksum::ChecksumError),
+    #[error(transparent)]
+    Hub(Box<crate::hub::HubError>),
+}
+
+impl From<crate::hub::HubError> for DataError {
+    fn from(e: crate::hub::HubError) -> Self {
+        Self::Hub(Box::new(e))
+    }
 }
 
 pub(crate) fn io_err(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> DataError {

@@ -135,7 +135,12 @@ fn input_info(p: &Path) -> Result<InputInfo, DataError> {
     let m = std::fs::metadata(p).map_err(io_err(p))?;
     let modified_ns =
         m.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_nanos()).unwrap_or(0);
-    let path = std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned();
+    // A hub dataset's file keeps its snapshot path, which names the commit: a new commit prepares again.
+    let path = if crate::hub::cache::is_snapshot_file(p) {
+        p.to_string_lossy().into_owned()
+    } else {
+        std::fs::canonicalize(p).unwrap_or_else(|_| p.to_path_buf()).to_string_lossy().into_owned()
+    };
     Ok(InputInfo { path, size: m.len(), modified_ns })
 }
 

@@ -145,7 +145,8 @@ fn is_parquet(p: &Path) -> bool {
 }
 
 /// Expand inputs: a file is taken as is, a folder gives its data files (`.jsonl`, `.jsonl.gz`, `.jsonl.zst`,
-/// `.parquet`, recursively, sorted), anything else is a glob. Duplicates are removed, order is kept.
+/// `.parquet`, recursively, sorted), `hf://datasets/ORG/NAME[@REVISION][/GLOB]` the data files of a hub
+/// dataset (downloaded into the Hugging Face cache), anything else is a glob. Duplicates are removed, order is kept.
 pub fn resolve_inputs(inputs: &[impl AsRef<str>]) -> Result<Vec<PathBuf>, DataError> {
     let mut out: Vec<PathBuf> = Vec::new();
     let push = |p: PathBuf, out: &mut Vec<PathBuf>| {
@@ -156,7 +157,11 @@ pub fn resolve_inputs(inputs: &[impl AsRef<str>]) -> Result<Vec<PathBuf>, DataEr
     for input in inputs {
         let input = input.as_ref();
         let path = Path::new(input);
-        if path.is_file() {
+        if crate::hub::DatasetUrl::is_hub(input) {
+            for p in hub_files(input)? {
+                push(p, &mut out);
+            }
+        } else if path.is_file() {
             push(path.to_path_buf(), &mut out);
         } else if path.is_dir() {
             let mut found = Vec::new();
@@ -184,6 +189,13 @@ pub fn resolve_inputs(inputs: &[impl AsRef<str>]) -> Result<Vec<PathBuf>, DataEr
         return Err(DataError::NoInput("no --input given".into()));
     }
     Ok(out)
+}
+
+/// The data files of an `hf://datasets/...` input, in the Hugging Face cache (downloaded where missing).
+fn hub_files(input: &str) -> Result<Vec<PathBuf>, DataError> {
+    let url = crate::hub::DatasetUrl::parse(input)?;
+    let settings = crate::hub::Settings::from_env();
+    Ok(crate::hub::dataset_files(&settings, &url, &|f| is_data_file(Path::new(f)))?.paths())
 }
 
 fn walk(dir: &Path, out: &mut Vec<PathBuf>) -> Result<(), DataError> {

@@ -1,27 +1,17 @@
-//! Finding a model (a local folder, or a hub id in the local Hugging Face cache) and loading its
+//! Finding a model (a local folder, or a hub id through the Hugging Face cache) and loading its
 //! safetensors weights, single-file or sharded.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use hf_hub::{Cache, Repo, RepoType};
 use rand::{Rng, SeedableRng};
 
 use super::{config::ModelConfig, Decoder, ModelError};
 
-/// The local Hugging Face hub cache: `$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`.
-fn hf_cache() -> Cache {
-    match std::env::var_os("HF_HUB_CACHE") {
-        Some(p) => Cache::new(p.into()),
-        // hf-hub reads HF_HOME, else the home folder (and panics when there is none).
-        None if std::env::var_os("HF_HOME").is_some() || std::env::var_os("HOME").is_some() => Cache::from_env(),
-        None => Cache::new(Path::new(".cache").join("huggingface").join("hub")),
-    }
-}
-
-/// Resolve `model` to a folder holding config.json: a local path first, then `org/name` (optionally
-/// `org/name@revision`, a branch, tag or commit hash) in the local hub cache. Nothing is downloaded (this
-/// build has no network client; HF_HUB_OFFLINE is therefore always honoured).
+/// Resolve `model` to a folder holding config.json (or an adapter's files): a local path first, then
+/// `org/name` (optionally `org/name@revision`, a branch, tag or commit hash) through the Hugging Face
+/// cache, downloading the files a model needs when they are missing there ([`crate::hub`]; never with
+/// `HF_HUB_OFFLINE=1`).
 pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
     let p = Path::new(model);
     if p.is_dir() {
@@ -39,19 +29,18 @@ pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
             message: "no such folder (a local path: the Hugging Face cache is not searched)".into(),
         });
     }
-    let cache = hf_cache();
-    let (id, revision) = model.split_once('@').unwrap_or((model, "main"));
-    if id.split('/').count() == 2 && !id.starts_with('.') && !id.starts_with('/') {
-        let repo = cache.repo(Repo::with_revision(id.into(), RepoType::Model, revision.into()));
-        // A branch or tag names its commit in refs/; a commit hash names its snapshot folder directly.
-        let config = repo
-            .get("config.json")
-            .or_else(|| Some(repo.pointer_path(revision).join("config.json")).filter(|c| c.exists()));
-        if let Some(snapshot) = config.as_deref().and_then(Path::parent) {
-            return Ok(snapshot.to_path_buf());
-        }
+    match crate::hub::model_ref(model) {
+        Some(repo) => Ok(crate::hub::model_snapshot(&crate::hub::Settings::from_env(), &repo)?.dir),
+        None => Err(ModelError::NotFound(model.to_string(), crate::hub::cache_dir())),
     }
-    Err(ModelError::NotFound(model.to_string(), cache.path().clone()))
+}
+
+/// Resolve an adapter argument: an existing folder as it is, else a hub id as [`resolve_model_dir`] does.
+pub fn resolve_adapter_dir(adapter: &Path) -> Result<PathBuf, ModelError> {
+    match adapter.to_str() {
+        Some(a) if !adapter.exists() && !looks_local(a) && crate::hub::model_ref(a).is_some() => resolve_model_dir(a),
+        _ => Ok(adapter.to_path_buf()),
+    }
 }
 
 /// Whether a model argument that is not an existing folder is meant as a local path rather than a hub
@@ -246,7 +235,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let typo = format!("{}/no-such-model", dir.path().display());
         let e = resolve_model_dir(&typo).unwrap_err().to_string();
-        assert!(e.contains("no such folder") && !e.contains("huggingface-cli"), "{e}");
+        assert!(e.contains("no such folder") && !e.contains("HF_HUB_OFFLINE"), "{e}");
         assert_eq!(e.matches("no-such-model").count(), 1, "{e}");
         for local in ["./m", "~/m", "runs/smoke/tiny-lama", "src/model"] {
             assert!(looks_local(local), "{local}");
@@ -254,8 +243,8 @@ mod tests {
         for hub in ["Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B@main", "gpt2"] {
             assert!(!looks_local(hub), "{hub}");
         }
-        let e = resolve_model_dir("NoSuchOrg/no-such-model").unwrap_err().to_string();
-        assert!(e.contains("huggingface-cli download NoSuchOrg/no-such-model"), "{e}");
+        let e = resolve_model_dir("not-an-id").unwrap_err().to_string();
+        assert!(e.contains("not a hub id"), "{e}");
     }
 
     #[test]
@@ -268,12 +257,16 @@ mod tests {
         let snap = repo.join("snapshots/abc123");
         std::fs::create_dir_all(&snap).unwrap();
         std::fs::write(snap.join("config.json"), "{}").unwrap();
-        // HF_HOME is process-global: this is the only test that sets it.
+        std::fs::write(snap.join("model.safetensors"), "").unwrap();
+        // HF_HOME and HF_HUB_OFFLINE are process-global: this is the only test that sets them (offline: a
+        // unit test never reaches the network).
         std::env::set_var("HF_HOME", dir.path());
+        std::env::set_var("HF_HUB_OFFLINE", "1");
         std::env::remove_var("HF_HUB_CACHE");
         assert_eq!(resolve_model_dir("org/tiny").unwrap(), snap);
         assert_eq!(resolve_model_dir("org/tiny@abc123").unwrap(), snap);
-        assert!(resolve_model_dir("org/tiny@v2").is_err());
+        let err = resolve_model_dir("org/tiny@v2").unwrap_err().to_string();
+        assert!(err.contains("org/tiny@v2") && err.contains("HF_HUB_OFFLINE"), "{err}");
         // $HF_HUB_CACHE comes before $HF_HOME/hub.
         let other = tempfile::tempdir().unwrap();
         std::env::set_var("HF_HUB_CACHE", other.path());
@@ -281,7 +274,7 @@ mod tests {
         assert!(err.contains(&other.path().display().to_string()), "{err}");
         std::env::remove_var("HF_HUB_CACHE");
         let err = resolve_model_dir("org/absent").unwrap_err().to_string();
-        assert!(err.contains("org/absent") && err.contains("huggingface-cli download"), "{err}");
+        assert!(err.contains("org/absent@main: `config.json` is not in the Hugging Face cache"), "{err}");
     }
 
     #[test]

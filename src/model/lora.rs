@@ -341,7 +341,7 @@ pub fn load_frozen(
     device: &Device,
 ) -> Result<super::Decoder, ModelError> {
     match adapter {
-        Some(a) => load_with_adapter(dir, a, None, (dtype, device), false),
+        Some(a) => load_with_adapter(dir, &super::load::resolve_adapter_dir(a)?, None, (dtype, device), false),
         // An adapter folder given as the model: its config names the base model.
         None if is_adapter_dir(dir) => {
             let base = base_model(dir)?;

@@ -31,8 +31,12 @@ pub enum ModelError {
     Missing(String),
     #[error("tensor `{name}` has shape {found:?}, the config implies {expected:?}")]
     Shape { name: String, expected: Vec<usize>, found: Vec<usize> },
-    #[error("model `{0}` not found: not a folder, and not in the Hugging Face cache ({1}); download it first, e.g. `huggingface-cli download {0}`")]
+    #[error(
+        "model `{0}` not found: not a folder, and not a hub id `org/name[@revision]` (the Hugging Face cache is {1})"
+    )]
     NotFound(String, PathBuf),
+    #[error(transparent)]
+    Hub(#[from] crate::hub::HubError),
     #[error("{path}: {message}")]
     Files { path: PathBuf, message: String },
     #[error("io error on {path}: {source}")]
