@@ -140,6 +140,7 @@ struct PagedAttention {
     max_blocks: usize,
     sequences: usize,
     /// The longest context of a query (the CUDA kernels' splits).
+    #[cfg_attr(not(any(test, feature = "cuda")), allow(dead_code))]
     max_ctx: usize,
     scale: f32,
 }
