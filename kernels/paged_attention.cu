@@ -16,7 +16,7 @@
 
 #define PAGED_THREADS 128
 // Query heads per KV head at most (their q rows and scores in shared memory).
-#define PAGED_MAX_GROUP 16
+#define PAGED_MAX_GROUP 8
 
 struct PagedDims {
     uint32_t tokens, heads, kv_heads, slots, head_dim, block_size, max_blocks, seqs, chunk, splits;

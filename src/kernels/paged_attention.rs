@@ -209,7 +209,7 @@ const CHUNK: usize = 512;
 const THREADS: u32 = 128;
 /// Query heads per KV head at most (PAGED_MAX_GROUP).
 #[cfg(any(test, feature = "cuda"))]
-const MAX_GROUP: usize = 16;
+const MAX_GROUP: usize = 8;
 
 /// The launches of one call: a block per (query token, KV head, split of `chunk` positions of the longest
 /// context), then, with more than one split, a block per (head, token) row combining its splits.
