@@ -1,5 +1,5 @@
-//! The native engine: grpo's own generation ([`crate::generate`]) on the model's weights, continuous
-//! batching over the paged KV cache by default, or static batches of whole problems.
+//! The native engine: grpo's own generation ([`crate::generate`]) on the model's weights: static batches
+//! of whole problems by default, or continuous batching over the paged KV cache (`--schedule continuous`).
 
 use super::{Completion, Engine, Progress, PromptJob};
 use crate::eval::EvalError;
