@@ -39,13 +39,7 @@ pub struct GenerationOptions {
 
 impl Default for GenerationOptions {
     fn default() -> Self {
-        Self {
-            schedule: Schedule::Static,
-            max_batch_tokens: 2048,
-            block_size: 16,
-            kv_blocks: 0,
-            prefix_cache: true,
-        }
+        Self { schedule: Schedule::Static, max_batch_tokens: 2048, block_size: 16, kv_blocks: 0, prefix_cache: true }
     }
 }
 
