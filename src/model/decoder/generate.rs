@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::layer::{rms_norm, LayerState};
+use super::layer::{rms_norm, LayerState, Pass, Positions};
 use super::train::Mode;
 use super::{Decoder, TokenBatch};
 
@@ -144,7 +144,7 @@ impl Decoder {
         let s = cache.len();
         let past = s - t;
         // Position ids count only real tokens of each row.
-        let mut positions = Vec::with_capacity(b);
+        let mut position_ids = Vec::with_capacity(b);
         for r in 0..b {
             let mut pos = Vec::with_capacity(t);
             let mut next = cache.next_pos[r];
@@ -155,7 +155,7 @@ impl Decoder {
                 }
             }
             cache.next_pos[r] = next;
-            positions.push(pos);
+            position_ids.push(pos);
         }
         // Each row's valid keys are contiguous: left padding, then the prompt and what was generated.
         let mut r = Vec::with_capacity(b * t * 2);
@@ -170,10 +170,11 @@ impl Decoder {
             }
         }
         let ranges = crate::device::from_host(r, (b, t, 2), &self.device)?;
-        let rope = self.rope(&positions)?;
+        let positions = Positions { rope: self.rope(&position_ids)?, ranges };
+        let pass = Pass { positions: &positions, mode: Mode::plain(false) };
         let mut x = self.embed(tokens, false)?;
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, LayerState::Cache(&mut cache.layers[l]), Mode::plain(false))?;
+            x = self.layer(l, &x, pass, LayerState::Cache(&mut cache.layers[l]))?;
         }
         let last = x.narrow(1, t - 1, 1)?.squeeze(1)?;
         let h = rms_norm(&last, &self.w(self.norm, false), self.cfg.rms_norm_eps, self.options.fused_ops)?;

@@ -5,7 +5,7 @@
 use candle_core::{DType, Tensor};
 
 use super::generate::LayerCache;
-use super::params::{Param, DOWN, GATE, K, O, Q, UP, V};
+use super::params::{Adapter, Linear, Param, ParamId, Projection, QkNorm};
 use super::train::Mode;
 use super::{Attention, Decoder, TokenBatch};
 use crate::kernels::{
@@ -25,12 +25,33 @@ pub(super) enum LayerState<'a> {
     Attention(Replay<'a>),
 }
 
+/// cos and sin tables, both halves of each row equal, in the model's dtype.
+#[derive(Clone)]
+pub(super) struct Rope {
+    pub(super) cos: Tensor,
+    pub(super) sin: Tensor,
+}
+
+/// Where a forward's tokens are, as every layer reads it: the rope tables of their position ids
+/// (`[B, 1, T, D]`) and the keys each query attends to (`[B, T, 2]`, [`TokenBatch`]'s ranges).
+pub(super) struct Positions {
+    pub(super) rope: Rope,
+    pub(super) ranges: Tensor,
+}
+
+/// One run through the layers: what each layer reads besides its input and its state.
+#[derive(Clone, Copy)]
+pub(super) struct Pass<'a> {
+    pub(super) positions: &'a Positions,
+    pub(super) mode: Mode<'a>,
+}
+
 /// cos and sin of positions `0..len` (`[len, D]`, both halves equal, in the model's dtype), built on the
 /// model's device at the first forward that needs them (again only for a longer position) and gathered
 /// by position id in every forward, instead of being computed on the host and copied each time. A clone
 /// starts empty (it may move to another device or dtype).
 #[derive(Default)]
-pub(super) struct RopeTables(std::sync::Mutex<Option<(Tensor, Tensor)>>);
+pub(super) struct RopeTables(std::sync::Mutex<Option<Rope>>);
 
 impl Clone for RopeTables {
     fn clone(&self) -> Self {
@@ -136,15 +157,14 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>, grad: WeightGrad, fused: b
 }
 
 impl Decoder {
-    /// Projection `m` of layer `li` of `x` (`[..., in]`): `x W^T + b`, plus with an adapter
-    /// `(x A^T) B^T alpha / r` in f32 ([`lora`]). A frozen weight in a graph goes through
+    /// Projection `p` of layer `l` of `x` (`[..., in]`): `x W^T + b`, plus with an adapter
+    /// `(x A^T) B^T alpha / r` in f32 ([`crate::model::lora`]). A frozen weight in a graph goes through
     /// [`frozen_matmul`], which gives it no gradient.
-    pub(super) fn project(&self, l: usize, m: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
-        let li = &self.layers[l];
+    pub(super) fn project(&self, l: usize, p: Projection, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let graph = mode.graph;
-        let (w, bias) = li.projection(m);
-        let (Some((a, b)), Some(opts)) = (li.adapters[m], &self.lora) else {
-            let grad = match (&self.params[w], mode.accumulator(self.slots[w])) {
+        let &Linear { weight: w, bias, adapter } = self.layers[l].linear(p);
+        let (Some(Adapter { a, b }), Some(opts)) = (adapter, &self.lora) else {
+            let grad = match (self.param(w), mode.accumulator(self.slot(w))) {
                 (Param::Frozen(_), _) if graph => WeightGrad::Frozen,
                 (Param::Trainable(_), Some(acc)) if graph => WeightGrad::Into(acc),
                 _ => WeightGrad::Store,
@@ -153,13 +173,13 @@ impl Decoder {
             return linear(x, &self.w(w, graph), self.wo(bias, graph).as_ref(), grad, fused);
         };
         let _phase = crate::profile::phase("lora");
-        let dropout = match mode.dropout_seed(l, m) {
+        let dropout = match mode.dropout_seed(l, p) {
             Some(seed) if opts.dropout > 0.0 => Some(Dropout { p: opts.dropout, seed }),
             _ => None,
         };
         let op = if self.options.fused_ops { lora_linear } else { lora_linear_reference };
         let dims = x.dims().to_vec();
-        let (inner, out) = (*dims.last().unwrap_or(&0), self.params[w].get(false).dim(0)?);
+        let (inner, out) = (*dims.last().unwrap_or(&0), self.param(w).get(false).dim(0)?);
         let x2 = x.reshape((x.elem_count() / inner.max(1), inner))?;
         let (bias, (a, b)) = (self.wo(bias, graph), (self.w(a, graph), self.w(b, graph)));
         let y = op(&x2, (&self.w(w, graph), bias.as_ref()), (&a, &b), opts.scale(), dropout)?;
@@ -168,61 +188,58 @@ impl Decoder {
         y.reshape(shape)
     }
 
-    pub(super) fn w(&self, i: usize, graph: bool) -> Tensor {
-        self.params[i].get(graph)
+    /// Parameter `id`, with (`graph`) or without gradient tracking.
+    pub(super) fn w(&self, id: ParamId, graph: bool) -> Tensor {
+        self.param(id).get(graph)
     }
 
-    fn wo(&self, i: Option<usize>, graph: bool) -> Option<Tensor> {
-        i.map(|i| self.params[i].get(graph))
+    fn wo(&self, id: Option<ParamId>, graph: bool) -> Option<Tensor> {
+        id.map(|id| self.w(id, graph))
     }
 
-    /// The cos and sin tables of `batch`'s positions ([`Decoder::rope`]), a phase of the profile.
-    pub(super) fn rope_of(&self, batch: &TokenBatch) -> candle_core::Result<(Tensor, Tensor)> {
-        let _phase = crate::profile::phase("rope");
-        self.rope(&batch.positions)
+    /// Where `batch`'s tokens are: the rope tables of its positions ([`Decoder::rope`], a phase of the
+    /// profile) and the keys each query attends to.
+    pub(super) fn positions(&self, batch: &TokenBatch) -> candle_core::Result<Positions> {
+        let rope = {
+            let _phase = crate::profile::phase("rope");
+            self.rope(&batch.positions)?
+        };
+        Ok(Positions { rope, ranges: batch.ranges(&self.device)? })
     }
 
     /// cos and sin tables `[B, 1, T, D]` for the given position ids, gathered from [`RopeTables`].
-    pub(super) fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<(Tensor, Tensor)> {
+    pub(super) fn rope(&self, positions: &[Vec<u32>]) -> candle_core::Result<Rope> {
         let (b, t) = (positions.len(), positions.first().map_or(0, Vec::len));
         let need = positions.iter().flatten().max().map_or(0, |&p| p as usize + 1);
-        let (cos, sin) = self.rope_tables(need)?;
+        let Rope { cos, sin } = self.rope_tables(need)?;
         let ids: Vec<u32> = positions.iter().flatten().copied().collect();
         let ids = crate::device::from_host(ids, b * t, &self.device)?;
         let shape = (b, 1, t, 2 * self.inv_freq.len());
-        Ok((cos.index_select(&ids, 0)?.reshape(shape)?, sin.index_select(&ids, 0)?.reshape(shape)?))
+        Ok(Rope { cos: cos.index_select(&ids, 0)?.reshape(shape)?, sin: sin.index_select(&ids, 0)?.reshape(shape)? })
     }
 
     /// The cos and sin tables of at least `len` positions: the cached ones, or new ones of the next power
     /// of two (at least 256), computed on the device as transformers does, angle = f32(pos) * inv_freq in
     /// f32, then cos and sin in f32, cast to the model's dtype.
-    fn rope_tables(&self, len: usize) -> candle_core::Result<(Tensor, Tensor)> {
+    fn rope_tables(&self, len: usize) -> candle_core::Result<Rope> {
         let mut slot = self.rope_tables.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((c, s)) = slot.as_ref().filter(|(c, _)| c.dim(0).is_ok_and(|n| n >= len)) {
-            return Ok((c.clone(), s.clone()));
+        if let Some(tables) = slot.as_ref().filter(|r| r.cos.dim(0).is_ok_and(|n| n >= len)) {
+            return Ok(tables.clone());
         }
         let len = len.next_power_of_two().max(256);
         let pos = Tensor::arange(0u32, len as u32, &self.device)?.to_dtype(DType::F32)?;
         let freq = Tensor::new(self.inv_freq.as_slice(), &self.device)?;
         let angles = pos.unsqueeze(1)?.broadcast_mul(&freq.unsqueeze(0)?)?;
         let angles = Tensor::cat(&[&angles, &angles], 1)?;
-        let tables = (angles.cos()?.to_dtype(self.dtype)?, angles.sin()?.to_dtype(self.dtype)?);
+        let tables = Rope { cos: angles.cos()?.to_dtype(self.dtype)?, sin: angles.sin()?.to_dtype(self.dtype)? };
         *slot = Some(tables.clone());
         Ok(tables)
     }
 
     /// One decoder layer, keeping what `state` says.
-    pub(super) fn layer(
-        &self,
-        l: usize,
-        x: &Tensor,
-        rope: &(Tensor, Tensor),
-        ranges: &Tensor,
-        state: LayerState,
-        mode: Mode,
-    ) -> candle_core::Result<Tensor> {
-        let x = self.attention_block(l, x, rope, ranges, state, mode)?;
-        self.mlp_block(l, &x, mode)
+    pub(super) fn layer(&self, l: usize, x: &Tensor, pass: Pass, state: LayerState) -> candle_core::Result<Tensor> {
+        let x = self.attention_block(l, x, pass, state)?;
+        self.mlp_block(l, &x, pass.mode)
     }
 
     /// A layer's first half: `x` plus the attention of its normalised input.
@@ -230,14 +247,13 @@ impl Decoder {
         &self,
         l: usize,
         x: &Tensor,
-        rope: &(Tensor, Tensor),
-        ranges: &Tensor,
+        pass: Pass,
         state: LayerState,
-        mode: Mode,
     ) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::phase("attention");
+        let (mode, Positions { rope: Rope { cos, sin }, ranges }) = (pass.mode, pass.positions);
         let graph = mode.graph;
-        let li = self.layers[l];
+        let layer = self.layers[l];
         let cfg = &self.cfg;
         let (b, t, _) = x.dims3()?;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -245,19 +261,18 @@ impl Decoder {
 
         let fused = self.options.fused_ops;
         let norm = crate::profile::phase("norm");
-        let h = rms_norm(x, &self.w(li.ln_in, graph), eps, fused)?;
+        let h = rms_norm(x, &self.w(layer.input_norm, graph), eps, fused)?;
         drop(norm);
-        let q = self.project(l, Q, &h, mode)?.reshape((b, t, nh, hd))?;
-        let k = self.project(l, K, &h, mode)?.reshape((b, t, nkv, hd))?;
-        let v = self.project(l, V, &h, mode)?.reshape((b, t, nkv, hd))?;
-        let (q, k) = match (li.q_norm, li.k_norm) {
-            (Some(qn), Some(kn)) => {
+        let q = self.project(l, Projection::Q, &h, mode)?.reshape((b, t, nh, hd))?;
+        let k = self.project(l, Projection::K, &h, mode)?.reshape((b, t, nkv, hd))?;
+        let v = self.project(l, Projection::V, &h, mode)?.reshape((b, t, nkv, hd))?;
+        let (q, k) = match layer.qk_norm {
+            Some(QkNorm { q: qn, k: kn }) => {
                 let _norm = crate::profile::phase("norm");
                 (rms_norm(&q, &self.w(qn, graph), eps, fused)?, rms_norm(&k, &self.w(kn, graph), eps, fused)?)
             }
-            _ => (q, k),
+            None => (q, k),
         };
-        let (cos, sin) = rope;
         // [B, T, heads, D] -> [B, heads, T, D], rotated.
         let rotate = if fused { crate::kernels::rope } else { rope_reference };
         let rotation = crate::profile::phase("rope");
@@ -297,25 +312,25 @@ impl Decoder {
             false => attn.transpose(1, 2)?,
         };
         let attn = attn.reshape((b, t, nh * hd))?;
-        x + self.project(l, O, &attn, mode)?
+        x + self.project(l, Projection::O, &attn, mode)?
     }
 
     /// A layer's second half: `x` plus the MLP of its normalised input.
     fn mlp_block(&self, l: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
         let _phase = crate::profile::phase("mlp");
         let act = self.mlp_activation(l, x, mode)?;
-        let mlp = self.project(l, DOWN, &act, mode)?;
+        let mlp = self.project(l, Projection::Down, &act, mode)?;
         x + mlp
     }
 
     /// The MLP's `silu(gate) * up` on the post-attention norm of `x`: what its down projection reads.
     pub(super) fn mlp_activation(&self, l: usize, x: &Tensor, mode: Mode) -> candle_core::Result<Tensor> {
-        let li = self.layers[l];
         let norm = crate::profile::phase("norm");
-        let h = rms_norm(x, &self.w(li.ln_post, mode.graph), self.cfg.rms_norm_eps, self.options.fused_ops)?;
+        let weight = self.w(self.layers[l].post_attention_norm, mode.graph);
+        let h = rms_norm(x, &weight, self.cfg.rms_norm_eps, self.options.fused_ops)?;
         drop(norm);
-        let gate = self.project(l, GATE, &h, mode)?;
-        let up = self.project(l, UP, &h, mode)?;
+        let gate = self.project(l, Projection::Gate, &h, mode)?;
+        let up = self.project(l, Projection::Up, &h, mode)?;
         if self.options.fused_ops {
             crate::kernels::swiglu(&gate, &up)
         } else {
@@ -371,7 +386,7 @@ mod tests {
     fn rope_tables_match_the_host_formula_and_are_built_once() {
         let m = tiny(Arch::Qwen2, false, false);
         let positions = vec![vec![0u32, 1, 2, 300], vec![5, 6, 7, 8]];
-        let (cos, sin) = m.rope(&positions).unwrap();
+        let Rope { cos, sin } = m.rope(&positions).unwrap();
         let half = m.inv_freq.len();
         assert_eq!(cos.dims(), [2, 1, 4, 2 * half]);
         for (r, row) in positions.iter().enumerate() {
@@ -384,7 +399,7 @@ mod tests {
                 }
             }
         }
-        let table = |m: &Decoder| m.rope_tables.0.lock().unwrap().as_ref().unwrap().0.clone();
+        let table = |m: &Decoder| m.rope_tables.0.lock().unwrap().as_ref().unwrap().cos.clone();
         let first = table(&m);
         assert_eq!(first.dim(0).unwrap(), 512);
         m.rope(&[vec![3, 4]]).unwrap();

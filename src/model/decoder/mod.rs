@@ -30,7 +30,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use super::config::ModelConfig;
 use super::lora::LoraOptions;
 use layer::{inv_freq, RopeTables};
-use params::{slots_of, LayerIdx};
+use params::{slots_of, LayerParams, ParamId};
 
 /// The decoder with its parameters.
 pub struct Decoder {
@@ -39,10 +39,12 @@ pub struct Decoder {
     dtype: DType,
     names: Vec<String>,
     params: Vec<Param>,
-    embed: usize,
-    layers: Vec<LayerIdx>,
-    norm: usize,
-    lm_head: usize,
+    embed: ParamId,
+    layers: Vec<LayerParams>,
+    /// The final RMSNorm.
+    norm: ParamId,
+    /// The output projection: the embedding where the model ties them.
+    lm_head: ParamId,
     inv_freq: Vec<f32>,
     rope_tables: RopeTables,
     pub options: DecoderOptions,
@@ -80,36 +82,10 @@ impl Decoder {
             params.push(if trainable { Param::Trainable(Var::from_tensor(&t)?) } else { Param::Frozen(t) });
             names.push(name.clone());
         }
-        let find = |n: &str| names.iter().position(|x| x == n);
-        let req = |n: String| find(&n).ok_or_else(|| super::ModelError::Missing(n));
-        let mut layers = Vec::with_capacity(cfg.num_layers);
-        for l in 0..cfg.num_layers {
-            let p = |s: &str| format!("model.layers.{l}.{s}");
-            layers.push(LayerIdx {
-                q: req(p("self_attn.q_proj.weight"))?,
-                k: req(p("self_attn.k_proj.weight"))?,
-                v: req(p("self_attn.v_proj.weight"))?,
-                o: req(p("self_attn.o_proj.weight"))?,
-                q_bias: find(&p("self_attn.q_proj.bias")),
-                k_bias: find(&p("self_attn.k_proj.bias")),
-                v_bias: find(&p("self_attn.v_proj.bias")),
-                o_bias: find(&p("self_attn.o_proj.bias")),
-                q_norm: find(&p("self_attn.q_norm.weight")),
-                k_norm: find(&p("self_attn.k_norm.weight")),
-                gate: req(p("mlp.gate_proj.weight"))?,
-                up: req(p("mlp.up_proj.weight"))?,
-                down: req(p("mlp.down_proj.weight"))?,
-                gate_bias: find(&p("mlp.gate_proj.bias")),
-                up_bias: find(&p("mlp.up_proj.bias")),
-                down_bias: find(&p("mlp.down_proj.bias")),
-                ln_in: req(p("input_layernorm.weight"))?,
-                ln_post: req(p("post_attention_layernorm.weight"))?,
-                adapters: [None; 7],
-            });
-        }
-        let embed = req("model.embed_tokens.weight".into())?;
-        let norm = req("model.norm.weight".into())?;
-        let lm_head = if cfg.tie_word_embeddings { embed } else { req("lm_head.weight".into())? };
+        let layers = (0..cfg.num_layers).map(|l| LayerParams::find(l, &names)).collect::<Result<_, _>>()?;
+        let embed = ParamId::require(&names, "model.embed_tokens.weight")?;
+        let norm = ParamId::require(&names, "model.norm.weight")?;
+        let lm_head = if cfg.tie_word_embeddings { embed } else { ParamId::require(&names, "lm_head.weight")? };
         let inv_freq = inv_freq(&cfg);
         Ok(Self {
             cfg,

@@ -1,5 +1,6 @@
-//! The decoder's parameters: trainable or frozen, their fixed order and Hugging Face names, the index
-//! of each layer's, and LoRA's wiring (adapters added, removed, merged; frozen copies).
+//! The decoder's parameters: trainable or frozen, their fixed order and Hugging Face names, each
+//! layer's by projection ([`Projection`], [`LayerParams`]: places in the flat list, [`ParamId`]), and
+//! LoRA's wiring (adapters added, removed, merged; frozen copies).
 
 use candle_core::{DType, Tensor, Var};
 
@@ -26,53 +27,179 @@ impl Param {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-pub(super) struct LayerIdx {
-    pub(super) q: usize,
-    pub(super) k: usize,
-    pub(super) v: usize,
-    pub(super) o: usize,
-    pub(super) q_bias: Option<usize>,
-    pub(super) k_bias: Option<usize>,
-    pub(super) v_bias: Option<usize>,
-    pub(super) o_bias: Option<usize>,
-    pub(super) q_norm: Option<usize>,
-    pub(super) k_norm: Option<usize>,
-    pub(super) gate: usize,
-    pub(super) up: usize,
-    pub(super) down: usize,
-    pub(super) gate_bias: Option<usize>,
-    pub(super) up_bias: Option<usize>,
-    pub(super) down_bias: Option<usize>,
-    pub(super) ln_in: usize,
-    pub(super) ln_post: usize,
-    /// LoRA: the `(A, B)` parameters of each projection, in the order of [`lora::TARGETS`].
-    pub(super) adapters: [Option<(usize, usize)>; 7],
+/// A layer's projections, in the order of [`lora::TARGETS`]: `Q` is `q_proj`, ..., `Down` is `down_proj`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
 }
 
-impl LayerIdx {
-    /// The weight and bias of projection `m` (the order of [`lora::TARGETS`]).
-    pub(super) fn projection(&self, m: usize) -> (usize, Option<usize>) {
-        match m {
-            0 => (self.q, self.q_bias),
-            1 => (self.k, self.k_bias),
-            2 => (self.v, self.v_bias),
-            3 => (self.o, self.o_bias),
-            4 => (self.gate, self.gate_bias),
-            5 => (self.up, self.up_bias),
-            _ => (self.down, self.down_bias),
-        }
+impl Projection {
+    /// Every projection, in the order of [`lora::TARGETS`].
+    pub(super) const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    /// Its LoRA target (PEFT's module name: `q_proj`, ..., `down_proj`) and the block it is in
+    /// (`self_attn` or `mlp`): its entry of [`lora::TARGETS`].
+    fn target_and_block(self) -> (&'static str, &'static str) {
+        lora::TARGETS[self as usize]
+    }
+
+    /// Its LoRA target name (PEFT's module name).
+    pub(super) fn target(self) -> &'static str {
+        self.target_and_block().0
+    }
+
+    /// The projection a LoRA target name names.
+    pub(super) fn from_target(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.target() == name)
+    }
+
+    /// Its number, 0 to 6 (the order of [`lora::TARGETS`]): what LoRA's dropout seeds mix in.
+    pub(super) fn number(self) -> u64 {
+        self as u64
+    }
+
+    /// The Hugging Face name of its parameter `what` (`weight`, `bias`, `lora_A.weight`, ...) in layer `l`.
+    pub(super) fn name(self, l: usize, what: &str) -> String {
+        let (target, block) = self.target_and_block();
+        format!("model.layers.{l}.{block}.{target}.{what}")
     }
 }
 
-/// The projections, as indices into [`lora::TARGETS`].
-pub(super) const Q: usize = 0;
-pub(super) const K: usize = 1;
-pub(super) const V: usize = 2;
-pub(super) const O: usize = 3;
-pub(super) const GATE: usize = 4;
-pub(super) const UP: usize = 5;
-pub(super) const DOWN: usize = 6;
+/// The place of a parameter in [`Decoder::params`] (the order of [`parameter_shapes`], then LoRA's adapters,
+/// [`lora::adapter_shapes`]): the optimizer's state, the checkpoints and the names follow that order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ParamId(usize);
+
+impl ParamId {
+    /// The parameter named `name` among `names` (in parameter order).
+    fn find(names: &[String], name: &str) -> Option<Self> {
+        names.iter().position(|n| n == name).map(ParamId)
+    }
+
+    /// The same, an error naming it where it is missing.
+    pub(super) fn require(names: &[String], name: &str) -> Result<Self, ModelError> {
+        Self::find(names, name).ok_or_else(|| ModelError::Missing(name.to_string()))
+    }
+
+    pub(super) fn index(self) -> usize {
+        self.0
+    }
+}
+
+/// A LoRA adapter's parameters: `A` `[r, in]` and `B` `[out, r]` ([`lora`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Adapter {
+    pub(super) a: ParamId,
+    pub(super) b: ParamId,
+}
+
+/// A projection's parameters: `x W^T + b`, plus with an adapter `(x A^T) B^T alpha / r`.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Linear {
+    pub(super) weight: ParamId,
+    pub(super) bias: Option<ParamId>,
+    pub(super) adapter: Option<Adapter>,
+}
+
+/// The RMSNorm weights of each head's queries and keys (Qwen3).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct QkNorm {
+    pub(super) q: ParamId,
+    pub(super) k: ParamId,
+}
+
+/// One decoder layer's parameters.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct LayerParams {
+    pub(super) q: Linear,
+    pub(super) k: Linear,
+    pub(super) v: Linear,
+    pub(super) o: Linear,
+    pub(super) qk_norm: Option<QkNorm>,
+    pub(super) gate: Linear,
+    pub(super) up: Linear,
+    pub(super) down: Linear,
+    /// The RMSNorm before the attention (`input_layernorm`).
+    pub(super) input_norm: ParamId,
+    /// The RMSNorm before the MLP (`post_attention_layernorm`).
+    pub(super) post_attention_norm: ParamId,
+}
+
+impl LayerParams {
+    /// Layer `l`'s parameters among `names` (Hugging Face names, in parameter order), without adapters.
+    pub(super) fn find(l: usize, names: &[String]) -> Result<Self, ModelError> {
+        let linear = |p: Projection| -> Result<Linear, ModelError> {
+            let weight = ParamId::require(names, &p.name(l, "weight"))?;
+            Ok(Linear { weight, bias: ParamId::find(names, &p.name(l, "bias")), adapter: None })
+        };
+        let norm = |what: &str| format!("model.layers.{l}.{what}.weight");
+        let qk_norm =
+            match (ParamId::find(names, &norm("self_attn.q_norm")), ParamId::find(names, &norm("self_attn.k_norm"))) {
+                (Some(q), Some(k)) => Some(QkNorm { q, k }),
+                _ => None,
+            };
+        Ok(LayerParams {
+            q: linear(Projection::Q)?,
+            k: linear(Projection::K)?,
+            v: linear(Projection::V)?,
+            o: linear(Projection::O)?,
+            qk_norm,
+            gate: linear(Projection::Gate)?,
+            up: linear(Projection::Up)?,
+            down: linear(Projection::Down)?,
+            input_norm: ParamId::require(names, &norm("input_layernorm"))?,
+            post_attention_norm: ParamId::require(names, &norm("post_attention_layernorm"))?,
+        })
+    }
+
+    /// The parameters of projection `p`.
+    pub(super) fn linear(&self, p: Projection) -> &Linear {
+        match p {
+            Projection::Q => &self.q,
+            Projection::K => &self.k,
+            Projection::V => &self.v,
+            Projection::O => &self.o,
+            Projection::Gate => &self.gate,
+            Projection::Up => &self.up,
+            Projection::Down => &self.down,
+        }
+    }
+
+    fn linear_mut(&mut self, p: Projection) -> &mut Linear {
+        match p {
+            Projection::Q => &mut self.q,
+            Projection::K => &mut self.k,
+            Projection::V => &mut self.v,
+            Projection::O => &mut self.o,
+            Projection::Gate => &mut self.gate,
+            Projection::Up => &mut self.up,
+            Projection::Down => &mut self.down,
+        }
+    }
+
+    /// The same layer without its adapters.
+    fn without_adapters(&self) -> Self {
+        let mut layer = *self;
+        for p in Projection::ALL {
+            layer.linear_mut(p).adapter = None;
+        }
+        layer
+    }
+}
 
 /// Per parameter, its index among the trainable ones.
 pub(super) fn slots_of(params: &[Param]) -> Vec<Option<usize>> {
@@ -90,37 +217,29 @@ pub(super) fn slots_of(params: &[Param]) -> Vec<Option<usize>> {
 
 /// Names of the parameters of `cfg`, in a fixed order, with their shapes.
 pub fn parameter_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
-    let (h, i, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim);
-    let (q, kv) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    use Projection::{Down, Gate, Up, K, O, Q, V};
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim);
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![cfg.vocab_size, h])];
     for l in 0..cfg.num_layers {
-        let p = |s: &str| format!("model.layers.{l}.{s}");
-        out.push((p("self_attn.q_proj.weight"), vec![q, h]));
-        out.push((p("self_attn.k_proj.weight"), vec![kv, h]));
-        out.push((p("self_attn.v_proj.weight"), vec![kv, h]));
-        out.push((p("self_attn.o_proj.weight"), vec![h, q]));
+        let features = |p: Projection| lora::features(cfg, p.target());
+        let weight = |p: Projection| (p.name(l, "weight"), vec![features(p).1, features(p).0]);
+        let bias = |p: Projection| (p.name(l, "bias"), vec![features(p).1]);
+        let norm = |what: &str, size: usize| (format!("model.layers.{l}.{what}.weight"), vec![size]);
+        out.extend([Q, K, V, O].map(weight));
         if cfg.qkv_bias {
-            out.push((p("self_attn.q_proj.bias"), vec![q]));
-            out.push((p("self_attn.k_proj.bias"), vec![kv]));
-            out.push((p("self_attn.v_proj.bias"), vec![kv]));
+            out.extend([Q, K, V].map(bias));
         }
         if cfg.o_bias {
-            out.push((p("self_attn.o_proj.bias"), vec![h]));
+            out.push(bias(O));
         }
         if cfg.qk_norm {
-            out.push((p("self_attn.q_norm.weight"), vec![hd]));
-            out.push((p("self_attn.k_norm.weight"), vec![hd]));
+            out.extend([norm("self_attn.q_norm", hd), norm("self_attn.k_norm", hd)]);
         }
-        out.push((p("mlp.gate_proj.weight"), vec![i, h]));
-        out.push((p("mlp.up_proj.weight"), vec![i, h]));
-        out.push((p("mlp.down_proj.weight"), vec![h, i]));
+        out.extend([Gate, Up, Down].map(weight));
         if cfg.mlp_bias {
-            out.push((p("mlp.gate_proj.bias"), vec![i]));
-            out.push((p("mlp.up_proj.bias"), vec![i]));
-            out.push((p("mlp.down_proj.bias"), vec![h]));
+            out.extend([Gate, Up, Down].map(bias));
         }
-        out.push((p("input_layernorm.weight"), vec![h]));
-        out.push((p("post_attention_layernorm.weight"), vec![h]));
+        out.extend([norm("input_layernorm", h), norm("post_attention_layernorm", h)]);
     }
     out.push(("model.norm.weight".to_string(), vec![h]));
     if !cfg.tie_word_embeddings {
@@ -130,6 +249,16 @@ pub fn parameter_shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 impl Decoder {
+    /// Parameter `id`.
+    pub(super) fn param(&self, id: ParamId) -> &Param {
+        &self.params[id.index()]
+    }
+
+    /// The index of parameter `id` among the trainable ones (of its gradient in [`super::Grads`]).
+    pub(super) fn slot(&self, id: ParamId) -> Option<usize> {
+        self.slots[id.index()]
+    }
+
     /// Detached copies of the base model's parameters by name, in its dtype (the Hugging Face weights; with
     /// LoRA, without the adapters: see [`Decoder::adapter_tensors`] and [`Decoder::merged`]).
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
@@ -194,22 +323,21 @@ impl Decoder {
             }
         }
         let mut given: std::collections::HashMap<String, Tensor> = adapters.into_iter().collect();
+        let mut a = None;
         for (name, shape) in lora::adapter_shapes(&self.cfg, opts) {
             let t = given.remove(&name).ok_or_else(|| ModelError::Missing(name.clone()))?;
             if t.dims() != shape.as_slice() {
                 return Err(ModelError::Shape { name, expected: shape, found: t.dims().to_vec() });
             }
             let t = t.to_dtype(DType::F32)?.to_device(&self.device)?;
-            let i = self.params.len();
+            let id = ParamId(self.params.len());
             self.params.push(if trainable { Param::Trainable(Var::from_tensor(&t)?) } else { Param::Frozen(t) });
-            let (l, module) = Self::adapter_place(&name);
-            let m = lora::TARGETS.iter().position(|(t, _)| *t == module).unwrap_or(0);
-            let slot = &mut self.layers[l].adapters[m];
-            *slot = match (name.ends_with("lora_A.weight"), *slot) {
-                (true, _) => Some((i, usize::MAX)),
-                (false, Some((a, _))) => Some((a, i)),
-                (false, None) => Some((usize::MAX, i)),
-            };
+            let (l, p) = Self::adapter_place(&name)?;
+            // `adapter_shapes` lists each projection's A, then its B.
+            match a.take() {
+                None => a = Some(id),
+                Some(a) => self.layers[l].linear_mut(p).adapter = Some(Adapter { a, b: id }),
+            }
             self.names.push(name);
         }
         if let Some(extra) = given.keys().next() {
@@ -223,19 +351,22 @@ impl Decoder {
     }
 
     /// The layer and projection of an adapter's name (`model.layers.L.BLOCK.MODULE.lora_X.weight`).
-    fn adapter_place(name: &str) -> (usize, &str) {
+    fn adapter_place(name: &str) -> Result<(usize, Projection), ModelError> {
         let parts: Vec<&str> = name.split('.').collect();
-        (parts.get(2).and_then(|l| l.parse().ok()).unwrap_or(0), parts.get(4).copied().unwrap_or(""))
+        let layer = parts.get(2).and_then(|l| l.parse().ok());
+        match (layer, parts.get(4).and_then(|t| Projection::from_target(t))) {
+            (Some(l), Some(p)) => Ok((l, p)),
+            _ => Err(ModelError::Invalid(format!(
+                "adapter `{name}` is not named model.layers.L.BLOCK.MODULE.lora_X.weight"
+            ))),
+        }
     }
 
     /// The base model of a LoRA model: the same (shared, frozen) base weights without the adapters (the
     /// reference of the KL term). Without LoRA, a frozen copy sharing the weights.
     pub fn without_adapters(&self) -> Self {
         let params: Vec<Param> = self.params[..self.base].iter().map(|p| Param::Frozen(p.get(false))).collect();
-        let mut layers = self.layers.clone();
-        for l in &mut layers {
-            l.adapters = [None; 7];
-        }
+        let layers = self.layers.iter().map(LayerParams::without_adapters).collect();
         Self {
             cfg: self.cfg.clone(),
             device: self.device.clone(),
@@ -260,13 +391,12 @@ impl Decoder {
     pub fn merged(&self) -> candle_core::Result<Self> {
         let mut out = self.without_adapters();
         let Some(opts) = &self.lora else { return Ok(out) };
-        for li in &self.layers {
-            for (m, adapter) in li.adapters.iter().enumerate() {
-                let Some((a, b)) = *adapter else { continue };
-                let (w, _) = li.projection(m);
+        for layer in &self.layers {
+            for p in Projection::ALL {
+                let &Linear { weight, adapter: Some(Adapter { a, b }), .. } = layer.linear(p) else { continue };
                 let delta = self.w(b, false).matmul(&self.w(a, false))?.affine(opts.scale(), 0.0)?;
-                let merged = (self.w(w, false).to_dtype(DType::F32)? + delta)?.to_dtype(self.dtype)?;
-                out.params[w] = Param::Frozen(merged);
+                let merged = (self.w(weight, false).to_dtype(DType::F32)? + delta)?.to_dtype(self.dtype)?;
+                out.params[weight.index()] = Param::Frozen(merged);
             }
         }
         Ok(out)
@@ -310,6 +440,93 @@ mod tests {
     use super::*;
     use crate::model::Arch;
     use candle_core::Device;
+
+    #[test]
+    fn projections_follow_the_lora_targets() {
+        let targets: Vec<&str> = Projection::ALL.iter().map(|p| p.target()).collect();
+        assert_eq!(targets, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]);
+        assert_eq!(targets, lora::TARGETS.map(|(t, _)| t));
+        for (k, p) in Projection::ALL.into_iter().enumerate() {
+            assert_eq!(Projection::from_target(p.target()), Some(p));
+            assert_eq!(p.number(), k as u64);
+        }
+        assert_eq!(Projection::from_target("lm_head"), None);
+        assert_eq!(Projection::O.name(0, "weight"), "model.layers.0.self_attn.o_proj.weight");
+        assert_eq!(Projection::Gate.name(3, "bias"), "model.layers.3.mlp.gate_proj.bias");
+    }
+
+    /// The flat order the optimizer's state and the checkpoints rely on, every optional parameter present.
+    #[test]
+    fn parameter_shapes_keep_the_hugging_face_order() {
+        let mut cfg = tiny(Arch::Qwen3, false, false).config().clone();
+        (cfg.num_layers, cfg.qkv_bias, cfg.o_bias, cfg.mlp_bias) = (1, true, true, true);
+        assert_eq!((cfg.hidden_size, cfg.head_dim, cfg.num_kv_heads, cfg.intermediate_size), (16, 4, 2, 24));
+        let want: Vec<(&str, Vec<usize>)> = vec![
+            ("model.embed_tokens.weight", vec![97, 16]),
+            ("model.layers.0.self_attn.q_proj.weight", vec![16, 16]),
+            ("model.layers.0.self_attn.k_proj.weight", vec![8, 16]),
+            ("model.layers.0.self_attn.v_proj.weight", vec![8, 16]),
+            ("model.layers.0.self_attn.o_proj.weight", vec![16, 16]),
+            ("model.layers.0.self_attn.q_proj.bias", vec![16]),
+            ("model.layers.0.self_attn.k_proj.bias", vec![8]),
+            ("model.layers.0.self_attn.v_proj.bias", vec![8]),
+            ("model.layers.0.self_attn.o_proj.bias", vec![16]),
+            ("model.layers.0.self_attn.q_norm.weight", vec![4]),
+            ("model.layers.0.self_attn.k_norm.weight", vec![4]),
+            ("model.layers.0.mlp.gate_proj.weight", vec![24, 16]),
+            ("model.layers.0.mlp.up_proj.weight", vec![24, 16]),
+            ("model.layers.0.mlp.down_proj.weight", vec![16, 24]),
+            ("model.layers.0.mlp.gate_proj.bias", vec![24]),
+            ("model.layers.0.mlp.up_proj.bias", vec![24]),
+            ("model.layers.0.mlp.down_proj.bias", vec![16]),
+            ("model.layers.0.input_layernorm.weight", vec![16]),
+            ("model.layers.0.post_attention_layernorm.weight", vec![16]),
+            ("model.norm.weight", vec![16]),
+            ("lm_head.weight", vec![97, 16]),
+        ];
+        let got = parameter_shapes(&cfg);
+        assert_eq!(got.iter().map(|(n, s)| (n.as_str(), s.clone())).collect::<Vec<_>>(), want);
+    }
+
+    /// Each layer's typed parameters are those of their names: weights, biases, q/k norms, the adapters
+    /// (where the options target the projection), and none of the adapters without them.
+    #[test]
+    fn layers_point_at_their_parameters_by_name() {
+        let all = lora::TARGETS.map(|(t, _)| t);
+        for (arch, targets) in [(Arch::Qwen2, &all[..]), (Arch::Qwen3, &["v_proj", "down_proj"][..])] {
+            let m = tiny_lora(arch, targets);
+            let name = |id: ParamId| m.names()[id.index()].as_str();
+            for (l, layer) in m.layers.iter().enumerate() {
+                for p in Projection::ALL {
+                    let linear = layer.linear(p);
+                    assert_eq!(name(linear.weight), p.name(l, "weight"));
+                    let biased = arch == Arch::Qwen2 && matches!(p, Projection::Q | Projection::K | Projection::V);
+                    assert_eq!(linear.bias.map(name), biased.then(|| p.name(l, "bias")).as_deref(), "{arch:?}");
+                    let adapter = linear.adapter.map(|a| (name(a.a), name(a.b)));
+                    let want =
+                        targets.contains(&p.target()).then(|| (p.name(l, "lora_A.weight"), p.name(l, "lora_B.weight")));
+                    assert_eq!(adapter, want.as_ref().map(|(a, b)| (a.as_str(), b.as_str())), "{arch:?}");
+                }
+                let norms = layer.qk_norm.map(|n| (name(n.q), name(n.k)));
+                let want = (
+                    format!("model.layers.{l}.self_attn.q_norm.weight"),
+                    format!("model.layers.{l}.self_attn.k_norm.weight"),
+                );
+                assert_eq!(norms, (arch == Arch::Qwen3).then_some((want.0.as_str(), want.1.as_str())));
+                assert_eq!(name(layer.input_norm), format!("model.layers.{l}.input_layernorm.weight"));
+                assert_eq!(
+                    name(layer.post_attention_norm),
+                    format!("model.layers.{l}.post_attention_layernorm.weight")
+                );
+            }
+            assert_eq!(
+                (name(m.embed), name(m.norm), name(m.lm_head)),
+                ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
+            );
+            let base = m.without_adapters();
+            assert!(base.layers.iter().all(|l| Projection::ALL.iter().all(|&p| l.linear(p).adapter.is_none())));
+        }
+    }
 
     /// Only the adapters are trainable and get gradients, which agree with finite differences, with and
     /// without layer recomputation (the same values either way).

@@ -4,8 +4,8 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::layer::{rms_norm, LayerState};
-use super::params::{Param, DOWN};
+use super::layer::{rms_norm, LayerState, Pass, Positions};
+use super::params::{Param, Projection};
 use super::{Decoder, Targets, TokenBatch};
 use crate::kernels::{
     embedding_grad, embedding_grad_into, logprobs_entropy_with, AttentionRecord, HeadBackward, Replay,
@@ -45,10 +45,10 @@ impl<'a> Mode<'a> {
         self.accumulators?.get(slot?)?.as_ref()
     }
 
-    /// The seed of projection `m` of layer `l`: every adapter draws its own mask.
-    pub(super) fn dropout_seed(&self, l: usize, m: usize) -> Option<u64> {
+    /// The seed of projection `p` of layer `l`: every adapter draws its own mask.
+    pub(super) fn dropout_seed(&self, l: usize, p: Projection) -> Option<u64> {
         use crate::checksum::splitmix64;
-        self.dropout_seed.map(|s| splitmix64(s ^ splitmix64((l as u64) << 3 | m as u64)))
+        self.dropout_seed.map(|s| splitmix64(s ^ splitmix64((l as u64) << 3 | p.number())))
     }
 }
 
@@ -84,9 +84,9 @@ impl Decoder {
     /// with `fused_ops = false`, candle's `index_add` in the weight's dtype, as its own backward does.
     fn embed_backward(&self, ids: &Tensor, g: Option<&Tensor>, grads: &mut Grads) -> candle_core::Result<()> {
         let _phase = crate::profile::phase("embedding");
-        let (Param::Trainable(w), Some(g)) = (&self.params[self.embed], g) else { return Ok(()) };
+        let (Param::Trainable(w), Some(g)) = (self.param(self.embed), g) else { return Ok(()) };
         let g = g.reshape((ids.dim(0)?, self.cfg.hidden_size))?;
-        let slot = self.slots[self.embed].unwrap_or_default();
+        let slot = self.slot(self.embed).unwrap_or_default();
         let dw = match (self.options.fused_ops, &grads.grads[slot]) {
             // Summed straight into the accumulator: no [V, hidden] gradient of its own.
             (true, Some(acc)) => return embedding_grad_into(acc, ids, &g),
@@ -137,10 +137,10 @@ impl Decoder {
 
     /// The layers over the embedded batch `x` (`[B, T, hidden]`).
     fn layers_from(&self, batch: &TokenBatch, mut x: Tensor, mode: Mode) -> candle_core::Result<Tensor> {
-        let rope = self.rope_of(batch)?;
-        let ranges = batch.ranges(&self.device)?;
+        let positions = self.positions(batch)?;
+        let pass = Pass { positions: &positions, mode };
         for l in 0..self.cfg.num_layers {
-            x = self.layer(l, &x, &rope, &ranges, LayerState::None, mode)?;
+            x = self.layer(l, &x, pass, LayerState::None)?;
         }
         Ok(x)
     }
@@ -163,7 +163,7 @@ impl Decoder {
         let (w, ids) = (self.w(self.lm_head, graph), self.target_ids(batch, targets)?);
         // Both apply only to a recorded op (logprobs_entropy_with): nothing is kept or added without a graph.
         let backward = HeadBackward {
-            accumulator: mode.accumulator(self.slots[self.lm_head]),
+            accumulator: mode.accumulator(self.slot(self.lm_head)),
             keep_logits: self.options.keep_logits,
         };
         logprobs_entropy_with(&h, &w, &ids, budget, backward)
@@ -255,9 +255,8 @@ impl Decoder {
             self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
             return crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?);
         }
-        let rope = self.rope_of(batch)?;
-        let ranges = batch.ranges(&self.device)?;
-        let (inputs, mut records, x) = self.forward_kept(batch, e, (&rope, &ranges))?;
+        let positions = self.positions(batch)?;
+        let (inputs, mut records, x) = self.forward_kept(batch, e, &positions)?;
         // Head: gradient of the loss with respect to the last hidden state.
         let xv = Var::from_tensor(&x)?;
         let loss = self.loss(&self.head(xv.as_tensor(), batch, targets, training(true))?, loss_fn)?;
@@ -272,11 +271,12 @@ impl Decoder {
         };
         head.end();
         // Layers in reverse: recompute with a graph, backprop the incoming gradient.
+        let pass = Pass { positions: &positions, mode: training(true) };
         for l in (0..self.cfg.num_layers).rev() {
             // This layer's record is released with its backward.
             let record = records.pop().flatten();
             let state = record.as_ref().map_or(LayerState::None, |r| LayerState::Attention(Replay::From(r)));
-            g = self.layer_backward(l, &inputs[l], (&rope, &ranges, training(true)), state, &g, grads)?;
+            g = self.layer_backward(l, &inputs[l], pass, state, &g, grads)?;
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
@@ -290,15 +290,16 @@ impl Decoder {
         &self,
         batch: &TokenBatch,
         mut x: Tensor,
-        (rope, ranges): (&(Tensor, Tensor), &Tensor),
+        positions: &Positions,
     ) -> candle_core::Result<(Vec<Tensor>, Vec<Option<AttentionRecord>>, Tensor)> {
         let keep = !self.options.recompute_attention;
+        let pass = Pass { positions, mode: Mode::training(batch, false) };
         let mut inputs = Vec::with_capacity(self.cfg.num_layers + 1);
         let mut records: Vec<Option<AttentionRecord>> = Vec::with_capacity(self.cfg.num_layers);
         for l in 0..self.cfg.num_layers {
             let mut record = None;
             let state = if keep { LayerState::Attention(Replay::Record(&mut record)) } else { LayerState::None };
-            let next = self.layer(l, &x, rope, ranges, state, Mode::training(batch, false))?;
+            let next = self.layer(l, &x, pass, state)?;
             inputs.push(x);
             records.push(record);
             x = next;
@@ -323,7 +324,7 @@ impl Decoder {
         &self,
         l: usize,
         input: &Tensor,
-        (rope, ranges, mode): (&(Tensor, Tensor), &Tensor, Mode),
+        pass: Pass,
         state: LayerState,
         g: &Tensor,
         grads: &mut Grads,
@@ -334,7 +335,8 @@ impl Decoder {
         };
         let recompute = crate::profile::phase("recompute");
         let xin = Var::from_tensor(input)?;
-        let mid = self.attention_block(l, xin.as_tensor(), rope, ranges, state, mode)?;
+        let mode = pass.mode;
+        let mid = self.attention_block(l, xin.as_tensor(), pass, state)?;
         let mid_in = Var::from_tensor(&mid.detach())?;
         // The layer's output `mid + down(act)` is not formed: its backward reads neither it nor the down
         // projection's output, so the residual's gradient is added below. The projection itself is run:
@@ -345,7 +347,7 @@ impl Decoder {
         let down = {
             let _mlp = crate::profile::phase("mlp");
             let act = self.mlp_activation(l, mid_in.as_tensor(), mode)?;
-            self.project(l, DOWN, &act, mode)?
+            self.project(l, Projection::Down, &act, mode)?
         };
         drop(recompute);
         let g_mid = {
