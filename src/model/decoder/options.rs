@@ -15,13 +15,15 @@ pub enum Attention {
     Matrix,
     /// As `flash`, but on a GPU, for bf16 and f16 weights with a head dim of 64 or 128, through the
     /// tensor-core kernels of kernels/flash_mma.cu (FlashAttention-2's design: `mma.sync` block products
-    /// with the scores in registers) instead of cuBLAS GEMMs over blocks in device memory. Tested on the
-    /// host emulator, not yet on a GPU; elsewhere the same as `flash`.
+    /// with the scores in registers) instead of cuBLAS GEMMs over blocks in device memory; elsewhere the
+    /// same as `flash`. Tested on the host emulator, and on an H100 against the CPU op (`grpo selftest`,
+    /// 2026-11-27, build 598e6a8: benches/results/gpu-2026-11-27b-h100.log).
     Mma,
     /// As `mma`, but on a GPU of compute capability 9.0 (H100, H200) through the warpgroup tensor-core
     /// kernels of kernels/flash_wgmma.cu (`wgmma.mma_async` on 64-row tiles in swizzled shared memory,
     /// `deterministic_attention` as with `mma`); on other GPUs the same as `mma`.
-    /// Tested on the host emulator, not yet on a GPU.
+    /// Tested on the host emulator, and on an H100 in the same selftest run; its leaner loops since
+    /// (docs/cuda.md, "Leaner loops") on the host emulator only.
     Wgmma,
     /// The default: on a GPU, the fastest of `wgmma` (compute capability 9.0) and `mma` (8.x) that passes
     /// a check against the chunked path on that device the first time it attends (bf16/f16 at head dim
