@@ -6,16 +6,16 @@ pub mod config;
 pub mod decoder;
 pub mod load;
 pub mod lora;
-pub mod paged;
 pub mod tiny;
 pub mod tokenizer;
 
 pub use checkpoint::save_checkpoint;
 pub use config::{Arch, ModelConfig};
-pub use decoder::{Attention, Decoder, DecoderOptions, Grads, KvCache, Param, Targets, TokenBatch};
+pub use decoder::{
+    Attention, Decoder, DecoderOptions, Grads, KvCache, PagedBatch, PagedKv, Param, Targets, TokenBatch,
+};
 pub use load::{load_decoder, parse_device, parse_dtype, random_decoder, resolve_model_dir};
 pub use lora::LoraOptions;
-pub use paged::{PagedBatch, PagedKv};
 pub use tokenizer::{ChatTokenizer, Message};
 
 use std::path::PathBuf;
