@@ -202,6 +202,81 @@ fn remove_set_aside(target: &Path) {
     }
 }
 
+/// Create folder `dir` (and its parents) unless it exists; a path that exists but is not a folder is an
+/// error saying so, rather than `File exists (os error 17)`.
+pub fn create_folder(dir: &Path) -> io::Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(io::Error::new(
+            io::ErrorKind::NotADirectory,
+            "exists and is not a folder (an output folder must be a folder, not a file)",
+        )),
+        Err(_) => std::fs::create_dir_all(dir),
+    }
+}
+
+/// The exclusive lock of an output folder (`DIR/.lock`), held as long as this value lives. It is an OS file
+/// lock (`flock`), so the OS releases it when the process ends, however it ends: there are no stale locks.
+#[derive(Debug)]
+pub struct FolderLock {
+    _file: std::fs::File,
+}
+
+/// Why an output folder could not be locked.
+#[derive(Debug, thiserror::Error)]
+pub enum LockError {
+    /// Another process holds the lock; `holder` describes it (`pid N on HOST`).
+    #[error("{} is in use by another grpo process ({holder})", dir.display())]
+    Busy { dir: PathBuf, holder: String },
+    #[error("{}: {source}", path.display())]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// This machine's host name (part of the lock holder's description).
+fn host_name() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer it is given.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    if rc == 0 {
+        String::from_utf8_lossy(&buf[..end]).into_owned()
+    } else {
+        "unknown host".into()
+    }
+}
+
+/// Create folder `dir` if missing ([`create_folder`]) and take `dir/.lock`, or fail naming the process that
+/// holds it. The file holds the holder's pid and host. On a file system that cannot lock, the lock is
+/// taken with a warning that nothing guards the folder.
+pub fn lock_folder(dir: &Path) -> Result<FolderLock, LockError> {
+    create_folder(dir).map_err(|source| LockError::Io { path: dir.to_path_buf(), source })?;
+    let path = dir.join(".lock");
+    let io_err = |source| LockError::Io { path: path.clone(), source };
+    let mut file =
+        std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io_err)?;
+    match file.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let holder = match text.split_whitespace().collect::<Vec<_>>()[..] {
+                [pid, host, ..] => format!("pid {pid} on {host}"),
+                [pid] => format!("pid {pid}"),
+                [] => "pid unknown".into(),
+            };
+            return Err(LockError::Busy { dir: dir.to_path_buf(), holder });
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            // A file system without locks (some network mounts): go on, but say that nothing guards the folder.
+            tracing::warn!("cannot lock {}: {e}; another process on this folder would not be stopped", path.display());
+        }
+    }
+    file.set_len(0)
+        .and_then(|()| writeln!(file, "{} {}", std::process::id(), host_name()))
+        .and_then(|()| file.flush())
+        .map_err(io_err)?;
+    Ok(FolderLock { _file: file })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -179,10 +179,10 @@ fn a_second_eval_into_the_same_folder_is_refused_unless_resumed_or_overwritten()
     let run = |extra: &[&str]| {
         common::grpo().current_dir(dir.path()).arg("eval").args(args).arg("--model").arg(&model).args(extra).assert()
     };
-    let first = run(&["--limit", "2"]).success();
+    let first = run(&["--limit", "2", "--batch-size", "1"]).success();
     // The budget is stated, then what it costs at the speed of the first answers.
     let stderr = String::from_utf8_lossy(&first.get_output().stderr).to_string();
-    assert!(stderr.contains("aime25: 1 of 2 problems in") || stderr.contains("aime25: 2 of 2 problems in"), "{stderr}");
+    assert!(stderr.contains("aime25: 1 of 2 problems in"), "{stderr}");
     assert!(stderr.contains("tokens left of the budget take at most"), "{stderr}");
     let gens = dir.path().join("runs/eval/generations.jsonl");
     let before = std::fs::read_to_string(&gens).unwrap();
@@ -196,4 +196,50 @@ fn a_second_eval_into_the_same_folder_is_refused_unless_resumed_or_overwritten()
     assert_eq!(std::fs::read_to_string(&gens).unwrap().lines().count(), 1);
     run(&["--limit", "2", "--resume"]).success();
     assert_eq!(std::fs::read_to_string(&gens).unwrap().lines().count(), 2);
+}
+
+#[test]
+fn an_out_held_by_another_process_is_refused_and_out_must_be_a_folder() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    common::init_tiny("qwen3", "qwen3", &model);
+    let out = dir.path().join("eval");
+    std::fs::create_dir_all(&out).unwrap();
+    // Another process's lock, as a running `grpo eval` (or `grpo train`) holds it.
+    let held = std::fs::File::create(out.join(".lock")).unwrap();
+    held.lock().unwrap();
+    let args = ["--bench", "aime25", "--limit", "1", "--max-new-tokens", "2"];
+    let a = eval(&args, &model, &out).failure();
+    let err = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(err.contains("is in use by another grpo process") && err.contains("--out"), "{err}");
+    assert!(!out.join("generations.jsonl").exists(), "the refused run wrote into OUT");
+    drop(held);
+    eval(&args, &model, &out).success();
+    // --out naming a regular file: said so, not `File exists`.
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let a = eval(&args, &model, &file).failure();
+    let err = String::from_utf8_lossy(&a.get_output().stderr).to_string();
+    assert!(err.contains("is not a folder") && !err.contains("os error 17"), "{err}");
+}
+
+#[test]
+fn the_cost_estimate_counts_every_problem_of_a_finished_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m");
+    common::init_tiny("qwen3", "qwen3", &model);
+    let stderr = |batch: &str| {
+        let args = ["--bench", "aime25", "--limit", "8", "--n", "2", "--max-new-tokens", "4", "--batch-size", batch];
+        let out = dir.path().join(format!("eval-{batch}"));
+        let a = eval(&args, &model, &out).success();
+        String::from_utf8_lossy(&a.get_output().stderr).to_string()
+    };
+    // Two problems (of 2 samples) per batch: the estimate comes as the second batch starts, with both of the
+    // first batch's problems done.
+    let e = stderr("4");
+    assert!(e.contains("aime25: 2 of 8 problems in") && !e.contains("aime25: 1 of 8 problems in"), "{e}");
+    // Every problem in one batch: nothing is left to estimate once the first is done, so nothing is said
+    // (it said "1 of 8 problems ... the 0 tokens left of the budget take at most 0s").
+    let e = stderr("16");
+    assert!(!e.contains("of 8 problems in") && !e.contains("tokens left of the budget"), "{e}");
 }

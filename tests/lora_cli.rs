@@ -458,3 +458,68 @@ fn peft_loads_the_adapter_with_grpos_logprobs() {
         .unwrap();
     assert!(status.success(), "scripts/check_peft_load.py failed");
 }
+
+/// A tiny model at `a`, another of the same shapes and other weights at `b`, and an adapter of `a` at
+/// `adapter` (its config names `a` as its base model).
+fn two_bases_and_an_adapter(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use grpo::model::{self, lora};
+    let (a, b, adapter) = (dir.join("a"), dir.join("b"), dir.join("adapter"));
+    common::init_tiny("qwen2", "smollm2", &a);
+    let cfg = model::ModelConfig::from_file(&a.join("config.json")).unwrap();
+    let other =
+        model::random_decoder(cfg.clone(), 99, candle_core::DType::F32, &candle_core::Device::Cpu, false).unwrap();
+    let save = model::checkpoint::SaveOptions { tokenizer_dir: Some(a.clone()), ..Default::default() };
+    model::save_checkpoint(&other, &b, &save, |_| Ok(())).unwrap();
+    let opts = model::LoraOptions { r: 2, ..Default::default() };
+    let t = lora::init_adapters(&cfg, &opts, 1, &candle_core::Device::Cpu).unwrap();
+    std::fs::create_dir_all(&adapter).unwrap();
+    lora::write_adapter(&adapter, &opts, Some(a.to_str().unwrap()), t).unwrap();
+    (a, b, adapter)
+}
+
+#[test]
+fn an_adapter_applied_to_another_base_is_refused_unless_allowed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b, adapter) = two_bases_and_an_adapter(dir.path());
+    let input = dir.path().join("in.jsonl");
+    std::fs::write(&input, r#"{"text": "one two three"}"#).unwrap();
+    let logprobs = |base: &Path, adapter: &Path, extra: &[&str]| {
+        let mut c = common::grpo();
+        c.args(["-q", "logprobs", "--model"]).arg(base).arg("--adapter").arg(adapter).arg("--input").arg(&input);
+        c.args(["--output"]).arg(dir.path().join("lp.jsonl")).args(extra).assert()
+    };
+    logprobs(&a, &adapter, &[]).success();
+    let e = logprobs(&b, &adapter, &[]).failure();
+    let err = String::from_utf8_lossy(&e.get_output().stderr).to_string();
+    assert!(err.contains("adapter_config.json") && err.contains("trained on the base model"), "{err}");
+    assert!(err.contains("--allow-base-mismatch"), "{err}");
+    logprobs(&b, &adapter, &["--allow-base-mismatch"]).success();
+    // A full model given as the adapter.
+    let e = logprobs(&a, &b, &[]).failure();
+    let err = String::from_utf8_lossy(&e.get_output().stderr).to_string();
+    assert!(err.contains("a full model") && err.contains("--model"), "{err}");
+}
+
+#[test]
+fn export_refuses_to_replace_an_existing_folder_without_overwrite() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, _, adapter) = two_bases_and_an_adapter(dir.path());
+    let out = dir.path().join("merged");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("notes.txt"), "mine").unwrap();
+    let export = |out: &Path, extra: &[&str]| {
+        let mut c = common::grpo();
+        c.args(["-q", "export", "--merge", "--dtype", "f32", "--model"]).arg(&a).arg("--adapter").arg(&adapter);
+        c.arg("--out").arg(out).args(extra).assert()
+    };
+    let e = export(&out, &[]).failure();
+    let err = String::from_utf8_lossy(&e.get_output().stderr).to_string();
+    assert!(err.contains("already holds files") && err.contains("--overwrite"), "{err}");
+    assert_eq!(std::fs::read_to_string(out.join("notes.txt")).unwrap(), "mine");
+    export(&out, &["--overwrite"]).success();
+    assert!(out.join("model.safetensors").is_file() && !out.join("notes.txt").exists());
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let e = export(&file, &[]).failure();
+    assert!(String::from_utf8_lossy(&e.get_output().stderr).contains("is not a folder"));
+}

@@ -958,3 +958,20 @@ fn runs_that_differ_only_in_a_seed_that_chooses_nothing_share_one_prepared_versi
     assert_eq!(versions.len(), 1, "prepared again");
     assert!(fingerprints.iter().all(|f| *f == fingerprints[0]), "{fingerprints:?}");
 }
+
+#[test]
+fn a_config_json_that_does_not_match_the_weights_fails_before_the_data_is_prepared() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    // Llama weights (tied, no q/k norms) under a config.json that says qwen3.
+    let model = dir.path().join("model");
+    common::init_tiny("llama", "smollm2", &model);
+    let path = model.join("config.json");
+    let mut raw: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    raw["model_type"] = "qwen3".into();
+    std::fs::write(&path, raw.to_string()).unwrap();
+    let err = stderr_of(&train(dir.path(), &cfg, &[]).failure());
+    assert!(err.contains(&model.display().to_string()) && err.contains("missing from the weights"), "{err}");
+    assert!(err.contains("q_norm") && err.contains("model_type = \"llama\""), "{err}");
+    assert!(!dir.path().join("out/prepared").exists(), "the data was prepared before the check");
+}

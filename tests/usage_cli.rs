@@ -67,6 +67,21 @@ fn a_refused_command_line_exits_2_as_the_readme_says() {
     let out = common::grpo().args(["eval", "--limit", "-1", "--bench", "aime25", "--model", "m"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--limit") && err.contains("-1"), "{err}");
+    // Bad values that clap checks (each exited 1 after the parse), and a `--set` no config key takes.
+    let bad: [(&[&str], &str); 5] = [
+        (&["eval", "--bench", "aime25", "--model", "m", "--dtype", "f64"], "f64"),
+        (&["eval", "--bench", "aime25", "--model", "m", "--device", "gpu"], "gpu"),
+        (&["eval", "--bench", "aime26", "--model", "m"], "aime26"),
+        (&["train", "--config", "configs/smoke.toml", "--check", "--set", "train.no_such_key=1"], "no_such_key"),
+        (&["train", "--config", "configs/smoke.toml", "--check", "--set", "nokey"], "nokey"),
+    ];
+    for (args, needle) in bad {
+        let out = common::grpo().current_dir(common::root()).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        let usage = err.contains("Usage: grpo ") || err.contains("try '--help'");
+        assert!(err.contains(needle) && usage, "{args:?}: {err}");
+    }
 }
 
 fn help(args: &[&str]) -> String {

@@ -14,10 +14,10 @@ use crate::model::{parse_device, parse_dtype};
 #[derive(Debug, clap::Args)]
 pub struct Common {
     /// Device: cpu or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
     pub device: String,
     /// Weight and activation dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
     pub dtype: String,
     /// Untimed runs first.
     #[arg(long, default_value_t = 1)]

@@ -67,10 +67,10 @@ pub struct ReferenceArgs {
     #[arg(long)]
     pub reference: Option<String>,
     /// Weights dtype of the reference: f32, bf16 or f16 (a run with another `model.dtype` recomputes them).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
     pub dtype: String,
     /// Device of the reference: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
     pub device: String,
     /// Sequences per reference forward.
     #[arg(long, default_value_t = 8)]

@@ -15,7 +15,7 @@ use crate::model::{self, ChatTokenizer};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Registered benchmarks, comma-separated (see --list).
-    #[arg(long, value_delimiter = ',', required_unless_present_any = ["list", "bench_file"])]
+    #[arg(long, value_delimiter = ',', required_unless_present_any = ["list", "bench_file"], value_parser = bench_arg)]
     pub bench: Vec<String>,
     /// Any JSONL of {"problem", "answer", "id"?} instead of a registered benchmark.
     #[arg(long, requires = "prompt_template")]
@@ -34,6 +34,10 @@ pub struct Args {
     /// checkpoint) applied to --model, the base model (native engine).
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Apply --adapter even though its adapter_config.json names another base model
+    /// (base_model_name_or_path) than --model.
+    #[arg(long, requires = "adapter")]
+    pub allow_base_mismatch: bool,
     #[command(flatten)]
     pub options: EvalOptions,
     #[command(flatten)]
@@ -50,11 +54,21 @@ pub struct Args {
     pub overwrite: bool,
     /// Device of the native engine: cpu, cuda or cuda:N (needs a build with `--features cuda`; under a
     /// launcher each rank takes the GPU of its local rank).
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
     pub device: String,
     /// Weight dtype of the native engine: f32, bf16 or f16.
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
     pub dtype: String,
+}
+
+/// clap's check of a `--bench` name: a registered benchmark.
+fn bench_arg(s: &str) -> Result<String, String> {
+    let names = benchmarks::names();
+    if names.contains(&s) {
+        Ok(s.to_string())
+    } else {
+        Err(format!("unknown benchmark `{s}` (registered: {}; or give --bench-file)", names.join(", ")))
+    }
 }
 
 /// The readable results of an earlier run, in file order.
@@ -152,6 +166,21 @@ fn claim_out(args: &Args, world: &World) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Rank 0 takes OUT's lock (OUT/.lock, created with OUT), or fails naming the process that holds it.
+fn lock_out(out: &std::path::Path, world: &World) -> anyhow::Result<Option<crate::fsio::FolderLock>> {
+    if !world.is_primary() {
+        return Ok(None);
+    }
+    match crate::fsio::lock_folder(out) {
+        Ok(lock) => Ok(Some(lock)),
+        Err(crate::fsio::LockError::Busy { dir, holder }) => anyhow::bail!(
+            "{} is in use by another grpo process ({holder}); wait for it to end, or choose another --out",
+            dir.display()
+        ),
+        Err(e) => Err(e).context("--out"),
+    }
+}
+
 /// Say, before generating, how much `b` can generate at most: problems x n x max_new_tokens.
 fn state_budget(b: &benchmarks::Benchmark, options: &EvalOptions, done: &HashMap<String, ProblemResult>) {
     let selected = &b.problems[..options.problem_count(b.problems.len())];
@@ -208,6 +237,8 @@ fn engine<'a>(
 fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     args.engine = args.engine.for_rank(world.rank());
     let selected = checked_benchmarks(&args)?;
+    // Held until the report is written: one evaluation at a time in OUT, as one training run in its folder.
+    let _lock = lock_out(&args.out, world)?;
     claim_out(&args, world)?;
     let model_name = args.model.clone().unwrap_or_default();
     let dir = model::resolve_model_dir(&model_name)?;
@@ -254,6 +285,10 @@ fn native_decoder(args: &Args, dir: &std::path::Path, world: &World) -> anyhow::
         EngineKind::Native => {
             let device = model::parse_device(&world.rank_device(&args.device)?)?;
             let dtype = model::parse_dtype(&args.dtype)?;
+            if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
+                let given = args.model.as_deref().unwrap_or_default();
+                model::lora::check_base(adapter, given, dir, "--allow-base-mismatch")?;
+            }
             let decoder = model::lora::load_frozen(dir, args.adapter.as_deref(), dtype, &device)
                 .with_context(|| format!("loading {}", dir.display()))?;
             Ok(Some(decoder))
@@ -266,8 +301,8 @@ fn native_decoder(args: &Args, dir: &std::path::Path, world: &World) -> anyhow::
 }
 
 /// Benchmark `b` on this rank's share of its problems (those not already in generations.jsonl), with a
-/// progress bar on rank 0 and, once the first problems are done (or after 10 s of generating), what the
-/// budget costs at that speed; the ranks' shares gathered into its report.
+/// progress bar on rank 0 and, once the first problems are done and generation goes on (or after 10 s of
+/// generating), what the rest of the budget costs at that speed; the ranks' shares gathered into its report.
 fn evaluate_benchmark(
     b: &benchmarks::Benchmark,
     (engine, tok): (&dyn Engine, &ChatTokenizer),
@@ -297,7 +332,10 @@ fn evaluate_benchmark(
         |r| gens.append(r),
         |p| {
             p.show(&bar, t0);
-            if !estimated && (p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10)) {
+            // Once generation goes on after the first problems finished (or after 10 s of it): a batch of
+            // problems generated at once has then been counted whole, and some budget is left to estimate.
+            let due = p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10);
+            if !estimated && p.generating && due {
                 estimated = true;
                 bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
             }
@@ -368,7 +406,7 @@ impl Generations {
             let done = done.into_iter().map(|r| ((r.bench.clone(), r.id.clone()), r)).collect();
             return Ok(Self { path, done, file: None, settled: Vec::new() });
         }
-        std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+        crate::fsio::create_folder(out).with_context(|| format!("creating {}", out.display()))?;
         let (done, file, previous) = open_generations(&path, resume)?;
         Ok(Self { path, done, file: Some(file), settled: previous })
     }

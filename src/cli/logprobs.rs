@@ -16,6 +16,10 @@ pub struct Args {
     /// A LoRA adapter folder or hub id (PEFT's files, e.g. a LoRA run's checkpoint) applied to --model.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
+    /// Apply --adapter even though its adapter_config.json names another base model
+    /// (base_model_name_or_path) than --model.
+    #[arg(long, requires = "adapter")]
+    pub allow_base_mismatch: bool,
     /// JSONL: {"text": ...} (log-probs of every token after the first) or {"prompt", "response"}
     /// (prompt rendered with the chat template; log-probs of the response tokens).
     #[arg(long)]
@@ -24,10 +28,10 @@ pub struct Args {
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Weight and activation dtype (log-probs are always computed in f32).
-    #[arg(long, default_value = "f32")]
+    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
     pub dtype: String,
     /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
     pub device: String,
     /// Lines scored together in one padded batch.
     #[arg(long, default_value_t = 8)]
@@ -96,6 +100,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let device = model::parse_device(&args.device)?;
     let dtype = model::parse_dtype(&args.dtype)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
+    if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
+        model::lora::check_base(adapter, &args.model, &dir, "--allow-base-mismatch")?;
+    }
     let decoder = model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
         .with_context(|| format!("loading {}", dir.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())?;

@@ -115,6 +115,36 @@ pub struct Exit {
     pub message: String,
 }
 
+/// The exit status of a refused command line, as clap gives it.
+pub const USAGE_EXIT_CODE: u8 = 2;
+
+/// A command line refused after clap's parse (a `--set` that no config key takes), said as clap says its
+/// own refusals: the message, the subcommand's usage, exit status 2.
+pub(crate) fn usage_error(subcommand: &str, message: impl std::fmt::Display) -> anyhow::Error {
+    use clap::CommandFactory;
+    let mut cmd = Cli::command();
+    cmd.build();
+    let usage = cmd.find_subcommand_mut(subcommand).map(|c| c.render_usage().to_string()).unwrap_or_default();
+    let message = format!("{message}\n\n{usage}\n\nFor more information, try '--help'.");
+    Exit { code: USAGE_EXIT_CODE, message }.into()
+}
+
+/// clap's check of a `--dtype` value: f32, bf16 or f16 (or their long names).
+pub(crate) fn dtype_arg(s: &str) -> Result<String, String> {
+    crate::model::parse_dtype(s).map(|_| s.to_string()).map_err(|e| e.to_string())
+}
+
+/// clap's check of a `--device` value: cpu, cuda or cuda:N (whether this build and machine have that
+/// device is checked when it is opened).
+pub(crate) fn device_arg(s: &str) -> Result<String, String> {
+    let cuda_n = s.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
+    if s == "cpu" || s == "cuda" || cuda_n {
+        Ok(s.to_string())
+    } else {
+        Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)"))
+    }
+}
+
 /// The exit status for `err`: an [`Exit`]'s code anywhere in its chain, else 1.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     err.chain().find_map(|e| e.downcast_ref::<Exit>()).map_or(1, |e| e.code)

@@ -10,7 +10,7 @@ use crate::selftest::{self, CheckResult};
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Device to test: cpu or cuda:N.
-    #[arg(long, default_value = "cpu")]
+    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
     pub device: String,
 }
 

@@ -9,6 +9,7 @@ use anyhow::Context;
 use super::Exit;
 use crate::cost::memory as plan;
 use crate::model::ModelConfig;
+use crate::train::config::ConfigError;
 use crate::train::{train, Resume, RunOptions, TrainConfig, TrainError};
 
 /// The exit status of a run stopped on request (Ctrl-C, SIGTERM or SIGHUP) after writing its checkpoint:
@@ -28,7 +29,8 @@ pub const DOES_NOT_FIT_EXIT_CODE: u8 = 3;
 --check, when the plan fits or the config is valid); 75 when it was stopped on request (Ctrl-C, SIGTERM or \
 SIGHUP: the current step is finished and a checkpoint written; continue with --resume auto); 130 when a second \
 signal aborted it without a checkpoint; 3 when the memory plan does not fit the device (--plan, or before a run \
-loads its weights); 1 on any other error (including another run holding the output folder).")]
+loads its weights); 2 when the command line is refused (an unknown option, a bad value, a --set that no config \
+key takes); 1 on any other error (including another run holding the output folder).")]
 pub struct Args {
     /// The training configuration (TOML), e.g. configs/smoke.toml or configs/openthinker3.toml.
     #[arg(long)]
@@ -54,11 +56,11 @@ pub struct Args {
     #[arg(long, requires = "resume")]
     pub allow_data_change: bool,
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
-    #[arg(long)]
+    #[arg(long, value_parser = super::device_arg)]
     pub device: Option<String>,
     /// Weight dtype, overriding `model.dtype`: f32, bf16 or f16 (log-probs, loss and optimiser state
     /// stay f32).
-    #[arg(long)]
+    #[arg(long, value_parser = super::dtype_arg)]
     pub dtype: Option<String>,
     /// Check the configuration and exit without loading anything.
     #[arg(long)]
@@ -137,7 +139,11 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut overrides = args.overrides.clone();
     overrides.extend(args.device.iter().map(|d| format!("model.device={d}")));
     overrides.extend(args.dtype.iter().map(|d| format!("model.dtype={d}")));
-    let cfg = TrainConfig::load(&args.config, &overrides)?;
+    let cfg = TrainConfig::load(&args.config, &overrides).map_err(|e| match e {
+        // A `--set` no key takes is a refused command line.
+        ConfigError::BadOverride(_) | ConfigError::BadOverrideValue { .. } => super::usage_error("train", e),
+        e => e.into(),
+    })?;
     if args.check {
         print!("{}", cfg.to_toml());
         return Ok(());

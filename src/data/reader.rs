@@ -43,6 +43,8 @@ pub enum SkipReason {
     EmptyQuestion,
     EmptyResponse,
     RowTooLarge,
+    /// A teacher log-prob that is not a log-probability: infinite, NaN (`1e39` overflows f32) or above 0.
+    BadLogprobs,
 }
 
 impl SkipReason {
@@ -57,6 +59,7 @@ impl SkipReason {
             SkipReason::EmptyQuestion => "empty_question",
             SkipReason::EmptyResponse => "empty_response",
             SkipReason::RowTooLarge => "row_too_large",
+            SkipReason::BadLogprobs => "bad_logprobs",
         }
     }
 }
@@ -333,6 +336,7 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
             return Err((SkipReason::MissingConversations, "no `conversations` nor `prompt`/`response`".into()))
         }
     };
+    check_logprobs(row.teacher_logprobs.as_deref())?;
     Ok(Row {
         question,
         response,
@@ -341,6 +345,17 @@ pub(crate) fn parse_json_row(line: &RawLine, opts: &ReadOptions) -> Result<Row, 
         difficulty: value_i64(row.difficulty),
         teacher_logprobs: row.teacher_logprobs,
     })
+}
+
+/// Refuse teacher log-probs that are not log-probabilities: each must be finite and at most 0. An
+/// infinite one (a value past f32's range, such as `1e39`) or one above 0 would put every ratio at its clip
+/// and the gradient at 0, and the run would learn nothing without a word.
+fn check_logprobs(lp: Option<&[f32]>) -> Result<(), (SkipReason, String)> {
+    let Some((i, v)) = lp.into_iter().flatten().enumerate().find(|(_, v)| !(v.is_finite() && **v <= 0.0)) else {
+        return Ok(());
+    };
+    let what = if v.is_finite() { "above 0" } else { "not finite (or beyond f32's range)" };
+    Err((SkipReason::BadLogprobs, format!("teacher_logprobs[{i}] = {v} is {what}: a log-prob must be finite and <= 0")))
 }
 
 fn field_str(f: &parquet::record::Field) -> Option<String> {
@@ -443,6 +458,7 @@ pub(crate) fn parse_parquet_row(row: &parquet::record::Row) -> Result<Row, (Skip
     };
     out.question = q;
     out.response = r;
+    check_logprobs(out.teacher_logprobs.as_deref())?;
     Ok(out)
 }
 
@@ -643,6 +659,18 @@ mod tests {
         assert_eq!((r.question.as_str(), r.response.as_str(), r.difficulty), ("Q", "A", Some(7)));
         let r = parse(r#"{"prompt":"Q","response":"A","teacher_logprobs":[-0.5,-1.0]}"#).unwrap();
         assert_eq!(r.teacher_logprobs, Some(vec![-0.5, -1.0]));
+    }
+
+    #[test]
+    fn teacher_logprobs_that_are_not_log_probabilities_skip_the_row() {
+        for lp in ["[-0.5,1e39]", "[-1e39]", "[0.25,-1.0]"] {
+            let line =
+                RawLine::new(4, format!(r#"{{"prompt":"Q","response":"A","teacher_logprobs":{lp}}}"#).into_bytes());
+            let (reason, detail) = parse_json_row(&line, &ReadOptions::default()).unwrap_err();
+            assert_eq!(reason, SkipReason::BadLogprobs, "{lp}");
+            assert!(detail.contains("must be finite and <= 0"), "{detail}");
+        }
+        assert_eq!(parse(r#"{"prompt":"Q","response":"A","logprobs":[0.0,-0.0,-30.5]}"#).unwrap().response, "A");
     }
 
     #[test]

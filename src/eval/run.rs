@@ -159,6 +159,10 @@ pub struct EvalProgress {
     /// (answers that stopped before max_new_tokens). It reaches `budget` at the end, and
     /// `budget - spent` bounds the work left, so an ETA from it is an upper bound.
     pub spent: u64,
+    /// This point follows newly generated tokens, not a finished problem: every problem whose generation
+    /// has ended is counted in `problems_done` (an engine that generates a batch of problems at once
+    /// reports them finished one after another, after the batch), and generation goes on.
+    pub generating: bool,
 }
 
 impl EvalProgress {
@@ -239,6 +243,7 @@ where
 {
     fn tokens(&mut self, count: usize) {
         self.progress.tokens += count;
+        self.progress.generating = true;
         self.report_progress();
     }
 
@@ -250,6 +255,7 @@ where
         self.finished_tokens += r.samples.iter().map(|s| s.tokens as u64).sum::<u64>();
         self.results[*i] = Some(r);
         self.progress.problems_done += 1;
+        self.progress.generating = false;
         self.report_progress();
         Ok(())
     }

@@ -307,6 +307,96 @@ fn check_sizes(raw: &RawConfig, f: &Fields) -> Result<(), ConfigError> {
     Ok(())
 }
 
+/// The top-level keys of config.json that grpo reads: [`RawConfig`]'s fields, the dtype's two names and
+/// `eos_token_id` (read by the tokenizer).
+const READ_KEYS: [&str; 25] = [
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "partial_rotary_factor",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "layer_types",
+    "torch_dtype",
+    "dtype",
+    "eos_token_id",
+];
+
+/// Keys that transformers' configs (`PretrainedConfig` and the decoder configs) may hold and that grpo does
+/// not read: ignored, as transformers ignores what a model does not use, even when one is spelled close to
+/// a key grpo reads (`bos_token_id`, an edit from `eos_token_id`).
+const KNOWN_KEYS: [&str; 34] = [
+    "architectures",
+    "_name_or_path",
+    "_attn_implementation",
+    "attention_dropout",
+    "bos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "initializer_range",
+    "use_cache",
+    "transformers_version",
+    "pretraining_tp",
+    "quantization_config",
+    "id2label",
+    "label2id",
+    "is_decoder",
+    "is_encoder_decoder",
+    "tie_encoder_decoder",
+    "use_bfloat16",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "torchscript",
+    "max_length",
+    "min_length",
+    "num_beams",
+    "temperature",
+    "top_k",
+    "top_p",
+    "task_specific_params",
+    "problem_type",
+    "tokenizer_class",
+    "rope_type",
+    "layer_norm_eps",
+];
+
+/// Refuse a top-level key of `raw` that grpo does not read, that is no known transformers key, and that is
+/// within two edits of a key grpo reads: a misspelling (`rope_thetta`), whose intended key would otherwise
+/// silently take its default. Other unknown keys are ignored, as transformers ignores them.
+fn check_misspelled_keys(raw: &Value, f: &Fields) -> Result<(), ConfigError> {
+    let Value::Object(map) = raw else { return Ok(()) };
+    for key in map.keys() {
+        if READ_KEYS.contains(&key.as_str()) || KNOWN_KEYS.contains(&key.as_str()) {
+            continue;
+        }
+        let nearest = READ_KEYS.iter().min_by_key(|k| strsim::levenshtein(key, k));
+        if let Some(near) = nearest.filter(|k| strsim::levenshtein(key, k) <= 2) {
+            return Err(f.err(
+                key.as_str(),
+                format!("not a key grpo reads: did you mean `{near}`? (as it is, `{near}` would take its default)"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// The model hyper-parameters the decoder needs, plus the original JSON to write back.
 #[derive(Debug, Clone)]
 pub struct ModelConfig {
@@ -349,6 +439,7 @@ impl ModelConfig {
     pub fn from_json(raw: Value, path: &Path) -> Result<Self, ConfigError> {
         let f = Fields(path);
         let c = RawConfig::deserialize(&raw).map_err(|e| f.parse_error(&raw, e))?;
+        check_misspelled_keys(&raw, &f)?;
         let arch = match c.model_type.as_deref() {
             Some("qwen2") => Arch::Qwen2,
             Some("qwen3") => Arch::Qwen3,
@@ -645,6 +736,40 @@ mod tests {
         raw["attention_bias"] = true.into();
         let c = ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
         assert!(c.qkv_bias && !c.o_bias);
+    }
+
+    #[test]
+    fn a_key_an_edit_or_two_from_one_grpo_reads_is_an_error_naming_it() {
+        use serde_json::json;
+        let e = error_naming("qwen2", json!({"num_key_value_head": 2}), "num_key_value_head");
+        assert!(e.contains("did you mean `num_key_value_heads`"), "{e}");
+        let e = error_naming("llama", json!({"rope_thetta": 5e5}), "rope_thetta");
+        assert!(e.contains("`rope_theta`"), "{e}");
+        error_naming("llama", json!({"tie_word_embedding": true}), "tie_word_embedding");
+        // Keys nobody reads, far from grpo's or known to transformers, are ignored.
+        let mut raw = base("llama");
+        for (k, v) in [
+            ("bos_token_id", json!(1)),
+            ("pad_token_id", json!(0)),
+            ("vision_config", json!({})),
+            ("attention_dropout", json!(0.0)),
+            ("rope_type", json!("default")),
+            ("layer_norm_eps", json!(1e-5)),
+        ] {
+            raw[k] = v;
+        }
+        ModelConfig::from_json(raw, Path::new("c.json")).unwrap();
+    }
+
+    #[test]
+    fn every_key_grpo_says_it_reads_is_read() {
+        // A value of the wrong type fails the parse of each field of RawConfig; the other keys of READ_KEYS
+        // are read from the JSON itself.
+        for key in READ_KEYS.iter().filter(|k| !["torch_dtype", "dtype", "eos_token_id"].contains(k)) {
+            let mut raw = base("llama");
+            raw[*key] = serde_json::json!([[1]]);
+            assert!(ModelConfig::from_json(raw, Path::new("c.json")).is_err(), "{key} is not read");
+        }
     }
 
     #[test]

@@ -154,10 +154,167 @@ fn truncated(path: &Path) -> Option<String> {
     })
 }
 
+/// The tensors a safetensors file's header describes: `(name, shape)`, in header order.
+fn header_tensors(path: &Path) -> Result<Vec<(String, Vec<usize>)>, ModelError> {
+    use std::io::Read;
+    let bad = |message: String| ModelError::Files { path: path.to_path_buf(), message };
+    let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })?;
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len).map_err(|e| bad(format!("no safetensors header ({e})")))?;
+    let header_len = u64::from_le_bytes(len);
+    if header_len > 100 << 20 {
+        return Err(bad(format!("a safetensors header of {header_len} bytes: not a safetensors file")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).map_err(|e| bad(format!("the safetensors header is cut short ({e})")))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("the safetensors header is not JSON ({e})")))?;
+    let mut out = Vec::with_capacity(header.len());
+    for (name, info) in header.into_iter().filter(|(n, _)| n != "__metadata__") {
+        let shape = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .map(|dims| dims.iter().map(|d| d.as_u64().map(|d| d as usize)).collect::<Option<Vec<usize>>>());
+        match shape.flatten() {
+            Some(shape) => out.push((name, shape)),
+            None => return Err(bad(format!("tensor `{name}` has no shape in the header"))),
+        }
+    }
+    Ok(out)
+}
+
+/// Tensors of a checkpoint that no model reads: the rotary frequencies older transformers saved as a
+/// buffer (`...rotary_emb.inv_freq`, which transformers itself skips on load), recomputed from the config.
+fn derived_buffer(name: &str) -> bool {
+    name.ends_with(".rotary_emb.inv_freq")
+}
+
+/// A checkpoint's tensors: name, the file that holds it, and its shape.
+type Found = Vec<(String, PathBuf, Vec<usize>)>;
+
+/// The tensors of the weight files `files`, from their headers (no weight is read).
+fn checkpoint_tensors(files: &[PathBuf]) -> Result<Found, ModelError> {
+    let mut found = Vec::new();
+    for f in files {
+        found.extend(header_tensors(f)?.into_iter().map(|(n, s)| (n, f.clone(), s)));
+    }
+    Ok(found)
+}
+
+/// The names a model of `cfg` with another architecture, attention biases or tying would have, when
+/// those are exactly `names`: what to write in config.json (`model_type = "qwen3"`, ...).
+fn fitting_config(cfg: &ModelConfig, names: &std::collections::BTreeSet<&str>) -> Option<String> {
+    use super::Arch;
+    for arch in [Arch::Qwen2, Arch::Qwen3, Arch::Llama] {
+        for attention_bias in [false, true] {
+            for tie in [cfg.tie_word_embeddings, !cfg.tie_word_embeddings] {
+                let mut c = cfg.clone();
+                c.arch = arch;
+                c.qkv_bias = arch == Arch::Qwen2 || attention_bias;
+                c.o_bias = arch != Arch::Qwen2 && attention_bias;
+                c.mlp_bias = arch == Arch::Llama && cfg.mlp_bias;
+                c.qk_norm = arch == Arch::Qwen3;
+                c.tie_word_embeddings = tie;
+                let shapes = super::decoder::parameter_shapes(&c);
+                if shapes.len() != names.len() || !shapes.iter().all(|(n, _)| names.contains(n.as_str())) {
+                    continue;
+                }
+                let mut keys = Vec::new();
+                if arch != cfg.arch {
+                    keys.push(format!("model_type = \"{}\"", arch.model_type()));
+                }
+                if (c.qkv_bias, c.o_bias) != (cfg.qkv_bias, cfg.o_bias) {
+                    keys.push(format!("attention_bias = {attention_bias}"));
+                }
+                if tie != cfg.tie_word_embeddings {
+                    keys.push(format!("tie_word_embeddings = {tie}"));
+                }
+                return Some(keys.join(", "));
+            }
+        }
+    }
+    None
+}
+
+/// `names` for a message: the first few, and how many more.
+fn some_names<'a>(names: impl ExactSizeIterator<Item = &'a str>) -> String {
+    let n = names.len();
+    let shown: Vec<String> = names.take(4).map(|s| format!("`{s}`")).collect();
+    match n {
+        0..=4 => shown.join(", "),
+        _ => format!("{} and {} more", shown.join(", "), n - 4),
+    }
+}
+
+/// Check that the weights of model folder `dir` (from their files' headers, without reading them) are the
+/// tensors `cfg` describes: none missing, each of the shape it implies, and none left unused (an
+/// architecture or bias setting in config.json that does not match the weights would otherwise load and
+/// run without them). A tied model's `lm_head.weight`, which some writers save, is left to
+/// [`load_decoder`], which checks that it equals the embedding. The error names the file, the tensors and,
+/// when another config of the same shapes fits the weights, the keys that make it.
+pub fn check_weights(dir: &Path, cfg: &ModelConfig) -> Result<(), ModelError> {
+    let found = checkpoint_tensors(&weight_files(dir)?)?;
+    let expected = super::decoder::parameter_shapes(cfg);
+    let names: std::collections::BTreeSet<&str> =
+        found.iter().map(|(n, _, _)| n.as_str()).filter(|n| !derived_buffer(n)).collect();
+    let tied_head = |n: &str| cfg.tie_word_embeddings && n == "lm_head.weight";
+    let fits = || {
+        let without_tied: std::collections::BTreeSet<&str> = names.iter().copied().filter(|n| !tied_head(n)).collect();
+        fitting_config(cfg, &names)
+            .or_else(|| fitting_config(cfg, &without_tied))
+            .filter(|keys| !keys.is_empty())
+            .map_or(String::new(), |keys| {
+                format!("; the weights fit {keys}: correct {}", dir.join("config.json").display())
+            })
+    };
+    let described = format!("a {} model as {} describes it", cfg.arch.model_type(), dir.join("config.json").display());
+    let missing: Vec<&str> = expected.iter().map(|(n, _)| n.as_str()).filter(|n| !names.contains(n)).collect();
+    if !missing.is_empty() {
+        return Err(ModelError::Files {
+            path: dir.to_path_buf(),
+            message: format!(
+                "{} tensors of {described} are missing from the weights: {}{}",
+                missing.len(),
+                some_names(missing.into_iter()),
+                fits()
+            ),
+        });
+    }
+    let wanted: std::collections::HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let unused: Vec<&(String, PathBuf, Vec<usize>)> = found
+        .iter()
+        .filter(|(n, _, _)| !wanted.contains_key(n.as_str()) && !derived_buffer(n) && !tied_head(n))
+        .collect();
+    if let Some((_, file, _)) = unused.first() {
+        return Err(ModelError::Files {
+            path: file.clone(),
+            message: format!(
+                "{} tensors are not used by {described}: {}{}",
+                unused.len(),
+                some_names(unused.iter().map(|(n, _, _)| n.as_str())),
+                fits()
+            ),
+        });
+    }
+    for (name, file, shape) in &found {
+        if let Some(want) = wanted.get(name.as_str()).filter(|w| **w != shape) {
+            return Err(ModelError::Files {
+                path: file.clone(),
+                message: format!("tensor `{name}` has shape {shape:?}, {described} implies {want:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// Load the decoder of a model folder in `dtype` on `device`; `trainable` gives it `Var` parameters.
+/// Every tensor of the weights must be one the config describes ([`check_weights`]).
 pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) -> Result<Decoder, ModelError> {
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
     let files = weight_files(dir)?;
+    if files.iter().all(|f| truncated(f).is_none()) {
+        check_weights(dir, &cfg)?;
+    }
     // SAFETY: the files are memory-mapped read-only; modifying them while loading is undefined, as for
     // every safetensors loader.
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }.map_err(|e| {
@@ -166,6 +323,9 @@ pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) 
             None => ModelError::Files { path: dir.to_path_buf(), message: e.to_string() },
         }
     })?;
+    if cfg.tie_word_embeddings {
+        check_tied_head(dir, &st)?;
+    }
     Decoder::from_tensors(
         cfg,
         |name, _| match st.load(name, &Device::Cpu) {
@@ -176,6 +336,25 @@ pub fn load_decoder(dir: &Path, dtype: DType, device: &Device, trainable: bool) 
         device,
         trainable,
     )
+}
+
+/// A tied model's weights may hold `lm_head.weight` too (some writers save both): used as the embedding
+/// is, it must equal it.
+fn check_tied_head(dir: &Path, st: &candle_core::safetensors::MmapedSafetensors) -> Result<(), ModelError> {
+    let Ok(head) = st.load("lm_head.weight", &Device::Cpu) else { return Ok(()) };
+    let embed = st.load("model.embed_tokens.weight", &Device::Cpu)?;
+    let same = head.dims() == embed.dims()
+        && head.dtype() == embed.dtype()
+        && head.ne(&embed)?.flatten_all()?.max(0)?.to_scalar::<u8>()? == 0;
+    if same {
+        return Ok(());
+    }
+    Err(ModelError::Files {
+        path: dir.join("config.json"),
+        message: "tie_word_embeddings is true, but the weights hold an lm_head.weight that differs from the \
+                  embedding (model.embed_tokens.weight): set tie_word_embeddings to false, or remove lm_head.weight"
+            .into(),
+    })
 }
 
 /// The initial value of parameter `name` in a random model: ones for norm weights, zeros for biases,
@@ -275,6 +454,87 @@ mod tests {
         std::env::remove_var("HF_HUB_CACHE");
         let err = resolve_model_dir("org/absent").unwrap_err().to_string();
         assert!(err.contains("org/absent@main: `config.json` is not in the Hugging Face cache"), "{err}");
+    }
+
+    /// A random model of `arch` saved in `dir` (a tiny shape), with its config.json.
+    fn tiny_model(arch: crate::model::Arch, dir: &Path) -> ModelConfig {
+        let cfg = crate::model::tiny::TinyShape { layers: 2, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(arch, 64, None, None)
+            .unwrap();
+        let model = random_decoder(cfg.clone(), 1, DType::F32, &Device::Cpu, false).unwrap();
+        crate::model::save_checkpoint(&model, dir, &Default::default(), |_| Ok(())).unwrap();
+        cfg
+    }
+
+    /// Replace the `model_type` (and `tie_word_embeddings`) of the config.json in `dir`.
+    fn set_config(dir: &Path, model_type: &str, tie: bool) {
+        let path = dir.join("config.json");
+        let mut raw: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        raw["model_type"] = model_type.into();
+        raw["tie_word_embeddings"] = tie.into();
+        std::fs::write(&path, raw.to_string()).unwrap();
+    }
+
+    fn load_error(dir: &Path) -> String {
+        load_decoder(dir, DType::F32, &Device::Cpu, false).err().expect("the load must fail").to_string()
+    }
+
+    #[test]
+    fn weights_of_another_architecture_are_refused_naming_the_file_and_the_fitting_config() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Qwen3 weights (q/k norms, untied) under a llama config: the norms would be ignored.
+        let qwen3 = tmp.path().join("qwen3");
+        tiny_model(crate::model::Arch::Qwen3, &qwen3);
+        set_config(&qwen3, "llama", false);
+        let e = load_error(&qwen3);
+        assert!(e.contains("model.safetensors") && e.contains("4 tensors are not used by a llama model"), "{e}");
+        assert!(e.contains("self_attn.q_norm.weight") && e.contains("model_type = \"qwen3\""), "{e}");
+        // Llama weights (tied) under a qwen3 config: the norms and lm_head are missing.
+        let llama = tmp.path().join("llama");
+        tiny_model(crate::model::Arch::Llama, &llama);
+        set_config(&llama, "qwen3", false);
+        let e = check_weights(&llama, &ModelConfig::from_file(&llama.join("config.json")).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("5 tensors of a qwen3 model") && e.contains("missing"), "{e}");
+        assert!(e.contains("model_type = \"llama\", tie_word_embeddings = true"), "{e}");
+    }
+
+    #[test]
+    fn every_tensor_of_the_weights_is_used_or_the_load_fails() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().join("m");
+        tiny_model(crate::model::Arch::Qwen2, &dir);
+        let file = dir.join("model.safetensors");
+        let mut tensors = candle_core::safetensors::load(&file, &Device::Cpu).unwrap();
+        let original = tensors.clone();
+        // The rotary buffer older transformers saved is recomputed, as transformers does.
+        tensors.insert(
+            "model.layers.0.self_attn.rotary_emb.inv_freq".into(),
+            Tensor::ones(4, DType::F32, &Device::Cpu).unwrap(),
+        );
+        candle_core::safetensors::save(&tensors, &file).unwrap();
+        load_decoder(&dir, DType::F32, &Device::Cpu, false).unwrap();
+        tensors.insert("model.layers.0.extra.weight".into(), Tensor::ones(4, DType::F32, &Device::Cpu).unwrap());
+        candle_core::safetensors::save(&tensors, &file).unwrap();
+        let e = load_error(&dir);
+        assert!(e.starts_with(&file.display().to_string()) && e.contains("`model.layers.0.extra.weight`"), "{e}");
+        // A shape the config does not imply names the file too.
+        let mut wrong = original.clone();
+        wrong.insert("model.norm.weight".into(), Tensor::ones(3, DType::F32, &Device::Cpu).unwrap());
+        candle_core::safetensors::save(&wrong, &file).unwrap();
+        let e = load_error(&dir);
+        assert!(e.contains("`model.norm.weight` has shape [3]") && e.contains("[16]"), "{e}");
+        // A tied model's lm_head.weight: accepted when it is the embedding, refused when it differs.
+        let mut tied = original.clone();
+        let embed = tied["model.embed_tokens.weight"].clone();
+        tied.insert("lm_head.weight".into(), embed.clone());
+        candle_core::safetensors::save(&tied, &file).unwrap();
+        set_config(&dir, "qwen2", true);
+        load_decoder(&dir, DType::F32, &Device::Cpu, false).unwrap();
+        tied.insert("lm_head.weight".into(), (embed + 1.0).unwrap());
+        candle_core::safetensors::save(&tied, &file).unwrap();
+        assert!(load_error(&dir).contains("differs from the embedding"));
     }
 
     #[test]

@@ -290,8 +290,28 @@ pub struct Adapter {
     pub tensors: std::collections::HashMap<String, Tensor>,
 }
 
+/// Refuse a folder that is not an adapter, saying what it is: a full model (its config.json and weights)
+/// is applied as the model, not as an adapter.
+fn check_is_adapter(dir: &Path) -> Result<(), ModelError> {
+    if is_adapter_dir(dir) {
+        return Ok(());
+    }
+    let message = if dir.join("config.json").is_file() {
+        format!(
+            "a full model (config.json, no {ADAPTER_CONFIG_FILE}), not an adapter: pass it as the model (--model) \
+             instead"
+        )
+    } else if dir.is_dir() {
+        format!("no {ADAPTER_CONFIG_FILE}: not an adapter folder (PEFT's {ADAPTER_CONFIG_FILE} and {ADAPTER_FILE})")
+    } else {
+        "no such adapter folder".to_string()
+    };
+    Err(ModelError::Files { path: dir.to_path_buf(), message })
+}
+
 /// Read the adapter of folder `dir` (PEFT's files).
 pub fn read_adapter(dir: &Path) -> Result<Adapter, ModelError> {
+    check_is_adapter(dir)?;
     let c = dir.join(ADAPTER_CONFIG_FILE);
     let text = std::fs::read(&c).map_err(|source| ModelError::Io { path: c.clone(), source })?;
     let config: AdapterConfig =
@@ -328,7 +348,56 @@ pub fn load_with_adapter(
         });
     }
     let base = super::load_decoder(base_dir, dtype, device, false)?;
+    check_adapter_tensors(&a, base.config(), base_dir)?;
     base.with_adapters(&a.options, a.tensors.into_iter().collect(), trainable)
+}
+
+/// Check that the tensors of adapter `a` are exactly those its options describe on the base model of
+/// `base_dir` (config `cfg`), of the shapes that base implies: none unused, none missing. Errors name the
+/// adapter's file and the base folder.
+fn check_adapter_tensors(a: &Adapter, cfg: &ModelConfig, base_dir: &Path) -> Result<(), ModelError> {
+    let file = a.dir.join(ADAPTER_FILE);
+    let bad = |message: String| ModelError::Files { path: file.clone(), message };
+    let expected = adapter_shapes(cfg, &a.options);
+    let wanted: std::collections::HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let mut unused: Vec<&str> = a.tensors.keys().map(String::as_str).filter(|n| !wanted.contains_key(n)).collect();
+    unused.sort_unstable();
+    let base = format!("the base model {} ({} layers)", base_dir.display(), cfg.num_layers);
+    if !unused.is_empty() {
+        return Err(bad(format!(
+            "{} tensors are not adapters of the modules {ADAPTER_CONFIG_FILE} targets ({}) on {base}: {}",
+            unused.len(),
+            a.options.target_modules.join(", "),
+            listed(&unused)
+        )));
+    }
+    let missing: Vec<&str> = expected.iter().map(|(n, _)| n.as_str()).filter(|n| !a.tensors.contains_key(*n)).collect();
+    if !missing.is_empty() {
+        return Err(bad(format!(
+            "{} adapters that {ADAPTER_CONFIG_FILE} describes on {base} are missing: {}",
+            missing.len(),
+            listed(&missing)
+        )));
+    }
+    for (name, shape) in &expected {
+        let found = a.tensors[name].dims();
+        if found != shape.as_slice() {
+            return Err(bad(format!(
+                "adapter `{name}` has shape {found:?}, {base} implies {shape:?}: the adapter was trained on a \
+                 base model of another shape"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first few of `names`, and how many more.
+fn listed(names: &[&str]) -> String {
+    let shown: Vec<String> = names.iter().take(4).map(|n| format!("`{n}`")).collect();
+    match names.len() {
+        0..=4 => shown.join(", "),
+        n => format!("{} and {} more", shown.join(", "), n - 4),
+    }
 }
 
 /// The frozen model of `dir`, with the adapter of folder `adapter` when one is given (`grpo eval`,
@@ -351,16 +420,101 @@ pub fn load_frozen(
     }
 }
 
-/// The base model the adapter config of folder `dir` names (`base_model_name_or_path`).
-pub fn base_model(dir: &Path) -> Result<String, ModelError> {
+/// The adapter config of folder `dir`.
+fn read_config(dir: &Path) -> Result<AdapterConfig, ModelError> {
+    check_is_adapter(dir)?;
     let c = dir.join(ADAPTER_CONFIG_FILE);
     let text = std::fs::read(&c).map_err(|source| ModelError::Io { path: c.clone(), source })?;
-    let config: AdapterConfig =
-        serde_json::from_slice(&text).map_err(|e| ModelError::Files { path: c.clone(), message: e.to_string() })?;
-    config.base_model_name_or_path.ok_or_else(|| ModelError::Files {
-        path: c,
+    serde_json::from_slice(&text).map_err(|e| ModelError::Files { path: c, message: e.to_string() })
+}
+
+/// The base model the adapter config of folder `dir` names (`base_model_name_or_path`).
+pub fn base_model(dir: &Path) -> Result<String, ModelError> {
+    read_config(dir)?.base_model_name_or_path.ok_or_else(|| ModelError::Files {
+        path: dir.join(ADAPTER_CONFIG_FILE),
         message: "names no base model (base_model_name_or_path): give the base model and the adapter".into(),
     })
+}
+
+/// Check that the base model `given` (as the command line names it; `base_dir` once resolved) is the one
+/// the adapter of folder `adapter` was trained on, its config's `base_model_name_or_path`: the same name,
+/// or a name that resolves here to the same folder or to a copy of the same weights, or (a name that does
+/// not resolve here, such as another machine's path) the same model name. An adapter that names no base
+/// is applied with a warning. The error says how to apply the adapter anyway (`allow_flag`).
+pub fn check_base(adapter: &Path, given: &str, base_dir: &Path, allow_flag: &str) -> Result<(), ModelError> {
+    let Some(named) = read_config(adapter)?.base_model_name_or_path else {
+        tracing::warn!(
+            "{} names no base model (base_model_name_or_path): the base {given} is not checked",
+            adapter.join(ADAPTER_CONFIG_FILE).display()
+        );
+        return Ok(());
+    };
+    let same = named == given
+        || match super::resolve_model_dir(&named) {
+            Ok(dir) => same_folder(&dir, base_dir) || same_weights(&dir, base_dir),
+            Err(_) => model_name(&named).is_some_and(|n| base_names(given, base_dir).contains(&n)),
+        };
+    if same {
+        return Ok(());
+    }
+    Err(ModelError::Files {
+        path: adapter.join(ADAPTER_CONFIG_FILE),
+        message: format!(
+            "the adapter was trained on the base model `{named}` (base_model_name_or_path), not on `{given}` ({}); \
+             give that base model, or pass {allow_flag} to apply the adapter to this one anyway",
+            base_dir.display()
+        ),
+    })
+}
+
+fn same_folder(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
+}
+
+/// Whether two model folders hold the same weights, by a cheap fingerprint: each weight file's size and the
+/// SHA-256 of its first and last MiB.
+fn same_weights(a: &Path, b: &Path) -> bool {
+    fn fingerprint(dir: &Path) -> Option<Vec<(u64, Vec<u8>)>> {
+        use sha2::Digest;
+        use std::io::{Read, Seek, SeekFrom};
+        let mut out = Vec::new();
+        for f in super::load::weight_files(dir).ok()? {
+            let mut file = std::fs::File::open(&f).ok()?;
+            let size = file.metadata().ok()?.len();
+            let mut hash = sha2::Sha256::new();
+            let mut buf = vec![0u8; (1u64 << 20).min(size) as usize];
+            file.read_exact(&mut buf).ok()?;
+            hash.update(&buf);
+            file.seek(SeekFrom::Start(size - buf.len() as u64)).ok()?;
+            file.read_exact(&mut buf).ok()?;
+            hash.update(&buf);
+            out.push((size, hash.finalize().to_vec()));
+        }
+        Some(out)
+    }
+    matches!((fingerprint(a), fingerprint(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// The model name in a base model's name: the last component of a path or hub id, without `@revision`,
+/// in lower case.
+fn model_name(name: &str) -> Option<String> {
+    let id = name.split_once('@').map_or(name, |(id, _)| id);
+    Path::new(id.trim_end_matches('/')).file_name().map(|n| n.to_string_lossy().to_lowercase())
+}
+
+/// The names the base model given as `given` (resolved to `dir`) goes by: its own, its folder's, and for a
+/// Hugging Face cache snapshot (`models--ORG--NAME/snapshots/HASH`) the repository's.
+fn base_names(given: &str, dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = model_name(given).into_iter().collect();
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    names.extend(dir.file_name().map(|n| n.to_string_lossy().to_lowercase()));
+    for c in dir.components() {
+        let c = c.as_os_str().to_string_lossy();
+        if let Some(repo) = c.strip_prefix("models--") {
+            names.extend(repo.rsplit("--").next().map(str::to_lowercase));
+        }
+    }
+    names
 }
 
 /// Whether two options describe the same adapters (their shapes and scale; the init does not matter once
@@ -436,5 +590,83 @@ mod tests {
                 v.flatten_all().unwrap().to_vec1::<f32>().unwrap()
             );
         }
+    }
+
+    /// A random tiny `arch` model of `layers` layers saved in `dir`.
+    fn tiny_model(dir: &Path, layers: usize, seed: u64) -> ModelConfig {
+        let cfg = TinyShape { layers, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
+        let model = crate::model::random_decoder(cfg.clone(), seed, DType::F32, &Device::Cpu, false).unwrap();
+        crate::model::save_checkpoint(&model, dir, &Default::default(), |_| Ok(())).unwrap();
+        cfg
+    }
+
+    /// An adapter for `cfg` in `dir`, naming `base` as its base model.
+    fn adapter(dir: &Path, cfg: &ModelConfig, base: &str) {
+        let opts =
+            LoraOptions { r: 2, target_modules: vec!["q_proj".into(), "down_proj".into()], ..Default::default() };
+        let t = init_adapters(cfg, &opts, 3, &Device::Cpu).unwrap();
+        std::fs::create_dir_all(dir).unwrap();
+        write_adapter(dir, &opts, Some(base), t).unwrap();
+    }
+
+    fn load_error(base: &Path, adapter: &Path) -> String {
+        let e = load_frozen(base, Some(adapter), DType::F32, &Device::Cpu).err().expect("the load must fail");
+        e.to_string()
+    }
+
+    #[test]
+    fn an_adapter_of_another_shape_or_with_unused_tensors_is_refused_naming_its_file() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (small, big) = (tmp.path().join("small"), tmp.path().join("big"));
+        tiny_model(&small, 1, 1);
+        let big_cfg = tiny_model(&big, 2, 1);
+        let a = tmp.path().join("adapter");
+        adapter(&a, &big_cfg, &big.display().to_string());
+        load_frozen(&big, Some(&a), DType::F32, &Device::Cpu).unwrap();
+        // Trained on 2 layers, applied to 1: the layer-1 adapters would be dropped.
+        let e = load_error(&small, &a);
+        assert!(e.contains(&a.join(ADAPTER_FILE).display().to_string()), "{e}");
+        assert!(e.contains("4 tensors are not adapters") && e.contains(&small.display().to_string()), "{e}");
+        assert!(e.contains("model.layers.1.self_attn.q_proj.lora_A.weight"), "{e}");
+        // Of another width: the shape is named with both folders.
+        let wide_cfg = TinyShape { layers: 1, hidden: 32, heads: 4, kv_heads: 2, intermediate: 24 }
+            .config(Arch::Qwen2, 64, None, None)
+            .unwrap();
+        let w = tmp.path().join("wide-adapter");
+        adapter(&w, &wide_cfg, "wide");
+        let e = load_error(&small, &w);
+        assert!(e.contains(&w.join(ADAPTER_FILE).display().to_string()) && e.contains("another shape"), "{e}");
+        // A full model given as the adapter is said to be one.
+        let e = load_error(&small, &big);
+        assert!(e.contains("a full model") && e.contains("--model"), "{e}");
+    }
+
+    #[test]
+    fn the_adapters_base_model_is_checked() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, other) = (tmp.path().join("m"), tmp.path().join("other"));
+        let cfg = tiny_model(&m, 1, 1);
+        tiny_model(&other, 1, 2);
+        let copy = tmp.path().join("copy-of-m");
+        std::fs::create_dir_all(&copy).unwrap();
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(m.join(f), copy.join(f)).unwrap();
+        }
+        let a = tmp.path().join("adapter");
+        adapter(&a, &cfg, &m.display().to_string());
+        let check = |given: &Path| check_base(&a, &given.display().to_string(), given, "--allow-base-mismatch");
+        check(&m).unwrap();
+        // A copy of the same weights.
+        check(&copy).unwrap();
+        // Another model of the same shapes.
+        let e = check(&other).unwrap_err().to_string();
+        assert!(e.contains(&a.join(ADAPTER_CONFIG_FILE).display().to_string()), "{e}");
+        assert!(e.contains(&format!("`{}`", m.display())) && e.contains("--allow-base-mismatch"), "{e}");
+        // Trained on another machine: a path that does not exist here is compared by its model name.
+        adapter(&a, &cfg, "/elsewhere/models/M");
+        check(&m).unwrap();
+        assert!(check(&other).is_err());
     }
 }

@@ -663,6 +663,7 @@ impl Run<'_> {
         let segment = (Instant::now(), state.step);
         // The step the last checkpoint holds (where this segment started: a resumed checkpoint or step 0).
         let mut saved_at = state.step;
+        let mut zero_gradients = ZeroGradients::default();
         while state.step < plan.total_steps && state.epoch < plan.epochs {
             if state.batch_in_epoch >= plan.steps_per_epoch {
                 // Only a state from other data can be past its epoch's end (refused by the resume's check).
@@ -686,6 +687,9 @@ impl Run<'_> {
                 }
                 let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
                 state.bad_in_row = if m.skipped { state.bad_in_row + 1 } else { 0 };
+                if let Some(w) = zero_gradients.observe(state.step, m.grad_norm) {
+                    bar.suspend(|| tracing::warn!("{w}"));
+                }
                 bar.set_position(state.step as u64);
                 bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", m.loss, m.reward, m.tokens_per_sec));
                 let last = state.step >= plan.total_steps;
@@ -952,6 +956,18 @@ fn load_policy(
     Ok(base.with_adapters(lora, adapters, true)?)
 }
 
+/// Check the names and shapes of the model's weights (and of `model.reference`'s) against their
+/// config.json from the files' headers, before the data is prepared or any weight is read: a config that
+/// does not match its weights fails here, naming the folder and file ([`model::load::check_weights`]).
+fn check_weights(cfg: &TrainConfig, model_dir: &Path) -> Result<(), TrainError> {
+    let reference = cfg.model.reference.as_deref().map(model::resolve_model_dir).transpose()?;
+    for dir in std::iter::once(model_dir).chain(reference.as_deref()) {
+        let shape = model::ModelConfig::from_file(&dir.join("config.json")).map_err(ModelError::from)?;
+        model::load::check_weights(dir, &shape)?;
+    }
+    Ok(())
+}
+
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan
 /// when it fits.
 fn check_plan(
@@ -1021,6 +1037,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if let Some((ck, _)) = &resumed {
         resume::check_model(ck, &model_dir)?;
     }
+    check_weights(cfg, &model_dir)?;
     let memory_plan = check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
@@ -1065,6 +1082,32 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     Ok(outcome)
 }
 
+/// Steps in a row with a gradient norm of exactly 0 after which a run says that it learns nothing.
+const ZERO_GRADIENT_STEPS: usize = 3;
+
+/// Counts the steps in a row whose gradient norm is 0: every ratio at its clip (teacher log-probs that are
+/// not log-probabilities), no advantage in any group, or a loss that does not depend on the weights.
+#[derive(Debug, Default)]
+struct ZeroGradients {
+    in_row: usize,
+}
+
+impl ZeroGradients {
+    /// The warning to give after step `step` (1-based) of gradient norm `grad_norm`: once, when the
+    /// [`ZERO_GRADIENT_STEPS`]-th zero in a row is seen.
+    fn observe(&mut self, step: usize, grad_norm: f64) -> Option<String> {
+        self.in_row = if grad_norm == 0.0 { self.in_row + 1 } else { 0 };
+        (self.in_row == ZERO_GRADIENT_STEPS).then(|| {
+            format!(
+                "steps {}-{step}: the gradient norm is 0 for {ZERO_GRADIENT_STEPS} steps in a row, so the model is not \
+                 learning: look at the clip ratio and the advantages in metrics.jsonl (all rewards of each group \
+                 equal? teacher log-probs far from the policy's?)",
+                step + 1 - ZERO_GRADIENT_STEPS
+            )
+        })
+    }
+}
+
 /// A checkpoint to resume from and its trainer state.
 type ResumePoint = (PathBuf, TrainerState);
 
@@ -1076,7 +1119,7 @@ fn open_output(
     primary: bool,
 ) -> Result<(Option<run_dir::FolderLock>, Option<ResumePoint>), TrainError> {
     let out = &cfg.train.output_dir;
-    std::fs::create_dir_all(out).map_err(io(out))?;
+    crate::fsio::create_folder(out).map_err(io(out))?;
     let lock = if primary { Some(run_dir::lock(out)?) } else { None };
     if primary {
         run_dir::clean_leftovers(out)?;
@@ -1124,6 +1167,17 @@ mod tests {
 
     fn root() -> PathBuf {
         PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    }
+
+    #[test]
+    fn a_gradient_norm_of_zero_for_several_steps_in_a_row_is_said_once() {
+        let mut z = ZeroGradients::default();
+        let said: Vec<Option<String>> =
+            [0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0].iter().enumerate().map(|(i, g)| z.observe(i + 1, *g)).collect();
+        let at: Vec<usize> = said.iter().enumerate().filter(|(_, w)| w.is_some()).map(|(i, _)| i + 1).collect();
+        assert_eq!(at, vec![6]);
+        let w = said[5].as_deref().unwrap();
+        assert!(w.starts_with("steps 4-6: the gradient norm is 0 for 3 steps in a row"), "{w}");
     }
 
     /// A run's config on the bundled data, prepared into `prepared` with answers cut to `max_response` tokens.

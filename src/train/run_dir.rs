@@ -1,60 +1,20 @@
 //! The output folder of a run: one run at a time (an OS lock on OUTPUT/.lock), no leftovers of a killed
 //! run, and no run writing over another run's checkpoints.
 
-use std::fs::{File, OpenOptions};
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use super::checkpoint::{run_of, step_dirs};
 use super::{io, TrainError};
 use crate::model::checkpoint::{remove_checkpoint, remove_leftovers};
 
-/// The exclusive lock of an output folder, held as long as this value lives. It is an OS file lock
-/// (`flock`), so the OS releases it when the process ends, however it ends: there are no stale locks.
-pub(super) struct FolderLock {
-    _file: File,
-}
+pub(super) use crate::fsio::FolderLock;
 
-/// This machine's host name (part of the lock holder's description).
-fn host_name() -> String {
-    let mut buf = [0u8; 256];
-    // SAFETY: gethostname writes at most `buf.len()` bytes into the buffer it is given.
-    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
-    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
-    if rc == 0 {
-        String::from_utf8_lossy(&buf[..end]).into_owned()
-    } else {
-        "unknown host".into()
-    }
-}
-
-/// Take OUTPUT/.lock, or fail naming the process that holds it. The file holds the holder's pid and host. On
-/// a file system that cannot lock, the run goes on with a warning.
+/// Take OUTPUT/.lock ([`crate::fsio::lock_folder`]), or fail naming the process that holds it.
 pub(super) fn lock(out: &Path) -> Result<FolderLock, TrainError> {
-    let path = out.join(".lock");
-    let mut file =
-        OpenOptions::new().read(true).write(true).create(true).truncate(false).open(&path).map_err(io(&path))?;
-    match file.try_lock() {
-        Ok(()) => {}
-        Err(std::fs::TryLockError::WouldBlock) => {
-            let text = std::fs::read_to_string(&path).unwrap_or_default();
-            let holder = match text.split_whitespace().collect::<Vec<_>>()[..] {
-                [pid, host, ..] => format!("pid {pid} on {host}"),
-                [pid] => format!("pid {pid}"),
-                [] => "pid unknown".into(),
-            };
-            return Err(TrainError::Busy { dir: out.to_path_buf(), holder });
-        }
-        Err(std::fs::TryLockError::Error(e)) => {
-            // A file system without locks (some network mounts): run, but say that nothing guards the folder.
-            tracing::warn!("cannot lock {}: {e}; another run on this folder would not be stopped", path.display());
-        }
-    }
-    file.set_len(0)
-        .and_then(|()| writeln!(file, "{} {}", std::process::id(), host_name()))
-        .and_then(|()| file.flush())
-        .map_err(io(&path))?;
-    Ok(FolderLock { _file: file })
+    crate::fsio::lock_folder(out).map_err(|e| match e {
+        crate::fsio::LockError::Busy { dir, holder } => TrainError::Busy { dir, holder },
+        crate::fsio::LockError::Io { path, source } => TrainError::Io { path, source },
+    })
 }
 
 /// Remove what a killed run left half-written or half-deleted, by one rule ([`remove_leftovers`]): in
