@@ -116,38 +116,44 @@ fn smollm2_greedy_math500_matches_transformers() {
     .unwrap();
     let problems = fx["problems"].as_array().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let out = dir.path().join("eval");
-    let max_new = fx["max_new_tokens"].to_string();
-    let limit = problems.len().to_string();
-    eval(
-        &[
-            "--bench",
-            "math500",
-            "--limit",
-            &limit,
-            "--temperature",
-            "0",
-            "--max-new-tokens",
-            &max_new,
-            "--fallbacks",
-            "--batch-size",
-            "4",
-        ],
-        &model,
-        &out,
-    )
-    .success();
-    let gens = common::read_jsonl(&out.join("generations.jsonl"));
-    let opts = grpo::reward::ExtractOptions { fallbacks: true };
-    for (g, want) in gens.iter().zip(problems) {
-        assert_eq!(g["id"], want["id"]);
-        let s = &g["samples"][0];
-        assert_eq!(s["text"], want["text"], "problem {}", want["id"]);
-        // Same text, so the same answer and verdict as the reward module gives on transformers' output.
-        let pred = grpo::reward::extract_answer(want["text"].as_str().unwrap(), &opts);
-        assert_eq!(s["pred"].as_str(), pred.as_deref());
-        let ok = pred.as_deref().is_some_and(|p| grpo::reward::is_equivalent(want["answer"].as_str().unwrap(), p));
-        assert_eq!(s["correct"].as_bool().unwrap(), ok);
+    // Both schedules: continuous batching (the default) and static batches.
+    for schedule in ["continuous", "static"] {
+        let out = dir.path().join(schedule);
+        let max_new = fx["max_new_tokens"].to_string();
+        let limit = problems.len().to_string();
+        eval(
+            &[
+                "--bench",
+                "math500",
+                "--limit",
+                &limit,
+                "--temperature",
+                "0",
+                "--max-new-tokens",
+                &max_new,
+                "--fallbacks",
+                "--batch-size",
+                "4",
+                "--schedule",
+                schedule,
+            ],
+            &model,
+            &out,
+        )
+        .success();
+        let gens = common::read_jsonl(&out.join("generations.jsonl"));
+        let opts = grpo::reward::ExtractOptions { fallbacks: true };
+        for (g, want) in gens.iter().zip(problems) {
+            // In problem order, whatever order they finished in.
+            assert_eq!(g["id"], want["id"], "{schedule}");
+            let s = &g["samples"][0];
+            assert_eq!(s["text"], want["text"], "{schedule}: problem {}", want["id"]);
+            // Same text, so the same answer and verdict as the reward module gives on transformers' output.
+            let pred = grpo::reward::extract_answer(want["text"].as_str().unwrap(), &opts);
+            assert_eq!(s["pred"].as_str(), pred.as_deref());
+            let ok = pred.as_deref().is_some_and(|p| grpo::reward::is_equivalent(want["answer"].as_str().unwrap(), p));
+            assert_eq!(s["correct"].as_bool().unwrap(), ok);
+        }
     }
 }
 

@@ -344,9 +344,9 @@ fn evaluate_benchmark(
     bar.finish_and_clear();
     let parts = gather_shares(world, &part)?;
     let (report, results) = run::merge_shares(b, options, parts, t0.elapsed().as_secs_f64());
-    if world.size() > 1 {
-        gens.settle(results.into_iter().filter(|r| !done_b.contains_key(&r.id)))?;
-    }
+    // Problems were appended as they finished (in any order, on any rank): the file is rewritten with
+    // the benchmark's results in problem order.
+    gens.settle(&b.name, results)?;
     Ok(report)
 }
 
@@ -426,9 +426,12 @@ impl Generations {
             .map_err(|source| crate::eval::EvalError::Io { path: self.path.clone(), source })
     }
 
-    /// Rewrite the file as the settled results and then `new`, a benchmark's new results in its order.
-    fn settle(&mut self, new: impl Iterator<Item = ProblemResult>) -> anyhow::Result<()> {
-        self.settled.extend(new);
+    /// Rewrite the file as the settled results (an earlier run's beyond this one's problems kept) and
+    /// then `results`, all of benchmark `bench`'s this run covers (resumed ones included) in its order.
+    fn settle(&mut self, bench: &str, results: Vec<ProblemResult>) -> anyhow::Result<()> {
+        let ids: std::collections::HashSet<&str> = results.iter().map(|r| r.id.as_str()).collect();
+        self.settled.retain(|r| r.bench != bench || !ids.contains(r.id.as_str()));
+        self.settled.extend(results);
         if self.file.is_none() {
             return Ok(());
         }

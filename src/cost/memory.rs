@@ -1437,13 +1437,14 @@ mod tests {
         let set = ["rollout.batch_size=4", "rollout.max_new_tokens=10"];
         let on_policy = plan(&config(&set), &m, inputs(Attention::Flash));
         assert!(on_policy.components.iter().all(|c| c.name != "rollout sampling policy copy"));
-        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens, counted twice (the
-        // paged pool: one block of 16 positions each); two f32 rows of 32 logits per sequence.
+        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens (the paged pool,
+        // the default: one block of 16 positions each; static batches count them twice); two f32 rows of 32
+        // logits per sequence.
         let logits = 2 * 4 * 32 * 4;
-        assert_eq!(bytes(&on_policy, "rollout KV cache"), 2 * 4 * 16 * (2 * 3 * 4 * 2) + logits);
-        let paged =
-            plan(&config(&[set[0], set[1], "rollout.generation.schedule=continuous"]), &m, inputs(Attention::Flash));
-        assert_eq!(bytes(&paged, "rollout KV cache"), 4 * 16 * (2 * 3 * 4 * 2) + logits);
+        assert_eq!(bytes(&on_policy, "rollout KV cache"), 4 * 16 * (2 * 3 * 4 * 2) + logits);
+        let static_batches =
+            plan(&config(&[set[0], set[1], "rollout.generation.schedule=static"]), &m, inputs(Attention::Flash));
+        assert_eq!(bytes(&static_batches, "rollout KV cache"), 2 * 4 * 16 * (2 * 3 * 4 * 2) + logits);
         let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
         assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
         assert_eq!(lagged.tensor_peak(Place::Device), on_policy.tensor_peak(Place::Device) + 2 * p);

@@ -28,6 +28,27 @@ pub struct Request {
     pub prompt: Vec<u32>,
     pub first_id: u64,
     pub samples: usize,
+    /// Each sample's limit on new tokens, below the sampling parameters' `max_new_tokens` (as a server's
+    /// per-request `max_tokens`); empty: that limit for every sample.
+    pub max_new_tokens: Vec<usize>,
+}
+
+impl Request {
+    /// `samples` samples of `prompt`, sample `j` from stream `first_id + j`, each up to the sampling
+    /// parameters' `max_new_tokens`.
+    pub fn new(prompt: Vec<u32>, first_id: u64, samples: usize) -> Self {
+        Request { prompt, first_id, samples, max_new_tokens: Vec::new() }
+    }
+
+    /// Sample `j`'s limit on new tokens under `params`.
+    fn limit(&self, j: usize, params: &SamplingParams) -> usize {
+        self.max_new_tokens.get(j).map_or(params.max_new_tokens, |&m| m.min(params.max_new_tokens))
+    }
+
+    /// The longest sequence (prompt and answer) a sample may reach under `params`.
+    fn longest(&self, params: &SamplingParams) -> usize {
+        self.prompt.len() + (0..self.samples).map(|j| self.limit(j, params)).max().unwrap_or(0)
+    }
 }
 
 /// What a run did, for logs and `grpo bench generate`.
@@ -53,6 +74,8 @@ pub struct Report {
 struct Slot {
     request: usize,
     sample: usize,
+    /// New tokens this sample may produce.
+    max_new: usize,
     rng: ChaCha8Rng,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
@@ -136,7 +159,8 @@ impl<'a> Run<'a> {
         seats: usize,
         opts: &GenerationOptions,
     ) -> Result<Self, GenerateError> {
-        let longest = requests.iter().map(|r| r.prompt.len()).max().unwrap_or(0) + params.max_new_tokens;
+        let context = model.config().max_position_embeddings;
+        let longest = requests.iter().map(|r| r.longest(params)).max().unwrap_or(0).min(context);
         let samples = requests.iter().map(|r| r.samples).sum::<usize>();
         let blocks = opts.pool_blocks(seats.min(samples.max(1)), longest);
         let kv = PagedKv::new(model, blocks, opts.block_size)?;
@@ -154,15 +178,26 @@ impl<'a> Run<'a> {
     fn add(&mut self, requests: &[Request]) -> Vec<(usize, String)> {
         let mut skipped = Vec::new();
         for (r, req) in requests.iter().enumerate() {
-            let len = req.prompt.len() + self.params.max_new_tokens;
+            let context = self.model.config().max_position_embeddings;
+            let len = req.longest(self.params).min(context);
             let why = if req.prompt.is_empty() {
                 Some("the prompt has no token".to_string())
+            } else if !req.max_new_tokens.is_empty() && req.max_new_tokens.len() != req.samples {
+                Some(format!("{} limits on new tokens for {} samples", req.max_new_tokens.len(), req.samples))
+            } else if req.max_new_tokens.contains(&0) {
+                Some("a sample's limit on new tokens is 0".to_string())
+            } else if req.prompt.len() >= context {
+                Some(format!(
+                    "the prompt's {} tokens fill the model's context of {context} positions \
+                     (max_position_embeddings in its config.json): no room for an answer",
+                    req.prompt.len()
+                ))
             } else if self.sched.blocks_for(len) > self.sched.pool().capacity() {
                 Some(format!(
                     "{} prompt + {} new tokens need {} blocks of {} positions, the KV pool has {} \
                      (generation.kv_blocks; or lower max_new_tokens)",
                     req.prompt.len(),
-                    self.params.max_new_tokens,
+                    len - req.prompt.len(),
                     self.sched.blocks_for(len),
                     self.sched.pool().block_size(),
                     self.sched.pool().capacity()
@@ -180,7 +215,9 @@ impl<'a> Run<'a> {
                     debug_assert_eq!(id, self.slots.len());
                     let sample = start + j;
                     let rng = sequence_rng(self.params.seed, req.first_id + sample as u64);
-                    self.slots.push(Slot { request: r, sample, rng, tokens: vec![], logprobs: vec![], done: None });
+                    let max_new = req.limit(sample, self.params);
+                    let slot = Slot { request: r, sample, max_new, rng, tokens: vec![], logprobs: vec![], done: None };
+                    self.slots.push(slot);
                 }
             }
         }
@@ -236,15 +273,17 @@ impl<'a> Run<'a> {
     /// `token` (with its log-prob) is `s`'s next: appended, or the end of `s`. Returns `s`'s request when
     /// this completes it.
     fn take(&mut self, s: SeqId, token: u32, logprob: f32) -> Option<usize> {
-        let max_new = self.params.max_new_tokens;
         let slot = &mut self.slots[s];
+        let max_new = slot.max_new;
         slot.logprobs.push(logprob);
         if self.stop.contains(&token) {
             slot.done = Some(FinishReason::Stop);
         } else {
             slot.tokens.push(token);
             self.sched.append(s, token);
-            if slot.tokens.len() >= max_new {
+            // An answer ends at max_new_tokens, or where the sequence fills the model's context.
+            let context = self.model.config().max_position_embeddings;
+            if slot.tokens.len() >= max_new || self.sched.tokens(s).len() >= context {
                 slot.done = Some(FinishReason::Length);
             }
         }
@@ -329,11 +368,7 @@ mod tests {
             vec![3],
             (0..23).map(|i| (i * 7 % 120) as u32).collect(),
         ];
-        prompts
-            .into_iter()
-            .enumerate()
-            .map(|(i, p)| Request { prompt: p, first_id: 3 * i as u64, samples: 3 })
-            .collect()
+        prompts.into_iter().enumerate().map(|(i, p)| Request::new(p, 3 * i as u64, 3)).collect()
     }
 
     /// Every request's generations by the paged engine, in request order.
@@ -426,6 +461,71 @@ mod tests {
         assert!(report.kv_held_per_cached <= 1.1, "{}", report.kv_held_per_cached);
         assert!(report.occupancy > 0.5, "{}", report.occupancy);
         assert_eq!(report.generated, 12 * 40);
+    }
+
+    /// Per-sample limits on new tokens: each answer ends at its own, the same under both schedules.
+    #[test]
+    fn each_sample_stops_at_its_own_limit_under_both_schedules() {
+        let m = model();
+        let mut reqs = requests();
+        for (i, r) in reqs.iter_mut().enumerate() {
+            r.max_new_tokens = (0..r.samples).map(|j| 1 + (5 * i + 3 * j) % 13).collect();
+        }
+        let params = SamplingParams { temperature: 1.0, max_new_tokens: 12, seed: 2, ..Default::default() };
+        let (got, _) = paged(&m, &reqs, &params, &[], 5, &GenerationOptions { block_size: 4, ..Default::default() });
+        let (mut prompts, mut ids, mut limits) = (vec![], vec![], vec![]);
+        for r in &reqs {
+            for j in 0..r.samples {
+                prompts.push(r.prompt.clone());
+                ids.push(r.first_id + j as u64);
+                limits.push(r.max_new_tokens[j]);
+            }
+        }
+        let gens = super::super::generate_limited(&m, &prompts, (&ids, &limits), &params, &[], 0, |_| {}).unwrap();
+        let mut it = gens.into_iter();
+        let want: Vec<Vec<Generation>> = reqs.iter().map(|r| it.by_ref().take(r.samples).collect()).collect();
+        same(&got, &want, "per-sample limits");
+        for (r, g) in reqs.iter().zip(&got) {
+            let lens: Vec<usize> = g.iter().map(|g| g.tokens.len()).collect();
+            let limits: Vec<usize> = r.max_new_tokens.iter().map(|&l| l.min(12)).collect();
+            assert_eq!(lens, limits);
+        }
+    }
+
+    /// Answers end where a sequence fills the model's context (finish `length`), under both schedules;
+    /// a prompt that fills it is reported and skipped by the paged engine, refused by the static one.
+    #[test]
+    fn answers_stop_at_the_models_context_and_longer_prompts_are_reported() {
+        let shape = crate::model::tiny::TinyShape { layers: 2, hidden: 64, heads: 4, kv_heads: 2, intermediate: 128 };
+        let mut cfg = shape.config(Arch::Qwen3, 128, None, None).unwrap();
+        cfg.max_position_embeddings = 20;
+        let m = random_decoder(cfg, 7, DType::F32, &candle_core::Device::Cpu, false).unwrap();
+        let reqs = requests();
+        let params = SamplingParams { max_new_tokens: 14, ..Default::default() };
+        let mut results = vec![None; reqs.len()];
+        let report = generate_paged::<GenerateError>(
+            &m,
+            &reqs,
+            &params,
+            (&[], 8),
+            &GenerationOptions::default(),
+            |_| {},
+            |r, g| {
+                results[r] = Some(g);
+                Ok(())
+            },
+        )
+        .unwrap();
+        assert_eq!(report.skipped, 1);
+        let why = results[3].clone().unwrap().unwrap_err();
+        assert!(why.contains("prompt's 23 tokens fill the model's context of 20"), "{why}");
+        let got: Vec<Vec<Generation>> = results[..3].iter().map(|g| g.clone().unwrap().unwrap()).collect();
+        let lens: Vec<usize> = got.iter().map(|g| g[0].tokens.len()).collect();
+        assert_eq!(lens, [14, 9, 14], "prompts of 5, 11 and 1 tokens in a context of 20");
+        assert!(got.iter().flatten().all(|g| g.finish == FinishReason::Length));
+        same(&got, &reference(&m, &reqs[..3], &params, &[]), "capped at the context");
+        let e = super::super::generate(&m, &[reqs[3].prompt.clone()], &[0], &params, &[], 0, |_| {}).unwrap_err();
+        assert!(e.to_string().contains("fills the model's context of 20 positions"), "{e}");
     }
 
     /// A request longer than the pool is reported and skipped, the others run; zero seats and a zero

@@ -22,4 +22,4 @@ pub use device_sampler::sample_rows;
 pub use engine::{generate_paged, GenerateError, Report, Request};
 pub use options::{GenerationOptions, Schedule};
 pub use sampling::{sample_token, sample_token_reference, sequence_rng, FinishReason, Generation, SamplingParams};
-pub use static_batch::generate;
+pub use static_batch::{generate, generate_limited};

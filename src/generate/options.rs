@@ -9,10 +9,9 @@ use serde::{Deserialize, Serialize};
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
     /// Continuous batching over the paged KV cache: sequences join as others finish, prompts are shared.
-    Continuous,
-    /// Static batches of whole problems on a contiguous KV cache, each run until its longest answer ends
-    /// (the default until the paged engine matches transformers' greedy answers on the parity fixtures).
     #[default]
+    Continuous,
+    /// Static batches of whole problems on a contiguous KV cache, each run until its longest answer ends.
     Static,
 }
 
@@ -21,7 +20,7 @@ pub enum Schedule {
 #[serde(deny_unknown_fields, default)]
 pub struct GenerationOptions {
     /// How sequences are batched: `continuous` (paged KV cache) or `static` (whole batches).
-    #[arg(long, value_enum, default_value_t = Schedule::Static)]
+    #[arg(long, value_enum, default_value_t = Schedule::Continuous)]
     pub schedule: Schedule,
     /// Tokens one forward runs at most (decode tokens first, then chunks of waiting prompts).
     #[arg(long, default_value_t = 2048)]
@@ -39,7 +38,13 @@ pub struct GenerationOptions {
 
 impl Default for GenerationOptions {
     fn default() -> Self {
-        Self { schedule: Schedule::Static, max_batch_tokens: 2048, block_size: 16, kv_blocks: 0, prefix_cache: true }
+        Self {
+            schedule: Schedule::Continuous,
+            max_batch_tokens: 2048,
+            block_size: 16,
+            kv_blocks: 0,
+            prefix_cache: true,
+        }
     }
 }
 

@@ -18,21 +18,38 @@ pub fn generate(
     pad: u32,
     on_tokens: impl FnMut(usize),
 ) -> candle_core::Result<Vec<Generation>> {
-    let on_device = !model.device().is_cpu();
-    generate_on(model, prompts, ids, params, (stop, pad), on_tokens, on_device)
+    generate_limited(model, prompts, (ids, &[]), params, stop, pad, on_tokens)
 }
 
-/// [`generate`], choosing the tokens on the device or on the host ([`pick`]).
+/// [`generate`] with a limit on new tokens per prompt (`limits`, below `params.max_new_tokens`; empty:
+/// none), as a server's per-request `max_tokens`.
+pub fn generate_limited(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    (ids, limits): (&[u64], &[usize]),
+    params: &SamplingParams,
+    stop: &[u32],
+    pad: u32,
+    on_tokens: impl FnMut(usize),
+) -> candle_core::Result<Vec<Generation>> {
+    let on_device = !model.device().is_cpu();
+    generate_on(model, prompts, (ids, limits), params, (stop, pad), on_tokens, on_device)
+}
+
+/// [`generate_limited`], choosing the tokens on the device or on the host ([`pick`]).
 fn generate_on(
     model: &Decoder,
     prompts: &[Vec<u32>],
-    ids: &[u64],
+    (ids, limits): (&[u64], &[usize]),
     params: &SamplingParams,
     (stop, pad): (&[u32], u32),
     mut on_tokens: impl FnMut(usize),
     on_device: bool,
 ) -> candle_core::Result<Vec<Generation>> {
     assert_eq!(prompts.len(), ids.len(), "one id per prompt");
+    assert!(limits.is_empty() || limits.len() == prompts.len(), "one limit per prompt, or none");
+    assert!(!limits.contains(&0), "limits on new tokens are at least 1");
+    let limit = |seq: usize| limits.get(seq).map_or(params.max_new_tokens, |&m| m.min(params.max_new_tokens));
     let mut out: Vec<Option<Generation>> = vec![None; prompts.len()];
     if prompts.is_empty() {
         return Ok(vec![]);
@@ -44,6 +61,14 @@ fn generate_on(
     if params.max_new_tokens == 0 {
         let empty = Generation { tokens: vec![], finish: FinishReason::Length, logprobs: vec![] };
         return Ok(vec![empty; prompts.len()]);
+    }
+    let context = model.config().max_position_embeddings;
+    if let Some(p) = prompts.iter().find(|p| p.len() >= context) {
+        candle_core::bail!(
+            "a prompt of {} tokens fills the model's context of {context} positions (max_position_embeddings in \
+             its config.json): no room for an answer",
+            p.len()
+        );
     }
     let (mut logits, mut cache) = model.prefill(prompts, pad)?;
     loop {
@@ -67,7 +92,9 @@ fn generate_on(
             } else {
                 produced[seq].push(tok);
                 new_tokens += 1;
-                (produced[seq].len() >= params.max_new_tokens).then_some(FinishReason::Length)
+                // An answer ends at max_new_tokens, or where the sequence fills the model's context.
+                let full = prompts[seq].len() + produced[seq].len() >= context;
+                (produced[seq].len() >= limit(seq) || full).then_some(FinishReason::Length)
             };
             if let Some(finish) = finish {
                 let (tokens, logprobs) = (std::mem::take(&mut produced[seq]), std::mem::take(&mut produced_lp[seq]));
@@ -159,7 +186,7 @@ mod tests {
         let prompts: Vec<Vec<u32>> = vec![vec![1, 5, 9], vec![2, 7], vec![3, 4, 6, 8]];
         let params = SamplingParams { temperature: 1.0, top_p: 0.9, top_k: 40, max_new_tokens: 9, seed: 11 };
         let before = crate::device::host_reads();
-        let on_device = generate_on(&model, &prompts, &[0, 1, 2], &params, (&[], 0), |_| {}, true).unwrap();
+        let on_device = generate_on(&model, &prompts, (&[0, 1, 2], &[]), &params, (&[], 0), |_| {}, true).unwrap();
         assert_eq!(crate::device::host_reads() - before, 9, "one read per step of 9");
         // The host sampler (used on the CPU device) picks the same tokens from the same streams.
         let batched = generate(&model, &prompts, &[0, 1, 2], &params, &[], 0, |_| {}).unwrap();

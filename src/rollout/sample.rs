@@ -219,10 +219,8 @@ fn generate_answers(
         }
         return Ok(gens);
     }
-    let requests: Vec<Request> = questions
-        .iter()
-        .map(|g| Request { prompt: g.prompt_tokens.clone(), first_id: (g.index * opts.n) as u64, samples: k })
-        .collect();
+    let requests: Vec<Request> =
+        questions.iter().map(|g| Request::new(g.prompt_tokens.clone(), (g.index * opts.n) as u64, k)).collect();
     let mut out: Vec<Option<Vec<Generation>>> = vec![None; requests.len()];
     let mut skipped = Vec::new();
     generate_paged::<RolloutError>(

@@ -1,5 +1,5 @@
-//! The native engine: grpo's own generation ([`crate::generate`]) on the model's weights: static batches
-//! of whole problems by default, or continuous batching over the paged KV cache (`--schedule continuous`).
+//! The native engine: grpo's own generation ([`crate::generate`]) on the model's weights: continuous
+//! batching over the paged KV cache by default, or static batches of whole problems (`--schedule static`).
 
 use super::{Completion, Engine, Progress, PromptJob};
 use crate::eval::EvalError;
@@ -74,8 +74,7 @@ impl Native<'_> {
         sampling: &SamplingParams,
         progress: &mut dyn Progress,
     ) -> Result<(), EvalError> {
-        let requests: Vec<Request> =
-            jobs.iter().map(|j| Request { prompt: j.ids.clone(), first_id: j.first_sequence, samples: n }).collect();
+        let requests: Vec<Request> = jobs.iter().map(|j| Request::new(j.ids.clone(), j.first_sequence, n)).collect();
         let mut skipped = Vec::new();
         let tokens = std::cell::RefCell::new(&mut *progress);
         let stop = (self.tok.eos_ids(), self.batch_size);
