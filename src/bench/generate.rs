@@ -1,4 +1,8 @@
-//! `grpo bench generate`: greedy generation with the KV cache on random weights, never stopping early.
+//! `grpo bench generate`: generation on random weights (which never stop early: every answer runs to its
+//! length), on a job like a user's: P prompts x n samples with answer lengths from a long-tailed mix (as
+//! `grpo bench pack` draws them), or `batch` prompts of one length each answered in full. The job runs under
+//! the `--schedule` given and, with `--compare`, under the other one too, with the ratio of their tokens/s;
+//! the performance model's decode step on each modelled GPU is printed beside.
 
 use std::path::PathBuf;
 
@@ -10,6 +14,8 @@ use super::harness::{
     Timing,
 };
 use crate::device::device_name;
+use crate::generate::{generate_limited, generate_paged, GenerateError, GenerationOptions, Request, Schedule};
+use crate::model::Decoder;
 
 /// Generation settings (`grpo bench generate`).
 #[derive(Debug, Clone, clap::Args)]
@@ -17,40 +23,248 @@ pub struct GenerateSpec {
     /// HF config.json of the model shape; weights are random.
     #[arg(long)]
     pub shape: PathBuf,
+    /// Sequences at a time.
     #[arg(long, default_value_t = 1)]
     pub batch: usize,
+    /// Prompt tokens: every prompt's, or with --problems the mix's median (log-normal, sigma 0.6).
     #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
+    /// New tokens of every answer, or with --problems the most an answer has.
     #[arg(long, default_value_t = 256)]
     pub new_tokens: usize,
+    /// Problems of a long-tailed mix (0: `--batch` prompts, every answer --new-tokens long).
+    #[arg(long, default_value_t = 0)]
+    pub problems: usize,
+    /// Samples per problem, sharing its prompt (with --problems).
+    #[arg(long, default_value_t = 1)]
+    pub samples: usize,
+    /// Median answer tokens of the mix (log-normal: a problem's median drawn around it with sigma 0.5,
+    /// each answer around its problem's with sigma 0.55, cut at --new-tokens); 0: a quarter of --new-tokens.
+    #[arg(long, default_value_t = 0.0)]
+    pub answer_median: f64,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Also run the job under the other schedule, and print the ratio of their tokens/s.
+    #[arg(long)]
+    pub compare: bool,
     /// The fused RMSNorm/rope/softmax kernels; --composite-ops uses candle's composite ops instead.
     #[arg(long = "composite-ops", action = clap::ArgAction::SetFalse)]
     pub fused_ops: bool,
+    #[command(flatten)]
+    pub generation: GenerationOptions,
 }
 
-/// Greedy generation of exactly `new_tokens` per row (no stop token) from random prompts.
-pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
-    use crate::eval::{generate as run_generate, SamplingParams};
-    let cfg = load_shape(&spec.shape)?;
-    let vocab = cfg.vocab_size;
-    let mut model = random_model(cfg, t, false)?;
-    model.options.fused_ops = spec.fused_ops;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(3);
-    let prompts: Vec<Vec<u32>> = (0..spec.batch).map(|_| random_ids(&mut rng, spec.prompt_len, vocab)).collect();
-    let ids: Vec<u64> = (0..spec.batch as u64).collect();
-    let params = SamplingParams { max_new_tokens: spec.new_tokens, ..SamplingParams::default() };
-    let (times, outs) = time_runs(t, || {
-        let g = run_generate(&model, &prompts, &ids, &params, &[], 0, |_| {})?;
-        Ok(g.iter().map(|g| g.tokens.len()).sum::<usize>())
+/// The job: each problem's prompt and its samples' answer lengths.
+struct Job {
+    problems: Vec<(Vec<u32>, Vec<usize>)>,
+}
+
+impl Job {
+    fn sequences(&self) -> usize {
+        self.problems.iter().map(|(_, l)| l.len()).sum()
+    }
+
+    fn tokens(&self) -> usize {
+        self.problems.iter().flat_map(|(_, l)| l).sum()
+    }
+
+    /// Mean context a decode step attends to: over every generated token, its prompt and the answer so far.
+    fn mean_context(&self) -> f64 {
+        let total: f64 = self
+            .problems
+            .iter()
+            .flat_map(|(p, ls)| ls.iter().map(|&l| l as f64 * (p.len() as f64 + l as f64 / 2.0)))
+            .sum();
+        total / self.tokens().max(1) as f64
+    }
+}
+
+/// `spec`'s job, deterministic in its seed.
+fn job(spec: &GenerateSpec, vocab: usize) -> Job {
+    use crate::model::load::sample_normal;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed);
+    if spec.problems == 0 {
+        let problems =
+            (0..spec.batch).map(|_| (random_ids(&mut rng, spec.prompt_len, vocab), vec![spec.new_tokens])).collect();
+        return Job { problems };
+    }
+    let median = if spec.answer_median > 0.0 { spec.answer_median } else { spec.new_tokens as f64 / 4.0 };
+    let problems = (0..spec.problems)
+        .map(|_| {
+            let prompt = (spec.prompt_len as f64 * (0.6 * sample_normal(&mut rng) as f64).exp()).round().max(1.0);
+            let centre = median.ln() + 0.5 * sample_normal(&mut rng) as f64;
+            let lengths = (0..spec.samples)
+                .map(|_| {
+                    ((centre + 0.55 * sample_normal(&mut rng) as f64).exp().round() as usize).clamp(1, spec.new_tokens)
+                })
+                .collect();
+            (random_ids(&mut rng, prompt as usize, vocab), lengths)
+        })
+        .collect();
+    Job { problems }
+}
+
+/// One schedule's run of the job: its median time and what the engine reports.
+#[derive(Debug, serde::Serialize)]
+struct RunRecord {
+    schedule: Schedule,
+    time_s: f64,
+    tokens_per_s: f64,
+    /// Forwards of the model (decode steps, and with the paged engine the chunks of prefill they carry).
+    steps: usize,
+    steps_per_s: f64,
+    /// Mean sequences per step over the `batch` seats.
+    occupancy: f64,
+    /// The paged engine's KV pool: its blocks, the most in use, positions held per position cached.
+    kv_pool_blocks: Option<usize>,
+    kv_peak_blocks: Option<usize>,
+    kv_held_per_cached: Option<f64>,
+    prefill_computed: Option<usize>,
+    prefill_saved: Option<usize>,
+    preemptions: Option<usize>,
+}
+
+/// `job` under the paged engine, `batch` sequences at a time.
+fn run_paged(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Result<RunRecord> {
+    let params = crate::generate::SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
+    let mut first = 0u64;
+    let requests: Vec<Request> = job
+        .problems
+        .iter()
+        .map(|(p, lengths)| {
+            let r = Request { max_new_tokens: lengths.clone(), ..Request::new(p.clone(), first, lengths.len()) };
+            first += lengths.len() as u64;
+            r
+        })
+        .collect();
+    let (times, reports) = time_runs(t, || {
+        let mut skipped = None;
+        let report = generate_paged::<GenerateError>(
+            model,
+            &requests,
+            &params,
+            (&[], spec.batch),
+            &spec.generation,
+            |_| {},
+            |_, g| {
+                if let Err(why) = g {
+                    skipped.get_or_insert(why);
+                }
+                Ok(())
+            },
+        )
+        .map_err(|e| BenchError::Invalid(e.to_string()))?;
+        match skipped {
+            Some(why) => Err(BenchError::Invalid(format!("a request was skipped: {why}"))),
+            None => Ok(report),
+        }
     })?;
-    let produced = outs.first().copied().unwrap_or(0);
-    if produced != spec.batch * spec.new_tokens {
+    let r = reports.into_iter().next().ok_or_else(|| BenchError::Invalid("no timed run".into()))?;
+    check_tokens(r.generated, job)?;
+    let time_s = median(&times);
+    Ok(RunRecord {
+        schedule: Schedule::Continuous,
+        time_s,
+        tokens_per_s: r.generated as f64 / time_s,
+        steps: r.steps,
+        steps_per_s: r.steps as f64 / time_s,
+        occupancy: r.occupancy,
+        kv_pool_blocks: Some(r.pool_blocks),
+        kv_peak_blocks: Some(r.peak_blocks),
+        kv_held_per_cached: Some(r.kv_held_per_cached),
+        prefill_computed: Some(r.counts.prefill_computed),
+        prefill_saved: Some(r.counts.prefill_saved),
+        preemptions: Some(r.counts.preemptions),
+    })
+}
+
+/// `job` in static batches of whole problems (as `grpo eval` groups them): `batch / samples` problems at
+/// a time, each batch decoded until its longest answer ends.
+fn run_static(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Result<RunRecord> {
+    let params = crate::generate::SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
+    let per_batch = (spec.batch / spec.samples.max(1)).max(1);
+    let batches: Vec<(Vec<Vec<u32>>, Vec<u64>, Vec<usize>)> = job
+        .problems
+        .chunks(per_batch)
+        .scan(0u64, |first, chunk| {
+            let (mut prompts, mut ids, mut limits) = (vec![], vec![], vec![]);
+            for (p, lengths) in chunk {
+                for &l in lengths {
+                    prompts.push(p.clone());
+                    ids.push(*first);
+                    limits.push(l);
+                    *first += 1;
+                }
+            }
+            Some((prompts, ids, limits))
+        })
+        .collect();
+    let (times, outs) = time_runs(t, || {
+        let mut produced = 0;
+        for (prompts, ids, limits) in &batches {
+            let g = generate_limited(model, prompts, (ids, limits), &params, &[], 0, |_| {})?;
+            produced += g.iter().map(|g| g.tokens.len()).sum::<usize>();
+        }
+        Ok(produced)
+    })?;
+    check_tokens(outs.first().copied().unwrap_or(0), job)?;
+    // Each batch runs as many steps as its longest answer, its seats busy with the answers not yet done.
+    let steps: usize = batches.iter().map(|(_, _, l)| l.iter().copied().max().unwrap_or(0)).sum();
+    let time_s = median(&times);
+    Ok(RunRecord {
+        schedule: Schedule::Static,
+        time_s,
+        tokens_per_s: job.tokens() as f64 / time_s,
+        steps,
+        steps_per_s: steps as f64 / time_s,
+        occupancy: job.tokens() as f64 / (steps.max(1) * spec.batch) as f64,
+        kv_pool_blocks: None,
+        kv_peak_blocks: None,
+        kv_held_per_cached: None,
+        prefill_computed: None,
+        prefill_saved: None,
+        preemptions: None,
+    })
+}
+
+fn check_tokens(produced: usize, job: &Job) -> Result<()> {
+    if produced != job.tokens() {
         return Err(BenchError::Invalid(format!(
-            "generated {produced} tokens, expected {} x {}",
-            spec.batch, spec.new_tokens
+            "generated {produced} tokens, the job's answers hold {}",
+            job.tokens()
         )));
     }
-    let time = median(&times);
+    Ok(())
+}
+
+/// Generate `spec`'s job under its schedule (and with `--compare` the other one).
+pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
+    spec.generation.validate("--").map_err(BenchError::Invalid)?;
+    if spec.batch == 0 || spec.new_tokens == 0 || spec.samples == 0 {
+        return Err(BenchError::Invalid("--batch, --new-tokens and --samples must be at least 1".into()));
+    }
+    let cfg = load_shape(&spec.shape)?;
+    let job = job(spec, cfg.vocab_size);
+    let mut model = random_model(cfg.clone(), t, false)?;
+    model.options.fused_ops = spec.fused_ops;
+    let run = |s: Schedule| match s {
+        Schedule::Continuous => run_paged(&model, &job, spec, t),
+        Schedule::Static => run_static(&model, &job, spec, t),
+    };
+    let main = run(spec.generation.schedule)?;
+    let reference = match spec.compare {
+        true => Some(run(other(spec.generation.schedule))?),
+        false => None,
+    };
+    let ratio = reference.as_ref().map(|r| main.tokens_per_s / r.tokens_per_s);
+    let sequences_per_step = main.occupancy * spec.batch as f64;
+    let shape = crate::cost::decode::DecodeShape {
+        sequences: sequences_per_step.max(1.0),
+        context: job.mean_context(),
+        dtype_bytes: t.dtype.size_in_bytes() as f64,
+    };
+    let predicted =
+        crate::cost::calibration::GPUS.iter().map(|g| crate::cost::decode::predict_decode(&cfg, shape, g)).collect();
     to_record(GenerateRecord {
         bench: "generate",
         implementation: "grpo",
@@ -58,15 +272,31 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
         batch: spec.batch,
         prompt_len: spec.prompt_len,
         new_tokens: spec.new_tokens,
+        problems: spec.problems,
+        samples: spec.samples,
+        sequences: job.sequences(),
+        answer_tokens: job.tokens(),
+        mean_context: shape.context,
         fused_ops: spec.fused_ops,
         dtype: dtype_name(t.dtype),
         device: device_name(&t.device),
-        time_s: time,
-        tokens_per_s: produced as f64 / time,
+        run: main,
+        reference,
+        tokens_per_s_over_reference: ratio,
+        predicted_decode_step: predicted,
     })
 }
 
-/// `grpo bench generate`'s record: the median time of the batch's generation and its new tokens a second.
+fn other(s: Schedule) -> Schedule {
+    match s {
+        Schedule::Continuous => Schedule::Static,
+        Schedule::Static => Schedule::Continuous,
+    }
+}
+
+/// `grpo bench generate`'s record: the job, the run under its schedule (median time, tokens and steps a
+/// second, occupancy, KV pool use, prefill saved), the other schedule's run with `--compare` and the
+/// ratio, and the model's decode step (at the run's mean sequences per step and context) per GPU.
 #[derive(Debug, serde::Serialize)]
 struct GenerateRecord {
     bench: &'static str,
@@ -76,11 +306,19 @@ struct GenerateRecord {
     batch: usize,
     prompt_len: usize,
     new_tokens: usize,
+    problems: usize,
+    samples: usize,
+    sequences: usize,
+    answer_tokens: usize,
+    mean_context: f64,
     fused_ops: bool,
     dtype: &'static str,
     device: String,
-    time_s: f64,
-    tokens_per_s: f64,
+    #[serde(flatten)]
+    run: RunRecord,
+    reference: Option<RunRecord>,
+    tokens_per_s_over_reference: Option<f64>,
+    predicted_decode_step: Vec<crate::cost::decode::DecodePrediction>,
 }
 
 #[cfg(test)]
@@ -88,13 +326,59 @@ mod tests {
     use super::*;
     use crate::bench::harness::fixtures::{cpu, tiny_shape};
 
+    fn spec(shape: PathBuf) -> GenerateSpec {
+        GenerateSpec {
+            shape,
+            batch: 3,
+            prompt_len: 5,
+            new_tokens: 4,
+            problems: 0,
+            samples: 1,
+            answer_median: 0.0,
+            seed: 0,
+            compare: false,
+            fused_ops: false,
+            generation: GenerationOptions::default(),
+        }
+    }
+
     #[test]
     fn generation_produces_every_token() {
         let dir = tempfile::tempdir().unwrap();
-        let spec =
-            GenerateSpec { shape: tiny_shape(dir.path()), batch: 3, prompt_len: 5, new_tokens: 4, fused_ops: false };
-        let r = generate(&spec, &cpu()).unwrap();
-        assert_eq!(r["batch"], 3);
+        let r = generate(&spec(tiny_shape(dir.path())), &cpu()).unwrap();
+        assert_eq!((r["batch"].as_u64(), r["answer_tokens"].as_u64()), (Some(3), Some(12)));
+        assert_eq!(r["schedule"], "continuous");
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["predicted_decode_step"].as_array().unwrap().len(), crate::cost::calibration::GPUS.len());
+    }
+
+    /// A long-tailed job under both schedules: the same answer tokens, the paged engine's samples sharing
+    /// their problem's prompt (prefill saved), and static batches counted by their longest answers.
+    #[test]
+    fn both_schedules_run_the_same_long_tailed_job() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = GenerateSpec {
+            problems: 4,
+            samples: 3,
+            batch: 6,
+            new_tokens: 12,
+            compare: true,
+            ..spec(tiny_shape(dir.path()))
+        };
+        let j = job(&s, 97);
+        let lengths: Vec<usize> = j.problems.iter().flat_map(|(_, l)| l.iter().copied()).collect();
+        assert_eq!(lengths.len(), 12);
+        assert!(lengths.iter().all(|&l| (1..=12).contains(&l)));
+        assert!(lengths.iter().any(|&l| l != lengths[0]), "lengths vary: {lengths:?}");
+        let r = generate(&s, &cpu()).unwrap();
+        let prompts: u64 = j.problems.iter().map(|(p, _)| p.len() as u64).sum();
+        assert_eq!(r["prefill_computed"].as_u64(), Some(prompts));
+        assert_eq!(r["prefill_saved"].as_u64(), Some(2 * prompts));
+        let reference = &r["reference"];
+        assert_eq!(reference["schedule"], "static");
+        let static_steps: usize =
+            j.problems.chunks(2).map(|c| c.iter().flat_map(|(_, l)| l).copied().max().unwrap()).sum();
+        assert_eq!(reference["steps"].as_u64(), Some(static_steps as u64));
+        assert!(r["tokens_per_s_over_reference"].as_f64().unwrap() > 0.0);
     }
 }

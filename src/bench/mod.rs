@@ -7,7 +7,8 @@
 //!   model's prediction of it alone;
 //! - [`logprob`] (logprob.rs): the fused log-prob op alone (optionally with the off_grpo loss on top),
 //!   and candle's naive whole-vocabulary log-softmax for comparison;
-//! - [`generate`] (generate.rs): greedy generation with the KV cache, never stopping early;
+//! - [`generate`] (generate.rs): generation on a job of prompts and long-tailed answer lengths under
+//!   either schedule (continuous batching or static batches), with the model's decode step beside;
 //! - [`gemm`] (gemm.rs): a layer's projection GEMMs (forward, input and weight gradients) at a model
 //!   shape;
 //! - [`attention`] (attention.rs): forward and backward of one layer's chunked attention against a plain

@@ -43,7 +43,8 @@ pub enum BenchCommand {
         #[command(flatten)]
         common: Common,
     },
-    /// Greedy generation of exactly --new-tokens per row from random prompts.
+    /// Generation on random weights: --batch prompts answered in full, or --problems x --samples with
+    /// long-tailed answer lengths, under --schedule (and with --compare the other one).
     Generate {
         #[command(flatten)]
         spec: GenerateSpec,
