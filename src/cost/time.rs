@@ -21,7 +21,7 @@
 //!   per query block (D = rowsum(dO O)). FLOPs: 4 hd per computed score forward, 10 hd backward, so the
 //!   causal half of 4 T^2 hd heads forward and 2.5x that backward. Bytes: the block products leave the
 //!   GEMM through device memory — S and dP in f32 (4 B per score), P and dS in d bytes — which is what
-//!   makes this design memory-bound (see the crate README's performance section): about 8 + 2d bytes per
+//!   makes this design memory-bound (see docs/performance.md): about 8 + 2d bytes per
 //!   score forward and 16 + 4d backward, against 4 hd and 10 hd FLOPs.
 //! - element-wise ops (memory-bound; each reads its inputs and writes its output once): the two RMSNorms,
 //!   the q/k/v biases, rope on q and k, the head transposes in and out of attention, the two residual
