@@ -57,7 +57,13 @@ fn the_next_gpu_run_dry_runs_on_the_cpu() {
     let optimizer: Vec<&Value> = bench("optimizer").collect();
     assert_eq!(optimizer.len(), 2, "{stdout}");
     assert!(optimizer.iter().all(|o| o["same_bits"] == true), "{optimizer:?}");
+    // Generation: the paged engine at three batch sizes, static batches beside, the 7B shape's long prompts.
+    let gens: Vec<&Value> = bench("generate").collect();
+    assert_eq!(gens.len(), 5, "{stdout}");
+    assert_eq!(gens.iter().filter(|g| g["schedule"] == "static").count(), 1, "{stdout}");
+    assert!(gens.iter().all(|g| !g["predicted_decode_step"].as_array().unwrap().is_empty()), "{stdout}");
     let skipped: Vec<String> = bench("skipped").map(|l| l["what"].as_str().unwrap().to_string()).collect();
+    assert!(skipped.iter().any(|w| w == "generate torch 0.5b batch 32"), "{skipped:?}");
     assert!(skipped.iter().any(|w| w.contains("torch_ref.py")), "{skipped:?}");
     assert!(skipped.iter().any(|w| w.contains("nvidia-smi")), "{skipped:?}");
 

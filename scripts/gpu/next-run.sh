@@ -20,7 +20,9 @@
 #      one layer's projection GEMMs at the 7B shape (18k rows) and the 0.5B shape (4k rows), `grpo bench gemm`;
 #   6. the offloaded optimizer's host update (`grpo bench optimizer`, fused vs composite) and the same update
 #      offloaded from the GPU (staged, overlapped copies vs pageable copies one at a time);
-#   7. last, in the time left: a LoRA step (rank 16 on every projection) at the 0.5B shape and 4k tokens.
+#   7. generation with the paged engine at the 0.5B shape (batch 32, 128, 256; static batches and
+#      transformers' generate beside at 32) and the 7B shape at batch 64 with 8k-token prompts;
+#   8. last, in the time left: a LoRA step (rank 16 on every projection) at the 0.5B shape and 4k tokens.
 # Every train-step line carries the performance model's `predicted` step per GPU (`measured_over_predicted` on
 # the card that ran) and its `profile` (of its last step: the step time is the other timed steps', without
 # the profiler's syncs); report.py prints the tables and the predicted-vs-measured table.
@@ -36,7 +38,7 @@
 # BIN target/debug/grpo, no nvidia-smi and no PyTorch (skipped lines say so), OUTDIR a new temporary folder.
 # env: BIN (gpu-bin/grpo, unpacked from gpu-bin/grpo.xz), OUTDIR, DATE, CARD, DEADLINE (450 s), PYTHON
 # (python3), SEED_ANSWERS (8), LONG_ANSWERS (4); PARTS (all, or some of: selftest attention ncu gemm profile
-# optimizer seed7b torch short lora), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
+# optimizer seed7b torch short generate lora), ATT_KINDS (the 7B heads' attention kernels: chunked mma wgmma wgmma-atomic)
 # for a shorter run that measures a change again.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -54,13 +56,14 @@ if [ "$DRY" = 1 ]; then
     DEVICE=cpu DTYPE=f32 CARD=${CARD:-cpu}
     SMALL=$S/tiny.json SEED_SHAPE=$S/tiny.json
     SHORT=32 MID=64 LONG=128 PROMPT=16 ATT_LENS="64 128" SEED_PROMPT=16 SEED_LEN=48 OPT_PARAMS=100000
+    GEN_NEW=8 GEN_LONG=64
 else
     BIN=${BIN:-gpu-bin/grpo}
     OUTDIR=${OUTDIR:-${OUT:-benches/results}}
     DEVICE=cuda:0 DTYPE=bf16
     SMALL=$S/qwen2.5-0.5b.json SEED_SHAPE=configs/models/qwen2.5-7b-instruct.config.json
     SHORT=1024 MID=4096 LONG=16384 PROMPT=128 ATT_LENS="4096 16384" SEED_PROMPT=2048 SEED_LEN=16384
-    OPT_PARAMS=256000000
+    OPT_PARAMS=256000000 GEN_NEW=256 GEN_LONG=8192
     if [ ! -x "$BIN" ] && [ -f "$BIN.xz" ]; then
         "$PY" -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' "$BIN.xz" "$BIN"
         chmod +x "$BIN"
@@ -294,7 +297,31 @@ if want optimizer; then
         --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2
 fi
 
-# 7. the LoRA step (rank 16 on every projection, as configs/openthinker3-lora.toml) at the 0.5B shape and 4k,
+# 7. generation: the paged engine (continuous batching, the default) at the 0.5B shape, batch 32, 128 and
+# 256, PROMPT prompt tokens and GEN_NEW new tokens each (random weights never stop), with static batches
+# (what grpo generated with before) and transformers' generate beside at batch 32; then the 7B shape at batch
+# 64 with GEN_LONG-token prompts (the decode step against reading the weights and the cache). Each record
+# carries the model's predicted decode step (predicted_decode_step).
+if want generate; then
+    g=(--prompt-len $PROMPT --new-tokens $GEN_NEW --dtype "$DTYPE" --device "$DEVICE" --warmup 1 --repeats 2)
+    for b in 32 128 256; do
+        step "generate grpo 0.5b batch $b" 40 "$BIN" -q bench generate --shape "$SMALL" --batch $b "${g[@]}"
+    done
+    step "generate grpo static 0.5b batch 32" 40 "$BIN" -q bench generate --shape "$SMALL" --batch 32 \
+        --schedule static "${g[@]}"
+    if [ "$DRY" = 1 ]; then
+        skip "generate torch 0.5b batch 32" "dry run on the CPU (PyTorch not run)"
+    elif "$PY" -c 'import torch, transformers; assert torch.cuda.is_available()' 2>/dev/null; then
+        step "generate torch 0.5b batch 32" 60 "$PY" scripts/gpu/torch_ref.py generate --shape "$SMALL" --batch 32 \
+            --prompt-len $PROMPT --new-tokens $GEN_NEW --dtype "$DTYPE" --device cuda --repeats 2
+    else
+        skip "generate torch 0.5b batch 32" "torch and transformers with CUDA do not import in $PY"
+    fi
+    step "generate grpo 7b batch 64 x $GEN_LONG" 60 "$BIN" -q bench generate --shape "$SEED_SHAPE" --batch 64 \
+        --prompt-len $GEN_LONG --new-tokens 32 --dtype "$DTYPE" --device "$DEVICE" --warmup 0 --repeats 1
+fi
+
+# 8. the LoRA step (rank 16 on every projection, as configs/openthinker3-lora.toml) at the 0.5B shape and 4k,
 # last, in what time is left: its element-wise kernels (kernels/lora.cu, 16-byte packs) against the model's
 # packed rate.
 if want lora; then

@@ -58,7 +58,7 @@ KEYS = {
 OURS = {"grpo", "grpo_fused", "grpo_naive"}
 # Settings of our lines that tell apart several runs on one key.
 VARIANTS = ("micro_batch", "checkpoint_layers", "logprob_chunk_mb", "chunk_mb", "fused_ops", "attention", "atomic_dq",
-            "keep_attention", "offload", "reference")
+            "keep_attention", "offload", "reference", "schedule")
 TORCH = {"torch", "torch_naive"}
 GIB = 2**30
 
