@@ -93,6 +93,32 @@ pub(crate) fn take_synced() -> Vec<PathBuf> {
     SYNCED.with(|s| std::mem::take(&mut *s.borrow_mut()))
 }
 
+/// Bytes free to an unprivileged writer on the file system of `path` (or of its nearest existing
+/// ancestor); None where statvfs fails.
+pub fn free_bytes(path: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let existing = path.ancestors().find(|p| p.exists())?;
+    let c = std::ffi::CString::new(existing.as_os_str().as_bytes()).ok()?;
+    // SAFETY: statvfs is plain data, written whole by the call below.
+    let mut s: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `s` a valid place for the result.
+    let rc = unsafe { libc::statvfs(c.as_ptr(), &mut s) };
+    (rc == 0).then(|| s.f_bavail as u64 * s.f_frsize as u64)
+}
+
+/// Whether `e` (or what it wraps, as its message says) is "no space left on device".
+pub fn is_disk_full(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        let full = err.downcast_ref::<io::Error>().is_some_and(|io| io.raw_os_error() == Some(libc::ENOSPC));
+        if full || err.to_string().contains("(os error 28)") {
+            return true;
+        }
+        cur = err.source();
+    }
+    false
+}
+
 /// Write `bytes` to `path` atomically (see the module documentation).
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> io::Result<()> {
     let mut tmp = temp_file(path)?;

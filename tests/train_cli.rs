@@ -782,6 +782,61 @@ fn a_resume_on_smaller_data_is_refused_within_seconds_or_restarts_the_epoch_when
     assert!(ck.ends_with("step-00000006"), "{}", ck.display());
 }
 
+/// A bundled config run from another directory: the missing relative path is named by its key, with
+/// where relative paths are read from, before anything is written.
+#[test]
+fn a_config_run_from_elsewhere_names_the_missing_paths_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = common::grpo();
+    cmd.current_dir(dir.path()).arg("train").arg("--config").arg(common::root().join("configs/smoke.toml"));
+    let o = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{err}");
+    assert!(err.contains("model.init_tiny.tokenizer = \"data/tokenizers/"), "{err}");
+    assert!(err.contains("relative paths are read from the current directory"), "{err}");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing written");
+}
+
+/// The prepared version a checkpoint names, with its reference log-prob cache, outlives a resume refused
+/// because the data changed; undoing the change makes it current again, and the reference pass is not run.
+#[test]
+fn a_refused_resume_keeps_the_checkpoints_data_for_the_undone_edit() {
+    let dir = tempfile::tempdir().unwrap();
+    let input = dir.path().join("in.jsonl");
+    fixture_head(&input, 80);
+    let modified = std::fs::metadata(&input).unwrap().modified().unwrap();
+    let cfg = small_config_on(dir.path(), &input);
+    train(dir.path(), &cfg, &["--set", "train.epochs=2"]).success();
+    let prepared = dir.path().join("out/prepared");
+    let versions = || -> Vec<std::path::PathBuf> {
+        let mut v: Vec<_> = std::fs::read_dir(&prepared)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("v-"))
+            .collect();
+        v.sort();
+        v
+    };
+    let first = versions();
+    assert_eq!(first.len(), 1, "{first:?}");
+    assert!(first[0].join("reference-logprobs.json").exists());
+    fixture_head(&input, 48);
+    let more = ["--resume", "auto", "--set", "train.epochs=2", "--set", "train.max_steps=10"];
+    let o = output_within(train_command(dir.path(), &cfg, &more), std::time::Duration::from_secs(60));
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("other data"));
+    assert!(versions().contains(&first[0]), "the checkpoint's version was removed: {:?}", versions());
+    assert!(first[0].join("reference-logprobs.json").exists());
+    // The edit undone (the same file, as it was): its version is current again, its cache read.
+    fixture_head(&input, 80);
+    std::fs::File::options().write(true).open(&input).unwrap().set_modified(modified).unwrap();
+    let ok = train(dir.path(), &cfg, &more).success();
+    let err = String::from_utf8_lossy(&ok.get_output().stderr).into_owned();
+    assert!(err.contains("is up to date with the inputs again: made current"), "{err}");
+    assert!(!err.contains("computing the reference log-probs"), "{err}");
+    assert!(grpo::train::latest_checkpoint(&dir.path().join("out")).unwrap().ends_with("step-00000010"));
+}
+
 #[test]
 fn a_resume_after_skipped_steps_continues_exactly() {
     // A huge all-positive bias makes every step whose question has only correct answers non-finite (skipped);

@@ -303,6 +303,9 @@ pub fn prepare_with(
         }
         Freshness::Stale(reasons) => reasons,
     };
+    if let Some(outcome) = reuse_earlier(out, current.as_deref(), &manifest, opts.force)? {
+        return Ok(outcome);
+    }
     let name = versions::new_version_name();
     let target = out.join(&name);
     let tmp = crate::fsio::temp_dir(&target).map_err(io_err(&target))?;
@@ -390,6 +393,28 @@ enum Freshness {
     UpToDate(Box<PrepareOutcome>),
     /// Why it must be prepared (again).
     Stale(Vec<String>),
+}
+
+/// An earlier version of `out` (not `current`) up to date with `manifest`, made current again: what a
+/// checkpoint's data was before an edit that was then undone, kept while that checkpoint was resumed
+/// ([`versions::hold_fingerprint`]), with its reference log-prob cache. Newest first; none with `force`.
+fn reuse_earlier(
+    out: &Path,
+    current: Option<&Path>,
+    manifest: &Manifest,
+    force: bool,
+) -> Result<Option<PrepareOutcome>, DataError> {
+    if force {
+        return Ok(None);
+    }
+    for v in versions::versions(out).into_iter().rev().filter(|v| Some(v.as_path()) != current) {
+        let Ok(Freshness::UpToDate(outcome)) = check_manifest(&v, manifest, false) else { continue };
+        let Some(name) = v.file_name().and_then(|n| n.to_str()) else { continue };
+        versions::switch_to(out, name)?;
+        tracing::info!("{} is up to date with the inputs again: made current", v.display());
+        return Ok(Some(*outcome));
+    }
+    Ok(None)
 }
 
 /// Compare the manifest of the prepared version in `dir` with `manifest` (the one this preparation would

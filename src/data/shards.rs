@@ -256,6 +256,19 @@ pub(crate) fn write_manifest_sum(dir: &Path) -> Result<(), DataError> {
     crate::fsio::write_atomic(&p, format!("{sum}\n").as_bytes()).map_err(io_err(&p))
 }
 
+/// The data's fingerprint from its manifest: its data files' checksums only (not the paths and versions the
+/// manifest also records), so that two preparations of the same data anywhere have the same fingerprint.
+fn data_fingerprint(head: &ManifestHead) -> String {
+    let mut data = head.checksums.clone();
+    data.remove("stats.json");
+    crate::checksum::hash_bytes(&serde_json::to_vec(&data).unwrap_or_default())
+}
+
+/// The fingerprint ([`PreparedDataset::fingerprint`]) of the version `dir`, read from its manifest alone.
+pub(crate) fn version_fingerprint(dir: &Path) -> Result<String, DataError> {
+    Ok(data_fingerprint(&verify_version(dir)?))
+}
+
 /// Check the version in `dir`: its manifest against its checksum (versions written before it had one are
 /// read as they are), then every file against the manifest's checksums. Its manifest.
 pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
@@ -374,11 +387,7 @@ impl PreparedDataset {
         }
         let shards = head.token_shards.iter().map(|s| Map::open(&dir.join(s))).collect::<Result<Vec<_>, _>>()?;
         let logprobs = Map::open(&dir.join("logprobs.f32"))?;
-        // The data's checksums only (not the paths and versions the manifest also records): two preparations
-        // of the same data anywhere have the same fingerprint.
-        let mut data = head.checksums.clone();
-        data.remove("stats.json");
-        let fingerprint = crate::checksum::hash_bytes(&serde_json::to_vec(&data).unwrap_or_default());
+        let fingerprint = data_fingerprint(&head);
         Ok(Self { dir: dir.to_path_buf(), _hold: hold, fingerprint, groups, prompts, responses, shards, logprobs })
     }
 

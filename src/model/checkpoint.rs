@@ -87,9 +87,23 @@ pub fn remove_checkpoint(dir: &Path) -> Result<(), ModelError> {
 /// Clean the temporary files and folders that a killed [`save_checkpoint`], [`remove_checkpoint`] or atomic
 /// write ([`fsio::leftover`]: `latest`'s, a staging folder's) left in `parent` (those whose name `which`
 /// accepts), returning what was removed. A checkpoint whose swap was cut short (its name missing, its
-/// previous version still moved aside) gets the previous version back. Call it only while no other process
-/// writes checkpoints into `parent`.
+/// previous version still moved aside) gets the previous version back. A leftover that cannot be removed
+/// yet (NFS's `.nfsXXXX` files while a reader holds one open) is a warning, tried again at the next start
+/// and after each save: it never stops a run. Call it only while no other process writes checkpoints into
+/// `parent`.
 pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<Vec<PathBuf>, ModelError> {
+    remove_leftovers_with(parent, which, |p, is_dir| match is_dir {
+        true => std::fs::remove_dir_all(p),
+        false => std::fs::remove_file(p),
+    })
+}
+
+/// [`remove_leftovers`], removing each leftover with `remove(path, is_dir)`.
+fn remove_leftovers_with(
+    parent: &Path,
+    which: impl Fn(&str) -> bool,
+    remove: impl Fn(&Path, bool) -> std::io::Result<()>,
+) -> Result<Vec<PathBuf>, ModelError> {
     let Ok(entries) = std::fs::read_dir(parent) else { return Ok(Vec::new()) };
     let mut removed = Vec::new();
     for entry in entries {
@@ -107,12 +121,13 @@ pub fn remove_leftovers(parent: &Path, which: impl Fn(&str) -> bool) -> Result<V
                 continue;
             }
         }
-        if is_dir {
-            std::fs::remove_dir_all(&p).map_err(io(&p))?;
-        } else {
-            std::fs::remove_file(&p).map_err(io(&p))?;
+        match remove(&p, is_dir) {
+            Ok(()) => removed.push(p),
+            Err(e) => tracing::warn!(
+                "cannot remove {} (left by an interrupted save or removal) yet: {e}; tried again at the next start",
+                p.display()
+            ),
         }
-        removed.push(p);
     }
     Ok(removed)
 }
@@ -351,6 +366,31 @@ mod tests {
         assert!(out.join("model.safetensors").exists());
         remove_checkpoint(&out).unwrap();
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    }
+
+    /// A leftover that cannot be removed (emulated: the remover fails on it) is left with a warning; the
+    /// others go and the call succeeds, so the run starts.
+    #[test]
+    fn a_leftover_that_cannot_be_removed_does_not_stop_the_cleanup() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join(".step-00000001.del-7/sub")).unwrap();
+        std::fs::create_dir_all(dir.path().join(".step-00000002.del-8")).unwrap();
+        let stuck = dir.path().join(".step-00000001.del-7");
+        let busy = std::io::Error::new(std::io::ErrorKind::DirectoryNotEmpty, "Directory not empty (os error 39)");
+        let removed = remove_leftovers_with(
+            dir.path(),
+            |_| true,
+            |p, _| {
+                if p == stuck {
+                    Err(std::io::Error::new(busy.kind(), busy.to_string()))
+                } else {
+                    std::fs::remove_dir_all(p)
+                }
+            },
+        )
+        .unwrap();
+        assert_eq!(removed, vec![dir.path().join(".step-00000002.del-8")]);
+        assert!(stuck.exists());
     }
 
     #[test]

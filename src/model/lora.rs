@@ -52,6 +52,36 @@ fn default_targets() -> Vec<String> {
     TARGETS.iter().map(|(t, _)| t.to_string()).collect()
 }
 
+/// PEFT's name for every linear projection but the head: [`TARGETS`].
+const ALL_LINEAR: &str = "all-linear";
+
+/// `target_modules` as PEFT writes it: a list of module names, or one name as a string, where
+/// `"all-linear"` (PEFT's shorthand) stands for every projection of [`TARGETS`].
+fn target_modules<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    struct Modules;
+    impl<'de> serde::de::Visitor<'de> for Modules {
+        type Value = Vec<String>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of module names, or \"all-linear\"")
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Self::Value, E> {
+            Ok(vec![v.to_string()])
+        }
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::new();
+            while let Some(m) = seq.next_element::<String>()? {
+                out.push(m);
+            }
+            Ok(out)
+        }
+    }
+    let modules = d.deserialize_any(Modules)?;
+    Ok(match modules.iter().any(|m| m == ALL_LINEAR) {
+        true => default_targets(),
+        false => modules,
+    })
+}
+
 /// `[model.lora]`: train low-rank adapters of the targeted projections instead of every weight (PEFT's names).
 /// The base weights stay frozen in the model's dtype; only the adapters have gradients and optimiser state.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, clap::Args)]
@@ -69,8 +99,9 @@ pub struct LoraOptions {
     #[arg(long = "lora-dropout", default_value_t = 0.0)]
     pub dropout: f64,
     /// The projections that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
-    /// down_proj (default all of them, in every layer).
+    /// down_proj, or "all-linear" (PEFT's name for all of them, the default), in every layer.
     #[arg(long = "lora-target-modules", value_delimiter = ',', default_values_t = default_targets())]
+    #[serde(deserialize_with = "target_modules")]
     pub target_modules: Vec<String>,
     /// How A starts (B starts at zero).
     #[arg(long = "lora-init", value_enum, default_value_t = LoraInit::Default)]
@@ -103,7 +134,7 @@ impl LoraOptions {
             return Err("model.lora.target_modules is empty".into());
         }
         for t in &self.target_modules {
-            if !TARGETS.iter().any(|(name, _)| name == t) {
+            if t != ALL_LINEAR && !TARGETS.iter().any(|(name, _)| name == t) {
                 let known: Vec<&str> = TARGETS.iter().map(|(n, _)| *n).collect();
                 return Err(format!("model.lora.target_modules: unknown module `{t}` (known: {})", known.join(", ")));
             }
@@ -113,7 +144,7 @@ impl LoraOptions {
 
     /// Whether projection `module` (one of [`TARGETS`]) gets an adapter.
     pub fn targets(&self, module: &str) -> bool {
-        self.target_modules.iter().any(|t| t == module)
+        self.target_modules.iter().any(|t| t == module || t == ALL_LINEAR)
     }
 }
 
@@ -194,6 +225,7 @@ pub struct AdapterConfig {
     pub r: usize,
     pub lora_alpha: f64,
     pub lora_dropout: f64,
+    #[serde(deserialize_with = "target_modules")]
     pub target_modules: Vec<String>,
     #[serde(default)]
     pub base_model_name_or_path: Option<String>,
@@ -552,6 +584,19 @@ mod tests {
         assert!(b.iter().all(|&v| v == 0.0));
         let e = LoraOptions { target_modules: vec!["qkv".into()], ..Default::default() }.validate().unwrap_err();
         assert!(e.contains("unknown module `qkv`"), "{e}");
+    }
+
+    /// PEFT's `target_modules = "all-linear"` (and one module as a string) read as the list they stand for.
+    #[test]
+    fn all_linear_and_a_single_module_are_read_as_peft_reads_them() {
+        let all: LoraOptions = toml::from_str("target_modules = \"all-linear\"").unwrap();
+        assert_eq!(all.target_modules, default_targets());
+        let one: LoraOptions = toml::from_str("target_modules = \"q_proj\"").unwrap();
+        assert_eq!(one.target_modules, vec!["q_proj".to_string()]);
+        let e = toml::from_str::<LoraOptions>("target_modules = 3").unwrap_err().to_string();
+        assert!(e.contains("a list of module names, or \"all-linear\""), "{e}");
+        let flag = LoraOptions { target_modules: vec![ALL_LINEAR.into()], ..Default::default() };
+        assert!(flag.validate().is_ok() && TARGETS.iter().all(|(m, _)| flag.targets(m)));
     }
 
     #[test]

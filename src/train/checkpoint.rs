@@ -23,30 +23,47 @@ use crate::model::{save_checkpoint, Decoder, ModelError};
 /// resume compares with its own.
 pub const CONFIG_FILE: &str = "train_config.toml";
 
-/// The checkpoint named by OUTPUT/checkpoints/latest.
+/// The checkpoint named by OUTPUT/checkpoints/latest (a folder of checkpoints/, never a path elsewhere).
 pub fn latest_checkpoint(output_dir: &Path) -> Option<PathBuf> {
     let dir = output_dir.join("checkpoints");
     let name = std::fs::read_to_string(dir.join("latest")).ok()?;
-    let p = dir.join(name.trim());
+    let p = dir.join(plain_name(name.trim())?);
     p.join("trainer_state.json").exists().then_some(p)
 }
 
+/// `name` when it names an entry of its folder: no separator, not `.` or `..`.
+fn plain_name(name: &str) -> Option<&str> {
+    (!name.is_empty() && !name.contains(['/', '\\']) && name != "." && name != "..").then_some(name)
+}
+
 /// The checkpoint `--resume auto` continues: the one `latest` names (an error naming what is missing when it
-/// is damaged), else the newest complete step folder, else none.
+/// is damaged), else the newest complete step folder, else none. A `latest` naming a folder that is gone
+/// falls back to the newest complete one with a warning; one naming a path outside checkpoints/ is refused.
 pub(super) fn auto_resume_point(output_dir: &Path) -> Result<Option<PathBuf>, TrainError> {
     let dir = output_dir.join("checkpoints");
-    if let Ok(name) = std::fs::read_to_string(dir.join("latest")) {
-        let ck = dir.join(name.trim());
-        check_complete(&ck)?;
-        return Ok(Some(ck));
+    let latest = dir.join("latest");
+    if let Ok(name) = std::fs::read_to_string(&latest) {
+        let Some(name) = plain_name(name.trim()) else {
+            return Err(TrainError::Damaged {
+                ck: latest,
+                message: format!(
+                    "it names `{}`, not a checkpoint of {}: write the name of one of its step-N folders into it, \
+                     or remove it to resume from the newest complete one",
+                    name.trim(),
+                    dir.display()
+                ),
+            });
+        };
+        let ck = dir.join(name);
+        if ck.exists() {
+            check_complete(&ck)?;
+            return Ok(Some(ck));
+        }
+        tracing::warn!("{} names {name}, which is gone", latest.display());
     }
     let newest = step_dirs(&dir)?.into_iter().rev().find(|p| check_complete(p).is_ok());
     if let Some(p) = &newest {
-        tracing::warn!(
-            "{} has no `latest`; resuming from the newest complete checkpoint, {}",
-            dir.display(),
-            p.display()
-        );
+        tracing::warn!("resuming from the newest complete checkpoint in {}, {}", dir.display(), p.display());
     }
     Ok(newest)
 }
@@ -139,6 +156,24 @@ impl Checkpointer {
         state: &TrainerState,
         frozen: &[(&str, &Decoder)],
     ) -> Result<PathBuf, TrainError> {
+        let need = self.checkpoint_bytes(policy, frozen);
+        if world.is_primary() {
+            if let Some(w) = self.space_warning(need) {
+                tracing::warn!("{w}");
+            }
+        }
+        self.write(world, policy, step, state, frozen).map_err(|e| self.disk_full(e, state.step, need))
+    }
+
+    /// [`Checkpointer::save`]'s writes.
+    fn write(
+        &self,
+        world: &World,
+        policy: &Decoder,
+        step: &TrainStep,
+        state: &TrainerState,
+        frozen: &[(&str, &Decoder)],
+    ) -> Result<PathBuf, TrainError> {
         let dir = self.output_dir.join("checkpoints");
         let name = format!("step-{:08}", state.step);
         let path = dir.join(&name);
@@ -177,6 +212,51 @@ impl Checkpointer {
         Ok(path)
     }
 
+    /// About what a checkpoint of `policy` takes: the newest one's files when there is one, else the
+    /// model's tensors in the save dtype, 12 bytes a trainable element of optimiser state (f32 master and
+    /// moments) and the frozen copies.
+    pub fn checkpoint_bytes(&self, policy: &Decoder, frozen: &[(&str, &Decoder)]) -> u64 {
+        if let Some(last) = latest_checkpoint(&self.output_dir) {
+            let files = std::fs::read_dir(&last).into_iter().flatten().flatten();
+            let bytes: u64 = files.filter_map(|e| e.metadata().ok()).filter(|m| m.is_file()).map(|m| m.len()).sum();
+            if bytes > 0 {
+                return bytes;
+            }
+        }
+        let elements = |m: &Decoder| m.state_tensors().iter().map(|(_, t)| t.elem_count() as u64).sum::<u64>();
+        let size = self.save_dtype.unwrap_or(policy.dtype()).size_in_bytes() as u64;
+        let trainable = elements(policy);
+        let frozen: u64 = frozen.iter().map(|(_, m)| elements(m) * m.dtype().size_in_bytes() as u64).sum();
+        trainable * size + 12 * trainable + frozen
+    }
+
+    /// A warning when the checkpoints' file system has less room than `need` bytes (and a tenth more).
+    pub fn space_warning(&self, need: u64) -> Option<String> {
+        let dir = self.output_dir.join("checkpoints");
+        let free = crate::fsio::free_bytes(&dir)?;
+        low_space(&dir, need, free)
+    }
+
+    /// `e` as [`TrainError::DiskFull`] when the device ran out of space writing checkpoint `step`: what
+    /// it needs and has, and the last good checkpoint to resume from.
+    fn disk_full(&self, e: TrainError, step: usize, need: u64) -> TrainError {
+        if !crate::fsio::is_disk_full(&e) {
+            return e;
+        }
+        let dir = self.output_dir.join("checkpoints");
+        let free = crate::fsio::free_bytes(&dir).map_or("unknown".into(), gib);
+        let last = match latest_checkpoint(&self.output_dir) {
+            Some(ck) => format!(
+                "the last good checkpoint is {} (checkpoints/latest): free space (or lower train.keep_last) and \
+                 run again with --resume auto to continue from it",
+                ck.display()
+            ),
+            None => "no checkpoint was written yet: free space and run again".into(),
+        };
+        let ck = dir.join(format!("step-{step:08}"));
+        TrainError::DiskFull { ck, need: gib(need), free, last }
+    }
+
     /// Write OUTPUT/best (the model only).
     pub fn save_best(&self, policy: &Decoder) -> Result<PathBuf, TrainError> {
         let path = self.output_dir.join("best");
@@ -208,6 +288,23 @@ fn prune(dir: &Path, run: &str, keep: usize, upto: usize) -> Result<(), TrainErr
         }
     }
     Ok(())
+}
+
+fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
+}
+
+/// The warning for a checkpoint of `need` bytes into `dir`, which has `free`: none with a tenth to spare.
+fn low_space(dir: &Path, need: u64, free: u64) -> Option<String> {
+    (free < need + need / 10).then(|| {
+        format!(
+            "{} has {} free and a checkpoint takes about {}: the next save may fail (free space, or lower \
+             train.keep_last)",
+            dir.display(),
+            gib(free),
+            gib(need)
+        )
+    })
 }
 
 /// Remove, after a save, the staging folders of sharded optimiser states and the checkpoints half-deleted by
@@ -463,6 +560,66 @@ mod tests {
         assert_eq!(std::fs::read_to_string(checkpoints.join("latest")).unwrap(), "step-00000002");
         assert_eq!(synced.iter().filter(|p| **p == checkpoints).count(), 2, "{synced:?}");
         assert_eq!(synced.last(), Some(&checkpoints), "{synced:?}");
+    }
+
+    /// The space check warns without a tenth to spare, a checkpoint's size is its predecessor's files
+    /// (an estimate before the first), and a write that runs out of space names the last good checkpoint
+    /// and how to continue; other errors pass through.
+    #[test]
+    fn a_full_disk_is_foreseen_and_its_failure_names_the_checkpoint_to_resume_from() {
+        let dir = tempfile::tempdir().unwrap();
+        assert!(low_space(dir.path(), 1000, 1100).is_none());
+        let w = low_space(dir.path(), 1000, 1099).unwrap();
+        assert!(w.contains("a checkpoint takes about") && w.contains("train.keep_last"), "{w}");
+        let shape = crate::model::tiny::TinyShape { layers: 1, hidden: 16, heads: 4, kv_heads: 2, intermediate: 24 };
+        let cfg = shape.config(crate::model::Arch::Llama, 64, None, None).unwrap();
+        let policy = crate::model::random_decoder(cfg, 3, DType::F32, &Device::Cpu, true).unwrap();
+        let saver = Checkpointer {
+            output_dir: dir.path().to_path_buf(),
+            model_dir: dir.path().join("no-tokenizer"),
+            save_dtype: Some(DType::BF16),
+            keep_last: 2,
+            config_toml: String::new(),
+        };
+        let elements: u64 = policy.state_tensors().iter().map(|(_, t)| t.elem_count() as u64).sum();
+        assert_eq!(saver.checkpoint_bytes(&policy, &[]), elements * (2 + 12));
+        let full = TrainError::Io { path: "x".into(), source: std::io::Error::from_raw_os_error(libc::ENOSPC) };
+        let e = saver.disk_full(full, 4, 1 << 30).to_string();
+        assert!(e.contains("step-00000004") && e.contains("1.00 GiB needed") && e.contains("no checkpoint was"), "{e}");
+        fake(&dir.path().join("checkpoints"), 2, "a");
+        std::fs::write(dir.path().join("checkpoints/latest"), "step-00000002").unwrap();
+        std::fs::write(dir.path().join("checkpoints/step-00000002/model.safetensors"), vec![0u8; 5000]).unwrap();
+        assert!(saver.checkpoint_bytes(&policy, &[]) >= 5000);
+        let model = ModelError::Files { path: "m".into(), message: "No space left on device (os error 28)".into() };
+        let e = saver.disk_full(TrainError::Model(model), 4, 1 << 30).to_string();
+        assert!(e.contains("step-00000002") && e.contains("--resume auto"), "{e}");
+        let other = TrainError::Io { path: "x".into(), source: std::io::Error::from_raw_os_error(libc::EACCES) };
+        assert!(matches!(saver.disk_full(other, 4, 1), TrainError::Io { .. }));
+    }
+
+    /// `latest` naming a folder that is gone falls back to the newest complete checkpoint; naming a path
+    /// outside checkpoints/ (another run's folder) is refused.
+    #[test]
+    fn latest_is_followed_only_to_a_checkpoint_of_its_own_folder() {
+        let dir = tempfile::tempdir().unwrap();
+        let checkpoints = dir.path().join("checkpoints");
+        fake(&checkpoints, 2, "a");
+        let complete = |step: &str| {
+            for f in ["config.json", "model.safetensors", zero::WHOLE_FILE] {
+                std::fs::write(checkpoints.join(step).join(f), "x").unwrap();
+            }
+        };
+        complete("step-00000002");
+        std::fs::write(checkpoints.join("latest"), "step-00000004").unwrap();
+        let ck = auto_resume_point(dir.path()).unwrap();
+        assert_eq!(ck, Some(checkpoints.join("step-00000002")));
+        let elsewhere = tempfile::tempdir().unwrap();
+        for name in [elsewhere.path().display().to_string(), "../other/checkpoints/step-00000002".into()] {
+            std::fs::write(checkpoints.join("latest"), &name).unwrap();
+            let e = auto_resume_point(dir.path()).unwrap_err().to_string();
+            assert!(e.contains("not a checkpoint of") && e.contains(&name), "{e}");
+            assert_eq!(latest_checkpoint(dir.path()), None);
+        }
     }
 
     #[test]

@@ -480,6 +480,31 @@ impl TrainConfig {
     }
 
     /// Everything that can be checked without loading a model or reading data.
+    /// The local files and folders a run reads first exist (`model.init_tiny.tokenizer`, each `data.inputs`
+    /// that is neither a glob nor a hub dataset): a missing one is an error naming its key, and saying that
+    /// relative paths are read from the current directory, not from the config file's folder.
+    pub fn check_paths(&self) -> Result<(), ConfigError> {
+        let mut keys: Vec<(String, &std::path::Path)> = Vec::new();
+        if let Some(t) = &self.model.init_tiny {
+            keys.push(("model.init_tiny.tokenizer".into(), t.tokenizer.as_path()));
+        }
+        for (i, input) in self.data.input.inputs.iter().enumerate() {
+            let glob = input.contains(['*', '?', '[']);
+            if !glob && !crate::hub::DatasetUrl::is_hub(input) {
+                keys.push((format!("data.inputs[{i}]"), std::path::Path::new(input)));
+            }
+        }
+        let Some((key, path)) = keys.into_iter().find(|(_, p)| !p.exists()) else { return Ok(()) };
+        let cwd = std::env::current_dir().map(|d| d.display().to_string()).unwrap_or_else(|_| "?".into());
+        let whence = match path.is_relative() {
+            true => format!(
+                " (relative paths are read from the current directory, {cwd}, not from the config file's folder)"
+            ),
+            false => String::new(),
+        };
+        Err(ConfigError::Invalid(format!("{key} = \"{}\": no such file or folder{whence}", path.display())))
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         if self.model.path.is_empty() {

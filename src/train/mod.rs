@@ -82,6 +82,11 @@ pub enum TrainError {
     Busy { dir: PathBuf, holder: String },
     #[error("will not start in {}: {message}", dir.display())]
     OutputHasRun { dir: PathBuf, message: String },
+    #[error(
+        "no space left on the device writing checkpoint {} (about {need} needed, {free} free); {last}",
+        ck.display()
+    )]
+    DiskFull { ck: PathBuf, need: String, free: String, last: String },
     #[error("damaged checkpoint {}: {message}", ck.display())]
     Damaged { ck: PathBuf, message: String },
     #[error("cannot resume from {}: {message}", ck.display())]
@@ -1015,6 +1020,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let cfg = &cfg.for_rank(&world)?;
     let primary = world.is_primary();
     cfg.validate()?;
+    cfg.check_paths()?;
     for w in cfg.rollout.iter().flat_map(|r| r.warnings()) {
         tracing::warn!("{w}");
     }
@@ -1042,6 +1048,10 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
+    // The checkpoint's prepared version is held while the data is prepared and checked: a resume refused
+    // because the data changed leaves it (and its reference log-prob cache) for a run on the undone edit.
+    let checkpoint_data = resumed.as_ref().and_then(|(_, s)| s.data.as_deref());
+    let checkpoint_hold = checkpoint_data.and_then(|f| data::versions::hold_fingerprint(&prepared_dir(cfg), f));
     let dataset = open_groups(cfg, &model_dir, stop, &world)?;
     let steps_per_epoch = StepPlan::new(cfg, dataset.len()).steps_per_epoch;
     let resumed = match resumed {
@@ -1053,6 +1063,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
         }
         None => None,
     };
+    drop(checkpoint_hold);
     let ref_cache = match &dataset {
         GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop, &world)?,
         GroupSource::Questions(_) => None,
@@ -1066,6 +1077,12 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     // `model.keep_logits = "auto"` is the plan's to decide (cost::memory::run_plan).
     run.policy.options.keep_logits = memory_plan.keep_logits;
     run.memory_plan = Some(memory_plan);
+    if primary {
+        let need = run.checkpoints.checkpoint_bytes(&run.policy, &[]);
+        if let Some(w) = run.checkpoints.space_warning(need) {
+            tracing::warn!("{w}");
+        }
+    }
     let (resume_from, state) = run.start_state(resumed, &dataset)?;
     let resumed_from_step = resume_from.is_some().then_some(state.step);
     let tensorboard = cfg.train.report_to.contains(&config::ReportTo::Tensorboard);
