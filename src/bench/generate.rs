@@ -178,12 +178,15 @@ fn run_paged(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Res
     })
 }
 
+/// A static batch: its prompts, their sequence ids and their answers' lengths.
+type StaticBatch = (Vec<Vec<u32>>, Vec<u64>, Vec<usize>);
+
 /// `job` in static batches of whole problems (as `grpo eval` groups them): `batch / samples` problems at
 /// a time, each batch decoded until its longest answer ends.
 fn run_static(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Result<RunRecord> {
     let params = crate::generate::SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
     let per_batch = (spec.batch / spec.samples.max(1)).max(1);
-    let batches: Vec<(Vec<Vec<u32>>, Vec<u64>, Vec<usize>)> = job
+    let batches: Vec<StaticBatch> = job
         .problems
         .chunks(per_batch)
         .scan(0u64, |first, chunk| {

@@ -325,8 +325,8 @@ impl<'a> Run<'a> {
             b.layout.tables.extend(table);
             b.layout.tables.extend(std::iter::repeat_n(0, max_blocks - table.len()));
             let tokens = self.sched.tokens(e.seq);
-            for p in e.start..e.start + e.len {
-                b.tokens.push(tokens[p]);
+            for (p, &token) in tokens.iter().enumerate().skip(e.start).take(e.len) {
+                b.tokens.push(token);
                 b.positions.push(p as u32);
                 b.slots.push(self.sched.slot(e.seq, p));
                 b.layout.token_seq.push(i as u32);
@@ -597,8 +597,8 @@ mod tests {
                 logit_rows: vec![],
             };
             for s in 0..2 {
-                for p in computed[s]..seqs[s].len() {
-                    b.tokens.push(seqs[s][p]);
+                for (p, &token) in seqs[s].iter().enumerate().skip(computed[s]) {
+                    b.tokens.push(token);
                     b.positions.push(p as u32);
                     b.slots.push(slot(s, p));
                     b.layout.token_seq.push(s as u32);
@@ -608,12 +608,12 @@ mod tests {
                 computed[s] = seqs[s].len();
             }
             let got = m.forward_paged(&b, &kv).unwrap();
-            for s in 0..2 {
-                let full = m.full_logits(&crate::model::TokenBatch::padded(&[seqs[s].clone()], 0)).unwrap();
-                let want = full.get(0).unwrap().get(seqs[s].len() - 1).unwrap();
+            for (s, seq) in seqs.iter_mut().enumerate() {
+                let full = m.full_logits(&crate::model::TokenBatch::padded(std::slice::from_ref(seq), 0)).unwrap();
+                let want = full.get(0).unwrap().get(seq.len() - 1).unwrap();
                 let d = crate::kernels::testing::max_abs_diff(&got.get(s).unwrap(), &want);
                 assert!(d <= 1e-5, "step {step} sequence {s}: {d}");
-                seqs[s].push(10 + step as u32);
+                seq.push(10 + step as u32);
             }
         }
     }
