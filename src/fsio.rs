@@ -81,9 +81,20 @@ fn sync_dir(dir: &Path) {
     }
 }
 
+/// Sync `file` (at `path`)'s data to the device: an appended log made durable at a checkpoint.
+pub fn sync_file(file: &std::fs::File, path: &Path) -> io::Result<()> {
+    file.sync_data()?;
+    #[cfg(test)]
+    SYNCED.with(|s| s.borrow_mut().push(path.to_path_buf()));
+    #[cfg(not(test))]
+    let _ = path;
+    Ok(())
+}
+
 #[cfg(test)]
 thread_local! {
-    /// The folders [`sync_dir`] synced on this thread: what the tests of a rename's durability read.
+    /// The folders [`sync_dir`] synced on this thread (and the files [`sync_file`] synced): what the tests of
+    /// a rename's durability read.
     pub(crate) static SYNCED: std::cell::RefCell<Vec<PathBuf>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 

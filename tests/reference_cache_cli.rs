@@ -104,9 +104,13 @@ fn prepare_writes_the_cache_and_train_uses_it_without_the_reference_model() {
     assert_eq!(manifest["values"].as_u64().unwrap() * 4, std::fs::metadata(&values).unwrap().len());
     let written = std::fs::metadata(&values).unwrap().modified().unwrap();
 
+    // A temporary file an interrupted computation left is removed beside the fresh cache.
+    let stray = version(&prepared).join(".reference-logprobs.f32.Ab12Cd.tmp");
+    std::fs::write(&stray, b"partial").unwrap();
     let cfg = config(dir.path());
     let run = common::grpo().current_dir(common::root()).arg("train").arg("--config").arg(&cfg).assert().success();
     let log = stderr(&run);
+    assert!(!stray.exists(), "{log}");
     let fresh = format!("data in {} is up to date", prepared.display());
     assert!(log.contains(&fresh), "the prepared data was prepared again:\n{log}");
     assert!(log.contains(&format!("reference log-probs in {} are up to date", values.display())), "{log}");

@@ -782,6 +782,26 @@ fn a_resume_on_smaller_data_is_refused_within_seconds_or_restarts_the_epoch_when
     assert!(ck.ends_with("step-00000006"), "{}", ck.display());
 }
 
+/// A checkpoint whose optimizer state comes from another checkpoint (its checksum record edited to match)
+/// is refused at resume, naming the parameter, instead of replacing the model's weights with the state's.
+#[test]
+fn a_resume_refuses_master_weights_that_do_not_match_the_model() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_config(dir.path());
+    train(dir.path(), &cfg, &[]).success();
+    let ck = dir.path().join("out/checkpoints");
+    let (step2, step4) = (ck.join("step-00000002"), ck.join("step-00000004"));
+    std::fs::copy(step2.join("optimizer.safetensors"), step4.join("optimizer.safetensors")).unwrap();
+    let sums = |d: &Path| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("checksums.json")).unwrap()).unwrap()
+    };
+    let mut record = sums(&step4);
+    record["files"]["optimizer.safetensors"] = sums(&step2)["files"]["optimizer.safetensors"].clone();
+    std::fs::write(step4.join("checksums.json"), serde_json::to_vec(&record).unwrap()).unwrap();
+    let err = stderr_of(&train(dir.path(), &cfg, &["--resume", "auto", "--set", "train.max_steps=6"]).failure());
+    assert!(err.contains("come from different checkpoints") && err.contains("step-00000004"), "{err}");
+}
+
 /// A bundled config run from another directory: the missing relative path is named by its key, with
 /// where relative paths are read from, before anything is written.
 #[test]

@@ -397,7 +397,7 @@ enum Freshness {
 
 /// An earlier version of `out` (not `current`) up to date with `manifest`, made current again: what a
 /// checkpoint's data was before an edit that was then undone, kept while that checkpoint was resumed
-/// ([`versions::hold_fingerprint`]), with its reference log-prob cache. Newest first; none with `force`.
+/// ([`super::shards::hold_fingerprint`]), with its reference log-prob cache. Newest first; none with `force`.
 fn reuse_earlier(
     out: &Path,
     current: Option<&Path>,

@@ -264,14 +264,34 @@ fn data_fingerprint(head: &ManifestHead) -> String {
     crate::checksum::hash_bytes(&serde_json::to_vec(&data).unwrap_or_default())
 }
 
-/// The fingerprint ([`PreparedDataset::fingerprint`]) of the version `dir`, read from its manifest alone.
+/// The fingerprint ([`PreparedDataset::fingerprint`]) of the version `dir`, read from its manifest alone
+/// (the data files are not read).
 pub(crate) fn version_fingerprint(dir: &Path) -> Result<String, DataError> {
-    Ok(data_fingerprint(&verify_version(dir)?))
+    Ok(data_fingerprint(&read_head(dir)?))
+}
+
+/// Hold the version of `dir` whose data has `fingerprint` (a checkpoint's: [`PreparedDataset::fingerprint`]),
+/// so that no preparation removes it, or its reference log-prob cache, while the hold lasts; None when no
+/// version has it.
+pub(crate) fn hold_fingerprint(dir: &Path, fingerprint: &str) -> Option<super::versions::ReaderLock> {
+    super::versions::versions(dir)
+        .into_iter()
+        .filter(|v| version_fingerprint(v).is_ok_and(|f| f == fingerprint))
+        .find_map(|v| super::versions::hold_version(&v).ok())
 }
 
 /// Check the version in `dir`: its manifest against its checksum (versions written before it had one are
 /// read as they are), then every file against the manifest's checksums. Its manifest.
 pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
+    let head = read_head(dir)?;
+    crate::checksum::verify(dir, &head.checksums, "manifest.json")
+        .map_err(|e| DataError::Format { path: dir.to_path_buf(), message: e.to_string() })?;
+    Ok(head)
+}
+
+/// The manifest of the version `dir`, checked against its checksum, its format and the files it must
+/// record; the files themselves are not read.
+fn read_head(dir: &Path) -> Result<ManifestHead, DataError> {
     let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
     let mpath = dir.join("manifest.json");
     let text = std::fs::read_to_string(&mpath).map_err(io_err(&mpath))?;
@@ -295,7 +315,6 @@ pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
     if let Some(f) = expected.iter().find(|f| !head.checksums.contains_key(**f)) {
         return Err(bad(format!("manifest.json records no checksum of {f}")));
     }
-    crate::checksum::verify(dir, &head.checksums, "manifest.json").map_err(|e| bad(e.to_string()))?;
     Ok(head)
 }
 

@@ -194,16 +194,6 @@ pub(crate) fn remove_unused(dir: &Path, current: Option<&str>) {
     }
 }
 
-/// Hold the version of `dir` whose data has `fingerprint` (a checkpoint's: [`super::PreparedDataset::fingerprint`]),
-/// so that no preparation removes it, or its reference log-prob cache, while the hold lasts; None when no
-/// version has it.
-pub(crate) fn hold_fingerprint(dir: &Path, fingerprint: &str) -> Option<ReaderLock> {
-    versions(dir)
-        .into_iter()
-        .filter(|v| super::shards::version_fingerprint(v).is_ok_and(|f| f == fingerprint))
-        .find_map(|v| hold_version(&v).ok())
-}
-
 /// The version folders of `dir`, oldest first.
 pub(crate) fn versions(dir: &Path) -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };

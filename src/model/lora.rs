@@ -474,6 +474,8 @@ pub fn base_model(dir: &Path) -> Result<String, ModelError> {
 /// not resolve here, such as another machine's path) the same model name. An adapter that names no base
 /// is applied with a warning. The error says how to apply the adapter anyway (`allow_flag`).
 pub fn check_base(adapter: &Path, given: &str, base_dir: &Path, allow_flag: &str) -> Result<(), ModelError> {
+    // An adapter given by hub id is read from its snapshot (downloaded when needed).
+    let adapter = &super::load::resolve_adapter_dir(adapter)?;
     let Some(named) = read_config(adapter)?.base_model_name_or_path else {
         tracing::warn!(
             "{} names no base model (base_model_name_or_path): the base {given} is not checked",

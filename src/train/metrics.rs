@@ -189,11 +189,26 @@ impl MetricsLog {
         }
         Ok(())
     }
+
+    /// Make the lines written so far durable (fsync): called before each checkpoint, so that a crash of the
+    /// machine after the checkpoint cannot lose the metrics of the steps it holds.
+    pub fn sync(&self) -> Result<(), TrainError> {
+        crate::fsio::sync_file(&self.file, &self.path).map_err(io(&self.path))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sync_makes_the_written_lines_durable() {
+        let dir = tempfile::tempdir().unwrap();
+        let log = MetricsLog::open(dir.path(), None, false).unwrap();
+        crate::fsio::take_synced();
+        log.sync().unwrap();
+        assert!(crate::fsio::take_synced().contains(&dir.path().join("metrics.jsonl")));
+    }
 
     #[test]
     fn an_unreadable_metrics_file_is_an_error_and_left_as_it_is() {

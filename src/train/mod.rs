@@ -683,6 +683,9 @@ impl Run<'_> {
                     // Asked to stop after the last step's own check: its steps since the last checkpoint
                     // are saved (nothing when it holds them all, as before this segment's first step).
                     if state.step != saved_at {
+                        if let Some(m) = metrics.as_deref() {
+                            m.sync()?;
+                        }
                         let frozen = self.frozen_to_save(&state);
                         last_ckpt =
                             Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
@@ -711,6 +714,9 @@ impl Run<'_> {
                 let stop_now = self.world.any(stop.load(Ordering::SeqCst));
                 let periodic = cfg.train.save_every > 0 && state.step.is_multiple_of(cfg.train.save_every);
                 if periodic || epoch_end || run_end || stop_now {
+                    if let Some(m) = metrics.as_deref() {
+                        m.sync()?;
+                    }
                     let frozen = self.frozen_to_save(&state);
                     last_ckpt = Some(self.checkpoints.save(&self.world, &self.policy, &self.step, &state, &frozen)?);
                     saved_at = state.step;
@@ -1051,7 +1057,7 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     // The checkpoint's prepared version is held while the data is prepared and checked: a resume refused
     // because the data changed leaves it (and its reference log-prob cache) for a run on the undone edit.
     let checkpoint_data = resumed.as_ref().and_then(|(_, s)| s.data.as_deref());
-    let checkpoint_hold = checkpoint_data.and_then(|f| data::versions::hold_fingerprint(&prepared_dir(cfg), f));
+    let checkpoint_hold = checkpoint_data.and_then(|f| data::shards::hold_fingerprint(&prepared_dir(cfg), f));
     let dataset = open_groups(cfg, &model_dir, stop, &world)?;
     let steps_per_epoch = StepPlan::new(cfg, dataset.len()).steps_per_epoch;
     let resumed = match resumed {

@@ -410,6 +410,22 @@ pub enum Reduced {
     Shard(Vec<f32>),
 }
 
+/// The saved master weights of parameter `name` (cast to the model's dtype) against the checkpoint's model
+/// weights: they agree to the rounding of the save dtype (`train.save_dtype` may be coarser than the
+/// training one), or the two files come from different checkpoints, which is refused.
+fn check_agree(name: &str, master: &Tensor, model: &Tensor) -> candle_core::Result<Result<(), String>> {
+    let (a, b) = (master.to_dtype(DType::F32)?, model.to_dtype(DType::F32)?);
+    let scale = a.abs()?.max_all()?.to_scalar::<f32>()?;
+    let diff = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+    if diff <= 5e-3 * scale + 1e-6 {
+        return Ok(Ok(()));
+    }
+    Ok(Err(format!(
+        "the master weights of {name} differ from the model's by up to {diff:e} (the largest is {scale:e}): the \
+         optimizer state and the model weights come from different checkpoints"
+    )))
+}
+
 impl Optimizer {
     /// `vars[i]` is parameter i (named `names[i]`), matching the order of [`Grads`]. The state is made on
     /// the parameters' device, or in host memory with `cfg.offload`.
@@ -652,7 +668,9 @@ impl Optimizer {
                         .map_err(text)?,
                 ),
                 None => {
-                    p.var.set(&p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?).map_err(text)?
+                    let weights = p.weights().and_then(|w| w.to_device(p.var.device())).map_err(text)?;
+                    check_agree(&self.names[p.index], &weights, p.var.as_tensor()).map_err(text)??;
+                    p.var.set(&weights).map_err(text)?
                 }
             }
         }

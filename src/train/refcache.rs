@@ -234,6 +234,19 @@ fn remove_temp_values(dir: &Path) {
     }
 }
 
+/// [`remove_temp_values`] beside a fresh cache, when no other process holds the cache's lock (one that
+/// does may be writing its temporary files); otherwise they wait for a later run.
+fn remove_temp_values_if_unlocked(dir: &Path, lock_path: &Path) {
+    let Ok(file) = std::fs::OpenOptions::new().read(true).write(true).create(true).truncate(false).open(lock_path)
+    else {
+        return;
+    };
+    if file.try_lock().is_ok() {
+        remove_temp_values(dir);
+    }
+    drop(file);
+}
+
 /// The reference's log-prob of each answer token of `seqs` (prompt, answer), in order.
 fn score(model: &Decoder, seqs: &[(Arc<Vec<u32>>, Vec<u32>)]) -> Result<Vec<f32>, TrainError> {
     let full: Vec<Vec<u32>> = seqs.iter().map(|(p, r)| [p.as_slice(), r].concat()).collect();
@@ -335,15 +348,18 @@ impl ReferenceCache {
         let layout = Layout::of(dataset)?;
         let path = dir.join(VALUES_FILE);
         let fresh = check(dir, &key, &layout).ok();
+        let lock_path = dir.join(crate::data::versions::REFERENCE_LOCK);
         if !world.any(fresh.is_none()) {
             tracing::info!("reference log-probs in {} are up to date", path.display());
+            if world.is_primary() {
+                remove_temp_values_if_unlocked(dir, &lock_path);
+            }
             return Ok((Self { path, map: fresh.flatten(), layout }, false));
         }
         // Rank 0 holds the lock for the ranks (other runs, `grpo data prepare --reference`, wait on it) and
         // checks again under it; the other ranks wait in rounds, with no bound, and a stop request on any rank
         // ends the wait on every rank.
         let what = format!("computing the reference log-probs in {}", dir.display());
-        let lock_path = dir.join(crate::data::versions::REFERENCE_LOCK);
         let mut apart = crate::dist::Apart::begin(world, stop);
         let lock = world
             .is_primary()
