@@ -705,3 +705,120 @@ fn a_validation_longer_than_the_collective_timeout_completes() {
 /// New tokens per validation problem in [`a_validation_longer_than_the_collective_timeout_completes`]:
 /// enough for the tiny model's validation of 10 problems to take over 10 s on one process (a debug build).
 const VALIDATION_TOKENS: usize = 1200;
+
+/// `rollout.generation_ranks`: `extra` lines of `[rollout]` on `np` ranks whose last `generators` generate,
+/// the run of `steps` steps in `dir`; its metrics.jsonl and its log (`-v`).
+fn generation_run(
+    dir: &Path,
+    setup: &(PathBuf, PathBuf),
+    np: usize,
+    steps: usize,
+    extra: &str,
+) -> (Vec<serde_json::Value>, String) {
+    std::fs::create_dir_all(dir).unwrap();
+    let cfg = rollout_config(dir, &setup.0, &setup.1, steps, extra);
+    let o = grpo(np).args(["-v", "train", "--config"]).arg(cfg).output().unwrap();
+    let log = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "np {np} {extra:?}: {log}");
+    (common::read_jsonl(&dir.join("out/metrics.jsonl")), log)
+}
+
+/// At max_staleness = 0 a generation rank answers each step with the step's own policy, so one trainer and
+/// one generation rank train what one process trains (the same answers, streams seeded by the question),
+/// and so do two trainers (data parallel among themselves, the world split) and one generation rank. The
+/// generation rank's weights are checked against the trainer's after every transfer (checksums).
+#[test]
+fn generation_ranks_at_staleness_0_equal_one_process() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let setup = rollout_setup(d.path());
+    let (m1, _) = generation_run(&d.path().join("one"), &setup, 1, 3, "");
+    for np in [2, 3] {
+        let dir = d.path().join(format!("np{np}"));
+        let (m, log) = generation_run(&dir, &setup, np, 3, "generation_ranks = 1");
+        let diff = max_diff(&weights(&step_dir(&d.path().join("one"), 3)), &weights(&step_dir(&dir, 3)));
+        eprintln!("np {np}: max |w1 - w| after 3 steps = {diff:e}");
+        assert!(diff <= 1e-5, "np {np}: {diff}");
+        assert_eq!(m.len(), 3);
+        for (a, b) in m1.iter().zip(&m) {
+            for k in ["loss", "rollout/reward_mean", "rollout/mean_length"] {
+                let (x, y) = (a[k].as_f64().unwrap(), b[k].as_f64().unwrap());
+                assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "np {np} {k}: 1 process {x}, generation rank {y}");
+            }
+            assert_eq!(b["rollout/staleness"], serde_json::json!([32]), "np {np}: every answer of lag 0");
+            assert_eq!(b["rollout/dropped_stale"], 0);
+            assert!(a.get("rollout/staleness").is_none(), "one process writes no overlap metrics");
+        }
+        let verified = log.matches("(checksum as sent)").count();
+        assert_eq!(verified, 3 * (np - 1), "np {np}: every trainer checks every reply's weights:\n{log}");
+    }
+}
+
+/// At max_staleness = 1 step t trains on answers of the policy of step t - 1 (step 0's of the starting
+/// policy), never older, and nothing is dropped; a run resumed from its step-2 checkpoint asks again for
+/// what was in flight and keeps the bound.
+#[test]
+fn generation_ranks_at_staleness_1_lag_one_step_and_resume() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let setup = rollout_setup(d.path());
+    let dir = d.path().join("k1");
+    let extra = "generation_ranks = 1\nmax_staleness = 1";
+    let (m, _) = generation_run(&dir, &setup, 2, 2, extra);
+    let lags: Vec<_> = m.iter().map(|s| s["rollout/staleness"].clone()).collect();
+    assert_eq!(lags, vec![serde_json::json!([32, 0]), serde_json::json!([0, 32])]);
+    for s in &m {
+        assert_eq!(s["rollout/dropped_stale"], 0, "{s}");
+        for k in ["rollout/train_time", "rollout/trainer_idle", "rollout/generator_idle"] {
+            assert!(s[k].as_f64().is_some_and(|x| x >= 0.0), "{k}: {s}");
+        }
+    }
+    let cfg = rollout_config(&dir, &setup.0, &setup.1, 4, extra);
+    let o = grpo(2).args(["-q", "train", "--config"]).arg(cfg).args(["--resume", "auto"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = common::read_jsonl(&dir.join("out/metrics.jsonl"));
+    assert_eq!(m.len(), 4);
+    // Resumed at step 2: its first step's answers come from the checkpoint's own policy.
+    assert_eq!(m[2]["rollout/staleness"], serde_json::json!([32, 0]));
+    assert_eq!(m[3]["rollout/staleness"], serde_json::json!([0, 32]));
+}
+
+/// A generation rank killed mid-run stops the trainer within a minute, the job failing.
+#[test]
+fn a_killed_generation_rank_stops_the_job_within_a_minute() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let setup = rollout_setup(d.path());
+    let cfg = rollout_config(d.path(), &setup.0, &setup.1, 100_000, "generation_ranks = 1\nmax_staleness = 1");
+    let mut job = grpo(2)
+        .args(["-q", "train", "--config"])
+        .arg(cfg)
+        .args(["--set", "train.save_every=0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = d.path().join("out/metrics.jsonl");
+    let t0 = Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |s| s.lines().count() < 1) {
+        assert!(t0.elapsed() < Duration::from_secs(300), "no step finished");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The generation rank is the last one mpirun started.
+    let victim = ranks(&job).into_iter().last().expect("a rank process");
+    std::process::Command::new("kill").args(["-KILL", &victim]).status().unwrap();
+    let status = end_within_a_minute(&mut job, "after the generation rank was killed");
+    assert!(!status.success(), "the job ended successfully after its generation rank was killed");
+}
+
+/// generation_ranks must leave a rank to train.
+#[test]
+fn generation_ranks_need_a_trainer() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = rollout_setup(d.path());
+    let cfg = rollout_config(d.path(), &model, &questions, 1, "generation_ranks = 2");
+    let o = grpo(2).args(["-q", "train", "--config"]).arg(cfg).output().unwrap();
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("rollout.generation_ranks = 2 must be below the job's 2 ranks"), "{err}");
+}

@@ -82,6 +82,53 @@ pub trait Collective {
     fn barrier(&self);
     /// End every rank of the job now with `code`.
     fn abort(&self, code: i32) -> !;
+    /// Send `data` to rank `to` alone (point to point, in order, with no bound: the receiver may be busy
+    /// for as long as its work takes). Under 2 GiB; [`World::send_bytes`] cuts larger messages.
+    fn send_bytes(&self, to: usize, data: &[u8]) -> Result<(), DistError> {
+        let _ = (to, data);
+        Err(DistError::Launch(UNSUPPORTED_POINT_TO_POINT.into()))
+    }
+    /// The next message rank `from` sent this rank ([`Collective::send_bytes`]).
+    fn recv_bytes(&self, from: usize) -> Result<Vec<u8>, DistError> {
+        let _ = from;
+        Err(DistError::Launch(UNSUPPORTED_POINT_TO_POINT.into()))
+    }
+    /// The collectives of the ranks that pass the same `color` (every rank calls it), ranked in world order.
+    fn split(&self, color: usize) -> Result<Box<dyn Collective>, DistError> {
+        let _ = color;
+        Err(DistError::Launch(UNSUPPORTED_POINT_TO_POINT.into()))
+    }
+}
+
+/// What a backend without point-to-point messages says when asked for them.
+const UNSUPPORTED_POINT_TO_POINT: &str = "this job's ranks talk over NCCL's collectives, which grpo does not use \
+     for point-to-point messages: rollout.generation_ranks runs on CPU ranks over MPI (mpirun, srun); on GPUs \
+     serve the rollouts with [rollout.server] instead";
+
+/// Which ranks of a job generate (`rollout.generation_ranks`, the last ones) and which train.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Roles {
+    /// The world ranks that train, data parallel among themselves (rank 0 first).
+    pub trainers: Vec<usize>,
+    /// The world ranks that generate.
+    pub generators: Vec<usize>,
+}
+
+impl Roles {
+    /// The last `generators` of `size` ranks generate; the others train. At least one of each.
+    pub fn new(size: usize, generators: usize) -> Result<Self, DistError> {
+        if generators >= size {
+            return Err(DistError::Launch(format!(
+                "rollout.generation_ranks = {generators} must be below the job's {size} ranks: at least one rank trains"
+            )));
+        }
+        Ok(Self { trainers: (0..size - generators).collect(), generators: (size - generators..size).collect() })
+    }
+
+    /// The position of world rank `rank` among the generators, if it is one.
+    pub fn generator_index(&self, rank: usize) -> Option<usize> {
+        self.generators.iter().position(|&g| g == rank)
+    }
 }
 
 /// This process's place among the run's processes, and the collectives that join them.
@@ -215,6 +262,49 @@ impl World {
         if let Some(c) = &self.comm {
             c.barrier();
         }
+    }
+
+    /// Send `data` to rank `to` alone, in pieces of at most [`COLLECTIVE_CHUNK_BYTES`] (its length first).
+    /// One process has no one to send to.
+    pub fn send_bytes(&self, to: usize, data: &[u8]) -> Result<(), DistError> {
+        let c = self.peer(to)?;
+        c.send_bytes(to, &(data.len() as u64).to_le_bytes())?;
+        data.chunks(COLLECTIVE_CHUNK_BYTES).try_for_each(|piece| c.send_bytes(to, piece))
+    }
+
+    /// The next message of [`World::send_bytes`] from rank `from`, waiting for it with no bound.
+    pub fn recv_bytes(&self, from: usize) -> Result<Vec<u8>, DistError> {
+        let c = self.peer(from)?;
+        let len = c.recv_bytes(from)?;
+        let len = len.get(..8).and_then(|b| b.try_into().ok()).map(u64::from_le_bytes).ok_or_else(|| {
+            DistError::Launch(format!("rank {from} sent a message without its length ({} bytes)", len.len()))
+        })? as usize;
+        let mut out = Vec::with_capacity(len);
+        while out.len() < len {
+            out.extend_from_slice(&c.recv_bytes(from)?);
+        }
+        Ok(out)
+    }
+
+    fn peer(&self, other: usize) -> Result<&dyn Collective, DistError> {
+        match &self.comm {
+            Some(c) if other < self.size && other != self.rank => Ok(c.as_ref()),
+            _ => Err(DistError::Launch(format!("rank {} of {} cannot message rank {other}", self.rank, self.size))),
+        }
+    }
+
+    /// The world of the ranks in `members` (world ranks, ascending; this rank among them): every rank of the
+    /// world calls it at the same point, each with its own group. A group of one is a single process.
+    pub fn split(&self, members: &[usize]) -> Result<World, DistError> {
+        let rank = members.iter().position(|&r| r == self.rank).ok_or_else(|| {
+            DistError::Launch(format!("rank {} is not among the ranks {members:?} of its group", self.rank))
+        })?;
+        let comm = match &self.comm {
+            Some(c) => Some(c.split(members[0])?),
+            None => None,
+        };
+        let comm = if members.len() == 1 { None } else { comm };
+        Ok(World { rank, size: members.len(), local_rank: self.local_rank, comm })
     }
 
     /// After an error on this rank: end every rank now (a collective would otherwise wait for this one

@@ -3,6 +3,7 @@
 //! rank (MPI_Abort), naming this one and the collective, when one has not finished within
 //! GRPO_DIST_TIMEOUT_S ([`super::collective_timeout`]).
 
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,17 +11,19 @@ use std::time::{Duration, Instant};
 use mpi::collective::SystemOperation;
 use mpi::datatype::PartitionMut;
 use mpi::environment::Universe;
-use mpi::topology::SimpleCommunicator;
+use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
 use super::{Collective, DistError};
 
-/// MPI, initialised once for the process; finalised when dropped.
+/// MPI, initialised once for the process and finalised when the last communicator is dropped: the world's,
+/// or a group's ([`Collective::split`]).
 pub(super) struct Mpi {
     // Declared before the universe: dropped first.
     world: SimpleCommunicator,
-    _universe: Universe,
+    universe: Rc<Universe>,
     watch: Arc<Watch>,
+    rank: usize,
 }
 
 /// What the watchdog sees: when the collective in flight began (milliseconds since `origin`, plus one; 0
@@ -88,7 +91,7 @@ impl Mpi {
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
         let watch = Watch::start(rank, super::collective_timeout());
-        Ok((Self { world, _universe: universe, watch }, rank, size))
+        Ok((Self { world, universe: Rc::new(universe), watch, rank }, rank, size))
     }
 }
 
@@ -145,5 +148,25 @@ impl Collective for Mpi {
 
     fn abort(&self, code: i32) -> ! {
         self.world.abort(code)
+    }
+
+    fn send_bytes(&self, to: usize, data: &[u8]) -> Result<(), DistError> {
+        let to = i32::try_from(to).map_err(|_| DistError::Launch(format!("no rank {to}")))?;
+        self.world.process_at_rank(to).send(data);
+        Ok(())
+    }
+
+    fn recv_bytes(&self, from: usize) -> Result<Vec<u8>, DistError> {
+        let from = i32::try_from(from).map_err(|_| DistError::Launch(format!("no rank {from}")))?;
+        Ok(self.world.process_at_rank(from).receive_vec::<u8>().0)
+    }
+
+    fn split(&self, color: usize) -> Result<Box<dyn Collective>, DistError> {
+        let value = i32::try_from(color).map_err(|_| DistError::Launch(format!("group colour {color}")))?;
+        let comm = self.watch.run("MPI_Comm_split", || self.world.split_by_color(Color::with_value(value)));
+        let comm =
+            comm.ok_or_else(|| DistError::Launch(format!("rank {}: MPI_Comm_split gave no group", self.rank)))?;
+        let watch = Watch::start(self.rank, super::collective_timeout());
+        Ok(Box::new(Mpi { world: comm, universe: self.universe.clone(), watch, rank: self.rank }))
     }
 }

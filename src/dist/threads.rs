@@ -1,14 +1,18 @@
 //! Ranks as threads of one process, joined by in-memory collectives: how unit tests run the several ranks
 //! of a run without a launcher. Only the collectives that work on bytes and f64 are provided.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Barrier, Condvar, Mutex};
 
-use super::{Collective, World};
+use super::{Collective, DistError, World};
 
-/// What the threads share: each rank's last contribution, and the barrier they meet at.
+/// What the threads share: each rank's last contribution, the barrier they meet at, and the messages sent
+/// from one rank to another and not yet received, by (from, to).
 struct Shared {
     slots: Mutex<Vec<Vec<u8>>>,
     barrier: Barrier,
+    mail: Mutex<HashMap<(usize, usize), VecDeque<Vec<u8>>>>,
+    posted: Condvar,
 }
 
 /// One rank's end of the in-memory collectives ([`ranks`]); sent to its thread, made a [`World`] there.
@@ -20,7 +24,12 @@ pub(crate) struct Rank {
 
 /// The `size` ranks of a world of threads.
 pub(crate) fn ranks(size: usize) -> Vec<Rank> {
-    let shared = Arc::new(Shared { slots: Mutex::new(vec![Vec::new(); size]), barrier: Barrier::new(size) });
+    let shared = Arc::new(Shared {
+        slots: Mutex::new(vec![Vec::new(); size]),
+        barrier: Barrier::new(size),
+        mail: Mutex::new(HashMap::new()),
+        posted: Condvar::new(),
+    });
     (0..size).map(|rank| Rank { rank, size, shared: shared.clone() }).collect()
 }
 
@@ -72,5 +81,19 @@ impl Collective for Rank {
     }
     fn abort(&self, code: i32) -> ! {
         panic!("rank {} aborted with {code}", self.rank)
+    }
+    fn send_bytes(&self, to: usize, data: &[u8]) -> Result<(), DistError> {
+        self.shared.mail.lock().unwrap().entry((self.rank, to)).or_default().push_back(data.to_vec());
+        self.shared.posted.notify_all();
+        Ok(())
+    }
+    fn recv_bytes(&self, from: usize) -> Result<Vec<u8>, DistError> {
+        let mut mail = self.shared.mail.lock().unwrap();
+        loop {
+            if let Some(m) = mail.get_mut(&(from, self.rank)).and_then(|q| q.pop_front()) {
+                return Ok(m);
+            }
+            mail = self.shared.posted.wait(mail).unwrap();
+        }
     }
 }

@@ -33,6 +33,7 @@
 mod correction;
 mod options;
 mod questions;
+mod remote;
 mod sample;
 mod server;
 mod share;
@@ -40,6 +41,7 @@ mod share;
 pub use correction::IsMode;
 pub use options::RolloutOptions;
 pub use questions::{load_questions, GroupSource};
+pub use remote::{serve_generation, stop_generation, OverlapMetrics};
 pub use sample::{behaviour_logprobs, sample_groups, RolloutMetrics};
 pub use server::Reload;
 
@@ -95,6 +97,8 @@ pub struct Rollouts {
     server_synced: bool,
     /// The ranks that share each batch's questions (see [`share`]).
     world: Rc<World>,
+    /// rollout.generation_ranks: the trainers' end of the ranks that generate (see [`remote`]).
+    remote: Option<remote::Remote>,
 }
 
 impl Rollouts {
@@ -102,7 +106,32 @@ impl Rollouts {
     /// forward.
     pub fn new(options: RolloutOptions, tok: ChatTokenizer, seed: u64, micro: usize) -> Self {
         let world = Rc::new(World::single());
-        Self { options, tok, seed, micro: micro.max(1), sampler: None, serving: None, server_synced: false, world }
+        let micro = micro.max(1);
+        Self { options, tok, seed, micro, sampler: None, serving: None, server_synced: false, world, remote: None }
+    }
+
+    /// Take the answers from the generation ranks of `job` (split into trainers and generators by
+    /// `roles`) for a run of `total_steps` steps of the model in `model_dir`, which they are told to load.
+    pub fn generate_on(
+        &mut self,
+        job: Rc<World>,
+        roles: crate::dist::Roles,
+        total_steps: usize,
+        model_dir: &std::path::Path,
+    ) -> Result<(), RolloutError> {
+        let remote = remote::Remote::new(job, roles, &self.options, total_steps);
+        remote.announce(model_dir)?;
+        self.remote = Some(remote);
+        Ok(())
+    }
+
+    /// The end of the run's steps (or of this segment of them): the generation ranks' answers still in
+    /// flight taken in, and the ranks told to stop.
+    pub fn finish(&mut self) -> Result<(), RolloutError> {
+        match &mut self.remote {
+            Some(r) => r.finish(),
+            None => Ok(()),
+        }
     }
 
     /// Sample as one rank of `world`: this rank's share of each batch's questions, from its own server
@@ -141,7 +170,8 @@ impl Rollouts {
 
     /// Step `ctx.step`: refresh the sampling copy when due, sample and score the rollouts of `questions`
     /// (with `filter_groups`, refilled from `more(k)`, the k-th batch of new questions), and make
-    /// `updates_per_batch` updates of `policy` on them. Returns the updates' combined report and the
+    /// `updates_per_batch` updates of `policy` on them. With generation ranks the answers come from them,
+    /// asked `ahead(s)`'s questions of step s ahead of time. Returns the updates' combined report and the
     /// rollouts' metrics.
     #[allow(clippy::too_many_arguments)]
     pub fn step(
@@ -151,9 +181,15 @@ impl Rollouts {
         train: &mut TrainStep,
         questions: &[Group],
         more: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
+        ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
         lr: f64,
         ctx: StepContext,
     ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
+        if let Some(mut remote) = self.remote.take() {
+            let out = self.step_remote(&mut remote, policy, reference, train, ahead, lr, ctx);
+            self.remote = Some(remote);
+            return out;
+        }
         let (groups, mut metrics) = if self.options.filter_groups {
             self.refresh(policy, ctx.step)?;
             let max = self.options.max_num_gen_batches;
@@ -166,6 +202,32 @@ impl Rollouts {
         };
         let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
         metrics.updates = reports.len();
+        Ok((combine(reports), metrics))
+    }
+
+    /// [`Rollouts::step`] on the generation ranks' answers: this step's taken (waiting for them when they
+    /// are not in yet), the updates made, and the new weights and the next questions sent.
+    #[allow(clippy::too_many_arguments)]
+    fn step_remote(
+        &mut self,
+        remote: &mut remote::Remote,
+        policy: &Decoder,
+        reference: Option<&Decoder>,
+        train: &mut TrainStep,
+        ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
+        lr: f64,
+        ctx: StepContext,
+    ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
+        self.refresh(policy, ctx.step)?;
+        let sampler = self.sampler.as_ref().unwrap_or(policy);
+        let (groups, mut metrics, mut overlap) = remote.take(ctx.step, sampler, ahead)?;
+        let t = Instant::now();
+        let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
+        overlap.train_time = t.elapsed().as_secs_f64();
+        let version = ctx.step + 1;
+        remote.updated(version, version.is_multiple_of(self.options.refresh_every()).then_some(policy), ahead)?;
+        metrics.updates = reports.len();
+        metrics.overlap = Some(overlap);
         Ok((combine(reports), metrics))
     }
 

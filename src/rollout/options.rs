@@ -104,6 +104,19 @@ pub struct RolloutOptions {
     #[serde(alias = "vllm_importance_sampling_cap")]
     #[arg(long = "rollout-importance-sampling-cap", default_value_t = 3.0)]
     pub importance_sampling_cap: f32,
+    /// Bounded staleness (TRL's `max_staleness`, verl's `staleness_threshold`): the answers a step t trains
+    /// on may come from any sampling policy of steps t-k..t, so that generation overlaps training (on
+    /// `generation_ranks` or a `[rollout.server]`). Each answer carries the policy version that wrote it;
+    /// older ones are dropped and counted. Composes with sync_every: an answer may then be up to
+    /// k + sync_every - 1 updates old. 0: generate, then train, in turn.
+    #[arg(long = "rollout-max-staleness", default_value_t = 0)]
+    pub max_staleness: usize,
+    /// In a job of several ranks (mpirun, srun), the last this many ranks generate the rollouts with the
+    /// native engine while the others train, data parallel among themselves; after each refresh the
+    /// trainers send the new weights (the adapters alone with LoRA) and the answers travel back with their
+    /// versions. 0: every rank samples its share, then trains.
+    #[arg(long = "rollout-generation-ranks", default_value_t = 0)]
+    pub generation_ranks: usize,
     /// How the native engine schedules the answers (`[rollout.generation]`; batch_size sequences at a time).
     #[arg(skip)]
     pub generation: crate::generate::GenerationOptions,
@@ -133,6 +146,8 @@ impl Default for RolloutOptions {
             importance_sampling_correction: false,
             importance_sampling_mode: IsMode::TokenTruncate,
             importance_sampling_cap: 3.0,
+            max_staleness: 0,
+            generation_ranks: 0,
             generation: crate::generate::GenerationOptions::default(),
         }
     }
@@ -247,7 +262,44 @@ impl RolloutOptions {
         if self.questions.is_some() && !self.prompt_template.contains("{problem}") {
             return Err(format!("rollout.prompt_template = `{}` has no {{problem}} placeholder", self.prompt_template));
         }
-        self.validate_server()
+        self.validate_server()?;
+        self.validate_overlap()
+    }
+
+    /// `max_staleness` and `generation_ranks`: the overlap needs something that generates while the trainer
+    /// trains, and a generator that keeps up with the weights.
+    fn validate_overlap(&self) -> Result<(), String> {
+        if self.max_staleness > 0 && self.generation_ranks == 0 && !self.uses_server() {
+            return Err(format!(
+                "rollout.max_staleness = {} overlaps generation with training, which needs rollout.generation_ranks \
+                 >= 1 (in a job of several ranks) or a [rollout.server]; one process with the native engine \
+                 generates and trains in turn (leave max_staleness out)",
+                self.max_staleness
+            ));
+        }
+        if self.max_staleness > 0 && self.uses_server() && self.reload == Reload::None {
+            return Err(format!(
+                "rollout.max_staleness = {} with rollout.reload = \"none\": a server that cannot reload its \
+                 weights keeps the starting policy, so its answers grow older than any staleness bound; set \
+                 rollout.reload to the server's reload (sglang, vllm, vllm-lora, sglang-lora)",
+                self.max_staleness
+            ));
+        }
+        if self.generation_ranks > 0 && self.uses_server() {
+            return Err(format!(
+                "rollout.generation_ranks = {} with a [rollout.server]: the answers come either from generation \
+                 ranks (the native engine) or from the server; leave one out",
+                self.generation_ranks
+            ));
+        }
+        if self.generation_ranks > 0 && self.filter_groups {
+            return Err(format!(
+                "rollout.generation_ranks = {} with rollout.filter_groups: dynamic sampling draws its refills \
+                 from the groups just scored, which the generation ranks cannot look ahead to; leave one out",
+                self.generation_ranks
+            ));
+        }
+        Ok(())
     }
 
     /// `[rollout.server]` and `reload`: a reload needs a server, a server that cannot reload keeps the

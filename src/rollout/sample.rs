@@ -85,6 +85,10 @@ pub struct RolloutMetrics {
     /// The fraction of them above the cap: truncated to it (`*_truncate`) or masked (`*_mask`).
     #[serde(rename = "rollout/importance_sampling_capped_fraction", skip_serializing_if = "Option::is_none")]
     pub is_capped_fraction: Option<f64>,
+    /// Generation overlapped with training (rollout.generation_ranks): the answers' staleness and each
+    /// side's time.
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    pub overlap: Option<super::remote::OverlapMetrics>,
 }
 
 /// Two batches' values of an optional metric: `f` of both, or the one present.
@@ -143,6 +147,7 @@ impl RolloutMetrics {
             is_ratio_mean: either(self.is_ratio_mean, o.is_ratio_mean, mean),
             is_ratio_max: either(self.is_ratio_max, o.is_ratio_max, f64::max),
             is_capped_fraction: either(self.is_capped_fraction, o.is_capped_fraction, mean),
+            overlap: self.overlap.clone().or_else(|| o.overlap.clone()),
         };
     }
 
@@ -351,6 +356,7 @@ pub(super) fn score_groups(
         is_ratio_mean: ratios.map(|r| r.mean),
         is_ratio_max: ratios.map(|r| r.max),
         is_capped_fraction: ratios.map(|r| r.capped_fraction),
+        overlap: None,
     };
     Ok((out, metrics))
 }

@@ -51,7 +51,14 @@ pub(super) fn gather(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let metrics = RolloutMetrics::over_ranks(shares.iter().map(|s| &s.metrics));
-    let mut answers: Vec<_> = shares.into_iter().map(|s| s.answers.into_iter()).collect();
+    let out = assemble(questions, shares.into_iter().map(|s| s.answers).collect())?;
+    Ok((out, metrics))
+}
+
+/// The groups of `questions` with the answers of `shares` (share r: the answers of questions r, r + N, ...
+/// in order, N the number of shares): question i's from share i mod N.
+pub(super) fn assemble(questions: &[Group], shares: Vec<Vec<Vec<Answer>>>) -> Result<Vec<Group>, RolloutError> {
+    let mut answers: Vec<_> = shares.into_iter().map(|s| s.into_iter()).collect();
     let n = answers.len();
     let out = questions
         .iter()
@@ -66,7 +73,7 @@ pub(super) fn gather(
     if let Some(rank) = answers.iter_mut().position(|a| a.next().is_some()) {
         return Err(RolloutError::Invalid(format!("rank {rank} sent answers for more questions than it was given")));
     }
-    Ok((out, metrics))
+    Ok(out)
 }
 
 /// What one rank sends: the answers of each of its questions, in order, and its metrics.
@@ -77,8 +84,8 @@ struct Share {
 }
 
 /// A [`Response`] on the wire, its f32 values as bit patterns (exact whatever the JSON number formatting).
-#[derive(Serialize, Deserialize)]
-struct Answer {
+#[derive(Clone, Serialize, Deserialize)]
+pub(super) struct Answer {
     tokens: Vec<u32>,
     reward: u32,
     answer: Option<String>,

@@ -224,6 +224,26 @@ fn refill(
         .collect()
 }
 
+/// The questions of step `s` of a run at step `at.0` (epoch `at.1`, batch `at.2` of it): the batch
+/// `s - at.0` batches on in the epochs' orders, as [`Run::train_batch`] will take it.
+fn questions_at(
+    dataset: &GroupSource,
+    cfg: &TrainConfig,
+    steps_per_epoch: usize,
+    at: (usize, usize, usize),
+    s: usize,
+) -> Result<Vec<data::Group>, crate::rollout::RolloutError> {
+    let (step, epoch, batch) = at;
+    let b = batch + s.saturating_sub(step);
+    let (epoch, b) = (epoch + b / steps_per_epoch.max(1), b % steps_per_epoch.max(1));
+    let order = epoch_order(dataset.len(), cfg.train.seed, epoch, cfg.data.shuffle);
+    let bq = cfg.train.batch_questions;
+    order[(b * bq).min(order.len())..((b + 1) * bq).min(order.len())]
+        .iter()
+        .map(|&i| dataset.group(i).map_err(|e| crate::rollout::RolloutError::Invalid(e.to_string())))
+        .collect()
+}
+
 /// The model folder to start from, creating the tiny model of the config when asked.
 fn ensure_model(cfg: &TrainConfig) -> Result<PathBuf, TrainError> {
     let p = Path::new(&cfg.model.path);
@@ -546,8 +566,11 @@ impl Run<'_> {
         let (report, rollout) = match &mut self.rollouts {
             Some(r) => {
                 let mut more = |k: usize| refill(dataset, bq, cfg.train.seed, state.step, k);
+                let at = (state.step, state.epoch, state.batch_in_epoch);
+                let mut ahead = |s: usize| questions_at(dataset, cfg, plan.steps_per_epoch, at, s);
                 let reference = self.reference.as_ref();
-                let (report, m) = r.step(&self.policy, reference, &mut self.step, &groups, &mut more, lr, ctx)?;
+                let (policy, train) = (&self.policy, &mut self.step);
+                let (report, m) = r.step(policy, reference, train, &groups, &mut more, &mut ahead, lr, ctx)?;
                 (report, Some(m))
             }
             None => {
@@ -1011,7 +1034,11 @@ fn check_plan(
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
     let world = Rc::new(World::from_env(cfg.model.device.starts_with("cuda"))?);
-    let result = train_in(cfg, opts, stop, world.clone());
+    let generators = cfg.rollout.as_ref().map_or(0, |r| r.generation_ranks);
+    let result = match generators {
+        0 => train_in(cfg, opts, stop, world.clone(), None),
+        n => with_generation_ranks(cfg, opts, stop, &world, n),
+    };
     if let Err(e) = &result {
         if e.interrupted().is_none() {
             world.abort_on_error(e);
@@ -1020,9 +1047,59 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<
     result
 }
 
+/// [`train`] in a job whose last `generators` ranks generate the rollouts (rollout.generation_ranks): the
+/// world split into trainers, which train as a job of their own, and generation ranks, which answer
+/// trainer rank 0's requests ([`crate::rollout::serve_generation`]).
+fn with_generation_ranks(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    stop: &AtomicBool,
+    world: &Rc<World>,
+    generators: usize,
+) -> Result<Outcome, TrainError> {
+    let roles = crate::dist::Roles::new(world.size(), generators)?;
+    if let Some(i) = roles.generator_index(world.rank()) {
+        let _group = world.split(&roles.generators)?;
+        tracing::debug!("rank {}: generation rank {i}", world.rank());
+        return generate_in(cfg, world, &roles);
+    }
+    let trainers = Rc::new(world.split(&roles.trainers)?);
+    let outcome = train_in(cfg, opts, stop, trainers, Some((world.clone(), roles.clone())))?;
+    if outcome.already_complete {
+        crate::rollout::stop_generation(world, &roles)?;
+    }
+    Ok(outcome)
+}
+
+/// A generation rank: the sampling policy loaded as the trainers load the policy, then every request of
+/// trainer rank 0 answered with the weights it last sent, until the run ends.
+fn generate_in(cfg: &TrainConfig, world: &World, roles: &crate::dist::Roles) -> Result<Outcome, TrainError> {
+    let cfg = &cfg.for_rank(world)?;
+    cfg.validate()?;
+    let r = cfg.rollout.as_ref().ok_or_else(|| TrainError::Stopped("generation ranks need [rollout]".into()))?;
+    let device = model::parse_device(&cfg.model.device)?;
+    let dtype = model::parse_dtype(&cfg.model.dtype)?;
+    let load = |dir: &Path| {
+        let invalid = |e: TrainError| crate::rollout::RolloutError::Invalid(e.to_string());
+        let mut policy = load_policy(cfg, dir, None, (dtype, &device)).map_err(invalid)?;
+        policy.options = cfg.model.decoder_options();
+        let tok = ChatTokenizer::load(dir).map_err(ModelError::from)?;
+        Ok((policy, tok))
+    };
+    let batches = crate::rollout::serve_generation(world, roles, r, cfg.train.seed, cfg.train.micro_batch_size, load)?;
+    tracing::info!("generation rank {}: answered {batches} batches", world.rank());
+    Ok(Outcome::new(TrainerState::default(), None, false))
+}
+
 /// [`train`] as one rank of `world`: rank 0 holds the output folder's lock and writes the run's files; every
 /// rank prepares (or waits for) the data and the reference cache and trains on its share of each batch.
-fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<World>) -> Result<Outcome, TrainError> {
+fn train_in(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    stop: &AtomicBool,
+    world: Rc<World>,
+    generation: Option<(Rc<World>, crate::dist::Roles)>,
+) -> Result<Outcome, TrainError> {
     let cfg = &cfg.for_rank(&world)?;
     let primary = world.is_primary();
     cfg.validate()?;
@@ -1078,6 +1155,10 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     run.step.share_with(world.clone())?;
     if let Some(r) = &mut run.rollouts {
         r.share_with(world.clone());
+        if let Some((job, roles)) = generation {
+            let total_steps = StepPlan::new(cfg, dataset.len()).total_steps;
+            r.generate_on(job, roles, total_steps, &run.checkpoints.model_dir)?;
+        }
     }
     run.world = world;
     // `model.keep_logits = "auto"` is the plan's to decide (cost::memory::run_plan).
@@ -1096,6 +1177,9 @@ fn train_in(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool, world: Rc<W
     let mut outcome = run
         .train_epochs(&dataset, state, metrics.as_mut(), resume_from, stop)
         .map_err(|e| oom::classify(e, run.memory_plan.as_ref(), cfg, run.policy.device()))?;
+    if let Some(r) = &mut run.rollouts {
+        r.finish()?;
+    }
     if primary {
         outcome.summary = Some(write_summary(cfg, &outcome, dataset.len(), started, resumed_from_step)?);
     }
