@@ -422,84 +422,6 @@ fn rollouts_are_split_across_ranks_and_equal_one_process() {
     }
 }
 
-/// An OpenAI-compatible server in Python's standard library: `/v1/completions` answers each of the `n`
-/// choices with "7" or "3" (by the prompt's hash and the choice's index) and `/update_weights_from_disk`
-/// (SGLang's reload) answers 200; every request's prompt or model_path goes to the log file (argv[1]),
-/// one line each; the port is printed first.
-const SCRIPTED_SERVER: &str = r#"
-import http.server, json, sys, time, zlib
-log = open(sys.argv[1], "a", buffering=1)
-delay = float(sys.argv[2]) if len(sys.argv) > 2 else 0.0
-class H(http.server.BaseHTTPRequestHandler):
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        if self.path.endswith("/completions"):
-            time.sleep(delay)
-            log.write("prompt " + json.dumps(body["prompt"]) + "\n")
-            h = zlib.crc32(body["prompt"].encode())
-            choices = [{"index": i, "text": "7" if (h + i) % 3 else "3", "finish_reason": "stop"} for i in range(body["n"])]
-            out = {"choices": choices}
-        else:
-            log.write("reload " + body.get("model_path", "") + "\n")
-            out = {"success": True}
-        data = json.dumps(out).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-    def log_message(self, *a):
-        pass
-s = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-print(s.server_address[1], flush=True)
-s.serve_forever()
-"#;
-
-/// A running scripted server, killed when dropped.
-struct Scripted {
-    child: std::process::Child,
-    port: u16,
-    log: PathBuf,
-}
-
-impl Drop for Scripted {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Scripted {
-    fn start(dir: &Path, name: &str) -> Option<Scripted> {
-        Self::start_slow(dir, name, 0.0)
-    }
-
-    /// A server that answers each completion request after `delay` seconds.
-    fn start_slow(dir: &Path, name: &str, delay: f64) -> Option<Scripted> {
-        use std::io::BufRead;
-        let script = dir.join("server.py");
-        std::fs::write(&script, SCRIPTED_SERVER).unwrap();
-        let log = dir.join(format!("{name}.log"));
-        let child = std::process::Command::new("python3")
-            .arg(&script)
-            .arg(&log)
-            .arg(delay.to_string())
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .map_err(|e| eprintln!("SKIPPED: python3 for the scripted server: {e}"))
-            .ok()?;
-        let mut server = Scripted { child, port: 0, log };
-        let mut line = String::new();
-        std::io::BufReader::new(server.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-        server.port = line.trim().parse().expect("the scripted server's port");
-        Some(server)
-    }
-
-    fn lines(&self) -> Vec<String> {
-        std::fs::read_to_string(&self.log).unwrap_or_default().lines().map(String::from).collect()
-    }
-}
-
 /// `[rollout.server]` on 2 ranks with one server each (base_url lists two): each server receives only its
 /// rank's share of every batch's questions, the shares together are each batch's questions once, and each
 /// server is told to reload the sampling weights that rank 0 saved, once per refresh.
@@ -508,7 +430,9 @@ fn each_rank_samples_its_questions_from_its_own_server() {
     let Some(_) = mpirun() else { return };
     let d = tempfile::tempdir().unwrap();
     let (model, questions) = rollout_setup(d.path());
-    let (Some(a), Some(b)) = (Scripted::start(d.path(), "a"), Scripted::start(d.path(), "b")) else { return };
+    let (Some(a), Some(b)) = (common::Scripted::start(d.path(), "a"), common::Scripted::start(d.path(), "b")) else {
+        return;
+    };
     let server = format!(
         "reload = \"sglang\"\n[rollout.server]\nengine = \"openai\"\nserved_model = \"m\"\n\
          base_url = \"http://127.0.0.1:{}/v1,http://127.0.0.1:{}/v1\"",
@@ -525,7 +449,7 @@ fn each_rank_samples_its_questions_from_its_own_server() {
         assert!(reloads.iter().all(|l| Path::new(&l["reload ".len()..]) == policy), "server {name}: {reloads:?}");
         assert_eq!(lines.len(), 2 + 2 * 2, "server {name}: 2 reloads and 2 questions per step: {lines:?}");
     }
-    let prompts = |s: &Scripted| -> std::collections::BTreeSet<String> {
+    let prompts = |s: &common::Scripted| -> std::collections::BTreeSet<String> {
         s.lines().into_iter().filter(|l| l.starts_with("prompt ")).collect()
     };
     let (pa, pb) = (prompts(&a), prompts(&b));
@@ -546,7 +470,8 @@ fn a_rollout_server_slower_than_the_collective_timeout_does_not_end_the_run() {
     let Some(_) = mpirun() else { return };
     let d = tempfile::tempdir().unwrap();
     let (model, questions) = rollout_setup(d.path());
-    let (Some(a), Some(b)) = (Scripted::start(d.path(), "a"), Scripted::start_slow(d.path(), "b", 7.0)) else {
+    let (Some(a), Some(b)) = (common::Scripted::start(d.path(), "a"), common::Scripted::start_slow(d.path(), "b", 7.0))
+    else {
         return;
     };
     let server = format!(

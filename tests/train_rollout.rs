@@ -250,3 +250,106 @@ fn the_seed_configs_check_and_the_on_policy_arm_runs_on_the_cpu_as_the_readme_sa
     assert!(m[1]["rollout/mean_length"].as_f64().unwrap() > 0.0, "{}", m[1]);
     assert!(m[1]["validation/score"].as_f64().is_some(), "the run's end validates: {}", m[1]);
 }
+
+/// The config of `config` with `[rollout]` lines `extra` and answers from `server` (SGLang's reload).
+fn server_config(
+    dir: &Path,
+    model: &Path,
+    questions: &Path,
+    steps: usize,
+    server: &common::Scripted,
+    extra: &str,
+) -> PathBuf {
+    let p = config(dir, model, questions, 0.03, steps);
+    let text = std::fs::read_to_string(&p).unwrap().replace(
+        "fallbacks = true\n",
+        &format!(
+            "fallbacks = true\nreload = \"sglang\"\n{extra}\n[rollout.server]\nengine = \"openai\"\nserved_model = \"m\"\n\
+             base_url = \"http://127.0.0.1:{}/v1\"\n",
+            server.port
+        ),
+    );
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+/// The staleness histograms of a run's steps.
+fn staleness(out: &Path) -> Vec<Vec<u64>> {
+    common::read_jsonl(&out.join("metrics.jsonl"))
+        .iter()
+        .map(|m| m["rollout/staleness"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect())
+        .collect()
+}
+
+/// With rollout.max_staleness = k and a server whose answers take random times, the requests of the next
+/// k steps are in flight while a step trains: step t's answers come from the weights the server held k
+/// steps earlier (the first steps' from the starting weights), never older, none dropped; the server is
+/// told to reload after every update.
+#[test]
+fn a_server_kept_busy_answers_at_most_k_steps_behind() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = setup(d.path());
+    for k in [1usize, 2] {
+        let dir = d.path().join(format!("k{k}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let Some(server) = common::Scripted::start_random(&dir, "s", 0.2) else { return };
+        let cfg = server_config(&dir, &model, &questions, 5, &server, &format!("max_staleness = {k}"));
+        train(&cfg, &[]).success();
+        let out = dir.join("out");
+        let lags = staleness(&out);
+        assert_eq!(lags.len(), 5);
+        for (t, h) in lags.iter().enumerate() {
+            let lag = t.min(k);
+            let mut want = vec![0u64; k + 1];
+            want[lag] = 32;
+            assert_eq!(h, &want, "k {k} step {t}: {lags:?}");
+        }
+        for m in common::read_jsonl(&out.join("metrics.jsonl")) {
+            assert_eq!(m["rollout/dropped_stale"], 0, "{m}");
+        }
+        let reloads = server.lines().iter().filter(|l| l.starts_with("reload ")).count();
+        // The start, then after each update whose version a later step's answers come from.
+        assert_eq!(reloads, 1 + (5 - k - 1).max(0), "k {k}: {:?}", server.lines());
+    }
+}
+
+/// A run at max_staleness = 1 killed mid-way (a step's requests in flight) resumes from its last
+/// checkpoint by asking the server again for what was in flight: with a server whose answers depend only on
+/// the request, it ends with the weights and the losses of the uninterrupted run.
+#[test]
+fn a_server_run_at_staleness_1_killed_mid_way_resumes_as_the_uninterrupted_run() {
+    let d = tempfile::tempdir().unwrap();
+    let (model, questions) = setup(d.path());
+    let Some(server) = common::Scripted::start_random(d.path(), "s", 0.05) else { return };
+    let every = ["--set", "train.save_every=1"];
+    let config_in = |name: &str| {
+        let dir = d.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        (server_config(&dir, &model, &questions, 6, &server, "max_staleness = 1"), dir.join("out"))
+    };
+    let (cfg_a, a) = config_in("a");
+    train(&cfg_a, &every).success();
+    let (cfg_c, c) = config_in("c");
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+        .current_dir(common::root())
+        .args(["-q", "train", "--config"])
+        .arg(&cfg_c)
+        .args(every)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(c.join("metrics.jsonl")).map_or(true, |s| s.lines().count() < 3) {
+        assert!(t0.elapsed().as_secs() < 120, "no step finished");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    std::process::Command::new("kill").args(["-KILL", &child.id().to_string()]).status().unwrap();
+    child.wait().unwrap();
+    train(&cfg_c, &[&every[..], &["--resume", "auto"]].concat()).success();
+    let w = |o: &Path| std::fs::read(o.join("checkpoints/step-00000006/model.safetensors")).unwrap();
+    assert!(w(&a) == w(&c), "the resumed run's weights differ from the uninterrupted run's");
+    let losses = |o: &Path| -> Vec<Value> {
+        common::read_jsonl(&o.join("metrics.jsonl")).iter().map(|m| m["loss"].clone()).collect()
+    };
+    assert_eq!(losses(&a), losses(&c));
+}

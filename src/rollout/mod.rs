@@ -30,6 +30,7 @@
 //! KV-cache sampler's) is compared with the behaviour forward's, and each sampled token's policy loss
 //! is weighted by the truncated or masked ratio (TIS / MIS, see [`correction`]).
 
+mod ahead;
 mod correction;
 mod options;
 mod questions;
@@ -47,6 +48,7 @@ pub use server::Reload;
 
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use crate::data::Group;
@@ -85,7 +87,7 @@ impl From<crate::generate::GenerateError> for RolloutError {
 /// sampling policy's copy when it lags.
 pub struct Rollouts {
     options: RolloutOptions,
-    tok: ChatTokenizer,
+    tok: Arc<ChatTokenizer>,
     seed: u64,
     /// Sequences per behaviour forward.
     micro: usize,
@@ -99,6 +101,10 @@ pub struct Rollouts {
     world: Rc<World>,
     /// rollout.generation_ranks: the trainers' end of the ranks that generate (see [`remote`]).
     remote: Option<remote::Remote>,
+    /// A server with rollout.max_staleness >= 1: the requests in flight (see [`ahead`]).
+    ahead: ahead::Ahead,
+    /// The run's steps: no step at or past it is asked for ahead of time.
+    total_steps: usize,
 }
 
 impl Rollouts {
@@ -106,20 +112,36 @@ impl Rollouts {
     /// forward.
     pub fn new(options: RolloutOptions, tok: ChatTokenizer, seed: u64, micro: usize) -> Self {
         let world = Rc::new(World::single());
-        let micro = micro.max(1);
-        Self { options, tok, seed, micro, sampler: None, serving: None, server_synced: false, world, remote: None }
+        Self {
+            options,
+            tok: Arc::new(tok),
+            seed,
+            micro: micro.max(1),
+            sampler: None,
+            serving: None,
+            server_synced: false,
+            world,
+            remote: None,
+            ahead: ahead::Ahead::default(),
+            total_steps: usize::MAX,
+        }
+    }
+
+    /// The run has `total_steps` steps: what is asked for ahead of time (rollout.max_staleness) stops there.
+    pub fn run_for(&mut self, total_steps: usize) {
+        self.total_steps = total_steps;
     }
 
     /// Take the answers from the generation ranks of `job` (split into trainers and generators by
-    /// `roles`) for a run of `total_steps` steps of the model in `model_dir`, which they are told to load.
+    /// `roles`) for the run's steps ([`Rollouts::run_for`]) of the model in `model_dir`, which they are told
+    /// to load.
     pub fn generate_on(
         &mut self,
         job: Rc<World>,
         roles: crate::dist::Roles,
-        total_steps: usize,
         model_dir: &std::path::Path,
     ) -> Result<(), RolloutError> {
-        let remote = remote::Remote::new(job, roles, &self.options, total_steps);
+        let remote = remote::Remote::new(job, roles, &self.options, self.total_steps);
         remote.announce(model_dir)?;
         self.remote = Some(remote);
         Ok(())
@@ -190,6 +212,9 @@ impl Rollouts {
             self.remote = Some(remote);
             return out;
         }
+        if self.options.uses_server() && self.options.max_staleness > 0 {
+            return self.step_ahead(policy, reference, train, questions, ahead, lr, ctx);
+        }
         let (groups, mut metrics) = if self.options.filter_groups {
             self.refresh(policy, ctx.step)?;
             let max = self.options.max_num_gen_batches;
@@ -229,6 +254,99 @@ impl Rollouts {
         metrics.updates = reports.len();
         metrics.overlap = Some(overlap);
         Ok((combine(reports), metrics))
+    }
+
+    /// [`Rollouts::step`] with the server's requests of the next rollout.max_staleness steps in flight (see
+    /// [`ahead`]): this step's answers taken (waiting for them when they are not in yet) and scored, the
+    /// updates made, then the server's weights reloaded when the sampling policy refreshes and the next
+    /// step asked for.
+    #[allow(clippy::too_many_arguments)]
+    fn step_ahead(
+        &mut self,
+        policy: &Decoder,
+        reference: Option<&Decoder>,
+        train: &mut TrainStep,
+        questions: &[Group],
+        ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
+        lr: f64,
+        ctx: StepContext,
+    ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
+        let (step, k) = (ctx.step, self.options.max_staleness);
+        let mut sync_time = 0.0;
+        if !self.ahead.started {
+            let t = Instant::now();
+            self.ahead.started = true;
+            self.ahead.next = step;
+            self.refresh(policy, step)?;
+            self.sync_server(policy)?;
+            let every = self.options.refresh_every();
+            self.ahead.version = if every > 1 { step - step % every } else { step };
+            sync_time = t.elapsed().as_secs_f64();
+            for s in step..=(step + k).min(self.total_steps.saturating_sub(1)) {
+                let qs = if s == step { questions.to_vec() } else { ahead(s)? };
+                self.ask(s, qs);
+            }
+        }
+        let (groups, mut metrics, mut overlap) = self.take_ahead(policy, step)?;
+        let t = Instant::now();
+        let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
+        overlap.train_time = t.elapsed().as_secs_f64();
+        let (version, t) = (step + 1, Instant::now());
+        let next = version + k;
+        if next < self.total_steps && next >= self.ahead.next {
+            self.refresh(policy, version)?;
+            if !self.server_synced {
+                self.sync_server(policy)?;
+                self.ahead.version = version;
+            }
+            self.ask(next, ahead(next)?);
+        }
+        overlap.weight_sync_time = sync_time + t.elapsed().as_secs_f64();
+        metrics.updates = reports.len();
+        metrics.overlap = Some(overlap);
+        Ok((combine(reports), metrics))
+    }
+
+    /// Ask this rank's server for step `step`'s answers to this rank's share of `questions` (see [`ahead`]).
+    fn ask(&mut self, step: usize, questions: Vec<Group>) {
+        let mine = share::mine(&self.world, &questions).into_owned();
+        let server = self.options.server.for_rank(self.world.rank());
+        let counts = (self.options.sampled(), self.options.n, self.options.importance_sampling_correction);
+        let params = self.options.sampling(self.seed, step);
+        self.ahead.ask(server, self.tok.clone(), step, mine, questions, counts, params);
+    }
+
+    /// Step `step`'s answers from the server, waited for in rounds with the other ranks, scored with the
+    /// step's sampling policy, gathered from every rank, and those older than the staleness bound dropped.
+    fn take_ahead(
+        &mut self,
+        policy: &Decoder,
+        step: usize,
+    ) -> Result<(Vec<Group>, RolloutMetrics, OverlapMetrics), RolloutError> {
+        let waited = Instant::now();
+        let mut apart = crate::dist::Apart::begin(&self.world, None);
+        while !self.ahead.ready(step) {
+            apart.tick();
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        apart.finish();
+        let answered = self.ahead.take(step)?;
+        let trainer_idle = waited.elapsed().as_secs_f64();
+        let phase = crate::profile::coarse("rollouts")?;
+        let sampler = self.sampler.as_ref().unwrap_or(policy);
+        let (samples, asked) = (answered.batch.samples, answered.asked);
+        let (groups, mut metrics) =
+            sample::score_groups(sampler, &self.tok, &answered.mine, &self.options, samples, self.micro, asked)?;
+        metrics.server_cut = answered.batch.cut;
+        metrics.server_unaligned = answered.batch.unaligned;
+        let (groups, metrics) = generated(phase, policy, (groups, metrics))?;
+        let (groups, metrics) = share::gather(&self.world, &answered.questions, groups, metrics)?;
+        let versions: Vec<Vec<usize>> = groups.iter().map(|_| vec![answered.version; self.options.sampled()]).collect();
+        let bound = k_bound(&self.options);
+        let (groups, staleness, dropped) = remote::keep_fresh(step, groups, &versions, bound);
+        let overlap =
+            OverlapMetrics::new(staleness, dropped, trainer_idle, std::mem::take(&mut self.ahead.server_idle));
+        Ok((groups, metrics, overlap))
     }
 
     /// The rollouts of step `step` from the sampling policy (refreshed first when due).
@@ -432,6 +550,16 @@ fn fill_batch(
     }
     kept.truncate(target);
     Ok((kept, metrics))
+}
+
+/// The largest lag an answer may have: rollout.max_staleness, plus the lag sync_every adds by design.
+fn k_bound(options: &RolloutOptions) -> usize {
+    k_bound_of(options.max_staleness, options.refresh_every())
+}
+
+/// [`k_bound`] of staleness `k` and a refresh every `every` steps.
+fn k_bound_of(k: usize, every: usize) -> usize {
+    k + if every == usize::MAX { 0 } else { every.saturating_sub(1) }
 }
 
 /// Whether a group's rewards differ.

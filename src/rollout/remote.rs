@@ -204,6 +204,24 @@ pub struct OverlapMetrics {
     pub weight_sync_time: f64,
 }
 
+impl OverlapMetrics {
+    /// The metrics of a step's answers of lags `staleness` (a histogram), `dropped` answers, the trainer
+    /// and the generator idle so many seconds.
+    pub(super) fn new(staleness: Vec<usize>, dropped: usize, trainer_idle: f64, generator_idle: f64) -> Self {
+        let lags: usize = staleness.iter().enumerate().map(|(lag, n)| lag * n).sum();
+        let kept: usize = staleness.iter().sum();
+        Self {
+            staleness_mean: lags as f64 / kept.max(1) as f64,
+            staleness,
+            dropped,
+            train_time: 0.0,
+            trainer_idle,
+            generator_idle,
+            weight_sync_time: 0.0,
+        }
+    }
+}
+
 impl Remote {
     /// The trainers' end, in `world` split by `roles`, of a run of `total_steps` steps.
     pub(super) fn new(world: Rc<World>, roles: Roles, options: &RolloutOptions, total_steps: usize) -> Self {
@@ -239,11 +257,6 @@ impl Remote {
         Ok(())
     }
 
-    /// The largest lag an answer may have: k, plus the lag sync_every adds by design.
-    fn bound(&self) -> usize {
-        self.staleness + self.every.saturating_sub(1)
-    }
-
     /// Step `step`'s answers, the first call sending the weights `sampler` (its sampling policy) and the
     /// first requests (`questions_at(s)`: the questions of step s).
     pub(super) fn take(
@@ -263,18 +276,10 @@ impl Remote {
         }
         self.receive_through(step)?;
         let a = self.arrived.remove(&step).ok_or_else(|| wire(format!("no answers for step {step}")))?;
-        let (groups, staleness, dropped) = keep_fresh(step, a.groups, &a.versions, self.bound());
-        let lags: usize = staleness.iter().enumerate().map(|(lag, n)| lag * n).sum();
-        let kept: usize = staleness.iter().sum();
-        let overlap = OverlapMetrics {
-            staleness_mean: lags as f64 / kept.max(1) as f64,
-            staleness,
-            dropped,
-            trainer_idle: std::mem::take(&mut self.idle),
-            weight_sync_time: std::mem::take(&mut self.sync_time),
-            generator_idle: a.generator_idle,
-            train_time: 0.0,
-        };
+        let (groups, staleness, dropped) =
+            keep_fresh(step, a.groups, &a.versions, super::k_bound_of(self.staleness, self.every));
+        let mut overlap = OverlapMetrics::new(staleness, dropped, std::mem::take(&mut self.idle), a.generator_idle);
+        overlap.weight_sync_time = std::mem::take(&mut self.sync_time);
         Ok((groups, a.metrics, overlap))
     }
 
@@ -416,7 +421,7 @@ impl Remote {
 /// The answers of step `step`'s groups whose lag (step - version) is at most `bound`: the groups kept (a
 /// group left with fewer than two answers is dropped whole), the lag histogram of the answers kept, and
 /// how many answers were dropped. Teacher answers (beyond `versions`' entries) are never stale.
-fn keep_fresh(
+pub(super) fn keep_fresh(
     step: usize,
     groups: Vec<Group>,
     versions: &[Vec<usize>],

@@ -1155,9 +1155,9 @@ fn train_in(
     run.step.share_with(world.clone())?;
     if let Some(r) = &mut run.rollouts {
         r.share_with(world.clone());
+        r.run_for(StepPlan::new(cfg, dataset.len()).total_steps);
         if let Some((job, roles)) = generation {
-            let total_steps = StepPlan::new(cfg, dataset.len()).total_steps;
-            r.generate_on(job, roles, total_steps, &run.checkpoints.model_dir)?;
+            r.generate_on(job, roles, &run.checkpoints.model_dir)?;
         }
     }
     run.world = world;
