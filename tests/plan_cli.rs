@@ -359,3 +359,37 @@ fn the_memory_advice_never_suggests_what_cannot_fit() {
         assert!(out.contains(": fits,"), "{set}\n{out}");
     }
 }
+
+/// The seed's on-policy arm at 7B on 8 GPUs: `--plan` predicts the step for each number of generation
+/// ranks (rollout.generation_ranks) and marks the fastest; on one GPU there is nothing to split.
+#[test]
+fn the_on_policy_arm_on_eight_gpus_is_split_between_generation_and_training() {
+    let root = common::root();
+    let plan = |world: &str| {
+        let mut cmd = common::grpo();
+        cmd.current_dir(&root).args([
+            "train",
+            "--config",
+            "configs/seed000/on_policy.toml",
+            "--plan",
+            "--model-config",
+        ]);
+        cmd.arg(root.join("configs/models/qwen2.5-7b-instruct.config.json"));
+        let out = cmd.args(["--device-memory", "80GiB", "--world-size", world]).output().unwrap();
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let eight = plan("8");
+    let table = eight.split("generation ranks on 8 GPUs (H100 SXM;").nth(1).expect("the H100 split table");
+    let rows: Vec<&str> = table.lines().skip(2).take_while(|l| !l.trim_start().starts_with("fastest")).collect();
+    assert_eq!(rows.len(), 7, "1 to 7 generation ranks:\n{eight}");
+    let cols = |l: &str| -> Vec<f64> { l.split_whitespace().take(7).map(|x| x.parse().unwrap()).collect() };
+    for (i, row) in rows.iter().enumerate() {
+        let c = cols(row);
+        assert_eq!((c[0], c[1]), ((i + 1) as f64, (7 - i) as f64), "{row}");
+        assert!((c[5] - (c[2] + c[3] + c[4])).abs() < 0.2, "k = 0 is the sum: {row}");
+        assert!((c[6] - c[2].max(c[3] + c[4])).abs() < 0.2, "k >= 1 is the longer side: {row}");
+    }
+    assert_eq!(rows.iter().filter(|r| r.ends_with("<- fastest")).count(), 1, "{eight}");
+    assert!(eight.contains("fastest: rollout.generation_ranks = "), "{eight}");
+    assert!(!plan("1").contains("generation ranks on"), "one GPU: no split");
+}

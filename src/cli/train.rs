@@ -112,12 +112,40 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = (cfg.train.batch_questions as u64).saturating_mul(group as u64);
     print!("{}", crate::cost::time::report(&shape, &step, answers, world));
+    if let (Some(r), true) = (&cfg.rollout, world > 1) {
+        print!("{}", split_report(cfg, r, &shape, &step, memory, world));
+    }
     if p.fits() == Some(false) {
         println!("To fit, {}.", p.advice(cfg));
         let message = "the run does not fit its device's memory (the plan above)".to_string();
         return Err(Exit { code: DOES_NOT_FIT_EXIT_CODE, message }.into());
     }
     Ok(())
+}
+
+/// `--plan` of a run with rollouts on `world` GPUs: the predicted step for each number of generation ranks
+/// (src/cost/split.rs), the trainers' share planned as a job of their own.
+fn split_report(
+    cfg: &TrainConfig,
+    r: &crate::rollout::RolloutOptions,
+    shape: &ModelConfig,
+    step: &crate::cost::time::StepShape,
+    memory: Option<u64>,
+    world: u64,
+) -> String {
+    use crate::cost::split;
+    let rollouts = split::Rollouts {
+        answers: (cfg.train.batch_questions * r.sampled()) as u64,
+        prompt_tokens: step.seq_tokens.saturating_sub(step.scored_tokens),
+        max_new_tokens: r.max_new_tokens as u64,
+        batch_size: r.batch_size as u64,
+        dtype_bytes: step.dtype_bytes as f64,
+    };
+    let trainers = |t: u64| plan::step_shape(cfg, shape, &plan::run_plan(cfg, shape, memory, t));
+    crate::cost::calibration::GPUS
+        .iter()
+        .map(|gpu| split::report(&split::predict_splits(shape, &rollouts, world, trainers, gpu), gpu))
+        .collect()
 }
 
 /// The error of a failed run, with the exit status of a plan that does not fit.

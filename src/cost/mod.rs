@@ -9,4 +9,5 @@
 pub mod calibration;
 pub mod decode;
 pub mod memory;
+pub mod split;
 pub mod time;
