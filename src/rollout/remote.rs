@@ -432,12 +432,13 @@ pub(super) fn keep_fresh(
     let mut out = Vec::with_capacity(groups.len());
     for (mut g, v) in groups.into_iter().zip(versions) {
         let mut keep = Vec::with_capacity(g.responses.len());
+        let mut lags = Vec::with_capacity(g.responses.len());
         for (j, r) in g.responses.into_iter().enumerate() {
             let lag = v.get(j).map_or(0, |&version| step.saturating_sub(version));
             if lag > bound {
                 dropped += 1;
             } else {
-                hist[lag] += 1;
+                lags.push(lag);
                 keep.push(r);
             }
         }
@@ -445,6 +446,7 @@ pub(super) fn keep_fresh(
             dropped += keep.len();
             continue;
         }
+        lags.iter().for_each(|&lag| hist[lag] += 1);
         g.responses = keep;
         out.push(g);
     }
