@@ -38,6 +38,13 @@ const METRIC_PANELS: [(&str, &str); 8] = [
     ("learning_rate", "learning rate"),
 ];
 
+/// Panels drawn by default only where some run has their metric: the overlap of generation and training
+/// (rollout.generation_ranks, or a server with rollout.max_staleness).
+const OVERLAP_PANELS: [(&str, &str); 2] = [
+    ("rollout/trainer_idle", "trainer idle, waiting for answers (s)"),
+    ("rollout/staleness_mean", "answers' staleness (updates behind)"),
+];
+
 /// The key of the trainer's validation score in metrics.jsonl (used when there are no validation records).
 const VALIDATION_KEY: &str = "validation/score";
 
@@ -70,10 +77,19 @@ impl CurveOptions {
     /// The metric panels: (key, title).
     fn panels(&self) -> Vec<(String, String)> {
         if self.panels.is_empty() {
-            return METRIC_PANELS.iter().map(|(k, t)| (k.to_string(), t.to_string())).collect();
+            let all = METRIC_PANELS.iter().chain(&OVERLAP_PANELS);
+            return all.map(|(k, t)| (k.to_string(), t.to_string())).collect();
         }
-        let title = |k: &str| METRIC_PANELS.iter().find(|p| p.0 == k).map_or(k, |p| p.1).to_string();
-        self.panels.iter().map(|k| (k.clone(), title(k))).collect()
+        let known = |k: &str| METRIC_PANELS.iter().chain(&OVERLAP_PANELS).find(|p| p.0 == k).map(|p| p.1);
+        self.panels.iter().map(|k| (k.clone(), known(k).unwrap_or(k).to_string())).collect()
+    }
+
+    /// The panels to draw of `runs`: those asked for, or the default ones less the overlap panels that no
+    /// run has values for.
+    fn panels_of(&self, runs: &[RunCurves]) -> Vec<(String, String)> {
+        let optional = |k: &str| self.panels.is_empty() && OVERLAP_PANELS.iter().any(|p| p.0 == k);
+        let shown = |k: &str| !optional(k) || runs.iter().any(|r| r.metrics.contains_key(k));
+        self.panels().into_iter().filter(|(k, _)| shown(k)).collect()
     }
 }
 
@@ -383,7 +399,7 @@ pub fn draw_curves(dirs: &[PathBuf], out: &Path, options: &CurveOptions) -> Resu
     }
     let runs: Vec<RunCurves> =
         dirs.iter().zip(run_names(dirs)).map(|(d, name)| read_run(d, name, options)).collect::<Result<_, _>>()?;
-    let panels = options.panels();
+    let panels = options.panels_of(&runs);
     let draw = |message: String| PlotError::Draw { path: out.to_path_buf(), message };
     super::register_font().map_err(draw)?;
     // Drawn to a temporary file in the same folder, then renamed: a reader never sees half a PNG.
@@ -456,6 +472,30 @@ mod tests {
         assert_eq!(read.metrics["loss"].len(), 6);
         assert_eq!(read.validation["aime24"], vec![(3.0, 0.25), (6.0, 0.5)]);
         assert!(!read.metrics.contains_key("max_memory_allocated_gb"));
+    }
+
+    /// The overlap panels join the default figure only when a run has their metrics.
+    #[test]
+    fn the_overlap_panels_are_drawn_for_runs_that_overlap() {
+        let dir = tempfile::tempdir().unwrap();
+        let run = dir.path().join("k1");
+        std::fs::create_dir_all(&run).unwrap();
+        let overlap = |s: usize| {
+            metrics_line(s, 1.0).replace("}", r#","rollout/trainer_idle":0.25,"rollout/staleness_mean":1.0}"#)
+        };
+        let lines: Vec<String> = (1..=4).map(overlap).collect();
+        std::fs::write(run.join("metrics.jsonl"), lines.join("\n")).unwrap();
+        let out = draw_run_curves(&run).unwrap();
+        assert_eq!(png_size(&std::fs::read(&out).unwrap()), figure_size(10));
+        let read = read_run(&run, "k1".into(), &CurveOptions::default()).unwrap();
+        let panels = CurveOptions::default().panels_of(std::slice::from_ref(&read));
+        assert_eq!(panels.len(), 10);
+        assert_eq!(panels[8].0, "rollout/trainer_idle");
+        let plain = dir.path().join("plain");
+        std::fs::create_dir_all(&plain).unwrap();
+        std::fs::write(plain.join("metrics.jsonl"), metrics_line(1, 1.0)).unwrap();
+        let read = read_run(&plain, "plain".into(), &CurveOptions::default()).unwrap();
+        assert_eq!(CurveOptions::default().panels_of(&[read]).len(), 8);
     }
 
     #[test]
