@@ -747,3 +747,21 @@ fn generation_ranks_need_a_trainer() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("rollout.generation_ranks = 2 must be below the job's 2 ranks"), "{err}");
 }
+
+/// With LoRA the generation rank receives the adapters alone (the base weights are the model both load),
+/// and trains what one process trains.
+#[test]
+fn a_lora_run_sends_the_generation_rank_its_adapters_alone() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let setup = rollout_setup(d.path());
+    let lora = "[model.lora]\nr = 4\nalpha = 8";
+    let (m1, _) = generation_run(&d.path().join("one"), &setup, 1, 2, lora);
+    let (m2, log) = generation_run(&d.path().join("two"), &setup, 2, 2, &format!("generation_ranks = 1\n{lora}"));
+    // One layer, seven projections, an A and a B each.
+    assert!(log.contains("sent the weights of version 0: 14 tensors,"), "{log}");
+    for (a, b) in m1.iter().zip(&m2) {
+        let (x, y) = (a["loss"].as_f64().unwrap(), b["loss"].as_f64().unwrap());
+        assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "loss: 1 process {x}, generation rank {y}");
+    }
+}

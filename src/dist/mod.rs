@@ -522,6 +522,32 @@ fn nccl(launch: &Launch) -> Result<Box<dyn Collective>, DistError> {
 mod tests {
     use super::*;
 
+    /// Messages from one rank to another arrive whole and in order, an empty one included; one process has
+    /// no one to message, and its group of one is itself.
+    #[test]
+    fn point_to_point_messages_arrive_whole_and_in_order() {
+        let mut ranks = threads::ranks(2).into_iter();
+        let (r0, r1) = (ranks.next().unwrap(), ranks.next().unwrap());
+        let big: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let sent = vec![b"first".to_vec(), Vec::new(), big];
+        let expect = sent.clone();
+        let sender = std::thread::spawn(move || {
+            let w = r0.world();
+            sent.iter().for_each(|m| w.send_bytes(1, m).unwrap());
+            w.recv_bytes(1).unwrap()
+        });
+        let w = r1.world();
+        let got: Vec<Vec<u8>> = (0..3).map(|_| w.recv_bytes(0).unwrap()).collect();
+        w.send_bytes(0, b"done").unwrap();
+        assert_eq!(got, expect);
+        assert_eq!(sender.join().unwrap(), b"done");
+        assert!(w.send_bytes(1, b"self").is_err(), "a rank does not message itself");
+        let one = World::single();
+        assert!(one.send_bytes(0, b"x").is_err());
+        let group = one.split(&[0]).unwrap();
+        assert_eq!((group.rank(), group.size()), (0, 1));
+    }
+
     #[test]
     fn a_single_world_is_the_identity() {
         let w = World::single();

@@ -6,12 +6,15 @@ use std::sync::{Arc, Barrier, Condvar, Mutex};
 
 use super::{Collective, DistError, World};
 
+/// The messages not yet received, by (from, to).
+type Mailboxes = HashMap<(usize, usize), VecDeque<Vec<u8>>>;
+
 /// What the threads share: each rank's last contribution, the barrier they meet at, and the messages sent
 /// from one rank to another and not yet received, by (from, to).
 struct Shared {
     slots: Mutex<Vec<Vec<u8>>>,
     barrier: Barrier,
-    mail: Mutex<HashMap<(usize, usize), VecDeque<Vec<u8>>>>,
+    mail: Mutex<Mailboxes>,
     posted: Condvar,
 }
 

@@ -337,7 +337,11 @@ impl Remote {
                 }
             }
         }
-        tracing::debug!("generation ranks: sent the weights of version {version} ({checksum})");
+        let bytes: usize = buckets.iter().map(Vec::len).sum();
+        tracing::debug!(
+            "generation ranks: sent the weights of version {version}: {} tensors, {bytes} bytes ({checksum})",
+            names.len()
+        );
         self.sent.insert(version, checksum);
         self.sync_time += t.elapsed().as_secs_f64();
         Ok(())

@@ -574,3 +574,47 @@ fn a_server_without_log_probs_is_refused_when_they_are_needed() {
     server.join().unwrap();
     assert!(e.to_string().contains("sent no `logprobs`"), "{e}");
 }
+
+/// The overlap options are refused where nothing could overlap, naming the option, before any weight loads.
+#[test]
+fn overlap_options_are_refused_where_nothing_can_overlap() {
+    use crate::train::config::TrainConfig;
+    let base = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n[objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n[rollout]\nn = 4\n";
+    let parse = |extra: &[&str]| {
+        let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
+        TrainConfig::parse(base, std::path::Path::new("c.toml"), &o).map_err(|e| e.to_string())
+    };
+    let server = [
+        "rollout.server.engine=\"openai\"",
+        "rollout.server.base_url=\"http://127.0.0.1:9/v1\"",
+        "rollout.server.served_model=\"m\"",
+    ];
+    let e = parse(&["rollout.max_staleness=1"]).unwrap_err();
+    assert!(e.contains("rollout.max_staleness = 1") && e.contains("generation_ranks"), "{e}");
+    assert!(parse(&["rollout.max_staleness=1", "rollout.generation_ranks=1"]).is_ok());
+    let e = parse(&[&server[..], &["rollout.max_staleness=2"]].concat()).unwrap_err();
+    assert!(e.contains("rollout.reload = \"none\""), "{e}");
+    assert!(parse(&[&server[..], &["rollout.max_staleness=2", "rollout.reload=\"sglang\""]].concat()).is_ok());
+    let e = parse(&[&server[..], &["rollout.generation_ranks=1"]].concat()).unwrap_err();
+    assert!(e.contains("rollout.generation_ranks = 1 with a [rollout.server]"), "{e}");
+    let e = parse(&["rollout.generation_ranks=1", "rollout.filter_groups=true"]).unwrap_err();
+    assert!(e.contains("rollout.filter_groups"), "{e}");
+    let e = parse(&["rollout.max_staleness=-1"]).unwrap_err();
+    assert!(e.contains("rollout.max_staleness"), "{e}");
+    let plain = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n";
+    let o = vec!["rollout.generation_ranks=1".to_string()];
+    let e = TrainConfig::parse(plain, std::path::Path::new("c.toml"), &o).unwrap_err().to_string();
+    assert!(e.contains("no [rollout] section"), "{e}");
+}
+
+/// The generation ranks take the last ranks of a job and leave at least one to train.
+#[test]
+fn generation_ranks_are_the_last_ranks() {
+    let roles = crate::dist::Roles::new(4, 1).unwrap();
+    assert_eq!((roles.trainers, roles.generators), (vec![0, 1, 2], vec![3]));
+    let roles = crate::dist::Roles::new(3, 2).unwrap();
+    assert_eq!(roles.generator_index(2), Some(1));
+    assert_eq!(roles.generator_index(0), None);
+    let e = crate::dist::Roles::new(2, 2).unwrap_err().to_string();
+    assert!(e.contains("rollout.generation_ranks = 2 must be below the job's 2 ranks"), "{e}");
+}

@@ -402,6 +402,23 @@ fn parse_value(value: &str) -> Result<toml::Value, String> {
     }
 }
 
+/// `--set rollout.generation_ranks=...` or `rollout.max_staleness` on a config without `[rollout]`: the
+/// override would add the section with every other rollout option at its default and turn the run into
+/// an on-policy one; refused, naming the option.
+fn refuse_overlap_without_rollout(set: &str, had_rollout: bool) -> Result<(), ConfigError> {
+    let key = set.split('=').next().unwrap_or_default().trim();
+    if had_rollout || !["rollout.generation_ranks", "rollout.max_staleness"].contains(&key) {
+        return Ok(());
+    }
+    Err(ConfigError::BadOverrideValue {
+        set: set.to_string(),
+        message: format!(
+            "{key} overlaps the generation of rollouts with training, but this config has no [rollout] section \
+             (its run trains on the teacher's answers only); add [rollout] to the config for on-policy rollouts"
+        ),
+    })
+}
+
 /// Apply `--set section.key=value` (`o`) to `table`.
 fn apply_override(table: &mut toml::Table, o: &str) -> Result<(), ConfigError> {
     let (key, value) = o.split_once('=').ok_or_else(|| ConfigError::BadOverride(o.into()))?;
@@ -460,7 +477,9 @@ impl TrainConfig {
         // The first `--set` that turns a readable config into an unreadable one is named as the culprit.
         let mut readable = from_table(&table).is_ok();
         let mut culprit = None;
+        let had_rollout = table.contains_key("rollout");
         for o in overrides {
+            refuse_overlap_without_rollout(o, had_rollout)?;
             apply_override(&mut table, o)?;
             if readable && culprit.is_none() && from_table(&table).is_err() {
                 culprit = Some(o.clone());
