@@ -158,6 +158,18 @@ fn a_model_by_id_is_downloaded_into_the_huggingface_layout_and_reused_without_th
     // The hub stopped: a commit is read from the cache without the network, a branch with a warning.
     hub.stop();
     assert_eq!(logprobs(grpo(&hub.url, &home), dir.path(), &format!("org/tiny@{c}"), &[]).unwrap(), want);
+    // `--revision` pins the same commit; a local path or a second revision is refused.
+    let pin = |rev: &str| ["--revision".to_string(), rev.to_string()];
+    let pinned = pin(&c);
+    let pinned: Vec<&str> = pinned.iter().map(String::as_str).collect();
+    assert_eq!(logprobs(grpo(&hub.url, &home), dir.path(), "org/tiny", &pinned).unwrap(), want);
+    let v2 = pin("v2");
+    let v2: Vec<&str> = v2.iter().map(String::as_str).collect();
+    let e = logprobs(grpo(&hub.url, &home), dir.path(), &format!("org/tiny@{c}"), &v2).unwrap_err();
+    assert!(e.contains("--revision = `v2`, but the id already names revision"), "{e}");
+    let local = dir.path().display().to_string();
+    let e = logprobs(grpo(&hub.url, &home), dir.path(), &local, &["--revision", "main"]).unwrap_err();
+    assert!(e.contains("is a local path"), "{e}");
     let mut c2 = grpo(&hub.url, &home);
     c2.arg("-v");
     assert_eq!(logprobs(c2, dir.path(), "org/tiny", &[]).unwrap(), want);

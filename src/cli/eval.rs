@@ -30,6 +30,9 @@ pub struct Args {
     /// template are used (to render the prompts and count tokens): give the served model's.
     #[arg(long, required_unless_present = "list")]
     pub model: Option<String>,
+    /// The hub revision of --model (a branch, tag or commit; as `org/name@revision` writes it).
+    #[arg(long, requires = "model")]
+    pub revision: Option<String>,
     /// A LoRA adapter folder (PEFT's adapter_model.safetensors and adapter_config.json, e.g. a LoRA run's
     /// checkpoint) applied to --model, the base model (native engine).
     #[arg(long)]
@@ -240,7 +243,8 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
     // Held until the report is written: one evaluation at a time in OUT, as one training run in its folder.
     let _lock = lock_out(&args.out, world)?;
     claim_out(&args, world)?;
-    let model_name = args.model.clone().unwrap_or_default();
+    let model_name =
+        model::load::with_revision(args.model.as_deref().unwrap_or_default(), args.revision.as_deref(), "--revision")?;
     let dir = model::resolve_model_dir(&model_name)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     let decoder = native_decoder(&args, &dir, world)?;

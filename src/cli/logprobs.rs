@@ -13,6 +13,9 @@ pub struct Args {
     /// Model folder or hub id `org/name[@revision]` (downloaded into the Hugging Face cache where missing).
     #[arg(long)]
     pub model: String,
+    /// The hub revision of --model (a branch, tag or commit; as `org/name@revision` writes it).
+    #[arg(long)]
+    pub revision: Option<String>,
     /// A LoRA adapter folder or hub id (PEFT's files, e.g. a LoRA run's checkpoint) applied to --model.
     #[arg(long)]
     pub adapter: Option<PathBuf>,
@@ -96,12 +99,13 @@ fn score(model: &Decoder, pad: u32, items: &[Item]) -> candle_core::Result<Vec<V
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let dir = model::resolve_model_dir(&args.model)?;
+    let model_id = model::load::with_revision(&args.model, args.revision.as_deref(), "--revision")?;
+    let dir = model::resolve_model_dir(&model_id)?;
     let device = model::parse_device(&args.device)?;
     let dtype = model::parse_dtype(&args.dtype)?;
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
-        model::lora::check_base(adapter, &args.model, &dir, "--allow-base-mismatch")?;
+        model::lora::check_base(adapter, &model_id, &dir, "--allow-base-mismatch")?;
     }
     let decoder = model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
         .with_context(|| format!("loading {}", dir.display()))?;

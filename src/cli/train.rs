@@ -58,6 +58,9 @@ pub struct Args {
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
     #[arg(long, value_parser = super::device_arg)]
     pub device: Option<String>,
+    /// The hub revision of model.path (a branch, tag or commit), overriding `model.revision`.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Weight dtype, overriding `model.dtype`: f32, bf16 or f16 (log-probs, loss and optimiser state
     /// stay f32).
     #[arg(long, value_parser = super::dtype_arg)]
@@ -167,6 +170,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let mut overrides = args.overrides.clone();
     overrides.extend(args.device.iter().map(|d| format!("model.device={d}")));
     overrides.extend(args.dtype.iter().map(|d| format!("model.dtype={d}")));
+    overrides.extend(args.revision.iter().map(|r| format!("model.revision={}", toml::Value::from(r.as_str()))));
     let cfg = TrainConfig::load(&args.config, &overrides).map_err(|e| match e {
         // A `--set` no key takes is a refused command line.
         ConfigError::BadOverride(_) | ConfigError::BadOverrideValue { .. } => super::usage_error("train", e),

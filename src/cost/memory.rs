@@ -1234,13 +1234,14 @@ pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
         return spec.config(&ChatTokenizer::load(&spec.tokenizer)?);
     }
     // A hub id not in the cache: its config.json alone, not the weights.
-    if let Some(repo) = crate::hub::model_ref(&cfg.model.path)
-        .filter(|_| !local.exists() && !crate::model::load::looks_local(&cfg.model.path))
+    let source = cfg.model.source()?;
+    if let Some(repo) =
+        crate::hub::model_ref(&source).filter(|_| !local.exists() && !crate::model::load::looks_local(&cfg.model.path))
     {
         let snapshot = crate::hub::repo_files(&crate::hub::Settings::from_env(), &repo, &["config.json"])?;
         return Ok(ModelConfig::from_file(&snapshot.dir.join("config.json"))?);
     }
-    let dir = crate::model::resolve_model_dir(&cfg.model.path)?;
+    let dir = crate::model::resolve_model_dir(&source)?;
     Ok(ModelConfig::from_file(&dir.join("config.json"))?)
 }
 

@@ -76,19 +76,15 @@ fn fetch(ctx: &Ctx, name: &str, meta: &FileMeta, sha256: Option<&str>, blob: &Pa
     bar.set_position(have);
     let started = Instant::now();
     let mut tries = 0;
-    while have < meta.size {
-        match receive(
-            ctx,
-            name,
-            meta,
-            &mut Sink { file: &mut out, path: &part, hasher: &mut hasher, have: &mut have },
-            &bar,
-        ) {
+    let mut sink = Sink { writer: Writer::start(out, hasher, have), path: &part, have: &mut have };
+    while *sink.have < meta.size {
+        match receive(ctx, name, meta, &mut sink, &bar) {
             Ok(()) => {}
             Err(Dropped(message)) if tries < RETRIES => {
                 tries += 1;
                 tracing::warn!(
-                    "{name}: {message} at {have} of {} bytes; resuming (try {tries} of {RETRIES})",
+                    "{name}: {message} at {} of {} bytes; resuming (try {tries} of {RETRIES})",
+                    sink.have,
                     meta.size
                 );
                 std::thread::sleep(Duration::from_millis(200 << tries.min(5)));
@@ -98,8 +94,7 @@ fn fetch(ctx: &Ctx, name: &str, meta: &FileMeta, sha256: Option<&str>, blob: &Pa
         }
     }
     bar.finish_and_clear();
-    out.sync_all().map_err(io_err(&part))?;
-    drop(out);
+    let hasher = sink.writer.finish().map_err(io_err(&part))?;
     if let Some(expected) = sha256 {
         let found = format!("{:x}", hasher.finalize());
         if !found.eq_ignore_ascii_case(expected) {
@@ -131,12 +126,96 @@ fn hash_prefix(file: &mut File, len: u64, hasher: &mut Sha256) -> std::io::Resul
     Ok(())
 }
 
-/// The partial file being written, its hash and length so far.
+/// The partial file being written (by its [`Writer`]) and the bytes received so far.
 struct Sink<'a> {
-    file: &'a mut File,
+    writer: Writer,
     path: &'a Path,
-    hasher: &'a mut Sha256,
     have: &'a mut u64,
+}
+
+/// What the network side hands the writer.
+enum Piece {
+    Bytes(Vec<u8>),
+    /// The server ignored the range: the file starts again.
+    Restart,
+}
+
+/// Bytes between the writes whose writeback is started (Linux: sync_file_range), so that the fsync at the
+/// end waits for the last piece only.
+const WRITEBACK: u64 = 32 << 20;
+
+/// Writes and hashes a download's bytes on a thread of its own while the next ones arrive, starting the
+/// disk's writeback as it goes; [`Writer::finish`] syncs the file and gives the hash.
+struct Writer {
+    tx: Option<std::sync::mpsc::SyncSender<Piece>>,
+    worker: Option<std::thread::JoinHandle<std::io::Result<Sha256>>>,
+}
+
+impl Writer {
+    /// A writer appending to `file`, which holds `at` bytes already hashed into `hasher`.
+    fn start(mut file: File, mut hasher: Sha256, at: u64) -> Self {
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(16);
+        let worker = std::thread::spawn(move || {
+            let (mut at, mut started) = (at, at);
+            for piece in rx {
+                match piece {
+                    Piece::Bytes(b) => {
+                        file.write_all(&b)?;
+                        hasher.update(&b);
+                        at += b.len() as u64;
+                        if at - started >= WRITEBACK {
+                            start_writeback(&file, started, at - started);
+                            started = at;
+                        }
+                    }
+                    Piece::Restart => {
+                        file.set_len(0)?;
+                        file.rewind()?;
+                        (hasher, at, started) = (Sha256::new(), 0, 0);
+                    }
+                }
+            }
+            file.sync_all()?;
+            Ok(hasher)
+        });
+        Self { tx: Some(tx), worker: Some(worker) }
+    }
+
+    /// Hand `piece` over; a write that failed is this call's error.
+    fn send(&mut self, piece: Piece) -> std::io::Result<()> {
+        match self.tx.as_ref().map(|tx| tx.send(piece)) {
+            Some(Ok(())) => Ok(()),
+            _ => Err(self.join().err().unwrap_or_else(|| std::io::Error::other("the download's writer stopped"))),
+        }
+    }
+
+    fn join(&mut self) -> std::io::Result<Sha256> {
+        self.tx = None;
+        match self.worker.take().map(|w| w.join()) {
+            Some(Ok(r)) => r,
+            Some(Err(panic)) => std::panic::resume_unwind(panic),
+            None => Err(std::io::Error::other("the download's writer already stopped")),
+        }
+    }
+
+    /// Every byte written and synced: the hash of the file.
+    fn finish(mut self) -> std::io::Result<Sha256> {
+        self.join()
+    }
+}
+
+/// Start writing `len` bytes of `file` from `offset` back to the disk, without waiting (Linux).
+fn start_writeback(file: &File, offset: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: the descriptor is open for the call; the flags only start the writeback of the range.
+        unsafe {
+            libc::sync_file_range(file.as_raw_fd(), offset as i64, len as i64, libc::SYNC_FILE_RANGE_WRITE);
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
 }
 
 /// Why one request ended before the file was whole.
@@ -174,8 +253,7 @@ fn receive(ctx: &Ctx, name: &str, meta: &FileMeta, sink: &mut Sink, bar: &indica
             Err(e) => return Err(Dropped(e.to_string())),
         };
         let n = n.min((meta.size - *sink.have) as usize);
-        sink.file.write_all(&buf[..n]).map_err(|e| Fatal(io_err(sink.path)(e)))?;
-        sink.hasher.update(&buf[..n]);
+        sink.writer.send(Piece::Bytes(buf[..n].to_vec())).map_err(|e| Fatal(io_err(sink.path)(e)))?;
         *sink.have += n as u64;
         bar.set_position(*sink.have);
         if *sink.have == meta.size {
@@ -185,9 +263,7 @@ fn receive(ctx: &Ctx, name: &str, meta: &FileMeta, sink: &mut Sink, bar: &indica
 }
 
 fn restart(sink: &mut Sink) -> std::io::Result<()> {
-    sink.file.set_len(0)?;
-    sink.file.rewind()?;
-    *sink.hasher = Sha256::new();
+    sink.writer.send(Piece::Restart)?;
     *sink.have = 0;
     Ok(())
 }

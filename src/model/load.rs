@@ -35,6 +35,26 @@ pub fn resolve_model_dir(model: &str) -> Result<PathBuf, ModelError> {
     }
 }
 
+/// `model` pinned at `revision` (a branch, tag or commit): the hub id `model@revision`. Refused for a local
+/// folder and for an id that already names another revision; `name` is the option that gave the revision.
+pub fn with_revision(model: &str, revision: Option<&str>, name: &str) -> Result<String, ModelError> {
+    let Some(rev) = revision else { return Ok(model.to_string()) };
+    let bad = |message: String| Err(ModelError::Files { path: model.into(), message });
+    if rev.is_empty() || rev.contains(char::is_whitespace) {
+        return bad(format!("{name} = `{rev}` is not a branch, tag or commit"));
+    }
+    if Path::new(model).exists() || looks_local(model) || crate::hub::model_ref(model).is_none() {
+        return bad(format!("{name} = `{rev}` pins a hub id's revision, but `{model}` is a local path"));
+    }
+    match model.split_once('@') {
+        Some((_, given)) if given != rev => {
+            bad(format!("{name} = `{rev}`, but the id already names revision `{given}`: give one of them"))
+        }
+        Some(_) => Ok(model.to_string()),
+        None => Ok(format!("{model}@{rev}")),
+    }
+}
+
 /// Resolve an adapter argument: an existing folder as it is, else a hub id as [`resolve_model_dir`] does.
 pub fn resolve_adapter_dir(adapter: &Path) -> Result<PathBuf, ModelError> {
     match adapter.to_str() {

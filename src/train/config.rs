@@ -34,6 +34,9 @@ pub enum ConfigError {
 pub struct ModelSection {
     /// Folder or hub id of the policy's initial weights.
     pub path: String,
+    /// The hub revision of `path` when it is a hub id: a branch, tag or commit (as `org/name@revision`
+    /// writes it; absent: `main`).
+    pub revision: Option<String>,
     /// Create a tiny random model at `path` when it does not exist.
     pub init_tiny: Option<TinySpec>,
     /// Weights and activations: f32, bf16 or f16 (log-probs, loss and optimiser state are f32).
@@ -123,10 +126,19 @@ impl ModelSection {
     }
 }
 
+impl ModelSection {
+    /// Where the policy's initial weights come from: `path`, pinned at `revision` when given
+    /// (`org/name@revision`).
+    pub fn source(&self) -> Result<String, crate::model::ModelError> {
+        crate::model::load::with_revision(&self.path, self.revision.as_deref(), "model.revision")
+    }
+}
+
 impl Default for ModelSection {
     fn default() -> Self {
         Self {
             path: String::new(),
+            revision: None,
             init_tiny: None,
             dtype: "f32".into(),
             device: "cpu".into(),
@@ -529,6 +541,9 @@ impl TrainConfig {
         if self.model.path.is_empty() {
             return bad("model.path is required".into());
         }
+        if self.model.revision.is_some() {
+            self.model.source().map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        }
         crate::model::parse_dtype(&self.model.dtype).map_err(|e| ConfigError::Invalid(format!("model.dtype: {e}")))?;
         let path = &self.model.path;
         if self.model.init_tiny.is_some() && path.contains('/') && !crate::model::load::looks_local(path) {
@@ -662,6 +677,25 @@ mod tests {
     use super::*;
 
     const MIN: &str = "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n";
+
+    /// `model.revision` pins a hub id (as `@revision` does), and is refused for a local folder or beside
+    /// another `@revision`.
+    #[test]
+    fn model_revision_pins_a_hub_id() {
+        let with = |path: &str, rev: &str| {
+            let text = format!("[model]\npath = \"{path}\"\nrevision = \"{rev}\"\n[data]\ninputs = [\"x.jsonl\"]\n");
+            TrainConfig::parse(&text, Path::new("c.toml"), &[]).map_err(|e| e.to_string())
+        };
+        assert_eq!(with("org/name", "v1").unwrap().model.source().unwrap(), "org/name@v1");
+        assert_eq!(with("org/name@v1", "v1").unwrap().model.source().unwrap(), "org/name@v1");
+        let e = with("org/name@main", "v1").unwrap_err();
+        assert!(e.contains("model.revision = `v1`, but the id already names revision `main`"), "{e}");
+        let e = with("./models/x", "v1").unwrap_err();
+        assert!(e.contains("is a local path"), "{e}");
+        let plain = TrainConfig::parse(MIN, Path::new("c.toml"), &[]).unwrap();
+        assert_eq!((plain.model.revision.as_deref(), plain.model.source().unwrap()), (None, "m".to_string()));
+        assert!(!plain.to_toml().contains("revision"), "an absent revision is not written");
+    }
 
     #[test]
     fn lora_options_are_checked_and_an_adapter_reload_needs_them() {

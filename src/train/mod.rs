@@ -253,7 +253,7 @@ fn ensure_model(cfg: &TrainConfig) -> Result<PathBuf, TrainError> {
             model::tiny::write_tiny_model(spec, p)?;
         }
     }
-    Ok(model::resolve_model_dir(&cfg.model.path)?)
+    Ok(model::resolve_model_dir(&cfg.model.source()?)?)
 }
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TrainError> {
