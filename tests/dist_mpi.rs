@@ -765,3 +765,37 @@ fn a_lora_run_sends_the_generation_rank_its_adapters_alone() {
         assert!((x - y).abs() <= 1e-4 * x.abs().max(1.0), "loss: 1 process {x}, generation rank {y}");
     }
 }
+
+/// A rank whose native sampling takes longer than the collective timeout beyond the other's keeps its place
+/// in the waiting rounds at every decode step and behaviour micro-batch: the step completes. 3 questions on
+/// 2 ranks: rank 0 samples twice rank 1's answers, one at a time (about 18 s against 9 s with this test
+/// build), under `GRPO_DIST_TIMEOUT_S=4`; the training step's own imbalance stays under the limit.
+#[test]
+fn a_rank_sampling_longer_than_the_collective_timeout_does_not_end_the_run() {
+    let Some(_) = mpirun() else { return };
+    let d = tempfile::tempdir().unwrap();
+    let (_, questions) = rollout_setup(d.path());
+    let text = format!(
+        "[model]\npath = \"{dir}/tiny\"\ninit_tiny = {{ arch = \"llama\", tokenizer = \"{root}/data/tokenizers/smollm2\", \
+         layers = 2, hidden = 64, heads = 4, kv_heads = 2, intermediate = 128, seed = 0 }}\n\
+         [data]\nmax_prompt_tokens = 64\n[objective]\nname = \"grpo\"\nanchor = \"behaviour\"\n[optim]\nlr = 1e-4\n\
+         [train]\noutput_dir = \"{dir}/out\"\nbatch_questions = 3\nmicro_batch_size = 8\nepochs = 0\nmax_steps = 1\nseed = 3\n\
+         [rollout]\nn = 8\nmax_new_tokens = 128\nbatch_size = 1\nquestions = \"{questions}\"\nprompt_template = \"{{problem}}\"\n\
+         fallbacks = true\n",
+        dir = d.path().display(),
+        root = common::root().display(),
+        questions = questions.display(),
+    );
+    let cfg = d.path().join("train.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let o = grpo(2)
+        .env("GRPO_DIST_TIMEOUT_S", "4")
+        .env("RAYON_NUM_THREADS", "1")
+        .args(["-q", "train", "--config"])
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let m = common::read_jsonl(&d.path().join("out/metrics.jsonl"));
+    eprintln!("rank 0 sampled for {} s", m[0]["rollout/generation_time"]);
+}

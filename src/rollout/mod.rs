@@ -427,7 +427,13 @@ impl Rollouts {
         let phase = crate::profile::coarse("rollouts")?;
         let sampler = self.sampler.as_ref().unwrap_or(policy);
         if !self.options.uses_server() {
-            let sampled = sample_groups(sampler, &self.tok, questions, &self.options, params, self.micro)?;
+            // Each decode step keeps this rank's place in the rounds the ranks that are done wait in.
+            let mut tick = || {
+                apart.tick();
+            };
+            let (tok, options) = (&self.tok, &self.options);
+            let sampled =
+                sample::sample_groups_ticking(sampler, tok, questions, options, params, self.micro, &mut tick)?;
             return generated(phase, policy, sampled);
         }
         let start = Instant::now();

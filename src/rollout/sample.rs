@@ -188,12 +188,29 @@ pub fn sample_groups(
     params: &SamplingParams,
     micro: usize,
 ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+    sample_groups_ticking(sampler, tok, questions, opts, params, micro, &mut || {})
+}
+
+/// [`sample_groups`], calling `tick` after each decode step: how a rank keeps its place in the ranks'
+/// waiting rounds ([`crate::dist::Apart`]) while it samples.
+pub(super) fn sample_groups_ticking(
+    sampler: &Decoder,
+    tok: &ChatTokenizer,
+    questions: &[Group],
+    opts: &RolloutOptions,
+    params: &SamplingParams,
+    micro: usize,
+    tick: &mut dyn FnMut(),
+) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
     let start = Instant::now();
     let bar = crate::progress::progress_bar(None, "rollout");
     bar.set_message("tokens generated");
-    let samples = native_samples(sampler, tok, questions, opts, params, |n| bar.inc(n as u64))?;
+    let samples = native_samples(sampler, tok, questions, opts, params, |n| {
+        bar.inc(n as u64);
+        tick();
+    })?;
     bar.finish_and_clear();
-    score_groups(sampler, tok, questions, opts, samples, micro, start)
+    score_groups_ticking(sampler, tok, questions, opts, samples, micro, start, tick)
 }
 
 /// `opts.sampled()` generations of `sampler` for each question, in question order: answer j of group g
@@ -289,6 +306,21 @@ pub(super) fn score_groups(
     micro: usize,
     start: Instant,
 ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+    score_groups_ticking(sampler, tok, questions, opts, samples, micro, start, &mut || {})
+}
+
+/// [`score_groups`], calling `tick` after each micro-batch of the behaviour forward.
+#[allow(clippy::too_many_arguments)]
+fn score_groups_ticking(
+    sampler: &Decoder,
+    tok: &ChatTokenizer,
+    questions: &[Group],
+    opts: &RolloutOptions,
+    samples: Vec<Sampled>,
+    micro: usize,
+    start: Instant,
+    tick: &mut dyn FnMut(),
+) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
     let k = opts.sampled();
     if samples.len() != questions.len() * k {
         return Err(RolloutError::Invalid(format!(
@@ -302,7 +334,7 @@ pub(super) fn score_groups(
     let prompts: Vec<Vec<u32>> =
         questions.iter().flat_map(|g| std::iter::repeat_n(g.prompt_tokens.clone(), k)).collect();
     let responses: Vec<Vec<u32>> = samples.iter().map(|s| s.tokens.clone()).collect();
-    let behaviour = behaviour_logprobs(sampler, &prompts, &responses, micro, tok.pad_id())?;
+    let behaviour = behaviour_logprobs_ticking(sampler, &prompts, &responses, micro, tok.pad_id(), tick)?;
     let logp_diff = logp_difference(&samples, &behaviour);
     let (mut is_weights, ratios) = corrections(opts, &samples, &behaviour);
     let mut out = Vec::with_capacity(questions.len());
@@ -389,6 +421,18 @@ pub fn behaviour_logprobs(
     micro: usize,
     pad: u32,
 ) -> candle_core::Result<Vec<Vec<f32>>> {
+    behaviour_logprobs_ticking(model, prompts, responses, micro, pad, &mut || {})
+}
+
+/// [`behaviour_logprobs`], calling `tick` after each micro-batch.
+fn behaviour_logprobs_ticking(
+    model: &Decoder,
+    prompts: &[Vec<u32>],
+    responses: &[Vec<u32>],
+    micro: usize,
+    pad: u32,
+    tick: &mut dyn FnMut(),
+) -> candle_core::Result<Vec<Vec<f32>>> {
     let mut out = Vec::with_capacity(responses.len());
     let pairs: Vec<(&Vec<u32>, &Vec<u32>)> = prompts.iter().zip(responses).collect();
     for chunk in pairs.chunks(micro.max(1)) {
@@ -408,6 +452,7 @@ pub fn behaviour_logprobs(
             out.push(flat[at..at + r.len()].to_vec());
             at += r.len();
         }
+        tick();
     }
     Ok(out)
 }
