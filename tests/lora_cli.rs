@@ -523,3 +523,23 @@ fn export_refuses_to_replace_an_existing_folder_without_overwrite() {
     let e = export(&file, &[]).failure();
     assert!(String::from_utf8_lossy(&e.get_output().stderr).contains("is not a folder"));
 }
+
+/// A LoRA run says so in its log (the rank, alpha, targets and the share of the parameters trained), and
+/// every run logs its version, directory and command line first.
+#[test]
+fn a_lora_run_logs_its_adapters() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = lora_config(dir.path());
+    let out = dir.path().join("log");
+    let mut cmd = common::grpo();
+    cmd.current_dir(common::root()).args(["train", "--config"]).arg(&cfg);
+    cmd.arg("--set").arg(format!("train.output_dir=\"{}\"", out.display())).args(["--set", "train.max_steps=1"]);
+    let o = cmd.assert().success();
+    let err = String::from_utf8_lossy(&o.get_output().stderr).into_owned();
+    let lora = err.lines().find(|l| l.contains("LoRA: rank ")).unwrap_or_else(|| panic!("{err}"));
+    assert!(lora.contains("trainable parameters") && lora.contains("% of the base's"), "{lora}");
+    assert!(
+        err.contains(&format!("grpo {} in ", env!("CARGO_PKG_VERSION"))) && err.contains("train --config"),
+        "{err}"
+    );
+}

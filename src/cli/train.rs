@@ -195,6 +195,14 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         allow_data_change: args.allow_data_change,
         device_memory: args.device_memory,
     };
+    let argv: Vec<String> = std::env::args().collect();
+    let cwd = std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string());
+    tracing::info!(
+        "grpo {} in {cwd}: {} (config {})",
+        env!("CARGO_PKG_VERSION"),
+        argv.join(" "),
+        args.config.display()
+    );
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits
@@ -209,7 +217,8 @@ pub fn run(args: Args) -> anyhow::Result<()> {
             say("interrupted twice: exiting without a checkpoint");
             std::process::exit(ABORTED_EXIT_CODE);
         }
-        say("stop requested: finishing the current step, then writing a checkpoint (Ctrl-C again to abort)");
+        say("stop requested (a signal: Ctrl-C, SIGTERM or SIGHUP): finishing the current step, then writing a \
+             checkpoint (a second signal exits at once, without one)");
     });
     if let Err(e) = handler {
         tracing::warn!("no Ctrl-C / SIGTERM handler ({e}): a stop signal will end the run without a checkpoint");

@@ -879,6 +879,7 @@ fn load_run<'a>(
     let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
     policy.options = cfg.model.decoder_options();
     log_attention_fallback(&policy, dtype, &device);
+    log_lora(&policy);
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
     let mut step = TrainStep::new(
         &cfg.objective,
@@ -988,6 +989,20 @@ fn load_policy(
     let base = model::load_decoder(model_dir, dtype, device, false)?;
     let adapters = model::lora::init_adapters(base.config(), lora, cfg.train.seed, device)?;
     Ok(base.with_adapters(lora, adapters, true)?)
+}
+
+/// The log line of a LoRA policy: its adapters and how much of the model they train.
+fn log_lora(policy: &Decoder) {
+    let Some(lora) = policy.lora() else { return };
+    let count = |ts: Vec<(String, candle_core::Tensor)>| ts.iter().map(|(_, t)| t.elem_count()).sum::<usize>();
+    let (trained, base) = (count(policy.adapter_tensors()), count(policy.named_tensors()));
+    tracing::info!(
+        "LoRA: rank {}, alpha {}, on {} of each layer: {trained} trainable parameters, {:.3}% of the base's {base}",
+        lora.r,
+        lora.alpha,
+        lora.target_modules.join(", "),
+        100.0 * trained as f64 / base.max(1) as f64
+    );
 }
 
 /// Check the names and shapes of the model's weights (and of `model.reference`'s) against their
