@@ -27,8 +27,8 @@ struct InFlight {
     step: usize,
     /// The version of the weights the server held when they were sent.
     version: usize,
-    /// This rank's share of the step's questions, and the whole step's.
-    mine: Vec<Group>,
+    /// This rank's share of the step's questions (shared with the requests' thread), and the whole step's.
+    mine: Arc<Vec<Group>>,
     questions: Vec<Group>,
     /// The answers and how long the server took to give them.
     answers: JoinHandle<Result<(ServerBatch, Duration), RolloutError>>,
@@ -37,7 +37,7 @@ struct InFlight {
 /// A step's answers back from the server.
 pub(super) struct Answered {
     pub version: usize,
-    pub mine: Vec<Group>,
+    pub mine: Arc<Vec<Group>>,
     pub questions: Vec<Group>,
     pub batch: ServerBatch,
     /// An instant as long before now as the server took: where the generation's time starts.
@@ -67,7 +67,7 @@ impl Ahead {
         server: EngineOptions,
         tok: Arc<ChatTokenizer>,
         step: usize,
-        mine: Vec<Group>,
+        mine: Arc<Vec<Group>>,
         questions: Vec<Group>,
         counts: (usize, usize, bool),
         params: SamplingParams,
@@ -75,7 +75,7 @@ impl Ahead {
         if let Some(since) = self.idle_since.take() {
             self.server_idle += since.elapsed().as_secs_f64();
         }
-        let share = mine.clone();
+        let share = Arc::clone(&mine);
         let answers = std::thread::spawn(move || {
             let (bar, t) = (indicatif::ProgressBar::hidden(), Instant::now());
             server::server_samples(&server, &tok, &share, counts, &params, &bar).map(|b| (b, t.elapsed()))

@@ -309,7 +309,7 @@ impl Rollouts {
 
     /// Ask this rank's server for step `step`'s answers to this rank's share of `questions` (see [`ahead`]).
     fn ask(&mut self, step: usize, questions: Vec<Group>) {
-        let mine = share::mine(&self.world, &questions).into_owned();
+        let mine = Arc::new(share::mine(&self.world, &questions).into_owned());
         let server = self.options.server.for_rank(self.world.rank());
         let counts = (self.options.sampled(), self.options.n, self.options.importance_sampling_correction);
         let params = self.options.sampling(self.seed, step);
