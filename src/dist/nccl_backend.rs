@@ -76,12 +76,22 @@ impl Nccl {
         let stream = device?;
         let id = sys::UniqueId { internal: id.map(|b| b as c_char) };
         let mut comm = MaybeUninit::uninit();
+        // Every rank is ready, but one can still die inside ncclCommInitRank, which would then wait for it
+        // with no bound: past `timeout` this rank says so and exits.
+        let deadline = super::ready::Deadline::start(timeout, move || {
+            eprintln!(
+                "error: rank {rank}: joining the NCCL communicator of {size} ranks (ncclCommInitRank) did not finish \
+                 within {timeout:?}: a rank stopped or hangs in it (GRPO_DIST_TIMEOUT_S sets the limit); stopping"
+            );
+            std::process::exit(1)
+        });
         // SAFETY: `comm` is written by ncclCommInitRank before it is read.
         let comm = unsafe {
             sys::comm_init_rank(comm.as_mut_ptr(), size as i32, id, rank as i32)
                 .map_err(|e| DistError::Launch(format!("rank {rank}: {e}")))?;
             comm.assume_init()
         };
+        deadline.met();
         Ok(Self { comm, stream, rank, size, timeout, _keep: keep })
     }
 

@@ -56,6 +56,32 @@ pub(super) fn agree(
     Ok(hellos.into_iter().next().map(|h| h.id).unwrap_or_default())
 }
 
+/// A bound on a call that can block with none (ncclCommInitRank once every rank is ready: a rank that dies
+/// inside it leaves the others in it): unless the guard is dropped within `limit`, `expire` runs (in a
+/// run: say which rank and call, and exit the process, which ends NCCL's waits with it).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) struct Deadline {
+    done: std::sync::mpsc::Sender<()>,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl Deadline {
+    pub(super) fn start(limit: std::time::Duration, expire: impl FnOnce() + Send + 'static) -> Self {
+        let (done, wait) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(limit) {
+                expire();
+            }
+        });
+        Self { done }
+    }
+
+    /// The call returned in time.
+    pub(super) fn met(self) {
+        let _ = self.done.send(());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,5 +146,20 @@ mod tests {
         let e = agree(0, Ok(vec![1; 128]), gather).unwrap_err().to_string();
         assert!(t.elapsed() < Duration::from_secs(5));
         assert!(e.contains("ranks [1] did not connect"), "{e}");
+    }
+
+    #[test]
+    fn a_deadline_expires_only_when_it_is_not_met_in_time() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+        use std::time::Duration;
+        let (late, early) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let flag = late.clone();
+        let _stuck = Deadline::start(Duration::from_millis(20), move || flag.store(true, Ordering::SeqCst));
+        let flag = early.clone();
+        Deadline::start(Duration::from_millis(20), move || flag.store(true, Ordering::SeqCst)).met();
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(late.load(Ordering::SeqCst), "a call stuck past its limit expires");
+        assert!(!early.load(Ordering::SeqCst), "a call that returned in time does not");
     }
 }
