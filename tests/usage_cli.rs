@@ -3,7 +3,7 @@
 mod common;
 
 use std::os::unix::process::ExitStatusExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 fn fixture() -> std::path::PathBuf {
     common::root().join("data/trajectories/ot3_math_x8_dev.jsonl")
@@ -12,7 +12,7 @@ fn fixture() -> std::path::PathBuf {
 /// Run `grpo args` with its stdout a pipe whose reader is gone before it writes (`grpo ... | head -0`);
 /// returns its exit status and stderr.
 fn with_closed_stdout(args: &[&str]) -> (std::process::ExitStatus, String) {
-    let mut child = Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let mut child = common::command()
         .current_dir(common::root())
         .args(args)
         .stdout(Stdio::piped())
@@ -102,6 +102,29 @@ fn verbosity_flags_go_anywhere_and_the_help_describes_every_option() {
     for flag in ["--device <DEVICE>", "--dtype <DTYPE>"] {
         let line = eval.lines().skip_while(|l| !l.contains(flag)).nth(1).unwrap_or_default();
         assert!(line.trim().len() > 10 && !line.trim().starts_with(['-', '[']), "{flag} has no description:\n{eval}");
+    }
+    // -v / -q come last, under their own heading, in every command's help.
+    for cmd in [&["train"][..], &["eval"], &["score"], &["data", "prepare"], &["bench", "train-step"]] {
+        let text = help(cmd);
+        let logging = text.find("\nLogging:\n").unwrap_or_else(|| panic!("{cmd:?}: no Logging heading:\n{text}"));
+        let last_option = text.rfind("\n  -").unwrap();
+        assert!(logging < last_option && text[logging..].contains("--verbose"), "{cmd:?}:\n{text}");
+        assert!(!text[..logging].contains("--verbose") && !text[..logging].contains("--quiet"), "{cmd:?}:\n{text}");
+    }
+    let step = help(&["bench", "train-step"]);
+    let line = step.lines().skip_while(|l| !l.contains("--prompt-len")).nth(1).unwrap_or_default();
+    assert!(line.contains("Prompt tokens"), "--prompt-len has no description:\n{step}");
+    // The scores and the objectives are explained, and train's help points at the reference.
+    for cmd in ["eval", "score"] {
+        let text = help(&[cmd]);
+        for m in ["avg@n ", "pass@k ", "maj@n "] {
+            assert!(text.lines().any(|l| l.trim_start().starts_with(m)), "{cmd}: {m} not explained:\n{text}");
+        }
+    }
+    let train = help(&["train"]);
+    assert!(train.contains("docs/reference.md"), "{train}");
+    for name in ["off_grpo", "grpo", "gspo", "rec", "opmd", "asymre", "red_drop", "red_weight", "oapl", "sft", "cispo"] {
+        assert!(train.lines().any(|l| l.trim_start().starts_with(&format!("{name} "))), "{name} not explained");
     }
     // The objectives the README lists are named in the top-level help.
     let top = help(&[]);

@@ -34,6 +34,8 @@ pub struct TrainStepSpec {
     /// Tokens of each answer's sequence, prompt included.
     #[arg(long, default_value_t = 1024)]
     pub seq_len: usize,
+    /// Prompt tokens at the start of each sequence (no loss on them); the remaining seq-len - prompt-len
+    /// tokens are the answer's.
     #[arg(long, default_value_t = 128)]
     pub prompt_len: usize,
     /// Answers per forward/backward.

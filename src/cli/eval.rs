@@ -13,6 +13,7 @@ use crate::jsonl::Lines;
 use crate::model::{self, ChatTokenizer};
 
 #[derive(Debug, clap::Args)]
+#[command(after_help = super::METRICS_HELP)]
 pub struct Args {
     /// Registered benchmarks, comma-separated (see --list).
     #[arg(long, value_delimiter = ',', required_unless_present_any = ["list", "bench_file"], value_parser = bench_arg)]

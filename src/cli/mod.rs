@@ -15,23 +15,44 @@ mod train;
 
 /// Off-policy GRPO post-training of open LLMs for mathematical reasoning.
 #[derive(Debug, Parser)]
-#[command(name = "grpo", version, about, long_about = None, propagate_version = true)]
+#[command(name = "grpo", version = version(), about, long_about = None, propagate_version = true)]
 pub struct Cli {
     /// More log output (-v: debug, -vv: trace). RUST_LOG overrides.
-    #[arg(short, long, action = clap::ArgAction::Count, global = true)]
+    #[arg(short, long, action = clap::ArgAction::Count, global = true, help_heading = "Logging")]
     pub verbose: u8,
     /// Errors only: no progress, log lines or warnings (results on stdout, such as tables and the
     /// training summary, are still printed).
-    #[arg(short, long, global = true)]
+    #[arg(short, long, global = true, help_heading = "Logging")]
     pub quiet: bool,
     #[command(subcommand)]
     pub command: Command,
 }
 
+/// What `grpo eval --help` and `grpo score --help` say of the scores.
+const METRICS_HELP: &str = "The scores, over a benchmark's problems, each with n sampled answers:
+  avg@n   the mean accuracy of the n answers (the share of correct answers)
+  pass@k  the chance that at least one of k answers drawn from the n is correct: the
+          unbiased estimate 1 - C(n-c, k) / C(n, k) for c correct answers (k <= n)
+  maj@n   the accuracy of the most common final answer of the n (equivalent answers
+          vote together, a tie goes to the one that came first, an answer without a
+          final answer does not vote)
+An answer is the last \\boxed{} of the text (after </think> when there is one),
+compared with the gold answer as Math-Verify does: docs/reference.md.";
+
+/// This build's version: the crate's, and for a release build its commit and the commit's date ("+changes"
+/// when it was built from edited sources; build.rs).
+pub(crate) fn version() -> &'static str {
+    static VERSION: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    VERSION.get_or_init(|| match env!("GRPO_COMMIT") {
+        "" => env!("CARGO_PKG_VERSION").to_string(),
+        commit => format!("{} (commit {commit})", env!("CARGO_PKG_VERSION")),
+    })
+}
+
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Post-train a model on teacher trajectories with off-policy GRPO (objective off_grpo) or another
-    /// objective: grpo, gspo, rec, opmd, asymre, red_drop, red_weight, oapl, sft.
+    /// objective: grpo, gspo, rec, opmd, asymre, red_drop, red_weight, oapl, sft, cispo.
     Train(train::Args),
     /// Create a small randomly initialised model with a real tokenizer (for smoke tests and CI).
     InitTiny(init_tiny::Args),

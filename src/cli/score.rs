@@ -21,6 +21,7 @@ use std::io::Write;
 use std::path::PathBuf;
 
 #[derive(Debug, clap::Args)]
+#[command(after_help = super::METRICS_HELP)]
 pub struct Args {
     /// JSONL with {"answer", "response"}, {"answer", "responses": [...]} or {"answer", "samples": [{"text"},
     /// ...]} per line (`grpo eval`'s generations.jsonl, a run's validation records), .gz/.zst, or -.

@@ -25,7 +25,26 @@ pub const ABORTED_EXIT_CODE: i32 = 130;
 pub const DOES_NOT_FIT_EXIT_CODE: u8 = 3;
 
 #[derive(Debug, clap::Args)]
-#[command(after_help = "Exit status: 0 when the run is done (or, with --resume, was already complete; with --plan or \
+#[command(after_help = "Objectives (objective.name; each one's loss, options and defaults: docs/reference.md):
+  off_grpo    off-policy GRPO on teacher answers (seed 000): the clipped ratio to the
+              teacher, the group-relative advantage with the all-positive bias b, KL to
+              a frozen reference (the default)
+  grpo        GRPO on the model's own answers with [rollout] (on-policy; with
+              rollout.lag, seed 002's lagged GRPO)
+  gspo        GRPO with the sequence-level ratio (GSPO)
+  rec         REC: REINFORCE with a clip mask (one-side, two-side or ring), with or
+              without importance weights
+  opmd        online policy mirror descent: REINFORCE plus a squared log-ratio term
+  asymre      asymmetric REINFORCE: the baseline lowered by a shift
+  red_drop    REINFORCE on a group with its excess negative answers dropped
+  red_weight  REINFORCE with answers weighted by exp(A / T)
+  oapl        OAPL (seed 003): a squared regression of the log-ratio to the soft advantage
+  sft         supervised fine-tuning on the correct answers (or on all)
+  cispo       CISPO: the clipped ratio as a stopped weight of every token's gradient
+
+Every config key, the run's folder, resuming and the memory plan: docs/reference.md.
+
+Exit status: 0 when the run is done (or, with --resume, was already complete; with --plan or \
 --check, when the plan fits or the config is valid); 75 when it was stopped on request (Ctrl-C, SIGTERM or \
 SIGHUP: the current step is finished and a checkpoint written; continue with --resume auto); 130 when a second \
 signal aborted it without a checkpoint; 3 when the memory plan does not fit the device (--plan, or before a run \
@@ -52,7 +71,7 @@ pub struct Args {
     pub allow_config_change: bool,
     /// Resume on data other than the checkpoint's (another prepared version: edited inputs, other
     /// preparation options or data.prepared_dir): the checkpoint's epoch restarts at its first batch of the
-    /// new data; the step count, schedule and optimiser state go on.
+    /// new data and the remaining epochs are the new data's; the step count and optimiser state go on.
     #[arg(long, requires = "resume")]
     pub allow_data_change: bool,
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
@@ -199,7 +218,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let cwd = std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string());
     tracing::info!(
         "grpo {} in {cwd}: {} (config {})",
-        env!("CARGO_PKG_VERSION"),
+        super::version(),
         argv.join(" "),
         args.config.display()
     );
