@@ -19,7 +19,9 @@ fn tokenizer_dir() -> PathBuf {
 }
 
 fn grpo() -> Command {
-    Command::cargo_bin("grpo").unwrap()
+    let mut c = Command::cargo_bin("grpo").unwrap();
+    c.env("GRPO_CACHE_DIR", "off"); // no reference log-probs shared with other tests
+    c
 }
 
 fn fixture_lines() -> Vec<String> {

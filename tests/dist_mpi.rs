@@ -53,10 +53,12 @@ fn grpo(np: usize) -> std::process::Command {
         std::process::Command::new(grpo_bin())
     } else {
         let mut c = std::process::Command::new("mpirun");
-        c.args(["--allow-run-as-root", "--oversubscribe", "-np", &np.to_string()]).arg(grpo_bin());
+        c.args(["--allow-run-as-root", "--oversubscribe", "-x", "GRPO_CACHE_DIR", "-np", &np.to_string()]);
+        c.arg(grpo_bin());
         c
     };
     c.env("OMPI_MCA_btl", "self,vader,tcp");
+    c.env("GRPO_CACHE_DIR", "off"); // no reference log-probs shared between the tests' runs
     c
 }
 

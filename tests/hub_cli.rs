@@ -283,7 +283,7 @@ fn two_processes_download_a_model_once() {
     hub.faults(|f| f.chunk_delay = Some(Duration::from_millis(100)));
     let spawn = |i: usize| {
         let out = dir.path().join(format!("lp{i}.jsonl"));
-        let mut c = Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+        let mut c = common::command();
         c.env("HF_ENDPOINT", &hub.url).env("HF_HOME", &home).env_remove("HF_HUB_CACHE").env_remove("HF_HUB_OFFLINE");
         c.args(["logprobs", "--model", "org/tiny", "--input"]).arg(input(dir.path())).arg("--output").arg(&out);
         (c.stderr(std::process::Stdio::piped()).spawn().unwrap(), out)

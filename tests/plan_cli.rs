@@ -62,7 +62,7 @@ fn planned(config: &Path, sets: &[String]) -> (u64, String) {
 /// Train one step with `config`, then compare its peak RSS with the plan of the micro-batch it ran.
 fn check(dir: &Path, config: &Path, what: &str) {
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_grpo"));
-    cmd.current_dir(common::root()).args(["-q", "train", "--config"]).arg(config);
+    cmd.env("GRPO_CACHE_DIR", "off").current_dir(common::root()).args(["-q", "train", "--config"]).arg(config);
     let measured = peak_rss(cmd);
     let metrics = common::read_jsonl(&dir.join("out/metrics.jsonl"));
     // A step is one question's 8 answers, each truncated to 32 tokens: its micro-batch is 8 x (prompt +

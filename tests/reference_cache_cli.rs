@@ -159,3 +159,49 @@ fn a_damaged_cache_is_reported_with_its_path_and_recomputed() {
     let log = stderr(&run.success());
     assert!(log.contains("reference-logprobs.json") && log.contains("recomputing"), "{log}");
 }
+
+/// A run in a new output folder (its own prepared folder) on the same data and reference takes the values an
+/// earlier run computed from the shared cache (GRPO_CACHE_DIR) instead of running the reference pass again,
+/// and trains exactly as the first; a damaged shared entry is computed again.
+#[test]
+fn a_new_run_on_the_same_data_takes_the_reference_log_probs_of_an_earlier_one() {
+    let dir = tempfile::tempdir().unwrap();
+    common::init_tiny("qwen2", "smollm2", &dir.path().join("model"));
+    init_reference(&dir.path().join("reference"));
+    let (cfg, shared) = (config(dir.path()), dir.path().join("shared"));
+    let run = |name: &str| {
+        let out = dir.path().join(name);
+        let a = common::grpo()
+            .env("GRPO_CACHE_DIR", &shared)
+            .current_dir(common::root())
+            .args(["train", "--config"])
+            .arg(&cfg)
+            .arg("--set")
+            .arg(format!("train.output_dir=\"{}\"", out.display()))
+            .arg("--set")
+            .arg(format!("data.prepared_dir=\"{}\"", out.join("prepared").display()))
+            .assert()
+            .success();
+        let metrics = common::read_jsonl(&out.join("metrics.jsonl"));
+        let values: Vec<Vec<f64>> =
+            metrics.iter().map(|m| ["loss", "kl", "grad_norm"].map(|k| m[k].as_f64().unwrap()).to_vec()).collect();
+        (stderr(&a), values)
+    };
+    let (log, first) = run("a");
+    assert!(log.contains("computing the reference log-probs") && log.contains("shared with later runs"), "{log}");
+    let entries: Vec<_> = std::fs::read_dir(shared.join("reference-logprobs")).unwrap().collect();
+    assert_eq!(entries.len(), 1);
+    let (log, second) = run("b");
+    assert!(log.contains("reference log-probs taken from") && !log.contains("computing the reference"), "{log}");
+    assert_eq!(first, second, "the run on shared values trains as the one that computed them");
+    // A damaged entry is not used: the values are computed again, and shared again.
+    let entry = entries[0].as_ref().unwrap().path();
+    let values = entry.join("reference-logprobs.f32");
+    let mut bytes = std::fs::read(&values).unwrap();
+    bytes[0] ^= 0x40;
+    std::fs::remove_file(&values).unwrap(); // a new file: the runs' hard links keep their values
+    std::fs::write(&values, &bytes).unwrap();
+    let (log, third) = run("c");
+    assert!(log.contains("are damaged: computing them") && log.contains("shared with later runs"), "{log}");
+    assert_eq!(first, third);
+}

@@ -20,7 +20,9 @@ fn read_jsonl(p: &Path) -> Vec<Value> {
 }
 
 fn grpo() -> Command {
-    Command::cargo_bin("grpo").unwrap()
+    let mut c = Command::cargo_bin("grpo").unwrap();
+    c.env("GRPO_CACHE_DIR", "off"); // no reference log-probs shared with other tests
+    c
 }
 
 /// The dev file in the documented input shape {"answer", "responses", ...}.

@@ -15,7 +15,7 @@ fn data() -> String {
 }
 
 fn prepare_cmd(model: &Path, out: &Path, max_tokens: usize) -> std::process::Command {
-    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    let mut c = common::command();
     c.args(["data", "prepare", "-i", &data(), "--group-size", "4", "--max-questions", "8", "--ties", "first"])
         .args(["--max-response-tokens", &max_tokens.to_string(), "--model"])
         .arg(model)
@@ -150,7 +150,7 @@ fn a_stop_request_during_the_reference_pass_exits_75_within_seconds() {
         dir.path().join("out").display()
     );
     std::fs::write(&config, text).unwrap();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let mut child = common::command()
         .args(["train", "--config"])
         .arg(&config)
         .stderr(std::process::Stdio::piped())

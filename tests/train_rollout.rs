@@ -186,7 +186,7 @@ fn a_lagged_run_killed_mid_way_resumes_exactly() {
     let c = d.path().join("c");
     std::fs::create_dir_all(&c).unwrap();
     let cfg = config(&c, &model, &questions, 0.03, 6);
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let mut child = common::command()
         .current_dir(common::root())
         .args(["-q", "train", "--config"])
         .arg(&cfg)
@@ -330,7 +330,7 @@ fn a_server_run_at_staleness_1_killed_mid_way_resumes_as_the_uninterrupted_run()
     let (cfg_a, a) = config_in("a");
     train(&cfg_a, &every).success();
     let (cfg_c, c) = config_in("c");
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let mut child = common::command()
         .current_dir(common::root())
         .args(["-q", "train", "--config"])
         .arg(&cfg_c)

@@ -17,6 +17,7 @@ mod profiling;
 mod ratio;
 pub mod refcache;
 mod reference_swap;
+mod refshare;
 mod resume;
 mod run_dir;
 pub mod step;

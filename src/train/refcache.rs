@@ -145,6 +145,13 @@ impl Key {
         Ok(key)
     }
 
+    /// The name of the shared entry of these values over data of `fingerprint` ([`super::refshare`]): the
+    /// data by its contents, so that another prepared folder of the same data finds it.
+    fn shared_id(&self, fingerprint: &str) -> String {
+        let what = format!("{FORMAT}\n{}\n{fingerprint}\n{}", self.reference_sha256, self.dtype);
+        hash_bytes(what.as_bytes()).chars().take(32).collect()
+    }
+
     /// Why `m` was computed for another key (`None`: the same).
     fn differs(&self, m: &Manifest) -> Option<String> {
         let mut why = Vec::new();
@@ -211,6 +218,35 @@ fn check(dir: &Path, key: &Key, layout: &Layout) -> Result<Option<Mmap>, Stale> 
         return Err(damaged("contents do not match the SHA-256 in the manifest".into()));
     }
     Ok(map)
+}
+
+/// Take the shared cache `entry` into `dir` for `key` when it holds values of the same reference and
+/// dtype (its data is the same by the entry's name), and check them as a cache of `dir`'s own.
+fn take_shared(entry: &Path, dir: &Path, key: &Key, layout: &Layout) -> bool {
+    let Some(text) = super::refshare::take(entry, dir, VALUES_FILE, MANIFEST_FILE) else { return false };
+    let Ok(mut m) = serde_json::from_str::<Manifest>(&text) else { return false };
+    if (m.format.as_str(), &m.reference_sha256, &m.dtype) != (FORMAT, &key.reference_sha256, &key.dtype) {
+        return false;
+    }
+    // The entry's data is this folder's (the entry is named by its contents), whatever its manifest's hash.
+    m.data_sha256 = key.data_sha256.clone();
+    let mpath = dir.join(MANIFEST_FILE);
+    let text = serde_json::to_string_pretty(&m).unwrap_or_default();
+    if let Err(e) = crate::fsio::write_atomic(&mpath, text.as_bytes()) {
+        tracing::warn!("{}: {e}", mpath.display());
+        return false;
+    }
+    match check(dir, key, layout) {
+        Ok(_) => {
+            tracing::info!("reference log-probs taken from {}, computed by an earlier run", entry.display());
+            true
+        }
+        Err(_) => {
+            tracing::warn!("the shared reference log-probs in {} are damaged: computing them", entry.display());
+            let _ = std::fs::remove_file(&mpath);
+            false
+        }
+    }
 }
 
 /// Log why the cache in `path` is computed.
@@ -368,10 +404,15 @@ impl ReferenceCache {
             return Err(TrainError::Interrupted(format!("while waiting for another process {what}")));
         }
         let _lock = lock.transpose()?;
+        let shared = super::refshare::entry(&key.shared_id(dataset.fingerprint()));
         let done_elsewhere = world.is_primary() && {
             remove_temp_values(dir);
             match check(dir, &key, &layout) {
-                Ok(_) => true,
+                Ok(_) => {
+                    tracing::info!("reference log-probs in {} were computed by another process", path.display());
+                    true
+                }
+                Err(_) if shared.as_deref().is_some_and(|e| take_shared(e, dir, &key, &layout)) => true,
                 Err(stale) => {
                     say_why(&path, &stale);
                     false
@@ -379,10 +420,11 @@ impl ReferenceCache {
             }
         };
         let done_elsewhere = world.any(done_elsewhere);
-        if done_elsewhere {
-            tracing::info!("reference log-probs in {} were computed by another process", path.display());
-        } else {
+        if !done_elsewhere {
             compute(dataset, reference, opts, &key, &layout, stop, world)?;
+            if let Some(e) = shared.filter(|_| world.is_primary()) {
+                super::refshare::keep(dir, &e, &[VALUES_FILE, MANIFEST_FILE]);
+            }
         }
         let map = check(dir, &key, &layout).map_err(|_| TrainError::ReferenceCache {
             path: path.clone(),

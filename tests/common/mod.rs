@@ -8,7 +8,19 @@ pub fn root() -> PathBuf {
 }
 
 pub fn grpo() -> assert_cmd::Command {
-    assert_cmd::Command::cargo_bin("grpo").expect("the grpo binary")
+    let mut c = assert_cmd::Command::cargo_bin("grpo").expect("the grpo binary");
+    c.env("GRPO_CACHE_DIR", "off");
+    c
+}
+
+/// The `grpo` binary as a plain process, with what [`grpo`] sets.
+#[allow(dead_code)]
+pub fn command() -> std::process::Command {
+    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    // Reference log-probs are not shared between tests (or with the user's runs): each test sees what a
+    // run on its own sees. The test of sharing sets its own folder.
+    c.env("GRPO_CACHE_DIR", "off");
+    c
 }
 
 /// The SmolLM2-135M weights made by scripts/make-smollm2.sh, or None with a clear message.
