@@ -204,7 +204,7 @@ fn a_lora_run_killed_with_sigkill_resumes_bit_exactly() {
     let a = dir.path().join("a");
     train(&cfg, &a, &sets, &[]).success();
     let c = dir.path().join("c");
-    let mut cmd = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    let mut cmd = common::command();
     cmd.current_dir(common::root()).args(["-q", "train", "--config"]).arg(&cfg);
     cmd.arg("--set").arg(format!("train.output_dir=\"{}\"", c.display()));
     for s in sets {
@@ -542,4 +542,24 @@ fn a_lora_run_logs_its_adapters() {
         err.contains(&format!("grpo {} in ", env!("CARGO_PKG_VERSION"))) && err.contains("train --config"),
         "{err}"
     );
+}
+
+/// A LoRA checkpoint resumed as a full fine-tune, and a full one resumed with `[model.lora]`, are refused
+/// naming the checkpoint and what it holds, before the model is loaded.
+#[test]
+fn a_checkpoint_resumed_as_the_other_kind_of_run_says_what_it_holds() {
+    let dir = tempfile::tempdir().unwrap();
+    let lora = lora_config(dir.path());
+    let text = std::fs::read_to_string(&lora).unwrap().replace("[model.lora]\nr = 4\nalpha = 8\n", "");
+    let full = dir.path().join("full.toml");
+    std::fs::write(&full, text).unwrap();
+    let resume = ["--resume", "auto", "--allow-config-change"];
+    for (first, then, holds) in [(&lora, &full, "it holds LoRA adapters"), (&full, &lora, "it holds whole weights")] {
+        let out = dir.path().join(if first == &lora { "from-lora" } else { "from-full" });
+        train(first, &out, &["train.max_steps=1"], &[]).success();
+        let o = train(then, &out, &["train.max_steps=2"], &resume).failure();
+        let err = String::from_utf8_lossy(&o.get_output().stderr).into_owned();
+        assert!(err.contains(&format!("cannot resume from {}", ck(&out, 1).display())), "{err}");
+        assert!(err.contains(holds) && err.contains("start a new run (--overwrite)"), "{err}");
+    }
 }

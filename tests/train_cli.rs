@@ -226,7 +226,7 @@ fn running_out_of_memory_names_the_phase_the_plan_and_the_settings_and_keeps_the
 
 /// `grpo train -q` of `config` on the folders of `train` (output and model under `dir`), not started.
 fn train_command(dir: &Path, config: &Path, extra: &[&str]) -> std::process::Command {
-    let mut c = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"));
+    let mut c = common::command();
     c.current_dir(common::root())
         .args(["-q", "train", "--config"])
         .arg(config)
@@ -492,7 +492,7 @@ fn groups_smaller_than_group_size_are_reported() {
 /// returns (exit status, stdout, stderr).
 fn train_logged(dir: &Path, config: &Path, extra: &[&str]) -> (Option<i32>, String, String) {
     let (out_log, err_log) = (dir.join("stdout.log"), dir.join("stderr.log"));
-    let status = std::process::Command::new(assert_cmd::cargo::cargo_bin("grpo"))
+    let status = common::command()
         .current_dir(common::root())
         .args(["train", "--config"])
         .arg(config)
@@ -680,6 +680,7 @@ fn every_file_of_a_run_follows_the_umask() {
         let script = format!("umask {umask} && exec \"$0\" \"$@\"");
         let status = std::process::Command::new("sh")
             .current_dir(common::root())
+            .env("GRPO_CACHE_DIR", "off")
             .args(["-c", &script])
             .arg(assert_cmd::cargo::cargo_bin("grpo"))
             .args(["-q", "train", "--config"])
@@ -776,12 +777,19 @@ fn a_resume_on_smaller_data_is_refused_within_seconds_or_restarts_the_epoch_when
         err.contains("other data") && err.contains("--allow-data-change") && err.contains("step-00000004"),
         "{err}"
     );
-    // Allowed: epoch 0 restarts on the new data, and the run ends (2 epochs of 3 steps).
+    // Allowed: epoch 0 restarts on the new data at step 4, and the run ends after its 2 epochs of 3 steps.
     let allowed: Vec<&str> = more.iter().copied().chain(["--allow-data-change"]).collect();
     let o = output_within(train_command(dir.path(), &cfg, &allowed), std::time::Duration::from_secs(120));
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!((summary["steps"].as_u64(), summary["total_steps"].as_u64()), (Some(10), Some(10)));
     let ck = grpo::train::latest_checkpoint(&out).unwrap();
-    assert!(ck.ends_with("step-00000006"), "{}", ck.display());
+    assert!(ck.ends_with("step-00000010"), "{}", ck.display());
+    // And it is complete: a later resume has nothing to do.
+    let o = output_within(train_command(dir.path(), &cfg, &more), std::time::Duration::from_secs(60));
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("already complete at step 10"), "{o:?}");
 }
 
 /// A checkpoint whose optimizer state comes from another checkpoint (its checksum record edited to match)

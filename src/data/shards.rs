@@ -286,6 +286,20 @@ pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
     let head = read_head(dir)?;
     crate::checksum::verify(dir, &head.checksums, "manifest.json")
         .map_err(|e| DataError::Format { path: dir.to_path_buf(), message: e.to_string() })?;
+    // A manifest rewritten together with its checksum: its counts must still size the tables.
+    for (file, records, size) in [("prompts.bin", head.groups, PROMPT_REC), ("responses.bin", head.responses, RESP_REC)] {
+        let p = dir.join(file);
+        let len = std::fs::metadata(&p).map_err(io_err(&p))?.len();
+        if Some(len) != records.checked_mul(size as u64) {
+            return Err(DataError::Format {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "tables do not match the manifest ({} groups, {} responses; {file} holds {len} bytes)",
+                    head.groups, head.responses
+                ),
+            });
+        }
+    }
     Ok(head)
 }
 
@@ -370,7 +384,7 @@ impl PreparedDataset {
 
     /// Read the version `dir`, held by `hold`.
     fn read(dir: &Path, hold: super::versions::ReaderLock) -> Result<Self, DataError> {
-        let head = verify_version(dir).map_err(|e| match e {
+        Self::read_tables(dir, hold).map_err(|e| match e {
             DataError::Format { path, message } => DataError::Format {
                 path,
                 message: format!(
@@ -379,7 +393,12 @@ impl PreparedDataset {
                 ),
             },
             e => e,
-        })?;
+        })
+    }
+
+    /// [`Self::read`]'s work: the manifest checked, then the tables read and checked against it.
+    fn read_tables(dir: &Path, hold: super::versions::ReaderLock) -> Result<Self, DataError> {
+        let head = verify_version(dir)?;
         let bad = |m: String| DataError::Format { path: dir.to_path_buf(), message: m };
         let gpath = dir.join("groups.jsonl");
         // Not sized from the manifest's counts before they are checked against the tables below.
@@ -573,5 +592,14 @@ mod tests {
             std::fs::write(&p, &b).unwrap();
         }
         PreparedDataset::open(dir.path()).unwrap();
+        // A manifest rewritten with its checksum to other counts: named as damaged, with the remedy.
+        let tampered = ManifestHead { groups: 3, ..head };
+        let text = serde_json::to_string(&tampered).unwrap();
+        std::fs::write(dir.path().join("manifest.json"), &text).unwrap();
+        std::fs::write(dir.path().join(MANIFEST_SUM), crate::checksum::hash_bytes(text.as_bytes())).unwrap();
+        let err = verify_version(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("tables do not match the manifest (3 groups") && err.contains("prompts.bin"), "{err}");
+        let err = PreparedDataset::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("tables do not match") && err.contains("grpo data prepare --force"), "{err}");
     }
 }

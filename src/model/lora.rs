@@ -374,9 +374,13 @@ pub fn load_with_adapter(
 ) -> Result<super::Decoder, ModelError> {
     let a = read_adapter(adapter)?;
     if let Some(want) = expected.filter(|w| !same_adapter(w, &a.options)) {
+        let (theirs, ours) = adapter_differences(&a.options, want);
         return Err(ModelError::Files {
             path: adapter.join(ADAPTER_CONFIG_FILE),
-            message: format!("the adapter is {:?}, the run's [model.lora] {want:?}", a.options),
+            message: format!(
+                "the adapter was trained with {theirs}, the run's [model.lora] says {ours}: resume with the options \
+                 that wrote it, or start a new run"
+            ),
         });
     }
     let base = super::load_decoder(base_dir, dtype, device, false)?;
@@ -557,6 +561,21 @@ fn same_adapter(a: &LoraOptions, b: &LoraOptions) -> bool {
     (a.r, a.alpha, &a.target_modules) == (b.r, b.alpha, &b.target_modules)
 }
 
+/// The options in which adapters `a` and `b` differ, as `key = value` lists for `a` and for `b`.
+fn adapter_differences(a: &LoraOptions, b: &LoraOptions) -> (String, String) {
+    let mut sides = (Vec::new(), Vec::new());
+    let mut add = |key: &str, x: String, y: String| {
+        if x != y {
+            sides.0.push(format!("{key} = {x}"));
+            sides.1.push(format!("{key} = {y}"));
+        }
+    };
+    add("r", a.r.to_string(), b.r.to_string());
+    add("alpha", a.alpha.to_string(), b.alpha.to_string());
+    add("target_modules", format!("[{}]", a.target_modules.join(", ")), format!("[{}]", b.target_modules.join(", ")));
+    (sides.0.join(", "), sides.1.join(", "))
+}
+
 /// Whether the folder `dir` holds an adapter (PEFT's files) rather than a whole model.
 pub fn is_adapter_dir(dir: &Path) -> bool {
     dir.join(ADAPTER_CONFIG_FILE).is_file()
@@ -631,6 +650,14 @@ mod tests {
         );
         let back = read_adapter(dir.path()).unwrap();
         assert_eq!(back.options, opts);
+        // Resumed with another rank: the options that differ are named, not the options' Debug dump.
+        let other = LoraOptions { r: 4, ..opts.clone() };
+        let e = load_with_adapter(dir.path(), dir.path(), Some(&other), (DType::F32, &Device::Cpu), true)
+            .err()
+            .expect("another rank is refused")
+            .to_string();
+        assert!(e.contains("trained with r = 2, the run's [model.lora] says r = 4"), "{e}");
+        assert!(!e.contains("LoraOptions") && !e.contains("alpha"), "{e}");
         for (n, v) in &t {
             assert_eq!(
                 back.tensors[n].flatten_all().unwrap().to_vec1::<f32>().unwrap(),

@@ -188,7 +188,8 @@ pub struct TrainSection {
     /// Token budget of a micro-batch (0, the default: `micro_batch_size` answers, each row padded to the
     /// longest). When set, answers (prompt + response) are packed into rows of at most this many tokens,
     /// one row per micro-batch, causal within each answer, with no padding; an answer longer than the
-    /// budget runs alone. `micro_batch_size` is then unused. See src/train/pack.rs.
+    /// budget runs alone. `micro_batch_size` then sets only the batch of the reference log-prob pass and of
+    /// the rollouts' behaviour log-probs. See src/train/pack.rs.
     pub micro_batch_tokens: usize,
     pub epochs: usize,
     /// Stop after this many steps (0: run all epochs).
@@ -565,8 +566,17 @@ impl TrainConfig {
         if self.data.input.group.group_size == 1 {
             return bad("data.group_size = 1: a group needs at least 2 answers (0 keeps all)".into());
         }
-        if self.train.batch_questions == 0 || self.train.micro_batch_size == 0 {
-            return bad("train.batch_questions and train.micro_batch_size must be >= 1".into());
+        if self.train.batch_questions == 0 {
+            return bad("train.batch_questions = 0: a step needs at least 1 question".into());
+        }
+        if self.train.micro_batch_size == 0 {
+            let packed = if self.train.micro_batch_tokens > 0 {
+                " (with train.micro_batch_tokens it still sets the batch of the reference log-prob pass and of \
+                 the rollouts' behaviour log-probs)"
+            } else {
+                ""
+            };
+            return bad(format!("train.micro_batch_size = 0 must be >= 1{packed}"));
         }
         if self.train.epochs == 0 && self.train.max_steps == 0 {
             return bad("train.epochs and train.max_steps are both 0: nothing to do".into());
@@ -712,6 +722,18 @@ mod tests {
         let e = parse(server).unwrap_err().to_string();
         assert!(e.contains("needs [model.lora]"), "{e}");
         parse(&format!("{server}[model.lora]\nr = 4\n")).unwrap();
+    }
+
+    /// `micro_batch_size = 0` is refused, with packing too, saying what it still sets.
+    #[test]
+    fn a_zero_micro_batch_size_says_what_it_still_sets_when_packing() {
+        let parse = |train: &str| TrainConfig::parse(&format!("{MIN}[train]\n{train}"), Path::new("c.toml"), &[]);
+        let e = parse("micro_batch_size = 0\n").unwrap_err().to_string();
+        assert!(e.contains("train.micro_batch_size = 0 must be >= 1") && !e.contains("reference"), "{e}");
+        let e = parse("micro_batch_size = 0\nmicro_batch_tokens = 512\n").unwrap_err().to_string();
+        assert!(e.contains("it still sets the batch of the reference log-prob pass"), "{e}");
+        let e = parse("batch_questions = 0\n").unwrap_err().to_string();
+        assert!(e.contains("train.batch_questions = 0"), "{e}");
     }
 
     #[test]

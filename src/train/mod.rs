@@ -438,14 +438,21 @@ struct StepPlan {
 }
 
 impl StepPlan {
-    fn new(cfg: &TrainConfig, n_groups: usize) -> Self {
-        let steps_per_epoch = n_groups.div_ceil(cfg.train.batch_questions);
-        let mut total_steps = steps_per_epoch * cfg.train.epochs.max(1);
-        if cfg.train.max_steps > 0 {
-            total_steps =
-                if cfg.train.epochs == 0 { cfg.train.max_steps } else { total_steps.min(cfg.train.max_steps) };
+    /// The plan of a run at `state`. Its epochs are counted from the step its current epoch began at,
+    /// `epoch × steps_per_epoch` unless a resume on changed data (`--allow-data-change`) restarted the epoch
+    /// at a later step: the remaining epochs are then the new data's.
+    fn new(cfg: &TrainConfig, n_groups: usize, state: &TrainerState) -> Self {
+        let t = &cfg.train;
+        let steps_per_epoch = n_groups.div_ceil(t.batch_questions);
+        if t.epochs == 0 {
+            return Self { steps_per_epoch, total_steps: t.max_steps, epochs: usize::MAX };
         }
-        Self { steps_per_epoch, total_steps, epochs: total_steps.div_ceil(steps_per_epoch) }
+        let epoch_start = state.step.saturating_sub(state.batch_in_epoch);
+        let mut total_steps = epoch_start + t.epochs.saturating_sub(state.epoch) * steps_per_epoch;
+        if t.max_steps > 0 {
+            total_steps = total_steps.min(t.max_steps);
+        }
+        Self { steps_per_epoch, total_steps, epochs: t.epochs }
     }
 }
 
@@ -677,7 +684,7 @@ impl Run<'_> {
         stop: &AtomicBool,
     ) -> Result<Outcome, TrainError> {
         let cfg = self.cfg;
-        let plan = StepPlan::new(cfg, dataset.len());
+        let plan = StepPlan::new(cfg, dataset.len(), &state);
         tracing::info!(
             "{} groups, {} steps per epoch, {} steps; objective {}",
             dataset.len(),
@@ -981,6 +988,9 @@ fn load_policy(
     resume_from: Option<&Path>,
     (dtype, device): (candle_core::DType, &candle_core::Device),
 ) -> Result<Decoder, TrainError> {
+    if let Some(ck) = resume_from {
+        checkpoint_holds(ck, cfg.model.lora.is_some())?;
+    }
     let Some(lora) = &cfg.model.lora else {
         return Ok(model::load_decoder(resume_from.unwrap_or(model_dir), dtype, device, true)?);
     };
@@ -990,6 +1000,19 @@ fn load_policy(
     let base = model::load_decoder(model_dir, dtype, device, false)?;
     let adapters = model::lora::init_adapters(base.config(), lora, cfg.train.seed, device)?;
     Ok(base.with_adapters(lora, adapters, true)?)
+}
+
+/// Check that checkpoint `ck` holds what the run trains: LoRA adapters when `lora`, whole weights otherwise.
+fn checkpoint_holds(ck: &Path, lora: bool) -> Result<(), TrainError> {
+    let adapters = model::lora::is_adapter_dir(ck);
+    let message = match (lora, adapters) {
+        (false, true) => "it holds LoRA adapters (adapter_model.safetensors), written by a run with [model.lora]; \
+                          resume it with that [model.lora] section, or start a new run (--overwrite)",
+        (true, false) => "it holds whole weights, written by a run without [model.lora]; resume it without \
+                          [model.lora], or start a new run (--overwrite)",
+        _ => return Ok(()),
+    };
+    Err(TrainError::Incompatible { ck: ck.to_path_buf(), message: message.into() })
 }
 
 /// The log line of a LoRA policy: its adapters and how much of the model they train.
@@ -1152,7 +1175,7 @@ fn train_in(
     let checkpoint_data = resumed.as_ref().and_then(|(_, s)| s.data.as_deref());
     let checkpoint_hold = checkpoint_data.and_then(|f| data::shards::hold_fingerprint(&prepared_dir(cfg), f));
     let dataset = open_groups(cfg, &model_dir, stop, &world)?;
-    let steps_per_epoch = StepPlan::new(cfg, dataset.len()).steps_per_epoch;
+    let steps_per_epoch = dataset.len().div_ceil(cfg.train.batch_questions);
     let resumed = match resumed {
         Some((ck, state)) => {
             // A changed config may change the data (data.*, train.seed): allowed, it allows that too.
@@ -1171,7 +1194,8 @@ fn train_in(
     run.step.share_with(world.clone())?;
     if let Some(r) = &mut run.rollouts {
         r.share_with(world.clone());
-        r.run_for(StepPlan::new(cfg, dataset.len()).total_steps);
+        let at = resumed.as_ref().map(|(_, s)| s.clone()).unwrap_or_default();
+        r.run_for(StepPlan::new(cfg, dataset.len(), &at).total_steps);
         if let Some((job, roles)) = generation {
             r.generate_on(job, roles, &run.checkpoints.model_dir)?;
         }
@@ -1268,7 +1292,7 @@ fn write_summary(
 ) -> Result<RunSummary, TrainError> {
     let out = Path::new(&cfg.train.output_dir);
     crate::plot::refresh_run_curves(out);
-    let plan = StepPlan::new(cfg, groups);
+    let plan = StepPlan::new(cfg, groups, &outcome.state);
     let end = summary::RunEnd {
         out,
         outcome,
@@ -1301,6 +1325,32 @@ mod tests {
         assert_eq!(at, vec![6]);
         let w = said[5].as_deref().unwrap();
         assert!(w.starts_with("steps 4-6: the gradient norm is 0 for 3 steps in a row"), "{w}");
+    }
+
+    /// A run's length: its epochs (or train.max_steps), counted from its state; after a resume on other data
+    /// restarted an epoch, the remaining epochs are the new data's.
+    #[test]
+    fn the_step_plan_counts_the_remaining_epochs_from_the_state() {
+        let mut cfg = TrainConfig::parse(
+            "[model]\npath = \"m\"\n[data]\ninputs = [\"x.jsonl\"]\n[train]\nbatch_questions = 2\nepochs = 2\n",
+            Path::new("c.toml"),
+            &[],
+        )
+        .unwrap();
+        let at = |step, epoch, batch_in_epoch| TrainerState { step, epoch, batch_in_epoch, ..Default::default() };
+        let plan = |cfg: &TrainConfig, n, s: &TrainerState| {
+            let p = StepPlan::new(cfg, n, s);
+            (p.steps_per_epoch, p.total_steps)
+        };
+        assert_eq!(plan(&cfg, 10, &at(0, 0, 0)), (5, 10));
+        assert_eq!(plan(&cfg, 10, &at(7, 1, 2)), (5, 10), "a state on the same data changes nothing");
+        // 4 steps into epoch 0, resumed on 6 groups with epoch 0 restarted: 4 + 2 epochs of 3 steps.
+        assert_eq!(plan(&cfg, 6, &at(4, 0, 0)), (3, 10));
+        assert_eq!(plan(&cfg, 6, &at(8, 1, 1)), (3, 10), "and so on its later resumes");
+        cfg.train.max_steps = 8;
+        assert_eq!(plan(&cfg, 6, &at(4, 0, 0)), (3, 8));
+        cfg.train.epochs = 0;
+        assert_eq!(plan(&cfg, 6, &at(4, 3, 0)), (3, 8));
     }
 
     /// A run's config on the bundled data, prepared into `prepared` with answers cut to `max_response` tokens.
