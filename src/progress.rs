@@ -4,11 +4,11 @@
 //! reference pass, validation, evaluation) shows where it is and its ETA in the log. Nothing is drawn
 //! when the log shows no info lines (`-q`).
 
-use std::io;
-use std::sync::Mutex;
+use std::io::{self, Write};
+use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike};
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle, TermLike, WeakProgressBar};
 
 /// Without a terminal: the longest time between two progress lines of a running bar (and the time a bar
 /// runs before its first line).
@@ -45,12 +45,75 @@ pub fn terminal_bar(len: Option<u64>, what: &str) -> ProgressBar {
         Some(_) => "{spinner} {prefix} [{elapsed_precise}] {wide_bar} {pos}/{len} ({eta}) {msg}",
         None => "{spinner} {prefix} [{elapsed_precise}] {pos} {msg}",
     };
-    let target = if on_terminal() && info_enabled() {
-        ProgressDrawTarget::stderr_with_hz(4)
-    } else {
-        ProgressDrawTarget::hidden()
-    };
-    styled(len, what, template, target)
+    if !(on_terminal() && info_enabled()) {
+        return styled(len, what, template, ProgressDrawTarget::hidden());
+    }
+    let bar = styled(len, what, template, ProgressDrawTarget::stderr_with_hz(4));
+    on_screen().add(&bar);
+    bar
+}
+
+/// The bars drawn on a terminal, so that a log line is written above the one being drawn
+/// ([`OnScreen::write_above`]) and not after it, which left a stale copy of the bar on the screen.
+#[derive(Default)]
+struct OnScreen(Mutex<Vec<WeakProgressBar>>);
+
+impl OnScreen {
+    fn add(&self, bar: &ProgressBar) {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(bar.downgrade());
+    }
+
+    /// Run `write` with the newest bar still running cleared from the screen, and draw it again below what
+    /// `write` wrote. A finished bar is left where it is: its last drawing is the line that stays.
+    fn write_above(&self, write: impl FnOnce()) {
+        let running = {
+            let mut bars = self.0.lock().unwrap_or_else(|e| e.into_inner());
+            bars.retain(|b| b.upgrade().is_some_and(|b| !b.is_finished()));
+            bars.last().and_then(WeakProgressBar::upgrade)
+        };
+        match running {
+            Some(bar) => bar.suspend(write),
+            None => write(),
+        }
+    }
+}
+
+fn on_screen() -> &'static OnScreen {
+    static BARS: OnceLock<OnScreen> = OnceLock::new();
+    BARS.get_or_init(OnScreen::default)
+}
+
+/// The writer of the log's lines (`tracing_subscriber`'s `with_writer(progress::log_writer)`): each event
+/// is collected and written to stderr in one piece when it ends, above a bar on a terminal. (Never log
+/// from inside `ProgressBar::suspend`: the bar is held there.)
+pub fn log_writer() -> LogWriter {
+    LogWriter(Vec::new())
+}
+
+/// One log event on its way to stderr (see [`log_writer`]).
+pub struct LogWriter(Vec<u8>);
+
+impl Write for LogWriter {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for LogWriter {
+    fn drop(&mut self) {
+        if self.0.is_empty() {
+            return;
+        }
+        let text = std::mem::take(&mut self.0);
+        // A log line that cannot be written has nowhere else to go.
+        let write = || drop(io::stderr().lock().write_all(&text));
+        on_screen().write_above(write);
+    }
 }
 
 /// Like [`progress_bar`] but never drawn on a terminal: for a pass inside a loop whose own bar is on the
@@ -91,6 +154,16 @@ pub fn duration(secs: f64) -> String {
         (0, 0, sec) => format!("{sec}s"),
         (0, m, sec) => format!("{m}m{sec:02}s"),
         (h, m, sec) => format!("{h}h{m:02}m{sec:02}s"),
+    }
+}
+
+/// `n` and a noun in its number: `1 problem`, `2 problems`, `1 micro-batch`, `3 micro-batches`.
+pub fn count(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    match n {
+        1 => format!("1 {noun}"),
+        _ if ["s", "x", "ch", "sh"].iter().any(|e| noun.ends_with(e)) => format!("{n} {noun}es"),
+        _ => format!("{n} {noun}s"),
     }
 }
 
@@ -225,6 +298,118 @@ mod tests {
         let lines = lines.lock().unwrap().clone();
         assert!(lines.contains(&"reference log-probs: 1/4 (25%) 12 tok/s".to_string()), "{lines:?}");
         assert_eq!(lines.last().map(String::as_str), Some("reference log-probs: 4/4 (100%) 12 tok/s"));
+    }
+
+    /// A terminal's screen: rows of text and a cursor, moved as indicatif moves it.
+    #[derive(Debug, Default)]
+    struct Screen {
+        rows: Vec<String>,
+        row: usize,
+    }
+
+    #[derive(Debug, Clone, Default)]
+    struct VirtualTerm(std::sync::Arc<Mutex<Screen>>);
+
+    impl VirtualTerm {
+        fn edit(&self, f: impl FnOnce(&mut Screen)) {
+            let mut s = self.0.lock().unwrap();
+            let row = s.row;
+            if s.rows.len() <= row {
+                s.rows.resize(row + 1, String::new());
+            }
+            f(&mut s);
+        }
+
+        fn rows(&self) -> Vec<String> {
+            let s = self.0.lock().unwrap();
+            s.rows.iter().map(|r| r.trim_end().to_string()).filter(|r| !r.is_empty()).collect()
+        }
+    }
+
+    impl TermLike for VirtualTerm {
+        fn width(&self) -> u16 {
+            80
+        }
+        fn height(&self) -> u16 {
+            24
+        }
+        fn move_cursor_up(&self, n: usize) -> io::Result<()> {
+            self.edit(|s| s.row = s.row.saturating_sub(n));
+            Ok(())
+        }
+        fn move_cursor_down(&self, n: usize) -> io::Result<()> {
+            self.edit(|s| s.row += n);
+            Ok(())
+        }
+        fn move_cursor_right(&self, _: usize) -> io::Result<()> {
+            Ok(())
+        }
+        fn move_cursor_left(&self, _: usize) -> io::Result<()> {
+            Ok(())
+        }
+        fn write_line(&self, line: &str) -> io::Result<()> {
+            self.write_str(line)?;
+            self.edit(|s| s.row += 1);
+            Ok(())
+        }
+        fn write_str(&self, text: &str) -> io::Result<()> {
+            // A character past the last column goes to the next row, as a terminal wraps it: indicatif
+            // fills a bar's last line to the width so that what is written next starts a row of its own.
+            for c in text.chars() {
+                self.edit(|s| match c {
+                    '\n' => s.row += 1,
+                    '\r' => {}
+                    _ => {
+                        if s.rows[s.row].chars().count() >= 80 {
+                            s.row += 1;
+                            s.rows.resize(s.rows.len().max(s.row + 1), String::new());
+                        }
+                        let row = s.row;
+                        s.rows[row].push(c);
+                    }
+                });
+            }
+            Ok(())
+        }
+        fn clear_line(&self) -> io::Result<()> {
+            self.edit(|s| {
+                let row = s.row;
+                s.rows[row].clear()
+            });
+            Ok(())
+        }
+        fn flush(&self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn log_lines_go_above_the_bars_and_leave_no_stale_bar() {
+        let term = VirtualTerm::default();
+        let screen = OnScreen::default();
+        let target = ProgressDrawTarget::term_like(Box::new(term.clone()));
+        let bar = styled(Some(8), "train", "{prefix} {pos}/{len} {msg}", target);
+        screen.add(&bar);
+        bar.tick();
+        assert_eq!(term.rows(), ["train 0/8"]);
+        // What a LogWriter does with an event.
+        screen.write_above(|| term.write_str("INFO checkpoint written\n").unwrap());
+        assert_eq!(term.rows(), ["INFO checkpoint written", "train 0/8"]);
+        bar.set_position(8);
+        bar.finish();
+        screen.write_above(|| term.write_str("INFO done\n").unwrap());
+        drop(bar);
+        screen.write_above(|| term.write_str("INFO summary\n").unwrap());
+        assert_eq!(term.rows(), ["INFO checkpoint written", "train 8/8", "INFO done", "INFO summary"]);
+    }
+
+    #[test]
+    fn a_count_names_its_noun_in_its_number() {
+        assert_eq!(count(1u32, "micro-batch"), "1 micro-batch");
+        assert_eq!(count(3u32, "micro-batch"), "3 micro-batches");
+        assert_eq!(count(0u32, "problem"), "0 problems");
+        assert_eq!(count(1u32, "problem"), "1 problem");
+        assert_eq!(count(2u32, "sample"), "2 samples");
     }
 
     #[test]

@@ -123,7 +123,8 @@ fn verbosity_flags_go_anywhere_and_the_help_describes_every_option() {
     }
     let train = help(&["train"]);
     assert!(train.contains("docs/reference.md"), "{train}");
-    for name in ["off_grpo", "grpo", "gspo", "rec", "opmd", "asymre", "red_drop", "red_weight", "oapl", "sft", "cispo"] {
+    for name in ["off_grpo", "grpo", "gspo", "rec", "opmd", "asymre", "red_drop", "red_weight", "oapl", "sft", "cispo"]
+    {
         assert!(train.lines().any(|l| l.trim_start().starts_with(&format!("{name} "))), "{name} not explained");
     }
     // The objectives the README lists are named in the top-level help.

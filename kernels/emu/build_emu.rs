@@ -31,7 +31,8 @@ pub fn build(kernels: &Path, out: &Path) {
     let env = ["GRPO_EMU_SANITIZE", "CXX", "CXXFLAGS", "TARGET", "HOST"].map(|v| std::env::var(v).unwrap_or_default());
     let stamp = (dir.join("stamp"), format!("{} {} {env:?}", fingerprint(kernels), fingerprint(&emu)));
     let sanitized = !env[0].is_empty();
-    if !sanitized && out.join("libgrpo_emu.a").exists() && std::fs::read_to_string(&stamp.0).is_ok_and(|s| s == stamp.1) {
+    if !sanitized && out.join("libgrpo_emu.a").exists() && std::fs::read_to_string(&stamp.0).is_ok_and(|s| s == stamp.1)
+    {
         link(out);
         return;
     }

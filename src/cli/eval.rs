@@ -195,9 +195,10 @@ fn state_budget(b: &benchmarks::Benchmark, options: &EvalOptions, done: &HashMap
         String::new()
     };
     tracing::info!(
-        "{}: {todo} problems{resumed} x {} samples x {} max new tokens = at most {} tokens to generate",
+        "{}: {}{resumed} x {} x {} max new tokens = at most {} tokens to generate",
         b.name,
-        options.n,
+        crate::progress::count(todo as u64, "problem"),
+        crate::progress::count(options.n as u64, "sample"),
         options.max_new_tokens,
         todo as u64 * (options.n * options.max_new_tokens) as u64
     );
@@ -342,7 +343,7 @@ fn evaluate_benchmark(
             let due = p.problems_done > 0 || (p.tokens > 0 && t0.elapsed().as_secs() >= 10);
             if !estimated && p.generating && due {
                 estimated = true;
-                bar.suspend(|| tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64())));
+                tracing::info!("{}: {}", b.name, p.estimate(t0.elapsed().as_secs_f64()));
             }
         },
     )?;

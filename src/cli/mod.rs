@@ -94,7 +94,7 @@ pub fn init_logging(verbose: u8, quiet: bool) {
     let ansi = crate::progress::on_terminal();
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(crate::progress::log_writer)
         .with_target(false)
         .with_ansi(ansi)
         .try_init();

@@ -216,12 +216,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     };
     let argv: Vec<String> = std::env::args().collect();
     let cwd = std::env::current_dir().map_or_else(|_| "?".into(), |d| d.display().to_string());
-    tracing::info!(
-        "grpo {} in {cwd}: {} (config {})",
-        super::version(),
-        argv.join(" "),
-        args.config.display()
-    );
+    tracing::info!("grpo {} in {cwd}: {} (config {})", super::version(), argv.join(" "), args.config.display());
     let stop = Arc::new(AtomicBool::new(false));
     let flag = stop.clone();
     // A first Ctrl-C or SIGTERM (or SIGHUP) asks for a checkpoint after the current step; a second one exits

@@ -287,7 +287,8 @@ pub(crate) fn verify_version(dir: &Path) -> Result<ManifestHead, DataError> {
     crate::checksum::verify(dir, &head.checksums, "manifest.json")
         .map_err(|e| DataError::Format { path: dir.to_path_buf(), message: e.to_string() })?;
     // A manifest rewritten together with its checksum: its counts must still size the tables.
-    for (file, records, size) in [("prompts.bin", head.groups, PROMPT_REC), ("responses.bin", head.responses, RESP_REC)] {
+    for (file, records, size) in [("prompts.bin", head.groups, PROMPT_REC), ("responses.bin", head.responses, RESP_REC)]
+    {
         let p = dir.join(file);
         let len = std::fs::metadata(&p).map_err(io_err(&p))?.len();
         if Some(len) != records.checked_mul(size as u64) {

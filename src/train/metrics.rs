@@ -114,12 +114,11 @@ impl StepMetrics {
         let eta = elapsed / done * total_steps.saturating_sub(self.step) as f64;
         let skipped = if self.skipped { " (update skipped: non-finite)" } else { "" };
         format!(
-            "step {}/{} epoch {:.2}: loss {:.4} reward {:.3} kl {} clip {:.3} {:.0} tok/s{skipped} | elapsed {} ETA {}",
+            "step {}/{} epoch {:.2}: loss {} reward {:.3} kl {} clip {:.3} {:.0} tok/s{skipped} | elapsed {} ETA {}",
             self.step,
             total_steps,
             self.epoch,
-            // + 0.0 shows a loss of -0 as 0.
-            self.loss + 0.0,
+            small(self.loss),
             self.reward,
             small(self.kl),
             self.clip_ratio,
@@ -130,7 +129,7 @@ impl StepMetrics {
     }
 }
 
-/// A value that is often tiny (the KL early in a run): four decimals, or three significant digits in
+/// A value that is often tiny (the KL early in a run, a loss near 0): four decimals, or three significant digits in
 /// scientific notation under 0.001, so that `4.12e-5` does not read `0.0000`.
 pub(super) fn small(v: f64) -> String {
     if v != 0.0 && v.abs() < 1e-3 {
@@ -200,6 +199,16 @@ impl MetricsLog {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_tiny_value_keeps_its_digits_and_a_zero_its_sign_off() {
+        // A loss of -3e-6 read "-0.0000" in four decimals; -0 read "-0.0000" too.
+        assert_eq!(small(-3.14e-6), "-3.14e-6");
+        assert_eq!(small(4.12e-5), "4.12e-5");
+        assert_eq!(small(-0.0), "0.0000");
+        assert_eq!(small(0.0), "0.0000");
+        assert_eq!(small(-0.25), "-0.2500");
+    }
 
     #[test]
     fn a_sync_makes_the_written_lines_durable() {

@@ -727,10 +727,15 @@ impl Run<'_> {
                 let mut m = self.train_batch(dataset, &order, &mut state, plan)?;
                 state.bad_in_row = if m.skipped { state.bad_in_row + 1 } else { 0 };
                 if let Some(w) = zero_gradients.observe(state.step, m.grad_norm) {
-                    bar.suspend(|| tracing::warn!("{w}"));
+                    tracing::warn!("{w}");
                 }
                 bar.set_position(state.step as u64);
-                bar.set_message(format!("loss {:.4} reward {:.3} {:.0} tok/s", m.loss, m.reward, m.tokens_per_sec));
+                bar.set_message(format!(
+                    "loss {} reward {:.3} {:.0} tok/s",
+                    metrics::small(m.loss),
+                    m.reward,
+                    m.tokens_per_sec
+                ));
                 let last = state.step >= plan.total_steps;
                 if log_lines && (last || state.step.is_multiple_of(cfg.train.log_every.max(1))) {
                     tracing::info!("{}", m.log_line(plan.total_steps, segment));
@@ -1006,10 +1011,14 @@ fn load_policy(
 fn checkpoint_holds(ck: &Path, lora: bool) -> Result<(), TrainError> {
     let adapters = model::lora::is_adapter_dir(ck);
     let message = match (lora, adapters) {
-        (false, true) => "it holds LoRA adapters (adapter_model.safetensors), written by a run with [model.lora]; \
-                          resume it with that [model.lora] section, or start a new run (--overwrite)",
-        (true, false) => "it holds whole weights, written by a run without [model.lora]; resume it without \
-                          [model.lora], or start a new run (--overwrite)",
+        (false, true) => {
+            "it holds LoRA adapters (adapter_model.safetensors), written by a run with [model.lora]; \
+                          resume it with that [model.lora] section, or start a new run (--overwrite)"
+        }
+        (true, false) => {
+            "it holds whole weights, written by a run without [model.lora]; resume it without \
+                          [model.lora], or start a new run (--overwrite)"
+        }
         _ => return Ok(()),
     };
     Err(TrainError::Incompatible { ck: ck.to_path_buf(), message: message.into() })

@@ -115,7 +115,8 @@ mod tests {
         keep(&run, &shared, &["v.f32", "m.json"]);
         assert_eq!(std::fs::read(shared.join("v.f32")).unwrap(), [9; 4]);
         assert_eq!(std::fs::read(other.join("v.f32")).unwrap(), [1, 2, 3, 4], "a taken file keeps its values");
-        let names: Vec<_> = std::fs::read_dir(shared.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let names: Vec<_> =
+            std::fs::read_dir(shared.parent().unwrap()).unwrap().map(|e| e.unwrap().file_name()).collect();
         assert_eq!(names, ["id"], "no temporary folder left");
         assert!(take(&tmp.path().join("shared/none"), &other, "v.f32", "m.json").is_none());
     }

@@ -15,6 +15,7 @@ use crate::model::{Decoder, Grads, Targets, TokenBatch};
 use crate::objective::{
     entropy_bonus, top_entropy_mask, Anchor, GroupKey, LossAgg, Objective, ObjectiveConfig, TokenInputs,
 };
+use crate::progress::count;
 
 /// One training step's objective, batching and optimiser; the optimiser state and the anchor snapshot
 /// live here between steps.
@@ -270,16 +271,16 @@ fn log_padding(seqs: &[Sequence], batching: Batching) {
     };
     let there = Padding::of(&other.micro_batches(&lengths), &lengths);
     tracing::info!(
-        "first batch: {} answers, {} tokens in {} micro-batches ({}), {:.1}% padding, largest micro-batch \
-         {} tokens ({}: {} micro-batches, {:.1}% padding)",
-        lengths.len(),
+        "first batch: {}, {} tokens in {} ({}), {:.1}% padding, largest micro-batch {} tokens ({}: {}, \
+         {:.1}% padding)",
+        count(lengths.len() as u64, "answer"),
         here.tokens,
-        here.micro_batches,
+        count(here.micro_batches as u64, "micro-batch"),
         batching,
         100.0 * here.fraction(),
         here.max_slots,
         what,
-        there.micro_batches,
+        count(there.micro_batches as u64, "micro-batch"),
         100.0 * there.fraction()
     );
 }

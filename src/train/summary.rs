@@ -211,21 +211,21 @@ impl fmt::Display for RunSummary {
                 f,
                 "  final (step {}): loss {}, reward {}, kl {}, clip ratio {}, entropy {}",
                 m.step,
-                opt(m.loss, 4),
+                m.loss.map_or_else(|| "-".into(), super::metrics::small),
                 opt(m.reward, 3),
                 m.kl.map_or_else(|| "-".into(), super::metrics::small),
                 opt(m.clip_ratio, 3),
                 opt(m.entropy, 3)
             )?;
         }
-        let best = |b: &Option<AtStep>, digits: usize| {
-            b.map_or_else(|| "-".into(), |b| format!("{:.digits$} (step {})", b.value + 0.0, b.step))
+        let best = |b: &Option<AtStep>, show: &dyn Fn(f64) -> String| {
+            b.map_or_else(|| "-".into(), |b| format!("{} (step {})", show(b.value), b.step))
         };
         writeln!(
             f,
             "  best: loss {}, reward {}",
-            best(&self.best_metrics.loss, 4),
-            best(&self.best_metrics.reward, 3)
+            best(&self.best_metrics.loss, &super::metrics::small),
+            best(&self.best_metrics.reward, &|v| format!("{:.3}", v + 0.0))
         )?;
         if let Some(v) = &self.best_validation {
             writeln!(f, "  best validation score: {:.4} at step {}", v.value, v.step)?;
