@@ -14,8 +14,12 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-/// The shared folder of reference caches, or `None` when sharing is off or there is no home.
+/// The shared folder of reference caches, or `None` when sharing is off or there is no home. The unit
+/// tests share nothing: each computes what it checks (the CLI's tests set `GRPO_CACHE_DIR`).
 fn root() -> Option<PathBuf> {
+    if cfg!(test) {
+        return None;
+    }
     let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     let base = match var("GRPO_CACHE_DIR") {
         Some(p) if p.as_os_str() == "off" => return None,
