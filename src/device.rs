@@ -7,6 +7,9 @@
 
 use candle_core::{Device, Result, Tensor};
 
+mod names;
+pub use names::{DTypeName, DeviceName, UnknownName};
+
 /// A readable name: `cpu`, or the CUDA card's name (e.g. `NVIDIA H100 80GB HBM3`).
 pub fn device_name(device: &Device) -> String {
     match device {

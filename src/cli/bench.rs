@@ -9,16 +9,16 @@ use crate::bench::{
     self, AttentionSpec, GemmSpec, GenerateSpec, LogprobSpec, OptimizerSpec, PackSpec, SampleSpec, Timing,
     TrainStepSpec,
 };
-use crate::model::{parse_device, parse_dtype};
+use crate::model::open_device;
 
 #[derive(Debug, clap::Args)]
 pub struct Common {
     /// Device: cpu or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
-    pub device: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceName,
     /// Weight and activation dtype: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
-    pub dtype: String,
+    #[arg(long, default_value = "f32")]
+    pub dtype: crate::device::DTypeName,
     /// Untimed runs first.
     #[arg(long, default_value_t = 1)]
     pub warmup: usize,
@@ -93,8 +93,8 @@ pub enum BenchCommand {
 
 fn timing(c: &Common) -> anyhow::Result<Timing> {
     Ok(Timing {
-        device: parse_device(&c.device).with_context(|| format!("--device {}", c.device))?,
-        dtype: parse_dtype(&c.dtype).with_context(|| format!("--dtype {}", c.dtype))?,
+        device: open_device(c.device).with_context(|| format!("--device {}", c.device))?,
+        dtype: c.dtype.dtype(),
         warmup: c.warmup,
         repeats: c.repeats.max(1),
     })
@@ -103,7 +103,7 @@ fn timing(c: &Common) -> anyhow::Result<Timing> {
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     let record = match cmd {
         BenchCommand::TrainStep { spec, common } if spec.predict_only => {
-            let dtype = parse_dtype(&common.dtype).with_context(|| format!("--dtype {}", common.dtype))?;
+            let dtype = common.dtype.dtype();
             bench::predict_train_step(&spec, dtype).context("train-step prediction")?
         }
         BenchCommand::TrainStep { spec, common } => {

@@ -67,11 +67,11 @@ pub struct ReferenceArgs {
     #[arg(long)]
     pub reference: Option<String>,
     /// Weights dtype of the reference: f32, bf16 or f16 (a run with another `model.dtype` recomputes them).
-    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
-    pub dtype: String,
+    #[arg(long, default_value = "f32")]
+    pub dtype: crate::device::DTypeName,
     /// Device of the reference: cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
-    pub device: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceName,
     /// Sequences per reference forward.
     #[arg(long, default_value_t = 8)]
     pub micro_batch_size: usize,
@@ -186,8 +186,8 @@ fn reference_logprobs(reference: &str, a: &ReferenceArgs, out: &Path, stop: &Ato
     let dir = model::resolve_model_dir(reference)?;
     let dataset = data::PreparedDataset::open(out)?;
     let opts = ComputeOptions {
-        dtype: model::parse_dtype(&a.dtype).context("--dtype")?,
-        device: model::parse_device(&a.device).context("--device")?,
+        dtype: a.dtype.dtype(),
+        device: model::open_device(a.device).context("--device")?,
         batch: a.micro_batch_size,
         decoder: Default::default(),
     };

@@ -58,11 +58,11 @@ pub struct Args {
     pub overwrite: bool,
     /// Device of the native engine: cpu, cuda or cuda:N (needs a build with `--features cuda`; under a
     /// launcher each rank takes the GPU of its local rank).
-    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
-    pub device: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceName,
     /// Weight dtype of the native engine: f32, bf16 or f16.
-    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
-    pub dtype: String,
+    #[arg(long, default_value = "f32")]
+    pub dtype: crate::device::DTypeName,
 }
 
 /// clap's check of a `--bench` name: a registered benchmark.
@@ -212,7 +212,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         }
         return Ok(());
     }
-    let gpu = args.engine.engine == EngineKind::Native && args.device.starts_with("cuda");
+    let gpu = args.engine.engine == EngineKind::Native && args.device.is_cuda();
     let world = World::from_env(gpu)?;
     let result = run_in(args, &world);
     if let Err(e) = &result {
@@ -289,8 +289,8 @@ fn run_in(mut args: Args, world: &World) -> anyhow::Result<()> {
 fn native_decoder(args: &Args, dir: &std::path::Path, world: &World) -> anyhow::Result<Option<model::Decoder>> {
     match args.engine.engine {
         EngineKind::Native => {
-            let device = model::parse_device(&world.rank_device(&args.device)?)?;
-            let dtype = model::parse_dtype(&args.dtype)?;
+            let device = model::open_device(world.rank_device(args.device)?)?;
+            let dtype = args.dtype.dtype();
             if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
                 let given = args.model.as_deref().unwrap_or_default();
                 model::lora::check_base(adapter, given, dir, "--allow-base-mismatch")?;

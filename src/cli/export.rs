@@ -31,8 +31,8 @@ pub struct Args {
     #[arg(long)]
     pub overwrite: bool,
     /// Weight dtype of the merged model: f32, bf16 or f16.
-    #[arg(long, default_value = "bf16", value_parser = super::dtype_arg)]
-    pub dtype: String,
+    #[arg(long, default_value = "bf16")]
+    pub dtype: crate::device::DTypeName,
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
@@ -45,7 +45,7 @@ pub fn run(args: Args) -> anyhow::Result<()> {
         None => lora::base_model(&args.adapter)?,
     };
     let dir = model::resolve_model_dir(&base)?;
-    let dtype = model::parse_dtype(&args.dtype)?;
+    let dtype = args.dtype.dtype();
     if let Some(given) = args.model.as_deref().filter(|_| !args.allow_base_mismatch) {
         lora::check_base(&args.adapter, given, &dir, "--allow-base-mismatch")?;
     }

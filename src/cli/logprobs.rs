@@ -31,11 +31,11 @@ pub struct Args {
     #[arg(long)]
     pub output: Option<PathBuf>,
     /// Weight and activation dtype (log-probs are always computed in f32).
-    #[arg(long, default_value = "f32", value_parser = super::dtype_arg)]
-    pub dtype: String,
+    #[arg(long, default_value = "f32")]
+    pub dtype: crate::device::DTypeName,
     /// cpu, cuda or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
-    pub device: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceName,
     /// Lines scored together in one padded batch.
     #[arg(long, default_value_t = 8)]
     pub batch_size: usize,
@@ -101,8 +101,8 @@ fn score(model: &Decoder, pad: u32, items: &[Item]) -> candle_core::Result<Vec<V
 pub fn run(args: Args) -> anyhow::Result<()> {
     let model_id = model::load::with_revision(&args.model, args.revision.as_deref(), "--revision")?;
     let dir = model::resolve_model_dir(&model_id)?;
-    let device = model::parse_device(&args.device)?;
-    let dtype = model::parse_dtype(&args.dtype)?;
+    let device = model::open_device(args.device)?;
+    let dtype = args.dtype.dtype();
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
         model::lora::check_base(adapter, &model_id, &dir, "--allow-base-mismatch")?;

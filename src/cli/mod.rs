@@ -150,22 +150,6 @@ pub(crate) fn usage_error(subcommand: &str, message: impl std::fmt::Display) -> 
     Exit { code: USAGE_EXIT_CODE, message }.into()
 }
 
-/// clap's check of a `--dtype` value: f32, bf16 or f16 (or their long names).
-pub(crate) fn dtype_arg(s: &str) -> Result<String, String> {
-    crate::model::parse_dtype(s).map(|_| s.to_string()).map_err(|e| e.to_string())
-}
-
-/// clap's check of a `--device` value: cpu, cuda or cuda:N (whether this build and machine have that
-/// device is checked when it is opened).
-pub(crate) fn device_arg(s: &str) -> Result<String, String> {
-    let cuda_n = s.strip_prefix("cuda:").is_some_and(|n| n.parse::<usize>().is_ok());
-    if s == "cpu" || s == "cuda" || cuda_n {
-        Ok(s.to_string())
-    } else {
-        Err(format!("unknown device `{s}` (expected cpu, cuda or cuda:N)"))
-    }
-}
-
 /// The exit status for `err`: an [`Exit`]'s code anywhere in its chain, else 1.
 pub fn exit_code(err: &anyhow::Error) -> u8 {
     err.chain().find_map(|e| e.downcast_ref::<Exit>()).map_or(1, |e| e.code)

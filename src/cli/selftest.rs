@@ -4,14 +4,14 @@
 use anyhow::Context;
 
 use crate::device::device_name;
-use crate::model::parse_device;
+use crate::model::open_device;
 use crate::selftest::{self, CheckResult};
 
 #[derive(Debug, clap::Args)]
 pub struct Args {
     /// Device to test: cpu or cuda:N.
-    #[arg(long, default_value = "cpu", value_parser = super::device_arg)]
-    pub device: String,
+    #[arg(long, default_value = "cpu")]
+    pub device: crate::device::DeviceName,
 }
 
 fn row(r: &CheckResult) -> String {
@@ -27,7 +27,7 @@ fn row(r: &CheckResult) -> String {
 }
 
 pub fn run(args: Args) -> anyhow::Result<()> {
-    let device = parse_device(&args.device).with_context(|| format!("--device {}", args.device))?;
+    let device = open_device(args.device).with_context(|| format!("--device {}", args.device))?;
     println!("selftest on {} ({}), against the composite ops on the CPU in f32", args.device, device_name(&device));
     println!("{:<28} {:<5} {:>10} {:>10}  {:<4}  {:>7}", "check", "dtype", "max error", "tolerance", "", "time s");
     let t0 = std::time::Instant::now();

@@ -75,15 +75,15 @@ pub struct Args {
     #[arg(long, requires = "resume")]
     pub allow_data_change: bool,
     /// Device, overriding `model.device`: cpu or cuda:N (needs a build with `--features cuda`).
-    #[arg(long, value_parser = super::device_arg)]
-    pub device: Option<String>,
+    #[arg(long)]
+    pub device: Option<crate::device::DeviceName>,
     /// The hub revision of model.path (a branch, tag or commit), overriding `model.revision`.
     #[arg(long)]
     pub revision: Option<String>,
     /// Weight dtype, overriding `model.dtype`: f32, bf16 or f16 (log-probs, loss and optimiser state
     /// stay f32).
-    #[arg(long, value_parser = super::dtype_arg)]
-    pub dtype: Option<String>,
+    #[arg(long)]
+    pub dtype: Option<crate::device::DTypeName>,
     /// Check the configuration and exit without loading anything.
     #[arg(long)]
     pub check: bool,
@@ -114,7 +114,7 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     };
     let memory = match args.device_memory {
         Some(m) => Some(m),
-        None => match crate::model::parse_device(&cfg.model.device) {
+        None => match crate::model::open_device(cfg.model.device) {
             Ok(device) => crate::device::total_memory(&device)?,
             Err(e) => {
                 tracing::warn!("device {}: {e}; give --device-memory", cfg.model.device);

@@ -242,15 +242,6 @@ fn to_bytes(x: f64) -> u64 {
     }
 }
 
-/// Bytes per element of a weight dtype name.
-fn dtype_bytes(dtype: &str) -> u64 {
-    if dtype == "f32" {
-        4
-    } else {
-        2
-    }
-}
-
 /// The largest decoder layer's and the largest tensor's parameter counts (from a one-layer copy of the
 /// shape: every layer has the same tensors, and a config's layer count may be large).
 fn largest_params(m: &ModelConfig) -> (u64, u64) {
@@ -420,7 +411,7 @@ impl<'a> Basis<'a> {
             cfg,
             model,
             inputs,
-            d: dtype_bytes(&cfg.model.dtype),
+            d: cfg.model.dtype.size_in_bytes() as u64,
             p,
             prompt,
             response,
@@ -1184,7 +1175,7 @@ fn plan_as_set(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64
         // Without the fused ops, attention goes through the composite score matrix.
         attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
         reference_cached: crate::train::refcache::reference_is_cacheable(cfg),
-        on_cpu: cfg.model.device == "cpu",
+        on_cpu: !cfg.model.device.is_cuda(),
         device_memory,
         world_size,
     };
@@ -1206,7 +1197,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         micro_batch: answers_per_micro_batch(cfg, seq_tokens),
         seq_tokens,
         scored_tokens: response,
-        dtype_bytes: dtype_bytes(&cfg.model.dtype),
+        dtype_bytes: cfg.model.dtype.size_in_bytes() as u64,
         checkpoint_layers: cfg.model.checkpoint_layers,
         recompute_attention: cfg.model.recompute_attention,
         reference_forward: cfg.objective.build().needs_reference()
@@ -1216,8 +1207,7 @@ pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::
         logprob_chunk_bytes: plan.logprob_chunk_bytes,
         optimizer_shards: world_size.max(1),
         blocks: time::driver_blocks(model, seq_tokens),
-        tensor_cores: crate::model::parse_dtype(&cfg.model.dtype)
-            .is_ok_and(|d| cfg.model.decoder_options().tensor_core_attention(d, model.head_dim)),
+        tensor_cores: cfg.model.decoder_options().tensor_core_attention(cfg.model.dtype.dtype(), model.head_dim),
         atomic_dq: !cfg.model.deterministic_attention,
         warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
         // The model counts adapters on every projection (the default target_modules).

@@ -37,6 +37,7 @@ pub mod rendezvous;
 #[cfg(test)]
 pub(crate) mod threads;
 
+use crate::device::DeviceName;
 use std::fmt;
 use std::time::Duration;
 
@@ -179,12 +180,12 @@ impl World {
     /// and `cuda:N` are the rank's own GPU ([`local_gpu`]), as every rank of torchrun or DeepSpeed takes
     /// its local GPU whatever the script says (an explicit N that differs is said once); one process and
     /// the CPU keep it.
-    pub fn rank_device(&self, configured: &str) -> Result<String, DistError> {
-        if self.size == 1 || !(configured == "cuda" || configured.starts_with("cuda:")) {
-            return Ok(configured.to_string());
+    pub fn rank_device(&self, configured: DeviceName) -> Result<DeviceName, DistError> {
+        if self.size == 1 || !configured.is_cuda() {
+            return Ok(configured);
         }
-        let mine = format!("cuda:{}", local_gpu(self.local_rank, crate::device::visible_gpus())?);
-        if configured != "cuda" && configured != mine && self.is_primary() {
+        let mine = DeviceName::Cuda(Some(local_gpu(self.local_rank, crate::device::visible_gpus())?));
+        if configured != DeviceName::Cuda(None) && configured != mine && self.is_primary() {
             tracing::warn!(
                 "device {configured} on {} ranks: each rank takes its own GPU ({mine} on rank 0)",
                 self.size
@@ -557,8 +558,9 @@ mod tests {
         assert!(w.any(true) && !w.any(false) && w.is_primary());
         assert_eq!(w.all_gather_bytes(b"abc"), vec![b"abc".to_vec()]);
         assert!((0..5).all(|i| w.owns_group(i)));
-        assert_eq!(w.rank_device("cuda:3").unwrap(), "cuda:3", "one process keeps its device");
-        assert_eq!(w.rank_device("cpu").unwrap(), "cpu");
+        let cuda3 = DeviceName::Cuda(Some(3));
+        assert_eq!(w.rank_device(cuda3).unwrap(), cuda3, "one process keeps its device");
+        assert_eq!(w.rank_device(DeviceName::Cpu).unwrap(), DeviceName::Cpu);
     }
 
     /// Rank `rank` of `size` ranks, rank k having sent `send + k` (every value): what real collectives

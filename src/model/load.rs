@@ -7,6 +7,7 @@ use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 
 use super::{config::ModelConfig, Decoder, ModelError};
+use crate::device::DeviceName;
 
 /// Resolve `model` to a folder holding config.json (or an adapter's files): a local path first, then
 /// `org/name` (optionally `org/name@revision`, a branch, tag or commit hash) through the Hugging Face
@@ -73,39 +74,21 @@ pub fn looks_local(model: &str) -> bool {
         || (id.contains('/') && !first.is_empty() && Path::new(first).exists())
 }
 
-/// `cpu`, `cuda` or `cuda:N`.
-pub fn parse_device(s: &str) -> Result<Device, ModelError> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        s if s == "cuda" || s.starts_with("cuda:") => {
-            let ordinal = match s.strip_prefix("cuda:") {
-                Some(n) => {
-                    n.parse::<usize>().map_err(|_| ModelError::Invalid(format!("bad device `{s}`: expected cuda:N")))?
-                }
-                None => 0,
-            };
-            if !candle_core::utils::cuda_is_available() {
-                return Err(ModelError::Invalid(format!(
-                    "device `{s}` asked for, but this binary was built without CUDA (rebuild with `--features cuda`)"
-                )));
-            }
-            let device = Device::new_cuda(ordinal)?;
-            crate::kernels::check_capability(&device)?;
-            crate::device::prepare(&device)?;
-            Ok(device)
-        }
-        other => Err(ModelError::Invalid(format!("unknown device `{other}` (expected cpu, cuda or cuda:N)"))),
+/// Open the device `name` names: the CPU, or a GPU checked for the kernels' compute capability and
+/// prepared for them.
+pub fn open_device(name: DeviceName) -> Result<Device, ModelError> {
+    let Some(ordinal) = name.ordinal() else {
+        return Ok(Device::Cpu);
+    };
+    if !candle_core::utils::cuda_is_available() {
+        return Err(ModelError::Invalid(format!(
+            "device `{name}` asked for, but this binary was built without CUDA (rebuild with `--features cuda`)"
+        )));
     }
-}
-
-/// `f32`, `bf16` or `f16`.
-pub fn parse_dtype(s: &str) -> Result<DType, ModelError> {
-    match s {
-        "f32" | "float32" => Ok(DType::F32),
-        "bf16" | "bfloat16" => Ok(DType::BF16),
-        "f16" | "float16" => Ok(DType::F16),
-        other => Err(ModelError::Invalid(format!("unknown dtype `{other}` (expected f32, bf16 or f16)"))),
-    }
+    let device = Device::new_cuda(ordinal)?;
+    crate::kernels::check_capability(&device)?;
+    crate::device::prepare(&device)?;
+    Ok(device)
 }
 
 /// The safetensors files of a model folder: the shards named by model.safetensors.index.json, or
@@ -558,10 +541,11 @@ mod tests {
     }
 
     #[test]
-    fn devices_and_dtypes_parse() {
-        assert!(matches!(parse_device("cpu"), Ok(Device::Cpu)));
-        assert!(parse_device("tpu").is_err());
-        assert_eq!(parse_dtype("bf16").unwrap(), DType::BF16);
-        assert!(parse_dtype("f8").is_err());
+    fn the_cpu_opens_and_a_gpu_needs_a_cuda_build() {
+        assert!(matches!(open_device(DeviceName::Cpu), Ok(Device::Cpu)));
+        if !candle_core::utils::cuda_is_available() {
+            let e = open_device(DeviceName::Cuda(Some(1))).unwrap_err().to_string();
+            assert!(e.contains("`cuda:1`") && e.contains("--features cuda"), "{e}");
+        }
     }
 }

@@ -14,7 +14,7 @@ pub use config::{Arch, ModelConfig};
 pub use decoder::{
     Attention, Decoder, DecoderOptions, Grads, KvCache, PagedBatch, PagedKv, Param, Targets, TokenBatch,
 };
-pub use load::{load_decoder, parse_device, parse_dtype, random_decoder, resolve_model_dir};
+pub use load::{load_decoder, open_device, random_decoder, resolve_model_dir};
 pub use lora::LoraOptions;
 pub use tokenizer::{ChatTokenizer, Message};
 

@@ -8,6 +8,7 @@ use serde::{Deserialize, Serialize};
 use super::optim::OptimConfig;
 use super::reference_swap::ReferenceSwap;
 use crate::data::{InputOptions, SequenceOptions};
+use crate::device::{DTypeName, DeviceName};
 use crate::model::tiny::TinySpec;
 use crate::model::{Attention, DecoderOptions, LoraOptions};
 use crate::objective::ObjectiveConfig;
@@ -40,9 +41,9 @@ pub struct ModelSection {
     /// Create a tiny random model at `path` when it does not exist.
     pub init_tiny: Option<TinySpec>,
     /// Weights and activations: f32, bf16 or f16 (log-probs, loss and optimiser state are f32).
-    pub dtype: String,
+    pub dtype: DTypeName,
     /// cpu, cuda or cuda:N.
-    pub device: String,
+    pub device: DeviceName,
     /// The frozen reference model (default: the policy's initial weights). Loaded when the objective reads it
     /// (beta > 0 or anchor = reference) and its log-probs are not cached (cache_reference).
     pub reference: Option<String>,
@@ -140,8 +141,8 @@ impl Default for ModelSection {
             path: String::new(),
             revision: None,
             init_tiny: None,
-            dtype: "f32".into(),
-            device: "cpu".into(),
+            dtype: DTypeName::F32,
+            device: DeviceName::Cpu,
             reference: None,
             checkpoint_layers: false,
             recompute_attention: true,
@@ -202,7 +203,7 @@ pub struct TrainSection {
     /// Stop after this many consecutive steps with a non-finite loss or gradient.
     pub max_bad_steps: usize,
     /// dtype of the saved HF weights (default: the model's).
-    pub save_dtype: Option<String>,
+    pub save_dtype: Option<DTypeName>,
     /// Without a terminal (a log file), log a progress line every N steps (and at the last).
     pub log_every: usize,
     /// Make the frozen reference a copy of the policy every K steps, or at each epoch's end with
@@ -545,7 +546,6 @@ impl TrainConfig {
         if self.model.revision.is_some() {
             self.model.source().map_err(|e| ConfigError::Invalid(e.to_string()))?;
         }
-        crate::model::parse_dtype(&self.model.dtype).map_err(|e| ConfigError::Invalid(format!("model.dtype: {e}")))?;
         let path = &self.model.path;
         if self.model.init_tiny.is_some() && path.contains('/') && !crate::model::load::looks_local(path) {
             return bad(format!(
@@ -555,9 +555,6 @@ impl TrainConfig {
         }
         if let Some(lora) = &self.model.lora {
             lora.validate().map_err(ConfigError::Invalid)?;
-        }
-        if !(self.model.device == "cpu" || self.model.device == "cuda" || self.model.device.starts_with("cuda:")) {
-            return bad(format!("model.device = `{}`: expected cpu, cuda or cuda:N", self.model.device));
         }
         let own_questions = self.rollout.as_ref().is_some_and(|r| r.questions.is_some());
         if self.data.input.inputs.is_empty() && !own_questions {
@@ -585,9 +582,6 @@ impl TrainConfig {
         if self.train.profile_steps.contains(&0) {
             return bad("train.profile_steps: steps are numbered from 1 (as in metrics.jsonl)".into());
         }
-        if let Some(d) = &self.train.save_dtype {
-            crate::model::parse_dtype(d).map_err(|e| ConfigError::Invalid(format!("train.save_dtype: {e}")))?;
-        }
         self.objective.validate().map_err(ConfigError::Invalid)?;
         self.optim.validate().map_err(ConfigError::Invalid)?;
         self.validate_rollout().map_err(ConfigError::Invalid)?;
@@ -608,7 +602,7 @@ impl TrainConfig {
     /// becomes the rank's GPU ([`crate::dist::World::rank_device`]).
     pub fn for_rank(&self, world: &crate::dist::World) -> Result<TrainConfig, ConfigError> {
         let mut cfg = self.clone();
-        cfg.model.device = world.rank_device(&cfg.model.device).map_err(|e| ConfigError::Invalid(e.to_string()))?;
+        cfg.model.device = world.rank_device(cfg.model.device).map_err(|e| ConfigError::Invalid(e.to_string()))?;
         Ok(cfg)
     }
 

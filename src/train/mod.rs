@@ -44,6 +44,7 @@ use step::TrainStep;
 pub use summary::{RunStatus, RunSummary, SUMMARY_FILE};
 
 use crate::data::{self, PreparedDataset};
+use crate::device::DTypeName;
 use crate::dist::World;
 use crate::model::{self, ChatTokenizer, Decoder, ModelError};
 use crate::rollout::{GroupSource, Rollouts};
@@ -886,9 +887,9 @@ fn load_run<'a>(
     resume_from: Option<&Path>,
     ref_cache: Option<refcache::ReferenceCache>,
 ) -> Result<Run<'a>, TrainError> {
-    let device = model::parse_device(&cfg.model.device)?;
-    let dtype = model::parse_dtype(&cfg.model.dtype)?;
-    let save_dtype = cfg.train.save_dtype.as_deref().map(model::parse_dtype).transpose()?;
+    let device = model::open_device(cfg.model.device)?;
+    let dtype = cfg.model.dtype.dtype();
+    let save_dtype = cfg.train.save_dtype.map(DTypeName::dtype);
     let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
     policy.options = cfg.model.decoder_options();
     log_attention_fallback(&policy, dtype, &device);
@@ -1061,7 +1062,7 @@ fn check_plan(
     let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
     let memory = match device_memory {
         Some(m) => Some(m),
-        None => crate::device::total_memory(&model::parse_device(&cfg.model.device)?)?,
+        None => crate::device::total_memory(&model::open_device(cfg.model.device)?)?,
     };
     // Each of the `ranks` processes keeps 1/ranks of the optimiser state (ZeRO-1).
     let plan = crate::cost::memory::run_plan(cfg, &shape, memory, ranks);
@@ -1081,7 +1082,7 @@ fn check_plan(
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
 /// writes a checkpoint after the current step and returns with `interrupted = true`.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions, stop: &AtomicBool) -> Result<Outcome, TrainError> {
-    let world = Rc::new(World::from_env(cfg.model.device.starts_with("cuda"))?);
+    let world = Rc::new(World::from_env(cfg.model.device.is_cuda())?);
     let generators = cfg.rollout.as_ref().map_or(0, |r| r.generation_ranks);
     let result = match generators {
         0 => train_in(cfg, opts, stop, world.clone(), None),
@@ -1125,8 +1126,8 @@ fn generate_in(cfg: &TrainConfig, world: &World, roles: &crate::dist::Roles) -> 
     let cfg = &cfg.for_rank(world)?;
     cfg.validate()?;
     let r = cfg.rollout.as_ref().ok_or_else(|| TrainError::Stopped("generation ranks need [rollout]".into()))?;
-    let device = model::parse_device(&cfg.model.device)?;
-    let dtype = model::parse_dtype(&cfg.model.dtype)?;
+    let device = model::open_device(cfg.model.device)?;
+    let dtype = cfg.model.dtype.dtype();
     let load = |dir: &Path| {
         let invalid = |e: TrainError| crate::rollout::RolloutError::Invalid(e.to_string());
         let mut policy = load_policy(cfg, dir, None, (dtype, &device)).map_err(invalid)?;

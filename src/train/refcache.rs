@@ -578,8 +578,8 @@ pub fn for_run(
         return Ok(None);
     }
     let opts = ComputeOptions {
-        dtype: model::parse_dtype(&cfg.model.dtype)?,
-        device: model::parse_device(&cfg.model.device)?,
+        dtype: cfg.model.dtype.dtype(),
+        device: model::open_device(cfg.model.device)?,
         batch: cfg.train.micro_batch_size,
         decoder: DecoderOptions { checkpoint_layers: false, ..cfg.model.decoder_options() },
     };

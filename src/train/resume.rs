@@ -82,6 +82,14 @@ fn config_changes(stored: &toml::Table, cfg: &TrainConfig) -> Vec<(String, Strin
     let current: toml::Table = toml::from_str(&cfg.to_toml()).unwrap_or_default();
     let (mut old, mut new) = (BTreeMap::new(), BTreeMap::new());
     flatten("", stored, &mut old);
+    // A dtype stored in its long name (`bfloat16`) is the same value as its short name.
+    for key in ["model.dtype", "train.save_dtype"] {
+        if let Some(toml::Value::String(v)) = old.get_mut(key) {
+            if let Ok(d) = v.parse::<crate::device::DTypeName>() {
+                *v = d.to_string();
+            }
+        }
+    }
     flatten("", &current, &mut new);
     let keys: std::collections::BTreeSet<&String> = old.keys().chain(new.keys()).collect();
     keys.into_iter()
@@ -279,6 +287,12 @@ mod tests {
         let validated = cfg(&["validation.bench=aime25"]);
         let e = check_config(dir.path(), &validated, false).unwrap_err().to_string();
         assert!(e.contains("validation.bench: (unset) -> \"aime25\""), "{e}");
+        // A checkpoint's dtype in its long name is the run's in its short one; another dtype is a change.
+        let bf16 = cfg(&["model.dtype=bf16"]);
+        std::fs::write(dir.path().join(CONFIG_FILE), bf16.to_toml().replace("\"bf16\"", "\"bfloat16\"")).unwrap();
+        check_config(dir.path(), &bf16, false).unwrap();
+        let e = check_config(dir.path(), &cfg(&["model.dtype=f16"]), false).unwrap_err().to_string();
+        assert!(e.contains("model.dtype: \"bf16\" -> \"f16\""), "{e}");
     }
 
     fn model_dir(dir: &Path, hidden: usize, template: &str) {
