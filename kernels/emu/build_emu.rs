@@ -146,14 +146,21 @@ fn registry_source(stems: &[String]) -> String {
     for stem in stems {
         let _ = writeln!(s, "extern \"C\" const emu::Entry *grpo_emu_table_{stem}(size_t *n);");
     }
-    s.push_str("namespace emu {\nconst Entry *find_kernel(const char *name) {\n");
+    s.push_str("#include <mutex>\nnamespace emu {\n");
+    let _ = writeln!(
+        s,
+        "std::mutex &module_mutex(size_t module) {{\n    static std::mutex m[{}];\n    return m[module];\n}}",
+        stems.len()
+    );
+    s.push_str("const Entry *find_kernel(const char *name, size_t *module) {\n");
     s.push_str("    typedef const Entry *(*Table)(size_t *);\n    static const Table tables[] = {");
     for stem in stems {
         let _ = write!(s, "grpo_emu_table_{stem}, ");
     }
     s.push_str(
-        "};\n    for (Table t : tables) {\n        size_t n = 0;\n        const Entry *e = t(&n);\n        for \
-         (size_t i = 0; i < n; ++i)\n            if (std::strcmp(e[i].name, name) == 0) return &e[i];\n    }\n    \
+        "};\n    for (size_t m = 0; m < sizeof tables / sizeof tables[0]; ++m) {\n        size_t n = 0;\n        \
+         const Entry *e = tables[m](&n);\n        for (size_t i = 0; i < n; ++i)\n            if (std::strcmp(e[i].name, \
+         name) == 0) {\n                *module = m;\n                return &e[i];\n            }\n    }\n    \
          return nullptr;\n}\n}  // namespace emu\n",
     );
     s
