@@ -55,7 +55,16 @@ struct Server {
 }
 
 impl Drop for Server {
+    /// Stops the server; when the test failed, prints the end of the server's log (a server that died in a
+    /// request shows here as "connection refused").
     fn drop(&mut self) {
+        if std::thread::panicking() {
+            let exited = self.child.try_wait().ok().flatten();
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            eprintln!("llama.cpp's server (exit: {exited:?}), the end of its log:\n{}", tail.join("\n"));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -72,6 +81,24 @@ impl Server {
     }
 }
 
+/// `python -m llama_cpp.server` with llama.cpp's extra weight buffers (its AMX and repacked layouts) turned
+/// off: on a CPU with AMX (Sapphire Rapids and later) a pip-built llama.cpp puts the Q4_1 weights in its AMX
+/// buffer and segfaults in the first decode (llama-cpp-python 0.3.36; llama.cpp's AMX path is known wrong for
+/// Q4_0/Q4_1, ggml-org/llama.cpp#16315). The server has no flag for it, so the launcher sets the model
+/// parameter `use_extra_bufts` before the server starts; on a build without the field it changes nothing.
+const SERVER_LAUNCHER: &str = "\
+import runpy, sys
+import llama_cpp.llama_cpp as C
+_default = C.llama_model_default_params
+def _params():
+    p = _default()
+    p.use_extra_bufts = False
+    return p
+C.llama_model_default_params = _params
+sys.argv[0] = 'llama_cpp.server'
+runpy.run_module('llama_cpp.server', run_name='__main__', alter_sys=True)
+";
+
 /// Start llama.cpp's server on a free loopback port and wait until it answers (None, with the reason
 /// printed, when it does not start).
 fn start_server(py: &str, gguf: &Path, dir: &Path, extra: &[&str]) -> Option<Server> {
@@ -79,7 +106,7 @@ fn start_server(py: &str, gguf: &Path, dir: &Path, extra: &[&str]) -> Option<Ser
     let log = dir.join("server.log");
     let out = std::fs::File::create(&log).ok()?;
     let child = Command::new(py)
-        .args(["-m", "llama_cpp.server", "--model"])
+        .args(["-c", SERVER_LAUNCHER, "--model"])
         .arg(gguf)
         .args(["--model_alias", SERVED, "--host", "127.0.0.1", "--port", &port.to_string()])
         .args(["--n_ctx", "2048", "--n_threads", "2", "--verbose", "false"])
