@@ -2,7 +2,8 @@
 # Host syncs of one training step, counted by the code (every read of a device value in the step goes
 # through src/device.rs `to_host`): `grpo bench train-step` on the tiny shape (scripts/gpu/shapes/tiny.json)
 # with 2 and 8 layers and 1 or 2 answers per micro-batch, 8 answers of 48 tokens. The count is the same on
-# any device; the goal is a constant per micro-batch, whatever the number of layers and tensors.
+# any device; the goal is one per step (its statistics read with the gradient norm), whatever the number
+# of layers, tensors and micro-batches.
 #
 #   benches/host_syncs.sh [label]     env: BIN (default target/debug/grpo)
 # Output: stdout, also saved to benches/results/host-syncs-<label or date>.txt.

@@ -344,6 +344,12 @@ impl MeasuredBuild {
         self == Self::H100Nov26
     }
 
+    /// The step read each micro-batch's loss to the host (a host sync per micro-batch); this build keeps
+    /// the step's statistics on the device and reads them once, with the gradient norm.
+    pub fn reads_loss_per_micro_batch(self) -> bool {
+        self != Self::Current
+    }
+
     /// `gpu` with the attention kernels' rates of this build: the H100's as they were measured then; any
     /// other GPU as it is.
     pub fn gpu(self, gpu: Gpu) -> Gpu {

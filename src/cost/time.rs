@@ -36,8 +36,9 @@
 //!   micro-batch (read d + 4 B, write 4 B per parameter).
 //! - with `checkpoint_layers`, one more forward of every layer (recomputation) per micro-batch; without a
 //!   cached reference, one forward of the reference model (layers and head, no backward).
-//! - host syncs: one read of the loss per micro-batch and one per step (the gradient norm and the
-//!   bad-step check as one device reduction).
+//! - host syncs: one per step, the step's statistics (loss, policy part, KL, entropy, clipped tokens, the
+//!   ratio's sum and extremes) read with the gradients' sums of squares (the norm and the bad-step check)
+//!   in one transfer; the measured H100 builds also read each micro-batch's loss.
 //! - the AdamW update once per step: on the device 34 B per parameter (master, m, v read and written,
 //!   the f32 gradient read and zeroed, the d-byte weights written); with `optim.offload` the f32
 //!   gradients go to the host and the new weights come back over PCIe, and the update runs at host
@@ -144,7 +145,8 @@ pub struct OpCost {
 
 /// The stretch of the step an op runs in. Within one, the host issues ops while the device runs those
 /// issued before (kernel launches are asynchronous), so a window lasts the longer of the host's time and
-/// the device's; the host syncs between windows (the loss read, the gradient norm) end the overlap.
+/// the device's; a host sync (the step's one read, of its statistics and the gradient norm; in the
+/// measured H100 builds also each micro-batch's loss) ends the overlap.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Window {
     /// The frozen reference model's forward (no gradient).
@@ -819,8 +821,10 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     if o.counts.fused_wgrad {
         o.elementwise("gradient accumulators zeroed", 4.0 * p / s.micro_batches(), 0.0, o.packed);
     }
-    o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
-    o.ops.last_mut().expect("just pushed").syncs = times;
+    if s.build.reads_loss_per_micro_batch() {
+        o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
+        o.ops.last_mut().expect("just pushed").syncs = times;
+    }
     o.window = Window::Update;
     o.times = 1.0 / s.optimizer_shards.max(1) as f64;
     if s.offload {
@@ -1257,7 +1261,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
         out.push_str(&format!(
             "predicted on {} ({}): step {:.1} s, {:.0} tokens/s{}; MFU {:.1}%, attention at {:.1}% of peak (device: \
              GEMMs {:.1} s, attention {:.1} s, element-wise {:.1} s; waiting for the host {:.1} s; {:.3e} tensor ops \
-             and launches, {:.0} host syncs)\n",
+             and launches, {})\n",
             gpu.name,
             calibration_note(gpu),
             step,
@@ -1270,7 +1274,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
             p.elementwise_s,
             p.host_s,
             p.launches,
-            p.syncs,
+            crate::progress::count(p.syncs.round() as u64, "host sync"),
         ));
         out.push_str(&format!("  longest ops (their share of the step): {}\n", longest_ops(&p.ops, p.step_s, 4)));
         if world > 1 {
@@ -1618,7 +1622,9 @@ mod tests {
         assert_eq!((long.ops[0].op, long.ops[0].window), ("attention kernels (backward)", "backward"));
         let line = longest_ops(&long.ops, long.step_s, 2);
         assert!(line.starts_with("backward attention kernels ") && line.matches('%').count() == 2, "{line}");
-        assert!(p.syncs == 9.0, "one per micro-batch and one per step: {}", p.syncs);
+        assert!(p.syncs == 1.0, "one per step: {}", p.syncs);
+        let measured = predict(&m, &StepShape { build: MeasuredBuild::H100Nov27b, ..base }, &H100_SXM);
+        assert!(measured.syncs == 9.0, "the H100 runs' builds: one per micro-batch and one per step");
     }
 
     /// The offloaded update of this build hides all but one chunk's copies behind the host's update; the

@@ -85,6 +85,8 @@ struct LogprobEntropy {
     accumulator: Option<Tensor>,
     /// Each chunk's logits from the forward (`HeadBackward::keep_logits`); empty: recomputed.
     kept: Vec<Tensor>,
+    /// [`HeadBackward::entropy_gradient`].
+    entropy_gradient: Option<bool>,
 }
 
 impl CustomOp3 for LogprobEntropy {
@@ -117,7 +119,17 @@ impl CustomOp3 for LogprobEntropy {
         let (hidden, weight, targets) = (hidden.detach(), weight.detach(), targets.detach());
         let grad = grad_res.detach().to_dtype(DType::F32)?;
         let entropy_grad = grad.narrow(1, 1, 1)?.squeeze(1)?;
-        let has_entropy_grad = crate::device::to_host_scalar::<f32>(&entropy_grad.abs()?.sum_all()?)? != 0.0;
+        let has_entropy_grad = match self.entropy_gradient {
+            Some(told) => {
+                // The tests hold the caller to its word (a read the step's count of syncs leaves out).
+                #[cfg(test)]
+                if !told {
+                    assert_eq!(entropy_grad.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0, "an entropy gradient");
+                }
+                told
+            }
+            None => crate::device::to_host_scalar::<f32>(&entropy_grad.abs()?.sum_all()?)? != 0.0,
+        };
         // (lse, g) per row, plus (H, e) with an entropy gradient: all the backward needs besides the
         // recomputed logits.
         let mut coef = vec![self.lse.clone(), grad.narrow(1, 0, 1)?.squeeze(1)?];
@@ -174,6 +186,9 @@ pub struct HeadBackward<'a> {
     /// backward) instead of recomputing them there: one `[rows, hidden] x [hidden, vocab]` GEMM less a
     /// chunk.
     pub keep_logits: bool,
+    /// Whether the loss differentiates the entropy column: `Some(false)` skips the entropy's terms in the
+    /// backward (its gradient must then be zero); `None` reads the gradient to decide (a host sync).
+    pub entropy_gradient: Option<bool>,
 }
 
 /// [`logprobs_entropy`] with its backward as `backward` says.
@@ -193,7 +208,13 @@ pub fn logprobs_entropy_with(
         return Ok(values);
     }
     let lse = stats.narrow(1, 2, 1)?.squeeze(1)?.contiguous()?;
-    let op = LogprobEntropy { lse, budget, accumulator: accumulate.cloned(), kept };
+    let op = LogprobEntropy {
+        lse,
+        budget,
+        accumulator: accumulate.cloned(),
+        kept,
+        entropy_gradient: backward.entropy_gradient,
+    };
     hidden.record_op3(&weight, targets, &values, op)
 }
 
@@ -267,7 +288,8 @@ mod tests {
             assert_eq!(values(kept.get(&weight).unwrap()), dw, "budget {budget}");
             let acc = Tensor::zeros((50, 16), DType::F32, &Device::Cpu).unwrap();
             for times in [1.0f32, 2.0] {
-                let into = run(budget, HeadBackward { accumulator: Some(&acc), keep_logits: true });
+                let into =
+                    run(budget, HeadBackward { accumulator: Some(&acc), keep_logits: true, ..Default::default() });
                 assert!(into.get(&weight).is_none());
                 assert_eq!(values(into.get(&hidden).unwrap()), dh, "budget {budget}");
                 let want: Vec<f32> = dw.iter().map(|w| w * times).collect();
@@ -275,6 +297,26 @@ mod tests {
                 assert!(err < 1e-5, "budget {budget}, {times} backward(s): {err}");
             }
         }
+    }
+
+    /// A loss told to have no entropy gradient (`entropy_gradient: Some(false)`) gets the gradients the
+    /// head finds by reading the gradient; one told it has one (`Some(true)`), those of an entropy bonus.
+    #[test]
+    fn a_told_entropy_gradient_gives_the_gradients_of_a_read_one() {
+        let (hidden, weight, targets, up) = setup(9, 16, 50);
+        let run = |entropy: f64, told: Option<bool>| -> (Vec<f32>, Vec<f32>) {
+            let backward = HeadBackward { entropy_gradient: told, ..Default::default() };
+            let lp =
+                logprobs_entropy_with(hidden.as_tensor(), weight.as_tensor(), &targets, 1 << 30, backward).unwrap();
+            let h = (lp.narrow(1, 1, 1).unwrap().squeeze(1).unwrap() * entropy).unwrap();
+            let loss = (lp.narrow(1, 0, 1).unwrap().squeeze(1).unwrap() + h).unwrap();
+            let g = loss.mul(&up).unwrap().sum_all().unwrap().backward().unwrap();
+            let v = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            (v(g.get(&hidden).unwrap()), v(g.get(&weight).unwrap()))
+        };
+        assert_eq!(run(0.0, Some(false)), run(0.0, None));
+        assert_eq!(run(0.5, Some(true)), run(0.5, None));
+        assert_ne!(run(0.5, Some(true)), run(0.0, None));
     }
 
     use super::super::testing::max_abs_diff as max_diff;

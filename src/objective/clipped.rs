@@ -121,7 +121,7 @@ fn ppo_surrogate(
     eps_low: f32,
     eps_high: f32,
     clip_ratio_c: Option<f32>,
-) -> Result<(Tensor, usize)> {
+) -> Result<(Tensor, Tensor)> {
     let r = ratio.detach();
     let clipped = (r.clamp(1.0 - eps_low, 1.0 + eps_high)? * adv)?;
     let unclipped = (&r * adv)?;
@@ -132,7 +132,7 @@ fn ppo_surrogate(
     let bound = (adv * -(c as f64))?;
     let dual = adv.lt(0f64)?.mul(&value.detach().gt(&bound)?)?;
     let value = dual.where_cond(&bound, &value)?;
-    Ok((value, count(&mask)? + count(&dual)?))
+    Ok((value, (count(&mask)? + count(&dual)?)?))
 }
 
 /// CISPO's `-sg(clip(r, 1 - eps_low, 1 + eps_high)) A log pi` per token, and the number of tokens whose
@@ -143,7 +143,7 @@ fn cispo_surrogate(
     adv: &Tensor,
     eps_low: f32,
     eps_high: f32,
-) -> Result<(Tensor, usize)> {
+) -> Result<(Tensor, Tensor)> {
     let r = ratio.detach();
     let weight = r.clamp(1.0 - eps_low, 1.0 + eps_high)?;
     let outside = r.ne(&weight)?;
@@ -200,6 +200,6 @@ impl Objective for Clipped {
                 (((factor * adv)? * mask)?.neg()?, clipped)
             }
         };
-        finish(weighted_sum(&pg, inputs)?, logp, inputs, self.cfg.beta, self.cfg.kl_estimator(), clipped)
+        finish(weighted_sum(&pg, inputs)?, logp, inputs, self.cfg.beta, self.cfg.kl_estimator(), Some(clipped))
     }
 }

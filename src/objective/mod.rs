@@ -267,16 +267,18 @@ impl TokenInputs {
     }
 }
 
-/// A loss and its parts for one micro-batch. Weighted sums, so micro-batch values add up.
+/// A loss and its parts for one micro-batch. Weighted sums, so micro-batch values add up. Every part is
+/// an f32 scalar on the loss's device, never read here: the step adds them up on the device and reads them
+/// once, at its end.
 pub struct LossTerms {
     /// The scalar to differentiate.
     pub loss: Tensor,
-    /// Weighted policy part (everything but the KL term).
-    pub pg_loss: f32,
-    /// Weighted KL part (before beta).
-    pub kl: f32,
-    /// Number of tokens whose ratio was clipped or masked (no gradient).
-    pub clipped_tokens: usize,
+    /// Weighted policy part (everything but the KL term), detached.
+    pub pg_loss: Tensor,
+    /// Weighted KL part (before beta), detached; `None` without a KL term (0).
+    pub kl: Option<Tensor>,
+    /// Number of tokens whose ratio was clipped or masked (no gradient); `None`: none can be.
+    pub clipped_tokens: Option<Tensor>,
 }
 
 /// A training objective.
@@ -306,17 +308,17 @@ fn finish(
     inputs: &TokenInputs,
     beta: f32,
     kl_est: KlEstimator,
-    clipped: usize,
+    clipped: Option<Tensor>,
 ) -> Result<LossTerms> {
     let (loss, kl) = match &inputs.ref_logp {
         Some(r) => {
             let kl = (kl_est.per_token(logp, r)? * &inputs.weights)?.sum_all()?;
             let loss = (&pg_sum + (&kl * beta as f64)?)?;
-            (loss, crate::device::to_host_scalar::<f32>(&kl)?)
+            (loss, Some(kl.detach()))
         }
-        None => (pg_sum.clone(), 0.0),
+        None => (pg_sum.clone(), None),
     };
-    Ok(LossTerms { pg_loss: crate::device::to_host_scalar::<f32>(&pg_sum)?, kl, loss, clipped_tokens: clipped })
+    Ok(LossTerms { pg_loss: pg_sum.detach(), kl, loss, clipped_tokens: clipped })
 }
 
 /// The entropy bonus `-coeff sum_t w_t H_t` of the per-token entropies `entropy` (`[n]`, with a graph):
@@ -359,9 +361,9 @@ fn weighted_sum(per_token: &Tensor, inputs: &TokenInputs) -> Result<Tensor> {
     }
 }
 
-/// The number of ones in a 0/1 mask.
-fn count(mask: &Tensor) -> Result<usize> {
-    Ok(crate::device::to_host_scalar::<f32>(&mask.to_dtype(DType::F32)?.sum_all()?)? as usize)
+/// The number of ones in a 0/1 mask, as an f32 scalar on its device.
+fn count(mask: &Tensor) -> Result<Tensor> {
+    mask.to_dtype(DType::F32)?.sum_all()
 }
 
 #[cfg(test)]

@@ -60,6 +60,6 @@ impl Objective for Oapl {
         let seq_weights = inputs.seq_mean(&inputs.weights)?;
         let residual = ((seq_log_ratio * self.0.beta2() as f64)? - target)?;
         let loss = (residual.sqr()? * seq_weights)?.sum_all()?;
-        Ok(LossTerms { pg_loss: crate::device::to_host_scalar::<f32>(&loss)?, kl: 0.0, loss, clipped_tokens: 0 })
+        Ok(LossTerms { pg_loss: loss.detach(), kl: None, loss, clipped_tokens: None })
     }
 }

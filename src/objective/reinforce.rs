@@ -64,7 +64,7 @@ impl Objective for Opmd {
         let seq_weights = inputs.seq_mean(&inputs.weights)?;
         let reg = ((seq_log_ratio.sqr()? * seq_weights)?.sum_all()? * (self.0.tau() as f64 / 2.0))?;
         let pg = (reinforce(logp, inputs)? + reg)?;
-        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
+        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
     }
 }
 
@@ -93,7 +93,7 @@ impl Objective for AsymRe {
         g
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
     }
 }
 
@@ -151,7 +151,7 @@ impl Objective for RedDrop {
         GroupAdvantages { advantages, include, rewards: RewardStats::of(rewards), bias_applied: false }
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
     }
 }
 
@@ -182,7 +182,7 @@ impl Objective for RedWeight {
         g
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
     }
 }
 
@@ -212,6 +212,6 @@ impl Objective for Sft {
         }
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), 0)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
     }
 }

@@ -41,8 +41,24 @@ impl<'a> Case<'a> {
     }
 }
 
+/// A micro-batch's loss terms, read.
+pub(super) struct Terms {
+    pub pg_loss: f32,
+    pub kl: f32,
+    pub clipped_tokens: usize,
+}
+
+pub(super) fn read(terms: &LossTerms) -> Terms {
+    let scalar = |t: &Tensor| t.to_scalar::<f32>().unwrap();
+    Terms {
+        pg_loss: scalar(&terms.pg_loss),
+        kl: terms.kl.as_ref().map_or(0.0, scalar),
+        clipped_tokens: terms.clipped_tokens.as_ref().map_or(0, |c| scalar(c) as usize),
+    }
+}
+
 /// Loss, d loss / d logp and the loss terms.
-fn run(obj: &dyn Objective, logp: &[f32], case: &Case) -> (f32, Vec<f32>, LossTerms) {
+fn run(obj: &dyn Objective, logp: &[f32], case: &Case) -> (f32, Vec<f32>, Terms) {
     let lp = Var::from_slice(logp, logp.len(), &Device::Cpu).unwrap();
     let mut inputs = TokenInputs::for_sequences(case.lengths, case.adv, case.w, &Device::Cpu).unwrap();
     inputs.ref_logp = case.reference.map(t);
@@ -53,7 +69,7 @@ fn run(obj: &dyn Objective, logp: &[f32], case: &Case) -> (f32, Vec<f32>, LossTe
     let terms = obj.loss(lp.as_tensor(), &inputs).unwrap();
     let g = terms.loss.backward().unwrap();
     let grad = g.get(lp.as_tensor()).map(vals).unwrap_or(vec![0.0; logp.len()]);
-    (terms.loss.to_scalar::<f32>().unwrap(), grad, terms)
+    (terms.loss.to_scalar::<f32>().unwrap(), grad, read(&terms))
 }
 
 fn cfg(name: ObjectiveName, bias: f32, beta: f32) -> ObjectiveConfig {
@@ -666,7 +682,8 @@ fn sampler_correction_weights_scale_the_policy_term_only() {
         inputs.is_weights = correction.map(t);
         let terms = obj.loss(lp.as_tensor(), &inputs).unwrap();
         let grad = vals(terms.loss.backward().unwrap().get(lp.as_tensor()).unwrap());
-        (terms.pg_loss, terms.kl, grad)
+        let read = read(&terms);
+        (read.pg_loss, read.kl, grad)
     };
     for name in [ObjectiveName::Grpo, ObjectiveName::Rec, ObjectiveName::Asymre, ObjectiveName::Cispo] {
         let obj = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(name, 0.0, 0.3) };

@@ -132,19 +132,40 @@ pub fn clip_scale(norm: f64, max: f64) -> f64 {
     }
 }
 
-/// Global L2 norm of all gradients: each tensor's sum of squares reduced on its device in one read
-/// ([`kernels::sum_squares`], f32), the sums stacked and read to the host at once (one host sync per
-/// step, whatever the number of tensors), and added there in f64. The clip factor ([`clip_scale`]) and
-/// the bad-step check (a NaN or infinite gradient anywhere gives a non-finite norm) come from this one
-/// read.
-pub fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
+/// Each gradient tensor's sum of squares, reduced on its device ([`kernels::sum_squares`], f32) and
+/// stacked into one vector (`None` without gradients): read to the host at once, whatever the number of
+/// tensors, and added there in f64 ([`norm_of_square_sums`]), they give the global L2 norm.
+pub fn grad_square_sums(grads: &Grads) -> candle_core::Result<Option<Tensor>> {
     let sums: Vec<Tensor> =
         grads.grads.iter().flatten().map(kernels::sum_squares).collect::<candle_core::Result<_>>()?;
     if sums.is_empty() {
-        return Ok(0.0);
+        return Ok(None);
     }
-    let sums = crate::device::to_host::<f32>(&Tensor::stack(&sums, 0)?)?;
-    Ok(sums.iter().map(|&s| f64::from(s)).sum::<f64>().sqrt())
+    Tensor::stack(&sums, 0).map(Some)
+}
+
+/// The L2 norm from the tensors' sums of squares, added in f64.
+pub fn norm_of_square_sums(sums: &[f64]) -> f64 {
+    sums.iter().sum::<f64>().sqrt()
+}
+
+/// Global L2 norm of all gradients in one host read ([`grad_square_sums`]). The clip factor
+/// ([`clip_scale`]) and the bad-step check (a NaN or infinite gradient anywhere gives a non-finite norm)
+/// come from it.
+#[cfg(test)]
+fn grad_norm(grads: &Grads) -> candle_core::Result<f64> {
+    match grad_square_sums(grads)? {
+        Some(sums) => Ok(norm_of_square_sums(&crate::device::to_host::<f64>(&sums.to_dtype(DType::F64)?)?)),
+        None => Ok(0.0),
+    }
+}
+
+/// The gradient's norm as [`Optimizer::reduce`] leaves it: its sums of squares still on the device (one
+/// process: the step reads them with its statistics, in one transfer), or the norm itself, computed on
+/// the host over the ranks' reduced blocks.
+pub enum GradNorm {
+    Device(Option<Tensor>),
+    Host(f64),
 }
 
 struct ParamState {
@@ -479,15 +500,15 @@ impl Optimizer {
 
     /// The gradients reduced over the ranks (a reduce-scatter when sharded; `grads` already hold the
     /// global batch's gradient otherwise) and their global norm.
-    pub fn reduce(&self, grads: Grads) -> candle_core::Result<(Reduced, f64)> {
+    pub fn reduce(&self, grads: Grads) -> candle_core::Result<(Reduced, GradNorm)> {
         match &self.shard {
             None => {
-                let norm = grad_norm(&grads)?;
-                Ok((Reduced::Whole(grads), norm))
+                let sums = grad_square_sums(&grads)?;
+                Ok((Reduced::Whole(grads), GradNorm::Device(sums)))
             }
             Some(shard) => {
                 let (mine, norm) = shard.reduce(&grads)?;
-                Ok((Reduced::Shard(mine), norm))
+                Ok((Reduced::Shard(mine), GradNorm::Host(norm)))
             }
         }
     }

@@ -16,6 +16,10 @@ pub struct TokenBatch {
     /// [`Decoder::forward_backward_into`] (and again, the same, in the layers' recomputation). `None`: no
     /// dropout.
     pub dropout_seed: Option<u64>,
+    /// Whether the training loss differentiates the entropy column of the log-probs (an entropy bonus):
+    /// `Some(false)` lets the log-prob head's backward skip the entropy's terms without reading the
+    /// gradient to find out; `None`: it reads it (a host sync) and decides.
+    pub entropy_gradient: Option<bool>,
 }
 
 impl TokenBatch {
@@ -27,7 +31,13 @@ impl TokenBatch {
     /// Several sequences per row (packed), rows right-padded with `pad`.
     pub fn packed(rows: &[Vec<Vec<u32>>], pad: u32) -> Self {
         let width = rows.iter().map(|r| r.iter().map(Vec::len).sum::<usize>()).max().unwrap_or(0);
-        let mut b = TokenBatch { tokens: vec![], positions: vec![], segments: vec![], dropout_seed: None };
+        let mut b = TokenBatch {
+            tokens: vec![],
+            positions: vec![],
+            segments: vec![],
+            dropout_seed: None,
+            entropy_gradient: None,
+        };
         for row in rows {
             let (mut t, mut p, mut s) =
                 (Vec::with_capacity(width), Vec::with_capacity(width), Vec::with_capacity(width));
@@ -49,6 +59,12 @@ impl TokenBatch {
     /// The batch with LoRA's dropout masks drawn from `seed` in training.
     pub fn with_dropout_seed(mut self, seed: u64) -> Self {
         self.dropout_seed = Some(seed);
+        self
+    }
+
+    /// The batch of a training loss that does (`true`) or does not differentiate the entropy.
+    pub fn with_entropy_gradient(mut self, entropy: bool) -> Self {
+        self.entropy_gradient = Some(entropy);
         self
     }
 

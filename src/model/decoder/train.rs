@@ -165,6 +165,7 @@ impl Decoder {
         let backward = HeadBackward {
             accumulator: mode.accumulator(self.slot(self.lm_head)),
             keep_logits: self.options.keep_logits,
+            entropy_gradient: batch.entropy_gradient,
         };
         logprobs_entropy_with(&h, &w, &ids, budget, backward)
     }
@@ -209,18 +210,19 @@ impl Decoder {
     ) -> candle_core::Result<(f32, Grads)> {
         let mut grads = self.new_grads();
         let loss = self.forward_backward_into(batch, targets, loss_fn, &mut grads)?;
-        Ok((loss, grads))
+        Ok((crate::device::to_host_scalar::<f32>(&loss)?, grads))
     }
 
     /// [`Decoder::forward_backward`] adding the gradients into `grads` (gradient accumulation without a
-    /// second full set of f32 gradients); returns the loss value.
+    /// second full set of f32 gradients); returns the loss, detached, as an f32 scalar on the device (the
+    /// caller reads it when it needs it: a training step reads its statistics once, at its end).
     pub fn forward_backward_into(
         &self,
         batch: &TokenBatch,
         targets: &Targets,
         loss_fn: &mut dyn FnMut(&Tensor) -> candle_core::Result<Tensor>,
         grads: &mut Grads,
-    ) -> candle_core::Result<f32> {
+    ) -> candle_core::Result<Tensor> {
         self.check(batch, targets)?;
         let trainable = self.vars().len();
         if grads.grads.len() != trainable {
@@ -253,7 +255,7 @@ impl Decoder {
             };
             self.collect(&store, grads)?;
             self.embed_backward(&ids, store.get(e.as_tensor()), grads)?;
-            return crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?);
+            return loss.detach().to_dtype(DType::F32);
         }
         let positions = self.positions(batch)?;
         let (inputs, mut records, x) = self.forward_kept(batch, e, &positions)?;
@@ -280,7 +282,7 @@ impl Decoder {
         }
         // Embedding: its gradient is the gradient of its output rows.
         self.embed_backward(&ids, Some(&g), grads)?;
-        crate::device::to_host_scalar::<f32>(&loss.to_dtype(DType::F32)?)
+        loss.detach().to_dtype(DType::F32)
     }
 
     /// The layers' forward without a graph from the embeddings `x`, keeping only each layer's input (and,
