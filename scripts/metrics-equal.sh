@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Whether a change kept training's numbers bit for bit on the CPU: the smoke run (configs/smoke.toml, 4
-# steps) and one step of every objective on the smoke data, by the debug binaries of two commits; their
-# metrics.jsonl compared value for value, the timings, throughputs and memory peaks left out.
+# steps), one step of every objective on the smoke data and two steps of on-policy GRPO on its own rollouts
+# (two updates a batch, a lagged sampler, a teacher answer mixed in), by the debug binaries of two commits;
+# their metrics.jsonl compared value for value, the timings, throughputs and memory peaks left out. Then
+# every shipped config's memory plan and step prediction (`train --plan`), on each model shape of
+# configs/models/, three device memories and one or four ranks, compared as text.
 #
 #   scripts/metrics-equal.sh BEFORE [AFTER]      AFTER: the working tree (default) or a commit
 # Builds each commit in a worktree under target/metrics-equal/ into the repository's target folder (the
@@ -43,9 +46,16 @@ config() {
 import re, sys
 name, beta, out = sys.argv[1:]
 text = open("configs/smoke.toml").read()
+rollout = name == "rollout"
+if rollout:
+    name, beta = "grpo", 'anchor = "behaviour"\nbeta = 0.1'
 table = f'[objective]\nname = "{name}"\n{beta}\n\n'
 text = re.sub(r"\[objective\]\n(.*?\n)\n", table, text, count=1, flags=re.S)
-text = text.replace('output_dir = "runs/smoke"', f'output_dir = "{out}"').replace("max_steps = 4", "max_steps = 1")
+steps = "max_steps = 2" if rollout else "max_steps = 1"
+text = text.replace('output_dir = "runs/smoke"', f'output_dir = "{out}"').replace("max_steps = 4", steps)
+if rollout:
+    text += ("\n[rollout]\nteacher_answers = 1\nn = 4\nmax_new_tokens = 8\ntemperature = 1.0\nbatch_size = 8\n"
+             "updates_per_batch = 2\nsync_every = 2\nfallbacks = true\n")
 print(text)
 EOF
 }
@@ -65,7 +75,7 @@ EOF
 build "$before" before
 build "$after" after
 status=0
-for objective in smoke off_grpo grpo gspo rec cispo opmd asymre red_drop red_weight oapl sft; do
+for objective in smoke off_grpo grpo gspo rec cispo opmd asymre red_drop red_weight oapl sft rollout; do
     for side in before after; do
         out=$work/runs/$side/$objective
         rm -rf "$out"
@@ -82,4 +92,26 @@ for objective in smoke off_grpo grpo gspo rec cispo opmd asymre red_drop red_wei
         status=1
     fi
 done
+# The plans: the same text from both binaries.
+plans=0
+differing=0
+for c in $(find configs -name '*.toml' | sort); do
+    for shape in configs/models/*.json; do
+        for memory in 80GiB 16GiB 1GiB; do
+            for world in 1 4; do
+                args=(-q train --config "$c" --plan --model-config "$shape" --device-memory "$memory" --world-size "$world")
+                a=$("$work/grpo-before" "${args[@]}" 2>&1 || true)
+                b=$("$work/grpo-after" "${args[@]}" 2>&1 || true)
+                plans=$((plans + 1))
+                if [ "$a" != "$b" ]; then
+                    echo "plan of $c on $shape, $memory, $world ranks: DIFFERENT"
+                    diff <(echo "$a") <(echo "$b") | head -6
+                    differing=$((differing + 1))
+                    status=1
+                fi
+            done
+        done
+    done
+done
+echo "plans: $plans compared, $((plans - differing)) equal"
 exit "$status"

@@ -8,6 +8,7 @@
 use candle_core::{Device, Result, Tensor};
 
 mod names;
+pub mod staging;
 pub use names::{DTypeName, DeviceName, UnknownName};
 
 /// A readable name: `cpu`, or the CUDA card's name (e.g. `NVIDIA H100 80GB HBM3`).

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use anyhow::Context;
 
 use super::Exit;
-use crate::cost::memory as plan;
 use crate::model::ModelConfig;
 use crate::train::config::ConfigError;
 use crate::train::{train, Resume, RunOptions, TrainConfig, TrainError};
@@ -110,7 +109,7 @@ pub struct Args {
 fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
     let shape = match &args.model_config {
         Some(p) => ModelConfig::from_file(p).with_context(|| format!("reading {}", p.display()))?,
-        None => plan::model_config(cfg).context("reading the model's config.json (or give --model-config)")?,
+        None => crate::train::model_config(cfg).context("reading the model's config.json (or give --model-config)")?,
     };
     let memory = match args.device_memory {
         Some(m) => Some(m),
@@ -128,9 +127,9 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
             .context("the launcher's environment (or give --world-size)")?
             .map_or(1, |l| l.size.max(1) as u64),
     };
-    let p = plan::run_plan(cfg, &shape, memory, world);
+    let p = cfg.memory_plan(&shape, memory, world);
     print!("{p}");
-    let step = plan::step_shape(cfg, &shape, &p);
+    let step = p.step_shape();
     let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
     let answers = (cfg.train.batch_questions as u64).saturating_mul(group as u64);
     print!("{}", crate::cost::time::report(&shape, &step, answers, world));
@@ -138,7 +137,7 @@ fn print_plan(cfg: &TrainConfig, args: &Args) -> anyhow::Result<()> {
         print!("{}", split_report(cfg, r, &shape, &step, memory, world));
     }
     if p.fits() == Some(false) {
-        println!("To fit, {}.", p.advice(cfg));
+        println!("To fit, {}.", p.advice());
         let message = "the run does not fit its device's memory (the plan above)".to_string();
         return Err(Exit { code: DOES_NOT_FIT_EXIT_CODE, message }.into());
     }
@@ -163,7 +162,7 @@ fn split_report(
         batch_size: r.batch_size as u64,
         dtype_bytes: step.dtype_bytes as f64,
     };
-    let trainers = |t: u64| plan::step_shape(cfg, shape, &plan::run_plan(cfg, shape, memory, t));
+    let trainers = |t: u64| cfg.memory_plan(shape, memory, t).step_shape();
     crate::cost::calibration::GPUS
         .iter()
         .map(|gpu| split::report(&split::predict_splits(shape, &rollouts, world, trainers, gpu), gpu))

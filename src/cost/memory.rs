@@ -26,7 +26,7 @@
 //! - update: the temporaries of the optimiser update, which runs in place (kernels::adamw): the new weights
 //!   in the model's dtype of the largest tensor (on the device without offload), or in host memory with
 //!   offload the two staging slots the gradients and new weights go through (at most
-//!   [`crate::train::offload::staging_bytes`] of `optim.offload_chunk_mb`, page-locked on a GPU);
+//!   [`crate::device::staging::staging_bytes`] of `optim.offload_chunk_mb`, page-locked on a GPU);
 //! - validation: the generation KV cache of `validation.batch_size` sequences of `max_prompt_tokens +
 //!   validation.max_new_tokens` tokens, 2 L kv d bytes per token: the paged pool
 //!   ([`crate::generate::GenerationOptions::pool_blocks`] blocks), or with `generation.schedule = "static"`
@@ -38,11 +38,10 @@
 use std::fmt;
 
 use super::time;
-use crate::model::{Attention, ChatTokenizer, ModelConfig, ModelError};
-use crate::objective::Anchor;
-use crate::train::config::TrainConfig;
-use crate::train::offload::{chunk_len, staging_bytes};
-use crate::train::optim::OptimName;
+use crate::device::staging::{chunk_len, staging_bytes};
+use crate::device::DTypeName;
+use crate::generate::GenerationOptions;
+use crate::model::{Attention, DecoderOptions, LoraOptions, ModelConfig};
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads, the final
@@ -90,18 +89,86 @@ impl PoolOverhead {
     }
 }
 
-/// What the plan needs besides the two configurations.
-#[derive(Debug, Clone, Copy)]
-pub struct PlanInputs {
+/// What a plan is computed from: the model's shape and the settings of the run that move its memory, as
+/// the trainer resolves them from its config (`TrainConfig::plan_input`). Each field names the config key
+/// it comes from; the advice ([`Plan::advice`]) plans changed copies of it.
+#[derive(Debug, Clone)]
+pub struct PlanInput {
+    /// The model's shape (its config.json).
+    pub model: ModelConfig,
+    /// `model.dtype`: the weights' dtype.
+    pub dtype: DTypeName,
+    /// `model.*`: how the decoder computes. Its `keep_logits` is not read: [`PlanInput::keep_logits`] says
+    /// it, "auto" included.
+    pub decoder: DecoderOptions,
+    /// How attention runs: `model.attention`, or the composite score matrix without `model.fused_ops`.
     pub attention: Attention,
-    /// The reference model's log-probs are read from a file instead of computed by a loaded reference.
-    pub reference_cached: bool,
-    /// The model runs on the CPU: the device is host memory and the process counts in it.
+    /// `model.keep_logits`: `None` for "auto", which [`run_plan`] decides.
+    pub keep_logits: Option<bool>,
+    /// `model.lora`: the adapters trained instead of the weights.
+    pub lora: Option<LoraOptions>,
+    /// `model.reference` is given: the reference is a model of its own, even with LoRA.
+    pub own_reference: bool,
+    /// The objective reads the frozen reference's log-probs (its KL term or anchor).
+    pub needs_reference: bool,
+    /// The objective's anchor is a snapshot of the policy (`objective.anchor = "snapshot"`).
+    pub snapshot_anchor: bool,
+    /// `model.cache_reference`, and whether the run can cache the reference's log-probs (no
+    /// `train.reference_swap_every`, no `[rollout]`).
+    pub cache_reference: bool,
+    pub reference_cacheable: bool,
+    /// `optim.name = "adamw"` (else SGD), `optim.offload` and `optim.offload_chunk_mb`.
+    pub adamw: bool,
+    pub offload: bool,
+    pub offload_chunk_mb: usize,
+    /// Answers per question (`data.group_size`, or `rollout.n`) and questions per step
+    /// (`train.batch_questions`).
+    pub group_size: usize,
+    pub batch_questions: usize,
+    /// `train.micro_batch_size` and `train.micro_batch_tokens` (0: not packed).
+    pub micro_batch_size: usize,
+    pub micro_batch_tokens: usize,
+    /// `data.max_prompt_tokens` and `data.max_response_tokens` (0: the model's context).
+    pub max_prompt_tokens: usize,
+    pub max_response_tokens: usize,
+    /// `[validation]`'s generation.
+    pub validation: Option<GenerationLoad>,
+    /// `[rollout]`'s.
+    pub rollout: Option<RolloutLoad>,
+    /// The model runs on the CPU (`model.device`): the device is host memory and the process counts in it.
     pub on_cpu: bool,
     /// Bytes of device memory (`None`: unknown).
     pub device_memory: Option<u64>,
     /// Data-parallel ranks sharing the optimiser state (ZeRO-1): each rank holds 1/N of it.
     pub world_size: u64,
+}
+
+/// A generation of the run: `batch_size` sequences of at most `max_new_tokens` new tokens each.
+#[derive(Debug, Clone)]
+pub struct GenerationLoad {
+    pub batch_size: usize,
+    pub max_new_tokens: usize,
+    pub generation: GenerationOptions,
+}
+
+/// `[rollout]`: its generation, and what else it adds to the run's memory.
+#[derive(Debug, Clone)]
+pub struct RolloutLoad {
+    /// `rollout.batch_size`, `rollout.max_new_tokens`, `rollout.generation`.
+    pub sampling: GenerationLoad,
+    /// `rollout.teacher_answers`: teacher answers mixed into each group.
+    pub teacher_answers: usize,
+    /// `rollout.sync_every`: > 1 keeps a lagged copy of the weights.
+    pub sync_every: usize,
+    /// The answers are sampled here (`rollout.engine = "native"`), not by a server.
+    pub native: bool,
+}
+
+impl PlanInput {
+    /// The reference's log-probs are read from a file instead of computed by a loaded reference.
+    pub fn reference_cached(&self) -> bool {
+        self.cache_reference && self.reference_cacheable
+    }
 }
 
 /// Where a component lives.
@@ -145,13 +212,12 @@ pub struct Component {
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub components: Vec<Component>,
-    pub inputs: PlanInputs,
+    /// What it was planned from.
+    pub input: PlanInput,
     /// Model and micro-batch, for the heading.
     pub summary: String,
     /// Bytes of the log-prob op's logits chunk the run uses (as the device sizes it when not set).
     pub logprob_chunk_bytes: u64,
-    /// The model's shape (the advice plans the settings it suggests).
-    pub model: ModelConfig,
     /// Whether the log-prob head keeps its logits for the backward: `model.keep_logits`, or where that is
     /// "auto" the plan's choice ([`run_plan`]).
     pub keep_logits: bool,
@@ -302,14 +368,14 @@ impl Activations {
     }
 }
 
-fn gib(bytes: u64) -> String {
+pub(super) fn gib(bytes: u64) -> String {
     format!("{:.2} GiB", bytes as f64 / (1u64 << 30) as f64)
 }
 
-/// Build the plan of `cfg` for a model of shape `model`.
-pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan {
-    let first = plan_with_chunk(cfg, model, inputs, logprob_chunk_bytes(cfg, &inputs, None));
-    if cfg.model.logprob_chunk_mb > 0 || inputs.on_cpu {
+/// The plan of `input`, `model.keep_logits = "auto"` planned as not kept ([`run_plan`] decides it).
+pub fn plan(input: &PlanInput) -> Plan {
+    let first = plan_with_chunk(input, logprob_chunk_bytes(input, None));
+    if input.decoder.logprob_chunk_bytes > 0 || input.on_cpu {
         return first;
     }
     // Left to the device, the chunk is an eighth of the memory free when the head runs (everything else
@@ -318,44 +384,43 @@ pub fn plan(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs) -> Plan 
     // memory, which the run sizes the chunk from, sees them).
     let chunk = first.components.iter().filter(|c| c.name.starts_with("log-prob chunk")).map(|c| c.bytes).max();
     let others = first.peak(Place::Device).saturating_sub(POOL_OVERHEAD.pooled(chunk.unwrap_or(0)));
-    let free = inputs.device_memory.unwrap_or(DEFAULT_GPU_MEMORY).saturating_sub(others);
-    plan_with_chunk(cfg, model, inputs, logprob_chunk_bytes(cfg, &inputs, Some(free)))
+    let free = input.device_memory.unwrap_or(DEFAULT_GPU_MEMORY).saturating_sub(others);
+    plan_with_chunk(input, logprob_chunk_bytes(input, Some(free)))
 }
 
 /// Device memory assumed for sizing a device-sized log-prob chunk when the plan is given none (80 GB).
 const DEFAULT_GPU_MEMORY: u64 = 80_000_000_000;
 
-/// The bytes of the log-prob op's logits chunk of a run of `cfg`: `model.logprob_chunk_mb` when set;
+/// The bytes of the log-prob op's logits chunk of a run of `input`: `model.logprob_chunk_mb` when set;
 /// otherwise as [`crate::kernels::logprob_chunk_bytes`] sizes it: 64 MiB on the CPU, on a GPU an eighth of
 /// `free` (unknown: the 1 GiB minimum) within 1..=8 GiB.
-fn logprob_chunk_bytes(cfg: &TrainConfig, inputs: &PlanInputs, free: Option<u64>) -> u64 {
-    match cfg.model.logprob_chunk_mb {
-        0 if inputs.on_cpu => crate::kernels::LOGPROB_CHUNK_BYTES as u64,
+fn logprob_chunk_bytes(input: &PlanInput, free: Option<u64>) -> u64 {
+    match input.decoder.logprob_chunk_bytes {
+        0 if input.on_cpu => crate::kernels::LOGPROB_CHUNK_BYTES as u64,
         0 => crate::kernels::gpu_chunk_bytes(free.unwrap_or(0)) as u64,
-        mb => (mb as u64) << 20,
+        bytes => bytes as u64,
     }
 }
 
-fn plan_with_chunk(cfg: &TrainConfig, model: &ModelConfig, inputs: PlanInputs, chunk_bytes: u64) -> Plan {
-    let basis = Basis::of(cfg, model, inputs);
+fn plan_with_chunk(input: &PlanInput, chunk_bytes: u64) -> Plan {
+    let basis = Basis::of(input);
     let act = basis.activations(chunk_bytes);
     let mut c = Components::default();
     basis.resident(&mut c);
     basis.saved(&mut c, &act);
     basis.backward_peak(&mut c, &act);
     basis.update(&mut c);
-    c.0.extend(generation_components(cfg, model, basis.d, basis.prompt));
-    let mut summary = summary(cfg, model, &basis.shape, basis.prompt, basis.response);
+    c.0.extend(generation_components(input, basis.d, basis.prompt));
+    let mut summary = summary(input, &basis.shape, basis.prompt, basis.response);
     if basis.world > 1 {
         summary.push_str(&format!("; per rank of {} (ZeRO-1: the optimizer state sharded)", basis.world));
     }
     Plan {
         components: c.0,
-        inputs,
+        input: input.clone(),
         summary,
         logprob_chunk_bytes: chunk_bytes,
-        model: model.clone(),
-        keep_logits: cfg.model.keep_logits == Some(true),
+        keep_logits: input.keep_logits == Some(true),
         keep_logits_note: None,
     }
 }
@@ -370,11 +435,10 @@ impl Components {
     }
 }
 
-/// What the plan's parts are computed from: the two configurations, the inputs, and what follows from them.
+/// What the plan's parts are computed from: the input, and what follows from it.
 struct Basis<'a> {
-    cfg: &'a TrainConfig,
+    input: &'a PlanInput,
     model: &'a ModelConfig,
-    inputs: PlanInputs,
     /// Bytes of an element of the model's dtype.
     d: u64,
     /// The model's parameters.
@@ -395,10 +459,11 @@ struct Basis<'a> {
 }
 
 impl<'a> Basis<'a> {
-    fn of(cfg: &'a TrainConfig, model: &'a ModelConfig, inputs: PlanInputs) -> Self {
+    fn of(input: &'a PlanInput) -> Self {
+        let model = &input.model;
         let p = model.num_parameters() as u64;
-        let (prompt, response) = sequence_tokens(cfg, model);
-        let lora = cfg.model.lora.as_ref().map(|o| Lora::of(model, o));
+        let (prompt, response) = sequence_tokens(input);
+        let lora = input.lora.as_ref().map(|o| Lora::of(model, o));
         let (p_train, p_layer, p_max) = match &lora {
             Some(l) => (l.params, l.layer, l.largest),
             None => {
@@ -406,31 +471,30 @@ impl<'a> Basis<'a> {
                 (p, layer, largest)
             }
         };
-        let atomic_dq = tensor_core_backward(&inputs) && !cfg.model.deterministic_attention;
+        let atomic_dq = tensor_core_backward(input) && !input.decoder.deterministic_attention;
         Basis {
-            cfg,
+            input,
             model,
-            inputs,
-            d: cfg.model.dtype.size_in_bytes() as u64,
+            d: input.dtype.size_in_bytes() as u64,
             p,
             prompt,
             response,
-            shape: micro_batch_shape(cfg, prompt, response),
+            shape: micro_batch_shape(input, prompt, response),
             lora,
             p_train,
             p_layer,
             p_max,
-            world: inputs.world_size.max(1),
+            world: input.world_size.max(1),
             atomic_dq,
         }
     }
 
     /// The micro-batch's activations, with the head's and the attention's workspaces as this run has them.
     fn activations(&self, chunk_bytes: u64) -> Activations {
-        let (cfg, model, shape) = (self.cfg, self.model, &self.shape);
+        let (input, model, shape) = (self.input, self.model, &self.shape);
         let lora_bytes = self.lora.as_ref().map_or(0.0, |l| l.saved_per_token);
-        let mut act = Activations::new(model, shape, self.d, self.inputs.attention, chunk_bytes, lora_bytes);
-        if cfg.model.fused_ops {
+        let mut act = Activations::new(model, shape, self.d, input.attention, chunk_bytes, lora_bytes);
+        if input.decoder.fused_ops {
             // The lm_head's gradient goes chunk by chunk straight into the step's f32 accumulator
             // (kernels::wgrad_accumulate): no buffer of the head's own.
             act.head_backward = 0;
@@ -446,7 +510,7 @@ impl<'a> Basis<'a> {
             let accumulator = shape.b.saturating_mul(shape.t).saturating_mul(q).saturating_mul(4);
             act.attention_workspace = act.attention_workspace.saturating_add(accumulator);
         }
-        if tensor_core_backward(&self.inputs) {
+        if tensor_core_backward(self.input) {
             // The tensor-core backward's dk/dv partial sums (each KV head's group split over the kernel's blocks).
             let (b, t) = (shape.b as usize, shape.t as usize);
             let parts =
@@ -470,33 +534,32 @@ impl<'a> Basis<'a> {
     fn resident(&self, c: &mut Components) {
         use Phase::*;
         use Place::*;
-        let (cfg, d, p, pn) = (self.cfg, self.d, self.p, self.pn());
+        let (input, d, p, pn) = (self.input, self.d, self.p, self.pn());
         c.add("weights", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
         if let Some(l) = &self.lora {
             c.add("LoRA adapters (f32)", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B");
         }
         c.add("gradients (f32 accumulator)", self.p_train.saturating_mul(4), Device, Step, format!("{pn} x 4 B"));
         self.optimizer_state(c);
-        let objective = cfg.objective.build();
-        if objective.needs_reference() {
-            if self.inputs.reference_cached {
+        if input.needs_reference {
+            if input.reference_cached() {
                 let bytes = self.shape.n_scored.saturating_mul(4);
                 c.add("reference log-probs (cached)", bytes, Device, Backward, "4 B x scored tokens of a micro-batch");
-            } else if self.lora.is_some() && cfg.model.reference.is_none() {
+            } else if self.lora.is_some() && !input.own_reference {
                 // The base model: the policy's own frozen weights with the adapters off.
                 c.add("reference model", 0, Device, Resident, "the policy's base weights (LoRA)");
             } else {
                 c.add("reference model", p.saturating_mul(d), Device, Resident, format!("P x {d} B"));
             }
         }
-        if objective.anchor() == Some(Anchor::Snapshot) {
+        if input.snapshot_anchor {
             match &self.lora {
                 // A frozen copy of the adapters, sharing the base weights.
                 Some(l) => c.add("anchor snapshot", l.params.saturating_mul(4), Device, Resident, "P_lora x 4 B"),
                 None => c.add("anchor snapshot", p.saturating_mul(d), Device, Resident, format!("P x {d} B")),
             }
         }
-        if self.inputs.on_cpu {
+        if input.on_cpu {
             c.add("process (binary, tokenizer, data, allocator)", CPU_PROCESS_BYTES, Device, Resident, "measured");
         } else {
             c.add(
@@ -512,12 +575,12 @@ impl<'a> Basis<'a> {
     /// The optimizer's state: its f32 master copy and moments, on the device or (offload) the host, sharded
     /// over the ranks.
     fn optimizer_state(&self, c: &mut Components) {
-        let (cfg, pn) = (self.cfg, self.pn());
-        let adamw = cfg.optim.name == OptimName::Adamw;
+        let (input, pn) = (self.input, self.pn());
+        let adamw = input.adamw;
         let state = if adamw { 12 } else { 4 };
-        let place = if cfg.optim.offload { Place::Host } else { Place::Device };
+        let place = if input.offload { Place::Host } else { Place::Device };
         let what = if adamw { "f32 master + 2 moments" } else { "f32 master" };
-        let off = if cfg.optim.offload { "host: optim.offload" } else { "device" };
+        let off = if input.offload { "host: optim.offload" } else { "device" };
         let (bytes, shard) = match self.world {
             1 => (self.p_train.saturating_mul(state), String::new()),
             n => (self.p_train.saturating_mul(state).div_ceil(n), format!(" / {n} ranks (ZeRO-1)")),
@@ -531,19 +594,19 @@ impl<'a> Basis<'a> {
     fn saved(&self, c: &mut Components, act: &Activations) {
         use Phase::*;
         use Place::*;
-        let cfg = self.cfg;
-        let ckpt = cfg.model.checkpoint_layers;
+        let input = self.input;
+        let ckpt = input.decoder.checkpoint_layers;
         let (used, other) = if ckpt { (Backward, Alternative) } else { (Alternative, Backward) };
         let formula = "(L+1) [N,h] + one layer";
         c.add("activations, checkpoint_layers = true", act.saved_checkpointed, Device, used, formula);
         c.add("activations, checkpoint_layers = false", act.saved_full, Device, other, "L layers + [N,h]");
         if ckpt && act.kept_attention > 0 {
-            let when = if cfg.model.recompute_attention { Alternative } else { Backward };
+            let when = if input.decoder.recompute_attention { Alternative } else { Backward };
             let formula = "L ([N,q] d + 4 B heads T)";
             c.add("attention outputs kept (recompute_attention = false)", act.kept_attention, Device, when, formula);
         }
         c.add("log-prob head inputs", act.head, Device, Backward, "3 [n,h] + 16 B n");
-        if cfg.model.keep_logits == Some(true) {
+        if input.keep_logits == Some(true) {
             // The forward's logits, alive until the head's backward has read them.
             let kept = to_bytes(self.shape.n_scored as f64 * self.model.vocab_size as f64 * self.d as f64);
             c.add("logits kept (model.keep_logits)", kept, Device, Backward, "n V d");
@@ -558,7 +621,7 @@ impl<'a> Basis<'a> {
         let grad_store = self.gradients_in_flight();
         let layer_part = act.layer_backward.saturating_add(act.attention_workspace).saturating_add(grad_store);
         let head_part = act.head_backward.saturating_add(act.logprob_chunk);
-        let kind = attention_workspace_kind(self.inputs.attention, self.atomic_dq);
+        let kind = attention_workspace_kind(self.input.attention, self.atomic_dq);
         let chunk = "2 rows V d";
         if head_part >= layer_part {
             let formula = "12 V h B (1 chunk: 4+d)";
@@ -568,7 +631,7 @@ impl<'a> Basis<'a> {
         } else {
             c.add("layer backward workspace", act.layer_backward, Device, Backward, "(3i+3h+2q) N d");
             c.add("attention workspace", act.attention_workspace, Device, Backward, kind);
-            let what = if self.cfg.model.checkpoint_layers {
+            let what = if self.input.decoder.checkpoint_layers {
                 "largest layer or tensor x d"
             } else {
                 "P x d: all, until collected"
@@ -581,14 +644,13 @@ impl<'a> Basis<'a> {
     /// The parameter gradients a layer's backward holds before they are added to the accumulator. With f32
     /// weights and the whole step in one micro-batch, they become the accumulator (no copy): counted once.
     fn gradients_in_flight(&self) -> u64 {
-        let cfg = self.cfg;
-        let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n);
-        let answers = cfg.train.batch_questions.saturating_mul(group) as u64;
+        let input = self.input;
+        let answers = input.batch_questions.saturating_mul(input.group_size) as u64;
         let seq = self.prompt.saturating_add(self.response);
-        let shared = self.d == 4 && answers > 0 && answers <= answers_per_micro_batch(cfg, seq);
+        let shared = self.d == 4 && answers > 0 && answers <= answers_per_micro_batch(input, seq);
         // LoRA's gradients are f32 (the adapters' dtype).
         let gd = if self.lora.is_some() { 4 } else { self.d };
-        match (cfg.model.checkpoint_layers, shared && self.lora.is_none()) {
+        match (input.decoder.checkpoint_layers, shared && self.lora.is_none()) {
             (_, true) => 0,
             (true, false) => self.p_layer.max(self.p_max).saturating_mul(gd),
             (false, false) => self.p_train.saturating_mul(gd),
@@ -600,10 +662,10 @@ impl<'a> Basis<'a> {
     fn update(&self, c: &mut Components) {
         use Phase::*;
         use Place::*;
-        let (cfg, p_train, world) = (self.cfg, self.p_train, self.world);
-        if cfg.optim.offload {
-            // Two slots of f32 gradients and as many four-byte words of weights (offload.rs).
-            let bytes = staging_bytes(chunk_len(p_train as usize, cfg.optim.offload_chunk_mb)) as u64;
+        let (input, p_train, world) = (self.input, self.p_train, self.world);
+        if input.offload {
+            // Two slots of f32 gradients and as many four-byte words of weights (device::staging).
+            let bytes = staging_bytes(chunk_len(p_train as usize, input.offload_chunk_mb)) as u64;
             c.add("optimizer update temporaries", bytes, Host, Update, "staging: 2 slots of f32 gradients and weights");
         } else {
             let bytes = self.p_max.saturating_mul(self.d);
@@ -613,10 +675,10 @@ impl<'a> Basis<'a> {
             // The collectives take host buffers (src/train/zero.rs): the flat f32 gradients and this rank's
             // block of their sum, then the gathered f32 weights (one after the other).
             let staging = p_train.saturating_mul(4).saturating_add(p_train.saturating_mul(4) / world);
-            let place = if self.inputs.on_cpu { Device } else { Host };
+            let place = if input.on_cpu { Device } else { Host };
             c.add("collective staging (f32 gradients / weights)", staging, place, Update, "P x 4 B (1 + 1/N)");
         }
-        if world > 1 && !self.inputs.on_cpu {
+        if world > 1 && !input.on_cpu {
             // A piece of the reduce-scatter (the ranks' blocks of it) and the share it reduces into, or of the
             // all-gather: NCCL's device buffers (dist::COLLECTIVE_CHUNK_VALUES f32 values and one rank's share).
             let values = (crate::dist::COLLECTIVE_CHUNK_VALUES as u64).min(p_train);
@@ -628,8 +690,8 @@ impl<'a> Basis<'a> {
 
 /// The run's attention backward runs on the tensor-core kernels (their dk/dv partial sums, and with
 /// atomics their dq accumulator): the GPU kinds but the matrix and flash ones.
-fn tensor_core_backward(inputs: &PlanInputs) -> bool {
-    matches!(inputs.attention, Attention::Mma | Attention::Wgmma | Attention::Auto) && !inputs.on_cpu
+fn tensor_core_backward(input: &PlanInput) -> bool {
+    matches!(input.attention, Attention::Mma | Attention::Wgmma | Attention::Auto) && !input.on_cpu
 }
 
 /// The attention workspace's formula.
@@ -649,11 +711,11 @@ fn attention_workspace_kind(attention: Attention, atomic_dq: bool) -> &'static s
 /// The largest micro-batch: `train.micro_batch_size` rows of the longest prompt + answer, or with
 /// `train.micro_batch_tokens` one packed row of the budget (or of the longest answer, which runs alone when
 /// it is longer), every token of which but the first may be a scored answer token (short answers).
-fn micro_batch_shape(cfg: &TrainConfig, prompt: u64, response: u64) -> Shape {
+fn micro_batch_shape(input: &PlanInput, prompt: u64, response: u64) -> Shape {
     let seq = prompt.saturating_add(response);
-    match cfg.train.micro_batch_tokens as u64 {
+    match input.micro_batch_tokens as u64 {
         0 => {
-            let b = cfg.train.micro_batch_size.max(1) as u64;
+            let b = input.micro_batch_size.max(1) as u64;
             Shape { b, t: seq, n_scored: b.saturating_mul(response) }
         }
         budget => {
@@ -665,9 +727,9 @@ fn micro_batch_shape(cfg: &TrainConfig, prompt: u64, response: u64) -> Shape {
 
 /// Answers of `seq` tokens (the longest) in one micro-batch: `train.micro_batch_size`, or as many as
 /// the token budget of `train.micro_batch_tokens` holds (at least one).
-fn answers_per_micro_batch(cfg: &TrainConfig, seq: u64) -> u64 {
-    match cfg.train.micro_batch_tokens as u64 {
-        0 => cfg.train.micro_batch_size.max(1) as u64,
+fn answers_per_micro_batch(input: &PlanInput, seq: u64) -> u64 {
+    match input.micro_batch_tokens as u64 {
+        0 => input.micro_batch_size.max(1) as u64,
         budget => (budget / seq.max(1)).max(1),
     }
 }
@@ -676,15 +738,14 @@ fn answers_per_micro_batch(cfg: &TrainConfig, seq: u64) -> u64 {
 /// answers, `data.max_response_tokens` (the model's context where either is 0: no limit), or with
 /// `[rollout]` the sampled answers' `rollout.max_new_tokens` + 1 (the EOS), and the teacher answers'
 /// limit when some are mixed in (`rollout.teacher_answers`).
-fn sequence_tokens(cfg: &TrainConfig, model: &ModelConfig) -> (u64, u64) {
-    let seq = &cfg.data.sequence;
-    let max_pos = model.max_position_embeddings;
+pub(super) fn sequence_tokens(input: &PlanInput) -> (u64, u64) {
+    let max_pos = input.model.max_position_embeddings;
     let or_max = |x: usize| if x == 0 { max_pos } else { x } as u64;
-    let teacher = or_max(seq.max_response_tokens);
-    let response = match &cfg.rollout {
+    let teacher = or_max(input.max_response_tokens);
+    let response = match &input.rollout {
         None => teacher,
         Some(r) => {
-            let sampled = (r.max_new_tokens as u64).saturating_add(1);
+            let sampled = (r.sampling.max_new_tokens as u64).saturating_add(1);
             if r.teacher_answers > 0 {
                 sampled.max(teacher)
             } else {
@@ -692,19 +753,20 @@ fn sequence_tokens(cfg: &TrainConfig, model: &ModelConfig) -> (u64, u64) {
             }
         }
     };
-    (or_max(seq.max_prompt_tokens), response)
+    (or_max(input.max_prompt_tokens), response)
 }
 
 /// The KV caches of generation: validation's, and with `[rollout]` grpo's sampler's (a server's rollouts
 /// use the server's memory) and a lagged sampling policy's copy of the weights.
-fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt: u64) -> Vec<Component> {
+fn generation_components(input: &PlanInput, d: u64, prompt: u64) -> Vec<Component> {
     use Phase::*;
     use Place::*;
+    let model = &input.model;
     let mut c = Components::default();
     // A generation's KV cache for `batch` sequences of `tokens` tokens, 2 L kv d bytes per token: the paged
     // pool of `generation.pool_blocks` blocks, or with static batches a contiguous cache counted twice
     // because it grows by doubling; plus two rows of f32 logits per sequence.
-    let kv_cache = |batch: usize, tokens: u64, g: &crate::generate::GenerationOptions| {
+    let kv_cache = |batch: usize, tokens: u64, g: &GenerationOptions| {
         let per_token = 2.0 * model.num_layers as f64 * (model.num_kv_heads * model.head_dim) as f64 * d as f64;
         let batch_f = batch as f64;
         let logits = 2.0 * batch_f * model.vocab_size as f64 * 4.0;
@@ -716,11 +778,11 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
         let bytes = (blocks * g.block_size) as f64 * per_token + logits;
         (to_bytes(bytes), format!("pool of {blocks} blocks x {} positions x {per_token} B + logits", g.block_size))
     };
-    if let Some(v) = &cfg.validation {
+    if let Some(v) = &input.validation {
         let (bytes, f) = kv_cache(v.batch_size, prompt.saturating_add(v.max_new_tokens as u64), &v.generation);
         c.add("validation KV cache", bytes, Device, Validation, f);
     }
-    if let Some(r) = &cfg.rollout {
+    if let Some(r) = &input.rollout {
         if r.sync_every > 1 {
             let f = format!("P x {d} B (the policy of the last refresh, rollout.sync_every = {})", r.sync_every);
             c.add(
@@ -731,8 +793,9 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
                 f,
             );
         }
-        if r.server.engine == crate::eval::EngineKind::Native {
-            let (bytes, f) = kv_cache(r.batch_size, prompt.saturating_add(r.max_new_tokens as u64), &r.generation);
+        if r.native {
+            let s = &r.sampling;
+            let (bytes, f) = kv_cache(s.batch_size, prompt.saturating_add(s.max_new_tokens as u64), &s.generation);
             c.add("rollout KV cache", bytes, Device, Rollout, f);
         }
     }
@@ -740,7 +803,8 @@ fn generation_components(cfg: &TrainConfig, model: &ModelConfig, d: u64, prompt:
 }
 
 /// The plan's first line: the model's shape and the micro-batch.
-fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, response: u64) -> String {
+fn summary(input: &PlanInput, shape: &Shape, prompt: u64, response: u64) -> String {
+    let model = &input.model;
     format!(
         "{} layers, hidden {}, {} heads / {} KV heads, intermediate {}, vocab {}: {:.2}B parameters, {}; \
          micro-batch {} x {} tokens ({}{} + {})",
@@ -751,41 +815,13 @@ fn summary(cfg: &TrainConfig, model: &ModelConfig, shape: &Shape, prompt: u64, r
         model.intermediate_size,
         model.vocab_size,
         model.num_parameters() as f64 / 1e9,
-        cfg.model.dtype,
+        input.dtype,
         shape.b,
         shape.t,
-        if cfg.train.micro_batch_tokens > 0 { "packed: train.micro_batch_tokens; answers of up to " } else { "" },
+        if input.micro_batch_tokens > 0 { "packed: train.micro_batch_tokens; answers of up to " } else { "" },
         prompt,
         response
     )
-}
-
-/// Carry into `floor` the one setting `changed` has changed from `cfg` (the settings the advice lowers).
-fn apply(floor: &mut TrainConfig, changed: &TrainConfig, cfg: &TrainConfig) {
-    let pick = |a: usize, b: usize, c: usize| if a != c { a } else { b };
-    floor.model.checkpoint_layers |= changed.model.checkpoint_layers;
-    floor.model.recompute_attention |= changed.model.recompute_attention;
-    floor.model.cache_reference |= changed.model.cache_reference;
-    if changed.model.keep_logits == Some(false) {
-        floor.model.keep_logits = Some(false);
-    }
-    floor.optim.offload |= changed.optim.offload;
-    if changed.model.attention != cfg.model.attention || changed.model.fused_ops != cfg.model.fused_ops {
-        (floor.model.attention, floor.model.fused_ops) = (changed.model.attention, changed.model.fused_ops);
-    }
-    let (a, b) = (&changed.train, &cfg.train);
-    floor.train.micro_batch_size = pick(a.micro_batch_size, floor.train.micro_batch_size, b.micro_batch_size);
-    floor.train.micro_batch_tokens = pick(a.micro_batch_tokens, floor.train.micro_batch_tokens, b.micro_batch_tokens);
-    let (a, b) = (&changed.data.sequence, &cfg.data.sequence);
-    floor.data.sequence.max_response_tokens =
-        pick(a.max_response_tokens, floor.data.sequence.max_response_tokens, b.max_response_tokens);
-    if let (Some(f), Some(c), Some(o)) = (floor.validation.as_mut(), &changed.validation, &cfg.validation) {
-        f.batch_size = pick(c.batch_size, f.batch_size, o.batch_size);
-    }
-    if let (Some(f), Some(c), Some(o)) = (floor.rollout.as_mut(), &changed.rollout, &cfg.rollout) {
-        f.batch_size = pick(c.batch_size, f.batch_size, o.batch_size);
-        f.max_new_tokens = pick(c.max_new_tokens, f.max_new_tokens, o.max_new_tokens);
-    }
 }
 
 impl Plan {
@@ -797,7 +833,7 @@ impl Plan {
 
     /// On the CPU the host is the device: host components count in its total too.
     fn counts_in(&self, of: Place, place: Place) -> bool {
-        of == place || (self.inputs.on_cpu && place == Place::Device)
+        of == place || (self.input.on_cpu && place == Place::Device)
     }
 
     /// The expected peak in `place`: resident + the largest of a training step, validation and rollouts
@@ -820,8 +856,8 @@ impl Plan {
     }
 
     /// Whether `place` is a GPU's device memory (where the pool's overheads apply).
-    fn gpu_device(&self, place: Place) -> bool {
-        place == Place::Device && !self.inputs.on_cpu
+    pub(super) fn gpu_device(&self, place: Place) -> bool {
+        place == Place::Device && !self.input.on_cpu
     }
 
     /// A training step's part of the peak: the gradients and the larger of the backward and the update.
@@ -833,7 +869,7 @@ impl Plan {
     /// Whether the device's peak fits its memory (`None`: the memory is unknown): on a GPU with
     /// [`GPU_HEADROOM`] of it to spare.
     pub fn fits(&self) -> Option<bool> {
-        self.inputs.device_memory.map(|m| self.peak(Place::Device) <= self.usable(m))
+        self.input.device_memory.map(|m| self.peak(Place::Device) <= self.usable(m))
     }
 
     /// The part of `memory` bytes of device memory a plan may fill.
@@ -842,178 +878,6 @@ impl Plan {
             true => to_bytes(memory as f64 * (1.0 - GPU_HEADROOM)),
             false => memory,
         }
-    }
-
-    /// What to change in `cfg` when the plan does not fit: each setting it can still change, planned, with
-    /// the value that fits where one does (never a value the plan shows cannot fit); when no such setting
-    /// fits alone, all of them together; when not even that fits, the part no such setting changes and
-    /// what can.
-    pub fn advice(&self, cfg: &TrainConfig) -> String {
-        // The other settings are planned with the logits as this plan has them ("auto" resolved).
-        let mut resolved = cfg.clone();
-        resolved.model.keep_logits = Some(self.keep_logits);
-        let cfg = &resolved;
-        let mut fitting = Vec::new();
-        let mut floor = cfg.clone();
-        let candidates = self.candidates(cfg);
-        for (what, changed) in &candidates {
-            apply(&mut floor, changed, cfg);
-            if let Some(peak) = self.fits_with(changed) {
-                fitting.push(format!("{what} (peak {})", gib(peak)));
-            }
-        }
-        if !fitting.is_empty() {
-            return format!("reduce the peak with {}; or give a device with more memory", fitting.join(", or "));
-        }
-        if let Some(peak) = self.fits_with(&floor) {
-            return format!(
-                "no one setting is enough: together, {} (peak {}); or give a device with more memory",
-                candidates.iter().map(|(w, _)| w.as_str()).collect::<Vec<_>>().join(", "),
-                gib(peak)
-            );
-        }
-        self.fixed_part_advice(&floor)
-    }
-
-    /// The plan of `cfg` on this plan's model and inputs, when it fits: its device peak.
-    fn fits_with(&self, cfg: &TrainConfig) -> Option<u64> {
-        let p = plan(cfg, &self.model, self.inputs_for(cfg));
-        (p.fits() == Some(true)).then(|| p.peak(Place::Device))
-    }
-
-    /// This plan's inputs for a changed `cfg` (its attention and reference cache follow the config).
-    fn inputs_for(&self, cfg: &TrainConfig) -> PlanInputs {
-        let attention = if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix };
-        let reference_cached = self.inputs.reference_cached || crate::train::refcache::reference_is_cacheable(cfg);
-        PlanInputs { attention, reference_cached, ..self.inputs }
-    }
-
-    /// The settings that bring the peak down, each with the config it makes: the largest value that fits
-    /// where there is one, else the least.
-    fn candidates(&self, cfg: &TrainConfig) -> Vec<(String, TrainConfig)> {
-        let mut out = Vec::new();
-        let mut with = |what: String, f: &dyn Fn(&mut TrainConfig)| {
-            let mut c = cfg.clone();
-            f(&mut c);
-            out.push((what, c));
-        };
-        if self.keep_logits {
-            with("model.keep_logits = false".into(), &|c| c.model.keep_logits = Some(false));
-        }
-        if !cfg.model.checkpoint_layers {
-            with("model.checkpoint_layers = true".into(), &|c| c.model.checkpoint_layers = true);
-        } else if !cfg.model.recompute_attention && self.inputs.attention != Attention::Matrix {
-            with("model.recompute_attention = true".into(), &|c| c.model.recompute_attention = true);
-        }
-        if !cfg.optim.offload && !self.inputs.on_cpu {
-            with("optim.offload = true (optimizer state in host memory)".into(), &|c| c.optim.offload = true);
-        }
-        if self.inputs.attention == Attention::Matrix {
-            let flash = "flash attention (model.fused_ops = true, model.attention = \"flash\")";
-            with(flash.into(), &|c| (c.model.fused_ops, c.model.attention) = (true, Attention::Flash));
-        }
-        if cfg.objective.build().needs_reference() && !self.inputs.reference_cached {
-            with("cached reference log-probs (model.cache_reference = true)".into(), &|c| {
-                c.model.cache_reference = true
-            });
-        }
-        let (mb, budget) = (cfg.train.micro_batch_size, cfg.train.micro_batch_tokens);
-        let (prompt, response) = sequence_tokens(cfg, &self.model);
-        let seq = prompt.saturating_add(response) as usize;
-        if budget > seq {
-            // Below the longest answer the budget changes nothing: that answer runs alone.
-            let n = self.largest(cfg, (seq, budget - 1), &|c, n| c.train.micro_batch_tokens = n);
-            with(format!("train.micro_batch_tokens = {n}"), &|c| c.train.micro_batch_tokens = n);
-        }
-        if mb > 1 && budget == 0 {
-            let n = self.largest(cfg, (1, mb - 1), &|c, n| c.train.micro_batch_size = n);
-            with(format!("train.micro_batch_size = {n}"), &|c| c.train.micro_batch_size = n);
-        }
-        let response = cfg.data.sequence.max_response_tokens;
-        if response == 0 || response > 1024 {
-            let top = if response == 0 { self.model.max_position_embeddings } else { response - 1 };
-            let n = self.largest(cfg, (1024, top), &|c, n| c.data.sequence.max_response_tokens = n) / 256 * 256;
-            with(format!("data.max_response_tokens = {}", n.max(1024)), &|c| {
-                c.data.sequence.max_response_tokens = n.max(1024)
-            });
-        }
-        if let Some(r) = cfg.rollout.as_ref().filter(|r| r.max_new_tokens > 1024) {
-            let set = |c: &mut TrainConfig, n| c.rollout.as_mut().expect("set").max_new_tokens = n;
-            let n = self.largest(cfg, (1024, r.max_new_tokens - 1), &set) / 256 * 256;
-            let n = n.max(1024);
-            with(format!("rollout.max_new_tokens = {n}"), &|c| c.rollout.as_mut().expect("set").max_new_tokens = n);
-        }
-        if let Some(v) = cfg.validation.as_ref().filter(|v| v.batch_size > 1) {
-            let set = |c: &mut TrainConfig, n| c.validation.as_mut().expect("set").batch_size = n;
-            let n = self.largest(cfg, (1, v.batch_size - 1), &set);
-            with(format!("validation.batch_size = {n}"), &|c| c.validation.as_mut().expect("set").batch_size = n);
-        }
-        if let Some(r) = cfg.rollout.as_ref().filter(|r| r.batch_size > 1) {
-            let set = |c: &mut TrainConfig, n| c.rollout.as_mut().expect("set").batch_size = n;
-            let n = self.largest(cfg, (1, r.batch_size - 1), &set);
-            with(format!("rollout.batch_size = {n}"), &|c| c.rollout.as_mut().expect("set").batch_size = n);
-        }
-        out
-    }
-
-    /// The largest value in `low..=high` that `set` makes fit (a bisection: the peak grows with each of
-    /// these settings), or `low` when none does.
-    fn largest(&self, cfg: &TrainConfig, (low, high): (usize, usize), set: &dyn Fn(&mut TrainConfig, usize)) -> usize {
-        let fits = |n: usize| {
-            let mut c = cfg.clone();
-            set(&mut c, n);
-            self.fits_with(&c).is_some()
-        };
-        let (mut lo, mut hi) = (low, high);
-        if !fits(lo) {
-            return low;
-        }
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if fits(mid) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        lo
-    }
-
-    /// When every setting at its least still does not fit: the part none of them changes (the weights,
-    /// the f32 gradient accumulator, the optimiser state on the device, a reference copy, the context), and
-    /// what can change it.
-    fn fixed_part_advice(&self, floor: &TrainConfig) -> String {
-        let fixed = plan(floor, &self.model, self.inputs);
-        let names = ["weights", "gradients (f32 accumulator)", "optimizer state", "reference model", "anchor snapshot"];
-        let part: u64 = fixed
-            .components
-            .iter()
-            .filter(|c| c.place == Place::Device && names.contains(&c.name.as_str()))
-            .map(|c| c.bytes)
-            .sum();
-        let part = match self.gpu_device(Place::Device) {
-            true => POOL_OVERHEAD.pooled(part) + CUDA_CONTEXT_BYTES,
-            false => part,
-        };
-        let memory = self.inputs.device_memory.unwrap_or(0);
-        let ranks = match floor.optim.offload {
-            true => "more ranks do not help: ZeRO-1 shards only the optimizer state, which optim.offload already \
-                     keeps in host memory, and every rank holds the whole weights and f32 gradients"
-                .to_string(),
-            false => "more ranks shard the optimizer state (--world-size N: ZeRO-1) but not the weights or the f32 \
-                      gradients"
-                .to_string(),
-        };
-        format!(
-            "no setting of this run can fit it: at the least of every one (the micro-batch, the lengths, the batch \
-             sizes, recomputation, offload) the plan's peak is {}, of which {} is the part they do not change (the \
-             weights, the f32 gradient accumulator, the optimizer state on the device, a reference copy, and on a \
-             GPU the memory pool and the context) against the device's {}; {ranks}; a smaller model or a device \
-             with more memory does",
-            gib(fixed.peak(Place::Device)),
-            gib(part),
-            gib(memory)
-        )
     }
 }
 
@@ -1058,7 +922,7 @@ impl fmt::Display for Plan {
         writeln!(f, "memory plan: {}", self.summary)?;
         writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  formula", "component", "peak", "where", "when")?;
         for c in &self.components {
-            let place = if self.inputs.on_cpu {
+            let place = if self.input.on_cpu {
                 "host"
             } else if c.place == Place::Device {
                 "device"
@@ -1077,10 +941,10 @@ impl fmt::Display for Plan {
             writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  {}", c.name, gib(c.bytes), place, phase, c.formula)?;
         }
         self.fmt_device_peak(f)?;
-        if !self.inputs.on_cpu {
+        if !self.input.on_cpu {
             writeln!(f, "host peak (optimizer state and update): {}", gib(self.peak(Place::Host)))?;
         }
-        match self.inputs.device_memory {
+        match self.input.device_memory {
             Some(m) => {
                 let peak = self.peak(Place::Device);
                 let verdict = if peak <= self.usable(m) {
@@ -1139,21 +1003,15 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// 7B step (74.8 GiB with them, of 77.3 usable on an H100) does not keep them; a 0.5B-1.5B model's does.
 pub const AUTO_KEEP_LOGITS_SHARE: f64 = 0.9;
 
-/// The plan of a run of `cfg` on a model of shape `model`, with `device_memory` bytes on its device, per
-/// rank of `world_size` data-parallel ranks sharding the optimizer state (1: one process). Where
-/// `model.keep_logits` is "auto", the plan keeps the logits on a GPU of known memory when the plan with
-/// them fills at most [`AUTO_KEEP_LOGITS_SHARE`] of what it may use, else plans without them.
-pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>, world_size: u64) -> Plan {
-    if cfg.model.keep_logits.is_some() {
-        return plan_as_set(cfg, model, device_memory, world_size);
+/// The plan of `input` with `model.keep_logits = "auto"` decided: the logits are kept on a GPU of known
+/// memory when the plan with them fills at most [`AUTO_KEEP_LOGITS_SHARE`] of what it may use, else not.
+pub fn run_plan(input: &PlanInput) -> Plan {
+    if input.keep_logits.is_some() {
+        return plan(input);
     }
-    let with = |keep: bool| {
-        let mut c = cfg.clone();
-        c.model.keep_logits = Some(keep);
-        plan_as_set(&c, model, device_memory, world_size)
-    };
+    let with = |keep: bool| plan(&PlanInput { keep_logits: Some(keep), ..input.clone() });
     let kept = with(true);
-    let (peak, usable) = match (kept.gpu_device(Place::Device), device_memory) {
+    let (peak, usable) = match (kept.gpu_device(Place::Device), input.device_memory) {
         (true, Some(m)) => (kept.peak(Place::Device), kept.usable(m)),
         _ => return with(false),
     };
@@ -1169,418 +1027,41 @@ pub fn run_plan(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u6
     chosen
 }
 
-/// [`run_plan`] with `model.keep_logits` as `cfg` sets it ("auto": not kept).
-fn plan_as_set(cfg: &TrainConfig, model: &ModelConfig, device_memory: Option<u64>, world_size: u64) -> Plan {
-    let inputs = PlanInputs {
-        // Without the fused ops, attention goes through the composite score matrix.
-        attention: if cfg.model.fused_ops { cfg.model.attention } else { Attention::Matrix },
-        reference_cached: crate::train::refcache::reference_is_cacheable(cfg),
-        on_cpu: !cfg.model.device.is_cuda(),
-        device_memory,
-        world_size,
-    };
-    plan(cfg, model, inputs)
-}
-
-/// The shape of one rank's training step for the performance model: its share of the step's questions
-/// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, `blocks` the
-/// attention's blocking the op's own (GPU) choice.
-pub fn step_shape(cfg: &TrainConfig, model: &ModelConfig, plan: &Plan) -> time::StepShape {
-    let world_size = plan.inputs.world_size;
-    let (prompt, response) = sequence_tokens(cfg, model);
-    let group = cfg.rollout.as_ref().map_or(cfg.data.input.group.group_size, |r| r.n) as u64;
-    let questions = (cfg.train.batch_questions as u64).div_ceil(world_size.max(1));
-    let seq_tokens = prompt.saturating_add(response).max(1);
-    time::StepShape {
-        answers: questions.saturating_mul(group).max(1),
-        // A packed row of the budget holds budget / T answers of the longest: the work of that many padded.
-        micro_batch: answers_per_micro_batch(cfg, seq_tokens),
-        seq_tokens,
-        scored_tokens: response,
-        dtype_bytes: cfg.model.dtype.size_in_bytes() as u64,
-        checkpoint_layers: cfg.model.checkpoint_layers,
-        recompute_attention: cfg.model.recompute_attention,
-        reference_forward: cfg.objective.build().needs_reference()
-            && !crate::train::refcache::reference_is_cacheable(cfg),
-        offload: cfg.optim.offload,
-        build: time::MeasuredBuild::Current,
-        logprob_chunk_bytes: plan.logprob_chunk_bytes,
-        optimizer_shards: world_size.max(1),
-        blocks: time::driver_blocks(model, seq_tokens),
-        tensor_cores: cfg.model.decoder_options().tensor_core_attention(cfg.model.dtype.dtype(), model.head_dim),
-        atomic_dq: !cfg.model.deterministic_attention,
-        warpgroup: matches!(cfg.model.attention, Attention::Wgmma | Attention::Auto),
-        // The model counts adapters on every projection (the default target_modules).
-        lora_rank: cfg.model.lora.as_ref().map_or(0, |l| l.r as u64),
-        keep_logits: plan.keep_logits,
+impl Plan {
+    /// The shape of one rank's training step for the performance model: its share of the step's questions
+    /// (whole groups: rank i takes groups i, i + N, ...) at the plan's micro-batch shape, the attention's
+    /// blocking the op's own (GPU) choice.
+    pub fn step_shape(&self) -> time::StepShape {
+        let input = &self.input;
+        let (model, world_size) = (&input.model, input.world_size);
+        let (prompt, response) = sequence_tokens(input);
+        let questions = (input.batch_questions as u64).div_ceil(world_size.max(1));
+        let seq_tokens = prompt.saturating_add(response).max(1);
+        let d = &input.decoder;
+        time::StepShape {
+            answers: questions.saturating_mul(input.group_size as u64).max(1),
+            // A packed row of the budget holds budget / T answers of the longest: the work of that many padded.
+            micro_batch: answers_per_micro_batch(input, seq_tokens),
+            seq_tokens,
+            scored_tokens: response,
+            dtype_bytes: input.dtype.size_in_bytes() as u64,
+            checkpoint_layers: d.checkpoint_layers,
+            recompute_attention: d.recompute_attention,
+            reference_forward: input.needs_reference && !input.reference_cached(),
+            offload: input.offload,
+            build: time::MeasuredBuild::Current,
+            logprob_chunk_bytes: self.logprob_chunk_bytes,
+            optimizer_shards: world_size.max(1),
+            blocks: time::driver_blocks(model, seq_tokens),
+            tensor_cores: d.tensor_core_attention(input.dtype.dtype(), model.head_dim),
+            atomic_dq: !d.deterministic_attention,
+            warpgroup: matches!(d.attention, Attention::Wgmma | Attention::Auto),
+            // The model counts adapters on every projection (the default target_modules).
+            lora_rank: input.lora.as_ref().map_or(0, |l| l.r as u64),
+            keep_logits: self.keep_logits,
+        }
     }
-}
-
-/// The model shape of a run without loading any weight: `model.path`'s config.json, or, for a tiny model
-/// not made yet, the config `model.init_tiny` will write.
-pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
-    let local = std::path::Path::new(&cfg.model.path);
-    if let (Some(spec), false) = (&cfg.model.init_tiny, local.join("config.json").exists()) {
-        return spec.config(&ChatTokenizer::load(&spec.tokenizer)?);
-    }
-    // A hub id not in the cache: its config.json alone, not the weights.
-    let source = cfg.model.source()?;
-    if let Some(repo) =
-        crate::hub::model_ref(&source).filter(|_| !local.exists() && !crate::model::load::looks_local(&cfg.model.path))
-    {
-        let snapshot = crate::hub::repo_files(&crate::hub::Settings::from_env(), &repo, &["config.json"])?;
-        return Ok(ModelConfig::from_file(&snapshot.dir.join("config.json"))?);
-    }
-    let dir = crate::model::resolve_model_dir(&source)?;
-    Ok(ModelConfig::from_file(&dir.join("config.json"))?)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use std::path::Path;
-
-    /// A Qwen2-like shape small enough to count by hand: h 8, 2 heads / 1 KV head of dim 4, i 16, V 32.
-    fn shape() -> ModelConfig {
-        let raw = serde_json::json!({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 8,
-            "intermediate_size": 16, "num_hidden_layers": 3, "num_attention_heads": 2, "num_key_value_heads": 1,
-            "tie_word_embeddings": false});
-        ModelConfig::from_json(raw, Path::new("test")).unwrap()
-    }
-
-    fn config(extra: &[&str]) -> TrainConfig {
-        let base = "[model]\npath = \"m\"\ndtype = \"bf16\"\n[data]\ninputs = [\"x.jsonl\"]\nmax_prompt_tokens = 6\n\
-                    max_response_tokens = 10\n[objective]\nbeta = 0.1\n[train]\nmicro_batch_size = 2\n";
-        let o: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        TrainConfig::parse(base, Path::new("c.toml"), &o).unwrap()
-    }
-
-    fn inputs(attention: Attention) -> PlanInputs {
-        PlanInputs { attention, reference_cached: false, on_cpu: false, device_memory: Some(4 << 30), world_size: 1 }
-    }
-
-    fn bytes(p: &Plan, name: &str) -> u64 {
-        p.components.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no {name}")).bytes
-    }
-
-    /// Kept logits are one more backward component, `n V d` (2 answers of 10 scored tokens), which the
-    /// advice drops first when the step does not fit.
-    #[test]
-    fn kept_logits_are_counted_and_advised_away() {
-        let m = shape();
-        let (base, keeping) =
-            (config(&["model.logprob_chunk_mb=1"]), config(&["model.logprob_chunk_mb=1", "model.keep_logits=true"]));
-        let (plain, kept) =
-            (super::plan(&base, &m, inputs(Attention::Flash)), super::plan(&keeping, &m, inputs(Attention::Flash)));
-        let name = "logits kept (model.keep_logits)";
-        assert_eq!(bytes(&kept, name), 2 * 10 * m.vocab_size as u64 * 2);
-        assert!(plain.components.iter().all(|c| c.name != name));
-        assert!(kept.tensor_peak(Place::Device) > plain.tensor_peak(Place::Device));
-        // A device with the plain step's peak: keeping the logits does not fit, and the advice drops them.
-        let memory = (plain.peak(Place::Device) as f64 / (1.0 - GPU_HEADROOM)).ceil() as u64 + 64;
-        let tight = PlanInputs { device_memory: Some(memory), ..inputs(Attention::Flash) };
-        assert_eq!(super::plan(&base, &m, tight).fits(), Some(true));
-        let tight_plan = super::plan(&keeping, &m, tight);
-        assert_eq!(tight_plan.fits(), Some(false), "{tight_plan}");
-        assert!(tight_plan.advice(&keeping).contains("model.keep_logits = false"), "{}", tight_plan.advice(&keeping));
-    }
-
-    /// "auto" (the default) keeps the logits on a GPU where the plan with them leaves room to spare, never
-    /// on the CPU or where the memory is unknown; `true` and `false` are kept as set.
-    #[test]
-    fn auto_keeps_logits_only_with_room_to_spare() {
-        let m = shape();
-        let gpu = |extra: &[&str]| config(&[&["model.logprob_chunk_mb=1", "model.device=cuda"], extra].concat());
-        let kept = run_plan(&gpu(&["model.keep_logits=true"]), &m, None, 1);
-        let plain = run_plan(&gpu(&["model.keep_logits=false"]), &m, None, 1);
-        let (with, without) = (kept.peak(Place::Device) as f64, plain.peak(Place::Device) as f64);
-        let usable = |share: f64| (share / (1.0 - GPU_HEADROOM)).ceil() as u64;
-        // Room to spare: the peak with them at the share of what the plan may use.
-        let roomy = usable(with / AUTO_KEEP_LOGITS_SHARE) + 64;
-        // Room for them, not to spare: the peak with them fits, above the share.
-        let snug = usable(with) + 64;
-        assert!(without < with && (snug as f64) < roomy as f64 - 64.0);
-        let auto = |c: &TrainConfig, memory: Option<u64>| run_plan(c, &m, memory, 1);
-        let (roomy_plan, snug_plan) = (auto(&gpu(&[]), Some(roomy)), auto(&gpu(&[]), Some(snug)));
-        assert!(roomy_plan.keep_logits && roomy_plan.components.iter().any(|c| c.name.starts_with("logits kept")));
-        assert!(roomy_plan.to_string().contains("model.keep_logits = \"auto\": kept"), "{roomy_plan}");
-        assert!(snug_plan.to_string().contains("model.keep_logits = \"auto\": recomputed"), "{snug_plan}");
-        assert!(!snug_plan.keep_logits && snug_plan.components.iter().all(|c| !c.name.starts_with("logits kept")));
-        assert_eq!(
-            (snug_plan.fits(), auto(&gpu(&["model.keep_logits=true"]), Some(snug)).fits()),
-            (Some(true), Some(true))
-        );
-        assert!(!auto(&gpu(&[]), None).keep_logits);
-        assert!(!auto(&config(&["model.logprob_chunk_mb=1"]), Some(1 << 40)).keep_logits, "the CPU");
-        assert!(!auto(&gpu(&["model.keep_logits=false"]), Some(roomy)).keep_logits);
-        assert!(auto(&gpu(&["model.keep_logits=true"]), Some(snug)).keep_logits);
-        // The step's shape follows the plan's choice.
-        assert!(
-            step_shape(&gpu(&[]), &m, &roomy_plan).keep_logits && !step_shape(&gpu(&[]), &m, &snug_plan).keep_logits
-        );
-        // The key takes true, false and "auto", and names what it expected otherwise.
-        assert_eq!(gpu(&["model.keep_logits=auto"]).model.keep_logits, None);
-        let toml = "[model]\npath = \"m\"\nkeep_logits = \"auto\"\n[data]\ninputs = [\"x.jsonl\"]\n";
-        assert_eq!(TrainConfig::parse(toml, Path::new("c.toml"), &[]).unwrap().model.keep_logits, None);
-        let bad = TrainConfig::parse(toml.replace("auto", "often").as_str(), Path::new("c.toml"), &[]).unwrap_err();
-        assert!(bad.to_string().contains("expected true, false or \"auto\""), "{bad}");
-    }
-
-    #[test]
-    fn components_follow_the_formulas() {
-        let m = shape();
-        // P: embed + lm_head 2 x 32 x 8, per layer q 64 + k 32 + v 32 + o 64 + biases 16 + MLP 384 + norms 16.
-        let p = 2 * 32 * 8 + 3 * (64 + 32 + 32 + 64 + 16 + 384 + 16) + 8;
-        assert_eq!(m.num_parameters(), p as usize);
-        let plan = plan(&config(&[]), &m, inputs(Attention::Matrix));
-        assert_eq!(bytes(&plan, "weights"), 2 * p);
-        assert_eq!(bytes(&plan, "gradients (f32 accumulator)"), 4 * p);
-        assert_eq!(bytes(&plan, "optimizer state"), 12 * p);
-        assert_eq!(bytes(&plan, "reference model"), 2 * p); // beta > 0: the reference is loaded
-                                                            // N = 2 x 16 = 32 tokens; per layer: 8 [N,8] + 5 [N,8] (q, with bias) + 6 [N,4] (k, v) + 4 [N,16]
-                                                            // = 64 + 40 + 24 + 64 = 192 values per token, in bf16; scores + probs 2 x 2 x 2 x 16^2 x 2 B.
-        let layer = 32 * 192 * 2 + 2 * 2 * 2 * 256 * 2;
-        assert_eq!(bytes(&plan, "activations, checkpoint_layers = false"), 3 * layer + 32 * 8 * 2);
-        assert_eq!(bytes(&plan, "activations, checkpoint_layers = true"), 4 * 32 * 8 * 2 + layer);
-        // n = 2 x 10 scored tokens.
-        assert_eq!(bytes(&plan, "log-prob head inputs"), 3 * 20 * 8 * 2 + 16 * 20);
-        let flash = super::plan(&config(&[]), &m, inputs(Attention::Flash));
-        let saved = bytes(&flash, "activations, checkpoint_layers = false");
-        assert_eq!(saved, 3 * (32 * 192 * 2 + 4 * 2 * 2 * 16) + 32 * 8 * 2);
-        // Kept attention outputs: per layer [N, q = 8] in bf16 and 4 B x 2 rows x 2 heads x 16 tokens; counted
-        // in the backward only when the attention is not recomputed.
-        let kept = "attention outputs kept (recompute_attention = false)";
-        let recomputed = super::plan(&config(&["model.checkpoint_layers=true"]), &m, inputs(Attention::Flash));
-        let keeping = &config(&["model.checkpoint_layers=true", "model.recompute_attention=false"]);
-        let kept_plan = super::plan(keeping, &m, inputs(Attention::Flash));
-        assert_eq!(bytes(&kept_plan, kept), 3 * (32 * 8 * 2 + 4 * 2 * 2 * 16));
-        assert_eq!(bytes(&recomputed, kept), bytes(&kept_plan, kept));
-        let extra = kept_plan.tensor_peak(Place::Device) - recomputed.tensor_peak(Place::Device);
-        assert_eq!(extra, bytes(&kept_plan, kept), "{kept_plan}");
-        assert!(kept_plan.advice(keeping).contains("model.recompute_attention = true"));
-        assert!(!recomputed.advice(&config(&["model.checkpoint_layers=true"])).contains("recompute_attention"));
-        // dq by atomics: an f32 accumulator of [N, q] in the attention workspace.
-        let mma = super::plan(&config(&[]), &m, inputs(Attention::Mma));
-        let atomic = super::plan(&config(&["model.deterministic_attention=false"]), &m, inputs(Attention::Mma));
-        let workspace = |p: &Plan| bytes(p, "attention workspace");
-        assert_eq!(workspace(&atomic) - workspace(&mma), 32 * 8 * 4);
-    }
-
-    /// On a GPU the device's peak is what nvidia-smi sees: the pool holding the plan's tensors with its
-    /// measured overheads, and the context outside it; on the CPU the tensors alone. A chunk left to the
-    /// device is sized from the memory the pool and the context leave free, as the run sizes it.
-    #[test]
-    fn the_gpu_peak_is_the_pool_with_its_overheads_beside_the_context() {
-        let m = shape();
-        let gpu = plan(&config(&[]), &m, inputs(Attention::Flash));
-        let tensors = gpu.tensor_peak(Place::Device);
-        let pooled = (tensors as f64 * (1.0 + POOL_OVERHEAD.unitemised) * (1.0 + POOL_OVERHEAD.reserve)) as u64;
-        assert_eq!(gpu.peak(Place::Device), pooled + CUDA_CONTEXT_BYTES);
-        assert!(gpu.to_string().contains("memory pool:"), "{gpu}");
-        let cpu = plan(&config(&[]), &m, PlanInputs { on_cpu: true, ..inputs(Attention::Flash) });
-        assert_eq!(cpu.peak(Place::Device), cpu.tensor_peak(Place::Device));
-        assert!(!cpu.to_string().contains("memory pool:"), "{cpu}");
-        // Sized as the run sizes it: an eighth of what the pool's other tensors and the context leave free.
-        let device = CUDA_CONTEXT_BYTES + POOL_OVERHEAD.pooled(tensors) + (24u64 << 30);
-        let sized =
-            super::plan(&config(&[]), &m, PlanInputs { device_memory: Some(device), ..inputs(Attention::Flash) });
-        let chunk = sized.components.iter().find(|c| c.name.starts_with("log-prob chunk")).unwrap().bytes;
-        let others = sized.peak(Place::Device) - POOL_OVERHEAD.pooled(chunk);
-        let expected = crate::kernels::gpu_chunk_bytes(device - others) as u64;
-        assert!(
-            sized.logprob_chunk_bytes.abs_diff(expected) <= expected / 100,
-            "{} vs {expected}",
-            sized.logprob_chunk_bytes
-        );
-        assert!(sized.logprob_chunk_bytes > 2 << 30, "{}", sized.logprob_chunk_bytes);
-    }
-
-    #[test]
-    fn zero1_shards_only_the_optimizer_state() {
-        let m = shape();
-        let p = m.num_parameters() as u64;
-        let one = plan(&config(&[]), &m, inputs(Attention::Flash));
-        let four = plan(&config(&[]), &m, PlanInputs { world_size: 4, ..inputs(Attention::Flash) });
-        assert_eq!(bytes(&four, "optimizer state"), (12 * p).div_ceil(4));
-        for same in ["weights", "gradients (f32 accumulator)", "reference model"] {
-            assert_eq!(bytes(&four, same), bytes(&one, same), "{same}");
-        }
-        // The peak drops by the state's three quarters, less the collectives' device buffers when the
-        // update phase is the peak; the collectives' host staging is the flat gradients and a block.
-        let (saved, buffers) = (12 * p - (12 * p).div_ceil(4), bytes(&four, "collective buffers (NCCL, per piece)"));
-        let drop = one.tensor_peak(Place::Device) - four.tensor_peak(Place::Device);
-        assert!(drop <= saved && drop + buffers >= saved, "{drop} {saved} {buffers}");
-        assert_eq!(buffers, 4 * (p + p / 4));
-        let staging = four.components.iter().find(|c| c.name == "collective staging (f32 gradients / weights)");
-        assert_eq!(staging.map(|c| (c.bytes, c.place)), Some((4 * p + 4 * p / 4, Place::Host)));
-        assert!(one.components.iter().all(|c| !c.name.starts_with("collective")));
-        assert!(four.summary.contains("per rank of 4"), "{}", four.summary);
-        // Offloaded, the shard is in host memory.
-        let off = plan(&config(&["optim.offload=true"]), &m, PlanInputs { world_size: 4, ..inputs(Attention::Flash) });
-        assert_eq!(off.components.iter().find(|c| c.name == "optimizer state").unwrap().place, Place::Host);
-        assert!(off.peak(Place::Host) >= (12 * p).div_ceil(4));
-    }
-
-    #[test]
-    fn rollouts_add_their_kv_cache_and_a_lagged_policy_copy() {
-        let m = shape();
-        let p = m.num_parameters() as u64;
-        let set = ["rollout.batch_size=4", "rollout.max_new_tokens=10"];
-        let on_policy = plan(&config(&set), &m, inputs(Attention::Flash));
-        assert!(on_policy.components.iter().all(|c| c.name != "rollout sampling policy copy"));
-        // 3 layers x 2 (k, v) x kv width 4 x 2 B per token; 4 sequences of 6 + 10 tokens (the paged pool,
-        // the default: one block of 16 positions each; static batches count them twice); two f32 rows of 32
-        // logits per sequence.
-        let logits = 2 * 4 * 32 * 4;
-        assert_eq!(bytes(&on_policy, "rollout KV cache"), 4 * 16 * (2 * 3 * 4 * 2) + logits);
-        let static_batches =
-            plan(&config(&[set[0], set[1], "rollout.generation.schedule=static"]), &m, inputs(Attention::Flash));
-        assert_eq!(bytes(&static_batches, "rollout KV cache"), 2 * 4 * 16 * (2 * 3 * 4 * 2) + logits);
-        let lagged = plan(&config(&[set[0], set[1], "rollout.sync_every=2"]), &m, inputs(Attention::Flash));
-        assert_eq!(bytes(&lagged, "rollout sampling policy copy"), 2 * p);
-        assert_eq!(lagged.tensor_peak(Place::Device), on_policy.tensor_peak(Place::Device) + 2 * p);
-        let generation = on_policy.sum(Phase::Rollout, Place::Device);
-        let (resident, step) = (on_policy.sum(Phase::Resident, Place::Device), on_policy.step_peak(Place::Device));
-        assert_eq!(on_policy.tensor_peak(Place::Device) + CUDA_CONTEXT_BYTES, resident + step.max(generation));
-    }
-
-    #[test]
-    fn with_rollouts_answers_are_sized_by_max_new_tokens() {
-        let m = shape();
-        // data.max_response_tokens = 10, but the sampled answers have at most 3 tokens + EOS.
-        let p = plan(&config(&["rollout.max_new_tokens=3"]), &m, inputs(Attention::Flash));
-        assert!(p.summary.ends_with("micro-batch 2 x 10 tokens (6 + 4)"), "{}", p.summary);
-        assert_eq!(bytes(&p, "log-prob head inputs"), 3 * 8 * 8 * 2 + 16 * 8);
-        // Teacher answers mixed in keep the data's limit.
-        let mixed =
-            plan(&config(&["rollout.max_new_tokens=3", "rollout.teacher_answers=1"]), &m, inputs(Attention::Flash));
-        assert!(mixed.summary.ends_with("(6 + 10)"), "{}", mixed.summary);
-    }
-
-    /// With `train.micro_batch_tokens` a micro-batch is one packed row of the budget (of the longest
-    /// answer when that is longer), every token of which may be scored; the performance model sees as many
-    /// answers per micro-batch as the budget holds; the advice lowers the budget, not micro_batch_size.
-    #[test]
-    fn packed_micro_batches_plan_one_row_of_the_budget() {
-        let m = shape();
-        let [padded, packed] = [&[][..], &["train.micro_batch_tokens=32"]]
-            .map(|set| [Attention::Flash, Attention::Matrix].map(|a| plan(&config(set), &m, inputs(a))));
-        assert!(padded[0].summary.ends_with("micro-batch 2 x 16 tokens (6 + 10)"), "{}", padded[0].summary);
-        assert!(packed[0].summary.contains("micro-batch 1 x 32 tokens (packed"), "{}", packed[0].summary);
-        // The same 32 tokens per micro-batch: the layers' saved activations match (flash attention).
-        for c in ["activations, checkpoint_layers = true", "activations, checkpoint_layers = false"] {
-            assert_eq!(bytes(&packed[0], c), bytes(&padded[0], c), "{c}");
-        }
-        // 32 scored tokens (2 x 10 padded), and the score matrix of one row of 32 (two of 16 padded).
-        assert_eq!(bytes(&packed[0], "log-prob head inputs"), 3 * 32 * 8 * 2 + 16 * 32);
-        assert_eq!(bytes(&padded[0], "log-prob head inputs"), 3 * 20 * 8 * 2 + 16 * 20);
-        assert_eq!(bytes(&packed[1], "attention workspace"), 2 * bytes(&padded[1], "attention workspace"));
-        // A budget under the longest answer: that answer alone.
-        let short = plan(&config(&["train.micro_batch_tokens=5"]), &m, inputs(Attention::Flash));
-        assert!(short.summary.contains("micro-batch 1 x 16 tokens"), "{}", short.summary);
-        let shape_of = |set: &[&str]| {
-            let cfg = config(set);
-            step_shape(&cfg, &m, &plan(&cfg, &m, inputs(Attention::Flash))).micro_batch
-        };
-        assert_eq!((shape_of(&["train.micro_batch_tokens=40"]), shape_of(&["train.micro_batch_tokens=5"])), (2, 1));
-        let cfg = config(&["train.micro_batch_tokens=4096"]);
-        let mut p = plan(&cfg, &m, PlanInputs { on_cpu: true, ..inputs(Attention::Matrix) });
-        p.inputs.device_memory = Some(p.peak(Place::Device) - 1);
-        let advice = p.advice(&cfg);
-        assert!(advice.contains("train.micro_batch_tokens = ") && !advice.contains("micro_batch_size"), "{advice}");
-    }
-
-    #[test]
-    fn absurd_shapes_do_not_hang_or_wrap_around_to_fit() {
-        let start = std::time::Instant::now();
-        let deep = ModelConfig { num_layers: 1_000_000_000, ..shape() };
-        assert_eq!(plan(&config(&[]), &deep, inputs(Attention::Flash)).fits(), Some(false));
-        assert!(start.elapsed() < std::time::Duration::from_secs(1), "{:?}", start.elapsed());
-        for wide in [ModelConfig { vocab_size: usize::MAX, ..shape() }, ModelConfig { hidden_size: 1 << 40, ..shape() }]
-        {
-            let p = plan(&config(&[]), &wide, inputs(Attention::Matrix));
-            assert_eq!(p.fits(), Some(false), "{p}");
-        }
-        // The largest values the config accepts: the matrix plan of their scores is past u64 and saturates.
-        let long = config(&["data.max_prompt_tokens=16777216", "train.micro_batch_size=1048576"]);
-        let p = plan(&long, &shape(), inputs(Attention::Matrix));
-        assert_eq!((p.fits(), p.peak(Place::Device)), (Some(false), u64::MAX), "{p}");
-    }
-
-    #[test]
-    fn switches_move_memory_where_they_say() {
-        let m = shape();
-        let base = plan(&config(&[]), &m, inputs(Attention::Matrix));
-        let off = plan(&config(&["optim.offload=true"]), &m, inputs(Attention::Matrix));
-        assert!(off.peak(Place::Device) < base.peak(Place::Device));
-        assert_eq!(off.components.iter().find(|c| c.name == "optimizer state").unwrap().place, Place::Host);
-        assert!(off.peak(Place::Host) >= 12 * m.num_parameters() as u64);
-        let cached = PlanInputs { reference_cached: true, ..inputs(Attention::Matrix) };
-        let with_cache = plan(&config(&[]), &m, cached);
-        // The reference's weights (2 P) leave; its log-probs (4 B for each of the 20 scored tokens) come in.
-        assert_eq!(
-            base.tensor_peak(Place::Device) - with_cache.tensor_peak(Place::Device),
-            2 * m.num_parameters() as u64 - 80
-        );
-        let no_ref = plan(&config(&["objective.beta=0"]), &m, inputs(Attention::Matrix));
-        assert!(!no_ref.components.iter().any(|c| c.name.starts_with("reference")));
-        // On the CPU the host is the device: offload changes nothing there.
-        let cpu = |c: &TrainConfig| plan(c, &m, PlanInputs { on_cpu: true, ..inputs(Attention::Matrix) });
-        let (a, b) = (cpu(&config(&[])), cpu(&config(&["optim.offload=true"])));
-        assert_eq!(bytes(&a, "optimizer state"), bytes(&b, "optimizer state"));
-        assert!(a.to_string().contains("process"));
-    }
-
-    #[test]
-    fn the_verdict_and_the_table() {
-        let m = shape();
-        let mut p = plan(&config(&[]), &m, inputs(Attention::Matrix));
-        assert_eq!(p.fits(), Some(true));
-        p.inputs.device_memory = Some(1000);
-        assert_eq!(p.fits(), Some(false));
-        let text = p.to_string();
-        assert!(text.contains("does NOT fit") && text.contains("weights") && text.contains("device peak"), "{text}");
-        p.inputs.device_memory = None;
-        assert_eq!(p.fits(), None);
-        // Nothing fits 1000 bytes: the advice names the part no setting changes, and suggests no value.
-        let cfg = config(&[]);
-        let none = p.advice(&cfg);
-        assert!(none.contains("no setting of this run can fit it") && none.contains("do not change"), "{none}");
-        assert!(!none.contains(" = "), "{none}");
-        // On a device between the floor and the plan, each setting that fits alone is named with its value
-        // and the peak it plans, and only those.
-        let floor = config(&["model.checkpoint_layers=true", "train.micro_batch_size=1", "optim.offload=true"]);
-        let cpu = |a| PlanInputs { on_cpu: true, ..inputs(a) };
-        let floor = plan(&floor, &m, PlanInputs { reference_cached: true, ..cpu(Attention::Flash) });
-        let mut q = plan(&cfg, &m, cpu(Attention::Matrix));
-        q.inputs.device_memory = Some(q.peak(Place::Device) - 1);
-        let advice = q.advice(&cfg);
-        assert!(advice.starts_with("reduce the peak with") && advice.contains("(peak "), "{advice}");
-        for way in advice.trim_start_matches("reduce the peak with ").split(", or ").filter(|w| w.contains("(peak")) {
-            let peak = way.rsplit("(peak ").next().unwrap().split(" GiB").next().unwrap();
-            let peak = peak.parse::<f64>().unwrap() - 0.005; // (shown to 0.01 GiB)
-            assert!(peak * (1u64 << 30) as f64 <= q.inputs.device_memory.unwrap() as f64, "{way}");
-        }
-        assert!(floor.peak(Place::Device) < q.peak(Place::Device));
-        // Settings the config already has are not advised.
-        let set = config(&["model.checkpoint_layers=true", "train.micro_batch_size=1", "optim.offload=true"]);
-        let mut r = plan(&set, &m, PlanInputs { reference_cached: true, ..cpu(Attention::Flash) });
-        r.inputs.device_memory = Some(r.peak(Place::Device) - 1);
-        let advice = r.advice(&set);
-        for key in ["checkpoint_layers", "micro_batch_size", "offload", "attention", "cache_reference"] {
-            assert!(!advice.contains(&format!("{key} = ")), "{key}: {advice}");
-        }
-    }
-
-    #[test]
-    fn sizes_parse_with_units() {
-        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
-        assert_eq!(parse_bytes("80 GB"), Ok(80_000_000_000));
-        assert_eq!(parse_bytes("512MiB"), Ok(512 << 20));
-        assert_eq!(parse_bytes("1.5gib"), Ok(3 << 29));
-        assert_eq!(parse_bytes("1024"), Ok(1024));
-        for bad in ["", "GiB", "-1GiB", "nan", "80 parsecs", "0"] {
-            assert!(parse_bytes(bad).is_err(), "{bad}");
-        }
-    }
-}
+mod tests;

@@ -6,6 +6,7 @@
 //! Read by `grpo train --plan` and the check a run makes before loading weights, and by `grpo bench`,
 //! which prints the prediction beside what it measured.
 
+mod advice;
 pub mod calibration;
 pub mod decode;
 pub mod memory;

@@ -1020,7 +1020,7 @@ pub struct WindowCost {
     pub host_update_s: f64,
     /// The PCIe bytes that do not overlap the host's update: all of them where the copies and the update
     /// take turns (the H100 run's build), one chunk's download and upload where the copies of the
-    /// neighbouring chunks run during a chunk's update (this build: [`crate::train::offload`]).
+    /// neighbouring chunks run during a chunk's update (this build: `train::offload`).
     pub serial_pcie_bytes: f64,
 }
 
@@ -1046,7 +1046,7 @@ pub fn offload_update_s(params: f64, d: f64, gpu: &Gpu) -> f64 {
 /// One chunk's PCIe bytes in the offloaded update of `params` parameters of `d`-byte weights
 /// (`optim.offload_chunk_mb` at its default): its f32 gradients down and its weights up.
 fn offload_chunk_bytes(params: f64, d: f64) -> f64 {
-    use crate::train::offload::{chunk_len, DEFAULT_CHUNK_MB};
+    use crate::device::staging::{chunk_len, DEFAULT_CHUNK_MB};
     chunk_len(params as usize, DEFAULT_CHUNK_MB) as f64 * (4.0 + d)
 }
 

@@ -4,7 +4,7 @@
 //! sampling policy with the KV-cache sampler, scores them with the reward module (against the question's
 //! label, or by majority vote over the group without one), records the log-prob of every sampled token
 //! under the sampling weights (f32, a forward of those weights, not the sampler's temperature-scaled
-//! logits), and makes `updates_per_batch` optimiser updates on these groups.
+//! logits); the training loop then makes `updates_per_batch` optimiser updates on these groups.
 //!
 //! The behaviour log-probs travel as each answer's `teacher_logprobs`: for the objectives whose anchor
 //! is `teacher` (alias `behaviour`: the policy that wrote each answer) the ratio is
@@ -55,7 +55,6 @@ use crate::data::Group;
 use crate::dist::World;
 use crate::model::checkpoint::SaveOptions;
 use crate::model::{save_checkpoint, ChatTokenizer, Decoder, ModelError};
-use crate::train::step::{StepContext, StepReport, TrainStep};
 
 /// Errors of sampling and scoring rollouts.
 #[derive(Debug, thiserror::Error)]
@@ -190,88 +189,111 @@ impl Rollouts {
         self.server_synced = false;
     }
 
-    /// Step `ctx.step`: refresh the sampling copy when due, sample and score the rollouts of `questions`
-    /// (with `filter_groups`, refilled from `more(k)`, the k-th batch of new questions), and make
-    /// `updates_per_batch` updates of `policy` on them. With generation ranks the answers come from them,
-    /// asked `ahead(s)`'s questions of step s ahead of time. Returns the updates' combined report and the
-    /// rollouts' metrics.
-    #[allow(clippy::too_many_arguments)]
-    pub fn step(
+    /// Step `step`'s rollouts to train on: the sampling copy refreshed when due, the answers to
+    /// `questions` sampled and scored (with `filter_groups`, refilled from `more(k)`, the k-th batch of new
+    /// questions). With generation ranks or a server asked ahead of time (rollout.max_staleness) the answers
+    /// come from them, `ahead(s)` giving the questions of step s. Returns the groups and their metrics; the
+    /// caller makes the step's updates, then calls [`Rollouts::updated`].
+    pub fn answers(
         &mut self,
         policy: &Decoder,
-        reference: Option<&Decoder>,
-        train: &mut TrainStep,
         questions: &[Group],
         more: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
         ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
-        lr: f64,
-        ctx: StepContext,
-    ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
+        step: usize,
+    ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
         if let Some(mut remote) = self.remote.take() {
-            let out = self.step_remote(&mut remote, policy, reference, train, ahead, lr, ctx);
+            let out = self.answers_remote(&mut remote, policy, ahead, step);
             self.remote = Some(remote);
             return out;
         }
-        if self.options.uses_server() && self.options.max_staleness > 0 {
-            return self.step_ahead(policy, reference, train, questions, ahead, lr, ctx);
+        if self.asks_ahead() {
+            return self.answers_ahead(policy, questions, ahead, step);
         }
-        let (groups, mut metrics) = if self.options.filter_groups {
-            self.refresh(policy, ctx.step)?;
+        if self.options.filter_groups {
+            self.refresh(policy, step)?;
             let max = self.options.max_num_gen_batches;
             fill_batch(questions.len(), max, |k| {
                 let batch = if k == 0 { questions.to_vec() } else { more(k)? };
-                self.draw(policy, &batch, ctx.step, k)
-            })?
+                self.draw(policy, &batch, step, k)
+            })
         } else {
-            self.sample(policy, questions, ctx.step)?
-        };
-        let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
-        metrics.updates = reports.len();
-        Ok((combine(reports), metrics))
+            self.sample(policy, questions, step)
+        }
     }
 
-    /// [`Rollouts::step`] on the generation ranks' answers: this step's taken (waiting for them when they
-    /// are not in yet), the updates made, and the new weights and the next questions sent.
-    #[allow(clippy::too_many_arguments)]
-    fn step_remote(
+    /// After step `step`'s updates of `policy` on its [`Rollouts::answers`], which took `train_time`
+    /// seconds: with generation ranks the new weights and the next questions sent, with a server asked
+    /// ahead of time its weights reloaded when the sampling policy refreshes and the next step asked for.
+    /// `metrics` are the step's rollout metrics, whose overlap times this completes.
+    pub fn updated(
+        &mut self,
+        policy: &Decoder,
+        step: usize,
+        ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
+        train_time: f64,
+        metrics: &mut RolloutMetrics,
+    ) -> Result<(), RolloutError> {
+        if let Some(overlap) = metrics.overlap.as_mut() {
+            overlap.train_time = train_time;
+        }
+        let version = step + 1;
+        if let Some(mut remote) = self.remote.take() {
+            let refreshed = version.is_multiple_of(self.options.refresh_every()).then_some(policy);
+            let out = remote.updated(version, refreshed, ahead);
+            self.remote = Some(remote);
+            return out;
+        }
+        if !self.asks_ahead() {
+            return Ok(());
+        }
+        let (t, next) = (Instant::now(), version + self.options.max_staleness);
+        if next < self.total_steps && next >= self.ahead.next {
+            self.refresh(policy, version)?;
+            if !self.server_synced {
+                self.sync_server(policy)?;
+                self.ahead.version = version;
+            }
+            self.ask(next, ahead(next)?);
+        }
+        if let Some(overlap) = metrics.overlap.as_mut() {
+            overlap.weight_sync_time += t.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// Whether a server's requests run ahead of the steps (rollout.max_staleness >= 1).
+    fn asks_ahead(&self) -> bool {
+        self.remote.is_none() && self.options.uses_server() && self.options.max_staleness > 0
+    }
+
+    /// [`Rollouts::answers`] from the generation ranks: this step's taken, waiting for them when they are
+    /// not in yet.
+    fn answers_remote(
         &mut self,
         remote: &mut remote::Remote,
         policy: &Decoder,
-        reference: Option<&Decoder>,
-        train: &mut TrainStep,
         ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
-        lr: f64,
-        ctx: StepContext,
-    ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
-        self.refresh(policy, ctx.step)?;
+        step: usize,
+    ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+        self.refresh(policy, step)?;
         let sampler = self.sampler.as_ref().unwrap_or(policy);
-        let (groups, mut metrics, mut overlap) = remote.take(ctx.step, sampler, ahead)?;
-        let t = Instant::now();
-        let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
-        overlap.train_time = t.elapsed().as_secs_f64();
-        let version = ctx.step + 1;
-        remote.updated(version, version.is_multiple_of(self.options.refresh_every()).then_some(policy), ahead)?;
-        metrics.updates = reports.len();
+        let (groups, mut metrics, overlap) = remote.take(step, sampler, ahead)?;
         metrics.overlap = Some(overlap);
-        Ok((combine(reports), metrics))
+        Ok((groups, metrics))
     }
 
-    /// [`Rollouts::step`] with the server's requests of the next rollout.max_staleness steps in flight (see
-    /// [`ahead`]): this step's answers taken (waiting for them when they are not in yet) and scored, the
-    /// updates made, then the server's weights reloaded when the sampling policy refreshes and the next
-    /// step asked for.
-    #[allow(clippy::too_many_arguments)]
-    fn step_ahead(
+    /// [`Rollouts::answers`] with the server's requests of the next rollout.max_staleness steps in flight
+    /// (see [`ahead`]): the first step sends the weights and asks for its own and the next steps' answers;
+    /// this step's are taken (waiting for them when they are not in yet) and scored.
+    fn answers_ahead(
         &mut self,
         policy: &Decoder,
-        reference: Option<&Decoder>,
-        train: &mut TrainStep,
         questions: &[Group],
         ahead: &mut dyn FnMut(usize) -> Result<Vec<Group>, RolloutError>,
-        lr: f64,
-        ctx: StepContext,
-    ) -> Result<(StepReport, RolloutMetrics), RolloutError> {
-        let (step, k) = (ctx.step, self.options.max_staleness);
+        step: usize,
+    ) -> Result<(Vec<Group>, RolloutMetrics), RolloutError> {
+        let k = self.options.max_staleness;
         let mut sync_time = 0.0;
         if !self.ahead.started {
             let t = Instant::now();
@@ -288,23 +310,9 @@ impl Rollouts {
             }
         }
         let (groups, mut metrics, mut overlap) = self.take_ahead(policy, step)?;
-        let t = Instant::now();
-        let reports = self.train_on(train, policy, reference, &groups, lr, ctx)?;
-        overlap.train_time = t.elapsed().as_secs_f64();
-        let (version, t) = (step + 1, Instant::now());
-        let next = version + k;
-        if next < self.total_steps && next >= self.ahead.next {
-            self.refresh(policy, version)?;
-            if !self.server_synced {
-                self.sync_server(policy)?;
-                self.ahead.version = version;
-            }
-            self.ask(next, ahead(next)?);
-        }
-        overlap.weight_sync_time = sync_time + t.elapsed().as_secs_f64();
-        metrics.updates = reports.len();
+        overlap.weight_sync_time = sync_time;
         metrics.overlap = Some(overlap);
-        Ok((combine(reports), metrics))
+        Ok((groups, metrics))
     }
 
     /// Ask this rank's server for step `step`'s answers to this rank's share of `questions` (see [`ahead`]).
@@ -497,19 +505,6 @@ impl Rollouts {
         self.server_synced = true;
         Ok(())
     }
-
-    /// `updates_per_batch` updates of `policy` on the same groups and behaviour log-probs.
-    fn train_on(
-        &self,
-        train: &mut TrainStep,
-        policy: &Decoder,
-        reference: Option<&Decoder>,
-        groups: &[Group],
-        lr: f64,
-        ctx: StepContext,
-    ) -> candle_core::Result<Vec<StepReport>> {
-        (0..self.options.updates_per_batch).map(|_| train.run_at(policy, reference, groups, lr, ctx)).collect()
-    }
 }
 
 /// DAPO's dynamic sampling: batches `draw(0)`, `draw(1)`, ... of scored groups, keeping the groups whose
@@ -571,25 +566,6 @@ fn k_bound_of(k: usize, every: usize) -> usize {
 /// Whether a group's rewards differ.
 fn varied(g: &Group) -> bool {
     g.responses.windows(2).any(|w| w[0].reward != w[1].reward)
-}
-
-/// One report for several updates on the same groups: loss terms and the gradient norm averaged, token
-/// and clip counts summed (so the clip fraction is over every update's tokens), ratio extremes over all,
-/// applied only when every update was.
-fn combine(reports: Vec<StepReport>) -> StepReport {
-    let k = reports.len().max(1) as f64;
-    let mut it = reports.into_iter();
-    let Some(mut out) = it.next() else { return StepReport::default() };
-    for r in it {
-        out.stats.merge(&r.stats);
-        out.grad_norm += r.grad_norm;
-        out.applied &= r.applied;
-    }
-    out.stats.loss /= k;
-    out.stats.pg_loss /= k;
-    out.stats.kl /= k;
-    out.grad_norm /= k;
-    out
 }
 
 /// The end of a step's rollouts: their phase closed and the generation's memory (its KV cache) returned

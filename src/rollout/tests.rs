@@ -4,6 +4,7 @@ use crate::model::tiny::TinyShape;
 use crate::model::{random_decoder, Arch, Targets, TokenBatch};
 use crate::objective::{group_advantages, AdvantageConfig, Anchor, ObjectiveConfig, ObjectiveName};
 use crate::train::optim::OptimConfig;
+use crate::train::step::{Reference, StepContext, TrainStep};
 use candle_core::{DType, Device};
 
 fn tokenizer() -> ChatTokenizer {
@@ -121,7 +122,6 @@ fn the_second_update_on_the_same_rollouts_has_a_real_ratio_and_clips() {
     }
     let oc = grpo_on_rollouts(0.05);
     let mut train = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m, 3, 5, 0).unwrap();
-    let rollouts = Rollouts::new(opts, tokenizer(), 1, 4);
     let ctx = StepContext::default();
     let before = params(&m);
     let first = train.run_at(&m, None, &groups, 0.05, ctx).unwrap();
@@ -149,15 +149,13 @@ fn the_second_update_on_the_same_rollouts_has_a_real_ratio_and_clips() {
     assert!(second.stats.ratio.max - second.stats.ratio.min > 0.05, "the ratio stayed at 1: {:?}", second.stats.ratio);
     let c = second.stats.clipped_tokens;
     assert!(lo > 0 && lo <= c && c <= hi, "clipped {c}, hand-computed {lo}..={hi}");
-    // The same two updates through the rollout driver, from the same start, give the same result.
+    // The same two updates through the training loop's update loop, from the same start, give the same
+    // result.
     let m2 = policy(2);
     assert_eq!(params(&m2), before);
     let mut train2 = TrainStep::new(&oc, &OptimConfig { lr: 0.05, ..Default::default() }, &m2, 3, 5, 0).unwrap();
-    let reports = rollouts.train_on(&mut train2, &m2, None, &groups, 0.05, ctx).unwrap();
-    assert_eq!(reports.len(), 2);
-    assert_eq!(reports[1].stats.clipped_tokens, c);
+    let all = train2.run_updates(&m2, Reference::None, &groups, 0.05, ctx, opts.updates_per_batch).unwrap();
     assert_eq!(params(&m2), params(&m));
-    let all = combine(reports);
     assert_eq!(all.stats.clipped_tokens, c);
     assert_eq!(all.stats.ratio.tokens, 2 * tokens);
 }
@@ -187,7 +185,7 @@ fn sync_every_samples_from_the_policy_of_the_last_sync() {
         }
         let mut g = groups;
         g.iter_mut().for_each(|g| g.responses.iter_mut().enumerate().for_each(|(j, x)| x.reward = (j % 2) as f32));
-        r.train_on(&mut train, &m, None, &g, 0.05, StepContext { step, ..Default::default() }).unwrap();
+        train.run_at(&m, None, &g, 0.05, StepContext { step, ..Default::default() }).unwrap();
     }
     // A resumed run without its sampling copy at step 4 stops instead of sampling from another policy.
     let mut fresh = Rollouts::new(opts, tokenizer(), 5, 4);

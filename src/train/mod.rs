@@ -13,6 +13,7 @@ pub mod offload;
 mod oom;
 pub mod optim;
 pub mod pack;
+mod plan;
 mod profiling;
 mod ratio;
 pub mod refcache;
@@ -38,6 +39,7 @@ pub use checkpoint::latest_checkpoint;
 use checkpoint::Checkpointer;
 pub use config::TrainConfig;
 use metrics::{MetricsLog, StepMetrics};
+pub use plan::model_config;
 pub use reference_swap::ReferenceSwap;
 pub use resume::RESUMABLE_KEYS;
 use step::TrainStep;
@@ -572,25 +574,28 @@ impl Run<'_> {
         let lr = cfg.optim.lr_at(state.step, plan.total_steps);
         let ctx = step::StepContext { seed: cfg.train.seed, epoch: state.epoch, step: state.step };
         let profiler = profiling::start(&cfg.train, state.step + 1, self.policy.device(), self.world.is_primary());
-        let (report, rollout) = match &mut self.rollouts {
+        let mut more = |k: usize| refill(dataset, bq, cfg.train.seed, state.step, k);
+        let at = (state.step, state.epoch, state.batch_in_epoch);
+        let mut ahead = |s: usize| questions_at(dataset, cfg, plan.steps_per_epoch, at, s);
+        let (groups, mut rollout) = match &mut self.rollouts {
             Some(r) => {
-                let mut more = |k: usize| refill(dataset, bq, cfg.train.seed, state.step, k);
-                let at = (state.step, state.epoch, state.batch_in_epoch);
-                let mut ahead = |s: usize| questions_at(dataset, cfg, plan.steps_per_epoch, at, s);
-                let reference = self.reference.as_ref();
-                let (policy, train) = (&self.policy, &mut self.step);
-                let (report, m) = r.step(policy, reference, train, &groups, &mut more, &mut ahead, lr, ctx)?;
-                (report, Some(m))
+                let (sampled, m) = r.answers(&self.policy, &groups, &mut more, &mut ahead, state.step)?;
+                (sampled, Some(m))
             }
-            None => {
-                let cached = self.ref_cache.as_ref().map(|c| c.logprobs(&groups)).transpose()?;
-                let reference = match &cached {
-                    Some(lp) => step::Reference::Logprobs(lp),
-                    None => self.reference.as_ref().into(),
-                };
-                (self.step.run_with(&self.policy, reference, &groups, lr, ctx)?, None)
-            }
+            None => (groups, None),
         };
+        let updates = self.rollouts.as_ref().map_or(1, |r| r.options().updates_per_batch);
+        let t = Instant::now();
+        let cached = self.ref_cache.as_ref().map(|c| c.logprobs(&groups)).transpose()?;
+        let reference = match &cached {
+            Some(lp) => step::Reference::Logprobs(lp),
+            None => self.reference.as_ref().into(),
+        };
+        let report = self.step.run_updates(&self.policy, reference, &groups, lr, ctx, updates)?;
+        if let (Some(r), Some(m)) = (&mut self.rollouts, rollout.as_mut()) {
+            r.updated(&self.policy, state.step, &mut ahead, t.elapsed().as_secs_f64(), m)?;
+            m.updates = updates;
+        }
         if let Some(p) = profiler {
             profiling::record(&cfg.train.output_dir, state.step + 1, &p.finish())?;
         }
@@ -880,18 +885,19 @@ impl Run<'_> {
 
 /// Load the policy (from the checkpoint when resuming), the reference when the objective needs one (its
 /// KL term, or the reference as its anchor) unless its log-probs are in `ref_cache`, the tokenizer and the
-/// training step.
+/// training step. The policy computes with the decoder options `memory_plan` resolved.
 fn load_run<'a>(
     cfg: &'a TrainConfig,
     model_dir: PathBuf,
     resume_from: Option<&Path>,
     ref_cache: Option<refcache::ReferenceCache>,
+    memory_plan: crate::cost::memory::Plan,
 ) -> Result<Run<'a>, TrainError> {
     let device = model::open_device(cfg.model.device)?;
     let dtype = cfg.model.dtype.dtype();
     let save_dtype = cfg.train.save_dtype.map(DTypeName::dtype);
     let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
-    policy.options = cfg.model.decoder_options();
+    policy.options = plan::decoder_options(cfg, &memory_plan);
     log_attention_fallback(&policy, dtype, &device);
     log_lora(&policy);
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;
@@ -928,7 +934,7 @@ fn load_run<'a>(
         tok,
         checkpoints,
         world,
-        memory_plan: None,
+        memory_plan: Some(memory_plan),
     })
 }
 
@@ -1051,32 +1057,6 @@ fn check_weights(cfg: &TrainConfig, model_dir: &Path) -> Result<(), TrainError> 
     Ok(())
 }
 
-/// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan
-/// when it fits.
-fn check_plan(
-    cfg: &TrainConfig,
-    model_dir: &Path,
-    device_memory: Option<u64>,
-    ranks: u64,
-) -> Result<crate::cost::memory::Plan, TrainError> {
-    let shape = model::ModelConfig::from_file(&model_dir.join("config.json")).map_err(ModelError::from)?;
-    let memory = match device_memory {
-        Some(m) => Some(m),
-        None => crate::device::total_memory(&model::open_device(cfg.model.device)?)?,
-    };
-    // Each of the `ranks` processes keeps 1/ranks of the optimiser state (ZeRO-1).
-    let plan = crate::cost::memory::run_plan(cfg, &shape, memory, ranks);
-    if plan.fits() == Some(false) {
-        return Err(TrainError::DoesNotFit { plan: plan.to_string(), advice: plan.advice(cfg) });
-    }
-    let logits = plan.keep_logits_note.as_ref().map_or(String::new(), |n| format!("; {n}"));
-    tracing::info!(
-        "memory plan: peak {:.2} GiB{logits}",
-        plan.peak(crate::cost::memory::Place::Device) as f64 / (1u64 << 30) as f64
-    );
-    Ok(plan)
-}
-
 /// Run (or resume) the training described by `cfg`. The output folder is locked for the run; a new run
 /// refuses a folder that holds another run's checkpoints unless `opts.overwrite`; a resume checks the
 /// checkpoint's model, tokenizer and training config first. `stop` is set by Ctrl-C or SIGTERM: the run
@@ -1176,7 +1156,7 @@ fn train_in(
         resume::check_model(ck, &model_dir)?;
     }
     check_weights(cfg, &model_dir)?;
-    let memory_plan = check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
+    let memory_plan = plan::check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
@@ -1200,7 +1180,8 @@ fn train_in(
         GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop, &world)?,
         GroupSource::Questions(_) => None,
     };
-    let mut run = load_run(cfg, model_dir, resumed.as_ref().map(|(ck, _)| ck.as_path()), ref_cache)?;
+    let resume_from = resumed.as_ref().map(|(ck, _)| ck.as_path());
+    let mut run = load_run(cfg, model_dir, resume_from, ref_cache, memory_plan)?;
     run.step.share_with(world.clone())?;
     if let Some(r) = &mut run.rollouts {
         r.share_with(world.clone());
@@ -1211,9 +1192,6 @@ fn train_in(
         }
     }
     run.world = world;
-    // `model.keep_logits = "auto"` is the plan's to decide (cost::memory::run_plan).
-    run.policy.options.keep_logits = memory_plan.keep_logits;
-    run.memory_plan = Some(memory_plan);
     if primary {
         let need = run.checkpoints.checkpoint_bytes(&run.policy, &[]);
         if let Some(w) = run.checkpoints.space_warning(need) {

@@ -1,5 +1,5 @@
 //! The offloaded update's traffic (`optim.offload`): the f32 gradients go down to host memory and the new
-//! weights, in the model's dtype, come back up, in chunks (`optim.offload_chunk_mb`, [`DEFAULT_CHUNK_MB`]) through
+//! weights, in the model's dtype, come back up, in chunks (`optim.offload_chunk_mb`, [`crate::device::staging::DEFAULT_CHUNK_MB`]) through
 //! two staging slots used in turn. On a GPU the slots are page-locked host memory and the copies are
 //! asynchronous on the device's stream, so while the host updates one chunk the copy engine brings down
 //! the next chunk's gradients and takes up the last chunk's weights: a step's offloaded update costs the
@@ -12,29 +12,6 @@
 
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Result, Tensor, Var, WithDType};
 use half::{bf16, f16};
-
-/// The f32 gradients of a chunk by default (`optim.offload_chunk_mb`), MiB: 64 Mi parameters, so 1 GiB of
-/// staging (page-locked on a GPU) with both slots' gradients and weights.
-pub const DEFAULT_CHUNK_MB: usize = 256;
-
-/// The parameters of a chunk of `mb` MiB of f32 gradients.
-pub const fn chunk_elements(mb: usize) -> usize {
-    (mb << 20) / 4
-}
-
-/// The parameters of a chunk when `total` are updated in chunks of at most `mb` MiB of gradients: at
-/// least four chunks where each still holds 1 Mi parameters or more, so that a model smaller than a
-/// few chunks still has copies to overlap with its update.
-pub fn chunk_len(total: usize, mb: usize) -> usize {
-    const SMALLEST: usize = 1 << 20;
-    total.min(chunk_elements(mb)).min(total.div_ceil(4).max(SMALLEST))
-}
-
-/// The staging's host memory for chunks of `elements` parameters: two slots of f32 gradients and as many
-/// four-byte words of weights.
-pub const fn staging_bytes(elements: usize) -> usize {
-    2 * elements * 8
-}
 
 /// `len` elements of parameter `param` from element `start`, at element `at` of its chunk.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -436,17 +413,6 @@ mod tests {
             vec![vec![Piece { param: 0, start: 0, len: 3, at: 0 }, Piece { param: 2, start: 0, len: 2, at: 3 }]]
         );
         assert!(chunks(&[], 10).is_empty());
-    }
-
-    #[test]
-    fn small_models_are_cut_into_four_chunks_of_at_least_a_mebi_parameters() {
-        let mi = 1 << 20;
-        assert_eq!(chunk_len(1000, 256), 1000);
-        assert_eq!(chunk_len(3 * mi, 256), mi);
-        assert_eq!(chunk_len(40 * mi, 256), 10 * mi);
-        assert_eq!(chunk_len(7_600 * mi, 256), chunk_elements(256));
-        assert_eq!(chunk_len(40 * mi, 4), mi);
-        assert_eq!(chunk_len(0, 256), 0);
     }
 
     #[test]

@@ -44,7 +44,7 @@ pub(super) fn classify(err: TrainError, plan: Option<&Plan>, cfg: &TrainConfig, 
     let in_use = crate::device::memory_bytes(device).ok().flatten();
     let expected = plan.map(|p| expected(p, phase));
     let advice =
-        plan.map_or_else(|| "reduce train.micro_batch_size or data.max_response_tokens".into(), |p| p.advice(cfg));
+        plan.map_or_else(|| "reduce train.micro_batch_size or data.max_response_tokens".into(), |p| p.advice());
     let checkpoint = super::latest_checkpoint(&cfg.train.output_dir);
     TrainError::OutOfMemory(Box::new(OutOfMemory {
         phase,
@@ -68,7 +68,7 @@ fn expected(plan: &Plan, phase: &str) -> (Option<u64>, u64) {
         "rollouts" => &[Phase::Rollout],
         _ => &[],
     };
-    let on_device = |place: Place| place == Place::Device || plan.inputs.on_cpu;
+    let on_device = |place: Place| place == Place::Device || plan.input.on_cpu;
     let sum = |ph: Phase| -> u64 {
         plan.components.iter().filter(|c| c.phase == ph && on_device(c.place)).map(|c| c.bytes).sum()
     };

@@ -58,7 +58,7 @@ pub struct OptimConfig {
     /// Keep the f32 master weights and the AdamW moments in host memory and run the update there (in
     /// parallel over the parameters); the device then holds only the weights, gradients and activations.
     /// Host memory: 12 bytes per parameter with AdamW (master, m, v), 4 with SGD, plus the gradients of
-    /// the parameters in flight (the staging of [`offload::staging_bytes`]). The updates are the same as
+    /// the parameters in flight (the staging of [`crate::device::staging::staging_bytes`]). The updates are the same as
     /// without it.
     pub offload: bool,
     /// With `offload`, the f32 gradients of one chunk of the update, MiB: the gradients go down and the
@@ -81,7 +81,7 @@ impl Default for OptimConfig {
             warmup_steps: 0,
             min_lr_ratio: 0.0,
             offload: false,
-            offload_chunk_mb: offload::DEFAULT_CHUNK_MB,
+            offload_chunk_mb: crate::device::staging::DEFAULT_CHUNK_MB,
         }
     }
 }
@@ -601,7 +601,7 @@ impl Optimizer {
             );
         }
         let sizes: Vec<usize> = todo.iter().map(|(_, g)| g.elem_count()).collect();
-        let len = offload::chunk_len(sizes.iter().sum(), self.cfg.offload_chunk_mb);
+        let len = crate::device::staging::chunk_len(sizes.iter().sum(), self.cfg.offload_chunk_mb);
         if len == 0 {
             return Ok(());
         }

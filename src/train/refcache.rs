@@ -39,7 +39,12 @@ const FORMAT: &str = "grpo-reference-logprobs-v2";
 /// or the initial weights), and `model.cache_reference` is on. A reference that changes during training,
 /// or answers generated during training, must be scored on the fly: their conditions belong here.
 pub fn reference_is_cacheable(cfg: &TrainConfig) -> bool {
-    cfg.model.cache_reference && cfg.train.reference_swap_every.is_none() && cfg.rollout.is_none()
+    cfg.model.cache_reference && run_can_cache_reference(cfg)
+}
+
+/// Whether a run with `cfg` could cache its reference's log-probs with `model.cache_reference` on.
+pub fn run_can_cache_reference(cfg: &TrainConfig) -> bool {
+    cfg.train.reference_swap_every.is_none() && cfg.rollout.is_none()
 }
 
 /// How the cache is computed.

@@ -82,6 +82,27 @@ pub struct StepReport {
     pub applied: bool,
 }
 
+impl StepReport {
+    /// One report for several updates on the same groups: loss terms and the gradient norm averaged,
+    /// token and clip counts summed (so the clip fraction is over every update's tokens), ratio extremes
+    /// over all, applied only when every update was.
+    pub fn combine(reports: Vec<StepReport>) -> StepReport {
+        let k = reports.len().max(1) as f64;
+        let mut it = reports.into_iter();
+        let Some(mut out) = it.next() else { return StepReport::default() };
+        for r in it {
+            out.stats.merge(&r.stats);
+            out.grad_norm += r.grad_norm;
+            out.applied &= r.applied;
+        }
+        out.stats.loss /= k;
+        out.stats.pg_loss /= k;
+        out.stats.kl /= k;
+        out.grad_norm /= k;
+        out
+    }
+}
+
 impl TrainStep {
     /// A step of `objective` for `policy`'s parameters: `micro_batch` sequences per forward/backward,
     /// `norm_len` the response-token limit, `pad` the padding token.
@@ -183,6 +204,21 @@ impl TrainStep {
         ctx: StepContext,
     ) -> candle_core::Result<StepReport> {
         self.run_with(policy, reference.into(), groups, lr, ctx)
+    }
+
+    /// `updates` updates of `policy` on the same groups (`rollout.updates_per_batch`; on-policy GRPO's
+    /// mu), each a [`TrainStep::run_with`], in one report ([`StepReport::combine`]).
+    pub fn run_updates(
+        &mut self,
+        policy: &Decoder,
+        reference: Reference,
+        groups: &[Group],
+        lr: f64,
+        ctx: StepContext,
+        updates: usize,
+    ) -> candle_core::Result<StepReport> {
+        let reports = (0..updates).map(|_| self.run_with(policy, reference, groups, lr, ctx));
+        Ok(StepReport::combine(reports.collect::<candle_core::Result<_>>()?))
     }
 
     /// [`TrainStep::run_at`] with the reference's log-probs from `reference`: the model, or log-probs
