@@ -35,13 +35,12 @@
 //!   of `max_prompt_tokens + rollout.max_new_tokens` tokens; a lagged sampling policy
 //!   (`rollout.sync_every > 1`) is one more resident copy of the weights (P d).
 
-use std::fmt;
+pub use input::{GenerationLoad, PlanInput, RolloutLoad};
 
 use super::time;
 use crate::device::staging::{chunk_len, staging_bytes};
-use crate::device::DTypeName;
 use crate::generate::GenerationOptions;
-use crate::model::{Attention, DecoderOptions, LoraOptions, ModelConfig};
+use crate::model::{Attention, ModelConfig};
 
 /// Memory of the process itself on the CPU, beyond its tensors: the binary's mapped code, the tokenizer
 /// (a BPE vocabulary of ~150k entries with its merges), the data reader, rayon's threads, the final
@@ -86,88 +85,6 @@ impl PoolOverhead {
     /// The pool's size when its tensors reach `tensors` bytes of the plan.
     pub fn pooled(&self, tensors: u64) -> u64 {
         to_bytes(tensors as f64 * (1.0 + self.unitemised) * (1.0 + self.reserve))
-    }
-}
-
-/// What a plan is computed from: the model's shape and the settings of the run that move its memory, as
-/// the trainer resolves them from its config (`TrainConfig::plan_input`). Each field names the config key
-/// it comes from; the advice ([`Plan::advice`]) plans changed copies of it.
-#[derive(Debug, Clone)]
-pub struct PlanInput {
-    /// The model's shape (its config.json).
-    pub model: ModelConfig,
-    /// `model.dtype`: the weights' dtype.
-    pub dtype: DTypeName,
-    /// `model.*`: how the decoder computes. Its `keep_logits` is not read: [`PlanInput::keep_logits`] says
-    /// it, "auto" included.
-    pub decoder: DecoderOptions,
-    /// How attention runs: `model.attention`, or the composite score matrix without `model.fused_ops`.
-    pub attention: Attention,
-    /// `model.keep_logits`: `None` for "auto", which [`run_plan`] decides.
-    pub keep_logits: Option<bool>,
-    /// `model.lora`: the adapters trained instead of the weights.
-    pub lora: Option<LoraOptions>,
-    /// `model.reference` is given: the reference is a model of its own, even with LoRA.
-    pub own_reference: bool,
-    /// The objective reads the frozen reference's log-probs (its KL term or anchor).
-    pub needs_reference: bool,
-    /// The objective's anchor is a snapshot of the policy (`objective.anchor = "snapshot"`).
-    pub snapshot_anchor: bool,
-    /// `model.cache_reference`, and whether the run can cache the reference's log-probs (no
-    /// `train.reference_swap_every`, no `[rollout]`).
-    pub cache_reference: bool,
-    pub reference_cacheable: bool,
-    /// `optim.name = "adamw"` (else SGD), `optim.offload` and `optim.offload_chunk_mb`.
-    pub adamw: bool,
-    pub offload: bool,
-    pub offload_chunk_mb: usize,
-    /// Answers per question (`data.group_size`, or `rollout.n`) and questions per step
-    /// (`train.batch_questions`).
-    pub group_size: usize,
-    pub batch_questions: usize,
-    /// `train.micro_batch_size` and `train.micro_batch_tokens` (0: not packed).
-    pub micro_batch_size: usize,
-    pub micro_batch_tokens: usize,
-    /// `data.max_prompt_tokens` and `data.max_response_tokens` (0: the model's context).
-    pub max_prompt_tokens: usize,
-    pub max_response_tokens: usize,
-    /// `[validation]`'s generation.
-    pub validation: Option<GenerationLoad>,
-    /// `[rollout]`'s.
-    pub rollout: Option<RolloutLoad>,
-    /// The model runs on the CPU (`model.device`): the device is host memory and the process counts in it.
-    pub on_cpu: bool,
-    /// Bytes of device memory (`None`: unknown).
-    pub device_memory: Option<u64>,
-    /// Data-parallel ranks sharing the optimiser state (ZeRO-1): each rank holds 1/N of it.
-    pub world_size: u64,
-}
-
-/// A generation of the run: `batch_size` sequences of at most `max_new_tokens` new tokens each.
-#[derive(Debug, Clone)]
-pub struct GenerationLoad {
-    pub batch_size: usize,
-    pub max_new_tokens: usize,
-    pub generation: GenerationOptions,
-}
-
-/// `[rollout]`: its generation, and what else it adds to the run's memory.
-#[derive(Debug, Clone)]
-pub struct RolloutLoad {
-    /// `rollout.batch_size`, `rollout.max_new_tokens`, `rollout.generation`.
-    pub sampling: GenerationLoad,
-    /// `rollout.teacher_answers`: teacher answers mixed into each group.
-    pub teacher_answers: usize,
-    /// `rollout.sync_every`: > 1 keeps a lagged copy of the weights.
-    pub sync_every: usize,
-    /// The answers are sampled here (`rollout.engine = "native"`), not by a server.
-    pub native: bool,
-}
-
-impl PlanInput {
-    /// The reference's log-probs are read from a file instead of computed by a loaded reference.
-    pub fn reference_cached(&self) -> bool {
-        self.cache_reference && self.reference_cacheable
     }
 }
 
@@ -881,95 +798,6 @@ impl Plan {
     }
 }
 
-impl Plan {
-    /// The device peak's lines: the tensors' peak by phase and, on a GPU, the pool's overheads and the
-    /// context beside it.
-    fn fmt_device_peak(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let phase = |ph| gib(self.sum(ph, Place::Device));
-        let resident = match self.gpu_device(Place::Device) {
-            true => gib(self.sum(Phase::Resident, Place::Device).saturating_sub(CUDA_CONTEXT_BYTES)),
-            false => phase(Phase::Resident),
-        };
-        let tensors = self.tensor_peak(Place::Device);
-        let by_phase = format!(
-            "resident {resident} + max(step {} + max(backward {}, update {}), validation {}, rollouts {})",
-            phase(Phase::Step),
-            phase(Phase::Backward),
-            phase(Phase::Update),
-            phase(Phase::Validation),
-            phase(Phase::Rollout)
-        );
-        let peak = self.peak(Place::Device);
-        if !self.gpu_device(Place::Device) {
-            return writeln!(f, "device peak: {} ({peak} bytes) = {by_phase}", gib(peak));
-        }
-        let o = POOL_OVERHEAD;
-        writeln!(f, "tensors' peak: {} = {by_phase}", gib(tensors))?;
-        writeln!(
-            f,
-            "memory pool: {} = tensors x {:.4} (not itemised) x {:.4} (the pool's reserve), measured on {}",
-            gib(o.pooled(tensors)),
-            1.0 + o.unitemised,
-            1.0 + o.reserve,
-            o.measured
-        )?;
-        writeln!(f, "device peak: {} ({peak} bytes) = memory pool + context {}", gib(peak), gib(CUDA_CONTEXT_BYTES))
-    }
-}
-
-impl fmt::Display for Plan {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "memory plan: {}", self.summary)?;
-        writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  formula", "component", "peak", "where", "when")?;
-        for c in &self.components {
-            let place = if self.input.on_cpu {
-                "host"
-            } else if c.place == Place::Device {
-                "device"
-            } else {
-                "host"
-            };
-            let phase = match c.phase {
-                Phase::Resident => "resident",
-                Phase::Step => "step",
-                Phase::Backward => "backward",
-                Phase::Update => "update",
-                Phase::Validation => "validation",
-                Phase::Rollout => "rollouts",
-                Phase::Alternative => "(not used)",
-            };
-            writeln!(f, "{:<46} {:>11}  {:<6}  {:<10}  {}", c.name, gib(c.bytes), place, phase, c.formula)?;
-        }
-        self.fmt_device_peak(f)?;
-        if !self.input.on_cpu {
-            writeln!(f, "host peak (optimizer state and update): {}", gib(self.peak(Place::Host)))?;
-        }
-        match self.input.device_memory {
-            Some(m) => {
-                let peak = self.peak(Place::Device);
-                let verdict = if peak <= self.usable(m) {
-                    format!("fits, {} ({:.0}%) left", gib(m - peak), 100.0 * (m - peak) as f64 / m as f64)
-                } else if peak <= m {
-                    format!(
-                        "does NOT fit: {} under the device's memory, within the {:.0}% a GPU's plan keeps free for its \
-                         measured overheads' spread",
-                        gib(m - peak),
-                        100.0 * GPU_HEADROOM
-                    )
-                } else {
-                    format!("does NOT fit: {} over", gib(peak - m))
-                };
-                writeln!(f, "device memory: {}: {verdict}", gib(m))
-            }
-            None => writeln!(f, "device memory: unknown (give --device-memory)"),
-        }?;
-        match &self.keep_logits_note {
-            Some(note) => writeln!(f, "{note}"),
-            None => Ok(()),
-        }
-    }
-}
-
 /// Parse a memory size: a number with an optional suffix GiB, GB, MiB, MB, KiB, KB or B (no suffix:
 /// bytes), e.g. `80GiB`, `80 GB`, `512MiB`.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
@@ -1063,5 +891,7 @@ impl Plan {
     }
 }
 
+mod display;
+mod input;
 #[cfg(test)]
 mod tests;
