@@ -6,7 +6,7 @@ mod common;
 use candle_core::{DType, Device};
 use grpo::data::{self, Group, PreparedDataset};
 use grpo::model::{self, Decoder, Targets, TokenBatch};
-use grpo::objective::ObjectiveConfig;
+use grpo::objective::{ObjectiveConfig, ObjectiveKind, PpoOptions};
 use grpo::train::optim::OptimConfig;
 use grpo::train::step::TrainStep;
 
@@ -128,7 +128,7 @@ fn tiny_model(dir: &std::path::Path) -> std::path::PathBuf {
 #[test]
 fn off_grpo_raises_positive_and_lowers_negative_answers_on_a_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
-    let oc = ObjectiveConfig { bias: 0.5, beta: 0.1, ..Default::default() };
+    let oc = ObjectiveKind::OffGrpo(PpoOptions { bias: 0.5, beta: 0.1, ..Default::default() }).into();
     check_signal(&tiny_model(dir.path()), oc, true, 1e-3, 3, 24, 4, 8);
 }
 
@@ -136,6 +136,6 @@ fn off_grpo_raises_positive_and_lowers_negative_answers_on_a_tiny_model() {
 #[test]
 fn grpo_raises_positive_and_lowers_negative_answers_on_a_tiny_model() {
     let dir = tempfile::tempdir().unwrap();
-    let oc = ObjectiveConfig { name: grpo::objective::ObjectiveName::Grpo, bias: 0.5, beta: 0.1, ..Default::default() };
+    let oc = ObjectiveKind::Grpo(PpoOptions { bias: 0.5, beta: 0.1, ..Default::default() }).into();
     check_signal(&tiny_model(dir.path()), oc, false, 3e-3, 4, 24, 4, 8);
 }

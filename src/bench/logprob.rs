@@ -9,7 +9,7 @@ use super::harness::{dtype_name, median, random_ids, time_runs, to_record, Resul
 use crate::device::device_name;
 use crate::device::{memory_bytes, reset_peak_memory};
 use crate::kernels::{logprobs_entropy, logprobs_entropy_reference};
-use crate::objective::{ObjectiveConfig, TokenInputs};
+use crate::objective::{ObjectiveConfig, ObjectiveKind, PpoOptions, TokenInputs};
 
 /// The log-prob op's settings (`grpo bench logprob`).
 #[derive(Debug, Clone, clap::Args)]
@@ -46,7 +46,8 @@ pub fn logprob(spec: &LogprobSpec, t: &Timing) -> Result<Value> {
     let ref_logp = Tensor::from_vec(draw(spec.tokens, 1.0), spec.tokens, dev)?.affine(1.0, -12.0)?;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(2);
     let targets = Tensor::from_vec(random_ids(&mut rng, spec.tokens, spec.vocab), spec.tokens, dev)?;
-    let objective_cfg = ObjectiveConfig { beta: 0.1, ..ObjectiveConfig::default() };
+    let objective_cfg =
+        ObjectiveConfig::from(ObjectiveKind::OffGrpo(PpoOptions { beta: 0.1, ..PpoOptions::default() }));
     let objective = objective_cfg.build();
     let mut inputs = TokenInputs::for_sequences(&[spec.tokens], &[0.0], &[1.0 / spec.tokens as f32], dev)?;
     inputs.advantages = upstream.clone();

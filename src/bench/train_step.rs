@@ -18,7 +18,7 @@ use crate::device::device_name;
 use crate::device::{host_reads, memory_bytes, reset_peak_memory};
 use crate::model::LoraOptions;
 use crate::model::{Attention, Decoder, DecoderOptions, ModelConfig};
-use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName};
+use crate::objective::{CommonOptions, KlEstimator, LossAgg, ObjectiveConfig, ObjectiveKind, PpoOptions};
 use crate::train::optim::OptimConfig;
 use crate::train::step::TrainStep;
 
@@ -144,12 +144,13 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
     let vocab = cfg.vocab_size;
     let (policy, reference) = bench_models(spec, cfg, t)?;
     let objective_cfg = ObjectiveConfig {
-        name: ObjectiveName::OffGrpo,
-        eps: Some(0.2),
-        beta: if spec.no_reference { 0.0 } else { 0.1 },
-        kl_estimator: Some(KlEstimator::K3),
-        loss_agg: Some(LossAgg::SeqMeanTokenMean),
-        ..ObjectiveConfig::default()
+        kind: ObjectiveKind::OffGrpo(PpoOptions {
+            eps: Some(0.2),
+            beta: if spec.no_reference { 0.0 } else { 0.1 },
+            kl_estimator: Some(KlEstimator::K3),
+            ..PpoOptions::default()
+        }),
+        common: CommonOptions { loss_agg: Some(LossAgg::SeqMeanTokenMean), ..CommonOptions::default() },
     };
     let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
     let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;

@@ -86,7 +86,7 @@ pub struct Clipped {
 
 impl Clipped {
     pub fn new(cfg: &ObjectiveConfig) -> Self {
-        let form = match cfg.name {
+        let form = match cfg.name() {
             super::ObjectiveName::Rec => Form::Rec {
                 mode: cfg.clip_mode(),
                 importance_weight: cfg.importance_weight(),
@@ -174,10 +174,10 @@ fn rec_mask(r: &Tensor, adv: &Tensor, eps_low: f32, eps_high: f32, form: Form) -
 
 impl Objective for Clipped {
     fn name(&self) -> &'static str {
-        self.cfg.name.as_str()
+        self.cfg.name().as_str()
     }
     fn needs_kl(&self) -> bool {
-        self.cfg.beta > 0.0
+        self.cfg.beta() > 0.0
     }
     fn anchor(&self) -> Option<Anchor> {
         self.cfg.anchor()
@@ -200,6 +200,6 @@ impl Objective for Clipped {
                 (((factor * adv)? * mask)?.neg()?, clipped)
             }
         };
-        finish(weighted_sum(&pg, inputs)?, logp, inputs, self.cfg.beta, self.cfg.kl_estimator(), Some(clipped))
+        finish(weighted_sum(&pg, inputs)?, logp, inputs, self.cfg.beta(), self.cfg.kl_estimator(), Some(clipped))
     }
 }

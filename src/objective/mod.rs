@@ -28,12 +28,18 @@ pub mod clipped;
 mod config;
 mod mask;
 pub mod oapl;
+mod options;
 pub mod reinforce;
 
 use candle_core::{DType, Device, Result, Tensor};
 use serde::{Deserialize, Serialize};
 
-pub use config::{Anchor, ClipMode, ObjectiveConfig, ObjectiveName, RatioLevel, ScaleRewards, SftAnswers};
+pub use config::ObjectiveConfig;
+pub use options::{
+    Anchor, AsymReOptions, CispoOptions, ClipMode, CommonOptions, OaplOptions, ObjectiveKind, ObjectiveName,
+    OpmdOptions, PpoOptions, RatioLevel, RecOptions, RedDropOptions, RedWeightOptions, ScaleRewards, SftAnswers,
+    SftOptions,
+};
 
 /// The bound of every log-ratio before `exp` (verl's clamp).
 pub const MAX_LOG_RATIO: f32 = 20.0;

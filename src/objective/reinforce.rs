@@ -51,7 +51,7 @@ impl Objective for Opmd {
         "opmd"
     }
     fn needs_kl(&self) -> bool {
-        self.0.beta > 0.0
+        self.0.beta() > 0.0
     }
     fn anchor(&self) -> Option<Anchor> {
         self.0.anchor()
@@ -64,7 +64,7 @@ impl Objective for Opmd {
         let seq_weights = inputs.seq_mean(&inputs.weights)?;
         let reg = ((seq_log_ratio.sqr()? * seq_weights)?.sum_all()? * (self.0.tau() as f64 / 2.0))?;
         let pg = (reinforce(logp, inputs)? + reg)?;
-        finish(pg, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
+        finish(pg, logp, inputs, self.0.beta(), self.0.kl_estimator(), None)
     }
 }
 
@@ -84,7 +84,7 @@ impl Objective for AsymRe {
         "asymre"
     }
     fn needs_kl(&self) -> bool {
-        self.0.beta > 0.0
+        self.0.beta() > 0.0
     }
     fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
         let mut g = group_advantages(rewards, &AdvantageConfig { std_normalize: false, bias: 0.0, batch_std: None });
@@ -93,7 +93,7 @@ impl Objective for AsymRe {
         g
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta(), self.0.kl_estimator(), None)
     }
 }
 
@@ -140,7 +140,7 @@ impl Objective for RedDrop {
         "red_drop"
     }
     fn needs_kl(&self) -> bool {
-        self.0.beta > 0.0
+        self.0.beta() > 0.0
     }
     fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
         let include = Self::keep(rewards, key);
@@ -151,7 +151,7 @@ impl Objective for RedDrop {
         GroupAdvantages { advantages, include, rewards: RewardStats::of(rewards), bias_applied: false }
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta(), self.0.kl_estimator(), None)
     }
 }
 
@@ -170,7 +170,7 @@ impl Objective for RedWeight {
         "red_weight"
     }
     fn needs_kl(&self) -> bool {
-        self.0.beta > 0.0
+        self.0.beta() > 0.0
     }
     fn advantages(&self, rewards: &[f32], key: &GroupKey) -> GroupAdvantages {
         let mut g = centred(rewards, &self.0, key);
@@ -182,7 +182,7 @@ impl Objective for RedWeight {
         g
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta(), self.0.kl_estimator(), None)
     }
 }
 
@@ -199,7 +199,7 @@ impl Objective for Sft {
         "sft"
     }
     fn needs_kl(&self) -> bool {
-        self.0.beta > 0.0
+        self.0.beta() > 0.0
     }
     fn advantages(&self, rewards: &[f32], _key: &GroupKey) -> GroupAdvantages {
         let all = self.0.sft_answers() == SftAnswers::All;
@@ -212,6 +212,6 @@ impl Objective for Sft {
         }
     }
     fn loss(&self, logp: &Tensor, inputs: &TokenInputs) -> Result<LossTerms> {
-        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta, self.0.kl_estimator(), None)
+        finish(reinforce(logp, inputs)?, logp, inputs, self.0.beta(), self.0.kl_estimator(), None)
     }
 }

@@ -72,8 +72,18 @@ fn run(obj: &dyn Objective, logp: &[f32], case: &Case) -> (f32, Vec<f32>, Terms)
     (terms.loss.to_scalar::<f32>().unwrap(), grad, read(&terms))
 }
 
+/// The objective `name` with `options` (TOML lines), read as a config's `[objective]` section is.
+fn try_with(name: ObjectiveName, options: &str) -> std::result::Result<ObjectiveConfig, String> {
+    toml::from_str(&format!("name = \"{}\"\n{options}", name.as_str())).map_err(|e| e.message().to_string())
+}
+
+fn with(name: ObjectiveName, options: &str) -> ObjectiveConfig {
+    try_with(name, options).unwrap_or_else(|e| panic!("{}: {options}: {e}", name.as_str()))
+}
+
+/// `name` with `bias` and `beta` (0 is accepted by the objectives without them).
 fn cfg(name: ObjectiveName, bias: f32, beta: f32) -> ObjectiveConfig {
-    ObjectiveConfig { name, bias, beta, ..Default::default() }
+    with(name, &format!("bias = {bias:?}\nbeta = {beta:?}"))
 }
 
 fn advantages(obj: &dyn Objective, rewards: &[f32]) -> GroupAdvantages {
@@ -114,14 +124,14 @@ fn seed_004_advantages_hand_computed() {
     assert_all_near(&advantages(asym.as_ref(), &r).advantages, &[0.6, -0.4, -0.4, 0.6], "asymre");
     assert_all_near(&advantages(asym.as_ref(), &[1.0; 3]).advantages, &[0.1; 3], "asymre all positive");
     // red_weight: exp(A / T) A.
-    let red = ObjectiveConfig { temperature: Some(0.5), ..cfg(ObjectiveName::RedWeight, 0.0, 0.0) }.build();
+    let red = with(ObjectiveName::RedWeight, "temperature = 0.5").build();
     let (e1, em1) = (1f32.exp(), (-1f32).exp());
     assert_all_near(&advantages(red.as_ref(), &r).advantages, &[0.5 * e1, -0.5 * em1, -0.5 * em1, 0.5 * e1], "red");
     // oapl: r - V*, V* = log((e + e + 1 + 1) / 4) with beta1 = 1; with a tiny beta1 V* tends to max(r).
     let oapl = cfg(ObjectiveName::Oapl, 0.0, 0.0).build();
     let v = ((2.0 * 1f64.exp() + 2.0) / 4.0).ln() as f32;
     assert_all_near(&advantages(oapl.as_ref(), &r).advantages, &[1.0 - v, -v, -v, 1.0 - v], "oapl");
-    let sharp = ObjectiveConfig { beta1: Some(1e-3), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) }.build();
+    let sharp = with(ObjectiveName::Oapl, "beta1 = 1e-3").build();
     let a = advantages(sharp.as_ref(), &r).advantages;
     assert!(a[0].abs() < 1e-2 && (a[1] + 1.0).abs() < 1e-2, "{a:?}");
     // red_drop: 1 positive, 5 negatives: 4 negatives dropped, the baseline recomputed on the kept two.
@@ -195,12 +205,7 @@ fn logp_of(ratios: &[f32]) -> Vec<f32> {
 #[test]
 fn grpo_clips_at_different_eps_and_eps_high_and_never_clips_a_negative_advantage_above_one_plus_eps() {
     // eps = 0.1, eps_high = 0.3: the band is [0.9, 1.3]. Behaviour log-probs 0 (the reference as anchor).
-    let c = ObjectiveConfig {
-        eps: Some(0.1),
-        eps_high: Some(0.3),
-        anchor: Some(Anchor::Reference),
-        ..cfg(ObjectiveName::Grpo, 0.0, 0.0)
-    };
+    let c = with(ObjectiveName::Grpo, "eps = 0.1\neps_high = 0.3\nanchor = \"reference\"");
     let obj = c.build();
     let r = [1.4f32, 1.25, 0.85, 0.95, 1.6, 1.25];
     let adv = [1.0f32, 1.0, -1.0, -1.0, -1.0, -2.0];
@@ -236,11 +241,8 @@ fn rec_masks_hand_computed() {
     let logp = logp_of(&r);
     for (mode, m) in masks {
         for is in [false, true] {
-            let c = ObjectiveConfig {
-                clip_mode: Some(mode),
-                importance_weight: Some(is),
-                ..cfg(ObjectiveName::Rec, 0.0, 0.0)
-            };
+            let mode_name = serde_json::to_value(mode).unwrap();
+            let c = with(ObjectiveName::Rec, &format!("clip_mode = {mode_name}\nimportance_weight = {is}"));
             c.validate().unwrap();
             let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
             let factor = |i: usize| if is { r[i] } else { 1.0 };
@@ -260,7 +262,7 @@ fn gspo_uses_the_sequence_ratio_and_clips_whole_sequences() {
     // log s_1 = 0.1 and log s_2 = -0.3; A = (+1, -1); eps = 0.2.
     let logp = [-1.0f32, -2.0, -0.5, -0.5, -0.5];
     let behaviour = [-1.05f32, -2.15, -0.3, -0.1, -0.2];
-    let c = ObjectiveConfig { eps: Some(0.2), anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Gspo, 0.0, 0.0) };
+    let c = with(ObjectiveName::Gspo, "eps = 0.2\nanchor = \"reference\"");
     let case = Case {
         lengths: &[2, 3],
         adv: &[1.0, -1.0],
@@ -290,7 +292,7 @@ fn opmd_adds_half_tau_squared_sequence_log_ratio() {
     // Two answers (2 and 1 tokens) with snapshot log-probs; sequence log-ratios S = (0.3, -0.2).
     let logp = [-1.0f32, -0.5, -2.0];
     let behaviour = [-1.1f32, -0.7, -1.8];
-    let c = ObjectiveConfig { tau: Some(0.5), anchor: Some(Anchor::Snapshot), ..cfg(ObjectiveName::Opmd, 0.0, 0.0) };
+    let c = with(ObjectiveName::Opmd, "tau = 0.5\nanchor = \"snapshot\"");
     let case =
         Case { lengths: &[2, 1], adv: &[0.5, -0.5], w: &[0.5, 0.5], behaviour: Some(&behaviour), reference: None };
     let (loss, grad, _) = run(c.build().as_ref(), &logp, &case);
@@ -326,7 +328,7 @@ fn oapl_regresses_the_scaled_sequence_log_ratio_onto_the_optimal_advantage() {
     // Two answers (1 and 2 tokens), anchor log-probs given, targets A = r - V* = (0.4, -0.6), beta2 = 0.5.
     let logp = [-1.0f32, -0.5, -0.5];
     let anchor = [-1.2f32, -0.4, -0.2];
-    let c = ObjectiveConfig { beta2: Some(0.5), anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) };
+    let c = with(ObjectiveName::Oapl, "beta2 = 0.5\nanchor = \"reference\"");
     let case = Case { lengths: &[1, 2], adv: &[0.4, -0.6], w: &[0.5, 0.5], behaviour: Some(&anchor), reference: None };
     let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
     // S = (0.2, -0.4); residuals 0.5 S - A = (-0.3, 0.4); L = 0.5 (0.09 + 0.16).
@@ -443,7 +445,7 @@ fn kl_term_pulls_towards_the_reference() {
     assert_eq!(terms.kl, 0.0);
     assert_eq!(loss, terms.pg_loss);
     assert!(!cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().needs_reference());
-    let anchored = ObjectiveConfig { anchor: Some(Anchor::Reference), ..cfg(ObjectiveName::Rec, 0.0, 0.0) }.build();
+    let anchored = with(ObjectiveName::Rec, "anchor = \"reference\"").build();
     assert!(!anchored.needs_kl() && anchored.needs_reference());
 }
 
@@ -462,20 +464,16 @@ fn a_large_log_prob_gap_gives_clipped_finite_values_never_inf_or_nan() {
     assert_all_near(&g, &[0.0, (-19f32).exp(), 1.0, 0.0], "exp_clamped gradient");
     let configs = [
         cfg(ObjectiveName::OffGrpo, 0.0, 0.1),
-        ObjectiveConfig {
-            importance_weight: Some(true),
-            clip_mode: Some(ClipMode::Ring),
-            ..cfg(ObjectiveName::Rec, 0.0, 0.1)
-        },
-        ObjectiveConfig { eps: Some(0.2), anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Gspo, 0.0, 0.1) },
-        ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Opmd, 0.0, 0.1) },
-        ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Oapl, 0.0, 0.0) },
+        with(ObjectiveName::Rec, "importance_weight = true\nclip_mode = \"ring\"\nbeta = 0.1"),
+        with(ObjectiveName::Gspo, "eps = 0.2\nanchor = \"teacher\"\nbeta = 0.1"),
+        with(ObjectiveName::Opmd, "anchor = \"teacher\"\nbeta = 0.1"),
+        with(ObjectiveName::Oapl, "anchor = \"teacher\""),
     ];
     for c in configs {
         let case = Case { behaviour: Some(&teacher), reference: Some(&reference), ..Case::tokens(&adv, &w) };
         let (loss, grad, terms) = run(c.build().as_ref(), &logp, &case);
-        assert!(loss.is_finite() && terms.kl.is_finite(), "{:?}: loss {loss}", c.name);
-        assert!(grad.iter().all(|g| g.is_finite()), "{:?}: {grad:?}", c.name);
+        assert!(loss.is_finite() && terms.kl.is_finite(), "{:?}: loss {loss}", c.name());
+        assert!(grad.iter().all(|g| g.is_finite()), "{:?}: {grad:?}", c.name());
     }
     // off_grpo: token 0 (A > 0, ratio e^20 clipped at 1.2), token 1 (A < 0: -r A = e^20, no gradient).
     let case = Case { behaviour: Some(&teacher), ..Case::tokens(&adv, &w) };
@@ -498,56 +496,47 @@ fn grpo_ratio_starts_at_one_and_sft_uses_positive_answers() {
     let (loss, grad, _) = run(sft.as_ref(), &[-0.3, -2.0], &Case::tokens(&adv, &[1.0, 0.0]));
     assert!((loss - 0.3).abs() < 1e-6 && grad == vec![-1.0, 0.0]);
     // sft_answers = "all": every teacher answer is a positive sample.
-    let all = ObjectiveConfig { sft_answers: Some(SftAnswers::All), ..cfg(ObjectiveName::Sft, 0.0, 0.0) };
+    let all = with(ObjectiveName::Sft, "sft_answers = \"all\"");
     all.validate().unwrap();
     let g = advantages(all.build().as_ref(), &[1.0, 0.0, 1.0]);
     assert_eq!((g.include, g.advantages), (vec![true; 3], vec![1.0; 3]));
-    let wrong = ObjectiveConfig { sft_answers: Some(SftAnswers::All), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) };
-    assert!(wrong.validate().unwrap_err().contains("objective.sft_answers"));
+    let wrong = try_with(ObjectiveName::Grpo, "sft_answers = \"all\"").unwrap_err();
+    assert!(wrong.contains("objective.sft_answers"), "{wrong}");
 }
 
 #[test]
 fn options_that_do_not_apply_are_rejected_by_name() {
-    let bad = |c: ObjectiveConfig, key: &str| {
-        let e = c.validate().unwrap_err();
+    let bad = |c: std::result::Result<ObjectiveConfig, String>, key: &str| {
+        let e = c.and_then(|c| c.validate()).unwrap_err();
         assert!(e.contains(&format!("objective.{key}")), "{key}: {e}");
     };
-    let c = |name| cfg(name, 0.0, 0.0);
-    bad(ObjectiveConfig { eps: Some(1.5), ..Default::default() }, "eps");
-    bad(ObjectiveConfig { bias: 0.5, ..c(ObjectiveName::Sft) }, "bias");
-    bad(ObjectiveConfig { eps: Some(0.2), ..c(ObjectiveName::Sft) }, "eps");
-    bad(ObjectiveConfig { beta: 0.1, ..c(ObjectiveName::Oapl) }, "beta");
-    bad(ObjectiveConfig { kl_estimator: Some(KlEstimator::K2), ..c(ObjectiveName::Oapl) }, "kl_estimator");
-    bad(ObjectiveConfig { clip_mode: Some(ClipMode::Ring), ..c(ObjectiveName::Grpo) }, "clip_mode");
-    bad(ObjectiveConfig { importance_weight: Some(true), ..c(ObjectiveName::OffGrpo) }, "importance_weight");
-    bad(ObjectiveConfig { tau: Some(0.1), ..c(ObjectiveName::Rec) }, "tau");
-    bad(ObjectiveConfig { baseline_shift: Some(0.1), ..c(ObjectiveName::Opmd) }, "baseline_shift");
-    bad(ObjectiveConfig { std_normalize: Some(true), ..c(ObjectiveName::Asymre) }, "std_normalize");
-    bad(ObjectiveConfig { temperature: Some(2.0), ..c(ObjectiveName::RedDrop) }, "temperature");
-    bad(ObjectiveConfig { beta1: Some(1.0), ..c(ObjectiveName::Grpo) }, "beta1");
-    bad(ObjectiveConfig { anchor: Some(Anchor::Snapshot), ..c(ObjectiveName::Asymre) }, "anchor");
-    bad(ObjectiveConfig { ratio_level: Some(RatioLevel::Sequence), ..c(ObjectiveName::Opmd) }, "ratio_level");
-    bad(ObjectiveConfig { eps_low_outer: Some(0.6), ..c(ObjectiveName::Rec) }, "eps_low_outer");
-    bad(ObjectiveConfig { anchor_every: Some(10), ..c(ObjectiveName::Grpo) }, "anchor_every");
-    bad(ObjectiveConfig { anchor_every: Some(0), ..c(ObjectiveName::Oapl) }, "anchor_every");
-    bad(ObjectiveConfig { temperature: Some(0.0), ..c(ObjectiveName::RedWeight) }, "temperature");
-    bad(
-        ObjectiveConfig { clip_mode: Some(ClipMode::Ring), eps_high_outer: Some(0.1), ..c(ObjectiveName::Rec) },
-        "eps_high_outer",
-    );
+    bad(try_with(ObjectiveName::OffGrpo, "eps = 1.5"), "eps");
+    bad(try_with(ObjectiveName::Sft, "bias = 0.5"), "bias");
+    bad(try_with(ObjectiveName::Sft, "eps = 0.2"), "eps");
+    bad(try_with(ObjectiveName::Oapl, "beta = 0.1"), "beta");
+    bad(try_with(ObjectiveName::Oapl, "kl_estimator = \"k2\""), "kl_estimator");
+    bad(try_with(ObjectiveName::Grpo, "clip_mode = \"ring\""), "clip_mode");
+    bad(try_with(ObjectiveName::OffGrpo, "importance_weight = true"), "importance_weight");
+    bad(try_with(ObjectiveName::Rec, "tau = 0.1"), "tau");
+    bad(try_with(ObjectiveName::Opmd, "baseline_shift = 0.1"), "baseline_shift");
+    bad(try_with(ObjectiveName::Asymre, "std_normalize = true"), "std_normalize");
+    bad(try_with(ObjectiveName::RedDrop, "temperature = 2.0"), "temperature");
+    bad(try_with(ObjectiveName::Grpo, "beta1 = 1.0"), "beta1");
+    bad(try_with(ObjectiveName::Asymre, "anchor = \"snapshot\""), "anchor");
+    bad(try_with(ObjectiveName::Opmd, "ratio_level = \"sequence\""), "ratio_level");
+    bad(try_with(ObjectiveName::Rec, "eps_low_outer = 0.6"), "eps_low_outer");
+    bad(try_with(ObjectiveName::Grpo, "anchor_every = 10"), "anchor_every");
+    bad(try_with(ObjectiveName::Oapl, "anchor_every = 0"), "anchor_every");
+    bad(try_with(ObjectiveName::RedWeight, "temperature = 0.0"), "temperature");
+    bad(try_with(ObjectiveName::Rec, "clip_mode = \"ring\"\neps_high_outer = 0.1"), "eps_high_outer");
     // What applies passes.
     let ok = [
-        ObjectiveConfig { eps: Some(0.6), eps_high: Some(2.0), ..c(ObjectiveName::Rec) },
-        ObjectiveConfig { clip_mode: Some(ClipMode::Ring), eps_low_outer: Some(0.6), ..c(ObjectiveName::Rec) },
-        ObjectiveConfig {
-            anchor: Some(Anchor::Snapshot),
-            anchor_every: Some(20),
-            tau: Some(0.1),
-            ..c(ObjectiveName::Opmd)
-        },
-        ObjectiveConfig { beta1: Some(1.0), beta2: Some(1e-3), anchor_every: Some(50), ..c(ObjectiveName::Oapl) },
-        ObjectiveConfig { ratio_level: Some(RatioLevel::Sequence), bias: 0.5, beta: 0.1, ..c(ObjectiveName::Grpo) },
-        ObjectiveConfig { loss_agg: Some(LossAgg::TokenMean), beta: 0.1, ..c(ObjectiveName::Sft) },
+        with(ObjectiveName::Rec, "eps = 0.6\neps_high = 2.0"),
+        with(ObjectiveName::Rec, "clip_mode = \"ring\"\neps_low_outer = 0.6"),
+        with(ObjectiveName::Opmd, "anchor = \"snapshot\"\nanchor_every = 20\ntau = 0.1"),
+        with(ObjectiveName::Oapl, "beta1 = 1.0\nbeta2 = 1e-3\nanchor_every = 50"),
+        with(ObjectiveName::Grpo, "ratio_level = \"sequence\"\nbias = 0.5\nbeta = 0.1"),
+        with(ObjectiveName::Sft, "loss_agg = \"token-mean\"\nbeta = 0.1"),
     ];
     for c in ok {
         c.validate().unwrap_or_else(|e| panic!("{c:?}: {e}"));
@@ -558,7 +547,7 @@ fn options_that_do_not_apply_are_rejected_by_name() {
 fn config_parses_and_names_unknown_keys() {
     let parsed: ObjectiveConfig =
         toml::from_str("name = \"grpo\"\neps = 0.1\neps_high = 0.28\nloss_agg = \"token-mean\"").unwrap();
-    assert_eq!(parsed.name, ObjectiveName::Grpo);
+    assert_eq!(parsed.name(), ObjectiveName::Grpo);
     assert_eq!(parsed.loss_agg(), LossAgg::TokenMean);
     let parsed: ObjectiveConfig =
         toml::from_str("name = \"rec\"\nclip_mode = \"ring\"\nimportance_weight = true\nanchor = \"snapshot\"")
@@ -582,7 +571,7 @@ fn dual_clip_and_cispo_hand_computed() {
     let logp = [4f32.ln(), 4f32.ln(), 0.5f32.ln(), 2f32.ln()];
     let adv = [-1.0f32, 1.0, -1.0, -1.0];
     let w = [0.25f32; 4];
-    let dual = ObjectiveConfig { dual_clip: Some(true), ..cfg(ObjectiveName::OffGrpo, 0.0, 0.0) };
+    let dual = with(ObjectiveName::OffGrpo, "dual_clip = true");
     dual.validate().unwrap();
     assert_eq!(dual.clip_ratio_c(), Some(3.0));
     let (loss, grad, terms) = run(dual.build().as_ref(), &logp, &Case::tokens(&adv, &w));
@@ -596,7 +585,7 @@ fn dual_clip_and_cispo_hand_computed() {
     let (loss, grad, _) = run(cfg(ObjectiveName::OffGrpo, 0.0, 0.0).build().as_ref(), &logp, &Case::tokens(&adv, &w));
     assert!((loss - 0.25 * (4.0 - 1.2 + 0.8 + 2.0)).abs() < 1e-6 && (grad[0] - 1.0).abs() < 1e-6);
     // CISPO: -sg(clip(r, 0.8, 1.2)) A log pi, every token keeps its gradient -w clip(r) A.
-    let cispo = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(ObjectiveName::Cispo, 0.0, 0.0) };
+    let cispo = with(ObjectiveName::Cispo, "anchor = \"teacher\"");
     let (loss, grad, terms) = run(cispo.build().as_ref(), &logp, &Case::tokens(&adv, &w));
     let clipped = [1.2f32, 1.2, 0.8, 1.2];
     let want: f32 = (0..4).map(|i| -0.25 * clipped[i] * adv[i] * logp[i]).sum();
@@ -611,15 +600,15 @@ fn dual_clip_and_cispo_hand_computed() {
 fn scale_rewards_group_batch_and_none() {
     let r = [1.0f32, 0.0, 0.0, 0.0];
     let key = GroupKey { batch_reward_std: 2.0, ..Default::default() };
-    let with = |s| ObjectiveConfig { scale_rewards: Some(s), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) }.build();
+    let scaled = |s: &str| with(ObjectiveName::Grpo, &format!("scale_rewards = \"{s}\"")).build();
     let group_std = 0.5f64; // unbiased std of [1, 0, 0, 0]
-    let a = with(ScaleRewards::Group).advantages(&r, &key).advantages;
+    let a = scaled("group").advantages(&r, &key).advantages;
     assert!((a[0] as f64 - 0.75 / (group_std + 1e-6)).abs() < 1e-5, "{a:?}");
-    let a = with(ScaleRewards::Batch).advantages(&r, &key).advantages;
+    let a = scaled("batch").advantages(&r, &key).advantages;
     assert!((a[0] as f64 - 0.75 / (2.0 + 1e-6)).abs() < 1e-6 && (a[1] as f64 + 0.25 / 2.0).abs() < 1e-6, "{a:?}");
-    assert_eq!(with(ScaleRewards::None).advantages(&r, &key).advantages, vec![0.75, -0.25, -0.25, -0.25]);
+    assert_eq!(scaled("none").advantages(&r, &key).advantages, vec![0.75, -0.25, -0.25, -0.25]);
     // std_normalize is scale_rewards' older name: true is "group", false "none".
-    let old = ObjectiveConfig { std_normalize: Some(false), ..cfg(ObjectiveName::Grpo, 0.0, 0.0) };
+    let old = with(ObjectiveName::Grpo, "std_normalize = false");
     assert_eq!(old.scale_rewards(), ScaleRewards::None);
     assert_eq!(cfg(ObjectiveName::Cispo, 0.0, 0.0).scale_rewards(), ScaleRewards::Group);
     assert_eq!(cfg(ObjectiveName::Rec, 0.0, 0.0).scale_rewards(), ScaleRewards::None);
@@ -629,37 +618,25 @@ fn scale_rewards_group_batch_and_none() {
 fn peer_options_are_checked() {
     let c = |name| cfg(name, 0.0, 0.0);
     let err = |o: ObjectiveConfig| o.validate().unwrap_err();
-    assert!(
-        err(ObjectiveConfig { clip_ratio_c: Some(3.0), ..c(ObjectiveName::Rec) }).contains("objective.clip_ratio_c")
-    );
-    assert!(err(ObjectiveConfig { dual_clip: Some(true), ..c(ObjectiveName::Cispo) }).contains("objective.dual_clip"));
-    assert!(err(ObjectiveConfig { clip_ratio_c: Some(1.0), ..c(ObjectiveName::Grpo) }).contains("must be > 1"));
-    let both = ObjectiveConfig { dual_clip: Some(false), clip_ratio_c: Some(2.0), ..c(ObjectiveName::Grpo) };
+    let refused = |name, options| try_with(name, options).unwrap_err();
+    assert!(refused(ObjectiveName::Rec, "clip_ratio_c = 3.0").contains("objective.clip_ratio_c"));
+    assert!(refused(ObjectiveName::Cispo, "dual_clip = true").contains("objective.dual_clip"));
+    assert!(err(with(ObjectiveName::Grpo, "clip_ratio_c = 1.0")).contains("must be > 1"));
+    let both = with(ObjectiveName::Grpo, "dual_clip = false\nclip_ratio_c = 2.0");
     assert!(err(both).contains("dual_clip = false"));
-    let twice = ObjectiveConfig {
-        std_normalize: Some(true),
-        scale_rewards: Some(ScaleRewards::Batch),
-        ..c(ObjectiveName::Grpo)
-    };
+    let twice = with(ObjectiveName::Grpo, "std_normalize = true\nscale_rewards = \"batch\"");
     assert!(err(twice).contains("set one"));
-    let asym = ObjectiveConfig { scale_rewards: Some(ScaleRewards::Batch), ..c(ObjectiveName::Asymre) };
-    assert!(err(asym).contains("objective.scale_rewards"));
-    let not_norm = ObjectiveConfig { loss_scale_factor: Some(512), ..c(ObjectiveName::Grpo) };
+    assert!(refused(ObjectiveName::Asymre, "scale_rewards = \"batch\"").contains("objective.scale_rewards"));
+    let not_norm = with(ObjectiveName::Grpo, "loss_scale_factor = 512");
     assert!(err(not_norm).contains("seq-mean-token-sum-norm"));
-    let dr_grpo = ObjectiveConfig {
-        loss_agg: Some(LossAgg::SeqMeanTokenSumNorm),
-        loss_scale_factor: Some(512),
-        scale_rewards: Some(ScaleRewards::None),
-        mask_truncated: Some(true),
-        ..c(ObjectiveName::Grpo)
-    };
+    let dr_grpo = with(ObjectiveName::Grpo, "loss_agg = \"seq-mean-token-sum-norm\"\nloss_scale_factor = 512\nscale_rewards = \"none\"\nmask_truncated = true");
     dr_grpo.validate().unwrap();
     assert_eq!((dr_grpo.loss_scale_factor(1024), c(ObjectiveName::Grpo).loss_scale_factor(1024)), (512, 1024));
     let parsed: ObjectiveConfig =
         toml::from_str("name = \"cispo\"\neps_high = 0.28\nscale_rewards = \"batch\"\nmask_truncated = true").unwrap();
     parsed.validate().unwrap();
     assert_eq!(
-        (parsed.name, parsed.anchor(), parsed.loss_agg()),
+        (parsed.name(), parsed.anchor(), parsed.loss_agg()),
         (ObjectiveName::Cispo, Some(Anchor::Step), LossAgg::TokenMean)
     );
     let dual: ObjectiveConfig = toml::from_str("name = \"gspo\"\nclip_ratio_c = 10.0").unwrap();
@@ -686,15 +663,14 @@ fn sampler_correction_weights_scale_the_policy_term_only() {
         (read.pg_loss, read.kl, grad)
     };
     for name in [ObjectiveName::Grpo, ObjectiveName::Rec, ObjectiveName::Asymre, ObjectiveName::Cispo] {
-        let obj = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(name, 0.0, 0.3) };
-        let obj = if name == ObjectiveName::Asymre { cfg(name, 0.0, 0.3) } else { obj }.build();
+        let asymre = name == ObjectiveName::Asymre;
+        let obj = if asymre { cfg(name, 0.0, 0.3) } else { with(name, "anchor = \"teacher\"\nbeta = 0.3") }.build();
         let (pg, kl, grad) = run_with(obj.as_ref(), &w, Some(&c));
         let (pg_want, _, _) = run_with(obj.as_ref(), &wc, None);
         let (_, kl_want, _) = run_with(obj.as_ref(), &w, None);
         assert!(near(pg, pg_want) && near(kl, kl_want), "{name:?}: pg {pg} vs {pg_want}, kl {kl} vs {kl_want}");
         // Gradient: the policy part as with weights w c, plus the unchanged KL part beta w (1 - p_ref / p).
-        let obj_pg = ObjectiveConfig { anchor: Some(Anchor::Teacher), ..cfg(name, 0.0, 0.0) };
-        let obj_pg = if name == ObjectiveName::Asymre { cfg(name, 0.0, 0.0) } else { obj_pg }.build();
+        let obj_pg = if asymre { cfg(name, 0.0, 0.0) } else { with(name, "anchor = \"teacher\"") }.build();
         let lp = Var::from_slice(&logp, 3, &Device::Cpu).unwrap();
         let mut inputs = TokenInputs::for_sequences(&[1, 1, 1], &adv, &wc, &Device::Cpu).unwrap();
         inputs.behaviour_logp = Some(t(&[-0.7, -2.5, -1.1]));
@@ -717,7 +693,7 @@ fn entropy_bonus_hand_computed() {
     assert!(near(bonus.to_scalar::<f32>().unwrap(), -0.1 * (0.25 * 1.5 + 0.25 * 0.2 + 0.5 * 3.0)));
     let g = vals(bonus.backward().unwrap().get(h.as_tensor()).unwrap());
     assert_all_near(&g, &[-0.025, -0.025, -0.05], "d bonus / d H");
-    let bad = ObjectiveConfig { entropy_coeff: -0.1, ..Default::default() }.validate().unwrap_err();
+    let bad = with(ObjectiveName::OffGrpo, "entropy_coeff = -0.1").validate().unwrap_err();
     assert!(bad.starts_with("objective.entropy_coeff = -0.1"), "{bad}");
     let cfg: ObjectiveConfig = toml::from_str("name = \"oapl\"\nentropy_coeff = 0.01").unwrap();
     assert_eq!((cfg.validate(), cfg.entropy_coeff()), (Ok(()), 0.01));
@@ -737,7 +713,86 @@ fn top_entropy_mask_hand_computed() {
     assert_eq!(top_entropy_mask(&[1.0, 1.0, 1.0], &[3], 0.1), [1.0; 3]);
     assert_eq!(top_entropy_mask(&[], &[0], 0.5), Vec::<f32>::new());
     for q in [0.0f32, 1.5, f32::NAN] {
-        let bad = ObjectiveConfig { top_entropy_quantile: Some(q), ..Default::default() }.validate().unwrap_err();
+        let common = CommonOptions { top_entropy_quantile: Some(q), ..Default::default() };
+        let bad = ObjectiveConfig { common, ..Default::default() }.validate().unwrap_err();
         assert!(bad.starts_with("objective.top_entropy_quantile"), "{bad}");
+    }
+}
+
+/// Each objective refuses an option that only other objectives take, naming the option, the objective
+/// and its options; `bias = 0` and `beta = 0` ("off") are read for every objective.
+#[test]
+fn an_option_of_another_objective_names_the_objective_and_its_options() {
+    let common = options::fields::<CommonOptions>();
+    for name in ObjectiveName::ALL {
+        let own = name.options();
+        let others = ObjectiveName::ALL.iter().flat_map(|n| n.options().iter());
+        for key in others.filter(|k| !own.contains(k)) {
+            let e = try_with(name, &format!("{key} = 1")).unwrap_err();
+            let head = format!("objective.{key} does not apply to objective `{}` (its options: ", name.as_str());
+            assert!(e.starts_with(&head), "{e}");
+            assert!(own.iter().chain(common).all(|k| e.contains(k)), "{e}");
+        }
+        let off = with(name, "bias = 0.0\nbeta = 0");
+        assert_eq!(off, ObjectiveConfig::of(name), "{}", name.as_str());
+    }
+    assert_eq!(
+        try_with(ObjectiveName::Sft, "eps = 0.2").unwrap_err(),
+        "objective.eps does not apply to objective `sft` (its options: beta, kl_estimator, sft_answers, \
+         loss_scale_factor, mask_truncated, loss_agg, mask_zero_std, entropy_coeff, top_entropy_quantile)"
+    );
+    assert!(try_with(ObjectiveName::Oapl, "beta = 0.1").unwrap_err().contains("objective.beta does not apply"));
+    let e = try_with(ObjectiveName::Grpo, "epss = 0.1").unwrap_err();
+    assert!(e.starts_with("unknown field `epss`, expected one of `name`, `eps`, `eps_high`"), "{e}");
+}
+
+/// A config of every objective, with every option it takes set, reads back as it was written, in TOML and
+/// in JSON; so does each objective's default.
+#[test]
+fn a_config_of_every_objective_round_trips() {
+    let example = |key: &str| match key {
+        "eps" => "0.1",
+        "eps_high" => "0.3",
+        "bias" => "0.5",
+        "std_normalize" => "true",
+        "scale_rewards" => "\"batch\"",
+        "dual_clip" => "true",
+        "clip_ratio_c" => "2.0",
+        "beta" => "0.1",
+        "kl_estimator" => "\"k2\"",
+        "ratio_level" => "\"sequence\"",
+        "clip_mode" => "\"ring\"",
+        "importance_weight" => "true",
+        "eps_low_outer" => "0.6",
+        "eps_high_outer" => "2.5",
+        "tau" => "0.2",
+        "baseline_shift" => "0.2",
+        "temperature" => "0.5",
+        "beta1" => "0.5",
+        "beta2" => "0.01",
+        "anchor" => "\"snapshot\"",
+        "anchor_every" => "3",
+        "sft_answers" => "\"all\"",
+        "loss_scale_factor" => "64",
+        "mask_truncated" => "true",
+        "loss_agg" => "\"seq-mean-token-sum-norm\"",
+        "mask_zero_std" => "true",
+        "entropy_coeff" => "0.01",
+        "top_entropy_quantile" => "0.5",
+        other => panic!("no example value for {other}"),
+    };
+    let common = options::fields::<CommonOptions>();
+    for name in ObjectiveName::ALL {
+        let keys: Vec<&str> = name.options().iter().chain(common).copied().collect();
+        let text: Vec<String> = keys.iter().map(|k| format!("{k} = {}", example(k))).collect();
+        let full = with(name, &text.join("\n"));
+        for c in [full, ObjectiveConfig::of(name)] {
+            let written = toml::to_string(&c).unwrap();
+            assert_eq!(toml::from_str::<ObjectiveConfig>(&written).unwrap(), c, "{written}");
+            let json = serde_json::to_value(&c).unwrap();
+            assert_eq!(serde_json::from_value::<ObjectiveConfig>(json).unwrap(), c);
+        }
+        let written = toml::to_string(&with(name, &text.join("\n"))).unwrap();
+        assert!(keys.iter().all(|k| written.contains(&format!("\n{k} = "))), "{written}");
     }
 }

@@ -2,7 +2,9 @@ use super::*;
 use crate::data::Response;
 use crate::model::tiny::TinyShape;
 use crate::model::{random_decoder, Arch, Targets, TokenBatch};
-use crate::objective::{group_advantages, AdvantageConfig, Anchor, ObjectiveConfig, ObjectiveName};
+use crate::objective::{
+    group_advantages, AdvantageConfig, Anchor, CommonOptions, ObjectiveConfig, ObjectiveKind, PpoOptions,
+};
 use crate::train::optim::OptimConfig;
 use crate::train::step::{Reference, StepContext, TrainStep};
 use candle_core::{DType, Device};
@@ -103,7 +105,7 @@ fn rollouts_are_scored_and_carry_the_sampling_weights_log_probs() {
 }
 
 fn grpo_on_rollouts(eps: f32) -> ObjectiveConfig {
-    ObjectiveConfig { name: ObjectiveName::Grpo, anchor: Some(Anchor::Teacher), eps: Some(eps), ..Default::default() }
+    ObjectiveKind::Grpo(PpoOptions { anchor: Some(Anchor::Teacher), eps: Some(eps), ..Default::default() }).into()
 }
 
 /// With two updates per batch, the first update's ratio is 1 and the second's is pi_new / pi_behaviour,
@@ -226,7 +228,8 @@ fn the_train_config_checks_what_rollouts_need() {
 
 #[test]
 fn mask_zero_std_leaves_agreeing_groups_out_and_keeps_the_others() {
-    let oc = ObjectiveConfig { mask_zero_std: Some(true), ..Default::default() };
+    let common = CommonOptions { mask_zero_std: Some(true), ..Default::default() };
+    let oc = ObjectiveConfig { common, ..Default::default() };
     let obj = oc.build();
     let key = crate::objective::GroupKey::default();
     assert_eq!(obj.advantages(&[1.0, 1.0, 1.0], &key).include, vec![false; 3]);

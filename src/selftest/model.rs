@@ -13,7 +13,7 @@ use crate::eval::{generate, SamplingParams};
 use crate::model::tiny::TinyShape;
 use crate::model::Grads;
 use crate::model::{random_decoder, Arch, Decoder, ModelConfig, Targets, TokenBatch};
-use crate::objective::{KlEstimator, LossAgg, ObjectiveConfig, ObjectiveName};
+use crate::objective::{CommonOptions, KlEstimator, LossAgg, ObjectiveConfig, ObjectiveKind, PpoOptions};
 use crate::train::optim::{OptimConfig, Optimizer};
 use crate::train::step::TrainStep;
 
@@ -90,12 +90,13 @@ fn train_step_check(device: &Device) -> Result<Vec<Part>> {
         vote_margin: 0,
     };
     let objective = ObjectiveConfig {
-        name: ObjectiveName::OffGrpo,
-        eps: Some(0.2),
-        beta: 0.1,
-        kl_estimator: Some(KlEstimator::K3),
-        loss_agg: Some(LossAgg::SeqMeanTokenMean),
-        ..ObjectiveConfig::default()
+        kind: ObjectiveKind::OffGrpo(PpoOptions {
+            eps: Some(0.2),
+            beta: 0.1,
+            kl_estimator: Some(KlEstimator::K3),
+            ..PpoOptions::default()
+        }),
+        common: CommonOptions { loss_agg: Some(LossAgg::SeqMeanTokenMean), ..CommonOptions::default() },
     };
     let optim = OptimConfig { lr: 1e-5, ..OptimConfig::default() };
     let step = |dev: &Device, fused: bool| -> Result<(f64, f64)> {

@@ -364,12 +364,14 @@ fn unknown_key(given: &toml::Table, parsed: &serde_json::Value, prefix: &str) ->
     None
 }
 
-/// The key (as `section.key`) and value whose removal lets `table` parse: the value that serde refused.
-/// Sections composed with `flatten` report a bad value with the section's name only; this finds the key.
-fn offending_key(table: &toml::Table) -> Option<(String, toml::Value)> {
+/// The key (as `section.key`) and value whose removal lets `table` parse: the value that serde refused
+/// with `message`, trying first the keys the message names. Sections composed with `flatten` report a
+/// bad value with the section's name only; this finds the key.
+fn offending_key(table: &toml::Table, message: &str) -> Option<(String, toml::Value)> {
     let parses = |t: &toml::Table| toml::Value::Table(t.clone()).try_into::<TrainConfig>().is_ok();
     let mut leaves = Vec::new();
     collect_leaves(table, &mut Vec::new(), &mut leaves);
+    leaves.sort_by_key(|path| !message.contains(&path.join(".")));
     leaves.into_iter().find_map(|path| {
         let mut t = table.clone();
         let value = remove_leaf(&mut t, &path)?;
@@ -459,8 +461,8 @@ struct Refusal {
 
 /// The config `table` holds, or why it holds none (a value of the wrong type, an unknown key).
 fn from_table(table: &toml::Table) -> Result<TrainConfig, Refusal> {
-    let cfg: TrainConfig =
-        toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| match offending_key(table) {
+    let cfg: TrainConfig = toml::Value::Table(table.clone()).try_into().map_err(|e: toml::de::Error| {
+        match offending_key(table, e.message()) {
             Some((key, value)) => {
                 let mut message = suggest(e.message());
                 if e.message().contains("unknown field") && !message.contains("did you mean") {
@@ -469,7 +471,8 @@ fn from_table(table: &toml::Table) -> Result<TrainConfig, Refusal> {
                 Refusal { message: format!("{key} = {value}: {message}"), key: Some(key) }
             }
             None => Refusal { key: None, message: suggest(&e.to_string()) },
-        })?;
+        }
+    })?;
     let parsed = serde_json::to_value(&cfg).map_err(|e| Refusal { key: None, message: e.to_string() })?;
     match unknown_key(table, &parsed, "") {
         Some((key, message)) => Err(Refusal { key: Some(key), message }),
@@ -661,7 +664,7 @@ impl TrainConfig {
                 "objective.anchor = \"step\" (the default of `{}`) with [rollout]: the ratio to the policy at the \
                  start of each update is always 1; set objective.anchor = \"behaviour\" (the sampling policy's \
                  log-probs recorded with the rollouts)",
-                self.objective.name.as_str()
+                self.objective.name().as_str()
             )),
             Some(Anchor::Snapshot) => Err("objective.anchor = \"snapshot\" with [rollout]: the lagged policy is \
                                            rollout.sync_every; set objective.anchor = \"behaviour\""
@@ -770,7 +773,7 @@ mod tests {
         assert!(!e.contains("expected a sequence"), "{e}");
         // A bare word is still a string.
         let c = TrainConfig::parse(MIN, Path::new("c.toml"), &["objective.name=sft".into()]).unwrap();
-        assert_eq!(c.objective.name, crate::objective::ObjectiveName::Sft);
+        assert_eq!(c.objective.name(), crate::objective::ObjectiveName::Sft);
     }
 
     #[test]
@@ -781,8 +784,8 @@ mod tests {
             &["objective.beta=0.05".into(), "objective.name=sft".into(), "train.output_dir=runs/x".into()],
         )
         .unwrap();
-        assert_eq!(c.objective.beta, 0.05);
-        assert_eq!(c.objective.name, crate::objective::ObjectiveName::Sft);
+        assert_eq!(c.objective.beta(), 0.05);
+        assert_eq!(c.objective.name(), crate::objective::ObjectiveName::Sft);
         assert_eq!(c.train.output_dir, PathBuf::from("runs/x"));
         let e = TrainConfig::parse(MIN, Path::new("c.toml"), &["objective.eps=2".into()]).unwrap_err();
         assert!(e.to_string().contains("objective.eps"), "{e}");

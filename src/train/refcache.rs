@@ -599,7 +599,7 @@ mod tests {
     use crate::data::{prepare, GroupOptions, InputOptions, PrepareOptions, SequenceOptions};
     use crate::model::tiny::{write_tiny_model, TinyShape, TinySpec};
     use crate::model::Arch;
-    use crate::objective::{Anchor, ObjectiveConfig, ObjectiveName};
+    use crate::objective::{Anchor, OaplOptions, ObjectiveKind, PpoOptions};
     use crate::train::optim::OptimConfig;
     use crate::train::step::{Reference, StepContext, TrainStep};
 
@@ -652,8 +652,8 @@ mod tests {
         let groups = all_groups(&ds);
         let steps = [vec![groups[2].clone(), groups[0].clone()], vec![groups[3].clone(), groups[1].clone()]];
         let objectives = [
-            ObjectiveConfig { beta: 0.1, bias: 0.5, ..Default::default() },
-            ObjectiveConfig { anchor: Some(Anchor::Reference), name: ObjectiveName::Oapl, ..Default::default() },
+            ObjectiveKind::OffGrpo(PpoOptions { beta: 0.1, bias: 0.5, ..Default::default() }).into(),
+            ObjectiveKind::Oapl(OaplOptions { anchor: Some(Anchor::Reference), ..Default::default() }).into(),
         ];
         let optim = OptimConfig { lr: 1e-2, ..Default::default() };
         for oc in objectives {

@@ -45,52 +45,37 @@ fn with_teacher(mut groups: Vec<Group>) -> Vec<Group> {
 }
 
 fn oc(name: ObjectiveName) -> ObjectiveConfig {
-    ObjectiveConfig { name, ..Default::default() }
+    ObjectiveConfig::of(name)
+}
+
+/// The objective `name` with `options` (TOML lines), read as a config's `[objective]` section is.
+fn with(name: ObjectiveName, options: &str) -> ObjectiveConfig {
+    toml::from_str(&format!("name = \"{}\"\n{options}", name.as_str())).unwrap()
 }
 
 /// One configuration of every objective (and of the anchors and clipping modes), with a KL term where
 /// the objective takes one.
 fn every_objective() -> Vec<ObjectiveConfig> {
-    use crate::objective::{Anchor, ClipMode, RatioLevel};
-    let kl = |c: ObjectiveConfig| ObjectiveConfig { beta: 0.1, ..c };
+    use ObjectiveName as N;
     vec![
-        kl(ObjectiveConfig { bias: 0.5, ..oc(ObjectiveName::OffGrpo) }),
-        kl(ObjectiveConfig {
-            bias: 0.5,
-            eps: Some(0.1),
-            eps_high: Some(0.3),
-            anchor: Some(Anchor::Reference),
-            loss_agg: Some(LossAgg::TokenMean),
-            ..oc(ObjectiveName::Grpo)
-        }),
-        ObjectiveConfig { anchor: Some(Anchor::Snapshot), eps: Some(0.05), ..oc(ObjectiveName::Gspo) },
-        kl(ObjectiveConfig {
-            clip_mode: Some(ClipMode::Ring),
-            importance_weight: Some(true),
-            anchor: Some(Anchor::Reference),
-            ..oc(ObjectiveName::Rec)
-        }),
-        ObjectiveConfig {
-            clip_mode: Some(ClipMode::TwoSide),
-            anchor: Some(Anchor::Snapshot),
-            ratio_level: Some(RatioLevel::Sequence),
-            ..oc(ObjectiveName::Rec)
-        },
-        ObjectiveConfig { eps: Some(0.6), eps_high: Some(2.0), ..oc(ObjectiveName::Rec) },
-        kl(ObjectiveConfig { anchor: Some(Anchor::Snapshot), tau: Some(0.5), ..oc(ObjectiveName::Opmd) }),
-        kl(oc(ObjectiveName::Asymre)),
-        ObjectiveConfig { loss_agg: Some(LossAgg::SeqMeanTokenSum), ..oc(ObjectiveName::RedDrop) },
-        kl(ObjectiveConfig { std_normalize: Some(true), ..oc(ObjectiveName::RedWeight) }),
-        ObjectiveConfig { beta2: Some(0.05), ..oc(ObjectiveName::Oapl) },
-        ObjectiveConfig { anchor: Some(Anchor::Teacher), ..oc(ObjectiveName::Oapl) },
-        kl(ObjectiveConfig { loss_agg: Some(LossAgg::SeqMeanTokenSumNorm), ..oc(ObjectiveName::Sft) }),
-        kl(ObjectiveConfig { anchor: Some(Anchor::Reference), ..oc(ObjectiveName::Cispo) }),
-        ObjectiveConfig {
-            anchor: Some(Anchor::Snapshot),
-            clip_ratio_c: Some(1.5),
-            scale_rewards: Some(crate::objective::ScaleRewards::Batch),
-            ..oc(ObjectiveName::Grpo)
-        },
+        with(N::OffGrpo, "bias = 0.5\nbeta = 0.1"),
+        with(
+            N::Grpo,
+            "bias = 0.5\neps = 0.1\neps_high = 0.3\nanchor = \"reference\"\nloss_agg = \"token-mean\"\nbeta = 0.1",
+        ),
+        with(N::Gspo, "anchor = \"snapshot\"\neps = 0.05"),
+        with(N::Rec, "clip_mode = \"ring\"\nimportance_weight = true\nanchor = \"reference\"\nbeta = 0.1"),
+        with(N::Rec, "clip_mode = \"two-side\"\nanchor = \"snapshot\"\nratio_level = \"sequence\""),
+        with(N::Rec, "eps = 0.6\neps_high = 2.0"),
+        with(N::Opmd, "anchor = \"snapshot\"\ntau = 0.5\nbeta = 0.1"),
+        with(N::Asymre, "beta = 0.1"),
+        with(N::RedDrop, "loss_agg = \"seq-mean-token-sum\""),
+        with(N::RedWeight, "std_normalize = true\nbeta = 0.1"),
+        with(N::Oapl, "beta2 = 0.05"),
+        with(N::Oapl, "anchor = \"teacher\""),
+        with(N::Sft, "loss_agg = \"seq-mean-token-sum-norm\"\nbeta = 0.1"),
+        with(N::Cispo, "anchor = \"reference\"\nbeta = 0.1"),
+        with(N::Grpo, "anchor = \"snapshot\"\nclip_ratio_c = 1.5\nscale_rewards = \"batch\""),
     ]
 }
 
@@ -226,7 +211,7 @@ fn a_packed_step_updates_the_weights_as_a_padded_one() {
     let (a, mut b, before) = (make(), make(), params(&make()));
     b.options.checkpoint_layers = true;
     let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0, 1.0]), group(1, &[0.0, 1.0, 1.0])];
-    let obj = ObjectiveConfig { loss_agg: Some(LossAgg::SeqMeanTokenMean), beta: 0.1, ..oc(ObjectiveName::Grpo) };
+    let obj = with(ObjectiveName::Grpo, "loss_agg = \"seq-mean-token-mean\"\nbeta = 0.1");
     let optim =
         crate::train::optim::OptimConfig { name: crate::train::optim::OptimName::Sgd, lr: 0.5, ..Default::default() };
     let reference = random_decoder(cfg.clone(), 6, DType::F32, &Device::Cpu, false).unwrap();
@@ -296,7 +281,7 @@ fn cached_reference_logprobs_give_the_reference_models_loss_and_gradients() {
             let name = format!("{oc:?} micro {micro}");
             let close = |a: f64, b: f64| (a - b).abs() <= tol * a.abs().max(1.0);
             assert!(close(sa.loss, sb.loss) && close(sa.kl, sb.kl), "{name}: {sa:?} vs {sb:?}");
-            assert!(sa.loss != 0.0 && (oc.beta == 0.0 || sa.kl != 0.0), "{name}: trivial loss {sa:?}");
+            assert!(sa.loss != 0.0 && (oc.beta() == 0.0 || sa.kl != 0.0), "{name}: trivial loss {sa:?}");
             for (a, b) in ga.grads.iter().zip(&gb.grads) {
                 let (a, b) = (values(a.as_ref().unwrap()), values(b.as_ref().unwrap()));
                 let scale = a.iter().map(|x| x.abs()).fold(1e-3f32, f32::max).max(1.0);
@@ -310,7 +295,7 @@ fn cached_reference_logprobs_give_the_reference_models_loss_and_gradients() {
     // Fewer cached values than answer tokens is an error, not a silent zero.
     let short: Vec<Vec<Vec<f32>>> = vec![vec![vec![-1.0]; 4]; 2];
     let anchors = Anchors { reference: Reference::Logprobs(&short), snapshot: None };
-    let kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
+    let kl = with(ObjectiveName::OffGrpo, "beta = 0.1");
     let batch = build_batch(&groups, kl.build().as_ref(), Aggregation::of(&kl, 32), ctx);
     let e =
         compute_gradients(&policy, anchors, kl.build().as_ref(), EntropyTerms::NONE, &batch, (Batching::Answers(2), 0))
@@ -327,7 +312,7 @@ fn a_step_updates_the_policy_and_needs_a_reference_exactly_with_kl() {
     let policy = random_decoder(cfg, 3, DType::F32, &Device::Cpu, true).unwrap();
     let reference = policy.frozen_copy().unwrap();
     let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0])];
-    let with_kl = ObjectiveConfig { beta: 0.1, ..Default::default() };
+    let with_kl = with(ObjectiveName::OffGrpo, "beta = 0.1");
     let optim = crate::train::optim::OptimConfig { lr: 1e-2, ..Default::default() };
     let mut step = TrainStep::new(&with_kl, &optim, &policy, 2, 32, 0).unwrap();
     assert!(step.needs_reference());
@@ -342,7 +327,7 @@ fn a_step_updates_the_policy_and_needs_a_reference_exactly_with_kl() {
     assert!(no_kl.run(&policy, Some(&reference), &groups, 1e-2).is_err());
     assert_eq!(no_kl.run(&policy, None, &groups, 1e-2).unwrap().stats.kl, 0.0);
     // The reference as anchor, without a KL term: loaded, but no KL.
-    let anchored = ObjectiveConfig { anchor: Some(crate::objective::Anchor::Reference), ..oc(ObjectiveName::Oapl) };
+    let anchored = with(ObjectiveName::Oapl, "anchor = \"reference\"");
     let mut step = TrainStep::new(&anchored, &optim, &policy, 2, 32, 0).unwrap();
     assert!(step.needs_reference());
     let report = step.run(&policy, Some(&reference), &groups, 1e-2).unwrap();
@@ -355,7 +340,7 @@ fn a_step_updates_the_policy_and_needs_a_reference_exactly_with_kl() {
 fn the_entropy_bonus_gradient_agrees_with_finite_differences() {
     let [policy, _, _] = tiny_models();
     let groups = vec![group(0, &[1.0, 0.0, 1.0]), group(1, &[0.0, 1.0])];
-    let cfg = ObjectiveConfig { entropy_coeff: 0.5, ..oc(ObjectiveName::Grpo) };
+    let cfg = with(ObjectiveName::Grpo, "entropy_coeff = 0.5");
     assert_eq!(cfg.validate(), Ok(()));
     let obj = cfg.build();
     let batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
@@ -410,7 +395,7 @@ fn the_entropy_bonus_gradient_agrees_with_finite_differences() {
 fn the_high_entropy_mask_keeps_each_answers_top_tokens_in_the_policy_loss() {
     let [policy, reference, _] = tiny_models();
     let groups = vec![group(0, &[1.0, 0.0, 1.0]), group(1, &[0.0, 1.0])];
-    let cfg = ObjectiveConfig { top_entropy_quantile: Some(0.3), beta: 0.1, ..oc(ObjectiveName::Grpo) };
+    let cfg = with(ObjectiveName::Grpo, "top_entropy_quantile = 0.3\nbeta = 0.1");
     let obj = cfg.build();
     let mut batch = build_batch(&groups, obj.as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
     let anchors = Anchors { reference: Reference::Model(&reference), snapshot: None };
@@ -455,7 +440,7 @@ fn the_snapshot_anchor_is_the_policy_at_the_last_multiple_of_anchor_every() {
         .unwrap();
     let policy = random_decoder(cfg, 4, DType::F32, &Device::Cpu, true).unwrap();
     let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0])];
-    let oapl = ObjectiveConfig { anchor_every: Some(2), beta2: Some(0.1), ..oc(ObjectiveName::Oapl) };
+    let oapl = with(ObjectiveName::Oapl, "anchor_every = 2\nbeta2 = 0.1");
     let optim = crate::train::optim::OptimConfig { lr: 1e-2, ..Default::default() };
     let mut step = TrainStep::new(&oapl, &optim, &policy, 2, 32, 0).unwrap();
     assert_eq!(step.snapshot_every(), Some(2));
@@ -503,12 +488,7 @@ fn mask_truncated_and_batch_scaling_act_on_the_whole_batch() {
     let mut groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0, 1.0, 1.0, 0.0])];
     groups[0].responses[0].truncated = true;
     groups[1].responses[3].truncated = true;
-    let cfg = ObjectiveConfig {
-        mask_truncated: Some(true),
-        scale_rewards: Some(crate::objective::ScaleRewards::Batch),
-        loss_agg: Some(LossAgg::TokenMean),
-        ..oc(ObjectiveName::Grpo)
-    };
+    let cfg = with(ObjectiveName::Grpo, "mask_truncated = true\nscale_rewards = \"batch\"\nloss_agg = \"token-mean\"");
     let b = build_batch(&groups, cfg.build().as_ref(), Aggregation::of(&cfg, 32), StepContext::default());
     assert_eq!((b.seqs.len(), b.rewards.masked_truncated), (6, 2));
     assert!(b.seqs.iter().all(|s| s.origin != (0, 0) && s.origin != (1, 3)));
@@ -520,14 +500,14 @@ fn mask_truncated_and_batch_scaling_act_on_the_whole_batch() {
     // Token-mean over the kept answers' tokens only.
     let tokens: usize = b.seqs.iter().map(|s| s.response.len()).sum();
     assert!(b.seqs.iter().all(|s| (s.weight - 1.0 / tokens as f32).abs() < 1e-9));
-    let off = ObjectiveConfig { loss_agg: Some(LossAgg::TokenMean), ..oc(ObjectiveName::Grpo) };
+    let off = with(ObjectiveName::Grpo, "loss_agg = \"token-mean\"");
     let b = build_batch(&groups, off.build().as_ref(), Aggregation::of(&off, 32), StepContext::default());
     assert_eq!((b.seqs.len(), b.rewards.masked_truncated), (8, 0));
 }
 
 #[test]
 fn batch_statistics_and_weights() {
-    let oc = ObjectiveConfig { bias: 0.5, ..Default::default() };
+    let oc = with(ObjectiveName::OffGrpo, "bias = 0.5");
     let obj = oc.build();
     let groups = vec![group(0, &[1.0, 0.0, 1.0, 0.0]), group(1, &[1.0; 4])];
     let b = build_batch(&groups, obj.as_ref(), plain(LossAgg::SeqMeanTokenMean), StepContext::default());
