@@ -55,7 +55,8 @@ pub struct ModelSection {
     /// (the default) recomputes it with the layer.
     pub recompute_attention: bool,
     /// Memory budget (MiB) of one chunk of logits in the log-prob op; 0 (the default) sizes it from the
-    /// device: an eighth of a GPU's free memory within 1-8 GiB, 64 MiB on the CPU.
+    /// device: on a GPU an eighth of the memory the plan leaves free when the head runs, within 1-8 GiB,
+    /// 64 MiB on the CPU (decided before the model loads and logged).
     pub logprob_chunk_mb: usize,
     /// Keep the log-prob head's logits from the forward for the backward (`scored tokens x vocab` in the
     /// model's dtype a micro-batch: 5 GB for 16k tokens of a 152k vocabulary in bf16) instead of
@@ -73,7 +74,7 @@ pub struct ModelSection {
     /// training; false computes them on the fly each step.
     pub cache_reference: bool,
     /// How attention is computed with fused ops: "auto" (the default: on a GPU the fastest of wgmma and
-    /// mma that passes a check against flash's chunked path on that device at the first attention, else
+    /// mma that passes a check against flash's chunked path on that device before the model loads, else
     /// flash; the choice is logged), "flash" (block by block, memory linear in the length), "mma" (flash on a GPU's tensor cores with the scores in registers, for bf16/f16 at
     /// head dim 64 or 128; elsewhere flash), "wgmma" (as mma, through Hopper's warpgroup wgmma kernels
     /// on an H100/H200, compute capability 9.0; elsewhere mma) or "matrix" (through each head's [T, T]

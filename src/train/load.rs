@@ -5,19 +5,21 @@ use super::*;
 
 /// Load the policy (from the checkpoint when resuming), the reference when the objective needs one (its
 /// KL term, or the reference as its anchor) unless its log-probs are in `ref_cache`, the tokenizer and the
-/// training step. The policy computes with the decoder options `memory_plan` resolved.
+/// training step. The policy (and the reference) compute with `decoder`, the options resolved from
+/// `memory_plan` ([`plan::decoder_options`]).
 pub(super) fn load_run<'a>(
     cfg: &'a TrainConfig,
     model_dir: PathBuf,
     resume_from: Option<&Path>,
     ref_cache: Option<refcache::ReferenceCache>,
     memory_plan: crate::cost::memory::Plan,
+    decoder: model::DecoderOptions,
 ) -> Result<Run<'a>, TrainError> {
     let device = model::open_device(cfg.model.device)?;
     let dtype = cfg.model.dtype.dtype();
     let save_dtype = cfg.train.save_dtype.map(DTypeName::dtype);
     let mut policy = load_policy(cfg, &model_dir, resume_from, (dtype, &device))?;
-    policy.options = plan::decoder_options(cfg, &memory_plan);
+    policy.options = decoder;
     log_attention_fallback(&policy, dtype, &device);
     log_lora(&policy);
     let tok = ChatTokenizer::load(&model_dir).map_err(ModelError::from)?;

@@ -752,6 +752,8 @@ fn generate_in(cfg: &TrainConfig, world: &World, roles: &crate::dist::Roles) -> 
         let invalid = |e: TrainError| crate::rollout::RolloutError::Invalid(e.to_string());
         let mut policy = load_policy(cfg, dir, None, (dtype, &device)).map_err(invalid)?;
         policy.options = cfg.model.decoder_options();
+        let head_dim = policy.config().head_dim;
+        policy.options.resolve_attention(&device, dtype, head_dim).map_err(|e| invalid(e.into()))?;
         let tok = ChatTokenizer::load(dir).map_err(ModelError::from)?;
         Ok((policy, tok))
     };
@@ -797,6 +799,7 @@ fn train_in(
     }
     check_weights(cfg, &model_dir)?;
     let memory_plan = plan::check_plan(cfg, &model_dir, opts.device_memory, world.size() as u64)?;
+    let decoder = plan::decoder_options(cfg, &memory_plan)?;
     if primary {
         write_config(cfg, resumed.as_ref().map(|(_, s)| s.step))?;
     }
@@ -817,11 +820,11 @@ fn train_in(
     };
     drop(checkpoint_hold);
     let ref_cache = match &dataset {
-        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, stop, &world)?,
+        GroupSource::Prepared(prepared) => refcache::for_run(cfg, &model_dir, prepared, &decoder, stop, &world)?,
         GroupSource::Questions(_) => None,
     };
     let resume_from = resumed.as_ref().map(|(ck, _)| ck.as_path());
-    let mut run = load_run(cfg, model_dir, resume_from, ref_cache, memory_plan)?;
+    let mut run = load_run(cfg, model_dir, resume_from, ref_cache, memory_plan, decoder)?;
     run.step.share_with(world.clone())?;
     if let Some(r) = &mut run.rollouts {
         r.share_with(world.clone());

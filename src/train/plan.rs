@@ -87,8 +87,7 @@ pub fn model_config(cfg: &TrainConfig) -> Result<ModelConfig, ModelError> {
 }
 
 /// Refuse a run whose memory plan exceeds its device's memory, before any weight is loaded; the plan
-/// when it fits. Its "auto" settings (`model.keep_logits`) are logged here, and the run builds its model
-/// with them ([`decoder_options`]).
+/// when it fits. The run builds its models with the "auto" settings it decided ([`decoder_options`]).
 pub(super) fn check_plan(
     cfg: &TrainConfig,
     model_dir: &Path,
@@ -110,7 +109,96 @@ pub(super) fn check_plan(
     Ok(plan)
 }
 
-/// The decoder options of the run's policy: `model.*` with what the plan decided for "auto".
-pub(super) fn decoder_options(cfg: &TrainConfig, plan: &Plan) -> model::DecoderOptions {
-    model::DecoderOptions { keep_logits: plan.keep_logits, ..cfg.model.decoder_options() }
+/// The decoder options of the run's policy, its reference and its reference cache: `model.*` with every
+/// "auto" decided once, before any model is built, and logged: `keep_logits` and the log-prob chunk
+/// (`logprob_chunk_mb = 0`: sized from the device's memory) as the plan counted them, `attention` by the
+/// kernels' start-up check on the run's device ([`model::DecoderOptions::resolve_attention`]).
+pub(super) fn decoder_options(cfg: &TrainConfig, plan: &Plan) -> Result<model::DecoderOptions, TrainError> {
+    let mut options = planned_options(cfg, plan);
+    let device = model::open_device(cfg.model.device)?;
+    let attention = options.resolve_attention(&device, cfg.model.dtype.dtype(), plan.input.model.head_dim)?;
+    tracing::info!("{}", decided(cfg, &options, attention));
+    Ok(options)
+}
+
+/// `model.*`'s decoder options with what `plan` decided: `keep_logits` and the log-prob chunk.
+fn planned_options(cfg: &TrainConfig, plan: &Plan) -> model::DecoderOptions {
+    model::DecoderOptions {
+        keep_logits: plan.keep_logits,
+        logprob_chunk_bytes: plan.logprob_chunk_bytes as usize,
+        ..cfg.model.decoder_options()
+    }
+}
+
+/// The log line of the decoder options [`decoder_options`] decided.
+fn decided(cfg: &TrainConfig, options: &model::DecoderOptions, attention: Option<Attention>) -> String {
+    let m = &cfg.model;
+    let auto = |is_auto: bool| if is_auto { " (auto)" } else { "" };
+    let attention = match attention {
+        Some(a) => format!("{a:?} (auto)"),
+        None => format!("{:?}", options.attention),
+    };
+    format!(
+        "decoder: attention {}, log-prob chunk {} MiB{}, keep_logits {}{}",
+        attention.to_lowercase(),
+        options.logprob_chunk_bytes >> 20,
+        auto(m.logprob_chunk_mb == 0),
+        options.keep_logits,
+        auto(m.keep_logits.is_none()),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device::DeviceName;
+
+    fn config(device: &str) -> TrainConfig {
+        let text = format!(
+            "[model]\npath = \"m\"\ndtype = \"bf16\"\ndevice = \"{device}\"\n[data]\ninputs = [\"x.jsonl\"]\n\
+             max_prompt_tokens = 512\nmax_response_tokens = 4096\n[train]\nmicro_batch_size = 2\n"
+        );
+        TrainConfig::parse(&text, Path::new("c.toml"), &[]).unwrap()
+    }
+
+    fn shape() -> ModelConfig {
+        let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("configs/models/qwen2.5-7b-instruct.config.json");
+        ModelConfig::from_file(&p).unwrap()
+    }
+
+    /// A GPU run's device-sized log-prob chunk and its "auto" keep_logits are the plan's, so the run
+    /// computes with what the plan counted; on the CPU the chunk is what the log-prob op sizes there.
+    #[test]
+    fn the_runs_decoder_options_are_the_plans_decisions() {
+        let mut cfg = config("cuda");
+        assert_eq!(cfg.model.device, DeviceName::Cuda(None));
+        for memory in [80_000_000_000u64, 141_000_000_000] {
+            let plan = cfg.memory_plan(&shape(), Some(memory), 1);
+            let o = planned_options(&cfg, &plan);
+            assert_eq!(o.logprob_chunk_bytes as u64, plan.logprob_chunk_bytes);
+            assert!((1 << 30..=8 << 30).contains(&o.logprob_chunk_bytes), "{}", o.logprob_chunk_bytes);
+            assert_eq!(o.keep_logits, plan.keep_logits);
+        }
+        cfg.model.logprob_chunk_mb = 256;
+        assert_eq!(
+            planned_options(&cfg, &cfg.memory_plan(&shape(), Some(80_000_000_000), 1)).logprob_chunk_bytes,
+            256 << 20
+        );
+        let cpu = config("cpu");
+        let o = planned_options(&cpu, &cpu.memory_plan(&shape(), None, 1));
+        assert_eq!(o.logprob_chunk_bytes, crate::kernels::logprob_chunk_bytes(&candle_core::Device::Cpu).unwrap());
+        assert!(!o.keep_logits);
+    }
+
+    #[test]
+    fn the_decisions_are_logged_with_what_was_auto() {
+        let cfg = config("cpu");
+        let plan = cfg.memory_plan(&shape(), None, 1);
+        let o = decoder_options(&cfg, &plan).unwrap();
+        assert_eq!(o.attention, Attention::Flash);
+        assert_eq!(
+            decided(&cfg, &o, Some(Attention::Flash)),
+            "decoder: attention flash (auto), log-prob chunk 64 MiB (auto), keep_logits false (auto)"
+        );
+    }
 }

@@ -570,12 +570,14 @@ pub fn reference_dir(cfg: &TrainConfig, model_dir: &Path) -> Result<PathBuf, Tra
     }
 }
 
-/// The reference cache of a run (computed when missing or stale, by `world`'s ranks together), or `None`
-/// when the run reads no reference or scores it on the fly ([`reference_is_cacheable`]).
+/// The reference cache of a run (computed when missing or stale, by `world`'s ranks together, with the
+/// run's `decoder` options), or `None` when the run reads no reference or scores it on the fly
+/// ([`reference_is_cacheable`]).
 pub fn for_run(
     cfg: &TrainConfig,
     model_dir: &Path,
     dataset: &PreparedDataset,
+    decoder: &DecoderOptions,
     stop: &AtomicBool,
     world: &World,
 ) -> Result<Option<ReferenceCache>, TrainError> {
@@ -586,7 +588,7 @@ pub fn for_run(
         dtype: cfg.model.dtype.dtype(),
         device: model::open_device(cfg.model.device)?,
         batch: cfg.train.micro_batch_size,
-        decoder: DecoderOptions { checkpoint_layers: false, ..cfg.model.decoder_options() },
+        decoder: DecoderOptions { checkpoint_layers: false, ..decoder.clone() },
     };
     let (cache, _) = ReferenceCache::ensure(dataset, &reference_dir(cfg, model_dir)?, &opts, Some(stop), world)?;
     tracing::info!("reference log-probs from {}: no reference model loaded", cache.path().display());

@@ -32,6 +32,17 @@ pub enum Attention {
     Auto,
 }
 
+impl Attention {
+    /// The setting that runs `kernels` (their `atomic_dq` is `deterministic_attention`'s).
+    fn running(kernels: GpuKernels) -> Self {
+        match kernels {
+            GpuKernels::TensorCores { warpgroup: true, .. } => Attention::Wgmma,
+            GpuKernels::TensorCores { warpgroup: false, .. } => Attention::Mma,
+            GpuKernels::Chunked => Attention::Flash,
+        }
+    }
+}
+
 /// Options that change how (not what) the decoder computes.
 #[derive(Debug, Clone)]
 pub struct DecoderOptions {
@@ -70,6 +81,24 @@ impl DecoderOptions {
             && crate::kernels::tensor_core_attention(dtype, head_dim)
     }
 
+    /// `attention = "auto"` decided for weights of `dtype` at head dim `head_dim` on `device`: the kernels
+    /// that pass the start-up check there ([`crate::kernels::auto_kernels`]: `wgmma` or `mma` on a GPU whose
+    /// kernels pass it, `flash` otherwise and on the CPU), named as the setting that runs them. Any other
+    /// setting is left as it is. Returns what was decided (`None`: nothing was "auto").
+    pub fn resolve_attention(
+        &mut self,
+        device: &candle_core::Device,
+        dtype: DType,
+        head_dim: usize,
+    ) -> candle_core::Result<Option<Attention>> {
+        if self.attention != Attention::Auto {
+            return Ok(None);
+        }
+        let kernels = crate::kernels::auto_kernels(device, dtype, head_dim, !self.deterministic_attention)?;
+        self.attention = Attention::running(kernels);
+        Ok(Some(self.attention))
+    }
+
     /// The kernels flash attention runs on a GPU.
     pub fn gpu_kernels(&self) -> GpuKernels {
         match self.attention {
@@ -92,5 +121,44 @@ impl Default for DecoderOptions {
             attention: Attention::Auto,
             deterministic_attention: true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The setting "auto" is resolved to runs the kernels the check chose, for either backward.
+    #[test]
+    fn an_auto_decision_runs_the_kernels_it_names() {
+        for deterministic_attention in [true, false] {
+            let atomic_dq = !deterministic_attention;
+            for kernels in [
+                GpuKernels::Chunked,
+                GpuKernels::TensorCores { atomic_dq, warpgroup: false },
+                GpuKernels::TensorCores { atomic_dq, warpgroup: true },
+            ] {
+                let o = DecoderOptions {
+                    attention: Attention::running(kernels),
+                    deterministic_attention,
+                    ..Default::default()
+                };
+                assert_ne!(o.attention, Attention::Auto);
+                assert_eq!(o.gpu_kernels(), kernels);
+            }
+        }
+    }
+
+    /// On the CPU "auto" is flash attention (what it ran there before it was resolved up front); a
+    /// setting that is not "auto" stays.
+    #[test]
+    fn auto_attention_resolves_to_flash_on_the_cpu() {
+        let cpu = candle_core::Device::Cpu;
+        let mut o = DecoderOptions::default();
+        assert_eq!(o.resolve_attention(&cpu, DType::BF16, 64).unwrap(), Some(Attention::Flash));
+        assert_eq!(o.attention, Attention::Flash);
+        let mut mma = DecoderOptions { attention: Attention::Mma, ..Default::default() };
+        assert_eq!(mma.resolve_attention(&cpu, DType::BF16, 64).unwrap(), None);
+        assert_eq!(mma.attention, Attention::Mma);
     }
 }
