@@ -95,7 +95,7 @@ done
 # The plans: the same text from both binaries.
 plans=0
 differing=0
-for c in $(find configs -name '*.toml' | sort); do
+for c in $(find configs -name '*.toml' ! -path 'configs/devices/*' | sort); do
     for shape in configs/models/*.json; do
         for memory in 80GiB 16GiB 1GiB; do
             for world in 1 4; do

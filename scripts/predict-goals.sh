@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The performance model's predictions for issue 41's goals, for this build and for the build the
-# 2026-11-26 H100 run measured (--measured-build 2026-11-26), on the shapes the H100 runs measured: the 0.5B
+# 2026-11-26 H100 run measured (--measured-build benches/results/builds/2026-11-26.toml), on the shapes the H100 runs measured: the 0.5B
 # shape at 8 answers of 1,024 and 4,096 tokens and 4 of 16,384 (reference forward, micro-batch 1, bf16),
 # and the seed's 7B step (2,048 + 16,384 tokens, layers recomputed, optimizer offloaded) at 4 and 8 answers
 # (the seed's), and the seed config as it ships (attention outputs kept). Prints one line per point: step
 # seconds and MFU on the H100 SXM, the measured step where there is one (the 2026-11-27b run's build,
 # benches/results/gpu-2026-11-27b-h100.jsonl, and its 7B step at 8 answers with attention kept,
-# gpu-2026-11-27c-h100.jsonl, predicted as that build ran: --measured-build 2026-11-27b), and the ratio to PyTorch eager as the 2026-11-27b run measured it (1.053 s
+# gpu-2026-11-27c-h100.jsonl, predicted as that build ran: --measured-build benches/results/builds/2026-11-27b.toml), and the ratio to PyTorch eager as the 2026-11-27b run measured it (1.053 s
 # at 1,024, 0.906 s at 4,096, 1.728 s at 4 x 16,384).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,9 +23,9 @@ print(f'{\"$label\":46s} {h[\"step_time_s\"]:8.3f} s  MFU {100 * h[\"mfu\"]:5.1f
 }
 small="--shape scripts/gpu/shapes/qwen2.5-0.5b.json --prompt-len 128 --micro-batch 1 --logprob-chunk-mb 1024"
 seven="--shape configs/models/qwen2.5-7b-instruct.config.json --seq-len 18432 --prompt-len 2048 --micro-batch 1 --checkpoint-layers --offload --no-reference"
-for build in "2026-11-26 build:--measured-build 2026-11-26 --attention flash:- - - - -" \
-    "2026-11-26 build (wgmma):--measured-build 2026-11-26 --attention wgmma:- - - - -" \
-    "2026-11-27b build:--measured-build 2026-11-27b:0.387 0.752 1.863 - -" "this build, logits recomputed::- - - - -"; do
+for build in "2026-11-26 build:--measured-build benches/results/builds/2026-11-26.toml --attention flash:- - - - -" \
+    "2026-11-26 build (wgmma):--measured-build benches/results/builds/2026-11-26.toml --attention wgmma:- - - - -" \
+    "2026-11-27b build:--measured-build benches/results/builds/2026-11-27b.toml:0.387 0.752 1.863 - -" "this build, logits recomputed::- - - - -"; do
   name=${build%%:*}; rest=${build#*:}; flags=${rest%%:*}; read -r m1 m4 m16 m7 m7x8 <<<"${rest#*:}"
   predict "0.5B 8 x 1024, $name" 1.053 "$m1" $small --answers 8 --seq-len 1024 $flags
   predict "0.5B 8 x 4096, $name" 0.906 "$m4" $small --answers 8 --seq-len 4096 $flags
@@ -42,5 +42,5 @@ predict "0.5B 4 x 16384, this build, logits kept" 1.728 - $small --answers 4 --s
 # The seed config as it ships now (each layer's attention output kept: recompute_attention = false), at the
 # 8 answers the next GPU run measures (scripts/gpu/next-run.sh).
 predict "7B seed step 4 x 18,432, attention kept" - - $seven --answers 4 --keep-attention
-predict "7B seed step 8 x 18,432, attention kept, 2026-11-27b build" - 24.163 $seven --answers 8 --keep-attention --measured-build 2026-11-27b
+predict "7B seed step 8 x 18,432, attention kept, 2026-11-27b build" - 24.163 $seven --answers 8 --keep-attention --measured-build benches/results/builds/2026-11-27b.toml
 predict "7B seed step 8 x 18,432, attention kept" - - $seven --answers 8 --keep-attention

@@ -1,8 +1,8 @@
-//! The performance model against what it was calibrated on (src/cost/calibration.rs): every committed
-//! H100 train step (benches/results/gpu-*-h100.jsonl) predicted within 25% by `grpo bench train-step
-//! --predict-only` with the same settings; and the tensors candle makes in a step, counted by `grpo bench
-//! train-step` on the CPU, as the model counts them (so a change to the step's ops that the model does not
-//! know of fails here).
+//! The performance model against what it was calibrated on (src/cost/calibration.rs): the device and build
+//! files are what scripts/calibrate.py writes from the committed results; every committed H100 train step
+//! (benches/results/gpu-*-h100.jsonl) predicted within 25% by `grpo bench train-step --predict-only` with
+//! the same settings; and the tensors candle makes in a step, counted by `grpo bench train-step` on the CPU,
+//! as the model counts them (so a change to the step's ops that the model does not know of fails here).
 
 mod common;
 
@@ -47,8 +47,22 @@ fn bench_args(r: &Value, tag: &str) -> Vec<String> {
         args.push("--composite-ops".into());
     }
     // Each step is predicted as its build ran it (its tensor ops, attention kernels, offloaded update).
-    args.extend(["--measured-build".into(), tag.into()]);
+    args.extend(["--measured-build".into(), build_file(tag).display().to_string()]);
     args
+}
+
+/// The file of benches/results/builds/ whose `tags` hold `tag` (scripts/calibrate.py's `build_file`).
+fn build_file(tag: &str) -> std::path::PathBuf {
+    let dir = common::root().join("benches/results/builds");
+    let mut files: Vec<_> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    files.sort();
+    files
+        .into_iter()
+        .find(|f| {
+            let build: toml::Table = toml::from_str(&std::fs::read_to_string(f).unwrap()).unwrap();
+            build["tags"].as_array().unwrap().iter().any(|t| t.as_str() == Some(tag))
+        })
+        .unwrap_or_else(|| panic!("no file of {} has the tag {tag:?}", dir.display()))
 }
 
 fn bench(args: &[String]) -> Value {
@@ -81,6 +95,27 @@ fn every_committed_h100_train_step_is_predicted_within_25_percent() {
         }
     }
     assert!(checked >= 4, "{checked} steps checked");
+}
+
+/// configs/devices/*.toml and benches/results/builds/*.toml are what `scripts/calibrate.py` writes from the
+/// committed GPU results with this binary's predictions (`--check` writes nothing and fails on a
+/// difference, or when the projection of this build's warpgroup rates fails its back-test).
+#[test]
+fn the_device_and_build_files_are_what_calibrate_writes() {
+    let bin = assert_cmd::cargo::cargo_bin("grpo");
+    let run = std::process::Command::new("python3")
+        .arg(common::root().join("scripts/calibrate.py"))
+        .args(["--check", "--grpo"])
+        .arg(&bin)
+        .output();
+    let out = match run {
+        Ok(out) => out,
+        Err(e) if std::env::var_os("CI").is_none() => return eprintln!("SKIPPED: python3 for calibrate.py: {e}"),
+        Err(e) => panic!("python3 for scripts/calibrate.py: {e}"),
+    };
+    let text = String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "scripts/calibrate.py --check:\n{text}");
+    assert!(text.contains("leave-one-out"), "{text}");
 }
 
 /// A small Qwen2-style shape with `layers` layers (the 0.5B's widths, a 4,096-token vocabulary).

@@ -7,12 +7,12 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-/// The shipped training configs (configs/, its model configs aside), sorted.
+/// The shipped training configs (configs/, its model configs and device files aside), sorted.
 fn shipped(dir: &Path, out: &mut Vec<PathBuf>) {
     let mut entries: Vec<PathBuf> = std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect();
     entries.sort();
     for p in entries {
-        if p.is_dir() && p.file_name().is_some_and(|n| n != "models") {
+        if p.is_dir() && p.file_name().is_some_and(|n| n != "models" && n != "devices") {
             shipped(&p, out);
         } else if p.extension().is_some_and(|e| e == "toml") {
             out.push(p);

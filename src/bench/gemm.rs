@@ -89,7 +89,7 @@ pub fn gemm(spec: &GemmSpec, t: &Timing) -> Result<Value> {
     let seconds = gemms.iter().map(|g| g.seconds).sum::<f64>();
     let flops = gemms.iter().map(|g| 2.0 * (g.m * g.k * g.n) as f64).sum::<f64>();
     // The model's time for each GEMM, at the rate of its product's shape.
-    let assumed = crate::cost::time::GPUS
+    let assumed = crate::cost::time::gpus()
         .iter()
         .map(|gpu| {
             let rate = |g: &GemmTiming| crate::cost::time::gemm_flops_per_s(g.m as f64, g.n as f64, gpu);
@@ -131,6 +131,6 @@ mod tests {
         );
         let sum: f64 = gemms.iter().map(|g| g["seconds"].as_f64().unwrap()).sum();
         assert!((r["seconds"].as_f64().unwrap() - sum).abs() < 1e-12, "{r}");
-        assert_eq!(r["assumed"].as_array().unwrap().len(), crate::cost::time::GPUS.len());
+        assert_eq!(r["assumed"].as_array().unwrap().len(), crate::cost::time::gpus().len());
     }
 }

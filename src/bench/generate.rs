@@ -267,7 +267,7 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
         dtype_bytes: t.dtype.size_in_bytes() as f64,
     };
     let predicted =
-        crate::cost::calibration::GPUS.iter().map(|g| crate::cost::decode::predict_decode(&cfg, shape, g)).collect();
+        crate::cost::calibration::gpus().iter().map(|g| crate::cost::decode::predict_decode(&cfg, shape, g)).collect();
     to_record(GenerateRecord {
         bench: "generate",
         implementation: "grpo",
@@ -352,7 +352,7 @@ mod tests {
         assert_eq!((r["batch"].as_u64(), r["answer_tokens"].as_u64()), (Some(3), Some(12)));
         assert_eq!(r["schedule"], "continuous");
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
-        assert_eq!(r["predicted_decode_step"].as_array().unwrap().len(), crate::cost::calibration::GPUS.len());
+        assert_eq!(r["predicted_decode_step"].as_array().unwrap().len(), crate::cost::calibration::gpus().len());
     }
 
     /// A long-tailed job under both schedules: the same answer tokens, the paged engine's samples sharing

@@ -113,7 +113,7 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
     let gb = |s: f64| 32.0 * spec.params as f64 / s / 1e9;
     let pcie_bytes = if t.device.is_cpu() { 0 } else { spec.params * (4 + t.dtype.size_in_bytes()) };
     let device = device_name(&t.device);
-    let predicted = (crate::cost::time::GPUS.iter())
+    let predicted = (crate::cost::time::gpus().iter())
         .map(|gpu| {
             let d = t.dtype.size_in_bytes() as f64;
             let seconds = crate::cost::time::offload_update_s(spec.params as f64, d, gpu);

@@ -12,7 +12,7 @@ use super::harness::{
     dtype_name, load_shape, median, random_ids, random_model, shape_name, time_runs, to_record, BenchError, Result,
     Timing,
 };
-use crate::cost::calibration::MeasuredBuild;
+use crate::cost::calibration::Build;
 use crate::data::{Group, Response};
 use crate::device::device_name;
 use crate::device::{host_reads, memory_bytes, reset_peak_memory};
@@ -67,12 +67,11 @@ pub struct TrainStepSpec {
     /// Keep the optimiser state in host memory and update there (`optim.offload`).
     #[arg(long)]
     pub offload: bool,
-    /// With --predict-only: predict the step as the build an H100 run measured ran it, named by its
-    /// results' tag (benches/results/gpu-<TAG>-h100.jsonl: 2026-11-26, 2026-11-27, 2026-11-27b, ...; its
-    /// tensor ops, attention kernels' rates and offloaded update), to compare with that run's records.
-    #[arg(long = "measured-build", value_name = "TAG", default_value = "current", value_parser = measured_build,
-          requires = "predict_only")]
-    pub build: MeasuredBuild,
+    /// With --predict-only: predict the step as a build an H100 run measured ran it, described by its file
+    /// (benches/results/builds/*.toml: its tensor ops, attention kernels' rates and offloaded update), to
+    /// compare with that run's records. Without it: this build.
+    #[arg(long = "measured-build", value_name = "FILE", value_parser = measured_build, requires = "predict_only")]
+    pub build: Option<Box<Build>>,
     /// No reference model in memory (beta 0): the memory of a run whose reference log-probs are cached.
     #[arg(long)]
     pub no_reference: bool,
@@ -380,9 +379,9 @@ struct PredictedStep {
     measured_over_predicted: Option<f64>,
 }
 
-/// A measured build's tag (`--measured-build`).
-fn measured_build(tag: &str) -> std::result::Result<MeasuredBuild, String> {
-    MeasuredBuild::from_tag(tag).ok_or_else(|| format!("no measured build is tagged {tag:?} (src/cost/calibration.rs)"))
+/// A measured build's file (`--measured-build`).
+fn measured_build(path: &str) -> std::result::Result<Box<Build>, String> {
+    Build::from_file(std::path::Path::new(path)).map(Box::new).map_err(|e| e.to_string())
 }
 
 /// The model's step shape of the bench's settings; `chunk` the log-prob op's logits chunk in bytes.
@@ -400,7 +399,7 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
         recompute_attention: !spec.keep_attention,
         reference_forward: !spec.no_reference,
         offload: spec.offload,
-        build: spec.build,
+        build: spec.build.as_deref().copied().unwrap_or_default(),
         logprob_chunk_bytes: chunk,
         optimizer_shards: 1,
         blocks: driver_blocks(cfg, spec.seq_len as u64),
@@ -422,7 +421,7 @@ fn predicted_steps(
     (device, dtype): (&Device, DType),
     measured: Option<f64>,
 ) -> Vec<PredictedStep> {
-    use crate::cost::time::{predict, GPUS};
+    use crate::cost::time::{gpus, predict};
     let chunk = match (spec.logprob_chunk_mb, measured) {
         (0, Some(_)) => crate::kernels::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
         (0, None) => crate::kernels::gpu_chunk_bytes(0),
@@ -430,7 +429,8 @@ fn predicted_steps(
     };
     let shape = step_shape(cfg, spec, dtype, chunk as u64);
     let device = device_name(device);
-    GPUS.iter()
+    gpus()
+        .iter()
         .map(|gpu| {
             let p = predict(cfg, &shape, gpu);
             let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
@@ -533,7 +533,7 @@ mod tests {
             attention: Attention::Matrix,
             atomic_dq: false,
             predict_only: false,
-            build: MeasuredBuild::Current,
+            build: None,
             profile: false,
         };
         let r = train_step(&spec, &cpu()).unwrap();
@@ -591,7 +591,7 @@ mod tests {
                 attention: Attention::Flash,
                 atomic_dq: false,
                 predict_only: false,
-                build: MeasuredBuild::Current,
+                build: None,
                 profile: false,
             };
             let r = train_step(&spec, &cpu()).unwrap();

@@ -163,7 +163,7 @@ fn split_report(
         dtype_bytes: step.dtype_bytes as f64,
     };
     let trainers = |t: u64| cfg.memory_plan(shape, memory, t).step_shape();
-    crate::cost::calibration::GPUS
+    crate::cost::calibration::gpus()
         .iter()
         .map(|gpu| split::report(&split::predict_splits(shape, &rollouts, world, trainers, gpu), gpu))
         .collect()

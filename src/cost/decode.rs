@@ -74,7 +74,7 @@ pub fn predict_decode(m: &ModelConfig, s: DecodeShape, gpu: &Gpu) -> DecodePredi
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::calibration::H100;
+    use crate::cost::calibration::h100;
 
     fn config(name: &str) -> ModelConfig {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -87,16 +87,17 @@ mod tests {
     #[test]
     fn a_small_batch_is_host_bound_and_a_long_context_reads_the_cache() {
         let m = config("qwen2.5-0.5b.json");
-        let p = predict_decode(&m, DecodeShape { sequences: 32.0, context: 1024.0, dtype_bytes: 2.0 }, &H100);
+        let p = predict_decode(&m, DecodeShape { sequences: 32.0, context: 1024.0, dtype_bytes: 2.0 }, h100());
         assert_eq!(layer_ops(&m), 19.0 + 3.0);
         assert_eq!(p.tensor_ops, 24.0 + 24.0 * 22.0);
-        let host = p.tensor_ops * H100.launch_s + 48.0 * H100.kernel_launch_s;
+        let host = p.tensor_ops * h100().launch_s + 48.0 * h100().kernel_launch_s;
         assert!((p.host_s - host).abs() < 1e-12);
         assert!(p.host_s > p.weights_s + p.kv_s, "{p:?}");
-        assert!((p.step_s - p.host_s - H100.sync_s).abs() < 1e-12);
-        let long = predict_decode(&m, DecodeShape { sequences: 256.0, context: 8192.0, dtype_bytes: 2.0 }, &H100);
+        assert!((p.step_s - p.host_s - h100().sync_s).abs() < 1e-12);
+        let long = predict_decode(&m, DecodeShape { sequences: 256.0, context: 8192.0, dtype_bytes: 2.0 }, h100());
         assert!(long.kv_s > long.weights_s && long.step_s > long.host_s, "{long:?}");
-        let kv = 256.0 * 8193.0 * (2.0 * 24.0 * 2.0 * 64.0 * 2.0) / (H100.memory_bandwidth * H100.memory_efficiency);
+        let kv =
+            256.0 * 8193.0 * (2.0 * 24.0 * 2.0 * 64.0 * 2.0) / (h100().memory_bandwidth * h100().memory_efficiency);
         assert!((long.kv_s - kv).abs() / kv < 1e-12);
     }
 }

@@ -877,7 +877,7 @@ impl Plan {
             recompute_attention: d.recompute_attention,
             reference_forward: input.needs_reference && !input.reference_cached(),
             offload: input.offload,
-            build: time::MeasuredBuild::Current,
+            build: time::Build::CURRENT,
             logprob_chunk_bytes: self.logprob_chunk_bytes,
             optimizer_shards: world_size.max(1),
             blocks: time::driver_blocks(model, seq_tokens),

@@ -127,7 +127,7 @@ pub fn report(splits: &[Split], gpu: &Gpu) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cost::calibration::H100;
+    use crate::cost::calibration::h100;
 
     fn split(generation_s: f64, training_s: f64, sync_s: f64) -> Split {
         Split { generators: 1, trainers: 1, generation_s, training_s, sync_s }
@@ -146,11 +146,11 @@ mod tests {
         let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
         let m = ModelConfig::from_file(&root.join("scripts/gpu/shapes/qwen2.5-0.5b.json")).unwrap();
         let r = Rollouts { answers: 256, prompt_tokens: 512, max_new_tokens: 1024, batch_size: 32, dtype_bytes: 2.0 };
-        let times: Vec<f64> = [1, 2, 4, 8].iter().map(|&g| generation_s(&m, &r, g, &H100)).collect();
+        let times: Vec<f64> = [1, 2, 4, 8].iter().map(|&g| generation_s(&m, &r, g, h100())).collect();
         assert!(times.windows(2).all(|w| w[1] < w[0]), "{times:?}");
         // 8 waves on one GPU, 1 on eight: the decode part scales by 8.
         let one = DecodeShape { sequences: 32.0, context: 1024.0, dtype_bytes: 2.0 };
-        let decode = 1024.0 * predict_decode(&m, one, &H100).step_s;
+        let decode = 1024.0 * predict_decode(&m, one, h100()).step_s;
         assert!(times[0] > 8.0 * decode && times[3] > decode && times[3] < 2.0 * decode, "{times:?} {decode}");
     }
 
@@ -161,7 +161,7 @@ mod tests {
             Split { generators: 2, trainers: 2, generation_s: 15.0, training_s: 8.0, sync_s: 0.2 },
             Split { generators: 3, trainers: 1, generation_s: 10.0, training_s: 16.0, sync_s: 0.3 },
         ];
-        let text = report(&splits, &H100);
+        let text = report(&splits, h100());
         let marked: Vec<&str> = text.lines().filter(|l| l.ends_with("<- fastest")).collect();
         assert_eq!(marked.len(), 1);
         assert!(marked[0].trim_start().starts_with("2     2"), "{text}");

@@ -59,9 +59,7 @@
 
 use crate::model::ModelConfig;
 
-pub use super::calibration::{
-    Calibration, Gpu, KernelRates, MeasuredBuild, RateAt, TensorOps, A100_80GB, GPUS, H100_SXM, TENSOR_OPS,
-};
+pub use super::calibration::{gpus, h100, Build, Calibration, Gpu, KernelRates, RateAt, TensorOps, TENSOR_OPS};
 
 /// The block sizes of chunked attention: query rows and keys per block product.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,7 +216,7 @@ pub struct StepShape {
     pub offload: bool,
     /// The build predicted: this one, or one whose steps an H100 run measured, to predict that run's
     /// records as they ran (its tensor ops, attention kernels' rates and offloaded update).
-    pub build: MeasuredBuild,
+    pub build: Build,
     pub logprob_chunk_bytes: u64,
     /// Ranks sharing the optimiser state (ZeRO-1): the update and the gradient norm run on 1/N of it.
     pub optimizer_shards: u64,
@@ -298,7 +296,7 @@ struct Ops {
     window: Window,
     /// The tensor ops of the build predicted.
     counts: TensorOps,
-    /// The build's own element-wise kernels move 16-byte packs ([`MeasuredBuild::packed_kernels`]).
+    /// The build's own element-wise kernels move 16-byte packs ([`Build::packed_kernels`]).
     packed: bool,
 }
 
@@ -384,7 +382,7 @@ enum Pass {
 
 /// The tensor ops of the build `s` is predicted for.
 fn counts(s: &StepShape) -> TensorOps {
-    s.build.tensor_ops()
+    s.build.tensor_ops
 }
 
 /// The tensors candle makes in a step of `m` on `s` by [`TENSOR_OPS`]: what `grpo bench train-step`
@@ -579,7 +577,7 @@ fn forward(o: &mut Ops, m: &ModelConfig, s: &StepShape, gpu: &Gpu, pass: Pass) {
 
 /// The work of one training step of `m` on `s`, op by op (each op's total over the step).
 fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
-    let (times, counts, packed) = (s.micro_batches(), counts(s), s.build.packed_kernels());
+    let (times, counts, packed) = (s.micro_batches(), counts(s), s.build.packed_kernels);
     let mut o = Ops { ops: Vec::new(), times, window: Window::Reference, counts, packed };
     let (b, d) = (s.micro_batch.min(s.answers).max(1) as f64, s.dtype_bytes as f64);
     let n_tokens = b * s.seq_tokens as f64;
@@ -615,7 +613,7 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
     if o.counts.fused_wgrad {
         o.elementwise("gradient accumulators zeroed", 4.0 * p / s.micro_batches(), 0.0, o.packed);
     }
-    if s.build.reads_loss_per_micro_batch() {
+    if s.build.reads_loss_per_micro_batch {
         o.push("loss read (host sync)", OpKind::Elementwise, 0.0, 0.0, 0.0);
         o.ops.last_mut().expect("just pushed").syncs = times;
     }
@@ -626,12 +624,12 @@ fn step_costs(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Vec<OpCost> {
         let op = o.ops.last_mut().expect("just pushed");
         op.host_bytes = 32.0 * p * o.times;
         op.host_rate =
-            if s.build.composite_update() { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
+            if s.build.composite_update { gpu.composite_host_update_bandwidth } else { gpu.host_update_bandwidth };
     } else {
         let update = o.counts.update_per_tensor * tensors;
         // The fused update keeps several f32 streams in flight per thread (the parameter, both moments, the
         // gradient), as a packed kernel does; the composite one was candle's ops one by one.
-        let streams = !s.build.composite_update();
+        let streams = !s.build.composite_update;
         o.elementwise("AdamW update (device)", (32.0 + d) * p, update, streams);
     }
     let norm = o.counts.norm_per_tensor * tensors + o.counts.step;
@@ -884,7 +882,7 @@ pub fn predict(m: &ModelConfig, s: &StepShape, gpu: &Gpu) -> Prediction {
                 pcie_bytes: sum(&|o| o.bytes, &host),
                 host_bytes: sum(&|o| o.host_bytes, &host),
                 host_update_s: sum(&|o| o.host_bytes / o.host_rate, &host),
-                serial_pcie_bytes: match s.build.composite_update() {
+                serial_pcie_bytes: match s.build.composite_update {
                     true => sum(&|o| o.bytes, &host),
                     false => {
                         let (bytes, d) = (sum(&|o| o.bytes, &host), s.dtype_bytes as f64);
@@ -941,7 +939,7 @@ impl WindowCost {
 /// element-wise steps, one micro-batch) of `m` on `s` with `blocks` on `gpu`.
 fn attention_time(m: &ModelConfig, s: &StepShape, blocks: AttentionBlocks, gpu: &Gpu) -> f64 {
     let shape = StepShape { blocks, ..*s };
-    let (counts, packed) = (counts(&shape), shape.build.packed_kernels());
+    let (counts, packed) = (counts(&shape), shape.build.packed_kernels);
     let mut o = Ops { ops: Vec::new(), times: 1.0, window: Window::Forward, counts, packed };
     let b = shape.micro_batch.min(shape.answers).max(1) as f64;
     layer_attention(&mut o, m, b, shape.seq_tokens, (blocks, None), shape.dtype_bytes as f64, false);

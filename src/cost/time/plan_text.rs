@@ -53,7 +53,7 @@ pub fn calibration_note(gpu: &Gpu) -> String {
 pub const GPUS_PER_NODE: u64 = 8;
 
 /// The lines `grpo train --plan` prints: one rank's step `s` of a step of `global_answers` sequences on
-/// `world_size` ranks, and for each of [`GPUS`] its predicted time, throughput and efficiency.
+/// `world_size` ranks, and for each of [`gpus`] its predicted time, throughput and efficiency.
 pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u64) -> String {
     let world = world_size.max(1);
     let attention = match (s.tensor_cores, s.warpgroup, s.atomic_dq) {
@@ -83,7 +83,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
     if busy < world {
         out.push_str(&format!("  only {busy} of {world} ranks have a group to train on (groups are not split)\n"));
     }
-    for gpu in &GPUS {
+    for gpu in gpus() {
         let p = predict(m, s, gpu);
         let comms = zero1_comms(m.num_parameters() as u64, world, GPUS_PER_NODE, gpu);
         let step = p.step_s + comms.seconds();
