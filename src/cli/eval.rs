@@ -293,9 +293,9 @@ fn native_decoder(args: &Args, dir: &std::path::Path, world: &World) -> anyhow::
             let dtype = args.dtype.dtype();
             if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
                 let given = args.model.as_deref().unwrap_or_default();
-                model::lora::check_base(adapter, given, dir, "--allow-base-mismatch")?;
+                model::load::check_base(adapter, given, dir, "--allow-base-mismatch")?;
             }
-            let decoder = model::lora::load_frozen(dir, args.adapter.as_deref(), dtype, &device)
+            let decoder = model::load::load_frozen(dir, args.adapter.as_deref(), dtype, &device)
                 .with_context(|| format!("loading {}", dir.display()))?;
             Ok(Some(decoder))
         }

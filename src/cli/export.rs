@@ -47,11 +47,12 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let dir = model::resolve_model_dir(&base)?;
     let dtype = args.dtype.dtype();
     if let Some(given) = args.model.as_deref().filter(|_| !args.allow_base_mismatch) {
-        lora::check_base(&args.adapter, given, &dir, "--allow-base-mismatch")?;
+        crate::model::load::check_base(&args.adapter, given, &dir, "--allow-base-mismatch")?;
     }
     // Merged in f32 from the base weights as stored, then rounded once to the output dtype.
-    let adapted = lora::load_frozen(&dir, Some(&args.adapter), candle_core::DType::F32, &candle_core::Device::Cpu)
-        .with_context(|| format!("loading {} with the adapter {}", dir.display(), args.adapter.display()))?;
+    let adapted =
+        crate::model::load::load_frozen(&dir, Some(&args.adapter), candle_core::DType::F32, &candle_core::Device::Cpu)
+            .with_context(|| format!("loading {} with the adapter {}", dir.display(), args.adapter.display()))?;
     let merged = adapted.merged()?;
     let opts = SaveOptions { dtype: Some(dtype), tokenizer_dir: Some(dir.clone()), ..Default::default() };
     model::save_checkpoint(&merged, &args.out, &opts, |_| Ok(()))

@@ -105,9 +105,9 @@ pub fn run(args: Args) -> anyhow::Result<()> {
     let dtype = args.dtype.dtype();
     let tok = ChatTokenizer::load(&dir).with_context(|| format!("loading the tokenizer of {}", dir.display()))?;
     if let Some(adapter) = args.adapter.as_deref().filter(|_| !args.allow_base_mismatch) {
-        model::lora::check_base(adapter, &model_id, &dir, "--allow-base-mismatch")?;
+        model::load::check_base(adapter, &model_id, &dir, "--allow-base-mismatch")?;
     }
-    let decoder = model::lora::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
+    let decoder = model::load::load_frozen(&dir, args.adapter.as_deref(), dtype, &device)
         .with_context(|| format!("loading {}", dir.display()))?;
     let mut out = AtomicFile::create(args.output.as_deref())?;
     let lines = Lines::open(&args.input)?.max_line_bytes(args.max_row_bytes);

@@ -1,11 +1,16 @@
 //! Finding a model (a local folder, or a hub id through the Hugging Face cache) and loading its
-//! safetensors weights, single-file or sharded.
+//! safetensors weights, single-file or sharded; a model with its LoRA adapter, and the check that an
+//! adapter is applied to the base it was trained on.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use rand::{Rng, SeedableRng};
 
+use super::lora::{
+    adapter_shapes, base_model, is_adapter_dir, read_adapter, read_config, Adapter, LoraOptions, ADAPTER_CONFIG_FILE,
+    ADAPTER_FILE,
+};
 use super::{config::ModelConfig, Decoder, ModelError};
 use crate::device::DeviceName;
 
@@ -406,6 +411,200 @@ pub fn sample_normal(rng: &mut impl Rng) -> f32 {
     let u1: f64 = rng.gen_range(f64::MIN_POSITIVE..1.0);
     let u2: f64 = rng.gen();
     ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
+}
+
+// LoRA: a model loaded with its adapter.
+
+/// The model of `base_dir` (its weights frozen, in `dtype` on `device`) with the adapter of folder
+/// `adapter`, trainable or frozen; `expected`: the options the adapter must have been trained with.
+pub fn load_with_adapter(
+    base_dir: &Path,
+    adapter: &Path,
+    expected: Option<&LoraOptions>,
+    (dtype, device): (DType, &Device),
+    trainable: bool,
+) -> Result<Decoder, ModelError> {
+    let a = read_adapter(adapter)?;
+    if let Some(want) = expected.filter(|w| !same_adapter(w, &a.options)) {
+        let (theirs, ours) = adapter_differences(&a.options, want);
+        return Err(ModelError::Files {
+            path: adapter.join(ADAPTER_CONFIG_FILE),
+            message: format!(
+                "the adapter was trained with {theirs}, the run's [model.lora] says {ours}: resume with the options \
+                 that wrote it, or start a new run"
+            ),
+        });
+    }
+    let base = load_decoder(base_dir, dtype, device, false)?;
+    check_adapter_tensors(&a, base.config(), base_dir)?;
+    base.with_adapters(&a.options, a.tensors.into_iter().collect(), trainable)
+}
+
+/// Check that the tensors of adapter `a` are exactly those its options describe on the base model of
+/// `base_dir` (config `cfg`), of the shapes that base implies: none unused, none missing. Errors name the
+/// adapter's file and the base folder.
+fn check_adapter_tensors(a: &Adapter, cfg: &ModelConfig, base_dir: &Path) -> Result<(), ModelError> {
+    let file = a.dir.join(ADAPTER_FILE);
+    let bad = |message: String| ModelError::Files { path: file.clone(), message };
+    let expected = adapter_shapes(cfg, &a.options);
+    let wanted: std::collections::HashMap<&str, &Vec<usize>> = expected.iter().map(|(n, s)| (n.as_str(), s)).collect();
+    let mut unused: Vec<&str> = a.tensors.keys().map(String::as_str).filter(|n| !wanted.contains_key(n)).collect();
+    unused.sort_unstable();
+    let base = format!("the base model {} ({} layers)", base_dir.display(), cfg.num_layers);
+    if !unused.is_empty() {
+        return Err(bad(format!(
+            "{} tensors are not adapters of the modules {ADAPTER_CONFIG_FILE} targets ({}) on {base}: {}",
+            unused.len(),
+            a.options.target_modules.join(", "),
+            listed(&unused)
+        )));
+    }
+    let missing: Vec<&str> = expected.iter().map(|(n, _)| n.as_str()).filter(|n| !a.tensors.contains_key(*n)).collect();
+    if !missing.is_empty() {
+        return Err(bad(format!(
+            "{} adapters that {ADAPTER_CONFIG_FILE} describes on {base} are missing: {}",
+            missing.len(),
+            listed(&missing)
+        )));
+    }
+    for (name, shape) in &expected {
+        let found = a.tensors[name].dims();
+        if found != shape.as_slice() {
+            return Err(bad(format!(
+                "adapter `{name}` has shape {found:?}, {base} implies {shape:?}: the adapter was trained on a \
+                 base model of another shape"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The first few of `names`, and how many more.
+fn listed(names: &[&str]) -> String {
+    let shown: Vec<String> = names.iter().take(4).map(|n| format!("`{n}`")).collect();
+    match names.len() {
+        0..=4 => shown.join(", "),
+        n => format!("{} and {} more", shown.join(", "), n - 4),
+    }
+}
+
+/// The frozen model of `dir`, with the adapter of folder `adapter` when one is given (`grpo eval`,
+/// `grpo logprobs`, `grpo export`); `dir` itself may be an adapter folder, on the base model its config
+/// names.
+pub fn load_frozen(dir: &Path, adapter: Option<&Path>, dtype: DType, device: &Device) -> Result<Decoder, ModelError> {
+    match adapter {
+        Some(a) => load_with_adapter(dir, &resolve_adapter_dir(a)?, None, (dtype, device), false),
+        // An adapter folder given as the model: its config names the base model.
+        None if is_adapter_dir(dir) => {
+            let base = base_model(dir)?;
+            load_with_adapter(&resolve_model_dir(&base)?, dir, None, (dtype, device), false)
+        }
+        None => load_decoder(dir, dtype, device, false),
+    }
+}
+
+/// Check that the base model `given` (as the command line names it; `base_dir` once resolved) is the one
+/// the adapter of folder `adapter` was trained on, its config's `base_model_name_or_path`: the same name,
+/// or a name that resolves here to the same folder or to a copy of the same weights, or (a name that does
+/// not resolve here, such as another machine's path) the same model name. An adapter that names no base
+/// is applied with a warning. The error says how to apply the adapter anyway (`allow_flag`).
+pub fn check_base(adapter: &Path, given: &str, base_dir: &Path, allow_flag: &str) -> Result<(), ModelError> {
+    // An adapter given by hub id is read from its snapshot (downloaded when needed).
+    let adapter = &resolve_adapter_dir(adapter)?;
+    let Some(named) = read_config(adapter)?.base_model_name_or_path else {
+        tracing::warn!(
+            "{} names no base model (base_model_name_or_path): the base {given} is not checked",
+            adapter.join(ADAPTER_CONFIG_FILE).display()
+        );
+        return Ok(());
+    };
+    let same = named == given
+        || match resolve_model_dir(&named) {
+            Ok(dir) => same_folder(&dir, base_dir) || same_weights(&dir, base_dir),
+            Err(_) => model_name(&named).is_some_and(|n| base_names(given, base_dir).contains(&n)),
+        };
+    if same {
+        return Ok(());
+    }
+    Err(ModelError::Files {
+        path: adapter.join(ADAPTER_CONFIG_FILE),
+        message: format!(
+            "the adapter was trained on the base model `{named}` (base_model_name_or_path), not on `{given}` ({}); \
+             give that base model, or pass {allow_flag} to apply the adapter to this one anyway",
+            base_dir.display()
+        ),
+    })
+}
+
+fn same_folder(a: &Path, b: &Path) -> bool {
+    matches!((a.canonicalize(), b.canonicalize()), (Ok(a), Ok(b)) if a == b)
+}
+
+/// Whether two model folders hold the same weights, by a cheap fingerprint: each weight file's size and the
+/// SHA-256 of its first and last MiB.
+fn same_weights(a: &Path, b: &Path) -> bool {
+    fn fingerprint(dir: &Path) -> Option<Vec<(u64, Vec<u8>)>> {
+        use sha2::Digest;
+        use std::io::{Read, Seek, SeekFrom};
+        let mut out = Vec::new();
+        for f in weight_files(dir).ok()? {
+            let mut file = std::fs::File::open(&f).ok()?;
+            let size = file.metadata().ok()?.len();
+            let mut hash = sha2::Sha256::new();
+            let mut buf = vec![0u8; (1u64 << 20).min(size) as usize];
+            file.read_exact(&mut buf).ok()?;
+            hash.update(&buf);
+            file.seek(SeekFrom::Start(size - buf.len() as u64)).ok()?;
+            file.read_exact(&mut buf).ok()?;
+            hash.update(&buf);
+            out.push((size, hash.finalize().to_vec()));
+        }
+        Some(out)
+    }
+    matches!((fingerprint(a), fingerprint(b)), (Some(x), Some(y)) if x == y)
+}
+
+/// The model name in a base model's name: the last component of a path or hub id, without `@revision`,
+/// in lower case.
+fn model_name(name: &str) -> Option<String> {
+    let id = name.split_once('@').map_or(name, |(id, _)| id);
+    Path::new(id.trim_end_matches('/')).file_name().map(|n| n.to_string_lossy().to_lowercase())
+}
+
+/// The names the base model given as `given` (resolved to `dir`) goes by: its own, its folder's, and for a
+/// Hugging Face cache snapshot (`models--ORG--NAME/snapshots/HASH`) the repository's.
+fn base_names(given: &str, dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = model_name(given).into_iter().collect();
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    names.extend(dir.file_name().map(|n| n.to_string_lossy().to_lowercase()));
+    for c in dir.components() {
+        let c = c.as_os_str().to_string_lossy();
+        if let Some(repo) = c.strip_prefix("models--") {
+            names.extend(repo.rsplit("--").next().map(str::to_lowercase));
+        }
+    }
+    names
+}
+
+/// Whether two options describe the same adapters (their shapes and scale; the init does not matter once
+/// trained).
+fn same_adapter(a: &LoraOptions, b: &LoraOptions) -> bool {
+    (a.r, a.alpha, &a.target_modules) == (b.r, b.alpha, &b.target_modules)
+}
+
+/// The options in which adapters `a` and `b` differ, as `key = value` lists for `a` and for `b`.
+fn adapter_differences(a: &LoraOptions, b: &LoraOptions) -> (String, String) {
+    let mut sides = (Vec::new(), Vec::new());
+    let mut add = |key: &str, x: String, y: String| {
+        if x != y {
+            sides.0.push(format!("{key} = {x}"));
+            sides.1.push(format!("{key} = {y}"));
+        }
+    };
+    add("r", a.r.to_string(), b.r.to_string());
+    add("alpha", a.alpha.to_string(), b.alpha.to_string());
+    add("target_modules", format!("[{}]", a.target_modules.join(", ")), format!("[{}]", b.target_modules.join(", ")));
+    (sides.0.join(", "), sides.1.join(", "))
 }
 
 #[cfg(test)]

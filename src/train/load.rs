@@ -129,7 +129,7 @@ pub(super) fn load_policy(
         return Ok(model::load_decoder(resume_from.unwrap_or(model_dir), dtype, device, true)?);
     };
     if let Some(ck) = resume_from {
-        return Ok(model::lora::load_with_adapter(model_dir, ck, Some(lora), (dtype, device), true)?);
+        return Ok(model::load::load_with_adapter(model_dir, ck, Some(lora), (dtype, device), true)?);
     }
     let base = model::load_decoder(model_dir, dtype, device, false)?;
     let adapters = model::lora::init_adapters(base.config(), lora, cfg.train.seed, device)?;

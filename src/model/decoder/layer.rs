@@ -4,9 +4,10 @@
 
 use candle_core::{DType, Tensor};
 
-use super::generate::LayerCache;
+use super::cache::LayerCache;
 use super::params::{Adapter, Linear, Param, ParamId, Projection, QkNorm};
-use super::train::Mode;
+use super::pool::PagedLayer;
+use super::rope::Rope;
 use super::{Attention, Decoder, TokenBatch};
 use crate::kernels::{
     embedding, embedding_reference, flash_attention_recorded, frozen_matmul, masked_softmax, masked_softmax_reference,
@@ -14,7 +15,7 @@ use crate::kernels::{
     swiglu_reference, Replay,
 };
 use crate::kernels::{lora_linear, lora_linear_reference, Dropout};
-use crate::model::config::{ModelConfig, RopeScaling};
+use crate::model::config::ModelConfig;
 
 /// What a layer keeps across calls.
 pub(super) enum LayerState<'a> {
@@ -25,14 +26,7 @@ pub(super) enum LayerState<'a> {
     Attention(Replay<'a>),
     /// Generation over the paged KV cache: the step's keys and values written to their slots, the
     /// attention read through the block tables.
-    Paged(super::paged::PagedLayer<'a>),
-}
-
-/// cos and sin tables, both halves of each row equal, in the model's dtype.
-#[derive(Clone)]
-pub(super) struct Rope {
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
+    Paged(PagedLayer<'a>),
 }
 
 /// Where a forward's tokens are, as every layer reads it: the rope tables of their position ids
@@ -49,16 +43,44 @@ pub(super) struct Pass<'a> {
     pub(super) mode: Mode<'a>,
 }
 
-/// cos and sin of positions `0..len` (`[len, D]`, both halves equal, in the model's dtype), built on the
-/// model's device at the first forward that needs them (again only for a longer position) and gathered
-/// by position id in every forward, instead of being computed on the host and copied each time. A clone
-/// starts empty (it may move to another device or dtype).
-#[derive(Default)]
-pub(super) struct RopeTables(std::sync::Mutex<Option<Rope>>);
+/// How a forward runs through the layers: recording a graph or not, in training the seed of LoRA's
+/// dropout masks (`None`: no dropout, as in inference and the reference's forward), and where the
+/// projections' weight gradients go.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Mode<'a> {
+    pub(super) graph: bool,
+    dropout_seed: Option<u64>,
+    /// The trainable parameters' f32 gradient accumulators by slot ([`Grads`]): where given, a recorded
+    /// projection adds its weight's gradient straight into its accumulator in the backward
+    /// ([`matmul_accumulating`]) instead of handing it to candle's gradient store.
+    accumulators: Option<&'a [Option<Tensor>]>,
+}
 
-impl Clone for RopeTables {
-    fn clone(&self) -> Self {
-        Self::default()
+impl<'a> Mode<'a> {
+    /// Without dropout.
+    pub(super) const fn plain(graph: bool) -> Self {
+        Mode { graph, dropout_seed: None, accumulators: None }
+    }
+
+    /// A training forward of `batch` (its dropout seed).
+    pub(super) fn training(batch: &TokenBatch, graph: bool) -> Self {
+        Mode { graph, dropout_seed: batch.dropout_seed, accumulators: None }
+    }
+
+    /// The same, the projections' weight gradients added into `accumulators`.
+    pub(super) fn accumulating(self, accumulators: &'a [Option<Tensor>]) -> Self {
+        Mode { accumulators: Some(accumulators), ..self }
+    }
+
+    /// The accumulator of the parameter in trainable slot `slot`, where this forward adds into one.
+    pub(super) fn accumulator(&self, slot: Option<usize>) -> Option<&'a Tensor> {
+        self.accumulators?.get(slot?)?.as_ref()
+    }
+
+    /// The seed of projection `p` of layer `l`: every adapter draws its own mask.
+    pub(super) fn dropout_seed(&self, l: usize, p: Projection) -> Option<u64> {
+        use crate::checksum::splitmix64;
+        self.dropout_seed.map(|s| splitmix64(s ^ splitmix64((l as u64) << 3 | p.number())))
     }
 }
 
@@ -86,34 +108,6 @@ fn layer_sizes(
         ));
     }
     out
-}
-
-pub(super) fn inv_freq(cfg: &ModelConfig) -> Vec<f32> {
-    let d = cfg.head_dim;
-    let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
-    match &cfg.rope_scaling {
-        RopeScaling::None => base.iter().map(|&f| f as f32).collect(),
-        RopeScaling::Linear { factor } => base.iter().map(|&f| (f / factor) as f32).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
-            let low_wavelen = original_max_position_embeddings / low_freq_factor;
-            let high_wavelen = original_max_position_embeddings / high_freq_factor;
-            base.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    let scaled = if wavelen > low_wavelen {
-                        f / factor
-                    } else if wavelen < high_wavelen {
-                        f
-                    } else {
-                        let smooth = (original_max_position_embeddings / wavelen - low_freq_factor)
-                            / (high_freq_factor - low_freq_factor);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    };
-                    scaled as f32
-                })
-                .collect()
-        }
-    }
 }
 
 /// RMSNorm as transformers computes it: normalised in f32, rounded to the input dtype, times the weight.

@@ -5,34 +5,40 @@
 //! - detached: the same forward with no graph (the frozen reference, old-policy log-probs);
 //! - generation: incremental forward with a KV cache over a batch of left-padded prompts.
 //!
-//! In parts: [`params`] (the parameters, their order and names, LoRA's wiring), [`layer`] (a layer's
-//! attention block and MLP, the projections, the rope tables), [`train`] (log-probs, forward and backward
-//! with the layers' recomputation), [`generate`] (the KV cache and the decode path), [`paged`] (the paged KV pool and a continuous-batching step), [`batch`] (the token
-//! batches and targets) and [`options`] (how the decoder computes).
+//! In parts, each importing only the ones before it: [`batch`] (the token batches and targets),
+//! [`options`] (how the decoder computes), [`params`] (the parameters, their order and names, the
+//! gradients), [`rope`] (the rope tables), [`cache`] and [`pool`] (the static and the paged KV cache's
+//! storage); this file's [`Decoder`]; then the files that implement it: [`weights`] (the weights by name,
+//! LoRA's wiring), [`layer`] (a layer's attention block and MLP, the projections), [`train`] (log-probs,
+//! forward and backward with the layers' recomputation), [`generate`] (the decode path) and [`paged`] (a
+//! continuous-batching step).
 
 mod batch;
+mod cache;
 mod generate;
 mod layer;
 mod options;
 mod paged;
 mod params;
+mod pool;
+mod rope;
 #[cfg(test)]
 mod testing;
 mod train;
+mod weights;
 
 pub use batch::{Targets, TokenBatch};
-pub use generate::KvCache;
+pub use cache::KvCache;
 pub use options::{Attention, DecoderOptions};
-pub use paged::{PagedBatch, PagedKv};
-pub use params::{parameter_shapes, Param};
-pub use train::Grads;
+pub use params::{parameter_shapes, Grads, Param};
+pub use pool::{PagedBatch, PagedKv};
 
 use candle_core::{DType, Device, Tensor, Var};
 
 use super::config::ModelConfig;
 use super::lora::LoraOptions;
-use layer::{inv_freq, RopeTables};
 use params::{slots_of, LayerParams, ParamId};
+use rope::{inv_freq, RopeTables};
 
 /// The decoder with its parameters.
 pub struct Decoder {

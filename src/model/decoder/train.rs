@@ -4,78 +4,12 @@
 
 use candle_core::{DType, Tensor, Var};
 
-use super::layer::{rms_norm, LayerState, Pass, Positions};
-use super::params::{Param, Projection};
+use super::layer::{rms_norm, LayerState, Mode, Pass, Positions};
+use super::params::{Grads, Param, Projection};
 use super::{Decoder, Targets, TokenBatch};
 use crate::kernels::{
     embedding_grad, embedding_grad_into, logprobs_entropy_with, AttentionRecord, HeadBackward, Replay,
 };
-
-/// How a forward runs through the layers: recording a graph or not, in training the seed of LoRA's
-/// dropout masks (`None`: no dropout, as in inference and the reference's forward), and where the
-/// projections' weight gradients go.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Mode<'a> {
-    pub(super) graph: bool,
-    dropout_seed: Option<u64>,
-    /// The trainable parameters' f32 gradient accumulators by slot ([`Grads`]): where given, a recorded
-    /// projection adds its weight's gradient straight into its accumulator in the backward
-    /// ([`matmul_accumulating`]) instead of handing it to candle's gradient store.
-    accumulators: Option<&'a [Option<Tensor>]>,
-}
-
-impl<'a> Mode<'a> {
-    /// Without dropout.
-    pub(super) const fn plain(graph: bool) -> Self {
-        Mode { graph, dropout_seed: None, accumulators: None }
-    }
-
-    /// A training forward of `batch` (its dropout seed).
-    fn training(batch: &TokenBatch, graph: bool) -> Self {
-        Mode { graph, dropout_seed: batch.dropout_seed, accumulators: None }
-    }
-
-    /// The same, the projections' weight gradients added into `accumulators`.
-    fn accumulating(self, accumulators: &'a [Option<Tensor>]) -> Self {
-        Mode { accumulators: Some(accumulators), ..self }
-    }
-
-    /// The accumulator of the parameter in trainable slot `slot`, where this forward adds into one.
-    pub(super) fn accumulator(&self, slot: Option<usize>) -> Option<&'a Tensor> {
-        self.accumulators?.get(slot?)?.as_ref()
-    }
-
-    /// The seed of projection `p` of layer `l`: every adapter draws its own mask.
-    pub(super) fn dropout_seed(&self, l: usize, p: Projection) -> Option<u64> {
-        use crate::checksum::splitmix64;
-        self.dropout_seed.map(|s| splitmix64(s ^ splitmix64((l as u64) << 3 | p.number())))
-    }
-}
-
-/// Gradients of the trainable parameters (f32), in the order of [`Decoder::vars`].
-pub struct Grads {
-    pub grads: Vec<Option<Tensor>>,
-}
-
-impl Grads {
-    /// No gradient yet for `n` trainable parameters.
-    pub fn new(n: usize) -> Self {
-        Self { grads: vec![None; n] }
-    }
-
-    fn add(&mut self, i: usize, g: &Tensor) -> candle_core::Result<()> {
-        match &self.grads[i] {
-            // The accumulator is a buffer of its own, contiguous (the cast, or a copy: candle may hand one
-            // gradient tensor to several inputs); later micro-batches add into it in place.
-            None => {
-                let acc = if g.dtype() == DType::F32 { g.affine(1.0, 0.0)? } else { g.to_dtype(DType::F32)? };
-                self.grads[i] = Some(acc.contiguous()?);
-            }
-            Some(acc) => crate::kernels::accumulate(acc, g)?,
-        }
-        Ok(())
-    }
-}
 
 impl Decoder {
     /// The embedding's gradient from `g`, the gradient of its output rows (`[B, T, hidden]`), added into
