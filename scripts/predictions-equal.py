@@ -40,19 +40,14 @@ def committed_steps():
                 yield r, file_tag(f)
 
 
-def compare_steps(before, after, before_tags):
-    n = differing = 0
+def step_pairs(before_tags):
+    """Each committed step's arguments for BEFORE and for AFTER (its build by tag or by file)."""
     for r, tag in committed_steps():
         args = ["bench", "train-step", "--predict-only", *bench_args(r, tag)]
-        i = args.index("--measured-build")
         old = list(args)
         if before_tags:
-            old[i + 1] = tag
-        n += 1
-        if run(before, old) != run(after, args):
-            differing += 1
-            print(f"  step {r['shape']} {r['answers']}x{r['seq_len']} ({tag}): DIFFERENT")
-    return n, differing
+            old[args.index("--measured-build") + 1] = tag
+        yield old, args
 
 
 def grid():
@@ -73,14 +68,19 @@ def plans():
                "--world-size", world]
 
 
-def compare(before, after, commands, what):
+def compare(before, after, pairs, what):
+    """How many of `pairs` (BEFORE's arguments, AFTER's) were run, and how many printed otherwise."""
     n = differing = 0
-    for args in commands:
+    for old, new in pairs:
         n += 1
-        if run(before, args) != run(after, args):
+        if run(before, old) != run(after, new):
             differing += 1
-            print(f"  {what}: DIFFERENT: {' '.join(args)}")
+            print(f"  {what}: DIFFERENT: {' '.join(new)}")
     return n, differing
+
+
+def same(commands):
+    return ((args, args) for args in commands)
 
 
 def main():
@@ -90,9 +90,9 @@ def main():
     ap.add_argument("--before-tags", action="store_true")
     a = ap.parse_args()
     status = 0
-    for what, (n, d) in [("committed H100 steps", compare_steps(a.before, a.after, a.before_tags)),
-                         ("predicted steps of this build", compare(a.before, a.after, grid(), "grid")),
-                         ("plans", compare(a.before, a.after, plans(), "plan"))]:
+    for what, (n, d) in [("committed H100 steps", compare(a.before, a.after, step_pairs(a.before_tags), "step")),
+                         ("predicted steps of this build", compare(a.before, a.after, same(grid()), "grid")),
+                         ("plans", compare(a.before, a.after, same(plans()), "plan"))]:
         print(f"{what}: {n} compared, {n - d} equal")
         status |= d > 0
     sys.exit(status)
