@@ -134,13 +134,10 @@ fn planned_options(cfg: &TrainConfig, plan: &Plan) -> model::DecoderOptions {
 fn decided(cfg: &TrainConfig, options: &model::DecoderOptions, attention: Option<Attention>) -> String {
     let m = &cfg.model;
     let auto = |is_auto: bool| if is_auto { " (auto)" } else { "" };
-    let attention = match attention {
-        Some(a) => format!("{a:?} (auto)"),
-        None => format!("{:?}", options.attention),
-    };
     format!(
-        "decoder: attention {}, log-prob chunk {} MiB{}, keep_logits {}{}",
-        attention.to_lowercase(),
+        "decoder: attention {}{}, log-prob chunk {} MiB{}, keep_logits {}{}",
+        format!("{:?}", options.attention).to_lowercase(),
+        auto(attention.is_some()),
         options.logprob_chunk_bytes >> 20,
         auto(m.logprob_chunk_mb == 0),
         options.keep_logits,
