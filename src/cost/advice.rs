@@ -38,10 +38,9 @@ fn apply(floor: &mut PlanInput, changed: &PlanInput, input: &PlanInput) {
 }
 
 impl Plan {
-    /// What to change in the run's settings when the plan does not fit: each setting it can still change, planned, with
-    /// the value that fits where one does (never a value the plan shows cannot fit); when no such setting
-    /// fits alone, all of them together; when not even that fits, the part no such setting changes and
-    /// what can.
+    /// What to change when the plan does not fit: each setting it can still change, planned, with the value
+    /// that fits where one does; when none fits alone, all of them together; when not even that fits, the
+    /// part no such setting changes and what can.
     pub fn advice(&self) -> String {
         // The other settings are planned with the logits as this plan has them ("auto" resolved).
         let input = &PlanInput { keep_logits: Some(self.keep_logits), ..self.input.clone() };
@@ -106,44 +105,42 @@ impl Plan {
         out
     }
 
-    /// [`Plan::candidates`] of the sizes: the micro-batch, the answers' lengths, the generations' batches.
+    /// [`Plan::candidates`] of the sizes: the micro-batch, the answers' lengths, the generations' batches,
+    /// each at the largest value in its range that fits (lengths in 256s, at least 1024).
     fn batch_candidates(&self, input: &PlanInput, with: &mut AddCandidate) {
+        let mut size = |key: &str, range: (usize, usize), lengths: bool, set: fn(&mut PlanInput, usize)| {
+            let n = self.largest(input, range, &set);
+            let n = if lengths { (n / 256 * 256).max(1024) } else { n };
+            with(format!("{key} = {n}"), &|c| set(c, n));
+        };
+        fn sampling(c: &mut PlanInput) -> &mut GenerationLoad {
+            &mut c.rollout.as_mut().expect("set").sampling
+        }
         let (mb, budget) = (input.micro_batch_size, input.micro_batch_tokens);
         let (prompt, response) = sequence_tokens(input);
         let seq = prompt.saturating_add(response) as usize;
         if budget > seq {
             // Below the longest answer the budget changes nothing: that answer runs alone.
-            let n = self.largest(input, (seq, budget - 1), &|c, n| c.micro_batch_tokens = n);
-            with(format!("train.micro_batch_tokens = {n}"), &|c| c.micro_batch_tokens = n);
+            size("train.micro_batch_tokens", (seq, budget - 1), false, |c, n| c.micro_batch_tokens = n);
         }
         if mb > 1 && budget == 0 {
-            let n = self.largest(input, (1, mb - 1), &|c, n| c.micro_batch_size = n);
-            with(format!("train.micro_batch_size = {n}"), &|c| c.micro_batch_size = n);
+            size("train.micro_batch_size", (1, mb - 1), false, |c, n| c.micro_batch_size = n);
         }
         let response = input.max_response_tokens;
         if response == 0 || response > 1024 {
             let top = if response == 0 { input.model.max_position_embeddings } else { response - 1 };
-            let n = self.largest(input, (1024, top), &|c, n| c.max_response_tokens = n) / 256 * 256;
-            with(format!("data.max_response_tokens = {}", n.max(1024)), &|c| c.max_response_tokens = n.max(1024));
+            size("data.max_response_tokens", (1024, top), true, |c, n| c.max_response_tokens = n);
         }
-        fn sampling(c: &mut PlanInput) -> &mut GenerationLoad {
-            &mut c.rollout.as_mut().expect("set").sampling
-        }
-        if let Some(r) = input.rollout.as_ref().map(|r| &r.sampling).filter(|r| r.max_new_tokens > 1024) {
-            let set = |c: &mut PlanInput, n| sampling(c).max_new_tokens = n;
-            let n = self.largest(input, (1024, r.max_new_tokens - 1), &set) / 256 * 256;
-            let n = n.max(1024);
-            with(format!("rollout.max_new_tokens = {n}"), &|c| sampling(c).max_new_tokens = n);
+        let sampled = input.rollout.as_ref().map(|r| &r.sampling);
+        if let Some(r) = sampled.filter(|r| r.max_new_tokens > 1024) {
+            size("rollout.max_new_tokens", (1024, r.max_new_tokens - 1), true, |c, n| sampling(c).max_new_tokens = n);
         }
         if let Some(v) = input.validation.as_ref().filter(|v| v.batch_size > 1) {
-            let set = |c: &mut PlanInput, n| c.validation.as_mut().expect("set").batch_size = n;
-            let n = self.largest(input, (1, v.batch_size - 1), &set);
-            with(format!("validation.batch_size = {n}"), &|c| c.validation.as_mut().expect("set").batch_size = n);
+            let set = |c: &mut PlanInput, n: usize| c.validation.as_mut().expect("set").batch_size = n;
+            size("validation.batch_size", (1, v.batch_size - 1), false, set);
         }
-        if let Some(r) = input.rollout.as_ref().map(|r| &r.sampling).filter(|r| r.batch_size > 1) {
-            let set = |c: &mut PlanInput, n| sampling(c).batch_size = n;
-            let n = self.largest(input, (1, r.batch_size - 1), &set);
-            with(format!("rollout.batch_size = {n}"), &|c| sampling(c).batch_size = n);
+        if let Some(r) = sampled.filter(|r| r.batch_size > 1) {
+            size("rollout.batch_size", (1, r.batch_size - 1), false, |c, n| sampling(c).batch_size = n);
         }
     }
 
@@ -155,10 +152,10 @@ impl Plan {
             set(&mut c, n);
             self.fits_with(&c).is_some()
         };
-        let (mut lo, mut hi) = (low, high);
-        if !fits(lo) {
+        if !fits(low) {
             return low;
         }
+        let (mut lo, mut hi) = (low, high);
         while lo < hi {
             let mid = lo + (hi - lo).div_ceil(2);
             if fits(mid) {
@@ -170,9 +167,7 @@ impl Plan {
         lo
     }
 
-    /// When every setting at its least still does not fit: the part none of them changes (the weights,
-    /// the f32 gradient accumulator, the optimiser state on the device, a reference copy, the context), and
-    /// what can change it.
+    /// When every setting at its least still does not fit: the part none of them changes, and what can.
     fn fixed_part_advice(&self, floor: &PlanInput) -> String {
         let fixed = plan(&PlanInput {
             attention: self.input.attention,
@@ -186,18 +181,13 @@ impl Plan {
             .filter(|c| c.place == Place::Device && names.contains(&c.name.as_str()))
             .map(|c| c.bytes)
             .sum();
-        let part = match self.gpu_device(Place::Device) {
-            true => POOL_OVERHEAD.pooled(part) + CUDA_CONTEXT_BYTES,
-            false => part,
-        };
+        let part = if self.gpu_device(Place::Device) { POOL_OVERHEAD.pooled(part) + CUDA_CONTEXT_BYTES } else { part };
         let memory = self.input.device_memory.unwrap_or(0);
-        let ranks = match floor.offload {
-            true => "more ranks do not help: ZeRO-1 shards only the optimizer state, which optim.offload already \
-                     keeps in host memory, and every rank holds the whole weights and f32 gradients"
-                .to_string(),
-            false => "more ranks shard the optimizer state (--world-size N: ZeRO-1) but not the weights or the f32 \
-                      gradients"
-                .to_string(),
+        let ranks = if floor.offload {
+            "more ranks do not help: ZeRO-1 shards only the optimizer state, which optim.offload already keeps in \
+             host memory, and every rank holds the whole weights and f32 gradients"
+        } else {
+            "more ranks shard the optimizer state (--world-size N: ZeRO-1) but not the weights or the f32 gradients"
         };
         format!(
             "no setting of this run can fit it: at the least of every one (the micro-batch, the lengths, the batch \

@@ -1,84 +1,52 @@
-//! The devices and builds the performance model of [`super::time`] predicts for, as data.
-//!
-//! Each GPU's rates are a file of configs/devices/ (peaks, bandwidths, the measured GEMM and attention
-//! rates, the host's costs, each with where it comes from: its `[sources]` table), written by
-//! scripts/calibrate.py from the committed GPU results (benches/results/gpu-*-h100.jsonl) and compiled
-//! into the binary. The script fits the host's time per tensor op and the element-wise kernels' share of
-//! HBM's bandwidth on the committed train steps, reports each step's residual with the step left out of the
-//! fit (leave-one-out), and `--check` fails when a committed file is not what it writes
-//! (tests/calibration.rs runs it).
-//!
-//! This build's own counts are here ([`TENSOR_OPS`], counted on the CPU, where tests/calibration.rs holds
-//! them to the bench's). A build an H100 run measured before is a file beside its results
-//! (benches/results/builds/), read by `grpo bench train-step --measured-build FILE` so that the run's steps
-//! are predicted as that build ran them ([`Build`]).
+//! The devices and builds the performance model of [`super::time`] predicts for, as data: each GPU's
+//! rates a file of configs/devices/ (compiled in), each build a GPU run measured a file of
+//! benches/results/builds/, both written by scripts/calibrate.py (docs/performance-model.md). This
+//! build's own tensor counts are [`TENSOR_OPS`].
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::OnceLock;
 
-/// A GPU's rates and the efficiency of each kind of op on it, measured ([`Gpu::calibration`]) or assumed:
-/// a file of configs/devices/ ([`gpus`]).
+/// A GPU's rates and the efficiency of each kind of op on it (a file of configs/devices/, whose
+/// `[sources]` say where each comes from).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Gpu {
     pub name: &'static str,
-    /// Dense bf16 tensor-core FLOP/s (no sparsity).
+    /// Dense bf16 tensor-core FLOP/s.
     pub peak_flops: f64,
-    /// Streaming multiprocessors (a GEMM's tiles fill them in waves: [`super::time::gemm_flops_per_s`]).
     pub multiprocessors: u32,
-    /// Device memory bandwidth, B/s.
+    /// B/s, as every bandwidth.
     pub memory_bandwidth: f64,
-    /// Fraction of the peak a cuBLAS bf16 GEMM's tiles reach while they run (a GEMM's rate is this times
-    /// the share of the multiprocessors its tiles keep busy).
+    /// Fractions of the peak: a cuBLAS GEMM's tiles while they run, chunked attention's block GEMMs.
     pub gemm_efficiency: f64,
-    /// Fraction of the peak the chunked attention's block GEMMs reach when compute-bound (each a call of
-    /// its own, like the 2048^3 matmul timed alone).
     pub attention_gemm_efficiency: f64,
-    /// The tensor-core attention kernels (kernels/flash_mma.cu), as fractions of the peak in the causal
-    /// attention's useful FLOPs.
+    /// The tensor-core attention kernels (flash_mma.cu), in useful FLOPs over the peak.
     pub mma: KernelRates,
-    /// The warpgroup kernels (kernels/flash_wgmma.cu): two-kernel backward, and dq by atomics; `None`
-    /// where the GPU has no wgmma (the `mma` kernels run instead).
+    /// The warpgroup kernels (flash_wgmma.cu; dq by atomics; at head dim 64); `None` without wgmma.
     pub wgmma: Option<KernelRates>,
     pub wgmma_atomic: Option<KernelRates>,
-    /// The warpgroup kernels at head dim 64, where measured (elsewhere the head-dim-128 rates stand for
-    /// them at the same time per score).
     pub wgmma_d64: Option<KernelRates>,
     pub wgmma_atomic_d64: Option<KernelRates>,
-    /// Fraction of the memory bandwidth a streaming element-wise kernel reaches (one element a thread and
-    /// access, or strided indexing).
+    /// Fractions of the bandwidth an element-wise kernel reaches: one element a thread, 16-byte packs.
     pub memory_efficiency: f64,
-    /// The same for one that moves 16 bytes a thread and access (kernels/common.cuh's packs, candle's
-    /// contiguous bf16 add).
     pub packed_memory_efficiency: f64,
-    /// Host time per op the host issues: candle's bookkeeping of a tensor op (its output's allocation
-    /// from the memory pool, its layout copied to the device for a strided input, the graph's record)
-    /// and the kernel launch, s.
+    /// Host seconds per candle tensor op, per kernel launch of the project's own code, per host sync.
     pub launch_s: f64,
-    /// Host time per kernel launch of the project's own code (the attention's kernels and cuBLAS calls:
-    /// no candle tensor made), s.
     pub kernel_launch_s: f64,
-    /// Time of one host sync (device drained, value copied back, next launch issued), s.
     pub sync_s: f64,
-    /// Host-device bandwidth per direction, B/s (PCIe).
+    /// Per direction.
     pub pcie_bandwidth: f64,
-    /// Bytes per second the offloaded AdamW update (`optim.offload`) moves through host memory, counted
-    /// as 32 B per parameter (the f32 master weights and two moments read and written): the fused update
-    /// of this build ([`crate::kernels::adamw`]).
+    /// Host memory bytes a second of the offloaded AdamW update (32 B a parameter), fused and composite.
     pub host_update_bandwidth: f64,
-    /// The same for the composite candle ops of the builds before the fused update (what the H100 run
-    /// measured).
     pub composite_host_update_bandwidth: f64,
-    /// Bandwidth per GPU to the other GPUs of its node, per direction, B/s (NVLink through NVSwitch).
+    /// Per GPU and direction, within a node and to other nodes.
     pub nvlink_bandwidth: f64,
-    /// Bandwidth per GPU to other nodes, per direction, B/s (one InfiniBand NIC per GPU).
     pub network_bandwidth: f64,
-    /// Where the rates were measured (`None`: every rate is an assumption).
+    /// Where the rates were measured (`None`: all assumed).
     pub calibration: Option<Calibration>,
 }
 
-/// A tensor-core attention kernel's rate at two measured lengths, forward and backward as fractions of
-/// the peak in useful FLOPs; between them interpolated in log length, outside them the nearer one.
+/// A tensor-core attention kernel's rate at two measured lengths, interpolated in log length between them.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KernelRates {
@@ -111,65 +79,43 @@ impl KernelRates {
     }
 }
 
-/// The tensors candle makes per unit of a step's work, counted on the CPU (where the graph of ops is the
-/// GPU's): each costs the host its bookkeeping, and most a kernel launch and an allocation from the pool
-/// on a GPU (views, a reshape or a transpose, cost less and launch nothing: [`Gpu::launch_s`] is the mean
-/// over both). The attention is one op here: its GPU launches are counted by its kernels' own plan.
+/// The tensors candle makes per part of a step, counted on the CPU (the GPU's graph is the same); each
+/// costs the host [`Gpu::launch_s`]. The attention is one op here.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TensorOps {
-    /// One layer's forward without a graph (the reference's), with its graph (the policy's), again in
-    /// the backward (`checkpoint_layers`), and its backward.
+    /// One layer's forward (reference, policy, recomputed) and backward.
     pub layer_reference: f64,
     pub layer_policy: f64,
     pub layer_recompute: f64,
     pub layer_backward: f64,
-    /// Per micro-batch beyond the layers: the policy's embedding, log-prob head, loss and their
-    /// backward; the reference's embedding and head.
+    /// Per micro-batch beyond the layers: the policy's embedding, head and loss, both ways; the reference's.
     pub micro_batch: f64,
     pub micro_batch_reference: f64,
     /// Per step beyond the parameters' updates.
     pub step: f64,
-    /// Per parameter tensor: adding its gradient into the f32 accumulator (per micro-batch), its part of
-    /// the gradient norm and its AdamW update (per step).
+    /// Per parameter tensor: its gradient's accumulation (per micro-batch; the first micro-batch's making
+    /// the accumulator), its part of the norm and its update (per step).
     pub accumulate_per_tensor: f64,
-    /// Per parameter tensor and step: the first micro-batch's gradient cast or copied into an accumulator of
-    /// its own (where the later ones are added in place).
     pub accumulate_first_per_tensor: f64,
     pub norm_per_tensor: f64,
     pub update_per_tensor: f64,
-    /// Passes over a layer's `[N, hidden]` output that its backward spends seeding the gradient: 4 where it
-    /// formed `(y g).sum_all()` and differentiated that (read y and g, write the product, sum it), 0 with
-    /// the patched candle's `backward_from(g)`.
+    /// Passes over a layer's `[N, hidden]` output spent seeding its backward with `(y g).sum_all()`.
     pub seed_passes: f64,
-    /// Bytes per lm_head weight element per log-prob chunk that the head's backward spends on the weight's
-    /// f32 gradient beyond its GEMM: 16 where each chunk's product was cast to f32 and summed into a new
-    /// buffer (write 4, read 4, accumulator read and written), 10 where the product (d = 2 bytes) is added
-    /// into the accumulator in place (read 2, accumulator read and written).
+    /// Bytes per lm_head weight element and log-prob chunk its f32 gradient costs beyond the GEMM.
     pub head_grad_bytes: f64,
-    /// Weight gradients GEMM'd straight into their f32 accumulators (kernels::wgrad_accumulate): the
-    /// projections' and the lm_head's weight products write f32, read and written in the GEMM, with no
-    /// product in the weight's dtype and no pass adding it (`head_grad_bytes` 0); the accumulators are made
-    /// (zeros) before a step's first micro-batch. `false`: candle's product backward in the weight's dtype,
-    /// added by kernels::accumulate.
+    /// Weight gradients GEMM'd straight into their f32 accumulators (kernels::wgrad_accumulate).
     pub fused_wgrad: bool,
-    /// The tensor ops beyond a layer's named element-wise ops each a pass over about their mean bytes (the
-    /// released candle-core's backward added each op's first gradient to a tensor of zeros); `false`:
-    /// they are views and bookkeeping, and the named ops are the layer's element-wise bytes.
+    /// The tensor ops beyond a layer's named element-wise ops each a pass over their mean bytes.
     pub unnamed_ops_move_bytes: bool,
 }
-
-/// This build's, counted on the CPU (see [`TensorOps`]; tests/calibration.rs holds the model's count to the
-/// bench's).
-pub const TENSOR_OPS: TensorOps = COUNTED_TENSOR_OPS;
 
 /// Where a GPU's rates were measured.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Calibration {
-    /// The card as CUDA names it.
+    /// The card as CUDA names it, the date, and the results file.
     pub card: &'static str,
     pub date: &'static str,
-    /// The measurements, in the repository.
     pub results: &'static str,
 }
 
@@ -258,7 +204,7 @@ pub struct Warpgroup {
     pub wgmma_atomic_d64: Option<KernelRates>,
 }
 
-/// Made once per process (the device files and a bench's build file), so kept for its lifetime.
+/// Made once per process, so kept for its lifetime.
 fn leak(s: String) -> &'static str {
     Box::leak(s.into_boxed_str())
 }
@@ -302,23 +248,17 @@ fn parse_device(path: &str, text: &str) -> Result<Gpu, CalibrationError> {
 }
 
 /// The build a step is predicted for: this one ([`Build::CURRENT`]), or one whose steps a GPU run
-/// measured (a file of benches/results/builds/, [`Build::from_file`]), so that each of that run's records
-/// is predicted as it ran: with that build's tensor ops, kernels, offloaded update and warpgroup rates.
+/// measured ([`Build::from_file`]), to predict them as it ran them.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Build {
-    /// The tensors candle made per part of a step.
     pub tensor_ops: TensorOps,
-    /// The build's own element-wise kernels (norms, rope, SwiGLU, biases, the heads' transposes, the
-    /// log-prob rows, gradient accumulation, the attention backward's row dot products) move 16-byte packs.
+    /// The project's element-wise kernels move 16-byte packs.
     pub packed_kernels: bool,
-    /// The offloaded update as composite candle ops on the host, its copies and update one after the other
-    /// (`false`: the fused update, overlapped with the copies but one chunk).
+    /// The offloaded update as composite ops, its copies and update in turn (else fused and overlapped).
     pub composite_update: bool,
-    /// The step read each micro-batch's loss to the host (a host sync per micro-batch); this build keeps
-    /// the step's statistics on the device and reads them once, with the gradient norm.
+    /// A host sync per micro-batch for its loss.
     pub reads_loss_per_micro_batch: bool,
-    /// The warpgroup kernels' rates as the build's run measured them on the GPU named (`None`: the
-    /// device file's, this build's).
+    /// The warpgroup rates the build's run measured on the GPU named (`None`: the device file's).
     pub measured: Option<(&'static str, Warpgroup)>,
 }
 
@@ -387,46 +327,21 @@ impl Build {
     }
 }
 
-/// The tensors candle makes in a step's parts, counted on the CPU (`tensor_ops_per_step` of `grpo bench
-/// train-step`, at the 0.5B shape with 1 and 2 layers, 2 and 4 answers of 128 tokens, with and without
-/// the reference and `checkpoint_layers`, the differences giving each part; see [`TensorOps`]).
-/// A test holds the model's count to the bench's at other shapes.
-pub const COUNTED_TENSOR_OPS: TensorOps = TensorOps {
-    // The MLP's activation one fused op (kernels::swiglu) each way instead of candle's silu, product and
-    // their backward; the backward's first gradient of each op stored rather than added to zeros (the
-    // patched candle-core, third_party/candle-core/PATCHED.md); RMSNorm with its weight one op each way
-    // (kernels::rms_norm, the weight's gradient in the op); a recomputed layer's backward seeded with the
-    // incoming gradient (`backward_from`, no `(y g).sum_all()`) and no gradient formed for an operand that
-    // leads to no variable (the patched candle): a layer's backward 102 tensors, not 249, and a recomputed
-    // layer 65 more, not 84 (the residual's sum gone, the down projection run: recorded as a node of zeros
-    // carrying its backward it made 64, but kept each recomputed layer's activations alive).
-    // The q, k and v biases one op each way (kernels::bias_add, the bias's gradient in the op) instead of
-    // candle's broadcast add and its sum: 3 fewer in each (50, 65 and 102 before); v to heads one op
-    // (kernels::to_heads) instead of a transpose and its copy: 1 fewer.
-    // Every weight's gradient added by its own GEMM (kernels::wgrad_accumulate, `fused_wgrad`): no
-    // product in the weight's dtype, its transposes and its add: 18 fewer in a layer's backward (98
-    // before), 3 fewer in the head's (131 before); the embedding's row sums added into its accumulator
-    // (kernels::embedding_grad_into).
+/// The tensors candle makes in a step's parts, counted with `grpo bench train-step` on the CPU at the 0.5B
+/// shape (1 and 2 layers, 2 and 4 answers of 128 tokens, with and without the reference and
+/// `checkpoint_layers`; the differences give each part); tests/calibration.rs holds the model's count to
+/// the bench's.
+pub const TENSOR_OPS: TensorOps = TensorOps {
     layer_reference: 46.0,
     layer_policy: 46.0,
     layer_recompute: 61.0,
     layer_backward: 80.0,
     micro_batch: 128.0,
     micro_batch_reference: 75.0,
-    // What a step adds beyond its micro-batches and its parameters' ops (counted: 1).
     step: 1.0,
-    // The gradients still added by kernels::accumulate (norms, biases), in place, with the views and casts
-    // around them: 1 a tensor a micro-batch; each accumulator a projection's GEMM or the embedding's row
-    // sums add into, made before the first micro-batch: 1 a tensor a step (counted at 1 to 3 layers, 2 to
-    // 4 micro-batches, with and without the reference and `checkpoint_layers`; 0.8 and 1.6 a tensor, all
-    // of them, before).
     accumulate_per_tensor: 1.0,
     accumulate_first_per_tensor: 1.0,
-    // The gradient's sum of squares, one op (kernels::sum_squares), where candle's square, sum and cast
-    // were three.
     norm_per_tensor: 1.0,
-    // The fused update's op and the views around it (the gradient flattened, the master copy's row and
-    // its cast to the model's dtype): 10.4 fewer per tensor than the composite's, counted at 1 and 3 layers.
     update_per_tensor: 5.0,
     seed_passes: 0.0,
     head_grad_bytes: 0.0,

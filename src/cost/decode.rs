@@ -1,16 +1,8 @@
 //! What a decode step of the paged engine costs on a GPU (`grpo bench generate` prints it beside what it
-//! measured): the device reads the weights once and every sequence's keys and values, and the host
-//! issues the step's tensor ops one by one (no CUDA graph), so the step lasts the longer of the two, plus
-//! the one host read of the sampled tokens.
-//!
-//! The tensor ops are the paged step's as src/model/decoder/{layer,paged}.rs issue them, counted per
-//! layer: the input norm, the q/k/v projections (and their biases), the q/k norms (Qwen3), rope of q and
-//! k, the value heads' transpose, the keys and values concatenated and scattered into their slots, the
-//! paged attention (one candle op, two kernels: the splits and their reduction), the heads transposed
-//! back, the output projection, the residual; the MLP's norm, gate, up, SwiGLU, down (and biases) and
-//! residual. Per step: the uploads of tokens, positions, slots, block tables and logit rows, the
-//! embedding, the rope tables, the scatter index, the last rows, the final norm, the head, and the
-//! sampler's ops on the device.
+//! measured): the longer of the device reading the weights once and every sequence's keys and values,
+//! and the host issuing the step's tensor ops one by one (no CUDA graph), plus one host read of the
+//! sampled tokens. The ops are the paged step's (src/model/decoder/{layer,paged}.rs), counted per layer
+//! ([`layer_ops`]) and per step ([`STEP_OPS`]).
 
 use super::calibration::Gpu;
 use crate::model::ModelConfig;
@@ -44,9 +36,12 @@ pub struct DecodePrediction {
     pub tokens_per_s: f64,
 }
 
-/// Tensor ops of one layer of the paged step (see the module's list).
+/// Tensor ops of one layer of the paged step: the input norm, q/k/v, rope of q and k, the value heads'
+/// transpose, the keys and values concatenated and scattered into their slots, the paged attention (one op,
+/// two kernels), the heads transposed back, o_proj, the residual; q/k norms (Qwen3); the biases; the MLP's
+/// norm, gate, up, SwiGLU, down and residual.
 fn layer_ops(m: &ModelConfig) -> f64 {
-    let attention = 1.0 + 3.0 + 2.0 + 1.0 + 2.0 + 1.0 + 1.0 + 1.0 + 1.0; // norm .. residual
+    let attention = 1.0 + 3.0 + 2.0 + 1.0 + 2.0 + 1.0 + 1.0 + 1.0 + 1.0;
     let qk_norm = if m.qk_norm { 2.0 } else { 0.0 };
     let biases = 3.0 * f64::from(u8::from(m.qkv_bias)) + f64::from(u8::from(m.o_bias));
     let mlp = 6.0 + 3.0 * f64::from(u8::from(m.mlp_bias));

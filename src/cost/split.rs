@@ -1,22 +1,16 @@
 //! How to split a job's GPUs between generation and training for rollouts (`rollout.generation_ranks`):
-//! `grpo train --plan --world-size W` prints, for each number G of generation ranks, the predicted time
-//! of one step's generation on G GPUs, of its training on the other W - G (data parallel, ZeRO-1), and of
-//! the weights' transfer, and the step at rollout.max_staleness = 0 (the sum: each side waits for the
-//! other) and at k >= 1 (the longer side).
-//!
-//! Generation is the paged engine's ([`super::decode`]): a generation rank's share of the step's answers in
-//! waves of `batch_size` sequences, each wave `max_new_tokens` decode steps at the mean context (the
-//! prompt and half the answer), every answer as long as allowed (the worst case), plus the prefill and the
-//! behaviour forward as GEMMs at the calibrated rate. Training is [`super::time::predict`]'s step on the
-//! trainers' share of the groups, plus ZeRO-1's communication. The weights go from trainer rank 0 to each
-//! generation rank in the weights' dtype over NVLink at the collectives' efficiency.
+//! for each number G of generation ranks of W, the predicted time of one step's generation on G GPUs (the
+//! paged engine's decode steps, [`super::decode`], in waves of `batch_size` at the mean context, every
+//! answer as long as allowed, plus the prefill and behaviour forward as GEMMs), of its training on the
+//! other W - G ([`super::time::predict`] with ZeRO-1's communication), of the weights' transfer over
+//! NVLink, and the step at rollout.max_staleness = 0 (the sum) and at k >= 1 (the longer side).
 
 use super::calibration::Gpu;
 use super::decode::{predict_decode, DecodeShape};
 use super::time::{gemm_flops_per_s, predict, zero1_comms, StepShape, COLLECTIVE_EFFICIENCY};
 use crate::model::ModelConfig;
 
-/// A step's rollouts: what each step generates.
+/// What each step generates.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Rollouts {
     /// Sampled answers per step (questions x sampled answers per question).

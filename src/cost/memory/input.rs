@@ -5,18 +5,17 @@ use crate::generate::GenerationOptions;
 use crate::model::{Attention, DecoderOptions, LoraOptions, ModelConfig};
 
 /// What a plan is computed from: the model's shape and the settings of the run that move its memory, as
-/// the trainer resolves them from its config (`TrainConfig::plan_input`). Each field names the config key
-/// it comes from; the advice ([`Plan::advice`]) plans changed copies of it.
+/// `TrainConfig::plan_input` resolves them. Each field names its config key; the advice
+/// ([`Plan::advice`](super::Plan::advice)) plans changed copies of it.
 #[derive(Debug, Clone)]
 pub struct PlanInput {
     /// The model's shape (its config.json).
     pub model: ModelConfig,
     /// `model.dtype`: the weights' dtype.
     pub dtype: DTypeName,
-    /// `model.*`: how the decoder computes. Its `keep_logits` is not read: [`PlanInput::keep_logits`] says
-    /// it, "auto" included.
+    /// `model.*`: how the decoder computes (its `keep_logits` is not read: [`PlanInput::keep_logits`] is).
     pub decoder: DecoderOptions,
-    /// How attention runs: `model.attention`, or the composite score matrix without `model.fused_ops`.
+    /// `model.attention`, or the composite score matrix without `model.fused_ops`.
     pub attention: Attention,
     /// `model.keep_logits`: `None` for "auto", which [`super::run_plan`] decides.
     pub keep_logits: Option<bool>,
@@ -26,7 +25,7 @@ pub struct PlanInput {
     pub own_reference: bool,
     /// The objective reads the frozen reference's log-probs (its KL term or anchor).
     pub needs_reference: bool,
-    /// The objective's anchor is a snapshot of the policy (`objective.anchor = "snapshot"`).
+    /// `objective.anchor = "snapshot"`.
     pub snapshot_anchor: bool,
     /// `model.cache_reference`, and whether the run can cache the reference's log-probs (no
     /// `train.reference_swap_every`, no `[rollout]`).
@@ -36,8 +35,7 @@ pub struct PlanInput {
     pub adamw: bool,
     pub offload: bool,
     pub offload_chunk_mb: usize,
-    /// Answers per question (`data.group_size`, or `rollout.n`) and questions per step
-    /// (`train.batch_questions`).
+    /// `data.group_size` (or `rollout.n`) and `train.batch_questions`.
     pub group_size: usize,
     pub batch_questions: usize,
     /// `train.micro_batch_size` and `train.micro_batch_tokens` (0: not packed).
@@ -46,19 +44,18 @@ pub struct PlanInput {
     /// `data.max_prompt_tokens` and `data.max_response_tokens` (0: the model's context).
     pub max_prompt_tokens: usize,
     pub max_response_tokens: usize,
-    /// `[validation]`'s generation.
     pub validation: Option<GenerationLoad>,
-    /// `[rollout]`'s.
     pub rollout: Option<RolloutLoad>,
-    /// The model runs on the CPU (`model.device`): the device is host memory and the process counts in it.
+    /// `model.device` is the CPU: the device is host memory and the process counts in it.
     pub on_cpu: bool,
     /// Bytes of device memory (`None`: unknown).
     pub device_memory: Option<u64>,
-    /// Data-parallel ranks sharing the optimiser state (ZeRO-1): each rank holds 1/N of it.
+    /// Data-parallel ranks sharing the optimiser state (ZeRO-1).
     pub world_size: u64,
 }
 
-/// A generation of the run: `batch_size` sequences of at most `max_new_tokens` new tokens each.
+/// A generation of the run (`[validation]`, `[rollout]`): `batch_size` sequences of at most
+/// `max_new_tokens` new tokens each.
 #[derive(Debug, Clone)]
 pub struct GenerationLoad {
     pub batch_size: usize,
@@ -69,13 +66,12 @@ pub struct GenerationLoad {
 /// `[rollout]`: its generation, and what else it adds to the run's memory.
 #[derive(Debug, Clone)]
 pub struct RolloutLoad {
-    /// `rollout.batch_size`, `rollout.max_new_tokens`, `rollout.generation`.
     pub sampling: GenerationLoad,
     /// `rollout.teacher_answers`: teacher answers mixed into each group.
     pub teacher_answers: usize,
     /// `rollout.sync_every`: > 1 keeps a lagged copy of the weights.
     pub sync_every: usize,
-    /// The answers are sampled here (`rollout.engine = "native"`), not by a server.
+    /// `rollout.engine = "native"`: the answers are sampled here, not by a server.
     pub native: bool,
 }
 

@@ -2,10 +2,8 @@
 
 use super::*;
 
-/// The tensor-core attention backward's `delta = rowsum(dO O)` over `rows` query rows of `hd` elements of
-/// `d` bytes, and its concatenation with the log-sum-exp (a row's 4 + 4 bytes read and written). This
-/// build: one pass reading both inputs in 16-byte runs (kernels::row_dot). Before: candle's casts to f32,
-/// product and sum (about 28 bytes an element at bf16, in four ops) and the output's cast and copy.
+/// The tensor-core backward's `delta = rowsum(dO O)` over `rows` rows and its concatenation with the
+/// log-sum-exp: kernels::row_dot in packed builds, else candle's casts, product and sum.
 pub(super) fn attention_delta(o: &mut Ops, rows: f64, hd: f64, d: f64) {
     let cat = rows * 16.0;
     if o.packed {
@@ -16,9 +14,8 @@ pub(super) fn attention_delta(o: &mut Ops, rows: f64, hd: f64, d: f64) {
     }
 }
 
-/// The (query, key) score elements and block pairs the dk/dv kernel of kernels/flash_mma.cu computes for
-/// one causal sequence and one query head: each block of `bk` keys against the blocks of `bq` queries
-/// from the one holding its first key on.
+/// The scores and block pairs the dk/dv kernel computes for one causal sequence and query head: each
+/// block of `bk` keys against the blocks of `bq` queries from the one holding its first key on.
 pub(super) fn computed_scores_by_keys(t: u64, bk: u64, bq: u64) -> (f64, f64) {
     let (mut scores, mut pairs) = (0f64, 0f64);
     let mut j0 = 0;
@@ -32,40 +29,17 @@ pub(super) fn computed_scores_by_keys(t: u64, bk: u64, bq: u64) -> (f64, f64) {
     (scores, pairs)
 }
 
-/// The bytes of one head's K and V (or Q and dO) the tensor-core kernels may stream from the L2 cache
-/// rather than device memory: under half the L2 of an A100 (40 MB) or an H100 (50 MB).
+/// One head's streamed operands the tensor-core kernels may re-read from L2 (under half an A100's or
+/// H100's).
 pub(super) const L2_RESIDENT_BYTES: f64 = 20e6;
 
-/// One layer's attention on the tensor-core kernels (kernels/flash_mma.cu) on `b` sequences of `t`
-/// tokens. Forward: 64 queries against blocks of 32 keys, S = Q K^T and O += P V (4 hd FLOPs per score).
-/// Backward: the dq kernel (64 queries, blocks of 32 keys: S, dP and dQ, 6 hd per score) and the dk/dv
-/// kernel (64 keys, blocks of 16 queries of each head of the group: S^T, dP^T, dV and dK, 8 hd per score;
-/// it reads every query block's key span, written by the dq kernel, to find those that see its keys),
-/// after `D = rowsum(dO O)` by
-/// candle's element-wise ops. Device-memory bytes: each block's own rows once (Q and O; Q, dO and dQ; K,
-/// V, dK and dV) and the streamed operand (K and V; Q and dO) once per head when one head's fits in
-/// [`L2_RESIDENT_BYTES`] (the blocks of a head run together and re-read it from L2), else once per
-/// block pair.
-pub(super) fn layer_attention_mma(
-    o: &mut Ops,
-    m: &ModelConfig,
-    b: f64,
-    t: u64,
-    d: f64,
-    (backward, atomic_dq): (bool, bool),
-) {
-    layer_attention_tiles(o, m, (b, t, d), &MMA_TILES, (backward, atomic_dq));
-}
-
-/// The blocks of the tensor-core attention kernels and the kinds of their ops.
+/// The blocks of the tensor-core attention kernels and the kinds of their ops: queries per block and keys
+/// per step of the forward and the dq kernel, keys per block and queries per step of the dk/dv kernel.
 pub(super) struct Tiles {
-    /// The forward's kind, and the backward's.
     forward: OpKind,
     kind: OpKind,
-    /// Queries per block and keys per step of the forward and the dq kernel.
     rows: u64,
     keys: u64,
-    /// Keys per block and queries per step of the dk/dv kernel.
     dkv_keys: u64,
     dkv_queries: u64,
 }
@@ -89,8 +63,10 @@ pub(super) const WGMMA_TILES: Tiles = Tiles {
     dkv_queries: 64,
 };
 
-/// [`layer_attention_mma`] for the blocks of `tiles`: the same products, bytes and launches per block
-/// (the warpgroup kernels, kernels/flash_wgmma.cu, have the same kernels and both backwards).
+/// One layer's attention on the tensor-core kernels in `tiles` on `b` sequences of `t` tokens: forward
+/// S = Q K^T and O += P V (4 hd FLOPs a score); backward the dq kernel (S, dP, dQ: 6 hd) and the dk/dv
+/// kernel (S^T, dP^T, dV, dK: 8 hd). Each block's own rows move once, the streamed operand once per head
+/// when it fits in [`L2_RESIDENT_BYTES`], else once per block pair.
 pub(super) fn layer_attention_tiles(
     o: &mut Ops,
     m: &ModelConfig,
@@ -136,19 +112,13 @@ pub(super) fn layer_attention_tiles(
         + kv_pairs * step_queries * 2.0 * row_stats
         + ranges_scan;
     let work = (bh * (6.0 * hd * scores + 8.0 * hd * kv_scores), bh * 10.0 * hd * causal_pairs(t));
-    // Three launches: the dq kernel, the dk/dv kernel, and the sum of its groups' parts (bwd_dkv_sum; its
-    // bytes are in the kernels' measured rates, as is every byte here).
+    // The dq kernel, the dk/dv kernel and the sum of its groups' parts.
     let io = (bh * (dq_bytes + kv_bytes), 3.0);
     o.attention_kernel("attention kernels (backward)", tiles.kind, work, io, (t, m.head_dim as u64));
 }
 
-/// The backward of [`layer_attention_tiles`] with dq summed by atomics (kernels/flash_mma.cu's
-/// `bwd_prep` and `bwd_dq_out` around the file's `bwd_dkvq`): the dk/dv kernel's S^T, dP^T, dV, dK and dQ,
-/// 10 hd FLOPs per score of its key blocks against its query steps; each pair adds its [step, hd] dQ into
-/// the f32 accumulator.
-/// Device-memory bytes: the dk/dv kernel's as in the two-kernel backward; the accumulator zeroed and read
-/// once; and the atomics, absorbed by the L2 cache while one head's accumulator fits in
-/// [`L2_RESIDENT_BYTES`] (their rate there is not modelled), else 8 B each at device memory.
+/// The backward of [`layer_attention_tiles`] with dq summed by atomics in the dk/dv kernel (10 hd FLOPs
+/// a score) into an f32 accumulator, whose atomics the L2 absorbs while it fits in [`L2_RESIDENT_BYTES`].
 pub(super) fn layer_attention_atomic(o: &mut Ops, m: &ModelConfig, (b, t, d): (f64, u64, f64), tiles: &Tiles) {
     let (heads, hd) = (m.num_heads as f64, m.head_dim as f64);
     let (bh, tokens) = (b * heads, t as f64);
@@ -186,7 +156,9 @@ pub(super) fn layer_attention(
     backward: bool,
 ) {
     match tensor_cores {
-        Some(TensorCoreKernels::Mma(atomic_dq)) => return layer_attention_mma(o, m, b, t, d, (backward, atomic_dq)),
+        Some(TensorCoreKernels::Mma(atomic_dq)) => {
+            return layer_attention_tiles(o, m, (b, t, d), &MMA_TILES, (backward, atomic_dq))
+        }
         Some(TensorCoreKernels::Wgmma(atomic_dq)) => {
             return layer_attention_tiles(o, m, (b, t, d), &WGMMA_TILES, (backward, atomic_dq))
         }

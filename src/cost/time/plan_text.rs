@@ -2,19 +2,13 @@
 
 use super::*;
 
-/// Communication of one ZeRO-1 data-parallel step on `world` ranks, as src/train/zero.rs and the NCCL
-/// backend run it: the ring reduce-scatter of the f32 gradients and the ring all-gather of the updated f32
-/// weights, each moving (N - 1) / N of the buffer through every rank's link (NVLink within one node of
-/// `gpus_per_node`, the rank's InfiniBand NIC beyond: a ring through every rank runs at its slowest link),
-/// and the copies through host memory around them over PCIe: the f32 gradients to the host (flattened)
-/// and to the collective's device buffers, the rank's block back and its new weights out, the gathered
-/// f32 weights to the host and into the model (4 (4 + 2 / N) B per parameter).
+/// Communication of one ZeRO-1 step on `world` ranks (src/train/zero.rs): the ring reduce-scatter of the
+/// f32 gradients and all-gather of the f32 weights through each rank's slowest link, and the copies
+/// through host memory around them over PCIe (4 (4 + 2 / N) B a parameter).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Zero1Comms {
-    /// Bytes through the rank's link.
     pub link_bytes: f64,
     pub link_s: f64,
-    /// Bytes between the rank's GPU and host memory.
     pub pcie_bytes: f64,
     pub pcie_s: f64,
 }
@@ -123,8 +117,7 @@ pub fn report(m: &ModelConfig, s: &StepShape, global_answers: u64, world_size: u
     out
 }
 
-/// The `n` longest of `ops` as "window op share-of-`step_s`", joined (an op named for its window, such as
-/// "attention kernels (backward)", without the repeat).
+/// The `n` longest of `ops` as "window op share-of-`step_s`", joined.
 pub(super) fn longest_ops(ops: &[OpTime], step_s: f64, n: usize) -> String {
     let line = |o: &OpTime| {
         let name = o.op.strip_suffix(&format!(" ({})", o.window)).unwrap_or(o.op);
