@@ -2,10 +2,11 @@
 //! in the same run.
 
 use candle_core::{Tensor, Var};
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::harness::{dtype_name, median, time_runs, to_record, Result, Timing};
+use super::harness::{dtype_name, randn, time_median, Result, Timing};
 use crate::device::device_name;
+use crate::kernels::{causal_work, flash_attention_recorded, AttentionDevice, GpuKernels};
 
 /// One layer's attention (`grpo bench attention`): causal, one row, random inputs.
 #[derive(Debug, Clone, clap::Args)]
@@ -37,59 +38,14 @@ pub struct AttentionSpec {
     pub atomic_dq: bool,
 }
 
-/// What `grpo bench attention` prints.
-#[derive(Debug, serde::Serialize)]
-struct AttentionRecord {
-    bench: &'static str,
-    device: String,
-    dtype: &'static str,
-    /// Which path ran: "wgmma" (the warpgroup kernels), "mma" (the tensor-core kernels) or "chunked"
-    /// (block products as GEMMs).
-    kernel: &'static str,
-    /// The tensor-core kernels' backward summed dq by atomics.
-    atomic_dq: bool,
-    len: usize,
-    heads: usize,
-    kv_heads: usize,
-    head_dim: usize,
-    /// Query rows and keys per block on this device.
-    block_q: usize,
-    block_k: usize,
-    /// Forward + backward, median.
-    seconds: f64,
-    /// The causal attention's useful FLOPs (4 + 10 per query-key pair and head dim, masked halves of
-    /// diagonal blocks not counted) over the time.
-    gflops: f64,
-    /// FLOPs the GEMMs ran (diagonal blocks whole).
-    gemm_gflop_run: f64,
-    matmul_size: usize,
-    matmul_gflops: f64,
-    /// gflops / matmul_gflops.
-    ratio: f64,
-    /// The forward alone, median, and its useful FLOPs (4 per query-key pair and head dim) over that time;
-    /// the backward's 10 over the rest of `seconds` (null when the forward alone timed no faster). On a GPU
-    /// their ratios to the matmul's rate are what the performance model assumes per kernel
-    /// (docs/performance-model.md).
-    forward_seconds: f64,
-    forward_gflops: f64,
-    forward_ratio: f64,
-    backward_gflops: Option<f64>,
-    backward_ratio: Option<f64>,
-    /// The GPU's blocks and launches for the same shape (forward, backward).
-    gpu_block_q: usize,
-    gpu_block_k: usize,
-    gpu_launches: (usize, usize),
-}
-
 /// Forward and backward of causal attention over `--len` tokens (flash path) against a square matmul of
-/// `--matmul` in the same dtype, both on the device, in the same run.
+/// `--matmul` in the same dtype (bf16/f16 on a GPU: the tensor cores' rate), both on the device. Useful
+/// FLOPs are 4 (forward) + 10 (backward) per query-key pair and head dim, masked halves of diagonal
+/// blocks not counted; the performance model assumes their ratios to the matmul's rate per kernel.
 pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
-    use crate::kernels::{causal_work, flash_attention_recorded, AttentionDevice, GpuKernels};
     let (n, h, kv, d) = (spec.len, spec.heads, spec.kv_heads, spec.head_dim);
     let dev = &t.device;
-    let var = |heads| -> Result<Var> {
-        Ok(Var::from_tensor(&Tensor::randn(0f32, 1.0, (1, heads, n, d), dev)?.to_dtype(t.dtype)?)?)
-    };
+    let var = |heads| -> Result<Var> { Ok(Var::from_tensor(&randn(t, (1, heads, n, d), 1.0)?)?) };
     let (q, k, v) = (var(h)?, var(kv)?, var(kv)?);
     let ranges: Vec<u32> = (0..n as u32).flat_map(|i| [0, i]).collect();
     let ranges = Tensor::from_vec(ranges, (1, n, 2), dev)?;
@@ -104,78 +60,59 @@ pub fn attention(spec: &AttentionSpec, t: &Timing) -> Result<Value> {
         true => GpuKernels::TensorCores { atomic_dq: spec.atomic_dq, warpgroup: spec.wgmma },
         false => GpuKernels::Chunked,
     };
-    let attend = |q: &Tensor, k: &Tensor, v: &Tensor, ranges: &Tensor, scale: f64| {
-        flash_attention_recorded(q, k, v, ranges, scale, kernels, None)
-    };
-    let (times, _) = time_runs(t, || {
-        let o = attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?;
-        Ok(o.backward()?)
-    })?;
-    let seconds = median(&times);
-    let (forward_times, _) = time_runs(t, || Ok(attend(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale)?))?;
-    let forward_seconds = median(&forward_times);
+    let attend =
+        || flash_attention_recorded(q.as_tensor(), k.as_tensor(), v.as_tensor(), &ranges, scale, kernels, None);
+    let seconds = time_median(t, || Ok(attend()?.backward()?))?;
+    let forward_seconds = time_median(t, || Ok(attend()?))?;
     let m = spec.matmul;
-    // In the bench's dtype: f32 on the CPU as the README quotes it; bf16/f16 on a GPU, the tensor cores'
-    // rate the attention's products run at.
-    let a = Tensor::randn(0f32, 1.0, (m, m), dev)?.to_dtype(t.dtype)?;
-    let (mm, _) = time_runs(t, || Ok(a.matmul(&a)?))?;
-    let matmul_gflops = 2.0 * (m * m * m) as f64 / median(&mm) / 1e9;
+    let a = randn(t, (m, m), 1.0)?;
+    let matmul_gflops = 2.0 * (m * m * m) as f64 / time_median(t, || Ok(a.matmul(&a)?))? / 1e9;
     let per_flop = (h * d) as f64 * (n * (n + 1) / 2) as f64; // query-key pairs x head dims
-    let useful = 14.0 * per_flop;
+    let gflops = 14.0 * per_flop / seconds / 1e9;
     let forward_gflops = 4.0 * per_flop / forward_seconds / 1e9;
+    // The backward over the rest of the time; null when the forward alone timed no faster.
     let backward_gflops = (seconds > forward_seconds).then(|| 10.0 * per_flop / (seconds - forward_seconds) / 1e9);
-    let bytes = t.dtype.size_in_bytes();
-    let cpu = if dev.is_cpu() { AttentionDevice::Cpu } else { AttentionDevice::Gpu };
-    let (blocks, fwd, bwd) = causal_work((1, h, kv, n, n, d), cpu, bytes);
-    let (gpu, gf, gb) = causal_work((1, h, kv, n, n, d), AttentionDevice::Gpu, bytes);
-    let gflops = useful / seconds / 1e9;
-    let record = AttentionRecord {
-        bench: "attention",
-        device: device_name(dev),
-        dtype: dtype_name(t.dtype),
-        kernel,
-        atomic_dq: tensor_cores && spec.atomic_dq,
-        len: n,
-        heads: h,
-        kv_heads: kv,
-        head_dim: d,
-        block_q: blocks.bq,
-        block_k: blocks.bk,
-        seconds,
-        gflops,
-        gemm_gflop_run: (fwd.gemm_flops + bwd.gemm_flops) / 1e9,
-        matmul_size: m,
-        matmul_gflops,
-        ratio: gflops / matmul_gflops,
-        forward_seconds,
-        forward_gflops,
-        forward_ratio: forward_gflops / matmul_gflops,
-        backward_gflops,
-        backward_ratio: backward_gflops.map(|g| g / matmul_gflops),
-        gpu_block_q: gpu.bq,
-        gpu_block_k: gpu.bk,
-        gpu_launches: (gf.launches, gb.launches),
-    };
-    to_record(record)
+    let here = if dev.is_cpu() { AttentionDevice::Cpu } else { AttentionDevice::Gpu };
+    let (blocks, fwd, bwd) = causal_work((1, h, kv, n, n, d), here, t.dtype.size_in_bytes());
+    let (gpu, gpu_fwd, gpu_bwd) = causal_work((1, h, kv, n, n, d), AttentionDevice::Gpu, t.dtype.size_in_bytes());
+    Ok(json!({
+        "bench": "attention",
+        "device": device_name(dev),
+        "dtype": dtype_name(t.dtype),
+        "kernel": kernel,
+        "atomic_dq": tensor_cores && spec.atomic_dq,
+        "len": n,
+        "heads": h,
+        "kv_heads": kv,
+        "head_dim": d,
+        "block_q": blocks.bq,
+        "block_k": blocks.bk,
+        "seconds": seconds,
+        "gflops": gflops,
+        "gemm_gflop_run": (fwd.gemm_flops + bwd.gemm_flops) / 1e9, // diagonal blocks whole
+        "matmul_size": m,
+        "matmul_gflops": matmul_gflops,
+        "ratio": gflops / matmul_gflops,
+        "forward_seconds": forward_seconds,
+        "forward_gflops": forward_gflops,
+        "forward_ratio": forward_gflops / matmul_gflops,
+        "backward_gflops": backward_gflops,
+        "backward_ratio": backward_gflops.map(|g| g / matmul_gflops),
+        "gpu_block_q": gpu.bq,
+        "gpu_block_k": gpu.bk,
+        "gpu_launches": (gpu_fwd.launches, gpu_bwd.launches),
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::harness::fixtures::cpu;
+    use crate::bench::harness::fixtures::{cpu, parse};
 
     #[test]
     fn attention_reports_its_rate_against_a_matmul() {
-        let spec = AttentionSpec {
-            len: 70,
-            heads: 4,
-            kv_heads: 2,
-            head_dim: 16,
-            matmul: 64,
-            mma: false,
-            wgmma: false,
-            atomic_dq: false,
-        };
+        let spec: AttentionSpec =
+            parse(&["--len", "70", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--matmul", "64"]);
         let r = attention(&spec, &cpu()).unwrap();
         assert_eq!(
             (r["bench"].as_str(), r["len"].as_u64(), r["block_q"].as_u64()),

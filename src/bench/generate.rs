@@ -7,14 +7,16 @@
 use std::path::PathBuf;
 
 use rand::SeedableRng;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::harness::{
-    dtype_name, load_shape, median, random_ids, random_model, shape_name, time_runs, to_record, BenchError, Result,
+    dtype_name, load_shape, long_tailed, median, random_ids, random_model, shape_name, time_runs, BenchError, Result,
     Timing,
 };
 use crate::device::device_name;
-use crate::generate::{generate_limited, generate_paged, GenerateError, GenerationOptions, Request, Schedule};
+use crate::generate::{
+    generate_limited, generate_paged, GenerateError, GenerationOptions, Request, SamplingParams, Schedule,
+};
 use crate::model::Decoder;
 
 /// Generation settings (`grpo bench generate`).
@@ -77,11 +79,20 @@ impl Job {
             .sum();
         total / self.tokens().max(1) as f64
     }
+
+    fn check_tokens(&self, produced: usize) -> Result<()> {
+        if produced != self.tokens() {
+            return Err(BenchError::Invalid(format!(
+                "generated {produced} tokens, the job's answers hold {}",
+                self.tokens()
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// `spec`'s job, deterministic in its seed.
 fn job(spec: &GenerateSpec, vocab: usize) -> Job {
-    use crate::model::load::sample_normal;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed);
     if spec.problems == 0 {
         let problems =
@@ -91,14 +102,9 @@ fn job(spec: &GenerateSpec, vocab: usize) -> Job {
     let median = if spec.answer_median > 0.0 { spec.answer_median } else { spec.new_tokens as f64 / 4.0 };
     let problems = (0..spec.problems)
         .map(|_| {
-            let prompt = (spec.prompt_len as f64 * (0.6 * sample_normal(&mut rng) as f64).exp()).round().max(1.0);
-            let centre = median.ln() + 0.5 * sample_normal(&mut rng) as f64;
-            let lengths = (0..spec.samples)
-                .map(|_| {
-                    ((centre + 0.55 * sample_normal(&mut rng) as f64).exp().round() as usize).clamp(1, spec.new_tokens)
-                })
-                .collect();
-            (random_ids(&mut rng, prompt as usize, vocab), lengths)
+            let (prompt, lengths) = long_tailed(&mut rng, spec.prompt_len as f64, (median, 0.5, 0.55), spec.samples);
+            let lengths = lengths.into_iter().map(|l| l.min(spec.new_tokens)).collect();
+            (random_ids(&mut rng, prompt, vocab), lengths)
         })
         .collect();
     Job { problems }
@@ -124,17 +130,34 @@ struct RunRecord {
     preemptions: Option<usize>,
 }
 
+impl RunRecord {
+    /// A run of `tokens` in `steps` steps, without the paged engine's counts.
+    fn new(schedule: Schedule, time_s: f64, tokens: usize, steps: usize, occupancy: f64) -> Self {
+        RunRecord {
+            schedule,
+            time_s,
+            tokens_per_s: tokens as f64 / time_s,
+            steps,
+            steps_per_s: steps as f64 / time_s,
+            occupancy,
+            kv_pool_blocks: None,
+            kv_peak_blocks: None,
+            kv_held_per_cached: None,
+            prefill_computed: None,
+            prefill_saved: None,
+            preemptions: None,
+        }
+    }
+}
+
 /// `job` under the paged engine, `batch` sequences at a time.
 fn run_paged(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Result<RunRecord> {
-    let params = crate::generate::SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
-    let mut first = 0u64;
-    let requests: Vec<Request> = job
-        .problems
-        .iter()
-        .map(|(p, lengths)| {
-            let r = Request { max_new_tokens: lengths.clone(), ..Request::new(p.clone(), first, lengths.len()) };
-            first += lengths.len() as u64;
-            r
+    let params = SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
+    let requests: Vec<Request> = (job.problems.iter())
+        .scan(0u64, |first, (p, lengths)| {
+            let r = Request { max_new_tokens: lengths.clone(), ..Request::new(p.clone(), *first, lengths.len()) };
+            *first += lengths.len() as u64;
+            Some(r)
         })
         .collect();
     let (times, reports) = time_runs(t, || {
@@ -160,21 +183,16 @@ fn run_paged(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Res
         }
     })?;
     let r = reports.into_iter().next().ok_or_else(|| BenchError::Invalid("no timed run".into()))?;
-    check_tokens(r.generated, job)?;
-    let time_s = median(&times);
+    job.check_tokens(r.generated)?;
+    let run = RunRecord::new(Schedule::Continuous, median(&times), r.generated, r.steps, r.occupancy);
     Ok(RunRecord {
-        schedule: Schedule::Continuous,
-        time_s,
-        tokens_per_s: r.generated as f64 / time_s,
-        steps: r.steps,
-        steps_per_s: r.steps as f64 / time_s,
-        occupancy: r.occupancy,
         kv_pool_blocks: Some(r.pool_blocks),
         kv_peak_blocks: Some(r.peak_blocks),
         kv_held_per_cached: Some(r.kv_held_per_cached),
         prefill_computed: Some(r.counts.prefill_computed),
         prefill_saved: Some(r.counts.prefill_saved),
         preemptions: Some(r.counts.preemptions),
+        ..run
     })
 }
 
@@ -184,20 +202,16 @@ type StaticBatch = (Vec<Vec<u32>>, Vec<u64>, Vec<usize>);
 /// `job` in static batches of whole problems (as `grpo eval` groups them): `batch / samples` problems at
 /// a time, each batch decoded until its longest answer ends.
 fn run_static(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Result<RunRecord> {
-    let params = crate::generate::SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
+    let params = SamplingParams { max_new_tokens: spec.new_tokens, ..Default::default() };
     let per_batch = (spec.batch / spec.samples.max(1)).max(1);
-    let batches: Vec<StaticBatch> = job
-        .problems
-        .chunks(per_batch)
+    let batches: Vec<StaticBatch> = (job.problems.chunks(per_batch))
         .scan(0u64, |first, chunk| {
             let (mut prompts, mut ids, mut limits) = (vec![], vec![], vec![]);
-            for (p, lengths) in chunk {
-                for &l in lengths {
-                    prompts.push(p.clone());
-                    ids.push(*first);
-                    limits.push(l);
-                    *first += 1;
-                }
+            for (p, &l) in chunk.iter().flat_map(|(p, lengths)| lengths.iter().map(move |l| (p, l))) {
+                prompts.push(p.clone());
+                ids.push(*first);
+                limits.push(l);
+                *first += 1;
             }
             Some((prompts, ids, limits))
         })
@@ -210,37 +224,15 @@ fn run_static(model: &Decoder, job: &Job, spec: &GenerateSpec, t: &Timing) -> Re
         }
         Ok(produced)
     })?;
-    check_tokens(outs.first().copied().unwrap_or(0), job)?;
+    job.check_tokens(outs.first().copied().unwrap_or(0))?;
     // Each batch runs as many steps as its longest answer, its seats busy with the answers not yet done.
     let steps: usize = batches.iter().map(|(_, _, l)| l.iter().copied().max().unwrap_or(0)).sum();
-    let time_s = median(&times);
-    Ok(RunRecord {
-        schedule: Schedule::Static,
-        time_s,
-        tokens_per_s: job.tokens() as f64 / time_s,
-        steps,
-        steps_per_s: steps as f64 / time_s,
-        occupancy: job.tokens() as f64 / (steps.max(1) * spec.batch) as f64,
-        kv_pool_blocks: None,
-        kv_peak_blocks: None,
-        kv_held_per_cached: None,
-        prefill_computed: None,
-        prefill_saved: None,
-        preemptions: None,
-    })
+    let occupancy = job.tokens() as f64 / (steps.max(1) * spec.batch) as f64;
+    Ok(RunRecord::new(Schedule::Static, median(&times), job.tokens(), steps, occupancy))
 }
 
-fn check_tokens(produced: usize, job: &Job) -> Result<()> {
-    if produced != job.tokens() {
-        return Err(BenchError::Invalid(format!(
-            "generated {produced} tokens, the job's answers hold {}",
-            job.tokens()
-        )));
-    }
-    Ok(())
-}
-
-/// Generate `spec`'s job under its schedule (and with `--compare` the other one).
+/// Generate `spec`'s job under its schedule (and with `--compare` the other one), beside the model's
+/// decode step (at the run's mean sequences per step and context) on each modelled GPU.
 pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
     spec.generation.validate("--").map_err(BenchError::Invalid)?;
     if spec.batch == 0 || spec.new_tokens == 0 || spec.samples == 0 {
@@ -255,100 +247,62 @@ pub fn generate(spec: &GenerateSpec, t: &Timing) -> Result<Value> {
         Schedule::Static => run_static(&model, &job, spec, t),
     };
     let main = run(spec.generation.schedule)?;
-    let reference = match spec.compare {
-        true => Some(run(other(spec.generation.schedule))?),
-        false => None,
+    let other = match spec.generation.schedule {
+        Schedule::Continuous => Schedule::Static,
+        Schedule::Static => Schedule::Continuous,
     };
-    let ratio = reference.as_ref().map(|r| main.tokens_per_s / r.tokens_per_s);
-    let sequences_per_step = main.occupancy * spec.batch as f64;
+    let reference = spec.compare.then(|| run(other)).transpose()?;
     let shape = crate::cost::decode::DecodeShape {
-        sequences: sequences_per_step.max(1.0),
+        sequences: (main.occupancy * spec.batch as f64).max(1.0),
         context: job.mean_context(),
         dtype_bytes: t.dtype.size_in_bytes() as f64,
     };
-    let predicted =
-        crate::cost::calibration::gpus().iter().map(|g| crate::cost::decode::predict_decode(&cfg, shape, g)).collect();
-    to_record(GenerateRecord {
-        bench: "generate",
-        implementation: "grpo",
-        shape: shape_name(&spec.shape),
-        batch: spec.batch,
-        prompt_len: spec.prompt_len,
-        new_tokens: spec.new_tokens,
-        problems: spec.problems,
-        samples: spec.samples,
-        sequences: job.sequences(),
-        answer_tokens: job.tokens(),
-        mean_context: shape.context,
-        fused_ops: spec.fused_ops,
-        dtype: dtype_name(t.dtype),
-        device: device_name(&t.device),
-        run: main,
-        reference,
-        tokens_per_s_over_reference: ratio,
-        predicted_decode_step: predicted,
-    })
-}
-
-fn other(s: Schedule) -> Schedule {
-    match s {
-        Schedule::Continuous => Schedule::Static,
-        Schedule::Static => Schedule::Continuous,
+    let gpus = crate::cost::calibration::gpus().iter();
+    let mut record = json!({
+        "bench": "generate",
+        "impl": "grpo",
+        "shape": shape_name(&spec.shape),
+        "batch": spec.batch,
+        "prompt_len": spec.prompt_len,
+        "new_tokens": spec.new_tokens,
+        "problems": spec.problems,
+        "samples": spec.samples,
+        "sequences": job.sequences(),
+        "answer_tokens": job.tokens(),
+        "mean_context": shape.context,
+        "fused_ops": spec.fused_ops,
+        "dtype": dtype_name(t.dtype),
+        "device": device_name(&t.device),
+    });
+    // The main run's keys inline, then the other schedule's run and the ratio of their tokens/s.
+    let tail = json!({
+        "reference": reference,
+        "tokens_per_s_over_reference": reference.as_ref().map(|r| main.tokens_per_s / r.tokens_per_s),
+        "predicted_decode_step": gpus.map(|g| crate::cost::decode::predict_decode(&cfg, shape, g)).collect::<Vec<_>>(),
+    });
+    for part in [json!(main), tail] {
+        if let (Value::Object(record), Value::Object(part)) = (&mut record, part) {
+            record.extend(part);
+        }
     }
-}
-
-/// `grpo bench generate`'s record: the job, the run under its schedule (median time, tokens and steps a
-/// second, occupancy, KV pool use, prefill saved), the other schedule's run with `--compare` and the
-/// ratio, and the model's decode step (at the run's mean sequences per step and context) per GPU.
-#[derive(Debug, serde::Serialize)]
-struct GenerateRecord {
-    bench: &'static str,
-    #[serde(rename = "impl")]
-    implementation: &'static str,
-    shape: String,
-    batch: usize,
-    prompt_len: usize,
-    new_tokens: usize,
-    problems: usize,
-    samples: usize,
-    sequences: usize,
-    answer_tokens: usize,
-    mean_context: f64,
-    fused_ops: bool,
-    dtype: &'static str,
-    device: String,
-    #[serde(flatten)]
-    run: RunRecord,
-    reference: Option<RunRecord>,
-    tokens_per_s_over_reference: Option<f64>,
-    predicted_decode_step: Vec<crate::cost::decode::DecodePrediction>,
+    Ok(record)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::harness::fixtures::{cpu, tiny_shape};
+    use crate::bench::harness::fixtures::{cpu, parse, tiny_shape};
 
-    fn spec(shape: PathBuf) -> GenerateSpec {
-        GenerateSpec {
-            shape,
-            batch: 3,
-            prompt_len: 5,
-            new_tokens: 4,
-            problems: 0,
-            samples: 1,
-            answer_median: 0.0,
-            seed: 0,
-            compare: false,
-            fused_ops: false,
-            generation: GenerationOptions::default(),
-        }
+    /// A 3-prompt job of 5-token prompts and 4-token answers.
+    fn spec(shape: &std::path::Path) -> GenerateSpec {
+        let args = ["--shape", shape.to_str().unwrap(), "--batch", "3", "--prompt-len", "5", "--new-tokens", "4"];
+        GenerateSpec { fused_ops: false, generation: GenerationOptions::default(), ..parse(&args) }
     }
 
     #[test]
     fn generation_produces_every_token() {
         let dir = tempfile::tempdir().unwrap();
-        let r = generate(&spec(tiny_shape(dir.path())), &cpu()).unwrap();
+        let r = generate(&spec(&tiny_shape(dir.path())), &cpu()).unwrap();
         assert_eq!((r["batch"].as_u64(), r["answer_tokens"].as_u64()), (Some(3), Some(12)));
         assert_eq!(r["schedule"], "continuous");
         assert!(r["tokens_per_s"].as_f64().unwrap() > 0.0);
@@ -366,7 +320,7 @@ mod tests {
             batch: 6,
             new_tokens: 12,
             compare: true,
-            ..spec(tiny_shape(dir.path()))
+            ..spec(&tiny_shape(dir.path()))
         };
         let j = job(&s, 97);
         let lengths: Vec<usize> = j.problems.iter().flat_map(|(_, l)| l.iter().copied()).collect();

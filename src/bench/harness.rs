@@ -1,14 +1,13 @@
 //! What every benchmark shares: its error, where and how long to measure ([`Timing`]) and the timed
-//! runs, the random model and inputs, and the JSON record it prints.
+//! runs, the random model and inputs.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Device, Shape, Tensor};
 use rand::Rng;
-use serde_json::Value;
 
-use crate::model::load::random_parameter;
+use crate::model::load::{random_parameter, sample_normal};
 use crate::model::{Decoder, ModelConfig};
 
 /// Errors of a benchmark.
@@ -57,14 +56,15 @@ pub(super) fn median(xs: &[f64]) -> f64 {
 /// Run `f` `warmup + repeats` times with the device synchronised around each; the timed durations.
 pub(super) fn time_runs<T>(t: &Timing, mut f: impl FnMut() -> Result<T>) -> Result<(Vec<f64>, Vec<T>)> {
     let (mut times, mut outs) = (Vec::new(), Vec::new());
-    for i in 0..t.warmup + t.repeats.max(1) {
+    let runs = t.warmup + t.repeats.max(1);
+    for i in 0..runs {
         t.device.synchronize()?;
         let t0 = Instant::now();
         let out = f()?;
         t.device.synchronize()?;
         let dt = t0.elapsed().as_secs_f64();
         let kind = if i < t.warmup { "warm-up" } else { "timed" };
-        tracing::info!("run {}/{} ({kind}): {dt:.3} s", i + 1, t.warmup + t.repeats.max(1));
+        tracing::info!("run {}/{runs} ({kind}): {dt:.3} s", i + 1);
         if i >= t.warmup {
             times.push(dt);
             outs.push(out);
@@ -73,16 +73,26 @@ pub(super) fn time_runs<T>(t: &Timing, mut f: impl FnMut() -> Result<T>) -> Resu
     Ok((times, outs))
 }
 
-pub(super) fn shape_name(path: &std::path::Path) -> String {
+/// The median time of [`time_runs`].
+pub(super) fn time_median<T>(t: &Timing, f: impl FnMut() -> Result<T>) -> Result<f64> {
+    Ok(median(&time_runs(t, f)?.0))
+}
+
+pub(super) fn shape_name(path: &Path) -> String {
     path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-pub(super) fn load_shape(path: &std::path::Path) -> Result<ModelConfig> {
+pub(super) fn load_shape(path: &Path) -> Result<ModelConfig> {
     ModelConfig::from_file(path).map_err(|source| BenchError::Shape { path: path.to_path_buf(), source })
 }
 
-/// A model of `cfg` with random weights drawn on the device itself (fast at billions of parameters; the
-/// values do not matter for timing): normal(0, 0.02) matrices, unit norms, zero biases.
+/// Whether the device named `device` is the modelled GPU `gpu` (by the first word of its name).
+pub(super) fn is_gpu(device: &str, gpu: &str) -> bool {
+    device.contains(gpu.split(' ').next().unwrap_or(gpu))
+}
+
+/// A model of `cfg` with random weights drawn on the device (the values do not matter for timing):
+/// normal(0, 0.02) matrices, unit norms, zero biases.
 pub(super) fn random_model(cfg: ModelConfig, t: &Timing, trainable: bool) -> Result<Decoder> {
     let dev = &t.device;
     let get =
@@ -90,22 +100,38 @@ pub(super) fn random_model(cfg: ModelConfig, t: &Timing, trainable: bool) -> Res
     Ok(Decoder::from_tensors(cfg, get, t.dtype, &t.device, trainable)?)
 }
 
+/// Normal(0, `std`) values of `shape` on the bench's device, in its dtype.
+pub(super) fn randn(t: &Timing, shape: impl Into<Shape>, std: f32) -> Result<Tensor> {
+    Ok(Tensor::randn(0f32, std, shape, &t.device)?.to_dtype(t.dtype)?)
+}
+
 pub(super) fn random_ids(rng: &mut impl Rng, n: usize, vocab: usize) -> Vec<u32> {
     (0..n).map(|_| rng.gen_range(0..vocab as u32)).collect()
 }
 
-/// A bench's record as the JSON line it prints.
-pub(super) fn to_record(record: impl serde::Serialize) -> Result<Value> {
-    serde_json::to_value(record).map_err(|e| BenchError::Invalid(e.to_string()))
+/// One problem of a long-tailed mix: its prompt tokens (log-normal around `prompt_median`, sigma 0.6, at
+/// least 1) and `answers` lengths (at least 1), log-normal with sigma `answer_sigma` around the problem's
+/// median, itself log-normal with sigma `problem_sigma` around `median`.
+pub(super) fn long_tailed(
+    rng: &mut impl Rng,
+    prompt_median: f64,
+    (median, problem_sigma, answer_sigma): (f64, f64, f64),
+    answers: usize,
+) -> (usize, Vec<usize>) {
+    let prompt = (prompt_median * (0.6 * sample_normal(rng) as f64).exp()).round().max(1.0);
+    let centre = median.ln() + problem_sigma * sample_normal(rng) as f64;
+    let lengths =
+        (0..answers).map(|_| (centre + answer_sigma * sample_normal(rng) as f64).exp().round().max(1.0) as usize);
+    (prompt as usize, lengths.collect())
 }
 
-/// What the benchmarks' tests share: a tiny model shape and a short CPU timing.
+/// What the benchmarks' tests share: a tiny model shape, a short CPU timing, a spec from its options.
 #[cfg(test)]
 pub(super) mod fixtures {
     use super::*;
     use serde_json::json;
 
-    pub(crate) fn tiny_shape(dir: &std::path::Path) -> PathBuf {
+    pub(crate) fn tiny_shape(dir: &Path) -> PathBuf {
         let raw = json!({"model_type": "qwen2", "vocab_size": 97, "hidden_size": 16, "intermediate_size": 32,
             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": true});
         let p = dir.join("tiny.json");
@@ -115,6 +141,12 @@ pub(super) mod fixtures {
 
     pub(crate) fn cpu() -> Timing {
         Timing { device: Device::Cpu, dtype: DType::F32, warmup: 1, repeats: 2 }
+    }
+
+    /// A bench's spec from its command-line options (the others at their defaults).
+    pub(crate) fn parse<T: clap::Args + clap::FromArgMatches>(args: &[&str]) -> T {
+        let matches = T::augment_args(clap::Command::new("bench")).get_matches_from([&["bench"], args].concat());
+        T::from_arg_matches(&matches).unwrap()
     }
 }
 

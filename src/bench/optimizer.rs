@@ -3,11 +3,13 @@
 
 use candle_core::{DType, Device, Tensor, Var};
 use rand::{Rng, SeedableRng};
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::harness::{dtype_name, median, time_runs, to_record, Result, Timing};
+use super::harness::{dtype_name, is_gpu, median, time_runs, Result, Timing};
 use crate::device::device_name;
-use crate::train::optim::OptimConfig;
+use crate::kernels::AdamW;
+use crate::model::Grads;
+use crate::train::optim::{OptimConfig, Optimizer};
 
 /// The shape of [`optimizer`]'s benchmark: the state in host memory, as `optim.offload` keeps it, and the
 /// parameters and their gradients on the bench's device.
@@ -21,67 +23,23 @@ pub struct OptimizerSpec {
     pub tensors: usize,
 }
 
-/// [`optimizer`]'s record: the offloaded AdamW update's rate, as the optimiser runs it and as the
-/// reference runs it, in the model's units (32 B per parameter, [`crate::cost::Gpu::host_update_bandwidth`]).
-#[derive(Debug, serde::Serialize)]
-struct OptimizerRecord {
-    bench: &'static str,
-    device: String,
-    dtype: &'static str,
-    params: usize,
-    tensors: usize,
-    threads: usize,
-    /// The update as the optimiser runs it with `optim.offload`: the fused in-place AdamW
-    /// ([`crate::kernels::adamw`]) of every tensor, their new weights in the model's dtype; on a GPU with
-    /// the gradients brought down and the weights taken up through the staging of
-    /// [`crate::train::offload`], overlapped with the host's update.
-    fused_s: f64,
-    fused_gb_per_s: f64,
-    /// What the reference is: on the CPU, the same update from candle's composite ops (~15 per tensor,
-    /// each allocating its result, the tensors in parallel: the update before the fused op); on a GPU,
-    /// the fused update with its copies one tensor after another through pageable memory, waiting for
-    /// each (the offloaded update before the staging).
-    reference: &'static str,
-    reference_s: f64,
-    reference_gb_per_s: f64,
-    speedup: f64,
-    /// Bytes over PCIe per update on a GPU (f32 gradients down, weights up), 0 on the CPU.
-    pcie_bytes: usize,
-    /// The performance model's time for this offloaded update from each modelled GPU (src/cost/time.rs:
-    /// one chunk's copies, then the longer of the host's update and the other copies), and on the card
-    /// that ran, the measured time over it.
-    predicted: Vec<PredictedUpdate>,
-    /// The master weights after the timed runs agree bit for bit.
-    same_bits: bool,
-}
-
-/// [`OptimizerRecord::predicted`]'s entry for one GPU.
-#[derive(Debug, serde::Serialize)]
-struct PredictedUpdate {
-    gpu: &'static str,
-    seconds: f64,
-    measured_over_predicted: Option<f64>,
-}
-
 /// Random `[1, n]` weights (of `dtype`) and `[n]` f32 gradients on `device` for tensors of `sizes`.
-fn optimizer_problem(sizes: &[usize], dtype: DType, device: &Device) -> Result<(Vec<Var>, crate::model::Grads)> {
+fn optimizer_problem(sizes: &[usize], dtype: DType, device: &Device) -> Result<(Vec<Var>, Grads)> {
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(5);
     let mut random = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.gen_range(-1.0..1.0)).collect() };
-    let mut vars = Vec::new();
-    let mut grads = Vec::new();
+    let (mut vars, mut grads) = (Vec::new(), Vec::new());
     for &n in sizes {
         vars.push(Var::from_tensor(&Tensor::from_vec(random(n), (1, n), device)?.to_dtype(dtype)?)?);
         grads.push(Some(Tensor::from_vec(random(n), n, device)?));
     }
-    Ok((vars, crate::model::Grads { grads }))
+    Ok((vars, Grads { grads }))
 }
 
-/// The offloaded optimiser's update (AdamW, f32 state in host memory) over `spec.params` parameters in
-/// `spec.tensors` tensors of dtype `t.dtype` on `t.device`, against the reference
-/// the record names (`reference`) in the same run, each from the same state: the composite ops on the CPU,
-/// pageable copies one tensor at a time from a GPU.
+/// The offloaded optimiser's update (AdamW, f32 state in host memory) of `spec.params` parameters in
+/// `spec.tensors` tensors against a reference from the same state in the same run: the composite ops on
+/// the CPU, pageable copies one tensor at a time from a GPU. Rates are in the model's units (32 B a
+/// parameter, [`crate::cost::Gpu::host_update_bandwidth`]).
 pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
-    use crate::train::optim::Optimizer;
     let tensors = spec.tensors.clamp(1, spec.params.max(1));
     let sizes: Vec<usize> =
         (0..tensors).map(|i| spec.params / tensors + usize::from(i < spec.params % tensors)).collect();
@@ -99,58 +57,43 @@ pub fn optimizer(spec: &OptimizerSpec, t: &Timing) -> Result<Value> {
         true => ("composite candle ops", composite_update(t, &cfg, &mut state, &grads)?),
         false => ("pageable copies, one tensor at a time", serial_offload(t, &cfg, &mut state, &grads, &vars)?),
     };
-    let fused_master = opt
-        .state_tensors()?
-        .into_iter()
-        .filter(|(n, _)| n.starts_with("master."))
-        .map(|(_, t)| t.flatten_all())
-        .collect::<candle_core::Result<Vec<_>>>()?;
-    let same_bits = fused_master.iter().zip(&state).all(|(a, b)| {
-        let bits = |t: &Tensor| t.to_vec1::<f32>().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).ok();
-        bits(a) == bits(b)
-    });
+    let bits = |t: &Tensor| t.to_vec1::<f32>().map(|v| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).ok();
+    let masters = opt.state_tensors()?.into_iter().filter(|(n, _)| n.starts_with("master."));
+    let masters = masters.map(|(_, t)| t.flatten_all()).collect::<candle_core::Result<Vec<_>>>()?;
+    let same_bits = masters.iter().zip(&state).all(|(a, b)| bits(a) == bits(b));
     let (fused_s, reference_s) = (median(&fused), median(&reference_runs));
     let gb = |s: f64| 32.0 * spec.params as f64 / s / 1e9;
-    let pcie_bytes = if t.device.is_cpu() { 0 } else { spec.params * (4 + t.dtype.size_in_bytes()) };
     let device = device_name(&t.device);
-    let predicted = (crate::cost::time::gpus().iter())
-        .map(|gpu| {
-            let d = t.dtype.size_in_bytes() as f64;
-            let seconds = crate::cost::time::offload_update_s(spec.params as f64, d, gpu);
-            let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
-            PredictedUpdate { gpu: gpu.name, seconds, measured_over_predicted: here.then(|| fused_s / seconds) }
-        })
-        .collect();
-    let record = OptimizerRecord {
-        bench: "optimizer",
-        device,
-        dtype: dtype_name(t.dtype),
-        params: spec.params,
-        tensors,
-        threads: rayon::current_num_threads(),
-        fused_s,
-        fused_gb_per_s: gb(fused_s),
-        reference,
-        reference_s,
-        reference_gb_per_s: gb(reference_s),
-        speedup: reference_s / fused_s,
-        pcie_bytes,
-        predicted,
-        same_bits,
-    };
-    to_record(record)
+    // The model's time for this offloaded update (src/cost/time.rs) on each GPU, beside the measured one.
+    let predicted = (crate::cost::time::gpus().iter()).map(|gpu| {
+        let seconds = crate::cost::time::offload_update_s(spec.params as f64, t.dtype.size_in_bytes() as f64, gpu);
+        let measured_over_predicted = is_gpu(&device, gpu.name).then(|| fused_s / seconds);
+        json!({"gpu": gpu.name, "seconds": seconds, "measured_over_predicted": measured_over_predicted})
+    });
+    Ok(json!({
+        "bench": "optimizer",
+        "device": device,
+        "dtype": dtype_name(t.dtype),
+        "params": spec.params,
+        "tensors": tensors,
+        "threads": rayon::current_num_threads(),
+        "fused_s": fused_s,
+        "fused_gb_per_s": gb(fused_s),
+        "reference": reference,
+        "reference_s": reference_s,
+        "reference_gb_per_s": gb(reference_s),
+        "speedup": reference_s / fused_s,
+        // Bytes over PCIe per update on a GPU (f32 gradients down, weights up).
+        "pcie_bytes": if t.device.is_cpu() { 0 } else { spec.params * (4 + t.dtype.size_in_bytes()) },
+        "predicted": predicted.collect::<Vec<_>>(),
+        "same_bits": same_bits, // the master weights after the timed runs
+    }))
 }
 
-/// The update of `grads` (host memory) into the master weights `state` by candle's composite ops (the
-/// moments kept beside them), the tensors in parallel, their new weights in the model's dtype: the host
-/// update before the fused op. Returns the timed runs.
-fn composite_update(
-    t: &Timing,
-    cfg: &OptimConfig,
-    state: &mut [Tensor],
-    grads: &crate::model::Grads,
-) -> Result<Vec<f64>> {
-    use crate::kernels::adamw_reference;
+/// The update of `grads` into the master weights `state` by candle's composite ops (the moments kept
+/// beside them), the tensors in parallel, their new weights in the model's dtype: the host update before
+/// the fused op. Returns the timed runs.
+fn composite_update(t: &Timing, cfg: &OptimConfig, state: &mut [Tensor], grads: &Grads) -> Result<Vec<f64>> {
     use rayon::prelude::*;
     let mut moments: Vec<Option<(Tensor, Tensor)>> = vec![None; state.len()];
     let mut step = 0;
@@ -160,7 +103,8 @@ fn composite_update(
         let out = (state.par_iter().zip(&moments).zip(&grads.grads))
             .map(|((master, moments), g)| {
                 let g = g.as_ref().expect("every tensor has a gradient");
-                let (master, moments) = adamw_reference(master, moments.as_ref().map(|(m, v)| (m, v)), g, &op)?;
+                let moments = moments.as_ref().map(|(m, v)| (m, v));
+                let (master, moments) = crate::kernels::adamw_reference(master, moments, g, &op)?;
                 master.to_dtype(t.dtype)?;
                 Ok((master, moments))
             })
@@ -180,7 +124,7 @@ fn serial_offload(
     t: &Timing,
     cfg: &OptimConfig,
     state: &mut [Tensor],
-    grads: &crate::model::Grads,
+    grads: &Grads,
     vars: &[Var],
 ) -> Result<Vec<f64>> {
     let rows: Vec<Tensor> = state
@@ -207,17 +151,10 @@ fn serial_offload(
     Ok(runs)
 }
 
-/// The AdamW op of the optimizer bench's update number `step`.
-fn adam_op(cfg: &OptimConfig, step: i32) -> crate::kernels::AdamW {
-    crate::kernels::AdamW {
-        adam: true,
-        scale: 1.0,
-        lr: cfg.lr,
-        weight_decay: cfg.weight_decay,
-        betas: cfg.betas,
-        eps: cfg.eps,
-        t: step,
-    }
+/// The AdamW op of the bench's update number `step`.
+fn adam_op(cfg: &OptimConfig, step: i32) -> AdamW {
+    let (lr, weight_decay, betas, eps) = (cfg.lr, cfg.weight_decay, cfg.betas, cfg.eps);
+    AdamW { adam: true, scale: 1.0, lr, weight_decay, betas, eps, t: step }
 }
 
 #[cfg(test)]

@@ -2,9 +2,10 @@
 //! (no model runs).
 
 use rand::SeedableRng;
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::harness::{to_record, BenchError, Result};
+use super::harness::{long_tailed, BenchError, Result};
+use crate::train::pack::{Batching, Padding};
 
 /// A long-tailed answer length mix and the groupings to compare on it (`grpo bench pack`).
 #[derive(Debug, Clone, clap::Args)]
@@ -46,53 +47,32 @@ struct PackRow {
     /// `micro_batch_size = n` or `micro_batch_tokens = n`.
     batching: String,
     #[serde(flatten)]
-    padding: crate::train::pack::Padding,
+    padding: Padding,
     padding_fraction: f64,
-    /// Tokens of the answers over the micro-batches' budget (packed only: how full its rows are).
+    /// Packed only: the answers' tokens over the micro-batches' budget (how full its rows are).
     budget_fill: Option<f64>,
 }
 
-/// What `grpo bench pack` prints.
-#[derive(Debug, serde::Serialize)]
-struct PackRecord {
-    bench: &'static str,
-    answers: usize,
-    seed: u64,
-    /// The answers' tokens (prompt + response): median, 90th percentile, maximum, mean.
-    length_median: usize,
-    length_p90: usize,
-    length_max: usize,
-    length_mean: f64,
-    /// Answers cut at `max_response`.
-    cut: usize,
-    groupings: Vec<PackRow>,
-}
-
-/// The answer lengths (prompt + response) of `spec`'s step: per question a log-normal draw of its median
-/// (log sd `question_sigma`) and prompt, per answer a log-normal draw around it (log sd `answer_sigma`),
-/// responses cut at `max_response`. Deterministic in `seed`.
+/// The answer lengths (prompt + response) of `spec`'s step, deterministic in `seed`, and how many
+/// responses were cut at `max_response`.
 fn pack_lengths(spec: &PackSpec) -> (Vec<usize>, usize) {
-    use crate::model::load::sample_normal;
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(spec.seed);
     let (mut lengths, mut cut) = (Vec::new(), 0);
     for _ in 0..spec.questions {
-        let prompt = (spec.prompt_median * (0.6 * sample_normal(&mut rng) as f64).exp()).round().clamp(1.0, 2048.0);
-        let centre = spec.median.ln() + spec.question_sigma * sample_normal(&mut rng) as f64;
-        for _ in 0..spec.group {
-            let response =
-                (centre + spec.answer_sigma * sample_normal(&mut rng) as f64).exp().round().max(1.0) as usize;
+        let sigmas = (spec.median, spec.question_sigma, spec.answer_sigma);
+        let (prompt, responses) = long_tailed(&mut rng, spec.prompt_median, sigmas, spec.group);
+        for response in responses {
             cut += usize::from(response >= spec.max_response);
-            lengths.push(prompt as usize + response.min(spec.max_response));
+            lengths.push(prompt.min(2048) + response.min(spec.max_response));
         }
     }
     (lengths, cut)
 }
 
-/// The padding of a step's micro-batches on a long-tailed length mix like OpenThoughts3's (QwQ-32B
-/// reasoning: a median of a few thousand tokens, a tail cut at 16k): padded micro-batches of each size
-/// against packed ones of each token budget (src/train/pack.rs). No model runs.
+/// The padding of a step's micro-batches on a long-tailed length mix like OpenThoughts3's (a median of a
+/// few thousand tokens, a tail cut at 16k): padded micro-batches of each size against packed ones of each
+/// token budget (src/train/pack.rs), with the answers' length statistics.
 pub fn pack(spec: &PackSpec) -> Result<Value> {
-    use crate::train::pack::{Batching, Padding};
     if spec.questions == 0 || spec.group == 0 || spec.median < 1.0 || spec.max_response == 0 {
         return Err(BenchError::Invalid("questions, group, median and max-response must be positive".into()));
     }
@@ -108,43 +88,30 @@ pub fn pack(spec: &PackSpec) -> Result<Value> {
         };
         PackRow { batching: batching.to_string(), padding, padding_fraction: padding.fraction(), budget_fill: fill }
     };
-    let groupings = spec
-        .micro_batch
-        .iter()
-        .map(|&n| row(Batching::Answers(n.max(1))))
-        .chain(spec.budgets.iter().filter(|&&n| n > 0).map(|&n| row(Batching::Tokens(n))))
-        .collect();
-    let record = PackRecord {
-        bench: "pack",
-        answers: lengths.len(),
-        seed: spec.seed,
-        length_median: at(0.5),
-        length_p90: at(0.9),
-        length_max: at(1.0),
-        length_mean: lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
-        cut,
-        groupings,
-    };
-    to_record(record)
+    let padded = spec.micro_batch.iter().map(|&n| row(Batching::Answers(n.max(1))));
+    let packed = spec.budgets.iter().filter(|&&n| n > 0).map(|&n| row(Batching::Tokens(n)));
+    Ok(json!({
+        "bench": "pack",
+        "answers": lengths.len(),
+        "seed": spec.seed,
+        "length_median": at(0.5),
+        "length_p90": at(0.9),
+        "length_max": at(1.0),
+        "length_mean": lengths.iter().sum::<usize>() as f64 / lengths.len() as f64,
+        "cut": cut,
+        "groupings": padded.chain(packed).collect::<Vec<_>>(),
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bench::harness::fixtures::parse;
 
     fn spec(seed: u64) -> PackSpec {
-        PackSpec {
-            questions: 6,
-            group: 4,
-            median: 2000.0,
-            question_sigma: 0.5,
-            answer_sigma: 0.55,
-            max_response: 3000,
-            prompt_median: 150.0,
-            seed,
-            micro_batch: vec![1, 4],
-            budgets: vec![8192, 0],
-        }
+        let seed = seed.to_string();
+        let args = ["--questions", "6", "--group", "4", "--median", "2000", "--max-response", "3000", "--seed", &seed];
+        parse(&[&args[..], &["--micro-batch", "1,4", "--budgets", "8192,0"]].concat())
     }
 
     #[test]

@@ -3,10 +3,11 @@
 
 use candle_core::Tensor;
 use rand::{Rng, SeedableRng};
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use super::harness::{median, time_runs, to_record, Result, Timing};
+use super::harness::{median, time_runs, Result, Timing};
 use crate::device::device_name;
+use crate::eval::{sample_rows, sample_token_reference, SamplingParams};
 
 /// Sampling settings of [`sample`] (`grpo bench sample`).
 #[derive(Debug, Clone, clap::Args)]
@@ -24,18 +25,17 @@ pub struct SampleSpec {
     pub top_k: usize,
 }
 
-/// Time to pick one token per row of a `[rows, vocab]` batch of logits (normal, std 3) as generation
-/// does: on the device, copying back only the ids ([`crate::eval::sample_rows`]), against the full-sort
-/// reference on the host after copying the whole logits there. Both draw with the same uniforms, so they
-/// pick the same tokens but for a uniform within float rounding of a boundary (counted).
+/// Time to pick one token per row of `[rows, vocab]` logits (normal, std 3) on the device, copying back
+/// only the ids ([`crate::eval::sample_rows`]), against the full-sort reference on the host after copying
+/// the logits there. Both draw with the same uniforms, so they pick the same tokens but for a uniform
+/// within float rounding of a boundary (`picks_differing`).
 pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
-    use crate::eval::{sample_rows, sample_token_reference};
     use rayon::prelude::*;
-    let params = crate::eval::SamplingParams {
+    let params = SamplingParams {
         temperature: spec.temperature,
         top_p: spec.top_p,
         top_k: spec.top_k,
-        ..crate::eval::SamplingParams::default()
+        ..SamplingParams::default()
     };
     let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(4);
     let flat: Vec<f32> =
@@ -46,48 +46,28 @@ pub fn sample(spec: &SampleSpec, t: &Timing) -> Result<Value> {
     let (ours, picks) = time_runs(t, || Ok(crate::device::to_host::<u32>(&sample_rows(&logits, &params, &as_f32)?)?))?;
     let (reference, ref_picks) = time_runs(t, || {
         let rows = logits.to_vec2::<f32>()?;
-        let picks = rows
+        Ok(rows
             .par_iter()
             .zip(&uniforms)
             .map(|(row, &u)| sample_token_reference(row, &params, u))
-            .collect::<Vec<u32>>();
-        Ok(picks)
+            .collect::<Vec<u32>>())
     })?;
     let differ = picks.last().zip(ref_picks.last()).map_or(0, |(a, b)| a.iter().zip(b).filter(|(x, y)| x != y).count());
     let per_row = |times: &[f64]| median(times) / spec.rows.max(1) as f64;
-    to_record(SampleRecord {
-        bench: "sample",
-        implementation: "grpo",
-        device: device_name(&t.device),
-        vocab: spec.vocab,
-        rows: spec.rows,
-        temperature: params.temperature,
-        top_p: params.top_p,
-        top_k: params.top_k,
-        us_per_row: per_row(&ours) * 1e6,
-        reference_us_per_row: per_row(&reference) * 1e6,
-        speedup: per_row(&reference) / per_row(&ours),
-        picks_differing: differ,
-    })
-}
-
-/// `grpo bench sample`'s record: the time per row on the device against the host's full sort, and the rows
-/// whose picks differ.
-#[derive(Debug, serde::Serialize)]
-struct SampleRecord {
-    bench: &'static str,
-    #[serde(rename = "impl")]
-    implementation: &'static str,
-    device: String,
-    vocab: usize,
-    rows: usize,
-    temperature: f32,
-    top_p: f32,
-    top_k: usize,
-    us_per_row: f64,
-    reference_us_per_row: f64,
-    speedup: f64,
-    picks_differing: usize,
+    Ok(json!({
+        "bench": "sample",
+        "impl": "grpo",
+        "device": device_name(&t.device),
+        "vocab": spec.vocab,
+        "rows": spec.rows,
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "top_k": params.top_k,
+        "us_per_row": per_row(&ours) * 1e6,
+        "reference_us_per_row": per_row(&reference) * 1e6,
+        "speedup": per_row(&reference) / per_row(&ours),
+        "picks_differing": differ,
+    }))
 }
 
 #[cfg(test)]

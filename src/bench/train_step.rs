@@ -6,21 +6,21 @@ use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
 use rand::SeedableRng;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::harness::{
-    dtype_name, load_shape, median, random_ids, random_model, shape_name, time_runs, to_record, BenchError, Result,
-    Timing,
+    dtype_name, is_gpu, load_shape, median, random_ids, random_model, shape_name, time_runs, BenchError, Result, Timing,
 };
 use crate::cost::calibration::Build;
+use crate::cost::time::{driver_blocks, gpus, predict, tensor_ops_per_step, StepShape};
 use crate::data::{Group, Response};
-use crate::device::device_name;
-use crate::device::{host_reads, memory_bytes, reset_peak_memory};
-use crate::model::LoraOptions;
-use crate::model::{Attention, Decoder, DecoderOptions, ModelConfig};
+use crate::device::{device_name, host_reads, memory_bytes, reset_peak_memory};
+use crate::model::{Attention, Decoder, DecoderOptions, LoraOptions, ModelConfig};
 use crate::objective::{CommonOptions, KlEstimator, LossAgg, ObjectiveConfig, ObjectiveKind, PpoOptions};
+use crate::profile::{Profile, Profiler};
 use crate::train::optim::OptimConfig;
-use crate::train::step::TrainStep;
+use crate::train::pack::Batching;
+use crate::train::step::{StepStats, TrainStep};
 
 /// One training step's settings (`grpo bench train-step`).
 #[derive(Debug, Clone, clap::Args)]
@@ -101,8 +101,8 @@ pub struct TrainStepSpec {
 }
 
 impl TrainStepSpec {
-    fn batching(&self) -> crate::train::pack::Batching {
-        crate::train::pack::Batching::of(self.micro_batch, self.micro_batch_tokens)
+    fn batching(&self) -> Batching {
+        Batching::of(self.micro_batch, self.micro_batch_tokens)
     }
 
     /// The step's micro-batches and the answers in the first (the largest).
@@ -110,38 +110,98 @@ impl TrainStepSpec {
         let batches = self.batching().micro_batches(&vec![self.seq_len; self.answers]);
         (batches.len(), batches.first().map_or(0, |mb| mb.iter().map(Vec::len).sum()))
     }
+
+    /// The prompt must leave room for an answer.
+    fn check_lengths(&self) -> Result<()> {
+        if self.prompt_len == 0 || self.prompt_len >= self.seq_len {
+            return Err(BenchError::Invalid(format!(
+                "prompt length {} must be in 1..{} (the sequence length)",
+                self.prompt_len, self.seq_len
+            )));
+        }
+        Ok(())
+    }
 }
 
-/// The tensors candle has made in this process so far: every op's output and every view gets the next
-/// of candle's tensor ids, which is read here from the id of a new scalar (`TensorId` shows its number
-/// only through `Debug`).
+/// A measured build's file (`--measured-build`).
+fn measured_build(path: &str) -> std::result::Result<Box<Build>, String> {
+    Build::from_file(std::path::Path::new(path)).map(Box::new).map_err(|e| e.to_string())
+}
+
+/// The tensors candle has made in this process so far: the id of a new scalar (`TensorId` shows its
+/// number only through `Debug`).
 fn tensors_made() -> Result<u64> {
-    let probe = Tensor::zeros((), DType::F32, &Device::Cpu)?;
-    let id = format!("{:?}", probe.id());
+    let id = format!("{:?}", Tensor::zeros((), DType::F32, &Device::Cpu)?.id());
     let digits: String = id.chars().filter(char::is_ascii_digit).collect();
     digits.parse().map_err(|_| BenchError::Invalid(format!("candle's tensor id `{id}` has no number")))
 }
 
-/// The prompt must leave room for an answer.
-fn check_lengths(spec: &TrainStepSpec) -> Result<()> {
-    if spec.prompt_len == 0 || spec.prompt_len >= spec.seq_len {
-        return Err(BenchError::Invalid(format!(
-            "prompt length {} must be in 1..{} (the sequence length)",
-            spec.prompt_len, spec.seq_len
-        )));
-    }
-    Ok(())
-}
-
 /// One off_grpo training step as `grpo train` runs it: `answers` sequences of one random question,
-/// rewards alternating 1, 0 (advantages +-1 after normalisation), eps 0.2, beta 0.1 with k3 to a frozen
-/// reference (beta 0 and no reference with `no_reference`), seq-mean-token-mean, AdamW at lr 1e-6 with
-/// f32 master weights and moments (in host memory with `offload`).
+/// rewards alternating 1, 0, eps 0.2, beta 0.1 with k3 to a frozen reference (beta 0 and no reference
+/// with `no_reference`), seq-mean-token-mean, AdamW at lr 1e-6 (state in host memory with `offload`).
 pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
-    check_lengths(spec)?;
+    spec.check_lengths()?;
     let cfg = load_shape(&spec.shape)?;
     let vocab = cfg.vocab_size;
     let (policy, reference) = bench_models(spec, cfg, t)?;
+    let (times, stats, (syncs, tensor_ops), profile) = run_steps(spec, t, (&policy, reference.as_ref()), vocab)?;
+    let peak = memory_bytes(&t.device)?.map(|(_, high)| high);
+    let (micro_batches, _) = spec.micro_batches();
+    // A profiled last step is timed apart from the others, where there are others.
+    let profiled = spec.profile.then(|| times.last().copied()).flatten();
+    let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
+    let step_time = median(unprofiled);
+    let tokens = spec.answers * spec.seq_len;
+    Ok(json!({
+        "bench": "train_step",
+        "impl": "grpo",
+        "shape": shape_name(&spec.shape),
+        "answers": spec.answers,
+        "seq_len": spec.seq_len,
+        "prompt_len": spec.prompt_len,
+        "dtype": dtype_name(t.dtype),
+        "device": device_name(&t.device),
+        "micro_batch": spec.micro_batch,
+        "micro_batch_tokens": spec.micro_batch_tokens,
+        "checkpoint_layers": spec.checkpoint_layers,
+        "keep_attention": spec.keep_attention,
+        "atomic_dq": spec.atomic_dq,
+        "logprob_chunk_mb": spec.logprob_chunk_mb,
+        "keep_logits": spec.keep_logits,
+        "fused_ops": spec.fused_ops,
+        "offload": spec.offload,
+        "update": "fused", // the optimiser's update as this build runs it (kernels::adamw)
+        "reference": !spec.no_reference,
+        "lora_r": spec.lora_r,
+        "attention": spec.attention,
+        "step_times": times,
+        "step_time_s": step_time,
+        "profiled_step_s": profiled,
+        "step_time_profiled": profiled.is_some() && times.len() == 1,
+        "tokens": tokens,
+        "response_tokens": stats.first().map_or(0, |s| s.response_tokens),
+        "tokens_per_s": tokens as f64 / step_time,
+        "peak_mem_bytes": peak,
+        "losses": stats.iter().map(|s| s.loss).collect::<Vec<_>>(),
+        "predicted": predicted_steps(policy.config(), spec, (&t.device, t.dtype), Some(step_time)),
+        "micro_batches": micro_batches,
+        "host_syncs_per_step": syncs,
+        "host_syncs_per_micro_batch": syncs as f64 / micro_batches as f64,
+        "tensor_ops_per_step": tensor_ops,
+        "profile": profile.map(|p| p.report()),
+    }))
+}
+
+/// The timed steps' times and statistics, the last one's host syncs and tensors made, and with
+/// `spec.profile` the last one's profile.
+type Steps = (Vec<f64>, Vec<StepStats>, (u64, u64), Option<Profile>);
+
+fn run_steps(
+    spec: &TrainStepSpec,
+    t: &Timing,
+    (policy, reference): (&Decoder, Option<&Decoder>),
+    vocab: usize,
+) -> Result<Steps> {
     let objective_cfg = ObjectiveConfig {
         kind: ObjectiveKind::OffGrpo(PpoOptions {
             eps: Some(0.2),
@@ -152,38 +212,30 @@ pub fn train_step(spec: &TrainStepSpec, t: &Timing) -> Result<Value> {
         common: CommonOptions { loss_agg: Some(LossAgg::SeqMeanTokenMean), ..CommonOptions::default() },
     };
     let optim_cfg = OptimConfig { lr: 1e-6, offload: spec.offload, ..OptimConfig::default() };
-    let mut step = TrainStep::new(&objective_cfg, &optim_cfg, &policy, spec.micro_batch, spec.seq_len, 0)?;
+    let mut step = TrainStep::new(&objective_cfg, &optim_cfg, policy, spec.micro_batch, spec.seq_len, 0)?;
     step.set_batching(spec.batching());
     let groups = [random_group(spec, vocab)];
-    let mut step_no = 0usize;
-    let mut counts = StepCounts::default();
-    let mut profile: Option<crate::profile::Profile> = None;
+    let (mut step_no, mut counts, mut profile) = (0, (0, 0), None);
     let (times, stats) = time_runs(t, || {
         if step_no == t.warmup {
             reset_peak_memory(&t.device)?;
         }
         step_no += 1;
         let (before, made) = (host_reads(), tensors_made()?);
-        // Only the last step is profiled: the profiler's syncs at every phase boundary (and within the
-        // offloaded update, between its chunks) would slow the steps whose time the record gives.
+        // Only the last step is profiled: the profiler's syncs would slow the steps the record times.
         let profiler = (spec.profile && step_no == t.warmup + t.repeats.max(1))
-            .then(|| crate::profile::Profiler::start(&t.device))
+            .then(|| Profiler::start(&t.device))
             .transpose()
             .map_err(|e| BenchError::Invalid(e.to_string()))?;
-        let stats = step.run(&policy, reference.as_ref(), &groups, optim_cfg.lr)?.stats;
-        if let Some(p) = profiler.map(crate::profile::Profiler::finish) {
-            match &mut profile {
-                Some(all) => all.merge(&p),
-                None => profile = Some(p),
-            }
+        let stats = step.run(policy, reference, &groups, optim_cfg.lr)?.stats;
+        if let Some(p) = profiler {
+            profile = Some(p.finish());
         }
         // (less the probe's own tensor)
-        counts = StepCounts { syncs: host_reads() - before, tensor_ops: tensors_made()? - made - 1 };
+        counts = (host_reads() - before, tensors_made()? - made - 1);
         Ok(stats)
     })?;
-    let peak = memory_bytes(&t.device)?.map(|(_, high)| high);
-    let record = train_step_record((spec, policy.config()), t, (times, &stats), counts, (peak, profile));
-    to_record(record)
+    Ok((times, stats, counts, profile))
 }
 
 /// The bench's policy (random weights of the shape, with rank-`lora_r` adapters) with the spec's options,
@@ -195,21 +247,20 @@ fn bench_models(spec: &TrainStepSpec, cfg: ModelConfig, t: &Timing) -> Result<(D
         let adapters = crate::model::lora::init_adapters(policy.config(), &opts, 0, &t.device)?;
         policy = policy.with_adapters(&opts, adapters, true)?;
     }
-    policy.options.checkpoint_layers = spec.checkpoint_layers;
-    policy.options.recompute_attention = !spec.keep_attention;
-    policy.options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
-    policy.options.keep_logits = spec.keep_logits;
-    policy.options.fused_ops = spec.fused_ops;
-    policy.options.attention = spec.attention;
-    policy.options.deterministic_attention = !spec.atomic_dq;
-    let reference = if spec.no_reference {
-        None
-    } else {
-        let mut r = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
-        r.options = policy.options.clone();
-        Some(r)
-    };
-    Ok((policy, reference))
+    let options = &mut policy.options;
+    options.checkpoint_layers = spec.checkpoint_layers;
+    options.recompute_attention = !spec.keep_attention;
+    options.logprob_chunk_bytes = spec.logprob_chunk_mb << 20;
+    options.keep_logits = spec.keep_logits;
+    options.fused_ops = spec.fused_ops;
+    options.attention = spec.attention;
+    options.deterministic_attention = !spec.atomic_dq;
+    if spec.no_reference {
+        return Ok((policy, None));
+    }
+    let mut reference = if spec.lora_r > 0 { policy.without_adapters() } else { policy.frozen_copy()? };
+    reference.options = policy.options.clone();
+    Ok((policy, Some(reference)))
 }
 
 /// One question's group of `spec.answers` random answers (every other one rewarded), each truncated at
@@ -238,155 +289,8 @@ fn random_group(spec: &TrainStepSpec, vocab: usize) -> Group {
     }
 }
 
-/// What the host did in the last timed step: reads from the device it waited for, tensors candle made.
-#[derive(Debug, Clone, Copy, Default)]
-struct StepCounts {
-    syncs: u64,
-    tensor_ops: u64,
-}
-
-/// A measured training step (`grpo bench train-step`): the spec, the timings, the model's prediction and
-/// the host's counts.
-#[derive(Debug, serde::Serialize)]
-struct TrainStepRecord {
-    bench: &'static str,
-    #[serde(rename = "impl")]
-    implementation: &'static str,
-    shape: String,
-    answers: usize,
-    seq_len: usize,
-    prompt_len: usize,
-    dtype: &'static str,
-    device: String,
-    micro_batch: usize,
-    micro_batch_tokens: usize,
-    checkpoint_layers: bool,
-    keep_attention: bool,
-    atomic_dq: bool,
-    logprob_chunk_mb: usize,
-    keep_logits: bool,
-    fused_ops: bool,
-    offload: bool,
-    /// The optimiser's update as this build runs it (kernels::adamw; the 2026-11-26 run's records, without
-    /// this field, ran the composite update).
-    update: &'static str,
-    reference: bool,
-    lora_r: usize,
-    attention: Attention,
-    step_times: Vec<f64>,
-    step_time_s: f64,
-    /// With --profile: the last step's time, profiled; whether step_time_s is that one (a single timed step).
-    profiled_step_s: Option<f64>,
-    step_time_profiled: bool,
-    tokens: usize,
-    response_tokens: usize,
-    tokens_per_s: f64,
-    peak_mem_bytes: Option<u64>,
-    losses: Vec<f64>,
-    predicted: Vec<PredictedStep>,
-    micro_batches: usize,
-    host_syncs_per_step: u64,
-    host_syncs_per_micro_batch: f64,
-    tensor_ops_per_step: u64,
-    profile: Option<crate::profile::ProfileReport>,
-}
-
-/// The record of a measured step: its time the median of the timed steps but a profiled last one (where
-/// another ran without the profiler).
-fn train_step_record(
-    (spec, cfg): (&TrainStepSpec, &ModelConfig),
-    t: &Timing,
-    (times, stats): (Vec<f64>, &[crate::train::step::StepStats]),
-    counts: StepCounts,
-    (peak, profile): (Option<u64>, Option<crate::profile::Profile>),
-) -> TrainStepRecord {
-    let (micro_batches, _) = spec.micro_batches();
-    let profiled = spec.profile.then(|| times.last().copied()).flatten();
-    let unprofiled = if profiled.is_some() && times.len() > 1 { &times[..times.len() - 1] } else { &times[..] };
-    let step_time = median(unprofiled);
-    let tokens = spec.answers * spec.seq_len;
-    let predicted = predicted_steps(cfg, spec, (&t.device, t.dtype), Some(step_time));
-    TrainStepRecord {
-        bench: "train_step",
-        implementation: "grpo",
-        shape: shape_name(&spec.shape),
-        answers: spec.answers,
-        seq_len: spec.seq_len,
-        prompt_len: spec.prompt_len,
-        dtype: dtype_name(t.dtype),
-        device: device_name(&t.device),
-        micro_batch: spec.micro_batch,
-        micro_batch_tokens: spec.micro_batch_tokens,
-        checkpoint_layers: spec.checkpoint_layers,
-        keep_attention: spec.keep_attention,
-        atomic_dq: spec.atomic_dq,
-        logprob_chunk_mb: spec.logprob_chunk_mb,
-        keep_logits: spec.keep_logits,
-        fused_ops: spec.fused_ops,
-        offload: spec.offload,
-        update: "fused",
-        reference: !spec.no_reference,
-        lora_r: spec.lora_r,
-        attention: spec.attention,
-        step_time_s: step_time,
-        profiled_step_s: profiled,
-        step_time_profiled: profiled.is_some() && times.len() == 1,
-        step_times: times,
-        tokens,
-        response_tokens: stats.first().map_or(0, |s| s.response_tokens),
-        tokens_per_s: tokens as f64 / step_time,
-        peak_mem_bytes: peak,
-        losses: stats.iter().map(|s| s.loss).collect(),
-        predicted,
-        micro_batches,
-        host_syncs_per_step: counts.syncs,
-        host_syncs_per_micro_batch: counts.syncs as f64 / micro_batches as f64,
-        tensor_ops_per_step: counts.tensor_ops,
-        profile: profile.map(|p| p.report()),
-    }
-}
-
-/// The performance model's prediction of one GPU for a step, beside the measured time when the bench
-/// ran on that GPU.
-#[derive(Debug, serde::Serialize)]
-struct PredictedStep {
-    gpu: &'static str,
-    /// The card and date the GPU's rates were measured on; `null`: its rates are assumptions.
-    calibrated_on: Option<String>,
-    step_time_s: f64,
-    tokens_per_s: f64,
-    mfu: f64,
-    attention_of_peak: f64,
-    /// The device's seconds per kind, the time it waits for the host, and the host syncs: they add up to
-    /// the step.
-    gemm_s: f64,
-    attention_s: f64,
-    elementwise_s: f64,
-    host_s: f64,
-    sync_s: f64,
-    launches: f64,
-    host_syncs: f64,
-    /// The tensors candle makes in the step by the model's count ([`crate::cost::time::tensor_ops_per_step`]),
-    /// what a run's `tensor_ops_per_step` measures.
-    tensor_ops: f64,
-    /// The rates the windows' times are at (scripts/calibrate.py refits them).
-    memory_efficiency: f64,
-    kernel_launch_s: f64,
-    windows: Vec<crate::cost::time::WindowCost>,
-    /// Where the device's time goes, op by op (longest first).
-    ops: Vec<crate::cost::time::OpTime>,
-    /// Measured over predicted step time, when the device is this GPU (by its CUDA name).
-    measured_over_predicted: Option<f64>,
-}
-
-/// A measured build's file (`--measured-build`).
-fn measured_build(path: &str) -> std::result::Result<Box<Build>, String> {
-    Build::from_file(std::path::Path::new(path)).map(Box::new).map_err(|e| e.to_string())
-}
-
 /// The model's step shape of the bench's settings; `chunk` the log-prob op's logits chunk in bytes.
-fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64) -> crate::cost::time::StepShape {
-    use crate::cost::time::{driver_blocks, StepShape};
+fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64) -> StepShape {
     StepShape {
         answers: spec.answers as u64,
         // A packed row of k answers is modelled as k padded ones (the attention skips the blocks between
@@ -412,16 +316,15 @@ fn step_shape(cfg: &ModelConfig, spec: &TrainStepSpec, dtype: DType, chunk: u64)
     }
 }
 
-/// The model's predicted step (src/cost/time.rs) for the bench's shape on each modelled GPU; `measured`
-/// the step's time on `device` (`None`: not run). A chunk left to the device is its size on `device`, or
-/// on a GPU's the 1 GiB least when the step is only predicted.
+/// The model's predicted step (src/cost/time.rs) on each modelled GPU; `measured` the step's time on
+/// `device` (`None`: not run). A chunk left to the device is its size on `device`, or when the step is
+/// only predicted a GPU's 1 GiB least.
 fn predicted_steps(
     cfg: &ModelConfig,
     spec: &TrainStepSpec,
     (device, dtype): (&Device, DType),
     measured: Option<f64>,
-) -> Vec<PredictedStep> {
-    use crate::cost::time::{gpus, predict};
+) -> Vec<Value> {
     let chunk = match (spec.logprob_chunk_mb, measured) {
         (0, Some(_)) => crate::kernels::logprob_chunk_bytes(device).unwrap_or(crate::kernels::LOGPROB_CHUNK_BYTES),
         (0, None) => crate::kernels::gpu_chunk_bytes(0),
@@ -429,113 +332,76 @@ fn predicted_steps(
     };
     let shape = step_shape(cfg, spec, dtype, chunk as u64);
     let device = device_name(device);
-    gpus()
-        .iter()
-        .map(|gpu| {
-            let p = predict(cfg, &shape, gpu);
-            let here = device.contains(gpu.name.split(' ').next().unwrap_or(gpu.name));
-            PredictedStep {
-                gpu: gpu.name,
-                calibrated_on: gpu.calibration.map(|c| format!("{}, {}", c.card, c.date)),
-                step_time_s: p.step_s,
-                tokens_per_s: p.tokens_per_s,
-                mfu: p.mfu,
-                attention_of_peak: p.attention_of_peak,
-                gemm_s: p.gemm_s,
-                attention_s: p.attention_s,
-                elementwise_s: p.elementwise_s,
-                host_s: p.host_s,
-                sync_s: p.sync_s,
-                launches: p.launches,
-                host_syncs: p.syncs,
-                tensor_ops: crate::cost::time::tensor_ops_per_step(cfg, &shape),
-                memory_efficiency: gpu.memory_efficiency,
-                kernel_launch_s: gpu.kernel_launch_s,
-                windows: p.windows,
-                ops: p.ops,
-                measured_over_predicted: measured.filter(|_| here).map(|m| m / p.step_s),
-            }
+    let gpu_step = |gpu: &crate::cost::time::Gpu| {
+        let p = predict(cfg, &shape, gpu);
+        json!({
+            "gpu": gpu.name,
+            // The card and date the GPU's rates were measured on; null: its rates are assumptions.
+            "calibrated_on": gpu.calibration.map(|c| format!("{}, {}", c.card, c.date)),
+            "step_time_s": p.step_s,
+            "tokens_per_s": p.tokens_per_s,
+            "mfu": p.mfu,
+            "attention_of_peak": p.attention_of_peak,
+            "gemm_s": p.gemm_s,
+            "attention_s": p.attention_s,
+            "elementwise_s": p.elementwise_s,
+            "host_s": p.host_s,
+            "sync_s": p.sync_s,
+            "launches": p.launches,
+            "host_syncs": p.syncs,
+            "tensor_ops": tensor_ops_per_step(cfg, &shape),
+            "memory_efficiency": gpu.memory_efficiency,
+            "kernel_launch_s": gpu.kernel_launch_s,
+            "windows": p.windows,
+            "ops": p.ops,
+            "measured_over_predicted": measured.filter(|_| is_gpu(&device, gpu.name)).map(|m| m / p.step_s),
         })
-        .collect()
-}
-
-/// What `grpo bench train-step --predict-only` prints: the model's prediction of the bench's step on
-/// each modelled GPU, without running it.
-#[derive(Debug, serde::Serialize)]
-struct PredictedRecord {
-    bench: &'static str,
-    shape: String,
-    answers: usize,
-    seq_len: usize,
-    prompt_len: usize,
-    dtype: &'static str,
-    micro_batch: usize,
-    micro_batch_tokens: usize,
-    checkpoint_layers: bool,
-    keep_attention: bool,
-    keep_logits: bool,
-    atomic_dq: bool,
-    offload: bool,
-    reference: bool,
-    attention: Attention,
-    predicted: Vec<PredictedStep>,
-}
-
-/// The model's prediction of `spec`'s step in `dtype`, without running it (so a GPU's step is predicted
-/// on a CPU).
-pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
-    check_lengths(spec)?;
-    let cfg = load_shape(&spec.shape)?;
-    let record = PredictedRecord {
-        bench: "train_step_prediction",
-        shape: shape_name(&spec.shape),
-        answers: spec.answers,
-        seq_len: spec.seq_len,
-        prompt_len: spec.prompt_len,
-        dtype: dtype_name(dtype),
-        micro_batch: spec.micro_batch,
-        micro_batch_tokens: spec.micro_batch_tokens,
-        checkpoint_layers: spec.checkpoint_layers,
-        keep_attention: spec.keep_attention,
-        keep_logits: spec.keep_logits,
-        atomic_dq: spec.atomic_dq,
-        offload: spec.offload,
-        reference: !spec.no_reference,
-        attention: spec.attention,
-        predicted: predicted_steps(&cfg, spec, (&Device::Cpu, dtype), None),
     };
-    to_record(record)
+    gpus().iter().map(gpu_step).collect()
+}
+
+/// The model's prediction of `spec`'s step in `dtype` on each modelled GPU, without running it (so a
+/// GPU's step is predicted on a CPU).
+pub fn predict_train_step(spec: &TrainStepSpec, dtype: DType) -> Result<Value> {
+    spec.check_lengths()?;
+    let cfg = load_shape(&spec.shape)?;
+    Ok(json!({
+        "bench": "train_step_prediction",
+        "shape": shape_name(&spec.shape),
+        "answers": spec.answers,
+        "seq_len": spec.seq_len,
+        "prompt_len": spec.prompt_len,
+        "dtype": dtype_name(dtype),
+        "micro_batch": spec.micro_batch,
+        "micro_batch_tokens": spec.micro_batch_tokens,
+        "checkpoint_layers": spec.checkpoint_layers,
+        "keep_attention": spec.keep_attention,
+        "keep_logits": spec.keep_logits,
+        "atomic_dq": spec.atomic_dq,
+        "offload": spec.offload,
+        "reference": !spec.no_reference,
+        "attention": spec.attention,
+        "predicted": predicted_steps(&cfg, spec, (&Device::Cpu, dtype), None),
+    }))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::harness::fixtures::{cpu, tiny_shape};
+    use crate::bench::harness::fixtures::{cpu, parse, tiny_shape};
+
+    /// `--shape` and the 4-answer, 12-token step the tests run, with `more` options.
+    fn spec(shape: &std::path::Path, more: &[&str]) -> TrainStepSpec {
+        let shape = shape.to_str().unwrap();
+        let base = ["--shape", shape, "--answers", "4", "--seq-len", "12", "--prompt-len", "4", "--micro-batch", "2"];
+        parse(&[&base[..], more].concat())
+    }
 
     #[test]
     fn train_step_reports_every_field() {
         let dir = tempfile::tempdir().unwrap();
-        let spec = TrainStepSpec {
-            shape: tiny_shape(dir.path()),
-            answers: 4,
-            seq_len: 12,
-            prompt_len: 4,
-            micro_batch: 2,
-            micro_batch_tokens: 0,
-            checkpoint_layers: true,
-            keep_attention: false,
-            logprob_chunk_mb: 1,
-            keep_logits: false,
-            fused_ops: true,
-            offload: false,
-            no_reference: false,
-            lora_r: 0,
-            attention: Attention::Matrix,
-            atomic_dq: false,
-            predict_only: false,
-            build: None,
-            profile: false,
-        };
+        let more = ["--checkpoint-layers", "--logprob-chunk-mb", "1", "--attention", "matrix"];
+        let spec = spec(&tiny_shape(dir.path()), &more);
         let r = train_step(&spec, &cpu()).unwrap();
         assert_eq!(r["attention"], "matrix");
         assert_eq!(r["tokens"], 48);
@@ -573,28 +439,9 @@ mod tests {
             raw["num_hidden_layers"] = layers.into();
             let shape = dir.path().join(format!("layers-{layers}.json"));
             std::fs::write(&shape, raw.to_string()).unwrap();
-            let spec = TrainStepSpec {
-                shape,
-                answers: 4,
-                seq_len: 12,
-                prompt_len: 4,
-                micro_batch: 2,
-                micro_batch_tokens,
-                checkpoint_layers: false,
-                keep_attention: false,
-                logprob_chunk_mb: 0,
-                keep_logits: false,
-                fused_ops: true,
-                offload: false,
-                no_reference: false,
-                lora_r: 0,
-                attention: Attention::Flash,
-                atomic_dq: false,
-                predict_only: false,
-                build: None,
-                profile: false,
-            };
-            let r = train_step(&spec, &cpu()).unwrap();
+            let tokens = micro_batch_tokens.to_string();
+            let r =
+                train_step(&spec(&shape, &["--micro-batch-tokens", &tokens, "--attention", "flash"]), &cpu()).unwrap();
             assert_eq!(r["micro_batches"], 2);
             for p in r["predicted"].as_array().unwrap() {
                 assert_eq!(p["host_syncs"], 1.0, "{}", p["gpu"]);
