@@ -1,37 +1,32 @@
-//! The counting allocator: a global allocator that counts allocations, frees and bytes while a profile
-//! runs (one relaxed atomic load otherwise), and the allocations of candle's storage header, made once
-//! per new tensor buffer (views share their buffer's).
+//! The counting allocator: counts allocations, frees and bytes while a profile runs (one relaxed atomic
+//! load otherwise), and new tensor buffers: the allocations of candle's storage header, one per buffer
+//! (views share their buffer's).
 //!
-//! candle's `Tensor_` holds its buffer as `Arc<parking_lot::RwLock<Storage>>`: one heap block per
-//! buffer, whose layout is std's and parking_lot's (the reference counts, the lock) around candle's
-//! `Storage`. That layout is not
-//! guessed: the allocator learns it by making one such `Arc` itself on the thread that starts counting
-//! and watching the one allocation it makes ([`start_counting`]), so a new std or candle that lays it out
-//! otherwise is still matched. What stays assumed is that candle keeps its buffers in that type:
-//! tests/profile_alloc.rs (the allocator installed, as the binary installs it) fails when a new candle
-//! makes a buffer otherwise, and the profile's `counted.buffers` says so where the layout could not be
-//! learnt.
+//! candle keeps a buffer as `Arc<parking_lot::RwLock<Storage>>`, one heap block. Its layout is not
+//! guessed: [`start_counting`] makes one such `Arc` and watches the one allocation it makes, so a new std
+//! or candle that lays it out otherwise is still matched. That candle keeps its buffers in that type is
+//! assumed: tests/profile_alloc.rs fails when it does not, and `counted.buffers` says so where the
+//! layout could not be learnt.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering::{Relaxed, SeqCst};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize};
 
-/// A global allocator that counts allocations, frees and bytes while a profile runs, and new tensor
-/// buffers. Installed by the binary: `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.
+/// Installed by the binary: `#[global_allocator] static A: CountingAlloc = CountingAlloc;`.
 pub struct CountingAlloc;
 
 static COUNTING: AtomicBool = AtomicBool::new(false);
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-static FREES: AtomicU64 = AtomicU64::new(0);
-static ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
-static BUFFERS: AtomicU64 = AtomicU64::new(0);
-/// Whether an allocation has gone through [`CountingAlloc`] (it is installed).
+pub(super) static ALLOCS: AtomicU64 = AtomicU64::new(0);
+pub(super) static FREES: AtomicU64 = AtomicU64::new(0);
+pub(super) static ALLOC_BYTES: AtomicU64 = AtomicU64::new(0);
+pub(super) static BUFFERS: AtomicU64 = AtomicU64::new(0);
+/// Whether an allocation has gone through [`CountingAlloc`].
 static INSTALLED: AtomicBool = AtomicBool::new(false);
-/// The size and alignment of candle's storage header, once learnt ([`learn_storage_header`]; 0 before).
+/// The size and alignment of candle's storage header, once learnt (0 before).
 static HEADER_SIZE: AtomicUsize = AtomicUsize::new(0);
 static HEADER_ALIGN: AtomicUsize = AtomicUsize::new(0);
-/// Whether some thread is watching its allocations ([`Probe`]): only then does an allocation look at
-/// its thread's probe.
+/// Whether some thread is watching its allocations: only then does an allocation look at [`PROBE`].
 static PROBING: AtomicBool = AtomicBool::new(false);
 
 /// What a thread learning the header's layout has seen of its own allocations.
@@ -40,14 +35,12 @@ enum Probe {
     Off,
     /// Watching, nothing allocated yet.
     Armed,
-    /// One allocation, of this layout.
     Seen(Layout),
-    /// More than one: no single block to learn.
+    /// More than one allocation: no single block to learn.
     Several,
 }
 
 impl Probe {
-    /// The probe after an allocation of `layout`.
     fn after(self, layout: Layout) -> Self {
         match self {
             Probe::Off => Probe::Off,
@@ -61,64 +54,42 @@ thread_local! {
     static PROBE: Cell<Probe> = const { Cell::new(Probe::Off) };
 }
 
-/// The counts of allocations so far (differences give a phase's).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(super) struct AllocCounts {
-    pub(super) allocs: u64,
-    pub(super) frees: u64,
-    pub(super) bytes: u64,
-    pub(super) buffers: u64,
-}
-
-/// The allocator's counts now (all 0 where it is not installed).
-pub(super) fn counts() -> AllocCounts {
-    AllocCounts {
-        allocs: ALLOCS.load(Ordering::Relaxed),
-        frees: FREES.load(Ordering::Relaxed),
-        bytes: ALLOC_BYTES.load(Ordering::Relaxed),
-        buffers: BUFFERS.load(Ordering::Relaxed),
-    }
-}
-
-/// Whether the binary installed [`CountingAlloc`] (an allocation has gone through it).
 pub(super) fn installed() -> bool {
-    INSTALLED.load(Ordering::Relaxed)
+    INSTALLED.load(Relaxed)
 }
 
-/// Whether new tensor buffers are counted: the allocator is installed and has learnt candle's storage
-/// header.
+/// Whether new tensor buffers are counted: the allocator is installed and has learnt the header.
 pub(super) fn counts_buffers() -> bool {
-    installed() && HEADER_SIZE.load(Ordering::Relaxed) != 0
+    installed() && HEADER_SIZE.load(Relaxed) != 0
 }
 
-/// Start counting (learning the storage header's layout first, where it is not known yet); whether
-/// counting was off before (the caller that turned it on turns it off: [`stop_counting`]).
+/// Start counting (learning the header first); whether counting was off before (then the caller turns
+/// it off again: [`stop_counting`]).
 pub(super) fn start_counting() -> bool {
     learn_storage_header();
-    !COUNTING.swap(true, Ordering::Relaxed)
+    !COUNTING.swap(true, Relaxed)
 }
 
 pub(super) fn stop_counting() {
-    COUNTING.store(false, Ordering::Relaxed);
+    COUNTING.store(false, Relaxed);
 }
 
-/// Learn the layout of candle's storage header from the one allocation that making an
-/// `Arc<parking_lot::RwLock<Storage>>` makes on this thread (its storage an empty CPU buffer, which allocates
-/// nothing itself). Nothing is learnt where the allocator is not installed (no allocation is seen).
+/// Learn the header's layout from the one allocation an `Arc<parking_lot::RwLock<Storage>>` of an empty
+/// CPU buffer makes on this thread. Nothing is learnt where the allocator is not installed.
 fn learn_storage_header() {
-    if HEADER_SIZE.load(Ordering::Relaxed) != 0 {
+    if HEADER_SIZE.load(Relaxed) != 0 {
         return;
     }
     let storage = candle_core::Storage::Cpu(candle_core::CpuStorage::F32(Vec::new()));
     PROBE.with(|p| p.set(Probe::Armed));
-    PROBING.store(true, Ordering::SeqCst);
+    PROBING.store(true, SeqCst);
     let header = std::sync::Arc::new(parking_lot::RwLock::new(storage));
-    PROBING.store(false, Ordering::SeqCst);
+    PROBING.store(false, SeqCst);
     let seen = PROBE.with(|p| p.replace(Probe::Off));
     drop(header);
     if let Probe::Seen(layout) = seen {
-        HEADER_ALIGN.store(layout.align(), Ordering::Relaxed);
-        HEADER_SIZE.store(layout.size(), Ordering::Relaxed);
+        HEADER_ALIGN.store(layout.align(), Relaxed);
+        HEADER_SIZE.store(layout.size(), Relaxed);
     }
 }
 
@@ -138,19 +109,19 @@ unsafe impl GlobalAlloc for CountingAlloc {
     }
 
     unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        if COUNTING.load(Ordering::Relaxed) {
-            FREES.fetch_add(1, Ordering::Relaxed);
+        if COUNTING.load(Relaxed) {
+            FREES.fetch_add(1, Relaxed);
         }
         // SAFETY: as `alloc`.
         unsafe { System.dealloc(ptr, layout) }
     }
 
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if COUNTING.load(Ordering::Relaxed) {
+        if COUNTING.load(Relaxed) {
             // A move to a new block: one allocation and one free.
-            ALLOCS.fetch_add(1, Ordering::Relaxed);
-            FREES.fetch_add(1, Ordering::Relaxed);
-            ALLOC_BYTES.fetch_add(new_size.saturating_sub(layout.size()) as u64, Ordering::Relaxed);
+            ALLOCS.fetch_add(1, Relaxed);
+            FREES.fetch_add(1, Relaxed);
+            ALLOC_BYTES.fetch_add(new_size.saturating_sub(layout.size()) as u64, Relaxed);
         }
         // SAFETY: as `alloc`.
         unsafe { System.realloc(ptr, layout, new_size) }
@@ -158,20 +129,18 @@ unsafe impl GlobalAlloc for CountingAlloc {
 }
 
 fn count_alloc(layout: Layout) {
-    if !INSTALLED.load(Ordering::Relaxed) {
-        INSTALLED.store(true, Ordering::Relaxed);
+    if !INSTALLED.load(Relaxed) {
+        INSTALLED.store(true, Relaxed);
     }
-    if PROBING.load(Ordering::Relaxed) {
+    if PROBING.load(Relaxed) {
         // `try_with`: a thread being torn down has no probe (and is not the one learning).
         let _ = PROBE.try_with(|p| p.set(p.get().after(layout)));
     }
-    if COUNTING.load(Ordering::Relaxed) {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        ALLOC_BYTES.fetch_add(layout.size() as u64, Ordering::Relaxed);
-        if layout.size() == HEADER_SIZE.load(Ordering::Relaxed)
-            && layout.align() == HEADER_ALIGN.load(Ordering::Relaxed)
-        {
-            BUFFERS.fetch_add(1, Ordering::Relaxed);
+    if COUNTING.load(Relaxed) {
+        ALLOCS.fetch_add(1, Relaxed);
+        ALLOC_BYTES.fetch_add(layout.size() as u64, Relaxed);
+        if layout.size() == HEADER_SIZE.load(Relaxed) && layout.align() == HEADER_ALIGN.load(Relaxed) {
+            BUFFERS.fetch_add(1, Relaxed);
         }
     }
 }
@@ -194,6 +163,7 @@ mod tests {
         // The library's tests run on the system allocator: the probe sees no allocation.
         learn_storage_header();
         assert!(!installed() && !counts_buffers());
-        assert_eq!(counts(), AllocCounts::default());
+        let c = super::super::counters::Counts::now();
+        assert_eq!((c.allocs, c.frees, c.alloc_bytes, c.buffers), (0, 0, 0, 0));
     }
 }

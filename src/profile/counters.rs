@@ -1,53 +1,71 @@
-//! The running counts a profile reads at each phase boundary, each kept by what it counts: the
-//! device's copies and host reads ([`crate::device::copies`], [`crate::device::host_reads`]), the
-//! launches of the project's kernels ([`crate::kernels::launches`]) and the counting allocator's
-//! allocations and buffers (alloc.rs). The profile only reads them.
+//! The running counts a profile reads at each phase boundary, kept by what they count: the device's
+//! copies and host reads ([`crate::device`]), the project's kernels ([`crate::kernels::launches`]) and
+//! the counting allocator (alloc.rs).
+
+use std::sync::atomic::Ordering::Relaxed;
+
+use serde::{Deserialize, Serialize};
+
+use super::alloc;
+
+/// A phase's counts: per step in a report (`f64`), running totals while recording ([`Counts`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct PhaseCounts<T = f64> {
+    /// Launches of the project's own GPU kernels.
+    pub launches: T,
+    /// New tensor buffers (ops that produced one).
+    pub buffers: T,
+    pub allocs: T,
+    pub frees: T,
+    pub alloc_bytes: T,
+    /// Host-to-device copies and their bytes.
+    pub h2d: T,
+    pub h2d_bytes: T,
+    /// Device-to-host copies and their bytes.
+    pub d2h: T,
+    pub d2h_bytes: T,
+    pub host_syncs: T,
+}
 
 /// Running counts at one instant (differences give a phase's).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub(super) struct Counts {
-    pub(super) syncs: u64,
-    pub(super) to_device: u64,
-    pub(super) to_device_bytes: u64,
-    pub(super) to_host: u64,
-    pub(super) to_host_bytes: u64,
-    pub(super) launches: u64,
-    pub(super) allocs: u64,
-    pub(super) frees: u64,
-    pub(super) alloc_bytes: u64,
-    pub(super) buffers: u64,
-}
+pub(super) type Counts = PhaseCounts<u64>;
 
 impl Counts {
     pub(super) fn now() -> Self {
-        let (copies, allocs) = (crate::device::copies(), super::alloc::counts());
+        let copies = crate::device::copies();
         Self {
-            syncs: crate::device::host_reads(),
-            to_device: copies.to_device,
-            to_device_bytes: copies.to_device_bytes,
-            to_host: copies.to_host,
-            to_host_bytes: copies.to_host_bytes,
             launches: crate::kernels::launches(),
-            allocs: allocs.allocs,
-            frees: allocs.frees,
-            alloc_bytes: allocs.bytes,
-            buffers: allocs.buffers,
+            buffers: alloc::BUFFERS.load(Relaxed),
+            allocs: alloc::ALLOCS.load(Relaxed),
+            frees: alloc::FREES.load(Relaxed),
+            alloc_bytes: alloc::ALLOC_BYTES.load(Relaxed),
+            h2d: copies.to_device,
+            h2d_bytes: copies.to_device_bytes,
+            d2h: copies.to_host,
+            d2h_bytes: copies.to_host_bytes,
+            host_syncs: crate::device::host_reads(),
         }
     }
+}
 
-    pub(super) fn zip(self, o: Self, f: impl Fn(u64, u64) -> u64) -> Self {
-        Self {
-            syncs: f(self.syncs, o.syncs),
-            to_device: f(self.to_device, o.to_device),
-            to_device_bytes: f(self.to_device_bytes, o.to_device_bytes),
-            to_host: f(self.to_host, o.to_host),
-            to_host_bytes: f(self.to_host_bytes, o.to_host_bytes),
+impl<T: Copy> PhaseCounts<T> {
+    pub(super) fn zip<U>(self, o: Self, f: impl Fn(T, T) -> U) -> PhaseCounts<U> {
+        PhaseCounts {
             launches: f(self.launches, o.launches),
+            buffers: f(self.buffers, o.buffers),
             allocs: f(self.allocs, o.allocs),
             frees: f(self.frees, o.frees),
             alloc_bytes: f(self.alloc_bytes, o.alloc_bytes),
-            buffers: f(self.buffers, o.buffers),
+            h2d: f(self.h2d, o.h2d),
+            h2d_bytes: f(self.h2d_bytes, o.h2d_bytes),
+            d2h: f(self.d2h, o.d2h),
+            d2h_bytes: f(self.d2h_bytes, o.d2h_bytes),
+            host_syncs: f(self.host_syncs, o.host_syncs),
         }
+    }
+
+    pub(super) fn map<U>(self, f: impl Fn(T) -> U) -> PhaseCounts<U> {
+        self.zip(self, |a, _| f(a))
     }
 }
 
@@ -62,7 +80,7 @@ mod tests {
         let x = crate::device::from_host(vec![1f32, 2.0], 2, &Device::Cpu).unwrap();
         crate::device::to_host::<f32>(&Tensor::cat(&[&x, &x], 0).unwrap()).unwrap();
         let d = Counts::now().zip(before, u64::wrapping_sub);
-        assert_eq!((d.syncs, d.to_device, d.to_device_bytes, d.to_host, d.to_host_bytes), (1, 1, 8, 1, 16));
+        assert_eq!((d.host_syncs, d.h2d, d.h2d_bytes, d.d2h, d.d2h_bytes), (1, 1, 8, 1, 16));
         assert_eq!(d.launches, 0, "no GPU kernel runs on the CPU");
         // Without the counting allocator installed (the library's tests), no allocation is counted.
         assert_eq!((d.allocs, d.buffers), (0, 0));

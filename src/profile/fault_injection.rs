@@ -1,27 +1,17 @@
-//! The fault-injection hook `GRPO_INJECT_OOM=<phase>[@<step>]`: entering the coarse phase it names
-//! ([`super::coarse`]; at that step, counted from 1, when one is given) fails once with the CUDA driver's
-//! out-of-memory error, on any device, so that how a run reports an allocation that fails (the phase, the
-//! memory plan's figure, the last intact checkpoint) is tested without a GPU. It is read from the
-//! environment of the `grpo` binary because the integration tests drive it there (tests/train_cli.rs
-//! runs `grpo train` with `GRPO_INJECT_OOM=backward@2`); docs/reference.md documents it. Unset, it costs
-//! one read of a `OnceLock` per coarse phase.
+//! `GRPO_INJECT_OOM=<phase>[@<step>]`: entering the coarse phase it names ([`super::coarse`]; at that
+//! step, counted from 1, when given) fails once with the CUDA driver's out-of-memory error, on any
+//! device, so that how a run reports a failed allocation is tested without a GPU (tests/train_cli.rs,
+//! docs/reference.md). Unset, it costs a `OnceLock` read per coarse phase.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::OnceLock;
 
 static STEP: AtomicU64 = AtomicU64::new(0);
 static INJECTED: AtomicBool = AtomicBool::new(false);
 
-/// Tell the fault-injection hook which step (counted from 1, as metrics.jsonl and the checkpoints count
-/// them) the run is in.
+/// Tell the hook the run's step (counted from 1, as metrics.jsonl and the checkpoints count them).
 pub fn set_step(step: u64) {
     STEP.store(step, Ordering::Relaxed);
-}
-
-/// `GRPO_INJECT_OOM=<phase>[@<step>]`: the phase (and step) at which the hook fails once, as the CUDA
-/// driver does when an allocation fails; read once.
-fn injection() -> Option<&'static (String, Option<u64>)> {
-    static SPEC: std::sync::OnceLock<Option<(String, Option<u64>)>> = std::sync::OnceLock::new();
-    SPEC.get_or_init(|| std::env::var("GRPO_INJECT_OOM").ok().and_then(|v| parse_injection(&v))).as_ref()
 }
 
 fn parse_injection(v: &str) -> Option<(String, Option<u64>)> {
@@ -33,11 +23,12 @@ fn parse_injection(v: &str) -> Option<(String, Option<u64>)> {
     (!phase.is_empty()).then(|| (phase.to_string(), step))
 }
 
-/// An out-of-memory error with the text of the CUDA driver's when `GRPO_INJECT_OOM` names the phase
-/// `name` entered now (at its step when given), the first time only: a test of how a run reports an
-/// allocation that fails, on any device.
+/// The CUDA driver's out-of-memory error, the first time the phase `name` is entered where
+/// `GRPO_INJECT_OOM` names it (and its step).
 pub(super) fn injected_oom(name: &str) -> candle_core::Result<()> {
-    let Some((phase, step)) = injection() else { return Ok(()) };
+    static SPEC: OnceLock<Option<(String, Option<u64>)>> = OnceLock::new();
+    let spec = SPEC.get_or_init(|| std::env::var("GRPO_INJECT_OOM").ok().and_then(|v| parse_injection(&v)));
+    let Some((phase, step)) = spec else { return Ok(()) };
     let due = phase == name && step.is_none_or(|s| s == STEP.load(Ordering::Relaxed));
     if due && !INJECTED.swap(true, Ordering::Relaxed) {
         return Err(candle_core::Error::Msg(

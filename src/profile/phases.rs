@@ -1,6 +1,5 @@
-//! The phases of a step: the guard of an open phase ([`phase`], [`coarse`]), the coarse phase a thread
-//! is in and the one an error left, and the phase tree a [`Profiler`] records on its thread (calls of a
-//! phase under the same parent added up), with its counts at each boundary ([`Counts`]).
+//! The phase guards ([`phase`], [`coarse`]), the coarse phase a thread is in and the one an error left,
+//! and the phase tree a [`Profiler`] records on its thread (calls under the same parent added up).
 
 use std::cell::{Cell, RefCell};
 use std::time::{Duration, Instant};
@@ -8,7 +7,7 @@ use std::time::{Duration, Instant};
 use candle_core::Device;
 
 use super::counters::Counts;
-use super::report::{PhaseCounts, PhaseReport, ProfileReport};
+use super::report::{PhaseReport, ProfileReport};
 
 thread_local! {
     static COARSE: Cell<Option<&'static str>> = const { Cell::new(None) };
@@ -17,9 +16,8 @@ thread_local! {
     static FAILED_IN: Cell<Option<&'static str>> = const { Cell::new(None) };
 }
 
-/// The coarse phase this thread is in: "forward", "backward", "log-prob head", "reference",
-/// "optimizer", "validation" or "rollouts" (the innermost one open), or `None` outside them. Kept
-/// whether or not a profile is recorded.
+/// The innermost coarse phase this thread is in ("forward", "backward", "log-prob head", "reference",
+/// "optimizer", "validation", "rollouts"), kept whether or not a profile is recorded.
 pub fn current_phase() -> Option<&'static str> {
     COARSE.with(Cell::get)
 }
@@ -27,47 +25,39 @@ pub fn current_phase() -> Option<&'static str> {
 /// The guard of an open phase: the phase closes when it drops.
 #[must_use = "a phase lasts as long as its guard"]
 pub struct Phase {
-    /// The coarse phase to restore (a coarse phase's guard).
-    restore: Option<Option<&'static str>>,
-    /// A coarse phase's name.
-    coarse: Option<&'static str>,
-    /// Whether the phase is recorded in a profile.
+    /// A coarse phase's name and the coarse phase to restore.
+    coarse: Option<(&'static str, Option<&'static str>)>,
     recorded: bool,
 }
 
-/// Open the phase `name` (closed when the guard drops). Recorded only while a [`Profiler`] runs on
-/// this thread.
+/// Open the phase `name`, recorded only while a [`Profiler`] runs on this thread.
 pub fn phase(name: &'static str) -> Phase {
     let recorded =
         ACTIVE.with(Cell::get) && RECORDER.with(|r| r.borrow_mut().as_mut().map(|r| r.enter(name)).is_some());
-    Phase { restore: None, coarse: None, recorded }
+    Phase { coarse: None, recorded }
 }
 
-/// Open the phase `name` and make it the thread's coarse phase ([`current_phase`]) until the guard
-/// drops. An error when `GRPO_INJECT_OOM` names this phase (and step): the fault-injection hook of
-/// [`super::fault_injection`].
+/// Open the phase `name` as the thread's coarse phase ([`current_phase`]). An error when
+/// `GRPO_INJECT_OOM` names it ([`super::fault_injection`]).
 pub fn coarse(name: &'static str) -> candle_core::Result<Phase> {
     FAILED_IN.with(|f| f.set(None));
-    let restore = COARSE.with(|c| c.replace(Some(name)));
+    let previous = COARSE.with(|c| c.replace(Some(name)));
     let mut p = phase(name);
-    p.restore = Some(restore);
-    p.coarse = Some(name);
+    p.coarse = Some((name, previous));
     super::fault_injection::injected_oom(name)?;
     Ok(p)
 }
 
 impl Phase {
-    /// Close a coarse phase that ended normally (dropping the guard without it marks the phase as the
-    /// one an error left: [`failed_phase`]).
+    /// Close a coarse phase that ended normally (a guard dropped without it marks [`failed_phase`]).
     pub fn end(self) {
         drop(self);
         FAILED_IN.with(|f| f.set(None));
     }
 }
 
-/// The innermost coarse phase that the last error unwound through: the phase whose guard was dropped
-/// without [`Phase::end`] since a coarse phase was last entered (read once the error surfaces, when the
-/// guards are gone and [`current_phase`] no longer names it).
+/// The innermost coarse phase the last error unwound through: dropped without [`Phase::end`] since a
+/// coarse phase was last entered (read once the error surfaces and the guards are gone).
 pub fn failed_phase() -> Option<&'static str> {
     FAILED_IN.with(Cell::get)
 }
@@ -75,23 +65,17 @@ pub fn failed_phase() -> Option<&'static str> {
 impl Drop for Phase {
     fn drop(&mut self) {
         if self.recorded {
-            RECORDER.with(|r| {
-                if let Some(r) = r.borrow_mut().as_mut() {
-                    r.exit();
-                }
-            });
+            RECORDER.with(|r| r.borrow_mut().as_mut().map(Recorder::exit));
         }
-        if let Some(previous) = self.restore {
+        if let Some((name, previous)) = self.coarse {
             COARSE.with(|c| c.set(previous));
-        }
-        if let Some(name) = self.coarse {
             FAILED_IN.with(|f| f.set(f.get().or(Some(name))));
         }
     }
 }
 
 /// One phase of the tree, its calls summed.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 struct Node {
     name: &'static str,
     children: Vec<usize>,
@@ -100,54 +84,46 @@ struct Node {
     counts: Counts,
 }
 
+/// The child `name` of `nodes[parent]`, added where it is not there yet.
+fn child(nodes: &mut Vec<Node>, parent: usize, name: &'static str) -> usize {
+    if let Some(&c) = nodes[parent].children.iter().find(|&&c| nodes[c].name == name) {
+        return c;
+    }
+    nodes.push(Node { name, ..Node::default() });
+    let id = nodes.len() - 1;
+    nodes[parent].children.push(id);
+    id
+}
+
 /// The phases recorded so far and those open now.
 struct Recorder {
     device: Device,
     nodes: Vec<Node>,
     /// Open phases: node, start time, counts at the start.
     open: Vec<(usize, Instant, Counts)>,
-    /// A synchronisation failed (the time of the phase is then not that of its device work).
-    sync_failed: bool,
 }
 
 impl Recorder {
-    fn new(device: Device, root: &'static str) -> Self {
-        let root =
-            Node { name: root, children: Vec::new(), calls: 0, total: Duration::ZERO, counts: Counts::default() };
-        let mut r = Self { device, nodes: vec![root], open: Vec::new(), sync_failed: false };
+    fn new(device: Device) -> Self {
+        let mut r = Self { device, nodes: vec![Node { name: "step", ..Node::default() }], open: Vec::new() };
         r.open_node(0);
         r
     }
 
-    fn sync(&mut self) {
-        self.sync_failed |= self.device.synchronize().is_err();
-    }
-
     fn open_node(&mut self, node: usize) {
-        self.sync();
+        // A failed synchronisation only makes the phase's time not that of its device work.
+        let _ = self.device.synchronize();
         self.open.push((node, Instant::now(), Counts::now()));
     }
 
     fn enter(&mut self, name: &'static str) {
         let parent = self.open.last().map_or(0, |o| o.0);
-        let found = self.nodes[parent].children.iter().copied().find(|&c| self.nodes[c].name == name);
-        let node = found.unwrap_or_else(|| {
-            self.nodes.push(Node {
-                name,
-                children: Vec::new(),
-                calls: 0,
-                total: Duration::ZERO,
-                counts: Counts::default(),
-            });
-            let id = self.nodes.len() - 1;
-            self.nodes[parent].children.push(id);
-            id
-        });
+        let node = child(&mut self.nodes, parent, name);
         self.open_node(node);
     }
 
     fn exit(&mut self) {
-        self.sync();
+        let _ = self.device.synchronize();
         let Some((node, start, before)) = self.open.pop() else { return };
         let n = &mut self.nodes[node];
         n.calls += 1;
@@ -156,14 +132,13 @@ impl Recorder {
     }
 }
 
-/// A profile being recorded on this thread, from [`Profiler::start`] to [`Profiler::finish`]: the
-/// time between is the profiled step, its root phase.
+/// A profile being recorded on this thread, from [`Profiler::start`] to [`Profiler::finish`] (the
+/// profiled step, its root phase).
 pub struct Profiler {
     /// Allocation counting was off before (only the outermost profiler turns it off again).
     counting_was_off: bool,
 }
 
-/// Errors of the profiler.
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     #[error("a profile is already being recorded on this thread")]
@@ -177,12 +152,11 @@ impl Profiler {
             return Err(ProfileError::AlreadyRunning);
         }
         let counting_was_off = super::alloc::start_counting();
-        RECORDER.with(|r| *r.borrow_mut() = Some(Recorder::new(device.clone(), "step")));
+        RECORDER.with(|r| *r.borrow_mut() = Some(Recorder::new(device.clone())));
         ACTIVE.with(|a| a.set(true));
         Ok(Self { counting_was_off })
     }
 
-    /// Stop recording: the step's profile.
     pub fn finish(self) -> Profile {
         let mut recorder = RECORDER.with(|r| r.borrow_mut().take()).expect("a running profiler has a recorder");
         // Phases left open (an error unwound through them) close now.
@@ -212,50 +186,34 @@ pub struct Profile {
 }
 
 impl Profile {
-    /// Add another step's profile (the report then gives the mean step). Phases are matched by their
-    /// path from the root.
+    /// Add another step's profile (the report then gives the mean step), phases matched by their path.
     pub fn merge(&mut self, other: &Profile) {
         self.steps += other.steps;
         self.merge_node(0, other, 0);
     }
 
     fn merge_node(&mut self, mine: usize, other: &Profile, theirs: usize) {
-        let o = &other.nodes[theirs];
-        let n = &mut self.nodes[mine];
+        let (n, o) = (&mut self.nodes[mine], &other.nodes[theirs]);
         n.calls += o.calls;
         n.total += o.total;
         n.counts = n.counts.zip(o.counts, u64::wrapping_add);
         for &oc in &o.children {
-            let name = other.nodes[oc].name;
-            let found = self.nodes[mine].children.iter().copied().find(|&c| self.nodes[c].name == name);
-            let child = found.unwrap_or_else(|| {
-                self.nodes.push(Node {
-                    calls: 0,
-                    total: Duration::ZERO,
-                    counts: Counts::default(),
-                    children: vec![],
-                    ..other.nodes[oc].clone()
-                });
-                let id = self.nodes.len() - 1;
-                self.nodes[mine].children.push(id);
-                id
-            });
-            self.merge_node(child, other, oc);
+            let c = child(&mut self.nodes, mine, other.nodes[oc].name);
+            self.merge_node(c, other, oc);
         }
     }
 
-    /// The profile as the mean step: each phase with its self and total figures, in tree order (each
-    /// phase after its parent), and the step's time outside every phase as "other".
+    /// The profile as the mean step: its phases in tree order (each after its parent), and the step's
+    /// time outside every phase as "other".
     pub fn report(&self) -> ProfileReport {
         let steps = self.steps.max(1) as f64;
         let mut phases = Vec::new();
         self.report_node(0, 0, "", steps, &mut phases);
         let root = phases.remove(0);
-        let step_s = root.total_s;
         ProfileReport {
             device: self.device.clone(),
             steps: self.steps,
-            step_s,
+            step_s: root.total_s,
             other_s: root.self_s,
             other: root.self_counts,
             phases,
@@ -265,17 +223,16 @@ impl Profile {
 
     fn report_node(&self, id: usize, depth: usize, parent: &str, steps: f64, out: &mut Vec<PhaseReport>) {
         let n = &self.nodes[id];
-        let (mut child_time, mut child_counts) = (Duration::ZERO, Counts::default());
-        for &c in &n.children {
-            child_time += self.nodes[c].total;
-            child_counts = child_counts.zip(self.nodes[c].counts, u64::wrapping_add);
-        }
+        let children = n.children.iter().map(|&c| &self.nodes[c]);
+        let child_time: Duration = children.clone().map(|c| c.total).sum();
+        let child_counts = children.fold(Counts::default(), |a, c| a.zip(c.counts, u64::wrapping_add));
         // The step's phases are named from it down: `forward/attention`.
-        let path = match (depth, parent.is_empty()) {
-            (0, _) => String::new(),
-            (_, true) => n.name.to_string(),
-            (_, false) => format!("{parent}/{}", n.name),
+        let path = match depth {
+            0 => String::new(),
+            _ if parent.is_empty() => n.name.to_string(),
+            _ => format!("{parent}/{}", n.name),
         };
+        let per_step = |c: Counts| c.map(|v| v as f64 / steps);
         out.push(PhaseReport {
             path: path.clone(),
             name: n.name.to_string(),
@@ -283,8 +240,8 @@ impl Profile {
             calls: n.calls as f64 / steps,
             self_s: n.total.saturating_sub(child_time).as_secs_f64() / steps,
             total_s: n.total.as_secs_f64() / steps,
-            self_counts: PhaseCounts::per_step(n.counts.zip(child_counts, u64::saturating_sub), steps),
-            total_counts: PhaseCounts::per_step(n.counts, steps),
+            self_counts: per_step(n.counts.zip(child_counts, u64::saturating_sub)),
+            total_counts: per_step(n.counts),
         });
         for &c in &n.children {
             self.report_node(c, depth + 1, &path, steps, out);
@@ -324,10 +281,11 @@ mod tests {
     #[test]
     fn phases_nest_and_self_times_add_up_to_the_step() {
         let r = profiled_step().report();
-        let paths: Vec<&str> = r.phases.iter().map(|p| p.path.as_str()).collect();
-        assert_eq!(paths, ["forward", "forward/attention", "forward/attention/norm"]);
-        let (forward, attention, norm) =
-            (find(&r, "forward"), find(&r, "forward/attention"), find(&r, "forward/attention/norm"));
+        let [forward, attention, norm] = &r.phases[..] else { panic!("three phases: {r:?}") };
+        assert_eq!(
+            [&forward.path, &attention.path, &norm.path],
+            ["forward", "forward/attention", "forward/attention/norm"]
+        );
         assert_eq!((forward.calls, attention.calls, norm.calls), (1.0, 3.0, 3.0));
         assert_eq!((forward.depth, attention.depth, norm.depth), (1, 2, 3));
         assert!(norm.total_s >= 0.003 && attention.total_s >= 0.009, "{r:?}");
@@ -336,8 +294,7 @@ mod tests {
         assert!(r.other_s >= 0.001, "{r:?}");
         let sum = r.phases.iter().map(|p| p.self_s).sum::<f64>() + r.other_s;
         assert!((sum - r.step_s).abs() < 1e-9, "{sum} vs {}", r.step_s);
-        // The read of three f32 is a host sync and a device-to-host copy of 12 bytes, in the forward's
-        // own time.
+        // The read of three f32: a host sync and a device-to-host copy of 12 bytes, in the forward's own.
         assert_eq!((forward.self_counts.host_syncs, forward.self_counts.d2h_bytes), (1.0, 12.0));
         assert_eq!((attention.total_counts.host_syncs, r.other.host_syncs), (0.0, 0.0));
         let table = r.table();
